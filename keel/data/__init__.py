@@ -1,0 +1,24 @@
+"""Data pipeline: sources -> tokenizer + token shards (``keel prepare``) -> training batches.
+
+* :func:`prepare_dataset` builds a dataset directory (``tokenizer.json``, ``train.bin``,
+  ``val.bin``, ``meta.json``) from a source string, with caching.
+* :class:`TokenLoader` and :func:`validation_tokens` read it back as ``int64`` tensors.
+* :func:`iter_documents`, :func:`write_shard`/:func:`read_shard`, :func:`load_tokenizer` and
+  :func:`read_meta` are the building blocks.
+"""
+
+from keel.data.loader import TokenLoader, load_tokenizer, read_meta, validation_tokens
+from keel.data.prepare import prepare_dataset
+from keel.data.shards import read_shard, write_shard
+from keel.data.sources import iter_documents
+
+__all__ = [
+    "prepare_dataset",
+    "TokenLoader",
+    "validation_tokens",
+    "load_tokenizer",
+    "read_meta",
+    "write_shard",
+    "read_shard",
+    "iter_documents",
+]

@@ -1,0 +1,197 @@
+"""Reading a prepared dataset: token windows for training, fixed windows for validation.
+
+A *window* is ``seq_len + 1`` consecutive tokens of a shard; inputs are ``window[:-1]``
+and targets ``window[1:]``. Training windows start at multiples of ``seq_len`` (so
+neighbours share exactly one token) and are visited in a seeded random order per epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from keel.data.prepare import FORMAT_VERSION
+from keel.data.shards import read_shard
+from keel.errors import KeelError
+
+SPLITS = ("train", "val")
+
+
+def read_meta(data_dir: str | os.PathLike) -> dict:
+    """The ``meta.json`` of a prepared dataset directory, as a dict.
+
+    Raises :class:`KeelError` ("not a prepared dataset: DIR (run `keel prepare` first)") if
+    ``data_dir`` has no readable ``meta.json``, or if its format version is unsupported.
+    """
+    path = Path(data_dir) / "meta.json"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise KeelError(f"not a prepared dataset: {data_dir} (run `keel prepare` first)") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        raise KeelError(
+            f"unsupported dataset format {version!r} in {data_dir} "
+            f"(expected {FORMAT_VERSION}; run `keel prepare` again)"
+        )
+    return meta
+
+
+def load_tokenizer(data_dir: str | os.PathLike) -> Tokenizer:
+    """The ``tokenizers.Tokenizer`` saved in a prepared dataset (its EOS id is ``read_meta(d)["eos_id"]``).
+
+    Raises :class:`KeelError` if ``data_dir`` is not a prepared dataset.
+    """
+    read_meta(data_dir)
+    path = Path(data_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise KeelError(f"not a prepared dataset: {data_dir} (no tokenizer.json; run `keel prepare` first)")
+    return Tokenizer.from_file(str(path))
+
+
+def _open_split(data_dir, split: str) -> np.ndarray:
+    if split not in SPLITS:
+        raise KeelError(f"unknown split {split!r} (expected one of {', '.join(SPLITS)})")
+    read_meta(data_dir)
+    return read_shard(Path(data_dir) / f"{split}.bin")
+
+
+class TokenLoader:
+    """Endless, resumable batches of training windows from one split of a prepared dataset.
+
+    Each call of :meth:`next_batch` (or ``next(loader)``) returns a ``torch.int64`` tensor
+    of shape ``[batch_size, seq_len + 1]``: rows are windows ``tokens[s : s + seq_len + 1]``
+    with ``s`` in ``range(0, n_tokens - seq_len, seq_len)``.
+
+    Order: epoch ``e`` is the permutation ``numpy.random.default_rng((seed, e))`` of all
+    window starts. Rank ``r`` of ``world_size`` takes ``perm[r::world_size]``, cut to the
+    same length on every rank, so ranks never share a window within an epoch and all ranks
+    run the same number of batches (``batches_per_epoch``). Windows left over after the last
+    full batch of an epoch are skipped in that epoch. The position is the same on all ranks,
+    so one rank's :meth:`state_dict` can resume every rank.
+
+    Raises :class:`KeelError` if ``data_dir`` is not a prepared dataset, ``split`` is not
+    ``train``/``val``, the sizes are not positive, ``rank`` is not in ``[0, world_size)``,
+    or the split holds fewer than ``batch_size * world_size`` windows ("corpus too small").
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        split: str = "train",
+        *,
+        batch_size: int,
+        seq_len: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        if batch_size < 1 or seq_len < 1 or world_size < 1:
+            raise KeelError(
+                f"batch_size, seq_len and world_size must be >= 1, got {batch_size}, {seq_len}, {world_size}"
+            )
+        if not 0 <= rank < world_size:
+            raise KeelError(f"rank must be in [0, {world_size}), got {rank}")
+        self.data_dir = Path(data_dir)
+        self.split = split
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self.rank, self.world_size = rank, world_size
+        self.tokens = _open_split(data_dir, split)
+        self.n_tokens = len(self.tokens)
+        self.n_windows = max(0, (self.n_tokens - 1) // seq_len)
+        self.windows_per_rank = self.n_windows // world_size
+        self.batches_per_epoch = self.windows_per_rank // batch_size
+        if self.batches_per_epoch == 0:
+            need = batch_size * world_size * seq_len + 1
+            extra = f" world_size={world_size}" if world_size > 1 else ""
+            raise KeelError(
+                f"corpus too small: {self.n_tokens} tokens in split '{split}', need at least {need} "
+                f"for batch_size={batch_size} seq_len={seq_len}{extra}"
+            )
+        self._offsets = np.arange(seq_len + 1)
+        self.epoch = 0
+        self.position = 0  # batches already taken in this epoch
+        self._starts_epoch = -1
+        self._starts = np.empty(0, dtype=np.int64)
+
+    def _rank_starts(self, epoch: int) -> np.ndarray:
+        """Window start offsets of this rank in ``epoch``, in visiting order."""
+        if epoch != self._starts_epoch:
+            perm = np.random.default_rng((self.seed, epoch)).permutation(self.n_windows)
+            mine = perm[self.rank :: self.world_size][: self.windows_per_rank]
+            self._starts, self._starts_epoch = mine * self.seq_len, epoch
+        return self._starts
+
+    def next_batch(self) -> torch.Tensor:
+        """The next ``int64`` batch, shape ``[batch_size, seq_len + 1]``; rolls over into the next epoch."""
+        if self.position >= self.batches_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+        b = self.batch_size
+        starts = self._rank_starts(self.epoch)[self.position * b : (self.position + 1) * b]
+        self.position += 1
+        windows = self.tokens[starts[:, None] + self._offsets]
+        return torch.from_numpy(windows.astype(np.int64))
+
+    def __iter__(self) -> TokenLoader:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        return self.next_batch()
+
+    def state_dict(self) -> dict:
+        """Plain ``int``/``str`` values (safe for ``torch.load(weights_only=True)``)."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "world_size": self.world_size,
+            "n_tokens": self.n_tokens,
+            "split": self.split,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`: the following batches equal an uninterrupted run's.
+
+        Raises :class:`KeelError` if the state was saved with a different seed, batch size,
+        sequence length, world size, split or dataset size.
+        """
+        for key in ("seed", "batch_size", "seq_len", "world_size", "n_tokens", "split"):
+            if key in state and state[key] != getattr(self, key):
+                raise KeelError(
+                    f"cannot resume the data loader: saved {key}={state[key]!r}, now {key}={getattr(self, key)!r}"
+                )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def validation_tokens(data_dir: str | os.PathLike, seq_len: int, max_tokens: int | None = None) -> torch.Tensor:
+    """A fixed validation set: the first windows of ``val.bin``, as ``int64 [N, seq_len + 1]``.
+
+    Row ``i`` is ``val[i * seq_len : i * seq_len + seq_len + 1]`` (rows share one token, like
+    training windows). ``N`` is the number of whole windows in ``val.bin``, capped at
+    ``max_tokens // seq_len`` (at most ``max_tokens`` predicted tokens, but at least one
+    window); ``max_tokens=None`` means all windows.
+
+    Raises :class:`KeelError` if ``val.bin`` holds fewer than ``seq_len + 1`` tokens or
+    ``data_dir`` is not a prepared dataset.
+    """
+    if seq_len < 1:
+        raise KeelError(f"seq_len must be >= 1, got {seq_len}")
+    tokens = _open_split(data_dir, "val")
+    n_windows = max(0, (len(tokens) - 1) // seq_len)
+    if n_windows == 0:
+        raise KeelError(
+            f"validation split too small: {len(tokens)} tokens in {data_dir}/val.bin, need at least "
+            f"{seq_len + 1} for seq_len={seq_len} (use more data or a larger val_fraction)"
+        )
+    if max_tokens is not None:
+        n_windows = min(n_windows, max(1, max_tokens // seq_len))
+    starts = np.arange(n_windows) * seq_len
+    windows = tokens[starts[:, None] + np.arange(seq_len + 1)]
+    return torch.from_numpy(windows.astype(np.int64))

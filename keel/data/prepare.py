@@ -1,0 +1,439 @@
+"""``keel prepare``: documents -> tokenizer + ``train.bin``/``val.bin`` shards + ``meta.json``.
+
+A prepared dataset directory holds::
+
+    tokenizer.json   a `tokenizers` tokenizer (trained here for ``bpe:N``)
+    train.bin        token shard of the training documents (see keel.data.shards)
+    val.bin          token shard of the validation documents
+    meta.json        what was built from what (see prepare_dataset)
+
+Every document is followed by the end-of-text token, so the number of EOS tokens in the
+two shards equals the number of documents. The directory is built under a temporary name
+and renamed into place at the end, so an interrupted run leaves nothing behind; a second
+run with the same inputs finds ``meta.json`` and returns at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from keel.data.shards import ShardWriter
+from keel.data.sources import SourceStats, check_hub_reachable, iter_documents
+from keel.errors import KeelError
+
+FORMAT_VERSION = 1
+EOS_TOKEN = "<|endoftext|>"
+ENCODE_BATCH_DOCS = 256
+# The inputs that decide a dataset's content; meta.json must match them for a cache hit.
+CACHE_KEYS = ("source", "tokenizer", "val_fraction", "max_bytes", "max_docs", "seed", "text_field")
+
+log = logging.getLogger(__name__)
+
+
+def prepare_dataset(
+    source: str,
+    tokenizer: str = "bpe:8192",
+    out: str | os.PathLike | None = None,
+    *,
+    val_fraction: float = 0.01,
+    max_bytes: int | None = None,
+    max_docs: int | None = None,
+    text_field: str = "text",
+    seed: int = 0,
+    cache_dir: str | os.PathLike = "data",
+    progress: bool = True,
+) -> Path:
+    """Tokenize ``source`` into a prepared dataset directory and return its path.
+
+    Args:
+        source: ``builtin:python-stdlib``, ``hf:NAME[:CONFIG]`` or a local file/folder
+            (see :func:`keel.data.sources.iter_documents`).
+        tokenizer: ``bpe:N`` to train a byte-level BPE with ``N`` tokens (at least 257,
+            including ``<|endoftext|>``) on the train split; or a path to a
+            ``tokenizer.json`` (or a folder holding one); or a Hugging Face tokenizer name
+            such as ``gpt2`` (needs the hub). The end-of-text token is ``<|endoftext|>`` if
+            the vocabulary has it, else the ``eos_token`` of an adjacent
+            ``tokenizer_config.json``.
+        out: output directory; default ``{cache_dir}/{slug}``, e.g.
+            ``data/python-stdlib-bpe8192-1a2b3c4d`` (slug = source, tokenizer and a hash
+            of all inputs).
+        val_fraction: expected fraction of documents (not tokens) put in ``val.bin``,
+            ``0 < val_fraction < 1``. The split is a deterministic function of the document
+            index and ``seed``; with 2 or more documents each split gets at least one.
+        max_bytes: stop reading after the document that brings the UTF-8 text to this many
+            bytes (``None`` or ``0``: no limit).
+        max_docs: stop after this many documents (``None`` or ``0``: no limit).
+        text_field: the text field of ``.jsonl``/``.json``/``.parquet``/``hf:`` records.
+        seed: seed of the train/val split.
+        cache_dir: parent of the default ``out``.
+        progress: show progress bars on stderr.
+
+    ``meta.json`` records ``format_version, source, tokenizer, tokenizer_sha256, vocab_size,
+    eos_id, dtype, n_docs_train, n_docs_val, train_tokens, val_tokens, bytes_train,
+    bytes_val, docs_with_replacement_chars, val_fraction, max_bytes, max_docs, seed,
+    text_field, created``. Byte counts are UTF-8 bytes of document text; token counts
+    include one EOS per document. Local paths are recorded as absolute paths.
+
+    If ``out/meta.json`` exists and records the same inputs, nothing is read and ``out`` is
+    returned (a changed local corpus is *not* detected: delete the directory to rebuild).
+    Otherwise the dataset is built in ``out.tmp-<pid>`` and renamed to ``out``, replacing
+    an older prepared dataset there.
+
+    Raises :class:`KeelError` for bad options, any source or tokenizer problem, an empty
+    corpus, or an ``out`` that exists and is not a prepared dataset.
+    """
+    inputs = _canonical_inputs(source, tokenizer, val_fraction, max_bytes, max_docs, text_field, seed)
+    out = Path(out) if out is not None else Path(cache_dir) / dataset_slug(inputs)
+    if _cache_matches(out, inputs):
+        log.info("reusing cached dataset %s", out)
+        return out
+    if out.is_file() or (out.is_dir() and not (out / "meta.json").is_file() and any(out.iterdir())):
+        raise KeelError(f"refusing to overwrite {out}: it exists and is not a prepared dataset")
+
+    tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    parent_existed = out.parent.exists()
+    tmp.mkdir(parents=True)
+    try:
+        meta = _build(tmp, inputs, progress)
+        _move_into_place(tmp, out, inputs)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not parent_existed and not any(out.parent.iterdir()):
+            out.parent.rmdir()  # leave no empty cache folder behind either
+        raise
+    log.info(
+        "prepared %s: %d+%d docs, %d train / %d val tokens",
+        out,
+        meta["n_docs_train"],
+        meta["n_docs_val"],
+        meta["train_tokens"],
+        meta["val_tokens"],
+    )
+    return out
+
+
+def dataset_slug(inputs: dict) -> str:
+    """Directory name for canonical ``inputs``: ``{source}-{tokenizer}-{8 hex of a hash of all inputs}``."""
+    source, tok = inputs["source"], inputs["tokenizer"]
+    if source.startswith("builtin:"):
+        src = source[len("builtin:") :]
+    elif source.startswith("hf:"):
+        src = source[len("hf:") :].split("/")[-1]
+    else:
+        src = Path(source).stem
+    if tok.startswith("bpe:"):
+        tk = tok.replace(":", "")
+    elif tok.endswith("tokenizer.json"):
+        tk = Path(tok).parent.name
+    else:
+        tk = Path(tok).stem if tok.endswith(".json") else tok.split("/")[-1]
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:8]
+    return "-".join(_safe_name(s) for s in (src, tk) if _safe_name(s)) + f"-{digest}"
+
+
+def _safe_name(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", s).strip("-.")[:40]
+
+
+def _canonical_inputs(source, tokenizer, val_fraction, max_bytes, max_docs, text_field, seed) -> dict:
+    """Validate the options; local paths become absolute, 0 limits become None."""
+    if not isinstance(source, str) or not source:
+        raise KeelError("data source must be a non-empty string")
+    if not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 1.0:
+        raise KeelError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    for name, value in (("max_bytes", max_bytes), ("max_docs", max_docs)):
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise KeelError(f"{name} must be a non-negative integer, got {value!r}")
+    _parse_bpe(tokenizer)  # validate bpe:N early
+    if os.path.exists(source):
+        source = str(Path(source).resolve())
+    if not tokenizer.startswith("bpe:") and os.path.exists(os.path.expanduser(tokenizer)):
+        tokenizer = str(Path(tokenizer).expanduser().resolve())
+    return {
+        "source": source,
+        "tokenizer": tokenizer,
+        "val_fraction": float(val_fraction),
+        "max_bytes": max_bytes or None,
+        "max_docs": max_docs or None,
+        "seed": int(seed),
+        "text_field": text_field,
+    }
+
+
+def _cache_matches(out: Path, inputs: dict) -> bool:
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    files_ok = all((out / name).is_file() for name in ("tokenizer.json", "train.bin", "val.bin"))
+    same_inputs = all(meta.get(k) == inputs[k] for k in CACHE_KEYS)
+    return files_ok and same_inputs and meta.get("format_version") == FORMAT_VERSION
+
+
+def _move_into_place(tmp: Path, out: Path, inputs: dict) -> None:
+    try:
+        os.rename(tmp, out)  # atomic; also replaces an empty directory on POSIX
+        return
+    except OSError:
+        if not out.exists():
+            raise
+    if _cache_matches(out, inputs):  # a concurrent prepare of the same inputs finished first
+        shutil.rmtree(tmp)
+        return
+    old = out.parent / f"{out.name}.old-{os.getpid()}"
+    os.rename(out, old)
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _build(tmp: Path, inputs: dict, progress: bool) -> dict:
+    """Write tokenizer.json, train.bin, val.bin and meta.json into ``tmp``; returns the meta dict."""
+    bpe_size = _parse_bpe(inputs["tokenizer"])
+    tok, eos_id = (None, None) if bpe_size else _load_existing_tokenizer(inputs["tokenizer"], tmp / "tokenizer.json")
+
+    stats = SourceStats()
+    train, val = _Spill(tmp / "train.docs", spare_is_lowest=True), _Spill(tmp / "val.docs", spare_is_lowest=False)
+    docs = iter_documents(
+        inputs["source"],
+        max_bytes=inputs["max_bytes"],
+        max_docs=inputs["max_docs"],
+        text_field=inputs["text_field"],
+        stats=stats,
+    )
+    # Source errors (missing path, unknown scheme, offline hub) surface on the first next():
+    # take it before a progress bar is drawn, so the user sees one error line only.
+    first = next(docs, None)
+    docs = itertools.chain([first] if first is not None else [], docs)
+    for i, text in enumerate(_progress(docs, None, "reading documents", "doc", progress)):
+        score = _split_score(i, inputs["seed"])
+        (val if score < inputs["val_fraction"] else train).add(text, score)
+    if stats.n_docs == 0:
+        raise KeelError(f"empty corpus: {inputs['source']} has no documents with non-whitespace text")
+    if train.n_docs == 0:
+        train.add(val.give_spare())
+    if val.n_docs == 0 and train.n_docs >= 2:
+        val.add(train.give_spare())
+    train.close()
+    val.close()
+
+    if bpe_size:
+        tok = _train_bpe(train, bpe_size, progress)
+        tok.save(str(tmp / "tokenizer.json"))
+        eos_id = tok.token_to_id(EOS_TOKEN)
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    # Text that happens to spell "<|endoftext|>" is encoded as plain text, so the shards hold
+    # exactly one EOS per document. (Set after saving: tokenizer.json keeps the default.)
+    tok.encode_special_tokens = True
+
+    n_tokens = {}
+    for name, spill in (("train", train), ("val", val)):
+        n_tokens[name] = _encode_split(tok, eos_id, spill, tmp / f"{name}.bin", vocab_size, progress)
+        spill.path.unlink()
+
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "source": inputs["source"],
+        "tokenizer": inputs["tokenizer"],
+        "tokenizer_sha256": hashlib.sha256((tmp / "tokenizer.json").read_bytes()).hexdigest(),
+        "vocab_size": vocab_size,
+        "eos_id": eos_id,
+        "dtype": "uint16" if vocab_size <= 65535 else "uint32",
+        "n_docs_train": train.n_docs,
+        "n_docs_val": val.n_docs,
+        "train_tokens": n_tokens["train"],
+        "val_tokens": n_tokens["val"],
+        "bytes_train": train.n_bytes,
+        "bytes_val": val.n_bytes,
+        "docs_with_replacement_chars": stats.docs_with_replacement_chars,
+        "val_fraction": inputs["val_fraction"],
+        "max_bytes": inputs["max_bytes"],
+        "max_docs": inputs["max_docs"],
+        "seed": inputs["seed"],
+        "text_field": inputs["text_field"],
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def _split_score(index: int, seed: int) -> float:
+    """A seeded hash of a document index as a number in [0, 1); the document goes to val iff < val_fraction."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64
+
+
+class _Spill:
+    """The documents of one split, kept on disk (one JSON string per line) between passes.
+
+    It remembers a *spare*: the document whose split score is closest to the other split
+    (lowest score for train, highest for val), which :meth:`give_spare` hands over when the
+    other split would otherwise be empty.
+    """
+
+    def __init__(self, path: Path, spare_is_lowest: bool):
+        self.path = path
+        self.n_docs = 0
+        self.n_bytes = 0
+        self._file = open(path, "wb")
+        self._n_written = 0
+        self._spare_is_lowest = spare_is_lowest
+        self._spare: tuple[float, int, str] | None = None  # (score, line index, text)
+        self._skip = -1  # line index of a document given away
+
+    def add(self, text: str, score: float = 0.0) -> None:
+        if self._spare is None or (score < self._spare[0]) == self._spare_is_lowest:
+            self._spare = (score, self._n_written, text)
+        self._file.write(json.dumps(text).encode("ascii") + b"\n")
+        self._n_written += 1
+        self.n_docs += 1
+        self.n_bytes += len(text.encode("utf-8"))
+
+    def give_spare(self) -> str:
+        """Remove the spare document from this split (at most once) and return its text."""
+        _, self._skip, text = self._spare
+        self.n_docs -= 1
+        self.n_bytes -= len(text.encode("utf-8"))
+        return text
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __iter__(self):
+        with open(self.path, "rb") as f:
+            for i, line in enumerate(f):
+                if i != self._skip:
+                    yield json.loads(line)
+
+
+def _parse_bpe(spec: str) -> int | None:
+    """``"bpe:N"`` -> ``N`` (validated); ``None`` for any other tokenizer spec."""
+    if not isinstance(spec, str) or not spec:
+        raise KeelError("tokenizer must be a non-empty string")
+    if not spec.startswith("bpe:"):
+        return None
+    try:
+        size = int(spec[len("bpe:") :])
+    except ValueError:
+        raise KeelError(f"bad tokenizer spec {spec!r} (expected bpe:N with an integer N, e.g. bpe:8192)") from None
+    if not 257 <= size <= 2**31 - 1:
+        raise KeelError(f"bad tokenizer spec {spec!r}: N must be at least 257 (256 bytes + <|endoftext|>)")
+    return size
+
+
+def _train_bpe(train: _Spill, vocab_size: int, progress: bool) -> Tokenizer:
+    """Byte-level BPE (GPT-2 style pre-tokenization) trained on the documents of ``train``."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=progress,
+    )
+    tok.train_from_iterator(iter(train), trainer=trainer, length=train.n_docs)
+    return tok
+
+
+def _load_existing_tokenizer(spec: str, dest: Path) -> tuple[Tokenizer, int]:
+    """Load a ``tokenizer.json`` path or a Hugging Face tokenizer name, save it to ``dest``.
+
+    Returns ``(tokenizer, eos_id)``.
+    """
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    config = None
+    if path.is_file():
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:
+            raise KeelError(f"cannot read tokenizer {path}: {e}") from None
+        shutil.copyfile(path, dest)
+        config_path = path.with_name("tokenizer_config.json")
+        if config_path.is_file():
+            config = json.loads(config_path.read_text())
+    elif spec.endswith(".json") or spec.startswith((".", "/", "~")):
+        raise KeelError(f"no such tokenizer file: {path}")
+    elif re.fullmatch(r"[\w.-]+(/[\w.-]+)?", spec):
+        check_hub_reachable(f"tokenizer {spec!r}")
+        try:
+            tok = Tokenizer.from_pretrained(spec)
+        except Exception as e:
+            raise KeelError(f"cannot load tokenizer {spec!r} from the Hugging Face hub: {e}") from None
+        tok.save(str(dest))
+        config = _hub_tokenizer_config(spec)
+    else:
+        raise KeelError(
+            f"unknown tokenizer {spec!r} (expected bpe:N, a tokenizer.json path, or a Hugging Face tokenizer name)"
+        )
+    return tok, _eos_id(tok, config, spec)
+
+
+def _hub_tokenizer_config(name: str) -> dict | None:
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return json.loads(Path(hf_hub_download(name, "tokenizer_config.json")).read_text())
+    except Exception:  # optional file; its absence is reported by _eos_id if it matters
+        return None
+
+
+def _eos_id(tok: Tokenizer, config: dict | None, spec: str) -> int:
+    eos_id = tok.token_to_id(EOS_TOKEN)
+    if eos_id is not None:
+        return eos_id
+    eos = (config or {}).get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if isinstance(eos, str) and tok.token_to_id(eos) is not None:
+        return tok.token_to_id(eos)
+    raise KeelError(
+        f"tokenizer {spec!r} has no end-of-text token: no {EOS_TOKEN!r} in its vocabulary "
+        "and no eos_token in an adjacent tokenizer_config.json"
+    )
+
+
+def _encode_split(tok: Tokenizer, eos_id: int, spill: _Spill, path: Path, vocab_size: int, progress: bool) -> int:
+    """Encode the documents of ``spill`` (EOS after each) into the shard ``path``; returns its token count."""
+    encode_batch = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast: no offsets (tokenizers >= 0.21)
+    with ShardWriter(path, vocab_size) as writer:
+        docs = _progress(spill, spill.n_docs, f"encoding {path.stem}", "doc", progress)
+        for batch in _chunks(docs, ENCODE_BATCH_DOCS):
+            ids: list[int] = []
+            for encoding in encode_batch(batch, add_special_tokens=False):
+                ids += encoding.ids
+                ids.append(eos_id)
+            writer.write(np.array(ids, dtype=np.int64))
+    return writer.n_tokens
+
+
+def _chunks(iterable, size: int):
+    """Lists of up to ``size`` consecutive items of ``iterable``."""
+    it = iter(iterable)
+    while chunk := list(itertools.islice(it, size)):
+        yield chunk
+
+
+def _progress(iterable, total, desc: str, unit: str, enabled: bool):
+    """``tqdm`` on stderr when enabled and installed, else ``iterable`` unchanged."""
+    if not enabled:
+        return iterable
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)

@@ -1,0 +1,50 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from keel.config import load_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """A small real-text dataset: ~300 kB of the Python standard library, BPE with 512 tokens."""
+    from keel.data import prepare_dataset
+
+    cache = tmp_path_factory.mktemp("data")
+    return prepare_dataset("builtin:python-stdlib", "bpe:512", cache_dir=cache, max_bytes=300_000, progress=False)
+
+
+def tiny_overrides(data_dir, **train):
+    """``--set`` strings for a seconds-long run on ``data_dir``."""
+    t = dict(steps=12, lr=3e-3, warmup_steps=3, batch_size=4, seq_len=32, eval_every=4, eval_tokens=1024,
+             checkpoint_every=4, progress=False, sample_tokens=8)
+    t.update(train)
+    sets = [f"data.path={data_dir}", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
+            "model.n_kv_heads=1", "model.d_ff=64", "model.max_seq_len=64", "model.vocab_size=512"]
+    sets += [f"train.{k}={v if not isinstance(v, bool) else str(v).lower()}" for k, v in t.items()]
+    return sets
+
+
+@pytest.fixture
+def tiny_config(tiny_data):
+    def make(**train):
+        return load_config(REPO / "configs" / "demo.toml", tiny_overrides(tiny_data, **train))
+    return make
+
+
+@pytest.fixture
+def keel_cli():
+    """Run the ``keel`` console script of this environment in a subprocess."""
+    import subprocess
+
+    exe = Path(sys.executable).parent / "keel"
+
+    def run(*args, cwd=None, timeout=300):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        return subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                              timeout=timeout, env=env)
+    return run

@@ -1,0 +1,190 @@
+"""Training loop: metrics, checkpoints, exact resume, non-finite steps, the CLI."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import REPO, tiny_overrides
+from keel import KeelError
+from keel.config import TrainConfig, load_config
+from keel.data import TokenLoader
+from keel.model import Transformer
+from keel.train import TrainingStopped, train
+from keel.train.checkpoint import latest_checkpoint, load_run, load_trainer_state
+from keel.train.optim import build_optimizer, lr_at
+
+
+def metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def quiet(*a, **k):
+    pass
+
+
+def test_lr_schedule_formula():
+    cfg = TrainConfig(steps=100, lr=1e-2, min_lr=1e-7, warmup_steps=10)
+    assert lr_at(0, cfg) == pytest.approx(1e-3)
+    assert lr_at(9, cfg) == pytest.approx(1e-2)
+    # cosine: min + (max - min) * (1 + cos(pi * p)) / 2, p = (step - warmup) / (steps - warmup)
+    for step in (10, 32, 55, 99):
+        p = (step - 10) / 90
+        assert lr_at(step, cfg) == pytest.approx(1e-7 + (1e-2 - 1e-7) * 0.5 * (1 + math.cos(math.pi * p)))
+    assert lr_at(100, cfg) == pytest.approx(1e-7)
+
+
+def test_weight_decay_groups():
+    model = Transformer(load_config(REPO / "configs" / "demo.toml").model)
+    opt = build_optimizer(model, TrainConfig())
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim == 2 for p in decay["params"]) and all(p.ndim == 1 for p in no_decay["params"])
+    assert opt.defaults["betas"] == (0.9, 0.95)
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_run_directory_contents(tiny_config, tmp_path):
+    run = tmp_path / "run"
+    res = train(tiny_config(), run, log=quiet)
+    recs = metrics(run)
+    assert recs[0]["step"] == 0 and "val_loss" in recs[0]
+    steps = [r for r in recs if r["step"] > 0]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    for r in steps:
+        assert {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(r)
+        assert r["tokens"] == r["step"] * 4 * 32
+    assert [r["step"] for r in recs if "val_loss" in r] == [0, 4, 8, 12]
+    assert res.val_loss == pytest.approx(steps[-1]["val_loss"])
+    assert (run / "config.toml").is_file() and (run / "loss.png").stat().st_size > 1000
+    assert (run / "sample.txt").read_text().strip()
+    assert (run / "tokenizer.json").is_file()
+    ckpt = latest_checkpoint(run)
+    assert ckpt.name == "step_00000012"
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000008", "step_00000012"]
+    state = load_trainer_state(ckpt)  # weights_only=True
+    assert state["step"] == 12 and state["loader"]
+    # the resolved config reproduces the model
+    assert load_config(run / "config.toml").model == tiny_config().model
+
+
+def test_exact_resume_after_interruption(tiny_config, tmp_path, monkeypatch):
+    """Losses after resuming from step 8 equal the uninterrupted run's, step for step."""
+    full = tmp_path / "full"
+    train(tiny_config(), full, log=quiet)
+
+    part = tmp_path / "part"
+    calls = {"n": 0}
+    original = TokenLoader.next_batch
+
+    def crash_at_step_10(self):
+        calls["n"] += 1
+        if calls["n"] == 10:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(TokenLoader, "next_batch", crash_at_step_10)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_config(), part, log=quiet)
+    monkeypatch.setattr(TokenLoader, "next_batch", original)
+    assert latest_checkpoint(part).name == "step_00000008"
+    train(tiny_config(), part, resume=True, log=quiet)
+
+    a, b = metrics(full), metrics(part)
+    assert [r["step"] for r in b] == [r["step"] for r in a]  # no duplicated lines after resume
+    for ra, rb in zip(a, b):
+        for key in ("loss", "grad_norm", "lr", "val_loss", "tokens"):
+            assert ra.get(key) == rb.get(key), (ra["step"], key)
+    wa = load_run(full)[0].state_dict()
+    wb = load_run(part)[0].state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_model_learns(tiny_config, tmp_path):
+    run = tmp_path / "learn"
+    res = train(tiny_config(steps=60, eval_every=30, lr=1e-2, warmup_steps=5, batch_size=8), run, log=quiet)
+    assert res.first_val_loss == pytest.approx(math.log(512), abs=0.3)
+    assert res.val_loss < res.first_val_loss - 1.0
+
+
+def test_non_finite_steps_are_skipped_then_stop(tiny_config, tmp_path, monkeypatch):
+    run = tmp_path / "nan"
+    calls = {"n": 0}
+    original = Transformer.forward
+
+    def nan_after_step_5(self, ids, targets=None):
+        out = original(self, ids, targets)
+        if targets is not None and self.training:
+            calls["n"] += 1
+            if calls["n"] > 5:
+                return out * float("nan")
+        return out
+
+    monkeypatch.setattr(Transformer, "forward", nan_after_step_5)
+    cfg = tiny_config(steps=20, max_bad_steps=3, checkpoint_every=4)
+    with pytest.raises(TrainingStopped, match="3 non-finite steps in a row"):
+        train(cfg, run, log=quiet)
+    recs = [r for r in metrics(run) if r["step"] > 0]
+    assert [r["step"] for r in recs if r.get("skipped")] == [6, 7, 8]
+    # step 8's checkpoint was never written: the last good one (step 4) is intact and finite
+    assert latest_checkpoint(run).name == "step_00000004"
+    model = load_run(run)[0]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_run_dir_in_use_is_refused(tiny_config, tmp_path):
+    run = tmp_path / "r"
+    train(tiny_config(steps=2, eval_every=2, checkpoint_every=2), run, log=quiet)
+    with pytest.raises(KeelError, match="already holds a run"):
+        train(tiny_config(steps=2), run, log=quiet)
+
+
+def test_cli_train_generate_and_errors(keel_cli, tiny_data, tmp_path):
+    run = tmp_path / "cli-run"
+    sets = [a for s in tiny_overrides(tiny_data, steps=4, eval_every=2, checkpoint_every=2) for a in ("--set", s)]
+    r = keel_cli("train", "--run-dir", run, *sets)
+    assert r.returncode == 0, r.stderr
+    assert f"run: {run}" in r.stdout and "validation loss at step 4" in r.stdout and "sample:" in r.stdout
+
+    r = keel_cli("generate", "--run", run, "--prompt", "import os", "--max-new-tokens", "5", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("import os")
+
+    # resume with more steps
+    r = keel_cli("train", "--resume", run, "--set", "train.steps=6")
+    assert r.returncode == 0, r.stderr
+    assert "validation loss at step 6" in r.stdout
+
+
+
+@pytest.mark.parametrize("args,msg", [
+    (("train", "--set", "model.widht=3"), "unknown config key model.widht"),
+    (("train", "--set", "train.lr=fast"), "train.lr must be a number"),
+    (("train", "--set", "train.steps=1.5"), "train.steps must be an integer"),
+    (("train", "--set", "lr=1"), "--set expects section.key=value"),
+    (("train", "--config", "nope"), "unknown config 'nope'"),
+    (("train", "--config", "missing.toml"), "config file not found"),
+    (("train", "--set", "model.residual=resnet"), "unknown model.residual"),
+    (("train", "--set", "model.n_kv_heads=3"), "not divisible by model.n_kv_heads"),
+    (("train", "--resume", "missing-run"), "no config.toml"),
+    (("generate", "--run", "."), "not a run directory"),
+    (("prepare", "--source", "absent-folder"), "no such file or directory"),
+])
+def test_cli_user_errors_are_one_line(args, msg, tmp_path, monkeypatch, capsys):
+    from keel.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(list(args)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("keel: error:") and msg in err[0], err
+    assert not any(tmp_path.iterdir())  # nothing half-written
+
+
+def test_bad_toml_file(tmp_path, capsys):
+    from keel.cli import main
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\nd_model = 3")
+    assert main(["train", "--config", str(bad)]) == 2
+    assert "cannot parse config" in capsys.readouterr().err
