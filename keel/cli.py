@@ -17,6 +17,12 @@ from keel.errors import KeelError
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "demo"
 
+# Commands that live beside their feature: "module:function", where function(subparsers)
+# adds one sub-command and sets ``func``. Such modules must import torch lazily (inside the
+# command), so that ``keel --help`` stays fast.
+PLUGGED_COMMANDS: list[str] = [
+]
+
 
 def resolve_config_path(name: str | None) -> Path | None:
     """A config file path, or a preset name from ``configs/`` (``demo``, ``paper-512``...)."""
@@ -123,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument("--seed", type=int, default=0)
     pg.add_argument("--device", default="auto")
     pg.set_defaults(func=cmd_generate)
+
+    import importlib
+
+    for spec in PLUGGED_COMMANDS:
+        module, func = spec.split(":")
+        getattr(importlib.import_module(module), func)(sub)
     return p
 
 

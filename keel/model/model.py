@@ -43,28 +43,72 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)
 
 
+class KVCache:
+    """Keys and values of past positions, per block, for incremental decoding.
+
+    ``update(k, v, layer_idx)`` appends k, v [B, K, T_new, hd] for block ``layer_idx`` and
+    returns the full [B, K, T_past + T_new, hd] tensors; ``get_seq_length()`` gives T_past
+    (tokens). The same two methods as ``transformers.DynamicCache``, so either can be passed.
+    """
+
+    def __init__(self):
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx == len(self.keys):
+            self.keys.append(k)
+            self.values.append(v)
+        else:
+            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], k], dim=2)
+            self.values[layer_idx] = torch.cat([self.values[layer_idx], v], dim=2)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.keys[layer_idx].shape[2] if layer_idx < len(self.keys) else 0
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention (Ainslie et al. 2023) with RoPE.
 
     x [B, T, d] -> [B, T, d]. K = n_kv_heads key/value heads are shared by H / K query
-    heads each; the kernel is ``F.scaled_dot_product_attention(is_causal=True)``.
+    heads each; the kernel is ``F.scaled_dot_product_attention``. With ``qkv_norm`` (a
+    scheme may ask for it), q, k and v are RMS-normalised right after their projections.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, qkv_norm: bool = False):
         super().__init__()
+        self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.q_norm = self.k_norm = self.v_norm = None
+        if qkv_norm:
+            self.q_norm = RMSNorm(cfg.n_heads * cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.n_kv_heads * cfg.head_dim, cfg.norm_eps)
+            self.v_norm = RMSNorm(cfg.n_kv_heads * cfg.head_dim, cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.q_norm is not None:
+            q, k, v = self.q_norm(q), self.k_norm(k), self.v_norm(v)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        mask, causal = None, True
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+            S = k.shape[2]
+            if S != T:  # queries are the last T of S positions
+                causal = False
+                mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -87,13 +131,14 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, block_index: int):
         super().__init__()
         scheme = SCHEMES[cfg.residual]
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, block_index, qkv_norm=scheme.attention_qkv_norm)
         self.attn_res = scheme(cfg, 2 * block_index)
         self.ffn = FeedForward(cfg)
         self.ffn_res = scheme(cfg, 2 * block_index + 1)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = self.attn_res(x, lambda h: self.attn(h, cos, sin))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
+        x = self.attn_res(x, lambda h: self.attn(h, cos, sin, cache))
         return self.ffn_res(x, self.ffn)
 
 
@@ -103,6 +148,9 @@ class Transformer(nn.Module):
     Args of forward:
         input_ids: LongTensor [B, T], T <= cfg.max_seq_len.
         targets: optional LongTensor [B, T]; entries equal to -100 are ignored.
+        cache: optional :class:`KVCache` (or ``transformers.DynamicCache``) holding the
+            keys/values of earlier positions; it is extended in place, and ``input_ids``
+            are taken to follow them (RoPE positions start at its length).
     Returns:
         logits FloatTensor [B, T, V] (fp32) when targets is None, else the mean
         next-token cross-entropy (scalar fp32 tensor, nats per token).
@@ -136,14 +184,16 @@ class Transformer(nn.Module):
             block.attn_res.init_sublayer(block.attn)
             block.ffn_res.init_sublayer(block.ffn)
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        T = input_ids.shape[1]
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        start = cache.get_seq_length() if cache is not None else 0
+        T = start + input_ids.shape[1]
         if T > self.cfg.max_seq_len:
             raise KeelError(f"sequence of {T} tokens is longer than model.max_seq_len = {self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        cos, sin = self.rope_cos[start:T], self.rope_sin[start:T]
         x = self.tok_emb(input_ids)
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, cache)
         if self.norm is not None:
             x = self.norm(x)
         logits = self.lm_head(x).float()
@@ -158,14 +208,23 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 use_cache: bool = True) -> torch.Tensor:
         """Sample ``max_new_tokens`` tokens after ``input_ids`` [B, T0]; returns [B, T0 + n].
 
-        temperature 0 means greedy. The context is cropped to the last max_seq_len tokens.
+        temperature 0 means greedy. With ``use_cache`` the keys/values of earlier positions
+        are kept (:class:`KVCache`); without it, the whole context is re-run every step and
+        cropped to the last max_seq_len tokens. Raises KeelError if a cached context would
+        exceed max_seq_len.
         """
         ids = input_ids
+        cache = KVCache() if use_cache else None
+        step_input = ids
         for _ in range(max_new_tokens):
-            logits = self(ids[:, -self.cfg.max_seq_len:])[:, -1, :]
+            if cache is None:
+                logits = self(ids[:, -self.cfg.max_seq_len:])[:, -1, :]
+            else:
+                logits = self(step_input, cache=cache)[:, -1, :]
             if temperature <= 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)
             else:
@@ -175,4 +234,5 @@ class Transformer(nn.Module):
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             ids = torch.cat([ids, nxt], dim=1)
+            step_input = nxt
         return ids

@@ -9,6 +9,7 @@ Every scheme is one small ``nn.Module`` with the same interface::
 ``2b`` and FFN sub-layer ``2b + 1``; L = 2 * n_layers. A unit may also
 
 * set ``final_norm = True`` when the model needs a final RMSNorm before the LM head;
+* set ``attention_qkv_norm = True`` to have RMSNorm on q, k and v inside attention;
 * override ``init_sublayer(F_module)`` to re-initialise the weights of the F it wraps.
 
 Norm is RMSNorm (gain init 1, no bias, eps = ``cfg.norm_eps``).
@@ -69,6 +70,7 @@ class Residual(nn.Module):
     """Base class: the interface all schemes share. ``forward(x, F) -> x_next``."""
 
     final_norm = False
+    attention_qkv_norm = False
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
