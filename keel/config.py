@@ -27,7 +27,7 @@ else:  # pragma: no cover - Python 3.10
 
 from keel.errors import KeelError
 
-RESIDUALS = ("pre_ln", "post_ln", "deepnorm", "keel")
+RESIDUALS = ("pre_ln", "post_ln", "deepnorm", "keel", "hybridnorm", "mix_ln")
 
 
 @dataclass
@@ -57,6 +57,8 @@ class ModelConfig:
     # Keel's alpha (any float > 0); unset (None) means L, the number of sub-layers (paper, Sec. 3).
     alpha: float | None = None
     keel_first_layer_rule: bool = True
+    # Mix-LN: the first floor(mix_ln_ratio * n_layers) blocks are Post-LN, the rest Pre-LN.
+    mix_ln_ratio: float = 0.25
 
     @property
     def n_sublayers(self) -> int:
@@ -135,6 +137,21 @@ class TrainConfig:
     sample_tokens: int = 64
     sample_prompt: str = "def "
     progress: bool = True
+    # Stability diagnostics (keel.diagnostics): stop when the divergence classifier fires;
+    # log per-sub-layer gradient norms every N steps (0 = never).
+    stop_on_divergence: bool = False
+    gradflow_every: int = 0
+    # Scale-out (keel.train.parallelize): "ddp" | "fsdp" when launched with torchrun;
+    # activation checkpointing "none" | "block" | "every_k" (every k-th block); torch.compile.
+    parallelism: str = "ddp"
+    activation_checkpointing: str = "none"
+    checkpoint_k: int = 2
+    compile: bool = False
+    # Periodic benchmark evaluation with lm-evaluation-harness (keel.eval): comma-separated
+    # task names, every N steps (0 = never), at most `eval_tasks_limit` examples per task.
+    eval_tasks: str = ""
+    eval_tasks_every: int = 0
+    eval_tasks_limit: int = 100
 
 
 @dataclass
