@@ -140,6 +140,7 @@ class TrainConfig:
     # Stability diagnostics (keel.diagnostics): stop when the divergence classifier fires;
     # log per-sub-layer gradient norms every N steps (0 = never).
     stop_on_divergence: bool = False
+    divergence_warnings: bool = False
     gradflow_every: int = 0
     # Scale-out (keel.train.parallelize): "ddp" | "fsdp" when launched with torchrun;
     # activation checkpointing "none" | "block" | "every_k" (every k-th block); torch.compile.

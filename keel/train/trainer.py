@@ -206,6 +206,16 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, log=print) -> 
 
     from tqdm.auto import tqdm
 
+    monitor = None
+    if tc.stop_on_divergence or tc.divergence_warnings:
+        from keel.diagnostics.divergence import OnlineDivergenceMonitor
+
+        monitor = OnlineDivergenceMonitor()
+        for r in (json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()):
+            if "loss" in r and not r.get("skipped"):
+                monitor.update(r["step"], r["loss"], r["lr"])  # replay the history on resume
+    task_names = [t.strip() for t in tc.eval_tasks.split(",") if t.strip()]
+
     bar = tqdm(total=tc.steps, initial=step, disable=not tc.progress, unit="step", dynamic_ncols=True)
     params = [p for p in model.parameters()]
     bad_in_row, val_loss, tok_s = 0, None, 0.0
@@ -221,6 +231,11 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, log=print) -> 
             (loss / tc.grad_accum).backward()
             loss_sum += loss.item()
         loss_val = loss_sum / tc.grad_accum
+        gradflow = None
+        if tc.gradflow_every and (step + 1) % tc.gradflow_every == 0:
+            from keel.diagnostics.gradflow import sublayer_grad_norms
+
+            gradflow = sublayer_grad_norms(model)  # before clipping: the raw gradient flow
         max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
         finite = math.isfinite(loss_val) and math.isfinite(grad_norm)
@@ -238,6 +253,21 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, log=print) -> 
         tok_s = tokens_per_step / dt
         record = {"step": step, "tokens": tokens, "loss": loss_val, "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": tok_s, "elapsed_s": elapsed}
+        if gradflow is not None:
+            record["sublayer_grad_norm"] = gradflow
+        if monitor is not None and finite:
+            verdict = monitor.update(step, loss_val, lr)
+            if verdict is not None:
+                record["divergence"] = verdict.to_dict()
+                log(f"step {step}: divergence detected: {verdict.summary()}")
+                if tc.stop_on_divergence:
+                    write(record)
+                    bar.close()
+                    raise TrainingStopped(f"stopped at step {step}: {verdict.summary()} (train.stop_on_divergence)")
+        if task_names and tc.eval_tasks_every and step % tc.eval_tasks_every == 0:
+            from keel.eval.tasks import run_tasks
+
+            record["eval_tasks"] = run_tasks(model, tokenizer, task_names, limit=tc.eval_tasks_limit, device=device)
         if not finite:
             record["skipped"] = True
             log(f"step {step}: non-finite loss {loss_val} or grad norm {grad_norm}; update skipped "

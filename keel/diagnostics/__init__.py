@@ -1,0 +1,1 @@
+"""Stability diagnostics: the divergence classifier and the gradient-flow profile."""

@@ -1,0 +1,1 @@
+"""Experiment drivers built on ``keel train``: stress tests, sweeps, ablations."""
