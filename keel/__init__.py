@@ -1,8 +1,25 @@
-"""keel: Keel (Post-LN with a Highway-style residual, arXiv 2601.19895) and its baselines."""
+"""keel: Keel (Post-LN with a Highway-style residual, arXiv 2601.19895) and its baselines.
 
-from keel.config import Config, DataConfig, ModelConfig, TrainConfig
-from keel.errors import KeelError
-from keel.model import Transformer
+``from keel import ModelConfig, Transformer`` is the public entry point. Names are loaded
+lazily, so that ``import keel`` (and ``keel --help``) does not import torch.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["Config", "DataConfig", "ModelConfig", "TrainConfig", "KeelError", "Transformer", "__version__"]
+
+_EXPORTS = {
+    "Config": "keel.config",
+    "DataConfig": "keel.config",
+    "ModelConfig": "keel.config",
+    "TrainConfig": "keel.config",
+    "KeelError": "keel.errors",
+    "Transformer": "keel.model",
+}
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'keel' has no attribute {name!r}")

@@ -21,6 +21,13 @@ DEFAULT_CONFIG = "demo"
 # adds one sub-command and sets ``func``. Such modules must import torch lazily (inside the
 # command), so that ``keel --help`` stays fast.
 PLUGGED_COMMANDS: list[str] = [
+    "keel.diagnostics.gradflow:register",
+    "keel.experiments.stress:register",
+    "keel.eval.cli:register_hf",
+    "keel.eval.cli:register",
+    "keel.experiments.sweep:register",
+    "keel.experiments.plot:register",
+    "keel.experiments.ablate:register",
 ]
 
 
@@ -56,10 +63,37 @@ def default_run_dir(cfg) -> Path:
     return Path("runs") / f"{stamp}-{cfg.model.residual}-{cfg.model.n_sublayers}sl"
 
 
+def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
+    """Re-run this ``keel train`` under torchrun with ``args.nproc`` processes on this machine:
+    ``python -m torch.distributed.run --standalone --nproc_per_node N -m keel train <args>``
+    (the same arguments, without ``--nproc``, and with the run directory made explicit so
+    that every rank agrees on it). Returns torchrun's exit status."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
+           "-m", "keel", "train"]
+    if args.resume:
+        cmd += ["--resume", str(args.resume)]
+    else:
+        if args.config:
+            cmd += ["--config", str(args.config)]
+        cmd += ["--run-dir", str(run_dir)]
+    for item in args.set:
+        cmd += ["--set", item]
+    return subprocess.call(cmd)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from keel.config import load_config
     from keel.train import train
 
+    if args.nproc is not None:
+        import os
+
+        if args.nproc < 1:
+            raise KeelError(f"--nproc must be >= 1, got {args.nproc}")
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            raise KeelError("--nproc starts torchrun itself; do not use it inside torchrun")
     if args.resume:
         run_dir = Path(args.resume)
         if not (run_dir / "config.toml").is_file():
@@ -70,7 +104,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(resolve_config_path(args.config), args.set)
         run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+    if args.nproc is not None:
+        return launch_torchrun(args, run_dir)
     res = train(cfg, run_dir, resume=bool(args.resume))
+    import os
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # only rank 0 reports
     print(f"run: {res.run_dir}")
     if res.first_val_loss is not None:
         print(f"validation loss at step 0: {res.first_val_loss:.4f} (perplexity {math.exp(res.first_val_loss):.1f})")
@@ -117,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="override a config key (repeatable)")
     pt.add_argument("--run-dir", default=None, help="where the run goes (default: runs/<time>-<scheme>-<L>sl)")
     pt.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR from its latest checkpoint")
+    pt.add_argument("--nproc", type=int, default=None, metavar="N",
+                    help="train with N processes on this machine (launches torchrun; "
+                         "train.parallelism picks ddp or fsdp; train.batch_size is the global batch)")
     pt.set_defaults(func=cmd_train)
 
     pg = sub.add_parser("generate", help="sample text from a trained run")

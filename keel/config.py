@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +50,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
-    # "pre_ln" | "post_ln" | "deepnorm" | "keel"
+    # "pre_ln" | "post_ln" | "deepnorm" | "keel" | "hybridnorm" | "mix_ln" (keel.model.residual)
     residual: str = "keel"
     # Keel's alpha (any float > 0); unset (None) means L, the number of sub-layers (paper, Sec. 3).
     alpha: float | None = None
@@ -140,7 +138,7 @@ class TrainConfig:
     # Stability diagnostics (keel.diagnostics): stop when the divergence classifier fires;
     # log per-sub-layer gradient norms every N steps (0 = never).
     stop_on_divergence: bool = False
-    divergence_warnings: bool = False
+    divergence_warnings: bool = True
     gradflow_every: int = 0
     # Scale-out (keel.train.parallelize): "ddp" | "fsdp" when launched with torchrun;
     # activation checkpointing "none" | "block" | "every_k" (every k-th block); torch.compile.
@@ -262,12 +260,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def dump_config(cfg: Config, path: str | Path) -> None:
     """Write the resolved config as TOML, atomically (temp file, then rename)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            tomli_w.dump(cfg.to_dict(), f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from keel.io import atomic_write_text
+
+    atomic_write_text(path, tomli_w.dumps(cfg.to_dict()))

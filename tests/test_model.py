@@ -257,9 +257,11 @@ def test_gradients_reach_every_parameter(scheme, tie):
 
 
 @pytest.mark.parametrize("scheme", ALL)
-def test_final_norm_only_for_pre_ln(scheme):
+def test_final_norm(scheme):
+    """Schemes whose last sub-layer leaves the stream un-normalised end with a final norm
+    (small_cfg has 3 blocks, so Mix-LN's last block is Pre-LN)."""
     model = Transformer(small_cfg(residual=scheme))
-    assert (model.norm is not None) == (scheme == "pre_ln")
+    assert (model.norm is not None) == (scheme in ("pre_ln", "hybridnorm", "mix_ln"))
 
 
 def test_sublayer_count():
@@ -353,3 +355,15 @@ def test_kv_cache_matches_full_forward(scheme):
     greedy_cached = model.generate(ids[:, :4], 8, temperature=0, use_cache=True)
     greedy_plain = model.generate(ids[:, :4], 8, temperature=0, use_cache=False)
     assert torch.equal(greedy_cached, greedy_plain)
+
+
+def test_generate_past_max_seq_len():
+    """Sampling more tokens than max_seq_len allows crops the context (bug: the cached path
+    raised 'sequence longer than max_seq_len' at the end of training when seq_len == max_seq_len)."""
+    cfg = small_cfg(max_seq_len=8)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 6))
+    out = model.generate(ids, 10, temperature=0)
+    assert out.shape == (1, 16)
+    assert torch.equal(out, model.generate(ids, 10, temperature=0, use_cache=False))

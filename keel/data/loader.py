@@ -159,13 +159,36 @@ class TokenLoader:
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the following batches equal an uninterrupted run's.
 
-        Raises :class:`KeelError` if the state was saved with a different seed, batch size,
-        sequence length, world size, split or dataset size.
+        The world size may change if the global batch does not: a state saved with
+        ``batch_size * world_size == G`` loads into any loader with the same ``G``. Global
+        batch ``j`` of an epoch is the same set of windows at every world size (rank ``r``'s
+        batch ``j`` is ``perm[j*G + r :: world_size][:batch_size]``, so the ranks together
+        take ``perm[j*G : (j+1)*G]``) and ``batches_per_epoch = n_windows // G`` either way,
+        so ``epoch`` and ``position`` carry over unchanged.
+
+        Raises :class:`KeelError` if the state was saved with a different seed, sequence
+        length, split or dataset size, or a different batch size at the same world size, or
+        a different global batch (``batch_size * world_size``) at another world size.
         """
-        for key in ("seed", "batch_size", "seq_len", "world_size", "n_tokens", "split"):
+        for key in ("seed", "seq_len", "n_tokens", "split"):
             if key in state and state[key] != getattr(self, key):
                 raise KeelError(
                     f"cannot resume the data loader: saved {key}={state[key]!r}, now {key}={getattr(self, key)!r}"
+                )
+        saved_ws = int(state.get("world_size", self.world_size))
+        if saved_ws == self.world_size:
+            if "batch_size" in state and state["batch_size"] != self.batch_size:
+                raise KeelError(
+                    f"cannot resume the data loader: saved batch_size={state['batch_size']!r}, "
+                    f"now batch_size={self.batch_size!r}"
+                )
+        elif "batch_size" in state:
+            saved_global, now_global = state["batch_size"] * saved_ws, self.batch_size * self.world_size
+            if saved_global != now_global:
+                raise KeelError(
+                    f"cannot resume the data loader: saved global batch {saved_global} "
+                    f"(batch_size={state['batch_size']} x world_size={saved_ws}), now {now_global} "
+                    f"(batch_size={self.batch_size} x world_size={self.world_size})"
                 )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 

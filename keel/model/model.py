@@ -73,7 +73,11 @@ class Attention(nn.Module):
 
     x [B, T, d] -> [B, T, d]. K = n_kv_heads key/value heads are shared by H / K query
     heads each; the kernel is ``F.scaled_dot_product_attention``. With ``qkv_norm`` (a
-    scheme may ask for it), q, k and v are RMS-normalised right after their projections.
+    scheme may ask for it), q, k and v are RMS-normalised right after their projections,
+    per head (over head_dim, before RoPE), each with its own gain of size head_dim shared
+    by the heads: ``softmax(Norm(Q_i) Norm(K_i)^T / sqrt(hd)) Norm(V_i)`` for head i, as
+    HybridNorm defines QKV-Norm (Zhuo et al. 2025, arXiv 2503.04598; see
+    :class:`keel.model.residual.HybridNorm` for the sources).
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0, qkv_norm: bool = False):
@@ -85,20 +89,20 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.q_norm = self.k_norm = self.v_norm = None
-        if qkv_norm:
-            self.q_norm = RMSNorm(cfg.n_heads * cfg.head_dim, cfg.norm_eps)
-            self.k_norm = RMSNorm(cfg.n_kv_heads * cfg.head_dim, cfg.norm_eps)
-            self.v_norm = RMSNorm(cfg.n_kv_heads * cfg.head_dim, cfg.norm_eps)
+        if qkv_norm:  # per head, over head_dim (HybridNorm, arXiv 2503.04598)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.v_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        if self.q_norm is not None:
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # before RoPE, each head's vector on its own
             q, k, v = self.q_norm(q), self.k_norm(k), self.v_norm(v)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         mask, causal = None, True
         if cache is not None:
@@ -163,7 +167,7 @@ class Transformer(nn.Module):
         self.cfg = cfg.validate()
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList([Block(cfg, b) for b in range(cfg.n_layers)])
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps) if SCHEMES[cfg.residual].final_norm else None
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps) if SCHEMES[cfg.residual].uses_final_norm(cfg) else None
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -213,14 +217,15 @@ class Transformer(nn.Module):
         """Sample ``max_new_tokens`` tokens after ``input_ids`` [B, T0]; returns [B, T0 + n].
 
         temperature 0 means greedy. With ``use_cache`` the keys/values of earlier positions
-        are kept (:class:`KVCache`); without it, the whole context is re-run every step and
-        cropped to the last max_seq_len tokens. Raises KeelError if a cached context would
-        exceed max_seq_len.
+        are kept (:class:`KVCache`); without it, or once the context outgrows max_seq_len, the
+        context is re-run every step, cropped to its last max_seq_len tokens.
         """
         ids = input_ids
         cache = KVCache() if use_cache else None
         step_input = ids
         for _ in range(max_new_tokens):
+            if cache is not None and cache.get_seq_length() + step_input.shape[1] > self.cfg.max_seq_len:
+                cache = None  # the context outgrew max_seq_len: re-run a cropped window from now on
             if cache is None:
                 logits = self(ids[:, -self.cfg.max_seq_len:])[:, -1, :]
             else:

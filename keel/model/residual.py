@@ -8,7 +8,8 @@ Every scheme is one small ``nn.Module`` with the same interface::
 ``index`` counts sub-layers as the paper does: block ``b`` holds attention sub-layer
 ``2b`` and FFN sub-layer ``2b + 1``; L = 2 * n_layers. A unit may also
 
-* set ``final_norm = True`` when the model needs a final RMSNorm before the LM head;
+* set ``final_norm = True`` when the model needs a final RMSNorm before the LM head (or
+  override the classmethod ``uses_final_norm(cfg)`` when that depends on the config);
 * set ``attention_qkv_norm = True`` to have RMSNorm on q, k and v inside attention;
 * override ``init_sublayer(F_module)`` to re-initialise the weights of the F it wraps.
 
@@ -32,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as Fn
 
 from keel.config import ModelConfig
+from keel.errors import KeelError
 
 SubLayer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -75,6 +77,13 @@ class Residual(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.index = index
+
+    @classmethod
+    def uses_final_norm(cls, cfg: ModelConfig) -> bool:
+        """Whether a model of this scheme and config ends with a final RMSNorm before the LM
+        head. Default: the class attribute ``final_norm``; a scheme whose answer depends on
+        the config (Mix-LN) overrides this."""
+        return cls.final_norm
 
     def init_sublayer(self, sublayer: nn.Module) -> None:
         """Re-initialise the wrapped sub-layer's weights; default: keep N(0, init_std)."""
@@ -159,9 +168,133 @@ class Keel(Residual):
         return scaled_sum_norm(self.norm_out, x, h, self.alpha)
 
 
+class HybridNorm(Residual):
+    """HybridNorm (Zhuo et al. 2025, "HybridNorm: Towards Stable and Efficient Transformer
+    Training via Hybrid Normalization", arXiv 2503.04598): "QKV normalization within the
+    attention mechanism and Post-Norm in the feed-forward network (FFN) of each transformer
+    block" (abstract). For block ``l`` with input ``X``::
+
+        Y       = X + MHA_QKV(X)                    # attention sub-layer (index 2l): no norm here
+        X_next  = Norm(Y) + FFN(Norm(Y))            # FFN sub-layer (index 2l + 1)
+
+    where ``MHA_QKV`` RMS-normalises q, k and v right after their projections (done inside
+    :class:`keel.model.model.Attention`, switched on by ``attention_qkv_norm = True``).
+
+    Sources, detail by detail:
+
+    * The two equations: the official configs in github.com/BryceZhuo/HybridNorm
+      (``dense_model/configs/exps/1.2B-dense-HybriedNorm.yaml``,
+      ``MoE_model/configs/exps/MoE-1B-7B-HybridNorm.yaml``; OLMo code base):
+      ``attn_norm: false`` -- no norm before attention, so the attention residual is
+      ``x + Attn_QKVnorm(x)``, not ``x + Attn(Norm(x))``; ``attn_residual_after_norm:
+      false``; ``ffn_norm: true`` with ``ffn_residual_after_norm: true`` -- the FFN's
+      residual starts from the *normalised* tensor, ``Norm(Y) + FFN(Norm(Y))``;
+      ``use_query_norm / use_key_norm / use_value_norm: true``; ``layer_norm_type: rms``.
+      The paper's block equations (method section) have the same form.
+    * QKV-Norm per head (over head_dim; one gain of size head_dim per projection, shared by
+      the heads): the paper applies Norm inside each head's attention,
+      ``head_i = attn_QKV(X W_i^Q, X W_i^K, X W_i^V)`` with
+      ``attn_QKV(Q, K, V) = softmax(Norm(Q) Norm(K)^T / sqrt(d_k)) Norm(V)``, and an
+      extraction of the official ``MoE_model/olmo/model.py`` builds q/k/v norms of size
+      head_dim. (OLMo-2's own QK-norm is over the full projection width; HybridNorm's is not.)
+    * Final norm before the LM head: yes. The reference model is OLMo, whose ``ln_f`` is
+      applied after the last block in every configuration, and HybridNorm's last block ends
+      with the un-normalised sum ``Norm(Y) + FFN(Norm(Y))``.
+    * HybridNorm* (the variant with a special first block; official README:
+      ``norm_pos_special_config="_{0:{'attn_norm':True,'ffn_residual':False}}_"``): block 0
+      is Pre-Norm in both sub-layers (``X + MHA_QKV(Norm(X))`` then ``Y + FFN(Norm(Y))``),
+      QKV-Norm still on. That is :class:`HybridNormStar` (``first_block_pre_norm = True``);
+      the registered ``"hybridnorm"`` is the plain scheme that the Keel paper's Table 1 names.
+
+    Every weight keeps the model's N(0, init_std^2) init (the HybridNorm runs use Megatron
+    init; the Keel paper compares all schemes under one init).
+    """
+
+    final_norm = True
+    attention_qkv_norm = True
+    first_block_pre_norm = False
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__(cfg, index)
+        self.is_attention = index % 2 == 0
+        self.pre_norm = self.first_block_pre_norm and index < 2
+        needs_norm = self.pre_norm or not self.is_attention
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps) if needs_norm else None
+
+    def forward(self, x, f):
+        if self.pre_norm:  # HybridNorm*, block 0: Pre-Norm
+            return x + f(self.norm(x)).to(x.dtype)
+        if self.is_attention:  # x + MHA_QKV(x)
+            return x + f(x).to(x.dtype)
+        h = self.norm(x)  # Norm(Y) + FFN(Norm(Y))
+        return h + f(h).to(h.dtype)
+
+
+class HybridNormStar(HybridNorm):
+    """HybridNorm* (Zhuo et al. 2025, arXiv 2503.04598; official README's
+    ``norm_pos_special_config``): :class:`HybridNorm`, except that block 0 (sub-layers 0 and
+    1) is Pre-Norm: ``x + F(Norm(x))`` for both its attention (QKV-Norm still on) and its FFN.
+
+    Not registered in :data:`SCHEMES`: ``model.residual`` accepts only the names in
+    :data:`keel.config.RESIDUALS`.
+    """
+
+    first_block_pre_norm = True
+
+
+def mix_ln_post_blocks(cfg: ModelConfig) -> int:
+    """Number of Post-LN blocks of Mix-LN: ``floor(mix_ln_ratio * n_layers)`` (Li et al. 2024,
+    arXiv 2412.13795, method section). A tolerance of 1e-9 absorbs binary rounding of the product
+    (0.29 * 100 is 28.999999999999996 in floating point; it counts as 29).
+
+    Raises:
+        KeelError: ``model.mix_ln_ratio`` not a finite number in [0, 1].
+    """
+    ratio = cfg.mix_ln_ratio
+    if not (math.isfinite(ratio) and 0.0 <= ratio <= 1.0):
+        raise KeelError(f"model.mix_ln_ratio must be a number in [0, 1], got {ratio}")
+    return min(cfg.n_layers, math.floor(ratio * cfg.n_layers + 1e-9))
+
+
+class MixLN(Residual):
+    """Mix-LN (Li et al. 2024, "Mix-LN: Unleashing the Power of Deeper Layers by Combining
+    Pre-LN and Post-LN", arXiv 2412.13795, method section): Post-LN in the first
+    ``floor(rho * n_layers)`` blocks, Pre-LN in the rest, ``rho = cfg.mix_ln_ratio``
+    (paper default 0.25). Sub-layer ``index`` belongs to block ``index // 2``::
+
+        Post-LN block:  x <- Norm(x + F(x))       (both sub-layers)
+        Pre-LN block:   x <- x + F(Norm(x))
+
+    The split is by block, as in the reference code (``LlamaDecoderLayer`` with
+    ``NORM_TYPE=post_pre``: ``layer_index < POST_NUM`` is Post-LN for attention and MLP).
+
+    Final norm: the reference model (HF ``LlamaModel``) always applies its final RMSNorm.
+    We keep it whenever a Pre-LN block exists, since a Pre-LN stream is un-normalised and
+    grows with depth; with rho = 1 (all Post-LN) the last block's output is already
+    normalised and we drop it, so that ``mix_ln`` with rho = 1 is exactly ``post_ln`` and
+    with rho = 0 exactly ``pre_ln`` (same parameter names, same functions).
+    """
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__(cfg, index)
+        self.post = (index // 2) < mix_ln_post_blocks(cfg)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+    @classmethod
+    def uses_final_norm(cls, cfg: ModelConfig) -> bool:
+        return mix_ln_post_blocks(cfg) < cfg.n_layers
+
+    def forward(self, x, f):
+        if self.post:
+            return self.norm(x + f(x).to(x.dtype))
+        return x + f(self.norm(x)).to(x.dtype)
+
+
 SCHEMES: dict[str, type[Residual]] = {
     "pre_ln": PreLN,
     "post_ln": PostLN,
     "deepnorm": DeepNorm,
     "keel": Keel,
+    "hybridnorm": HybridNorm,
+    "mix_ln": MixLN,
 }

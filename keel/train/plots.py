@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -20,15 +18,13 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 def save_figure(fig, out: str | Path) -> None:
     """Save ``fig`` as PNG to ``out`` via a temp file and rename; closes the figure."""
-    out = Path(out)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.stem}.", suffix=".png")
-    os.close(fd)
+    from keel.io import atomic_path
+
     try:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight")
-        os.replace(tmp, out)
+        with atomic_path(out, suffix=".png") as tmp:
+            fig.savefig(tmp, dpi=120, bbox_inches="tight")
     finally:
         plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
 
 
 def plot_loss(metrics_path: str | Path, out: str | Path, title: str = "") -> None:

@@ -1,0 +1,340 @@
+"""Divergence classifier: is a loss curve healthy, or did it fail in one of the Keel paper's
+three ways (Chen & Wei 2026, arXiv 2601.19895, Sec. 5.1 and Figure 3)?
+
+Modes (``Verdict.mode``):
+
+``healthy``
+    none of the below.
+``instability`` (irrecoverable instability)
+    a spike after which the loss never returns to its pre-spike baseline; also any
+    non-finite (NaN/inf) loss, at the step where it first occurs.
+``stagnation`` (loss stagnation)
+    the loss plateaus far earlier / higher than expected.
+``degradation`` (optimisation degradation)
+    no spike, no plateau, but the loss falls anomalously slowly compared with a
+    reference curve (this "silent" mode needs a reference; without one it is never
+    reported).
+
+Quantities, all updated once per step in O(1) (losses in nats per token, steps are
+optimiser steps):
+
+* ``ema``: exponential moving average of the loss, ``ema_t = b * ema_{t-1} + (1 - b) * loss_t``
+  with ``b = ema_beta`` (0.9, i.e. about 10 steps), started at the first loss.
+* ``L0``: the first loss seen; ``baseline``: the running minimum of ``ema``;
+  ``progress = L0 - baseline`` (nats removed so far).
+* ``noise``: an EMA (same ``b``) of ``|loss - ema|``, the step-to-step scatter of the loss,
+  not updated while a spike is open.
+
+Criteria, checked in this order every step (defaults of :class:`Thresholds` in brackets):
+
+1. Non-finite loss -> ``instability`` at that step, at once.
+2. Spike: a loss above ``baseline + margin`` with ``margin = max(spike_abs [0.1],
+   spike_rel [0.1] * baseline, spike_noise [6] * noise)`` opens a spike at that step (its
+   onset), with the baseline frozen at its value just before (the noise term counts only
+   after ``warmup_steps`` [10] losses, once its estimate has settled; before that the
+   margin is the first two terms). The spike has recovered once ``recover_steps`` [5]
+   losses in a row are at most ``baseline_0 + recover_frac [0.5] * margin_0``; a recovered
+   spike is forgotten (it is *not* a divergence). If it has not recovered ``recovery_window``
+   [50] steps after its onset -> ``instability`` at the onset step. This is decided online,
+   ``recovery_window`` steps late; offline (:func:`classify`), a spike still open at the end
+   of the curve that has lasted ``end_open_steps`` [5] steps also counts (the loss never
+   came back within the curve).
+3. Behind: without a reference, ``progress < min_progress [0.3] * L0``; with a reference
+   (same EMA rule applied to it, read at the same step), ``progress < behind_frac [0.5] *
+   ref_progress``, only once ``ref_progress >= min_ref_progress [0.1] * ref_L0``.
+4. Plateau: for ``plateau_steps`` [100] steps the baseline has not dropped by more than
+   ``plateau_tol`` [0.1] times the progress made up to the last such drop (an improvement
+   is a drop below ``anchor - plateau_tol * (L0 - anchor)``, where ``anchor`` is the
+   baseline at the previous improvement; early on, any drop counts). Plateau while
+   behind -> ``stagnation`` at the step where the plateau began (the last improvement).
+   Checks 3-5 are skipped while a spike is open.
+5. With a reference only: behind (but not on a plateau and with no spike open) for
+   ``degrade_steps`` [50] steps in a row -> ``degradation`` at the first step of that streak.
+
+Names used in ``Verdict.evidence``: ``baseline``, ``margin``, ``spike_loss``, ``open_steps``,
+``open_at_end``, ``non_finite``, ``l0``, ``progress``, ``expected_progress``,
+``plateau_steps``, ``ref_progress``, ``streak_steps``, and, when LRs are given,
+``lr_at_step`` / ``lr_before_step`` (the LR at the failure's step and at the step before).
+
+Only the first failure is reported. The online monitor returns its :class:`Verdict`
+once, on the step where it becomes certain, and ``None`` on every later step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+HEALTHY, STAGNATION, INSTABILITY, DEGRADATION = "healthy", "stagnation", "instability", "degradation"
+MODES = (HEALTHY, STAGNATION, INSTABILITY, DEGRADATION)
+
+
+@dataclass
+class Thresholds:
+    """The classifier's parameters (see the module docstring for how each is used).
+
+    Losses in nats/token, windows in optimiser steps, the rest dimensionless.
+    """
+
+    ema_beta: float = 0.9
+    warmup_steps: int = 10
+    spike_abs: float = 0.1
+    spike_rel: float = 0.1
+    spike_noise: float = 6.0
+    recover_frac: float = 0.5
+    recover_steps: int = 5
+    recovery_window: int = 50
+    end_open_steps: int = 5
+    min_progress: float = 0.3
+    behind_frac: float = 0.5
+    min_ref_progress: float = 0.1
+    plateau_tol: float = 0.1
+    plateau_steps: int = 100
+    degrade_steps: int = 50
+
+
+@dataclass
+class Verdict:
+    """The classifier's answer.
+
+    Attributes:
+        mode: ``healthy``, ``stagnation``, ``instability`` or ``degradation``.
+        step: optimiser step where the failure began (spike onset, plateau start, first
+            step of the slow streak, first non-finite loss); for ``healthy`` the last step seen.
+        evidence: numbers behind the decision (losses in nats, LRs absolute, steps).
+    """
+
+    mode: str
+    step: int
+    evidence: dict = field(default_factory=dict)
+
+    @property
+    def diverged(self) -> bool:
+        return self.mode != HEALTHY
+
+    def to_dict(self) -> dict:
+        """Plain dict (JSON-safe: non-finite numbers become strings)."""
+        ev = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in self.evidence.items()}
+        return {"mode": self.mode, "step": self.step, "evidence": ev}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Verdict":
+        return cls(d["mode"], int(d["step"]), dict(d.get("evidence", {})))
+
+    def summary(self) -> str:
+        """One line, e.g. ``instability from step 412: loss 7.81 vs baseline 4.02, not back within 50 steps``."""
+        e = self.evidence
+        if self.mode == HEALTHY:
+            return f"healthy through step {self.step}"
+        if self.mode == INSTABILITY and e.get("non_finite"):
+            return f"instability at step {self.step}: non-finite loss"
+        if self.mode == INSTABILITY:
+            return (f"instability from step {self.step}: loss {e['spike_loss']:.3f} vs baseline {e['baseline']:.3f}, "
+                    f"not back within {int(e['open_steps'])} steps")
+        if self.mode == STAGNATION:
+            return (f"stagnation from step {self.step}: loss plateau at {e['baseline']:.3f} "
+                    f"({int(e['plateau_steps'])} steps flat, progress {e['progress']:.3f} of {e['expected_progress']:.3f} expected)")
+        return (f"degradation from step {self.step}: progress {e['progress']:.3f} vs reference "
+                f"{e['ref_progress']:.3f} for {int(e['streak_steps'])} steps")
+
+
+class _ReferenceTrack:
+    """The reference curve's EMA progress ``ref_L0 - min(ema)``, read at increasing steps (amortised O(1))."""
+
+    def __init__(self, steps: Sequence[int], losses: Sequence[float], beta: float):
+        pts = [(int(s), float(v)) for s, v in zip(steps, losses) if math.isfinite(v)]
+        if not pts:
+            raise ValueError("reference curve has no finite loss")
+        self.steps = [s for s, _ in pts]
+        self.l0 = pts[0][1]
+        self.progress = []
+        ema = best = pts[0][1]
+        for _, v in pts:
+            ema = beta * ema + (1 - beta) * v
+            best = min(best, ema)
+            self.progress.append(self.l0 - best)
+        self._i = 0
+
+    def at(self, step: int) -> float:
+        while self._i + 1 < len(self.steps) and self.steps[self._i + 1] <= step:
+            self._i += 1
+        return self.progress[self._i] if self.steps[self._i] <= step else 0.0
+
+
+class OnlineDivergenceMonitor:
+    """Step-by-step classifier, O(1) per :meth:`update` (the trainer calls it every step).
+
+    Args:
+        thresholds: :class:`Thresholds` (default: the documented defaults).
+        reference: optional reference curve ``(steps, losses)`` (e.g. a healthy run of the
+            same shape), which enables the degradation mode and a relative stagnation test.
+
+    ``update(step, loss, lr)`` returns a :class:`Verdict` the first time a failure becomes
+    certain (with ``step`` = where it began, possibly earlier than the current step), and
+    ``None`` otherwise, including every call after a verdict. :meth:`finalize` closes the
+    curve (offline use). Raises ValueError for an empty reference.
+    """
+
+    def __init__(self, thresholds: Thresholds | None = None, reference: tuple[Sequence[int], Sequence[float]] | None = None):
+        self.t = thresholds or Thresholds()
+        self.ref = _ReferenceTrack(reference[0], reference[1], self.t.ema_beta) if reference is not None else None
+        self.verdict: Verdict | None = None
+        self.n = 0
+        self.last_step = 0
+        self.l0 = self.ema = self.baseline = None
+        self.noise = 0.0
+        self.prev_lr: float | None = None
+        # open spike: (onset step, frozen baseline, margin, spike loss, lr at onset, lr before)
+        self.spike: tuple | None = None
+        self.spike_low_run = 0
+        self.anchor = None  # baseline at the last improvement
+        self.improve_step = 0
+        self.improve_lrs = (None, None)
+        self.streak_start: int | None = None
+        self.streak_lrs = (None, None)
+
+    @staticmethod
+    def _lrs(evidence: dict, lr_at, lr_before) -> dict:
+        if lr_at is not None:
+            evidence["lr_at_step"] = float(lr_at)
+        if lr_before is not None:
+            evidence["lr_before_step"] = float(lr_before)
+        return evidence
+
+    def _fire(self, mode: str, step: int, evidence: dict) -> Verdict:
+        self.verdict = Verdict(mode, int(step), evidence)
+        return self.verdict
+
+    def update(self, step: int, loss: float, lr: float | None = None) -> Verdict | None:
+        """Feed the loss (nats/token) of optimiser step ``step`` and its LR; see the class doc."""
+        if self.verdict is not None:
+            return None
+        t = self.t
+        loss = float(loss)
+        lr_before, self.prev_lr = self.prev_lr, (None if lr is None else float(lr))
+        self.last_step = step
+        if not math.isfinite(loss):
+            ev = {"non_finite": 1.0}
+            if self.baseline is not None:
+                ev["baseline"] = self.baseline
+            return self._fire(INSTABILITY, step, self._lrs(ev, lr, lr_before))
+        self.n += 1
+        if self.ema is None:
+            self.l0 = self.ema = self.baseline = self.anchor = loss
+            self.improve_step = step
+            self.improve_lrs = (lr, lr_before)
+            return None
+
+        # 2. spikes (against the baseline before this step)
+        if self.spike is None:
+            noise = self.noise if self.n > t.warmup_steps else 0.0
+            margin = max(t.spike_abs, t.spike_rel * self.baseline, t.spike_noise * noise)
+            if loss > self.baseline + margin:
+                self.spike = (step, self.baseline, margin, loss, lr, lr_before)
+                self.spike_low_run = 0
+        if self.spike is not None:
+            onset, base0, margin0, spike_loss, lr_on, lr_prev = self.spike
+            self.spike = (onset, base0, margin0, max(spike_loss, loss), lr_on, lr_prev)
+            self.spike_low_run = self.spike_low_run + 1 if loss <= base0 + t.recover_frac * margin0 else 0
+            if self.spike_low_run >= t.recover_steps:
+                self.spike = None
+            elif step - onset >= t.recovery_window:
+                return self._spike_verdict()
+        else:
+            self.noise = t.ema_beta * self.noise + (1 - t.ema_beta) * abs(loss - self.ema)
+        self.ema = t.ema_beta * self.ema + (1 - t.ema_beta) * loss
+        self.baseline = min(self.baseline, self.ema)
+        if self.baseline < self.anchor - t.plateau_tol * (self.l0 - self.anchor):
+            self.anchor, self.improve_step, self.improve_lrs = self.baseline, step, (lr, lr_before)
+        if self.spike is not None:
+            return None
+
+        # 3. behind what was expected?
+        progress = self.l0 - self.baseline
+        if self.ref is None:
+            expected = t.min_progress * self.l0
+            behind = progress < expected
+        else:
+            ref_p = self.ref.at(step)
+            expected = t.behind_frac * ref_p
+            behind = ref_p >= t.min_ref_progress * self.ref.l0 and progress < expected
+        # 4. plateau while behind -> stagnation
+        flat = step - self.improve_step
+        if behind and flat >= t.plateau_steps:
+            ev = {"baseline": self.baseline, "l0": self.l0, "progress": progress, "expected_progress": expected,
+                  "plateau_steps": float(flat)}
+            return self._fire(STAGNATION, self.improve_step, self._lrs(ev, *self.improve_lrs))
+        # 5. slow but moving, against a reference -> degradation
+        if self.ref is None or not behind:
+            self.streak_start = None
+            return None
+        if self.streak_start is None:
+            self.streak_start, self.streak_lrs = step, (lr, lr_before)
+        if step - self.streak_start + 1 >= t.degrade_steps:
+            ev = {"baseline": self.baseline, "progress": progress, "ref_progress": self.ref.at(step),
+                  "streak_steps": float(step - self.streak_start + 1)}
+            return self._fire(DEGRADATION, self.streak_start, self._lrs(ev, *self.streak_lrs))
+        return None
+
+    def _spike_verdict(self) -> Verdict:
+        onset, base0, margin0, spike_loss, lr_on, lr_prev = self.spike
+        ev = {"baseline": base0, "margin": margin0, "spike_loss": spike_loss,
+              "open_steps": float(self.last_step - onset)}
+        return self._fire(INSTABILITY, onset, self._lrs(ev, lr_on, lr_prev))
+
+    def finalize(self) -> Verdict:
+        """End of the curve: the verdict so far, or a spike still open for ``end_open_steps``
+        steps (instability), else ``healthy`` at the last step seen."""
+        if self.verdict is not None:
+            return self.verdict
+        if self.spike is not None and self.last_step - self.spike[0] + 1 >= self.t.end_open_steps:
+            v = self._spike_verdict()
+            v.evidence["open_at_end"] = 1.0
+            return v
+        ev = {}
+        if self.baseline is not None:
+            ev = {"baseline": self.baseline, "l0": self.l0, "progress": self.l0 - self.baseline}
+        return Verdict(HEALTHY, int(self.last_step), ev)
+
+
+def classify(steps: Sequence[int], losses: Sequence[float], lrs: Sequence[float] | None = None,
+             reference: tuple[Sequence[int], Sequence[float]] | None = None,
+             thresholds: Thresholds | None = None) -> Verdict:
+    """Classify a whole loss curve (see the module docstring for the criteria).
+
+    Args:
+        steps: increasing optimiser steps (ints), same length as ``losses``.
+        losses: training loss per step, nats/token; NaN/inf allowed (-> instability there).
+        lrs: optional learning rate per step (absolute); reported in the evidence.
+        reference: optional ``(steps, losses)`` of a reference run (enables degradation).
+        thresholds: :class:`Thresholds`; default the documented values.
+    Returns:
+        :class:`Verdict` (``healthy`` at the last step when nothing failed; step 0 for an
+        empty curve).
+    Raises:
+        ValueError: ``steps``/``losses``/``lrs`` of different lengths, or an empty reference.
+    """
+    if len(steps) != len(losses) or (lrs is not None and len(lrs) != len(steps)):
+        raise ValueError("steps, losses and lrs must have the same length")
+    mon = OnlineDivergenceMonitor(thresholds, reference)
+    for i, (s, v) in enumerate(zip(steps, losses)):
+        if mon.update(int(s), v, None if lrs is None else lrs[i]) is not None:
+            break
+    return mon.finalize()
+
+
+def classify_metrics(records: Iterable[dict], reference: Iterable[dict] | None = None,
+                     thresholds: Thresholds | None = None) -> Verdict:
+    """:func:`classify` on the records of a run's ``metrics.jsonl`` (``step``, ``loss``, ``lr``).
+
+    Records without a ``loss`` (the step-0 evaluation) are ignored; a skipped non-finite
+    step keeps its non-finite loss and so counts as instability.
+    """
+    recs = [r for r in records if "loss" in r]
+    ref = None
+    if reference is not None:
+        rr = [r for r in reference if "loss" in r]
+        ref = ([r["step"] for r in rr], [float(r["loss"]) for r in rr])
+    return classify([r["step"] for r in recs], [float(r["loss"]) for r in recs],
+                    [r.get("lr", float("nan")) for r in recs], reference=ref, thresholds=thresholds)

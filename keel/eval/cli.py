@@ -1,0 +1,177 @@
+"""The ``keel eval``, ``keel export-hf`` and ``keel import-hf`` commands.
+
+They live here, not in :mod:`keel.hf`, because importing ``keel.hf`` registers the model
+with transformers (a heavy import); this module imports nothing heavy, so ``keel --help``
+stays fast. ``register`` adds ``eval``; ``register_hf`` adds ``export-hf`` and ``import-hf``.
+
+Usage::
+
+    keel export-hf --run runs/x --out hf/x
+    keel import-hf --hf hf/x --out runs/x-back
+    keel eval --run runs/x | --hf hf/x [--tasks t1,t2] [--task-dir DIR] [--limit N] [--json]
+              [--text FILE] [--device auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from keel.errors import KeelError
+
+
+def register_hf(subparsers) -> None:
+    """Add ``export-hf`` and ``import-hf`` to the ``keel`` sub-parsers."""
+    pe = subparsers.add_parser("export-hf", help="write a run as a Hugging Face model folder",
+                               description="Write the latest checkpoint of a run as config.json + model.safetensors "
+                                           "+ tokenizer files. Load it with `import keel.hf` then "
+                                           "AutoModelForCausalLM.from_pretrained(OUT).")
+    pe.add_argument("--run", required=True, help="run directory")
+    pe.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
+    pe.set_defaults(func=_cmd_export_hf)
+
+    pi = subparsers.add_parser("import-hf", help="make a run directory from a keel Hugging Face folder",
+                               description="Inverse of export-hf: a run directory that `keel generate --run` and "
+                                           "`keel eval --run` accept (not resumable: no optimiser state).")
+    pi.add_argument("--hf", required=True, help="Hugging Face folder written by `keel export-hf`")
+    pi.add_argument("--out", required=True, help="run directory to create (must not exist or be empty)")
+    pi.set_defaults(func=_cmd_import_hf)
+
+
+def _cmd_export_hf(args: argparse.Namespace) -> int:
+    from keel.hf.convert import cmd_export_hf
+
+    return cmd_export_hf(args)
+
+
+def _cmd_import_hf(args: argparse.Namespace) -> int:
+    from keel.hf.convert import cmd_import_hf
+
+    return cmd_import_hf(args)
+
+
+def register(subparsers) -> None:
+    """Add ``eval`` to the ``keel`` sub-parsers."""
+    p = subparsers.add_parser(
+        "eval", help="perplexity, bits per byte and lm-evaluation-harness tasks",
+        description="Report loss, perplexity and bits per byte on held-out text (the run's validation split, "
+                    "or --text FILE), then score lm-evaluation-harness tasks (--tasks), one by one: a task "
+                    "whose data cannot be loaded is reported in one line and the others still run.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", help="run directory")
+    src.add_argument("--hf", help="Hugging Face folder of a keel model (from `keel export-hf`)")
+    p.add_argument("--tasks", default="", help="comma-separated lm-eval task names "
+                                               "(shipped: keel_python_completion, keel_python_paragraphs)")
+    p.add_argument("--task-dir", default=None, help="extra folder of task YAMLs (local JSONL data allowed)")
+    p.add_argument("--limit", type=int, default=None, help="at most N documents per task")
+    p.add_argument("--text", default=None, metavar="FILE", help="held-out text file instead of the validation split")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per window for perplexity (default: train.seq_len of the run, else max_seq_len)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="validation tokens to score (default: the run's train.eval_tokens)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="windows (perplexity) or requests (tasks) per forward pass")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=cmd_eval)
+
+
+def _load(args):
+    """(native model, tokenizers.Tokenizer, Config or None, device, description)."""
+    if args.run:
+        from keel.config import load_config
+        from keel.train.checkpoint import load_run
+
+        model, tokenizer, device = load_run(args.run, device=args.device)
+        return model, tokenizer, load_config(Path(args.run) / "config.toml"), device, str(args.run)
+    from keel.hf.convert import KEEL_CONFIG_NAME, load_hf
+
+    hf, hf_tok, device = load_hf(args.hf, device=args.device)
+    cfg = None
+    if (Path(args.hf) / KEEL_CONFIG_NAME).is_file():
+        from keel.config import load_config
+
+        cfg = load_config(Path(args.hf) / KEEL_CONFIG_NAME)
+        cfg.model = hf.config.to_model_config()
+    return hf.model, hf_tok.backend_tokenizer, cfg, device, str(args.hf)
+
+
+def _readable_dataset(path: str) -> bool:
+    if not path:
+        return False
+    from keel.data import read_meta
+
+    try:
+        read_meta(path)
+    except KeelError:
+        return False
+    return True
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """``keel eval``: held-out perplexity / bits per byte, then lm-eval tasks; exit 1 if a task could not run."""
+    from keel.eval.perplexity import text_perplexity, validation_perplexity
+
+    task_names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if args.limit is not None and args.limit < 1:
+        raise KeelError(f"--limit must be >= 1, got {args.limit}")
+    if args.batch_size < 1:
+        raise KeelError(f"--batch-size must be >= 1, got {args.batch_size}")
+    model, tokenizer, cfg, device, name = _load(args)
+    mc = model.cfg
+    default_seq = cfg.train.seq_len if cfg is not None else mc.max_seq_len
+    seq_len = args.seq_len or default_seq
+    if not 1 <= seq_len <= mc.max_seq_len:
+        raise KeelError(f"--seq-len must be between 1 and model.max_seq_len = {mc.max_seq_len}, got {seq_len}")
+    report: dict = {"model": name, "residual": mc.residual, "blocks": mc.n_layers, "sublayers": mc.n_sublayers,
+                    "d_model": mc.d_model, "parameters": model.num_params(), "perplexity": None, "tasks": {}}
+    say = (lambda *a, **k: None) if args.json else print
+    say(f"model: {name} ({mc.residual}, {mc.n_layers} blocks = {mc.n_sublayers} sub-layers, d_model {mc.d_model}, "
+        f"{model.num_params() / 1e6:.2f}M parameters)")
+
+    res = None
+    if args.text:
+        path = Path(args.text)
+        if not path.is_file():
+            raise KeelError(f"--text file not found: {path}")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise KeelError(f"--text {path} is not UTF-8 text") from None
+        from keel.hf.convert import EOS_TOKEN
+
+        res = text_perplexity(model, tokenizer, text, seq_len, device, eos_id=tokenizer.token_to_id(EOS_TOKEN),
+                              source=str(path), batch_size=args.batch_size)
+    elif cfg is not None and (args.run or _readable_dataset(cfg.data.path)):
+        from keel.train.trainer import resolve_data
+
+        max_tokens = args.max_tokens if args.max_tokens is not None else cfg.train.eval_tokens
+        res = validation_perplexity(model, tokenizer, resolve_data(cfg, progress=False), seq_len, max_tokens, device,
+                                    batch_size=args.batch_size)
+    if res is not None:
+        report["perplexity"] = {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+                                for k, v in res.to_dict().items()}
+        say(f"held-out text: {res.source} ({res.tokens:,} tokens, {res.bytes:,} bytes, windows of {seq_len} tokens)")
+        say(f"  loss {res.loss:.4f} nats/token, perplexity {res.perplexity:.2f}, bits per byte {res.bits_per_byte:.4f}")
+    else:
+        say("held-out text: none (no keel_config.toml here naming a readable prepared dataset; pass --text FILE)")
+
+    failed = 0
+    if task_names:
+        from keel.eval.tasks import run_tasks
+
+        results = run_tasks(model, tokenizer, task_names, limit=args.limit, task_dir=args.task_dir,
+                            log=lambda line: print(line, file=sys.stderr), batch_size=args.batch_size)
+        report["tasks"] = results
+        for task, metrics in results.items():
+            if "error" in metrics:
+                failed += 1
+                continue
+            vals = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+            say(f"task {task}: {vals}")
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return 1 if failed else 0

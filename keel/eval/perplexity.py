@@ -1,0 +1,168 @@
+"""Perplexity and bits per byte of a keel model on held-out text.
+
+Definitions (N predicted tokens with next-token cross-entropy l_i in nats, B = UTF-8 bytes
+of the text those N tokens decode to):
+
+* loss = (1/N) * sum_i l_i (nats per token); perplexity = exp(loss);
+* bits per byte = sum_i l_i / ln 2 / B  (as in Gao et al. 2020, The Pile, Sec. 3: it does
+  not depend on the tokenizer, so models with different vocabularies compare).
+
+Which bytes: the targets of the evaluated windows (every token but the first of each
+window; windows overlap by one token, so the targets are one contiguous run of tokens) are
+decoded in one piece with the tokenizer, special tokens (``<|endoftext|>``) skipped, and
+the UTF-8 bytes of that text are counted. The end-of-text tokens' losses are counted in
+the nats, their bytes are 0. For a text file, an end-of-text token is put in front as the
+first context token, so every token of the file is predicted and B is the file's bytes
+(after the tokenizer's round trip; for byte-level BPE exactly the file's UTF-8 bytes).
+
+Everything runs in fp32 (no autocast), in eval mode, under ``torch.no_grad``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class PerplexityResult:
+    """Held-out loss of one model on one text. ``nats`` is the summed cross-entropy of
+    ``tokens`` predicted tokens; ``bytes`` the UTF-8 bytes of their text."""
+
+    source: str
+    tokens: int
+    bytes: int
+    nats: float
+    seq_len: int
+
+    @property
+    def loss(self) -> float:
+        """Mean next-token cross-entropy, nats per token."""
+        return self.nats / self.tokens
+
+    @property
+    def perplexity(self) -> float:
+        """exp(loss); inf if the loss overflows."""
+        return math.exp(self.loss) if self.loss < 700 else math.inf
+
+    @property
+    def bits_per_byte(self) -> float:
+        """nats / ln 2 / bytes (see :func:`bits_per_byte`)."""
+        return bits_per_byte(self.nats, self.bytes)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(loss=self.loss, perplexity=self.perplexity, bits_per_byte=self.bits_per_byte)
+        return d
+
+
+def bits_per_byte(total_nats: float, n_bytes: int) -> float:
+    """Bits per UTF-8 byte: ``total_nats / ln(2) / n_bytes`` (The Pile, Gao et al. 2020, Sec. 3).
+
+    Raises ValueError if ``n_bytes`` < 1.
+    """
+    if n_bytes < 1:
+        raise ValueError(f"bits per byte needs at least one byte of text, got {n_bytes}")
+    return total_nats / math.log(2) / n_bytes
+
+
+def summed_nll(model, windows, device, batch_size: int = 8) -> tuple[float, int]:
+    """Summed next-token cross-entropy (nats) and the number of predicted tokens.
+
+    Args:
+        model: a native :class:`keel.model.Transformer` (logits fp32 [B, T, V]).
+        windows: LongTensor [N, T+1], or a list of 1-D LongTensors (lengths >= 2, may differ);
+            each window predicts its tokens 1.. from the ones before.
+        device: where to run; the model must already be there.
+        batch_size: windows per forward pass (windows of equal length are batched).
+    Returns:
+        (total nats as a Python float accumulated in float64, number of predicted tokens).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    rows = list(windows) if not isinstance(windows, torch.Tensor) else [w for w in windows]
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        with torch.no_grad():
+            by_len: dict[int, list] = {}
+            for w in rows:
+                by_len.setdefault(int(w.shape[0]), []).append(w)
+            for _, group in sorted(by_len.items()):
+                for i in range(0, len(group), batch_size):
+                    batch = torch.stack(group[i:i + batch_size]).to(device)
+                    logits = model(batch[:, :-1]).float()
+                    nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1),
+                                          reduction="sum")
+                    total += float(nll.double())
+                    count += batch[:, 1:].numel()
+    finally:
+        model.train(was_training)
+    return total, count
+
+
+def split_windows(ids: list[int], seq_len: int):
+    """Windows of ``seq_len + 1`` tokens overlapping by one, covering ``ids``: row i is
+    ``ids[i*seq_len : i*seq_len + seq_len + 1]``, the last one possibly shorter (>= 2 tokens).
+
+    Returns a list of 1-D LongTensors; their targets (all but the first token) are exactly
+    ``ids[1:]``, each once.
+    """
+    import torch
+
+    if seq_len < 1:
+        from keel.errors import KeelError
+
+        raise KeelError(f"seq_len must be >= 1, got {seq_len}")
+    out = []
+    for start in range(0, max(len(ids) - 1, 0), seq_len):
+        out.append(torch.tensor(ids[start:start + seq_len + 1], dtype=torch.long))
+    return out
+
+
+def _decoded_bytes(tokenizer, ids: list[int]) -> int:
+    return len(tokenizer.decode(ids, skip_special_tokens=True).encode("utf-8"))
+
+
+def text_perplexity(model, tokenizer, text: str, seq_len: int, device, eos_id: int | None = None,
+                    source: str = "text", batch_size: int = 8) -> PerplexityResult:
+    """Perplexity and bits per byte of ``model`` on ``text`` (str).
+
+    Args:
+        tokenizer: ``tokenizers.Tokenizer`` of the model.
+        seq_len: tokens of context per window (<= the model's max_seq_len).
+        eos_id: if given, put in front of the text so that its first token is predicted too.
+    Raises:
+        KeelError: the text gives fewer than one predicted token.
+    """
+    from keel.errors import KeelError
+
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    if eos_id is not None:
+        ids = [eos_id] + ids
+    if len(ids) < 2:
+        raise KeelError(f"{source}: too little text to evaluate ({len(ids)} tokens)")
+    nats, n = summed_nll(model, split_windows(ids, seq_len), device, batch_size)
+    return PerplexityResult(source, n, _decoded_bytes(tokenizer, ids[1:]), nats, seq_len)
+
+
+def validation_perplexity(model, tokenizer, data_dir: str | Path, seq_len: int, max_tokens: int | None,
+                          device, batch_size: int = 8) -> PerplexityResult:
+    """Perplexity and bits per byte on the validation split of a prepared dataset.
+
+    Uses :func:`keel.data.validation_tokens` (``data_dir``, ``seq_len``, ``max_tokens``): the
+    same windows the trainer's ``val_loss`` is measured on when ``seq_len`` =
+    ``train.seq_len`` and ``max_tokens`` = ``train.eval_tokens``.
+
+    Raises:
+        KeelError: not a prepared dataset, or a validation split shorter than one window.
+    """
+    from keel.data import validation_tokens
+
+    windows = validation_tokens(data_dir, seq_len, max_tokens)
+    nats, n = summed_nll(model, windows, device, batch_size)
+    targets = windows[:, 1:].reshape(-1).tolist()  # contiguous: val[1 : N*seq_len + 1]
+    return PerplexityResult(f"validation split of {data_dir}", n, _decoded_bytes(tokenizer, targets), nats, seq_len)

@@ -1,0 +1,248 @@
+"""Benchmark tasks through lm-evaluation-harness (``lm_eval``), one task at a time.
+
+:func:`evaluate_tasks` scores a :class:`keel.hf.KeelForCausalLM` with
+``lm_eval.simple_evaluate(model=HFLM(pretrained=<model>, tokenizer=<PreTrainedTokenizerFast>), ...)``;
+:func:`run_tasks` does the same for a native :class:`keel.model.Transformer` and its
+``tokenizers.Tokenizer`` (the trainer calls it every ``train.eval_tasks_every`` steps).
+
+Task names are looked up first in the shipped example folder (:data:`EXAMPLE_TASK_DIR`:
+``keel_python_completion``, 20-item multiple choice; ``keel_python_paragraphs``, rolling
+log-likelihood over six paragraphs) and in ``task_dir``; only names found in neither
+load lm-eval's own registry (indexing it takes tens of seconds). Task YAMLs in those
+folders may name local files: ``dataset_path: json`` with ``dataset_kwargs: {data_files:
+...}``; relative ``data_files`` paths are resolved against the YAML's folder.
+
+Offline: each task is loaded on its own. A task whose dataset cannot be loaded (no
+network, not in the ``datasets`` cache) is reported in one line, ``task X: dataset could
+not be loaded (offline?): ...``, and the other tasks still run. Needs
+``pip install -e .[eval]`` (lm_eval with its hf extra, transformers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+from keel.errors import KeelError
+
+EXAMPLE_TASK_DIR = Path(__file__).resolve().parent / "example_tasks"
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    text = (str(e).strip().splitlines() or [""])[0]
+    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def _quiet_lm_eval(level: int = logging.ERROR):
+    """Silence lm_eval's and transformers' info/warning chatter for the duration."""
+    loggers = [logging.getLogger(n) for n in ("lm_eval", "transformers", "datasets", "accelerate")]
+    old = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(level)
+    try:
+        yield
+    finally:
+        for lg, lvl in zip(loggers, old):
+            lg.setLevel(lvl)
+
+
+@contextlib.contextmanager
+def _no_env_probe():
+    """Skip simple_evaluate's environment report (``torch.utils.collect_env``: several ``pip``
+    and ``git`` subprocesses, seconds per task, and a ``fatal: not a git repository`` line)."""
+    import lm_eval.evaluator as ev
+
+    stubs = {"add_env_info": lambda storage: None, "get_git_commit_hash": lambda: None}
+    saved = {k: getattr(ev, k) for k in stubs if hasattr(ev, k)}
+    for k in saved:
+        setattr(ev, k, stubs[k])
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(ev, k, v)
+
+
+@contextlib.contextmanager
+def _keep_rng_state():
+    """simple_evaluate seeds python's, numpy's and torch's global generators; put them back
+    afterwards so that evaluation inside training does not change the training run."""
+    import random
+
+    import numpy as np
+    import torch
+
+    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+class _Tasks:
+    """Task index over the example folder + ``task_dir``; lm-eval's registry only when needed."""
+
+    def __init__(self, task_dir: str | Path | None = None):
+        from lm_eval.tasks import TaskManager
+
+        paths = [EXAMPLE_TASK_DIR]
+        if task_dir is not None:
+            task_dir = Path(task_dir)
+            if not task_dir.is_dir():
+                raise KeelError(f"--task-dir {task_dir} is not a folder")
+            paths.append(task_dir)
+        self.paths = paths
+        self.local = TaskManager(include_path=[str(p) for p in paths], include_defaults=False)
+        self._full = None
+
+    def manager_for(self, name: str):
+        if name in self.local.all_tasks:
+            return self.local
+        if self._full is None:
+            from lm_eval.tasks import TaskManager
+
+            self._full = TaskManager(include_path=[str(p) for p in self.paths], include_defaults=True)
+        return self._full
+
+    @staticmethod
+    def spec(manager, name: str) -> str | dict:
+        """``name``, or the task's YAML as a dict with relative data_files made absolute."""
+        entry = manager.task_index.get(name)
+        path = getattr(entry, "yaml_path", None)
+        if path is None or getattr(getattr(entry, "kind", None), "name", None) != "TASK":
+            return name
+        from lm_eval.tasks._yaml_loader import load_yaml
+
+        cfg = load_yaml(path, resolve_func=True)
+        files = (cfg.get("dataset_kwargs") or {}).get("data_files")
+        if files is None or cfg.get("task") != name:
+            return name
+        base = Path(path).parent
+
+        def fix(p):
+            if isinstance(p, str) and "://" not in p and not Path(p).expanduser().is_absolute():
+                return str(base / p)
+            if isinstance(p, list):
+                return [fix(q) for q in p]
+            if isinstance(p, dict):
+                return {k: fix(v) for k, v in p.items()}
+            return p
+
+        cfg = dict(cfg)
+        cfg["dataset_kwargs"] = dict(cfg["dataset_kwargs"], data_files=fix(files))
+        return cfg
+
+
+def _metrics_of(results: dict, task: str) -> dict[str, float]:
+    """{metric: value} of one task in simple_evaluate's results ("acc,none" -> "acc"), floats only."""
+    out = {}
+    for key, value in (results.get("results", {}).get(task) or {}).items():
+        if key in ("alias", "sample_len", "samples") or "_stderr" in key:
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        metric, _, filt = key.partition(",")
+        name = metric if filt in ("", "none") else f"{metric},{filt}"
+        out[name] = float(value)
+    return out
+
+
+def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float | None = None,
+                   task_dir: str | Path | None = None, batch_size: int = 1,
+                   log: Callable[[str], None] | None = print) -> dict[str, dict[str, Any]]:
+    """Score a Hugging Face causal LM on lm-eval tasks, one task at a time.
+
+    Args:
+        model: a ``transformers.PreTrainedModel`` (here :class:`keel.hf.KeelForCausalLM`), on
+            its device; it is put in eval mode (lm-eval does so) and not moved.
+        tokenizer: its ``PreTrainedTokenizerFast``.
+        task_names: lm-eval task names (see the module docstring for where they are found).
+        limit: at most this many documents per task (an int), or a fraction if < 1; None = all.
+        task_dir: extra folder of task YAMLs.
+        batch_size: requests per forward pass (lm-eval's HFLM batch size).
+        log: called with one line per task that could not run (None = silent).
+    Returns:
+        ``{task: {metric: value}}`` (e.g. ``acc``, ``acc_norm``, ``word_perplexity``,
+        ``bits_per_byte``; lm-eval's definitions); a task that could not run maps to
+        ``{"error": "<one line>"}`` instead.
+    Raises:
+        KeelError: lm_eval is not installed, or ``task_dir`` is not a folder.
+    """
+    try:
+        from lm_eval import simple_evaluate
+        from lm_eval.models.huggingface import HFLM
+    except ImportError as e:
+        raise KeelError(f"keel eval needs lm-evaluation-harness: pip install -e .[eval] ({_first_line(e)})") from None
+    log = log or (lambda _msg: None)
+    out: dict[str, dict[str, Any]] = {}
+    with _quiet_lm_eval(), _no_env_probe(), _keep_rng_state():
+        index = _Tasks(task_dir)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
+                  max_length=int(model.config.max_position_embeddings))
+        for name in task_names:
+            manager = index.manager_for(name)
+            if name not in manager.all_tasks:
+                msg = f"unknown task (not in {', '.join(map(str, index.paths))} nor in lm-eval's registry)"
+                log(f"task {name}: {msg}")
+                out[name] = {"error": msg}
+                continue
+            try:
+                loaded = manager.load([index.spec(manager, name)])
+            except Exception as e:  # datasets raises many kinds (ConnectionError, FileNotFoundError, ...)
+                msg = f"dataset could not be loaded (offline?): {_first_line(e)}"
+                log(f"task {name}: {msg}")
+                out[name] = {"error": msg}
+                continue
+            tasks = list(loaded["tasks"].values()) + list(loaded.get("groups", {}).values())
+            results = simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager,
+                                      log_samples=False, bootstrap_iters=0, verbosity=None)
+            for task in loaded["tasks"]:
+                out[task] = _metrics_of(results, task)
+    return out
+
+
+def run_tasks(model, tokenizer, task_names: list[str], limit: int | float | None = None, device=None,
+              task_dir: str | Path | None = None, log: Callable[[str], None] | None = print,
+              batch_size: int = 1) -> dict:
+    """Score a native keel model on lm-eval tasks; the trainer's periodic evaluation.
+
+    Args:
+        model: :class:`keel.model.Transformer` (not copied: it is wrapped by
+            :meth:`keel.hf.KeelForCausalLM.from_native`, so it stays on its device); its
+            train/eval mode is restored afterwards.
+        tokenizer: its ``tokenizers.Tokenizer`` (the run's tokenizer.json).
+        task_names: task names; the shipped examples (``keel_python_completion``,
+            ``keel_python_paragraphs``) need no ``task_dir``.
+        limit: documents per task (None = all).
+        device: ignored (the model's own device is used); kept for the trainer's call.
+        task_dir, log, batch_size: as in :func:`evaluate_tasks`.
+    Returns:
+        ``{task: {metric: value}}``, ``{"error": ...}`` for a task that could not run
+        (see :func:`evaluate_tasks`); metric values are finite floats or None (JSON-safe).
+    """
+    try:
+        from keel.hf.convert import wrap_native
+    except ImportError as e:
+        raise KeelError(f"task evaluation needs transformers and lm-eval: pip install -e .[eval] ({_first_line(e)})"
+                        ) from None
+
+    model = getattr(model, "_orig_mod", model)  # torch.compile
+    model = getattr(model, "module", model)  # DistributedDataParallel
+    was_training = model.training
+    try:
+        hf, hf_tok = wrap_native(model, tokenizer)
+        res = evaluate_tasks(hf, hf_tok, task_names, limit=limit, task_dir=task_dir, batch_size=batch_size, log=log)
+    finally:
+        model.train(was_training)
+    return {t: {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in m.items()}
+            for t, m in res.items()}

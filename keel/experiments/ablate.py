@@ -1,0 +1,368 @@
+"""``keel ablate``: layer importance, ΔPPL_i = PPL(model with sub-layer i removed) − PPL(full).
+
+Keel paper, Appendix A: remove one layer at a time and measure the perplexity increase on
+validation text; Keel shows much less redundancy in its shallow layers than Pre-LN. The
+perplexity is ``exp(mean next-token cross-entropy)`` over the same validation windows for
+every model (nats → PPL; tokens counted are the predicted ones).
+
+What "removing sub-layer i" means here: the whole residual unit of sub-layer i is bypassed,
+``x_{i+1} = x_i``. It is done from outside the model, by replacing the unit's ``forward``
+(``unit(x, F) -> x_next``, :mod:`keel.model.residual`) with ``lambda x, f: x`` for the
+duration of a ``with`` block (:func:`removed_sublayer`); F is then never called.
+
+==============  ===========================================  ==========================================
+scheme          unit of sub-layer i                          removed (bypassed) means
+==============  ===========================================  ==========================================
+``pre_ln``      ``x + F(Norm(x))``                           ``x``: F's update is dropped; the final
+                                                             Norm before the LM head stays
+``post_ln``     ``Norm(x + F(x))``                           ``x``: F *and its outer Norm* are skipped
+``deepnorm``    ``Norm(α·x + F(x))``                         ``x``: F and the outer Norm skipped
+``keel``        ``Norm_out(α·x + F(Norm_in(x)))``            ``x``: F, Norm_in and Norm_out skipped.
+                                                             First-layer rule: sub-layer 0 is plain
+                                                             Pre-LN ``x + F(Norm_in(x))`` (no outer
+                                                             norm), so removing it drops only F;
+                                                             sub-layer 1 has α = 1 and keeps Norm_out
+``hybridnorm``  (any unit with the same interface)           ``x`` (F, QKV norms inside F, outer norms)
+``mix_ln``      Post-LN lower blocks, Pre-LN upper blocks    ``x``, as for the scheme of that block
+==============  ===========================================  ==========================================
+
+Zeroing a norm's gain instead would not be "removal" for Post-LN or Keel: the outer norm
+would then zero the whole stream. With Post-LN/Keel the skipped outer norm means the
+stream entering sub-layer i+1 is not re-normalised; every later unit normalises it again.
+
+Hugging Face causal LMs (``--hf PATH``, as the paper did for Qwen and Llama): one decoder
+layer (attention + MLP with their norms and residuals) is one unit; removing it replaces
+``model.model.layers[i].forward`` with the identity on the hidden states, returning them in
+the layer's own convention (a tensor in transformers >= 4.54, a 1-tuple before; detected
+by running the full model once). The final norm stays.
+
+Outputs (``--out``, default ``RUN/ablate``): ``ablate.json``, ``ablate.md`` and
+``ablate.png`` (bar chart of ΔPPL per sub-layer, log y when the range calls for it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+from pathlib import Path
+from typing import Callable, Iterator
+
+from keel.errors import KeelError
+
+
+# ----------------------------------------------------------------------------- removal
+def _unit(model, index: int):
+    """The residual unit of sub-layer ``index`` of a keel Transformer (attention = 2b, FFN = 2b+1)."""
+    L = 2 * len(model.blocks)
+    if not 0 <= index < L:
+        raise KeelError(f"sub-layer index {index} out of range 0..{L - 1}")
+    block = model.blocks[index // 2]
+    return block.attn_res if index % 2 == 0 else block.ffn_res
+
+
+@contextlib.contextmanager
+def removed_sublayer(model, index: int | None) -> Iterator[None]:
+    """Within the block, sub-layer ``index`` of a keel ``Transformer`` is bypassed: its residual
+    unit returns its input unchanged (``x_{i+1} = x_i``, F not called). ``None`` removes nothing.
+
+    The unit's ``forward`` is shadowed by an instance attribute and restored on exit (also on
+    error). Raises KeelError for an index outside ``0 .. L-1``.
+    """
+    if index is None:
+        yield
+        return
+    unit = _unit(model, index)
+    unit.forward = lambda x, f: x
+    try:
+        yield
+    finally:
+        del unit.forward
+
+
+@contextlib.contextmanager
+def removed_hf_layer(model, index: int | None, returns_tuple: bool) -> Iterator[None]:
+    """Within the block, decoder layer ``index`` of a Hugging Face causal LM
+    (``model.model.layers``) is the identity on its hidden states.
+
+    ``returns_tuple``: whether the layer returns ``(hidden_states, ...)`` (transformers < 4.54)
+    rather than the tensor; the replacement returns ``(hidden_states,)`` then.
+    """
+    if index is None:
+        yield
+        return
+    layers = hf_layers(model)
+    if not 0 <= index < len(layers):
+        raise KeelError(f"decoder layer index {index} out of range 0..{len(layers) - 1}")
+    layer = layers[index]
+
+    def identity(hidden_states, *args, **kwargs):
+        return (hidden_states,) if returns_tuple else hidden_states
+
+    layer.forward = identity
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+def hf_layers(model):
+    """The decoder layers (``nn.ModuleList``) of a Hugging Face causal LM. Raises KeelError."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise KeelError(f"{type(model).__name__} has no model.layers (not a Llama/Qwen-style causal LM)")
+    return layers
+
+
+# ----------------------------------------------------------------------------- perplexity
+def mean_nll(logits_fn: Callable, windows, batch_size: int = 16) -> float:
+    """Mean next-token cross-entropy (nats/token) of ``logits_fn`` over ``windows``.
+
+    ``windows``: LongTensor [N, T+1]; inputs ``[:, :-1]``, targets ``[:, 1:]``;
+    ``logits_fn(ids [B, T]) -> logits [B, T, V]``. Every window counts T tokens.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, windows.shape[0], batch_size):
+            w = windows[i:i + batch_size]
+            logits = logits_fn(w[:, :-1]).float()
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1),
+                                     reduction="sum").item()
+            count += w[:, 1:].numel()
+    return total / count
+
+
+def layer_importance(n_units: int, nll_with: Callable[[int | None], float], log=None) -> dict:
+    """ΔPPL for every unit: ``nll_with(i)`` is the mean NLL with unit ``i`` removed (``None``: full).
+
+    Returns ``{"nll_full", "ppl_full", "units": [{"index", "nll", "ppl", "delta_ppl"}, ...]}``
+    with ``ppl = exp(nll)`` and ``delta_ppl = ppl - ppl_full`` (Keel paper, Appendix A).
+    """
+    nll_full = nll_with(None)
+    ppl_full = math.exp(nll_full)
+    units = []
+    for i in range(n_units):
+        nll = nll_with(i)
+        ppl = math.exp(min(nll, 700.0))
+        units.append({"index": i, "nll": nll, "ppl": ppl, "delta_ppl": ppl - ppl_full})
+        if log:
+            log(f"  unit {i}: PPL {ppl:.3f} (ΔPPL {ppl - ppl_full:+.3f})")
+    return {"nll_full": nll_full, "ppl_full": ppl_full, "units": units}
+
+
+def ablate_model(model, windows, batch_size: int = 16, log=None) -> dict:
+    """:func:`layer_importance` of a keel ``Transformer`` over ``windows`` [N, T+1] (its device).
+
+    Units are sub-layers: index 2b = attention of block b, 2b+1 = FFN of block b.
+    Adds ``scheme``, ``blocks``, ``sublayers`` and per unit ``block`` and ``kind`` (attn/ffn).
+    """
+    device = next(model.parameters()).device
+    windows = windows.to(device)
+    model.eval()
+
+    def nll_with(i):
+        with removed_sublayer(model, i):
+            return mean_nll(model, windows, batch_size)
+
+    L = 2 * len(model.blocks)
+    out = layer_importance(L, nll_with, log)
+    for u in out["units"]:
+        u["block"], u["kind"] = u["index"] // 2, ("attn" if u["index"] % 2 == 0 else "ffn")
+    out.update(scheme=model.cfg.residual, blocks=L // 2, sublayers=L, unit="sub-layer",
+               tokens=int(windows[:, 1:].numel()))
+    return out
+
+
+def ablate_hf_model(model, windows, batch_size: int = 8, log=None) -> dict:
+    """:func:`layer_importance` of a Hugging Face causal LM; one unit = one decoder layer."""
+    import torch
+
+    device = next(model.parameters()).device
+    windows = windows.to(device)
+    model.eval()
+    layers = hf_layers(model)
+    seen = {}
+
+    def probe(module, args, output):  # returns None: the output is left as it is
+        seen["tuple"] = isinstance(output, tuple)
+
+    hook = layers[0].register_forward_hook(probe)
+
+    def logits(ids):
+        return model(input_ids=ids, use_cache=False).logits
+
+    try:
+        with torch.no_grad():
+            logits(windows[:1, :2])
+    finally:
+        hook.remove()
+    returns_tuple = seen.get("tuple", False)
+
+    def nll_with(i):
+        with removed_hf_layer(model, i, returns_tuple):
+            return mean_nll(logits, windows, batch_size)
+
+    out = layer_importance(len(layers), nll_with, log)
+    for u in out["units"]:
+        u["block"], u["kind"] = u["index"], "layer"
+    out.update(scheme=f"hf:{type(model).__name__}", blocks=len(layers), sublayers=2 * len(layers),
+               unit="decoder layer", tokens=int(windows[:, 1:].numel()))
+    return out
+
+
+def windows_from_ids(ids, seq_len: int, max_tokens: int | None = None):
+    """Windows of ``seq_len + 1`` tokens with stride ``seq_len`` (like
+    :func:`keel.data.validation_tokens`), at most ``max_tokens // seq_len`` of them (>= 1):
+    LongTensor [N, seq_len + 1]. Raises KeelError if ``ids`` is shorter than one window."""
+    import torch
+
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    n = (len(ids) - 1) // seq_len
+    if n < 1:
+        raise KeelError(f"text too short: {len(ids)} tokens, need at least {seq_len + 1}")
+    if max_tokens:
+        n = min(n, max(1, max_tokens // seq_len))
+    starts = torch.arange(n) * seq_len
+    return ids[starts[:, None] + torch.arange(seq_len + 1)]
+
+
+# ----------------------------------------------------------------------------- outputs
+def ablate_markdown(res: dict, title: str) -> str:
+    """Markdown table of an ablation result."""
+    lines = [f"# Layer importance: {title}", "",
+             f"{res['scheme']}, {res['blocks']} blocks = {res['sublayers']} sub-layers; unit removed = one "
+             f"{res['unit']}; {res['tokens']:,} validation tokens. Full model: PPL {res['ppl_full']:.3f} "
+             f"(loss {res['nll_full']:.4f} nats/token). ΔPPL = PPL without the unit − PPL of the full model.", "",
+             "| index | block | unit | PPL without | ΔPPL |", "|---|---|---|---|---|"]
+    for u in res["units"]:
+        lines.append(f"| {u['index']} | {u['block']} | {u['kind']} | {u['ppl']:.3f} | {u['delta_ppl']:+.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_ablation(res: dict, out: str | Path, title: str = "") -> None:
+    """Bar chart of ΔPPL per unit (Keel paper Appendix A style); symmetric-log y axis when
+    the largest |ΔPPL| is over 50x the median one."""
+    from keel.train.plots import plt, save_figure
+
+    d = [u["delta_ppl"] for u in res["units"]]
+    colors = ["tab:blue" if u["kind"] in ("attn", "layer") else "tab:orange" for u in res["units"]]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.12 * len(d) + 3), 4))
+    ax.bar(range(len(d)), d, color=colors)
+    mags = sorted(abs(x) for x in d if math.isfinite(x))
+    if mags and mags[-1] > 50 * max(mags[len(mags) // 2], 1e-9):
+        ax.set_yscale("symlog", linthresh=max(mags[len(mags) // 2], 1e-3))
+    unit = res["unit"]
+    ax.set_xlabel(f"{unit} index" + (" (even = attention, odd = FFN)" if unit == "sub-layer" else ""))
+    ax.set_ylabel("ΔPPL (PPL without it − full PPL)")
+    ax.set_title(title or f"layer importance: {res['scheme']}, {res['sublayers']} sub-layers "
+                 f"(full PPL {res['ppl_full']:.2f})")
+    if unit == "sub-layer":
+        from matplotlib.patches import Patch
+
+        ax.legend(handles=[Patch(color="tab:blue", label="attention"), Patch(color="tab:orange", label="FFN")])
+    ax.grid(alpha=0.3, axis="y")
+    save_figure(fig, out)
+
+
+def write_outputs(res: dict, out_dir: str | Path, title: str) -> None:
+    """``ablate.json``, ``ablate.md`` and ``ablate.png`` in ``out_dir`` (created), atomically."""
+    from keel.io import atomic_write_text
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_dir / "ablate.json", json.dumps(res, indent=1))
+    atomic_write_text(out_dir / "ablate.md", ablate_markdown(res, title))
+    plot_ablation(res, out_dir / "ablate.png")
+
+
+# ----------------------------------------------------------------------------- command
+def run_validation(run_dir: Path):
+    """(config, prepared data folder) of a keel run directory."""
+    from keel.config import load_config
+    from keel.train.trainer import resolve_data
+
+    if not (run_dir / "config.toml").is_file():
+        raise KeelError(f"not a run directory (no config.toml): {run_dir}")
+    cfg = load_config(run_dir / "config.toml")
+    return cfg, resolve_data(cfg, progress=False)
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    import torch
+
+    from keel.data import validation_tokens
+
+    if args.tokens is not None and args.tokens < 1:
+        raise KeelError(f"--tokens must be >= 1, got {args.tokens}")
+    run = Path(args.run) if args.run else None
+    log = (lambda m: print(m, file=__import__("sys").stderr)) if args.verbose else None
+    if args.hf:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        hf = Path(args.hf)
+        if not hf.is_dir():
+            raise KeelError(f"--hf expects a local model folder (save_pretrained), got {hf}")
+        tok = AutoTokenizer.from_pretrained(hf)
+        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+        if args.text:
+            if not Path(args.text).is_file():
+                raise KeelError(f"--text file not found: {args.text}")
+            text = Path(args.text).read_text()
+        elif run is not None:
+            from keel.data import load_tokenizer
+            from keel.data.shards import read_shard
+
+            cfg, data_dir = run_validation(run)
+            val = read_shard(Path(data_dir) / "val.bin")
+            n = min(len(val), 4 * (args.tokens or 16384) + 1024)  # enough text for the HF tokenizer
+            text = load_tokenizer(data_dir).decode(val[:n].tolist())
+        else:
+            raise KeelError("--hf needs --text FILE or --run DIR (its validation split) for the text")
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        seq = args.seq_len or min(512, getattr(model.config, "max_position_embeddings", 512))
+        windows = windows_from_ids(ids, seq, args.tokens or 16384)
+        res = ablate_hf_model(model, windows, batch_size=args.batch_size, log=log)
+        title, default_out = str(hf), hf / "ablate"
+    else:
+        if run is None:
+            raise KeelError("give --run DIR (a keel run) or --hf MODEL_PATH")
+        from keel.train.checkpoint import load_run
+
+        cfg, data_dir = run_validation(run)
+        model, _, device = load_run(run, device=args.device)
+        seq = args.seq_len or cfg.train.seq_len
+        windows = validation_tokens(data_dir, seq, args.tokens or 16384)
+        res = ablate_model(model, windows, batch_size=args.batch_size, log=log)
+        title, default_out = str(run), run / "ablate"
+    res["source"] = title
+    out = Path(args.out) if args.out else default_out
+    write_outputs(res, out, title)
+    if args.json:
+        print(json.dumps(res, indent=1))
+    else:
+        print(ablate_markdown(res, title))
+        print(f"ablate: {out}/ablate.json, ablate.md, ablate.png")
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add ``keel ablate`` to the CLI."""
+    p = subparsers.add_parser("ablate", help="layer importance: ΔPPL when each sub-layer is removed",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", default=None, help="a keel run directory (model and validation split)")
+    p.add_argument("--hf", default=None, metavar="MODEL_PATH",
+                   help="a local Hugging Face causal LM folder instead (one decoder layer = one unit)")
+    p.add_argument("--text", default=None, help="with --hf: a text file to measure on (else --run's validation split)")
+    p.add_argument("--tokens", type=int, default=None, help="validation tokens to use (default 16384)")
+    p.add_argument("--seq-len", type=int, default=None, help="window length (default: the run's train.seq_len; HF 512)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default=None, help="output folder (default: RUN/ablate or MODEL_PATH/ablate)")
+    p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
+    p.add_argument("--verbose", action="store_true", help="log each unit's PPL on stderr")
+    p.set_defaults(func=cmd_ablate)

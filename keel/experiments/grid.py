@@ -1,0 +1,221 @@
+"""A generic grid runner: run a list of named jobs in worker processes, cache finished
+ones, resume interrupted ones.
+
+It knows nothing about what a job does; a *task* does the work. ``keel sweep``
+(:mod:`keel.experiments.sweep`) uses it with a task that trains one config; ``keel
+stress`` can use it with its own task. Layout under ``out_dir``::
+
+    out_dir/grid.json          the job list (name, values, config) of the latest invocation
+    out_dir/NAME/job.json      the job as it was launched (its config is checked on resume)
+    out_dir/NAME/result.json   the task's result; its presence means "finished" (cached)
+    out_dir/NAME/run.log       everything the task logged
+    out_dir/NAME/...           whatever the task writes (a training run directory)
+
+A job is *finished* when ``result.json`` exists: it is never run again. A job whose
+folder exists without ``result.json`` was interrupted: with ``resume=True`` it is run
+again with ``resume=True`` passed to the task (a training task continues from its
+latest checkpoint, or starts over if it has none). Without ``resume``, an ``out_dir``
+that already holds anything is an error that names ``--resume``.
+
+A task is a module-level function (so that the ``spawn`` start method can pickle it)::
+
+    task(job: GridJob, run_dir: Path, resume: bool, log: Callable[[str], None]) -> dict
+
+It returns a JSON-serialisable dict, stored as ``result.json`` together with
+``name``, ``values``, ``status = "done"`` and ``wall_s`` (seconds in the task). A task
+that raises is recorded as ``status = "error"`` with the message, is *not* cached (it
+runs again on ``--resume``), and does not stop the other jobs. A task that should
+treat an expected failure (e.g. ``keel.train.TrainingStopped``) as a result catches it
+itself and returns it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from keel.errors import KeelError
+from keel.io import atomic_write_text
+
+RESULT_FILE = "result.json"
+JOB_FILE = "job.json"
+LOG_FILE = "run.log"
+GRID_FILE = "grid.json"
+
+Task = Callable[["GridJob", Path, bool, Callable[[str], None]], dict]
+
+
+@dataclass
+class GridJob:
+    """One named job of a grid.
+
+    Attributes:
+        name: folder name under ``out_dir`` (letters, digits and ``._=-+`` only).
+        config: the nested config dict of the run (``keel.config.Config.to_dict()``), or
+            any JSON-serialisable dict the task understands.
+        values: the job's coordinates in the grid, e.g. ``{"model.residual": "keel",
+            "train.lr": 0.003}`` (JSON-serialisable; shown in tables).
+    """
+
+    name: str
+    config: dict
+    values: dict = field(default_factory=dict)
+
+
+def _check_name(name: str) -> None:
+    ok = name and name not in (".", "..") and all(c.isalnum() or c in "._=-+" for c in name)
+    if not ok:
+        raise KeelError(f"grid job name {name!r} is not a plain folder name (letters, digits, ._=-+)")
+
+
+def cached_result(run_dir: str | Path) -> dict | None:
+    """The stored ``result.json`` of a finished job, or None if it has not finished."""
+    p = Path(run_dir) / RESULT_FILE
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except ValueError:
+        return None
+
+
+def _init_worker(threads: int) -> None:
+    """Process-pool initializer: limit intra-op threads so workers x threads ~ cores."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["MKL_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set in this process
+        pass
+
+
+def _execute(task: Task, job: GridJob, run_dir: str, resume: bool) -> dict:
+    """Run one job (in a worker or in-process); never raises for a task error."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / JOB_FILE, json.dumps(asdict(job), indent=1))
+    t0 = time.perf_counter()
+    with open(run_dir / LOG_FILE, "a") as logf:
+        def log(msg: str) -> None:
+            logf.write(f"{msg}\n")
+            logf.flush()
+
+        log(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {'resume' if resume else 'start'} {job.name}")
+        try:
+            out = dict(task(job, run_dir, resume, log))
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - recorded, the grid goes on
+            log(traceback.format_exc())
+            kind = "" if isinstance(e, KeelError) else f"{type(e).__name__}: "
+            return {"name": job.name, "values": job.values, "status": "error", "message": f"{kind}{e}",
+                    "wall_s": time.perf_counter() - t0}
+    result = {"name": job.name, "values": job.values, "status": "done", **out,
+              "wall_s": out.get("wall_s", time.perf_counter() - t0)}
+    atomic_write_text(run_dir / RESULT_FILE, json.dumps(result, indent=1, default=str))
+    return result
+
+
+def plan_grid(jobs: Sequence[GridJob], out_dir: str | Path, resume: bool = False) -> tuple[list[GridJob], list[GridJob]]:
+    """Split ``jobs`` into (finished, to run); check names and the resume rules.
+
+    Raises:
+        KeelError: duplicate or unsafe names; ``out_dir`` not empty without ``resume``; an
+            interrupted job whose stored ``job.json`` has a different config (the grid changed).
+    """
+    out_dir = Path(out_dir)
+    names = [j.name for j in jobs]
+    for n in names:
+        _check_name(n)
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise KeelError(f"grid has repeated run names: {', '.join(dup)}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise KeelError(f"output {out_dir} exists and is not a folder")
+    if not resume and out_dir.is_dir() and any(out_dir.iterdir()):
+        raise KeelError(f"output folder {out_dir} is not empty; use --resume to continue it, or another --out")
+    done, todo = [], []
+    for job in jobs:
+        run_dir = out_dir / job.name
+        if cached_result(run_dir) is not None:
+            done.append(job)
+            continue
+        stored = run_dir / JOB_FILE
+        if stored.is_file():
+            old = json.loads(stored.read_text()).get("config")
+            if old != json.loads(json.dumps(job.config)):
+                raise KeelError(f"run {run_dir} was started with a different config; "
+                                f"remove it or use another --out")
+        todo.append(job)
+    return done, todo
+
+
+def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, workers: int = 1,
+             resume: bool = False, threads: int | None = None, log: Callable[[str], None] = print) -> list[dict]:
+    """Run every job of the grid that has not finished; return all results in job order.
+
+    Args:
+        jobs: the grid (names unique).
+        out_dir: parent folder of the job folders.
+        task: ``task(job, run_dir, resume, log) -> dict``, a module-level function.
+        workers: worker processes (``ProcessPoolExecutor`` with the ``spawn`` start method);
+            0 runs the jobs one after another in this process (debugging, tests).
+        resume: continue a non-empty ``out_dir`` (finished jobs are skipped, interrupted
+            ones are resumed); without it a non-empty ``out_dir`` is an error.
+        threads: torch intra-op threads per worker; default ``max(1, cores // workers)``.
+        log: progress lines ("[3/12] name: done in 41 s").
+    Returns:
+        One dict per job: the cached or new ``result.json`` content (``status = "done"``),
+        or ``{"status": "error", "message": ...}`` for a job whose task raised.
+    Raises:
+        KeelError: see :func:`plan_grid`; ``workers < 0``.
+    """
+    if workers < 0:
+        raise KeelError(f"--workers must be >= 0, got {workers}")
+    out_dir = Path(out_dir)
+    done, todo = plan_grid(jobs, out_dir, resume)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_dir / GRID_FILE, json.dumps([asdict(j) for j in jobs], indent=1))
+    results: dict[str, dict] = {j.name: cached_result(out_dir / j.name) for j in done}
+    n_workers = max(1, workers)
+    threads = threads or max(1, (os.cpu_count() or 1) // n_workers)
+    log(f"grid: {len(jobs)} runs, {len(done)} finished already, {len(todo)} to run "
+        f"({workers or 'no'} worker process(es), {threads} thread(s) each), out {out_dir}")
+    count = [len(done)]
+
+    def report(job: GridJob, r: dict) -> None:
+        results[job.name] = r
+        count[0] += 1
+        what = "done" if r["status"] == "done" else f"error: {r['message']}"
+        log(f"[{count[0]}/{len(jobs)}] {job.name}: {what} ({r['wall_s']:.0f} s)")
+
+    def resumed(job: GridJob) -> bool:
+        return (out_dir / job.name).exists()
+
+    if todo and workers == 0:
+        for job in todo:
+            report(job, _execute(task, job, str(out_dir / job.name), resumed(job)))
+    elif todo:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+                                 initargs=(threads,)) as ex:
+            futures = {ex.submit(_execute, task, job, str(out_dir / job.name), resumed(job)): job for job in todo}
+            try:
+                for fut in as_completed(futures):
+                    report(futures[fut], fut.result())
+            except BaseException:
+                for fut in futures:
+                    fut.cancel()
+                raise
+    return [results[j.name] for j in jobs]

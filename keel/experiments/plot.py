@@ -1,0 +1,247 @@
+"""``keel plot``: PNG figures from run and sweep folders.
+
+* ``keel plot loss RUN_OR_SWEEP... --out FILE [--val] [--x tokens|steps] [--smooth K]``:
+  loss curves of several runs on one axis (Keel paper, Figures 4 and 5). Training loss by
+  default (a trailing mean over ``K`` steps with ``--smooth``); ``--val`` plots the
+  validation loss of the evaluation steps instead. A sweep folder stands for all its runs.
+* ``keel plot depth SWEEP --out FILE``: final validation loss against depth in sub-layers
+  (log2 x axis), one line per scheme (paper Figure 1c). Where the sweep has a
+  ``--best-over`` key (or ``train.lr`` varies), each point is the best value of it; any
+  other varying grid key gets its own line.
+* ``keel plot lr SWEEP --out FILE``: final validation loss against peak LR (log x axis),
+  one line per scheme and depth; runs that diverged are drawn as crosses at their last
+  validation loss.
+
+Figures are written atomically (:func:`keel.train.plots.save_figure`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Sequence
+
+from keel.errors import KeelError
+
+
+def _run_dirs(paths: Sequence[str | Path]) -> list[tuple[str, Path]]:
+    """(label, run dir) for every run folder or every run of a sweep folder."""
+    out = []
+    for p in map(Path, paths):
+        if (p / "sweep.json").is_file():
+            s = json.loads((p / "sweep.json").read_text())
+            out += [(r["name"], p / r["name"]) for r in s["runs"] if (p / r["name"] / "metrics.jsonl").is_file()]
+        elif (p / "metrics.jsonl").is_file():
+            out.append((p.name, p))
+        else:
+            raise KeelError(f"not a run folder (no metrics.jsonl) or sweep folder (no sweep.json): {p}")
+    if not out:
+        raise KeelError("no runs to plot")
+    return out
+
+
+def _smooth(ys: list[float], k: int) -> list[float]:
+    """Trailing mean over the last ``k`` values (k <= 1: unchanged)."""
+    if k <= 1:
+        return ys
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= k:
+            acc -= ys[i - k]
+        out.append(acc / min(i + 1, k))
+    return out
+
+
+def plot_loss_curves(paths: Sequence[str | Path], out: str | Path, *, val: bool = False, x: str = "tokens",
+                     smooth: int = 0, title: str = "", labels: Sequence[str] | None = None) -> int:
+    """Loss curves (nats/token) of runs on one axis; returns the number of curves drawn.
+
+    Args:
+        paths: run folders and/or sweep folders.
+        out: PNG path.
+        val: validation loss at the evaluation steps instead of the training loss.
+        x: ``tokens`` or ``steps`` on the x axis.
+        smooth: trailing-mean window (steps) for the training loss.
+        labels: one legend label per curve (default: run folder names).
+    Raises:
+        KeelError: a path that is neither a run nor a sweep; bad ``x``; wrong number of labels.
+    """
+    from keel.train.plots import plt, read_metrics, save_figure
+
+    if x not in ("tokens", "steps"):
+        raise KeelError(f"--x must be tokens or steps, got {x!r}")
+    runs = _run_dirs(paths)
+    if labels is not None and len(labels) != len(runs):
+        raise KeelError(f"{len(labels)} labels for {len(runs)} runs")
+    xkey = "tokens" if x == "tokens" else "step"
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    n = 0
+    for i, (name, run) in enumerate(runs):
+        recs = read_metrics(run / "metrics.jsonl")
+        if val:
+            pts = [(r[xkey], r["val_loss"]) for r in recs if "val_loss" in r and math.isfinite(r["val_loss"])]
+        else:
+            pts = [(r[xkey], r["loss"]) for r in recs if "loss" in r and not r.get("skipped")
+                   and math.isfinite(r["loss"])]
+        if not pts:
+            continue
+        xs, ys = zip(*pts)
+        ys = list(ys) if val else _smooth(list(ys), smooth)
+        ax.plot(xs, ys, "o-" if val else "-", ms=3, lw=1.0 if val else 0.9, label=labels[i] if labels else name)
+        n += 1
+    ax.set_xlabel("tokens" if x == "tokens" else "optimiser steps")
+    what = "validation" if val else "training" + (f" (mean of {smooth} steps)" if smooth > 1 else "")
+    ax.set_ylabel(f"{what} loss (nats/token)")
+    ax.set_title(title or f"{what} loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2 if n > 8 else 1)
+    save_figure(fig, out)
+    return n
+
+
+def _sweep(sweep_dir) -> dict:
+    from keel.experiments.sweep import load_sweep
+
+    return load_sweep(sweep_dir)
+
+
+def _series_key(values: dict, skip: Sequence[str]) -> str:
+    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in values.items() if k not in skip)
+
+
+def depth_points(sweep: dict) -> dict[str, list[tuple[int, float, dict]]]:
+    """Per line label: ``(sub-layers, final val loss, run)`` for the plot of loss against depth.
+
+    The line label is the scheme plus any grid key other than depth and the best-over key
+    (``train.lr`` by default if it varies). Each point is the lowest final validation loss
+    among that line's runs at that depth that did not diverge. Raises KeelError if the sweep
+    does not vary ``model.n_layers``.
+    """
+    keys = sweep["grid_keys"]
+    if "model.n_layers" not in keys:
+        raise KeelError("this sweep does not vary model.n_layers: no depth axis")
+    best = sweep.get("best_over") or ("train.lr" if "train.lr" in keys else None)
+    skip = ["model.n_layers"] + ([best] if best else [])
+    lines: dict[str, dict[int, tuple[float, dict]]] = {}
+    for r in sweep["runs"]:
+        if r.get("status") != "done" or r.get("diverged") or r.get("final_val_loss") is None:
+            continue
+        label = _series_key(r["values"], skip) or "runs"
+        L = 2 * int(r["values"]["model.n_layers"])
+        cur = lines.setdefault(label, {}).get(L)
+        if cur is None or r["final_val_loss"] < cur[0]:
+            lines[label][L] = (r["final_val_loss"], r)
+    return {k: sorted((L, v, run) for L, (v, run) in d.items()) for k, d in lines.items()}
+
+
+def plot_depth(sweep_dir: str | Path, out: str | Path, title: str = "") -> dict:
+    """Final validation loss against depth (sub-layers, log2 axis), one line per scheme.
+
+    Returns :func:`depth_points`. Raises KeelError (not a sweep, no depth axis, no usable run).
+    """
+    from keel.train.plots import plt, save_figure
+
+    sweep = _sweep(sweep_dir)
+    pts = depth_points(sweep)
+    if not pts:
+        raise KeelError(f"no finished, non-diverged runs in {sweep_dir}")
+    best = sweep.get("best_over") or ("train.lr" if "train.lr" in sweep["grid_keys"] else None)
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for label, ps in pts.items():
+        xs, ys = [p[0] for p in ps], [p[1] for p in ps]
+        ax.plot(xs, ys, "o-", label=label)
+        if best:
+            for L, v, run in ps:
+                ax.annotate(f"{run['values'][best]:g}", (L, v), textcoords="offset points", xytext=(4, 4), fontsize=6)
+    ax.set_xscale("log", base=2)
+    allx = sorted({p[0] for ps in pts.values() for p in ps})
+    ax.set_xticks(allx)
+    ax.set_xticklabels([f"{L}\n({L // 2} blocks)" for L in allx], fontsize=8)
+    ax.set_xlabel("depth (sub-layers)")
+    ax.set_ylabel("final validation loss (nats/token)")
+    ax.set_title(title or ("final validation loss vs depth" + (f" (best {best} per point, labelled)" if best else "")))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save_figure(fig, out)
+    return pts
+
+
+def plot_lr(sweep_dir: str | Path, out: str | Path, title: str = "") -> int:
+    """Final validation loss against peak LR (log x), one line per scheme/depth (other keys).
+
+    Diverged or stopped runs are drawn as crosses at their last validation loss. Returns
+    the number of lines. Raises KeelError if the sweep does not vary ``train.lr``.
+    """
+    from keel.train.plots import plt, save_figure
+
+    sweep = _sweep(sweep_dir)
+    if "train.lr" not in sweep["grid_keys"]:
+        raise KeelError("this sweep does not vary train.lr: no LR axis")
+    lines: dict[str, list] = {}
+    for r in sweep["runs"]:
+        if r.get("status") != "done":
+            continue
+        label = _series_key(r["values"], ["train.lr"]) or "runs"
+        ok = not r.get("diverged") and r.get("final_val_loss") is not None
+        y = r.get("final_val_loss") if ok else _last_val(Path(sweep_dir) / r["name"])
+        lines.setdefault(label, []).append((r["values"]["train.lr"], y, ok))
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for label, ps in lines.items():
+        ps.sort()
+        good = [(x, y) for x, y, ok in ps if ok]
+        line = ax.plot(*zip(*good), "o-", label=label)[0] if good else ax.plot([], [], "o-", label=label)[0]
+        bad = [(x, y) for x, y, ok in ps if not ok and y is not None and math.isfinite(y)]
+        if bad:
+            ax.plot(*zip(*bad), "x", color=line.get_color(), ms=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("peak learning rate")
+    ax.set_ylabel("final validation loss (nats/token)")
+    ax.set_title(title or "LR sweep (x = diverged/stopped, last validation loss)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2 if len(lines) > 8 else 1)
+    save_figure(fig, out)
+    return len(lines)
+
+
+def _last_val(run_dir: Path) -> float | None:
+    from keel.train.plots import read_metrics
+
+    if not (run_dir / "metrics.jsonl").is_file():
+        return None
+    vals = [r["val_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r]
+    return vals[-1] if vals else None
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise KeelError(f"folder of --out does not exist: {out.parent}")
+    if args.kind == "loss":
+        n = plot_loss_curves(args.paths, out, val=args.val, x=args.x, smooth=args.smooth, title=args.title)
+        print(f"{out}: {n} curves")
+    else:
+        if len(args.paths) != 1:
+            raise KeelError(f"keel plot {args.kind} takes one sweep folder, got {len(args.paths)}")
+        if args.kind == "depth":
+            n = len(plot_depth(args.paths[0], out, title=args.title))
+        else:
+            n = plot_lr(args.paths[0], out, title=args.title)
+        print(f"{out}: {n} lines")
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add ``keel plot`` to the CLI."""
+    p = subparsers.add_parser("plot", help="plot loss curves, loss vs depth, loss vs LR (PNG)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("kind", choices=("loss", "depth", "lr"))
+    p.add_argument("paths", nargs="+", help="run folders / sweep folders (depth, lr: one sweep folder)")
+    p.add_argument("--out", required=True, help="PNG file to write")
+    p.add_argument("--val", action="store_true", help="loss: validation loss instead of training loss")
+    p.add_argument("--x", default="tokens", choices=("tokens", "steps"), help="loss: x axis")
+    p.add_argument("--smooth", type=int, default=0, help="loss: trailing mean of the training loss over K steps")
+    p.add_argument("--title", default="")
+    p.set_defaults(func=cmd_plot)

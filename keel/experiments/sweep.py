@@ -1,0 +1,554 @@
+"""``keel sweep``: grids of training runs, with equal-compute tables and best-LR selection.
+
+A sweep is the cartesian product of ``--grid KEY=V1,V2,...`` options over any config keys
+(``model.residual``, ``model.n_layers``, ``train.lr`` ...), applied on top of a base config
+and ``--set`` overrides. Every point is an ordinary run directory (``keel.train.train``)
+named after its coordinates, e.g. ``keel_L64_lr0.003`` (L = sub-layers). Runs are spread
+over worker processes by :func:`keel.experiments.grid.run_grid`: finished runs are cached,
+an interrupted sweep continues with ``--resume``.
+
+Outputs in ``--out``::
+
+    sweep.json   grid, base config, what was held fixed, one record per run, the best-LR table
+    sweep.md     the same as markdown tables
+    NAME/        the run directories (config.toml, metrics.jsonl, checkpoints/, result.json ...)
+
+Per run: final validation loss (at the last step; nats/token), best validation loss over
+the evaluations, tokens trained, optimiser steps, parameters (total and non-embedding),
+wall time (seconds in the worker, evaluations included) and a divergence verdict: the
+online classifier's verdict if the run logged one (``divergence`` records), else the
+offline classifier :func:`keel.diagnostics.divergence.classify_metrics` on the training
+loss curve (Keel paper, Sec. 5.1: stagnation, instability, degradation); ``stopped`` if
+the trainer stopped the run (``TrainingStopped``); ``non-finite`` if a step was skipped
+for a NaN/inf loss.
+
+``--best-over train.lr``: for every combination of the other grid keys, the value of
+``train.lr`` with the lowest final validation loss among runs that did not diverge (the
+paper tunes the peak LR per scheme and depth, Sec. 5).
+
+``--match-params N`` (or ``auto`` = the base config's count) holds the non-embedding
+parameter count fixed: every point gets the ``d_model`` (and ``d_ff`` in the base
+ratio) that brings it closest to N (:func:`width_for_params`), for deeper-vs-wider
+comparisons (paper Table 5).
+
+Presets: ``--preset NAME`` reads ``configs/sweeps/NAME.toml`` (or a file)::
+
+    base = "demo"                       # config preset or file; --config overrides it
+    best_over = "train.lr"              # optional
+    match_params = 0                    # optional; "auto" or a count
+    [grid]
+    "model.residual" = ["keel", "pre_ln"]
+    [set]
+    "train.steps" = 300
+
+``--grid`` and ``--set`` on the command line add to (and override) the preset's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from keel.errors import KeelError
+from keel.experiments.grid import GridJob, run_grid
+from keel.io import atomic_write_text
+
+SWEEP_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "sweeps"
+HELD_KEYS = ("tokens", "steps", "params")
+
+
+# ----------------------------------------------------------------------------- grid
+def parse_value(raw: str) -> Any:
+    """A TOML scalar (``1e-3`` -> float, ``16`` -> int, ``true``) or, failing that, the string."""
+    from keel.config import tomllib
+
+    raw = raw.strip()
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def parse_grid(specs: Sequence[str]) -> dict[str, list]:
+    """``["model.residual=keel,pre_ln", "train.lr=1e-3,3e-3"]`` -> ordered ``{key: [values]}``.
+
+    A key given twice keeps the later list. Raises KeelError on a malformed spec, a key
+    without a section, an empty or repeated value.
+    """
+    grid: dict[str, list] = {}
+    for spec in specs:
+        if "=" not in spec:
+            raise KeelError(f"--grid expects section.key=v1,v2,..., got {spec!r}")
+        key, raw = spec.split("=", 1)
+        key = key.strip()
+        if "." not in key:
+            raise KeelError(f"--grid key must be section.key, got {key!r}")
+        parts = [p for p in raw.split(",")]
+        if not raw.strip() or any(not p.strip() for p in parts):
+            raise KeelError(f"--grid {key} has an empty value in {raw!r}")
+        values = [parse_value(p) for p in parts]
+        if len({json.dumps(v) for v in values}) != len(values):
+            raise KeelError(f"--grid {key} repeats a value: {raw!r}")
+        grid[key] = values
+    return grid
+
+
+def expand_grid(grid: dict[str, list]) -> list[dict]:
+    """The cartesian product of ``grid``, as a list of ``{key: value}`` dicts, first key slowest."""
+    keys = list(grid)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def run_name(values: dict) -> str:
+    """A readable, filesystem-safe run name from grid coordinates.
+
+    ``model.residual`` contributes its value, ``model.n_layers`` ``L<sub-layers>``,
+    ``train.lr`` ``lr<value>``, any other key ``<last part of key><value>``; joined by ``_``.
+    E.g. ``{"model.residual": "keel", "model.n_layers": 32, "train.lr": 0.003}`` ->
+    ``keel_L64_lr0.003``.
+    """
+    parts = []
+    for key, v in values.items():
+        short = key.split(".")[-1]
+        if key == "model.residual":
+            parts.append(_fmt(v))
+        elif key == "model.n_layers":
+            parts.append(f"L{2 * int(v)}")
+        else:
+            parts.append(f"{short}{_fmt(v)}")
+    name = "_".join(parts) or "run"
+    return re.sub(r"[^A-Za-z0-9._=+-]", "-", name)
+
+
+def _override(key: str, value: Any) -> str:
+    import tomli_w
+
+    return f"{key}={tomli_w.dumps({'v': value}).split('=', 1)[1].strip()}"
+
+
+# ----------------------------------------------------------------------------- params
+def param_count(model_cfg, non_embedding: bool = False) -> int:
+    """Parameters of ``Transformer(model_cfg)`` (tied weights once), counted by building
+    the model on the ``meta`` device (no memory, no init cost).
+
+    ``non_embedding`` leaves out the token embedding (the LM head still counts), as
+    :meth:`keel.model.Transformer.num_params` does. Raises KeelError on an invalid shape.
+    """
+    import dataclasses
+
+    import torch
+
+    from keel.model import Transformer
+
+    def count(n_layers: int) -> int:
+        with torch.device("meta"):
+            model = Transformer(dataclasses.replace(model_cfg, n_layers=n_layers))
+        return model.num_params(non_embedding=non_embedding)
+
+    # Blocks after the first are identical in size (block 0 may differ, e.g. Keel's first-layer
+    # rule), so two small models give the exact count at any depth without building 512 blocks.
+    if model_cfg.n_layers <= 2:
+        return count(model_cfg.n_layers)
+    one, two = count(1), count(2)
+    return one + (model_cfg.n_layers - 1) * (two - one)
+
+
+def width_for_params(model_cfg, target: int, n_layers: int | None = None, *, multiple: int | None = None,
+                     ffn_ratio: float | None = None, non_embedding: bool = True):
+    """The width that brings a model of ``n_layers`` blocks closest to ``target`` parameters.
+
+    Holds the number of heads (and KV heads) and the FFN ratio ``d_ff / d_model`` fixed and
+    searches ``d_model`` over multiples of ``multiple`` (default ``2 * n_heads``, so that
+    the head dimension is even for RoPE). The parameter count grows monotonically with
+    ``d_model``, so a bisection finds the bracketing widths and the closer one is chosen.
+    Used for deeper-vs-wider comparisons at equal parameters (Keel paper, Table 5).
+
+    Args:
+        model_cfg: a ``keel.config.ModelConfig`` (not modified).
+        target: parameter count to match (non-embedding by default; see :func:`param_count`).
+        n_layers: blocks of the new model (default: ``model_cfg.n_layers``).
+        multiple: step of the width search.
+        ffn_ratio: ``d_ff / d_model`` (default: ``model_cfg``'s own ratio); ``d_ff`` is rounded.
+    Returns:
+        A new ``ModelConfig`` with ``n_layers``, ``d_model`` and ``d_ff`` set.
+    Raises:
+        KeelError: ``target`` < 1 or not reachable below 64x the base width.
+    """
+    import dataclasses
+
+    if target < 1:
+        raise KeelError(f"parameter target must be >= 1, got {target}")
+    n_layers = model_cfg.n_layers if n_layers is None else int(n_layers)
+    multiple = multiple or 2 * model_cfg.n_heads
+    ratio = ffn_ratio if ffn_ratio is not None else model_cfg.d_ff / model_cfg.d_model
+
+    def shape(k: int):
+        d = k * multiple
+        return dataclasses.replace(model_cfg, n_layers=n_layers, d_model=d, d_ff=max(1, round(ratio * d)))
+
+    def count(k: int) -> int:
+        return param_count(shape(k), non_embedding=non_embedding)
+
+    lo, hi = 1, max(2, 64 * model_cfg.d_model // multiple)
+    if count(hi) < target:
+        raise KeelError(f"{target:,} parameters need more than d_model {hi * multiple} at {n_layers} blocks")
+    if count(lo) >= target:
+        return shape(lo)
+    while hi - lo > 1:  # invariant: count(lo) < target <= count(hi)
+        mid = (lo + hi) // 2
+        if count(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    best = lo if target - count(lo) <= count(hi) - target else hi
+    return shape(best)
+
+
+# ----------------------------------------------------------------------------- jobs
+def load_preset(name: str) -> dict:
+    """A sweep preset: ``configs/sweeps/NAME.toml`` or a TOML file path, as a dict.
+
+    Raises KeelError for an unknown name, unparsable TOML or unknown top-level keys.
+    """
+    from keel.config import tomllib
+
+    p = Path(name)
+    if not (p.suffix == ".toml" and p.is_file()):
+        p = SWEEP_DIR / f"{name}.toml"
+    if not p.is_file():
+        known = ", ".join(sorted(q.stem for q in SWEEP_DIR.glob("*.toml"))) or "none"
+        raise KeelError(f"unknown sweep preset {name!r} (not a file; presets in {SWEEP_DIR}: {known})")
+    try:
+        d = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise KeelError(f"cannot parse sweep preset {p}: {e}") from None
+    unknown = set(d) - {"base", "grid", "set", "best_over", "match_params", "description"}
+    if unknown:
+        raise KeelError(f"unknown key(s) in sweep preset {p}: {', '.join(sorted(unknown))}")
+    for k, v in d.get("grid", {}).items():
+        if not isinstance(v, list) or not v:
+            raise KeelError(f"sweep preset {p}: grid {k!r} must be a non-empty list")
+    return d
+
+
+def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[str] = (), *,
+               match_params: int | str | None = None, data_path: str | None = None) -> list[GridJob]:
+    """One :class:`GridJob` per grid point: base config + ``sets`` + the point's values.
+
+    Every job gets ``train.progress = false`` (workers log to their ``run.log``) and, if
+    given, ``data.path = data_path`` (data prepared once, before the workers start).
+    With ``match_params`` (a count, or ``"auto"`` = the base config's non-embedding count),
+    ``model.d_model``/``model.d_ff`` of each point are set by :func:`width_for_params`
+    and recorded in its values.
+
+    Raises:
+        KeelError: unknown config keys or values, ``match_params`` together with a grid over
+            ``model.d_model``, a grid point that is not a valid model.
+    """
+    from keel.cli import resolve_config_path
+    from keel.config import load_config
+
+    cfg_path = resolve_config_path(config)
+    base_sets = list(sets) + ["train.progress=false"] + ([f"data.path={data_path}"] if data_path else [])
+    base = load_config(cfg_path, base_sets)
+    target = None
+    if match_params not in (None, 0, "0", ""):
+        if "model.d_model" in grid or "model.d_ff" in grid:
+            raise KeelError("--match-params sets model.d_model and model.d_ff; do not also sweep them")
+        if match_params == "auto":
+            target = param_count(base.model, non_embedding=True)
+        else:
+            try:
+                target = int(float(match_params))
+            except ValueError:
+                raise KeelError(f"--match-params must be a parameter count or 'auto', got {match_params!r}") from None
+    jobs = []
+    for values in expand_grid(grid) if grid else [{}]:
+        cfg = load_config(cfg_path, base_sets + [_override(k, v) for k, v in values.items()])
+        shown = dict(values)
+        if target is not None:
+            m = width_for_params(cfg.model, target, ffn_ratio=base.model.d_ff / base.model.d_model)
+            if m.d_model % m.n_heads or m.n_heads % m.n_kv_heads:
+                raise KeelError(f"width {m.d_model} does not fit {m.n_heads} heads")
+            cfg = load_config(cfg_path, base_sets + [_override(k, v) for k, v in values.items()]
+                              + [f"model.d_model={m.d_model}", f"model.d_ff={m.d_ff}"])
+            shown["model.d_model"] = m.d_model
+        jobs.append(GridJob(run_name(values), cfg.to_dict(), shown))
+    return jobs
+
+
+# ----------------------------------------------------------------------------- one run
+def _verdict(records: list[dict], stopped: str | None) -> tuple[str, str]:
+    """(verdict, detail): ``ok`` | ``stopped`` | ``non-finite`` | a classifier mode."""
+    if stopped:
+        return "stopped", stopped
+    losses = [r for r in records if "loss" in r]
+    if any(r.get("skipped") for r in losses) or any(not math.isfinite(r.get("val_loss", 0.0)) for r in records):
+        return "non-finite", "a step had a non-finite loss or gradient"
+    logged = [r["divergence"] for r in records if "divergence" in r]
+    try:
+        from keel.diagnostics.divergence import Verdict, classify_metrics
+    except ImportError:  # classifier not available: report what the records say
+        return ("diverged", json.dumps(logged[0])) if logged else ("ok", "")
+    v = Verdict.from_dict(logged[0]) if logged else classify_metrics(records)
+    return ("ok" if not v.diverged else v.mode), v.summary()
+
+
+def run_summary(run_dir: str | Path, stopped: str | None = None) -> dict:
+    """The numbers ``keel sweep`` reports for one run directory (from its files).
+
+    Returns a dict: ``blocks``, ``sublayers``, ``step`` (steps done), ``steps`` (planned),
+    ``tokens`` (trained), ``planned_tokens``, ``final_val_loss`` (at the last planned
+    step, None if the run did not get there), ``best_val_loss``, ``first_val_loss``,
+    ``params``, ``non_embedding_params``, ``elapsed_s`` (training seconds, evaluations
+    excluded), ``verdict``, ``verdict_detail``, ``diverged`` (verdict != ok). Losses are
+    nats/token.
+    """
+    from keel.config import load_config
+    from keel.train.plots import read_metrics
+
+    run_dir = Path(run_dir)
+    cfg = load_config(run_dir / "config.toml")
+    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    vals = [r for r in records if "val_loss" in r]
+    last = records[-1] if records else {}
+    tc = cfg.train
+    verdict, detail = _verdict(records, stopped)
+    final = vals[-1]["val_loss"] if vals and vals[-1]["step"] == tc.steps and not stopped else None
+    finite_vals = [r["val_loss"] for r in vals if math.isfinite(r["val_loss"])]
+    return {
+        "blocks": cfg.model.n_layers, "sublayers": cfg.model.n_sublayers, "d_model": cfg.model.d_model,
+        "step": last.get("step", 0), "steps": tc.steps, "tokens": last.get("tokens", 0),
+        "planned_tokens": tc.steps * tc.batch_size * tc.seq_len * tc.grad_accum,
+        "final_val_loss": final, "best_val_loss": min(finite_vals) if finite_vals else None,
+        "first_val_loss": vals[0]["val_loss"] if vals else None,
+        "params": param_count(cfg.model), "non_embedding_params": param_count(cfg.model, non_embedding=True),
+        "elapsed_s": last.get("elapsed_s", 0.0),
+        "verdict": verdict, "verdict_detail": detail, "diverged": verdict != "ok",
+    }
+
+
+def train_task(job: GridJob, run_dir: Path, resume: bool, log: Callable[[str], None]) -> dict:
+    """Grid task of ``keel sweep``: train (or resume) ``job.config`` in ``run_dir``.
+
+    A run stopped by the trainer (``keel.train.TrainingStopped``: non-finite steps,
+    divergence) is a result (verdict ``stopped``), not an error. Returns
+    :func:`run_summary` plus ``wall_s`` (seconds in this call).
+    """
+    from keel.config import config_from_dict
+    from keel.train import TrainingStopped, train
+
+    t0 = time.perf_counter()
+    cfg = config_from_dict(job.config)
+    stopped = None
+    try:
+        train(cfg, run_dir, resume=resume, log=log)
+    except TrainingStopped as e:
+        stopped = str(e)
+        log(f"stopped: {e}")
+    out = run_summary(run_dir, stopped)
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+# ----------------------------------------------------------------------------- tables
+def held_fixed(runs: list[dict]) -> dict[str, Any]:
+    """For tokens (planned), steps (planned) and parameters: the common value if every run
+    has the same one, else ``"varies"``. Equal-compute comparisons hold tokens fixed."""
+    key = {"tokens": "planned_tokens", "steps": "steps", "params": "params"}
+    out = {}
+    for name in HELD_KEYS:
+        vals = {r[key[name]] for r in runs if key[name] in r}
+        out[name] = vals.pop() if len(vals) == 1 else "varies"
+    return out
+
+
+def best_over(runs: list[dict], grid_keys: Sequence[str], key: str) -> list[dict]:
+    """For every combination of the grid keys other than ``key``, the run (among those that
+    did not diverge and have a final validation loss) with the lowest final validation loss.
+
+    Returns one row per combination, in first-seen order: ``{"values": {...other keys},
+    "best": value of key or None, "run": the chosen run or None, "n_ok": usable runs,
+    "n": runs}``. Raises KeelError if ``key`` is not a grid key.
+    """
+    if key not in grid_keys:
+        raise KeelError(f"--best-over {key} is not one of the grid keys ({', '.join(grid_keys) or 'none'})")
+    others = [k for k in grid_keys if k != key]
+    groups: dict[str, dict] = {}
+    for r in runs:
+        vals = r.get("values", {})
+        gk = json.dumps([vals.get(k) for k in others])
+        g = groups.setdefault(gk, {"values": {k: vals.get(k) for k in others}, "best": None, "run": None,
+                                   "n_ok": 0, "n": 0})
+        g["n"] += 1
+        if r.get("status") != "done" or r.get("diverged") or r.get("final_val_loss") is None:
+            continue
+        g["n_ok"] += 1
+        if g["run"] is None or r["final_val_loss"] < g["run"]["final_val_loss"]:
+            g["run"], g["best"] = r, vals.get(key)
+    return list(groups.values())
+
+
+def _col(key: str) -> str:
+    return {"model.n_layers": "blocks (sub-layers)", "model.residual": "scheme"}.get(key, key)
+
+
+def _cell(key: str, v: Any) -> str:
+    if v is None:
+        return "—"
+    if key == "model.n_layers":
+        return f"{v} ({2 * int(v)})"
+    return _fmt(v)
+
+
+def _num(v, fmt="{:.4f}") -> str:
+    return "—" if v is None else fmt.format(v)
+
+
+def sweep_markdown(summary: dict) -> str:
+    """The ``sweep.md`` text: header (what was held fixed), all runs, and the best-over table."""
+    keys = summary["grid_keys"] + [k for k in summary.get("derived_keys", [])]
+    held = summary["held_fixed"]
+    fixed = [f"{k} = {v:,}" for k, v in held.items() if v != "varies"]
+    varies = [k for k, v in held.items() if v == "varies"]
+    lines = [f"# Sweep {summary['out']}", "",
+             f"Base config: `{summary['config']}`; overrides: `{' '.join(summary['sets']) or 'none'}`.", "",
+             f"**Held fixed:** {', '.join(fixed) or 'nothing'}. **Varies:** {', '.join(varies) or 'nothing'}"
+             f" (tokens and steps are the planned ones; params include the embedding).", "",
+             "Losses are validation cross-entropy in nats/token; wall s = seconds in the worker (evaluations "
+             "included); depth is blocks (sub-layers).", ""]
+    head = [_col(k) for k in keys] + ["final val", "best val", "final ppl", "tokens", "steps", "params (M)",
+                                       "non-emb (M)", "wall s", "verdict"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in summary["runs"]:
+        vals = r.get("values", {})
+        if r.get("status") != "done":
+            cells = [_cell(k, vals.get(k)) for k in keys] + ["—"] * 8 + [f"error: {r.get('message', '')}"]
+        else:
+            fv = r.get("final_val_loss")
+            cells = [_cell(k, vals.get(k)) for k in keys] + [
+                _num(fv), _num(r.get("best_val_loss")), _num(math.exp(fv) if fv is not None else None, "{:.2f}"),
+                f"{r['tokens']:,}", str(r["step"]), f"{r['params'] / 1e6:.3f}", f"{r['non_embedding_params'] / 1e6:.3f}",
+                f"{r.get('wall_s', 0):.0f}", r["verdict"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    if summary.get("best"):
+        key = summary["best_over"]
+        others = [k for k in summary["grid_keys"] if k != key]
+        lines += ["", f"## Best {key} per {', '.join(_col(k) for k in others) or 'sweep'}", "",
+                  "Chosen among runs that did not diverge, by final validation loss.", ""]
+        head = [_col(k) for k in others] + [f"best {key}", "final val", "final ppl", "usable runs"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for g in summary["best"]:
+            fv = g["final_val_loss"]
+            cells = [_cell(k, g["values"].get(k)) for k in others] + [
+                _cell(key, g["best"]) if g["best"] is not None else "all diverged", _num(fv),
+                _num(math.exp(fv) if fv is not None else None, "{:.2f}"), f"{g['n_ok']}/{g['n']}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def load_sweep(sweep_dir: str | Path) -> dict:
+    """The ``sweep.json`` of a sweep folder. Raises KeelError if there is none."""
+    p = Path(sweep_dir) / "sweep.json"
+    if not p.is_file():
+        raise KeelError(f"not a sweep folder (no sweep.json): {sweep_dir}")
+    return json.loads(p.read_text())
+
+
+# ----------------------------------------------------------------------------- driver
+def run_sweep(config: str | None, grid: dict[str, list], sets: Sequence[str] = (), *, out: str | Path,
+              workers: int = 1, threads: int | None = None, resume: bool = False, best: str | None = None,
+              match_params: int | str | None = None, log: Callable[[str], None] = print) -> dict:
+    """Run (or complete) a sweep and write ``sweep.json`` and ``sweep.md`` in ``out``.
+
+    Args: as the ``keel sweep`` options (see the module docstring); ``best`` = ``--best-over``.
+    Returns:
+        The ``sweep.json`` content: ``config``, ``sets``, ``grid``, ``grid_keys``,
+        ``held_fixed``, ``runs`` (one :func:`run_summary` record per run, plus ``name``,
+        ``values``, ``status``, ``wall_s``), ``best_over``, ``best``.
+    Raises:
+        KeelError: bad grid/config, non-empty ``out`` without ``resume``, ``best`` not a
+            grid key; data preparation errors.
+    """
+    from keel.cli import resolve_config_path
+    from keel.config import load_config
+    from keel.train.trainer import resolve_data
+
+    if best is not None and best not in grid:
+        raise KeelError(f"--best-over {best} is not one of the grid keys ({', '.join(grid) or 'none'})")
+    base = load_config(resolve_config_path(config), list(sets))
+    data_path = None
+    if not any(k.startswith("data.") for k in grid):  # prepare once, not in every worker
+        data_path = str(resolve_data(base, progress=False))
+    jobs = build_jobs(config, grid, sets, match_params=match_params, data_path=data_path)
+    results = run_grid(jobs, out, train_task, workers=workers, resume=resume, threads=threads, log=log)
+    summary: dict[str, Any] = {
+        "out": str(out), "config": str(resolve_config_path(config)), "sets": list(sets), "grid": grid,
+        "grid_keys": list(grid), "derived_keys": ["model.d_model"] if match_params not in (None, 0, "0", "") else [],
+        "match_params": match_params, "runs": results,
+        "held_fixed": held_fixed([r for r in results if r.get("status") == "done"]),
+        "best_over": best, "best": None,
+    }
+    if best:
+        rows = best_over(results, list(grid), best)
+        summary["best"] = [{"values": g["values"], "best": g["best"], "name": g["run"]["name"] if g["run"] else None,
+                            "final_val_loss": g["run"]["final_val_loss"] if g["run"] else None,
+                            "n_ok": g["n_ok"], "n": g["n"]} for g in rows]
+    out = Path(out)
+    atomic_write_text(out / "sweep.json", json.dumps(summary, indent=1, default=str))
+    atomic_write_text(out / "sweep.md", sweep_markdown(summary))
+    return summary
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    preset = load_preset(args.preset) if args.preset else {}
+    grid = {k: list(v) for k, v in preset.get("grid", {}).items()}
+    grid.update(parse_grid(args.grid))
+    if not grid:
+        raise KeelError("nothing to sweep: give --grid section.key=v1,v2 (or a --preset with a [grid])")
+    sets = [_override(k, v) for k, v in preset.get("set", {}).items()] + list(args.set)
+    config = args.config or preset.get("base")
+    best = args.best_over or preset.get("best_over")
+    match = args.match_params if args.match_params is not None else preset.get("match_params")
+    if args.resume and not args.out:
+        raise KeelError("--resume needs --out (the sweep folder to continue)")
+    out = Path(args.out) if args.out else Path("runs") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    s = run_sweep(config, grid, sets, out=out, workers=args.workers, threads=args.threads or None,
+                  resume=args.resume, best=best, match_params=match)
+    print(sweep_markdown(s))
+    print(f"sweep: {out}/sweep.md, {out}/sweep.json")
+    return 1 if any(r.get("status") != "done" for r in s["runs"]) else 0
+
+
+def register(subparsers) -> None:
+    """Add ``keel sweep`` to the CLI."""
+    p = subparsers.add_parser("sweep", help="run a grid of training runs (equal-compute tables, best LR)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=None, help="base config file or preset name (default: demo, or the preset's base)")
+    p.add_argument("--preset", default=None, help="sweep preset: a name in configs/sweeps/ or a TOML file")
+    p.add_argument("--grid", action="append", default=[], metavar="SECTION.KEY=V1,V2,...",
+                   help="a grid axis (repeatable; the sweep is the cartesian product)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key in every run (repeatable)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (0 = in this process)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
+    p.add_argument("--out", default=None, help="sweep folder (default: runs/sweep-<time>)")
+    p.add_argument("--resume", action="store_true", help="continue --out: skip finished runs, resume interrupted ones")
+    p.add_argument("--best-over", default=None, metavar="KEY",
+                   help="report, per combination of the other grid keys, the value of KEY (e.g. train.lr) "
+                        "with the lowest final validation loss among runs that did not diverge")
+    p.add_argument("--match-params", default=None, metavar="N|auto",
+                   help="hold non-embedding parameters at N (auto: the base config's) by choosing d_model per point")
+    p.set_defaults(func=cmd_sweep)

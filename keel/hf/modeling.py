@@ -1,0 +1,204 @@
+"""``KeelForCausalLM``: the native keel model (:class:`keel.model.Transformer`) behind the
+Hugging Face ``PreTrainedModel`` / ``GenerationMixin`` interface.
+
+There is no second copy of the architecture: ``KeelForCausalLM(config).model`` *is* a
+``keel.model.Transformer`` built from ``config.to_model_config()``; its parameter names
+appear with the prefix ``model.`` in ``model.safetensors``. With tied embeddings
+(``tie_word_embeddings``) ``model.lm_head.weight`` is the same tensor as
+``model.tok_emb.weight`` and is saved once.
+
+KV cache: the native model takes any object with ``update(k, v, layer_idx)`` and
+``get_seq_length()``, which ``transformers.DynamicCache`` has, so ``generate()`` with
+``use_cache=True`` passes its cache straight through; RoPE positions start at the cache's
+length.
+
+Padding: the native model has no attention mask. A 2-D ``attention_mask`` is accepted when
+it is all ones, or when its zeros are only at the end of a row (right padding, no cache):
+causal attention never lets a real token see a later pad, so its logits are unaffected
+(the logits at pad positions are meaningless). Left padding, or any zero followed by a one,
+raises :class:`keel.errors.KeelError`; batch prompts of different lengths one by one, or
+pad on the right (lm-evaluation-harness' loglikelihood requests do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from keel.errors import KeelError
+from keel.hf.configuration import KeelConfig
+from keel.model import RMSNorm, Transformer, rope_tables
+
+_OUTPUT_FIELDS = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+_CACHE_FIELD = "cache" if "cache" in _OUTPUT_FIELDS else "past_key_values"
+
+
+def check_attention_mask(attention_mask: torch.Tensor | None, past_length: int) -> None:
+    """Raise KeelError unless ``attention_mask`` [B, past_length + T] (0/1) is all ones or
+    right padding (zeros only after the last one in each row) with ``past_length == 0``."""
+    if attention_mask is None:
+        return
+    if attention_mask.dim() != 2:
+        raise KeelError("keel models take a 2-D attention_mask [batch, tokens] of 0/1 only")
+    m = attention_mask.to(torch.bool)
+    if bool(m.all()):
+        return
+    # a zero followed (later in the row) by a one = left padding or a hole
+    later_one = m.flip(-1).cummax(-1).values.flip(-1)
+    if bool((~m & later_one).any()) or past_length > 0:
+        raise KeelError(
+            "keel models do not support left padding or holes in attention_mask (the native model has no "
+            "padding mask); run prompts of different lengths one at a time, or pad on the right")
+
+
+class KeelPreTrainedModel(PreTrainedModel):
+    """Base class: config class, weight init and the parts of the HF interface all keel models share."""
+
+    config_class = KeelConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["Block"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        """Initialise ``module`` the native way (called by transformers on fresh or partly loaded models).
+
+        On the native :class:`Transformer`: the RoPE tables (non-persistent buffers, never
+        saved) are recomputed; if none of its parameters was loaded from a checkpoint, the
+        whole native init runs (:meth:`Transformer.reset_parameters`, including a scheme's
+        own sub-layer init, e.g. DeepNorm's); otherwise only parameters that were missing
+        from the checkpoint get N(0, init_std^2) (matrices, embedding) or 1 (RMSNorm gains).
+        """
+        if not isinstance(module, Transformer):
+            return
+        cfg = module.cfg
+        cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
+        module.rope_cos.copy_(cos.to(module.rope_cos.device))
+        module.rope_sin.copy_(sin.to(module.rope_sin.device))
+        params = list(module.parameters())
+        if not any(getattr(p, "_is_hf_initialized", False) for p in params):
+            module.reset_parameters()
+            return
+        for sub in module.modules():
+            w = getattr(sub, "weight", None)
+            if not isinstance(w, torch.nn.Parameter) or getattr(w, "_is_hf_initialized", False):
+                continue
+            if isinstance(sub, RMSNorm):
+                w.fill_(1.0)
+            else:
+                w.normal_(0.0, cfg.init_std)
+
+
+class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
+    """A keel decoder-only LM for ``transformers``: ``from_pretrained``, ``save_pretrained``, ``generate``.
+
+    ``KeelForCausalLM(config)`` builds a fresh native model from ``config``
+    (:class:`KeelConfig`); :meth:`from_native` wraps an existing
+    :class:`keel.model.Transformer` without copying its weights.
+
+    Raises:
+        KeelError: an impossible config (from :meth:`KeelConfig.to_model_config`).
+    """
+
+    _tied_weights_keys = {"model.lm_head.weight": "model.tok_emb.weight"}
+
+    def __init__(self, config: KeelConfig, model: Transformer | None = None):
+        super().__init__(config)
+        self.model = model if model is not None else Transformer(config.to_model_config())
+        self.vocab_size = config.vocab_size
+        self.post_init()
+
+    @classmethod
+    def from_native(cls, model: Transformer, **config_kwargs) -> "KeelForCausalLM":
+        """Wrap a native :class:`keel.model.Transformer` (shared, not copied) as a KeelForCausalLM.
+
+        ``config_kwargs`` go to :class:`KeelConfig` (e.g. ``eos_token_id``). The wrapper
+        shares ``model``'s parameters, device, dtype and train/eval mode.
+        """
+        config = KeelConfig.from_model_config(model.cfg, **config_kwargs)
+        with torch.device("meta"):  # transformers skips its weight init under a meta device
+            return cls(config, model=model)
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        return self.model.tok_emb
+
+    def set_input_embeddings(self, value: torch.nn.Embedding) -> None:
+        self.model.tok_emb = value
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        return self.model.lm_head
+
+    def set_output_embeddings(self, value: torch.nn.Linear) -> None:
+        self.model.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values=None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Logits (and loss) of the native model, in the Hugging Face output format.
+
+        Args:
+            input_ids: LongTensor [B, T]; they follow the ``cache``'s positions, if any.
+            attention_mask: optional 0/1 [B, past + T]; see the module docstring (left
+                padding raises KeelError).
+            position_ids: optional [B, T]; must equal ``past + arange(T)`` (the native
+                model derives RoPE positions from the cache length), else KeelError.
+            cache / past_key_values: a ``transformers.DynamicCache`` (or
+                :class:`keel.model.KVCache`), extended in place; with ``use_cache`` and no
+                cache given, a new ``DynamicCache`` is made and returned.
+            inputs_embeds: not supported (KeelError).
+            labels: optional LongTensor [B, T] aligned with ``input_ids`` (shifted inside,
+                -100 ignored); the loss is the mean next-token cross-entropy, nats/token.
+            logits_to_keep: int k > 0 keeps the last k positions' logits; 0 keeps all.
+        Returns:
+            ``CausalLMOutputWithPast`` with ``logits`` fp32 [B, T (or k), V], ``loss`` (scalar
+            fp32 or None) and the cache.
+        Raises:
+            KeelError: unsupported inputs (above) or a sequence longer than max_seq_len.
+        """
+        if inputs_embeds is not None:
+            raise KeelError("keel models take input_ids, not inputs_embeds")
+        if input_ids is None:
+            raise KeelError("input_ids is required")
+        cache = cache if cache is not None else past_key_values
+        if use_cache is None:
+            use_cache = bool(getattr(self.config, "use_cache", False)) and not self.training
+        if cache is None and use_cache:
+            from transformers import DynamicCache
+
+            cache = DynamicCache()
+        past = cache.get_seq_length() if cache is not None else 0
+        check_attention_mask(attention_mask, past)
+        if position_ids is not None:
+            T = input_ids.shape[1]
+            expected = torch.arange(past, past + T, device=position_ids.device).expand(position_ids.shape[0], T)
+            if position_ids.shape != expected.shape or not torch.equal(position_ids, expected):
+                raise KeelError("keel models derive positions from the cache length; position_ids must be "
+                                "past_length + arange(T) for every row (no padding offsets)")
+        logits = self.model(input_ids, cache=cache)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),
+                                   labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
+        if isinstance(logits_to_keep, int):
+            if logits_to_keep > 0:
+                logits = logits[:, -logits_to_keep:]
+        else:
+            logits = logits[:, logits_to_keep]
+        out = {"loss": loss, "logits": logits, _CACHE_FIELD: cache if use_cache else None}
+        return CausalLMOutputWithPast(**out)

@@ -1,0 +1,168 @@
+"""keel ablate: ΔPPL_i = PPL(without sub-layer i) − PPL(full) (Keel paper, Appendix A)."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from keel.config import load_config
+from keel.errors import KeelError
+from keel.experiments.ablate import ablate_hf_model, ablate_model, mean_nll, removed_sublayer, windows_from_ids
+from keel.model import SCHEMES, Transformer
+
+
+def _model(scheme, n_layers=2):
+    cfg = load_config(None, [f"model.residual={scheme}", f"model.n_layers={n_layers}", "model.d_model=32",
+                             "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=64", "model.vocab_size=97",
+                             "model.max_seq_len=32", "model.init_std=0.2"]).model
+    torch.manual_seed(0)
+    return Transformer(cfg).eval()
+
+
+def _windows(n=4, T=16, V=97):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, V, (n, T + 1), generator=g)
+
+
+def hand_forward(model, ids, skip):
+    """Transcription of Transformer.forward with sub-layer ``skip`` left out (x_{i+1} = x_i)."""
+    T = ids.shape[1]
+    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+    x = model.tok_emb(ids)
+    for b, blk in enumerate(model.blocks):
+        if 2 * b != skip:
+            x = blk.attn_res(x, lambda h: blk.attn(h, cos, sin))
+        if 2 * b + 1 != skip:
+            x = blk.ffn_res(x, blk.ffn)
+    if model.norm is not None:
+        x = model.norm(x)
+    return model.lm_head(x).float()
+
+
+def ppl(logits, targets):
+    return math.exp(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).item())
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_delta_ppl_matches_hand_built_forward(scheme):
+    model, w = _model(scheme), _windows()
+    res = ablate_model(model, w, batch_size=4)
+    with torch.no_grad():
+        full = ppl(model(w[:, :-1]), w[:, 1:])
+        assert res["ppl_full"] == pytest.approx(full, rel=1e-5)
+        assert res["ppl_full"] == pytest.approx(math.exp(model(w[:, :-1], w[:, 1:]).item()), rel=1e-5)
+        assert len(res["units"]) == 4 and res["sublayers"] == 4 and res["blocks"] == 2
+        for u in res["units"]:
+            want = ppl(hand_forward(model, w[:, :-1], u["index"]), w[:, 1:]) - full
+            assert u["delta_ppl"] == pytest.approx(want, rel=1e-4, abs=1e-4 * full), (scheme, u)
+            assert u["kind"] == ("attn" if u["index"] % 2 == 0 else "ffn") and u["block"] == u["index"] // 2
+        # removal changes the model (the test could otherwise pass vacuously) ...
+        assert max(abs(u["delta_ppl"]) for u in res["units"]) > 1e-3 * full
+        # ... and is undone on exit: removing nothing is the full model, ΔPPL 0
+        after = ppl(model(w[:, :-1]), w[:, 1:])
+    assert after == full
+    with removed_sublayer(model, None):
+        assert mean_nll(model, w) == pytest.approx(math.log(full), rel=1e-6)
+
+
+def test_keel_first_sublayer_removal_keeps_the_rest():
+    """Keel's sub-layer 0 is plain Pre-LN (no outer norm): removing it feeds the embedding
+    straight into sub-layer 1; the forward of every other unit is untouched."""
+    model, w = _model("keel"), _windows()
+    with torch.no_grad(), removed_sublayer(model, 0):
+        x = model.tok_emb(w[:, :-1])
+        assert model.blocks[0].attn_res(x, lambda h: 1 / 0) is x  # F is never called
+        inside = model(w[:, :-1])
+    assert torch.equal(inside, hand_forward(model, w[:, :-1], 0))
+    assert "forward" not in vars(model.blocks[0].attn_res)
+    with pytest.raises(KeelError, match="out of range"):
+        with removed_sublayer(model, 4):
+            pass
+
+
+def test_windows_from_ids():
+    w = windows_from_ids(list(range(100)), 10, max_tokens=35)
+    assert w.shape == (3, 11) and w[1, 0] == 10 and w[1, -1] == 20
+    assert windows_from_ids(list(range(100)), 10).shape == (9, 11)
+    with pytest.raises(KeelError, match="too short"):
+        windows_from_ids([1, 2], 10)
+
+
+def test_ablate_cli_on_a_run(tiny_config, tmp_path, keel_cli):
+    from keel.data import validation_tokens
+    from keel.train import train
+    from keel.train.checkpoint import load_run
+
+    run = tmp_path / "run"
+    train(tiny_config(steps=4, checkpoint_every=4, eval_every=4), run, log=lambda m: None)
+    r = keel_cli("ablate", "--run", run, "--tokens", 256, "--out", tmp_path / "abl", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res == json.loads((tmp_path / "abl" / "ablate.json").read_text())
+    assert len(res["units"]) == 4 and res["tokens"] == 256
+    assert (tmp_path / "abl" / "ablate.png").stat().st_size > 1000
+    assert "| 3 | 1 | ffn |" in (tmp_path / "abl" / "ablate.md").read_text()
+    model, _, _ = load_run(run, device="cpu")
+    cfg = load_config(run / "config.toml")
+    w = validation_tokens(cfg.data.path, cfg.train.seq_len, 256)
+    with torch.no_grad():
+        full = ppl(model(w[:, :-1]), w[:, 1:])
+        assert res["ppl_full"] == pytest.approx(full, rel=1e-5)
+        want = ppl(hand_forward(model, w[:, :-1], 3), w[:, 1:]) - full
+    assert res["units"][3]["delta_ppl"] == pytest.approx(want, rel=1e-4, abs=1e-6 * full)
+    r = keel_cli("ablate", "--run", tmp_path / "nowhere")
+    assert r.returncode == 2 and "not a run directory" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_data, tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("llama")
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                                   initializer_range=0.2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tiny_data / "tokenizer.json"),
+                                               eos_token="<|endoftext|>")
+    tok.save_pretrained(path)
+    return path
+
+
+def test_hf_layer_removal_equals_a_model_without_that_layer(tiny_llama):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    w = _windows(n=4, T=16, V=512)
+    res = ablate_hf_model(model, w, batch_size=2)
+    assert len(res["units"]) == 3 and res["unit"] == "decoder layer"
+    with torch.no_grad():
+        full = ppl(model(input_ids=w[:, :-1]).logits, w[:, 1:])
+    assert res["ppl_full"] == pytest.approx(full, rel=1e-5)
+    for i in range(3):  # the transcription: a 2-layer model holding the other layers' weights
+        short = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+        short.model.layers = torch.nn.ModuleList([lay for j, lay in enumerate(short.model.layers) if j != i])
+        short.config.num_hidden_layers = 2
+        with torch.no_grad():
+            want = ppl(short(input_ids=w[:, :-1], use_cache=False).logits, w[:, 1:]) - full
+        assert res["units"][i]["delta_ppl"] == pytest.approx(want, rel=1e-4, abs=1e-5 * full)
+    assert max(abs(u["delta_ppl"]) for u in res["units"]) > 1e-3 * full
+    with torch.no_grad():  # layers restored
+        assert ppl(model(input_ids=w[:, :-1]).logits, w[:, 1:]) == pytest.approx(full, rel=1e-6)
+
+
+def test_hf_cli_with_text(tiny_llama, tmp_path, keel_cli):
+    import json as _json
+
+    text = tmp_path / "t.txt"
+    text.write_text(_json.__doc__ * 4)
+    r = keel_cli("ablate", "--hf", tiny_llama, "--text", text, "--seq-len", 32, "--tokens", 128,
+                 "--out", tmp_path / "o", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert len(res["units"]) == 3 and res["tokens"] == 128 and res["scheme"] == "hf:LlamaForCausalLM"
+    assert (tmp_path / "o" / "ablate.png").is_file()
+    r = keel_cli("ablate", "--hf", tiny_llama)
+    assert r.returncode == 2 and "--text" in r.stderr

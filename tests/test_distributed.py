@@ -1,0 +1,195 @@
+"""Two processes on CPU (gloo): DDP and FSDP2 runs against the single-process run with the
+same global batch, resume across world sizes (2 -> 1, 1 -> 2), and ``keel train --nproc``.
+
+All multi-process work happens once, in the module fixture ``runs``: the DDP run goes
+through the real CLI (``keel train --nproc 2``, i.e. torchrun) in the background while the
+FSDP run and the 1 -> 2 resume run in one ``torch.multiprocessing`` spawn of 2 workers.
+
+Tolerance: the runs compute the same fp32 arithmetic except for the order of reductions
+(per-rank means then an all-reduce, instead of one mean; reduce-scatter under FSDP). Each
+reordering changes a sum by a few ulp (fp32 eps = 1.2e-7); measured differences after 8
+AdamW steps are <= 3e-7 relative, so we allow rtol = 1e-5 -- 100x below any change a wrong
+batch, a missing gradient average or a wrong norm would make (>= 1e-2 here).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, tiny_overrides
+from keel import KeelError
+from keel.config import load_config
+from keel.data import TokenLoader
+from keel.train import train
+from keel.train.distributed import spawn_training
+
+RTOL = 1e-5
+STEPS = 8
+
+
+def quiet(*a, **k):
+    pass
+
+
+def metrics(run):
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def truncate_to(src: Path, dst: Path, step: int) -> Path:
+    """A copy of run ``src`` as if it had been interrupted right after checkpoint ``step``."""
+    shutil.copytree(src, dst)
+    name = f"step_{step:08d}"
+    for p in (dst / "checkpoints").glob("step_*"):
+        if p.name > name:
+            shutil.rmtree(p)
+    (dst / "checkpoints" / "latest").write_text(name + "\n")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+
+    def cfg(**train_keys):
+        sets = tiny_overrides(tiny_data, steps=STEPS, eval_every=4, checkpoint_every=4, **train_keys)
+        return load_config(REPO / "configs" / "demo.toml", sets), sets
+
+    # DDP through the CLI, in the background: global batch 2 x grad_accum 2 = the same 4
+    # windows per optimizer step as batch 4 x 1 (1 sequence per rank per micro-batch)
+    _, ddp_sets = cfg(batch_size=2, grad_accum=2, parallelism="ddp")
+    cli = subprocess.Popen(
+        [str(Path(sys.executable).parent / "keel"), "train", "--nproc", "2", "--run-dir", str(root / "ddp"),
+         *[a for s in ddp_sets for a in ("--set", s)]],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single_cfg, _ = cfg()
+        train(single_cfg, root / "single", log=quiet)
+        truncate_to(root / "single", root / "one_to_two", 4)
+        fsdp_cfg, _ = cfg(parallelism="fsdp")
+        spawn_training([(fsdp_cfg, root / "fsdp", False), (fsdp_cfg, root / "one_to_two", True)], world_size=2)
+        truncate_to(root / "fsdp", root / "two_to_one", 4)
+        train(single_cfg, root / "two_to_one", resume=True, log=quiet)
+    finally:
+        torch.set_num_threads(threads)
+        out, err = cli.communicate(timeout=600)
+    return {"root": root, "cli": (cli.returncode, out, err)}
+
+
+def assert_same_trajectory(ref, other, first_step=0):
+    a = {r["step"]: r for r in metrics(ref)}
+    b = {r["step"]: r for r in metrics(other)}
+    assert sorted(a) == sorted(b) == list(range(STEPS + 1))
+    for step in range(first_step, STEPS + 1):
+        assert a[step]["tokens"] == b[step]["tokens"] == step * 4 * 32  # global tokens
+        for key in ("loss", "grad_norm", "val_loss", "lr"):
+            if key in a[step] or key in b[step]:
+                assert b[step][key] == pytest.approx(a[step][key], rel=RTOL), (step, key)
+
+
+def test_cli_nproc_launches_torchrun(runs):
+    rc, out, err = runs["cli"]
+    assert rc == 0, err[-3000:]
+    run = runs["root"] / "ddp"
+    assert out.count("run: ") == 1 and f"run: {run}" in out  # rank 0 reports alone
+    assert "world size 2 (ddp, 1 sequences per rank per micro-batch)" in out
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == STEPS + 1  # one writer
+    assert (run / "sample.txt").read_text().strip()
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+def test_two_processes_match_one_process(runs, name):
+    """Same config, same global batch: the 2-process trajectory equals the 1-process one."""
+    if name == "ddp":
+        assert runs["cli"][0] == 0, runs["cli"][2][-3000:]
+    assert_same_trajectory(runs["root"] / "single", runs["root"] / name)
+
+
+def test_grad_norm_ddp_equals_fsdp(runs):
+    """FSDP2 gradients are DTensor shards; the logged norm must still be the full norm."""
+    assert runs["cli"][0] == 0, runs["cli"][2][-3000:]
+    ddp = [r["grad_norm"] for r in metrics(runs["root"] / "ddp") if "grad_norm" in r]
+    fsdp = [r["grad_norm"] for r in metrics(runs["root"] / "fsdp") if "grad_norm" in r]
+    assert len(ddp) == len(fsdp) == STEPS
+    for a, b in zip(ddp, fsdp):
+        assert b == pytest.approx(a, rel=RTOL)
+        assert not b == pytest.approx(a / 2 ** 0.5, rel=0.05)  # not a per-shard norm
+
+
+@pytest.mark.parametrize("name,source", [("one_to_two", "single"), ("two_to_one", "fsdp")])
+def test_resume_across_world_sizes(runs, name, source):
+    """Saved at step 4 with one world size, resumed with the other: steps 5..8 continue the
+    uninterrupted trajectory, and the final weights agree."""
+    root = runs["root"]
+    assert_same_trajectory(root / "single", root / name, first_step=5)
+    assert_same_trajectory(root / source, root / name, first_step=5)
+    ref = load_file(root / "single" / "checkpoints" / "step_00000008" / "model.safetensors")
+    got = load_file(root / name / "checkpoints" / "step_00000008" / "model.safetensors")
+    assert ref.keys() == got.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-6)
+
+
+def test_checkpoints_do_not_depend_on_world_size(runs):
+    root = runs["root"]
+    one = load_file(root / "single" / "checkpoints" / "step_00000004" / "model.safetensors")
+    fsdp = load_file(root / "fsdp" / "checkpoints" / "step_00000004" / "model.safetensors")
+    assert {k: v.shape for k, v in one.items()} == {k: v.shape for k, v in fsdp.items()}
+    one_state = torch.load(root / "single" / "checkpoints" / "step_00000004" / "trainer.pt", weights_only=True)
+    fsdp_state = torch.load(root / "fsdp" / "checkpoints" / "step_00000004" / "trainer.pt", weights_only=True)
+    assert set(one_state["optimizer"]["state"]) == set(fsdp_state["optimizer"]["state"]) == set(one)
+    for k in one:
+        torch.testing.assert_close(fsdp[k], one[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(fsdp_state["optimizer"]["state"][k]["exp_avg_sq"],
+                                   one_state["optimizer"]["state"][k]["exp_avg_sq"], rtol=1e-3, atol=1e-12)
+    assert fsdp_state["loader"]["world_size"] == 2 and fsdp_state["loader"]["batch_size"] == 2
+    assert (fsdp_state["loader"]["epoch"], fsdp_state["loader"]["position"]) == \
+        (one_state["loader"]["epoch"], one_state["loader"]["position"])
+
+
+# --------------------------------------------------------------------------- the loader, no processes
+
+
+@pytest.mark.parametrize("world_size,local", [(2, 2), (4, 1)])
+def test_loader_global_batches_are_world_size_independent(tiny_data, world_size, local):
+    """Rank r's batch j is perm[j*G + r :: W][:b]: together the ranks take perm[j*G:(j+1)*G]."""
+    G = world_size * local
+    single = TokenLoader(tiny_data, batch_size=G, seq_len=32, seed=3)
+    ranks = [TokenLoader(tiny_data, batch_size=local, seq_len=32, seed=3, rank=r, world_size=world_size)
+             for r in range(world_size)]
+    assert single.batches_per_epoch == ranks[0].batches_per_epoch
+    for _ in range(5):
+        one = single.next_batch().numpy()
+        many = np.concatenate([r.next_batch().numpy() for r in ranks])
+        assert sorted(map(tuple, one)) == sorted(map(tuple, many))
+
+    # resume across world sizes: same epoch/position, same next global batch
+    resumed = TokenLoader(tiny_data, batch_size=G, seq_len=32, seed=3)
+    resumed.load_state_dict(ranks[0].state_dict())
+    back = [TokenLoader(tiny_data, batch_size=local, seq_len=32, seed=3, rank=r, world_size=world_size)
+            for r in range(world_size)]
+    for r in back:
+        r.load_state_dict(single.state_dict())
+    one, nxt = resumed.next_batch().numpy(), single.next_batch().numpy()
+    assert np.array_equal(one, nxt)
+    many = np.concatenate([r.next_batch().numpy() for r in back])
+    assert sorted(map(tuple, many)) == sorted(map(tuple, nxt))
+
+
+def test_loader_refuses_another_global_batch(tiny_data):
+    two = TokenLoader(tiny_data, batch_size=2, seq_len=32, seed=3, rank=0, world_size=2)
+    with pytest.raises(KeelError, match=r"saved global batch 4 \(batch_size=2 x world_size=2\), now 2"):
+        TokenLoader(tiny_data, batch_size=2, seq_len=32, seed=3).load_state_dict(two.state_dict())
+    with pytest.raises(KeelError, match="saved batch_size=2, now batch_size=1"):
+        TokenLoader(tiny_data, batch_size=1, seq_len=32, seed=3, rank=1, world_size=2).load_state_dict(two.state_dict())

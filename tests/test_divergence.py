@@ -1,0 +1,241 @@
+"""Divergence classifier: each of the paper's three failure modes, thresholds, online use, real runs."""
+
+import json
+import math
+import random
+
+import pytest
+
+from conftest import REPO, tiny_overrides
+from keel.config import load_config
+from keel.diagnostics.divergence import (DEGRADATION, HEALTHY, INSTABILITY, STAGNATION, OnlineDivergenceMonitor,
+                                         Thresholds, Verdict, classify, classify_metrics)
+from keel.train import TrainingStopped, train
+
+T = Thresholds()
+
+
+def decay(n, l0=7.0, floor=3.0, tau=30.0, noise=0.0, seed=0):
+    """A healthy-looking curve: floor + (l0 - floor) exp(-(t-1)/tau) (+ uniform noise), steps 1..n."""
+    rng = random.Random(seed)
+    return [floor + (l0 - floor) * math.exp(-(t - 1) / tau) + noise * (2 * rng.random() - 1) for t in range(1, n + 1)]
+
+
+def steps(n):
+    return list(range(1, n + 1))
+
+
+def online(losses, lrs=None, **kw):
+    """Feed a curve step by step; return (call step at which a verdict came, verdict, later returns)."""
+    mon = OnlineDivergenceMonitor(**kw)
+    got, later = None, []
+    for i, v in enumerate(losses):
+        out = mon.update(i + 1, v, None if lrs is None else lrs[i])
+        if got is None and out is not None:
+            got = (i + 1, out)
+        elif got is not None:
+            later.append(out)
+    return got, later
+
+
+def ema_baseline(losses, beta=0.9):
+    """Direct transcription: ema_t = b ema_{t-1} + (1-b) loss_t, ema_1 = loss_1; baseline = running min."""
+    ema, out = losses[0], []
+    for v in losses:
+        ema = beta * ema + (1 - beta) * v
+        out.append(ema)
+    return [min(out[:i + 1]) for i in range(len(out))]
+
+
+# --- healthy and instability ---------------------------------------------------------------
+
+@pytest.mark.parametrize("noise", [0.0, 0.05, 0.2])
+def test_healthy_noisy_decay(noise):
+    v = classify(steps(400), decay(400, noise=noise, seed=1))
+    assert v.mode == HEALTHY and v.step == 400 and not v.diverged
+
+
+def test_irrecoverable_spike_online_and_offline():
+    base = decay(200)
+    losses = base + [7.5] * 100
+    lrs = [1e-3 * t for t in steps(300)]
+    (at, v), later = online(losses, lrs)
+    # onset = step 201 (first loss above baseline + margin); decided W = 50 steps later, never before
+    assert v.mode == INSTABILITY and v.step == 201 and at == 201 + T.recovery_window
+    assert all(x is None for x in later)
+    assert v.evidence["lr_at_step"] == pytest.approx(lrs[200]) and v.evidence["lr_before_step"] == pytest.approx(lrs[199])
+    assert v.evidence["baseline"] == pytest.approx(ema_baseline(base)[-1])
+    assert v.evidence["spike_loss"] == 7.5
+    off = classify(steps(300), losses, lrs)
+    assert off.to_dict() == v.to_dict()
+
+
+@pytest.mark.parametrize("high_steps,mode", [(46, HEALTHY), (47, INSTABILITY)])
+def test_recovery_window_borderline(high_steps, mode):
+    # recovery needs recover_steps (5) low losses in a row, all within W = 50 steps of the onset (201):
+    # high for k steps -> the 5th low loss is at step 201 + k + 4 <= 251 iff k <= 46
+    losses = decay(200) + [7.5] * high_steps + [3.0] * (150 - high_steps)
+    v = classify(steps(350), losses)
+    assert v.mode == mode
+    if mode == INSTABILITY:
+        assert v.step == 201
+
+
+def test_recoverable_spike_is_healthy():
+    losses = decay(200, noise=0.05) + [9.0, 12.0, 8.0, 5.0, 3.5] + decay(195, l0=3.1, floor=2.9, noise=0.05)
+    assert classify(steps(400), losses).mode == HEALTHY
+
+
+@pytest.mark.parametrize("jump,mode", [(0.29, HEALTHY), (0.31, INSTABILITY)])
+def test_spike_height_borderline(jump, mode):
+    # 10 -> 3 then flat: baseline -> 3.0, noise -> 0, margin = max(0.1, 0.1 * 3.0, 0) = 0.3
+    losses = decay(60, l0=10.0, floor=3.0, tau=5.0) + [3.0] * 140 + [3.0 + jump] * 80
+    v = classify(steps(280), losses)
+    assert v.mode == mode
+    if mode == INSTABILITY:
+        assert v.step == 201 and v.evidence["margin"] == pytest.approx(0.3, abs=1e-4)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("where", [1, 5, 150])
+def test_non_finite_is_instability_at_once(bad, where):
+    losses = decay(200)
+    losses[where - 1] = bad
+    (at, v), later = online(losses)
+    assert v.mode == INSTABILITY and v.step == where and at == where and v.evidence["non_finite"] == 1.0
+    assert all(x is None for x in later)
+    json.dumps(v.to_dict(), allow_nan=False)  # JSON-safe
+
+
+def test_open_spike_at_end_of_curve():
+    # offline only: a spike that never comes back before the curve ends counts after end_open_steps steps
+    base = decay(100)
+    assert classify(steps(105), base + [8.0] * 5).mode == INSTABILITY
+    assert classify(steps(104), base + [8.0] * 4).mode == HEALTHY
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 9])
+def test_short_curves(n):
+    v = classify(steps(n), decay(n))
+    assert v.mode == HEALTHY and v.step == n
+
+
+def test_spike_in_the_first_steps():
+    # an explosion right after step 1 (absurd LR) is caught: margin = max(0.1, 0.1 * L0) before the noise settles
+    losses = [6.25, 18.6, 59.6, 105.8] + [100.0 - t for t in range(60)]
+    v = classify(steps(len(losses)), losses)
+    assert v.mode == INSTABILITY and v.step == 2
+
+
+# --- stagnation -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("floor,mode", [(7.05, STAGNATION), (6.95, HEALTHY)])
+def test_stagnation_progress_borderline(floor, mode):
+    # L0 = 10; without a reference "behind" = progress < min_progress * L0 = 3.0 nats
+    losses = decay(300, l0=10.0, floor=floor, tau=5.0)
+    v = classify(steps(300), losses)
+    assert v.mode == mode
+    if mode == STAGNATION:
+        assert v.evidence["progress"] < 3.0 and v.evidence["expected_progress"] == pytest.approx(3.0)
+
+
+def test_stagnation_step_is_plateau_start():
+    losses = decay(300, l0=10.0, floor=8.0, tau=5.0)
+    base = ema_baseline(losses)
+    # transcription of the improvement rule: anchor moves when baseline < anchor - tol * (L0 - anchor)
+    anchor, start = losses[0], 1
+    for t, b in enumerate(base, start=1):
+        if b < anchor - T.plateau_tol * (losses[0] - anchor):
+            anchor, start = b, t
+    (at, v), _ = online(losses)
+    assert v.mode == STAGNATION and v.step == start and at == start + T.plateau_steps
+    assert 5 < start < 60 and v.evidence["plateau_steps"] == T.plateau_steps
+
+
+def test_plateau_length_borderline():
+    # stagnation is declared exactly plateau_steps (100) steps after the plateau began, not one earlier
+    losses = decay(300, l0=10.0, floor=8.0, tau=5.0)
+    start = classify(steps(300), losses).step
+    assert classify(steps(start + T.plateau_steps), losses[:start + T.plateau_steps]).mode == STAGNATION
+    assert classify(steps(start + T.plateau_steps - 1), losses[:start + T.plateau_steps - 1]).mode == HEALTHY
+
+
+# --- degradation (needs a reference) --------------------------------------------------------
+
+@pytest.mark.parametrize("ratio,mode", [(0.45, DEGRADATION), (0.55, HEALTHY), (1.0, HEALTHY)])
+def test_degradation_against_reference(ratio, mode):
+    ref = decay(300, l0=7.0, floor=2.0, tau=150.0)
+    # progress exactly `ratio` of the reference's (the EMA is linear, so it carries over)
+    losses = [7.0 - ratio * (7.0 - r) for r in ref]
+    v = classify(steps(300), losses, reference=(steps(300), ref))
+    assert v.mode == mode
+    if mode == DEGRADATION:
+        ref_p = [7.0 - b for b in ema_baseline(ref)]
+        first = next(t for t in steps(300) if ref_p[t - 1] >= T.min_ref_progress * 7.0)  # reference has moved
+        assert v.step == first and v.evidence["streak_steps"] == T.degrade_steps
+        assert v.evidence["progress"] == pytest.approx(ratio * v.evidence["ref_progress"], rel=1e-6)
+    # without a reference the same curve is never called degraded
+    assert classify(steps(300), losses).mode != DEGRADATION
+
+
+def test_verdict_roundtrip_and_summary():
+    v = classify(steps(300), decay(200) + [7.5] * 100, [1e-3] * 300)
+    d = json.loads(json.dumps(v.to_dict()))
+    assert Verdict.from_dict(d) == v
+    s = v.summary()
+    assert "instability" in s and "201" in s and "\n" not in s
+    assert classify([], []).summary() == "healthy through step 0"
+
+
+def test_bad_input():
+    with pytest.raises(ValueError):
+        classify([1, 2], [1.0])
+    with pytest.raises(ValueError):
+        OnlineDivergenceMonitor(reference=([1], [float("nan")]))
+
+
+# --- real runs --------------------------------------------------------------------------------
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread on a loaded machine; restored afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _metrics(run):
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def quiet(*a, **k):
+    pass
+
+
+def test_real_runs_healthy_and_blown_up(tiny_data, tmp_path, one_thread):
+    sets = tiny_overrides(tiny_data, steps=20, eval_every=1000, checkpoint_every=1000)
+    ok = tmp_path / "ok"
+    train(load_config(REPO / "configs" / "demo.toml", sets), ok, log=quiet)
+    assert classify_metrics(_metrics(ok)).mode == HEALTHY
+    bad = tmp_path / "bad"
+    train(load_config(REPO / "configs" / "demo.toml", sets + ["train.lr=3.0"]), bad, log=quiet)
+    v = classify_metrics(_metrics(bad))
+    assert v.mode == INSTABILITY and v.step <= 5
+
+
+def test_stop_on_divergence(tiny_data, tmp_path, one_thread):
+    sets = tiny_overrides(tiny_data, steps=200, lr=3.0, eval_every=1000, checkpoint_every=1000, batch_size=2,
+                          seq_len=16, stop_on_divergence=True)
+    run = tmp_path / "crazy"
+    with pytest.raises(TrainingStopped, match="stop_on_divergence"):
+        train(load_config(REPO / "configs" / "demo.toml", sets), run, log=quiet)
+    recs = _metrics(run)
+    div = [r for r in recs if "divergence" in r]
+    assert len(div) == 1 and div[0] is recs[-1]
+    v = div[0]["divergence"]
+    assert v["mode"] == INSTABILITY and recs[-1]["step"] == v["step"] + T.recovery_window < 200
+    # the online verdict equals the offline one on the same curve
+    assert classify_metrics(recs).to_dict() == v

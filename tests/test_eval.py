@@ -1,0 +1,213 @@
+"""keel eval: perplexity / bits per byte against direct transcriptions, lm-eval tasks end to end
+on the shipped local example tasks (offline), per-task failures, and in-training evaluation."""
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+pytest.importorskip("transformers")
+
+from conftest import REPO, tiny_overrides  # noqa: E402
+from keel.cli import main  # noqa: E402
+from keel.config import load_config  # noqa: E402
+from keel.eval.perplexity import bits_per_byte, split_windows, text_perplexity  # noqa: E402
+from keel.eval.tasks import EXAMPLE_TASK_DIR  # noqa: E402
+from keel.train.checkpoint import load_run  # noqa: E402
+
+MC_TASK, ROLLING_TASK = "keel_python_completion", "keel_python_paragraphs"
+
+
+@pytest.fixture(autouse=True)
+def offline_one_thread(monkeypatch):
+    """No network (as in CI), one torch thread (tiny models; a shared machine)."""
+    import datasets.config
+    import huggingface_hub.constants as hub_constants
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_data, tmp_path_factory):
+    from keel.train import train
+
+    run = tmp_path_factory.mktemp("evalrun") / "run"
+    train(load_config(REPO / "configs" / "demo.toml", tiny_overrides(tiny_data, steps=8, eval_every=8)), run,
+          log=lambda *a: None)
+    return run
+
+
+def direct_nats(model, ids: list[int]) -> float:
+    """Summed -log p(ids[t] | ids[:t]) for t >= 1, one position at a time (no windows, no batching)."""
+    total = 0.0
+    if len(ids) < 2:
+        return total
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[:-1]]))[0]
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        for t in range(1, len(ids)):
+            total -= float(logp[t - 1, ids[t]])
+    return total
+
+
+def test_bits_per_byte_is_nats_over_ln2_over_bytes():
+    assert bits_per_byte(1000.0, 500) == pytest.approx(1000.0 / math.log(2) / 500, rel=1e-15)
+    # a model that spends exactly 8 bits on each byte: bits per byte 8
+    assert bits_per_byte(8 * math.log(2) * 123, 123) == pytest.approx(8.0)
+    with pytest.raises(ValueError):
+        bits_per_byte(1.0, 0)
+
+
+@pytest.mark.parametrize("n,seq_len", [(2, 1), (10, 3), (33, 8), (64, 63)])
+def test_split_windows_predict_every_token_once(n, seq_len):
+    ids = list(range(100, 100 + n))
+    windows = split_windows(ids, seq_len)
+    targets = [t for w in windows for t in w[1:].tolist()]
+    assert targets == ids[1:]
+    assert all(2 <= len(w) <= seq_len + 1 for w in windows)
+
+
+def test_validation_perplexity_matches_trainer_and_direct_bytes(run_dir, capsys):
+    assert main(["eval", "--run", str(run_dir), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    ppl = rep["perplexity"]
+    last = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    # the same windows as the trainer's val_loss (train.seq_len, train.eval_tokens), fp32 on CPU
+    assert ppl["loss"] == pytest.approx(last["val_loss"], abs=1e-5)
+    assert ppl["perplexity"] == pytest.approx(math.exp(last["val_loss"]), rel=1e-4)
+    # bytes: the UTF-8 bytes of the predicted tokens' text
+    from keel.data import validation_tokens
+
+    cfg = load_config(run_dir / "config.toml")
+    w = validation_tokens(cfg.data.path, cfg.train.seq_len, cfg.train.eval_tokens)
+    _, tok, _ = load_run(run_dir, device="cpu")
+    n_bytes = len(tok.decode(w[:, 1:].reshape(-1).tolist()).encode("utf-8"))
+    assert ppl["tokens"] == w[:, 1:].numel() and ppl["bytes"] == n_bytes
+    assert ppl["bits_per_byte"] == pytest.approx(ppl["nats"] / math.log(2) / n_bytes, rel=1e-12)
+    assert rep["blocks"] == 2 and rep["sublayers"] == 4
+
+
+def test_text_perplexity_against_direct_computation(run_dir, tmp_path, capsys):
+    model, tok, _ = load_run(run_dir, device="cpu")
+    eos = tok.token_to_id("<|endoftext|>")
+    text = "import os\n\ndef main(argv):\n    \"\"\"Print the arguments.\"\"\"\n    print(argv)  # é\n" * 3
+    ids = [eos] + tok.encode(text).ids
+    assert len(ids) > model.cfg.max_seq_len  # several windows
+    res = text_perplexity(model, tok, text, seq_len=20, device="cpu", eos_id=eos)
+    # direct: every text token predicted, with windows of 20 tokens of context
+    nats = sum(direct_nats(model, w.tolist()) for w in split_windows(ids, 20))
+    assert res.tokens == len(ids) - 1
+    assert res.nats == pytest.approx(nats, rel=1e-5)
+    assert res.bytes == len(text.encode("utf-8"))
+    assert res.bits_per_byte == pytest.approx(nats / math.log(2) / len(text.encode("utf-8")), rel=1e-5)
+    f = tmp_path / "held_out.txt"
+    f.write_text(text, encoding="utf-8")
+    assert main(["eval", "--run", str(run_dir), "--text", str(f), "--seq-len", "20", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["perplexity"]["nats"] == pytest.approx(res.nats, rel=1e-9)
+
+
+def mc_direct(model, tok, limit):
+    """acc and acc_norm of the shipped multiple-choice task, computed directly: lm-eval's
+    log-likelihood of each choice after the context (trailing context spaces move to the
+    choice; the choice's tokens are those of context+choice after the context's tokens)."""
+    docs = [json.loads(ln) for ln in (EXAMPLE_TASK_DIR / "python_completion.jsonl").read_text().splitlines()]
+    acc, acc_norm = [], []
+    for doc in docs[:limit]:
+        lls = []
+        for choice in doc["choices"]:
+            ctx = doc["context"]
+            n_sp = len(ctx) - len(ctx.rstrip())
+            cont = ctx[len(ctx) - n_sp:] + choice if n_sp else choice
+            ctx = ctx[: len(ctx) - n_sp] if n_sp else ctx
+            ctx_ids, whole = tok.encode(ctx).ids, tok.encode(ctx + cont).ids
+            lls.append(-(direct_nats(model, whole) - direct_nats(model, ctx_ids)))
+        acc.append(float(max(range(4), key=lambda i: lls[i]) == doc["answer"]))
+        norm = [ll / len(c) for ll, c in zip(lls, doc["choices"])]
+        acc_norm.append(float(max(range(4), key=lambda i: norm[i]) == doc["answer"]))
+    return sum(acc) / len(acc), sum(acc_norm) / len(acc_norm)
+
+
+def test_eval_example_tasks_end_to_end(run_dir, tmp_path, capsys):
+    """Exported model, scored by lm-eval on the shipped local tasks (offline), equals a direct
+    computation; a task whose dataset cannot be fetched gets one line and the others run."""
+    (tmp_path / "remote.yaml").write_text(
+        "task: keel_test_remote\ndataset_path: keel-no-such-org/no-such-dataset\noutput_type: multiple_choice\n"
+        "test_split: test\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: answer\n")
+    # a rolling task over texts shorter than one window: lm-eval's bits_per_byte is then exactly
+    # the summed -log p(text | <|endoftext|>) / ln 2 / UTF-8 bytes
+    texts = ["def f(x):\n    return x\n", "import sys\nprint(sys.argv)\n", "class A:\n    pass\n"]
+    (tmp_path / "short.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (tmp_path / "short.yaml").write_text(
+        "task: keel_test_short\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: short.jsonl\n"
+        "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: bits_per_byte\n  - metric: byte_perplexity\n")
+    hf_dir = tmp_path / "hf"
+    assert main(["export-hf", "--run", str(run_dir), "--out", str(hf_dir)]) == 0
+    capsys.readouterr()
+    tasks = f"keel_test_remote,{MC_TASK},{ROLLING_TASK},keel_test_short"
+    rc = main(["eval", "--hf", str(hf_dir), "--tasks", tasks, "--task-dir", str(tmp_path), "--limit", "6", "--json"])
+    captured = capsys.readouterr()
+    assert rc == 1  # one task could not run
+    err_lines = [ln for ln in captured.err.splitlines() if ln.startswith("task ")]
+    assert err_lines == [ln for ln in err_lines if ln.startswith("task keel_test_remote: dataset could not be "
+                                                                    "loaded (offline?): ")] and len(err_lines) == 1
+    rep = json.loads(captured.out)
+    res = rep["tasks"]
+    assert "error" in res["keel_test_remote"]
+    model, tok, _ = load_run(run_dir, device="cpu")
+    acc, acc_norm = mc_direct(model, tok, 6)
+    assert res[MC_TASK]["acc"] == pytest.approx(acc) and res[MC_TASK]["acc_norm"] == pytest.approx(acc_norm)
+    eos = tok.token_to_id("<|endoftext|>")
+    nats = sum(direct_nats(model, [eos] + tok.encode(t).ids) for t in texts)
+    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
+    assert res["keel_test_short"]["bits_per_byte"] == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
+    assert res["keel_test_short"]["byte_perplexity"] == pytest.approx(math.exp(nats / n_bytes), rel=1e-5)
+    bpb = res[ROLLING_TASK]["bits_per_byte"]
+    assert 0 < bpb < 20 and res[ROLLING_TASK]["byte_perplexity"] == pytest.approx(2 ** bpb, rel=1e-6)
+    # the exported folder's keel_config.toml names the run's data: the same held-out numbers as --run
+    assert main(["eval", "--run", str(run_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["perplexity"]["nats"] == pytest.approx(rep["perplexity"]["nats"])
+
+
+def test_eval_user_errors(run_dir, tmp_path, capsys):
+    assert main(["eval", "--run", str(run_dir), "--text", str(tmp_path / "missing.txt")]) == 2
+    assert "--text file not found" in capsys.readouterr().err
+    assert main(["eval", "--run", str(tmp_path)]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+    assert main(["eval", "--run", str(run_dir), "--tasks", MC_TASK, "--task-dir", str(tmp_path / "nope")]) == 2
+    assert "--task-dir" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["eval"])  # --run or --hf is required
+    assert e.value.code == 2
+
+
+def test_training_runs_example_task_every_two_steps(tiny_config, tmp_path):
+    from keel.train import train
+
+    plain = train(tiny_config(steps=4, eval_every=100, checkpoint_every=100), tmp_path / "plain", log=lambda *a: None)
+    cfg = tiny_config(steps=4, eval_every=100, checkpoint_every=100, eval_tasks=MC_TASK, eval_tasks_every=2,
+                      eval_tasks_limit=4)
+    res = train(cfg, tmp_path / "tasks", log=lambda *a: None)
+    recs = [json.loads(ln) for ln in (tmp_path / "tasks" / "metrics.jsonl").read_text().splitlines()]
+    with_tasks = {r["step"]: r["eval_tasks"] for r in recs if "eval_tasks" in r}
+    assert sorted(with_tasks) == [2, 4]
+    for metrics in with_tasks.values():
+        assert set(metrics) == {MC_TASK}
+        acc = metrics[MC_TASK]["acc"]
+        assert acc in (0.0, 0.25, 0.5, 0.75, 1.0)  # 4 items
+    # the final model's score equals a direct computation, and evaluation left training untouched
+    model, tok, _ = load_run(tmp_path / "tasks", device="cpu")
+    assert with_tasks[4][MC_TASK]["acc"] == pytest.approx(mc_direct(model, tok, 4)[0])
+    losses = [r["loss"] for r in recs if "loss" in r]
+    plain_losses = [json.loads(ln)["loss"] for ln in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()
+                    if "loss" in json.loads(ln)]
+    assert losses == plain_losses and res.val_loss == plain.val_loss

@@ -1,0 +1,274 @@
+"""Gradient-flow profile (keel.diagnostics.gradflow): per-sub-layer gradient norms against
+direct computations, J* against closed forms and full Jacobians, depth behaviour at init,
+the trainer's logging, and the ``keel gradflow`` command."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import REPO
+from keel import ModelConfig, Transformer
+from keel.cli import main
+from keel.config import load_config
+from keel.data import TokenLoader, validation_tokens
+from keel.diagnostics.gradflow import jacobian_spectral_norms, profile_model, sublayer_grad_norms
+from keel.model import SCHEMES, RMSNorm
+from keel.train import train
+from keel.train.checkpoint import latest_checkpoint, load_trainer_state, load_weights
+
+ALL = sorted(SCHEMES)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one thread is much faster than two on a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def cfg_for(scheme, n_layers=2, d_model=32, init_std=0.02, vocab=512, **kw):
+    return ModelConfig(vocab_size=vocab, d_model=d_model, n_layers=n_layers, n_heads=2, n_kv_heads=1,
+                       d_ff=3 * d_model, max_seq_len=64, residual=scheme, init_std=init_std, **kw)
+
+
+@pytest.fixture(scope="module")
+def val_batch(tiny_data):
+    return validation_tokens(tiny_data, 32, 4 * 32)[:4]
+
+
+def rmsnorm_ref(x, g, eps):
+    """RMSNorm(x) = x / sqrt(mean_i x_i^2 + eps) * g   (Zhang & Sennrich 2019, Eq. 4)."""
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * g
+
+
+# ---- per-sub-layer gradient norms ---------------------------------------------------------
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_sublayer_grad_norms_match_direct_sum(scheme, val_batch):
+    torch.manual_seed(0)
+    model = Transformer(cfg_for(scheme, n_layers=3))
+    model(val_batch[:, :-1], val_batch[:, 1:]).backward()
+    got = sublayer_grad_norms(model)
+    assert len(got) == 6
+    # transcription: sub-layer 2b = blocks.b.{attn, attn_res}, 2b+1 = blocks.b.{ffn, ffn_res}
+    expected = [0.0] * 6
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if parts[0] != "blocks":
+            continue
+        i = 2 * int(parts[1]) + (0 if parts[2] in ("attn", "attn_res") else 1)
+        expected[i] += float((p.grad.double() ** 2).sum())
+    assert got == pytest.approx([math.sqrt(v) for v in expected], rel=1e-12)
+    assert all(v > 0 for v in got)
+
+
+@pytest.mark.parametrize("scheme", ["post_ln", "keel", "hybridnorm", "mix_ln"])
+def test_stream_grad_norms_match_retain_grad(scheme, val_batch):
+    """The hook-recorded residual-stream gradients equal an explicit forward with retain_grad."""
+    torch.manual_seed(0)
+    model = Transformer(cfg_for(scheme, n_layers=3, mix_ln_ratio=0.34))
+    prof = profile_model(model, val_batch, jacobian_iters=5)
+    model.zero_grad(set_to_none=True)
+    ids, targets = val_batch[:, :-1], val_batch[:, 1:]
+    T = ids.shape[1]
+    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+    x = model.tok_emb(ids)
+    outs = []
+    for blk in model.blocks:
+        x = blk.attn_res(x, lambda h, blk=blk: blk.attn(h, cos, sin))
+        x.retain_grad()
+        outs.append(x)
+        x = blk.ffn_res(x, blk.ffn)
+        x.retain_grad()
+        outs.append(x)
+    if model.norm is not None:
+        x = model.norm(x)
+    loss = F.cross_entropy(model.lm_head(x).flatten(0, 1), targets.reshape(-1))
+    loss.backward()
+    assert prof["loss"] == pytest.approx(loss.item(), rel=1e-6)
+    assert prof["stream_grad_norm"] == pytest.approx([float(o.grad.norm()) for o in outs], rel=1e-5)
+    assert prof["param_grad_norm"] == pytest.approx(sublayer_grad_norms(model), rel=1e-12)
+
+
+# ---- J*: the residual-path Jacobian ---------------------------------------------------------
+
+def test_rmsnorm_jacobian_closed_form():
+    """Gain 1: J = (I - y y^T / (d r^2)) / r with r = sqrt(mean(y^2) + eps); its spectral norm is 1/r."""
+    norm = RMSNorm(16, eps=1e-5).double()
+    y = torch.randn(3, 5, 16, dtype=torch.float64) * torch.tensor([0.02, 1.0, 30.0], dtype=torch.float64)[:, None, None]
+    sigma = jacobian_spectral_norms(norm, y, iters=50)
+    r = torch.sqrt((y * y).mean(-1) + 1e-5)
+    torch.testing.assert_close(sigma, 1 / r, rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("scheme,index,alpha", [("post_ln", 3, None), ("keel", 3, 5.0), ("keel", 0, None),
+                                                 ("deepnorm", 2, None), ("hybridnorm", 1, None),
+                                                 ("hybridnorm", 2, None), ("pre_ln", 1, None), ("mix_ln", 0, None)])
+def test_shortcut_jacobian_matches_autograd_jacobian(scheme, index, alpha):
+    """J* per token = ||d unit(x, F_fixed) / dx||_2, against torch.autograd.functional.jacobian."""
+    cfg = cfg_for(scheme, n_layers=4, d_model=16, alpha=alpha, mix_ln_ratio=0.5)
+    unit = SCHEMES[scheme](cfg, index).double()
+    gen = torch.Generator().manual_seed(index)
+    with torch.no_grad():
+        for m in unit.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.copy_(torch.rand(m.weight.shape, generator=gen, dtype=torch.float64) + 0.5)
+    x = torch.randn(2, 3, 16, dtype=torch.float64, generator=gen)
+    f_fixed = torch.randn(2, 3, 16, dtype=torch.float64, generator=gen) * 0.7
+    shortcut = lambda z: unit(z, lambda _h: f_fixed)  # noqa: E731
+    sigma = jacobian_spectral_norms(shortcut, x, iters=12)  # 12 < d = 16: a Krylov subspace, not the whole space
+    for b in range(2):
+        for t in range(3):
+            def one_token(v, b=b, t=t):
+                z = x.clone()
+                z[b, t] = v
+                return shortcut(z)[b, t]
+            J = torch.autograd.functional.jacobian(one_token, x[b, t])
+            exact = torch.linalg.matrix_norm(J, ord=2).item()
+            assert sigma[b, t].item() == pytest.approx(exact, rel=2e-5)  # power iteration: 1e-2 here
+            assert sigma[b, t].item() <= exact * (1 + 1e-12)  # a Ritz value: never above
+    if scheme == "post_ln":  # the paper's J* for Post-LN: ||J_Norm(x + F)||
+        y = x + f_fixed
+        J0 = torch.autograd.functional.jacobian(lambda v: rmsnorm_ref(v, unit.norm.weight, cfg.norm_eps), y[0, 0])
+        assert sigma[0, 0].item() == pytest.approx(torch.linalg.matrix_norm(J0, ord=2).item(), rel=1e-6)
+
+
+def test_full_jacobian_matches_autograd_on_one_sequence(val_batch):
+    """--full-jacobian: per-sequence spectral norm of d unit(x, F) / dx (attention couples tokens)."""
+    torch.manual_seed(0)
+    model = Transformer(cfg_for("post_ln", n_layers=1, d_model=16))
+    batch = val_batch[:1, :7]
+    prof = profile_model(model, batch, jacobian_iters=40, full_jacobian=True)  # Krylov dim 40 of 96
+    blk = model.blocks[0]
+    cos, sin = model.rope_cos[:6], model.rope_sin[:6]
+    x0 = model.tok_emb(batch[:, :-1]).detach()
+    fn = lambda z: blk.attn_res(z.view(1, 6, 16), lambda h: blk.attn(h, cos, sin)).reshape(-1)  # noqa: E731
+    J = torch.autograd.functional.jacobian(fn, x0.reshape(-1))
+    assert prof["full_jacobian"][0] == pytest.approx(torch.linalg.matrix_norm(J, ord=2).item(), rel=1e-5)
+
+
+def test_depth_behaviour_at_xavier_like_init(val_batch):
+    """With N(0, 1/d) weights (F about as large as x, the paper's assumption) the Post-LN
+    shortcut product decays with depth like c^L, c ~ 1/sqrt(2), while Keel's stays ~1; Keel's
+    residual-stream gradient is flat across depth, Post-LN's is not."""
+    res = {}
+    for scheme in ("post_ln", "keel"):
+        for n_layers in (4, 16):
+            torch.manual_seed(0)
+            model = Transformer(cfg_for(scheme, n_layers=n_layers, init_std=32 ** -0.5))
+            res[scheme, n_layers] = profile_model(model, val_batch, jacobian_iters=20)
+    post4 = res["post_ln", 4]["log10_jacobian_product_from_block1"]
+    post16 = res["post_ln", 16]["log10_jacobian_product_from_block1"]
+    per_sublayer = 10 ** (post16 / 30)  # 30 sub-layers from block 1 on
+    assert 0.55 < per_sublayer < 0.9
+    assert post16 < 3 * post4 < 0  # exponential in depth
+    for n_layers in (4, 16):
+        assert abs(res["keel", n_layers]["log10_jacobian_product_from_block1"]) < 0.05
+    keel_stream = res["keel", 16]["stream_grad_norm"][2:]
+    post_stream = res["post_ln", 16]["stream_grad_norm"][2:]
+    assert max(keel_stream) / min(keel_stream) < 1.2
+    assert max(post_stream) / min(post_stream) > 10
+
+
+# ---- the trainer logs sublayer_grad_norm ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gradflow_run(tiny_data, tmp_path_factory):
+    run = tmp_path_factory.mktemp("gf") / "run"
+    cfg = load_config(REPO / "configs" / "demo.toml",
+                      [f"data.path={tiny_data}", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
+                       "model.n_kv_heads=1", "model.d_ff=64", "model.max_seq_len=64", "model.vocab_size=512",
+                       "train.steps=4", "train.lr=3e-3", "train.warmup_steps=2", "train.batch_size=4",
+                       "train.seq_len=32", "train.eval_every=4", "train.eval_tokens=256", "train.checkpoint_every=3",
+                       "train.keep_checkpoints=5", "train.progress=false", "train.sample_tokens=4",
+                       "train.gradflow_every=2"])
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    train(cfg, run, log=lambda *a, **k: None)
+    torch.set_num_threads(n)
+    return run, cfg
+
+
+def test_trainer_logs_sublayer_grad_norms(gradflow_run, tiny_data):
+    run, cfg = gradflow_run
+    recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["sublayer_grad_norm"] for r in recs if "sublayer_grad_norm" in r}
+    assert sorted(logged) == [2, 4]
+    for v in logged.values():
+        assert len(v) == cfg.model.n_sublayers == 4
+        assert all(math.isfinite(x) and x > 0 for x in v)
+    # Reproduce step 4's entry: the weights after step 3 (checkpoint) and the 4th training batch.
+    ckpt = run / "checkpoints" / "step_00000003"
+    model = Transformer(cfg.model)
+    load_weights(model, ckpt)
+    loader = TokenLoader(tiny_data, "train", batch_size=4, seq_len=32, seed=cfg.train.seed)
+    loader.load_state_dict(load_trainer_state(ckpt)["loader"])
+    batch = loader.next_batch()
+    model(batch[:, :-1], batch[:, 1:]).backward()
+    assert sublayer_grad_norms(model) == pytest.approx(logged[4], rel=1e-4)
+    assert latest_checkpoint(run).name == "step_00000004"
+
+
+# ---- the command ---------------------------------------------------------------------------
+
+def cli(capsys, *args):
+    code = main(["gradflow", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_json_schema_and_plot(capsys, tiny_data, tmp_path):
+    png = tmp_path / "gf.png"
+    code, out, err = cli(capsys, "--residual", "post_ln,keel,hybridnorm", "--layers", "2,4", "--json",
+                         "--plot", png, "--d-model", 32, "--seq-len", 16, "--batch-size", 2, "--threads", 1,
+                         "--jacobian-iters", 5, "--set", f"data.path={tiny_data}", "--set", "model.vocab_size=512")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert list(doc) == ["results"]
+    assert [(r["residual"], r["sublayers"]) for r in doc["results"]] == [
+        ("post_ln", 2), ("keel", 2), ("hybridnorm", 2), ("post_ln", 4), ("keel", 4), ("hybridnorm", 4)]
+    for r in doc["results"]:
+        L = r["sublayers"]
+        assert r["blocks"] == L // 2
+        for key in ("param_grad_norm", "stream_grad_norm", "jacobian_star"):
+            assert len(r[key]) == L and all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in r[key])
+        assert isinstance(r["jacobian_product"], float) and r["jacobian_product"] > 0
+        assert r["jacobian_product"] == pytest.approx(10 ** r["log10_jacobian_product"], rel=1e-9)
+        assert r["jacobian_product"] == pytest.approx(math.prod(r["jacobian_star"]), rel=1e-9)
+    assert png.stat().st_size > 5000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert not list(tmp_path.glob(".*"))  # no temp file left behind
+
+
+def test_cli_from_run(capsys, gradflow_run, tmp_path):
+    run, cfg = gradflow_run
+    code, out, err = cli(capsys, "--run", run, "--json", "--seq-len", 16, "--batch-size", 2, "--threads", 1,
+                         "--jacobian-iters", 5)
+    assert code == 0, err
+    (r,) = json.loads(out)["results"]
+    assert r["residual"] == cfg.model.residual and r["sublayers"] == 4 and r["run"] == str(run)
+    code, out, err = cli(capsys, "--run", run, "--seq-len", 16, "--batch-size", 2, "--threads", 1,
+                         "--jacobian-iters", 5)
+    assert code == 0 and "sub-layers" in out and cfg.model.residual in out
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--residual", "pre_ln,postln"], "unknown residual scheme 'postln'"),
+    (["--layers", "16,15"], "--layers: 15 is not an even number"),
+    (["--layers", "0"], "--layers: 0 is not an even number"),
+    (["--layers", "sixteen"], "is not an integer number of sub-layers"),
+    (["--layers", ","], "--layers needs at least one depth"),
+    (["--run", "somewhere", "--residual", "keel"], "--run takes the model from the run"),
+    (["--run", "/nonexistent/run"], "not a run directory"),
+    (["--plot", "/nonexistent/dir/x.png"], "--plot: folder /nonexistent/dir does not exist"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+])
+def test_cli_errors_are_one_line(capsys, args, msg):
+    code, out, err = cli(capsys, *args)
+    assert code == 2
+    assert err.startswith("keel: error: ") and msg in err and err.count("\n") == 1
+    assert "Traceback" not in err

@@ -1,0 +1,60 @@
+"""keel plot: loss curves, loss vs depth, loss vs LR, from real (tiny) runs and sweeps."""
+
+import pytest
+
+from conftest import REPO, tiny_overrides
+from keel.errors import KeelError
+from keel.experiments.plot import depth_points, plot_depth, plot_loss_curves, plot_lr
+from keel.experiments.sweep import load_sweep, parse_grid, run_sweep
+
+
+@pytest.fixture(scope="module")
+def sweep_dir(tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("plots") / "sw"
+    grid = parse_grid(["model.residual=keel,pre_ln", "model.n_layers=1,2", "train.lr=1e-3,1e-2"])
+    sets = tiny_overrides(tiny_data, steps=4, eval_every=2, checkpoint_every=4)
+    run_sweep(str(REPO / "configs" / "demo.toml"), grid, sets, out=out, workers=0, best="train.lr", log=lambda m: None)
+    return out
+
+
+def _png(path):
+    import matplotlib.image
+
+    img = matplotlib.image.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+    return img
+
+
+def test_depth_points_pick_best_lr(sweep_dir):
+    s = load_sweep(sweep_dir)
+    pts = depth_points(s)
+    assert set(pts) == {"residual=keel", "residual=pre_ln"}
+    for scheme in ("keel", "pre_ln"):
+        got = pts[f"residual={scheme}"]
+        assert [p[0] for p in got] == [2, 4]  # sub-layers
+        for L, loss, run in got:
+            cands = [r["final_val_loss"] for r in s["runs"] if r["values"]["model.residual"] == scheme
+                     and 2 * r["values"]["model.n_layers"] == L and not r["diverged"]]
+            assert loss == min(cands) and run["final_val_loss"] == loss
+
+
+def test_plots_are_written(sweep_dir, tmp_path, keel_cli):
+    assert plot_loss_curves([sweep_dir], tmp_path / "loss.png") == 8
+    assert plot_loss_curves([sweep_dir / "keel_L2_lr0.001", sweep_dir / "pre_ln_L4_lr0.01"], tmp_path / "v.png",
+                            val=True, x="steps") == 2
+    assert len(plot_depth(sweep_dir, tmp_path / "depth.png")) == 2
+    assert plot_lr(sweep_dir, tmp_path / "lr.png") == 4  # scheme x depth lines
+    for f in ("loss.png", "v.png", "depth.png", "lr.png"):
+        _png(tmp_path / f)
+    r = keel_cli("plot", "depth", sweep_dir, "--out", tmp_path / "cli.png")
+    assert r.returncode == 0 and "2 lines" in r.stdout
+    _png(tmp_path / "cli.png")
+    r = keel_cli("plot", "loss", tmp_path, "--out", tmp_path / "x.png")
+    assert r.returncode == 2 and "not a run folder" in r.stderr
+
+
+def test_plot_errors(sweep_dir, tmp_path):
+    with pytest.raises(KeelError, match="--x"):
+        plot_loss_curves([sweep_dir], tmp_path / "a.png", x="time")
+    with pytest.raises(KeelError, match="sweep.json"):
+        plot_depth(sweep_dir / "keel_L2_lr0.001", tmp_path / "b.png")

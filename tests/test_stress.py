@@ -1,0 +1,153 @@
+"""keel stress: the max-LR stress test grid, end to end on a tiny model."""
+
+import json
+import math
+
+import pytest
+
+from conftest import tiny_overrides
+from keel import KeelError
+from keel.cli import main
+from keel.diagnostics.divergence import classify_metrics
+from keel.experiments.stress import RESULT_FILE, max_lr, run_stress, stress_table, table_markdown
+
+SCHEMES = ["pre_ln", "post_ln"]
+RAMP, PEAK = 30, 5.0
+
+
+def quiet(*a, **k):
+    pass
+
+
+def grid(tiny_data, out, workers=1, **kw):
+    sets = tiny_overrides(tiny_data, eval_every=1000, checkpoint_every=10)
+    args = dict(config="demo", overrides=sets, schemes=SCHEMES, sublayers=[4], seeds=[0], peak_lr=PEAK,
+                ramp_steps=RAMP, out=out, workers=workers, threads=1, log=quiet)
+    args.update(kw)
+    return run_stress(**args)
+
+
+def metrics(run_dir):
+    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_worker(tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("stress1")
+    return out, grid(tiny_data, out)
+
+
+def test_grid_end_to_end(one_worker):
+    out, res = one_worker
+    assert sorted(res["trained"]) == ["post_ln-4sl-seed0", "pre_ln-4sl-seed0"] and res["cached"] == []
+    for f in ("stress.json", "stress.md", "stress.png"):
+        assert (out / f).stat().st_size > 100
+    saved = json.loads((out / "stress.json").read_text())
+    assert saved["table"] == res["table"] and len(saved["runs"]) == 2
+    for r in res["runs"]:
+        recs = metrics(out / r["name"])
+        # the LR ramp: step k (1-based) runs at peak * k / ramp (lr_at with warmup = steps = ramp)
+        for q in recs:
+            if "lr" in q:
+                assert q["lr"] == pytest.approx(PEAK * q["step"] / RAMP)
+        # an LR of 5 blows the tiny model up before the end of the ramp
+        assert r["diverged"] and r["verdict"] == classify_metrics(recs).to_dict()
+        # max LR = the LR logged at the step before the verdict step
+        k = r["verdict"]["step"]
+        assert r["max_lr"] == pytest.approx(next(q["lr"] for q in recs if q["step"] == k - 1))
+        assert r["max_lr"] == pytest.approx(PEAK * (k - 1) / RAMP)
+        assert (r["sublayers"], r["blocks"]) == (4, 2)
+
+
+def test_two_workers_match_one(tiny_data, tmp_path, one_worker):
+    _, res1 = one_worker
+    res2 = grid(tiny_data, tmp_path, workers=2)
+    assert sorted(res2["trained"]) == sorted(res1["trained"])
+    for a, b in zip(res1["runs"], res2["runs"]):
+        assert (a["name"], a["verdict"], a["max_lr"]) == (b["name"], b["verdict"], b["max_lr"])
+        assert metrics(tmp_path / a["name"])[-1]["loss"] == pytest.approx(metrics(one_worker[0] / a["name"])[-1]["loss"])
+
+
+def test_cli_json_on_cached_grid(one_worker, tiny_data, capsys):
+    out, res = one_worker
+    sets = sum((["--set", s] for s in tiny_overrides(tiny_data, eval_every=1000, checkpoint_every=10)), [])
+    rc = main(["stress", "--residual", ",".join(SCHEMES), "--layers", "4", "--seeds", "0", "--peak-lr", str(PEAK),
+               "--ramp-steps", str(RAMP), "--out", str(out), "--json", *sets])
+    assert rc == 0
+    table = json.loads(capsys.readouterr().out)
+    assert table == json.loads(json.dumps(res["table"]))
+    assert all(math.isfinite(c["median"]) for c in table["rows"][0]["cells"].values())
+
+
+def test_cached_runs_are_skipped_and_interrupted_ones_resumed(tiny_data, one_worker):
+    out, res1 = one_worker
+    mtimes = {p: p.stat().st_mtime_ns for p in out.rglob("metrics.jsonl")}
+    res = grid(tiny_data, out)
+    assert res["trained"] == [] and sorted(res["cached"]) == sorted(res1["trained"])
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("metrics.jsonl")} == mtimes
+    assert res["table"] == res1["table"]
+    # the same --out with other settings is refused, not mixed up
+    with pytest.raises(KeelError, match=r"other settings \(train.lr, train.steps, train.warmup_steps\)"):
+        grid(tiny_data, out, ramp_steps=RAMP + 1, peak_lr=PEAK / 2)
+    # an interrupted run (no result file) is resumed, the other stays cached
+    (out / "pre_ln-4sl-seed0" / RESULT_FILE).unlink()
+    res = grid(tiny_data, out)
+    assert res["trained"] == ["pre_ln-4sl-seed0"] and res["cached"] == ["post_ln-4sl-seed0"]
+    assert [r["verdict"] for r in res["runs"]] == [r["verdict"] for r in res1["runs"]]
+    # report-only tabulates finished runs and trains nothing
+    (out / "post_ln-4sl-seed0" / RESULT_FILE).unlink()
+    res = grid(tiny_data, out, report_only=True)
+    assert res["trained"] == [] and [r["name"] for r in res["runs"]] == ["pre_ln-4sl-seed0"]
+    assert res["table"]["rows"][0]["cells"]["post_ln"]["text"] == "–"
+
+
+def _r(scheme, L, lr):
+    return {"scheme": scheme, "sublayers": L, "diverged": lr is not None, "max_lr": lr}
+
+
+def test_table_format():
+    results = [_r("pre_ln", 64, 1e-3), _r("pre_ln", 64, 3e-3), _r("pre_ln", 64, 2e-3),
+               _r("keel", 64, None), _r("keel", 64, None), _r("keel", 64, None),
+               _r("pre_ln", 256, 1e-3), _r("pre_ln", 256, None), _r("pre_ln", 256, None),
+               _r("keel", 256, 4e-3), _r("keel", 256, None)]
+    t = stress_table(results, ["pre_ln", "keel"], [64, 256])
+    assert t["columns"] == ["pre_ln", "keel"] and [r["sublayers"] for r in t["rows"]] == [64, 256]
+    c = t["rows"][0]["cells"]
+    assert (c["pre_ln"]["median"], c["pre_ln"]["min"], c["pre_ln"]["max"]) == (2e-3, 1e-3, 3e-3)
+    assert c["pre_ln"]["text"] == "2.00e-03 (1.00e-03–3.00e-03)"
+    assert c["keel"]["text"] == "no div." and c["keel"]["n"] == 3 and c["keel"]["n_diverged"] == 0
+    c = t["rows"][1]["cells"]
+    # a run that did not diverge counts as +inf: median of (1e-3, inf, inf) is inf
+    assert c["pre_ln"]["median"] is None and c["pre_ln"]["text"] == "no div. (1.00e-03–no div.), 2/3 no div."
+    # even count: mean of the two middle values (4e-3, inf) = inf
+    assert c["keel"]["text"] == "no div. (4.00e-03–no div.), 1/2 no div."
+    md = table_markdown(t, 5e-2).splitlines()
+    assert md[0] == "| depth: sub-layers (blocks) | pre_ln | keel |"
+    assert md[2] == "| 64 (32 blocks) | 2.00e-03 (1.00e-03–3.00e-03) | no div. |"
+    assert md[3].startswith("| 256 (128 blocks) | no div. (1.00e-03–no div.)")
+    assert "peak LR 0.05" in md[-1]
+    one = stress_table([_r("keel", 8, 2.5e-2)], ["keel"], [8])
+    assert one["rows"][0]["cells"]["keel"]["text"] == "2.50e-02"
+
+
+def test_max_lr_transcription():
+    recs = [{"step": 0, "val_loss": 7.0}] + [{"step": k, "loss": 1.0, "lr": 0.1 * k} for k in range(1, 11)]
+    for k in range(2, 11):
+        assert max_lr(recs, k) == pytest.approx(0.1 * (k - 1))
+    assert max_lr(recs, 1) == 0.0
+    with pytest.raises(KeelError):
+        max_lr(recs, 20)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--layers", "63"], "must be even"),
+    (["--layers", "64,x"], "--layers must be a comma-separated list"),
+    (["--residual", "pre_ln,nope"], "unknown scheme 'nope'"),
+    (["--peak-lr", "0"], "--peak-lr must be > 0"),
+    (["--ramp-steps", "1"], "--ramp-steps must be >= 2"),
+    (["--seeds", "0,0"], "must not repeat"),
+])
+def test_bad_input_one_line_errors(args, msg, capsys, tmp_path):
+    assert main(["stress", "--out", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("keel: error: ") and msg in err and err.count("\n") == 1

@@ -1,0 +1,193 @@
+"""keel sweep: grid parsing, equal-parameter widths, the grid runner (cache, resume, stop)."""
+
+import dataclasses
+import json
+import math
+import shutil
+
+import pytest
+
+from conftest import REPO, tiny_overrides
+from keel.config import config_from_dict, load_config
+from keel.errors import KeelError
+from keel.experiments.grid import GridJob, run_grid
+from keel.experiments.sweep import (best_over, expand_grid, parse_grid, param_count, run_name, run_sweep,
+                                    width_for_params)
+from keel.model import SCHEMES, Transformer
+from keel.train.plots import read_metrics
+
+DEMO = str(REPO / "configs" / "demo.toml")
+
+
+def test_parse_and_expand_grid():
+    grid = parse_grid(["model.residual=keel,pre_ln", "model.n_layers=4,16,64", "train.lr=1e-3,3e-3"])
+    assert grid == {"model.residual": ["keel", "pre_ln"], "model.n_layers": [4, 16, 64], "train.lr": [1e-3, 3e-3]}
+    assert isinstance(grid["model.n_layers"][0], int) and isinstance(grid["train.lr"][0], float)
+    points = expand_grid(grid)
+    assert len(points) == 2 * 3 * 2
+    assert points[0] == {"model.residual": "keel", "model.n_layers": 4, "train.lr": 1e-3}
+    assert points[1] == {"model.residual": "keel", "model.n_layers": 4, "train.lr": 3e-3}
+    assert points[-1] == {"model.residual": "pre_ln", "model.n_layers": 64, "train.lr": 3e-3}
+    names = [run_name(p) for p in points]
+    assert len(set(names)) == len(names)
+    assert run_name({"model.residual": "keel", "model.n_layers": 32, "train.lr": 0.003}) == "keel_L64_lr0.003"
+    for bad in (["model.residual"], ["residual=keel"], ["train.lr=1e-3,,3e-3"], ["train.lr=1e-3,1e-3"]):
+        with pytest.raises(KeelError):
+            parse_grid(bad)
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+@pytest.mark.parametrize("n_layers,d_model", [(2, 32), (5, 48)])
+def test_param_count_matches_model(scheme, n_layers, d_model):
+    cfg = load_config(None, [f"model.residual={scheme}", f"model.n_layers={n_layers}", f"model.d_model={d_model}",
+                             "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=96", "model.vocab_size=300"]).model
+    model = Transformer(cfg)
+    assert param_count(cfg) == model.num_params()
+    assert param_count(cfg, non_embedding=True) == model.num_params(non_embedding=True)
+
+
+@pytest.mark.parametrize("scheme", ["keel", "pre_ln"])
+def test_width_for_params_holds_parameters(scheme):
+    base = load_config(None, [f"model.residual={scheme}", "model.n_layers=4", "model.d_model=128", "model.n_heads=2",
+                              "model.n_kv_heads=1", "model.d_ff=384", "model.vocab_size=1024"]).model
+    target = param_count(base, non_embedding=True)
+    assert width_for_params(base, target).d_model == 128  # the base shape is its own answer
+    for n_layers, tol in ((1, 0.05), (12, 0.05)):
+        m = width_for_params(base, target, n_layers)
+        got = param_count(m, non_embedding=True)
+        assert m.n_layers == n_layers and m.d_model % 4 == 0 and m.d_ff == round(3 * m.d_model)
+        assert abs(got - target) / target < tol, (n_layers, m.d_model, got, target)
+        for d in (m.d_model - 4, m.d_model + 4):  # no neighbouring width is closer
+            if d > 0:
+                other = param_count(dataclasses.replace(m, d_model=d, d_ff=round(3 * d)), non_embedding=True)
+                assert abs(other - target) >= abs(got - target)
+    assert width_for_params(base, target, 16).d_model < 128 < width_for_params(base, target, 1).d_model
+
+
+def _tiny_sets(tiny_data, **train):
+    t = dict(steps=8, checkpoint_every=4, eval_every=4)
+    t.update(train)
+    return tiny_overrides(tiny_data, **t)
+
+
+def test_sweep_tables_best_lr_and_cache(tiny_data, tmp_path):
+    out = tmp_path / "sw"
+    grid = parse_grid(["model.residual=keel,pre_ln", "train.lr=1e-3,1e-2"])
+    s = run_sweep(DEMO, grid, _tiny_sets(tiny_data), out=out, workers=0, best="train.lr", log=lambda m: None)
+    runs = s["runs"]
+    assert [r["name"] for r in runs] == ["keel_lr0.001", "keel_lr0.01", "pre_ln_lr0.001", "pre_ln_lr0.01"]
+    for r in runs:
+        recs = read_metrics(out / r["name"] / "metrics.jsonl")
+        vals = [x["val_loss"] for x in recs if "val_loss" in x]
+        assert r["status"] == "done" and r["verdict"] == "ok" and r["step"] == 8
+        assert r["final_val_loss"] == vals[-1] and r["best_val_loss"] == min(vals)
+        assert r["tokens"] == 8 * 4 * 32
+        assert r["params"] == Transformer(load_config(out / r["name"] / "config.toml").model).num_params()
+    assert s["held_fixed"]["tokens"] == 8 * 4 * 32 and s["held_fixed"]["steps"] == 8
+    assert s["held_fixed"]["params"] == "varies"  # Keel has two norms per sub-layer, Pre-LN one
+    for scheme in ("keel", "pre_ln"):
+        mine = [r for r in runs if r["values"]["model.residual"] == scheme]
+        want = min(mine, key=lambda r: r["final_val_loss"])
+        row = next(b for b in s["best"] if b["values"] == {"model.residual": scheme})
+        assert row["best"] == want["values"]["train.lr"] and row["final_val_loss"] == want["final_val_loss"]
+    md = (out / "sweep.md").read_text()
+    assert "Held fixed:** tokens = 1,024, steps = 8" in md and "best train.lr" in md
+    assert json.loads((out / "sweep.json").read_text())["best"] == s["best"]
+
+    # a finished sweep is not run again; without --resume a non-empty folder is an error
+    before = {r["name"]: (out / r["name"] / "result.json").stat().st_mtime_ns for r in runs}
+    lines = []
+    s2 = run_sweep(DEMO, grid, _tiny_sets(tiny_data), out=out, workers=0, resume=True, log=lines.append)
+    assert "4 finished already, 0 to run" in lines[0]
+    assert {r["name"]: (out / r["name"] / "result.json").stat().st_mtime_ns for r in s2["runs"]} == before
+    with pytest.raises(KeelError, match="--resume"):
+        run_sweep(DEMO, grid, _tiny_sets(tiny_data), out=out, workers=0, log=lambda m: None)
+
+    # an interrupted run (checkpoint at step 4, no result) is resumed and ends where it would have
+    name = "pre_ln_lr0.01"
+    final = next(r for r in runs if r["name"] == name)["final_val_loss"]
+    rd = out / name
+    (rd / "result.json").unlink()
+    shutil.rmtree(rd / "checkpoints" / "step_00000008")
+    (rd / "checkpoints" / "latest").write_text("step_00000004")
+    lines = []
+    s3 = run_sweep(DEMO, grid, _tiny_sets(tiny_data), out=out, workers=0, resume=True, log=lines.append)
+    assert "3 finished already, 1 to run" in lines[0]
+    assert "resuming" in (rd / "run.log").read_text()
+    again = next(r for r in s3["runs"] if r["name"] == name)
+    assert again["step"] == 8 and again["final_val_loss"] == pytest.approx(final, rel=1e-6)
+    assert [x["step"] for x in read_metrics(rd / "metrics.jsonl")] == list(range(9))
+
+    # a changed config under the same name is refused
+    with pytest.raises(KeelError, match="different config"):
+        (rd / "result.json").unlink()
+        run_sweep(DEMO, grid, _tiny_sets(tiny_data, warmup_steps=1), out=out, workers=0, resume=True,
+                  log=lambda m: None)
+
+
+def test_stopped_run_is_a_result_and_excluded_from_best(tiny_data, tmp_path):
+    """Pre-LN with N(0, 1e20^2) weights overflows fp32: every step is non-finite, the trainer
+    stops the run after train.max_bad_steps; the sweep records it and goes on (worker process)."""
+    grid = parse_grid(["model.init_std=0.02,1e20"])
+    sets = _tiny_sets(tiny_data, max_bad_steps=2) + ["model.residual=pre_ln"]
+    s = run_sweep(DEMO, grid, sets, out=tmp_path / "sw", workers=1, threads=1, best="model.init_std",
+                  log=lambda m: None)
+    ok, bad = s["runs"]
+    assert ok["verdict"] == "ok" and ok["step"] == 8
+    assert bad["status"] == "done" and bad["verdict"] == "stopped" and bad["diverged"]
+    assert bad["step"] == 2 and bad["final_val_loss"] is None and "max_bad_steps" in bad["verdict_detail"]
+    assert s["best"][0]["best"] == 0.02 and s["best"][0]["n_ok"] == 1
+
+
+def _fail_task(job, run_dir, resume, log):
+    if job.values["x"] == 2:
+        raise KeelError("boom")
+    return {"square": job.values["x"] ** 2}
+
+
+def test_grid_runner_records_errors_and_retries_them(tmp_path):
+    jobs = [GridJob(f"x{x}", {"x": x}, {"x": x}) for x in (1, 2, 3)]
+    res = run_grid(jobs, tmp_path / "g", _fail_task, workers=0, log=lambda m: None)
+    assert [r["status"] for r in res] == ["done", "error", "done"]
+    assert res[0]["square"] == 1 and res[2]["square"] == 9 and res[1]["message"] == "boom"
+    assert not (tmp_path / "g" / "x2" / "result.json").exists()
+    lines = []
+    run_grid(jobs, tmp_path / "g", _fail_task, workers=0, resume=True, log=lines.append)
+    assert "2 finished already, 1 to run" in lines[0]
+    with pytest.raises(KeelError, match="repeated"):
+        run_grid(jobs + jobs[:1], tmp_path / "h", _fail_task, workers=0)
+    with pytest.raises(KeelError, match="folder name"):
+        run_grid([GridJob("a/b", {})], tmp_path / "h", _fail_task, workers=0)
+
+
+def test_best_over_needs_a_grid_key():
+    with pytest.raises(KeelError, match="best-over"):
+        best_over([], ["model.residual"], "train.lr")
+
+
+def test_cli_errors(keel_cli, tmp_path, tiny_data):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    r = keel_cli("sweep", "--grid", "train.lr=1e-3,2e-3", "--out", tmp_path / "full",
+                 *sum((["--set", s] for s in _tiny_sets(tiny_data)), []))
+    assert r.returncode == 2 and "--resume" in r.stderr and "Traceback" not in r.stderr
+    r = keel_cli("sweep", "--grid", "train.lr=1e-3", "--best-over", "model.residual", "--out", tmp_path / "o",
+                 *sum((["--set", s] for s in _tiny_sets(tiny_data)), []))
+    assert r.returncode == 2 and "--best-over model.residual" in r.stderr
+    r = keel_cli("sweep", "--preset", "no-such-preset")
+    assert r.returncode == 2 and "unknown sweep preset" in r.stderr
+
+
+@pytest.mark.parametrize("preset", ["cpu-depth", "deep-vs-wide", "paper-depth", "paper-deep-vs-wide"])
+def test_presets_build(preset):
+    from keel.experiments.sweep import build_jobs, load_preset
+
+    p = load_preset(preset)
+    sets = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in p.get("set", {}).items()]
+    jobs = build_jobs(p.get("base"), p["grid"], sets, match_params=p.get("match_params"))
+    assert len(jobs) == math.prod(len(v) for v in p["grid"].values())
+    if p.get("match_params"):
+        counts = [param_count(config_from_dict(j.config).model, non_embedding=True) for j in jobs]
+        # width moves in steps of 2 * n_heads: coarse at CPU widths (~40), fine at the paper's (~1024)
+        assert max(counts) / min(counts) < (1.02 if preset.startswith("paper") else 1.10), counts
+
