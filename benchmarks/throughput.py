@@ -326,15 +326,20 @@ def bench_shape(shape: Shape, names: list[str], args, device: torch.device, log)
 
     # Same weights in HF and pre_ln, then check they compute the same function.
     if HF in runners and "pre_ln" in runners:
-        copy_pre_ln_into_hf(runners["pre_ln"].model, runners[HF].model)
-        ids = make_batches(shape, 2, 1, device, args.seed + 7)[0][0]
-        with torch.no_grad(), runners[HF].amp():
-            a = runners["pre_ln"].model(ids).float()
-            b = runners[HF].model(input_ids=ids, use_cache=False).logits.float()
-        info["max_abs_dlogits_pre_ln_vs_hf"] = (a - b).abs().max().item()
         log(f"  params: pre_ln {runners['pre_ln'].n_params:,}  hf_llama {runners[HF].n_params:,}  "
-            f"(equal: {runners['pre_ln'].n_params == runners[HF].n_params}); "
-            f"max |logits diff| with the same weights: {info['max_abs_dlogits_pre_ln_vs_hf']:.2e}")
+            f"(equal: {runners['pre_ln'].n_params == runners[HF].n_params})")
+        try:
+            copy_pre_ln_into_hf(runners["pre_ln"].model, runners[HF].model)
+        except (RuntimeError, KeyError, ValueError) as exc:  # e.g. keel renamed a tensor: time anyway
+            log(f"  could not load pre_ln's weights into the HF model ({exc}); logits not compared")
+        else:
+            ids = make_batches(shape, 2, 1, device, args.seed + 7)[0][0]
+            with torch.no_grad(), runners[HF].amp():
+                a = runners["pre_ln"].model(ids).float()
+                b = runners[HF].model(input_ids=ids, use_cache=False).logits.float()
+            info["max_abs_dlogits_pre_ln_vs_hf"] = (a - b).abs().max().item()
+            log(f"  max |logits(pre_ln) - logits(HF)| with the same weights: "
+                f"{info['max_abs_dlogits_pre_ln_vs_hf']:.2e}")
 
     batches = make_batches(shape, args.batch_size, args.n_batches, device, args.seed)
     k = 0
@@ -368,6 +373,11 @@ def bench_shape(shape: Shape, names: list[str], args, device: torch.device, log)
             break
         if r >= args.repeats and args.budget_s and time.perf_counter() - args.t_start > args.budget_s:
             log(f"  (--budget-s {args.budget_s:.0f} s spent: no more re-runs of contended rounds)")
+            break
+        n_clean = sum(is_clean(ld) for n in names for ld in loads[n])
+        if r >= args.repeats and n_clean < 0.25 * r * len(names):
+            log(f"  (only {n_clean} of {r * len(names)} timed chunks were uncontended: the machine is busy "
+                f"throughout, re-runs would not help; no more rounds)")
             break
         rot = order[r % len(order):] + order[:r % len(order)]
         for name in rot:

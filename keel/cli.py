@@ -53,6 +53,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                           max_bytes=args.max_bytes, text_field=args.text_field, cache_dir=args.cache_dir)
     meta = read_meta(out)
     print(f"dataset: {out}")
+    asked = args.tokenizer.split(":", 1)[1] if args.tokenizer.startswith("bpe:") else ""
+    if asked.isdigit() and meta["vocab_size"] < int(asked):
+        print(f"  note: asked for {asked} BPE tokens, the corpus supports only {meta['vocab_size']}")
+    if meta.get("docs_with_replacement_chars"):
+        print(f"  note: {meta['docs_with_replacement_chars']} document(s) were not valid UTF-8; "
+              "their undecodable bytes became U+FFFD")
+    if meta["val_tokens"] > meta["train_tokens"]:
+        print("  warning: the validation split is larger than the training split (too few documents?)")
     print(f"  vocab {meta['vocab_size']}, train {meta['train_tokens']:,} tokens ({meta['n_docs_train']} docs), "
           f"val {meta['val_tokens']:,} tokens ({meta['n_docs_val']} docs)")
     return 0
@@ -122,6 +130,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 0:
+        raise KeelError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise KeelError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k < 0 or args.num_samples < 1:
+        raise KeelError("--top-k must be >= 0 and --num-samples >= 1")
     from keel.train.checkpoint import load_run
 
     model, tokenizer, device = load_run(args.run, device=args.device)

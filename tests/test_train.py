@@ -188,3 +188,28 @@ def test_bad_toml_file(tmp_path, capsys):
     bad.write_text("[model\nd_model = 3")
     assert main(["train", "--config", str(bad)]) == 2
     assert "cannot parse config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,msg", [
+    (("--max-new-tokens", "-3"), "--max-new-tokens must be >= 0"),
+    (("--temperature", "-1"), "--temperature must be >= 0"),
+])
+def test_generate_rejects_bad_sampling_args(args, msg, capsys):
+    """Found by a new-user trial: these were silently accepted (exit 0)."""
+    from keel.cli import main
+
+    assert main(["generate", "--run", "nowhere", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and msg in err[0]
+
+
+def test_resume_without_checkpoint_says_so(tiny_config, tmp_path):
+    run = tmp_path / "r"
+    train(tiny_config(steps=2, eval_every=2, checkpoint_every=2), run, log=quiet)
+    import shutil
+
+    shutil.rmtree(run / "checkpoints")  # as if interrupted before the first checkpoint
+    lines = []
+    train(tiny_config(steps=2, eval_every=2, checkpoint_every=2), run, resume=True, log=lines.append)
+    assert any("no checkpoint" in ln and "step 0" in ln for ln in lines)
+    assert [r["step"] for r in metrics(run)] == [0, 1, 2]  # the stale lines were dropped

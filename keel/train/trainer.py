@@ -242,6 +242,11 @@ def _train(cfg: Config, run_dir: str | Path, resume: bool, log, info: par.DistIn
         torch.set_rng_state(state["rng"])
         step, tokens, elapsed = state["step"], state["tokens"], state["elapsed_s"]
         log(f"resuming {run_dir} from step {step} ({ckpt.name})")
+    elif resume:
+        log(f"no checkpoint in {run_dir} yet: starting it again from step 0")
+    if tc.warmup_steps > tc.steps:
+        log(f"warning: train.warmup_steps ({tc.warmup_steps}) > train.steps ({tc.steps}): "
+            f"the LR never reaches train.lr")
 
     metrics_path = run_dir / "metrics.jsonl"
     if main:
