@@ -9,6 +9,17 @@ from keel.config import load_config
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: one torch thread is much faster than two on a shared machine."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """A small real-text dataset: ~300 kB of the Python standard library, BPE with 512 tokens."""

@@ -22,13 +22,7 @@ from keel.train.checkpoint import latest_checkpoint, load_trainer_state, load_we
 ALL = sorted(SCHEMES)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread is much faster than two on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def cfg_for(scheme, n_layers=2, d_model=32, init_std=0.02, vocab=512, **kw):

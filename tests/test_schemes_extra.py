@@ -11,15 +11,10 @@ import torch.nn as nn
 from keel import KeelError, ModelConfig, Transformer
 from keel.model import SCHEMES, Attention, RMSNorm, apply_rope, rope_tables
 from keel.model.residual import HybridNorm, HybridNormStar, MixLN, mix_ln_post_blocks
+from test_model import rmsnorm_ref  # the RMSNorm transcription shared by the scheme tests
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread is much faster than two on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def small_cfg(**kw):
@@ -30,9 +25,6 @@ def small_cfg(**kw):
 
 # ---- direct transcriptions (float64) ----------------------------------------------------
 
-def rmsnorm_ref(x, g, eps):
-    """RMSNorm(x) = x / sqrt(mean_i x_i^2 + eps) * g   (Zhang & Sennrich 2019, Eq. 4)."""
-    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * g
 
 
 def randomize_gains(module, seed=1):
