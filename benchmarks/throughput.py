@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import gc
 import json
-import math
 import multiprocessing as mp
 import os
 import platform
@@ -453,8 +452,8 @@ def markdown(report: dict) -> str:
         f"steps per model (order rotates each round)",
         f"              until each model has {meta['repeats']} uncontended rounds (other processes using "
         f"<= {meta['max_load']} cores; at most {meta['max_rounds']} rounds);",
-        f"              step time = median over its uncontended rounds; IQR = interquartile range / median;",
-        f"              CPU ms/step = process CPU time (all threads) per step, median over the same rounds",
+        "              step time = median over its uncontended rounds; IQR = interquartile range / median;",
+        "              CPU ms/step = process CPU time (all threads) per step, median over the same rounds",
         f"peak memory:  {meta['memory_method']}",
         "```",
         "",
