@@ -1,6 +1,7 @@
 """keel: Keel (Post-LN with a Highway-style residual, arXiv 2601.19895) and its baselines.
 
-``from keel import ModelConfig, Transformer`` is the public entry point. Names are loaded
+``from keel import ModelConfig, Transformer`` and ``keel.load_run(path)`` are the public entry
+points. Names are loaded
 lazily, so that ``import keel`` (and ``keel --help``) does not import torch.
 """
 
@@ -15,6 +16,8 @@ _EXPORTS = {
     "TrainConfig": "keel.config",
     "KeelError": "keel.errors",
     "Transformer": "keel.model",
+    "Run": "keel.run",
+    "load_run": "keel.run",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

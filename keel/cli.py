@@ -7,15 +7,15 @@ A user mistake (bad path, bad config value, too little data) prints one line
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 import time
 from pathlib import Path
 
+from keel.config import DEFAULT_PRESET, resolve_config_path
 from keel.errors import KeelError
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-DEFAULT_CONFIG = "demo"
 
 # Commands that live beside their feature: "module:function", where function(subparsers)
 # adds one sub-command and sets ``func``. Such modules must import torch lazily (inside the
@@ -29,21 +29,6 @@ PLUGGED_COMMANDS: list[str] = [
     "keel.experiments.plot:register",
     "keel.experiments.ablate:register",
 ]
-
-
-def resolve_config_path(name: str | None) -> Path | None:
-    """A config file path, or a preset name from ``configs/`` (``demo``, ``paper-512``...)."""
-    name = name or DEFAULT_CONFIG
-    p = Path(name)
-    if p.suffix == ".toml" or p.exists():
-        if not p.is_file():
-            raise KeelError(f"config file not found: {p}")
-        return p
-    preset = CONFIG_DIR / f"{name}.toml"
-    if preset.is_file():
-        return preset
-    known = ", ".join(sorted(q.stem for q in CONFIG_DIR.glob("*.toml"))) or "none found"
-    raise KeelError(f"unknown config {name!r}: not a file and not a preset in {CONFIG_DIR} ({known})")
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -93,7 +78,7 @@ def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from keel.config import load_config
-    from keel.train import train
+    from keel.experiments.training import train_run
 
     if args.nproc is not None:
         import os
@@ -114,7 +99,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
     if args.nproc is not None:
         return launch_torchrun(args, run_dir)
-    res = train(cfg, run_dir, resume=bool(args.resume))
+    res = train_run(cfg, run_dir, resume=bool(args.resume))
     import os
 
     if int(os.environ.get("RANK", "0")) != 0:
@@ -136,10 +121,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise KeelError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if args.top_k < 0 or args.num_samples < 1:
         raise KeelError("--top-k must be >= 0 and --num-samples >= 1")
-    from keel.train.checkpoint import load_run
+    from keel.run import Run
+    from keel.train.sampling import sample_text
 
-    model, tokenizer, device = load_run(args.run, device=args.device)
-    from keel.train.trainer import sample_text
+    run = Run(args.run)
+    model, tokenizer = run.load_model(device=args.device), run.tokenizer()
+    device = next(model.parameters()).device
 
     for i in range(args.num_samples):
         text = sample_text(model, tokenizer, args.prompt, args.max_new_tokens, device,
@@ -166,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.set_defaults(func=cmd_prepare)
 
     pt = sub.add_parser("train", help="train a language model")
-    pt.add_argument("--config", default=None, help=f"TOML file or preset name in configs/ (default: {DEFAULT_CONFIG})")
+    pt.add_argument("--config", default=None, help=f"TOML file or preset name (see `keel config`; default: {DEFAULT_PRESET})")
     pt.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config key (repeatable)")
     pt.add_argument("--run-dir", default=None, help="where the run goes (default: runs/<time>-<scheme>-<L>sl)")
@@ -195,8 +182,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def setup_logging(level: int = logging.INFO) -> None:
+    """Send the ``keel`` loggers' records to stderr as plain lines (once per process)."""
+    logger = logging.getLogger("keel")
+    logger.setLevel(level)
+    if not any(getattr(h, "_keel_cli", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler._keel_cli = True
+        logger.addHandler(handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging()
     try:
         return args.func(args)
     except KeelError as e:

@@ -1,6 +1,9 @@
 """Run configuration: three TOML sections, ``[model]``, ``[data]`` and ``[train]``.
 
-Presets are data: the files in ``configs/`` (``configs/demo.toml`` is the default).
+Presets are data: TOML files shipped inside the package, ``keel/configs/NAME.toml``
+(``demo`` is the default) and ``keel/configs/sweeps/NAME.toml`` for ``keel sweep``, read
+with ``importlib.resources`` so they exist after any install (:func:`resolve_config_path`,
+:func:`preset_names`).
 A config is loaded with :func:`load_config`, overridden with ``--set section.key=value``
 strings (:func:`apply_overrides`) and written back as the resolved ``config.toml`` of a
 run (:func:`dump_config`). Unknown sections or keys, and values of the wrong type, raise
@@ -25,9 +28,6 @@ else:  # pragma: no cover - Python 3.10
 
 from keel.errors import KeelError
 
-RESIDUALS = ("pre_ln", "post_ln", "deepnorm", "keel", "hybridnorm", "mix_ln")
-
-
 @dataclass
 class ModelConfig:
     """Shape and residual scheme of the decoder-only LM.
@@ -50,7 +50,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
-    # "pre_ln" | "post_ln" | "deepnorm" | "keel" | "hybridnorm" | "mix_ln" (keel.model.residual)
+    # a name in keel.model.residual.SCHEMES (checked by keel.model.residual.check_model_config)
     residual: str = "keel"
     # Keel's alpha (any float > 0); unset (None) means L, the number of sub-layers (paper, Sec. 3).
     alpha: float | None = None
@@ -73,9 +73,11 @@ class ModelConfig:
         return float(self.alpha) if self.alpha is not None else float(self.n_sublayers)
 
     def validate(self) -> "ModelConfig":
-        """Check the shape; return self. Raises KeelError naming the bad field."""
-        if self.residual not in RESIDUALS:
-            raise KeelError(f"unknown model.residual {self.residual!r} (choose from {', '.join(RESIDUALS)})")
+        """Check the shape; return self. Raises KeelError naming the bad field.
+
+        The residual scheme's name and its own keys are checked one layer up, by
+        :func:`keel.model.residual.check_model_config`, where the list of schemes lives.
+        """
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise KeelError(f"model.{name} must be >= 1, got {getattr(self, name)}")
@@ -85,8 +87,6 @@ class ModelConfig:
             raise KeelError(f"model.n_heads ({self.n_heads}) is not divisible by model.n_kv_heads ({self.n_kv_heads})")
         if self.head_dim % 2:
             raise KeelError(f"head dimension d_model/n_heads = {self.head_dim} must be even for RoPE")
-        if self.alpha is not None and not (math.isfinite(self.alpha) and self.alpha > 0):
-            raise KeelError(f"model.alpha must be a finite number > 0 (omit it for the default L), got {self.alpha}")
         if not self.init_std > 0:
             raise KeelError(f"model.init_std must be > 0, got {self.init_std}")
         return self
@@ -226,7 +226,7 @@ def config_from_dict(d: dict[str, Any]) -> Config:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a TOML config (default: ``configs/demo.toml`` values) and apply ``overrides``.
+    """Read a TOML config (default: the dataclass defaults) and apply ``overrides``.
 
     Args:
         path: a TOML file with any of the sections model/data/train; None = built-in defaults.
@@ -263,3 +263,41 @@ def dump_config(cfg: Config, path: str | Path) -> None:
     from keel.io import atomic_write_text
 
     atomic_write_text(path, tomli_w.dumps(cfg.to_dict()))
+
+
+DEFAULT_PRESET = "demo"
+
+
+def _preset_dir(kind: str = ""):
+    """The packaged preset folder (a ``importlib.resources`` Traversable): ``keel/configs``
+    or, with ``kind="sweeps"``, ``keel/configs/sweeps``."""
+    from importlib.resources import files
+
+    root = files("keel") / "configs"
+    return root / kind if kind else root
+
+
+def preset_names(kind: str = "") -> list[str]:
+    """Names of the shipped presets (``demo``, ``paper-64`` ...; ``kind="sweeps"``: the sweep presets)."""
+    return sorted(p.name[:-5] for p in _preset_dir(kind).iterdir() if p.name.endswith(".toml"))
+
+
+def resolve_config_path(name: str | None, kind: str = "") -> Path:
+    """A config file: ``name`` itself if it is a file path (or ends in ``.toml``), else the
+    packaged preset ``name`` (default ``demo``; ``kind="sweeps"`` for sweep presets).
+
+    Raises:
+        KeelError: neither a file nor a preset (the message lists the presets).
+    """
+    name = name or DEFAULT_PRESET
+    p = Path(name)
+    if p.suffix == ".toml" or p.exists():
+        if not p.is_file():
+            raise KeelError(f"config file not found: {p}")
+        return p
+    preset = _preset_dir(kind) / f"{name}.toml"
+    if preset.is_file():
+        return Path(str(preset))
+    what = "sweep preset" if kind else "config"
+    known = ", ".join(preset_names(kind)) or "none found"
+    raise KeelError(f"unknown {what} {name!r}: not a file and not a shipped preset ({known})")

@@ -43,7 +43,7 @@ def tiny_overrides(data_dir, **train):
 @pytest.fixture
 def tiny_config(tiny_data):
     def make(**train):
-        return load_config(REPO / "configs" / "demo.toml", tiny_overrides(tiny_data, **train))
+        return load_config(REPO / "keel" / "configs" / "demo.toml", tiny_overrides(tiny_data, **train))
     return make
 
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from keel.config import load_config
 from keel.errors import KeelError
-from keel.experiments.ablate import ablate_hf_model, ablate_model, mean_nll, removed_sublayer, windows_from_ids
+from keel.experiments.ablate import ablate_hf_model, ablate_model, removed_sublayer
+from keel.train.evaluate import mean_nll
 from keel.model import SCHEMES, Transformer
 
 
@@ -64,7 +65,7 @@ def test_delta_ppl_matches_hand_built_forward(scheme):
         after = ppl(model(w[:, :-1]), w[:, 1:])
     assert after == full
     with removed_sublayer(model, None):
-        assert mean_nll(model, w) == pytest.approx(math.log(full), rel=1e-6)
+        assert mean_nll(model, w, 16, "cpu") == pytest.approx(math.log(full), rel=1e-6)
 
 
 def test_keel_first_sublayer_removal_keeps_the_rest():
@@ -82,21 +83,13 @@ def test_keel_first_sublayer_removal_keeps_the_rest():
             pass
 
 
-def test_windows_from_ids():
-    w = windows_from_ids(list(range(100)), 10, max_tokens=35)
-    assert w.shape == (3, 11) and w[1, 0] == 10 and w[1, -1] == 20
-    assert windows_from_ids(list(range(100)), 10).shape == (9, 11)
-    with pytest.raises(KeelError, match="too short"):
-        windows_from_ids([1, 2], 10)
-
-
 def test_ablate_cli_on_a_run(tiny_config, tmp_path, keel_cli):
     from keel.data import validation_tokens
     from keel.train import train
-    from keel.train.checkpoint import load_run
+    from keel.run import Run
 
     run = tmp_path / "run"
-    train(tiny_config(steps=4, checkpoint_every=4, eval_every=4), run, log=lambda m: None)
+    train(tiny_config(steps=4, checkpoint_every=4, eval_every=4), run)
     r = keel_cli("ablate", "--run", run, "--tokens", 256, "--out", tmp_path / "abl", "--json")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
@@ -104,7 +97,7 @@ def test_ablate_cli_on_a_run(tiny_config, tmp_path, keel_cli):
     assert len(res["units"]) == 4 and res["tokens"] == 256
     assert (tmp_path / "abl" / "ablate.png").stat().st_size > 1000
     assert "| 3 | 1 | ffn |" in (tmp_path / "abl" / "ablate.md").read_text()
-    model, _, _ = load_run(run, device="cpu")
+    model, _ = Run(run).load_model(), Run(run).tokenizer()
     cfg = load_config(run / "config.toml")
     w = validation_tokens(cfg.data.path, cfg.train.seq_len, 256)
     with torch.no_grad():

@@ -593,3 +593,17 @@ def test_loader_on_prepared_stdlib(stdlib_ds):
     assert batch.shape == (4, 65) and 0 <= int(batch.min()) and int(batch.max()) < read_meta(stdlib_ds)["vocab_size"]
     val = validation_tokens(stdlib_ds, seq_len=64, max_tokens=64 * 8)
     assert val.shape[1] == 65 and 1 <= val.shape[0] <= 8
+
+
+def test_split_windows_whole_windows_and_cap():
+    """The one windowing rule: stride seq_len, overlap one token, capped by max_tokens."""
+    from keel.data import split_windows
+
+    w = torch.stack(split_windows(list(range(100)), 10, max_tokens=35))
+    assert w.shape == (3, 11) and w[1, 0] == 10 and w[1, -1] == 20
+    assert torch.stack(split_windows(list(range(100)), 10)).shape == (9, 11)
+    assert split_windows([1, 2], 10) == []
+    tail = split_windows(list(range(25)), 10, keep_tail=True)
+    assert [len(r) for r in tail] == [11, 11, 5] and tail[-1].tolist() == list(range(20, 25))
+    with pytest.raises(KeelError, match="seq_len"):
+        split_windows([1, 2, 3], 0)

@@ -29,7 +29,7 @@ from keel import KeelError
 from keel.config import load_config
 from keel.data import TokenLoader
 from keel.train import train
-from keel.train.distributed import spawn_training
+from spawn import spawn_training
 
 RTOL = 1e-5
 STEPS = 8
@@ -60,7 +60,7 @@ def runs(tiny_data, tmp_path_factory):
 
     def cfg(**train_keys):
         sets = tiny_overrides(tiny_data, steps=STEPS, eval_every=4, checkpoint_every=4, **train_keys)
-        return load_config(REPO / "configs" / "demo.toml", sets), sets
+        return load_config(REPO / "keel" / "configs" / "demo.toml", sets), sets
 
     # DDP through the CLI, in the background: global batch 2 x grad_accum 2 = the same 4
     # windows per optimizer step as batch 4 x 1 (1 sequence per rank per micro-batch)
@@ -74,12 +74,12 @@ def runs(tiny_data, tmp_path_factory):
     torch.set_num_threads(1)
     try:
         single_cfg, _ = cfg()
-        train(single_cfg, root / "single", log=quiet)
+        train(single_cfg, root / "single")
         truncate_to(root / "single", root / "one_to_two", 4)
         fsdp_cfg, _ = cfg(parallelism="fsdp")
         spawn_training([(fsdp_cfg, root / "fsdp", False), (fsdp_cfg, root / "one_to_two", True)], world_size=2)
         truncate_to(root / "fsdp", root / "two_to_one", 4)
-        train(single_cfg, root / "two_to_one", resume=True, log=quiet)
+        train(single_cfg, root / "two_to_one", resume=True)
     finally:
         torch.set_num_threads(threads)
         out, err = cli.communicate(timeout=600)

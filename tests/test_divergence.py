@@ -6,6 +6,8 @@ import random
 
 import pytest
 
+from keel.experiments.training import train_run
+
 from conftest import REPO, tiny_overrides
 from keel.config import load_config
 from keel.diagnostics.divergence import (DEGRADATION, HEALTHY, INSTABILITY, STAGNATION, OnlineDivergenceMonitor,
@@ -218,10 +220,10 @@ def quiet(*a, **k):
 def test_real_runs_healthy_and_blown_up(tiny_data, tmp_path, one_thread):
     sets = tiny_overrides(tiny_data, steps=20, eval_every=1000, checkpoint_every=1000)
     ok = tmp_path / "ok"
-    train(load_config(REPO / "configs" / "demo.toml", sets), ok, log=quiet)
+    train(load_config(REPO / "keel" / "configs" / "demo.toml", sets), ok)
     assert classify_metrics(_metrics(ok)).mode == HEALTHY
     bad = tmp_path / "bad"
-    train(load_config(REPO / "configs" / "demo.toml", sets + ["train.lr=3.0"]), bad, log=quiet)
+    train(load_config(REPO / "keel" / "configs" / "demo.toml", sets + ["train.lr=3.0"]), bad)
     v = classify_metrics(_metrics(bad))
     assert v.mode == INSTABILITY and v.step <= 5
 
@@ -231,7 +233,7 @@ def test_stop_on_divergence(tiny_data, tmp_path, one_thread):
                           seq_len=16, stop_on_divergence=True)
     run = tmp_path / "crazy"
     with pytest.raises(TrainingStopped, match="stop_on_divergence"):
-        train(load_config(REPO / "configs" / "demo.toml", sets), run, log=quiet)
+        train_run(load_config(REPO / "keel" / "configs" / "demo.toml", sets), run)
     recs = _metrics(run)
     div = [r for r in recs if "divergence" in r]
     assert len(div) == 1 and div[0] is recs[-1]

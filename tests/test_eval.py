@@ -13,9 +13,10 @@ pytest.importorskip("transformers")
 from conftest import REPO, tiny_overrides  # noqa: E402
 from keel.cli import main  # noqa: E402
 from keel.config import load_config  # noqa: E402
-from keel.eval.perplexity import bits_per_byte, split_windows, text_perplexity  # noqa: E402
+from keel.data import split_windows  # noqa: E402
+from keel.eval.perplexity import bits_per_byte, text_perplexity  # noqa: E402
 from keel.eval.tasks import EXAMPLE_TASK_DIR  # noqa: E402
-from keel.train.checkpoint import load_run  # noqa: E402
+from keel.run import Run  # noqa: E402
 
 MC_TASK, ROLLING_TASK = "keel_python_completion", "keel_python_paragraphs"
 
@@ -41,7 +42,7 @@ def run_dir(tiny_data, tmp_path_factory):
     from keel.train import train
 
     run = tmp_path_factory.mktemp("evalrun") / "run"
-    train(load_config(REPO / "configs" / "demo.toml", tiny_overrides(tiny_data, steps=8, eval_every=8)), run,
+    train(load_config(REPO / "keel" / "configs" / "demo.toml", tiny_overrides(tiny_data, steps=8, eval_every=8)), run,
           log=lambda *a: None)
     return run
 
@@ -70,7 +71,7 @@ def test_bits_per_byte_is_nats_over_ln2_over_bytes():
 @pytest.mark.parametrize("n,seq_len", [(2, 1), (10, 3), (33, 8), (64, 63)])
 def test_split_windows_predict_every_token_once(n, seq_len):
     ids = list(range(100, 100 + n))
-    windows = split_windows(ids, seq_len)
+    windows = split_windows(ids, seq_len, keep_tail=True)
     targets = [t for w in windows for t in w[1:].tolist()]
     assert targets == ids[1:]
     assert all(2 <= len(w) <= seq_len + 1 for w in windows)
@@ -89,7 +90,7 @@ def test_validation_perplexity_matches_trainer_and_direct_bytes(run_dir, capsys)
 
     cfg = load_config(run_dir / "config.toml")
     w = validation_tokens(cfg.data.path, cfg.train.seq_len, cfg.train.eval_tokens)
-    _, tok, _ = load_run(run_dir, device="cpu")
+    _, tok = Run(run_dir).load_model(), Run(run_dir).tokenizer()
     n_bytes = len(tok.decode(w[:, 1:].reshape(-1).tolist()).encode("utf-8"))
     assert ppl["tokens"] == w[:, 1:].numel() and ppl["bytes"] == n_bytes
     assert ppl["bits_per_byte"] == pytest.approx(ppl["nats"] / math.log(2) / n_bytes, rel=1e-12)
@@ -97,14 +98,14 @@ def test_validation_perplexity_matches_trainer_and_direct_bytes(run_dir, capsys)
 
 
 def test_text_perplexity_against_direct_computation(run_dir, tmp_path, capsys):
-    model, tok, _ = load_run(run_dir, device="cpu")
+    model, tok = Run(run_dir).load_model(), Run(run_dir).tokenizer()
     eos = tok.token_to_id("<|endoftext|>")
     text = "import os\n\ndef main(argv):\n    \"\"\"Print the arguments.\"\"\"\n    print(argv)  # é\n" * 3
     ids = [eos] + tok.encode(text).ids
     assert len(ids) > model.cfg.max_seq_len  # several windows
     res = text_perplexity(model, tok, text, seq_len=20, device="cpu", eos_id=eos)
     # direct: every text token predicted, with windows of 20 tokens of context
-    nats = sum(direct_nats(model, w.tolist()) for w in split_windows(ids, 20))
+    nats = sum(direct_nats(model, w.tolist()) for w in split_windows(ids, 20, keep_tail=True))
     assert res.tokens == len(ids) - 1
     assert res.nats == pytest.approx(nats, rel=1e-5)
     assert res.bytes == len(text.encode("utf-8"))
@@ -163,7 +164,7 @@ def test_eval_example_tasks_end_to_end(run_dir, tmp_path, capsys):
     rep = json.loads(captured.out)
     res = rep["tasks"]
     assert "error" in res["keel_test_remote"]
-    model, tok, _ = load_run(run_dir, device="cpu")
+    model, tok = Run(run_dir).load_model(), Run(run_dir).tokenizer()
     acc, acc_norm = mc_direct(model, tok, 6)
     assert res[MC_TASK]["acc"] == pytest.approx(acc) and res[MC_TASK]["acc_norm"] == pytest.approx(acc_norm)
     eos = tok.token_to_id("<|endoftext|>")
@@ -193,10 +194,10 @@ def test_eval_user_errors(run_dir, tmp_path, capsys):
 def test_training_runs_example_task_every_two_steps(tiny_config, tmp_path):
     from keel.train import train
 
-    plain = train(tiny_config(steps=4, eval_every=100, checkpoint_every=100), tmp_path / "plain", log=lambda *a: None)
+    plain = train(tiny_config(steps=4, eval_every=100, checkpoint_every=100), tmp_path / "plain")
     cfg = tiny_config(steps=4, eval_every=100, checkpoint_every=100, eval_tasks=MC_TASK, eval_tasks_every=2,
                       eval_tasks_limit=4)
-    res = train(cfg, tmp_path / "tasks", log=lambda *a: None)
+    res = train(cfg, tmp_path / "tasks")
     recs = [json.loads(ln) for ln in (tmp_path / "tasks" / "metrics.jsonl").read_text().splitlines()]
     with_tasks = {r["step"]: r["eval_tasks"] for r in recs if "eval_tasks" in r}
     assert sorted(with_tasks) == [2, 4]
@@ -205,7 +206,7 @@ def test_training_runs_example_task_every_two_steps(tiny_config, tmp_path):
         acc = metrics[MC_TASK]["acc"]
         assert acc in (0.0, 0.25, 0.5, 0.75, 1.0)  # 4 items
     # the final model's score equals a direct computation, and evaluation left training untouched
-    model, tok, _ = load_run(tmp_path / "tasks", device="cpu")
+    model, tok = Run(tmp_path / "tasks").load_model(), Run(tmp_path / "tasks").tokenizer()
     assert with_tasks[4][MC_TASK]["acc"] == pytest.approx(mc_direct(model, tok, 4)[0])
     losses = [r["loss"] for r in recs if "loss" in r]
     plain_losses = [json.loads(ln)["loss"] for ln in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()

@@ -174,7 +174,7 @@ def test_depth_behaviour_at_xavier_like_init(val_batch):
 @pytest.fixture(scope="module")
 def gradflow_run(tiny_data, tmp_path_factory):
     run = tmp_path_factory.mktemp("gf") / "run"
-    cfg = load_config(REPO / "configs" / "demo.toml",
+    cfg = load_config(REPO / "keel" / "configs" / "demo.toml",
                       [f"data.path={tiny_data}", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
                        "model.n_kv_heads=1", "model.d_ff=64", "model.max_seq_len=64", "model.vocab_size=512",
                        "train.steps=4", "train.lr=3e-3", "train.warmup_steps=2", "train.batch_size=4",
@@ -183,7 +183,7 @@ def gradflow_run(tiny_data, tmp_path_factory):
                        "train.gradflow_every=2"])
     n = torch.get_num_threads()
     torch.set_num_threads(1)
-    train(cfg, run, log=lambda *a, **k: None)
+    train(cfg, run)
     torch.set_num_threads(n)
     return run, cfg
 

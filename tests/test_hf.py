@@ -150,14 +150,15 @@ def trained_run(tiny_data, tmp_path_factory):
 
     run = tmp_path_factory.mktemp("hfrun") / "run"
     sets = tiny_overrides(tiny_data, steps=4, eval_every=4, checkpoint_every=4) + ["model.tie_embeddings=true"]
-    train(load_config(REPO / "configs" / "demo.toml", sets), run, log=lambda *a: None)
+    train(load_config(REPO / "keel" / "configs" / "demo.toml", sets), run)
     return run
 
 
 def test_export_auto_load_offline_generate_import(trained_run, tmp_path, monkeypatch, capsys):
     import huggingface_hub.constants as hub_constants
 
-    from keel.train.checkpoint import latest_checkpoint, load_run
+    from keel.run import Run
+    from keel.train.checkpoint import latest_checkpoint
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
@@ -167,7 +168,7 @@ def test_export_auto_load_offline_generate_import(trained_run, tmp_path, monkeyp
         assert (out / f).is_file(), f
     assert json.loads((out / "config.json").read_text())["model_type"] == "keel"
 
-    native, tok, _ = load_run(trained_run, device="cpu")
+    native, tok = Run(trained_run).load_model(), Run(trained_run).tokenizer()
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     hf_tok = AutoTokenizer.from_pretrained(out)
     text = "def parse(self, text):\n    return text.split()\n"

@@ -370,7 +370,7 @@ def test_trainer_activation_checkpointing_changes_nothing_but_memory(tiny_config
     from keel.train import train
 
     def losses(run, **kw):
-        train(tiny_config(steps=3, eval_every=3, checkpoint_every=3, **kw), run, log=lambda *a, **k: None)
+        train(tiny_config(steps=3, eval_every=3, checkpoint_every=3, **kw), run)
         return [(r.get("loss"), r.get("grad_norm"), r.get("val_loss"))
                 for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
 

@@ -16,7 +16,7 @@ from keel.experiments.sweep import (best_over, expand_grid, parse_grid, param_co
 from keel.model import SCHEMES, Transformer
 from keel.train.plots import read_metrics
 
-DEMO = str(REPO / "configs" / "demo.toml")
+DEMO = str(REPO / "keel" / "configs" / "demo.toml")
 
 
 def test_parse_and_expand_grid():

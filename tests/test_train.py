@@ -12,7 +12,8 @@ from keel.config import TrainConfig, load_config
 from keel.data import TokenLoader
 from keel.model import Transformer
 from keel.train import TrainingStopped, train
-from keel.train.checkpoint import latest_checkpoint, load_run, load_trainer_state
+from keel.run import Run
+from keel.train.checkpoint import latest_checkpoint, load_trainer_state
 from keel.train.optim import build_optimizer, lr_at
 
 
@@ -36,7 +37,7 @@ def test_lr_schedule_formula():
 
 
 def test_weight_decay_groups():
-    model = Transformer(load_config(REPO / "configs" / "demo.toml").model)
+    model = Transformer(load_config(REPO / "keel" / "configs" / "demo.toml").model)
     opt = build_optimizer(model, TrainConfig())
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
@@ -47,7 +48,7 @@ def test_weight_decay_groups():
 
 def test_run_directory_contents(tiny_config, tmp_path):
     run = tmp_path / "run"
-    res = train(tiny_config(), run, log=quiet)
+    res = train(tiny_config(), run)
     recs = metrics(run)
     assert recs[0]["step"] == 0 and "val_loss" in recs[0]
     steps = [r for r in recs if r["step"] > 0]
@@ -72,7 +73,7 @@ def test_run_directory_contents(tiny_config, tmp_path):
 def test_exact_resume_after_interruption(tiny_config, tmp_path, monkeypatch):
     """Losses after resuming from step 8 equal the uninterrupted run's, step for step."""
     full = tmp_path / "full"
-    train(tiny_config(), full, log=quiet)
+    train(tiny_config(), full)
 
     part = tmp_path / "part"
     calls = {"n": 0}
@@ -86,24 +87,24 @@ def test_exact_resume_after_interruption(tiny_config, tmp_path, monkeypatch):
 
     monkeypatch.setattr(TokenLoader, "next_batch", crash_at_step_10)
     with pytest.raises(KeyboardInterrupt):
-        train(tiny_config(), part, log=quiet)
+        train(tiny_config(), part)
     monkeypatch.setattr(TokenLoader, "next_batch", original)
     assert latest_checkpoint(part).name == "step_00000008"
-    train(tiny_config(), part, resume=True, log=quiet)
+    train(tiny_config(), part, resume=True)
 
     a, b = metrics(full), metrics(part)
     assert [r["step"] for r in b] == [r["step"] for r in a]  # no duplicated lines after resume
     for ra, rb in zip(a, b):
         for key in ("loss", "grad_norm", "lr", "val_loss", "tokens"):
             assert ra.get(key) == rb.get(key), (ra["step"], key)
-    wa = load_run(full)[0].state_dict()
-    wb = load_run(part)[0].state_dict()
+    wa = Run(full).load_model().state_dict()
+    wb = Run(part).load_model().state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_model_learns(tiny_config, tmp_path):
     run = tmp_path / "learn"
-    res = train(tiny_config(steps=60, eval_every=30, lr=1e-2, warmup_steps=5, batch_size=8), run, log=quiet)
+    res = train(tiny_config(steps=60, eval_every=30, lr=1e-2, warmup_steps=5, batch_size=8), run)
     assert res.first_val_loss == pytest.approx(math.log(512), abs=0.3)
     assert res.val_loss < res.first_val_loss - 1.0
 
@@ -124,20 +125,20 @@ def test_non_finite_steps_are_skipped_then_stop(tiny_config, tmp_path, monkeypat
     monkeypatch.setattr(Transformer, "forward", nan_after_step_5)
     cfg = tiny_config(steps=20, max_bad_steps=3, checkpoint_every=4)
     with pytest.raises(TrainingStopped, match="3 non-finite steps in a row"):
-        train(cfg, run, log=quiet)
+        train(cfg, run)
     recs = [r for r in metrics(run) if r["step"] > 0]
     assert [r["step"] for r in recs if r.get("skipped")] == [6, 7, 8]
     # step 8's checkpoint was never written: the last good one (step 4) is intact and finite
     assert latest_checkpoint(run).name == "step_00000004"
-    model = load_run(run)[0]
+    model = Run(run).load_model()
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_run_dir_in_use_is_refused(tiny_config, tmp_path):
     run = tmp_path / "r"
-    train(tiny_config(steps=2, eval_every=2, checkpoint_every=2), run, log=quiet)
+    train(tiny_config(steps=2, eval_every=2, checkpoint_every=2), run)
     with pytest.raises(KeelError, match="already holds a run"):
-        train(tiny_config(steps=2), run, log=quiet)
+        train(tiny_config(steps=2), run)
 
 
 def test_cli_train_generate_and_errors(keel_cli, tiny_data, tmp_path):
@@ -203,13 +204,13 @@ def test_generate_rejects_bad_sampling_args(args, msg, capsys):
     assert len(err) == 1 and msg in err[0]
 
 
-def test_resume_without_checkpoint_says_so(tiny_config, tmp_path):
+def test_resume_without_checkpoint_says_so(tiny_config, tmp_path, caplog):
     run = tmp_path / "r"
-    train(tiny_config(steps=2, eval_every=2, checkpoint_every=2), run, log=quiet)
+    train(tiny_config(steps=2, eval_every=2, checkpoint_every=2), run)
     import shutil
 
     shutil.rmtree(run / "checkpoints")  # as if interrupted before the first checkpoint
-    lines = []
-    train(tiny_config(steps=2, eval_every=2, checkpoint_every=2), run, resume=True, log=lines.append)
-    assert any("no checkpoint" in ln and "step 0" in ln for ln in lines)
+    with caplog.at_level("INFO", logger="keel"):
+        train(tiny_config(steps=2, eval_every=2, checkpoint_every=2), run, resume=True)
+    assert any("no checkpoint" in r.getMessage() and "step 0" in r.getMessage() for r in caplog.records)
     assert [r["step"] for r in metrics(run)] == [0, 1, 2]  # the stale lines were dropped

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from keel.data.prepare import FORMAT_VERSION
+from keel.data.prepare import FORMAT_VERSION, prepare_dataset
 from keel.data.shards import read_shard
 from keel.errors import KeelError
 
@@ -193,28 +193,70 @@ class TokenLoader:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
-def validation_tokens(data_dir: str | os.PathLike, seq_len: int, max_tokens: int | None = None) -> torch.Tensor:
-    """A fixed validation set: the first windows of ``val.bin``, as ``int64 [N, seq_len + 1]``.
+def split_windows(ids, seq_len: int, max_tokens: int | None = None, keep_tail: bool = False) -> list[torch.Tensor]:
+    """Cut a token sequence into windows of ``seq_len + 1`` tokens that overlap by one.
 
-    Row ``i`` is ``val[i * seq_len : i * seq_len + seq_len + 1]`` (rows share one token, like
-    training windows). ``N`` is the number of whole windows in ``val.bin``, capped at
-    ``max_tokens // seq_len`` (at most ``max_tokens`` predicted tokens, but at least one
-    window); ``max_tokens=None`` means all windows.
+    Row ``i`` is ``ids[i * seq_len : i * seq_len + seq_len + 1]``, so the targets of the rows
+    (all but each row's first token) are ``ids[1:]``, each exactly once. This is the one
+    windowing rule of keel: training validation, ``keel eval`` and ``keel ablate`` all use it.
+
+    Args:
+        ids: 1-D sequence of token ids (list, numpy array or LongTensor).
+        seq_len: tokens of context per window (>= 1).
+        max_tokens: keep at most ``max_tokens // seq_len`` windows (at least one); None = all.
+        keep_tail: also return the last, shorter window (>= 2 tokens) when ``ids`` does not
+            end on a window boundary; otherwise only whole windows.
+    Returns:
+        A list of int64 1-D tensors (length ``seq_len + 1``, the tail possibly shorter).
+    Raises:
+        KeelError: ``seq_len < 1``.
+    """
+    if seq_len < 1:
+        raise KeelError(f"seq_len must be >= 1, got {seq_len}")
+    ids = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+    n_whole = max(0, (len(ids) - 1) // seq_len)
+    if max_tokens is not None:
+        n_whole = min(n_whole, max(1, max_tokens // seq_len))
+    rows = [ids[i * seq_len:i * seq_len + seq_len + 1] for i in range(n_whole)]
+    tail_start = n_whole * seq_len
+    if keep_tail and max_tokens is None and len(ids) - tail_start >= 2:
+        rows.append(ids[tail_start:])
+    return rows
+
+
+def validation_tokens(data_dir: str | os.PathLike, seq_len: int, max_tokens: int | None = None) -> torch.Tensor:
+    """A fixed validation set: the first whole windows of ``val.bin`` (:func:`split_windows`),
+    as ``int64 [N, seq_len + 1]``, at most ``max_tokens // seq_len`` of them (>= 1);
+    ``max_tokens=None`` means all whole windows.
 
     Raises :class:`KeelError` if ``val.bin`` holds fewer than ``seq_len + 1`` tokens or
     ``data_dir`` is not a prepared dataset.
     """
-    if seq_len < 1:
-        raise KeelError(f"seq_len must be >= 1, got {seq_len}")
     tokens = _open_split(data_dir, "val")
-    n_windows = max(0, (len(tokens) - 1) // seq_len)
-    if n_windows == 0:
+    if seq_len >= 1 and len(tokens) < seq_len + 1:
         raise KeelError(
             f"validation split too small: {len(tokens)} tokens in {data_dir}/val.bin, need at least "
             f"{seq_len + 1} for seq_len={seq_len} (use more data or a larger val_fraction)"
         )
+    n = (len(tokens) - 1) // seq_len if seq_len >= 1 else 0
     if max_tokens is not None:
-        n_windows = min(n_windows, max(1, max_tokens // seq_len))
-    starts = np.arange(n_windows) * seq_len
-    windows = tokens[starts[:, None] + np.arange(seq_len + 1)]
-    return torch.from_numpy(windows.astype(np.int64))
+        n = min(n, max(1, max_tokens // seq_len))
+    return torch.stack(split_windows(tokens[:n * seq_len + 1], seq_len))
+
+
+def resolve_data(cfg, progress: bool = True) -> Path:
+    """The prepared dataset folder a config's ``[data]`` section names: ``data.path`` if set
+    (checked to be a prepared dataset), else prepared from ``data.source`` and
+    ``data.tokenizer`` under ``data.cache_dir`` (or reused from that cache).
+
+    Args:
+        cfg: a :class:`keel.config.Config`.
+    Raises:
+        KeelError: ``data.path`` is not a prepared dataset, or preparing fails.
+    """
+    d = cfg.data
+    if d.path:
+        read_meta(d.path)
+        return Path(d.path)
+    return prepare_dataset(d.source, d.tokenizer, cache_dir=d.cache_dir, val_fraction=d.val_fraction,
+                           max_bytes=d.max_bytes or None, text_field=d.text_field, progress=progress)

@@ -437,3 +437,4 @@ def _progress(iterable, total, desc: str, unit: str, enabled: bool):
     except ImportError:
         return iterable
     return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
+

@@ -56,34 +56,26 @@ from typing import Any
 
 from keel.errors import KeelError
 
-DEFAULT_SCHEMES = "pre_ln,post_ln,deepnorm,keel,hybridnorm,mix_ln"
 DEFAULT_LAYERS = "16,64"
 
 
 # ---- the model's sub-layers ------------------------------------------------------------
 
-def _unwrap(model):
-    """The plain :class:`keel.model.Transformer` inside DDP/FSDP (``.module``) or
-    ``torch.compile`` (``._orig_mod``) wrappers."""
-    seen = 0
-    while seen < 8 and not hasattr(model, "blocks"):
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if inner is None:
-            break
-        model, seen = inner, seen + 1
-    if not hasattr(model, "blocks"):
-        raise KeelError("gradflow expects a keel Transformer (a model with .blocks)")
-    return model
+def _plain(model):
+    """The plain :class:`keel.model.Transformer` inside DDP or ``torch.compile`` wrappers."""
+    from keel.model import Transformer
+    from keel.train.parallelize import unwrap
+
+    plain = unwrap(model)
+    if not isinstance(plain, Transformer):
+        raise KeelError("gradflow expects a keel Transformer")
+    return plain
 
 
 def sublayer_modules(model) -> list[tuple[Any, Any]]:
-    """``[(F, unit), ...]`` for sub-layers 0 .. L-1 in order: block b gives
-    ``(attn, attn_res)`` at index 2b and ``(ffn, ffn_res)`` at 2b + 1."""
-    out = []
-    for block in _unwrap(model).blocks:
-        out.append((block.attn, block.attn_res))
-        out.append((block.ffn, block.ffn_res))
-    return out
+    """``[(F, unit), ...]`` for sub-layers 0 .. L-1 in the paper's order
+    (:meth:`keel.model.Transformer.sublayers`)."""
+    return [(f, unit) for _, unit, f in _plain(model).sublayers()]
 
 
 def sublayer_grad_norms(model) -> list[float]:
@@ -299,14 +291,14 @@ def profile_model(model, batch, jacobian_iters: int = 32, full_jacobian: bool = 
 # ---- the command ------------------------------------------------------------------------
 
 def _parse_schemes(text: str) -> list[str]:
-    from keel.config import RESIDUALS
+    from keel.model import SCHEMES
 
     names = [s.strip() for s in text.split(",") if s.strip()]
     if not names:
         raise KeelError("--residual needs at least one scheme")
     for n in names:
-        if n not in RESIDUALS:
-            raise KeelError(f"unknown residual scheme {n!r} in --residual (choose from {', '.join(RESIDUALS)})")
+        if n not in SCHEMES:
+            raise KeelError(f"unknown residual scheme {n!r} in --residual (choose from {', '.join(SCHEMES)})")
     return names
 
 
@@ -420,10 +412,10 @@ def plot_profiles(results: list[dict], out: str | Path) -> None:
 def cmd_gradflow(args: argparse.Namespace) -> int:
     import torch
 
-    from keel.cli import resolve_config_path
-    from keel.config import load_config
+    from keel.config import load_config, resolve_config_path
+    from keel.model import SCHEMES
     from keel.data import read_meta
-    from keel.train.trainer import resolve_data
+    from keel.data import resolve_data
 
     if args.batch_size < 1 or args.seq_len < 2:
         raise KeelError("--batch-size must be >= 1 and --seq-len >= 2")
@@ -449,19 +441,20 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
     if args.run and (args.residual is not None or args.layers is not None):
         raise KeelError("--run takes the model from the run; drop --residual and --layers")
     if not args.run:
-        schemes = _parse_schemes(args.residual if args.residual is not None else DEFAULT_SCHEMES)
+        schemes = _parse_schemes(args.residual if args.residual is not None else ",".join(SCHEMES))
         depths = _parse_layers(args.layers if args.layers is not None else DEFAULT_LAYERS)
     if not args.json:
         print(SUMMARY_HEADER)
     if args.run:
-        from keel.train.checkpoint import load_run
+        from keel.run import Run
 
-        for run in args.run:
-            run_dir = Path(run)
+        for run_path in args.run:
+            run = Run(run_path)
+            run_dir = run.path
             t0 = time.perf_counter()
-            model, _, _ = load_run(run_dir, device="cpu")
-            cfg = load_config(run_dir / "config.toml")
-            data_dir = resolve_data(cfg, progress=False)
+            model = run.load_model(device="cpu")
+            cfg = run.config
+            data_dir = run.data_dir()
             seq_len = min(args.seq_len, cfg.model.max_seq_len)
             batch = _val_batch(data_dir, seq_len, args.batch_size)
             model.train()
@@ -503,7 +496,7 @@ def register(subparsers) -> None:
         description="Gradient-flow profile on one batch of validation tokens, at initialisation "
                     "(--residual, --layers) or from trained runs (--run).")
     p.add_argument("--residual", default=None,
-                   help=f"comma-separated schemes (default: {DEFAULT_SCHEMES})")
+                   help="comma-separated schemes (default: every scheme in keel.model.SCHEMES)")
     p.add_argument("--layers", default=None,
                    help=f"comma-separated depths in SUB-layers, each even; blocks = L/2 (default: {DEFAULT_LAYERS})")
     p.add_argument("--run", action="append", default=[], metavar="DIR",

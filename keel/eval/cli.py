@@ -82,11 +82,11 @@ def register(subparsers) -> None:
 def _load(args):
     """(native model, tokenizers.Tokenizer, Config or None, device, description)."""
     if args.run:
-        from keel.config import load_config
-        from keel.train.checkpoint import load_run
+        from keel.run import Run
 
-        model, tokenizer, device = load_run(args.run, device=args.device)
-        return model, tokenizer, load_config(Path(args.run) / "config.toml"), device, str(args.run)
+        run = Run(args.run)
+        model = run.load_model(device=args.device)
+        return model, run.tokenizer(), run.config, next(model.parameters()).device, str(args.run)
     from keel.hf.convert import KEEL_CONFIG_NAME, load_hf
 
     hf, hf_tok, device = load_hf(args.hf, device=args.device)
@@ -141,12 +141,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             raise KeelError(f"--text {path} is not UTF-8 text") from None
-        from keel.hf.convert import EOS_TOKEN
+        from keel.data.prepare import EOS_TOKEN
 
         res = text_perplexity(model, tokenizer, text, seq_len, device, eos_id=tokenizer.token_to_id(EOS_TOKEN),
                               source=str(path), batch_size=args.batch_size)
     elif cfg is not None and (args.run or _readable_dataset(cfg.data.path)):
-        from keel.train.trainer import resolve_data
+        from keel.data import resolve_data
 
         max_tokens = args.max_tokens if args.max_tokens is not None else cfg.train.eval_tokens
         res = validation_perplexity(model, tokenizer, resolve_data(cfg, progress=False), seq_len, max_tokens, device,

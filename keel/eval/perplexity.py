@@ -24,6 +24,9 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from keel.data import split_windows
+from keel.train.evaluate import summed_nll
+
 
 @dataclass
 class PerplexityResult:
@@ -67,62 +70,6 @@ def bits_per_byte(total_nats: float, n_bytes: int) -> float:
     return total_nats / math.log(2) / n_bytes
 
 
-def summed_nll(model, windows, device, batch_size: int = 8) -> tuple[float, int]:
-    """Summed next-token cross-entropy (nats) and the number of predicted tokens.
-
-    Args:
-        model: a native :class:`keel.model.Transformer` (logits fp32 [B, T, V]).
-        windows: LongTensor [N, T+1], or a list of 1-D LongTensors (lengths >= 2, may differ);
-            each window predicts its tokens 1.. from the ones before.
-        device: where to run; the model must already be there.
-        batch_size: windows per forward pass (windows of equal length are batched).
-    Returns:
-        (total nats as a Python float accumulated in float64, number of predicted tokens).
-    """
-    import torch
-    import torch.nn.functional as F
-
-    rows = list(windows) if not isinstance(windows, torch.Tensor) else [w for w in windows]
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    try:
-        with torch.no_grad():
-            by_len: dict[int, list] = {}
-            for w in rows:
-                by_len.setdefault(int(w.shape[0]), []).append(w)
-            for _, group in sorted(by_len.items()):
-                for i in range(0, len(group), batch_size):
-                    batch = torch.stack(group[i:i + batch_size]).to(device)
-                    logits = model(batch[:, :-1]).float()
-                    nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1),
-                                          reduction="sum")
-                    total += float(nll.double())
-                    count += batch[:, 1:].numel()
-    finally:
-        model.train(was_training)
-    return total, count
-
-
-def split_windows(ids: list[int], seq_len: int):
-    """Windows of ``seq_len + 1`` tokens overlapping by one, covering ``ids``: row i is
-    ``ids[i*seq_len : i*seq_len + seq_len + 1]``, the last one possibly shorter (>= 2 tokens).
-
-    Returns a list of 1-D LongTensors; their targets (all but the first token) are exactly
-    ``ids[1:]``, each once.
-    """
-    import torch
-
-    if seq_len < 1:
-        from keel.errors import KeelError
-
-        raise KeelError(f"seq_len must be >= 1, got {seq_len}")
-    out = []
-    for start in range(0, max(len(ids) - 1, 0), seq_len):
-        out.append(torch.tensor(ids[start:start + seq_len + 1], dtype=torch.long))
-    return out
-
-
 def _decoded_bytes(tokenizer, ids: list[int]) -> int:
     return len(tokenizer.decode(ids, skip_special_tokens=True).encode("utf-8"))
 
@@ -145,7 +92,7 @@ def text_perplexity(model, tokenizer, text: str, seq_len: int, device, eos_id: i
         ids = [eos_id] + ids
     if len(ids) < 2:
         raise KeelError(f"{source}: too little text to evaluate ({len(ids)} tokens)")
-    nats, n = summed_nll(model, split_windows(ids, seq_len), device, batch_size)
+    nats, n = summed_nll(model, split_windows(ids, seq_len, keep_tail=True), batch_size, device)
     return PerplexityResult(source, n, _decoded_bytes(tokenizer, ids[1:]), nats, seq_len)
 
 
@@ -163,6 +110,6 @@ def validation_perplexity(model, tokenizer, data_dir: str | Path, seq_len: int, 
     from keel.data import validation_tokens
 
     windows = validation_tokens(data_dir, seq_len, max_tokens)
-    nats, n = summed_nll(model, windows, device, batch_size)
+    nats, n = summed_nll(model, windows, batch_size, device)
     targets = windows[:, 1:].reshape(-1).tolist()  # contiguous: val[1 : N*seq_len + 1]
     return PerplexityResult(f"validation split of {data_dir}", n, _decoded_bytes(tokenizer, targets), nats, seq_len)

@@ -27,6 +27,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from keel.errors import KeelError
+from keel.train.callbacks import Callback, StepState
+
+log = logging.getLogger(__name__)
 
 EXAMPLE_TASK_DIR = Path(__file__).resolve().parent / "example_tasks"
 
@@ -211,7 +214,7 @@ def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float |
     return out
 
 
-def run_tasks(model, tokenizer, task_names: list[str], limit: int | float | None = None, device=None,
+def run_tasks(model, tokenizer, task_names: list[str], limit: int | float | None = None,
               task_dir: str | Path | None = None, log: Callable[[str], None] | None = print,
               batch_size: int = 1) -> dict:
     """Score a native keel model on lm-eval tasks; the trainer's periodic evaluation.
@@ -224,7 +227,6 @@ def run_tasks(model, tokenizer, task_names: list[str], limit: int | float | None
         task_names: task names; the shipped examples (``keel_python_completion``,
             ``keel_python_paragraphs``) need no ``task_dir``.
         limit: documents per task (None = all).
-        device: ignored (the model's own device is used); kept for the trainer's call.
         task_dir, log, batch_size: as in :func:`evaluate_tasks`.
     Returns:
         ``{task: {metric: value}}``, ``{"error": ...}`` for a task that could not run
@@ -246,3 +248,24 @@ def run_tasks(model, tokenizer, task_names: list[str], limit: int | float | None
         model.train(was_training)
     return {t: {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in m.items()}
             for t, m in res.items()}
+
+
+class TaskEvalCallback(Callback):
+    """Every ``every`` steps, scores the model on lm-eval ``tasks`` (at most ``limit``
+    documents each) and writes ``eval_tasks`` ({task: {metric: value}}) into the step's
+    record. Collective under FSDP (the full model is gathered on rank 0)."""
+
+    def __init__(self, tasks: list[str], every: int, limit: int | None):
+        self.tasks, self.every, self.limit = tasks, every, limit
+
+    def on_step_end(self, state: StepState) -> dict | None:
+        from keel.train.dist import barrier
+
+        if not (self.tasks and self.every and state.step % self.every == 0):
+            return None
+        plain = state.plain_model()
+        out = None
+        if plain is not None:
+            out = {"eval_tasks": run_tasks(plain, state.tokenizer, self.tasks, limit=self.limit, log=log.info)}
+        barrier(state.dist)
+        return out

@@ -50,16 +50,17 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from keel.errors import KeelError
+from keel.train.evaluate import mean_nll
 
 
 # ----------------------------------------------------------------------------- removal
 def _unit(model, index: int):
-    """The residual unit of sub-layer ``index`` of a keel Transformer (attention = 2b, FFN = 2b+1)."""
-    L = 2 * len(model.blocks)
-    if not 0 <= index < L:
-        raise KeelError(f"sub-layer index {index} out of range 0..{L - 1}")
-    block = model.blocks[index // 2]
-    return block.attn_res if index % 2 == 0 else block.ffn_res
+    """The residual unit of sub-layer ``index`` of a keel Transformer (paper order,
+    :meth:`keel.model.Transformer.sublayers`)."""
+    units = [unit for _, unit, _ in model.sublayers()]
+    if not 0 <= index < len(units):
+        raise KeelError(f"sub-layer index {index} out of range 0..{len(units) - 1}")
+    return units[index]
 
 
 @contextlib.contextmanager
@@ -116,27 +117,6 @@ def hf_layers(model):
     return layers
 
 
-# ----------------------------------------------------------------------------- perplexity
-def mean_nll(logits_fn: Callable, windows, batch_size: int = 16) -> float:
-    """Mean next-token cross-entropy (nats/token) of ``logits_fn`` over ``windows``.
-
-    ``windows``: LongTensor [N, T+1]; inputs ``[:, :-1]``, targets ``[:, 1:]``;
-    ``logits_fn(ids [B, T]) -> logits [B, T, V]``. Every window counts T tokens.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, windows.shape[0], batch_size):
-            w = windows[i:i + batch_size]
-            logits = logits_fn(w[:, :-1]).float()
-            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1),
-                                     reduction="sum").item()
-            count += w[:, 1:].numel()
-    return total / count
-
-
 def layer_importance(n_units: int, nll_with: Callable[[int | None], float], log=None) -> dict:
     """ΔPPL for every unit: ``nll_with(i)`` is the mean NLL with unit ``i`` removed (``None``: full).
 
@@ -167,7 +147,7 @@ def ablate_model(model, windows, batch_size: int = 16, log=None) -> dict:
 
     def nll_with(i):
         with removed_sublayer(model, i):
-            return mean_nll(model, windows, batch_size)
+            return mean_nll(model, windows, batch_size, device)
 
     L = 2 * len(model.blocks)
     out = layer_importance(L, nll_with, log)
@@ -205,7 +185,7 @@ def ablate_hf_model(model, windows, batch_size: int = 8, log=None) -> dict:
 
     def nll_with(i):
         with removed_hf_layer(model, i, returns_tuple):
-            return mean_nll(logits, windows, batch_size)
+            return mean_nll(logits, windows, batch_size, device)
 
     out = layer_importance(len(layers), nll_with, log)
     for u in out["units"]:
@@ -213,22 +193,6 @@ def ablate_hf_model(model, windows, batch_size: int = 8, log=None) -> dict:
     out.update(scheme=f"hf:{type(model).__name__}", blocks=len(layers), sublayers=2 * len(layers),
                unit="decoder layer", tokens=int(windows[:, 1:].numel()))
     return out
-
-
-def windows_from_ids(ids, seq_len: int, max_tokens: int | None = None):
-    """Windows of ``seq_len + 1`` tokens with stride ``seq_len`` (like
-    :func:`keel.data.validation_tokens`), at most ``max_tokens // seq_len`` of them (>= 1):
-    LongTensor [N, seq_len + 1]. Raises KeelError if ``ids`` is shorter than one window."""
-    import torch
-
-    ids = torch.as_tensor(ids, dtype=torch.long)
-    n = (len(ids) - 1) // seq_len
-    if n < 1:
-        raise KeelError(f"text too short: {len(ids)} tokens, need at least {seq_len + 1}")
-    if max_tokens:
-        n = min(n, max(1, max_tokens // seq_len))
-    starts = torch.arange(n) * seq_len
-    return ids[starts[:, None] + torch.arange(seq_len + 1)]
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -281,15 +245,22 @@ def write_outputs(res: dict, out_dir: str | Path, title: str) -> None:
 
 
 # ----------------------------------------------------------------------------- command
+def _text_windows(ids, seq_len: int, max_tokens: int):
+    """Whole windows of ``ids`` (:func:`keel.data.split_windows`); KeelError if none."""
+    from keel.data import split_windows
+
+    rows = split_windows(ids, seq_len, max_tokens)
+    if not rows:
+        raise KeelError(f"text too short: {len(ids)} tokens, need at least {seq_len + 1}")
+    return rows
+
+
 def run_validation(run_dir: Path):
     """(config, prepared data folder) of a keel run directory."""
-    from keel.config import load_config
-    from keel.train.trainer import resolve_data
+    from keel.run import Run
 
-    if not (run_dir / "config.toml").is_file():
-        raise KeelError(f"not a run directory (no config.toml): {run_dir}")
-    cfg = load_config(run_dir / "config.toml")
-    return cfg, resolve_data(cfg, progress=False)
+    run = Run(run_dir)
+    return run.config, run.data_dir()
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
@@ -325,16 +296,16 @@ def cmd_ablate(args: argparse.Namespace) -> int:
             raise KeelError("--hf needs --text FILE or --run DIR (its validation split) for the text")
         ids = tok(text, add_special_tokens=False)["input_ids"]
         seq = args.seq_len or min(512, getattr(model.config, "max_position_embeddings", 512))
-        windows = windows_from_ids(ids, seq, args.tokens or 16384)
+        windows = torch.stack(_text_windows(ids, seq, args.tokens or 16384))
         res = ablate_hf_model(model, windows, batch_size=args.batch_size, log=log)
         title, default_out = str(hf), hf / "ablate"
     else:
         if run is None:
             raise KeelError("give --run DIR (a keel run) or --hf MODEL_PATH")
-        from keel.train.checkpoint import load_run
+        from keel.run import Run
 
         cfg, data_dir = run_validation(run)
-        model, _, device = load_run(run, device=args.device)
+        model = Run(run).load_model(device=args.device)
         seq = args.seq_len or cfg.train.seq_len
         windows = validation_tokens(data_dir, seq, args.tokens or 16384)
         res = ablate_model(model, windows, batch_size=args.batch_size, log=log)

@@ -31,7 +31,9 @@ itself and returns it.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import time
 import traceback
@@ -97,13 +99,30 @@ def _init_worker(threads: int) -> None:
         pass
 
 
+@contextlib.contextmanager
+def _logging_to(stream):
+    """Send the ``keel`` logger's records to ``stream`` (a run's log file) instead of its
+    usual handlers while a grid task runs."""
+    logger = logging.getLogger("keel")
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    saved, level, propagate = logger.handlers[:], logger.level, logger.propagate
+    logger.handlers, logger.propagate = [handler], False
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.handlers, logger.propagate = saved, propagate
+        logger.setLevel(level)
+
+
 def _execute(task: Task, job: GridJob, run_dir: str, resume: bool) -> dict:
     """Run one job (in a worker or in-process); never raises for a task error."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / JOB_FILE, json.dumps(asdict(job), indent=1))
     t0 = time.perf_counter()
-    with open(run_dir / LOG_FILE, "a") as logf:
+    with open(run_dir / LOG_FILE, "a") as logf, _logging_to(logf):
         def log(msg: str) -> None:
             logf.write(f"{msg}\n")
             logf.flush()

@@ -69,7 +69,8 @@ def plot_loss_curves(paths: Sequence[str | Path], out: str | Path, *, val: bool 
     Raises:
         KeelError: a path that is neither a run nor a sweep; bad ``x``; wrong number of labels.
     """
-    from keel.train.plots import plt, read_metrics, save_figure
+    from keel.train.metrics import read_metrics
+    from keel.train.plots import plt, save_figure
 
     if x not in ("tokens", "steps"):
         raise KeelError(f"--x must be tokens or steps, got {x!r}")
@@ -207,7 +208,7 @@ def plot_lr(sweep_dir: str | Path, out: str | Path, title: str = "") -> int:
 
 
 def _last_val(run_dir: Path) -> float | None:
-    from keel.train.plots import read_metrics
+    from keel.train.metrics import read_metrics
 
     if not (run_dir / "metrics.jsonl").is_file():
         return None

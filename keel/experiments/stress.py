@@ -81,7 +81,7 @@ def run_result(run_dir: Path, spec: dict) -> dict:
     catches non-finite steps, which the trainer does not feed to the online monitor), and
     the max LR."""
     from keel.diagnostics.divergence import classify_metrics
-    from keel.train.plots import read_metrics
+    from keel.train.metrics import read_metrics
 
     records = read_metrics(run_dir / "metrics.jsonl")
     logged = [r["divergence"] for r in records if "divergence" in r]
@@ -109,7 +109,8 @@ def _run_one(spec: dict) -> dict:
 
 def _train_one(spec: dict) -> dict:
     from keel.config import config_from_dict
-    from keel.train.trainer import TrainingStopped, train
+    from keel.experiments.training import train_run
+    from keel.train import TrainingStopped
 
     run_dir = Path(spec["run_dir"])
     cfg = config_from_dict(spec["config"])
@@ -121,7 +122,7 @@ def _train_one(spec: dict) -> dict:
             logf.write(str(msg) + "\n")
             logf.flush()
         try:
-            train(cfg, run_dir, resume=resume, log=log)
+            train_run(cfg, run_dir, resume=resume)
         except TrainingStopped as e:
             log(f"stopped: {e}")
     keys = ("scheme", "sublayers", "blocks", "seed", "peak_lr", "ramp_steps")
@@ -199,7 +200,8 @@ def table_markdown(table: dict, peak_lr: float | None = None) -> str:
 def plot_stress(results: list[dict], schemes: list[str], depths: list[int], out: Path) -> None:
     """Training loss against LR (log x), one panel per depth, one colour per scheme, one line
     per seed; a cross marks each run's divergence step. Written atomically as PNG."""
-    from keel.train.plots import plt, read_metrics, save_figure
+    from keel.train.metrics import read_metrics
+    from keel.train.plots import plt, save_figure
 
     fig, axes = plt.subplots(1, len(depths), figsize=(6 * len(depths), 4.2), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -249,10 +251,10 @@ def run_stress(config: str | None = None, overrides: list[str] | None = None, sc
     Raises:
         KeelError: odd or non-positive depth, unknown scheme, bad peak/ramp/workers, bad config.
     """
-    from keel.cli import resolve_config_path
+    from keel.config import resolve_config_path
     from keel.config import load_config
     from keel.model import SCHEMES
-    from keel.train.trainer import resolve_data
+    from keel.data import resolve_data
 
     schemes, sublayers, seeds = list(schemes), list(sublayers), list(seeds)
     for s in schemes:

@@ -31,7 +31,7 @@ parameter count fixed: every point gets the ``d_model`` (and ``d_ff`` in the bas
 ratio) that brings it closest to N (:func:`width_for_params`), for deeper-vs-wider
 comparisons (paper Table 5).
 
-Presets: ``--preset NAME`` reads ``configs/sweeps/NAME.toml`` (or a file)::
+Presets: ``--preset NAME`` reads the packaged ``keel/configs/sweeps/NAME.toml`` (or a file)::
 
     base = "demo"                       # config preset or file; --config overrides it
     best_over = "train.lr"              # optional
@@ -59,7 +59,6 @@ from keel.errors import KeelError
 from keel.experiments.grid import GridJob, run_grid
 from keel.io import atomic_write_text
 
-SWEEP_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "sweeps"
 HELD_KEYS = ("tokens", "steps", "params")
 
 
@@ -218,18 +217,13 @@ def width_for_params(model_cfg, target: int, n_layers: int | None = None, *, mul
 
 # ----------------------------------------------------------------------------- jobs
 def load_preset(name: str) -> dict:
-    """A sweep preset: ``configs/sweeps/NAME.toml`` or a TOML file path, as a dict.
+    """A sweep preset: the packaged ``keel/configs/sweeps/NAME.toml`` or a TOML file path, as a dict.
 
     Raises KeelError for an unknown name, unparsable TOML or unknown top-level keys.
     """
-    from keel.config import tomllib
+    from keel.config import resolve_config_path, tomllib
 
-    p = Path(name)
-    if not (p.suffix == ".toml" and p.is_file()):
-        p = SWEEP_DIR / f"{name}.toml"
-    if not p.is_file():
-        known = ", ".join(sorted(q.stem for q in SWEEP_DIR.glob("*.toml"))) or "none"
-        raise KeelError(f"unknown sweep preset {name!r} (not a file; presets in {SWEEP_DIR}: {known})")
+    p = resolve_config_path(name, kind="sweeps")
     try:
         d = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -257,7 +251,7 @@ def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[str] = 
         KeelError: unknown config keys or values, ``match_params`` together with a grid over
             ``model.d_model``, a grid point that is not a valid model.
     """
-    from keel.cli import resolve_config_path
+    from keel.config import resolve_config_path
     from keel.config import load_config
 
     cfg_path = resolve_config_path(config)
@@ -317,7 +311,7 @@ def run_summary(run_dir: str | Path, stopped: str | None = None) -> dict:
     nats/token.
     """
     from keel.config import load_config
-    from keel.train.plots import read_metrics
+    from keel.train.metrics import read_metrics
 
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.toml")
@@ -348,13 +342,14 @@ def train_task(job: GridJob, run_dir: Path, resume: bool, log: Callable[[str], N
     :func:`run_summary` plus ``wall_s`` (seconds in this call).
     """
     from keel.config import config_from_dict
-    from keel.train import TrainingStopped, train
+    from keel.experiments.training import train_run
+    from keel.train import TrainingStopped
 
     t0 = time.perf_counter()
     cfg = config_from_dict(job.config)
     stopped = None
     try:
-        train(cfg, run_dir, resume=resume, log=log)
+        train_run(cfg, run_dir, resume=resume)
     except TrainingStopped as e:
         stopped = str(e)
         log(f"stopped: {e}")
@@ -482,9 +477,9 @@ def run_sweep(config: str | None, grid: dict[str, list], sets: Sequence[str] = (
         KeelError: bad grid/config, non-empty ``out`` without ``resume``, ``best`` not a
             grid key; data preparation errors.
     """
-    from keel.cli import resolve_config_path
+    from keel.config import resolve_config_path
     from keel.config import load_config
-    from keel.train.trainer import resolve_data
+    from keel.data import resolve_data
 
     if best is not None and best not in grid:
         raise KeelError(f"--best-over {best} is not one of the grid keys ({', '.join(grid) or 'none'})")
@@ -537,7 +532,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("sweep", help="run a grid of training runs (equal-compute tables, best LR)",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=None, help="base config file or preset name (default: demo, or the preset's base)")
-    p.add_argument("--preset", default=None, help="sweep preset: a name in configs/sweeps/ or a TOML file")
+    p.add_argument("--preset", default=None, help="sweep preset: a name in keel/configs/sweeps/ or a TOML file")
     p.add_argument("--grid", action="append", default=[], metavar="SECTION.KEY=V1,V2,...",
                    help="a grid axis (repeatable; the sweep is the cartesian product)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

@@ -22,10 +22,10 @@ import os
 import shutil
 from pathlib import Path
 
+from keel.data.prepare import EOS_TOKEN
 from keel.errors import KeelError
 from keel.io import make_temp_dir
 
-EOS_TOKEN = "<|endoftext|>"
 KEEL_CONFIG_NAME = "keel_config.toml"
 
 
@@ -110,11 +110,12 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
     Returns ``out``. Raises KeelError: not a run directory, no checkpoint, no end-of-text
     token, or ``out`` exists and is not empty.
     """
-    from keel.train.checkpoint import load_run
+    from keel.run import Run
 
     run_dir, out = Path(run_dir), Path(out)
     _check_output(out)
-    model, tokenizer, _ = load_run(run_dir, device="cpu")
+    run = Run(run_dir)
+    model, tokenizer = run.load_model(device="cpu"), run.tokenizer()
     eos = eos_token_of(tokenizer, run_dir)
     hf, _ = wrap_native(model, tokenizer, eos)
     tmp = _fresh_output(out)
@@ -138,7 +139,7 @@ def load_hf(path: str | Path, device: str = "auto"):
     from transformers import AutoConfig, AutoTokenizer
 
     from keel.hf.modeling import KeelForCausalLM
-    from keel.train.trainer import resolve_device
+    from keel.train.device import resolve_device
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -150,7 +151,7 @@ def load_hf(path: str | Path, device: str = "auto"):
     if getattr(config, "model_type", None) != "keel":
         raise KeelError(f"{path} holds a {getattr(config, 'model_type', '?')!r} model, not a keel model "
                         "(model_type 'keel', written by `keel export-hf`)")
-    dev = resolve_device(device)
+    dev = resolve_device(device, key="--device")
     model = KeelForCausalLM.from_pretrained(path).to(dev).eval()
     try:
         tok = AutoTokenizer.from_pretrained(path)

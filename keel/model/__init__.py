@@ -1,7 +1,7 @@
 """The model zoo: one Llama-style LM, the residual scheme is one switch (``model.residual``)."""
 
 from keel.model.model import Attention, Block, FeedForward, KVCache, Transformer, apply_rope, rope_tables
-from keel.model.residual import SCHEMES, RMSNorm, Residual
+from keel.model.residual import SCHEMES, RMSNorm, Residual, check_model_config, get_scheme
 
 __all__ = ["Attention", "Block", "FeedForward", "KVCache", "Transformer", "apply_rope", "rope_tables",
-           "SCHEMES", "RMSNorm", "Residual"]
+           "SCHEMES", "RMSNorm", "Residual", "check_model_config", "get_scheme"]

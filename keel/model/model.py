@@ -14,13 +14,15 @@ dtype (fp32, also under bf16 autocast, where only the matmuls run in bf16).
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from keel.config import ModelConfig
 from keel.errors import KeelError
-from keel.model.residual import SCHEMES, RMSNorm
+from keel.model.residual import Residual, RMSNorm, check_model_config, get_scheme
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +136,7 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, block_index: int):
         super().__init__()
-        scheme = SCHEMES[cfg.residual]
+        scheme = get_scheme(cfg.residual)
         self.attn = Attention(cfg, block_index, qkv_norm=scheme.attention_qkv_norm)
         self.attn_res = scheme(cfg, 2 * block_index)
         self.ffn = FeedForward(cfg)
@@ -164,10 +166,10 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.cfg = cfg.validate()
+        self.cfg = check_model_config(cfg)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList([Block(cfg, b) for b in range(cfg.n_layers)])
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps) if SCHEMES[cfg.residual].uses_final_norm(cfg) else None
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps) if get_scheme(cfg.residual).uses_final_norm(cfg) else None
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -184,9 +186,15 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
-        for block in self.blocks:
-            block.attn_res.init_sublayer(block.attn)
-            block.ffn_res.init_sublayer(block.ffn)
+        for _, unit, sublayer in self.sublayers():
+            unit.init_sublayer(sublayer)
+
+    def sublayers(self) -> Iterator[tuple[int, Residual, nn.Module]]:
+        """``(index, residual unit, F)`` for every sub-layer, in the paper's order: block b's
+        attention is sub-layer 2b, its FFN 2b + 1 (index 0 .. L-1, L = 2 * n_layers)."""
+        for b, block in enumerate(self.blocks):
+            yield 2 * b, block.attn_res, block.attn
+            yield 2 * b + 1, block.ffn_res, block.ffn
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:

@@ -69,10 +69,17 @@ def scaled_sum_norm(norm: RMSNorm, x: torch.Tensor, f: torch.Tensor, alpha: floa
 
 
 class Residual(nn.Module):
-    """Base class: the interface all schemes share. ``forward(x, F) -> x_next``."""
+    """Base class: the interface all schemes share. ``forward(x, F) -> x_next``.
+
+    Class attributes a scheme may set: ``final_norm`` (a final RMSNorm before the LM head),
+    ``attention_qkv_norm`` (RMSNorm on q, k, v inside attention) and
+    ``activation_constants`` ((c_d, c_1) of the activation-memory model in
+    ``benchmarks/memory_model.py``; None = measure it).
+    """
 
     final_norm = False
     attention_qkv_norm = False
+    activation_constants: tuple[int, int] | None = (8, 2)
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
@@ -84,6 +91,11 @@ class Residual(nn.Module):
         head. Default: the class attribute ``final_norm``; a scheme whose answer depends on
         the config (Mix-LN) overrides this."""
         return cls.final_norm
+
+    @classmethod
+    def check_config(cls, cfg: ModelConfig) -> None:
+        """Raise :class:`KeelError` naming the key if ``cfg`` is invalid for this scheme
+        (called by :func:`check_model_config`); default: nothing scheme-specific."""
 
     def init_sublayer(self, sublayer: nn.Module) -> None:
         """Re-initialise the wrapped sub-layer's weights; default: keep N(0, init_std)."""
@@ -154,6 +166,13 @@ class Keel(Residual):
     sub-layer 1 (first FFN) uses alpha = 1 and keeps its outer norm.
     """
 
+    activation_constants = (12, 4)  # two RMSNorms per sub-layer
+
+    @classmethod
+    def check_config(cls, cfg: ModelConfig) -> None:
+        if cfg.alpha is not None and not (math.isfinite(cfg.alpha) and cfg.alpha > 0):
+            raise KeelError(f"model.alpha must be a finite number > 0 (omit it for the default L), got {cfg.alpha}")
+
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__(cfg, index)
         first_rule = cfg.keel_first_layer_rule and index < 2
@@ -212,6 +231,7 @@ class HybridNorm(Residual):
 
     final_norm = True
     attention_qkv_norm = True
+    activation_constants = None
     first_block_pre_norm = False
 
     def __init__(self, cfg: ModelConfig, index: int):
@@ -235,8 +255,7 @@ class HybridNormStar(HybridNorm):
     ``norm_pos_special_config``): :class:`HybridNorm`, except that block 0 (sub-layers 0 and
     1) is Pre-Norm: ``x + F(Norm(x))`` for both its attention (QKV-Norm still on) and its FFN.
 
-    Not registered in :data:`SCHEMES`: ``model.residual`` accepts only the names in
-    :data:`keel.config.RESIDUALS`.
+    Not registered in :data:`SCHEMES`, so ``model.residual`` does not accept it.
     """
 
     first_block_pre_norm = True
@@ -284,12 +303,18 @@ class MixLN(Residual):
     def uses_final_norm(cls, cfg: ModelConfig) -> bool:
         return mix_ln_post_blocks(cfg) < cfg.n_layers
 
+    @classmethod
+    def check_config(cls, cfg: ModelConfig) -> None:
+        mix_ln_post_blocks(cfg)  # raises on a ratio outside [0, 1]
+
     def forward(self, x, f):
         if self.post:
             return self.norm(x + f(x).to(x.dtype))
         return x + f(self.norm(x)).to(x.dtype)
 
 
+# The one list of residual schemes: config validation, the CLI defaults, gradflow, the
+# benchmarks and the tests all read it. Adding a scheme = a class above + a line here.
 SCHEMES: dict[str, type[Residual]] = {
     "pre_ln": PreLN,
     "post_ln": PostLN,
@@ -298,3 +323,26 @@ SCHEMES: dict[str, type[Residual]] = {
     "hybridnorm": HybridNorm,
     "mix_ln": MixLN,
 }
+
+
+def get_scheme(name: str) -> type[Residual]:
+    """The :class:`Residual` class registered as ``name`` in :data:`SCHEMES`.
+
+    Raises:
+        KeelError: ``name`` is not a registered scheme (the message lists them).
+    """
+    if name not in SCHEMES:
+        raise KeelError(f"unknown model.residual {name!r} (choose from {', '.join(SCHEMES)})")
+    return SCHEMES[name]
+
+
+def check_model_config(cfg: ModelConfig) -> ModelConfig:
+    """Validate ``cfg``: its shape (:meth:`ModelConfig.validate`), the scheme name and the
+    scheme's own checks (:meth:`Residual.check_config`). Returns ``cfg``.
+
+    Raises:
+        KeelError: naming the first bad key.
+    """
+    cfg.validate()
+    get_scheme(cfg.residual).check_config(cfg)
+    return cfg

@@ -102,6 +102,12 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module | dic
     return final
 
 
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The complete checkpoint folders of a run (``step_*`` with weights), oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and (p / "model.safetensors").is_file())
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The folder named by ``RUN/checkpoints/latest``, or None when the run has none."""
     ckpt_root = Path(run_dir) / "checkpoints"
@@ -149,33 +155,3 @@ def load_trainer_state(ckpt: str | Path) -> dict[str, Any]:
         raise KeelError(f"no trainer state at {path}")
     return torch.load(path, map_location="cpu", weights_only=True)
 
-
-def load_run(run_dir: str | Path, device: str = "auto", checkpoint: str | Path | None = None):
-    """Load a trained run for inference: ``(model, tokenizer, device)``.
-
-    Reads ``RUN/config.toml``, the weights of the latest checkpoint (or ``checkpoint``)
-    and ``RUN/tokenizer.json``. The model is in eval mode on ``device``.
-
-    Raises:
-        KeelError: not a run directory, or no checkpoint yet.
-    """
-    from tokenizers import Tokenizer
-
-    from keel.config import load_config
-    from keel.model import Transformer
-    from keel.train.trainer import resolve_device
-
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.toml").is_file():
-        raise KeelError(f"not a run directory (no config.toml): {run_dir}")
-    ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir)
-    if ckpt is None:
-        raise KeelError(f"run {run_dir} has no checkpoint yet")
-    if not (run_dir / "tokenizer.json").is_file():
-        raise KeelError(f"run {run_dir} has no tokenizer.json")
-    cfg = load_config(run_dir / "config.toml")
-    dev = resolve_device(device)
-    model = Transformer(cfg.model)
-    load_weights(model, ckpt)
-    model.to(dev).eval()
-    return model, Tokenizer.from_file(str(run_dir / "tokenizer.json")), dev

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -10,10 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-
-def read_metrics(path: str | Path) -> list[dict]:
-    """The records of a ``metrics.jsonl`` file, in order."""
-    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+from keel.train.metrics import read_metrics  # noqa: E402
 
 
 def save_figure(fig, out: str | Path) -> None:
@@ -30,8 +26,8 @@ def save_figure(fig, out: str | Path) -> None:
 def plot_loss(metrics_path: str | Path, out: str | Path, title: str = "") -> None:
     """Train loss (per step) and validation loss (eval steps) against tokens seen."""
     records = read_metrics(metrics_path)
-    train = [(r["tokens"], r["loss"]) for r in records if "loss" in r and not r.get("skipped")]
-    val = [(r["tokens"], r["val_loss"]) for r in records if "val_loss" in r]
+    train = [(r["tokens"], r["loss"]) for r in records if r.get("loss") is not None and not r.get("skipped")]
+    val = [(r["tokens"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot(*zip(*train), lw=0.8, alpha=0.8, label="train")

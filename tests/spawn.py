@@ -34,7 +34,7 @@ def _worker(rank: int, world_size: int, ports: list[int], jobs, threads: int) ->
         # a fresh rendezvous port per job: a rank that finishes a job early must not reach the
         # previous job's store while rank 0 is still tearing it down
         os.environ["MASTER_PORT"] = str(port)
-        train(cfg, run_dir, resume=resume, log=lambda *a, **k: None)
+        train(cfg, run_dir, resume=resume)
 
 
 def spawn_training(jobs: list[tuple], world_size: int, threads_per_process: int = 1) -> None:

@@ -1,0 +1,1 @@
+"""Config presets (TOML data files), read with importlib.resources; see keel.config."""

@@ -1,0 +1,1 @@
+"""Sweep presets for `keel sweep --preset NAME` (TOML data files)."""

@@ -1,0 +1,109 @@
+"""A run directory as an object: :class:`Run` (``keel.load_run(path)``).
+
+Every command that takes ``--run`` reads the run through this one class: its resolved
+config, its metrics (one reader), its checkpoints, its tokenizer, its dataset folder and
+its trained model. The layout of a run directory is documented in
+:mod:`keel.train.trainer`.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from keel.config import Config, load_config
+from keel.errors import KeelError
+
+
+class Run:
+    """A finished or running training run in ``path``.
+
+    Args:
+        path: the run directory (it must hold ``config.toml``).
+    Raises:
+        KeelError: ``path`` is not a run directory.
+
+    >>> run = Run("runs/demo")                     # doctest: +SKIP
+    >>> model = run.load_model(device="cpu")       # latest checkpoint, eval mode
+    >>> run.metrics()[-1]["val_loss"]              # nats/token
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not (self.path / "config.toml").is_file():
+            raise KeelError(f"not a run directory (no config.toml): {self.path}")
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r})"
+
+    @cached_property
+    def config(self) -> Config:
+        """The resolved config the run was trained with (``config.toml``)."""
+        return load_config(self.path / "config.toml")
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    def metrics(self) -> list[dict]:
+        """The records of ``metrics.jsonl`` ([] before the first one; see :mod:`keel.train.metrics`)."""
+        from keel.train.metrics import read_metrics
+
+        return read_metrics(self.metrics_path)
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoint folders, oldest first."""
+        from keel.train.checkpoint import list_checkpoints
+
+        return list_checkpoints(self.path)
+
+    def latest_checkpoint(self) -> Path | None:
+        """The checkpoint ``checkpoints/latest`` names, or None."""
+        from keel.train.checkpoint import latest_checkpoint
+
+        return latest_checkpoint(self.path)
+
+    def tokenizer(self):
+        """The run's ``tokenizers.Tokenizer`` (``tokenizer.json``). Raises KeelError if missing."""
+        from tokenizers import Tokenizer
+
+        path = self.path / "tokenizer.json"
+        if not path.is_file():
+            raise KeelError(f"run {self.path} has no tokenizer.json")
+        return Tokenizer.from_file(str(path))
+
+    def data_dir(self) -> Path:
+        """The prepared dataset the run was trained on (``data.path``, or the cached dataset
+        of ``data.source`` + ``data.tokenizer``, prepared again if the cache was removed).
+        Raises KeelError if it cannot be found or prepared."""
+        from keel.data import resolve_data
+
+        return resolve_data(self.config, progress=False)
+
+    def load_model(self, device: str | torch.device = "cpu", checkpoint: str | Path | None = None):
+        """The trained :class:`keel.model.Transformer`, in eval mode on ``device``.
+
+        Args:
+            device: "auto" | "cpu" | "cuda[:N]" or a torch.device.
+            checkpoint: a checkpoint folder (default: the latest).
+        Raises:
+            KeelError: no checkpoint yet, or weights that do not match the config.
+        """
+        from keel.model import Transformer
+        from keel.train.checkpoint import load_weights
+        from keel.train.device import resolve_device
+
+        ckpt = Path(checkpoint) if checkpoint else self.latest_checkpoint()
+        if ckpt is None:
+            raise KeelError(f"run {self.path} has no checkpoint yet")
+        dev = device if isinstance(device, torch.device) else resolve_device(device, key="--device")
+        model = Transformer(self.config.model)
+        load_weights(model, ckpt)
+        return model.to(dev).eval()
+
+
+def load_run(path: str | Path) -> Run:
+    """``Run(path)``: the public way to open a run from Python."""
+    return Run(path)

@@ -1,0 +1,72 @@
+"""Hooks into the training loop, so that the loop never imports the layers built on it.
+
+The trainer (:mod:`keel.train.trainer`) calls every :class:`Callback` it was given at three
+points; a callback returns the fields it wants added to the step's ``metrics.jsonl`` record
+(or None). The divergence monitor (``keel.diagnostics.divergence``), gradient-flow logging
+(``keel.diagnostics.gradflow``) and lm-eval tasks (``keel.eval.tasks``) are callbacks; the
+layer that wires a run (``keel.experiments.training``) passes them in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from keel.config import Config
+from keel.train.dist import DistInfo
+
+
+@dataclass
+class StepState:
+    """What a callback sees at one optimiser step (read it; set only ``stop``).
+
+    ``step`` counts optimiser steps done (1-based once the step is applied), ``tokens`` the
+    tokens seen over all ranks, ``loss`` the mean training loss of the step (nats/token),
+    ``lr`` the learning rate it used, ``grad_norm`` the L2 norm before clipping (None in
+    :meth:`Callback.on_gradients`, which runs before clipping). ``finite`` is False for a
+    step whose update was skipped (non-finite loss or gradient). ``model`` is the model
+    being trained (the plain module; FSDP-sharded in place under FSDP); ``plain_model()``
+    returns an unsharded copy on rank 0 and None on other ranks (collective under FSDP:
+    call it on every rank). Setting ``stop`` to a reason ends the run after this step's
+    record is written (:class:`keel.train.trainer.TrainingStopped` carries the reason).
+    """
+
+    cfg: Config
+    run_dir: Path
+    dist: DistInfo
+    model: torch.nn.Module
+    tokenizer: Any
+    plain_model: Callable[[], torch.nn.Module | None]
+    step: int = 0
+    tokens: int = 0
+    loss: float = float("nan")
+    lr: float = 0.0
+    grad_norm: float | None = None
+    finite: bool = True
+    history: list[dict] = field(default_factory=list)
+    stop: str | None = None
+
+
+class Callback:
+    """Base class: every hook does nothing. Override the ones you need.
+
+    Every rank calls every hook with the same inputs (so collective operations inside a
+    hook are allowed, and verdicts agree across ranks); only rank 0's returned fields are
+    written.
+    """
+
+    def on_train_start(self, state: StepState) -> None:
+        """Before the first step of this process; ``state.history`` holds the records
+        already in ``metrics.jsonl`` up to ``state.step`` (a resumed run's past)."""
+
+    def on_gradients(self, state: StepState) -> dict | None:
+        """After the backward pass of a step, before clipping and the optimiser update
+        (gradients are in ``p.grad``); ``state.step`` is the step about to be applied."""
+        return None
+
+    def on_step_end(self, state: StepState) -> dict | None:
+        """After the update (or the skipped update) of step ``state.step``."""
+        return None

@@ -1,0 +1,124 @@
+"""Process groups: join the one torchrun describes, and the few collectives the trainer uses.
+
+:func:`init_distributed` joins the process group that ``torchrun`` describes in the
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``):
+NCCL on CUDA, gloo on CPU. Without those variables the run is a single process and every
+helper here is a no-op (or returns its input).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from keel.errors import KeelError
+
+
+@dataclass
+class DistInfo:
+    """Where this process sits: ``rank`` of ``world_size`` processes, ``local_rank`` on its
+    node, the ``device`` it computes on; ``initialized_here`` when :func:`init_distributed`
+    created the process group (and :func:`destroy_distributed` should end it)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    initialized_here: bool = False
+
+    @property
+    def distributed(self) -> bool:
+        """True when a process group is in use (launched by torchrun)."""
+        return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that writes files and logs."""
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    """True when the torchrun environment variables ``RANK`` and ``WORLD_SIZE`` are set."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_distributed(device: torch.device) -> DistInfo:
+    """Join the process group described by the torchrun environment, if there is one.
+
+    Args:
+        device: the device the config asks for (``cpu``, ``cuda`` or ``cuda:N``). Under
+            torchrun a CUDA device without an index becomes ``cuda:LOCAL_RANK``.
+    Returns:
+        :class:`DistInfo`; single process (rank 0 of 1) when not launched by torchrun.
+        The backend is NCCL on CUDA and gloo on CPU. A process group that already exists
+        (e.g. created by a test) is used as it is.
+    Raises:
+        KeelError: torchrun variables that are not integers, or a rank without a GPU.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not (launched_by_torchrun() or dist.is_initialized()):
+        return DistInfo(device=device)
+    if dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        here = False
+    else:
+        try:
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        except ValueError:
+            raise KeelError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (set by torchrun)") from None
+        here = True
+    if device.type == "cuda":
+        if device.index is None:
+            if local_rank >= torch.cuda.device_count():
+                raise KeelError(f"LOCAL_RANK {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+            device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if here:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                rank=rank, world_size=world_size)
+    return DistInfo(rank, world_size, local_rank, device, here)
+
+
+def destroy_distributed(info: DistInfo) -> None:
+    """End the process group if :func:`init_distributed` created it."""
+    if info.initialized_here and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def broadcast_object(obj, info: DistInfo):
+    """Rank 0's ``obj`` (any picklable value) on every rank; ``obj`` itself when single-process."""
+    if not info.distributed:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(info: DistInfo) -> None:
+    """Wait for all ranks (no-op in a single process)."""
+    if info.distributed:
+        torch.distributed.barrier()
+
+
+def all_reduce_mean(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """The mean over ranks of a same-shaped tensor on every rank (SUM, then / world size;
+    gloo has no AVG). Returns ``value`` itself in a single process."""
+    if not info.distributed or info.world_size == 1:
+        return value
+    value = value.clone()
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.SUM)
+    return value / info.world_size
+
+
+def all_reduce_sum(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """The sum over ranks of a same-shaped tensor on every rank (a copy)."""
+    if not info.distributed or info.world_size == 1:
+        return value
+    value = value.clone()
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.SUM)
+    return value

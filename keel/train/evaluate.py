@@ -1,0 +1,88 @@
+"""The one loss evaluator: summed next-token negative log-likelihood over token windows.
+
+Training validation (``val_loss``), ``keel eval`` (perplexity, bits per byte), ``keel
+ablate`` (ΔPPL) and the experiment commands all score text through :func:`summed_nll`, on
+windows cut by :func:`keel.data.split_windows`, so their numbers agree exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from keel.train.dist import DistInfo, all_reduce_sum
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _groups(windows: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Windows grouped by length, each group stacked [n, T+1]; ascending lengths."""
+    if isinstance(windows, torch.Tensor):
+        return [windows] if windows.shape[0] else []
+    by_len: dict[int, list[torch.Tensor]] = {}
+    for w in windows:
+        by_len.setdefault(int(w.shape[0]), []).append(w)
+    return [torch.stack(by_len[n]) for n in sorted(by_len)]
+
+
+@torch.no_grad()
+def summed_nll(model: torch.nn.Module | LogitsFn, windows: torch.Tensor | Sequence[torch.Tensor],
+               batch_size: int, device: torch.device | str, amp=None,
+               dist: DistInfo | None = None) -> tuple[float, int]:
+    """Summed next-token cross-entropy (nats) over ``windows`` and the number of predicted tokens.
+
+    Args:
+        model: a module or function mapping input ids [B, T] (int64) to logits [B, T, V]; an
+            ``nn.Module`` is put in eval mode for the call and restored afterwards.
+        windows: LongTensor [N, T+1], or a sequence of 1-D LongTensors (lengths >= 2, may
+            differ; equal lengths are batched together). Each window predicts its tokens
+            1.. from the ones before (inputs ``w[:-1]``, targets ``w[1:]``).
+        batch_size: windows per forward pass on each process.
+        device: where the ids go (the model must already be there).
+        amp: an autocast context (default none).
+        dist: with a process group, rank r scores windows r, r + world, ... of each length
+            group and the sums are all-reduced, so every rank returns the totals over all
+            windows. Every rank runs the same number of forward passes (a rank with no
+            window left scores one with weight 0), as FSDP's all-gathers require.
+    Returns:
+        (total nats, accumulated in float64; number of predicted tokens).
+    """
+    dist = dist or DistInfo(device=torch.device(device))
+    ws = dist.world_size if dist.distributed else 1
+    module = model if isinstance(model, torch.nn.Module) else None
+    was_training = module.training if module is not None else False
+    if module is not None:
+        module.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    try:
+        for group in _groups(windows):
+            mine = group[dist.rank::ws] if ws > 1 else group
+            for i in range(-(-group.shape[0] // (ws * batch_size))):  # same count on every rank
+                batch, weight = mine[i * batch_size:(i + 1) * batch_size], 1.0
+                if batch.shape[0] == 0:
+                    batch, weight = group[:1], 0.0
+                total += weight * _batch_nll(model, batch.to(device), amp)
+    finally:
+        if module is not None:
+            module.train(was_training)
+    total = all_reduce_sum(total, dist)
+    return float(total[0]), int(total[1])
+
+
+def _batch_nll(model, batch: torch.Tensor, amp) -> torch.Tensor:
+    """[summed nats, predicted tokens] of one batch [B, T+1], float64."""
+    with amp if amp is not None else contextlib.nullcontext():
+        logits = model(batch[:, :-1])
+    targets = batch[:, 1:]
+    nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+    return torch.tensor([float(nll.double()), targets.numel()], dtype=torch.float64)
+
+
+def mean_nll(model: torch.nn.Module | LogitsFn, windows: torch.Tensor | Sequence[torch.Tensor], batch_size: int,
+             device: torch.device | str, amp=None, dist: DistInfo | None = None) -> float:
+    """Mean next-token cross-entropy in nats per token: :func:`summed_nll`'s total / count."""
+    nats, n = summed_nll(model, windows, batch_size, device, amp, dist)
+    return nats / n

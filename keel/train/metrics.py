@@ -1,0 +1,82 @@
+"""``metrics.jsonl``: one JSON object per line, one reader and one writer for the whole project.
+
+Records (see :mod:`keel.train.trainer`): ``step`` (optimiser steps done; 0 = the freshly
+initialised model), ``tokens``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``,
+``elapsed_s``; ``val_loss``/``val_ppl`` on evaluation steps; fields added by callbacks
+(``divergence``, ``sublayer_grad_norm``, ``eval_tasks``). Files are strict JSON: a
+non-finite number (NaN, ±inf: a blown-up loss) is written as ``null``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from keel.io import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+
+def _strict(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None (JSON null), recursively."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a ``metrics.jsonl`` file, in order ([] if the file does not exist).
+
+    A last line that is not valid JSON (a write cut short by a kill) is dropped with a
+    warning; an invalid line anywhere else is an error.
+
+    Raises:
+        KeelError: a corrupt line before the last one.
+    """
+    from keel.errors import KeelError
+
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = [ln for ln in path.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                log.warning("%s: dropping a partial last line (a write was interrupted)", path)
+                break
+            raise KeelError(f"{path}: line {i + 1} is not valid JSON") from None
+    return records
+
+
+def truncate_metrics(path: str | Path, keep_through_step: int) -> list[dict]:
+    """Rewrite ``path`` (atomically) keeping only records with ``step <= keep_through_step``,
+    dropping a torn last line; returns the records kept. A resumed run re-logs the rest."""
+    records = [r for r in read_metrics(path) if r.get("step", 0) <= keep_through_step]
+    if Path(path).exists():
+        atomic_write_text(path, "".join(json.dumps(_strict(r), allow_nan=False) + "\n" for r in records))
+    return records
+
+
+class JsonlSink:
+    """Appends records to ``metrics.jsonl`` (strict JSON, non-finite numbers as null)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def write(self, record: dict) -> None:
+        """Append one record as one line."""
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(_strict(record), allow_nan=False) + "\n")
+
+    def close(self) -> None:
+        """Nothing to release (each write opens and closes the file)."""

@@ -1,0 +1,25 @@
+"""Text in, text out: sampling a continuation of a prompt from a model."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample_text(model: torch.nn.Module, tokenizer, prompt: str, max_new_tokens: int, device: torch.device,
+                temperature: float = 0.8, top_k: int | None = 50, seed: int = 0) -> str:
+    """Decode ``max_new_tokens`` sampled tokens after ``prompt``; returns prompt + continuation.
+
+    Args:
+        model: a :class:`keel.model.Transformer` on ``device``.
+        tokenizer: its ``tokenizers.Tokenizer``.
+        temperature: 0 = greedy (see :meth:`keel.model.Transformer.generate`).
+        top_k: keep the k most likely tokens (None = all).
+        seed: seeds the sampling generator (same seed, same text).
+    """
+    ids = tokenizer.encode(prompt).ids or [0]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    out = model.generate(torch.tensor([ids], device=device), max_new_tokens, temperature, top_k, generator=gen)
+    model.train(was_training)
+    return tokenizer.decode(out[0].tolist())

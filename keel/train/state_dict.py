@@ -1,0 +1,91 @@
+"""Whole-model views that must see every parameter, whatever the sharding.
+
+:func:`clip_grad_norm_` (the full L2 norm of all gradients, also when they are FSDP2
+``DTensor`` shards), :func:`full_model_state_dict` / :func:`full_optimizer_state_dict`
+(gathered, on CPU, keyed by parameter name: what a world-size-independent checkpoint
+stores) and :func:`load_optimizer_state_dict`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from keel.errors import KeelError
+from keel.train.parallelize import unwrap
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> float:
+    """Clip gradients in place to total L2 norm ``max_norm``; return the norm before clipping.
+
+    The norm is ``sqrt(sum_p ||grad_p||_2^2)`` over all parameters of the model, computed
+    by ``torch.nn.utils.get_total_norm``. Under FSDP2 the gradients are ``DTensor`` shards
+    and that norm is a ``DTensor`` with a pending (partial) reduction; ``.full_tensor()``
+    completes it across ranks, so the value equals the single-process/DDP norm (torchtitan,
+    ``dist_utils.clip_grad_norm_``; a local-shard norm would be wrong by up to sqrt(world
+    size) and worse). Scaling is ``torch.nn.utils.clip_grads_with_norm_``: every gradient is
+    multiplied by ``min(1, max_norm / (norm + 1e-6))``. ``max_norm = inf`` only measures.
+
+    Returns a Python float (``nan``/``inf`` when a gradient is not finite).
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return 0.0
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total.item())
+
+
+def _full_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) weights on CPU, keyed by the plain model's parameter names.
+
+    ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` with
+    ``full_state_dict=True, cpu_offload=True``: FSDP2 shards are all-gathered, DDP's
+    ``module.`` and compile's ``_orig_mod.`` prefixes are dropped. Collective under FSDP
+    (call it on every rank); in a process group only rank 0 receives the tensors, the other
+    ranks get ``{}``. Tied weights appear under every name.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(unwrap(model), options=_full_options())
+
+
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The full optimizer state on CPU, keyed by parameter name (not by index), so it loads
+    at any world size and with or without FSDP. Collective under FSDP; only rank 0 receives
+    it in a process group (``{}`` elsewhere). Format: ``{"state": {name: {"step", "exp_avg",
+    "exp_avg_sq"}}, "param_groups": [{..., "params": [names]}]}`` for AdamW."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(unwrap(model), optimizer, options=_full_options())
+
+
+def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load a state from :func:`full_optimizer_state_dict` (every rank passes the full state;
+    each keeps its own shard under FSDP2). A legacy index-keyed ``optimizer.state_dict()``
+    is loaded directly when the model is not sharded.
+
+    Raises:
+        KeelError: an index-keyed state with a sharded (FSDP) model.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.fsdp import FSDPModule
+
+    keys = list(state.get("state", {}))
+    if keys and isinstance(keys[0], int):
+        if isinstance(unwrap(model), FSDPModule):
+            raise KeelError("this checkpoint's optimizer state is index-keyed (old format); "
+                            "resume it without FSDP first")
+        optimizer.load_state_dict(state)
+        return
+    set_optimizer_state_dict(unwrap(model), optimizer, state, options=StateDictOptions(full_state_dict=True))
