@@ -199,12 +199,15 @@ class Trainer:
         self.ckpt = self._find_checkpoint() if resume and not restart else None
         self.device = info.device
         self.amp = autocast_context(self.device, self.tc.precision)
+        saved = load_trainer_state(self.ckpt) if self.ckpt is not None else None
+        self.changes: dict[str, dict] = {}
         self._load_data()
+        if saved is not None:
+            self._check_config_changes(saved)  # before the weights are loaded: a clear refusal
         self._build_model()
         self.step, self.tokens, self.elapsed = 0, 0, 0.0
-        self.changes: dict[str, dict] = {}
-        if self.ckpt is not None:
-            self._restore(load_trainer_state(self.ckpt))
+        if saved is not None:
+            self._restore(saved)
         elif resume and not restart:
             self.say(f"no checkpoint in {self.run_dir} yet (no step was saved): starting it from step 0")
         self.resumed_from = self.step if self.ckpt is not None else None
@@ -294,7 +297,6 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, self.tc)
 
     def _restore(self, state: dict) -> None:
-        self._check_config_changes(state)
         SD.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         apply_config(self.optimizer, self.scheduler, self.tc)
