@@ -90,8 +90,10 @@ def wrap_native(model, tokenizer, eos_token: str | None = None):
 
     eos = eos_token or eos_token_of(tokenizer)
     eos_id = tokenizer.token_to_id(eos)
+    # split_special_tokens: a literal "<|endoftext|>" in a task's text is text, as in
+    # keel.data.text.encode_text (what training, eval and generate use)
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=_copy_tokenizer(tokenizer), eos_token=eos, pad_token=eos,
-                                     model_max_length=model.cfg.max_seq_len)
+                                     model_max_length=model.cfg.max_seq_len, split_special_tokens=True)
     hf = KeelForCausalLM.from_native(model, eos_token_id=eos_id, pad_token_id=eos_id)
     hf.generation_config.eos_token_id = eos_id
     hf.generation_config.pad_token_id = eos_id
