@@ -16,7 +16,6 @@ and its own keys are checked by :func:`keel.model.residual.check_model_config`.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path

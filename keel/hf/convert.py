@@ -204,14 +204,3 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
     return out
 
 
-def cmd_export_hf(args) -> int:
-    out = export_hf(args.run, args.out)
-    print(f"exported {args.run} -> {out}")
-    print("load it with: import keel.hf; AutoModelForCausalLM.from_pretrained(...); AutoTokenizer.from_pretrained(...)")
-    return 0
-
-
-def cmd_import_hf(args) -> int:
-    out = import_hf(args.hf, args.out)
-    print(f"imported {args.hf} -> run {out}")
-    return 0

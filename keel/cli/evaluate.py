@@ -1,8 +1,7 @@
-"""The ``keel eval``, ``keel export-hf`` and ``keel import-hf`` commands.
+"""``keel eval``, ``keel export-hf`` and ``keel import-hf``.
 
-They live here, not in :mod:`keel.hf`, because importing ``keel.hf`` registers the model
-with transformers (a heavy import); this module imports nothing heavy, so ``keel --help``
-stays fast. ``register`` adds ``eval``; ``register_hf`` adds ``export-hf`` and ``import-hf``.
+Importing :mod:`keel.hf` registers the model with transformers (a heavy import), so it
+happens inside the handlers only.
 
 Usage::
 
@@ -23,7 +22,7 @@ from pathlib import Path
 from keel.errors import KeelError
 
 
-def register_hf(subparsers) -> None:
+def _register_hf(subparsers) -> None:
     """Add ``export-hf`` and ``import-hf`` to the ``keel`` sub-parsers."""
     pe = subparsers.add_parser("export-hf", help="write a run as a Hugging Face model folder",
                                description="Write the latest checkpoint of a run as config.json + model.safetensors "
@@ -42,19 +41,24 @@ def register_hf(subparsers) -> None:
 
 
 def _cmd_export_hf(args: argparse.Namespace) -> int:
-    from keel.hf.convert import cmd_export_hf
+    from keel.hf.convert import export_hf
 
-    return cmd_export_hf(args)
+    out = export_hf(args.run, args.out)
+    print(f"exported {args.run} -> {out}")
+    print("load it with: import keel.hf; AutoModelForCausalLM.from_pretrained(...); AutoTokenizer.from_pretrained(...)")
+    return 0
 
 
 def _cmd_import_hf(args: argparse.Namespace) -> int:
-    from keel.hf.convert import cmd_import_hf
+    from keel.hf.convert import import_hf
 
-    return cmd_import_hf(args)
+    out = import_hf(args.hf, args.out)
+    print(f"imported {args.hf} -> run {out}")
+    return 0
 
 
 def register(subparsers) -> None:
-    """Add ``eval`` to the ``keel`` sub-parsers."""
+    """Add ``eval``, ``export-hf`` and ``import-hf`` to the ``keel`` sub-parsers."""
     p = subparsers.add_parser(
         "eval", help="perplexity, bits per byte and lm-evaluation-harness tasks",
         description="Report loss, perplexity and bits per byte on held-out text (the run's validation split, "
@@ -77,6 +81,7 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--device", default="auto")
     p.set_defaults(func=cmd_eval)
+    _register_hf(subparsers)
 
 
 def _load(args):
