@@ -16,6 +16,7 @@ and its own keys are checked by :func:`keel.model.residual.check_model_config`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,13 +264,20 @@ class Config:
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
 
 
+def _coerce_vocab(value: Any) -> int | str:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _coerce("model", "vocab_size_int", value, 0)
+    except KeelError:
+        raise KeelError(f'model.vocab_size must be "auto" or an integer, got {value!r}') from None
+
+
 def _coerce(section: str, key: str, value: Any, current: Any) -> Any:
     """Convert ``value`` to the type of the field's default ``current``."""
     where = f"{section}.{key}"
     if (section, key) == ("model", "vocab_size"):  # "auto" or an integer
-        if isinstance(value, str) and value.strip().lower() == "auto":
-            return "auto"
-        current = 0
+        return _coerce_vocab(value)
     if current is None:  # optional numbers (model.alpha)
         current = 0.0
     if isinstance(current, bool):

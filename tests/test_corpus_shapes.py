@@ -4,7 +4,6 @@ any temperature. Each test is one example of the issue with the right value asse
 import math
 import sys
 
-import numpy as np
 import pytest
 import torch
 

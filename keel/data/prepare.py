@@ -129,14 +129,8 @@ def prepare_dataset(
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(created)  # leave none of the folders this call created behind
         raise
-    log.info(
-        "prepared %s: %d+%d docs, %d train / %d val tokens",
-        out,
-        meta["n_docs_train"],
-        meta["n_docs_val"],
-        meta["train_tokens"],
-        meta["val_tokens"],
-    )
+    log.info("prepared %s: %d+%d docs, %d train / %d val tokens", out, meta["n_docs_train"], meta["n_docs_val"],
+             meta["train_tokens"], meta["val_tokens"])
     return out
 
 

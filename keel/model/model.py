@@ -225,9 +225,10 @@ class Transformer(nn.Module):
         """Sample ``max_new_tokens`` tokens after ``input_ids`` [B, T0]; returns [B, T0 + n].
 
         temperature 0 (or below the smallest normal float of the logits' dtype) means greedy;
-        any small positive temperature is safe (a tiny one samples the argmax). With ``use_cache`` the keys/values of earlier positions
-        are kept (:class:`KVCache`); without it, or once the context outgrows max_seq_len, the
-        context is re-run every step, cropped to its last max_seq_len tokens.
+        any small positive temperature is safe (a tiny one samples the argmax). With
+        ``use_cache`` the keys/values of earlier positions are kept (:class:`KVCache`); without
+        it, or once the context outgrows max_seq_len, the context is re-run every step,
+        cropped to its last max_seq_len tokens.
         """
         ids = input_ids
         cache = KVCache() if use_cache else None
