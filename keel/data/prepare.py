@@ -407,7 +407,8 @@ def _train_bpe(train: _Spill, vocab_size: int, progress: bool) -> Tokenizer:
         vocab_size=vocab_size,
         special_tokens=[EOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=progress,
+        # the trainer's progress bar writes to stdout: only on a terminal (no blank lines in pipes)
+        show_progress=progress and sys.stdout.isatty(),
     )
     tok.train_from_iterator(iter(train), trainer=trainer, length=train.n_docs)
     return tok

@@ -120,6 +120,7 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
     model, tokenizer = run.load_model(device="cpu"), run.tokenizer()
     eos = eos_token_of(tokenizer, run_dir)
     hf, _ = wrap_native(model, tokenizer, eos)
+    hf.config.keel_step = _checkpoint_step(run)  # config.json keeps the step (import-hf restores it)
     tmp = _fresh_output(out)
     try:
         hf.save_pretrained(tmp, safe_serialization=True)
@@ -162,13 +163,25 @@ def load_hf(path: str | Path, device: str = "auto"):
     return model, tok, dev
 
 
+def _checkpoint_step(run) -> int:
+    """The step of the run's latest checkpoint (0 if its trainer state does not say)."""
+    from keel.train.checkpoint import load_trainer_state
+
+    ckpt = run.latest_checkpoint()
+    try:
+        return int(load_trainer_state(ckpt).get("step", 0)) if ckpt is not None else 0
+    except KeelError:
+        return 0
+
+
 def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
     """Create a run directory ``out`` from a keel Hugging Face folder ``hf_dir``.
 
     Writes ``out/config.toml`` (the exported ``keel_config.toml`` if present, with its
     model section replaced by ``config.json``'s fields; else default data/train sections
     whose ``data.tokenizer`` is ``out/tokenizer.json``), ``out/tokenizer.json`` and the
-    weights as checkpoint step 0 (``checkpoints/step_00000000/model.safetensors`` via
+    weights as a checkpoint of the step the export came from (``keel_step`` in
+    ``config.json``, 0 when absent; ``checkpoints/step_NNNNNNNN/model.safetensors`` via
     :func:`keel.train.checkpoint.save_checkpoint`; its trainer state holds no optimiser,
     so the run serves ``keel generate`` and ``keel eval`` but cannot be resumed).
 
@@ -196,7 +209,8 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
             cfg.data.tokenizer = str((out / "tokenizer.json").resolve())
         cfg.model = dataclasses.replace(model_cfg)
         dump_config(cfg, tmp / "config.toml")
-        save_checkpoint(tmp, 0, model.model, {"step": 0, "tokens": 0, "imported_from": str(hf_dir.resolve())})
+        step = int(getattr(model.config, "keel_step", 0) or 0)
+        save_checkpoint(tmp, step, model.model, {"step": step, "tokens": 0, "imported_from": str(hf_dir.resolve())})
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -297,6 +297,9 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, self.tc)
 
     def _restore(self, state: dict) -> None:
+        if "optimizer" not in state or "loader" not in state:
+            raise KeelError(f"cannot resume from {self.ckpt}: it holds weights only (no optimiser or data state; "
+                            "made by keel import-hf?); start a new run from it instead")
         SD.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         apply_config(self.optimizer, self.scheduler, self.tc)
