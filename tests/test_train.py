@@ -37,7 +37,7 @@ def test_lr_schedule_formula():
 
 
 def test_weight_decay_groups():
-    model = Transformer(load_config(REPO / "keel" / "configs" / "demo.toml").model)
+    model = Transformer(load_config(REPO / "keel" / "configs" / "demo.toml", ["model.vocab_size=8192"]).model)
     opt = build_optimizer(model, TrainConfig())
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0

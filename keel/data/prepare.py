@@ -45,6 +45,7 @@ from keel.errors import KeelError
 FORMAT_VERSION = 1
 EOS_TOKEN = "<|endoftext|>"
 ENCODE_BATCH_DOCS = 256
+ENCODE_BATCH_CHARS = 1 << 21  # 2 Mi characters of text per encode_batch call
 # Documents longer than LONG_DOC_CHARS characters are cut into chunks of about CHUNK_CHARS
 # for the train/val split (no file of the built-in corpus is that long).
 LONG_DOC_CHARS = 256 * 1024
@@ -475,24 +476,33 @@ def _eos_id(tok: Tokenizer, config: dict | None, spec: str) -> int:
 
 def _encode_split(tok: Tokenizer, eos_id: int, spill: _Spill, path: Path, vocab_size: int, progress: bool) -> int:
     """Encode the documents of ``spill`` (:func:`keel.data.text.encode_batch`; EOS where a
-    document ends) into the shard ``path``; returns its token count."""
+    document ends) into the shard ``path``, in batches of at most ``ENCODE_BATCH_DOCS``
+    documents and ``ENCODE_BATCH_CHARS`` characters (bounded memory); returns its token count."""
+    eos = np.array([eos_id], dtype=np.int64)
     with ShardWriter(path, vocab_size) as writer:
         pieces = _progress(spill.pieces(), spill.n_docs, f"encoding {path.stem}", "doc", progress)
-        for batch in _chunks(pieces, ENCODE_BATCH_DOCS):
-            ids: list[int] = []
+        for batch in _batches(pieces):
+            parts = []
             for piece_ids, (_, ends) in zip(encode_batch(tok, [text for text, _ in batch]), batch):
-                ids += piece_ids
+                parts.append(np.array(piece_ids, dtype=np.int64))
                 if ends:
-                    ids.append(eos_id)
-            writer.write(np.array(ids, dtype=np.int64))
+                    parts.append(eos)
+            writer.write(np.concatenate(parts))
     return writer.n_tokens
 
 
-def _chunks(iterable, size: int):
-    """Lists of up to ``size`` consecutive items of ``iterable``."""
-    it = iter(iterable)
-    while chunk := list(itertools.islice(it, size)):
-        yield chunk
+def _batches(pieces):
+    """Lists of consecutive ``(text, ends)`` pieces, cut at ENCODE_BATCH_DOCS pieces or
+    ENCODE_BATCH_CHARS characters (a piece longer than that is a batch of its own)."""
+    batch, chars = [], 0
+    for piece in pieces:
+        if batch and (len(batch) >= ENCODE_BATCH_DOCS or chars + len(piece[0]) > ENCODE_BATCH_CHARS):
+            yield batch
+            batch, chars = [], 0
+        batch.append(piece)
+        chars += len(piece[0])
+    if batch:
+        yield batch
 
 
 def _progress(iterable, total, desc: str, unit: str, enabled: bool):

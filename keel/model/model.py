@@ -166,6 +166,9 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        if cfg.vocab_size == "auto":  # resolved from the tokenizer when a run starts
+            raise KeelError('model.vocab_size is "auto": give a number, or resolve it from a tokenizer with '
+                            "keel.config.resolve_vocab_size")
         self.cfg = check_model_config(cfg)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList([Block(cfg, b) for b in range(cfg.n_layers)])
