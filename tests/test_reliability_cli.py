@@ -102,6 +102,8 @@ def test_gradflow_plot_creates_its_folder(tiny_data, tmp_path, capsys):
 def test_import_hf_keeps_the_step(cli_run, tmp_path, capsys):
     pytest.importorskip("transformers")
     assert main(["export-hf", "--run", str(cli_run), "--out", str(tmp_path / "hf")]) == 0
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"]  # was 0600
     assert main(["import-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
     assert [p.name for p in (tmp_path / "back" / "checkpoints").glob("step_*")] == ["step_00000004"]
     # weights only: a resume says so in one line instead of a KeyError traceback

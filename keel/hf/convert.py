@@ -24,7 +24,7 @@ from pathlib import Path
 
 from keel.data.prepare import EOS_TOKEN
 from keel.errors import KeelError
-from keel.io import make_temp_dir
+from keel.io import chmod_default, make_temp_dir
 
 KEEL_CONFIG_NAME = "keel_config.toml"
 
@@ -124,6 +124,8 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
     tmp = _fresh_output(out)
     try:
         hf.save_pretrained(tmp, safe_serialization=True)
+        for weights in tmp.glob("*.safetensors"):
+            chmod_default(weights)  # safetensors writes 0600; every other file follows the umask
         hf_tokenizer(run_dir / "tokenizer.json", eos, model.cfg.max_seq_len).save_pretrained(tmp)
         shutil.copyfile(run_dir / "config.toml", tmp / KEEL_CONFIG_NAME)
         _move_into_place(tmp, out)

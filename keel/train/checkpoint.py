@@ -38,7 +38,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from keel.errors import KeelError
-from keel.io import atomic_write_text, make_temp_dir
+from keel.io import atomic_write_text, chmod_default, make_temp_dir
 
 
 COMPILE_PREFIX = "_orig_mod."
@@ -83,13 +83,6 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _file_mode() -> int:
-    """0666 minus the umask (safetensors creates its file 0600)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
 
 
 def non_finite_weights(weights: dict[str, torch.Tensor]) -> list[str]:
@@ -152,7 +145,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module | dic
 def _write_files(folder: Path, weights: dict[str, torch.Tensor], state: dict[str, Any], step: int) -> None:
     """The checkpoint's files, the manifest last (each flushed to disk before the rename)."""
     save_file(weights, str(folder / FILES[0]), metadata={"format": "pt"})
-    os.chmod(folder / FILES[0], _file_mode())
+    chmod_default(folder / FILES[0])  # safetensors creates it 0600
     torch.save(state, folder / FILES[1])
     files = {}
     for fname in FILES:
