@@ -28,6 +28,7 @@ from pathlib import Path
 from keel.data import split_windows
 from keel.data.text import encode_text, utf8_bytes
 from keel.train.evaluate import summed_nll
+from keel.train.trainer import perplexity as _perplexity
 
 
 @dataclass
@@ -48,8 +49,8 @@ class PerplexityResult:
 
     @property
     def perplexity(self) -> float:
-        """exp(loss); inf if the loss overflows."""
-        return math.exp(self.loss) if self.loss < 700 else math.inf
+        """exp(loss); inf beyond a loss of 50 nats (:func:`keel.train.trainer.perplexity`)."""
+        return _perplexity(self.loss)
 
     @property
     def bits_per_byte(self) -> float:
