@@ -105,7 +105,10 @@ def measure_cpu_peak(size: int = 4096, reps: int = 3) -> float:
     return 2.0 * size ** 3 / best
 
 
-def build(cfg, device, checkpointing: str, k: int, compile_: bool, lr: float):
+def build(cfg, device, checkpointing: str, k: int, compile_: bool, lr: float, compile_kwargs: dict | None = None):
+    """A Transformer on ``device`` with activation checkpointing (``checkpointing``, every ``k``),
+    optionally each block ``torch.compile``d (``compile_kwargs``, e.g. ``{"backend": "aot_eager"}``),
+    and its optimizer (``keel.train.optim.build_optimizer``)."""
     import torch
 
     from keel.config import TrainConfig
@@ -118,7 +121,7 @@ def build(cfg, device, checkpointing: str, k: int, compile_: bool, lr: float):
         model = Transformer(cfg)
     par.apply_activation_checkpointing(model, checkpointing, k)
     if compile_:
-        par.apply_compile(model)
+        par.apply_compile(model, **(compile_kwargs or {}))
     return model, build_optimizer(model, TrainConfig(lr=lr))
 
 
