@@ -239,7 +239,9 @@ class Transformer(nn.Module):
             are taken to follow them (RoPE positions start at its length).
     Returns:
         logits FloatTensor [B, T, V] (fp32) when targets is None, else the mean
-        next-token cross-entropy (scalar fp32 tensor, nats per token).
+        next-token cross-entropy (scalar fp32 tensor, nats per token), computed by
+        :func:`linear_cross_entropy` (LM head and loss in chunks of rows: the [B, T, V]
+        logits are never materialised).
     Raises:
         KeelError: invalid config (see :meth:`ModelConfig.validate`) or T too long.
     """
