@@ -15,7 +15,11 @@ OUT.md``); it prints one markdown table and writes it to ``OUT.md``. Sections (r
 3. ``memory``: peak ``torch.cuda.max_memory_allocated`` of ``pre_ln`` and ``keel`` at 1024
    sub-layers (width 1024, 6.5B parameters) with every block checkpointed, against
    ``keel.train.parallelize.memory_estimate``.
-4. ``train``: ``keel prepare`` (offline: the built-in Python-stdlib corpus) and ``keel train
+4. ``levers``: fused QKV, fused gate/up and the chunked loss against their unfused forms
+   (``benchmarks/levers.py``, bf16 autocast, width 1024, 4096 tokens, vocab 32768): the
+   fused projections lost or tied on CPU and are not in the model; this row says whether
+   they would win on the GPU.
+5. ``train``: ``keel prepare`` (offline: the built-in Python-stdlib corpus) and ``keel train
    --config paper-64`` for 20 steps (``train.grad_accum`` lowered to fit the time budget);
    the loss of every step is printed from the run's ``metrics.jsonl``.
 
@@ -43,6 +47,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+import levers  # (benchmarks/levers.py: fused QKV / gate-up / chunked-loss micro-benchmarks)
 import mfu  # (benchmarks/mfu.py: FLOPs per token, GPU peaks, step function)
 
 
@@ -194,8 +199,19 @@ def check_memory(plan: Plan, device: torch.device) -> list[dict]:
     return rows
 
 
+def check_levers(plan: Plan, device: torch.device) -> list[dict]:
+    """Section 4: fused vs separate projections and chunked vs unfused loss at the plan's width."""
+    tokens = plan.batch * plan.seq
+    rows = []
+    for lever, fns in levers.cases(plan.width, tokens, plan.vocab, device).items():
+        m = levers.time_levers(fns, 5, device)
+        rows.append({"section": "levers", "scheme": lever, "separate_ms": m["separate"], "fused_ms": m["fused"]})
+    free(device)
+    return rows
+
+
 def check_train(plan: Plan, work: Path) -> list[dict]:
-    """Section 4: ``keel prepare`` + ``keel train --config paper-64`` for ``plan.train_steps`` steps."""
+    """Section 5: ``keel prepare`` + ``keel train --config paper-64`` for ``plan.train_steps`` steps."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                PYTHONUNBUFFERED="1")
     keel = [sys.executable, "-m", "keel"]
@@ -229,6 +245,9 @@ def table(rows: list[dict], header: str) -> str:
         elif r["section"] == "train":
             res = (f"{r['steps']} steps, loss " + ", ".join(f"{s}: {v:.4f}" for s, v in r["losses"])
                    + f" (prepare {r['prepare_s']:.0f} s, train {r['train_s']:.0f} s)")
+        elif r["section"] == "levers":
+            res = (f"separate {r['separate_ms']:.2f} ms, fused {r['fused_ms']:.2f} ms "
+                   f"(fused / separate {r['fused_ms'] / r['separate_ms']:.3f})")
         elif "skipped" in r:
             res = r["skipped"]
         else:
@@ -246,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="One-command GPU check (benchmarks/gpu_check.sh).")
     p.add_argument("--out", required=True, help="markdown file the table is written to")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: exercise every code path")
-    p.add_argument("--sections", default="bf16,speed,memory,train", help="comma-separated subset")
+    p.add_argument("--sections", default="bf16,speed,memory,levers,train", help="comma-separated subset")
     p.add_argument("--device", default=None, help="default: cuda (cpu with --dry-run)")
     a = p.parse_args(argv)
     plan = DRY if a.dry_run else GPU
@@ -265,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     sections = set(a.sections.split(","))
     with tempfile.TemporaryDirectory(prefix="keel-gpu-check-") as work:
         for sec, fn in (("bf16", lambda: check_bf16(plan, device)), ("speed", lambda: check_speed(plan, device, peak)),
-                        ("memory", lambda: check_memory(plan, device)), ("train", lambda: check_train(plan, Path(work)))):
+                        ("memory", lambda: check_memory(plan, device)), ("levers", lambda: check_levers(plan, device)),
+                        ("train", lambda: check_train(plan, Path(work)))):
             if sec in sections:
                 t0 = time.perf_counter()
                 rows += fn()

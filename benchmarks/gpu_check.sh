@@ -8,7 +8,7 @@
 # PYTHON selects the interpreter (default: python); see benchmarks/gpu_check.py for details.
 set -euo pipefail
 if [ "$#" -lt 1 ] || [ "${1#-}" != "$1" ]; then
-    echo "usage: $0 OUT_FILE [--dry-run] [--sections bf16,speed,memory,train]" >&2
+    echo "usage: $0 OUT_FILE [--dry-run] [--sections bf16,speed,memory,levers,train]" >&2
     exit 2
 fi
 out=$1

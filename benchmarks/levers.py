@@ -7,12 +7,16 @@ call, 1 thread, interleaved rounds, median):
 * ``ce``: LM head + cross-entropy, unfused (``F.cross_entropy(F.linear(h, w).float(), t)``)
   vs ``keel.model.model.linear_cross_entropy`` (chunks of 256 rows).
 
+On CUDA (``--device cuda``, also run by ``gpu_check.py``) the pieces run under bf16 autocast
+and are timed by wall clock between ``torch.cuda.synchronize()`` calls.
+
     python benchmarks/levers.py --widths 128,256,512 --rounds 9
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -23,30 +27,46 @@ import torch.nn.functional as F
 from keel.model.model import linear_cross_entropy
 
 
-def _time(fns: dict, rounds: int) -> dict[str, float]:
-    for f in fns.values():
-        f()
+def time_levers(fns: dict, rounds: int, device: torch.device) -> dict[str, float]:
+    """Median ms per call of each function in ``fns``, interleaved rounds (order rotating):
+    process CPU time on CPU; on CUDA wall time between synchronisations, under bf16 autocast."""
+    cuda = device.type == "cuda"
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    clock = time.perf_counter if cuda else time.process_time
     out = {k: [] for k in fns}
-    for r in range(rounds):
-        order = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]
-        for k in order:
-            t0 = time.process_time()
-            fns[k]()
-            out[k].append(time.process_time() - t0)
+    with amp:
+        for f in fns.values():
+            f()
+        for r in range(rounds):
+            order = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]
+            for k in order:
+                if cuda:
+                    torch.cuda.synchronize(device)
+                t0 = clock()
+                fns[k]()
+                if cuda:
+                    torch.cuda.synchronize(device)
+                out[k].append(clock() - t0)
     return {k: 1e3 * statistics.median(v) for k, v in out.items()}
 
 
-def cases(d: int, tokens: int, vocab: int) -> dict:
+def cases(d: int, tokens: int, vocab: int, device: torch.device | str = "cpu") -> dict:
+    """{lever: {"separate": fn, "fused": fn}}: forward + backward of each variant at width
+    ``d`` on ``tokens`` rows (vocab ``vocab`` for the loss), tensors on ``device``."""
     g = torch.Generator().manual_seed(0)
     kv, ff = d // 2, 3 * d
-    x = torch.randn(tokens, d, generator=g, requires_grad=True)
-    wq, wk, wv = (torch.randn(o, d, generator=g).requires_grad_() for o in (d, kv, kv))
+
+    def rand(*shape, scale=1.0, grad=True):
+        return (torch.randn(*shape, generator=g) * scale).to(device).requires_grad_(grad)
+
+    x = rand(tokens, d)
+    wq, wk, wv = (rand(o, d) for o in (d, kv, kv))
     wqkv = torch.cat([wq, wk, wv]).detach().requires_grad_()
-    w1, w3 = (torch.randn(ff, d, generator=g).requires_grad_() for _ in range(2))
+    w1, w3 = (rand(ff, d) for _ in range(2))
     w13 = torch.cat([w1, w3]).detach().requires_grad_()
-    gq, gk, gv, gh = (torch.randn(tokens, o, generator=g) for o in (d, kv, kv, ff))
-    head = (torch.randn(vocab, d, generator=g) * 0.02).requires_grad_()
-    t = torch.randint(0, vocab, (tokens,), generator=g)
+    gq, gk, gv, gh = (rand(tokens, o, grad=False) for o in (d, kv, kv, ff))
+    head = rand(vocab, d, scale=0.02)
+    t = torch.randint(0, vocab, (tokens,), generator=g).to(device)
 
     def qkv_sep():
         torch.autograd.backward([F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)], [gq, gk, gv])
@@ -78,14 +98,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    print(f"{a.tokens} tokens, vocab {a.vocab}, {a.threads} thread(s), median CPU ms over {a.rounds} rounds\n")
+    device = torch.device(a.device)
+    what = "CPU ms" if device.type == "cpu" else "wall ms (bf16 autocast)"
+    print(f"{a.tokens} tokens, vocab {a.vocab}, {a.threads} thread(s), {device}, median {what} over "
+          f"{a.rounds} rounds\n")
     print("| width | lever | separate ms | fused ms | fused / separate |")
     print("|---:|:---|---:|---:|---:|")
     for d in (int(w) for w in a.widths.split(",")):
-        for lever, fns in cases(d, a.tokens, a.vocab).items():
-            m = _time(fns, a.rounds)
+        for lever, fns in cases(d, a.tokens, a.vocab, device).items():
+            m = time_levers(fns, a.rounds, device)
             print(f"| {d} | {lever} | {m['separate']:.1f} | {m['fused']:.1f} | {m['fused'] / m['separate']:.3f} |",
                   flush=True)
     return 0

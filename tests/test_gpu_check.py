@@ -38,6 +38,7 @@ def test_dry_run_exercises_every_section(tmp_path):
     assert sections.count("bf16") == len(SCHEMES)
     assert sections.count("speed") == 8  # 2 depths x (pre_ln, keel) x (eager, compiled)
     assert sections.count("memory") == 2 and sections.count("train") == 1
+    assert sorted(r[1] for r in rows if r[0].endswith("levers")) == ["ce", "ffn", "qkv"]
     for r in rows:
         if r[0].endswith("bf16"):
             err = float(re.search(r"max rel\. logit err ([0-9.e+-]+)", r[-1]).group(1))
