@@ -108,8 +108,8 @@ def check_bf16(plan: Plan, device: torch.device) -> list[dict]:
     """Section 1: max relative logit error of a bf16-autocast forward vs fp32, every scheme."""
     from keel.model import SCHEMES, Transformer
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # a true fp32 reference
     ids = torch.randint(0, plan.vocab, (1, plan.seq), generator=torch.Generator().manual_seed(0)).to(device)
     rows = []
     for scheme in sorted(SCHEMES):
@@ -125,6 +125,7 @@ def check_bf16(plan: Plan, device: torch.device) -> list[dict]:
                      "max_rel_logit_err": err, "logit_rms": ref.pow(2).mean().sqrt().item()})
         del model, ref, out
         free(device)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     return rows
 
 
