@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from keel.config import ModelConfig
 from keel.errors import KeelError
@@ -82,6 +83,7 @@ class _ScaledSumRMSNorm(torch.autograd.Function):
         ctx.f_dtype = None if f is None else f.dtype
 
     @staticmethod
+    @once_differentiable  # no second derivatives (nothing in keel takes them): raise, not silently wrong
     def backward(ctx, dy, _dn, _dr):
         if dy is None:
             return None, None, None, None, None
@@ -89,7 +91,7 @@ class _ScaledSumRMSNorm(torch.autograd.Function):
         w = w.to(n.dtype)
         dy = dy.to(n.dtype)
         t = dy * n
-        dw = t.flatten(0, -2).sum(0).to(ctx.w_dtype) if ctx.needs_input_grad[2] else None
+        dw = t.reshape(-1, t.shape[-1]).sum(0).to(ctx.w_dtype) if ctx.needs_input_grad[2] else None
         with torch.autocast(n.device.type, enabled=False):  # a backward called under autocast
             dot = (t @ w).unsqueeze(-1).div_(n.shape[-1])  # mean_d(dy * g * n), in n's dtype
         ds = torch.mul(dy, w).addcmul_(n, dot, value=-1).mul_(r)
