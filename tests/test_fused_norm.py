@@ -187,3 +187,11 @@ def test_forward_mode_jvp_equals_composite():
         out_ref, tan_ref = jvp(ref, tuple(prims), tuple(tangents))
         torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(tan, tan_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_second_derivatives_raise_instead_of_being_wrong():
+    x = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
+    g = torch.ones(8, dtype=torch.float64, requires_grad=True)
+    (dx,) = torch.autograd.grad(rms_norm_of_sum(x, None, g, 1.0, 1e-5).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        dx.sum().backward()
