@@ -15,8 +15,8 @@ dtype (fp32, also under bf16 autocast, where only the matmuls run in bf16).
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from keel.config import ModelConfig
 from keel.errors import KeelError
