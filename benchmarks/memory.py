@@ -47,7 +47,7 @@ def peak_bytes(n_params: int, n_blocks: int, batch: int, seq_len: int, d_model: 
     """Predicted bytes of fp32 training steps with the foreach ``torch.optim.AdamW`` (CPU):
     :func:`keel.train.parallelize.memory_estimate`, whose ``peak`` is
     ``max(12·P + activations + head, 20·P)`` (see its docstring)."""
-    from keel.train.parallelize import memory_estimate
+    from memory_model import memory_estimate
 
     return memory_estimate(n_params, n_blocks, batch, seq_len, d_model, d_ff, n_heads, n_kv_heads, vocab_size,
                            residual, activation_checkpointing, checkpoint_k)
@@ -60,6 +60,7 @@ def _child(args_dict: dict, mode: str, queue) -> None:
     from keel.config import ModelConfig, TrainConfig
     from keel.model import Transformer
     from keel.train import parallelize as par
+    from keel.train import state_dict as SD
     from keel.train.optim import build_optimizer
 
     a = argparse.Namespace(**args_dict)
@@ -89,7 +90,7 @@ def _child(args_dict: dict, mode: str, queue) -> None:
         loss = model(batch[:, :-1], batch[:, 1:])
         after_fwd.append(rss_bytes())
         loss.backward()
-        par.clip_grad_norm_(model.parameters(), 1.0)
+        SD.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)

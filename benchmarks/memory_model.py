@@ -24,9 +24,12 @@ def activation_bytes_per_block(batch: int, seq_len: int, d_model: int, d_ff: int
     * ``H``: SDPA's logsumexp, one float per head and token;
     * ``T·hd``: the RoPE cos/sin slices ([T, hd/2] each), shared by the batch;
     * ``c_d·d + c_1``: every other [E, d] tensor (normed inputs, q, q after RoPE, SDPA
-      output and its reshaped copy, residual sums) and every per-token 1/rms of an RMSNorm.
-      Pre-LN, Post-LN, DeepNorm and Mix-LN: ``c_d = 8, c_1 = 2``; Keel, whose sub-layers
-      carry two RMSNorms each (Norm_in and Norm_out), ``c_d = 12, c_1 = 4``.
+      output and its reshaped copy, the normalised value each RMSNorm keeps for its
+      hand-written backward, :func:`keel.model.residual.rms_norm_of_sum`) and every
+      per-token 1/rms of an RMSNorm. Pre-LN and Mix-LN (its Pre-LN blocks; its Post-LN blocks
+      need less): ``c_d = 7, c_1 = 2``; Post-LN and DeepNorm, whose norm output is the next
+      sub-layer's matmul input (one tensor, saved once): ``c_d = 6, c_1 = 2``; Keel, whose
+      sub-layers carry two RMSNorms each (Norm_in and Norm_out): ``c_d = 9, c_1 = 4``.
 
     The coefficients were read off ``torch.autograd.graph.saved_tensors_hooks`` (unique
     storages) by an exact least-squares fit over 72 shapes (residual 0); the test suite

@@ -316,6 +316,14 @@ def measure_memory(name: str, shape: Shape, args) -> dict:
 
 # ---- throughput ---------------------------------------------------------------------------
 
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    """(first, third) quartile of ``values`` (both = the value when there is one)."""
+    if len(values) < 2:
+        return (values[0], values[0]) if values else (float("nan"), float("nan"))
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return q1, q3
+
+
 def bench_shape(shape: Shape, names: list[str], args, device: torch.device, log) -> dict:
     gc.collect()
     runners = {}
@@ -421,9 +429,15 @@ def bench_shape(shape: Shape, names: list[str], args, device: torch.device, log)
         for name in names:
             pairs = [(a, b, is_clean(la) and is_clean(lb))
                      for a, b, la, lb in zip(times[ref], times[name], loads[ref], loads[name])]
-            good = [a / b for a, b, ok in pairs if ok]
-            use = good if len(good) >= max(1, min(3, args.repeats)) else [a / b for a, b, _ in pairs]
-            res[name][f"paired_vs_{ref}"] = statistics.median(use)
+            ok_rounds = [i for i, (_, _, ok) in enumerate(pairs) if ok]
+            if len(ok_rounds) < max(1, min(3, args.repeats)):
+                ok_rounds = list(range(len(pairs)))
+            wall = [times[ref][i] / times[name][i] for i in ok_rounds]
+            cpu_r = [cpu[ref][i] / cpu[name][i] for i in ok_rounds]
+            res[name][f"paired_vs_{ref}"] = statistics.median(wall)
+            res[name][f"paired_vs_{ref}_iqr"] = _quartiles(wall)
+            res[name][f"paired_cpu_vs_{ref}"] = statistics.median(cpu_r)
+            res[name][f"paired_cpu_vs_{ref}_iqr"] = _quartiles(cpu_r)
     del runners
     gc.collect()
     info["models"] = res
@@ -478,24 +492,79 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def floors(report: dict) -> list[str]:
-    """The two throughput floors, with three estimates of each ratio: of the medians (the
-    verdict), the median of per-round paired ratios, and of the best rounds."""
-    out = []
+SPEED_FLOOR = 0.97  # keel tokens/s >= 0.97 x pre_ln's (issue 13)
+MEMORY_FLOOR = 1.05  # keel peak memory <= 1.05 x pre_ln's
+HF_GOAL = 1.10  # pre_ln tokens/s >= 1.10 x HF Llama's
+
+
+def _ratio_cells(m: dict, name: str, ref: str) -> dict:
+    """Speed of ``name`` over ``ref``: ratio of medians, paired per-round ratio (median and
+    quartiles, wall and CPU time)."""
+    a, b = m[name], m[ref]
+    return {"median": a["tokens_per_s"] / b["tokens_per_s"],
+            "paired": a.get(f"paired_vs_{ref}", float("nan")),
+            "paired_iqr": a.get(f"paired_vs_{ref}_iqr", (float("nan"), float("nan"))),
+            "cpu": a.get(f"paired_cpu_vs_{ref}", b["cpu_s_median"] / a["cpu_s_median"]),
+            "cpu_iqr": a.get(f"paired_cpu_vs_{ref}_iqr", (float("nan"), float("nan"))),
+            "best": a["tokens_per_s_best"] / b["tokens_per_s_best"]}
+
+
+def floor_rows(report: dict) -> list[dict]:
+    """Per shape: keel/pre_ln speed and memory (floors) and pre_ln/HF speed (goal)."""
+    rows = []
     for sh in report["shapes"]:
         m = sh["models"]
-        tag = f"{sh['d']}x{sh['blocks']}"
-        for name, ref, floor in (("pre_ln", HF, 1.0), ("keel", "pre_ln", 0.9)):
-            if name not in m or ref not in m:
-                continue
-            r = m[name]["tokens_per_s"] / m[ref]["tokens_per_s"]
-            paired = m[name].get(f"paired_vs_{ref}", float("nan"))
-            best = m[name]["tokens_per_s_best"] / m[ref]["tokens_per_s_best"]
-            cpu = m[ref]["cpu_s_median"] / m[name]["cpu_s_median"]
-            out.append(f"{tag}: {name} / {'HF Llama' if ref == HF else ref} = {r:.3f} (paired {paired:.3f}, "
-                       f"best {best:.3f}, CPU time {cpu:.3f}) -> floor >= {floor:.2f} "
-                       f"{'holds' if r >= floor else 'FAILS'}")
+        row = {"shape": f"{sh['d']}x{sh['blocks']}"}
+        if "keel" in m and "pre_ln" in m:
+            row["keel_speed"] = _ratio_cells(m, "keel", "pre_ln")
+            mk, mp = m["keel"].get("peak_mib"), m["pre_ln"].get("peak_mib")
+            row["keel_memory"] = mk / mp if mk and mp else None
+        if "pre_ln" in m and HF in m:
+            row["hf_speed"] = _ratio_cells(m, "pre_ln", HF)
+        rows.append(row)
+    return rows
+
+
+def floors(report: dict) -> list[str]:
+    """Verdict lines: keel >= SPEED_FLOOR x pre_ln tokens/s, keel <= MEMORY_FLOOR x pre_ln peak
+    memory, pre_ln >= HF_GOAL x HF Llama tokens/s. The verdict uses the ratio of the median
+    step times; the paired (adjacent-in-time) ratio, the CPU-time ratio and the best rounds
+    are printed as cross-checks."""
+    out = []
+    for row in floor_rows(report):
+        for key, label, floor in (("keel_speed", "keel / pre_ln", SPEED_FLOOR), ("hf_speed", "pre_ln / HF Llama", HF_GOAL)):
+            if key in row:
+                c = row[key]
+                out.append(f"{row['shape']}: {label} = {c['median']:.3f} (paired {c['paired']:.3f}, best "
+                           f"{c['best']:.3f}, CPU time {c['cpu']:.3f}) -> {'goal' if key == 'hf_speed' else 'floor'} "
+                           f">= {floor:.2f} {'holds' if c['median'] >= floor else 'FAILS'}")
+        if row.get("keel_memory") is not None:
+            out.append(f"{row['shape']}: keel / pre_ln peak memory = {row['keel_memory']:.3f} -> floor <= "
+                       f"{MEMORY_FLOOR:.2f} {'holds' if row['keel_memory'] <= MEMORY_FLOOR else 'FAILS'}")
     return out
+
+
+def floors_markdown(report: dict) -> str:
+    """The floors as a markdown table, with the spread (quartiles of the paired ratios)."""
+    def cell(c, floor):
+        q1, q3 = c["paired_iqr"]
+        c1, c3 = c["cpu_iqr"]
+        mark = "yes" if c["median"] >= floor else "**no**"
+        return (f"{c['median']:.2f} | {c['paired']:.2f} [{q1:.2f}, {q3:.2f}] | "
+                f"{c['cpu']:.2f} [{c1:.2f}, {c3:.2f}] | {mark}")
+
+    lines = [(f"| shape | keel/pre_ln tokens/s | paired [IQR] | CPU time [IQR] | >= {SPEED_FLOOR} "
+              f"| keel/pre_ln peak MiB | <= {MEMORY_FLOOR} | pre_ln/HF tokens/s | paired [IQR] | CPU time [IQR] "
+              f"| >= {HF_GOAL} |"),
+             "|:---|---:|---:|---:|:---|---:|:---|---:|---:|---:|:---|"]
+    blank = "- | - | - | -"
+    for row in floor_rows(report):
+        mem = row.get("keel_memory")
+        mem_cells = "- | -" if mem is None else f"{mem:.3f} | {'yes' if mem <= MEMORY_FLOOR else '**no**'}"
+        keel = cell(row["keel_speed"], SPEED_FLOOR) if "keel_speed" in row else blank
+        hf = cell(row["hf_speed"], HF_GOAL) if "hf_speed" in row else blank
+        lines.append(f"| {row['shape']} | {keel} | {mem_cells} | {hf} |")
+    return "\n".join(lines) + "\n"
 
 
 # ---- main ---------------------------------------------------------------------------------
@@ -614,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"total {meta['wall_s']:.0f} s")
     if args.markdown:
         print(markdown(report))
+        print(floors_markdown(report))
     return 0
 
 

@@ -131,7 +131,7 @@ def test_activation_formula_matches_saved_tensors(residual, shape):
     assert MM.activation_bytes_per_block(B, T, d, f, H, K, residual) == measured
     if residual == "keel":  # the docstring's formula, transcribed
         hd, kv = d // H, K * (d // H)
-        assert measured == 4 * (B * T * (12 * d + 4 * f + 2 * kv + H + 4) + T * hd)
+        assert measured == 4 * (B * T * (9 * d + 4 * f + 2 * kv + H + 4) + T * hd)
 
 
 @pytest.mark.parametrize("mode,k", [("none", 2), ("block", 2), ("every_k", 3)])

@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from keel.config import ModelConfig
 from keel.errors import KeelError
@@ -43,6 +43,88 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return out.to(x.dtype)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b``, in the autocast dtype when autocast is on for a's device (as the autograd
+    backward of an autocast matmul would run); with ``out``, added into it (``out += a @ b``)."""
+    if torch.is_autocast_enabled(a.device.type):
+        dtype = torch.get_autocast_dtype(a.device.type)
+        prod = torch.mm(a.to(dtype), b.to(dtype))
+        return prod if out is None else out.add_(prod)
+    return torch.mm(a, b) if out is None else out.addmm_(a, b)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``h @ w^T`` against ``targets``, a chunk of rows at a time, with
+    the gradients formed in the forward pass (the full [N, V] logits never exist at once).
+
+    Per chunk of rows, with ``z = h_c w^T`` (fp32), ``p = softmax(z)`` and ``m`` the number
+    of non-ignored targets: ``loss += sum(logsumexp(z) - z[target])``, ``dz = (p -
+    onehot(target)) / m`` (0 on ignored rows), ``dh_c = dz w`` and ``dw += dz^T h_c``.
+    Only ``dh`` [N, d] and ``dw`` [V, d] are kept for the backward, which scales them by
+    the incoming gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, h, w, targets, chunk_rows):
+        loss, dh, dw = _chunked_cross_entropy(h, w, targets, chunk_rows, with_grad=True)
+        ctx.save_for_backward(dh, dw)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        dh, dw = ctx.saved_tensors
+        return ((dh * g).to(dh.dtype) if ctx.needs_input_grad[0] else None,
+                (dw * g).to(dw.dtype) if ctx.needs_input_grad[1] else None, None, None)
+
+
+def _chunked_cross_entropy(h, w, targets, chunk_rows, with_grad):
+    """Loss (fp32 scalar) and, with ``with_grad``, (dh, dw) of :class:`_LinearCrossEntropy`."""
+    valid = targets != -100
+    n_valid = valid.sum()
+    scale = valid.to(torch.float32) / n_valid.clamp_min(1)  # d loss / d (row's nll)
+    safe = targets.clamp_min(0).unsqueeze(1)
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    dh = torch.empty_like(h) if with_grad else None
+    dw = torch.zeros_like(w) if with_grad else None
+    for i in range(0, h.shape[0], chunk_rows):
+        rows = slice(i, i + chunk_rows)
+        z = _mm(h[rows], w.t()).float()  # logits of the chunk [c, V], fp32
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)
+        nll = (lse - z.gather(1, safe[rows])).squeeze(1)
+        total = total + (nll * valid[rows]).sum()
+        if with_grad:
+            dz = z.sub_(lse).exp_()  # softmax, in place
+            dz.scatter_add_(1, safe[rows], torch.full_like(lse, -1.0))
+            dz.mul_(scale[rows].unsqueeze(1))
+            dh[rows] = _mm(dz, w)
+            _mm(dz.t(), h[rows], out=dw)
+    return total / n_valid, dh, dw
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk_rows: int = 256) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=-100)`` in chunks.
+
+    The LM head and the cross-entropy fused: the full fp32 [N, V] logits are never formed
+    (``chunk_rows`` rows at a time); when autograd records, the gradients of ``h`` and
+    ``weight`` are computed in the same pass (see :class:`_LinearCrossEntropy`). Under
+    autocast the matmuls run in the autocast dtype and the softmax in fp32, as in the
+    unfused form. Equal to the unfused form up to fp32 rounding (summation order).
+
+    Args:
+        h: [N, d] hidden states (the final norm's output).
+        weight: [V, d] LM head weight.
+        targets: LongTensor [N]; -100 = ignored.
+        chunk_rows: rows per chunk (memory ~ chunk_rows x V fp32 per chunk).
+    Returns:
+        the mean next-token cross-entropy over non-ignored rows, fp32 scalar tensor (nats);
+        NaN if every target is ignored (as ``F.cross_entropy``).
+    """
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(h, weight, targets, chunk_rows)
+    return _chunked_cross_entropy(h, weight, targets, chunk_rows, with_grad=False)[0]
 
 
 class KVCache:
@@ -159,7 +241,9 @@ class Transformer(nn.Module):
             are taken to follow them (RoPE positions start at its length).
     Returns:
         logits FloatTensor [B, T, V] (fp32) when targets is None, else the mean
-        next-token cross-entropy (scalar fp32 tensor, nats per token).
+        next-token cross-entropy (scalar fp32 tensor, nats per token), computed by
+        :func:`linear_cross_entropy` (LM head and loss in chunks of rows: the [B, T, V]
+        logits are never materialised).
     Raises:
         KeelError: invalid config (see :meth:`ModelConfig.validate`) or T too long.
     """
@@ -211,10 +295,9 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, cache)
         if self.norm is not None:
             x = self.norm(x)
-        logits = self.lm_head(x).float()
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+            return self.lm_head(x).float()
+        return linear_cross_entropy(x.reshape(-1, x.shape[-1]), self.lm_head.weight, targets.reshape(-1))
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Number of parameters (tied weights counted once); optionally without the embedding."""

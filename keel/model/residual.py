@@ -21,16 +21,21 @@ Numerics of ``Norm(a * x + F)``: RMSNorm is scale-invariant up to its eps, and e
 but the sum never grows to ``a * |x|``, F is upcast to the stream's dtype (fp32 under
 autocast) before it is added, and the stream stays O(1). In bf16, ``a * x + F`` with
 ``a >= 256`` would round F away entirely (8 significant bits).
+
+Every norm of a sum (Post-LN, DeepNorm, Keel, Mix-LN's Post-LN blocks) and every plain
+RMSNorm runs as one fused op, :func:`rms_norm_of_sum`: ``torch.add(x, F, alpha=1/a)``
+(no ``F / a`` temporary, no separate upcast of a bf16 F) and a hand-written backward that
+keeps only the normalised sum and the reciprocal RMS.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as Fn
+from torch import nn
+from torch.autograd.function import once_differentiable
 
 from keel.config import ModelConfig
 from keel.errors import KeelError
@@ -38,11 +43,105 @@ from keel.errors import KeelError
 SubLayer = Callable[[torch.Tensor], torch.Tensor]
 
 
+class _ScaledSumRMSNorm(torch.autograd.Function):
+    """``y = Norm_eps(x + scale * f) * g`` with hand-written derivatives (see :func:`rms_norm_of_sum`).
+
+    Forward returns ``(y, n, r)``: the output, the normalised sum ``n = s * r`` [..., d]
+    and the reciprocal RMS ``r = 1 / sqrt(mean_d s^2 + eps)`` [..., 1] (both in the compute
+    dtype, marked non-differentiable); only ``n``, ``r`` and the gain are saved, where
+    autograd's composite RMSNorm keeps the sum, its square and more. With ``dn = dy * g``::
+
+        dg = sum_{rows} dy * n
+        ds = r * (dn - n * mean_d(dn * n))          (vector-Jacobian product of RMSNorm)
+        dx = ds,  df = scale * ds
+
+    and for forward-mode AD (``torch.func.jvp``, used by :mod:`keel.diagnostics.gradflow`),
+    with ``s' = x' + scale * f'``: ``n' = r * (s' - n * mean_d(n * s'))``, ``y' = n' * g + n * g'``.
+    """
+
+    @staticmethod
+    def forward(x, f, weight, scale, eps):
+        cd = torch.promote_types(x.dtype, torch.float32)  # at least fp32
+        if f is None:
+            s = x.to(cd)
+        else:  # one pass: no f / alpha temporary, no separate upcast of a bf16 f
+            s = torch.add(x if x.dtype == cd else x.to(cd), f, alpha=scale)
+        r = torch.linalg.vector_norm(s, dim=-1, keepdim=True, dtype=cd)
+        r = r.square_().div_(s.shape[-1]).add_(eps).rsqrt_()
+        n = s.mul_(r) if s is not x else s * r
+        return (n * weight.to(cd)).to(x.dtype), n, r
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, f, weight, scale, _ = inputs
+        _, n, r = output
+        ctx.mark_non_differentiable(n, r)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(n, r, weight)
+        ctx.save_for_forward(n, r, weight)
+        ctx.scale, ctx.x_dtype, ctx.w_dtype = scale, x.dtype, weight.dtype
+        ctx.f_dtype = None if f is None else f.dtype
+
+    @staticmethod
+    @once_differentiable  # no second derivatives (nothing in keel takes them): raise, not silently wrong
+    def backward(ctx, dy, _dn, _dr):
+        if dy is None:
+            return None, None, None, None, None
+        n, r, w = ctx.saved_tensors
+        w = w.to(n.dtype)
+        dy = dy.to(n.dtype)
+        t = dy * n
+        dw = t.reshape(-1, t.shape[-1]).sum(0).to(ctx.w_dtype) if ctx.needs_input_grad[2] else None
+        with torch.autocast(n.device.type, enabled=False):  # a backward called under autocast
+            dot = (t @ w).unsqueeze(-1).div_(n.shape[-1])  # mean_d(dy * g * n), in n's dtype
+        ds = torch.mul(dy, w).addcmul_(n, dot, value=-1).mul_(r)
+        dx = ds.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        df = None
+        if ctx.needs_input_grad[1]:
+            df = (ds if ctx.scale == 1.0 else ds * ctx.scale).to(ctx.f_dtype)
+        return dx, df, dw, None, None
+
+    @staticmethod
+    def jvp(ctx, x_t, f_t, w_t, _scale_t, _eps_t):
+        n, r, w = ctx.saved_tensors
+        s_t = torch.zeros_like(n) if x_t is None else x_t.to(n.dtype)
+        if f_t is not None:
+            s_t = s_t + ctx.scale * f_t.to(n.dtype)
+        n_t = (s_t - n * (n * s_t).mean(-1, keepdim=True)) * r
+        y_t = n_t * w.to(n.dtype)
+        if w_t is not None:
+            y_t = y_t + n * w_t.to(n.dtype)
+        return y_t.to(ctx.x_dtype), None, None  # n and r are non-differentiable outputs
+
+
+def rms_norm_of_sum(x: torch.Tensor, f: torch.Tensor | None, weight: torch.Tensor, scale: float = 1.0,
+                    eps: float = 1e-5) -> torch.Tensor:
+    """Fused RMSNorm of a scaled sum: ``(x + scale * f) / sqrt(mean_d (x + scale * f)^2 + eps) * weight``.
+
+    RMSNorm: Zhang & Sennrich 2019, Eq. 4. The sum is formed in one ``torch.add(x, f,
+    alpha=scale)`` in the compute dtype, which is ``x``'s dtype promoted to at least fp32 (a
+    bf16 ``f`` from an autocast matmul is upcast inside the add); the gradient is the
+    hand-written backward of :class:`_ScaledSumRMSNorm`, equal to autograd's up to fp32
+    rounding, and only the normalised sum and the reciprocal RMS are kept for it.
+
+    Args:
+        x: [..., d] (the residual stream).
+        f: [..., d] or None (plain RMSNorm of x); any float dtype.
+        weight: the gain [d].
+        scale: the factor on f (1 / alpha for ``Norm(alpha * x + F)``, see the module doc).
+        eps: added to the mean square.
+    Returns:
+        [..., d] in ``x``'s dtype.
+    """
+    return _ScaledSumRMSNorm.apply(x, f, weight, scale, eps)[0]
+
+
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019): ``y = x / sqrt(mean(x^2) + eps) * g``.
 
     Gain ``g`` is learnable, init 1, no bias. Computed in (at least) fp32 and returned in
-    the input's dtype. ``eps`` may be overridden per call (see the module docstring).
+    the input's dtype, with the hand-written backward of :func:`rms_norm_of_sum`. ``eps``
+    may be overridden per call (see the module docstring).
 
     Shapes: x [..., d] -> [..., d].
     """
@@ -53,19 +152,28 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, eps: float | None = None) -> torch.Tensor:
-        eps = self.eps if eps is None else eps
-        dtype = torch.promote_types(x.dtype, torch.float32)  # at least fp32
-        return Fn.rms_norm(x.to(dtype), (x.shape[-1],), self.weight.to(dtype), eps).to(x.dtype)
+        return rms_norm_of_sum(x, None, self.weight, 1.0, self.eps if eps is None else eps)
 
 
-def scaled_sum_norm(norm: RMSNorm, x: torch.Tensor, f: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``Norm(alpha * x + f)``, formed as ``Norm_{eps/alpha^2}(x + f / alpha)`` (exactly equal).
+def scaled_sum_norm(norm: RMSNorm, x: torch.Tensor, f: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """``Norm(alpha * x + f)``, formed as ``Norm_{eps/alpha^2}(x + f / alpha)`` (exactly equal),
+    in one fused op (:func:`rms_norm_of_sum` with ``scale = 1 / alpha``).
 
-    Shapes: x, f [B, T, d] -> [B, T, d] in x's dtype; f is cast to x's dtype first.
+    Shapes: x, f [B, T, d] -> [B, T, d] in x's dtype; f may have another dtype (bf16 under
+    autocast): the sum is formed in x's dtype promoted to at least fp32.
     """
-    if alpha == 1.0:
-        return norm(x + f.to(x.dtype))
-    return norm(x + f.to(x.dtype) / alpha, eps=norm.eps / (alpha * alpha))
+    return rms_norm_of_sum(x, f, norm.weight, 1.0 / alpha, norm.eps / (alpha * alpha))
+
+
+def add_to_stream(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``x + h`` in the stream's dtype: [B, T, d] each -> [B, T, d] in x's dtype.
+
+    A bf16 ``h`` (autocast matmul output) added to an fp32 ``x`` is promoted inside the add
+    (no separate fp32 copy of h); other dtype pairs cast h to x's dtype first.
+    """
+    if torch.promote_types(x.dtype, h.dtype) == x.dtype:
+        return x + h
+    return add_to_stream(x, h)
 
 
 class Residual(nn.Module):
@@ -79,7 +187,7 @@ class Residual(nn.Module):
 
     final_norm = False
     attention_qkv_norm = False
-    activation_constants: tuple[int, int] | None = (8, 2)
+    activation_constants: tuple[int, int] | None = None
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
@@ -107,6 +215,8 @@ class Residual(nn.Module):
 class PreLN(Residual):
     """Pre-LN: ``x <- x + F(Norm(x))``; the model ends with a final Norm (Xiong et al. 2020)."""
 
+    activation_constants = (7, 2)
+
     final_norm = True
 
     def __init__(self, cfg: ModelConfig, index: int):
@@ -114,18 +224,20 @@ class PreLN(Residual):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
     def forward(self, x, f):
-        return x + f(self.norm(x)).to(x.dtype)
+        return add_to_stream(x, f(self.norm(x)))
 
 
 class PostLN(Residual):
     """Post-LN (Vaswani et al. 2017): ``x <- Norm(x + F(x))``."""
+
+    activation_constants = (6, 2)  # the norm's output is the next matmul's input
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__(cfg, index)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
     def forward(self, x, f):
-        return self.norm(x + f(x).to(x.dtype))
+        return scaled_sum_norm(self.norm, x, f(x))
 
 
 class DeepNorm(Residual):
@@ -139,6 +251,8 @@ class DeepNorm(Residual):
     Init (DeepNet Fig. 2): Xavier-normal with gain ``beta`` for the FFN weights and the
     attention value and output projections; q and k Xavier-normal with gain 1.
     """
+
+    activation_constants = (6, 2)
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__(cfg, index)
@@ -166,7 +280,7 @@ class Keel(Residual):
     sub-layer 1 (first FFN) uses alpha = 1 and keeps its outer norm.
     """
 
-    activation_constants = (12, 4)  # two RMSNorms per sub-layer
+    activation_constants = (9, 4)  # two RMSNorms per sub-layer
 
     @classmethod
     def check_config(cls, cfg: ModelConfig) -> None:
@@ -183,7 +297,7 @@ class Keel(Residual):
     def forward(self, x, f):
         h = f(self.norm_in(x))
         if self.norm_out is None:
-            return x + h.to(x.dtype)
+            return add_to_stream(x, h)
         return scaled_sum_norm(self.norm_out, x, h, self.alpha)
 
 
@@ -243,11 +357,11 @@ class HybridNorm(Residual):
 
     def forward(self, x, f):
         if self.pre_norm:  # HybridNorm*, block 0: Pre-Norm
-            return x + f(self.norm(x)).to(x.dtype)
+            return add_to_stream(x, f(self.norm(x)))
         if self.is_attention:  # x + MHA_QKV(x)
-            return x + f(x).to(x.dtype)
+            return add_to_stream(x, f(x))
         h = self.norm(x)  # Norm(Y) + FFN(Norm(Y))
-        return h + f(h).to(h.dtype)
+        return add_to_stream(h, f(h))
 
 
 class HybridNormStar(HybridNorm):
@@ -294,6 +408,8 @@ class MixLN(Residual):
     with rho = 0 exactly ``pre_ln`` (same parameter names, same functions).
     """
 
+    activation_constants = (7, 2)  # its Pre-LN blocks; Post-LN blocks need less
+
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__(cfg, index)
         self.post = (index // 2) < mix_ln_post_blocks(cfg)
@@ -309,8 +425,8 @@ class MixLN(Residual):
 
     def forward(self, x, f):
         if self.post:
-            return self.norm(x + f(x).to(x.dtype))
-        return x + f(self.norm(x)).to(x.dtype)
+            return scaled_sum_norm(self.norm, x, f(x))
+        return add_to_stream(x, f(self.norm(x)))
 
 
 # The one list of residual schemes: config validation, the CLI defaults, gradflow, the

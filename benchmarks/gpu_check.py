@@ -1,0 +1,308 @@
+"""One-command GPU check (issue 13): numerics, speed, memory and a short real training run.
+
+Run through ``benchmarks/gpu_check.sh OUT.md`` (or ``python benchmarks/gpu_check.py --out
+OUT.md``); it prints one markdown table and writes it to ``OUT.md``. Sections (rows):
+
+1. ``bf16``: a forward pass of every scheme in ``keel.model.SCHEMES`` at the paper's shape
+   (width 1024, 64 sub-layers, seq 2048) in fp32 (TF32 off) and under bf16 autocast; max
+   relative logit error = max |logits_bf16 - logits_fp32| / max |logits_fp32|.
+2. ``speed``: tokens/s, MFU and peak memory of one full training step (forward, chunked
+   cross-entropy, backward, clipping, fused AdamW; bf16 autocast, fp32 weights) of ``pre_ln``
+   and ``keel`` at width 1024 with 64 and 512 sub-layers, eager and with ``train.compile``
+   (``keel.train.parallelize.apply_compile``: each block ``torch.compile``d). MFU as in
+   ``benchmarks/mfu.py`` (PaLM Appendix B model FLOPs / datasheet bf16 peak). Activation
+   checkpointing only where the predicted memory would not fit (column ``ckpt``).
+3. ``memory``: peak ``torch.cuda.max_memory_allocated`` of ``pre_ln`` and ``keel`` at 1024
+   sub-layers (width 1024, 6.5B parameters) with every block checkpointed, against
+   ``keel.train.parallelize.memory_estimate``.
+4. ``levers``: fused QKV, fused gate/up and the chunked loss against their unfused forms
+   (``benchmarks/levers.py``, bf16 autocast, width 1024, 4096 tokens, vocab 32768): the
+   fused projections lost or tied on CPU and are not in the model; this row says whether
+   they would win on the GPU.
+5. ``train``: ``keel prepare`` (offline: the built-in Python-stdlib corpus) and ``keel train
+   --config paper-64`` for 20 steps (``train.grad_accum`` lowered to fit the time budget);
+   the loss of every step is printed from the run's ``metrics.jsonl``.
+
+Budget: under 8 minutes on one H100/H200. ``--dry-run`` runs every code path on the CPU at
+tiny shapes (``torch.compile`` with the ``aot_eager`` backend, no C++ compiler needed);
+``tests/test_gpu_check.py`` runs it, so that the first GPU run does not fail on a typo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import levers  # (benchmarks/levers.py: fused QKV / gate-up / chunked-loss micro-benchmarks)
+import mfu  # (benchmarks/mfu.py: FLOPs per token, GPU peaks, step function)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Sizes of one check run (the GPU plan or the tiny CPU dry-run plan)."""
+
+    width: int
+    heads: int
+    kv_heads: int
+    d_ff: int
+    vocab: int
+    seq: int
+    batch: int
+    forward_sublayers: int
+    speed_sublayers: tuple[int, ...]
+    memory_sublayers: int
+    warmup: int
+    steps: int
+    train_steps: int
+    train_sets: tuple[str, ...]
+    prepare_args: tuple[str, ...]
+    compile_kwargs: tuple[tuple[str, str], ...] = ()
+
+
+GPU = Plan(width=1024, heads=16, kv_heads=8, d_ff=3072, vocab=32768, seq=2048, batch=2, forward_sublayers=64,
+           speed_sublayers=(64, 512), memory_sublayers=1024, warmup=2, steps=3, train_steps=20,
+           train_sets=("train.grad_accum=4", "train.eval_tokens=65536"),
+           prepare_args=("--tokenizer", "bpe:8192", "--max-bytes", "20000000"))
+DRY = Plan(width=64, heads=2, kv_heads=1, d_ff=192, vocab=256, seq=32, batch=2, forward_sublayers=4,
+           speed_sublayers=(4, 8), memory_sublayers=16, warmup=1, steps=1, train_steps=2,
+           train_sets=("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
+                       "model.d_ff=64", "model.max_seq_len=64", "model.vocab_size=512", "train.batch_size=2",
+                       "train.seq_len=32", "train.grad_accum=1", "train.eval_tokens=256", "train.sample_tokens=4"),
+           prepare_args=("--tokenizer", "bpe:512", "--max-bytes", "200000"),
+           compile_kwargs=(("backend", "aot_eager"),))
+
+
+def model_config(plan: Plan, scheme: str, sublayers: int):
+    from keel.config import ModelConfig
+
+    return ModelConfig(vocab_size=plan.vocab, d_model=plan.width, n_layers=sublayers // 2, n_heads=plan.heads,
+                       n_kv_heads=plan.kv_heads, d_ff=plan.d_ff, max_seq_len=plan.seq, residual=scheme)
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def check_bf16(plan: Plan, device: torch.device) -> list[dict]:
+    """Section 1: max relative logit error of a bf16-autocast forward vs fp32, every scheme."""
+    from keel.model import SCHEMES, Transformer
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # a true fp32 reference
+    ids = torch.randint(0, plan.vocab, (1, plan.seq), generator=torch.Generator().manual_seed(0)).to(device)
+    rows = []
+    for scheme in sorted(SCHEMES):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Transformer(model_config(plan, scheme, plan.forward_sublayers)).eval()
+        with torch.no_grad():
+            ref = model(ids)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                out = model(ids)
+        err = ((out - ref).abs().max() / ref.abs().max()).item()
+        rows.append({"section": "bf16", "scheme": scheme, "sublayers": plan.forward_sublayers,
+                     "max_rel_logit_err": err, "logit_rms": ref.pow(2).mean().sqrt().item()})
+        del model, ref, out
+        free(device)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    return rows
+
+
+def fits(plan: Plan, cfg, checkpointing: str, device: torch.device, share: float) -> tuple[bool, float]:
+    """Whether the predicted training memory (+ bf16 weight copies) fits in ``share`` of the
+    device's memory (always True on CPU), and the prediction in GiB."""
+    from keel.model import Transformer
+    from memory_model import memory_estimate
+
+    with torch.device("meta"):
+        n = Transformer(cfg).num_params()
+    est = memory_estimate(n, cfg.n_layers, plan.batch, plan.seq, cfg.d_model, cfg.d_ff, cfg.n_heads,
+                              cfg.n_kv_heads, cfg.vocab_size, cfg.residual, checkpointing, fused_adamw=True)
+    need = est["peak"] + 2 * n
+    if device.type != "cuda":
+        return True, need / 2**30
+    return need <= share * torch.cuda.get_device_properties(device).total_memory, need / 2**30
+
+
+def time_steps(plan: Plan, cfg, device: torch.device, checkpointing: str, compiled: bool) -> dict:
+    """Build, warm up and time ``plan.steps`` training steps; tokens/s, loss, peak memory."""
+    model, opt = mfu.build(cfg, device, checkpointing, 2, compiled, 1e-4, dict(plan.compile_kwargs))
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, plan.vocab, (plan.batch, plan.seq + 1), generator=g).to(device)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    step = mfu.make_step(model, opt, batch, amp, device, True)
+    t0 = time.perf_counter()
+    for _ in range(plan.warmup):
+        step()
+    warm_s = time.perf_counter() - t0
+    free(device)
+    t0 = time.perf_counter()
+    for _ in range(plan.steps):
+        loss = step()
+    step_s = (time.perf_counter() - t0) / plan.steps
+    out = {"step_s": step_s, "tokens_per_s": plan.batch * plan.seq / step_s, "loss": loss.item(),
+           "warmup_s": warm_s, "peak_gib": peak_gib(device)}
+    del model, opt, step
+    free(device)
+    return out
+
+
+def check_speed(plan: Plan, device: torch.device, peak_flops: float) -> list[dict]:
+    """Section 2: tokens/s and MFU of pre_ln and keel, eager and compiled."""
+    rows = []
+    for sublayers in plan.speed_sublayers:
+        for scheme in ("pre_ln", "keel"):
+            cfg = model_config(plan, scheme, sublayers)
+            ok, _ = fits(plan, cfg, "none", device, 0.85)
+            ckpt = "none" if ok else "block"
+            for compiled in (False, True):
+                r = time_steps(plan, cfg, device, ckpt, compiled)
+                fpt = mfu.flops_per_token(cfg, plan.seq)
+                rows.append({"section": "speed", "scheme": scheme, "sublayers": sublayers, "compile": compiled,
+                             "ckpt": ckpt, "mfu": fpt * r["tokens_per_s"] / peak_flops, **r})
+    return rows
+
+
+def check_memory(plan: Plan, device: torch.device) -> list[dict]:
+    """Section 3: peak memory at ``plan.memory_sublayers`` sub-layers, every block checkpointed."""
+    rows = []
+    for scheme in ("pre_ln", "keel"):
+        cfg = model_config(plan, scheme, plan.memory_sublayers)
+        ok, predicted = fits(plan, cfg, "block", device, 0.95)
+        row = {"section": "memory", "scheme": scheme, "sublayers": plan.memory_sublayers, "ckpt": "block",
+               "predicted_gib": predicted}
+        if not ok:
+            row["skipped"] = f"predicted {predicted:.1f} GiB does not fit"
+        else:
+            row.update(time_steps(plan, cfg, device, "block", False))
+        rows.append(row)
+    return rows
+
+
+def check_levers(plan: Plan, device: torch.device) -> list[dict]:
+    """Section 4: fused vs separate projections and chunked vs unfused loss at the plan's width."""
+    tokens = plan.batch * plan.seq
+    rows = []
+    for lever, fns in levers.cases(plan.width, tokens, plan.vocab, device).items():
+        m = levers.time_levers(fns, 5, device)
+        rows.append({"section": "levers", "scheme": lever, "separate_ms": m["separate"], "fused_ms": m["fused"]})
+    free(device)
+    return rows
+
+
+def check_train(plan: Plan, work: Path) -> list[dict]:
+    """Section 5: ``keel prepare`` + ``keel train --config paper-64`` for ``plan.train_steps`` steps."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               PYTHONUNBUFFERED="1")
+    keel = [sys.executable, "-m", "keel"]
+    data, run = work / "data", work / "run"
+    t0 = time.perf_counter()
+    subprocess.run([*keel, "prepare", "--source", "builtin:python-stdlib", "--out", str(data), *plan.prepare_args],
+                   check=True, env=env, cwd=REPO)
+    prep_s = time.perf_counter() - t0
+    sets = [f"data.path={data}", f"train.steps={plan.train_steps}", "train.log_every=1", "train.progress=false",
+            *plan.train_sets]
+    t0 = time.perf_counter()
+    subprocess.run([*keel, "train", "--config", "paper-64", "--run-dir", str(run),
+                    *[a for s in sets for a in ("--set", s)]], check=True, env=env, cwd=REPO)
+    train_s = time.perf_counter() - t0
+    metrics = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    losses = [(m["step"], m["loss"]) for m in metrics if "loss" in m and m.get("step", 0) > 0]
+    return [{"section": "train", "scheme": "keel (paper-64)", "steps": len(losses), "prepare_s": prep_s,
+             "train_s": train_s, "losses": losses, "sets": sets}]
+
+
+def _fmt(v, spec: str = ".3g") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(rows: list[dict], header: str) -> str:
+    """All rows as one markdown table (section-specific numbers in the ``result`` column)."""
+    lines = [header, "", "| section | scheme | sub-layers | compile | ckpt | result |", "|:---|:---|---:|:---|:---|:---|"]
+    for r in rows:
+        if r["section"] == "bf16":
+            res = f"max rel. logit err {r['max_rel_logit_err']:.2e} (logit RMS {r['logit_rms']:.3g})"
+        elif r["section"] == "train":
+            res = (f"{r['steps']} steps, loss " + ", ".join(f"{s}: {v:.4f}" for s, v in r["losses"])
+                   + f" (prepare {r['prepare_s']:.0f} s, train {r['train_s']:.0f} s)")
+        elif r["section"] == "levers":
+            res = (f"separate {r['separate_ms']:.2f} ms, fused {r['fused_ms']:.2f} ms "
+                   f"(fused / separate {r['fused_ms'] / r['separate_ms']:.3f})")
+        elif "skipped" in r:
+            res = r["skipped"]
+        else:
+            res = (f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_s'] * 1e3:.0f} ms, peak {_fmt(r['peak_gib'], '.1f')} GiB"
+                   + (f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "")
+                   + (f" (predicted <= {r['predicted_gib']:.3g} GiB)" if "predicted_gib" in r else "")
+                   + f", warm-up {r['warmup_s']:.0f} s, loss {r['loss']:.3f}")
+        compiled = {True: "yes", False: "no"}.get(r.get("compile"), "-")
+        lines.append(f"| {r['section']} | {r['scheme']} | {r.get('sublayers', '-')} | {compiled} | "
+                     f"{r.get('ckpt', '-')} | {res} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="One-command GPU check (benchmarks/gpu_check.sh).")
+    p.add_argument("--out", required=True, help="markdown file the table is written to")
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: exercise every code path")
+    p.add_argument("--sections", default="bf16,speed,memory,levers,train", help="comma-separated subset")
+    p.add_argument("--device", default=None, help="default: cuda (cpu with --dry-run)")
+    a = p.parse_args(argv)
+    plan = DRY if a.dry_run else GPU
+    device = torch.device(a.device or ("cpu" if a.dry_run else "cuda"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device (use --dry-run for the CPU code-path check)")
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = mfu.gpu_peak_flops(name)
+        peak_src = "bf16 datasheet" if peak else "unknown device: H100 SXM bf16 datasheet assumed"
+        peak = peak or 989e12
+    else:
+        name, peak, peak_src = "cpu (dry run)", mfu.measure_cpu_peak(256, 1), "fp32 256x256 matmul, measured"
+    t_start = time.perf_counter()
+    rows: list[dict] = []
+    sections = set(a.sections.split(","))
+    with tempfile.TemporaryDirectory(prefix="keel-gpu-check-") as work:
+        for sec, fn in (("bf16", lambda: check_bf16(plan, device)), ("speed", lambda: check_speed(plan, device, peak)),
+                        ("memory", lambda: check_memory(plan, device)), ("levers", lambda: check_levers(plan, device)),
+                        ("train", lambda: check_train(plan, Path(work)))):
+            if sec in sections:
+                t0 = time.perf_counter()
+                rows += fn()
+                print(f"gpu_check: {sec} done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    header = (f"GPU check: {name}, peak {peak / 1e12:.4g} TFLOP/s ({peak_src}), torch {torch.__version__}, "
+              f"{'DRY RUN (tiny shapes, CPU)' if a.dry_run else 'full'}; width {plan.width}, seq {plan.seq}, "
+              f"batch {plan.batch}; total {time.perf_counter() - t_start:.0f} s; "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+    text = table(rows, header)
+    out = Path(a.out)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, out)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
