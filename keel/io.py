@@ -1,4 +1,5 @@
-"""Atomic file output: write beside the target, then ``os.replace`` into place.
+"""Atomic output: write beside the target, then ``os.replace`` into place -- files
+(:func:`atomic_path`, :func:`atomic_write_text`) and folders (:func:`atomic_dir`).
 
 A reader (or a crash) never sees a half-written file: either the old content or the new.
 Files get the usual permissions (0666 minus the umask), not ``mkstemp``'s 0600.
@@ -49,15 +50,34 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically."""
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(data)
-
-
 def make_temp_dir(parent: str | os.PathLike, name: str) -> Path:
     """A fresh folder ``parent/.name.XXXX.tmp`` with normal permissions (0777 minus umask),
     to be filled and then renamed into place with ``os.replace``."""
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{name}.", suffix=".tmp"))
     os.chmod(tmp, 0o777 & ~_umask())
     return tmp
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary folder beside ``path`` (:func:`make_temp_dir`); when the block
+    succeeds it is renamed to ``path``. An existing ``path`` is removed first when
+    ``replace``, else it must be an empty folder. On an exception the temporary folder is
+    removed and ``path`` is left as it was.
+
+    Raises:
+        OSError: ``path`` exists, is not empty and ``replace`` is False.
+    """
+    import shutil
+
+    path = Path(path)
+    tmp = make_temp_dir(path.parent, path.name)
+    try:
+        yield tmp
+        if path.exists() and replace:
+            shutil.rmtree(path)
+        elif path.exists():
+            path.rmdir()  # only an empty folder may be replaced
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

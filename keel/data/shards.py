@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from keel.errors import KeelError
+from keel.io import atomic_path
 
 MAGIC = b"KEELTOK\0"
 VERSION = 1
@@ -44,7 +45,7 @@ class ShardWriter:
     """Write a shard incrementally; the file appears at ``path`` only on a clean :meth:`close`.
 
     Tokens go to a temporary file beside ``path``; ``close()`` fills in the token count and
-    renames it into place with :func:`os.replace`. Used as a context manager, an exception
+    renames it into place (:func:`keel.io.atomic_path`). Used as a context manager, an exception
     inside the ``with`` block removes the temporary file and leaves ``path`` untouched.
     Every chunk is range-checked against ``vocab_size`` (ids are never silently wrapped).
     """
@@ -54,7 +55,8 @@ class ShardWriter:
         self.vocab_size = int(vocab_size)
         self.dtype = dtype_for_vocab(self.vocab_size)
         self.n_tokens = 0
-        self._tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self._target = atomic_path(self.path)
+        self._tmp = self._target.__enter__()
         self._file = open(self._tmp, "wb")
         self._file.write(HEADER.pack(MAGIC, VERSION, self.dtype.itemsize, 0))
 
@@ -82,13 +84,13 @@ class ShardWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        os.replace(self._tmp, self.path)
+        self._target.__exit__(None, None, None)  # renames the temporary file into place
         return self.path
 
     def abort(self) -> None:
         """Discard everything written so far."""
         self._file.close()
-        self._tmp.unlink(missing_ok=True)
+        self._target.__exit__(KeelError, KeelError("aborted"), None)  # removes the temporary file
 
     def __enter__(self) -> ShardWriter:
         return self

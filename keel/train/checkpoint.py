@@ -38,7 +38,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from keel.errors import KeelError
-from keel.io import atomic_write_text, chmod_default, make_temp_dir
+from keel.io import atomic_dir, atomic_write_text, chmod_default
 
 
 COMPILE_PREFIX = "_orig_mod."
@@ -126,15 +126,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module | dic
     ckpt_root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}"
     final = ckpt_root / name
-    tmp = make_temp_dir(ckpt_root, name)
-    try:
+    with atomic_dir(final, replace=True) as tmp:
         _write_files(tmp, weights, state, step)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     atomic_write_text(ckpt_root / "latest", name + "\n")
     old = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
     for p in old[:-keep] if keep > 0 else []:

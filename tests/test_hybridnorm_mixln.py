@@ -227,8 +227,3 @@ def test_hybridnorm_star_model_first_block(monkeypatch):
     b0, b1 = model.blocks[0], model.blocks[1]
     assert b0.attn_res.pre_norm and b0.ffn_res.pre_norm and b0.attn_res.norm is not None
     assert not b1.attn_res.pre_norm and b1.attn_res.norm is None and b1.ffn_res.norm is not None
-
-
-@pytest.mark.parametrize("scheme,expected", [("hybridnorm", True), ("mix_ln", True)])
-def test_final_norm(scheme, expected):
-    assert (Transformer(small_cfg(residual=scheme)).norm is not None) == expected
