@@ -70,9 +70,10 @@ class KeelConfig(PretrainedConfig):
         return cls(**dataclasses.asdict(cfg), **kwargs)
 
     def to_model_config(self) -> ModelConfig:
-        """A validated :class:`keel.config.ModelConfig` with this config's fields.
+        """A :class:`keel.config.ModelConfig` with this config's fields, its shape validated
+        (the scheme is checked when the model is built, by ``check_model_config``).
 
         Raises:
-            KeelError: an impossible shape or unknown residual scheme.
+            KeelError: an impossible shape.
         """
         return ModelConfig(**{name: getattr(self, name) for name in MODEL_FIELDS}).validate()
