@@ -13,7 +13,6 @@ run (:func:`dump_config`). Unknown sections or keys, and values of the wrong typ
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -40,19 +40,18 @@ Usage::
                   [--batch-size 4] [--seq-len 64] [--seed 0] [--json] [--plot FILE]
     keel gradflow --run runs/a --run runs/b [--json] [--plot FILE]
 
-Heavy modules (torch, matplotlib) are imported inside the functions, so that registering
-the command keeps ``keel --help`` fast.
+The command itself is in :mod:`keel.cli.science`; :func:`profile_runs` and
+:func:`profile_schemes` are what it calls. Heavy modules (torch, matplotlib) are imported
+inside the functions.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from keel.errors import KeelError
 
@@ -243,7 +242,7 @@ def profile_model(model, batch, jacobian_iters: int = 32, full_jacobian: bool = 
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    plain = _unwrap(model)
+    plain = _plain(model)
     plain.zero_grad(set_to_none=True)
     with _Recorder(plain) as rec:
         loss = plain(batch[:, :-1], batch[:, 1:])
@@ -288,36 +287,7 @@ def profile_model(model, batch, jacobian_iters: int = 32, full_jacobian: bool = 
     return out
 
 
-# ---- the command ------------------------------------------------------------------------
-
-def _parse_schemes(text: str) -> list[str]:
-    from keel.model import SCHEMES
-
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if not names:
-        raise KeelError("--residual needs at least one scheme")
-    for n in names:
-        if n not in SCHEMES:
-            raise KeelError(f"unknown residual scheme {n!r} in --residual (choose from {', '.join(SCHEMES)})")
-    return names
-
-
-def _parse_layers(text: str) -> list[int]:
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    if not items:
-        raise KeelError("--layers needs at least one depth (sub-layers, e.g. 16,64)")
-    out = []
-    for s in items:
-        try:
-            n = int(s)
-        except ValueError:
-            raise KeelError(f"--layers: {s!r} is not an integer number of sub-layers") from None
-        if n < 2 or n % 2:
-            raise KeelError(f"--layers: {n} is not an even number >= 2 of sub-layers "
-                            f"(each block is an attention and an FFN sub-layer)")
-        out.append(n)
-    return out
-
+# ---- profiles of runs and of fresh models -----------------------------------------------
 
 def _init_config(base, scheme: str, sublayers: int, d_model: int, seq_len: int, vocab: int):
     """The model config for the init-mode profile: the base config's model section with the
@@ -409,111 +379,63 @@ def plot_profiles(results: list[dict], out: str | Path) -> None:
     save_figure(fig, out)
 
 
-def cmd_gradflow(args: argparse.Namespace) -> int:
+def profile_runs(run_paths: Sequence[str | Path], seq_len: int, batch_size: int, jacobian_iters: int = 32,
+                 full_jacobian: bool = False, seed: int = 0, on_result: Callable[[dict], None] | None = None
+                 ) -> list[dict]:
+    """:func:`profile_model` of the latest checkpoint of each run, on ``batch_size`` windows
+    of ``min(seq_len, max_seq_len)`` tokens of the run's validation split.
+
+    Each result adds ``residual``, ``sublayers``, ``blocks``, ``d_model``, ``run``, ``label``
+    and ``seconds`` (wall time). ``on_result`` is called with each result as it is ready.
+    Raises KeelError for a path that is not a run with a checkpoint.
+    """
+    from keel.run import Run
+
+    results = []
+    for path in run_paths:
+        t0 = time.perf_counter()
+        run = Run(path)
+        model, cfg = run.load_model(device="cpu"), run.config
+        batch = _val_batch(run.data_dir(), min(seq_len, cfg.model.max_seq_len), batch_size)
+        model.train()
+        r = {"residual": cfg.model.residual, "sublayers": cfg.model.n_sublayers, "blocks": cfg.model.n_layers,
+             "d_model": cfg.model.d_model, "run": str(run.path), "label": f"{cfg.model.residual} d{cfg.model.d_model}"}
+        r.update(profile_model(model, batch, jacobian_iters, full_jacobian, seed))
+        results.append(_finished(r, t0, on_result))
+    return results
+
+
+def profile_schemes(base, schemes: Sequence[str], depths: Sequence[int], d_model: int, seq_len: int,
+                    batch_size: int, jacobian_iters: int = 32, full_jacobian: bool = False, seed: int = 0,
+                    on_result: Callable[[dict], None] | None = None) -> list[dict]:
+    """:func:`profile_model` of freshly initialised models: every scheme at every depth
+    (sub-layers), width ``d_model`` (:func:`_init_config`), on ``batch_size`` validation
+    windows of ``seq_len`` tokens of the dataset ``base`` (a :class:`keel.config.Config`)
+    names. The init is seeded with ``seed`` for every model. Results as in
+    :func:`profile_runs`, plus ``init_std``."""
     import torch
 
-    from keel.config import load_config, resolve_config_path
-    from keel.model import SCHEMES
-    from keel.data import read_meta
-    from keel.data import resolve_data
+    from keel.data import read_meta, resolve_data
+    from keel.model import Transformer
 
-    if args.batch_size < 1 or args.seq_len < 2:
-        raise KeelError("--batch-size must be >= 1 and --seq-len >= 2")
-    if args.d_model < 2:
-        raise KeelError("--d-model must be >= 2")
-    if args.threads < 0:
-        raise KeelError("--threads must be >= 0 (0 = torch's default)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.jacobian_iters < 1:
-        raise KeelError("--jacobian-iters must be >= 1")
-    if args.plot and not Path(args.plot).parent.is_dir():
-        raise KeelError(f"--plot: folder {Path(args.plot).parent} does not exist")
+    data_dir = resolve_data(base, progress=False)
+    vocab = read_meta(data_dir)["vocab_size"]
+    batch = _val_batch(data_dir, seq_len, batch_size)
     results = []
-    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
-
-    def finish(r: dict, t0: float) -> None:
-        r["seconds"] = time.perf_counter() - t0
-        results.append(r)
-        if not args.json:
-            print(_summary_line(r), flush=True)
-
-    if args.run and (args.residual is not None or args.layers is not None):
-        raise KeelError("--run takes the model from the run; drop --residual and --layers")
-    if not args.run:
-        schemes = _parse_schemes(args.residual if args.residual is not None else ",".join(SCHEMES))
-        depths = _parse_layers(args.layers if args.layers is not None else DEFAULT_LAYERS)
-    if not args.json:
-        print(SUMMARY_HEADER)
-    if args.run:
-        from keel.run import Run
-
-        for run_path in args.run:
-            run = Run(run_path)
-            run_dir = run.path
+    for L in depths:
+        for scheme in schemes:
             t0 = time.perf_counter()
-            model = run.load_model(device="cpu")
-            cfg = run.config
-            data_dir = run.data_dir()
-            seq_len = min(args.seq_len, cfg.model.max_seq_len)
-            batch = _val_batch(data_dir, seq_len, args.batch_size)
-            model.train()
-            r = {"residual": cfg.model.residual, "sublayers": cfg.model.n_sublayers, "blocks": cfg.model.n_layers,
-                 "d_model": cfg.model.d_model, "run": str(run_dir),
-                 "label": f"{cfg.model.residual} d{cfg.model.d_model}"}
-            r.update(profile_model(model, batch, args.jacobian_iters, args.full_jacobian, args.seed))
-            finish(r, t0)
-    else:
-        base = load_config(resolve_config_path(args.config), args.set)
-        data_dir = resolve_data(base, progress=False)
-        vocab = read_meta(data_dir)["vocab_size"]
-        batch = _val_batch(data_dir, args.seq_len, args.batch_size)
-        from keel.model import Transformer
-
-        for L in depths:
-            for scheme in schemes:
-                t0 = time.perf_counter()
-                mcfg = _init_config(base, scheme, L, args.d_model, args.seq_len, vocab)
-                torch.manual_seed(args.seed)
-                model = Transformer(mcfg)
-                r = {"residual": scheme, "sublayers": L, "blocks": L // 2, "d_model": args.d_model,
-                     "init_std": mcfg.init_std, "label": scheme}
-                r.update(profile_model(model, batch, args.jacobian_iters, args.full_jacobian, args.seed))
-                del model
-                finish(r, t0)
-    if args.json:
-        print(json.dumps({"results": results}))
-    if args.plot:
-        plot_profiles(results, args.plot)
-        log(f"plot: {args.plot}")
-    return 0
+            mcfg = _init_config(base, scheme, L, d_model, seq_len, vocab)
+            torch.manual_seed(seed)
+            r = {"residual": scheme, "sublayers": L, "blocks": L // 2, "d_model": d_model,
+                 "init_std": mcfg.init_std, "label": scheme}
+            r.update(profile_model(Transformer(mcfg), batch, jacobian_iters, full_jacobian, seed))
+            results.append(_finished(r, t0, on_result))
+    return results
 
 
-def register(subparsers) -> None:
-    """Add ``keel gradflow`` to the CLI (see the module docstring)."""
-    p = subparsers.add_parser(
-        "gradflow", help="per-sub-layer gradient norms and the residual-path Jacobian product J*",
-        description="Gradient-flow profile on one batch of validation tokens, at initialisation "
-                    "(--residual, --layers) or from trained runs (--run).")
-    p.add_argument("--residual", default=None,
-                   help="comma-separated schemes (default: every scheme in keel.model.SCHEMES)")
-    p.add_argument("--layers", default=None,
-                   help=f"comma-separated depths in SUB-layers, each even; blocks = L/2 (default: {DEFAULT_LAYERS})")
-    p.add_argument("--run", action="append", default=[], metavar="DIR",
-                   help="profile the latest checkpoint of a trained run instead (repeatable)")
-    p.add_argument("--json", action="store_true", help='print {"results": [...]} as JSON on stdout')
-    p.add_argument("--plot", default=None, metavar="FILE", help="write a PNG of the profiles")
-    p.add_argument("--d-model", type=int, default=64, help="width at init (head_dim 32, d_ff = 3 x width)")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences in the batch")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--seed", type=int, default=0, help="seed of the initialisation and of the Lanczos start vectors")
-    p.add_argument("--config", default=None, help="config file or preset for data and init (default: demo)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config key, e.g. model.init_std=0.125 or data.path=DIR (repeatable)")
-    p.add_argument("--jacobian-iters", type=int, default=32,
-                   help="Lanczos steps (Krylov dimension) per sub-layer for J*, at most")
-    p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads for torch (0 = torch's default; 1 is fastest for small models on a busy machine)")
-    p.add_argument("--full-jacobian", action="store_true",
-                   help="also estimate each sub-layer's full Jacobian spectral norm (slower)")
-    p.set_defaults(func=cmd_gradflow)
+def _finished(r: dict, t0: float, on_result) -> dict:
+    r["seconds"] = time.perf_counter() - t0
+    if on_result is not None:
+        on_result(r)
+    return r

@@ -42,7 +42,6 @@ Outputs (``--out``, default ``RUN/ablate``): ``ablate.json``, ``ablate.md`` and
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -50,7 +49,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from keel.errors import KeelError
-from keel.train.evaluate import mean_nll
 
 
 # ----------------------------------------------------------------------------- removal
@@ -145,6 +143,8 @@ def ablate_model(model, windows, batch_size: int = 16, log=None) -> dict:
     windows = windows.to(device)
     model.eval()
 
+    from keel.train.evaluate import mean_nll
+
     def nll_with(i):
         with removed_sublayer(model, i):
             return mean_nll(model, windows, batch_size, device)
@@ -182,6 +182,8 @@ def ablate_hf_model(model, windows, batch_size: int = 8, log=None) -> dict:
     finally:
         hook.remove()
     returns_tuple = seen.get("tuple", False)
+
+    from keel.train.evaluate import mean_nll
 
     def nll_with(i):
         with removed_hf_layer(model, i, returns_tuple):
@@ -245,95 +247,69 @@ def write_outputs(res: dict, out_dir: str | Path, title: str) -> None:
 
 
 # ----------------------------------------------------------------------------- command
+
+
+# ----------------------------------------------------------------------------- sources
 def _text_windows(ids, seq_len: int, max_tokens: int):
-    """Whole windows of ``ids`` (:func:`keel.data.split_windows`); KeelError if none."""
+    """Whole windows of ``ids`` (:func:`keel.data.split_windows`) stacked [N, seq_len + 1];
+    KeelError if there is none."""
+    import torch
+
     from keel.data import split_windows
 
     rows = split_windows(ids, seq_len, max_tokens)
     if not rows:
         raise KeelError(f"text too short: {len(ids)} tokens, need at least {seq_len + 1}")
-    return rows
+    return torch.stack(rows)
 
 
-def run_validation(run_dir: Path):
-    """(config, prepared data folder) of a keel run directory."""
+def ablate_run(run_dir: str | Path, seq_len: int | None = None, tokens: int = 16384, batch_size: int = 16,
+               device: str = "auto", log=None) -> dict:
+    """:func:`ablate_model` of a keel run's latest checkpoint on the first ``tokens`` tokens of
+    its validation split, in windows of ``seq_len`` (default: the run's ``train.seq_len``).
+    Raises KeelError: not a run, no checkpoint, too little validation data."""
+    from keel.data import validation_tokens
     from keel.run import Run
 
     run = Run(run_dir)
-    return run.config, run.data_dir()
+    model = run.load_model(device=device)
+    windows = validation_tokens(run.data_dir(), seq_len or run.config.train.seq_len, tokens)
+    return ablate_model(model, windows, batch_size=batch_size, log=log)
 
 
-def cmd_ablate(args: argparse.Namespace) -> int:
+def hf_text(text_file: str | None, run_dir: str | None, tokens: int) -> str:
+    """The text to ablate a Hugging Face model on: ``text_file``, else the start of a keel
+    run's validation split decoded to text (about ``4 * tokens`` of its tokens).
+    Raises KeelError if neither is given or readable."""
+    if text_file:
+        if not Path(text_file).is_file():
+            raise KeelError(f"--text file not found: {text_file}")
+        return Path(text_file).read_text(encoding="utf-8", errors="replace")
+    if run_dir is None:
+        raise KeelError("--hf needs --text FILE or --run DIR (its validation split) for the text")
+    from keel.data import load_tokenizer
+    from keel.data.shards import read_shard
+    from keel.run import Run
+
+    data_dir = Run(run_dir).data_dir()
+    val = read_shard(Path(data_dir) / "val.bin")
+    n = min(len(val), 4 * tokens + 1024)  # enough text for the HF tokenizer
+    return load_tokenizer(data_dir).decode(val[:n].tolist())
+
+
+def ablate_hf_folder(path: str | Path, text: str, seq_len: int | None = None, tokens: int = 16384,
+                     batch_size: int = 8, log=None) -> dict:
+    """:func:`ablate_hf_model` of a local Hugging Face causal-LM folder on ``text`` (fp32),
+    windows of ``seq_len`` tokens (default: min(512, max_position_embeddings)).
+    Raises KeelError: not a folder, or text shorter than one window."""
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from keel.data import validation_tokens
-
-    if args.tokens is not None and args.tokens < 1:
-        raise KeelError(f"--tokens must be >= 1, got {args.tokens}")
-    run = Path(args.run) if args.run else None
-    log = (lambda m: print(m, file=__import__("sys").stderr)) if args.verbose else None
-    if args.hf:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        hf = Path(args.hf)
-        if not hf.is_dir():
-            raise KeelError(f"--hf expects a local model folder (save_pretrained), got {hf}")
-        tok = AutoTokenizer.from_pretrained(hf)
-        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
-        if args.text:
-            if not Path(args.text).is_file():
-                raise KeelError(f"--text file not found: {args.text}")
-            text = Path(args.text).read_text()
-        elif run is not None:
-            from keel.data import load_tokenizer
-            from keel.data.shards import read_shard
-
-            cfg, data_dir = run_validation(run)
-            val = read_shard(Path(data_dir) / "val.bin")
-            n = min(len(val), 4 * (args.tokens or 16384) + 1024)  # enough text for the HF tokenizer
-            text = load_tokenizer(data_dir).decode(val[:n].tolist())
-        else:
-            raise KeelError("--hf needs --text FILE or --run DIR (its validation split) for the text")
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        seq = args.seq_len or min(512, getattr(model.config, "max_position_embeddings", 512))
-        windows = torch.stack(_text_windows(ids, seq, args.tokens or 16384))
-        res = ablate_hf_model(model, windows, batch_size=args.batch_size, log=log)
-        title, default_out = str(hf), hf / "ablate"
-    else:
-        if run is None:
-            raise KeelError("give --run DIR (a keel run) or --hf MODEL_PATH")
-        from keel.run import Run
-
-        cfg, data_dir = run_validation(run)
-        model = Run(run).load_model(device=args.device)
-        seq = args.seq_len or cfg.train.seq_len
-        windows = validation_tokens(data_dir, seq, args.tokens or 16384)
-        res = ablate_model(model, windows, batch_size=args.batch_size, log=log)
-        title, default_out = str(run), run / "ablate"
-    res["source"] = title
-    out = Path(args.out) if args.out else default_out
-    write_outputs(res, out, title)
-    if args.json:
-        print(json.dumps(res, indent=1))
-    else:
-        print(ablate_markdown(res, title))
-        print(f"ablate: {out}/ablate.json, ablate.md, ablate.png")
-    return 0
-
-
-def register(subparsers) -> None:
-    """Add ``keel ablate`` to the CLI."""
-    p = subparsers.add_parser("ablate", help="layer importance: ΔPPL when each sub-layer is removed",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", default=None, help="a keel run directory (model and validation split)")
-    p.add_argument("--hf", default=None, metavar="MODEL_PATH",
-                   help="a local Hugging Face causal LM folder instead (one decoder layer = one unit)")
-    p.add_argument("--text", default=None, help="with --hf: a text file to measure on (else --run's validation split)")
-    p.add_argument("--tokens", type=int, default=None, help="validation tokens to use (default 16384)")
-    p.add_argument("--seq-len", type=int, default=None, help="window length (default: the run's train.seq_len; HF 512)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--out", default=None, help="output folder (default: RUN/ablate or MODEL_PATH/ablate)")
-    p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
-    p.add_argument("--verbose", action="store_true", help="log each unit's PPL on stderr")
-    p.set_defaults(func=cmd_ablate)
+    path = Path(path)
+    if not path.is_dir():
+        raise KeelError(f"--hf expects a local model folder (save_pretrained), got {path}")
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    seq = seq_len or min(512, getattr(model.config, "max_position_embeddings", 512))
+    return ablate_hf_model(model, _text_windows(ids, seq, tokens), batch_size=batch_size, log=log)

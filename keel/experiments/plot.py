@@ -17,7 +17,6 @@ Figures are written atomically (:func:`keel.train.plots.save_figure`).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -216,33 +215,3 @@ def _last_val(run_dir: Path) -> float | None:
     return vals[-1] if vals else None
 
 
-def cmd_plot(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    if not out.parent.is_dir():
-        raise KeelError(f"folder of --out does not exist: {out.parent}")
-    if args.kind == "loss":
-        n = plot_loss_curves(args.paths, out, val=args.val, x=args.x, smooth=args.smooth, title=args.title)
-        print(f"{out}: {n} curves")
-    else:
-        if len(args.paths) != 1:
-            raise KeelError(f"keel plot {args.kind} takes one sweep folder, got {len(args.paths)}")
-        if args.kind == "depth":
-            n = len(plot_depth(args.paths[0], out, title=args.title))
-        else:
-            n = plot_lr(args.paths[0], out, title=args.title)
-        print(f"{out}: {n} lines")
-    return 0
-
-
-def register(subparsers) -> None:
-    """Add ``keel plot`` to the CLI."""
-    p = subparsers.add_parser("plot", help="plot loss curves, loss vs depth, loss vs LR (PNG)",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("kind", choices=("loss", "depth", "lr"))
-    p.add_argument("paths", nargs="+", help="run folders / sweep folders (depth, lr: one sweep folder)")
-    p.add_argument("--out", required=True, help="PNG file to write")
-    p.add_argument("--val", action="store_true", help="loss: validation loss instead of training loss")
-    p.add_argument("--x", default="tokens", choices=("tokens", "steps"), help="loss: x axis")
-    p.add_argument("--smooth", type=int, default=0, help="loss: trailing mean of the training loss over K steps")
-    p.add_argument("--title", default="")
-    p.set_defaults(func=cmd_plot)

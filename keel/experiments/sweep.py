@@ -46,7 +46,6 @@ Presets: ``--preset NAME`` reads the packaged ``keel/configs/sweeps/NAME.toml`` 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
@@ -507,43 +506,3 @@ def run_sweep(config: str | None, grid: dict[str, list], sets: Sequence[str] = (
     return summary
 
 
-def cmd_sweep(args: argparse.Namespace) -> int:
-    preset = load_preset(args.preset) if args.preset else {}
-    grid = {k: list(v) for k, v in preset.get("grid", {}).items()}
-    grid.update(parse_grid(args.grid))
-    if not grid:
-        raise KeelError("nothing to sweep: give --grid section.key=v1,v2 (or a --preset with a [grid])")
-    sets = [_override(k, v) for k, v in preset.get("set", {}).items()] + list(args.set)
-    config = args.config or preset.get("base")
-    best = args.best_over or preset.get("best_over")
-    match = args.match_params if args.match_params is not None else preset.get("match_params")
-    if args.resume and not args.out:
-        raise KeelError("--resume needs --out (the sweep folder to continue)")
-    out = Path(args.out) if args.out else Path("runs") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
-    s = run_sweep(config, grid, sets, out=out, workers=args.workers, threads=args.threads or None,
-                  resume=args.resume, best=best, match_params=match)
-    print(sweep_markdown(s))
-    print(f"sweep: {out}/sweep.md, {out}/sweep.json")
-    return 1 if any(r.get("status") != "done" for r in s["runs"]) else 0
-
-
-def register(subparsers) -> None:
-    """Add ``keel sweep`` to the CLI."""
-    p = subparsers.add_parser("sweep", help="run a grid of training runs (equal-compute tables, best LR)",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=None, help="base config file or preset name (default: demo, or the preset's base)")
-    p.add_argument("--preset", default=None, help="sweep preset: a name in keel/configs/sweeps/ or a TOML file")
-    p.add_argument("--grid", action="append", default=[], metavar="SECTION.KEY=V1,V2,...",
-                   help="a grid axis (repeatable; the sweep is the cartesian product)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config key in every run (repeatable)")
-    p.add_argument("--workers", type=int, default=1, help="worker processes (0 = in this process)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
-    p.add_argument("--out", default=None, help="sweep folder (default: runs/sweep-<time>)")
-    p.add_argument("--resume", action="store_true", help="continue --out: skip finished runs, resume interrupted ones")
-    p.add_argument("--best-over", default=None, metavar="KEY",
-                   help="report, per combination of the other grid keys, the value of KEY (e.g. train.lr) "
-                        "with the lowest final validation loss among runs that did not diverge")
-    p.add_argument("--match-params", default=None, metavar="N|auto",
-                   help="hold non-embedding parameters at N (auto: the base config's) by choosing d_model per point")
-    p.set_defaults(func=cmd_sweep)

@@ -276,17 +276,3 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def cmd_export_hf(args) -> int:
-    out = export_hf(args.run, args.out)
-    print(f"exported {args.run} -> {out}")
-    print("load it with AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True) (or `import keel.hf` "
-          "first, without trust_remote_code; a pre_ln export is a plain Llama model)")
-    return 0
-
-
-def cmd_import_hf(args) -> int:
-    out = import_hf(args.hf, args.out)
-    print(f"imported {args.hf} -> run {out} (continue training with `keel train --resume {out}`)")
-    return 0

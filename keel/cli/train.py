@@ -1,13 +1,8 @@
-"""The ``keel`` command line: ``keel prepare``, ``keel train``, ``keel generate``.
-
-A user mistake (bad path, bad config value, too little data) prints one line
-``keel: error: ...`` on stderr and exits with status 2; no traceback.
-"""
+"""``keel prepare``, ``keel train`` and ``keel generate``."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import sys
 import time
@@ -17,18 +12,41 @@ from keel.config import DEFAULT_PRESET, resolve_config_path
 from keel.errors import KeelError
 
 
-# Commands that live beside their feature: "module:function", where function(subparsers)
-# adds one sub-command and sets ``func``. Such modules must import torch lazily (inside the
-# command), so that ``keel --help`` stays fast.
-PLUGGED_COMMANDS: list[str] = [
-    "keel.diagnostics.gradflow:register",
-    "keel.experiments.stress:register",
-    "keel.eval.cli:register_hf",
-    "keel.eval.cli:register",
-    "keel.experiments.sweep:register",
-    "keel.experiments.plot:register",
-    "keel.experiments.ablate:register",
-]
+def register(sub) -> None:
+    """Add ``prepare``, ``train`` and ``generate`` to the ``keel`` sub-parsers."""
+    pp = sub.add_parser("prepare", help="tokenize a corpus into binary shards (cached)")
+    pp.add_argument("--source", default="builtin:python-stdlib",
+                    help="builtin:python-stdlib | a file or folder | hf:NAME[:CONFIG]")
+    pp.add_argument("--tokenizer", default="bpe:8192", help="bpe:N | path/to/tokenizer.json | HF tokenizer name")
+    pp.add_argument("--out", default=None, help="output folder (default: derived from the inputs under --cache-dir)")
+    pp.add_argument("--cache-dir", default="data")
+    pp.add_argument("--val-fraction", type=float, default=0.01, help="fraction of documents for validation")
+    pp.add_argument("--max-bytes", type=int, default=None, help="read at most this many bytes of text")
+    pp.add_argument("--text-field", default="text", help="field holding the text in .jsonl/.json/.parquet")
+    pp.set_defaults(func=cmd_prepare)
+
+    pt = sub.add_parser("train", help="train a language model")
+    pt.add_argument("--config", default=None,
+                    help=f"TOML file or preset name (see `keel config`; default: {DEFAULT_PRESET})")
+    pt.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a config key (repeatable)")
+    pt.add_argument("--run-dir", default=None, help="where the run goes (default: runs/<time>-<scheme>-<L>sl)")
+    pt.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR from its latest checkpoint")
+    pt.add_argument("--nproc", type=int, default=None, metavar="N",
+                    help="train with N processes on this machine (launches torchrun; "
+                         "train.parallelism picks ddp or fsdp; train.batch_size is the global batch)")
+    pt.set_defaults(func=cmd_train)
+
+    pg = sub.add_parser("generate", help="sample text from a trained run")
+    pg.add_argument("--run", required=True, help="run directory")
+    pg.add_argument("--prompt", default="", help="text to continue")
+    pg.add_argument("--max-new-tokens", type=int, default=100)
+    pg.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    pg.add_argument("--top-k", type=int, default=50, help="0 = no top-k filtering")
+    pg.add_argument("--num-samples", type=int, default=1)
+    pg.add_argument("--seed", type=int, default=0)
+    pg.add_argument("--device", default="auto")
+    pg.set_defaults(func=cmd_generate)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -135,76 +153,3 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if i + 1 < args.num_samples:
             print("-" * 40)
     return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="keel", description="Keel and its baselines: prepare data, train, sample.")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    pp = sub.add_parser("prepare", help="tokenize a corpus into binary shards (cached)")
-    pp.add_argument("--source", default="builtin:python-stdlib",
-                    help="builtin:python-stdlib | a file or folder | hf:NAME[:CONFIG]")
-    pp.add_argument("--tokenizer", default="bpe:8192", help="bpe:N | path/to/tokenizer.json | HF tokenizer name")
-    pp.add_argument("--out", default=None, help="output folder (default: derived from the inputs under --cache-dir)")
-    pp.add_argument("--cache-dir", default="data")
-    pp.add_argument("--val-fraction", type=float, default=0.01, help="fraction of documents for validation")
-    pp.add_argument("--max-bytes", type=int, default=None, help="read at most this many bytes of text")
-    pp.add_argument("--text-field", default="text", help="field holding the text in .jsonl/.json/.parquet")
-    pp.set_defaults(func=cmd_prepare)
-
-    pt = sub.add_parser("train", help="train a language model")
-    pt.add_argument("--config", default=None, help=f"TOML file or preset name (see `keel config`; default: {DEFAULT_PRESET})")
-    pt.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="override a config key (repeatable)")
-    pt.add_argument("--run-dir", default=None, help="where the run goes (default: runs/<time>-<scheme>-<L>sl)")
-    pt.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR from its latest checkpoint")
-    pt.add_argument("--nproc", type=int, default=None, metavar="N",
-                    help="train with N processes on this machine (launches torchrun; "
-                         "train.parallelism picks ddp or fsdp; train.batch_size is the global batch)")
-    pt.set_defaults(func=cmd_train)
-
-    pg = sub.add_parser("generate", help="sample text from a trained run")
-    pg.add_argument("--run", required=True, help="run directory")
-    pg.add_argument("--prompt", default="", help="text to continue")
-    pg.add_argument("--max-new-tokens", type=int, default=100)
-    pg.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    pg.add_argument("--top-k", type=int, default=50, help="0 = no top-k filtering")
-    pg.add_argument("--num-samples", type=int, default=1)
-    pg.add_argument("--seed", type=int, default=0)
-    pg.add_argument("--device", default="auto")
-    pg.set_defaults(func=cmd_generate)
-
-    import importlib
-
-    for spec in PLUGGED_COMMANDS:
-        module, func = spec.split(":")
-        getattr(importlib.import_module(module), func)(sub)
-    return p
-
-
-def setup_logging(level: int = logging.INFO) -> None:
-    """Send the ``keel`` loggers' records to stderr as plain lines (once per process)."""
-    logger = logging.getLogger("keel")
-    logger.setLevel(level)
-    if not any(getattr(h, "_keel_cli", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        handler._keel_cli = True
-        logger.addHandler(handler)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging()
-    try:
-        return args.func(args)
-    except KeelError as e:
-        print(f"keel: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("keel: interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

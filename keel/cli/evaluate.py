@@ -1,8 +1,7 @@
-"""The ``keel eval``, ``keel export-hf`` and ``keel import-hf`` commands.
+"""``keel eval``, ``keel export-hf`` and ``keel import-hf``.
 
-They live here, not in :mod:`keel.hf`, because importing ``keel.hf`` registers the model
-with transformers (a heavy import); this module imports nothing heavy, so ``keel --help``
-stays fast. ``register`` adds ``eval``; ``register_hf`` adds ``export-hf`` and ``import-hf``.
+Importing :mod:`keel.hf` registers the model with transformers (a heavy import), so it
+happens inside the handlers only.
 
 Usage::
 
@@ -23,38 +22,49 @@ from pathlib import Path
 from keel.errors import KeelError
 
 
-def register_hf(subparsers) -> None:
+def _register_hf(subparsers) -> None:
     """Add ``export-hf`` and ``import-hf`` to the ``keel`` sub-parsers."""
     pe = subparsers.add_parser("export-hf", help="write a run as a Hugging Face model folder",
                                description="Write the latest checkpoint of a run as config.json + model.safetensors "
-                                           "+ tokenizer files. Load it with `import keel.hf` then "
-                                           "AutoModelForCausalLM.from_pretrained(OUT).")
+                                           "+ tokenizer files + modeling code generated from keel's source. Load it "
+                                           "anywhere with AutoModelForCausalLM.from_pretrained(OUT, "
+                                           "trust_remote_code=True), or with keel's code after `import keel.hf`. "
+                                           "A pre_ln run is exported as a stock LlamaForCausalLM (no custom code).")
     pe.add_argument("--run", required=True, help="run directory")
     pe.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
     pe.set_defaults(func=_cmd_export_hf)
 
-    pi = subparsers.add_parser("import-hf", help="make a run directory from a keel Hugging Face folder",
-                               description="Inverse of export-hf: a run directory that `keel generate --run` and "
-                                           "`keel eval --run` accept (not resumable: no optimiser state).")
-    pi.add_argument("--hf", required=True, help="Hugging Face folder written by `keel export-hf`")
+    pi = subparsers.add_parser("import-hf", help="make a run directory from a keel or Llama Hugging Face folder",
+                               description="Inverse of export-hf, and the way in for a stock LlamaForCausalLM "
+                                           "(becomes a pre_ln run; RoPE scaling, biases and other features keel "
+                                           "lacks are refused by name): a run directory that `keel generate`, "
+                                           "`keel eval` and `keel train --resume` accept (its checkpoint is step 0 "
+                                           "with a fresh optimiser).")
+    pi.add_argument("--hf", required=True, help="Hugging Face folder: from `keel export-hf`, or a stock Llama")
     pi.add_argument("--out", required=True, help="run directory to create (must not exist or be empty)")
     pi.set_defaults(func=_cmd_import_hf)
 
 
 def _cmd_export_hf(args: argparse.Namespace) -> int:
-    from keel.hf.convert import cmd_export_hf
+    from keel.hf.convert import export_hf
 
-    return cmd_export_hf(args)
+    out = export_hf(args.run, args.out)
+    print(f"exported {args.run} -> {out}")
+    print("load it with AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True), or after `import keel.hf` "
+          "without trust_remote_code (a pre_ln export is a plain Llama model)")
+    return 0
 
 
 def _cmd_import_hf(args: argparse.Namespace) -> int:
-    from keel.hf.convert import cmd_import_hf
+    from keel.hf.convert import import_hf
 
-    return cmd_import_hf(args)
+    out = import_hf(args.hf, args.out)
+    print(f"imported {args.hf} -> run {out} (continue training with `keel train --resume {out}`)")
+    return 0
 
 
 def register(subparsers) -> None:
-    """Add ``eval`` to the ``keel`` sub-parsers."""
+    """Add ``eval``, ``export-hf`` and ``import-hf`` to the ``keel`` sub-parsers."""
     p = subparsers.add_parser(
         "eval", help="perplexity, bits per byte and lm-evaluation-harness tasks",
         description="Report loss, perplexity and bits per byte on held-out text (the run's validation split, "
@@ -77,6 +87,7 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--device", default="auto")
     p.set_defaults(func=cmd_eval)
+    _register_hf(subparsers)
 
 
 def _load(args):

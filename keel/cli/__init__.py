@@ -1,0 +1,65 @@
+"""The ``keel`` command line. Every command's argparse code and handler lives in this package;
+handlers are thin: they check flags, call library functions with plain arguments and print.
+
+Modules, one per group of commands (each has ``register(subparsers)``):
+
+* :mod:`keel.cli.train` -- ``prepare``, ``train``, ``generate``;
+* :mod:`keel.cli.evaluate` -- ``eval``, ``export-hf``, ``import-hf``;
+* :mod:`keel.cli.science` -- ``gradflow``, ``stress``, ``sweep``, ``plot``, ``ablate``.
+
+A user mistake (bad path, bad config value, too little data) prints one line
+``keel: error: ...`` on stderr and exits with status 2; no traceback. Library code reports
+progress through the standard ``logging`` module (loggers under ``keel``); :func:`main`
+sends those records to stderr as plain lines. Heavy modules (torch, transformers) are
+imported inside the handlers, so that ``keel --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from keel.cli import evaluate, science, train
+from keel.errors import KeelError
+
+COMMAND_GROUPS = (train, evaluate, science)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``keel`` parser with every sub-command."""
+    p = argparse.ArgumentParser(prog="keel", description="Keel and its baselines: prepare data, train, sample, "
+                                                         "diagnose, compare.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for group in COMMAND_GROUPS:
+        group.register(sub)
+    return p
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Send the ``keel`` loggers' records to stderr as plain lines (once per process)."""
+    logger = logging.getLogger("keel")
+    logger.setLevel(level)
+    if not any(getattr(h, "_keel_cli", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler._keel_cli = True
+        logger.addHandler(handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``keel ARGS``; returns the exit status (2 for a user error, 130 on Ctrl-C)."""
+    args = build_parser().parse_args(argv)
+    setup_logging()
+    try:
+        return args.func(args)
+    except KeelError as e:
+        print(f"keel: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("keel: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The structure of the package: layers, import cycles, function size, lint, packaged presets.
+
+The layer map below is the architecture (docs/architecture.md): a module may import modules
+of its own layer or of a lower one, never of a higher one -- imports inside functions
+included. A lower layer that needs something from a higher one takes it as an argument or
+a callback (the trainer takes ``keel.train.Callback`` objects).
+"""
+
+import ast
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+PKG = REPO / "keel"
+
+# Bottom to top. The first prefix that matches a module's name gives its layer.
+LAYERS: list[tuple[str, ...]] = [
+    ("keel.errors", "keel.io", "keel.config", "keel.configs"),                 # 0: foundations
+    ("keel.model", "keel.data"),                                                # 1: the model, the data
+    ("keel.train", "keel.run"),                                                 # 2: training, a run on disk
+    ("keel.diagnostics", "keel.eval", "keel.hf"),                               # 3: built on trained models
+    ("keel.experiments",),                                                      # 4: many runs
+    ("keel.cli", "keel.__main__"),                                              # 5: the command line
+]
+MAX_FUNCTION_LINES = 80  # one screen
+
+
+def layer_of(module: str) -> int:
+    for i, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def imports_of(module: str, path: Path) -> set[str]:
+    """keel modules that ``module`` imports anywhere in its source (lazy imports included).
+    ``from pkg import sub`` counts as importing ``pkg.sub`` when that is a module."""
+    out = set()
+    is_pkg = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                anchor = module.split(".") if is_pkg else module.split(".")[:-1]
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                out.add(full if full in MODULES else base)
+    return {m for m in out if m == "keel" or m.startswith("keel.")} - {module, "keel"}
+
+
+GRAPH = {m: imports_of(m, p) for m, p in MODULES.items()}
+
+
+def test_every_module_has_a_layer():
+    for m in MODULES:
+        if m != "keel":
+            layer_of(m)
+
+
+def test_imports_only_go_down():
+    bad = [f"{m} (layer {layer_of(m)}) imports {t} (layer {layer_of(t)})"
+           for m, targets in GRAPH.items() if m != "keel" for t in targets if layer_of(t) > layer_of(m)]
+    assert not bad, "imports that go up a layer:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_cycles():
+    # a package's __init__ re-exporting its submodules is not a cycle with them
+    def edges(m):
+        return {t for t in GRAPH[m] if not (m.startswith(t + ".") and MODULES[t].name == "__init__.py")}
+
+    colour, cycles = {}, []
+
+    def visit(m, stack):
+        colour[m] = "grey"
+        for t in edges(m):
+            if colour.get(t) == "grey":
+                cycles.append(stack[stack.index(t):] + [t])
+            elif t not in colour:
+                visit(t, stack + [t])
+        colour[m] = "black"
+
+    for m in MODULES:
+        if m not in colour:
+            visit(m, [m])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_layer_test_catches_an_upward_import(tmp_path):
+    """The checker itself: an import of keel.cli from keel.train is reported."""
+    f = tmp_path / "x.py"
+    f.write_text("def f():\n    from keel.cli import main\n")
+    targets = imports_of("keel.train.x", f)
+    assert targets == {"keel.cli"} and layer_of("keel.cli") > layer_of("keel.train.x")
+
+
+def test_no_function_longer_than_a_screen():
+    long = []
+    for m, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {n} lines")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_ruff_complexity_and_lint_rules_pass():
+    """ruff with the rules in pyproject.toml ([tool.ruff]): pyflakes, pycodestyle errors,
+    McCabe complexity and pylint's too-many-branches / too-many-statements."""
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "keel"], cwd=REPO,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_scheme_names_live_in_one_place():
+    """The registry ``SCHEMES`` is the only list of scheme names in the package."""
+    from keel.model import SCHEMES
+
+    names = sorted(SCHEMES)
+    offenders = []
+    for m, path in MODULES.items():
+        if m == "keel.model.residual":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+                consts = {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+                if len(consts & set(names)) >= 3:
+                    offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.count(",") >= 2:
+                if len(set(node.value.split(",")) & set(names)) >= 3:
+                    offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not offenders, "hard-coded lists of scheme names: " + ", ".join(offenders)
+
+
+@pytest.mark.parametrize("kind", ["", "sweeps"])
+def test_presets_are_listed_and_resolve(kind):
+    from keel.config import load_config, preset_names, resolve_config_path
+
+    names = preset_names(kind)
+    files = sorted(p.stem for p in (PKG / "configs" / kind).glob("*.toml"))
+    assert names == files and names
+    if not kind:
+        assert {"demo", "paper-64", "paper-1024"} <= set(names)
+        for n in names:
+            load_config(resolve_config_path(n))
+
+
+def test_wheel_ships_every_preset_and_works_without_the_source_tree(tmp_path):
+    """A non-editable install (a built wheel) has the presets: ``--config demo`` resolves
+    from any working directory."""
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                        "-w", str(tmp_path / "dist"), str(REPO)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    wheel = next((tmp_path / "dist").glob("keel-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for p in (PKG / "configs").rglob("*.toml"):
+        assert f"keel/{p.relative_to(PKG).as_posix()}" in names
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True)
+    code = ("import keel.config as c; p = c.resolve_config_path('demo'); print(p);"
+            "print(c.load_config(p).model.residual); print(c.preset_names('sweeps'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    path, residual, sweeps = out.stdout.splitlines()
+    assert path.startswith(str(target)) and residual == "keel" and "cpu-depth" in sweeps
