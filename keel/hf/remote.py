@@ -29,7 +29,6 @@ from __future__ import annotations
 import ast
 import inspect
 from pathlib import Path
-from types import ModuleType
 
 from keel.errors import KeelError
 
@@ -73,6 +72,105 @@ def _strip(source: str, origin: str) -> tuple[list[str], str]:
     return future, body + ("\n\n" + "\n".join(aliases) if aliases else "")
 
 
+def _check_no_keel(text: str, what: str) -> None:
+    """Raise KeelError if ``text`` imports keel anywhere (top level or inside a function)."""
+    for node in ast.walk(ast.parse(text)):
+        if _is_keel_import(node):
+            raise KeelError(f"generated {what} still imports keel at line {node.lineno} "
+                            f"({ast.unparse(node)}): move that import out of the model code")
+
+
+# Modules with I/O dependencies (tomli_w, ...) that the exported code must not require: only the
+# names the model code uses are copied from them (with the imports and helpers those need).
+SELECTIVE = ("keel.config",)
+
+
+def _defining_module(module: str, name: str) -> str:
+    """The module that defines ``name`` imported from ``module`` (packages re-export names)."""
+    import importlib
+
+    obj = getattr(importlib.import_module(module), name)
+    return getattr(obj, "__module__", module) if isinstance(obj, type) or callable(obj) else module
+
+
+def _keel_deps(source: str) -> list[tuple[str, str]]:
+    """``[(defining module, name)]`` of every top-level ``from keel... import name`` in ``source``."""
+    deps = []
+    for node in ast.parse(source).body:
+        if _is_keel_import(node) and isinstance(node, ast.ImportFrom):
+            deps += [(_defining_module(node.module, a.name), a.name) for a in node.names]
+    return deps
+
+
+def _bound_names(node: ast.stmt) -> set[str]:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return {(a.asname or a.name).split(".")[0] for a in node.names}
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return set()
+
+
+def _select(source: str, names: set[str]) -> str:
+    """The top-level statements of ``source`` that ``names`` need, transitively (definitions,
+    constants and imports, in file order); never a keel import or an ``if``/``try`` block."""
+    body = [n for n in ast.parse(source).body if not _is_keel_import(n)]
+    need, keep = set(names), set()
+    while True:
+        new = {i for i, n in enumerate(body) if i not in keep and _bound_names(n) & need}
+        if not new:
+            break
+        keep |= new
+        for i in new:
+            need |= {x.id for x in ast.walk(body[i]) if isinstance(x, ast.Name)}
+            need |= {x.value.id for x in ast.walk(body[i]) if isinstance(x, ast.Attribute)
+                     and isinstance(x.value, ast.Name)}
+    lines = source.splitlines()
+
+    def segment(node: ast.stmt) -> str:  # with its decorators
+        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        return "\n".join(lines[start - 1:node.end_lineno])
+
+    return "\n\n\n".join(segment(body[i]) for i in sorted(keep)
+                          if not isinstance(body[i], ast.ImportFrom) or body[i].module != "__future__")
+
+
+def _collect(root: str, done: dict[str, set[str] | None]) -> None:
+    """Add ``root`` and the keel modules it imports from (first) to ``done``, in dependency
+    order: ``{module: None}`` = the whole module, ``{module: names}`` for :data:`SELECTIVE`
+    (whose own keel imports are collected whole)."""
+    import importlib
+
+    source = inspect.getsource(importlib.import_module(root))
+    for module, name in _keel_deps(source):
+        if module in SELECTIVE:
+            if module not in done:
+                for dep, _ in _keel_deps(inspect.getsource(importlib.import_module(module))):
+                    if dep not in done and dep not in SELECTIVE:
+                        _collect(dep, done)
+            done.setdefault(module, set()).add(name)
+        elif module not in done:
+            _collect(module, done)
+    done.setdefault(root, None)
+
+
+def _parts(done: dict[str, set[str] | None], modules: list[str]) -> list[tuple[str, str]]:
+    """``[(origin, source)]`` of ``modules`` (whole, or the selected names of a SELECTIVE one)."""
+    import importlib
+
+    parts = []
+    for module in modules:
+        source, names = inspect.getsource(importlib.import_module(module)), done[module]
+        if names is None:
+            parts.append((module, source))
+        else:
+            parts.append((f"{module} ({', '.join(sorted(names))})",
+                          "from __future__ import annotations\n\n" + _select(source, names)))
+    return parts
+
+
 def _join(parts: list[tuple[str, str]], header: str, extra_imports: str = "") -> str:
     """One Python file from ``[(origin, source)]``: a header, the hoisted ``__future__``
     imports, ``extra_imports``, then each stripped source under a ``# --- from origin`` line."""
@@ -90,42 +188,30 @@ def _join(parts: list[tuple[str, str]], header: str, extra_imports: str = "") ->
     return text
 
 
-def _check_no_keel(text: str, what: str) -> None:
-    """Raise KeelError if ``text`` imports keel anywhere (top level or inside a function)."""
-    for node in ast.walk(ast.parse(text)):
-        if _is_keel_import(node):
-            raise KeelError(f"generated {what} still imports keel at line {node.lineno} "
-                            f"({ast.unparse(node)}): move that import out of the model code")
-
-
-def _source(obj) -> tuple[str, str]:
-    """(``keel/...`` path, source) of a module or class."""
-    module = obj if isinstance(obj, ModuleType) else inspect.getmodule(obj)
-    origin = module.__name__.replace(".", "/") + ".py"
-    return (origin if isinstance(obj, ModuleType) else f"{origin}:{obj.__name__}"), inspect.getsource(obj)
-
-
 def generate_remote_code() -> dict[str, str]:
     """``{file name: Python source}`` of the two files an exported folder carries (see the
-    module docstring). Raises KeelError if the result would still import keel."""
-    import keel
-    import keel.errors
-    import keel.hf.configuration
-    import keel.hf.modeling
-    import keel.model.model
-    import keel.model.residual
-    from keel.config import ModelConfig
+    module docstring): the configuration file holds ``keel.hf.configuration`` and what it
+    needs (plus the names the model code takes from :data:`SELECTIVE` modules); the modeling
+    file holds ``keel.hf.modeling`` and the rest of its keel dependencies.
+    Raises KeelError if the result would still import keel."""
+    import importlib
 
-    header = ("Generated by keel {v} from its own source{extra}; do not edit.\n\n"
+    import keel
+
+    done: dict[str, set[str] | None] = {}
+    _collect("keel.hf.configuration", done)
+    config_mods = list(done)
+    _collect("keel.hf.modeling", done)
+    config_mods += [m for m in done if m in SELECTIVE and m not in config_mods]
+    config_mods = [m for m in done if m in config_mods]  # dependency order
+    model_mods = [m for m in done if m not in config_mods]
+    imported = sorted({n for m in model_mods for dep, n in _keel_deps(inspect.getsource(importlib.import_module(m)))
+                       if dep in config_mods})
+    header = ("Generated by keel {v} from its own source ({mods}); do not edit.\n\n"
               "Load with transformers only: AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).\n")
-    config_code = _join([_source(keel.errors), _source(ModelConfig), _source(keel.hf.configuration)],
-                        header.format(v=keel.__version__, extra=" (keel.errors, keel.config.ModelConfig, "
-                                      "keel.hf.configuration)"),
-                        extra_imports="from dataclasses import dataclass")
-    modeling_code = _join([_source(keel.model.residual), _source(keel.model.model), _source(keel.hf.modeling)],
-                          header.format(v=keel.__version__, extra=" (keel.model.residual, keel.model.model, "
-                                        "keel.hf.modeling)"),
-                          extra_imports=f"from .{CONFIG_FILE[:-3]} import KeelConfig, KeelError, ModelConfig")
+    config_code = _join(_parts(done, config_mods), header.format(v=keel.__version__, mods=", ".join(config_mods)))
+    modeling_code = _join(_parts(done, model_mods), header.format(v=keel.__version__, mods=", ".join(model_mods)),
+                          extra_imports=f"from .{CONFIG_FILE[:-3]} import {', '.join(imported)}")
     return {CONFIG_FILE: config_code, MODELING_FILE: modeling_code}
 
 
