@@ -150,6 +150,11 @@ class TrainConfig:
     eval_tasks: str = ""
     eval_tasks_every: int = 0
     eval_tasks_limit: int = 100
+    # Experiment tracking (keel.train.loggers): where every metrics record goes, besides
+    # metrics.jsonl: "tensorboard" (RUN/tensorboard), "wandb" (RUN/wandb, train.wandb_mode).
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    wandb_mode: str = "offline"  # W&B: "offline" (sync later) | "online" | "disabled"
+    wandb_project: str = "keel"  # W&B project name
 
 
 @dataclass
@@ -169,11 +174,21 @@ class Config:
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
 
 
+def _coerce_names(where: str, value: Any) -> list[str]:
+    """A list of names (``train.loggers``) from a TOML array or a string ``"a,b"``."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+        raise KeelError(f"{where} must be a list of strings, got {value!r}")
+    return [v.strip() for v in items if v.strip()]
+
+
 def _coerce(section: str, key: str, value: Any, current: Any) -> Any:
     """Convert ``value`` to the type of the field's default ``current``."""
     where = f"{section}.{key}"
     if current is None:  # optional numbers (model.alpha)
         current = 0.0
+    if isinstance(current, list):
+        return _coerce_names(where, value)
     if isinstance(current, bool):
         if isinstance(value, bool):
             return value

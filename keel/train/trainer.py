@@ -49,10 +49,12 @@ from keel.train.callbacks import Callback, StepState
 from keel.train.checkpoint import latest_checkpoint, load_trainer_state, load_weights, save_checkpoint, tied_aliases
 from keel.train.device import autocast_context, resolve_device
 from keel.train.evaluate import mean_nll
-from keel.train.metrics import JsonlSink, truncate_metrics
+from keel.train.loggers import open_sinks
+from keel.train.metrics import truncate_metrics
 from keel.train.optim import build_optimizer, build_scheduler
 from keel.train.parallelize import PARALLELISMS, checkpointed_blocks, gradient_sync, parallelize
 from keel.train.plots import plot_loss
+from keel.train.progress import ProgressReporter, interactive
 from keel.train.sampling import sample_text
 
 log = logging.getLogger(__name__)
@@ -150,7 +152,7 @@ class Trainer:
         elif resume:
             self.say(f"no checkpoint in {self.run_dir} yet: starting it again from step 0")
         self.history = self._prepare_run_dir()
-        self.sink = JsonlSink(self.metrics_path)
+        self.sink = open_sinks(cfg, self.run_dir, self.step if self.ckpt is not None else None) if self.main else None
         self.tokens_per_step = self.tc.batch_size * self.tc.seq_len * self.tc.grad_accum  # global
 
     def say(self, msg: str, level: int = logging.INFO) -> None:
@@ -163,7 +165,7 @@ class Trainer:
         data_dir, error = None, None
         if self.main:
             try:
-                data_dir = str(resolve_data(self.cfg, progress=self.tc.progress))
+                data_dir = str(resolve_data(self.cfg, progress=self.tc.progress and interactive()))
             except KeelError as e:
                 error = str(e)
         data_dir, error = D.broadcast_object((data_dir, error), self.info)
@@ -231,6 +233,7 @@ class Trainer:
         return mean_nll(self.model, self.val_windows, self.local_bs, self.device, self.amp, self.info)
 
     def write(self, record: dict) -> None:
+        """Send ``record`` to every sink of ``train.loggers`` (metrics.jsonl, TensorBoard, W&B; rank 0)."""
         if self.main:
             self.sink.write(record)
 
@@ -314,16 +317,14 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainResult:
         """Train to ``train.steps``; returns the final numbers."""
-        from tqdm.auto import tqdm
-
         self._describe()
         first_val = self._first_eval()
         state = StepState(self.cfg, self.run_dir, self.info, self.model, self.tokenizer, self.plain_model,
                           step=self.step, tokens=self.tokens, history=self.history)
         for cb in self.callbacks:
             cb.on_train_start(state)
-        bar = tqdm(total=self.tc.steps, initial=self.step, disable=not (self.tc.progress and self.main),
-                   unit="step", dynamic_ncols=True)
+        bar = ProgressReporter(self.tc.steps, self.step, self.tokens_per_step, enabled=self.tc.progress and self.main,
+                               every_steps=self.tc.log_every)
         bad_in_row, val_loss = 0, None
         self.train_module.train()
         try:
@@ -339,12 +340,13 @@ class Trainer:
                     val_loss = self.validate()
                     record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
                 self.write(record)
-                bar.update(1)
-                bar.set_postfix(loss=f"{state.loss:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
+                bar.update(record)
                 if self.step % self.tc.checkpoint_every == 0 or self.step == self.tc.steps:
                     self.checkpoint()
         finally:
             bar.close()
+            if self.sink is not None:
+                self.sink.close()
         return self._finish(first_val, val_loss)
 
     def _first_eval(self) -> float | None:
