@@ -7,6 +7,8 @@ import pytest
 from keel.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # the benchmarks/ scripts (e.g. benchmarks.memory_model) are tested too
+    sys.path.insert(0, str(REPO))
 
 
 @pytest.fixture(scope="module")

@@ -102,7 +102,8 @@ def test_cli_nproc_launches_torchrun(runs):
     assert rc == 0, err[-3000:]
     run = runs["root"] / "ddp"
     assert out.count("run: ") == 1 and f"run: {run}" in out  # rank 0 reports alone
-    assert "world size 2 (ddp, 1 sequences per rank per micro-batch)" in out
+    assert "world size 2 (ddp, 1 sequences per rank per micro-batch)" in err  # the log goes to stderr
+    assert err.count("global batch:") == 1  # only rank 0 logs
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == STEPS + 1  # one writer
     assert (run / "sample.txt").read_text().strip()

@@ -42,8 +42,7 @@ def run_dir(tiny_data, tmp_path_factory):
     from keel.train import train
 
     run = tmp_path_factory.mktemp("evalrun") / "run"
-    train(load_config(REPO / "keel" / "configs" / "demo.toml", tiny_overrides(tiny_data, steps=8, eval_every=8)), run,
-          log=lambda *a: None)
+    train(load_config(REPO / "keel" / "configs" / "demo.toml", tiny_overrides(tiny_data, steps=8, eval_every=8)), run)
     return run
 
 
@@ -192,12 +191,13 @@ def test_eval_user_errors(run_dir, tmp_path, capsys):
 
 
 def test_training_runs_example_task_every_two_steps(tiny_config, tmp_path):
+    from keel.experiments.training import train_run
     from keel.train import train
 
     plain = train(tiny_config(steps=4, eval_every=100, checkpoint_every=100), tmp_path / "plain")
     cfg = tiny_config(steps=4, eval_every=100, checkpoint_every=100, eval_tasks=MC_TASK, eval_tasks_every=2,
                       eval_tasks_limit=4)
-    res = train(cfg, tmp_path / "tasks")
+    res = train_run(cfg, tmp_path / "tasks")
     recs = [json.loads(ln) for ln in (tmp_path / "tasks" / "metrics.jsonl").read_text().splitlines()]
     with_tasks = {r["step"]: r["eval_tasks"] for r in recs if "eval_tasks" in r}
     assert sorted(with_tasks) == [2, 4]

@@ -16,7 +16,7 @@ from keel.config import load_config
 from keel.data import TokenLoader, validation_tokens
 from keel.diagnostics.gradflow import jacobian_spectral_norms, profile_model, sublayer_grad_norms
 from keel.model import SCHEMES, RMSNorm
-from keel.train import train
+from keel.experiments.training import train_run
 from keel.train.checkpoint import latest_checkpoint, load_trainer_state, load_weights
 
 ALL = sorted(SCHEMES)
@@ -183,7 +183,7 @@ def gradflow_run(tiny_data, tmp_path_factory):
                        "train.gradflow_every=2"])
     n = torch.get_num_threads()
     torch.set_num_threads(1)
-    train(cfg, run)
+    train_run(cfg, run)
     torch.set_num_threads(n)
     return run, cfg
 

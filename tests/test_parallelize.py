@@ -12,7 +12,9 @@ from keel import KeelError
 from keel.config import ModelConfig, TrainConfig
 from keel.data import TokenLoader
 from keel.model import SCHEMES, Transformer
+from benchmarks import memory_model as MM
 from keel.train import parallelize as par
+from keel.train import state_dict as SD
 from keel.train.checkpoint import load_weights, save_checkpoint
 from keel.train.optim import build_optimizer
 
@@ -96,7 +98,7 @@ def test_activation_checkpointing_frees_block_activations():
     before = saved_bytes()
     par.apply_activation_checkpointing(model, "block")
     after = saved_bytes()
-    per_block = par.activation_bytes_per_block(2, 16, 32, 64, 2, 1, "keel")
+    per_block = MM.activation_bytes_per_block(2, 16, 32, 64, 2, 1, "keel")
     # each of the 4 blocks drops (activations - nothing): its input is saved by the next op anyway
     assert before - after >= 3 * per_block
     assert after < before / 2
@@ -125,8 +127,8 @@ def test_activation_formula_matches_saved_tensors(residual, shape):
     B, T, d, f, H, K = shape
     cfg = ModelConfig(vocab_size=8, d_model=d, n_layers=3, n_heads=H, n_kv_heads=K, d_ff=f, max_seq_len=T,
                       residual=residual)
-    measured = par.measure_activation_bytes_per_block(cfg, B, T)
-    assert par.activation_bytes_per_block(B, T, d, f, H, K, residual) == measured
+    measured = MM.measure_activation_bytes_per_block(cfg, B, T)
+    assert MM.activation_bytes_per_block(B, T, d, f, H, K, residual) == measured
     if residual == "keel":  # the docstring's formula, transcribed
         hd, kv = d // H, K * (d // H)
         assert measured == 4 * (B * T * (12 * d + 4 * f + 2 * kv + H + 4) + T * hd)
@@ -135,8 +137,8 @@ def test_activation_formula_matches_saved_tensors(residual, shape):
 @pytest.mark.parametrize("mode,k", [("none", 2), ("block", 2), ("every_k", 3)])
 def test_memory_estimate_formula(mode, k):
     P, n, B, T, d, f, H, K, V = 1000, 10, 2, 16, 32, 64, 2, 1, 100
-    est = par.memory_estimate(P, n, B, T, d, f, H, K, V, "pre_ln", mode, k)
-    a = par.activation_bytes_per_block(B, T, d, f, H, K, "pre_ln")
+    est = MM.memory_estimate(P, n, B, T, d, f, H, K, V, "pre_ln", mode, k)
+    a = MM.activation_bytes_per_block(B, T, d, f, H, K, "pre_ln")
     n_ckpt = {"none": 0, "block": n, "every_k": len(range(0, n, k))}[mode]
     acts = (n - n_ckpt) * a + n_ckpt * 4 * B * T * d + (a if n_ckpt else 0)
     assert est["params"] == est["grads"] == 4 * P and est["optimizer"] == 8 * P
@@ -146,7 +148,7 @@ def test_memory_estimate_formula(mode, k):
     assert est["forward_peak"] == 12 * P + acts + est["head"]
     assert est["optimizer_peak"] == 20 * P
     assert est["peak"] == max(12 * P + acts + est["head"], 20 * P)
-    fused = par.memory_estimate(P, n, B, T, d, f, H, K, V, "pre_ln", mode, k, fused_adamw=True)
+    fused = MM.memory_estimate(P, n, B, T, d, f, H, K, V, "pre_ln", mode, k, fused_adamw=True)
     assert fused["optimizer_peak"] == 16 * P
 
 
@@ -160,12 +162,12 @@ def test_clip_grad_norm_is_the_total_l2_norm():
         p.grad = torch.randn_like(p)
     before = [p.grad.clone() for p in ps]
     direct = math.sqrt(sum(float((g.double() ** 2).sum()) for g in before))
-    norm = par.clip_grad_norm_(ps, max_norm=0.5)
+    norm = SD.clip_grad_norm_(ps, max_norm=0.5)
     assert norm == pytest.approx(direct, rel=1e-6)
     coef = min(1.0, 0.5 / (direct + 1e-6))
     for p, g in zip(ps, before):
         torch.testing.assert_close(p.grad, g * coef)
-    assert par.clip_grad_norm_(ps, float("inf")) == pytest.approx(0.5, rel=1e-5)
+    assert SD.clip_grad_norm_(ps, float("inf")) == pytest.approx(0.5, rel=1e-5)
 
 
 # --------------------------------------------------------------------------- torch.compile
@@ -312,7 +314,7 @@ def test_deep_narrow_keel_learns_under_bf16_autocast(tiny_data):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(batch[:, :-1], batch[:, 1:])
         loss.backward()
-        par.clip_grad_norm_(model.parameters(), 1.0)
+        SD.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())

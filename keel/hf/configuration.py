@@ -76,4 +76,6 @@ class KeelConfig(PretrainedConfig):
         Raises:
             KeelError: an impossible shape.
         """
-        return ModelConfig(**{name: getattr(self, name) for name in MODEL_FIELDS}).validate()
+        from keel.model.residual import check_model_config
+
+        return check_model_config(ModelConfig(**{name: getattr(self, name) for name in MODEL_FIELDS}))
