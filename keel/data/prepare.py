@@ -125,6 +125,16 @@ def prepare_dataset(
     return out
 
 
+def find_prepared(source: str, tokenizer: str = "bpe:8192", *, val_fraction: float = 0.01,
+                  max_bytes: int | None = None, text_field: str = "text", cache_dir: str | os.PathLike = "data",
+                  ) -> Path | None:
+    """The cached dataset :func:`prepare_dataset` would reuse for these inputs, or None if it
+    is not there (nothing is read or built). Raises KeelError for bad options."""
+    inputs = _canonical_inputs(source, tokenizer, val_fraction, max_bytes, None, text_field, 0)
+    out = Path(cache_dir) / dataset_slug(inputs)
+    return out if _cache_matches(out, inputs) else None
+
+
 def dataset_slug(inputs: dict) -> str:
     """Directory name for canonical ``inputs``: ``{source}-{tokenizer}-{8 hex of a hash of all inputs}``."""
     source, tok = inputs["source"], inputs["tokenizer"]

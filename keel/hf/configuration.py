@@ -76,6 +76,6 @@ class KeelConfig(PretrainedConfig):
         Raises:
             KeelError: an impossible shape.
         """
-        from keel.model.residual import check_model_config
-
-        return check_model_config(ModelConfig(**{name: getattr(self, name) for name in MODEL_FIELDS}))
+        # Not check_model_config (keel.model): this module is copied into exported folders as
+        # configuration_keel.py, which must not need the model code (keel.hf.remote).
+        return ModelConfig(**{name: getattr(self, name) for name in MODEL_FIELDS}).validate()

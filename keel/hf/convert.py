@@ -11,7 +11,8 @@ An exported folder holds::
     OUT/model.safetensors         weights (tied embeddings stored once)
     OUT/tokenizer.json            the run's tokenizer
     OUT/tokenizer_config.json     PreTrainedTokenizerFast, eos_token "<|endoftext|>"
-    OUT/keel_config.toml          the run's resolved config.toml (data and train sections too)
+    OUT/keel_config.toml          the run's resolved config.toml (data and train sections too;
+                                  data.path = the absolute path of its prepared dataset, if found)
 
 Three ways to load it: ``import keel.hf`` then ``AutoModelForCausalLM.from_pretrained(OUT)``
 (keel's installed code); ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)``
@@ -142,12 +143,27 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
         if not llama:
             write_remote_code(tmp)
         hf_tokenizer(run_dir / "tokenizer.json", eos, model.cfg.max_seq_len).save_pretrained(tmp)
-        shutil.copyfile(run_dir / "config.toml", tmp / KEEL_CONFIG_NAME)
+        _write_keel_config(run.config, tmp / KEEL_CONFIG_NAME)
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _write_keel_config(cfg, path: Path) -> None:
+    """The run's config, with ``data.path`` set to the absolute path of its prepared dataset
+    when that exists here (so ``keel eval --hf`` finds it from any folder)."""
+    import copy
+
+    from keel.config import dump_config
+    from keel.data import find_data
+
+    cfg = copy.deepcopy(cfg)
+    data = find_data(cfg)
+    if data is not None:
+        cfg.data.path = str(Path(data).resolve())
+    dump_config(cfg, path)
 
 
 def _set_generation_ids(hf, eos_id: int) -> None:
