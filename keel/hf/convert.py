@@ -25,6 +25,7 @@ folder and renamed into place, so a failed conversion leaves nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -32,8 +33,23 @@ from pathlib import Path
 from keel.data.prepare import EOS_TOKEN
 from keel.errors import KeelError
 from keel.io import make_temp_dir
+from keel.train.progress import interactive
 
 KEEL_CONFIG_NAME = "keel_config.toml"
+
+
+@contextlib.contextmanager
+def hf_progress_bars(enabled: bool):
+    """transformers' own progress bars (writing / loading weights) on or off for the duration;
+    keel turns them off when stderr is not a terminal (:func:`keel.train.progress.interactive`)."""
+    import transformers.utils.logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
 
 
 def _check_output(out: Path) -> None:
@@ -139,7 +155,8 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
         hf, _ = wrap_native(model, tokenizer, eos)
     tmp = _fresh_output(out)
     try:
-        hf.save_pretrained(tmp, safe_serialization=True)
+        with hf_progress_bars(interactive()):
+            hf.save_pretrained(tmp, safe_serialization=True)
         if not llama:
             write_remote_code(tmp)
         hf_tokenizer(run_dir / "tokenizer.json", eos, model.cfg.max_seq_len).save_pretrained(tmp)
@@ -213,7 +230,8 @@ def load_hf(path: str | Path, device: str = "auto"):
         model = KeelForCausalLM.from_native(native, eos_token_id=config.eos_token_id,
                                             pad_token_id=config.pad_token_id)
     else:
-        model = KeelForCausalLM.from_pretrained(path)
+        with hf_progress_bars(interactive()):
+            model = KeelForCausalLM.from_pretrained(path)
     model = model.to(dev).eval()
     try:
         tok = AutoTokenizer.from_pretrained(path)
