@@ -153,6 +153,7 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
         _set_generation_ids(hf, eos_id)
     else:
         hf, _ = wrap_native(model, tokenizer, eos)
+    hf.config.keel_step = _checkpoint_step(run)  # config.json keeps the step (import-hf restores it)
     tmp = _fresh_output(out)
     try:
         with hf_progress_bars(interactive()):
@@ -228,7 +229,8 @@ def load_hf(path: str | Path, device: str = "auto"):
         config = LlamaConfig.from_pretrained(path)
         native = from_llama(config, read_safetensors(path))
         model = KeelForCausalLM.from_native(native, eos_token_id=config.eos_token_id,
-                                            pad_token_id=config.pad_token_id)
+                                            pad_token_id=config.pad_token_id,
+                                            keel_step=int(getattr(config, "keel_step", 0) or 0))
     else:
         with hf_progress_bars(interactive()):
             model = KeelForCausalLM.from_pretrained(path)
@@ -238,6 +240,17 @@ def load_hf(path: str | Path, device: str = "auto"):
     except (ValueError, OSError) as e:
         raise KeelError(f"cannot load the tokenizer of {path}: {e}") from None
     return model, tok, dev
+
+
+def _checkpoint_step(run) -> int:
+    """The step of the run's latest checkpoint (0 if its trainer state does not say)."""
+    from keel.train.checkpoint import load_trainer_state
+
+    ckpt = run.latest_checkpoint()
+    try:
+        return int(load_trainer_state(ckpt).get("step", 0)) if ckpt is not None else 0
+    except KeelError:
+        return 0
 
 
 def _write_tokenizer(hf_dir: Path, hf_tok, dest: Path) -> None:
@@ -253,11 +266,14 @@ def _write_tokenizer(hf_dir: Path, hf_tok, dest: Path) -> None:
         shutil.copyfile(hf_dir / "tokenizer_config.json", dest / "tokenizer_config.json")
 
 
-def fresh_trainer_state(model, cfg) -> dict:
-    """The trainer state of a run about to take its first step, for ``model`` under config
-    ``cfg``: a fresh AdamW (name-keyed, :func:`keel.train.state_dict.full_optimizer_state_dict`)
-    and schedule, data position 0, the RNG state of ``torch.manual_seed(train.seed)``.
-    ``keel train --resume`` continues such a checkpoint like a new run from these weights."""
+def fresh_trainer_state(model, cfg, step: int = 0) -> dict:
+    """A trainer state at optimiser step ``step`` for weights that come without one (an
+    import): a fresh AdamW (no moments; name-keyed,
+    :func:`keel.train.state_dict.full_optimizer_state_dict`), the LR schedule advanced to
+    ``step``, data position 0, the RNG state of ``torch.manual_seed(train.seed)``, 0 tokens.
+    ``keel train --resume`` continues such a checkpoint from ``step`` to ``train.steps``."""
+    import warnings
+
     import torch
 
     from keel.train import state_dict as SD
@@ -265,7 +281,11 @@ def fresh_trainer_state(model, cfg) -> dict:
 
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train)
-    return {"step": 0, "tokens": 0, "elapsed_s": 0.0, "optimizer": SD.full_optimizer_state_dict(model, optimizer),
+    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": intended here
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(step):
+            scheduler.step()
+    return {"step": step, "tokens": 0, "elapsed_s": 0.0, "optimizer": SD.full_optimizer_state_dict(model, optimizer),
             "scheduler": scheduler.state_dict(), "loader": {"epoch": 0, "position": 0},
             "rng": torch.Generator().manual_seed(cfg.train.seed).get_state()}
 
@@ -276,10 +296,11 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
     Writes ``out/config.toml`` (the exported ``keel_config.toml`` if present, with its
     model section replaced by ``config.json``'s fields; else default data/train sections
     whose ``data.tokenizer`` is ``out/tokenizer.json``), ``out/tokenizer.json`` and the
-    weights as checkpoint step 0, with a fresh trainer state (:func:`fresh_trainer_state`):
-    ``keel generate``/``keel eval`` use it, and ``keel train --resume out`` trains it
-    (set ``data.path`` to a dataset prepared with this tokenizer, or train on
-    ``data.source``, which is tokenized with it).
+    weights as a checkpoint of the step the export came from (``keel_step`` in
+    ``config.json``; 0 when absent, e.g. a stock Llama), with a fresh trainer state at that
+    step (:func:`fresh_trainer_state`): ``keel generate``/``keel eval`` use it, and ``keel
+    train --resume out`` trains it on (set ``data.path`` to a dataset prepared with this
+    tokenizer, or train on ``data.source``, which is tokenized with it).
 
     Returns ``out``. Raises KeelError: not a keel/Llama folder, a Llama feature keel lacks
     (named), no tokenizer, or ``out`` exists and is not empty.
@@ -302,9 +323,10 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
     try:
         _write_tokenizer(hf_dir, hf_tok, tmp)
         dump_config(cfg, tmp / "config.toml")
-        state = fresh_trainer_state(model.model, cfg)
+        step = int(getattr(model.config, "keel_step", 0) or 0)
+        state = fresh_trainer_state(model.model, cfg, step)
         state["imported_from"] = str(hf_dir.resolve())
-        save_checkpoint(tmp, 0, model.model, state)
+        save_checkpoint(tmp, step, model.model, state)
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
