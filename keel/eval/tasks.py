@@ -284,8 +284,8 @@ def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float |
     log = log or (lambda _msg: None)
     out: dict[str, dict[str, Any]] = {}
     hub = _HubProbe()
-    with _quiet_lm_eval(logging.INFO if verbose else logging.ERROR), _no_progress_bars(not verbose), \
-            _no_env_probe(), _keep_rng_state():
+    quiet_logs = contextlib.nullcontext() if verbose else _quiet_lm_eval()
+    with quiet_logs, _no_progress_bars(not verbose), _no_env_probe(), _keep_rng_state():
         index = _Tasks(task_dir)
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
                   max_length=int(model.config.max_position_embeddings))
