@@ -454,3 +454,41 @@ def test_import_refuses_tied_untied_mismatch(tiny_data, tmp_path, capsys):
     (folder / "config.json").write_text(json.dumps(config))
     assert main(["import-hf", "--hf", str(folder), "--out", str(tmp_path / "run")]) == 2
     assert "lm_head different from the embedding" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scheme", SCHEME_NAMES)
+def test_generated_code_equals_native_for_every_scheme(scheme, tmp_path):
+    """The generated files (loaded by transformers as remote code) compute keel's function for
+    every residual scheme, tied and untied."""
+    from keel.hf.remote import write_remote_code
+
+    native, hf = native_and_hf(tiny_cfg(scheme, tie=scheme == "keel"))
+    hf.save_pretrained(tmp_path)
+    write_remote_code(tmp_path)
+    # trust_remote_code's own loader: here keel.hf is imported, and transformers prefers classes
+    # registered explicitly (keel's) over a folder's code, so Auto* would not use the files
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    cls = get_class_from_dynamic_module("modeling_keel.KeelForCausalLM", str(tmp_path))
+    assert cls.__module__.startswith("transformers_modules.") and cls is not KeelForCausalLM
+    remote = cls.from_pretrained(tmp_path).eval()
+    assert type(remote.config).__module__.startswith("transformers_modules.")
+    ids = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        torch.testing.assert_close(remote(ids).logits, native(ids), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_llama_weight_map_covers_every_parameter(tie):
+    """The one name table (keel.hf.llama.llama_weight_map) names every pre_ln parameter and
+    every LlamaForCausalLM parameter exactly once (a renamed or fused keel weight fails here)."""
+    from transformers import LlamaForCausalLM
+
+    from keel.hf.llama import llama_config_from_keel, llama_weight_map
+
+    cfg = tiny_cfg("pre_ln", tie)
+    table = llama_weight_map(cfg.n_layers)
+    keel_names = {k for k in Transformer(cfg).state_dict() if not k.startswith("rope_")}
+    assert {k for k, _ in table} == keel_names
+    llama_names = [p for _, parts in table for p in parts]
+    assert sorted(llama_names) == sorted(LlamaForCausalLM(llama_config_from_keel(cfg)).state_dict())
