@@ -135,3 +135,21 @@ def test_training_logs_plain_progress_when_stderr_is_not_a_terminal(tiny_config,
     assert f"loss {loss:.4f}" in lines[0] and "tokens/s" in lines[0] and "ETA" in lines[0]
     assert "\r" not in capsys.readouterr().err  # no progress bar
     assert math.isfinite(loss)
+
+
+def test_wandb_does_not_log_a_step_twice_across_a_resume(tmp_path):
+    """An interruption after step 5 but a checkpoint at step 3: the resumed run redoes steps 4
+    and 5; W&B already has them (it cannot take steps back), so only 6 on is logged."""
+    pytest.importorskip("wandb")
+    from keel.train.loggers import WandbSink
+
+    first = WandbSink(tmp_path, {"train": {"lr": 0.1}}, mode="offline")
+    assert [first.write({"step": s, "loss": 1.0 / (s + 1)}) for s in range(6)] == [True] * 6
+    first.close()
+    again = WandbSink(tmp_path, {"train": {"lr": 0.1}}, mode="offline")
+    assert [again.write({"step": s, "loss": 0.5}) for s in (4, 5, 6, 7)] == [False, False, True, True]
+    again.close()
+    assert (tmp_path / "wandb_last_step").read_text() == "7\n"
+    assert len({p.name.rsplit("-", 1)[-1] for p in (tmp_path / "wandb").glob("offline-run-*")}) == 1
+    with pytest.raises(KeelError, match="train.wandb_mode must be one of offline, online, disabled"):
+        WandbSink(tmp_path, {}, mode="cloud")

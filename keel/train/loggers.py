@@ -15,8 +15,9 @@ Every record the trainer writes to ``metrics.jsonl`` goes to every logger named 
   run id is kept in ``RUN/wandb_id`` so a resumed run continues the same W&B run.
 
 Only rank 0 logs (the trainer makes sinks on rank 0 only). Resume: TensorBoard events at or
-after the first re-done step are purged (``purge_step``) and W&B keeps only increasing
-steps, so the steps logged before an interruption past the checkpoint appear once.
+after the first re-done step are purged (``purge_step``: the re-done steps replace them);
+W&B cannot take steps back, so the steps it already has (``RUN/wandb_last_step``) are not
+logged again. Either way every step appears once.
 """
 
 from __future__ import annotations
@@ -123,18 +124,24 @@ class WandbSink:
             from keel.io import atomic_write_text
 
             atomic_write_text(id_file, run_id + "\n")
-        self.last_step = -1
+        self.step_file = run_dir / "wandb_last_step"
+        self.last_step = int(self.step_file.read_text()) if self.step_file.is_file() else -1
         self.run = wandb.init(project=project, dir=str(run_dir), id=run_id, resume="allow", mode=mode,
                               name=run_dir.name, config=config, settings=wandb.Settings(silent=True))
         self.run.define_metric("*", step_metric="step")
 
-    def write(self, record: dict) -> None:
-        """Log the numbers of ``record``; a step not after the last one logged is skipped."""
+    def write(self, record: dict) -> bool:
+        """Log the numbers of ``record``; a step not after the last one this W&B run has
+        (``RUN/wandb_last_step``, kept across resumes) is skipped. Returns whether it was logged."""
+        from keel.io import atomic_write_text
+
         step = int(record.get("step", 0))
         if step <= self.last_step:
-            return
-        self.last_step = step
+            return False
         self.run.log(flatten(record))
+        self.last_step = step
+        atomic_write_text(self.step_file, f"{step}\n")
+        return True
 
     def close(self) -> None:
         self.run.finish()
