@@ -153,3 +153,13 @@ def test_wandb_does_not_log_a_step_twice_across_a_resume(tmp_path):
     assert len({p.name.rsplit("-", 1)[-1] for p in (tmp_path / "wandb").glob("offline-run-*")}) == 1
     with pytest.raises(KeelError, match="train.wandb_mode must be one of offline, online, disabled"):
         WandbSink(tmp_path, {}, mode="cloud")
+
+
+def test_progress_bar_on_a_terminal_counts_steps_from_a_resumed_start():
+    rep = ProgressReporter(total=10, initial=4, tokens_per_step=8, use_bar=True)
+    assert rep.update({"step": 5, "loss": 2.0, "tokens_per_s": 100.0}) is None  # the bar, no line
+    rep.update({"step": 6, "loss": 1.5, "tokens_per_s": 100.0})
+    assert (rep.bar.n, rep.bar.total) == (6, 10)
+    rep.close()
+    quiet = ProgressReporter(total=10, initial=0, tokens_per_step=8, enabled=False, use_bar=False)
+    assert quiet.update({"step": 10, "loss": 1.0}) is None and quiet.bar is None
