@@ -6,13 +6,17 @@ with ``importlib.resources`` so they exist after any install (:func:`resolve_con
 :func:`preset_names`).
 A config is loaded with :func:`load_config`, overridden with ``--set section.key=value``
 strings (:func:`apply_overrides`) and written back as the resolved ``config.toml`` of a
-run (:func:`dump_config`). Unknown sections or keys, and values of the wrong type, raise
-:class:`keel.errors.KeelError` naming the key.
+run (:func:`dump_config`). Unknown sections or keys, values of the wrong type and values
+out of range raise :class:`keel.errors.KeelError` naming the key: each section checks its
+own keys in one place (``ModelConfig.validate``, ``DataConfig.validate``,
+``TrainConfig.validate``), called by :func:`config_from_dict`; the residual scheme's name
+and its own keys are checked by :func:`keel.model.residual.check_model_config`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +31,39 @@ else:  # pragma: no cover - Python 3.10
 
 from keel.errors import KeelError
 
+SCHEDULES = ("cosine", "wsd", "constant")
+PRECISIONS = ("auto", "fp32", "bf16")
+DEFAULT_VAL_FRACTION = 0.05
+
+
+def _finite(value: float) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _check(ok: bool, where: str, rule: str, value: Any) -> None:
+    """Raise ``KeelError("{where} must be {rule}, got {value!r}")`` unless ``ok``."""
+    if not ok:
+        raise KeelError(f"{where} must be {rule}, got {value!r}")
+
+
+def resolve_vocab_size(requested: int | str, tokenizer_vocab: int, multiple: int = 64) -> int:
+    """The number of embedding / LM-head rows for a tokenizer of ``tokenizer_vocab`` ids.
+
+    ``requested = "auto"``: ``tokenizer_vocab`` rounded up to a multiple of ``multiple``
+    (1 = exactly the tokenizer's size). An integer is used as given.
+
+    Raises:
+        KeelError: an integer smaller than ``tokenizer_vocab`` (ids would fall outside the embedding).
+    """
+    if requested == "auto":
+        m = max(1, int(multiple))
+        return -(-int(tokenizer_vocab) // m) * m
+    if int(requested) < tokenizer_vocab:
+        raise KeelError(f"model.vocab_size = {requested} is smaller than the tokenizer's vocabulary "
+                        f"({tokenizer_vocab} ids); use \"auto\" or at least {tokenizer_vocab}")
+    return int(requested)
+
+
 @dataclass
 class ModelConfig:
     """Shape and residual scheme of the decoder-only LM.
@@ -38,7 +75,9 @@ class ModelConfig:
         KeelError: from :meth:`validate` on an impossible shape or unknown scheme.
 
     Attributes (``keel config`` prints these):
-        vocab_size: rows of the embedding and LM head (at least the tokenizer's vocabulary).
+        vocab_size: rows of the embedding and LM head: "auto" (the tokenizer's vocabulary rounded up to a
+            multiple of vocab_multiple) or a count >= the tokenizer's vocabulary.
+        vocab_multiple: with vocab_size "auto": round the vocabulary up to a multiple of this.
         d_model: width of the residual stream.
         n_layers: blocks (attention + FFN each); the paper's depth L is 2 * n_layers sub-layers.
         n_heads: attention (query) heads; head_dim = d_model / n_heads, even.
@@ -55,7 +94,10 @@ class ModelConfig:
         mix_ln_ratio: Mix-LN: the first floor(ratio * n_layers) blocks are Post-LN, the rest Pre-LN.
     """
 
-    vocab_size: int = 8192
+    # "auto" (default): the tokenizer's vocabulary, rounded up to a multiple of vocab_multiple
+    # (resolved when a run starts, see resolve_vocab_size); or an explicit count >= the tokenizer's.
+    vocab_size: int | str = "auto"
+    vocab_multiple: int = 64
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -94,17 +136,21 @@ class ModelConfig:
         The residual scheme's name and its own keys are checked one layer up, by
         :func:`keel.model.residual.check_model_config`, where the list of schemes lives.
         """
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
+        if self.vocab_size != "auto":
+            _check(isinstance(self.vocab_size, int) and self.vocab_size >= 1, "model.vocab_size",
+                   '"auto" or an integer >= 1', self.vocab_size)
+        for name in ("vocab_multiple", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise KeelError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            _check(_finite(getattr(self, name)) and getattr(self, name) > 0, f"model.{name}", "a finite number > 0",
+                   getattr(self, name))
         if self.d_model % self.n_heads:
             raise KeelError(f"model.d_model ({self.d_model}) is not divisible by model.n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
             raise KeelError(f"model.n_heads ({self.n_heads}) is not divisible by model.n_kv_heads ({self.n_kv_heads})")
         if self.head_dim % 2:
             raise KeelError(f"head dimension d_model/n_heads = {self.head_dim} must be even for RoPE")
-        if not self.init_std > 0:
-            raise KeelError(f"model.init_std must be > 0, got {self.init_std}")
         return self
 
 
@@ -127,10 +173,23 @@ class DataConfig:
     # A prepared dataset directory; empty means "derive it from source+tokenizer under cache_dir".
     path: str = ""
     cache_dir: str = "data"
-    val_fraction: float = 0.01  # fraction of documents held out
+    # Fraction of documents held out (long documents are first cut into chunks, see keel.data.prepare).
+    val_fraction: float = DEFAULT_VAL_FRACTION
     # Limit on the text read from the source, in bytes (0 = no limit).
     max_bytes: int = 0
     text_field: str = "text"
+
+    def validate(self) -> "DataConfig":
+        """Check every key's range; return self. Raises KeelError naming the bad key."""
+        _check(bool(self.source), "data.source", "a non-empty string", self.source)
+        _check(bool(self.tokenizer), "data.tokenizer", "a non-empty string", self.tokenizer)
+        _check(bool(self.path or self.cache_dir), "data.cache_dir", "a folder when data.path is empty",
+               self.cache_dir)
+        _check(_finite(self.val_fraction) and 0 < self.val_fraction < 1, "data.val_fraction",
+               "between 0 and 1 (exclusive)", self.val_fraction)
+        _check(self.max_bytes >= 0, "data.max_bytes", ">= 0 (0 = no limit)", self.max_bytes)
+        _check(bool(self.text_field), "data.text_field", "a non-empty string", self.text_field)
+        return self
 
 
 @dataclass
@@ -142,6 +201,9 @@ class TrainConfig:
         lr: peak learning rate (after warm-up).
         min_lr: learning rate at the end of the decay.
         warmup_steps: steps of linear warm-up.
+        schedule: LR after warm-up: cosine (to min_lr) | wsd (constant, then an exponential decay to min_lr over the last
+            decay_fraction of the steps) | constant.
+        decay_fraction: with schedule wsd: the fraction of the steps spent decaying.
         batch_size: sequences per micro-batch, over all processes.
         seq_len: tokens per training sequence.
         grad_accum: micro-batches per optimiser step.
@@ -180,6 +242,11 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr: float = 1e-7
     warmup_steps: int = 100
+    # LR schedule after warm-up (keel.train.optim.lr_at): "cosine" to min_lr over the run;
+    # "wsd" (warmup-stable-decay, MiniCPM): lr until the last decay_fraction of the steps, then an
+    # exponential decay to min_lr; "constant": lr.
+    schedule: str = "cosine"
+    decay_fraction: float = 0.1
     batch_size: int = 16  # sequences per micro-batch
     seq_len: int = 128  # tokens per sequence
     grad_accum: int = 1
@@ -222,6 +289,39 @@ class TrainConfig:
     wandb_mode: str = "offline"  # W&B: "offline" (sync later) | "online" | "disabled"
     wandb_project: str = "keel"  # W&B project name
 
+    def validate(self) -> "TrainConfig":
+        """Check every key's range; return self. Raises KeelError naming the bad key.
+
+        Keys that need other layers (``parallelism``, ``activation_checkpointing``,
+        ``device``) and the cross-section ``seq_len <= model.max_seq_len`` are checked by
+        :func:`keel.train.trainer.check_train_config`.
+        """
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_tokens",
+                     "checkpoint_every", "log_every", "max_bad_steps", "checkpoint_k", "eval_tasks_limit"):
+            _check(getattr(self, name) >= 1, f"train.{name}", ">= 1", getattr(self, name))
+        for name in ("warmup_steps", "keep_checkpoints", "sample_tokens", "gradflow_every", "eval_tasks_every"):
+            _check(getattr(self, name) >= 0, f"train.{name}", ">= 0", getattr(self, name))
+        _check(_finite(self.lr) and self.lr > 0, "train.lr", "a finite number > 0", self.lr)
+        _check(_finite(self.min_lr) and 0 <= self.min_lr <= self.lr, "train.min_lr",
+               f"a finite number between 0 and train.lr ({self.lr})", self.min_lr)
+        _check(self.schedule in SCHEDULES, "train.schedule", " | ".join(map(repr, SCHEDULES)), self.schedule)
+        _check(_finite(self.decay_fraction) and 0 < self.decay_fraction <= 1, "train.decay_fraction",
+               "in (0, 1]", self.decay_fraction)
+        if self.schedule == "wsd":
+            _check(self.min_lr > 0, "train.min_lr", "> 0 with train.schedule = \"wsd\" (exponential decay)",
+                   self.min_lr)
+        _check(_finite(self.weight_decay) and self.weight_decay >= 0, "train.weight_decay", "a finite number >= 0",
+               self.weight_decay)
+        for name in ("beta1", "beta2"):
+            _check(_finite(getattr(self, name)) and 0 <= getattr(self, name) < 1, f"train.{name}", "in [0, 1)",
+                   getattr(self, name))
+        _check(_finite(self.grad_clip) and self.grad_clip >= 0, "train.grad_clip", "a finite number >= 0 (0 = off)",
+               self.grad_clip)
+        _check(self.precision in PRECISIONS, "train.precision", " | ".join(map(repr, PRECISIONS)), self.precision)
+        _check(self.sample_tokens == 0 or bool(self.sample_prompt), "train.sample_prompt", "non-empty",
+               self.sample_prompt)
+        return self
+
 
 @dataclass
 class Config:
@@ -248,9 +348,20 @@ def _coerce_names(where: str, value: Any) -> list[str]:
     return [v.strip() for v in items if v.strip()]
 
 
+def _coerce_vocab(value: Any) -> int | str:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _coerce("model", "vocab_size_int", value, 0)
+    except KeelError:
+        raise KeelError(f'model.vocab_size must be "auto" or an integer, got {value!r}') from None
+
+
 def _coerce(section: str, key: str, value: Any, current: Any) -> Any:
     """Convert ``value`` to the type of the field's default ``current``."""
     where = f"{section}.{key}"
+    if (section, key) == ("model", "vocab_size"):  # "auto" or an integer
+        return _coerce_vocab(value)
     if current is None:  # optional numbers (model.alpha)
         current = 0.0
     if isinstance(current, list):
@@ -302,6 +413,8 @@ def config_from_dict(d: dict[str, Any]) -> Config:
                 raise KeelError(f"unknown config key {section}.{key}")
             setattr(obj, key, _coerce(section, key, value, getattr(obj, key)))
     cfg.model.validate()
+    cfg.data.validate()
+    cfg.train.validate()
     return cfg
 
 

@@ -37,6 +37,12 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]
         Path(tmp).unlink(missing_ok=True)
 
 
+def chmod_default(path: str | os.PathLike) -> None:
+    """Give ``path`` the usual file permissions (0666 minus the umask): for files written by
+    libraries that create them 0600 (safetensors' ``save_file``)."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
     with atomic_path(path) as tmp:

@@ -306,7 +306,7 @@ def test_prepare_meta_and_shards(stdlib_ds):
     assert (meta["train_tokens"], meta["val_tokens"]) == (len(train), len(val))
     assert meta["bytes_train"] + meta["bytes_val"] == sum(len(d.encode()) for d in docs)
     assert meta["docs_with_replacement_chars"] == 0
-    assert (meta["val_fraction"], meta["seed"], meta["max_bytes"]) == (0.01, 0, STDLIB_BYTES)
+    assert (meta["val_fraction"], meta["seed"], meta["max_bytes"]) == (0.05, 0, STDLIB_BYTES)
     assert meta["dtype"] == "uint16" and train.dtype == np.uint16
     import hashlib
 

@@ -258,7 +258,6 @@ def test_cli_from_run(capsys, gradflow_run, tmp_path):
     (["--layers", ","], "--layers needs at least one depth"),
     (["--run", "somewhere", "--residual", "keel"], "--run takes the model from the run"),
     (["--run", "/nonexistent/run"], "not a run directory"),
-    (["--plot", "/nonexistent/dir/x.png"], "--plot: folder /nonexistent/dir does not exist"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
 ])
 def test_cli_errors_are_one_line(capsys, args, msg):

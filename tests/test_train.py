@@ -37,7 +37,7 @@ def test_lr_schedule_formula():
 
 
 def test_weight_decay_groups():
-    model = Transformer(load_config(REPO / "keel" / "configs" / "demo.toml").model)
+    model = Transformer(load_config(REPO / "keel" / "configs" / "demo.toml", ["model.vocab_size=8192"]).model)
     opt = build_optimizer(model, TrainConfig())
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
@@ -204,13 +204,32 @@ def test_generate_rejects_bad_sampling_args(args, msg, capsys):
     assert len(err) == 1 and msg in err[0]
 
 
-def test_resume_without_checkpoint_says_so(tiny_config, tmp_path, caplog):
+def test_resume_without_checkpoint_refuses_then_restart(tiny_config, tmp_path, caplog):
+    """A run with history but no checkpoint is never restarted silently (it used to start at
+    step 0 and rewrite metrics.jsonl); restart=True (--restart) does it on request."""
     run = tmp_path / "r"
     train(tiny_config(steps=2, eval_every=2, checkpoint_every=2), run)
     import shutil
 
     shutil.rmtree(run / "checkpoints")  # as if interrupted before the first checkpoint
+    before = (run / "metrics.jsonl").read_text()
+    with pytest.raises(KeelError, match="has history but no intact checkpoint.*--restart") as e:
+        train(tiny_config(steps=2, eval_every=2, checkpoint_every=2), run, resume=True)
+    assert "\n" not in str(e.value)
+    assert (run / "metrics.jsonl").read_text() == before  # history untouched
+    train(tiny_config(steps=2, eval_every=2, checkpoint_every=2), run, resume=True, restart=True)
+    assert [r["step"] for r in metrics(run)] == [0, 1, 2]
+
+
+def test_resume_before_any_step_starts_at_zero(tiny_config, tmp_path, caplog):
+    """Only the step-0 evaluation was logged: nothing to lose, the run starts (and says so)."""
+    run = tmp_path / "r"
+    train(tiny_config(steps=2, eval_every=2, checkpoint_every=2), run)
+    import shutil
+
+    shutil.rmtree(run / "checkpoints")
+    (run / "metrics.jsonl").write_text(metrics(run)[0].__repr__().replace("'", '"') + "\n")
     with caplog.at_level("INFO", logger="keel"):
         train(tiny_config(steps=2, eval_every=2, checkpoint_every=2), run, resume=True)
     assert any("no checkpoint" in r.getMessage() and "step 0" in r.getMessage() for r in caplog.records)
-    assert [r["step"] for r in metrics(run)] == [0, 1, 2]  # the stale lines were dropped
+    assert [r["step"] for r in metrics(run)] == [0, 1, 2]

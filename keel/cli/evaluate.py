@@ -154,10 +154,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         path = Path(args.text)
         if not path.is_file():
             raise KeelError(f"--text file not found: {path}")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise KeelError(f"--text {path} is not UTF-8 text") from None
+        from keel.data.text import read_text_file
+
+        text, replaced = read_text_file(path)  # as `keel prepare` reads it: invalid UTF-8 -> U+FFFD
+        if replaced:
+            print(f"note: {path} is not valid UTF-8; its undecodable bytes became U+FFFD", file=sys.stderr)
         from keel.data.prepare import EOS_TOKEN
 
         res = text_perplexity(model, tokenizer, text, seq_len, device, eos_id=tokenizer.token_to_id(EOS_TOKEN),

@@ -44,8 +44,6 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.jacobian_iters < 1:
         raise KeelError("--jacobian-iters must be >= 1")
-    if args.plot and not Path(args.plot).parent.is_dir():
-        raise KeelError(f"--plot: folder {Path(args.plot).parent} does not exist")
     if args.run and (args.residual is not None or args.layers is not None):
         raise KeelError("--run takes the model from the run; drop --residual and --layers")
     show = None if args.json else (lambda r: print(G._summary_line(r), flush=True))
@@ -63,6 +61,7 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"results": results}))
     if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)  # as other commands create their folders
         G.plot_profiles(results, args.plot)
         print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
 
-from keel.config import DEFAULT_PRESET, resolve_config_path
+from keel.config import DEFAULT_PRESET, DEFAULT_VAL_FRACTION, resolve_config_path
 from keel.errors import KeelError
 
 
@@ -20,7 +19,8 @@ def register(sub) -> None:
     pp.add_argument("--tokenizer", default="bpe:8192", help="bpe:N | path/to/tokenizer.json | HF tokenizer name")
     pp.add_argument("--out", default=None, help="output folder (default: derived from the inputs under --cache-dir)")
     pp.add_argument("--cache-dir", default="data")
-    pp.add_argument("--val-fraction", type=float, default=0.01, help="fraction of documents for validation")
+    pp.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
+                    help=f"fraction of documents for validation (default {DEFAULT_VAL_FRACTION}, as data.val_fraction)")
     pp.add_argument("--max-bytes", type=int, default=None, help="read at most this many bytes of text")
     pp.add_argument("--text-field", default="text", help="field holding the text in .jsonl/.json/.parquet")
     pp.set_defaults(func=cmd_prepare)
@@ -31,7 +31,11 @@ def register(sub) -> None:
     pt.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config key (repeatable)")
     pt.add_argument("--run-dir", default=None, help="where the run goes (default: runs/<time>-<scheme>-<L>sl)")
-    pt.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR from its latest checkpoint")
+    pt.add_argument("--resume", default=None, metavar="DIR",
+                    help="continue the run in DIR from its newest intact checkpoint")
+    pt.add_argument("--restart", action="store_true",
+                    help="with --resume DIR or --run-dir DIR: train the run there again from step 0, deleting its "
+                         "metrics and checkpoints (a run with history is otherwise never restarted)")
     pt.add_argument("--nproc", type=int, default=None, metavar="N",
                     help="train with N processes on this machine (launches torchrun; "
                          "train.parallelism picks ddp or fsdp; train.batch_size is the global batch)")
@@ -62,6 +66,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if meta.get("docs_with_replacement_chars"):
         print(f"  note: {meta['docs_with_replacement_chars']} document(s) were not valid UTF-8; "
               "their undecodable bytes became U+FFFD")
+    if meta.get("docs_skipped_binary"):
+        print(f"  note: {meta['docs_skipped_binary']} document(s) were skipped as not text (NUL/control bytes)")
+    if meta.get("long_docs_chunked"):
+        print(f"  note: {meta['long_docs_chunked']} long document(s) were cut into {meta['chunks_of_long_docs']} "
+              "chunks for the train/val split")
     if meta["val_tokens"] > meta["train_tokens"]:
         print("  warning: the validation split is larger than the training split (too few documents?)")
     print(f"  vocab {meta['vocab_size']}, train {meta['train_tokens']:,} tokens ({meta['n_docs_train']} docs), "
@@ -83,6 +92,8 @@ def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
            "-m", "keel", "train"]
+    if args.restart:
+        cmd += ["--restart"]
     if args.resume:
         cmd += ["--resume", str(args.resume)]
     else:
@@ -117,19 +128,30 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
     if args.nproc is not None:
         return launch_torchrun(args, run_dir)
-    res = train_run(cfg, run_dir, resume=bool(args.resume))
+    res = train_run(cfg, run_dir, resume=bool(args.resume), restart=args.restart)
     import os
 
-    if int(os.environ.get("RANK", "0")) != 0:
-        return 0  # only rank 0 reports
+    if int(os.environ.get("RANK", "0")) == 0:  # only rank 0 reports
+        print_result(res)
+    return 0
+
+
+def print_result(res) -> None:
+    """The summary of a :class:`keel.train.TrainResult` on stdout."""
+    from keel.train.trainer import perplexity
+
     print(f"run: {res.run_dir}")
+    if res.steps_run == 0 and res.resumed_from is not None:
+        print(f"already at step {res.step}: nothing to do (raise train.steps with --set to train further)")
+        return
+    if res.resumed_from is not None:
+        print(f"resumed at step {res.resumed_from}, trained {res.steps_run} more step(s)")
     if res.first_val_loss is not None:
-        print(f"validation loss at step 0: {res.first_val_loss:.4f} (perplexity {math.exp(res.first_val_loss):.1f})")
-    print(f"validation loss at step {res.step}: {res.val_loss:.4f} (perplexity {res.val_ppl:.2f})")
+        print(f"validation loss at step 0: {res.first_val_loss:.4f} (perplexity {perplexity(res.first_val_loss):.1f})")
+    print(f"validation loss at step {res.step}: {res.val_loss:.4f} (perplexity {perplexity(res.val_loss):.2f})")
     print(f"tokens: {res.tokens:,}, mean {res.tokens_per_s:,.0f} tokens/s")
     print("sample:")
     print(res.sample)
-    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

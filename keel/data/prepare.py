@@ -7,10 +7,17 @@ A prepared dataset directory holds::
     val.bin          token shard of the validation documents
     meta.json        what was built from what (see prepare_dataset)
 
-Every document is followed by the end-of-text token, so the number of EOS tokens in the
-two shards equals the number of documents. The directory is built under a temporary name
-and renamed into place at the end, so an interrupted run leaves nothing behind; a second
-run with the same inputs finds ``meta.json`` and returns at once.
+Every document is followed by the end-of-text token. A long document (more than
+:data:`LONG_DOC_CHARS` characters: a book, a dump, a corpus that is one file) is cut into
+chunks of about :data:`CHUNK_CHARS` characters (after a newline where there is one) and
+the train/val split is drawn per chunk, so a corpus that is a single file still gets a
+validation split; consecutive chunks that land in the same split stay one text (an EOS
+comes only where the document ends or switches split). Documents are read one at a time
+and chunks are spilled to disk, so memory stays bounded by the largest document plus
+the tokenizer's work on one batch of chunks. The directory is built under a temporary
+name and renamed into place at the end, so an interrupted run leaves nothing behind (nor
+any folder it created on the way); a second run with the same inputs finds ``meta.json``
+and returns at once ("reusing cached dataset ...").
 """
 
 from __future__ import annotations
@@ -29,13 +36,20 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from keel.config import DEFAULT_VAL_FRACTION
 from keel.data.shards import ShardWriter
 from keel.data.sources import SourceStats, check_hub_reachable, iter_documents
+from keel.data.text import encode_batch
 from keel.errors import KeelError
 
 FORMAT_VERSION = 1
 EOS_TOKEN = "<|endoftext|>"
 ENCODE_BATCH_DOCS = 256
+ENCODE_BATCH_CHARS = 1 << 21  # 2 Mi characters of text per encode_batch call
+# Documents longer than LONG_DOC_CHARS characters are cut into chunks of about CHUNK_CHARS
+# for the train/val split (no file of the built-in corpus is that long).
+LONG_DOC_CHARS = 256 * 1024
+CHUNK_CHARS = 64 * 1024
 # The inputs that decide a dataset's content; meta.json must match them for a cache hit.
 CACHE_KEYS = ("source", "tokenizer", "val_fraction", "max_bytes", "max_docs", "seed", "text_field")
 
@@ -47,7 +61,7 @@ def prepare_dataset(
     tokenizer: str = "bpe:8192",
     out: str | os.PathLike | None = None,
     *,
-    val_fraction: float = 0.01,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
     max_bytes: int | None = None,
     max_docs: int | None = None,
     text_field: str = "text",
@@ -69,9 +83,11 @@ def prepare_dataset(
         out: output directory; default ``{cache_dir}/{slug}``, e.g.
             ``data/python-stdlib-bpe8192-1a2b3c4d`` (slug = source, tokenizer and a hash
             of all inputs).
-        val_fraction: expected fraction of documents (not tokens) put in ``val.bin``,
-            ``0 < val_fraction < 1``. The split is a deterministic function of the document
-            index and ``seed``; with 2 or more documents each split gets at least one.
+        val_fraction: expected fraction of documents (not tokens; chunks of long documents
+            count as documents) put in ``val.bin``, ``0 < val_fraction < 1`` (default: the
+            config's default ``data.val_fraction``, so ``keel prepare`` and ``keel train``
+            share a cache). The split is a deterministic function of the document index and
+            ``seed``; with 2 or more documents (or chunks) each split gets at least one.
         max_bytes: stop reading after the document that brings the UTF-8 text to this many
             bytes (``None`` or ``0``: no limit).
         max_docs: stop after this many documents (``None`` or ``0``: no limit).
@@ -82,9 +98,10 @@ def prepare_dataset(
 
     ``meta.json`` records ``format_version, source, tokenizer, tokenizer_sha256, vocab_size,
     eos_id, dtype, n_docs_train, n_docs_val, train_tokens, val_tokens, bytes_train,
-    bytes_val, docs_with_replacement_chars, val_fraction, max_bytes, max_docs, seed,
-    text_field, created``. Byte counts are UTF-8 bytes of document text; token counts
-    include one EOS per document. Local paths are recorded as absolute paths.
+    bytes_val, docs_with_replacement_chars, docs_skipped_binary, long_docs_chunked,
+    chunks_of_long_docs, val_fraction, max_bytes, max_docs, seed, text_field, created``.
+    ``n_docs_*`` count documents and chunks; byte counts are UTF-8 bytes of document text;
+    token counts include the EOS tokens. Local paths are recorded as absolute paths.
 
     If ``out/meta.json`` exists and records the same inputs, nothing is read and ``out`` is
     returned (a changed local corpus is *not* detected: delete the directory to rebuild).
@@ -104,28 +121,21 @@ def prepare_dataset(
 
     tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    parent_existed = out.parent.exists()
+    created = [d for d in (out.parent, *out.parent.parents) if not d.exists()]  # deepest first
     tmp.mkdir(parents=True)
     try:
         meta = _build(tmp, inputs, progress)
         _move_into_place(tmp, out, inputs)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not parent_existed and not any(out.parent.iterdir()):
-            out.parent.rmdir()  # leave no empty cache folder behind either
+        _remove_empty(created)  # leave none of the folders this call created behind
         raise
-    log.info(
-        "prepared %s: %d+%d docs, %d train / %d val tokens",
-        out,
-        meta["n_docs_train"],
-        meta["n_docs_val"],
-        meta["train_tokens"],
-        meta["val_tokens"],
-    )
+    log.info("prepared %s: %d+%d docs, %d train / %d val tokens", out, meta["n_docs_train"], meta["n_docs_val"],
+             meta["train_tokens"], meta["val_tokens"])
     return out
 
 
-def find_prepared(source: str, tokenizer: str = "bpe:8192", *, val_fraction: float = 0.01,
+def find_prepared(source: str, tokenizer: str = "bpe:8192", *, val_fraction: float = DEFAULT_VAL_FRACTION,
                   max_bytes: int | None = None, text_field: str = "text", cache_dir: str | os.PathLike = "data",
                   ) -> Path | None:
     """The cached dataset :func:`prepare_dataset` would reuse for these inputs, or None if it
@@ -133,6 +143,15 @@ def find_prepared(source: str, tokenizer: str = "bpe:8192", *, val_fraction: flo
     inputs = _canonical_inputs(source, tokenizer, val_fraction, max_bytes, None, text_field, 0)
     out = Path(cache_dir) / dataset_slug(inputs)
     return out if _cache_matches(out, inputs) else None
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove ``folders`` (deepest first) while they are empty."""
+    for d in folders:
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 def dataset_slug(inputs: dict) -> str:
@@ -227,11 +246,16 @@ def _build(tmp: Path, inputs: dict, progress: bool) -> dict:
     # take it before a progress bar is drawn, so the user sees one error line only.
     first = next(docs, None)
     docs = itertools.chain([first] if first is not None else [], docs)
-    for i, text in enumerate(_progress(docs, None, "reading documents", "doc", progress)):
-        score = _split_score(i, inputs["seed"])
-        (val if score < inputs["val_fraction"] else train).add(text, score)
+    chunking = _split_documents(_progress(docs, None, "reading documents", "doc", progress), train, val, inputs)
+    if stats.docs_skipped_binary:
+        log.warning("skipped %d document(s) that are not text (more than 10%% control characters, e.g. NUL bytes)",
+                    stats.docs_skipped_binary)
     if stats.n_docs == 0:
-        raise KeelError(f"empty corpus: {inputs['source']} has no documents with non-whitespace text")
+        binary = f" ({stats.docs_skipped_binary} skipped as not text)" if stats.docs_skipped_binary else ""
+        raise KeelError(f"empty corpus: {inputs['source']} has no documents with non-whitespace text{binary}")
+    if chunking[0]:
+        log.info("cut %d long document(s) (over %d characters) into %d chunks of about %d characters for the "
+                 "train/val split", chunking[0], LONG_DOC_CHARS, chunking[1], CHUNK_CHARS)
     if train.n_docs == 0:
         train.add(val.give_spare())
     if val.n_docs == 0 and train.n_docs >= 2:
@@ -244,9 +268,6 @@ def _build(tmp: Path, inputs: dict, progress: bool) -> dict:
         tok.save(str(tmp / "tokenizer.json"))
         eos_id = tok.token_to_id(EOS_TOKEN)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    # Text that happens to spell "<|endoftext|>" is encoded as plain text, so the shards hold
-    # exactly one EOS per document. (Set after saving: tokenizer.json keeps the default.)
-    tok.encode_special_tokens = True
 
     n_tokens = {}
     for name, spill in (("train", train), ("val", val)):
@@ -268,6 +289,9 @@ def _build(tmp: Path, inputs: dict, progress: bool) -> dict:
         "bytes_train": train.n_bytes,
         "bytes_val": val.n_bytes,
         "docs_with_replacement_chars": stats.docs_with_replacement_chars,
+        "docs_skipped_binary": stats.docs_skipped_binary,
+        "long_docs_chunked": chunking[0],
+        "chunks_of_long_docs": chunking[1],
         "val_fraction": inputs["val_fraction"],
         "max_bytes": inputs["max_bytes"],
         "max_docs": inputs["max_docs"],
@@ -279,6 +303,42 @@ def _build(tmp: Path, inputs: dict, progress: bool) -> dict:
     return meta
 
 
+def chunk_document(text: str, size: int = CHUNK_CHARS):
+    """Consecutive pieces of ``text`` of at most ``size`` characters whose concatenation is
+    ``text``; each piece but the last ends after the last newline (else space) in the
+    second half of its window, or at ``size`` characters when there is none."""
+    start, n = 0, len(text)
+    while n - start > size:
+        end = start + size
+        cut = text.rfind("\n", start + size // 2, end)
+        if cut < 0:
+            cut = text.rfind(" ", start + size // 2, end)
+        end = cut + 1 if cut >= 0 else end
+        yield text[start:end]
+        start = end
+    yield text[start:]
+
+
+def _split_documents(docs, train: "_Spill", val: "_Spill", inputs: dict) -> tuple[int, int]:
+    """Put each document -- or each chunk of a long one -- into train or val by its split
+    score. Returns (long documents cut, chunks they gave)."""
+    index, n_long, n_chunks = 0, 0, 0
+    for text in docs:
+        pieces = chunk_document(text) if len(text) > LONG_DOC_CHARS else iter([text])
+        n_long += len(text) > LONG_DOC_CHARS
+        pending = None  # (spill, text, score): written once the next piece's split is known
+        for piece in pieces:
+            score = _split_score(index, inputs["seed"])
+            spill = val if score < inputs["val_fraction"] else train
+            index += 1
+            n_chunks += len(text) > LONG_DOC_CHARS
+            if pending is not None:
+                pending[0].add(pending[1], pending[2], ends=pending[0] is not spill)
+            pending = (spill, piece, score)
+        pending[0].add(pending[1], pending[2], ends=True)
+    return n_long, n_chunks
+
+
 def _split_score(index: int, seed: int) -> float:
     """A seeded hash of a document index as a number in [0, 1); the document goes to val iff < val_fraction."""
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
@@ -286,11 +346,12 @@ def _split_score(index: int, seed: int) -> float:
 
 
 class _Spill:
-    """The documents of one split, kept on disk (one JSON string per line) between passes.
+    """The documents of one split, kept on disk (one JSON ``[text, ends]`` per line) between
+    passes; ``ends`` is False for a chunk that continues in the next line.
 
     It remembers a *spare*: the document whose split score is closest to the other split
     (lowest score for train, highest for val), which :meth:`give_spare` hands over when the
-    other split would otherwise be empty.
+    other split would otherwise be empty (the line before it then ends its text).
     """
 
     def __init__(self, path: Path, spare_is_lowest: bool):
@@ -303,10 +364,10 @@ class _Spill:
         self._spare: tuple[float, int, str] | None = None  # (score, line index, text)
         self._skip = -1  # line index of a document given away
 
-    def add(self, text: str, score: float = 0.0) -> None:
+    def add(self, text: str, score: float = 0.0, ends: bool = True) -> None:
         if self._spare is None or (score < self._spare[0]) == self._spare_is_lowest:
             self._spare = (score, self._n_written, text)
-        self._file.write(json.dumps(text).encode("ascii") + b"\n")
+        self._file.write(json.dumps([text, ends]).encode("ascii") + b"\n")
         self._n_written += 1
         self.n_docs += 1
         self.n_bytes += len(text.encode("utf-8"))
@@ -321,11 +382,16 @@ class _Spill:
     def close(self) -> None:
         self._file.close()
 
-    def __iter__(self):
+    def pieces(self):
+        """``(text, ends)`` pairs in order, without the document given away."""
         with open(self.path, "rb") as f:
             for i, line in enumerate(f):
                 if i != self._skip:
-                    yield json.loads(line)
+                    text, ends = json.loads(line)
+                    yield text, ends or i == self._skip - 1
+
+    def __iter__(self):
+        return (text for text, _ in self.pieces())
 
 
 def _parse_bpe(spec: str) -> int | None:
@@ -352,7 +418,8 @@ def _train_bpe(train: _Spill, vocab_size: int, progress: bool) -> Tokenizer:
         vocab_size=vocab_size,
         special_tokens=[EOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=progress,
+        # the trainer's progress bar writes to stdout: only on a terminal (no blank lines in pipes)
+        show_progress=progress and sys.stdout.isatty(),
     )
     tok.train_from_iterator(iter(train), trainer=trainer, length=train.n_docs)
     return tok
@@ -418,24 +485,34 @@ def _eos_id(tok: Tokenizer, config: dict | None, spec: str) -> int:
 
 
 def _encode_split(tok: Tokenizer, eos_id: int, spill: _Spill, path: Path, vocab_size: int, progress: bool) -> int:
-    """Encode the documents of ``spill`` (EOS after each) into the shard ``path``; returns its token count."""
-    encode_batch = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast: no offsets (tokenizers >= 0.21)
+    """Encode the documents of ``spill`` (:func:`keel.data.text.encode_batch`; EOS where a
+    document ends) into the shard ``path``, in batches of at most ``ENCODE_BATCH_DOCS``
+    documents and ``ENCODE_BATCH_CHARS`` characters (bounded memory); returns its token count."""
+    eos = np.array([eos_id], dtype=np.int64)
     with ShardWriter(path, vocab_size) as writer:
-        docs = _progress(spill, spill.n_docs, f"encoding {path.stem}", "doc", progress)
-        for batch in _chunks(docs, ENCODE_BATCH_DOCS):
-            ids: list[int] = []
-            for encoding in encode_batch(batch, add_special_tokens=False):
-                ids += encoding.ids
-                ids.append(eos_id)
-            writer.write(np.array(ids, dtype=np.int64))
+        pieces = _progress(spill.pieces(), spill.n_docs, f"encoding {path.stem}", "doc", progress)
+        for batch in _batches(pieces):
+            parts = []
+            for piece_ids, (_, ends) in zip(encode_batch(tok, [text for text, _ in batch]), batch):
+                parts.append(np.array(piece_ids, dtype=np.int64))
+                if ends:
+                    parts.append(eos)
+            writer.write(np.concatenate(parts))
     return writer.n_tokens
 
 
-def _chunks(iterable, size: int):
-    """Lists of up to ``size`` consecutive items of ``iterable``."""
-    it = iter(iterable)
-    while chunk := list(itertools.islice(it, size)):
-        yield chunk
+def _batches(pieces):
+    """Lists of consecutive ``(text, ends)`` pieces, cut at ENCODE_BATCH_DOCS pieces or
+    ENCODE_BATCH_CHARS characters (a piece longer than that is a batch of its own)."""
+    batch, chars = [], 0
+    for piece in pieces:
+        if batch and (len(batch) >= ENCODE_BATCH_DOCS or chars + len(piece[0]) > ENCODE_BATCH_CHARS):
+            yield batch
+            batch, chars = [], 0
+        batch.append(piece)
+        chars += len(piece[0])
+    if batch:
+        yield batch
 
 
 def _progress(iterable, total, desc: str, unit: str, enabled: bool):

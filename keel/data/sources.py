@@ -5,16 +5,21 @@
 * ``builtin:python-stdlib`` -- the ``.py`` files of the running interpreter's standard
   library, in sorted relative-path order, without ``site-packages``/``dist-packages``,
   test suites, ``__pycache__`` and generated files.
-* a local file or folder -- ``.txt``/``.md``/``.rst`` (one document per file), ``.jsonl``
-  (one JSON object or string per line), ``.json`` (a list of objects or strings) and
-  ``.parquet`` (one row per document, needs ``pyarrow``). Folders are walked recursively in
-  sorted order; hidden entries (``.name``) and other extensions are skipped.
+* a local file or folder -- ``.txt``/``.md``/``.rst`` (one document per file),
+  ``.html``/``.htm`` (one document per file: the text outside tags, scripts and styles,
+  extracted with the standard library's ``html.parser``), ``.jsonl`` (one JSON object or
+  string per line), ``.json`` (a list of objects or strings) and ``.parquet`` (one row per
+  document, needs ``pyarrow``). Folders are walked recursively in sorted order; hidden
+  entries (``.name``) and other extensions are skipped (a folder with no supported file is
+  an error that counts what was skipped, by extension).
 * ``hf:NAME[:CONFIG]`` -- the ``train`` split of a Hugging Face dataset, streamed with
   ``datasets`` (needs network; fails within a few seconds when the hub is unreachable).
 
-Text is decoded as UTF-8; bytes that are not valid UTF-8 become U+FFFD (``errors="replace"``)
-and such documents are counted in :class:`SourceStats`. Empty and whitespace-only documents
-are skipped.
+Text is decoded as UTF-8 (:func:`keel.data.text.read_text_file`); bytes that are not valid
+UTF-8 become U+FFFD (``errors="replace"``) and such documents are counted in
+:class:`SourceStats`. Empty and whitespace-only documents are skipped, and so are documents
+that are not text (:func:`keel.data.text.looks_binary`: NUL bytes, mostly control
+characters), counted in :class:`SourceStats` too.
 """
 
 from __future__ import annotations
@@ -25,15 +30,19 @@ import re
 import socket
 import sysconfig
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import urlparse
 
+from keel.data.text import decode_utf8, looks_binary
 from keel.errors import KeelError
 
 TEXT_EXTENSIONS = (".txt", ".md", ".rst")
-SUPPORTED_EXTENSIONS = TEXT_EXTENSIONS + (".jsonl", ".json", ".parquet")
+HTML_EXTENSIONS = (".html", ".htm")
+SUPPORTED_EXTENSIONS = TEXT_EXTENSIONS + HTML_EXTENSIONS + (".jsonl", ".json", ".parquet")
 BUILTINS = ("python-stdlib",)
 
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -50,6 +59,7 @@ class SourceStats:
     n_docs: int = 0
     n_bytes: int = 0  # UTF-8 bytes of the documents yielded
     docs_with_replacement_chars: int = 0  # documents that had invalid UTF-8 replaced by U+FFFD
+    docs_skipped_binary: int = 0  # documents skipped as not text (keel.data.text.looks_binary)
 
 
 def iter_documents(
@@ -82,6 +92,9 @@ def iter_documents(
     for text, replaced in _raw_documents(source, text_field):
         if not text.strip():
             continue
+        if looks_binary(text):
+            stats.docs_skipped_binary += 1
+            continue
         if _LONE_SURROGATE.search(text):  # e.g. "\ud800" escapes in JSON: not encodable as UTF-8
             text, replaced = _LONE_SURROGATE.sub("\ufffd", text), True
         stats.n_docs += 1
@@ -112,12 +125,7 @@ def _raw_documents(source: str, text_field: str) -> Iterator[tuple[str, bool]]:
     raise KeelError(f"no such file or directory: {source}")
 
 
-def _decode(data: bytes) -> tuple[str, bool]:
-    """UTF-8 decode; invalid bytes become U+FFFD. Returns ``(text, had_invalid_bytes)``."""
-    try:
-        return data.decode("utf-8"), False
-    except UnicodeDecodeError:
-        return data.decode("utf-8", errors="replace"), True
+_decode = decode_utf8
 
 
 # --- builtin:python-stdlib ------------------------------------------------------------
@@ -159,14 +167,20 @@ def _local_documents(path: Path, text_field: str) -> Iterator[tuple[str, bool]]:
             raise KeelError(f"unsupported data file {path} (expected one of {', '.join(SUPPORTED_EXTENSIONS)})")
         yield from _file_documents(path, text_field)
         return
-    files = []
+    files, skipped = [], Counter()
     for dirpath, dirnames, filenames in os.walk(path):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        files += [
-            Path(dirpath, f)
-            for f in filenames
-            if not f.startswith(".") and Path(f).suffix.lower() in SUPPORTED_EXTENSIONS
-        ]
+        for f in filenames:
+            if f.startswith("."):
+                continue
+            if Path(f).suffix.lower() in SUPPORTED_EXTENSIONS:
+                files.append(Path(dirpath, f))
+            else:
+                skipped[Path(f).suffix.lower() or "(no extension)"] += 1
+    if not files:
+        what = ", ".join(f"{n} {ext}" for ext, n in skipped.most_common(5)) or "the folder is empty"
+        raise KeelError(f"no files with a supported extension in {path} (skipped {what}; "
+                        f"supported: {', '.join(SUPPORTED_EXTENSIONS)})")
     for file in sorted(files, key=lambda p: p.relative_to(path).as_posix()):
         yield from _file_documents(file, text_field)
 
@@ -175,6 +189,9 @@ def _file_documents(path: Path, text_field: str) -> Iterator[tuple[str, bool]]:
     suffix = path.suffix.lower()
     if suffix in TEXT_EXTENSIONS:
         yield _decode(path.read_bytes())
+    elif suffix in HTML_EXTENSIONS:
+        text, replaced = _decode(path.read_bytes())
+        yield html_text(text), replaced
     elif suffix == ".jsonl":
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, start=1):
@@ -224,11 +241,23 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, bool]
         import pyarrow.parquet as pq
     except ImportError:
         raise KeelError(f"reading {path} needs pyarrow: pip install pyarrow") from None
-    parquet = pq.ParquetFile(path)
+    import pyarrow as pa
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise KeelError(f"{path}: not a readable parquet file ({str(e).strip().splitlines()[0][:200]})") from None
     if text_field not in parquet.schema_arrow.names:
         names = ", ".join(parquet.schema_arrow.names)
         raise KeelError(f"{path}: no column {text_field!r} (columns: {names})")
-    for batch in parquet.iter_batches(columns=[text_field]):
+    batches = parquet.iter_batches(columns=[text_field])
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as e:
+            raise KeelError(f"{path}: damaged parquet file ({str(e).strip().splitlines()[0][:200]})") from None
+        if batch is None:
+            return
         for text in batch.column(0).to_pylist():
             if text is None:
                 continue
@@ -238,6 +267,48 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, bool]
                 yield text, False
             else:
                 raise KeelError(f"{path}: column {text_field!r} holds {type(text).__name__}, expected strings")
+
+
+class _HTMLText(HTMLParser):
+    """Collects the text of an HTML page: character data outside <script>, <style>,
+    <template> and <head> (block elements end a line)."""
+
+    _HIDDEN = {"script", "style", "template", "head", "noscript"}
+    _BLOCKS = {"p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "pre", "section", "article",
+               "blockquote", "dt", "dd", "table", "ul", "ol", "hr", "title"}
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+        self.hidden = 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag in self._HIDDEN:
+            self.hidden += 1
+        elif tag in self._BLOCKS:
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag):
+        if tag in self._HIDDEN:
+            self.hidden = max(0, self.hidden - 1)
+        elif tag in self._BLOCKS:
+            self.parts.append("\n")
+
+    def handle_data(self, data):
+        if not self.hidden:
+            self.parts.append(data)
+
+
+def html_text(html: str) -> str:
+    """The readable text of an HTML document (standard library ``html.parser``): tags,
+    scripts, styles and the ``<head>`` dropped, entities decoded, runs of blank lines
+    collapsed to one."""
+    parser = _HTMLText()
+    parser.feed(html)
+    parser.close()
+    text = "".join(parser.parts)
+    lines = [ln.rstrip() for ln in text.splitlines()]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
 
 
 # --- hf:NAME[:CONFIG] -----------------------------------------------------------------

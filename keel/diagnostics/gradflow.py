@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from keel.config import resolve_vocab_size
 from keel.errors import KeelError
 
 DEFAULT_LAYERS = "16,64"
@@ -305,7 +306,8 @@ def _init_config(base, scheme: str, sublayers: int, d_model: int, seq_len: int, 
     m.n_kv_heads = m.n_heads // 2 if m.n_heads % 2 == 0 else m.n_heads
     m.d_ff = 3 * d_model
     m.max_seq_len = max(m.max_seq_len, seq_len)
-    m.vocab_size = max(m.vocab_size, vocab)
+    m.vocab_size = resolve_vocab_size(m.vocab_size, vocab, m.vocab_multiple) if m.vocab_size == "auto" \
+        else max(m.vocab_size, vocab)
     if m.head_dim % 2:
         raise KeelError(f"--d-model {d_model}: head dimension {m.head_dim} must be even for RoPE")
     return m.validate()

@@ -11,9 +11,10 @@ Which bytes: the targets of the evaluated windows (every token but the first of 
 window; windows overlap by one token, so the targets are one contiguous run of tokens) are
 decoded in one piece with the tokenizer, special tokens (``<|endoftext|>``) skipped, and
 the UTF-8 bytes of that text are counted. The end-of-text tokens' losses are counted in
-the nats, their bytes are 0. For a text file, an end-of-text token is put in front as the
-first context token, so every token of the file is predicted and B is the file's bytes
-(after the tokenizer's round trip; for byte-level BPE exactly the file's UTF-8 bytes).
+the nats, their bytes are 0. For a text (a file), it is encoded with
+:func:`keel.data.text.encode_text` -- as training encodes it: a literal ``<|endoftext|>``
+in the text is text --, an end-of-text token is put in front as the first context token,
+so every token of the text is predicted, and B is the text's own UTF-8 byte count.
 
 Everything runs in fp32 (no autocast), in eval mode, under ``torch.no_grad``.
 """
@@ -25,7 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from keel.data import split_windows
+from keel.data.text import encode_text, utf8_bytes
 from keel.train.evaluate import summed_nll
+from keel.train.trainer import perplexity as _perplexity
 
 
 @dataclass
@@ -46,8 +49,8 @@ class PerplexityResult:
 
     @property
     def perplexity(self) -> float:
-        """exp(loss); inf if the loss overflows."""
-        return math.exp(self.loss) if self.loss < 700 else math.inf
+        """exp(loss); inf beyond a loss of 50 nats (:func:`keel.train.trainer.perplexity`)."""
+        return _perplexity(self.loss)
 
     @property
     def bits_per_byte(self) -> float:
@@ -81,19 +84,22 @@ def text_perplexity(model, tokenizer, text: str, seq_len: int, device, eos_id: i
     Args:
         tokenizer: ``tokenizers.Tokenizer`` of the model.
         seq_len: tokens of context per window (<= the model's max_seq_len).
-        eos_id: if given, put in front of the text so that its first token is predicted too.
+        eos_id: if given, put in front of the text so that its first token is predicted too;
+            then bits per byte divide by the UTF-8 bytes of ``text`` itself (else by those of
+            the predicted tokens' text, decoded).
     Raises:
         KeelError: the text gives fewer than one predicted token.
     """
     from keel.errors import KeelError
 
-    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    ids = encode_text(tokenizer, text)
     if eos_id is not None:
         ids = [eos_id] + ids
     if len(ids) < 2:
         raise KeelError(f"{source}: too little text to evaluate ({len(ids)} tokens)")
     nats, n = summed_nll(model, split_windows(ids, seq_len, keep_tail=True), batch_size, device)
-    return PerplexityResult(source, n, _decoded_bytes(tokenizer, ids[1:]), nats, seq_len)
+    n_bytes = utf8_bytes(text) if eos_id is not None else _decoded_bytes(tokenizer, ids[1:])
+    return PerplexityResult(source, n, n_bytes, nats, seq_len)
 
 
 def validation_perplexity(model, tokenizer, data_dir: str | Path, seq_len: int, max_tokens: int | None,

@@ -37,6 +37,6 @@ def run_callbacks(cfg: Config) -> list[Callback]:
     return out
 
 
-def train_run(cfg: Config, run_dir: str | Path, resume: bool = False) -> TrainResult:
+def train_run(cfg: Config, run_dir: str | Path, resume: bool = False, restart: bool = False) -> TrainResult:
     """:func:`keel.train.train` with :func:`run_callbacks` attached. Raises what it raises."""
-    return train(cfg, run_dir, resume=resume, callbacks=run_callbacks(cfg))
+    return train(cfg, run_dir, resume=resume, callbacks=run_callbacks(cfg), restart=restart)

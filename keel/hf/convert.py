@@ -32,7 +32,7 @@ from pathlib import Path
 
 from keel.data.prepare import EOS_TOKEN
 from keel.errors import KeelError
-from keel.io import make_temp_dir
+from keel.io import chmod_default, make_temp_dir
 from keel.train.progress import interactive
 
 KEEL_CONFIG_NAME = "keel_config.toml"
@@ -113,8 +113,10 @@ def wrap_native(model, tokenizer, eos_token: str | None = None):
 
     eos = eos_token or eos_token_of(tokenizer)
     eos_id = tokenizer.token_to_id(eos)
+    # split_special_tokens: a literal "<|endoftext|>" in a task's text is text, as in
+    # keel.data.text.encode_text (what training, eval and generate use)
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=_copy_tokenizer(tokenizer), eos_token=eos, pad_token=eos,
-                                     model_max_length=model.cfg.max_seq_len)
+                                     model_max_length=model.cfg.max_seq_len, split_special_tokens=True)
     hf = KeelForCausalLM.from_native(model, eos_token_id=eos_id, pad_token_id=eos_id)
     hf.generation_config.eos_token_id = eos_id
     hf.generation_config.pad_token_id = eos_id
@@ -158,6 +160,8 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
     try:
         with hf_progress_bars(interactive()):
             hf.save_pretrained(tmp, safe_serialization=True)
+        for weights in tmp.glob("*.safetensors"):
+            chmod_default(weights)  # safetensors writes 0600; every other file follows the umask
         if not llama:
             write_remote_code(tmp)
         hf_tokenizer(run_dir / "tokenizer.json", eos, model.cfg.max_seq_len).save_pretrained(tmp)

@@ -166,6 +166,9 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        if cfg.vocab_size == "auto":  # resolved from the tokenizer when a run starts
+            raise KeelError('model.vocab_size is "auto": give a number, or resolve it from a tokenizer with '
+                            "keel.config.resolve_vocab_size")
         self.cfg = check_model_config(cfg)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList([Block(cfg, b) for b in range(cfg.n_layers)])
@@ -224,9 +227,11 @@ class Transformer(nn.Module):
                  use_cache: bool = True) -> torch.Tensor:
         """Sample ``max_new_tokens`` tokens after ``input_ids`` [B, T0]; returns [B, T0 + n].
 
-        temperature 0 means greedy. With ``use_cache`` the keys/values of earlier positions
-        are kept (:class:`KVCache`); without it, or once the context outgrows max_seq_len, the
-        context is re-run every step, cropped to its last max_seq_len tokens.
+        temperature 0 (or below the smallest normal float of the logits' dtype) means greedy;
+        any small positive temperature is safe (a tiny one samples the argmax). With
+        ``use_cache`` the keys/values of earlier positions are kept (:class:`KVCache`); without
+        it, or once the context outgrows max_seq_len, the context is re-run every step,
+        cropped to its last max_seq_len tokens.
         """
         ids = input_ids
         cache = KVCache() if use_cache else None
@@ -238,10 +243,10 @@ class Transformer(nn.Module):
                 logits = self(ids[:, -self.cfg.max_seq_len:])[:, -1, :]
             else:
                 logits = self(step_input, cache=cache)[:, -1, :]
-            if temperature <= 0:
+            if temperature < torch.finfo(logits.dtype).tiny:  # 0, or too small to divide by: greedy
                 nxt = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
+            else:  # shifted so that the largest is 0: x / T never overflows to inf - inf = nan
+                logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
                 if top_k is not None and top_k > 0:
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -4,11 +4,17 @@ Layout of a run directory::
 
     RUN/checkpoints/step_00000100/model.safetensors   # weights (tied tensors stored once)
     RUN/checkpoints/step_00000100/trainer.pt          # optimizer, scheduler, data position, RNG
+    RUN/checkpoints/step_00000100/manifest.json       # size and sha256 of the two files above
     RUN/checkpoints/latest                            # name of the newest complete checkpoint
 
-A checkpoint is written into a temporary folder and renamed into place, then ``latest``
-is replaced atomically, so a crash never leaves a half-written checkpoint that
-``latest`` points to.
+A checkpoint is written into a temporary folder ``.step_*.tmp``; ``manifest.json`` is
+written last, then the folder is renamed into place and ``latest`` is replaced atomically.
+A crash never leaves a half-written checkpoint under a ``step_*`` name, and a checkpoint
+damaged later (a truncated or overwritten file, a deleted file) no longer matches its
+manifest: :func:`find_intact_checkpoint` skips it, saying why, and takes the newest intact
+one. Temporaries left by a crash are removed by :func:`remove_stale_temporaries` when a
+run starts or resumes. Weights that are not all finite are never written
+(:class:`NonFiniteWeights`).
 
 Checkpoints do not depend on how the model was run: the weights are the full, gathered
 tensors under the plain model's parameter names (no DDP ``module.``, no compile
@@ -19,7 +25,11 @@ with N processes resumes with M, compiled or not.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,10 +38,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from keel.errors import KeelError
-from keel.io import atomic_write_text, make_temp_dir
+from keel.io import atomic_write_text, chmod_default, make_temp_dir
 
 
 COMPILE_PREFIX = "_orig_mod."
+MANIFEST = "manifest.json"
+FILES = ("model.safetensors", "trainer.pt")
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteWeights(KeelError):
+    """A checkpoint was refused because some weight is NaN or infinite."""
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
@@ -58,9 +77,25 @@ def _strip_compile_prefix(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return {k.replace(COMPILE_PREFIX, ""): v for k, v in sd.items()}
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def non_finite_weights(weights: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors of ``weights`` holding a NaN or an infinity."""
+    return [k for k, v in weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module | dict[str, torch.Tensor],
                     state: dict[str, Any], keep: int = 2, aliases: dict[str, str] | None = None) -> Path:
     """Write checkpoint ``step`` and point ``latest`` to it; keep the newest ``keep``.
+
+    The files go to a temporary folder; ``manifest.json`` (size and sha256 of each file,
+    and the step) is written last, then the folder is renamed to ``step_{step:08d}``.
 
     Args:
         model: the model (a compiled ``OptimizedModule`` or a DDP wrapper is unwrapped: the
@@ -70,6 +105,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module | dic
         aliases: names to leave out because they alias another (tied weights), as
             :func:`tied_aliases` gives; computed from ``model`` when it is a module.
     Returns the checkpoint folder.
+    Raises:
+        NonFiniteWeights: a weight holds NaN or inf (nothing is written; ``latest`` is unchanged).
     """
     from keel.train.parallelize import unwrap
 
@@ -81,14 +118,17 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module | dic
     weights = _strip_compile_prefix(weights)
     aliases = aliases or {}
     weights = {k: v.detach().to("cpu").contiguous() for k, v in weights.items() if k not in aliases}
+    bad = non_finite_weights(weights)
+    if bad:
+        raise NonFiniteWeights(f"refusing to checkpoint step {step}: non-finite values in {', '.join(bad[:3])}"
+                               + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
     ckpt_root = Path(run_dir) / "checkpoints"
     ckpt_root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}"
     final = ckpt_root / name
     tmp = make_temp_dir(ckpt_root, name)
     try:
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        torch.save(state, tmp / "trainer.pt")
+        _write_files(tmp, weights, state, step)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -102,20 +142,126 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module | dic
     return final
 
 
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """The complete checkpoint folders of a run (``step_*`` with weights), oldest first."""
+def _write_files(folder: Path, weights: dict[str, torch.Tensor], state: dict[str, Any], step: int) -> None:
+    """The checkpoint's files, the manifest last (each flushed to disk before the rename)."""
+    save_file(weights, str(folder / FILES[0]), metadata={"format": "pt"})
+    chmod_default(folder / FILES[0])  # safetensors creates it 0600
+    torch.save(state, folder / FILES[1])
+    files = {}
+    for fname in FILES:
+        with open(folder / fname, "rb") as f:
+            os.fsync(f.fileno())
+        files[fname] = {"bytes": (folder / fname).stat().st_size, "sha256": _sha256(folder / fname)}
+    with open(folder / MANIFEST, "w", encoding="utf-8") as f:
+        json.dump({"step": step, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def checkpoint_problem(ckpt: str | Path) -> str | None:
+    """Why the checkpoint folder ``ckpt`` cannot be used, or None when it is intact.
+
+    Intact means: ``manifest.json`` is readable and every file it lists has the recorded
+    size and sha256. A checkpoint written before manifests existed is accepted when both
+    files are present and non-empty.
+    """
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        return "the folder does not exist"
+    manifest = ckpt / MANIFEST
+    if not manifest.is_file():
+        missing = [f for f in FILES if not (ckpt / f).is_file() or (ckpt / f).stat().st_size == 0]
+        return f"{missing[0]} is missing or empty (and there is no manifest)" if missing else None
+    try:
+        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "manifest.json is unreadable"
+    for fname, want in files.items():
+        path = ckpt / fname
+        if not path.is_file():
+            return f"{fname} is missing"
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            return f"{fname} has {size} bytes, the manifest says {want['bytes']}"
+        if _sha256(path) != want["sha256"]:
+            return f"{fname} does not match its sha256 in the manifest"
+    return None
+
+
+def _step_dirs(run_dir: str | Path) -> list[Path]:
+    """The ``step_*`` folders of a run, newest (highest step) first."""
     root = Path(run_dir) / "checkpoints"
-    return sorted(p for p in root.glob("step_*") if p.is_dir() and (p / "model.safetensors").is_file())
+    dirs = [p for p in root.glob("step_*") if p.is_dir() and _STEP_DIR.match(p.name)]
+    return sorted(dirs, key=lambda p: int(p.name[5:]), reverse=True)
+
+
+def find_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest intact checkpoint of a run, and a reason for each newer one it passed over.
+
+    Candidates are the folder ``checkpoints/latest`` names and every ``step_*`` folder; the
+    one with the highest step that passes :func:`checkpoint_problem` wins. The reasons
+    (one line each, e.g. ``"step_00000012: model.safetensors is missing"`` or
+    ``"checkpoints/latest is missing"``) explain what was skipped; they are empty when
+    ``latest`` names the winner.
+
+    Returns:
+        ``(folder or None, reasons)``.
+    """
+    root = Path(run_dir) / "checkpoints"
+    reasons: list[str] = []
+    pointer = root / "latest"
+    named = pointer.read_text(encoding="utf-8", errors="replace").strip() if pointer.is_file() else None
+    chosen = None
+    for folder in _step_dirs(run_dir):
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            chosen = folder
+            break
+        reasons.append(f"{folder.name}: {problem}")
+    if named is None and root.is_dir() and (chosen is not None or reasons):
+        reasons.insert(0, "checkpoints/latest is missing")
+    elif named is not None and (chosen is None or named != chosen.name) and not (root / named).is_dir():
+        reasons.insert(0, f"checkpoints/latest names {named}, which does not exist")
+    return chosen, reasons
+
+
+def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
+    """Delete what an interrupted writer left in a run directory: ``checkpoints/.step_*.tmp``
+    folders and ``.NAME.*.tmp`` files (from :mod:`keel.io`) in the run folder and in
+    ``checkpoints/``. Call it only while no other process writes to the run. Returns what
+    was removed."""
+    run_dir = Path(run_dir)
+    removed = []
+    for folder in (run_dir, run_dir / "checkpoints"):
+        for p in folder.glob(".*.tmp") if folder.is_dir() else []:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The checkpoint folders of a run that have their files (``step_*`` with weights and a
+    manifest, or with both files for older checkpoints), oldest first. Not verified against
+    the checksums: use :func:`checkpoint_problem` for that."""
+    def complete(p: Path) -> bool:
+        return (p / FILES[0]).is_file() and ((p / MANIFEST).is_file() or (p / FILES[1]).is_file())
+
+    return [p for p in reversed(_step_dirs(run_dir)) if complete(p)]
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The folder named by ``RUN/checkpoints/latest``, or None when the run has none."""
-    ckpt_root = Path(run_dir) / "checkpoints"
-    pointer = ckpt_root / "latest"
-    if not pointer.is_file():
-        return None
-    path = ckpt_root / pointer.read_text().strip()
-    return path if (path / "model.safetensors").is_file() else None
+    """The newest intact checkpoint of a run (:func:`find_intact_checkpoint`), or None.
+
+    Normally the folder ``RUN/checkpoints/latest`` names; when that one is missing or
+    damaged, the newest older intact one, with a warning that says why.
+    """
+    chosen, reasons = find_intact_checkpoint(run_dir)
+    for reason in reasons:
+        log.warning("%s: skipping %s", run_dir, reason)
+    return chosen
 
 
 def load_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
@@ -127,14 +273,17 @@ def load_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
     tied weight stored once fills every name it has. Load before FSDP sharding.
 
     Raises:
-        KeelError: no weights file, or names/shapes that do not match the model.
+        KeelError: no weights file, an unreadable one, or names/shapes that do not match the model.
     """
     from keel.train.parallelize import unwrap
 
     path = Path(ckpt) / "model.safetensors"
     if not path.is_file():
         raise KeelError(f"no model weights at {path}")
-    sd = _strip_compile_prefix(load_file(str(path)))
+    try:
+        sd = _strip_compile_prefix(load_file(str(path)))
+    except Exception as e:  # noqa: BLE001 -- SafetensorError, OSError ...: a truncated or overwritten file
+        raise KeelError(f"cannot read {path} (damaged?): {_first_line(e)}") from None
     plain = unwrap(model)
     for alias, kept in tied_aliases(plain).items():
         if kept in sd and alias not in sd:
@@ -149,9 +298,21 @@ def load_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
 
 
 def load_trainer_state(ckpt: str | Path) -> dict[str, Any]:
-    """Load ``ckpt/trainer.pt`` with ``torch.load(weights_only=True)``."""
+    """Load ``ckpt/trainer.pt`` with ``torch.load(weights_only=True)``.
+
+    Raises:
+        KeelError: the file is missing or cannot be read (truncated, overwritten).
+    """
     path = Path(ckpt) / "trainer.pt"
     if not path.is_file():
         raise KeelError(f"no trainer state at {path}")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- PytorchStreamReader failed, UnicodeDecodeError, UnpicklingError ...
+        raise KeelError(f"cannot read {path} (damaged?): {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
 

@@ -3,8 +3,12 @@
 Records (see :mod:`keel.train.trainer`): ``step`` (optimiser steps done; 0 = the freshly
 initialised model), ``tokens``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``,
 ``elapsed_s``; ``val_loss``/``val_ppl`` on evaluation steps; fields added by callbacks
-(``divergence``, ``sublayer_grad_norm``, ``eval_tasks``). Files are strict JSON: a
-non-finite number (NaN, ±inf: a blown-up loss) is written as ``null``.
+(``divergence``, ``sublayer_grad_norm``, ``eval_tasks``). A resume that changed config
+keys writes ``{"step": k, "config_change": {"section.key": {"old": a, "new": b}}}`` (no
+``loss``) at the step it resumed from. Files are strict JSON: a non-finite number (NaN,
+±inf: a blown-up loss) is written as ``null``. A kill during a write can leave a partial
+last line: :func:`read_metrics` drops it with a warning, and a resumed run rewrites the
+file up to its checkpoint's step (:func:`truncate_metrics`).
 """
 
 from __future__ import annotations

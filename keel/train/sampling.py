@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from keel.data.text import encode_text
+
 
 def sample_text(model: torch.nn.Module, tokenizer, prompt: str, max_new_tokens: int, device: torch.device,
                 temperature: float = 0.8, top_k: int | None = 50, seed: int = 0) -> str:
@@ -11,12 +13,14 @@ def sample_text(model: torch.nn.Module, tokenizer, prompt: str, max_new_tokens: 
 
     Args:
         model: a :class:`keel.model.Transformer` on ``device``.
-        tokenizer: its ``tokenizers.Tokenizer``.
-        temperature: 0 = greedy (see :meth:`keel.model.Transformer.generate`).
+        tokenizer: its ``tokenizers.Tokenizer`` (the prompt is encoded by
+            :func:`keel.data.text.encode_text`, as training text is).
+        temperature: 0 = greedy (see :meth:`keel.model.Transformer.generate`; any positive
+            temperature works, one too small to divide by is greedy too).
         top_k: keep the k most likely tokens (None = all).
         seed: seeds the sampling generator (same seed, same text).
     """
-    ids = tokenizer.encode(prompt).ids or [0]
+    ids = encode_text(tokenizer, prompt) or [0]
     gen = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()

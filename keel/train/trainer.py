@@ -12,6 +12,22 @@ One run directory holds everything about a run (:class:`keel.run.Run` reads it b
 ``step`` in metrics counts optimiser steps done (1-based); step 0 is the evaluation of the
 freshly initialised model.
 
+Resuming (``resume=True``) never loses a run's history: it continues from the newest
+*intact* checkpoint (:func:`keel.train.checkpoint.find_intact_checkpoint`; a newer damaged
+one is skipped with a warning naming the problem), and refuses with a one-line
+:class:`KeelError` when the run has history (metrics past step 0, or checkpoint folders)
+but no intact checkpoint, unless ``restart=True`` (which starts the run again from step 0,
+deleting its metrics and checkpoints). Temporaries left by a crash are removed at start.
+
+Config changes on resume (the run's ``config.toml`` plus ``--set``) are compared with the
+config saved in the checkpoint, key by key (:data:`RESUME_REFUSED`): keys that would make
+the continuation a different run (every ``model.*`` key, the data keys, ``train.seed``,
+``train.batch_size``, ``train.seq_len``, ``train.grad_accum``) are refused with a
+one-line error; every other key is applied from the resumed step on, with a warning and a
+``{"step": k, "config_change": {"section.key": {"old": .., "new": ..}}}`` record in
+``metrics.jsonl``; a change of the LR at the resumed step is called out. ``config.toml``
+always holds the config in effect.
+
 Several processes (``torchrun --nproc_per_node N -m keel train ...`` or
 ``keel train --nproc N``): ``train.parallelism`` picks DDP or FSDP2 (applied by
 :mod:`keel.train.parallelize`). ``train.batch_size`` is the GLOBAL number of sequences per
@@ -39,25 +55,35 @@ from typing import Sequence
 
 import torch
 
-from keel.config import Config, dump_config
+from keel.config import Config, config_from_dict, dump_config, load_config, resolve_vocab_size
 from keel.data import TokenLoader, load_tokenizer, read_meta, resolve_data, validation_tokens
 from keel.errors import KeelError
+from keel.io import atomic_write_text
 from keel.model import Transformer, check_model_config
 from keel.train import dist as D
 from keel.train import state_dict as SD
 from keel.train.callbacks import Callback, StepState
-from keel.train.checkpoint import latest_checkpoint, load_trainer_state, load_weights, save_checkpoint, tied_aliases
+from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, latest_checkpoint, load_trainer_state,
+                                   load_weights, remove_stale_temporaries, save_checkpoint, tied_aliases)
 from keel.train.device import autocast_context, resolve_device
 from keel.train.evaluate import mean_nll
 from keel.train.loggers import open_sinks
-from keel.train.metrics import truncate_metrics
-from keel.train.optim import build_optimizer, build_scheduler
+from keel.train.metrics import read_metrics, truncate_metrics
+from keel.train.optim import apply_config, build_optimizer, build_scheduler, lr_at
 from keel.train.parallelize import PARALLELISMS, checkpointed_blocks, gradient_sync, parallelize
 from keel.train.plots import plot_loss
 from keel.train.progress import ProgressReporter, interactive
 from keel.train.sampling import sample_text
 
 log = logging.getLogger(__name__)
+
+# Keys a resume refuses to change (the continuation would be another run); "model." and
+# "data." cover their whole sections except RESUME_DATA_APPLIED (the dataset itself is
+# checked by the data loader's state: same token counts).
+RESUME_REFUSED = ("model.", "data.", "train.seed", "train.batch_size", "train.seq_len", "train.grad_accum")
+RESUME_DATA_APPLIED = ("data.path", "data.cache_dir")
+# Largest loss whose perplexity is printed as a number; beyond it exp(loss) is reported as inf.
+MAX_PPL_LOSS = 50.0
 
 
 class TrainingStopped(KeelError):
@@ -77,11 +103,37 @@ class TrainResult:
     val_ppl: float
     tokens_per_s: float
     sample: str
+    resumed_from: int | None = None  # the step a resumed run continued from (None: a fresh run)
+    steps_run: int = 0  # optimiser steps done by this call (0: nothing to do)
 
 
-def perplexity(loss: float) -> float:
-    """``exp(loss)``, or ``inf`` when that overflows a float (loss > ~709 nats)."""
-    return math.exp(loss) if loss < 709 else math.inf
+def perplexity(loss: float | None) -> float:
+    """``exp(loss)``; ``inf`` for a loss above :data:`MAX_PPL_LOSS` (50 nats: a perplexity
+    of 5e21, far beyond any vocabulary, so a blown-up run prints ``inf`` rather than an
+    87-digit number) and for a non-finite or missing loss."""
+    if loss is None or not math.isfinite(loss) or loss > MAX_PPL_LOSS:
+        return math.inf
+    return math.exp(loss)
+
+
+def _flat(d: dict) -> dict:
+    return {f"{s}.{k}": v for s, keys in d.items() for k, v in keys.items()}
+
+
+def config_changes(old: dict, new: Config) -> dict[str, dict]:
+    """``{"section.key": {"old": a, "new": b}}`` for every key that differs between the saved
+    config dict ``old`` (as :meth:`Config.to_dict` gives; missing keys take their defaults)
+    and ``new``."""
+    before = _flat(Config().to_dict())
+    before.update(_flat(old))
+    after = _flat(new.to_dict())
+    return {k: {"old": before.get(k), "new": after.get(k)} for k in sorted(set(before) | set(after))
+            if before.get(k) != after.get(k)}
+
+
+def refused_changes(changes: dict[str, dict]) -> list[str]:
+    """The keys of ``changes`` a resume refuses (:data:`RESUME_REFUSED`)."""
+    return [k for k in changes if k.startswith(RESUME_REFUSED) and k not in RESUME_DATA_APPLIED]
 
 
 def check_train_config(cfg: Config) -> None:
@@ -92,11 +144,8 @@ def check_train_config(cfg: Config) -> None:
     """
     check_model_config(cfg.model)
     tc = cfg.train
-    for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "checkpoint_every"):
-        if getattr(tc, name) < 1:
-            raise KeelError(f"train.{name} must be >= 1, got {getattr(tc, name)}")
-    if tc.warmup_steps < 0 or not tc.lr > 0:
-        raise KeelError("train.lr must be > 0 and train.warmup_steps >= 0")
+    tc.validate()
+    cfg.data.validate()
     if tc.seq_len > cfg.model.max_seq_len:
         raise KeelError(f"train.seq_len ({tc.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len})")
     if tc.parallelism not in PARALLELISMS:
@@ -104,7 +153,8 @@ def check_train_config(cfg: Config) -> None:
     checkpointed_blocks(cfg.model.n_layers, tc.activation_checkpointing, tc.checkpoint_k)
 
 
-def train(cfg: Config, run_dir: str | Path, resume: bool = False, callbacks: Sequence[Callback] = ()) -> TrainResult:
+def train(cfg: Config, run_dir: str | Path, resume: bool = False, callbacks: Sequence[Callback] = (),
+          restart: bool = False) -> TrainResult:
     """Train ``cfg`` into ``run_dir`` (or continue it with ``resume=True``).
 
     Launched by torchrun (``RANK``/``WORLD_SIZE`` set), every process calls this; rank 0's
@@ -112,15 +162,20 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, callbacks: Seq
 
     Args:
         callbacks: hooks called at every step (:class:`keel.train.callbacks.Callback`).
+        restart: start the run in ``run_dir`` again from step 0, deleting its metrics and
+            checkpoints (what ``--restart`` asks for); otherwise a run with history is
+            never started again.
     Raises:
         KeelError: bad config, data problems, a run directory that already holds a run
-            (without ``resume``), ``train.batch_size`` not divisible by the world size, or
-            ``TrainingStopped`` (the last good checkpoint is left intact).
+            (without ``resume``), a resume of a run with history but no intact checkpoint
+            (without ``restart``), a refused config change on resume, ``train.batch_size``
+            not divisible by the world size, or ``TrainingStopped`` (the last good
+            checkpoint is left intact).
     """
     check_train_config(cfg)
     info = D.init_distributed(resolve_device(cfg.train.device))
     try:
-        return Trainer(cfg, run_dir, resume, list(callbacks), info).fit()
+        return Trainer(cfg, run_dir, resume, list(callbacks), info, restart=restart).fit()
     finally:
         D.destroy_distributed(info)
 
@@ -128,7 +183,8 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, callbacks: Seq
 class Trainer:
     """One training run: :meth:`__init__` builds or restores everything, :meth:`fit` loops."""
 
-    def __init__(self, cfg: Config, run_dir: str | Path, resume: bool, callbacks: list[Callback], info: D.DistInfo):
+    def __init__(self, cfg: Config, run_dir: str | Path, resume: bool, callbacks: list[Callback], info: D.DistInfo,
+                 restart: bool = False):
         self.cfg, self.tc, self.info, self.callbacks = cfg, cfg.train, info, callbacks
         self.main = info.is_main
         self.ws = info.world_size if info.distributed else 1
@@ -138,22 +194,69 @@ class Trainer:
         self.local_bs = self.tc.batch_size // self.ws
         self.run_dir = Path(D.broadcast_object(str(run_dir), info))
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        if not resume and self.metrics_path.exists():
+        if not (resume or restart) and self.metrics_path.exists():
             raise KeelError(f"run directory {self.run_dir} already holds a run; "
-                            f"use --resume {self.run_dir} or another --run-dir")
-        self.ckpt = latest_checkpoint(self.run_dir) if resume else None
+                            f"use --resume {self.run_dir}, --restart, or another --run-dir")
+        self._clean_run_dir(restart)
+        self.ckpt = self._find_checkpoint() if resume and not restart else None
         self.device = info.device
         self.amp = autocast_context(self.device, self.tc.precision)
+        saved = load_trainer_state(self.ckpt) if self.ckpt is not None else None
+        self.changes: dict[str, dict] = {}
         self._load_data()
+        if saved is not None:
+            self._check_config_changes(saved)  # before the weights are loaded: a clear refusal
         self._build_model()
         self.step, self.tokens, self.elapsed = 0, 0, 0.0
-        if self.ckpt is not None:
-            self._restore(load_trainer_state(self.ckpt))
-        elif resume:
-            self.say(f"no checkpoint in {self.run_dir} yet: starting it again from step 0")
+        if saved is not None:
+            self._restore(saved)
+        elif resume and not restart:
+            self.say(f"no checkpoint in {self.run_dir} yet (no step was saved): starting it from step 0")
+        self.resumed_from = self.step if self.ckpt is not None else None
+        self.sink = None  # the train.loggers sinks, opened by fit (keel.train.loggers)
         self.history = self._prepare_run_dir()
-        self.sink = open_sinks(cfg, self.run_dir, self.step if self.ckpt is not None else None) if self.main else None
         self.tokens_per_step = self.tc.batch_size * self.tc.seq_len * self.tc.grad_accum  # global
+
+    def _clean_run_dir(self, restart: bool) -> None:
+        """Rank 0 removes stale temporaries (and, for a restart, the old history)."""
+        if self.main:
+            for path in remove_stale_temporaries(self.run_dir):
+                self.say(f"removed {path} (left by an interrupted write)")
+            if restart and (self.metrics_path.exists() or (self.run_dir / "checkpoints").exists()):
+                self.say(f"restarting {self.run_dir} from step 0: deleting its metrics and checkpoints",
+                         logging.WARNING)
+                self.metrics_path.unlink(missing_ok=True)
+                shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
+        D.barrier(self.info)
+
+    def _find_checkpoint(self) -> Path | None:
+        """The newest intact checkpoint to resume from (rank 0 decides, all ranks agree).
+
+        Raises:
+            KeelError: the run has history but no intact checkpoint.
+        """
+        found, error = None, None
+        if self.main:
+            ckpt, reasons = find_intact_checkpoint(self.run_dir)
+            for reason in reasons:
+                self.say(f"skipping {reason}", logging.WARNING)
+            if ckpt is None and self._has_history():
+                error = (f"cannot resume {self.run_dir}: it has history but no intact checkpoint"
+                         f" ({'; '.join(reasons) or 'no checkpoint was saved'}); pass --restart to train it "
+                         "again from step 0 (its metrics and checkpoints are deleted)")
+            elif ckpt is not None and reasons:
+                self.say(f"resuming from {ckpt.name}, the newest intact checkpoint", logging.WARNING)
+            found = str(ckpt) if ckpt is not None else None
+        found, error = D.broadcast_object((found, error), self.info)
+        if error is not None:
+            raise KeelError(error)
+        return Path(found) if found is not None else None
+
+    def _has_history(self) -> bool:
+        """Whether the run went past step 0: a metrics record of step >= 1 or a checkpoint folder."""
+        if any(p.is_dir() for p in (self.run_dir / "checkpoints").glob("step_*")):
+            return True
+        return any(r.get("step", 0) >= 1 for r in read_metrics(self.metrics_path))
 
     def say(self, msg: str, level: int = logging.INFO) -> None:
         """Log ``msg`` on rank 0 only."""
@@ -173,8 +276,11 @@ class Trainer:
             raise KeelError(error)
         self.data_dir = Path(data_dir)
         self.meta = read_meta(self.data_dir)
-        if self.cfg.model.vocab_size < self.meta["vocab_size"]:
-            self.cfg.model.vocab_size = self.meta["vocab_size"]
+        vocab = resolve_vocab_size(self.cfg.model.vocab_size, self.meta["vocab_size"], self.cfg.model.vocab_multiple)
+        if self.cfg.model.vocab_size == "auto":
+            self.say(f"model.vocab_size = \"auto\": {vocab} (tokenizer: {self.meta['vocab_size']} ids, "
+                     f"rounded up to a multiple of {self.cfg.model.vocab_multiple})")
+        self.cfg.model.vocab_size = vocab
         self.tokenizer = load_tokenizer(self.data_dir)
         self.loader = TokenLoader(self.data_dir, "train", batch_size=self.local_bs, seq_len=self.tc.seq_len,
                                   seed=self.tc.seed, rank=self.info.rank, world_size=self.ws)
@@ -193,22 +299,64 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, self.tc)
 
     def _restore(self, state: dict) -> None:
+        if "optimizer" not in state or "loader" not in state:
+            raise KeelError(f"cannot resume from {self.ckpt}: it holds weights only (no optimiser or data state; "
+                            "made by keel import-hf?); start a new run from it instead")
         SD.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        apply_config(self.optimizer, self.scheduler, self.tc)
         self.loader.load_state_dict(state["loader"])
         torch.set_rng_state(state["rng"])
         self.step, self.tokens, self.elapsed = state["step"], state["tokens"], state["elapsed_s"]
         self.say(f"resuming {self.run_dir} from step {self.step} ({self.ckpt.name})")
 
+    def _saved_config(self, state: dict) -> dict:
+        """The config the checkpoint was trained with (saved in it; older checkpoints: config.toml)."""
+        if "config" in state:
+            return state["config"]
+        path = self.run_dir / "config.toml"
+        return load_config(path).to_dict() if path.is_file() else self.cfg.to_dict()
+
+    def _check_config_changes(self, state: dict) -> None:
+        """Refuse the keys of :data:`RESUME_REFUSED`; apply the others, saying so."""
+        old = self._saved_config(state)
+        changes = config_changes(old, self.cfg)
+        refused = refused_changes(changes)
+        if refused:
+            k = refused[0]
+            raise KeelError(f"cannot resume {self.run_dir} with {k} = {changes[k]['new']!r} (it was "
+                            f"{changes[k]['old']!r}): changing {', '.join(refused)} would make it another run; "
+                            "start a new run instead")
+        self.changes = changes
+        for key, c in changes.items():
+            self.say(f"resume: {key} changed from {c['old']!r} to {c['new']!r} (applied from step {state['step']})",
+                     logging.WARNING)
+        schedule_keys = {"train.lr", "train.min_lr", "train.warmup_steps", "train.steps", "train.schedule",
+                         "train.decay_fraction"}
+        if schedule_keys & set(changes):
+            try:
+                was = lr_at(state["step"], config_from_dict(old).train)
+            except KeelError:  # the old config no longer validates: nothing to compare with
+                return
+            now = lr_at(state["step"], self.tc)
+            if not math.isclose(was, now, rel_tol=1e-9):
+                self.say(f"resume: the learning rate of step {state['step'] + 1} changes from {was:.4g} to {now:.4g} "
+                         f"(train.schedule = {self.tc.schedule!r}; see keel.train.optim)", logging.WARNING)
+
     def _prepare_run_dir(self) -> list[dict]:
-        """Write config and tokenizer; cut metrics.jsonl back to the restored step. Returns
-        the records kept (the run's history up to ``self.step``)."""
+        """Write config and tokenizer; cut metrics.jsonl back to the restored step and record
+        config changes. Returns the records kept (the run's history up to ``self.step``)."""
         history = []
         if self.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(self.cfg, self.run_dir / "config.toml")
             shutil.copyfile(self.data_dir / "tokenizer.json", self.run_dir / "tokenizer.json")
             history = truncate_metrics(self.metrics_path, self.step if self.ckpt is not None else -1)
+            if self.changes:
+                record = {"step": self.step, "config_change": self.changes}
+                if not history or history[-1] != record:
+                    self.write(record)
+                    history.append(record)
         return D.broadcast_object(history, self.info)
 
     def _describe(self) -> None:
@@ -238,16 +386,32 @@ class Trainer:
             self.sink.write(record)
 
     def checkpoint(self) -> None:
-        """Save weights and trainer state (collective under FSDP; rank 0 writes)."""
+        """Save weights and trainer state (collective under FSDP; rank 0 writes).
+
+        Raises:
+            TrainingStopped: the weights are not all finite (nothing is written; the last
+                good checkpoint stays ``latest``).
+        """
         weights = SD.full_model_state_dict(self.model)
         optim_state = SD.full_optimizer_state_dict(self.model, self.optimizer)
+        error = None
         if self.main:
             state = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed, "optimizer": optim_state,
                      "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(),
-                     "rng": torch.get_rng_state()}
-            save_checkpoint(self.run_dir, self.step, weights, state, keep=self.tc.keep_checkpoints,
-                            aliases=self.aliases)
+                     "rng": torch.get_rng_state(), "config": self.cfg.to_dict()}
+            try:
+                save_checkpoint(self.run_dir, self.step, weights, state, keep=self.tc.keep_checkpoints,
+                                aliases=self.aliases)
+            except NonFiniteWeights as e:
+                error = f"stopped at step {self.step}: {e}; last good checkpoint: {self._last_good()}"
+        error = D.broadcast_object(error, self.info)
+        if error is not None:
+            raise TrainingStopped(error)
         D.barrier(self.info)
+
+    def _last_good(self) -> str:
+        ckpt, _ = find_intact_checkpoint(self.run_dir)
+        return str(ckpt) if ckpt is not None else "none"
 
     def plain_model(self) -> torch.nn.Module | None:
         """The unsharded model on rank 0 (None elsewhere); collective under FSDP."""
@@ -286,7 +450,8 @@ class Trainer:
         fields = self._hooks("on_gradients", state)  # raw gradients, before clipping
         max_norm = self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf")
         state.grad_norm = SD.clip_grad_norm_(self.model.parameters(), max_norm)
-        state.finite = math.isfinite(state.loss) and math.isfinite(state.grad_norm)
+        # a non-finite LR would write NaN into every weight: it is skipped like a non-finite gradient
+        state.finite = math.isfinite(state.loss) and math.isfinite(state.grad_norm) and math.isfinite(state.lr)
         if state.finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -304,8 +469,8 @@ class Trainer:
         if not record.pop("_finite"):
             bad_in_row += 1
             record["skipped"] = True
-            self.say(f"step {self.step}: non-finite loss {record['loss']} or grad norm {record['grad_norm']}; "
-                     f"update skipped ({bad_in_row} in a row)", logging.WARNING)
+            self.say(f"step {self.step}: non-finite loss {record['loss']}, grad norm {record['grad_norm']} or "
+                     f"LR {record['lr']}; update skipped ({bad_in_row} in a row)", logging.WARNING)
             if bad_in_row >= self.tc.max_bad_steps:
                 self.write(record)
                 last = latest_checkpoint(self.run_dir)
@@ -317,6 +482,9 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainResult:
         """Train to ``train.steps``; returns the final numbers."""
+        if self.resumed_from is not None and self.step >= self.tc.steps:
+            return self._nothing_to_do()
+        self.sink = open_sinks(self.cfg, self.run_dir, self.resumed_from) if self.main else None
         self._describe()
         first_val = self._first_eval()
         state = StepState(self.cfg, self.run_dir, self.info, self.model, self.tokenizer, self.plain_model,
@@ -349,6 +517,17 @@ class Trainer:
                 self.sink.close()
         return self._finish(first_val, val_loss)
 
+    def _nothing_to_do(self) -> TrainResult:
+        """A resumed run already at (or past) ``train.steps``: report, train nothing, write nothing."""
+        self.say(f"{self.run_dir} is already at step {self.step} (train.steps = {self.tc.steps}): nothing to do")
+        vals = [r["val_loss"] for r in self.history if r.get("val_loss") is not None]
+        val_loss = vals[-1] if vals else self.validate()
+        sample_path = self.run_dir / "sample.txt"
+        sample = sample_path.read_text().rstrip("\n") if sample_path.is_file() else ""
+        tok_s = self.tokens / self.elapsed if self.elapsed > 0 else 0.0
+        return TrainResult(self.run_dir, self.step, self.tokens, None, val_loss, perplexity(val_loss), tok_s, sample,
+                           resumed_from=self.step, steps_run=0)
+
     def _first_eval(self) -> float | None:
         """Validation loss of the fresh model (logged as step 0), or the logged one on resume."""
         if self.ckpt is None:
@@ -366,10 +545,12 @@ class Trainer:
         if self.main:
             plot_loss(self.metrics_path, self.run_dir / "loss.png",
                       title=f"{self.cfg.model.residual}, {self.cfg.model.n_sublayers} sub-layers")
-            sample = sample_text(plain, self.tokenizer, self.tc.sample_prompt, self.tc.sample_tokens, self.device,
-                                 seed=self.tc.seed)
-            (self.run_dir / "sample.txt").write_text(sample + "\n")
+            if self.tc.sample_tokens > 0:
+                sample = sample_text(plain, self.tokenizer, self.tc.sample_prompt, self.tc.sample_tokens, self.device,
+                                     seed=self.tc.seed)
+                atomic_write_text(self.run_dir / "sample.txt", sample + "\n")
         D.barrier(self.info)
         tok_s = self.tokens / self.elapsed if self.elapsed > 0 else 0.0
+        steps_run = self.step - (self.resumed_from or 0)
         return TrainResult(self.run_dir, self.step, self.tokens, first_val, val_loss, perplexity(val_loss), tok_s,
-                           sample)
+                           sample, resumed_from=self.resumed_from, steps_run=steps_run)

@@ -1,0 +1,112 @@
+"""Issue 11 through the command line: --restart, resumed-run messages, prepare's defaults
+and output, folders created for --plot, the --device message, import-hf keeps the step."""
+
+import shutil
+
+import pytest
+
+from conftest import REPO, tiny_overrides
+from keel.cli import main
+from keel.config import load_config
+
+
+def sets(data, **train):
+    return [a for s in tiny_overrides(data, **train) for a in ("--set", s)]
+
+
+@pytest.fixture(scope="module")
+def cli_run(tiny_data, tmp_path_factory):
+    import torch
+
+    torch.set_num_threads(1)
+    run = tmp_path_factory.mktemp("cli") / "run"
+    assert main(["train", "--run-dir", str(run), *sets(tiny_data, steps=4, eval_every=2, checkpoint_every=2)]) == 0
+    return run
+
+
+def test_resume_of_a_finished_run_says_nothing_to_do(cli_run, tmp_path, capsys):
+    run = tmp_path / "r"
+    shutil.copytree(cli_run, run)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "already at step 4: nothing to do" in out and "sample:" not in out and "validation loss" not in out
+
+
+def test_resumed_run_says_where_it_resumed(cli_run, tmp_path, capsys):
+    run = tmp_path / "r"
+    shutil.copytree(cli_run, run)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--set", "train.steps=6"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed at step 4, trained 2 more step(s)" in out and "validation loss at step 6" in out
+
+
+def test_restart_flag(cli_run, tmp_path, capsys):
+    run = tmp_path / "r"
+    shutil.copytree(cli_run, run)
+    shutil.rmtree(run / "checkpoints")
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no intact checkpoint" in err[0] and "--restart" in err[0]
+    assert main(["train", "--resume", str(run), "--restart"]) == 0
+    out = capsys.readouterr().out
+    assert "validation loss at step 4" in out and "resumed" not in out
+
+
+def test_prepare_defaults_match_the_demo_config(tmp_path, monkeypatch, capsys):
+    """`keel prepare --source builtin:python-stdlib` built a second dataset (val_fraction 0.01 vs 0.05)."""
+    from keel.cli import build_parser
+    from keel.data.prepare import _canonical_inputs, dataset_slug
+
+    args = build_parser().parse_args(["prepare", "--source", "builtin:python-stdlib"])
+    d = load_config(REPO / "keel" / "configs" / "demo.toml").data
+    cli = _canonical_inputs(args.source, args.tokenizer, args.val_fraction, args.max_bytes, None, args.text_field, 0)
+    cfg = _canonical_inputs(d.source, d.tokenizer, d.val_fraction, d.max_bytes or None, None, d.text_field, 0)
+    assert dataset_slug(cli) == dataset_slug(cfg) and args.cache_dir == d.cache_dir
+
+
+def test_prepare_output_has_no_blank_lines_and_says_it_reuses(tmp_path, capsys, caplog):
+    c = tmp_path / "c"
+    c.mkdir()
+    for i in range(3):
+        (c / f"{i}.txt").write_text(f"document {i}\n" * 200)
+    args = ["prepare", "--source", str(c), "--tokenizer", "bpe:300", "--out", str(tmp_path / "ds")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("dataset: ") and "\n\n" not in out and out.strip() == out.rstrip("\n")
+    with caplog.at_level("INFO", logger="keel"):  # the CLI's log handler writes these to stderr
+        assert main(args) == 0
+    assert any(r.getMessage() == f"reusing cached dataset {tmp_path / 'ds'}" for r in caplog.records)
+
+
+def test_generate_device_error_names_the_flag(cli_run, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    assert main(["generate", "--run", str(cli_run), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "--device is cuda but no CUDA device is available" in err and "train.device" not in err
+
+
+def test_gradflow_plot_creates_its_folder(tiny_data, tmp_path, capsys):
+    png = tmp_path / "new" / "dir" / "gf.png"
+    code = main(["gradflow", "--residual", "keel", "--layers", "2", "--json", "--plot", str(png), "--d-model", "32",
+                 "--seq-len", "16", "--batch-size", "2", "--threads", "1", "--jacobian-iters", "2",
+                 "--set", f"data.path={tiny_data}"])
+    assert code == 0, capsys.readouterr().err
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_import_hf_keeps_the_step(cli_run, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    assert main(["export-hf", "--run", str(cli_run), "--out", str(tmp_path / "hf")]) == 0
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"]  # was 0600
+    assert main(["import-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
+    assert [p.name for p in (tmp_path / "back" / "checkpoints").glob("step_*")] == ["step_00000004"]
+    # weights only: a resume says so in one line instead of a KeyError traceback
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "back"), "--set", "train.steps=8"]) == 2
+    assert "holds weights only" in capsys.readouterr().err
