@@ -357,6 +357,14 @@ def _coerce_vocab(value: Any) -> int | str:
         raise KeelError(f'model.vocab_size must be "auto" or an integer, got {value!r}') from None
 
 
+def _coerce_field(section: str, key: str, value: Any, current: Any) -> Any:
+    """``value`` as the type of the field's default ``current``: a list of names (``train.loggers``)
+    or a scalar (:func:`_coerce`)."""
+    if isinstance(current, list):
+        return _coerce_names(f"{section}.{key}", value)
+    return _coerce(section, key, value, current)
+
+
 def _coerce(section: str, key: str, value: Any, current: Any) -> Any:
     """Convert ``value`` to the type of the field's default ``current``."""
     where = f"{section}.{key}"
@@ -364,8 +372,6 @@ def _coerce(section: str, key: str, value: Any, current: Any) -> Any:
         return _coerce_vocab(value)
     if current is None:  # optional numbers (model.alpha)
         current = 0.0
-    if isinstance(current, list):
-        return _coerce_names(where, value)
     if isinstance(current, bool):
         if isinstance(value, bool):
             return value
@@ -411,7 +417,7 @@ def config_from_dict(d: dict[str, Any]) -> Config:
         for key, value in values.items():
             if not hasattr(obj, key) or key.startswith("_"):
                 raise KeelError(f"unknown config key {section}.{key}")
-            setattr(obj, key, _coerce(section, key, value, getattr(obj, key)))
+            setattr(obj, key, _coerce_field(section, key, value, getattr(obj, key)))
     cfg.model.validate()
     cfg.data.validate()
     cfg.train.validate()

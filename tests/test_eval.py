@@ -224,7 +224,7 @@ def test_eval_hf_finds_the_cached_dataset_of_the_export(tiny_data, tmp_path, mon
     sets = [s for s in tiny_overrides(tiny_data, steps=2, eval_every=2, checkpoint_every=2)
             if not s.startswith("data.")]
     sets += ["data.source=builtin:python-stdlib", "data.tokenizer=bpe:512", "data.max_bytes=300000",
-             "data.val_fraction=0.01", "data.cache_dir=" + cache.name]
+             "data.cache_dir=" + cache.name]
     monkeypatch.chdir(cache.parent)  # cache_dir is relative, as in the default config
     cfg = load_config(REPO / "keel" / "configs" / "demo.toml", sets)
     assert cfg.data.path == ""

@@ -71,7 +71,7 @@ def test_config_covers_every_model_config_field():
     assert (hc.max_position_embeddings, hc.intermediate_size, hc.tie_word_embeddings) == (40, 80, True)
     assert KeelConfig(hidden_size=64, n_heads=2).to_model_config().d_model == 64
     with pytest.raises(KeelError, match="residual"):
-        KeelForCausalLM(KeelConfig(residual="nope"))
+        KeelForCausalLM(KeelConfig(residual="nope", vocab_size=97))
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
@@ -389,7 +389,11 @@ def test_import_stock_llama_then_resume_training_and_generate(tiny_data, tmp_pat
 
     llama_dir, run = tmp_path / "llama", tmp_path / "run"
     llama = _stock_llama(llama_dir, tiny_data / "tokenizer.json")
-    assert main(["import-hf", "--hf", str(llama_dir), "--out", str(run)]) == 0
+    sets = [s for s in tiny_overrides(tiny_data, steps=3, eval_every=3, checkpoint_every=3)
+            if not s.startswith("model.")]
+    assert main(["import-hf", "--hf", str(llama_dir), "--out", str(run), "--set", "model.d_model=8"]) == 2
+    assert "--set only data.* and train.* keys" in capsys.readouterr().err
+    assert main(["import-hf", "--hf", str(llama_dir), "--out", str(run)] + [a for s in sets for a in ("--set", s)]) == 0
     capsys.readouterr()
     cfg = load_config(run / "config.toml")
     assert cfg.model.residual == "pre_ln" and (cfg.model.d_model, cfg.model.n_layers) == (32, 2)
@@ -406,9 +410,7 @@ def test_import_stock_llama_then_resume_training_and_generate(tiny_data, tmp_pat
         expected = llama.generate(torch.tensor([p_ids]), max_new_tokens=6, do_sample=False)[0].tolist()
     assert capsys.readouterr().out.strip() == tok.decode(expected).strip()
     # keel train --resume continues the imported run from its step-0 checkpoint
-    sets = [s for s in tiny_overrides(tiny_data, steps=3, eval_every=3, checkpoint_every=3)
-            if not s.startswith("model.")]
-    assert main(["train", "--resume", str(run)] + [a for s in sets for a in ("--set", s)]) == 0
+    assert main(["train", "--resume", str(run)]) == 0
     recs = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in recs)
     assert Run(run).latest_checkpoint().name == "step_00000003"

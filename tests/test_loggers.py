@@ -98,12 +98,14 @@ def test_wandb_offline_writes_its_run_folder_and_resume_keeps_the_run(tiny_confi
     train(tiny_config(steps=2, eval_every=2, checkpoint_every=2, loggers='["wandb"]'), run)
     run_id = (run / "wandb_id").read_text().strip()
     first = sorted((run / "wandb").glob("offline-run-*"))
-    assert len(first) == 1 and first[0].name.endswith(run_id)
+    assert len(first) == 1 and f"-{run_id}" in first[0].name
     assert list(first[0].glob("*.wandb")) and (first[0] / "files").is_dir()
     train(tiny_config(steps=3, eval_every=3, checkpoint_every=3, loggers='["wandb"]'), run, resume=True)
     runs = sorted((run / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(run_id) for r in runs)  # one W&B run, synced as one
-    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert len(runs) == 2 and all(f"-{run_id}" in r.name for r in runs)  # one W&B run, synced as one
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records if "config_change" not in r] == [0, 1, 2, 3]
+    assert [r["step"] for r in records if "config_change" in r] == [2]  # train.steps 2 -> 3, logged by all
 
 
 def test_progress_lines_every_n_steps_or_m_seconds():
@@ -148,9 +150,12 @@ def test_wandb_does_not_log_a_step_twice_across_a_resume(tmp_path):
     first.close()
     again = WandbSink(tmp_path, {"train": {"lr": 0.1}}, mode="offline")
     assert [again.write({"step": s, "loss": 0.5}) for s in (4, 5, 6, 7)] == [False, False, True, True]
+    assert again.write({"step": 3, "config_change": {"train.steps": {"old": 6, "new": 9}}})  # not a step's numbers
     again.close()
     assert (tmp_path / "wandb_last_step").read_text() == "7\n"
-    assert len({p.name.rsplit("-", 1)[-1] for p in (tmp_path / "wandb").glob("offline-run-*")}) == 1
+    run_id = (tmp_path / "wandb_id").read_text().strip()
+    folders = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2 and all(f"-{run_id}" in p.name for p in folders)  # one W&B run, two sessions
     with pytest.raises(KeelError, match="train.wandb_mode must be one of offline, online, disabled"):
         WandbSink(tmp_path, {}, mode="cloud")
 

@@ -44,6 +44,9 @@ def _register_hf(subparsers) -> None:
                                            "with a fresh optimiser).")
     pi.add_argument("--hf", required=True, help="Hugging Face folder: from `keel export-hf`, or a stock Llama")
     pi.add_argument("--out", required=True, help="run directory to create (must not exist or be empty)")
+    pi.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="set a data.* or train.* key of the new run (repeatable); train.batch_size and "
+                         "train.seq_len cannot change on resume, so choose them here")
     pi.set_defaults(func=_cmd_import_hf)
 
 
@@ -60,7 +63,7 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
 def _cmd_import_hf(args: argparse.Namespace) -> int:
     from keel.hf.convert import import_hf
 
-    out = import_hf(args.hf, args.out)
+    out = import_hf(args.hf, args.out, overrides=args.set)
     print(f"imported {args.hf} -> run {out} (continue training with `keel train --resume {out}`)")
     return 0
 

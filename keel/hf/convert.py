@@ -294,7 +294,7 @@ def fresh_trainer_state(model, cfg, step: int = 0) -> dict:
             "rng": torch.Generator().manual_seed(cfg.train.seed).get_state()}
 
 
-def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
+def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None = None) -> Path:
     """Create a run directory ``out`` from a keel Hugging Face folder or a stock Llama folder.
 
     Writes ``out/config.toml`` (the exported ``keel_config.toml`` if present, with its
@@ -304,23 +304,27 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
     ``config.json``; 0 when absent, e.g. a stock Llama), with a fresh trainer state at that
     step (:func:`fresh_trainer_state`): ``keel generate``/``keel eval`` use it, and ``keel
     train --resume out`` trains it on (set ``data.path`` to a dataset prepared with this
-    tokenizer, or train on ``data.source``, which is tokenized with it).
+    tokenizer, or train on ``data.source``, which is tokenized with it). ``overrides``
+    (``section.key=value``, data and train keys only) set the run's config: a resumed run
+    keeps ``train.batch_size`` and ``train.seq_len``, so choose them here.
 
     Returns ``out``. Raises KeelError: not a keel/Llama folder, a Llama feature keel lacks
     (named), no tokenizer, or ``out`` exists and is not empty.
     """
     import dataclasses
 
-    from keel.config import Config, dump_config, load_config
+    from keel.config import dump_config, load_config
     from keel.train.checkpoint import save_checkpoint
 
     hf_dir, out = Path(hf_dir), Path(out)
     _check_output(out)
     model, hf_tok, _ = load_hf(hf_dir, device="cpu")
-    if (hf_dir / KEEL_CONFIG_NAME).is_file():
-        cfg = load_config(hf_dir / KEEL_CONFIG_NAME)
-    else:
-        cfg = Config()
+    overrides = list(overrides or [])
+    if any(o.strip().startswith("model.") for o in overrides):
+        raise KeelError("import-hf takes the model from the folder's config.json; --set only data.* and train.* keys")
+    exported = hf_dir / KEEL_CONFIG_NAME
+    cfg = load_config(exported if exported.is_file() else None, overrides)
+    if not exported.is_file() and not any(o.strip().startswith("data.tokenizer=") for o in overrides):
         cfg.data.tokenizer = str((out / "tokenizer.json").resolve())
     cfg.model = dataclasses.replace(model.config.to_model_config())
     tmp = _fresh_output(out)

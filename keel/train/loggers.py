@@ -132,15 +132,16 @@ class WandbSink:
 
     def write(self, record: dict) -> bool:
         """Log the numbers of ``record``; a step not after the last one this W&B run has
-        (``RUN/wandb_last_step``, kept across resumes) is skipped. Returns whether it was logged."""
+        (``RUN/wandb_last_step``, kept across resumes) is skipped, except a resume's
+        ``config_change`` record. Returns whether it was logged."""
         from keel.io import atomic_write_text
 
         step = int(record.get("step", 0))
-        if step <= self.last_step:
+        if step <= self.last_step and "config_change" not in record:  # a resume's config change is new
             return False
         self.run.log(flatten(record))
-        self.last_step = step
-        atomic_write_text(self.step_file, f"{step}\n")
+        self.last_step = max(step, self.last_step)
+        atomic_write_text(self.step_file, f"{self.last_step}\n")
         return True
 
     def close(self) -> None:

@@ -213,7 +213,7 @@ class Trainer:
         elif resume and not restart:
             self.say(f"no checkpoint in {self.run_dir} yet (no step was saved): starting it from step 0")
         self.resumed_from = self.step if self.ckpt is not None else None
-        self.sink = None  # the train.loggers sinks, opened by fit (keel.train.loggers)
+        self.sink = None  # the train.loggers sinks (keel.train.loggers), opened by the first write
         self.history = self._prepare_run_dir()
         self.tokens_per_step = self.tc.batch_size * self.tc.seq_len * self.tc.grad_accum  # global
 
@@ -383,7 +383,15 @@ class Trainer:
     def write(self, record: dict) -> None:
         """Send ``record`` to every sink of ``train.loggers`` (metrics.jsonl, TensorBoard, W&B; rank 0)."""
         if self.main:
+            if self.sink is None:
+                self.sink = open_sinks(self.cfg, self.run_dir, self.resumed_from)
             self.sink.write(record)
+
+    def close_sink(self) -> None:
+        """Close the ``train.loggers`` sinks, if open (flushes TensorBoard, finishes W&B)."""
+        if self.sink is not None:
+            self.sink.close()
+            self.sink = None
 
     def checkpoint(self) -> None:
         """Save weights and trainer state (collective under FSDP; rank 0 writes).
@@ -483,8 +491,8 @@ class Trainer:
     def fit(self) -> TrainResult:
         """Train to ``train.steps``; returns the final numbers."""
         if self.resumed_from is not None and self.step >= self.tc.steps:
+            self.close_sink()
             return self._nothing_to_do()
-        self.sink = open_sinks(self.cfg, self.run_dir, self.resumed_from) if self.main else None
         self._describe()
         first_val = self._first_eval()
         state = StepState(self.cfg, self.run_dir, self.info, self.model, self.tokenizer, self.plain_model,
@@ -513,8 +521,7 @@ class Trainer:
                     self.checkpoint()
         finally:
             bar.close()
-            if self.sink is not None:
-                self.sink.close()
+            self.close_sink()
         return self._finish(first_val, val_loss)
 
     def _nothing_to_do(self) -> TrainResult:
