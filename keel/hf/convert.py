@@ -334,6 +334,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
         step = int(getattr(model.config, "keel_step", 0) or 0)
         state = fresh_trainer_state(model.model, cfg, step)
         state["imported_from"] = str(hf_dir.resolve())
+        state["config"] = cfg.to_dict()  # what a resume compares its config with
         save_checkpoint(tmp, step, model.model, state)
         _move_into_place(tmp, out)
     except BaseException:
