@@ -73,6 +73,25 @@ class ModelConfig:
 
     Raises:
         KeelError: from :meth:`validate` on an impossible shape or unknown scheme.
+
+    Attributes (``keel config`` prints these):
+        vocab_size: rows of the embedding and LM head: "auto" (the tokenizer's vocabulary rounded up to a
+            multiple of vocab_multiple) or a count >= the tokenizer's vocabulary.
+        vocab_multiple: with vocab_size "auto": round the vocabulary up to a multiple of this.
+        d_model: width of the residual stream.
+        n_layers: blocks (attention + FFN each); the paper's depth L is 2 * n_layers sub-layers.
+        n_heads: attention (query) heads; head_dim = d_model / n_heads, even.
+        n_kv_heads: key/value heads of grouped-query attention (divides n_heads).
+        d_ff: hidden width of the SwiGLU FFN.
+        max_seq_len: longest sequence in tokens (RoPE table size).
+        rope_theta: RoPE base.
+        norm_eps: epsilon of every RMSNorm.
+        tie_embeddings: share the token embedding with the LM head.
+        init_std: standard deviation of the N(0, init_std^2) weight init.
+        residual: residual scheme, a name in keel.model.residual.SCHEMES (pre_ln, post_ln, deepnorm, keel, ...).
+        alpha: Keel's residual scale (a number > 0); unset means L, the number of sub-layers.
+        keel_first_layer_rule: Keel: sub-layer 0 is plain Pre-LN and sub-layer 1 uses alpha = 1.
+        mix_ln_ratio: Mix-LN: the first floor(ratio * n_layers) blocks are Post-LN, the rest Pre-LN.
     """
 
     # "auto" (default): the tokenizer's vocabulary, rounded up to a multiple of vocab_multiple
@@ -137,7 +156,17 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Where the tokens come from; see ``keel prepare`` and :mod:`keel.data`."""
+    """Where the tokens come from; see ``keel prepare`` and :mod:`keel.data`.
+
+    Attributes (``keel config`` prints these):
+        source: the corpus: builtin:python-stdlib, a file or folder of text, or hf:NAME[:CONFIG].
+        tokenizer: bpe:N (train an N-token byte-level BPE), a tokenizer.json path or a hub name.
+        path: a prepared dataset folder (keel prepare --out); empty = prepare source+tokenizer in cache_dir.
+        cache_dir: where prepared datasets are cached (relative to the working folder).
+        val_fraction: fraction of documents held out for validation.
+        max_bytes: read at most this many bytes of text from the source (0 = all).
+        text_field: the field holding the text in .jsonl/.json/.parquet sources.
+    """
 
     source: str = "builtin:python-stdlib"
     tokenizer: str = "bpe:8192"
@@ -165,7 +194,49 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    """Optimisation and bookkeeping. Defaults follow the paper's recipe (Sec. 5)."""
+    """Optimisation and bookkeeping. Defaults follow the paper's recipe (Sec. 5).
+
+    Attributes (``keel config`` prints these):
+        steps: optimiser steps to train for.
+        lr: peak learning rate (after warm-up).
+        min_lr: learning rate at the end of the decay.
+        warmup_steps: steps of linear warm-up.
+        schedule: LR after warm-up: cosine (to min_lr) | wsd (constant, then an exponential decay to min_lr over the last
+            decay_fraction of the steps) | constant.
+        decay_fraction: with schedule wsd: the fraction of the steps spent decaying.
+        batch_size: sequences per micro-batch, over all processes.
+        seq_len: tokens per training sequence.
+        grad_accum: micro-batches per optimiser step.
+        weight_decay: AdamW weight decay (matrices and embeddings only).
+        beta1: AdamW beta1.
+        beta2: AdamW beta2.
+        grad_clip: clip the global gradient norm to this (0 = no clipping).
+        eval_every: steps between validation-loss evaluations.
+        eval_tokens: validation tokens per evaluation.
+        checkpoint_every: steps between checkpoints.
+        keep_checkpoints: newest checkpoints kept on disk.
+        log_every: steps between progress lines when stderr is not a terminal.
+        seed: seed of the init, the data order and sampling.
+        device: auto | cpu | cuda | cuda:N.
+        precision: auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16.
+        max_bad_steps: stop after this many non-finite steps in a row.
+        sample_tokens: tokens sampled from the final model into sample.txt.
+        sample_prompt: prompt of that sample.
+        progress: show training progress (a bar on a terminal, else plain lines).
+        stop_on_divergence: stop when the divergence classifier fires.
+        divergence_warnings: log the divergence classifier's verdicts.
+        gradflow_every: log per-sub-layer gradient norms every N steps (0 = never).
+        parallelism: ddp | fsdp when several processes train (torchrun / --nproc).
+        activation_checkpointing: none | block | every_k (recompute activations in backward).
+        checkpoint_k: with every_k: checkpoint every k-th block.
+        compile: torch.compile the model.
+        eval_tasks: comma-separated lm-evaluation-harness tasks scored during training.
+        eval_tasks_every: steps between task evaluations (0 = never).
+        eval_tasks_limit: examples per task in those evaluations.
+        loggers: where metrics go: jsonl (always), tensorboard (RUN/tensorboard), wandb (RUN/wandb).
+        wandb_mode: W&B: offline (sync later with `wandb sync`) | online | disabled.
+        wandb_project: W&B project name.
+    """
 
     steps: int = 1000
     lr: float = 3e-3
@@ -212,6 +283,11 @@ class TrainConfig:
     eval_tasks: str = ""
     eval_tasks_every: int = 0
     eval_tasks_limit: int = 100
+    # Experiment tracking (keel.train.loggers): where every metrics record goes, besides
+    # metrics.jsonl: "tensorboard" (RUN/tensorboard), "wandb" (RUN/wandb, train.wandb_mode).
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    wandb_mode: str = "offline"  # W&B: "offline" (sync later) | "online" | "disabled"
+    wandb_project: str = "keel"  # W&B project name
 
     def validate(self) -> "TrainConfig":
         """Check every key's range; return self. Raises KeelError naming the bad key.
@@ -264,6 +340,14 @@ class Config:
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
 
 
+def _coerce_names(where: str, value: Any) -> list[str]:
+    """A list of names (``train.loggers``) from a TOML array or a string ``"a,b"``."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+        raise KeelError(f"{where} must be a list of strings, got {value!r}")
+    return [v.strip() for v in items if v.strip()]
+
+
 def _coerce_vocab(value: Any) -> int | str:
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
@@ -271,6 +355,14 @@ def _coerce_vocab(value: Any) -> int | str:
         return _coerce("model", "vocab_size_int", value, 0)
     except KeelError:
         raise KeelError(f'model.vocab_size must be "auto" or an integer, got {value!r}') from None
+
+
+def _coerce_field(section: str, key: str, value: Any, current: Any) -> Any:
+    """``value`` as the type of the field's default ``current``: a list of names (``train.loggers``)
+    or a scalar (:func:`_coerce`)."""
+    if isinstance(current, list):
+        return _coerce_names(f"{section}.{key}", value)
+    return _coerce(section, key, value, current)
 
 
 def _coerce(section: str, key: str, value: Any, current: Any) -> Any:
@@ -325,7 +417,7 @@ def config_from_dict(d: dict[str, Any]) -> Config:
         for key, value in values.items():
             if not hasattr(obj, key) or key.startswith("_"):
                 raise KeelError(f"unknown config key {section}.{key}")
-            setattr(obj, key, _coerce(section, key, value, getattr(obj, key)))
+            setattr(obj, key, _coerce_field(section, key, value, getattr(obj, key)))
     cfg.model.validate()
     cfg.data.validate()
     cfg.train.validate()
@@ -408,3 +500,69 @@ def resolve_config_path(name: str | None, kind: str = "") -> Path:
     what = "sweep preset" if kind else "config"
     known = ", ".join(preset_names(kind)) or "none found"
     raise KeelError(f"unknown {what} {name!r}: not a file and not a shipped preset ({known})")
+
+
+def _docstring_attributes(cls) -> dict[str, str]:
+    """``{field: help}`` from the ``Attributes`` section of ``cls``'s docstring."""
+    import inspect
+
+    out: dict[str, str] = {}
+    lines = (inspect.getdoc(cls) or "").splitlines()
+    if not any(ln.startswith("Attributes") for ln in lines):
+        return out
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("Attributes")) + 1
+    last = None
+    for line in lines[start:]:
+        if not line.startswith("    "):
+            break
+        name, sep, text = line.strip().partition(": ")
+        if line.startswith("        ") and last:  # continuation line
+            out[last] += " " + line.strip()
+        elif sep and name.isidentifier():
+            out[name], last = text, name
+    return out
+
+
+def _field_comments(cls) -> dict[str, str]:
+    """``{field: help}`` from the comments in ``cls``'s source: a field's trailing comment,
+    else the block of comment lines right above it."""
+    import inspect
+    import io
+    import tokenize
+
+    comments: dict[int, str] = {}
+    source = inspect.getsource(cls)
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    lines = source.splitlines()
+    out = {}
+    for i, line in enumerate(lines, start=1):
+        name = line.strip().split(":", 1)[0]
+        if not line.startswith("    ") or line.startswith("     ") or not name.isidentifier():
+            continue
+        if i in comments:
+            out[name] = comments[i]
+            continue
+        block, j = [], i - 1
+        while j in comments and lines[j - 1].strip().startswith("#"):
+            block.insert(0, comments[j])
+            j -= 1
+        out[name] = " ".join(block)
+    return out
+
+
+def describe_config() -> list[dict[str, Any]]:
+    """Every config key, read from the dataclasses themselves: ``[{"key": "model.d_model",
+    "type": "int", "default": 128, "help": "..."}]`` in section and field order. ``help`` is
+    the field's ``metadata["help"]`` if it has one, else its entry in the class docstring's
+    ``Attributes`` section, else its comment in this file (trailing, or the comment block
+    above it); ``default`` is the dataclass default (None = unset)."""
+    out = []
+    for section, cls in _SECTIONS.items():
+        comments = {**_field_comments(cls), **_docstring_attributes(cls)}
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            out.append({"key": f"{section}.{f.name}", "type": str(f.type), "default": default,
+                        "help": f.metadata.get("help") or comments.get(f.name, "")})
+    return out

@@ -212,3 +212,74 @@ def test_training_runs_example_task_every_two_steps(tiny_config, tmp_path):
     plain_losses = [json.loads(ln)["loss"] for ln in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()
                     if "loss" in json.loads(ln)]
     assert losses == plain_losses and res.val_loss == plain.val_loss
+
+
+def test_eval_hf_finds_the_cached_dataset_of_the_export(tiny_data, tmp_path, monkeypatch, capsys):
+    """A run trained on the derived cache (data.path empty, relative cache_dir): its export names
+    the dataset by absolute path, so `keel eval --hf` from another folder reports the same
+    held-out numbers as `keel eval --run`; an export whose dataset is gone says which it is."""
+    from keel.train import train
+
+    cache = tiny_data.parent
+    sets = [s for s in tiny_overrides(tiny_data, steps=2, eval_every=2, checkpoint_every=2)
+            if not s.startswith("data.")]
+    sets += ["data.source=builtin:python-stdlib", "data.tokenizer=bpe:512", "data.max_bytes=300000",
+             "data.cache_dir=" + cache.name]
+    monkeypatch.chdir(cache.parent)  # cache_dir is relative, as in the default config
+    cfg = load_config(REPO / "keel" / "configs" / "demo.toml", sets)
+    assert cfg.data.path == ""
+    train(cfg, tmp_path / "run")
+    assert main(["export-hf", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--run", str(tmp_path / "run"), "--json"]) == 0
+    want = json.loads(capsys.readouterr().out)["perplexity"]
+    monkeypatch.chdir(tmp_path)  # elsewhere: the relative cache_dir would not be found
+    assert load_config(tmp_path / "hf" / "keel_config.toml").data.path == str(tiny_data.resolve())
+    assert main(["eval", "--hf", str(tmp_path / "hf"), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["perplexity"]
+    assert got["nats"] == pytest.approx(want["nats"], rel=1e-6) and got["tokens"] == want["tokens"]
+    # the dataset it names does not exist here: one accurate line, no preparation
+    toml = (tmp_path / "hf" / "keel_config.toml").read_text()
+    (tmp_path / "hf" / "keel_config.toml").write_text(toml.replace(str(tiny_data.resolve()), str(tmp_path / "gone")))
+    assert main(["eval", "--hf", str(tmp_path / "hf")]) == 0
+    assert f"held-out text: none (the dataset keel_config.toml names (data.path {tmp_path / 'gone'}) is not prepared " \
+           "here; pass --text FILE)" in capsys.readouterr().out
+
+
+def test_unreachable_hub_task_fails_within_seconds(run_dir, tmp_path, monkeypatch):
+    """Without HF_HUB_OFFLINE set, a task whose dataset is on the hub fails after one ~3 s
+    reachability probe (this machine has no network) instead of huggingface_hub's retries;
+    the local tasks still run."""
+    import time
+
+    import datasets.config
+    import huggingface_hub.constants as hub_constants
+
+    from keel.eval.tasks import run_tasks
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False, raising=False)
+    (tmp_path / "remote.yaml").write_text(
+        "task: keel_test_remote\ndataset_path: keel-no-such-org/no-such-dataset\noutput_type: multiple_choice\n"
+        "test_split: test\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: answer\n")
+    model, tok = Run(run_dir).load_model(), Run(run_dir).tokenizer()
+    lines = []
+    t0 = time.perf_counter()
+    res = run_tasks(model, tok, ["keel_test_remote"], limit=2, task_dir=tmp_path, log=lines.append)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 15, elapsed
+    assert len(lines) == 1 and lines[0].startswith("task keel_test_remote: dataset could not be loaded (offline?): ")
+    assert res["keel_test_remote"] == {"error": lines[0].split(": ", 1)[1]}
+    assert hub_constants.HF_HUB_OFFLINE is False  # offline mode only for that load
+
+
+def test_eval_quiet_by_default_verbose_shows_lm_eval_bars(run_dir, capfd):
+    assert main(["eval", "--run", str(run_dir), "--tasks", MC_TASK, "--limit", "2", "--max-tokens", "64"]) == 0
+    quiet = capfd.readouterr()
+    assert "task keel_python_completion: acc" in quiet.out
+    assert "it/s]" not in quiet.err and "Running loglikelihood requests" not in quiet.err
+    assert main(["eval", "--run", str(run_dir), "--tasks", MC_TASK, "--limit", "2", "--max-tokens", "64",
+                 "--verbose"]) == 0
+    assert "Running loglikelihood requests" in capfd.readouterr().err

@@ -1,8 +1,11 @@
 """Hugging Face integration (keel.hf): KeelConfig / KeelForCausalLM against the native model,
-KV-cache generation, save/load, tied embeddings, export-hf -> Auto* offline -> import-hf."""
+KV-cache generation, save/load, tied embeddings, export-hf -> Auto* offline -> import-hf; exports
+that load without keel (generated code + auto_map, checked with keel's import blocked), pre_ln as
+a stock Llama both ways, and the Llama features import-hf refuses."""
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -12,16 +15,16 @@ import torch
 
 pytest.importorskip("transformers")
 
-from safetensors.torch import load_file  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from conftest import REPO, tiny_overrides
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import keel.hf  # noqa: E402,F401  (registers model_type "keel")
-from conftest import REPO, tiny_overrides  # noqa: E402
-from keel.cli import main  # noqa: E402
-from keel.config import ModelConfig, load_config  # noqa: E402
-from keel.errors import KeelError  # noqa: E402
-from keel.hf import KeelConfig, KeelForCausalLM  # noqa: E402
-from keel.model import SCHEMES, Transformer  # noqa: E402
+import keel.hf  # noqa: F401  (registers model_type "keel")
+from keel.cli import main
+from keel.config import ModelConfig, load_config
+from keel.errors import KeelError
+from keel.hf import KeelConfig, KeelForCausalLM
+from keel.model import SCHEMES, Transformer
 
 SCHEME_NAMES = sorted(SCHEMES)
 
@@ -68,7 +71,7 @@ def test_config_covers_every_model_config_field():
     assert (hc.max_position_embeddings, hc.intermediate_size, hc.tie_word_embeddings) == (40, 80, True)
     assert KeelConfig(hidden_size=64, n_heads=2).to_model_config().d_model == 64
     with pytest.raises(KeelError, match="residual"):
-        KeelConfig(residual="nope").to_model_config()
+        KeelForCausalLM(KeelConfig(residual="nope", vocab_size=97))
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
@@ -170,6 +173,7 @@ def test_export_auto_load_offline_generate_import(trained_run, tmp_path, monkeyp
 
     native, tok = Run(trained_run).load_model(), Run(trained_run).tokenizer()
     model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model) is KeelForCausalLM  # keel.hf is imported: keel's own code, no trust_remote_code
     hf_tok = AutoTokenizer.from_pretrained(out)
     text = "def parse(self, text):\n    return text.split()\n"
     ids = hf_tok(text, return_tensors="pt").input_ids
@@ -186,6 +190,14 @@ def test_export_auto_load_offline_generate_import(trained_run, tmp_path, monkeyp
     assert main(["import-hf", "--hf", str(out), "--out", str(back)]) == 0
     a = load_file(latest_checkpoint(trained_run) / "model.safetensors")
     b = load_file(latest_checkpoint(back) / "model.safetensors")
+    # the step of the export is kept, with the LR schedule at that step (resumable)
+    from keel.train.checkpoint import load_trainer_state
+    from keel.train.optim import lr_at
+
+    assert latest_checkpoint(back).name == latest_checkpoint(trained_run).name == "step_00000004"
+    state = load_trainer_state(latest_checkpoint(back))
+    assert state["step"] == 4 and state["scheduler"]["last_epoch"] == 4
+    assert state["scheduler"]["_last_lr"][0] == pytest.approx(lr_at(4, load_config(back / "config.toml").train))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert load_config(back / "config.toml").model == load_config(trained_run / "config.toml").model
     capsys.readouterr()
@@ -201,17 +213,284 @@ def test_export_auto_load_offline_generate_import(trained_run, tmp_path, monkeyp
 
 
 def test_tokenizer_loads_without_keel(trained_run, tmp_path):
-    """AutoTokenizer needs no keel import (the model does: see keel.hf's docstring)."""
+    """AutoTokenizer needs no keel (import blocked) and no trust_remote_code. (On a terminal,
+    transformers first asks whether to run the folder's config code: either answer works.)"""
     from keel.hf.convert import export_hf
 
     out = export_hf(trained_run, tmp_path / "hf")
-    code = ("import sys; from transformers import AutoTokenizer; t = AutoTokenizer.from_pretrained(sys.argv[1]); "
-            "print(t('import os').input_ids, 'keel' in sys.modules)")
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    r = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, env=env, timeout=300)
+    code = BLOCK_KEEL + ("from transformers import AutoTokenizer; t = AutoTokenizer.from_pretrained(sys.argv[1]); "
+                         "print('RESULT', t('import os').input_ids, t.eos_token)")
+    r = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, env=_offline_env(),
+                       timeout=300, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr
     from tokenizers import Tokenizer
 
     expected = Tokenizer.from_file(str(trained_run / "tokenizer.json")).encode("import os").ids
-    assert r.stdout.split("]")[0] + "]" == str(expected)
-    assert r.stdout.strip().endswith("False")
+    assert r.stdout.split("RESULT ")[-1].strip() == f"{expected} <|endoftext|>"
+
+
+# ---------------------------------------------------------------- exports that load without keel
+BLOCK_KEEL = '''
+import importlib.abc, sys
+class BlockKeel(importlib.abc.MetaPathFinder):
+    """Any import of keel fails, as in a Python where keel is not installed."""
+    def find_spec(self, name, path=None, target=None):
+        if name == "keel" or name.startswith("keel."):
+            raise ImportError("keel is blocked in this test: " + name)
+sys.meta_path.insert(0, BlockKeel())
+'''
+
+REMOTE_CHECK = BLOCK_KEEL + '''
+import json, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+folder, ref_path = sys.argv[1], sys.argv[2]
+try:
+    import keel  # noqa: F401
+    raise SystemExit("keel was importable")
+except ImportError:
+    pass
+try:
+    AutoModelForCausalLM.from_pretrained(folder)
+    raise SystemExit("loaded without trust_remote_code")
+except ValueError as e:
+    assert "trust_remote_code" in str(e), e
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+ref = torch.load(ref_path)
+ids = torch.tensor([tok(ref["text"]).input_ids])
+seen = []
+model.model.register_forward_pre_hook(lambda m, a, k: seen.append((a[0].shape[1], k.get("cache") is not None)),
+                                      with_kwargs=True)
+with torch.no_grad():
+    logits = model(ids).logits
+    gen = model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True)
+print("RESULT " + json.dumps({"class": type(model).__module__ + "." + type(model).__name__,
+                  "max_diff": float((logits - ref["logits"]).abs().max()), "ids": ids[0].tolist(),
+                  "gen": gen[0].tolist(), "calls": seen[1:], "keel_modules": [m for m in sys.modules if
+                  m == "keel" or m.startswith("keel.")]}))
+'''
+
+
+def _offline_env():
+    return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH="")
+
+
+def test_generated_code_has_no_keel_import_and_rejects_lazy_ones():
+    import ast
+
+    from keel.hf import remote
+
+    files = remote.generate_remote_code()
+    assert set(files) == {"configuration_keel.py", "modeling_keel.py"}
+    for name, code in files.items():
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                assert not node.module.startswith("keel"), (name, node.module)
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith("keel") for a in node.names), name
+    # the architecture is keel's own source, not a copy kept by hand
+    import inspect
+
+    import keel.model.model as mm
+    assert inspect.getsource(mm.Transformer) in files["modeling_keel.py"]
+    assert inspect.getsource(ModelConfig) in files["configuration_keel.py"]
+    # a lazy keel import inside the model code would make the export unusable: refused at export
+    with pytest.raises(KeelError, match="still imports keel"):
+        remote._join([("keel/x.py", "import torch\n\ndef f():\n    from keel.data import read_meta\n")], "t")
+    _, body = remote._strip('"""doc"""\nfrom __future__ import annotations\nfrom keel.model import RMSNorm as N\n'
+                            'x = 1\n', "keel/y.py")
+    assert body == "x = 1\n\nN = RMSNorm"
+
+
+def test_export_loads_with_keel_import_blocked(trained_run, tmp_path):
+    """trust_remote_code in a Python where `import keel` fails: same logits (1e-5), KV-cache
+    generation equal to the native greedy decoding, the tokenizer."""
+    from keel.hf.convert import export_hf
+    from keel.run import Run
+
+    out = export_hf(trained_run, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"] == {"AutoConfig": "configuration_keel.KeelConfig",
+                                  "AutoModelForCausalLM": "modeling_keel.KeelForCausalLM"}
+    native, tok = Run(trained_run).load_model(), Run(trained_run).tokenizer()
+    text = "def parse(self, text):\n    return text.split()\n"
+    ids = torch.tensor([tok.encode(text).ids])
+    with torch.no_grad():
+        torch.save({"text": text, "logits": native(ids)}, tmp_path / "ref.pt")
+        expected = native.generate(ids, 8, temperature=0, use_cache=False)[0].tolist()
+    r = subprocess.run([sys.executable, "-c", REMOTE_CHECK, str(out), str(tmp_path / "ref.pt")], capture_output=True,
+                       text=True, env=_offline_env(), timeout=600, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.split("RESULT ")[-1])
+    assert res["class"].startswith("transformers_modules.") and res["class"].endswith("modeling_keel.KeelForCausalLM")
+    assert res["keel_modules"] == []
+    assert res["ids"] == ids[0].tolist()
+    assert res["max_diff"] <= 1e-5
+    assert res["gen"] == expected
+    # generate used the cache: the prompt once, then one new token per forward
+    assert res["calls"] == [[ids.shape[1], True]] + [[1, True]] * 7
+
+
+@pytest.fixture(scope="module")
+def pre_ln_run(tiny_data, tmp_path_factory):
+    from keel.train import train
+
+    run = tmp_path_factory.mktemp("prerun") / "run"
+    sets = tiny_overrides(tiny_data, steps=2, eval_every=2, checkpoint_every=2) + ["model.residual=pre_ln"]
+    train(load_config(REPO / "keel" / "configs" / "demo.toml", sets), run)
+    return run
+
+
+def test_pre_ln_exports_as_stock_llama(pre_ln_run, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from keel.hf.convert import export_hf
+    from keel.run import Run
+
+    out = export_hf(pre_ln_run, tmp_path / "llama")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    assert "auto_map" not in config and not list(out.glob("*.py"))
+    assert config["keel_step"] == 2  # import-hf restores the step
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model) is LlamaForCausalLM
+    native = Run(pre_ln_run).load_model()
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, native(ids), atol=1e-5, rtol=0)
+        gen = model.generate(ids[:1, :9], max_new_tokens=6, do_sample=False)
+    assert torch.equal(gen, native.generate(ids[:1, :9], 6, temperature=0))
+
+
+def _stock_llama(folder, tokenizer_file, **config):
+    """A random Llama written by transformers, with the tokenizer of tokenizer_file."""
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    kw = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+              eos_token_id=0, bos_token_id=None, pad_token_id=None)
+    kw.update(config)
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    with torch.no_grad():  # non-trivial norm gains
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token="<|endoftext|>").save_pretrained(folder)
+    return model
+
+
+def test_import_stock_llama_then_resume_training_and_generate(tiny_data, tmp_path, capsys):
+    from tokenizers import Tokenizer
+
+    from keel.run import Run
+    from keel.train.metrics import read_metrics
+
+    llama_dir, run = tmp_path / "llama", tmp_path / "run"
+    llama = _stock_llama(llama_dir, tiny_data / "tokenizer.json")
+    sets = [s for s in tiny_overrides(tiny_data, steps=3, eval_every=3, checkpoint_every=3)
+            if not s.startswith("model.")]
+    assert main(["import-hf", "--hf", str(llama_dir), "--out", str(run), "--set", "model.d_model=8"]) == 2
+    assert "--set only data.* and train.* keys" in capsys.readouterr().err
+    assert main(["import-hf", "--hf", str(llama_dir), "--out", str(run)] + [a for s in sets for a in ("--set", s)]) == 0
+    capsys.readouterr()
+    cfg = load_config(run / "config.toml")
+    assert cfg.model.residual == "pre_ln" and (cfg.model.d_model, cfg.model.n_layers) == (32, 2)
+    native = Run(run).load_model()
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        torch.testing.assert_close(native(ids), llama(ids).logits, atol=1e-5, rtol=0)
+    tok = Tokenizer.from_file(str(tiny_data / "tokenizer.json"))
+    prompt = "def main(argv):\n    "
+    p_ids = tok.encode(prompt).ids
+    assert main(["generate", "--run", str(run), "--prompt", prompt, "--max-new-tokens", "6",
+                 "--temperature", "0"]) == 0
+    with torch.no_grad():
+        expected = llama.generate(torch.tensor([p_ids]), max_new_tokens=6, do_sample=False)[0].tolist()
+    assert capsys.readouterr().out.strip() == tok.decode(expected).strip()
+    # keel train --resume continues the imported run from its step-0 checkpoint
+    assert main(["train", "--resume", str(run)]) == 0
+    recs = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in recs)
+    assert Run(run).latest_checkpoint().name == "step_00000003"
+    # step 1's loss is the imported Llama's loss on the run's first batch
+    from keel.data import TokenLoader
+
+    cfg = load_config(run / "config.toml")
+    batch = TokenLoader(tiny_data, "train", batch_size=4, seq_len=32, seed=cfg.train.seed).next_batch()
+    with torch.no_grad():
+        assert recs[0]["loss"] == pytest.approx(float(llama(batch, labels=batch).loss), abs=1e-5)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "rope_scaling"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(mlp_bias=True), "mlp_bias"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(head_dim=8), "head_dim"),
+], ids=["rope_scaling", "attention_bias", "mlp_bias", "hidden_act", "head_dim"])
+def test_import_refuses_llama_features_keel_lacks(tiny_data, tmp_path, capsys, change, message):
+    _stock_llama(tmp_path / "llama", tiny_data / "tokenizer.json", **change)
+    capsys.readouterr()
+    assert main(["import-hf", "--hf", str(tmp_path / "llama"), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("keel: error: unsupported Llama feature: " + message) and "\n" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_import_refuses_tied_untied_mismatch(tiny_data, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "llama"
+    _stock_llama(folder, tiny_data / "tokenizer.json", tie_word_embeddings=True)  # stores no lm_head
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["import-hf", "--hf", str(folder), "--out", str(tmp_path / "run")]) == 2
+    assert "untied model (tie_word_embeddings false) needs 'lm_head.weight'" in capsys.readouterr().err
+    weights = load_file(folder / "model.safetensors")
+    weights["lm_head.weight"] = torch.randn_like(weights["model.embed_tokens.weight"])
+    save_file(weights, str(folder / "model.safetensors"))
+    config["tie_word_embeddings"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["import-hf", "--hf", str(folder), "--out", str(tmp_path / "run")]) == 2
+    assert "lm_head different from the embedding" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scheme", SCHEME_NAMES)
+def test_generated_code_equals_native_for_every_scheme(scheme, tmp_path):
+    """The generated files (loaded by transformers as remote code) compute keel's function for
+    every residual scheme, tied and untied."""
+    from keel.hf.remote import write_remote_code
+
+    native, hf = native_and_hf(tiny_cfg(scheme, tie=scheme == "keel"))
+    hf.save_pretrained(tmp_path)
+    write_remote_code(tmp_path)
+    # trust_remote_code's own loader: here keel.hf is imported, and transformers prefers classes
+    # registered explicitly (keel's) over a folder's code, so Auto* would not use the files
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    cls = get_class_from_dynamic_module("modeling_keel.KeelForCausalLM", str(tmp_path))
+    assert cls.__module__.startswith("transformers_modules.") and cls is not KeelForCausalLM
+    remote = cls.from_pretrained(tmp_path).eval()
+    assert type(remote.config).__module__.startswith("transformers_modules.")
+    ids = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        torch.testing.assert_close(remote(ids).logits, native(ids), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_llama_weight_map_covers_every_parameter(tie):
+    """The one name table (keel.hf.llama.llama_weight_map) names every pre_ln parameter and
+    every LlamaForCausalLM parameter exactly once (a renamed or fused keel weight fails here)."""
+    from transformers import LlamaForCausalLM
+
+    from keel.hf.llama import llama_config_from_keel, llama_weight_map
+
+    cfg = tiny_cfg("pre_ln", tie)
+    table = llama_weight_map(cfg.n_layers)
+    keel_names = {k for k in Transformer(cfg).state_dict() if not k.startswith("rope_")}
+    assert {k for k, _ in table} == keel_names
+    llama_names = [p for _, parts in table for p in parts]
+    assert sorted(llama_names) == sorted(LlamaForCausalLM(llama_config_from_keel(cfg)).state_dict())

@@ -106,7 +106,10 @@ def test_import_hf_keeps_the_step(cli_run, tmp_path, capsys):
     assert modes["model.safetensors"] == modes["config.json"]  # was 0600
     assert main(["import-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
     assert [p.name for p in (tmp_path / "back" / "checkpoints").glob("step_*")] == ["step_00000004"]
-    # weights only: a resume says so in one line instead of a KeyError traceback
+    # issue 12: the imported run resumes (fresh optimiser, LR schedule at step 4) and trains on
     capsys.readouterr()
-    assert main(["train", "--resume", str(tmp_path / "back"), "--set", "train.steps=8"]) == 2
-    assert "holds weights only" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path / "back"), "--set", "train.steps=8"]) == 0
+    from keel.train.metrics import read_metrics
+
+    steps = [r["step"] for r in read_metrics(tmp_path / "back" / "metrics.jsonl") if "loss" in r]
+    assert steps == [5, 6, 7, 8]

@@ -5,7 +5,10 @@ Modules, one per group of commands (each has ``register(subparsers)``):
 
 * :mod:`keel.cli.train` -- ``prepare``, ``train``, ``generate``;
 * :mod:`keel.cli.evaluate` -- ``eval``, ``export-hf``, ``import-hf``;
-* :mod:`keel.cli.science` -- ``gradflow``, ``stress``, ``sweep``, ``plot``, ``ablate``.
+* :mod:`keel.cli.science` -- ``gradflow``, ``stress``, ``sweep``, ``plot``, ``ablate``;
+* :mod:`keel.cli.info` -- ``config``, ``runs``.
+
+Every ``--help`` shows the defaults and no reST markup (:mod:`keel.cli.formatting`).
 
 A user mistake (bad path, bad config value, too little data) prints one line
 ``keel: error: ...`` on stderr and exits with status 2; no traceback. Library code reports
@@ -20,19 +23,23 @@ import argparse
 import logging
 import sys
 
-from keel.cli import evaluate, science, train
+from keel import __version__
+from keel.cli import evaluate, info, science, train
+from keel.cli.formatting import apply_help_format
 from keel.errors import KeelError
 
-COMMAND_GROUPS = (train, evaluate, science)
+COMMAND_GROUPS = (train, evaluate, science, info)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``keel`` parser with every sub-command."""
     p = argparse.ArgumentParser(prog="keel", description="Keel and its baselines: prepare data, train, sample, "
                                                          "diagnose, compare.")
+    p.add_argument("--version", action="version", version=f"keel {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for group in COMMAND_GROUPS:
         group.register(sub)
+    apply_help_format(p)
     return p
 
 

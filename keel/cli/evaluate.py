@@ -21,22 +21,32 @@ from pathlib import Path
 
 from keel.errors import KeelError
 
+KEEL_CONFIG = "keel_config.toml"  # the run's config in an exported folder (keel.hf.convert.KEEL_CONFIG_NAME)
+
 
 def _register_hf(subparsers) -> None:
     """Add ``export-hf`` and ``import-hf`` to the ``keel`` sub-parsers."""
     pe = subparsers.add_parser("export-hf", help="write a run as a Hugging Face model folder",
                                description="Write the latest checkpoint of a run as config.json + model.safetensors "
-                                           "+ tokenizer files. Load it with `import keel.hf` then "
-                                           "AutoModelForCausalLM.from_pretrained(OUT).")
+                                           "+ tokenizer files + modeling code generated from keel's source. Load it "
+                                           "anywhere with AutoModelForCausalLM.from_pretrained(OUT, "
+                                           "trust_remote_code=True), or with keel's code after `import keel.hf`. "
+                                           "A pre_ln run is exported as a stock LlamaForCausalLM (no custom code).")
     pe.add_argument("--run", required=True, help="run directory")
     pe.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
     pe.set_defaults(func=_cmd_export_hf)
 
-    pi = subparsers.add_parser("import-hf", help="make a run directory from a keel Hugging Face folder",
-                               description="Inverse of export-hf: a run directory that `keel generate --run` and "
-                                           "`keel eval --run` accept (not resumable: no optimiser state).")
-    pi.add_argument("--hf", required=True, help="Hugging Face folder written by `keel export-hf`")
+    pi = subparsers.add_parser("import-hf", help="make a run directory from a keel or Llama Hugging Face folder",
+                               description="Inverse of export-hf, and the way in for a stock LlamaForCausalLM "
+                                           "(becomes a pre_ln run; RoPE scaling, biases and other features keel "
+                                           "lacks are refused by name): a run directory that `keel generate`, "
+                                           "`keel eval` and `keel train --resume` accept (its checkpoint is step 0 "
+                                           "with a fresh optimiser).")
+    pi.add_argument("--hf", required=True, help="Hugging Face folder: from `keel export-hf`, or a stock Llama")
     pi.add_argument("--out", required=True, help="run directory to create (must not exist or be empty)")
+    pi.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="set a data.* or train.* key of the new run (repeatable); train.batch_size and "
+                         "train.seq_len cannot change on resume, so choose them here")
     pi.set_defaults(func=_cmd_import_hf)
 
 
@@ -45,15 +55,16 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
 
     out = export_hf(args.run, args.out)
     print(f"exported {args.run} -> {out}")
-    print("load it with: import keel.hf; AutoModelForCausalLM.from_pretrained(...); AutoTokenizer.from_pretrained(...)")
+    print("load it with AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True), or after `import keel.hf` "
+          "without trust_remote_code (a pre_ln export is a plain Llama model)")
     return 0
 
 
 def _cmd_import_hf(args: argparse.Namespace) -> int:
     from keel.hf.convert import import_hf
 
-    out = import_hf(args.hf, args.out)
-    print(f"imported {args.hf} -> run {out}")
+    out = import_hf(args.hf, args.out, overrides=args.set)
+    print(f"imported {args.hf} -> run {out} (continue training with `keel train --resume {out}`)")
     return 0
 
 
@@ -79,6 +90,7 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=8,
                    help="windows (perplexity) or requests (tasks) per forward pass")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--verbose", action="store_true", help="show lm-evaluation-harness' own progress bars and logs")
     p.add_argument("--device", default="auto")
     p.set_defaults(func=cmd_eval)
     _register_hf(subparsers)
@@ -104,16 +116,19 @@ def _load(args):
     return hf.model, hf_tok.backend_tokenizer, cfg, device, str(args.hf)
 
 
-def _readable_dataset(path: str) -> bool:
-    if not path:
-        return False
-    from keel.data import read_meta
+def _held_out_dataset(args, cfg):
+    """(prepared dataset folder or None, why none): ``--run`` prepares it if needed; ``--hf``
+    only uses one that exists (:func:`keel.data.find_data`)."""
+    if cfg is None:
+        return None, f"no {KEEL_CONFIG} in {args.hf}"
+    from keel.data import find_data, resolve_data
 
-    try:
-        read_meta(path)
-    except KeelError:
-        return False
-    return True
+    if args.run:
+        return resolve_data(cfg, progress=False), ""
+    found = find_data(cfg)
+    d = cfg.data
+    where = f"data.path {d.path}" if d.path else f"data.source {d.source} under data.cache_dir {d.cache_dir}"
+    return found, f"the dataset {KEEL_CONFIG} names ({where}) is not prepared here"
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -151,26 +166,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         res = text_perplexity(model, tokenizer, text, seq_len, device, eos_id=tokenizer.token_to_id(EOS_TOKEN),
                               source=str(path), batch_size=args.batch_size)
-    elif cfg is not None and (args.run or _readable_dataset(cfg.data.path)):
-        from keel.data import resolve_data
-
-        max_tokens = args.max_tokens if args.max_tokens is not None else cfg.train.eval_tokens
-        res = validation_perplexity(model, tokenizer, resolve_data(cfg, progress=False), seq_len, max_tokens, device,
-                                    batch_size=args.batch_size)
+    else:
+        data_dir, why_none = _held_out_dataset(args, cfg)
+        if data_dir is not None:
+            max_tokens = args.max_tokens if args.max_tokens is not None else cfg.train.eval_tokens
+            res = validation_perplexity(model, tokenizer, data_dir, seq_len, max_tokens, device,
+                                        batch_size=args.batch_size)
     if res is not None:
         report["perplexity"] = {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
                                 for k, v in res.to_dict().items()}
         say(f"held-out text: {res.source} ({res.tokens:,} tokens, {res.bytes:,} bytes, windows of {seq_len} tokens)")
         say(f"  loss {res.loss:.4f} nats/token, perplexity {res.perplexity:.2f}, bits per byte {res.bits_per_byte:.4f}")
     else:
-        say("held-out text: none (no keel_config.toml here naming a readable prepared dataset; pass --text FILE)")
+        say(f"held-out text: none ({why_none}; pass --text FILE)")
 
     failed = 0
     if task_names:
         from keel.eval.tasks import run_tasks
 
         results = run_tasks(model, tokenizer, task_names, limit=args.limit, task_dir=args.task_dir,
-                            log=lambda line: print(line, file=sys.stderr), batch_size=args.batch_size)
+                            log=lambda line: print(line, file=sys.stderr), batch_size=args.batch_size,
+                            verbose=args.verbose)
         report["tasks"] = results
         for task, metrics in results.items():
             if "error" in metrics:

@@ -2,14 +2,23 @@
 
 * :func:`prepare_dataset` builds a dataset directory (``tokenizer.json``, ``train.bin``,
   ``val.bin``, ``meta.json``) from a source string, with caching.
-* :func:`resolve_data` finds (or prepares) the dataset a config's ``[data]`` names.
+* :func:`resolve_data` finds (or prepares) the dataset a config's ``[data]`` names;
+  :func:`find_data` only finds it.
 * :class:`TokenLoader` and :func:`validation_tokens` read it back as ``int64`` tensors;
   :func:`split_windows` is the one rule that cuts token sequences into windows.
 * :func:`iter_documents`, :func:`write_shard`/:func:`read_shard`, :func:`load_tokenizer` and
   :func:`read_meta` are the building blocks.
 """
 
-from keel.data.loader import TokenLoader, load_tokenizer, read_meta, resolve_data, split_windows, validation_tokens
+from keel.data.loader import (
+    TokenLoader,
+    find_data,
+    load_tokenizer,
+    read_meta,
+    resolve_data,
+    split_windows,
+    validation_tokens,
+)
 from keel.data.prepare import prepare_dataset
 from keel.data.shards import read_shard, write_shard
 from keel.data.sources import iter_documents
@@ -17,6 +26,7 @@ from keel.data.sources import iter_documents
 __all__ = [
     "prepare_dataset",
     "resolve_data",
+    "find_data",
     "split_windows",
     "TokenLoader",
     "validation_tokens",

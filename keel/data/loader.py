@@ -260,3 +260,20 @@ def resolve_data(cfg, progress: bool = True) -> Path:
         return Path(d.path)
     return prepare_dataset(d.source, d.tokenizer, cache_dir=d.cache_dir, val_fraction=d.val_fraction,
                            max_bytes=d.max_bytes or None, text_field=d.text_field, progress=progress)
+
+
+def find_data(cfg) -> Path | None:
+    """The prepared dataset a config's ``[data]`` names, if it exists (nothing is prepared):
+    ``data.path`` if it is a prepared dataset, else the cached dataset of ``data.source`` +
+    ``data.tokenizer`` under ``data.cache_dir``; None otherwise."""
+    from keel.data.prepare import find_prepared
+
+    d = cfg.data
+    try:
+        if d.path:
+            read_meta(d.path)
+            return Path(d.path)
+        return find_prepared(d.source, d.tokenizer, val_fraction=d.val_fraction, max_bytes=d.max_bytes or None,
+                             text_field=d.text_field, cache_dir=d.cache_dir)
+    except KeelError:
+        return None

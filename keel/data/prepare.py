@@ -135,6 +135,16 @@ def prepare_dataset(
     return out
 
 
+def find_prepared(source: str, tokenizer: str = "bpe:8192", *, val_fraction: float = DEFAULT_VAL_FRACTION,
+                  max_bytes: int | None = None, text_field: str = "text", cache_dir: str | os.PathLike = "data",
+                  ) -> Path | None:
+    """The cached dataset :func:`prepare_dataset` would reuse for these inputs, or None if it
+    is not there (nothing is read or built). Raises KeelError for bad options."""
+    inputs = _canonical_inputs(source, tokenizer, val_fraction, max_bytes, None, text_field, 0)
+    out = Path(cache_dir) / dataset_slug(inputs)
+    return out if _cache_matches(out, inputs) else None
+
+
 def _remove_empty(folders: list[Path]) -> None:
     """Remove ``folders`` (deepest first) while they are empty."""
     for d in folders:

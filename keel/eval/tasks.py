@@ -55,6 +55,87 @@ def _quiet_lm_eval(level: int = logging.ERROR):
 
 
 @contextlib.contextmanager
+def _no_progress_bars(quiet: bool = True):
+    """Without ``quiet``: nothing. With it: lm-eval's tqdm bars (building requests, tokenizing,
+    running requests) and ``datasets``' bars are switched off for the duration."""
+    if not quiet:
+        yield
+        return
+    import importlib
+
+    import datasets
+    from tqdm import tqdm
+
+    def silent_tqdm(*args, **kwargs):  # callers pass disable= themselves: force it
+        kwargs["disable"] = True
+        return tqdm(*args, **kwargs)
+
+    modules = [importlib.import_module(m) for m in ("lm_eval.api.task", "lm_eval.api.model",
+                                                     "lm_eval.models.huggingface")]
+    saved = [(m, m.tqdm) for m in modules if hasattr(m, "tqdm")]
+    for m, _ in saved:
+        m.tqdm = silent_tqdm
+    bars_were_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        for m, original in saved:
+            m.tqdm = original
+        if bars_were_on:
+            datasets.enable_progress_bars()
+
+
+LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")
+
+
+def _needs_hub(spec) -> bool:
+    """Whether loading a task spec (a name or a YAML dict) may fetch a dataset from the hub:
+    False only for a YAML whose ``dataset_path`` is a local builder or an existing folder."""
+    if not isinstance(spec, dict):
+        return True
+    path = str(spec.get("dataset_path", ""))
+    return not (path in LOCAL_BUILDERS or Path(path).expanduser().is_dir())
+
+
+@contextlib.contextmanager
+def _hub_offline(offline: bool):
+    """With ``offline``: huggingface_hub and datasets in offline mode (cache only) for the
+    duration, so a dataset that is not cached fails at once instead of after retries."""
+    if not offline:
+        yield
+        return
+    import datasets.config
+    import huggingface_hub.constants as hub_constants
+
+    saved = hub_constants.HF_HUB_OFFLINE, getattr(datasets.config, "HF_HUB_OFFLINE", None)
+    hub_constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        hub_constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
+
+
+class _HubProbe:
+    """Probes the hub once (:func:`keel.data.sources.check_hub_reachable`, ~3 s at most); the
+    reason it is unreachable, or None."""
+
+    def __init__(self):
+        self.checked, self.reason = False, None
+
+    def unreachable(self) -> str | None:
+        if not self.checked:
+            from keel.data.sources import check_hub_reachable
+
+            self.checked = True
+            try:
+                check_hub_reachable("lm-eval task data")
+            except KeelError as e:
+                self.reason = str(e)
+        return self.reason
+
+
+@contextlib.contextmanager
 def _no_env_probe():
     """Skip simple_evaluate's environment report (``torch.utils.collect_env``: several ``pip``
     and ``git`` subprocesses, seconds per task, and a ``fatal: not a git repository`` line)."""
@@ -146,6 +227,19 @@ class _Tasks:
         return cfg
 
 
+def _load_task(manager, spec, hub: _HubProbe):
+    """``manager.load([spec])``, or a one-line reason it failed. A task that needs the hub
+    while the hub is unreachable is loaded in offline mode (from the datasets cache only), so
+    it fails within seconds instead of after huggingface_hub's retries."""
+    offline = _needs_hub(spec) and hub.unreachable() is not None
+    try:
+        with _hub_offline(offline):
+            return manager.load([spec])
+    except Exception as e:  # datasets raises many kinds (ConnectionError, FileNotFoundError, ...)
+        reason = f"; {hub.reason}" if offline else ""
+        return f"dataset could not be loaded (offline?): {_first_line(e)}{reason}"
+
+
 def _metrics_of(results: dict, task: str) -> dict[str, float]:
     """{metric: value} of one task in simple_evaluate's results ("acc,none" -> "acc"), floats only."""
     out = {}
@@ -162,7 +256,7 @@ def _metrics_of(results: dict, task: str) -> dict[str, float]:
 
 def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float | None = None,
                    task_dir: str | Path | None = None, batch_size: int = 1,
-                   log: Callable[[str], None] | None = print) -> dict[str, dict[str, Any]]:
+                   log: Callable[[str], None] | None = print, verbose: bool = False) -> dict[str, dict[str, Any]]:
     """Score a Hugging Face causal LM on lm-eval tasks, one task at a time.
 
     Args:
@@ -174,6 +268,7 @@ def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float |
         task_dir: extra folder of task YAMLs.
         batch_size: requests per forward pass (lm-eval's HFLM batch size).
         log: called with one line per task that could not run (None = silent).
+        verbose: show lm-eval's and datasets' progress bars and info logs (default: silenced).
     Returns:
         ``{task: {metric: value}}`` (e.g. ``acc``, ``acc_norm``, ``word_perplexity``,
         ``bits_per_byte``; lm-eval's definitions); a task that could not run maps to
@@ -188,7 +283,9 @@ def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float |
         raise KeelError(f"keel eval needs lm-evaluation-harness: pip install -e .[eval] ({_first_line(e)})") from None
     log = log or (lambda _msg: None)
     out: dict[str, dict[str, Any]] = {}
-    with _quiet_lm_eval(), _no_env_probe(), _keep_rng_state():
+    hub = _HubProbe()
+    quiet_logs = contextlib.nullcontext() if verbose else _quiet_lm_eval()
+    with quiet_logs, _no_progress_bars(not verbose), _no_env_probe(), _keep_rng_state():
         index = _Tasks(task_dir)
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
                   max_length=int(model.config.max_position_embeddings))
@@ -199,12 +296,10 @@ def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float |
                 log(f"task {name}: {msg}")
                 out[name] = {"error": msg}
                 continue
-            try:
-                loaded = manager.load([index.spec(manager, name)])
-            except Exception as e:  # datasets raises many kinds (ConnectionError, FileNotFoundError, ...)
-                msg = f"dataset could not be loaded (offline?): {_first_line(e)}"
-                log(f"task {name}: {msg}")
-                out[name] = {"error": msg}
+            loaded = _load_task(manager, index.spec(manager, name), hub)
+            if isinstance(loaded, str):
+                log(f"task {name}: {loaded}")
+                out[name] = {"error": loaded}
                 continue
             tasks = list(loaded["tasks"].values()) + list(loaded.get("groups", {}).values())
             results = simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager,
@@ -216,7 +311,7 @@ def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float |
 
 def run_tasks(model, tokenizer, task_names: list[str], limit: int | float | None = None,
               task_dir: str | Path | None = None, log: Callable[[str], None] | None = print,
-              batch_size: int = 1) -> dict:
+              batch_size: int = 1, verbose: bool = False) -> dict:
     """Score a native keel model on lm-eval tasks; the trainer's periodic evaluation.
 
     Args:
@@ -227,7 +322,7 @@ def run_tasks(model, tokenizer, task_names: list[str], limit: int | float | None
         task_names: task names; the shipped examples (``keel_python_completion``,
             ``keel_python_paragraphs``) need no ``task_dir``.
         limit: documents per task (None = all).
-        task_dir, log, batch_size: as in :func:`evaluate_tasks`.
+        task_dir, log, batch_size, verbose: as in :func:`evaluate_tasks`.
     Returns:
         ``{task: {metric: value}}``, ``{"error": ...}`` for a task that could not run
         (see :func:`evaluate_tasks`); metric values are finite floats or None (JSON-safe).
@@ -243,7 +338,8 @@ def run_tasks(model, tokenizer, task_names: list[str], limit: int | float | None
     was_training = model.training
     try:
         hf, hf_tok = wrap_native(model, tokenizer)
-        res = evaluate_tasks(hf, hf_tok, task_names, limit=limit, task_dir=task_dir, batch_size=batch_size, log=log)
+        res = evaluate_tasks(hf, hf_tok, task_names, limit=limit, task_dir=task_dir, batch_size=batch_size, log=log,
+                             verbose=verbose)
     finally:
         model.train(was_training)
     return {t: {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in m.items()}

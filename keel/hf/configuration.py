@@ -70,11 +70,12 @@ class KeelConfig(PretrainedConfig):
         return cls(**dataclasses.asdict(cfg), **kwargs)
 
     def to_model_config(self) -> ModelConfig:
-        """A validated :class:`keel.config.ModelConfig` with this config's fields.
+        """A :class:`keel.config.ModelConfig` with this config's fields, its shape validated
+        (the scheme is checked when the model is built, by ``check_model_config``).
 
         Raises:
-            KeelError: an impossible shape or unknown residual scheme.
+            KeelError: an impossible shape.
         """
-        from keel.model.residual import check_model_config
-
-        return check_model_config(ModelConfig(**{name: getattr(self, name) for name in MODEL_FIELDS}))
+        # Not check_model_config (keel.model): this module is copied into exported folders as
+        # configuration_keel.py, which must not need the model code (keel.hf.remote).
+        return ModelConfig(**{name: getattr(self, name) for name in MODEL_FIELDS}).validate()

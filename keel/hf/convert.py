@@ -2,22 +2,30 @@
 
 An exported folder holds::
 
-    OUT/config.json               KeelConfig (model_type "keel": every ModelConfig field)
+    OUT/config.json               KeelConfig (model_type "keel": every ModelConfig field) with
+                                  auto_map -> the two generated files below; for a pre_ln run:
+                                  a stock LlamaConfig (model_type "llama"), no custom code
+    OUT/configuration_keel.py     generated from keel's source (keel.hf.remote; not for pre_ln)
+    OUT/modeling_keel.py          generated from keel's source (keel.hf.remote; not for pre_ln)
     OUT/generation_config.json    eos/pad token ids
-    OUT/model.safetensors         weights, names prefixed "model." (tied embeddings stored once)
+    OUT/model.safetensors         weights (tied embeddings stored once)
     OUT/tokenizer.json            the run's tokenizer
     OUT/tokenizer_config.json     PreTrainedTokenizerFast, eos_token "<|endoftext|>"
-    OUT/special_tokens_map.json   (written by older transformers versions)
-    OUT/keel_config.toml          the run's resolved config.toml (data and train sections too)
+    OUT/keel_config.toml          the run's resolved config.toml (data and train sections too;
+                                  data.path = the absolute path of its prepared dataset, if found)
 
-Loading it needs ``import keel.hf`` first (registration of ``model_type = "keel"``); the
-folder carries no modeling code, so ``trust_remote_code`` is neither needed nor enough.
-``AutoTokenizer.from_pretrained(OUT)`` works without keel. Both folders are written into a
-temporary sibling folder and renamed into place, so a failed conversion leaves nothing.
+Three ways to load it: ``import keel.hf`` then ``AutoModelForCausalLM.from_pretrained(OUT)``
+(keel's installed code); ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)``
+anywhere transformers is installed (the generated code); a pre_ln export is a plain
+``LlamaForCausalLM`` (:mod:`keel.hf.llama`). ``AutoTokenizer.from_pretrained(OUT)`` works
+without keel. ``keel import-hf`` reads such a folder, or any stock Llama folder, into a run
+that ``keel train --resume`` continues. Both folders are written into a temporary sibling
+folder and renamed into place, so a failed conversion leaves nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -25,8 +33,23 @@ from pathlib import Path
 from keel.data.prepare import EOS_TOKEN
 from keel.errors import KeelError
 from keel.io import chmod_default, make_temp_dir
+from keel.train.progress import interactive
 
 KEEL_CONFIG_NAME = "keel_config.toml"
+
+
+@contextlib.contextmanager
+def hf_progress_bars(enabled: bool):
+    """transformers' own progress bars (writing / loading weights) on or off for the duration;
+    keel turns them off when stderr is not a terminal (:func:`keel.train.progress.interactive`)."""
+    import transformers.utils.logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
 
 
 def _check_output(out: Path) -> None:
@@ -109,9 +132,13 @@ def _copy_tokenizer(tokenizer):
 def export_hf(run_dir: str | Path, out: str | Path) -> Path:
     """Write the latest checkpoint of run ``run_dir`` as a Hugging Face folder ``out`` (see module doc).
 
+    A ``pre_ln`` run becomes a stock ``LlamaForCausalLM``; any other scheme a KeelForCausalLM
+    with its generated modeling code (:mod:`keel.hf.remote`) and ``auto_map``.
+
     Returns ``out``. Raises KeelError: not a run directory, no checkpoint, no end-of-text
     token, or ``out`` exists and is not empty.
     """
+    from keel.hf.remote import write_remote_code
     from keel.run import Run
 
     run_dir, out = Path(run_dir), Path(out)
@@ -119,15 +146,26 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
     run = Run(run_dir)
     model, tokenizer = run.load_model(device="cpu"), run.tokenizer()
     eos = eos_token_of(tokenizer, run_dir)
-    hf, _ = wrap_native(model, tokenizer, eos)
+    llama = model.cfg.residual == "pre_ln"
+    if llama:
+        from keel.hf.llama import to_llama
+
+        eos_id = tokenizer.token_to_id(eos)
+        hf = to_llama(model, eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=None)
+        _set_generation_ids(hf, eos_id)
+    else:
+        hf, _ = wrap_native(model, tokenizer, eos)
     hf.config.keel_step = _checkpoint_step(run)  # config.json keeps the step (import-hf restores it)
     tmp = _fresh_output(out)
     try:
-        hf.save_pretrained(tmp, safe_serialization=True)
+        with hf_progress_bars(interactive()):
+            hf.save_pretrained(tmp, safe_serialization=True)
         for weights in tmp.glob("*.safetensors"):
             chmod_default(weights)  # safetensors writes 0600; every other file follows the umask
+        if not llama:
+            write_remote_code(tmp)
         hf_tokenizer(run_dir / "tokenizer.json", eos, model.cfg.max_seq_len).save_pretrained(tmp)
-        shutil.copyfile(run_dir / "config.toml", tmp / KEEL_CONFIG_NAME)
+        _write_keel_config(run.config, tmp / KEEL_CONFIG_NAME)
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -135,29 +173,72 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
     return out
 
 
+def _write_keel_config(cfg, path: Path) -> None:
+    """The run's config, with ``data.path`` set to the absolute path of its prepared dataset
+    when that exists here (so ``keel eval --hf`` finds it from any folder)."""
+    import copy
+
+    from keel.config import dump_config
+    from keel.data import find_data
+
+    cfg = copy.deepcopy(cfg)
+    data = find_data(cfg)
+    if data is not None:
+        cfg.data.path = str(Path(data).resolve())
+    dump_config(cfg, path)
+
+
+def _set_generation_ids(hf, eos_id: int) -> None:
+    hf.generation_config.eos_token_id = eos_id
+    hf.generation_config.pad_token_id = eos_id
+    hf.generation_config.bos_token_id = None
+
+
+def _read_config_json(path: Path) -> dict:
+    import json
+
+    if not (path / "config.json").is_file():
+        raise KeelError(f"not a Hugging Face model folder (no config.json): {path}")
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (ValueError, OSError) as e:
+        raise KeelError(f"cannot read {path / 'config.json'}: {e}") from None
+
+
 def load_hf(path: str | Path, device: str = "auto"):
-    """Load a keel Hugging Face folder: ``(KeelForCausalLM in eval mode on device, PreTrainedTokenizerFast, device)``.
+    """Load a keel or stock Llama Hugging Face folder: ``(KeelForCausalLM in eval mode on
+    device, PreTrainedTokenizerFast, device)``. A Llama folder becomes a ``pre_ln`` keel model
+    (:func:`keel.hf.llama.from_llama`); keel's installed code is used, never the folder's.
 
-    Raises KeelError if ``path`` is not a folder with a keel ``config.json`` and a tokenizer.
+    Raises KeelError: not a folder with a keel or Llama ``config.json`` and a tokenizer, or
+    a Llama feature keel lacks (named).
     """
-    import keel.hf  # noqa: F401  (registers model_type "keel")
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    import keel.hf  # noqa: F401  (registers model_type "keel")
     from keel.hf.modeling import KeelForCausalLM
     from keel.train.device import resolve_device
 
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise KeelError(f"not a Hugging Face model folder (no config.json): {path}")
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError, OSError) as e:
-        raise KeelError(f"cannot read {path / 'config.json'}: {e}") from None
-    if getattr(config, "model_type", None) != "keel":
-        raise KeelError(f"{path} holds a {getattr(config, 'model_type', '?')!r} model, not a keel model "
-                        "(model_type 'keel', written by `keel export-hf`)")
+    model_type = _read_config_json(path).get("model_type")
+    if model_type not in ("keel", "llama"):
+        raise KeelError(f"{path} holds a {model_type!r} model, not a keel model (model_type 'keel', written by "
+                        "`keel export-hf`) nor a Llama model")
     dev = resolve_device(device, key="--device")
-    model = KeelForCausalLM.from_pretrained(path).to(dev).eval()
+    if model_type == "llama":
+        from transformers import LlamaConfig
+
+        from keel.hf.llama import from_llama, read_safetensors
+
+        config = LlamaConfig.from_pretrained(path)
+        native = from_llama(config, read_safetensors(path))
+        model = KeelForCausalLM.from_native(native, eos_token_id=config.eos_token_id,
+                                            pad_token_id=config.pad_token_id,
+                                            keel_step=int(getattr(config, "keel_step", 0) or 0))
+    else:
+        with hf_progress_bars(interactive()):
+            model = KeelForCausalLM.from_pretrained(path)
+    model = model.to(dev).eval()
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except (ValueError, OSError) as e:
@@ -176,47 +257,87 @@ def _checkpoint_step(run) -> int:
         return 0
 
 
-def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
-    """Create a run directory ``out`` from a keel Hugging Face folder ``hf_dir``.
+def _write_tokenizer(hf_dir: Path, hf_tok, dest: Path) -> None:
+    """Copy ``tokenizer.json`` (and ``tokenizer_config.json``, where keel's data preparation
+    finds the eos token) into ``dest``; a folder without tokenizer.json needs a fast tokenizer."""
+    if (hf_dir / "tokenizer.json").is_file():
+        shutil.copyfile(hf_dir / "tokenizer.json", dest / "tokenizer.json")
+    elif getattr(hf_tok, "is_fast", False):
+        hf_tok.backend_tokenizer.save(str(dest / "tokenizer.json"))
+    else:
+        raise KeelError(f"{hf_dir} has no tokenizer.json and no fast tokenizer (keel runs need one)")
+    if (hf_dir / "tokenizer_config.json").is_file():
+        shutil.copyfile(hf_dir / "tokenizer_config.json", dest / "tokenizer_config.json")
+
+
+def fresh_trainer_state(model, cfg, step: int = 0) -> dict:
+    """A trainer state at optimiser step ``step`` for weights that come without one (an
+    import): a fresh AdamW (no moments; name-keyed,
+    :func:`keel.train.state_dict.full_optimizer_state_dict`), the LR schedule advanced to
+    ``step``, data position 0, the RNG state of ``torch.manual_seed(train.seed)``, 0 tokens.
+    ``keel train --resume`` continues such a checkpoint from ``step`` to ``train.steps``."""
+    import warnings
+
+    import torch
+
+    from keel.train import state_dict as SD
+    from keel.train.optim import build_optimizer, build_scheduler
+
+    optimizer = build_optimizer(model, cfg.train)
+    scheduler = build_scheduler(optimizer, cfg.train)
+    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": intended here
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(step):
+            scheduler.step()
+    return {"step": step, "tokens": 0, "elapsed_s": 0.0, "optimizer": SD.full_optimizer_state_dict(model, optimizer),
+            "scheduler": scheduler.state_dict(), "loader": {"epoch": 0, "position": 0},
+            "rng": torch.Generator().manual_seed(cfg.train.seed).get_state()}
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None = None) -> Path:
+    """Create a run directory ``out`` from a keel Hugging Face folder or a stock Llama folder.
 
     Writes ``out/config.toml`` (the exported ``keel_config.toml`` if present, with its
     model section replaced by ``config.json``'s fields; else default data/train sections
     whose ``data.tokenizer`` is ``out/tokenizer.json``), ``out/tokenizer.json`` and the
     weights as a checkpoint of the step the export came from (``keel_step`` in
-    ``config.json``, 0 when absent; ``checkpoints/step_NNNNNNNN/model.safetensors`` via
-    :func:`keel.train.checkpoint.save_checkpoint`; its trainer state holds no optimiser,
-    so the run serves ``keel generate`` and ``keel eval`` but cannot be resumed).
+    ``config.json``; 0 when absent, e.g. a stock Llama), with a fresh trainer state at that
+    step (:func:`fresh_trainer_state`): ``keel generate``/``keel eval`` use it, and ``keel
+    train --resume out`` trains it on (set ``data.path`` to a dataset prepared with this
+    tokenizer, or train on ``data.source``, which is tokenized with it). ``overrides``
+    (``section.key=value``, data and train keys only) set the run's config: a resumed run
+    keeps ``train.batch_size`` and ``train.seq_len``, so choose them here.
 
-    Returns ``out``. Raises KeelError: not a keel folder, no tokenizer.json, or ``out``
-    exists and is not empty.
+    Returns ``out``. Raises KeelError: not a keel/Llama folder, a Llama feature keel lacks
+    (named), no tokenizer, or ``out`` exists and is not empty.
     """
     import dataclasses
 
-    from keel.config import Config, dump_config, load_config
+    from keel.config import dump_config, load_config
     from keel.train.checkpoint import save_checkpoint
 
     hf_dir, out = Path(hf_dir), Path(out)
     _check_output(out)
-    model, _, _ = load_hf(hf_dir, device="cpu")
-    if not (hf_dir / "tokenizer.json").is_file():
-        raise KeelError(f"{hf_dir} has no tokenizer.json (a fast tokenizer file is needed for a keel run)")
-    model_cfg = model.config.to_model_config()
+    model, hf_tok, _ = load_hf(hf_dir, device="cpu")
+    overrides = list(overrides or [])
+    if any(o.strip().startswith("model.") for o in overrides):
+        raise KeelError("import-hf takes the model from the folder's config.json; --set only data.* and train.* keys")
+    exported = hf_dir / KEEL_CONFIG_NAME
+    cfg = load_config(exported if exported.is_file() else None, overrides)
+    if not exported.is_file() and not any(o.strip().startswith("data.tokenizer=") for o in overrides):
+        cfg.data.tokenizer = str((out / "tokenizer.json").resolve())
+    cfg.model = dataclasses.replace(model.config.to_model_config())
     tmp = _fresh_output(out)
     try:
-        shutil.copyfile(hf_dir / "tokenizer.json", tmp / "tokenizer.json")
-        if (hf_dir / KEEL_CONFIG_NAME).is_file():
-            cfg = load_config(hf_dir / KEEL_CONFIG_NAME)
-        else:
-            cfg = Config()
-            cfg.data.tokenizer = str((out / "tokenizer.json").resolve())
-        cfg.model = dataclasses.replace(model_cfg)
+        _write_tokenizer(hf_dir, hf_tok, tmp)
         dump_config(cfg, tmp / "config.toml")
         step = int(getattr(model.config, "keel_step", 0) or 0)
-        save_checkpoint(tmp, step, model.model, {"step": step, "tokens": 0, "imported_from": str(hf_dir.resolve())})
+        state = fresh_trainer_state(model.model, cfg, step)
+        state["imported_from"] = str(hf_dir.resolve())
+        state["config"] = cfg.to_dict()  # what a resume compares its config with
+        save_checkpoint(tmp, step, model.model, state)
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-

@@ -67,10 +67,12 @@ from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, lat
                                    load_weights, remove_stale_temporaries, save_checkpoint, tied_aliases)
 from keel.train.device import autocast_context, resolve_device
 from keel.train.evaluate import mean_nll
-from keel.train.metrics import JsonlSink, read_metrics, truncate_metrics
+from keel.train.loggers import open_sinks
+from keel.train.metrics import read_metrics, truncate_metrics
 from keel.train.optim import apply_config, build_optimizer, build_scheduler, lr_at
 from keel.train.parallelize import PARALLELISMS, checkpointed_blocks, gradient_sync, parallelize
 from keel.train.plots import plot_loss
+from keel.train.progress import ProgressReporter, interactive
 from keel.train.sampling import sample_text
 
 log = logging.getLogger(__name__)
@@ -211,7 +213,7 @@ class Trainer:
         elif resume and not restart:
             self.say(f"no checkpoint in {self.run_dir} yet (no step was saved): starting it from step 0")
         self.resumed_from = self.step if self.ckpt is not None else None
-        self.sink = JsonlSink(self.metrics_path)
+        self.sink = None  # the train.loggers sinks (keel.train.loggers), opened by the first write
         self.history = self._prepare_run_dir()
         self.tokens_per_step = self.tc.batch_size * self.tc.seq_len * self.tc.grad_accum  # global
 
@@ -266,7 +268,7 @@ class Trainer:
         data_dir, error = None, None
         if self.main:
             try:
-                data_dir = str(resolve_data(self.cfg, progress=self.tc.progress))
+                data_dir = str(resolve_data(self.cfg, progress=self.tc.progress and interactive()))
             except KeelError as e:
                 error = str(e)
         data_dir, error = D.broadcast_object((data_dir, error), self.info)
@@ -379,8 +381,17 @@ class Trainer:
         return mean_nll(self.model, self.val_windows, self.local_bs, self.device, self.amp, self.info)
 
     def write(self, record: dict) -> None:
+        """Send ``record`` to every sink of ``train.loggers`` (metrics.jsonl, TensorBoard, W&B; rank 0)."""
         if self.main:
+            if self.sink is None:
+                self.sink = open_sinks(self.cfg, self.run_dir, self.resumed_from)
             self.sink.write(record)
+
+    def close_sink(self) -> None:
+        """Close the ``train.loggers`` sinks, if open (flushes TensorBoard, finishes W&B)."""
+        if self.sink is not None:
+            self.sink.close()
+            self.sink = None
 
     def checkpoint(self) -> None:
         """Save weights and trainer state (collective under FSDP; rank 0 writes).
@@ -479,9 +490,8 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainResult:
         """Train to ``train.steps``; returns the final numbers."""
-        from tqdm.auto import tqdm
-
         if self.resumed_from is not None and self.step >= self.tc.steps:
+            self.close_sink()
             return self._nothing_to_do()
         self._describe()
         first_val = self._first_eval()
@@ -489,8 +499,8 @@ class Trainer:
                           step=self.step, tokens=self.tokens, history=self.history)
         for cb in self.callbacks:
             cb.on_train_start(state)
-        bar = tqdm(total=self.tc.steps, initial=self.step, disable=not (self.tc.progress and self.main),
-                   unit="step", dynamic_ncols=True)
+        bar = ProgressReporter(self.tc.steps, self.step, self.tokens_per_step, enabled=self.tc.progress and self.main,
+                               every_steps=self.tc.log_every)
         bad_in_row, val_loss = 0, None
         self.train_module.train()
         try:
@@ -506,12 +516,12 @@ class Trainer:
                     val_loss = self.validate()
                     record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
                 self.write(record)
-                bar.update(1)
-                bar.set_postfix(loss=f"{state.loss:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
+                bar.update(record)
                 if self.step % self.tc.checkpoint_every == 0 or self.step == self.tc.steps:
                     self.checkpoint()
         finally:
             bar.close()
+            self.close_sink()
         return self._finish(first_val, val_loss)
 
     def _nothing_to_do(self) -> TrainResult:

@@ -1,0 +1,117 @@
+"""An overview of run folders (``keel runs [DIR]``): one row per run, from :class:`keel.run.Run`.
+
+Columns: run, scheme, blocks / sub-layers, parameters, step (of train.steps), tokens, last
+validation loss (nats/token), mean tokens/s, status. Status:
+
+* ``diverged`` -- the divergence classifier gave a verdict other than healthy, or the last
+  loss / validation loss is not finite (null in metrics.jsonl);
+* ``finished`` -- the last logged step is ``train.steps``;
+* ``running`` -- metrics.jsonl changed within the last ``running_within_s`` seconds;
+* ``stopped`` -- none of these (interrupted; ``keel train --resume`` continues it);
+* ``new`` -- no metrics yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+from keel.errors import KeelError
+from keel.run import Run
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ("run", "scheme", "blocks", "sublayers", "params", "step", "steps", "tokens", "val_loss", "tokens_per_s",
+           "status")
+
+
+def count_parameters(model_cfg) -> int:
+    """Parameters of a model of this :class:`keel.config.ModelConfig` (tied weights once),
+    counted on the meta device: nothing is allocated."""
+    import torch
+
+    from keel.model import Transformer
+
+    with torch.device("meta"):
+        return Transformer(model_cfg).num_params()
+
+
+def _not_finite(value) -> bool:
+    return value is None or (isinstance(value, float) and not math.isfinite(value))
+
+
+def run_status(records: list[dict], steps: int, modified: float | None, now: float,
+               running_within_s: float = 300.0) -> str:
+    """``new`` / ``diverged`` / ``finished`` / ``running`` / ``stopped`` (see the module
+    docstring) of a run with metrics ``records``, ``train.steps = steps`` and metrics.jsonl
+    last modified at ``modified`` (seconds since the epoch)."""
+    if not records:
+        return "new"
+    last = records[-1]
+    verdicts = [r["divergence"] for r in records if isinstance(r.get("divergence"), dict)]
+    if any(v.get("mode") not in (None, "healthy") for v in verdicts):
+        return "diverged"
+    if ("loss" in last and _not_finite(last["loss"])) or ("val_loss" in last and _not_finite(last["val_loss"])):
+        return "diverged"
+    if last.get("step", 0) >= steps:
+        return "finished"
+    if modified is not None and now - modified < running_within_s:
+        return "running"
+    return "stopped"
+
+
+def run_row(run: Run, now: float | None = None) -> dict:
+    """One overview row (keys :data:`COLUMNS`) for ``run``; numbers are None when not logged yet."""
+    cfg, records = run.config, run.metrics()
+    now = time.time() if now is None else now
+    last = records[-1] if records else {}
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    elapsed, tokens = last.get("elapsed_s"), last.get("tokens")
+    modified = run.metrics_path.stat().st_mtime if run.metrics_path.exists() else None
+    return {"run": str(run.path), "scheme": cfg.model.residual, "blocks": cfg.model.n_layers,
+            "sublayers": cfg.model.n_sublayers, "params": count_parameters(cfg.model),
+            "step": last.get("step"), "steps": cfg.train.steps, "tokens": tokens,
+            "val_loss": vals[-1] if vals else None,
+            "tokens_per_s": tokens / elapsed if tokens and elapsed else None,
+            "status": run_status(records, cfg.train.steps, modified, now)}
+
+
+def find_runs(root: str | Path) -> list[Path]:
+    """Run folders (holding ``config.toml`` and ``metrics.jsonl`` or ``checkpoints/``) at or
+    under ``root``, sorted by name. Raises KeelError if ``root`` is not a folder."""
+    root = Path(root)
+    if not root.is_dir():
+        raise KeelError(f"not a folder: {root}")
+    found = [p.parent for p in root.rglob("config.toml")
+             if (p.parent / "metrics.jsonl").exists() or (p.parent / "checkpoints").is_dir()]
+    return sorted(set(found))
+
+
+def runs_overview(root: str | Path = "runs") -> list[dict]:
+    """One :func:`run_row` per run folder under ``root``; folders that cannot be read are
+    skipped with a warning."""
+    rows = []
+    for path in find_runs(root):
+        try:
+            rows.append(run_row(Run(path)))
+        except KeelError as e:
+            log.warning("skipping %s: %s", path, e)
+    return rows
+
+
+def format_table(rows: list[dict], root: str | Path | None = None) -> str:
+    """The rows as an aligned text table (run names relative to ``root``)."""
+    def fmt(row: dict) -> list[str]:
+        name = str(Path(row["run"]).relative_to(root)) if root is not None else row["run"]
+        step = "-" if row["step"] is None else f"{row['step']}/{row['steps']}"
+        return [name if name != "." else str(root), row["scheme"], f"{row['blocks']}/{row['sublayers']}",
+                f"{row['params'] / 1e6:.2f}M", step, "-" if row["tokens"] is None else f"{row['tokens']:,}",
+                "-" if row["val_loss"] is None else f"{row['val_loss']:.4f}",
+                "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}", row["status"]]
+
+    header = ["run", "scheme", "blocks/L", "params", "step", "tokens", "val_loss", "tokens/s", "status"]
+    table = [header] + [fmt(r) for r in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)

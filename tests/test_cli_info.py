@@ -1,0 +1,133 @@
+"""Discoverability: keel --version, keel config (presets, every key with type/default/meaning from
+the dataclasses), keel config --show, keel runs (overview and statuses), help output with
+defaults and without reST markup."""
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from conftest import REPO, tiny_overrides
+from keel import __version__
+from keel.cli import build_parser, main
+from keel.config import DataConfig, ModelConfig, TrainConfig, describe_config, load_config, resolve_config_path
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"keel {__version__}"
+
+
+def test_describe_config_covers_every_field_from_the_dataclasses():
+    rows = {r["key"]: r for r in describe_config()}
+    for section, cls in (("model", ModelConfig), ("data", DataConfig), ("train", TrainConfig)):
+        obj = cls()
+        for f in dataclasses.fields(cls):
+            row = rows.pop(f"{section}.{f.name}")
+            assert row["default"] == getattr(obj, f.name) and row["type"] == str(f.type)
+            assert row["help"], f"{section}.{f.name} has no help"
+    assert rows == {}
+    d = {r["key"]: r for r in describe_config()}
+    assert d["train.batch_size"]["help"].startswith("sequences per micro-batch")
+    assert d["model.alpha"]["type"] == "float | None" and d["model.alpha"]["default"] is None
+
+
+def test_keel_config_lists_presets_and_keys(capsys):
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert "presets (keel train --config NAME): demo, paper-1024, paper-128, paper-512, paper-64" in out
+    assert "sweep presets (keel sweep --preset NAME): " in out and "paper-depth" in out
+    assert "  model.d_model " in out and "int = 128  width of the residual stream." in out
+    assert sum(1 for ln in out.splitlines() if ln.startswith("  ")) == len(describe_config())
+
+
+def test_keel_config_show_prints_the_resolved_preset(capsys):
+    assert main(["config", "--show", "paper-64"]) == 0
+    shown = tomllib.loads(capsys.readouterr().out)
+    assert shown == load_config(resolve_config_path("paper-64")).to_dict()
+    assert shown["model"]["d_model"] == 1024 and 2 * shown["model"]["n_layers"] == 64
+    assert main(["config", "--show", "paper-depth"]) == 0  # a sweep preset: its file
+    assert capsys.readouterr().out == resolve_config_path("paper-depth", kind="sweeps").read_text()
+    assert main(["config", "--show", "nope"]) == 2
+    assert "unknown config 'nope'" in capsys.readouterr().err
+
+
+def _parsers(parser, prefix=("keel",)):
+    yield prefix, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, prefix + (name,))
+
+
+def test_every_help_shows_defaults_and_no_rest_markup():
+    seen = 0
+    for name, parser in _parsers(build_parser()):
+        text = parser.format_help()
+        assert "``" not in text and ":func:`" not in text and ":mod:`" not in text, " ".join(name)
+        for action in parser._actions:
+            if action.option_strings and action.default not in (None, False, "", [], argparse.SUPPRESS) \
+                    and action.help and "default" not in action.help:
+                assert f"(default: {action.default})" in " ".join(text.split()), (name, action.dest)
+        seen += 1
+    assert seen == 1 + 13  # keel and its 13 commands
+    eval_help = " ".join(dict(_parsers(build_parser()))[("keel", "eval")].format_help().split())
+    assert "--batch-size BATCH_SIZE windows (perplexity) or requests (tasks) per forward pass (default: 8)" \
+        in eval_help
+
+
+def test_plot_loss_help_shows_the_loss_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plot", "loss", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--smooth" in out and "--val" in out
+
+
+def test_run_status_rules():
+    from keel.experiments.overview import run_status
+
+    ok = [{"step": 0, "val_loss": 6.0}, {"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0, "val_loss": 4.5}]
+    assert run_status([], 2, None, 0.0) == "new"
+    assert run_status(ok, 2, 0.0, 1e9) == "finished"
+    assert run_status(ok[:2], 2, 1000.0, 1010.0) == "running"
+    assert run_status(ok[:2], 2, 1000.0, 5000.0) == "stopped"
+    assert run_status(ok[:2] + [{"step": 2, "loss": None}], 2, 0.0, 0.0) == "diverged"
+    verdict = {"mode": "instability", "step": 1, "evidence": {}}
+    assert run_status([ok[0], {"step": 1, "loss": 5.0, "divergence": verdict}] + ok[2:], 2, 0.0, 1e9) == "diverged"
+    healthy = dict(verdict, mode="healthy")
+    assert run_status(ok[:2] + [dict(ok[2], divergence=healthy)], 2, 0.0, 1e9) == "finished"
+
+
+def test_keel_runs_table_and_json(tiny_data, tmp_path, capsys):
+    from keel.experiments.overview import count_parameters
+    from keel.model import Transformer
+    from keel.train import train
+    from keel.train.metrics import read_metrics
+
+    root = tmp_path / "runs"
+    cfg = load_config(REPO / "keel" / "configs" / "demo.toml",
+                      tiny_overrides(tiny_data, steps=2, eval_every=2, checkpoint_every=2))
+    train(cfg, root / "a")
+    assert count_parameters(cfg.model) == Transformer(cfg.model).num_params()
+    assert main(["runs", str(root), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    last = read_metrics(root / "a" / "metrics.jsonl")[-1]
+    assert row == {"run": str(root / "a"), "scheme": "keel", "blocks": 2, "sublayers": 4,
+                   "params": count_parameters(cfg.model), "step": 2, "steps": 2, "tokens": last["tokens"],
+                   "val_loss": last["val_loss"], "tokens_per_s": last["tokens"] / last["elapsed_s"],
+                   "status": "finished"}
+    assert main(["runs", str(root)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["run", "scheme", "blocks/L", "params", "step", "tokens", "val_loss", "tokens/s",
+                                "status"]
+    assert table[1].split()[:5] == ["a", "keel", "2/4", f"{row['params'] / 1e6:.2f}M", "2/2"]
+    assert table[1].split()[-1] == "finished" and f"{last['val_loss']:.4f}" in table[1]
+    assert main(["runs", str(tmp_path / "none")]) == 2
