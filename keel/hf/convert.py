@@ -26,13 +26,12 @@ folder and renamed into place, so a failed conversion leaves nothing.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 from pathlib import Path
 
 from keel.data.prepare import EOS_TOKEN
 from keel.errors import KeelError
-from keel.io import chmod_default, make_temp_dir
+from keel.io import atomic_dir, chmod_default
 from keel.train.progress import interactive
 
 KEEL_CONFIG_NAME = "keel_config.toml"
@@ -58,17 +57,12 @@ def _check_output(out: Path) -> None:
         raise KeelError(f"output {out} already exists and is not empty; choose another --out")
 
 
-def _fresh_output(out: Path) -> Path:
-    """A temporary folder beside ``out``; raises KeelError if ``out`` exists and is not empty."""
+def _fresh_output(out: Path):
+    """:func:`keel.io.atomic_dir` for ``out``: a temporary folder that becomes ``out`` when
+    the block succeeds. Raises KeelError if ``out`` exists and is not an empty folder."""
     _check_output(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    return make_temp_dir(out.parent, out.name)
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    if out.exists():  # an empty folder
-        out.rmdir()
-    os.replace(tmp, out)
+    return atomic_dir(out)
 
 
 def eos_token_of(tokenizer, run_dir: Path | None = None) -> str:
@@ -156,8 +150,7 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
     else:
         hf, _ = wrap_native(model, tokenizer, eos)
     hf.config.keel_step = _checkpoint_step(run)  # config.json keeps the step (import-hf restores it)
-    tmp = _fresh_output(out)
-    try:
+    with _fresh_output(out) as tmp:
         with hf_progress_bars(interactive()):
             hf.save_pretrained(tmp, safe_serialization=True)
         for weights in tmp.glob("*.safetensors"):
@@ -166,10 +159,6 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
             write_remote_code(tmp)
         hf_tokenizer(run_dir / "tokenizer.json", eos, model.cfg.max_seq_len).save_pretrained(tmp)
         _write_keel_config(run.config, tmp / KEEL_CONFIG_NAME)
-        _move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -327,8 +316,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     if not exported.is_file() and not any(o.strip().startswith("data.tokenizer=") for o in overrides):
         cfg.data.tokenizer = str((out / "tokenizer.json").resolve())
     cfg.model = dataclasses.replace(model.config.to_model_config())
-    tmp = _fresh_output(out)
-    try:
+    with _fresh_output(out) as tmp:
         _write_tokenizer(hf_dir, hf_tok, tmp)
         dump_config(cfg, tmp / "config.toml")
         step = int(getattr(model.config, "keel_step", 0) or 0)
@@ -336,8 +324,4 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
         state["imported_from"] = str(hf_dir.resolve())
         state["config"] = cfg.to_dict()  # what a resume compares its config with
         save_checkpoint(tmp, step, model.model, state)
-        _move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
