@@ -28,6 +28,7 @@ PLUGGED_COMMANDS: list[str] = [
     "keel.experiments.sweep:register",
     "keel.experiments.plot:register",
     "keel.experiments.ablate:register",
+    "keel.experiments.sensitivity:register",
 ]
 
 

@@ -1,0 +1,321 @@
+"""``keel lr-sensitivity``: final loss against a grid of constant peak learning rates, per
+residual scheme and depth (Wortsman et al. 2023, "Small-scale proxies for large-scale
+Transformer training instabilities", arXiv 2309.14322, Sec. 3.2).
+
+Every point (scheme x depth x peak LR x seed) is an ordinary training run with the usual
+schedule (linear warm-up, then cosine to ``train.min_lr``), trained by the ``keel sweep``
+task on :mod:`keel.experiments.grid`: finished runs are cached, an interrupted grid
+continues with ``--resume``. Runs are named ``seed<S>_L<sub-layers>_<scheme>_lr<LR>`` and
+run in the order seeds x depths x schemes x LRs as given on the command line (put the
+most informative depth first).
+
+Per (scheme, depth, seed), with ``l(eta)`` the final validation loss at peak LR ``eta``
+(nats/token) and ``l0`` the validation loss at initialisation (step 0):
+
+* optimal LR ``eta* = argmin_eta l(eta)``; best loss ``min_eta l(eta)``;
+* LR sensitivity (Wortsman et al. 2023, Sec. 3.2)::
+
+      S = mean over the LR grid of [ min(l(eta), l0) - min_eta l(eta) ]
+
+  A run without a finite final loss (non-finite, stopped) counts as ``l0``.
+
+Seeds are then summarised by mean and sample standard deviation (``sd``, ddof = 1; 0 for
+one seed); the optimal LR of a cell is also read off the seed-mean curve (``opt_lr``),
+with a flag when it sits at either end of the LR grid (the grid is then too narrow).
+
+Outputs in ``--out``: the run folders, ``sensitivity.json`` (settings, every run's summary,
+the per-seed and per-cell numbers), ``sensitivity.md`` (the table) and ``sensitivity.png``
+(loss against LR, log x, one panel per depth, one line per scheme, with the init loss
+and the unigram entropy of the training tokens as horizontal lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Callable, Sequence
+
+from keel.errors import KeelError
+from keel.experiments.grid import cached_result, run_grid
+from keel.io import atomic_write_text
+
+OUT_JSON, OUT_MD, OUT_PNG = "sensitivity.json", "sensitivity.md", "sensitivity.png"
+
+
+# ----------------------------------------------------------------------------- formulas
+def lr_sensitivity(losses: Sequence[float | None], init_loss: float) -> float:
+    """Wortsman et al. 2023 (arXiv 2309.14322, Sec. 3.2) LR sensitivity of one curve.
+
+    ``S = mean_i [min(l_i, l0) - min_j l_j]`` over the LR grid, where a missing or
+    non-finite ``l_i`` (a diverged run) counts as ``l0`` and the minimum is taken over the
+    capped losses. Units: nats/token.
+
+    Args:
+        losses: final loss at each LR of the grid (None / NaN / inf = diverged).
+        init_loss: ``l0``, the loss at initialisation (finite).
+    Raises:
+        KeelError: empty grid or non-finite ``init_loss``.
+    """
+    if not losses:
+        raise KeelError("LR sensitivity of an empty LR grid")
+    if init_loss is None or not math.isfinite(init_loss):
+        raise KeelError(f"LR sensitivity needs a finite initial loss, got {init_loss}")
+    capped = [min(x, init_loss) if x is not None and math.isfinite(x) else init_loss for x in losses]
+    best = min(capped)
+    return sum(c - best for c in capped) / len(capped)
+
+
+def _mean_sd(xs: Sequence[float]) -> tuple[float | None, float | None]:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def _final_loss(run: dict) -> float | None:
+    v = run.get("final_val_loss") if run.get("status") == "done" else None
+    return v if v is not None and math.isfinite(v) else None
+
+
+def seed_curve(runs: Sequence[dict], lrs: Sequence[float]) -> dict | None:
+    """Numbers of one (scheme, depth, seed) over the LR grid, or None until every LR finished.
+
+    ``runs`` are grid results (sweep run summaries) of that curve. Returns ``losses`` (per
+    LR; None = no finite final loss), ``capped`` (``min(l, l0)``, diverged = ``l0``),
+    ``init_loss`` (mean step-0 validation loss of the runs), ``opt_lr``, ``best_loss``,
+    ``sensitivity`` (:func:`lr_sensitivity`).
+    """
+    by_lr = {r["values"]["train.lr"]: r for r in runs if r.get("status") == "done"}
+    if any(lr not in by_lr for lr in lrs):
+        return None
+    inits = [by_lr[lr].get("first_val_loss") for lr in lrs]
+    inits = [x for x in inits if x is not None and math.isfinite(x)]
+    if not inits:
+        return None
+    l0 = statistics.fmean(inits)
+    losses = [_final_loss(by_lr[lr]) for lr in lrs]
+    capped = [min(x, l0) if x is not None else l0 for x in losses]
+    i = min(range(len(lrs)), key=capped.__getitem__)
+    return {"losses": losses, "capped": capped, "init_loss": l0, "opt_lr": lrs[i], "best_loss": capped[i],
+            "sensitivity": lr_sensitivity(losses, l0)}
+
+
+def cell_summary(curves: Sequence[dict], lrs: Sequence[float]) -> dict:
+    """Seeds of one (scheme, depth) cell: mean / sd of best loss, sensitivity and log10 of
+    the optimal LR; the seed-mean curve and its argmin ``opt_lr`` (``at_edge`` if that is
+    the first or last LR of the grid); ``n_seeds``."""
+    out: dict = {"n_seeds": len(curves)}
+    if not curves:
+        return out
+    for key in ("best_loss", "sensitivity", "init_loss"):
+        out[key], out[f"{key}_sd"] = _mean_sd([c[key] for c in curves])
+    log_opt = [math.log10(c["opt_lr"]) for c in curves]
+    out["log10_opt_lr"], out["log10_opt_lr_sd"] = _mean_sd(log_opt)
+    out["seed_opt_lrs"] = [c["opt_lr"] for c in curves]
+    mean_curve = [statistics.fmean(c["capped"][i] for c in curves) for i in range(len(lrs))]
+    i = min(range(len(lrs)), key=mean_curve.__getitem__)
+    out.update(mean_curve=mean_curve, opt_lr=lrs[i], at_edge=i in (0, len(lrs) - 1) and len(lrs) > 1)
+    return out
+
+
+# ----------------------------------------------------------------------------- grid
+def build_grid(schemes: Sequence[str], sublayers: Sequence[int], lrs: Sequence[float],
+               seeds: Sequence[int]) -> dict[str, list]:
+    """The ``keel sweep`` grid of the protocol, slowest key first: seeds, depths (blocks),
+    schemes, LRs. Raises KeelError on an odd or non-positive depth, a non-positive LR, or a
+    repeated value."""
+    for L in sublayers:
+        if L < 2 or L % 2:
+            raise KeelError(f"--layers counts sub-layers (2 per block) and must be even and >= 2, got {L}")
+    for lr in lrs:
+        if not (math.isfinite(lr) and lr > 0):
+            raise KeelError(f"--lrs must be positive numbers, got {lr}")
+    for what, xs in (("--residual", schemes), ("--layers", sublayers), ("--lrs", lrs), ("--seeds", seeds)):
+        if len(set(xs)) != len(xs):
+            raise KeelError(f"{what} repeats a value")
+    return {"train.seed": list(seeds), "model.n_layers": [L // 2 for L in sublayers],
+            "model.residual": list(schemes), "train.lr": sorted(lrs)}
+
+
+def summarise(results: Sequence[dict], schemes: Sequence[str], sublayers: Sequence[int],
+              lrs: Sequence[float], seeds: Sequence[int]) -> list[dict]:
+    """One row per (depth, scheme), in the given order: ``sublayers``, ``scheme``,
+    ``seeds`` (``{seed: seed_curve}`` for the seeds whose curve is complete) and the
+    :func:`cell_summary` fields."""
+    lrs = sorted(lrs)
+    rows = []
+    for L in sublayers:
+        for s in schemes:
+            per_seed = {}
+            for seed in seeds:
+                runs = [r for r in results if r.get("values", {}).get("model.residual") == s
+                        and r["values"].get("model.n_layers") == L // 2 and r["values"].get("train.seed") == seed]
+                c = seed_curve(runs, lrs)
+                if c is not None:
+                    per_seed[seed] = c
+            rows.append({"sublayers": L, "scheme": s, "seeds": per_seed,
+                         **cell_summary(list(per_seed.values()), lrs)})
+    return rows
+
+
+# ----------------------------------------------------------------------------- outputs
+def _pm(mean, sd, fmt="{:.3f}") -> str:
+    if mean is None:
+        return "–"
+    return fmt.format(mean) if not sd else f"{fmt.format(mean)} ± {fmt.format(sd)}"
+
+
+def markdown(summary: dict) -> str:
+    """The ``sensitivity.md`` table: one row per depth and scheme with at least one complete seed."""
+    lrs = summary["lrs"]
+    lines = [f"LR grid: {', '.join(f'{x:g}' for x in lrs)}; unigram entropy of the training tokens "
+             f"{summary['unigram_entropy']:.3f} nats.", "",
+             "| sub-layers | scheme | seeds | optimal LR (seed mean curve) | optimal LR per seed | best loss | "
+             "LR sensitivity | init loss |", "|---|---|---|---|---|---|---|---|"]
+    for r in summary["cells"]:
+        if not r["n_seeds"]:  # not run (or not finished) at this depth
+            continue
+        opt = f"{r['opt_lr']:g}" + (" (edge)" if r["at_edge"] else "")
+        lines.append(f"| {r['sublayers']} | {r['scheme']} | {r['n_seeds']} | {opt} | "
+                     f"{', '.join(f'{x:g}' for x in r['seed_opt_lrs'])} | {_pm(r['best_loss'], r['best_loss_sd'])} | "
+                     f"{_pm(r['sensitivity'], r['sensitivity_sd'])} | {_pm(r['init_loss'], r['init_loss_sd'])} |")
+    lines += ["", "Losses: final validation loss, nats/token, mean ± sd over seeds. LR sensitivity: Wortsman et al. "
+              "2023 (arXiv 2309.14322), mean over the LR grid of min(loss, init loss) − best loss. "
+              "(edge): the optimum is at an end of the LR grid."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, out: str | Path) -> None:
+    """Loss against LR (log x), one panel per depth, one line per scheme (seed mean; the
+    error bars span the seeds' capped losses); dashed: init loss, dotted: unigram entropy."""
+    from keel.train.plots import plt, save_figure
+
+    depths = summary["sublayers"]
+    fig, axes = plt.subplots(1, len(depths), figsize=(5.5 * len(depths), 4.2), squeeze=False)
+    for ax, L in zip(axes[0], depths):
+        rows = [r for r in summary["cells"] if r["sublayers"] == L and r["n_seeds"]]
+        for r in rows:
+            curves = list(r["seeds"].values())
+            lo = [min(c["capped"][i] for c in curves) for i in range(len(summary["lrs"]))]
+            hi = [max(c["capped"][i] for c in curves) for i in range(len(summary["lrs"]))]
+            m = r["mean_curve"]
+            ax.errorbar(summary["lrs"], m, yerr=[[a - b for a, b in zip(m, lo)], [b - a for a, b in zip(m, hi)]],
+                        marker="o", ms=3, lw=1.2, capsize=2, label=f"{r['scheme']} (n={r['n_seeds']})")
+        if rows:
+            ax.axhline(statistics.fmean(r["init_loss"] for r in rows), color="gray", ls="--", lw=1, label="init loss")
+        ax.axhline(summary["unigram_entropy"], color="black", ls=":", lw=1, label="unigram entropy")
+        ax.set_xscale("log")
+        ax.set_xlabel("peak learning rate")
+        ax.set_ylabel("final validation loss (nats/token)")
+        ax.set_title(f"{L} sub-layers ({L // 2} blocks)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    save_figure(fig, out)
+
+
+def write_outputs(summary: dict, out: str | Path) -> None:
+    """Write ``sensitivity.json``, ``sensitivity.md`` and ``sensitivity.png`` into ``out`` (atomically)."""
+    out = Path(out)
+    atomic_write_text(out / OUT_JSON, json.dumps(summary, indent=1, default=str))
+    atomic_write_text(out / OUT_MD, markdown(summary))
+    plot(summary, out / OUT_PNG)
+
+
+# ----------------------------------------------------------------------------- driver
+def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Sequence[int], lrs: Sequence[float],
+                       seeds: Sequence[int], sets: Sequence[str] = (), *, out: str | Path, workers: int = 1,
+                       threads: int | None = None, resume: bool = False, report_only: bool = False,
+                       log: Callable[[str], None] = print) -> dict:
+    """Run (or complete, or only tabulate) the LR-sensitivity grid; write the outputs.
+
+    Args:
+        config: base config file or preset name (default ``demo``).
+        schemes, sublayers, lrs, seeds: the grid (depths in sub-layers, even).
+        sets: ``section.key=value`` overrides for every run (shape, data, steps...).
+        out: output folder; workers / threads / resume: as :func:`keel.experiments.grid.run_grid`.
+        report_only: train nothing; tabulate the runs of ``out`` that have finished.
+    Returns:
+        The ``sensitivity.json`` content: ``config``, ``sets``, ``schemes``, ``sublayers``,
+        ``lrs`` (sorted), ``seeds``, ``data``, ``unigram_entropy``, ``runs`` (grid results,
+        finished ones only with ``report_only``) and ``cells`` (:func:`summarise`).
+    Raises:
+        KeelError: bad grid or config; non-empty ``out`` without ``resume`` (see run_grid).
+    """
+    from keel.cli import resolve_config_path
+    from keel.config import load_config
+    from keel.data.stats import dataset_unigram_entropy
+    from keel.experiments.sweep import build_jobs, train_task
+    from keel.model import SCHEMES
+    from keel.train.trainer import resolve_data
+
+    for s in schemes:
+        if s not in SCHEMES:
+            raise KeelError(f"unknown scheme {s!r} in --residual (available: {', '.join(SCHEMES)})")
+    grid = build_grid(schemes, sublayers, lrs, seeds)
+    base = load_config(resolve_config_path(config), list(sets))
+    data_dir = resolve_data(base, progress=False)
+    jobs = build_jobs(config, grid, sets, data_path=str(data_dir))
+    if report_only:
+        results = [r for r in (cached_result(Path(out) / j.name) for j in jobs) if r is not None]
+        log(f"lr-sensitivity: report only, {len(results)}/{len(jobs)} runs finished")
+    else:
+        results = run_grid(jobs, out, train_task, workers=workers, resume=resume, threads=threads, log=log)
+    summary = {"config": str(resolve_config_path(config)), "sets": list(sets), "schemes": list(schemes),
+               "sublayers": list(sublayers), "lrs": grid["train.lr"], "seeds": list(seeds), "data": str(data_dir),
+               "unigram_entropy": dataset_unigram_entropy(data_dir), "runs": results,
+               "cells": summarise(results, schemes, sublayers, grid["train.lr"], seeds)}
+    Path(out).mkdir(parents=True, exist_ok=True)
+    write_outputs(summary, out)
+    return summary
+
+
+def _parse(text: str, kind, what: str) -> list:
+    items = [s.strip() for s in str(text).split(",") if s.strip()]
+    if not items:
+        raise KeelError(f"{what} is empty")
+    try:
+        return [kind(s) for s in items]
+    except ValueError:
+        raise KeelError(f"{what} must be a comma-separated list of {kind.__name__}s, got {text!r}") from None
+
+
+def cmd_lr_sensitivity(args: argparse.Namespace) -> int:
+    """``keel lr-sensitivity``: see the module docstring."""
+    import sys
+
+    if args.resume and args.report_only:
+        raise KeelError("--report-only trains nothing; do not combine it with --resume")
+    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    s = run_lr_sensitivity(args.config, _parse(args.residual, str, "--residual"), _parse(args.layers, int, "--layers"),
+                           _parse(args.lrs, float, "--lrs"), _parse(args.seeds, int, "--seeds"), args.set,
+                           out=args.out, workers=args.workers, threads=args.threads or None, resume=args.resume,
+                           report_only=args.report_only, log=log)
+    if args.json:
+        print(json.dumps({k: s[k] for k in ("lrs", "unigram_entropy", "cells")}, indent=1))
+    else:
+        print(markdown(s))
+        print(f"wrote {Path(args.out) / OUT_JSON}, {OUT_MD}, {OUT_PNG}")
+    return 1 if any(r.get("status") != "done" for r in s["runs"]) else 0
+
+
+def register(subparsers) -> None:
+    """Add ``keel lr-sensitivity`` to the CLI."""
+    p = subparsers.add_parser("lr-sensitivity", help="final loss against peak LR per scheme and depth "
+                              "(Wortsman et al. 2023 LR sensitivity)", description=__doc__.split("\n\n")[0])
+    p.add_argument("--residual", default="pre_ln,keel", help="comma-separated schemes")
+    p.add_argument("--layers", default="16,64", help="comma-separated depths in SUB-LAYERS (even; 2 per block)")
+    p.add_argument("--lrs", default="1e-3,3e-3,1e-2,3e-2,1e-1", help="comma-separated peak LRs (log-spaced)")
+    p.add_argument("--seeds", default="0,1", help="comma-separated train.seed values")
+    p.add_argument("--config", default=None, help="base TOML file or preset name (default: demo)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key in every run (repeatable)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (0 = in this process)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
+    p.add_argument("--resume", action="store_true", help="continue --out: skip finished runs, resume interrupted ones")
+    p.add_argument("--report-only", action="store_true", help="train nothing: tabulate the finished runs of --out")
+    p.add_argument("--json", action="store_true", help="print the per-cell numbers as JSON on stdout")
+    p.set_defaults(func=cmd_lr_sensitivity)
