@@ -5,8 +5,8 @@ import math
 
 import numpy as np
 import pytest
-
 from conftest import REPO, tiny_overrides
+
 from keel.data.stats import dataset_unigram_entropy, unigram_entropy
 from keel.errors import KeelError
 from keel.experiments.sensitivity import cell_summary, lr_sensitivity, seed_curve
@@ -60,6 +60,7 @@ def test_unigram_entropy_transcription(tiny_data):
 
     h = unigram_entropy(read_shard(tiny_data / "train.bin"))
     assert 0 < h < math.log(meta["vocab_size"])
+    assert meta["unigram_entropy"] == pytest.approx(h)  # stored by keel prepare
     assert dataset_unigram_entropy(tiny_data) == pytest.approx(h)
 
 

@@ -29,8 +29,9 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from keel.data.shards import ShardWriter
+from keel.data.shards import ShardWriter, read_shard
 from keel.data.sources import SourceStats, check_hub_reachable, iter_documents
+from keel.data.stats import unigram_entropy
 from keel.errors import KeelError
 
 FORMAT_VERSION = 1
@@ -81,7 +82,8 @@ def prepare_dataset(
         progress: show progress bars on stderr.
 
     ``meta.json`` records ``format_version, source, tokenizer, tokenizer_sha256, vocab_size,
-    eos_id, dtype, n_docs_train, n_docs_val, train_tokens, val_tokens, bytes_train,
+    eos_id, dtype, n_docs_train, n_docs_val, train_tokens, val_tokens, unigram_entropy (nats,
+    of the training tokens: :mod:`keel.data.stats`), bytes_train,
     bytes_val, docs_with_replacement_chars, val_fraction, max_bytes, max_docs, seed,
     text_field, created``. Byte counts are UTF-8 bytes of document text; token counts
     include one EOS per document. Local paths are recorded as absolute paths.
@@ -255,6 +257,8 @@ def _build(tmp: Path, inputs: dict, progress: bool) -> dict:
         "n_docs_val": val.n_docs,
         "train_tokens": n_tokens["train"],
         "val_tokens": n_tokens["val"],
+        # nats; the loss floor of a context-free model (keel.data.stats)
+        "unigram_entropy": unigram_entropy(read_shard(tmp / "train.bin"), vocab_size) if n_tokens["train"] else None,
         "bytes_train": train.n_bytes,
         "bytes_val": val.n_bytes,
         "docs_with_replacement_chars": stats.docs_with_replacement_chars,

@@ -35,8 +35,8 @@ import argparse
 import json
 import math
 import statistics
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from keel.errors import KeelError
 from keel.experiments.grid import cached_result, run_grid
@@ -171,10 +171,10 @@ def _pm(mean, sd, fmt="{:.3f}") -> str:
 def markdown(summary: dict) -> str:
     """The ``sensitivity.md`` table: one row per depth and scheme with at least one complete seed."""
     lrs = summary["lrs"]
-    lines = [f"LR grid: {', '.join(f'{x:g}' for x in lrs)}; unigram entropy of the training tokens "
-             f"{summary['unigram_entropy']:.3f} nats.", "",
-             "| sub-layers | scheme | seeds | optimal LR (seed mean curve) | optimal LR per seed | best loss | "
-             "LR sensitivity | init loss |", "|---|---|---|---|---|---|---|---|"]
+    lines = [(f"LR grid: {', '.join(f'{x:g}' for x in lrs)}; unigram entropy of the training tokens "
+              f"{summary['unigram_entropy']:.3f} nats."), "",
+             ("| sub-layers | scheme | seeds | optimal LR (seed mean curve) | optimal LR per seed | best loss | "
+              "LR sensitivity | init loss |"), "|---|---|---|---|---|---|---|---|"]
     for r in summary["cells"]:
         if not r["n_seeds"]:  # not run (or not finished) at this depth
             continue
@@ -182,9 +182,9 @@ def markdown(summary: dict) -> str:
         lines.append(f"| {r['sublayers']} | {r['scheme']} | {r['n_seeds']} | {opt} | "
                      f"{', '.join(f'{x:g}' for x in r['seed_opt_lrs'])} | {_pm(r['best_loss'], r['best_loss_sd'])} | "
                      f"{_pm(r['sensitivity'], r['sensitivity_sd'])} | {_pm(r['init_loss'], r['init_loss_sd'])} |")
-    lines += ["", "Losses: final validation loss, nats/token, mean ± sd over seeds. LR sensitivity: Wortsman et al. "
-              "2023 (arXiv 2309.14322), mean over the LR grid of min(loss, init loss) − best loss. "
-              "(edge): the optimum is at an end of the LR grid."]
+    lines += ["", ("Losses: final validation loss, nats/token, mean ± sd over seeds. LR sensitivity: Wortsman et al. "
+                   "2023 (arXiv 2309.14322), mean over the LR grid of min(loss, init loss) − best loss. "
+                   "(edge): the optimum is at an end of the LR grid.")]
     return "\n".join(lines) + "\n"
 
 
