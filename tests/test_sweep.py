@@ -79,7 +79,7 @@ def test_sweep_tables_best_lr_and_cache(tiny_data, tmp_path):
     for r in runs:
         recs = read_metrics(out / r["name"] / "metrics.jsonl")
         vals = [x["val_loss"] for x in recs if "val_loss" in x]
-        assert r["status"] == "done" and r["verdict"] == "ok" and r["step"] == 8
+        assert r["status"] == "done" and r["verdict"] == "healthy" and r["step"] == 8
         assert r["final_val_loss"] == vals[-1] and r["best_val_loss"] == min(vals)
         assert r["tokens"] == 8 * 4 * 32
         assert r["params"] == Transformer(load_config(out / r["name"] / "config.toml").model).num_params()
@@ -119,7 +119,7 @@ def test_sweep_tables_best_lr_and_cache(tiny_data, tmp_path):
     assert [x["step"] for x in read_metrics(rd / "metrics.jsonl")] == list(range(9))
 
     # a changed config under the same name is refused
-    with pytest.raises(KeelError, match="different config"):
+    with pytest.raises(KeelError, match="other settings"):
         (rd / "result.json").unlink()
         run_sweep(DEMO, grid, _tiny_sets(tiny_data, warmup_steps=1), out=out, workers=0, resume=True,
                   log=lambda m: None)
@@ -133,9 +133,9 @@ def test_stopped_run_is_a_result_and_excluded_from_best(tiny_data, tmp_path):
     s = run_sweep(DEMO, grid, sets, out=tmp_path / "sw", workers=1, threads=1, best="model.init_std",
                   log=lambda m: None)
     ok, bad = s["runs"]
-    assert ok["verdict"] == "ok" and ok["step"] == 8
-    assert bad["status"] == "done" and bad["verdict"] == "stopped" and bad["diverged"]
-    assert bad["step"] == 2 and bad["final_val_loss"] is None and "max_bad_steps" in bad["verdict_detail"]
+    assert ok["verdict"] == "healthy" and ok["step"] == 8
+    assert bad["status"] == "done" and bad["verdict"] == "instability" and bad["diverged"]
+    assert bad["step"] == 2 and bad["final_val_loss"] is None and "max_bad_steps" in bad["stopped"]
     assert s["best"][0]["best"] == 0.02 and s["best"][0]["n_ok"] == 1
 
 

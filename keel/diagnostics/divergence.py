@@ -153,6 +153,8 @@ class Verdict:
             return f"healthy through step {self.step}"
         if self.mode == INSTABILITY and e.get("non_finite"):
             return f"instability at step {self.step}: non-finite loss"
+        if self.mode == INSTABILITY and "spike_loss" not in e:
+            return f"instability at step {self.step}"
         if self.mode == INSTABILITY:
             return (f"instability from step {self.step}: loss {e['spike_loss']:.3f} vs baseline {e['baseline']:.3f}, "
                     f"not back within {int(e['open_steps'])} steps")
@@ -426,3 +428,35 @@ def build_monitor(reference_dir: str | Path | None = None, unigram_entropy: floa
     """
     ref = read_reference(reference_dir) if reference_dir not in (None, "") else None
     return OnlineDivergenceMonitor(thresholds, ref, unigram_entropy)
+
+
+def run_verdict(records: Sequence[dict], reference: Iterable[dict] | None = None,
+                unigram_entropy: float | None = None, stopped: str | None = None,
+                thresholds: Thresholds | None = None) -> Verdict:
+    """The verdict of a finished (or stopped) training run, in the classifier's vocabulary
+    (``healthy``, ``stagnation``, ``instability``, ``degradation``): the one verdict that
+    ``keel sweep``, ``keel stress`` and ``keel lr-sensitivity`` report.
+
+    :func:`classify_metrics` on the run's ``metrics.jsonl`` records (with the reference
+    run's records and the unigram entropy, when given), except that a run cannot be
+    ``healthy`` if it was ``stopped`` by the trainer (then: its logged online verdict, else
+    ``instability`` at its last step) or if a validation loss was non-finite
+    (``instability`` at that step, ``evidence["non_finite"] = 1``).
+
+    Args:
+        records: the run's metrics records (``step``, ``loss``, ``lr``, ``val_loss``, ``divergence``).
+        reference: the reference run's records, or None.
+        unigram_entropy: nats, or None.
+        stopped: the trainer's stop message (``TrainingStopped``), or None.
+    """
+    v = classify_metrics(records, reference, thresholds, unigram_entropy)
+    if v.diverged:
+        return v
+    bad_val = [r for r in records if "val_loss" in r and not math.isfinite(r["val_loss"])]
+    if bad_val:
+        return Verdict(INSTABILITY, int(bad_val[0]["step"]), {"non_finite": 1.0})
+    if stopped:
+        logged = [r["divergence"] for r in records if "divergence" in r]
+        last = max((int(r["step"]) for r in records if "step" in r), default=0)
+        return Verdict.from_dict(logged[0]) if logged else Verdict(INSTABILITY, last, {})
+    return v
