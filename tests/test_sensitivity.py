@@ -104,3 +104,34 @@ def test_lr_sensitivity_cli_end_to_end(keel_cli, tiny_data, tmp_path):
     assert rep.returncode == 0 and "12/12 runs finished" in rep.stdout
     bad = keel_cli(*args)  # not empty without --resume
     assert bad.returncode == 2 and "--resume" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_max_lr_below_and_paired_differences():
+    from keel.experiments.sensitivity import markdown, max_lr_below, paired_differences
+
+    lrs = [1e-3, 1e-2, 1e-1]
+    assert max_lr_below([5.0, 5.2, 6.0], lrs, 5.3) == 1e-2
+    assert max_lr_below([5.0, None, 5.1], lrs, 5.3) == 1e-1
+    assert max_lr_below([6.0, None, 7.0], lrs, 5.3) is None
+
+    def curve(best, sens):
+        return {"best_loss": best, "sensitivity": sens}
+
+    cells = [{"sublayers": 4, "scheme": "pre_ln", "seeds": {0: curve(5.0, 0.4), 1: curve(5.2, 0.5)}},
+             {"sublayers": 4, "scheme": "keel", "seeds": {0: curve(4.5, 0.3), 1: curve(4.9, 0.1), 2: curve(1.0, 0.0)}},
+             {"sublayers": 8, "scheme": "keel", "seeds": {0: curve(4.0, 0.3)}}]
+    summary = {"sublayers": [4, 8], "schemes": ["pre_ln", "keel"], "cells": cells}
+    rows = paired_differences(summary, "keel", "pre_ln", "best_loss")
+    # only the seeds both have (0 and 1), only the depths both have (4)
+    assert [r["sublayers"] for r in rows] == [4] and rows[0]["diffs"] == pytest.approx({0: -0.5, 1: -0.3})
+    assert rows[0]["mean"] == pytest.approx(-0.4) and rows[0]["sd"] == pytest.approx(math.sqrt(0.02))
+    sens = paired_differences(summary, "keel", "pre_ln", "sensitivity")[0]
+    assert sens["diffs"] == pytest.approx({0: -0.1, 1: -0.4})
+    lrs = [1e-3, 1e-2]
+    full = [dict(c, n_seeds=len(c["seeds"]), opt_lr=1e-2, at_edge=True, seed_opt_lrs=[1e-2] * len(c["seeds"]),
+                 seed_max_lr_below_h1=[None] * len(c["seeds"]), best_loss=1.0, best_loss_sd=0.0, sensitivity=0.1,
+                 sensitivity_sd=0.0, init_loss=6.0, init_loss_sd=0.0) for c in cells]
+    md = markdown({"lrs": lrs, "unigram_entropy": 5.0, "sublayers": [4, 8], "schemes": ["pre_ln", "keel"], "cells": full})
+    assert "| 4 | keel | -0.500, -0.300 | -0.400 | -0.100, -0.400 | -0.250 |" in md
+    assert "| keel | 0.01 [0.01, 0.01, 0.01]; none, none, none | 0.01 [0.01]; none |" in md
+    assert "0.01 (edge)" in md

@@ -89,6 +89,7 @@ def seed_curve(runs: Sequence[dict], lrs: Sequence[float]) -> dict | None:
     ``sensitivity`` (:func:`lr_sensitivity`).
     """
     by_lr = {r["values"]["train.lr"]: r for r in runs if r.get("status") == "done"}
+    lrs = sorted(lrs)
     if any(lr not in by_lr for lr in lrs):
         return None
     inits = [by_lr[lr].get("first_val_loss") for lr in lrs]
@@ -103,6 +104,13 @@ def seed_curve(runs: Sequence[dict], lrs: Sequence[float]) -> dict | None:
             "sensitivity": lr_sensitivity(losses, l0)}
 
 
+def max_lr_below(losses: Sequence[float | None], lrs: Sequence[float], level: float) -> float | None:
+    """The largest LR of the grid whose final loss is below ``level`` (nats), e.g. the unigram
+    entropy (the run learnt more than token frequencies); None if there is none."""
+    ok = [lr for lr, x in zip(lrs, losses) if x is not None and x < level]
+    return max(ok) if ok else None
+
+
 def cell_summary(curves: Sequence[dict], lrs: Sequence[float]) -> dict:
     """Seeds of one (scheme, depth) cell: mean / sd of best loss, sensitivity and log10 of
     the optimal LR; the seed-mean curve and its argmin ``opt_lr`` (``at_edge`` if that is
@@ -115,6 +123,7 @@ def cell_summary(curves: Sequence[dict], lrs: Sequence[float]) -> dict:
     log_opt = [math.log10(c["opt_lr"]) for c in curves]
     out["log10_opt_lr"], out["log10_opt_lr_sd"] = _mean_sd(log_opt)
     out["seed_opt_lrs"] = [c["opt_lr"] for c in curves]
+    out["seed_max_lr_below_h1"] = [c.get("max_lr_below_h1") for c in curves]
     mean_curve = [statistics.fmean(c["capped"][i] for c in curves) for i in range(len(lrs))]
     i = min(range(len(lrs)), key=mean_curve.__getitem__)
     out.update(mean_curve=mean_curve, opt_lr=lrs[i], at_edge=i in (0, len(lrs) - 1) and len(lrs) > 1)
@@ -141,10 +150,11 @@ def build_grid(schemes: Sequence[str], sublayers: Sequence[int], lrs: Sequence[f
 
 
 def summarise(results: Sequence[dict], schemes: Sequence[str], sublayers: Sequence[int],
-              lrs: Sequence[float], seeds: Sequence[int]) -> list[dict]:
+              lrs: Sequence[float], seeds: Sequence[int], unigram_entropy: float | None = None) -> list[dict]:
     """One row per (depth, scheme), in the given order: ``sublayers``, ``scheme``,
-    ``seeds`` (``{seed: seed_curve}`` for the seeds whose curve is complete) and the
-    :func:`cell_summary` fields."""
+    ``seeds`` (``{seed: seed_curve}`` for the seeds whose curve is complete, each with
+    ``max_lr_below_h1`` (:func:`max_lr_below` the unigram entropy) when it is given) and
+    the :func:`cell_summary` fields."""
     lrs = sorted(lrs)
     rows = []
     for L in sublayers:
@@ -155,6 +165,8 @@ def summarise(results: Sequence[dict], schemes: Sequence[str], sublayers: Sequen
                         and r["values"].get("model.n_layers") == L // 2 and r["values"].get("train.seed") == seed]
                 c = seed_curve(runs, lrs)
                 if c is not None:
+                    if unigram_entropy is not None:
+                        c["max_lr_below_h1"] = max_lr_below(c["losses"], lrs, unigram_entropy)
                     per_seed[seed] = c
             rows.append({"sublayers": L, "scheme": s, "seeds": per_seed,
                          **cell_summary(list(per_seed.values()), lrs)})
@@ -185,7 +197,70 @@ def markdown(summary: dict) -> str:
     lines += ["", ("Losses: final validation loss, nats/token, mean ± sd over seeds. LR sensitivity: Wortsman et al. "
                    "2023 (arXiv 2309.14322), mean over the LR grid of min(loss, init loss) − best loss. "
                    "(edge): the optimum is at an end of the LR grid.")]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + transfer_lines(summary) + paired_lines(summary)) + "\n"
+
+
+def _fmt_lrs(xs) -> str:
+    return ", ".join("none" if x is None else f"{x:g}" for x in xs)
+
+
+def transfer_lines(summary: dict) -> list[str]:
+    """Markdown: optimal LR (seed-mean curve; per seed in brackets) and the largest LR whose
+    final loss is below the unigram entropy (per seed), per scheme (rows) and depth (columns)."""
+    depths = [L for L in summary["sublayers"] if any(r["sublayers"] == L and r["n_seeds"] for r in summary["cells"])]
+    if not depths:
+        return []
+    out = ["", "## Optimal LR against depth (LR transfer)", "",
+           "Cell: optimal LR of the seed-mean curve [per seed]; max LR below the unigram entropy, per seed.", "",
+           "| scheme | " + " | ".join(f"{L} sub-layers" for L in depths) + " |", "|---" * (len(depths) + 1) + "|"]
+    for s in summary["schemes"]:
+        cells = []
+        for L in depths:
+            r = next((r for r in summary["cells"] if r["sublayers"] == L and r["scheme"] == s), None)
+            cells.append("–" if not r or not r["n_seeds"] else
+                         f"{r['opt_lr']:g} [{_fmt_lrs(r['seed_opt_lrs'])}]; {_fmt_lrs(r['seed_max_lr_below_h1'])}")
+        if any(c != "–" for c in cells):
+            out.append(f"| {s} | " + " | ".join(cells) + " |")
+    return out
+
+
+def paired_differences(summary: dict, scheme: str, baseline: str, key: str) -> list[dict]:
+    """Per depth: ``{sublayers, diffs: {seed: x_scheme - x_baseline}, mean, sd}`` of the per-seed
+    ``key`` (``best_loss`` or ``sensitivity``) over the seeds both have (paired: same seed =
+    same data order and init draws). Depths where they share no seed are left out."""
+    rows = []
+    for L in summary["sublayers"]:
+        a = next((r for r in summary["cells"] if r["sublayers"] == L and r["scheme"] == scheme), None)
+        b = next((r for r in summary["cells"] if r["sublayers"] == L and r["scheme"] == baseline), None)
+        if not a or not b:
+            continue
+        common = sorted(set(a["seeds"]) & set(b["seeds"]), key=str)
+        if not common:
+            continue
+        diffs = {sd: a["seeds"][sd][key] - b["seeds"][sd][key] for sd in common}
+        m, sdv = _mean_sd(list(diffs.values()))
+        rows.append({"sublayers": L, "diffs": diffs, "mean": m, "sd": sdv})
+    return rows
+
+
+def paired_lines(summary: dict, baseline: str = "pre_ln") -> list[str]:
+    """Markdown: paired (per-seed) differences of best loss and LR sensitivity, scheme − baseline."""
+    if baseline not in summary["schemes"]:
+        return []
+    head = ["", f"## Paired differences against {baseline} (same seed)", "",
+            "| sub-layers | scheme | Δ best loss per seed | mean Δ best loss | Δ sensitivity per seed | mean Δ sensitivity |",
+            "|---|---|---|---|---|---|"]
+    out = []
+    for s in summary["schemes"]:
+        if s == baseline:
+            continue
+        best = {r["sublayers"]: r for r in paired_differences(summary, s, baseline, "best_loss")}
+        sens = {r["sublayers"]: r for r in paired_differences(summary, s, baseline, "sensitivity")}
+        for L, r in best.items():
+            per = ", ".join(f"{d:+.3f}" for d in r["diffs"].values())
+            per_s = ", ".join(f"{d:+.3f}" for d in sens[L]["diffs"].values())
+            out.append(f"| {L} | {s} | {per} | {r['mean']:+.3f} | {per_s} | {sens[L]['mean']:+.3f} |")
+    return head + out if out else []
 
 
 def plot(summary: dict, out: str | Path) -> None:
@@ -266,7 +341,8 @@ def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Se
     summary = {"config": str(resolve_config_path(config)), "sets": list(sets), "schemes": list(schemes),
                "sublayers": list(sublayers), "lrs": grid["train.lr"], "seeds": list(seeds), "data": str(data_dir),
                "unigram_entropy": dataset_unigram_entropy(data_dir), "runs": results,
-               "cells": summarise(results, schemes, sublayers, grid["train.lr"], seeds)}
+               "cells": None}
+    summary["cells"] = summarise(results, schemes, sublayers, grid["train.lr"], seeds, summary["unigram_entropy"])
     Path(out).mkdir(parents=True, exist_ok=True)
     write_outputs(summary, out)
     return summary
