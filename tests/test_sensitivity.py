@@ -129,7 +129,7 @@ def test_max_lr_below_and_paired_differences():
     assert sens["diffs"] == pytest.approx({0: -0.1, 1: -0.4})
     lrs = [1e-3, 1e-2]
     full = [dict(c, n_seeds=len(c["seeds"]), opt_lr=1e-2, at_edge=True, seed_opt_lrs=[1e-2] * len(c["seeds"]),
-                 seed_max_lr_below_h1=[None] * len(c["seeds"]), best_loss=1.0, best_loss_sd=0.0, sensitivity=0.1,
+                 seed_max_lr_past_plateau=[None] * len(c["seeds"]), best_loss=1.0, best_loss_sd=0.0, sensitivity=0.1,
                  sensitivity_sd=0.0, init_loss=6.0, init_loss_sd=0.0) for c in cells]
     md = markdown({"lrs": lrs, "unigram_entropy": 5.0, "sublayers": [4, 8], "schemes": ["pre_ln", "keel"], "cells": full})
     assert "| 4 | keel | -0.500, -0.300 | -0.400 | -0.100, -0.400 | -0.250 |" in md

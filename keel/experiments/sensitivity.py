@@ -13,11 +13,16 @@ Per (scheme, depth, seed), with ``l(eta)`` the final validation loss at peak LR 
 (nats/token) and ``l0`` the validation loss at initialisation (step 0):
 
 * optimal LR ``eta* = argmin_eta l(eta)``; best loss ``min_eta l(eta)``;
+* max LR past the plateau: the largest LR whose final loss is below the divergence
+  classifier's stagnation level ``0.95 * H1`` (``H1`` = unigram entropy of the training
+  tokens): the run learnt more than token frequencies;
 * LR sensitivity (Wortsman et al. 2023, Sec. 3.2)::
 
       S = mean over the LR grid of [ min(l(eta), l0) - min_eta l(eta) ]
 
-  A run without a finite final loss (non-finite, stopped) counts as ``l0``.
+  A run without a finite final loss (non-finite, stopped) counts as ``l0``. Caveat: a
+  scheme that stays on the unigram plateau at every LR has a *low* sensitivity (its
+  curve is flat); read it together with the best loss.
 
 Seeds are then summarised by mean and sample standard deviation (``sd``, ddof = 1; 0 for
 one seed); the optimal LR of a cell is also read off the seed-mean curve (``opt_lr``),
@@ -123,7 +128,7 @@ def cell_summary(curves: Sequence[dict], lrs: Sequence[float]) -> dict:
     log_opt = [math.log10(c["opt_lr"]) for c in curves]
     out["log10_opt_lr"], out["log10_opt_lr_sd"] = _mean_sd(log_opt)
     out["seed_opt_lrs"] = [c["opt_lr"] for c in curves]
-    out["seed_max_lr_below_h1"] = [c.get("max_lr_below_h1") for c in curves]
+    out["seed_max_lr_past_plateau"] = [c.get("max_lr_past_plateau") for c in curves]
     mean_curve = [statistics.fmean(c["capped"][i] for c in curves) for i in range(len(lrs))]
     i = min(range(len(lrs)), key=mean_curve.__getitem__)
     out.update(mean_curve=mean_curve, opt_lr=lrs[i], at_edge=i in (0, len(lrs) - 1) and len(lrs) > 1)
@@ -150,10 +155,10 @@ def build_grid(schemes: Sequence[str], sublayers: Sequence[int], lrs: Sequence[f
 
 
 def summarise(results: Sequence[dict], schemes: Sequence[str], sublayers: Sequence[int],
-              lrs: Sequence[float], seeds: Sequence[int], unigram_entropy: float | None = None) -> list[dict]:
+              lrs: Sequence[float], seeds: Sequence[int], plateau_level: float | None = None) -> list[dict]:
     """One row per (depth, scheme), in the given order: ``sublayers``, ``scheme``,
     ``seeds`` (``{seed: seed_curve}`` for the seeds whose curve is complete, each with
-    ``max_lr_below_h1`` (:func:`max_lr_below` the unigram entropy) when it is given) and
+    ``max_lr_past_plateau`` = :func:`max_lr_below` ``plateau_level`` when that is given) and
     the :func:`cell_summary` fields."""
     lrs = sorted(lrs)
     rows = []
@@ -165,8 +170,8 @@ def summarise(results: Sequence[dict], schemes: Sequence[str], sublayers: Sequen
                         and r["values"].get("model.n_layers") == L // 2 and r["values"].get("train.seed") == seed]
                 c = seed_curve(runs, lrs)
                 if c is not None:
-                    if unigram_entropy is not None:
-                        c["max_lr_below_h1"] = max_lr_below(c["losses"], lrs, unigram_entropy)
+                    if plateau_level is not None:
+                        c["max_lr_past_plateau"] = max_lr_below(c["losses"], lrs, plateau_level)
                     per_seed[seed] = c
             rows.append({"sublayers": L, "scheme": s, "seeds": per_seed,
                          **cell_summary(list(per_seed.values()), lrs)})
@@ -184,7 +189,8 @@ def markdown(summary: dict) -> str:
     """The ``sensitivity.md`` table: one row per depth and scheme with at least one complete seed."""
     lrs = summary["lrs"]
     lines = [(f"LR grid: {', '.join(f'{x:g}' for x in lrs)}; unigram entropy of the training tokens "
-              f"{summary['unigram_entropy']:.3f} nats."), "",
+              f"{summary['unigram_entropy']:.3f} nats (plateau level 95% of it: "
+              f"{(summary.get('plateau_level') or 0):.3f})."), "",
              ("| sub-layers | scheme | seeds | optimal LR (seed mean curve) | optimal LR per seed | best loss | "
               "LR sensitivity | init loss |"), "|---|---|---|---|---|---|---|---|"]
     for r in summary["cells"]:
@@ -206,19 +212,21 @@ def _fmt_lrs(xs) -> str:
 
 def transfer_lines(summary: dict) -> list[str]:
     """Markdown: optimal LR (seed-mean curve; per seed in brackets) and the largest LR whose
-    final loss is below the unigram entropy (per seed), per scheme (rows) and depth (columns)."""
+    final loss is below the plateau level (per seed), per scheme (rows) and depth (columns)."""
     depths = [L for L in summary["sublayers"] if any(r["sublayers"] == L and r["n_seeds"] for r in summary["cells"])]
     if not depths:
         return []
     out = ["", "## Optimal LR against depth (LR transfer)", "",
-           "Cell: optimal LR of the seed-mean curve [per seed]; max LR below the unigram entropy, per seed.", "",
+           ("Cell: optimal LR of the seed-mean curve [per seed]; the largest LR whose final loss is below "
+            f"the unigram plateau ({summary.get('plateau_level') or 0:.3f} nats = 95% of the unigram entropy), "
+            "per seed."), "",
            "| scheme | " + " | ".join(f"{L} sub-layers" for L in depths) + " |", "|---" * (len(depths) + 1) + "|"]
     for s in summary["schemes"]:
         cells = []
         for L in depths:
             r = next((r for r in summary["cells"] if r["sublayers"] == L and r["scheme"] == s), None)
             cells.append("–" if not r or not r["n_seeds"] else
-                         f"{r['opt_lr']:g} [{_fmt_lrs(r['seed_opt_lrs'])}]; {_fmt_lrs(r['seed_max_lr_below_h1'])}")
+                         f"{r['opt_lr']:g} [{_fmt_lrs(r['seed_opt_lrs'])}]; {_fmt_lrs(r['seed_max_lr_past_plateau'])}")
         if any(c != "–" for c in cells):
             out.append(f"| {s} | " + " | ".join(cells) + " |")
     return out
@@ -322,6 +330,7 @@ def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Se
     from keel.cli import resolve_config_path
     from keel.config import load_config
     from keel.data.stats import dataset_unigram_entropy
+    from keel.diagnostics.divergence import Thresholds
     from keel.experiments.sweep import build_jobs, train_task
     from keel.model import SCHEMES
     from keel.train.trainer import resolve_data
@@ -341,8 +350,10 @@ def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Se
     summary = {"config": str(resolve_config_path(config)), "sets": list(sets), "schemes": list(schemes),
                "sublayers": list(sublayers), "lrs": grid["train.lr"], "seeds": list(seeds), "data": str(data_dir),
                "unigram_entropy": dataset_unigram_entropy(data_dir), "runs": results,
-               "cells": None}
-    summary["cells"] = summarise(results, schemes, sublayers, grid["train.lr"], seeds, summary["unigram_entropy"])
+               "plateau_level": None, "cells": None}
+    # the divergence classifier's stagnation level: below it, a run has left the unigram plateau
+    summary["plateau_level"] = (1 - Thresholds().stagnation_margin) * summary["unigram_entropy"]
+    summary["cells"] = summarise(results, schemes, sublayers, grid["train.lr"], seeds, summary["plateau_level"])
     Path(out).mkdir(parents=True, exist_ok=True)
     write_outputs(summary, out)
     return summary
