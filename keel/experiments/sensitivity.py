@@ -272,11 +272,14 @@ def paired_lines(summary: dict, baseline: str = "pre_ln") -> list[str]:
 
 
 def plot(summary: dict, out: str | Path) -> None:
-    """Loss against LR (log x), one panel per depth, one line per scheme (seed mean; the
-    error bars span the seeds' capped losses); dashed: init loss, dotted: unigram entropy."""
+    """Loss against LR (log x), one panel per depth that has results, one line per scheme
+    (seed mean; the error bars span the seeds' capped losses; one colour per scheme in every
+    panel); dashed: init loss, dotted: unigram entropy."""
     from keel.train.plots import plt, save_figure
 
-    depths = summary["sublayers"]
+    depths = [L for L in summary["sublayers"] if any(r["sublayers"] == L and r["n_seeds"] for r in summary["cells"])]
+    depths = depths or summary["sublayers"][:1]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     fig, axes = plt.subplots(1, len(depths), figsize=(5.5 * len(depths), 4.2), squeeze=False)
     for ax, L in zip(axes[0], depths):
         rows = [r for r in summary["cells"] if r["sublayers"] == L and r["n_seeds"]]
@@ -285,8 +288,9 @@ def plot(summary: dict, out: str | Path) -> None:
             lo = [min(c["capped"][i] for c in curves) for i in range(len(summary["lrs"]))]
             hi = [max(c["capped"][i] for c in curves) for i in range(len(summary["lrs"]))]
             m = r["mean_curve"]
+            c = colors[summary["schemes"].index(r["scheme"]) % len(colors)]
             ax.errorbar(summary["lrs"], m, yerr=[[a - b for a, b in zip(m, lo)], [b - a for a, b in zip(m, hi)]],
-                        marker="o", ms=3, lw=1.2, capsize=2, label=f"{r['scheme']} (n={r['n_seeds']})")
+                        marker="o", ms=3, lw=1.2, capsize=2, color=c, label=f"{r['scheme']} (n={r['n_seeds']})")
         if rows:
             ax.axhline(statistics.fmean(r["init_loss"] for r in rows), color="gray", ls="--", lw=1, label="init loss")
         ax.axhline(summary["unigram_entropy"], color="black", ls=":", lw=1, label="unigram entropy")
