@@ -203,7 +203,8 @@ def markdown(summary: dict) -> str:
     lines += ["", ("Losses: final validation loss, nats/token, mean ± sd over seeds. LR sensitivity: Wortsman et al. "
                    "2023 (arXiv 2309.14322), mean over the LR grid of min(loss, init loss) − best loss. "
                    "(edge): the optimum is at an end of the LR grid.")]
-    return "\n".join(lines + transfer_lines(summary) + paired_lines(summary)) + "\n"
+    return "\n".join(lines + transfer_lines(summary) + paired_lines(summary, "pre_ln")
+                     + paired_lines(summary, "keel")) + "\n"
 
 
 def _fmt_lrs(xs) -> str:
