@@ -345,3 +345,22 @@ def test_build_monitor_errors(tmp_path):
     with pytest.raises(KeelError, match="no finite training loss"):
         build_monitor(tmp_path)
     assert build_monitor("", 5.0).h1 == 5.0 and build_monitor(None).ref is None
+
+
+def test_run_verdict_one_vocabulary():
+    from keel.diagnostics.divergence import MODES, run_verdict
+
+    recs = [{"step": 0, "val_loss": 7.0}] + [{"step": t, "loss": v, "lr": 1e-3} for t, v in zip(steps(50), decay(50))]
+    assert run_verdict(recs).mode == HEALTHY
+    # a non-finite validation loss is an instability at that step
+    bad = recs + [{"step": 50, "val_loss": float("nan")}]
+    v = run_verdict(bad)
+    assert v.mode == INSTABILITY and v.step == 50 and v.evidence["non_finite"] == 1.0
+    # a stopped run is never healthy: its logged online verdict, else instability at its last step
+    logged = dict(recs[-1], divergence={"mode": STAGNATION, "step": 7, "evidence": {}})
+    assert run_verdict(recs[:-1] + [logged], stopped="stopped").to_dict()["mode"] == STAGNATION
+    v = run_verdict(recs, stopped="max_bad_steps")
+    assert v.mode == INSTABILITY and v.step == 50 and "instability at step 50" == v.summary()
+    # the classifier's own failure wins over the stop message
+    assert run_verdict(recs[:5] + [{"step": 5, "loss": float("inf")}], stopped="x").step == 5
+    assert {run_verdict(recs).mode, v.mode} <= set(MODES)
