@@ -41,7 +41,7 @@ Criteria, checked in this order every step (defaults of :class:`Thresholds` in b
    row above ``blowup_factor [2] * L0`` while the spike is open (a model twice as bad as
    untrained has lost everything it learnt; the loss of an untrained model, ``L0``, is
    about ``log V``). At the end of the curve (:meth:`OnlineDivergenceMonitor.finalize`, which
-   :func:`classify` calls and a trainer calls after its last step), a spike still open that
+   :func:`classify` calls and a trainer should call after its last step), a spike still open that
    has lasted ``end_open_steps`` [5] steps also counts (the loss never
    came back within the curve).
 3. Behind: with the unigram entropy ``H1`` of the training tokens (nats; measured by
@@ -49,8 +49,8 @@ Criteria, checked in this order every step (defaults of :class:`Thresholds` in b
    (1 - stagnation_margin [0.05]) * H1``: the run has not (yet) got below the unigram
    plateau. The 5% margin: on a plateau the EMA-minimum baseline sits within ~0.5% of ``H1``
    (12 stress runs at BPE 1024: 5.949-5.993 nats against ``H1`` = 5.97), while models
-   that learn from context go far below it (BPE 512, ``H1`` = 5.36: 5.1 nats after 82k
-   tokens at 64 sub-layers for Post-LN, 4.2 for Keel), so 5% leaves the noise and the first
+   that learn from context go far below it (BPE 512, ``H1`` = 5.36: 4.1-4.7 nats after 65k
+   tokens at 64 sub-layers for Post-LN and Keel), so 5% leaves the noise and the first
    few learnt bigrams inside the plateau and is independent of the vocabulary size. Without
    ``H1`` and without a reference, the older rule ``progress < min_progress [0.3] * L0``
    (which does depend on the vocabulary through ``L0 ~ log V``). With a reference
