@@ -271,6 +271,9 @@ class TrainConfig:
     # log per-sub-layer gradient norms every N steps (0 = never).
     stop_on_divergence: bool = False
     divergence_warnings: bool = True
+    # A finished run directory whose training-loss curve is the divergence classifier's
+    # reference (enables "optimisation degradation"); "" = none (keel.diagnostics.divergence).
+    divergence_reference: str = ""
     gradflow_every: int = 0
     # Scale-out (keel.train.parallelize): "ddp" | "fsdp" when launched with torchrun;
     # activation checkpointing "none" | "block" | "every_k" (every k-th block); torch.compile.

@@ -9,9 +9,21 @@ import pytest
 from keel.experiments.training import train_run
 
 from conftest import REPO, tiny_overrides
+
 from keel.config import load_config
-from keel.diagnostics.divergence import (DEGRADATION, HEALTHY, INSTABILITY, STAGNATION, OnlineDivergenceMonitor,
-                                         Thresholds, Verdict, classify, classify_metrics)
+from keel.diagnostics.divergence import (
+    DEGRADATION,
+    HEALTHY,
+    INSTABILITY,
+    STAGNATION,
+    OnlineDivergenceMonitor,
+    Thresholds,
+    Verdict,
+    build_monitor,
+    classify,
+    classify_metrics,
+)
+from keel.errors import KeelError
 from keel.train import TrainingStopped, train
 
 T = Thresholds()
@@ -238,6 +250,120 @@ def test_stop_on_divergence(tiny_data, tmp_path, one_thread):
     div = [r for r in recs if "divergence" in r]
     assert len(div) == 1 and div[0] is recs[-1]
     v = div[0]["divergence"]
-    assert v["mode"] == INSTABILITY and recs[-1]["step"] == v["step"] + T.recovery_window < 200
+    # decided early (blow-up: loss > 2 L0 for 5 steps) or after the recovery window
+    assert v["mode"] == INSTABILITY and v["step"] + T.blowup_steps - 1 <= recs[-1]["step"] < v["step"] + T.recovery_window
     # the online verdict equals the offline one on the same curve
     assert classify_metrics(recs).to_dict() == v
+
+
+# --- issue 10: the three curves, the unigram plateau, the blow-up, online == offline ----------
+
+ISSUE_STEPS = list(range(1, 1001))
+OK = [3 + 6 * math.exp(-k / 60) for k in ISSUE_STEPS]  # a healthy run
+SLOW = [9 - 4 * k / 1000 for k in ISSUE_STEPS]  # smooth and slow
+PLATEAU = [max(5.8, 9 - k / 50) for k in ISSUE_STEPS]  # stuck at 5.8
+H1 = 5.97  # unigram entropy of the BPE-1024 corpus the 5.8-5.99 nats plateaus came from
+
+
+@pytest.mark.parametrize("h1", [None, H1])
+def test_issue_curves_with_a_reference(h1):
+    ref = (ISSUE_STEPS, OK)
+    assert classify(ISSUE_STEPS, OK, reference=ref, unigram_entropy=h1).mode == HEALTHY
+    slow = classify(ISSUE_STEPS, SLOW, reference=ref, unigram_entropy=h1)
+    assert slow.mode == DEGRADATION and slow.evidence["progress"] < 0.5 * slow.evidence["ref_progress"]
+    # the plateau curve is also far slower than the reference from the start: the first failure
+    # is a degradation (only the first failure is reported), never "healthy"
+    plateau = classify(ISSUE_STEPS, PLATEAU, reference=ref, unigram_entropy=h1)
+    assert plateau.mode == DEGRADATION and plateau.step < 160
+
+
+def test_issue_curves_without_a_reference():
+    assert classify(ISSUE_STEPS, OK, unigram_entropy=H1).mode == HEALTHY
+    # degradation needs a reference; without one the slow curve (still moving) is healthy
+    assert classify(ISSUE_STEPS, SLOW, unigram_entropy=H1).mode == HEALTHY
+    v = classify(ISSUE_STEPS, PLATEAU, unigram_entropy=H1)
+    level = (1 - T.stagnation_margin) * H1
+    assert v.mode == STAGNATION and v.evidence["stagnation_level"] == pytest.approx(level)
+    assert v.evidence["baseline"] == pytest.approx(5.8, abs=1e-3) and 150 <= v.step <= 165
+    assert "unigram" in v.summary()
+    # before the fix: no reference, no unigram entropy -> all three "healthy"
+    assert {classify(ISSUE_STEPS, c).mode for c in (OK, SLOW, PLATEAU)} == {HEALTHY}
+
+
+@pytest.mark.parametrize("vocab_l0", [6.3, 7.0, 9.0, 11.0])
+@pytest.mark.parametrize("floor,mode", [(5.68, STAGNATION), (5.66, HEALTHY)])
+def test_unigram_stagnation_borderline_and_vocab_free(vocab_l0, floor, mode):
+    # level = (1 - 0.05) * 5.97 = 5.6715; the verdict depends on the floor, not on L0 (~ log V)
+    losses = decay(400, l0=vocab_l0, floor=floor, tau=10.0)
+    assert classify(steps(400), losses, unigram_entropy=H1).mode == mode
+
+
+def test_blow_up_caught_online_early():
+    # the issue's run: post_ln, lr = 3: loss 9 -> 740, still 208 at the end (40 steps)
+    losses = [9.0, 9.0, 60.0, 400.0, 740.0, 600.0] + [600 - 12.5 * k for k in range(1, 35)]
+    assert losses[-1] == pytest.approx(175.0)
+    (at, v), _ = online(losses)
+    assert v.mode == INSTABILITY and v.step == 3 and at == 3 + T.blowup_steps - 1
+    assert classify(steps(len(losses)), losses).to_dict() == v.to_dict()
+    # not a blow-up: a spike to 1.9 L0 that stays up is only decided after the recovery window
+    high = decay(100, l0=7.0) + [13.0] * 100
+    (at, v), _ = online(high)
+    assert v.step == 101 and at == 101 + T.recovery_window
+
+
+def _replay(records, **kw):
+    """Online: feed every logged step, finalize at the end; return (verdict, step when it came)."""
+    mon = build_monitor(**kw)
+    when = None
+    for r in records:
+        if "loss" in r and mon.update(r["step"], r["loss"], r.get("lr")) is not None and when is None:
+            when = r["step"]
+    return mon.finalize(), when
+
+
+def test_online_equals_offline_on_logged_runs(tiny_data, tmp_path, one_thread):
+    from keel.data.stats import dataset_unigram_entropy
+
+    h1 = dataset_unigram_entropy(tiny_data)
+    base = tiny_overrides(tiny_data, steps=30, eval_every=1000, checkpoint_every=1000, divergence_warnings=False)
+    runs = {}
+    for name, extra in (("ok", []), ("post_ln_lr3", ["model.residual=post_ln", "train.lr=3.0"])):
+        train(load_config(REPO / "keel" / "configs" / "demo.toml", base + extra), tmp_path / name)
+        runs[name] = _metrics(tmp_path / name)
+    for name, recs in runs.items():
+        for ref in (None, tmp_path / "ok"):
+            on, when = _replay(recs, reference_dir=ref, unigram_entropy=h1)
+            ref_recs = runs["ok"] if ref else None
+            off = classify_metrics(recs, reference=ref_recs, unigram_entropy=h1)
+            assert on.to_dict() == off.to_dict(), (name, ref)
+    blown, when = _replay(runs["post_ln_lr3"], unigram_entropy=h1)
+    assert blown.mode == INSTABILITY and blown.step <= 5 and when is not None and when < 30  # online, before the end
+    assert _replay(runs["ok"], reference_dir=tmp_path / "ok", unigram_entropy=h1)[0].mode == HEALTHY
+
+
+def test_build_monitor_errors(tmp_path):
+    with pytest.raises(KeelError, match="not a run directory"):
+        build_monitor(tmp_path / "nope")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "val_loss": 6.0}) + "\n")
+    with pytest.raises(KeelError, match="no finite training loss"):
+        build_monitor(tmp_path)
+    assert build_monitor("", 5.0).h1 == 5.0 and build_monitor(None).ref is None
+
+
+def test_run_verdict_one_vocabulary():
+    from keel.diagnostics.divergence import MODES, run_verdict
+
+    recs = [{"step": 0, "val_loss": 7.0}] + [{"step": t, "loss": v, "lr": 1e-3} for t, v in zip(steps(50), decay(50))]
+    assert run_verdict(recs).mode == HEALTHY
+    # a non-finite validation loss is an instability at that step
+    bad = recs + [{"step": 50, "val_loss": float("nan")}]
+    v = run_verdict(bad)
+    assert v.mode == INSTABILITY and v.step == 50 and v.evidence["non_finite"] == 1.0
+    # a stopped run is never healthy: its logged online verdict, else instability at its last step
+    logged = dict(recs[-1], divergence={"mode": STAGNATION, "step": 7, "evidence": {}})
+    assert run_verdict(recs[:-1] + [logged], stopped="stopped").to_dict()["mode"] == STAGNATION
+    v = run_verdict(recs, stopped="max_bad_steps")
+    assert v.mode == INSTABILITY and v.step == 50 and "instability at step 50" == v.summary()
+    # the classifier's own failure wins over the stop message
+    assert run_verdict(recs[:5] + [{"step": 5, "loss": float("inf")}], stopped="x").step == 5
+    assert {run_verdict(recs).mode, v.mode} <= set(MODES)

@@ -4,12 +4,20 @@ import json
 import math
 
 import pytest
-
 from conftest import tiny_overrides
+
 from keel import KeelError
 from keel.cli import main
-from keel.diagnostics.divergence import classify_metrics
-from keel.experiments.stress import RESULT_FILE, max_lr, run_stress, stress_table, table_markdown
+from keel.data.stats import dataset_unigram_entropy
+from keel.diagnostics.divergence import MODES, classify_metrics
+from keel.experiments.grid import RESULT_FILE
+from keel.experiments.stress import (
+    REFERENCES,
+    max_lr,
+    run_stress,
+    stress_table,
+    table_markdown,
+)
 
 SCHEMES = ["pre_ln", "post_ln"]
 RAMP, PEAK = 30, 5.0
@@ -37,23 +45,31 @@ def one_worker(tiny_data, tmp_path_factory):
     return out, grid(tiny_data, out)
 
 
-def test_grid_end_to_end(one_worker):
+def test_grid_end_to_end(one_worker, tiny_data):
     out, res = one_worker
     assert sorted(res["trained"]) == ["post_ln-4sl-seed0", "pre_ln-4sl-seed0"] and res["cached"] == []
     for f in ("stress.json", "stress.md", "stress.png"):
         assert (out / f).stat().st_size > 100
     saved = json.loads((out / "stress.json").read_text())
     assert saved["table"] == res["table"] and len(saved["runs"]) == 2
+    # one reference run per (depth, seed): Pre-LN on the same ramp, not stopped on divergence
+    ref_dir = (out / REFERENCES / "pre_ln-4sl-seed0").resolve()
+    assert [r["name"] for r in res["references"]] == ["pre_ln-4sl-seed0"] and res["references"][0]["stopped"] is None
+    assert max(q["step"] for q in metrics(ref_dir)) == RAMP
+    h1 = dataset_unigram_entropy(tiny_data)
     for r in res["runs"]:
         recs = metrics(out / r["name"])
+        # every result names its reference and is judged against it (one verdict vocabulary)
+        assert r["reference"] == str(ref_dir) and r["verdict"] in MODES and r["unigram_entropy"] == pytest.approx(h1)
+        assert r["divergence"] == classify_metrics(recs, metrics(ref_dir), unigram_entropy=h1).to_dict()
         # the LR ramp: step k (1-based) runs at peak * k / ramp (lr_at with warmup = steps = ramp)
         for q in recs:
             if "lr" in q:
                 assert q["lr"] == pytest.approx(PEAK * q["step"] / RAMP)
         # an LR of 5 blows the tiny model up before the end of the ramp
-        assert r["diverged"] and r["verdict"] == classify_metrics(recs).to_dict()
+        assert r["diverged"] and r["verdict"] == "instability"
         # max LR = the LR logged at the step before the verdict step
-        k = r["verdict"]["step"]
+        k = r["divergence"]["step"]
         assert r["max_lr"] == pytest.approx(next(q["lr"] for q in recs if q["step"] == k - 1))
         assert r["max_lr"] == pytest.approx(PEAK * (k - 1) / RAMP)
         assert (r["sublayers"], r["blocks"]) == (4, 2)
@@ -64,7 +80,7 @@ def test_two_workers_match_one(tiny_data, tmp_path, one_worker):
     res2 = grid(tiny_data, tmp_path, workers=2)
     assert sorted(res2["trained"]) == sorted(res1["trained"])
     for a, b in zip(res1["runs"], res2["runs"]):
-        assert (a["name"], a["verdict"], a["max_lr"]) == (b["name"], b["verdict"], b["max_lr"])
+        assert (a["name"], a["divergence"], a["max_lr"]) == (b["name"], b["divergence"], b["max_lr"])
         assert metrics(tmp_path / a["name"])[-1]["loss"] == pytest.approx(metrics(one_worker[0] / a["name"])[-1]["loss"])
 
 
@@ -72,7 +88,7 @@ def test_cli_json_on_cached_grid(one_worker, tiny_data, capsys):
     out, res = one_worker
     sets = sum((["--set", s] for s in tiny_overrides(tiny_data, eval_every=1000, checkpoint_every=10)), [])
     rc = main(["stress", "--residual", ",".join(SCHEMES), "--layers", "4", "--seeds", "0", "--peak-lr", str(PEAK),
-               "--ramp-steps", str(RAMP), "--out", str(out), "--json", *sets])
+               "--ramp-steps", str(RAMP), "--out", str(out), "--json", "--resume", *sets])
     assert rc == 0
     table = json.loads(capsys.readouterr().out)
     assert table == json.loads(json.dumps(res["table"]))
@@ -82,18 +98,20 @@ def test_cli_json_on_cached_grid(one_worker, tiny_data, capsys):
 def test_cached_runs_are_skipped_and_interrupted_ones_resumed(tiny_data, one_worker):
     out, res1 = one_worker
     mtimes = {p: p.stat().st_mtime_ns for p in out.rglob("metrics.jsonl")}
-    res = grid(tiny_data, out)
+    with pytest.raises(KeelError, match="--resume"):
+        grid(tiny_data, out)
+    res = grid(tiny_data, out, resume=True)
     assert res["trained"] == [] and sorted(res["cached"]) == sorted(res1["trained"])
     assert {p: p.stat().st_mtime_ns for p in out.rglob("metrics.jsonl")} == mtimes
     assert res["table"] == res1["table"]
     # the same --out with other settings is refused, not mixed up
     with pytest.raises(KeelError, match=r"other settings \(train.lr, train.steps, train.warmup_steps\)"):
-        grid(tiny_data, out, ramp_steps=RAMP + 1, peak_lr=PEAK / 2)
+        grid(tiny_data, out, ramp_steps=RAMP + 1, peak_lr=PEAK / 2, resume=True)
     # an interrupted run (no result file) is resumed, the other stays cached
     (out / "pre_ln-4sl-seed0" / RESULT_FILE).unlink()
-    res = grid(tiny_data, out)
+    res = grid(tiny_data, out, resume=True)
     assert res["trained"] == ["pre_ln-4sl-seed0"] and res["cached"] == ["post_ln-4sl-seed0"]
-    assert [r["verdict"] for r in res["runs"]] == [r["verdict"] for r in res1["runs"]]
+    assert [r["divergence"] for r in res["runs"]] == [r["divergence"] for r in res1["runs"]]
     # report-only tabulates finished runs and trains nothing
     (out / "post_ln-4sl-seed0" / RESULT_FILE).unlink()
     res = grid(tiny_data, out, report_only=True)

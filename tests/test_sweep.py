@@ -14,7 +14,7 @@ from keel.experiments.grid import GridJob, run_grid
 from keel.experiments.sweep import (best_over, expand_grid, parse_grid, param_count, run_name, run_sweep,
                                     width_for_params)
 from keel.model import SCHEMES, Transformer
-from keel.train.plots import read_metrics
+from keel.train.metrics import read_metrics
 
 DEMO = str(REPO / "keel" / "configs" / "demo.toml")
 
@@ -79,7 +79,7 @@ def test_sweep_tables_best_lr_and_cache(tiny_data, tmp_path):
     for r in runs:
         recs = read_metrics(out / r["name"] / "metrics.jsonl")
         vals = [x["val_loss"] for x in recs if "val_loss" in x]
-        assert r["status"] == "done" and r["verdict"] == "ok" and r["step"] == 8
+        assert r["status"] == "done" and r["verdict"] == "healthy" and r["step"] == 8
         assert r["final_val_loss"] == vals[-1] and r["best_val_loss"] == min(vals)
         assert r["tokens"] == 8 * 4 * 32
         assert r["params"] == Transformer(load_config(out / r["name"] / "config.toml").model).num_params()
@@ -119,23 +119,25 @@ def test_sweep_tables_best_lr_and_cache(tiny_data, tmp_path):
     assert [x["step"] for x in read_metrics(rd / "metrics.jsonl")] == list(range(9))
 
     # a changed config under the same name is refused
-    with pytest.raises(KeelError, match="different config"):
+    with pytest.raises(KeelError, match="other settings"):
         (rd / "result.json").unlink()
         run_sweep(DEMO, grid, _tiny_sets(tiny_data, warmup_steps=1), out=out, workers=0, resume=True,
                   log=lambda m: None)
 
 
 def test_stopped_run_is_a_result_and_excluded_from_best(tiny_data, tmp_path):
-    """Pre-LN with N(0, 1e20^2) weights overflows fp32: every step is non-finite, the trainer
-    stops the run after train.max_bad_steps; the sweep records it and goes on (worker process)."""
+    """Post-LN with N(0, 1e20^2) weights overflows fp32 (its attention reads the raw stream):
+    every step is non-finite, the trainer stops the run after train.max_bad_steps; the sweep
+    records it and goes on (worker process). (Pre-LN no longer serves: its RMSNorm of an
+    overflowing stream is 0, so it trains nothing but stays finite.)"""
     grid = parse_grid(["model.init_std=0.02,1e20"])
-    sets = _tiny_sets(tiny_data, max_bad_steps=2) + ["model.residual=pre_ln"]
+    sets = _tiny_sets(tiny_data, max_bad_steps=2) + ["model.residual=post_ln"]
     s = run_sweep(DEMO, grid, sets, out=tmp_path / "sw", workers=1, threads=1, best="model.init_std",
                   log=lambda m: None)
     ok, bad = s["runs"]
-    assert ok["verdict"] == "ok" and ok["step"] == 8
-    assert bad["status"] == "done" and bad["verdict"] == "stopped" and bad["diverged"]
-    assert bad["step"] == 2 and bad["final_val_loss"] is None and "max_bad_steps" in bad["verdict_detail"]
+    assert ok["verdict"] == "healthy" and ok["step"] == 8
+    assert bad["status"] == "done" and bad["verdict"] == "instability" and bad["diverged"]
+    assert bad["step"] == 2 and bad["final_val_loss"] is None and "max_bad_steps" in bad["stopped"]
     assert s["best"][0]["best"] == 0.02 and s["best"][0]["n_ok"] == 1
 
 

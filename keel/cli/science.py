@@ -1,5 +1,5 @@
-"""The science commands: ``keel gradflow``, ``keel stress``, ``keel sweep``, ``keel plot`` and
-``keel ablate``. The work is done by :mod:`keel.diagnostics.gradflow` and the modules of
+"""The science commands: ``keel gradflow``, ``keel stress``, ``keel lr-sensitivity``,
+``keel sweep``, ``keel plot`` and ``keel ablate``. The work is done by :mod:`keel.diagnostics.gradflow` and the modules of
 :mod:`keel.experiments`; the handlers here parse flags and print.
 """
 
@@ -15,14 +15,16 @@ from keel.diagnostics import gradflow as G
 from keel.errors import KeelError
 from keel.experiments import ablate as A
 from keel.experiments import plot as P
-from keel.experiments import stress
+from keel.experiments import sensitivity as LS
+from keel.experiments import stress as ST
 from keel.experiments import sweep as S
 
 
 def register(subparsers) -> None:
     """Add the science commands to the ``keel`` sub-parsers."""
     _register_gradflow(subparsers)
-    stress.register(subparsers)
+    _register_stress(subparsers)
+    _register_lr_sensitivity(subparsers)
     _register_sweep(subparsers)
     _register_plot(subparsers)
     _register_ablate(subparsers)
@@ -241,3 +243,94 @@ def _register_ablate(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     p.add_argument("--verbose", action="store_true", help="log each unit's PPL on stderr")
     p.set_defaults(func=cmd_ablate)
+
+
+def cmd_stress(args) -> int:
+    """``keel stress``: see :mod:`keel.experiments.stress`."""
+    from keel.model import SCHEMES
+
+    if args.resume and args.report_only:
+        raise KeelError("--report-only trains nothing; do not combine it with --resume")
+    schemes = _parse_list(args.residual, str, "--residual") if args.residual is not None else list(SCHEMES)
+    layers = _parse_list(args.layers, int, "--layers")
+    seeds = _parse_list(args.seeds, int, "--seeds")
+    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    res = ST.run_stress(args.config, args.set, schemes, layers, seeds, args.peak_lr, args.ramp_steps, args.out,
+                     args.workers, args.threads, resume=args.resume, report_only=args.report_only,
+                     reference_scheme=args.reference_scheme, log=log)
+    if args.json:
+        print(json.dumps(res["table"], indent=1))
+    else:
+        print(ST.table_markdown(res["table"], args.peak_lr))
+        print(f"wrote {Path(args.out) / 'stress.json'}, stress.md, stress.png")
+    return 0
+
+
+def _register_stress(subparsers) -> None:
+    """Add ``keel stress`` (see :mod:`keel.experiments.stress`)."""
+    p = subparsers.add_parser("stress", help="max-LR stress test: linear LR ramp until divergence (paper Table 1)")
+    p.add_argument("--residual", default=None, help="comma-separated schemes (default: every scheme in keel.model.SCHEMES)")
+    p.add_argument("--layers", default="64", help="comma-separated depths in SUB-LAYERS (even; 2 per block)")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated train.seed values")
+    p.add_argument("--peak-lr", type=float, default=5e-2, help="LR at the end of the ramp (paper: 5e-2)")
+    p.add_argument("--ramp-steps", type=int, default=1000, help="steps of the linear ramp 0 -> peak (paper: 5000)")
+    p.add_argument("--reference-scheme", default="pre_ln",
+                   help="scheme of the reference run per depth and seed (same ramp; judges degradation)")
+    p.add_argument("--config", default=None, help="base TOML file or preset name (default: demo)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key for every run (repeatable)")
+    p.add_argument("--out", default="runs/stress", help="output folder (default: runs/stress)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (0 = in this process)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = cores / workers)")
+    p.add_argument("--resume", action="store_true", help="continue --out: skip finished runs, resume interrupted ones")
+    p.add_argument("--json", action="store_true", help="print the table as JSON on stdout")
+    p.add_argument("--report-only", action="store_true", help="train nothing: tabulate the grid's finished runs")
+    p.set_defaults(func=cmd_stress)
+
+
+def _parse_list(text: str, kind, what: str) -> list:
+    items = [s.strip() for s in str(text).split(",") if s.strip()]
+    if not items:
+        raise KeelError(f"{what} is empty")
+    try:
+        return [kind(s) for s in items]
+    except ValueError:
+        raise KeelError(f"{what} must be a comma-separated list of {kind.__name__}s, got {text!r}") from None
+
+
+def cmd_lr_sensitivity(args: argparse.Namespace) -> int:
+    """``keel lr-sensitivity``: see :mod:`keel.experiments.sensitivity`."""
+    if args.resume and args.report_only:
+        raise KeelError("--report-only trains nothing; do not combine it with --resume")
+    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    s = LS.run_lr_sensitivity(args.config, _parse_list(args.residual, str, "--residual"),
+                              _parse_list(args.layers, int, "--layers"), _parse_list(args.lrs, float, "--lrs"),
+                              _parse_list(args.seeds, int, "--seeds"), args.set,
+                              out=args.out, workers=args.workers, threads=args.threads or None, resume=args.resume,
+                              report_only=args.report_only, log=log)
+    if args.json:
+        print(json.dumps({k: s[k] for k in ("lrs", "unigram_entropy", "cells")}, indent=1))
+    else:
+        print(LS.markdown(s))
+        print(f"wrote {Path(args.out) / LS.OUT_JSON}, {LS.OUT_MD}, {LS.OUT_PNG}")
+    return 1 if any(r.get("status") != "done" for r in s["runs"]) else 0
+
+
+def _register_lr_sensitivity(subparsers) -> None:
+    """Add ``keel lr-sensitivity`` to the CLI."""
+    p = subparsers.add_parser("lr-sensitivity", help="final loss against peak LR per scheme and depth "
+                              "(Wortsman et al. 2023 LR sensitivity)", description=LS.__doc__.split("\n\n")[0])
+    p.add_argument("--residual", default="pre_ln,keel", help="comma-separated schemes")
+    p.add_argument("--layers", default="16,64", help="comma-separated depths in SUB-LAYERS (even; 2 per block)")
+    p.add_argument("--lrs", default="1e-3,3e-3,1e-2,3e-2,1e-1", help="comma-separated peak LRs (log-spaced)")
+    p.add_argument("--seeds", default="0,1", help="comma-separated train.seed values")
+    p.add_argument("--config", default=None, help="base TOML file or preset name (default: demo)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key in every run (repeatable)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (0 = in this process)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
+    p.add_argument("--resume", action="store_true", help="continue --out: skip finished runs, resume interrupted ones")
+    p.add_argument("--report-only", action="store_true", help="train nothing: tabulate the finished runs of --out")
+    p.add_argument("--json", action="store_true", help="print the per-cell numbers as JSON on stdout")
+    p.set_defaults(func=cmd_lr_sensitivity)

@@ -37,8 +37,9 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from keel.config import DEFAULT_VAL_FRACTION
-from keel.data.shards import ShardWriter
+from keel.data.shards import ShardWriter, read_shard
 from keel.data.sources import SourceStats, check_hub_reachable, iter_documents
+from keel.data.stats import unigram_entropy
 from keel.data.text import encode_batch
 from keel.errors import KeelError
 
@@ -97,11 +98,12 @@ def prepare_dataset(
         progress: show progress bars on stderr.
 
     ``meta.json`` records ``format_version, source, tokenizer, tokenizer_sha256, vocab_size,
-    eos_id, dtype, n_docs_train, n_docs_val, train_tokens, val_tokens, bytes_train,
-    bytes_val, docs_with_replacement_chars, docs_skipped_binary, long_docs_chunked,
-    chunks_of_long_docs, val_fraction, max_bytes, max_docs, seed, text_field, created``.
-    ``n_docs_*`` count documents and chunks; byte counts are UTF-8 bytes of document text;
-    token counts include the EOS tokens. Local paths are recorded as absolute paths.
+    eos_id, dtype, n_docs_train, n_docs_val, train_tokens, val_tokens, unigram_entropy (nats,
+    of the training tokens: :mod:`keel.data.stats`), bytes_train, bytes_val,
+    docs_with_replacement_chars, docs_skipped_binary, long_docs_chunked, chunks_of_long_docs,
+    val_fraction, max_bytes, max_docs, seed, text_field, created``. ``n_docs_*`` count
+    documents and chunks; byte counts are UTF-8 bytes of document text; token counts include
+    the EOS tokens. Local paths are recorded as absolute paths.
 
     If ``out/meta.json`` exists and records the same inputs, nothing is read and ``out`` is
     returned (a changed local corpus is *not* detected: delete the directory to rebuild).
@@ -286,6 +288,8 @@ def _build(tmp: Path, inputs: dict, progress: bool) -> dict:
         "n_docs_val": val.n_docs,
         "train_tokens": n_tokens["train"],
         "val_tokens": n_tokens["val"],
+        # nats; the loss floor of a context-free model (keel.data.stats)
+        "unigram_entropy": unigram_entropy(read_shard(tmp / "train.bin"), vocab_size) if n_tokens["train"] else None,
         "bytes_train": train.n_bytes,
         "bytes_val": val.n_bytes,
         "docs_with_replacement_chars": stats.docs_with_replacement_chars,

@@ -13,31 +13,37 @@ log = logging.getLogger(__name__)
 
 
 class DivergenceCallback(Callback):
-    """Feeds every applied step's loss and LR to an
-    :class:`keel.diagnostics.divergence.OnlineDivergenceMonitor`; the first verdict is
-    logged as a warning and written as the step's ``divergence`` field. With ``stop`` the
-    run then stops (``train.stop_on_divergence``). On resume the logged history is replayed
-    through the monitor first, so the verdict does not depend on where a run was resumed.
+    """Feeds every step's loss and LR (non-finite losses included) to the run's
+    :class:`keel.diagnostics.divergence.OnlineDivergenceMonitor`, built at the start by
+    :func:`keel.diagnostics.divergence.build_monitor` with the reference run (if any) and the
+    unigram entropy of the run's training tokens; so the online verdict equals the offline
+    one on the logged curve. The first verdict is logged as a warning and written as the
+    step's ``divergence`` field; with ``stop`` the run then stops
+    (``train.stop_on_divergence``). On resume the logged history is replayed first.
 
     Args:
-        monitor: the monitor to feed (built by the caller, with its reference curve if any).
+        reference_dir: ``train.divergence_reference`` (a finished run), or "" for none.
         stop: stop the run at the verdict.
     """
 
-    def __init__(self, monitor, stop: bool = False):
-        self.monitor, self.stop = monitor, stop
+    def __init__(self, reference_dir: str = "", stop: bool = False):
+        self.reference_dir, self.stop, self.monitor = reference_dir, stop, None
 
     def on_train_start(self, state: StepState) -> None:
+        from keel.data.stats import dataset_unigram_entropy
+        from keel.diagnostics.divergence import build_monitor
+
+        entropy = dataset_unigram_entropy(state.data_dir) if state.data_dir is not None else None
+        self.monitor = build_monitor(self.reference_dir or None, entropy)
         for r in state.history:
-            if r.get("loss") is not None and not r.get("skipped") and r["step"] <= state.step:
-                verdict = self.monitor.update(r["step"], r["loss"], r["lr"])
+            if "loss" in r and r["step"] <= state.step:
+                loss = r["loss"] if r["loss"] is not None else float("nan")  # null: a non-finite loss
+                verdict = self.monitor.update(r["step"], loss, r.get("lr"))
                 if verdict is not None and self.stop:
                     raise TrainingStopped(f"already diverged before step {state.step}: {verdict.summary()} "
                                           "(train.stop_on_divergence)")
 
     def on_step_end(self, state: StepState) -> dict | None:
-        if not state.finite:
-            return None
         verdict = self.monitor.update(state.step, state.loss, state.lr)  # same inputs on every rank
         if verdict is None:
             return None

@@ -9,7 +9,8 @@ Modes (``Verdict.mode``):
     a spike after which the loss never returns to its pre-spike baseline; also any
     non-finite (NaN/inf) loss, at the step where it first occurs.
 ``stagnation`` (loss stagnation)
-    the loss plateaus far earlier / higher than expected.
+    the loss plateaus far earlier / higher than expected: at small scale, on the
+    *unigram plateau* (the loss of a model that has learnt token frequencies only).
 ``degradation`` (optimisation degradation)
     no spike, no plateau, but the loss falls anomalously slowly compared with a
     reference curve (this "silent" mode needs a reference; without one it is never
@@ -36,12 +37,26 @@ Criteria, checked in this order every step (defaults of :class:`Thresholds` in b
    losses in a row are at most ``baseline_0 + recover_frac [0.5] * margin_0``; a recovered
    spike is forgotten (it is *not* a divergence). If it has not recovered ``recovery_window``
    [50] steps after its onset -> ``instability`` at the onset step. This is decided online,
-   ``recovery_window`` steps late; offline (:func:`classify`), a spike still open at the end
-   of the curve that has lasted ``end_open_steps`` [5] steps also counts (the loss never
+   ``recovery_window`` steps late, or sooner for a blow-up: ``blowup_steps`` [5] losses in a
+   row above ``blowup_factor [2] * L0`` while the spike is open (a model twice as bad as
+   untrained has lost everything it learnt; the loss of an untrained model, ``L0``, is
+   about ``log V``). At the end of the curve (:meth:`OnlineDivergenceMonitor.finalize`, which
+   :func:`classify` calls and a trainer should call after its last step), a spike still open that
+   has lasted ``end_open_steps`` [5] steps also counts (the loss never
    came back within the curve).
-3. Behind: without a reference, ``progress < min_progress [0.3] * L0``; with a reference
+3. Behind: with the unigram entropy ``H1`` of the training tokens (nats; measured by
+   ``keel prepare``, :func:`keel.data.stats.dataset_unigram_entropy`), ``baseline >=
+   (1 - stagnation_margin [0.05]) * H1``: the run has not (yet) got below the unigram
+   plateau. The 5% margin: on a plateau the EMA-minimum baseline sits within ~0.5% of ``H1``
+   (12 stress runs at BPE 1024: 5.949-5.993 nats against ``H1`` = 5.97), while models
+   that learn from context go far below it (BPE 512, ``H1`` = 5.36: 4.1-4.7 nats after 65k
+   tokens at 64 sub-layers for Post-LN and Keel), so 5% leaves the noise and the first
+   few learnt bigrams inside the plateau and is independent of the vocabulary size. Without
+   ``H1`` and without a reference, the older rule ``progress < min_progress [0.3] * L0``
+   (which does depend on the vocabulary through ``L0 ~ log V``). With a reference
    (same EMA rule applied to it, read at the same step), ``progress < behind_frac [0.5] *
    ref_progress``, only once ``ref_progress >= min_ref_progress [0.1] * ref_L0``.
+   With both a reference and ``H1``, "behind" for stagnation is either test.
 4. Plateau: for ``plateau_steps`` [100] steps the baseline has not dropped by more than
    ``plateau_tol`` [0.1] times the progress made up to the last such drop (an improvement
    is a drop below ``anchor - plateau_tol * (L0 - anchor)``, where ``anchor`` is the
@@ -62,9 +77,15 @@ once, on the step where it becomes certain, and ``None`` on every later step.
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from pathlib import Path
+
+from keel.errors import KeelError
+
+METRICS_FILE = "metrics.jsonl"
 
 HEALTHY, STAGNATION, INSTABILITY, DEGRADATION = "healthy", "stagnation", "instability", "degradation"
 MODES = (HEALTHY, STAGNATION, INSTABILITY, DEGRADATION)
@@ -92,6 +113,9 @@ class Thresholds:
     plateau_tol: float = 0.1
     plateau_steps: int = 100
     degrade_steps: int = 50
+    blowup_factor: float = 2.0
+    blowup_steps: int = 5
+    stagnation_margin: float = 0.05
 
 
 @dataclass
@@ -119,7 +143,7 @@ class Verdict:
         return {"mode": self.mode, "step": self.step, "evidence": ev}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Verdict":
+    def from_dict(cls, d: dict) -> Verdict:
         return cls(d["mode"], int(d["step"]), dict(d.get("evidence", {})))
 
     def summary(self) -> str:
@@ -129,12 +153,19 @@ class Verdict:
             return f"healthy through step {self.step}"
         if self.mode == INSTABILITY and e.get("non_finite"):
             return f"instability at step {self.step}: non-finite loss"
+        if self.mode == INSTABILITY and "spike_loss" not in e:
+            return f"instability at step {self.step}"
         if self.mode == INSTABILITY:
             return (f"instability from step {self.step}: loss {e['spike_loss']:.3f} vs baseline {e['baseline']:.3f}, "
                     f"not back within {int(e['open_steps'])} steps")
+        if self.mode == STAGNATION and "unigram_entropy" in e:
+            return (f"stagnation from step {self.step}: loss plateau at {e['baseline']:.3f} "
+                    f"({int(e['plateau_steps'])} steps flat, not below the unigram level "
+                    f"{e['stagnation_level']:.3f} = (1 - margin) x unigram entropy {e['unigram_entropy']:.3f})")
         if self.mode == STAGNATION:
             return (f"stagnation from step {self.step}: loss plateau at {e['baseline']:.3f} "
-                    f"({int(e['plateau_steps'])} steps flat, progress {e['progress']:.3f} of {e['expected_progress']:.3f} expected)")
+                    f"({int(e['plateau_steps'])} steps flat, progress {e['progress']:.3f} of "
+                    f"{e['expected_progress']:.3f} expected)")
         return (f"degradation from step {self.step}: progress {e['progress']:.3f} vs reference "
                 f"{e['ref_progress']:.3f} for {int(e['streak_steps'])} steps")
 
@@ -169,6 +200,8 @@ class OnlineDivergenceMonitor:
         thresholds: :class:`Thresholds` (default: the documented defaults).
         reference: optional reference curve ``(steps, losses)`` (e.g. a healthy run of the
             same shape), which enables the degradation mode and a relative stagnation test.
+        unigram_entropy: optional ``H1`` of the training tokens (nats), for the
+            vocabulary-independent stagnation test (module docstring, criterion 3).
 
     ``update(step, loss, lr)`` returns a :class:`Verdict` the first time a failure becomes
     certain (with ``step`` = where it began, possibly earlier than the current step), and
@@ -176,8 +209,10 @@ class OnlineDivergenceMonitor:
     curve (offline use). Raises ValueError for an empty reference.
     """
 
-    def __init__(self, thresholds: Thresholds | None = None, reference: tuple[Sequence[int], Sequence[float]] | None = None):
+    def __init__(self, thresholds: Thresholds | None = None, reference: tuple[Sequence[int], Sequence[float]] | None = None,
+                 unigram_entropy: float | None = None):
         self.t = thresholds or Thresholds()
+        self.h1 = None if unigram_entropy is None else float(unigram_entropy)
         self.ref = _ReferenceTrack(reference[0], reference[1], self.t.ema_beta) if reference is not None else None
         self.verdict: Verdict | None = None
         self.n = 0
@@ -188,6 +223,7 @@ class OnlineDivergenceMonitor:
         # open spike: (onset step, frozen baseline, margin, spike loss, lr at onset, lr before)
         self.spike: tuple | None = None
         self.spike_low_run = 0
+        self.blowup_run = 0
         self.anchor = None  # baseline at the last improvement
         self.improve_step = 0
         self.improve_lrs = (None, None)
@@ -210,7 +246,6 @@ class OnlineDivergenceMonitor:
         """Feed the loss (nats/token) of optimiser step ``step`` and its LR; see the class doc."""
         if self.verdict is not None:
             return None
-        t = self.t
         loss = float(loss)
         lr_before, self.prev_lr = self.prev_lr, (None if lr is None else float(lr))
         self.last_step = step
@@ -225,21 +260,29 @@ class OnlineDivergenceMonitor:
             self.improve_step = step
             self.improve_lrs = (lr, lr_before)
             return None
+        verdict = self._track_spikes(step, loss, lr, lr_before)
+        if verdict is not None or self.spike is not None:
+            return verdict
+        return self._judge_progress(step, lr, lr_before)
 
-        # 2. spikes (against the baseline before this step)
+    def _track_spikes(self, step: int, loss: float, lr, lr_before) -> Verdict | None:
+        """Open, close or decide a loss spike (against the baseline before this step), then
+        update the EMA, the noise level and the baseline."""
+        t = self.t
         if self.spike is None:
             noise = self.noise if self.n > t.warmup_steps else 0.0
             margin = max(t.spike_abs, t.spike_rel * self.baseline, t.spike_noise * noise)
             if loss > self.baseline + margin:
                 self.spike = (step, self.baseline, margin, loss, lr, lr_before)
-                self.spike_low_run = 0
+                self.spike_low_run = self.blowup_run = 0
         if self.spike is not None:
             onset, base0, margin0, spike_loss, lr_on, lr_prev = self.spike
             self.spike = (onset, base0, margin0, max(spike_loss, loss), lr_on, lr_prev)
             self.spike_low_run = self.spike_low_run + 1 if loss <= base0 + t.recover_frac * margin0 else 0
+            self.blowup_run = self.blowup_run + 1 if loss > t.blowup_factor * self.l0 else 0
             if self.spike_low_run >= t.recover_steps:
                 self.spike = None
-            elif step - onset >= t.recovery_window:
+            elif step - onset >= t.recovery_window or self.blowup_run >= t.blowup_steps:
                 return self._spike_verdict()
         else:
             self.noise = t.ema_beta * self.noise + (1 - t.ema_beta) * abs(loss - self.ema)
@@ -247,26 +290,34 @@ class OnlineDivergenceMonitor:
         self.baseline = min(self.baseline, self.ema)
         if self.baseline < self.anchor - t.plateau_tol * (self.l0 - self.anchor):
             self.anchor, self.improve_step, self.improve_lrs = self.baseline, step, (lr, lr_before)
-        if self.spike is not None:
-            return None
+        return None
 
+    def _judge_progress(self, step: int, lr, lr_before) -> Verdict | None:
+        """Stagnation (a plateau while behind) or degradation (slow against the reference)."""
+        t = self.t
         # 3. behind what was expected?
         progress = self.l0 - self.baseline
-        if self.ref is None:
-            expected = t.min_progress * self.l0
-            behind = progress < expected
-        else:
+        behind = False  # behind the reference (degradation and stagnation)
+        expected = t.min_progress * self.l0
+        if self.ref is not None:
             ref_p = self.ref.at(step)
             expected = t.behind_frac * ref_p
             behind = ref_p >= t.min_ref_progress * self.ref.l0 and progress < expected
+        level = None if self.h1 is None else (1 - t.stagnation_margin) * self.h1
+        if level is not None:
+            stuck = behind or self.baseline >= level
+        else:
+            stuck = behind if self.ref is not None else progress < expected
         # 4. plateau while behind -> stagnation
         flat = step - self.improve_step
-        if behind and flat >= t.plateau_steps:
+        if stuck and flat >= t.plateau_steps:
             ev = {"baseline": self.baseline, "l0": self.l0, "progress": progress, "expected_progress": expected,
                   "plateau_steps": float(flat)}
+            if level is not None and self.baseline >= level:
+                ev.update(unigram_entropy=self.h1, stagnation_level=level)
             return self._fire(STAGNATION, self.improve_step, self._lrs(ev, *self.improve_lrs))
         # 5. slow but moving, against a reference -> degradation
-        if self.ref is None or not behind:
+        if not behind:
             self.streak_start = None
             return None
         if self.streak_start is None:
@@ -300,7 +351,7 @@ class OnlineDivergenceMonitor:
 
 def classify(steps: Sequence[int], losses: Sequence[float], lrs: Sequence[float] | None = None,
              reference: tuple[Sequence[int], Sequence[float]] | None = None,
-             thresholds: Thresholds | None = None) -> Verdict:
+             thresholds: Thresholds | None = None, unigram_entropy: float | None = None) -> Verdict:
     """Classify a whole loss curve (see the module docstring for the criteria).
 
     Args:
@@ -309,6 +360,8 @@ def classify(steps: Sequence[int], losses: Sequence[float], lrs: Sequence[float]
         lrs: optional learning rate per step (absolute); reported in the evidence.
         reference: optional ``(steps, losses)`` of a reference run (enables degradation).
         thresholds: :class:`Thresholds`; default the documented values.
+        unigram_entropy: optional unigram entropy of the training tokens (nats), for the
+            stagnation test (module docstring, criterion 3).
     Returns:
         :class:`Verdict` (``healthy`` at the last step when nothing failed; step 0 for an
         empty curve).
@@ -317,7 +370,7 @@ def classify(steps: Sequence[int], losses: Sequence[float], lrs: Sequence[float]
     """
     if len(steps) != len(losses) or (lrs is not None and len(lrs) != len(steps)):
         raise ValueError("steps, losses and lrs must have the same length")
-    mon = OnlineDivergenceMonitor(thresholds, reference)
+    mon = OnlineDivergenceMonitor(thresholds, reference, unigram_entropy)
     for i, (s, v) in enumerate(zip(steps, losses)):
         if mon.update(int(s), v, None if lrs is None else lrs[i]) is not None:
             break
@@ -325,16 +378,94 @@ def classify(steps: Sequence[int], losses: Sequence[float], lrs: Sequence[float]
 
 
 def classify_metrics(records: Iterable[dict], reference: Iterable[dict] | None = None,
-                     thresholds: Thresholds | None = None) -> Verdict:
+                     thresholds: Thresholds | None = None, unigram_entropy: float | None = None) -> Verdict:
     """:func:`classify` on the records of a run's ``metrics.jsonl`` (``step``, ``loss``, ``lr``).
 
     Records without a ``loss`` (the step-0 evaluation) are ignored; a skipped non-finite
     step keeps its non-finite loss and so counts as instability.
     """
     recs = [r for r in records if "loss" in r]
-    ref = None
-    if reference is not None:
-        rr = [r for r in reference if "loss" in r]
-        ref = ([r["step"] for r in rr], [float(r["loss"]) for r in rr])
+    ref = reference_curve(reference) if reference is not None else None
     return classify([r["step"] for r in recs], [float(r["loss"]) for r in recs],
-                    [r.get("lr", float("nan")) for r in recs], reference=ref, thresholds=thresholds)
+                    [r.get("lr", float("nan")) for r in recs], reference=ref, thresholds=thresholds,
+                    unigram_entropy=unigram_entropy)
+
+
+def reference_curve(records: Iterable[dict]) -> tuple[list[int], list[float]]:
+    """``(steps, losses)`` of the training-loss records (``step``, ``loss``) of a run's
+    ``metrics.jsonl``: the reference curve of :class:`OnlineDivergenceMonitor`."""
+    rr = [r for r in records if "loss" in r]
+    return [int(r["step"]) for r in rr], [float(r["loss"]) for r in rr]
+
+
+def read_reference(run_dir: str | Path) -> tuple[list[int], list[float]]:
+    """The reference curve of the run in ``run_dir`` (its ``metrics.jsonl``).
+
+    Raises:
+        KeelError: no ``metrics.jsonl`` there, or no finite training loss in it.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise KeelError(f"divergence reference {run_dir} is not a run directory (no {METRICS_FILE})")
+    try:
+        records = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    except ValueError as e:
+        raise KeelError(f"cannot read {path}: {e}") from None
+    steps, losses = reference_curve(records)
+    if not any(math.isfinite(v) for v in losses):
+        raise KeelError(f"divergence reference {run_dir} has no finite training loss")
+    return steps, losses
+
+
+def build_monitor(reference_dir: str | Path | None = None, unigram_entropy: float | None = None,
+                  thresholds: Thresholds | None = None) -> OnlineDivergenceMonitor:
+    """The online monitor of a training run (the trainer's divergence hook).
+
+    Args:
+        reference_dir: ``train.divergence_reference``: a finished run whose training-loss
+            curve is the reference (enables degradation), or None / ``""`` for none.
+        unigram_entropy: ``H1`` of the run's training tokens (nats), e.g.
+            :func:`keel.data.stats.dataset_unigram_entropy` of its dataset; None disables the
+            unigram stagnation test.
+        thresholds: :class:`Thresholds` (default: the documented ones).
+    Returns:
+        An :class:`OnlineDivergenceMonitor`. For the online verdict to equal the offline one
+        (:func:`classify_metrics` on the logged records), feed it every step (non-finite
+        losses included) and call ``finalize()`` after the last step.
+    Raises:
+        KeelError: see :func:`read_reference`.
+    """
+    ref = read_reference(reference_dir) if reference_dir not in (None, "") else None
+    return OnlineDivergenceMonitor(thresholds, ref, unigram_entropy)
+
+
+def run_verdict(records: Sequence[dict], reference: Iterable[dict] | None = None,
+                unigram_entropy: float | None = None, stopped: str | None = None,
+                thresholds: Thresholds | None = None) -> Verdict:
+    """The verdict of a finished (or stopped) training run, in the classifier's vocabulary
+    (``healthy``, ``stagnation``, ``instability``, ``degradation``): the one verdict that
+    ``keel sweep``, ``keel stress`` and ``keel lr-sensitivity`` report.
+
+    :func:`classify_metrics` on the run's ``metrics.jsonl`` records (with the reference
+    run's records and the unigram entropy, when given), except that a run cannot be
+    ``healthy`` if it was ``stopped`` by the trainer (then: its logged online verdict, else
+    ``instability`` at its last step) or if a validation loss was non-finite
+    (``instability`` at that step, ``evidence["non_finite"] = 1``).
+
+    Args:
+        records: the run's metrics records (``step``, ``loss``, ``lr``, ``val_loss``, ``divergence``).
+        reference: the reference run's records, or None.
+        unigram_entropy: nats, or None.
+        stopped: the trainer's stop message (``TrainingStopped``), or None.
+    """
+    v = classify_metrics(records, reference, thresholds, unigram_entropy)
+    if v.diverged:
+        return v
+    bad_val = [r for r in records if "val_loss" in r and not math.isfinite(r["val_loss"])]
+    if bad_val:
+        return Verdict(INSTABILITY, int(bad_val[0]["step"]), {"non_finite": 1.0})
+    if stopped:
+        logged = [r["divergence"] for r in records if "divergence" in r]
+        last = max((int(r["step"]) for r in records if "step" in r), default=0)
+        return Verdict.from_dict(logged[0]) if logged else Verdict(INSTABILITY, last, {})
+    return v

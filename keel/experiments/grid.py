@@ -3,7 +3,7 @@ ones, resume interrupted ones.
 
 It knows nothing about what a job does; a *task* does the work. ``keel sweep``
 (:mod:`keel.experiments.sweep`) uses it with a task that trains one config; ``keel
-stress`` can use it with its own task. Layout under ``out_dir``::
+stress`` and ``keel lr-sensitivity`` use it with the same task. Layout under ``out_dir``::
 
     out_dir/grid.json          the job list (name, values, config) of the latest invocation
     out_dir/NAME/job.json      the job as it was launched (its config is checked on resume)
@@ -11,7 +11,8 @@ stress`` can use it with its own task. Layout under ``out_dir``::
     out_dir/NAME/run.log       everything the task logged
     out_dir/NAME/...           whatever the task writes (a training run directory)
 
-A job is *finished* when ``result.json`` exists: it is never run again. A job whose
+A job is *finished* when ``result.json`` exists: it is never run again (a finished job
+whose ``job.json`` holds another config is refused, not reused). A job whose
 folder exists without ``result.json`` was interrupted: with ``resume=True`` it is run
 again with ``resume=True`` passed to the task (a training task continues from its
 latest checkpoint, or starts over if it has none). Without ``resume``, an ``out_dir``
@@ -37,9 +38,9 @@ import logging
 import os
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 from keel.errors import KeelError
 from keel.io import atomic_write_text
@@ -147,8 +148,9 @@ def plan_grid(jobs: Sequence[GridJob], out_dir: str | Path, resume: bool = False
     """Split ``jobs`` into (finished, to run); check names and the resume rules.
 
     Raises:
-        KeelError: duplicate or unsafe names; ``out_dir`` not empty without ``resume``; an
-            interrupted job whose stored ``job.json`` has a different config (the grid changed).
+        KeelError: duplicate or unsafe names; ``out_dir`` not empty without ``resume``; a
+            finished or interrupted job whose stored ``job.json`` has a different config (the
+            grid changed: its cached result would not belong to this grid).
     """
     out_dir = Path(out_dir)
     names = [j.name for j in jobs]
@@ -167,14 +169,30 @@ def plan_grid(jobs: Sequence[GridJob], out_dir: str | Path, resume: bool = False
         if cached_result(run_dir) is not None:
             done.append(job)
             continue
-        stored = run_dir / JOB_FILE
-        if stored.is_file():
-            old = json.loads(stored.read_text()).get("config")
-            if old != json.loads(json.dumps(job.config)):
-                raise KeelError(f"run {run_dir} was started with a different config; "
-                                f"remove it or use another --out")
+        _check_same_config(run_dir, job)
         todo.append(job)
+    for job in done:
+        _check_same_config(out_dir / job.name, job)
     return done, todo
+
+
+def _check_same_config(run_dir: Path, job: GridJob) -> None:
+    """Raise KeelError if ``run_dir/job.json`` holds another config than ``job`` (naming the keys)."""
+    stored = run_dir / JOB_FILE
+    if not stored.is_file():
+        return
+    old, new = json.loads(stored.read_text()).get("config") or {}, json.loads(json.dumps(job.config))
+    if old == new:
+        return
+    keys = []
+    for sec in sorted(set(old) | set(new)):
+        a, b = old.get(sec), new.get(sec)
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys += [f"{sec}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        elif a != b:
+            keys.append(sec)
+    raise KeelError(f"run {run_dir} was started with other settings ({', '.join(keys)}); "
+                    f"remove it or use another --out")
 
 
 def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, workers: int = 1,

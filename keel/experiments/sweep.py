@@ -15,12 +15,13 @@ Outputs in ``--out``::
 
 Per run: final validation loss (at the last step; nats/token), best validation loss over
 the evaluations, tokens trained, optimiser steps, parameters (total and non-embedding),
-wall time (seconds in the worker, evaluations included) and a divergence verdict: the
-online classifier's verdict if the run logged one (``divergence`` records), else the
-offline classifier :func:`keel.diagnostics.divergence.classify_metrics` on the training
-loss curve (Keel paper, Sec. 5.1: stagnation, instability, degradation); ``stopped`` if
-the trainer stopped the run (``TrainingStopped``); ``non-finite`` if a step was skipped
-for a NaN/inf loss.
+wall time (seconds in the worker, evaluations included) and a divergence verdict,
+``healthy`` or one of the Keel paper's failure modes (Sec. 5.1: ``stagnation``,
+``instability``, ``degradation``), from :func:`keel.diagnostics.divergence.run_verdict` on
+the training loss curve, against the run's ``train.divergence_reference`` run if set and
+with its dataset's unigram entropy (a NaN/inf loss is ``instability``; a run the trainer
+stopped is never ``healthy``, and its ``stopped`` field holds the message). ``keel stress``
+and ``keel lr-sensitivity`` report the same summary (:func:`run_summary`).
 
 ``--best-over train.lr``: for every combination of the other grid keys, the value of
 ``train.lr`` with the lowest final validation loss among runs that did not diverge (the
@@ -283,20 +284,23 @@ def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[str] = 
 
 
 # ----------------------------------------------------------------------------- one run
-def _verdict(records: list[dict], stopped: str | None) -> tuple[str, str]:
-    """(verdict, detail): ``ok`` | ``stopped`` | ``non-finite`` | a classifier mode."""
-    if stopped:
-        return "stopped", stopped
-    losses = [r for r in records if "loss" in r]
-    if any(r.get("skipped") for r in losses) or any(not math.isfinite(r.get("val_loss", 0.0)) for r in records):
-        return "non-finite", "a step had a non-finite loss or gradient"
-    logged = [r["divergence"] for r in records if "divergence" in r]
-    try:
-        from keel.diagnostics.divergence import Verdict, classify_metrics
-    except ImportError:  # classifier not available: report what the records say
-        return ("diverged", json.dumps(logged[0])) if logged else ("ok", "")
-    v = Verdict.from_dict(logged[0]) if logged else classify_metrics(records)
-    return ("ok" if not v.diverged else v.mode), v.summary()
+def _verdict(records: list[dict], stopped: str | None, reference_dir: str,
+             data_dir: str) -> tuple[dict, str | None, float | None]:
+    """(verdict dict, reference used, unigram entropy used) of one run:
+    :func:`keel.diagnostics.divergence.run_verdict` against the run's
+    ``train.divergence_reference`` (if set) and its dataset's unigram entropy (if known)."""
+    from keel.data.stats import dataset_unigram_entropy
+    from keel.diagnostics.divergence import run_verdict
+    from keel.train.metrics import read_metrics
+
+    ref = None
+    if reference_dir:
+        if not (Path(reference_dir) / "metrics.jsonl").is_file():
+            raise KeelError(f"divergence reference {reference_dir} has no metrics.jsonl (not a finished run)")
+        ref = read_metrics(Path(reference_dir) / "metrics.jsonl")
+    h1 = dataset_unigram_entropy(data_dir) if data_dir and (Path(data_dir) / "meta.json").is_file() else None
+    v = run_verdict(records, ref, h1, stopped)
+    return v.to_dict(), (str(reference_dir) if reference_dir else None), h1
 
 
 def run_summary(run_dir: str | Path, stopped: str | None = None) -> dict:
@@ -306,10 +310,15 @@ def run_summary(run_dir: str | Path, stopped: str | None = None) -> dict:
     ``tokens`` (trained), ``planned_tokens``, ``final_val_loss`` (at the last planned
     step, None if the run did not get there), ``best_val_loss``, ``first_val_loss``,
     ``params``, ``non_embedding_params``, ``elapsed_s`` (training seconds, evaluations
-    excluded), ``verdict``, ``verdict_detail``, ``diverged`` (verdict != ok). Losses are
-    nats/token.
+    excluded), ``verdict`` (``healthy`` | ``stagnation`` | ``instability`` |
+    ``degradation``: :func:`keel.diagnostics.divergence.run_verdict`), ``verdict_detail``
+    (one line), ``divergence`` (the verdict with its step and evidence), ``diverged``
+    (verdict != healthy), ``stopped`` (the trainer's stop message or None), ``reference``
+    (the ``train.divergence_reference`` run the verdict was judged against, or None) and
+    ``unigram_entropy`` (nats, of the run's dataset, or None). Losses are nats/token.
     """
     from keel.config import load_config
+    from keel.diagnostics.divergence import HEALTHY, Verdict
     from keel.train.metrics import read_metrics
 
     run_dir = Path(run_dir)
@@ -318,7 +327,7 @@ def run_summary(run_dir: str | Path, stopped: str | None = None) -> dict:
     vals = [r for r in records if "val_loss" in r]
     last = records[-1] if records else {}
     tc = cfg.train
-    verdict, detail = _verdict(records, stopped)
+    div, reference, h1 = _verdict(records, stopped, tc.divergence_reference, cfg.data.path)
     final = vals[-1]["val_loss"] if vals and vals[-1]["step"] == tc.steps and not stopped else None
     finite_vals = [r["val_loss"] for r in vals if math.isfinite(r["val_loss"])]
     return {
@@ -329,7 +338,9 @@ def run_summary(run_dir: str | Path, stopped: str | None = None) -> dict:
         "first_val_loss": vals[0]["val_loss"] if vals else None,
         "params": param_count(cfg.model), "non_embedding_params": param_count(cfg.model, non_embedding=True),
         "elapsed_s": last.get("elapsed_s", 0.0),
-        "verdict": verdict, "verdict_detail": detail, "diverged": verdict != "ok",
+        "verdict": div["mode"], "verdict_detail": Verdict.from_dict(div).summary() + (f"; {stopped}" if stopped else ""),
+        "divergence": div, "diverged": div["mode"] != HEALTHY, "stopped": stopped, "reference": reference,
+        "unigram_entropy": h1,
     }
 
 
@@ -337,7 +348,8 @@ def train_task(job: GridJob, run_dir: Path, resume: bool, log: Callable[[str], N
     """Grid task of ``keel sweep``: train (or resume) ``job.config`` in ``run_dir``.
 
     A run stopped by the trainer (``keel.train.TrainingStopped``: non-finite steps,
-    divergence) is a result (verdict ``stopped``), not an error. Returns
+    divergence) is a result (its verdict is a failure mode, ``stopped`` holds the
+    message), not an error. Returns
     :func:`run_summary` plus ``wall_s`` (seconds in this call).
     """
     from keel.config import config_from_dict

@@ -16,15 +16,14 @@ from keel.train import Callback, TrainResult, train
 
 def run_callbacks(cfg: Config) -> list[Callback]:
     """The callbacks ``cfg.train`` asks for: the divergence monitor
-    (``divergence_warnings`` / ``stop_on_divergence``), gradient-flow logging
+    (``divergence_warnings`` / ``stop_on_divergence``, against ``divergence_reference``), gradient-flow logging
     (``gradflow_every``) and lm-eval tasks (``eval_tasks``, ``eval_tasks_every``)."""
     tc = cfg.train
     out: list[Callback] = []
     if tc.stop_on_divergence or tc.divergence_warnings:
         from keel.diagnostics.callbacks import DivergenceCallback
-        from keel.diagnostics.divergence import OnlineDivergenceMonitor
 
-        out.append(DivergenceCallback(OnlineDivergenceMonitor(), stop=tc.stop_on_divergence))
+        out.append(DivergenceCallback(tc.divergence_reference, stop=tc.stop_on_divergence))
     if tc.gradflow_every:
         from keel.diagnostics.callbacks import GradflowCallback
 

@@ -32,6 +32,7 @@ class StepState:
     returns an unsharded copy on rank 0 and None on other ranks (collective under FSDP:
     call it on every rank). Setting ``stop`` to a reason ends the run after this step's
     record is written (:class:`keel.train.trainer.TrainingStopped` carries the reason).
+    ``data_dir`` is the run's prepared dataset.
     """
 
     cfg: Config
@@ -47,6 +48,7 @@ class StepState:
     grad_norm: float | None = None
     finite: bool = True
     history: list[dict] = field(default_factory=list)
+    data_dir: Path | None = None
     stop: str | None = None
 
 

@@ -496,7 +496,7 @@ class Trainer:
         self._describe()
         first_val = self._first_eval()
         state = StepState(self.cfg, self.run_dir, self.info, self.model, self.tokenizer, self.plain_model,
-                          step=self.step, tokens=self.tokens, history=self.history)
+                          step=self.step, tokens=self.tokens, history=self.history, data_dir=self.data_dir)
         for cb in self.callbacks:
             cb.on_train_start(state)
         bar = ProgressReporter(self.tc.steps, self.step, self.tokens_per_step, enabled=self.tc.progress and self.main,

@@ -1,0 +1,364 @@
+"""``keel lr-sensitivity``: final loss against a grid of constant peak learning rates, per
+residual scheme and depth (Wortsman et al. 2023, "Small-scale proxies for large-scale
+Transformer training instabilities", arXiv 2309.14322, Sec. 3.2).
+
+Every point (scheme x depth x peak LR x seed) is an ordinary training run with the usual
+schedule (linear warm-up, then cosine to ``train.min_lr``), trained by the ``keel sweep``
+task on :mod:`keel.experiments.grid`: finished runs are cached, an interrupted grid
+continues with ``--resume``. Runs are named ``seed<S>_L<sub-layers>_<scheme>_lr<LR>`` and
+run in the order seeds x depths x schemes x LRs as given on the command line (put the
+most informative depth first).
+
+Per (scheme, depth, seed), with ``l(eta)`` the final validation loss at peak LR ``eta``
+(nats/token) and ``l0`` the validation loss at initialisation (step 0):
+
+* optimal LR ``eta* = argmin_eta l(eta)``; best loss ``min_eta l(eta)``;
+* max LR past the plateau: the largest LR whose final loss is below the divergence
+  classifier's stagnation level ``0.95 * H1`` (``H1`` = unigram entropy of the training
+  tokens): the run learnt more than token frequencies;
+* LR sensitivity (Wortsman et al. 2023, Sec. 3.2)::
+
+      S = mean over the LR grid of [ min(l(eta), l0) - min_eta l(eta) ]
+
+  A run without a finite final loss (non-finite, stopped) counts as ``l0``. Caveat: a
+  scheme that stays on the unigram plateau at every LR has a *low* sensitivity (its
+  curve is flat); read it together with the best loss.
+
+Seeds are then summarised by mean and sample standard deviation (``sd``, ddof = 1; 0 for
+one seed); the optimal LR of a cell is also read off the seed-mean curve (``opt_lr``),
+with a flag when it sits at either end of the LR grid (the grid is then too narrow).
+
+Outputs in ``--out``: the run folders, ``sensitivity.json`` (settings, every run's summary,
+the per-seed and per-cell numbers), ``sensitivity.md`` (the table) and ``sensitivity.png``
+(loss against LR, log x, one panel per depth, one line per scheme, with the init loss
+and the unigram entropy of the training tokens as horizontal lines).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from keel.errors import KeelError
+from keel.experiments.grid import cached_result, run_grid
+from keel.io import atomic_write_text
+
+OUT_JSON, OUT_MD, OUT_PNG = "sensitivity.json", "sensitivity.md", "sensitivity.png"
+
+
+# ----------------------------------------------------------------------------- formulas
+def lr_sensitivity(losses: Sequence[float | None], init_loss: float) -> float:
+    """Wortsman et al. 2023 (arXiv 2309.14322, Sec. 3.2) LR sensitivity of one curve.
+
+    ``S = mean_i [min(l_i, l0) - min_j l_j]`` over the LR grid, where a missing or
+    non-finite ``l_i`` (a diverged run) counts as ``l0`` and the minimum is taken over the
+    capped losses. Units: nats/token.
+
+    Args:
+        losses: final loss at each LR of the grid (None / NaN / inf = diverged).
+        init_loss: ``l0``, the loss at initialisation (finite).
+    Raises:
+        KeelError: empty grid or non-finite ``init_loss``.
+    """
+    if not losses:
+        raise KeelError("LR sensitivity of an empty LR grid")
+    if init_loss is None or not math.isfinite(init_loss):
+        raise KeelError(f"LR sensitivity needs a finite initial loss, got {init_loss}")
+    capped = [min(x, init_loss) if x is not None and math.isfinite(x) else init_loss for x in losses]
+    best = min(capped)
+    return sum(c - best for c in capped) / len(capped)
+
+
+def _mean_sd(xs: Sequence[float]) -> tuple[float | None, float | None]:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def _final_loss(run: dict) -> float | None:
+    v = run.get("final_val_loss") if run.get("status") == "done" else None
+    return v if v is not None and math.isfinite(v) else None
+
+
+def seed_curve(runs: Sequence[dict], lrs: Sequence[float]) -> dict | None:
+    """Numbers of one (scheme, depth, seed) over the LR grid, or None until every LR finished.
+
+    ``runs`` are grid results (sweep run summaries) of that curve. Returns ``losses`` (per
+    LR; None = no finite final loss), ``capped`` (``min(l, l0)``, diverged = ``l0``),
+    ``init_loss`` (mean step-0 validation loss of the runs), ``opt_lr``, ``best_loss``,
+    ``sensitivity`` (:func:`lr_sensitivity`).
+    """
+    by_lr = {r["values"]["train.lr"]: r for r in runs if r.get("status") == "done"}
+    lrs = sorted(lrs)
+    if any(lr not in by_lr for lr in lrs):
+        return None
+    inits = [by_lr[lr].get("first_val_loss") for lr in lrs]
+    inits = [x for x in inits if x is not None and math.isfinite(x)]
+    if not inits:
+        return None
+    l0 = statistics.fmean(inits)
+    losses = [_final_loss(by_lr[lr]) for lr in lrs]
+    capped = [min(x, l0) if x is not None else l0 for x in losses]
+    i = min(range(len(lrs)), key=capped.__getitem__)
+    return {"losses": losses, "capped": capped, "init_loss": l0, "opt_lr": lrs[i], "best_loss": capped[i],
+            "sensitivity": lr_sensitivity(losses, l0)}
+
+
+def max_lr_below(losses: Sequence[float | None], lrs: Sequence[float], level: float) -> float | None:
+    """The largest LR of the grid whose final loss is below ``level`` (nats), e.g. the unigram
+    entropy (the run learnt more than token frequencies); None if there is none."""
+    ok = [lr for lr, x in zip(lrs, losses) if x is not None and x < level]
+    return max(ok) if ok else None
+
+
+def cell_summary(curves: Sequence[dict], lrs: Sequence[float]) -> dict:
+    """Seeds of one (scheme, depth) cell: mean / sd of best loss, sensitivity and log10 of
+    the optimal LR; the seed-mean curve and its argmin ``opt_lr`` (``at_edge`` if that is
+    the first or last LR of the grid); ``n_seeds``."""
+    out: dict = {"n_seeds": len(curves)}
+    if not curves:
+        return out
+    for key in ("best_loss", "sensitivity", "init_loss"):
+        out[key], out[f"{key}_sd"] = _mean_sd([c[key] for c in curves])
+    log_opt = [math.log10(c["opt_lr"]) for c in curves]
+    out["log10_opt_lr"], out["log10_opt_lr_sd"] = _mean_sd(log_opt)
+    out["seed_opt_lrs"] = [c["opt_lr"] for c in curves]
+    out["seed_max_lr_past_plateau"] = [c.get("max_lr_past_plateau") for c in curves]
+    mean_curve = [statistics.fmean(c["capped"][i] for c in curves) for i in range(len(lrs))]
+    i = min(range(len(lrs)), key=mean_curve.__getitem__)
+    out.update(mean_curve=mean_curve, opt_lr=lrs[i], at_edge=i in (0, len(lrs) - 1) and len(lrs) > 1)
+    return out
+
+
+# ----------------------------------------------------------------------------- grid
+def build_grid(schemes: Sequence[str], sublayers: Sequence[int], lrs: Sequence[float],
+               seeds: Sequence[int]) -> dict[str, list]:
+    """The ``keel sweep`` grid of the protocol, slowest key first: seeds, depths (blocks),
+    schemes, LRs. Raises KeelError on an odd or non-positive depth, a non-positive LR, or a
+    repeated value."""
+    for L in sublayers:
+        if L < 2 or L % 2:
+            raise KeelError(f"--layers counts sub-layers (2 per block) and must be even and >= 2, got {L}")
+    for lr in lrs:
+        if not (math.isfinite(lr) and lr > 0):
+            raise KeelError(f"--lrs must be positive numbers, got {lr}")
+    for what, xs in (("--residual", schemes), ("--layers", sublayers), ("--lrs", lrs), ("--seeds", seeds)):
+        if len(set(xs)) != len(xs):
+            raise KeelError(f"{what} repeats a value")
+    return {"train.seed": list(seeds), "model.n_layers": [L // 2 for L in sublayers],
+            "model.residual": list(schemes), "train.lr": sorted(lrs)}
+
+
+def summarise(results: Sequence[dict], schemes: Sequence[str], sublayers: Sequence[int],
+              lrs: Sequence[float], seeds: Sequence[int], plateau_level: float | None = None) -> list[dict]:
+    """One row per (depth, scheme), in the given order: ``sublayers``, ``scheme``,
+    ``seeds`` (``{seed: seed_curve}`` for the seeds whose curve is complete, each with
+    ``max_lr_past_plateau`` = :func:`max_lr_below` ``plateau_level`` when that is given) and
+    the :func:`cell_summary` fields."""
+    lrs = sorted(lrs)
+    rows = []
+    for L in sublayers:
+        for s in schemes:
+            per_seed = {}
+            for seed in seeds:
+                runs = [r for r in results if r.get("values", {}).get("model.residual") == s
+                        and r["values"].get("model.n_layers") == L // 2 and r["values"].get("train.seed") == seed]
+                c = seed_curve(runs, lrs)
+                if c is not None:
+                    if plateau_level is not None:
+                        c["max_lr_past_plateau"] = max_lr_below(c["losses"], lrs, plateau_level)
+                    per_seed[seed] = c
+            rows.append({"sublayers": L, "scheme": s, "seeds": per_seed,
+                         **cell_summary(list(per_seed.values()), lrs)})
+    return rows
+
+
+# ----------------------------------------------------------------------------- outputs
+def _pm(mean, sd, fmt="{:.3f}") -> str:
+    if mean is None:
+        return "–"
+    return fmt.format(mean) if not sd else f"{fmt.format(mean)} ± {fmt.format(sd)}"
+
+
+def markdown(summary: dict) -> str:
+    """The ``sensitivity.md`` table: one row per depth and scheme with at least one complete seed."""
+    lrs = summary["lrs"]
+    lines = [(f"LR grid: {', '.join(f'{x:g}' for x in lrs)}; unigram entropy of the training tokens "
+              f"{summary['unigram_entropy']:.3f} nats (plateau level 95% of it: "
+              f"{(summary.get('plateau_level') or 0):.3f})."), "",
+             ("| sub-layers | scheme | seeds | optimal LR (seed mean curve) | optimal LR per seed | best loss | "
+              "LR sensitivity | init loss |"), "|---|---|---|---|---|---|---|---|"]
+    for r in summary["cells"]:
+        if not r["n_seeds"]:  # not run (or not finished) at this depth
+            continue
+        opt = f"{r['opt_lr']:g}" + (" (edge)" if r["at_edge"] else "")
+        lines.append(f"| {r['sublayers']} | {r['scheme']} | {r['n_seeds']} | {opt} | "
+                     f"{', '.join(f'{x:g}' for x in r['seed_opt_lrs'])} | {_pm(r['best_loss'], r['best_loss_sd'])} | "
+                     f"{_pm(r['sensitivity'], r['sensitivity_sd'])} | {_pm(r['init_loss'], r['init_loss_sd'])} |")
+    lines += ["", ("Losses: final validation loss, nats/token, mean ± sd over seeds. LR sensitivity: Wortsman et al. "
+                   "2023 (arXiv 2309.14322), mean over the LR grid of min(loss, init loss) − best loss. "
+                   "(edge): the optimum is at an end of the LR grid.")]
+    return "\n".join(lines + transfer_lines(summary) + paired_lines(summary, "pre_ln")
+                     + paired_lines(summary, "keel")) + "\n"
+
+
+def _fmt_lrs(xs) -> str:
+    return ", ".join("none" if x is None else f"{x:g}" for x in xs)
+
+
+def transfer_lines(summary: dict) -> list[str]:
+    """Markdown: optimal LR (seed-mean curve; per seed in brackets) and the largest LR whose
+    final loss is below the plateau level (per seed), per scheme (rows) and depth (columns)."""
+    depths = [L for L in summary["sublayers"] if any(r["sublayers"] == L and r["n_seeds"] for r in summary["cells"])]
+    if not depths:
+        return []
+    out = ["", "## Optimal LR against depth (LR transfer)", "",
+           ("Cell: optimal LR of the seed-mean curve [per seed]; the largest LR whose final loss is below "
+            f"the unigram plateau ({summary.get('plateau_level') or 0:.3f} nats = 95% of the unigram entropy), "
+            "per seed."), "",
+           "| scheme | " + " | ".join(f"{L} sub-layers" for L in depths) + " |", "|---" * (len(depths) + 1) + "|"]
+    for s in summary["schemes"]:
+        cells = []
+        for L in depths:
+            r = next((r for r in summary["cells"] if r["sublayers"] == L and r["scheme"] == s), None)
+            cells.append("–" if not r or not r["n_seeds"] else
+                         f"{r['opt_lr']:g} [{_fmt_lrs(r['seed_opt_lrs'])}]; {_fmt_lrs(r['seed_max_lr_past_plateau'])}")
+        if any(c != "–" for c in cells):
+            out.append(f"| {s} | " + " | ".join(cells) + " |")
+    return out
+
+
+def paired_differences(summary: dict, scheme: str, baseline: str, key: str) -> list[dict]:
+    """Per depth: ``{sublayers, diffs: {seed: x_scheme - x_baseline}, mean, sd}`` of the per-seed
+    ``key`` (``best_loss`` or ``sensitivity``) over the seeds both have (paired: same seed =
+    same data order and init draws). Depths where they share no seed are left out."""
+    rows = []
+    for L in summary["sublayers"]:
+        a = next((r for r in summary["cells"] if r["sublayers"] == L and r["scheme"] == scheme), None)
+        b = next((r for r in summary["cells"] if r["sublayers"] == L and r["scheme"] == baseline), None)
+        if not a or not b:
+            continue
+        common = sorted(set(a["seeds"]) & set(b["seeds"]), key=str)
+        if not common:
+            continue
+        diffs = {sd: a["seeds"][sd][key] - b["seeds"][sd][key] for sd in common}
+        m, sdv = _mean_sd(list(diffs.values()))
+        rows.append({"sublayers": L, "diffs": diffs, "mean": m, "sd": sdv})
+    return rows
+
+
+def paired_lines(summary: dict, baseline: str = "pre_ln") -> list[str]:
+    """Markdown: paired (per-seed) differences of best loss and LR sensitivity, scheme − baseline."""
+    if baseline not in summary["schemes"]:
+        return []
+    head = ["", f"## Paired differences against {baseline} (same seed)", "",
+            "| sub-layers | scheme | Δ best loss per seed | mean Δ best loss | Δ sensitivity per seed "
+            "| mean Δ sensitivity |",
+            "|---|---|---|---|---|---|"]
+    out = []
+    for s in summary["schemes"]:
+        if s == baseline:
+            continue
+        best = {r["sublayers"]: r for r in paired_differences(summary, s, baseline, "best_loss")}
+        sens = {r["sublayers"]: r for r in paired_differences(summary, s, baseline, "sensitivity")}
+        for L, r in best.items():
+            per = ", ".join(f"{d:+.3f}" for d in r["diffs"].values())
+            per_s = ", ".join(f"{d:+.3f}" for d in sens[L]["diffs"].values())
+            out.append(f"| {L} | {s} | {per} | {r['mean']:+.3f} | {per_s} | {sens[L]['mean']:+.3f} |")
+    return head + out if out else []
+
+
+def plot(summary: dict, out: str | Path) -> None:
+    """Loss against LR (log x), one panel per depth that has results, one line per scheme
+    (seed mean; the error bars span the seeds' capped losses; one colour per scheme in every
+    panel); dashed: init loss, dotted: unigram entropy."""
+    from keel.train.plots import plt, save_figure
+
+    depths = [L for L in summary["sublayers"] if any(r["sublayers"] == L and r["n_seeds"] for r in summary["cells"])]
+    depths = depths or summary["sublayers"][:1]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = plt.subplots(1, len(depths), figsize=(5.5 * len(depths), 4.2), squeeze=False)
+    for ax, L in zip(axes[0], depths):
+        rows = [r for r in summary["cells"] if r["sublayers"] == L and r["n_seeds"]]
+        for r in rows:
+            curves = list(r["seeds"].values())
+            lo = [min(c["capped"][i] for c in curves) for i in range(len(summary["lrs"]))]
+            hi = [max(c["capped"][i] for c in curves) for i in range(len(summary["lrs"]))]
+            m = r["mean_curve"]
+            c = colors[summary["schemes"].index(r["scheme"]) % len(colors)]
+            ax.errorbar(summary["lrs"], m, yerr=[[a - b for a, b in zip(m, lo)], [b - a for a, b in zip(m, hi)]],
+                        marker="o", ms=3, lw=1.2, capsize=2, color=c, label=f"{r['scheme']} (n={r['n_seeds']})")
+        if rows:
+            ax.axhline(statistics.fmean(r["init_loss"] for r in rows), color="gray", ls="--", lw=1, label="init loss")
+        ax.axhline(summary["unigram_entropy"], color="black", ls=":", lw=1, label="unigram entropy")
+        ax.set_xscale("log")
+        ax.set_xlabel("peak learning rate")
+        ax.set_ylabel("final validation loss (nats/token)")
+        ax.set_title(f"{L} sub-layers ({L // 2} blocks)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    save_figure(fig, out)
+
+
+def write_outputs(summary: dict, out: str | Path) -> None:
+    """Write ``sensitivity.json``, ``sensitivity.md`` and ``sensitivity.png`` into ``out`` (atomically)."""
+    out = Path(out)
+    atomic_write_text(out / OUT_JSON, json.dumps(summary, indent=1, default=str))
+    atomic_write_text(out / OUT_MD, markdown(summary))
+    plot(summary, out / OUT_PNG)
+
+
+# ----------------------------------------------------------------------------- driver
+def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Sequence[int], lrs: Sequence[float],
+                       seeds: Sequence[int], sets: Sequence[str] = (), *, out: str | Path, workers: int = 1,
+                       threads: int | None = None, resume: bool = False, report_only: bool = False,
+                       log: Callable[[str], None] = print) -> dict:
+    """Run (or complete, or only tabulate) the LR-sensitivity grid; write the outputs.
+
+    Args:
+        config: base config file or preset name (default ``demo``).
+        schemes, sublayers, lrs, seeds: the grid (depths in sub-layers, even).
+        sets: ``section.key=value`` overrides for every run (shape, data, steps...).
+        out: output folder; workers / threads / resume: as :func:`keel.experiments.grid.run_grid`.
+        report_only: train nothing; tabulate the runs of ``out`` that have finished.
+    Returns:
+        The ``sensitivity.json`` content: ``config``, ``sets``, ``schemes``, ``sublayers``,
+        ``lrs`` (sorted), ``seeds``, ``data``, ``unigram_entropy``, ``runs`` (grid results,
+        finished ones only with ``report_only``) and ``cells`` (:func:`summarise`).
+    Raises:
+        KeelError: bad grid or config; non-empty ``out`` without ``resume`` (see run_grid).
+    """
+    from keel.config import resolve_config_path
+    from keel.config import load_config
+    from keel.data.stats import dataset_unigram_entropy
+    from keel.diagnostics.divergence import Thresholds
+    from keel.experiments.sweep import build_jobs, train_task
+    from keel.model import SCHEMES
+    from keel.data import resolve_data
+
+    for s in schemes:
+        if s not in SCHEMES:
+            raise KeelError(f"unknown scheme {s!r} in --residual (available: {', '.join(SCHEMES)})")
+    grid = build_grid(schemes, sublayers, lrs, seeds)
+    base = load_config(resolve_config_path(config), list(sets))
+    data_dir = resolve_data(base, progress=False)
+    jobs = build_jobs(config, grid, sets, data_path=str(data_dir))
+    if report_only:
+        results = [r for r in (cached_result(Path(out) / j.name) for j in jobs) if r is not None]
+        log(f"lr-sensitivity: report only, {len(results)}/{len(jobs)} runs finished")
+    else:
+        results = run_grid(jobs, out, train_task, workers=workers, resume=resume, threads=threads, log=log)
+    summary = {"config": str(resolve_config_path(config)), "sets": list(sets), "schemes": list(schemes),
+               "sublayers": list(sublayers), "lrs": grid["train.lr"], "seeds": list(seeds), "data": str(data_dir),
+               "unigram_entropy": dataset_unigram_entropy(data_dir), "runs": results,
+               "plateau_level": None, "cells": None}
+    # the divergence classifier's stagnation level: below it, a run has left the unigram plateau
+    summary["plateau_level"] = (1 - Thresholds().stagnation_margin) * summary["unigram_entropy"]
+    summary["cells"] = summarise(results, schemes, sublayers, grid["train.lr"], seeds, summary["plateau_level"])
+    Path(out).mkdir(parents=True, exist_ok=True)
+    write_outputs(summary, out)
+    return summary

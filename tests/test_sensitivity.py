@@ -1,0 +1,137 @@
+"""keel lr-sensitivity: the Wortsman et al. 2023 formula, the tables, and a tiny grid end to end."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from conftest import REPO, tiny_overrides
+
+from keel.data.stats import dataset_unigram_entropy, unigram_entropy
+from keel.errors import KeelError
+from keel.experiments.sensitivity import cell_summary, lr_sensitivity, seed_curve
+
+DEMO = str(REPO / "keel" / "configs" / "demo.toml")
+
+
+def test_lr_sensitivity_transcription():
+    # arXiv 2309.14322 Sec. 3.2: E_eta[min(l(eta), l0) - min_eta l(eta)]; diverged runs count as l0
+    losses, l0 = [5.0, 4.0, 4.5, None, 9.0], 6.0
+    capped = [5.0, 4.0, 4.5, 6.0, 6.0]
+    expected = sum(c - min(capped) for c in capped) / len(capped)
+    assert lr_sensitivity(losses, l0) == pytest.approx(expected) == pytest.approx(1.1)
+    assert lr_sensitivity([3.0, float("nan")], 3.5) == pytest.approx(0.25)
+    assert lr_sensitivity([2.0], 3.0) == 0.0
+    with pytest.raises(KeelError):
+        lr_sensitivity([], 3.0)
+    with pytest.raises(KeelError):
+        lr_sensitivity([1.0], float("nan"))
+
+
+def _run(seed, lr, final, first=6.0, status="done"):
+    return {"status": status, "values": {"train.seed": seed, "train.lr": lr}, "final_val_loss": final,
+            "first_val_loss": first}
+
+
+def test_seed_curve_and_cell_summary():
+    lrs = [1e-3, 1e-2, 1e-1]
+    a = seed_curve([_run(0, 1e-3, 5.0), _run(0, 1e-2, 4.0), _run(0, 1e-1, None)], lrs)
+    b = seed_curve([_run(1, 1e-3, 4.8), _run(1, 1e-2, 4.2), _run(1, 1e-1, 7.0)], lrs)
+    assert a["opt_lr"] == 1e-2 and a["best_loss"] == 4.0 and a["capped"] == [5.0, 4.0, 6.0]
+    assert a["sensitivity"] == pytest.approx((1.0 + 0 + 2.0) / 3)
+    assert seed_curve([_run(0, 1e-3, 5.0)], lrs) is None  # incomplete curve
+    c = cell_summary([a, b], lrs)
+    assert c["n_seeds"] == 2 and c["opt_lr"] == 1e-2 and not c["at_edge"]
+    assert c["best_loss"] == pytest.approx(4.1) and c["best_loss_sd"] == pytest.approx(math.sqrt(0.02))
+    assert c["mean_curve"] == pytest.approx([4.9, 4.1, 6.0])
+    edge = seed_curve([_run(0, 1e-3, 3.0), _run(0, 1e-2, 4.0), _run(0, 1e-1, 5.0)], lrs)
+    assert cell_summary([edge], lrs)["at_edge"]
+
+
+def test_unigram_entropy_transcription(tiny_data):
+    toks = np.array([0, 0, 1, 2, 2, 2, 2, 3], dtype=np.uint16)
+    p = np.array([2, 1, 4, 1]) / 8
+    assert unigram_entropy(toks) == pytest.approx(float(-(p * np.log(p)).sum()))
+    assert unigram_entropy(np.zeros(5, dtype=np.uint16)) == 0.0
+    with pytest.raises(KeelError):
+        unigram_entropy(toks, vocab_size=3)
+    meta = json.loads((tiny_data / "meta.json").read_text())
+    from keel.data.shards import read_shard
+
+    h = unigram_entropy(read_shard(tiny_data / "train.bin"))
+    assert 0 < h < math.log(meta["vocab_size"])
+    assert meta["unigram_entropy"] == pytest.approx(h)  # stored by keel prepare
+    assert dataset_unigram_entropy(tiny_data) == pytest.approx(h)
+
+
+def test_unigram_entropy_added_to_an_old_dataset(tiny_data, tmp_path):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(tiny_data, old)
+    meta = json.loads((old / "meta.json").read_text())
+    meta.pop("unigram_entropy", None)
+    (old / "meta.json").write_text(json.dumps(meta))
+    h = dataset_unigram_entropy(old)
+    assert json.loads((old / "meta.json").read_text())["unigram_entropy"] == pytest.approx(h)
+
+
+def test_lr_sensitivity_cli_end_to_end(keel_cli, tiny_data, tmp_path):
+    out = tmp_path / "sens"
+    sets = tiny_overrides(tiny_data, steps=6, warmup_steps=2, eval_every=6, checkpoint_every=100, sample_tokens=0)
+    args = ["lr-sensitivity", "--config", DEMO, "--residual", "pre_ln,keel", "--layers", "2,4", "--lrs", "1e-3,1e-2,10",
+            "--seeds", "0", "--workers", "0", "--out", out]
+    for s in sets:
+        args += ["--set", s]
+    r = keel_cli(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    shown = json.loads(r.stdout)
+    saved = json.loads((out / "sensitivity.json").read_text())
+    assert shown["cells"] == json.loads(json.dumps(saved["cells"]))
+    assert len(saved["runs"]) == 2 * 2 * 3 and all(x["status"] == "done" for x in saved["runs"])
+    assert [(c["sublayers"], c["scheme"]) for c in saved["cells"]] == [(2, "pre_ln"), (2, "keel"), (4, "pre_ln"), (4, "keel")]
+    for cell in saved["cells"]:
+        cur = cell["seeds"]["0"]
+        assert cell["n_seeds"] == 1 and cell["opt_lr"] in (1e-3, 1e-2, 10.0)
+        assert cur["sensitivity"] == pytest.approx(lr_sensitivity(cur["losses"], cur["init_loss"]))
+        assert cur["init_loss"] == pytest.approx(math.log(512), abs=0.3)
+    assert saved["unigram_entropy"] == pytest.approx(dataset_unigram_entropy(tiny_data))
+    assert (out / "sensitivity.png").stat().st_size > 1000 and "LR sensitivity" in (out / "sensitivity.md").read_text()
+    # cached: a resumed run trains nothing; report-only reads the same numbers
+    again = keel_cli(*args, "--resume")
+    assert again.returncode == 0 and "12 finished already, 0 to run" in again.stdout
+    rep = keel_cli(*args, "--report-only")
+    assert rep.returncode == 0 and "12/12 runs finished" in rep.stdout
+    bad = keel_cli(*args)  # not empty without --resume
+    assert bad.returncode == 2 and "--resume" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_max_lr_below_and_paired_differences():
+    from keel.experiments.sensitivity import markdown, max_lr_below, paired_differences
+
+    lrs = [1e-3, 1e-2, 1e-1]
+    assert max_lr_below([5.0, 5.2, 6.0], lrs, 5.3) == 1e-2
+    assert max_lr_below([5.0, None, 5.1], lrs, 5.3) == 1e-1
+    assert max_lr_below([6.0, None, 7.0], lrs, 5.3) is None
+
+    def curve(best, sens):
+        return {"best_loss": best, "sensitivity": sens}
+
+    cells = [{"sublayers": 4, "scheme": "pre_ln", "seeds": {0: curve(5.0, 0.4), 1: curve(5.2, 0.5)}},
+             {"sublayers": 4, "scheme": "keel", "seeds": {0: curve(4.5, 0.3), 1: curve(4.9, 0.1), 2: curve(1.0, 0.0)}},
+             {"sublayers": 8, "scheme": "keel", "seeds": {0: curve(4.0, 0.3)}}]
+    summary = {"sublayers": [4, 8], "schemes": ["pre_ln", "keel"], "cells": cells}
+    rows = paired_differences(summary, "keel", "pre_ln", "best_loss")
+    # only the seeds both have (0 and 1), only the depths both have (4)
+    assert [r["sublayers"] for r in rows] == [4] and rows[0]["diffs"] == pytest.approx({0: -0.5, 1: -0.3})
+    assert rows[0]["mean"] == pytest.approx(-0.4) and rows[0]["sd"] == pytest.approx(math.sqrt(0.02))
+    sens = paired_differences(summary, "keel", "pre_ln", "sensitivity")[0]
+    assert sens["diffs"] == pytest.approx({0: -0.1, 1: -0.4})
+    lrs = [1e-3, 1e-2]
+    full = [dict(c, n_seeds=len(c["seeds"]), opt_lr=1e-2, at_edge=True, seed_opt_lrs=[1e-2] * len(c["seeds"]),
+                 seed_max_lr_past_plateau=[None] * len(c["seeds"]), best_loss=1.0, best_loss_sd=0.0, sensitivity=0.1,
+                 sensitivity_sd=0.0, init_loss=6.0, init_loss_sd=0.0) for c in cells]
+    md = markdown({"lrs": lrs, "unigram_entropy": 5.0, "sublayers": [4, 8], "schemes": ["pre_ln", "keel"], "cells": full})
+    assert "| 4 | keel | -0.500, -0.300 | -0.400 | -0.100, -0.400 | -0.250 |" in md
+    assert "| keel | 0.01 [0.01, 0.01, 0.01]; none, none, none | 0.01 [0.01]; none |" in md
+    assert "0.01 (edge)" in md
