@@ -210,7 +210,8 @@ def test_non_finite_lr_is_a_skipped_step(tiny_data, tmp_path, monkeypatch, one_t
     run = tmp_path / "r"
     train(cfg_for(tiny_data, steps=8), run)
     r = {x["step"]: x for x in recs(run)}
-    assert r[5].get("skipped") and r[5]["lr"] is None  # inf -> null
+    assert r[5].get("skipped") and math.isnan(r[5]["lr"])  # inf -> null in the file, read back as NaN
+    assert '"lr": null' in (run / "metrics.jsonl").read_text().splitlines()[5]
     assert not any(r[s].get("skipped") for s in (1, 2, 3, 4, 6, 7, 8))
     assert all(torch.isfinite(p).all() for p in Run(run).load_model().parameters())
 
@@ -363,3 +364,21 @@ def test_config_default_is_demo_val_fraction():
 
     assert Config().data.val_fraction == DEFAULT_VAL_FRACTION == load_config(
         REPO / "keel" / "configs" / "demo.toml").data.val_fraction
+
+
+def test_null_numbers_read_back_as_nan_and_classify(tmp_path):
+    """A non-finite loss is written as null; the one reader gives NaN back, so the offline
+    classifier (which failed on None before) calls the run unstable at that step."""
+    from keel.diagnostics.divergence import INSTABILITY, classify_metrics
+    from keel.train.metrics import JsonlSink
+
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    for step, loss in enumerate([6.0, 5.5, float("nan"), float("inf")], start=1):
+        sink.write({"step": step, "loss": loss, "lr": 1e-3, "note": None})
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert text.count('"loss": null') == 2
+    got = read_metrics(tmp_path / "metrics.jsonl")
+    assert [math.isnan(r["loss"]) for r in got] == [False, False, True, True]
+    assert got[0]["note"] is None  # only numeric fields are restored
+    v = classify_metrics(got)
+    assert v.mode == INSTABILITY and v.step == 3

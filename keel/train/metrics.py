@@ -23,6 +23,9 @@ from keel.io import atomic_write_text
 
 log = logging.getLogger(__name__)
 
+# Fields that hold a number; null in the file means "not finite" (read back as NaN).
+NUMERIC_FIELDS = frozenset({"loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "val_loss", "val_ppl"})
+
 
 def _strict(value: Any) -> Any:
     """``value`` with every non-finite float replaced by None (JSON null), recursively."""
@@ -39,7 +42,9 @@ def read_metrics(path: str | Path) -> list[dict]:
     """The records of a ``metrics.jsonl`` file, in order ([] if the file does not exist).
 
     A last line that is not valid JSON (a write cut short by a kill) is dropped with a
-    warning; an invalid line anywhere else is an error.
+    warning; an invalid line anywhere else is an error. A ``null`` in a numeric field
+    (:data:`NUMERIC_FIELDS`: a non-finite value when it was written) is read back as
+    ``float("nan")``, so every reader can do arithmetic on the records.
 
     Raises:
         KeelError: a corrupt line before the last one.
@@ -53,12 +58,13 @@ def read_metrics(path: str | Path) -> list[dict]:
     records = []
     for i, line in enumerate(lines):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             if i == len(lines) - 1:
                 log.warning("%s: dropping a partial last line (a write was interrupted)", path)
                 break
             raise KeelError(f"{path}: line {i + 1} is not valid JSON") from None
+        records.append({k: (math.nan if v is None and k in NUMERIC_FIELDS else v) for k, v in record.items()})
     return records
 
 
