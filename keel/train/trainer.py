@@ -20,7 +20,7 @@ but no intact checkpoint, unless ``restart=True`` (which starts the run again fr
 deleting its metrics and checkpoints). Temporaries left by a crash are removed at start.
 
 Config changes on resume (the run's ``config.toml`` plus ``--set``) are compared with the
-config saved in the checkpoint, key by key (:data:`RESUME_REFUSED`): keys that would make
+config saved in the checkpoint, key by key (:mod:`keel.train.resume`): keys that would make
 the continuation a different run (every ``model.*`` key, the data keys, ``train.seed``,
 ``train.batch_size``, ``train.seq_len``, ``train.grad_accum``) are refused with a
 one-line error; every other key is applied from the resumed step on, with a warning and a
@@ -55,7 +55,7 @@ from typing import Sequence
 
 import torch
 
-from keel.config import Config, config_from_dict, dump_config, load_config, resolve_vocab_size
+from keel.config import Config, dump_config, resolve_vocab_size
 from keel.data import TokenLoader, load_tokenizer, read_meta, resolve_data, validation_tokens
 from keel.errors import KeelError
 from keel.io import atomic_write_text
@@ -69,19 +69,15 @@ from keel.train.device import autocast_context, resolve_device
 from keel.train.evaluate import mean_nll
 from keel.train.loggers import open_sinks
 from keel.train.metrics import read_metrics, truncate_metrics
-from keel.train.optim import apply_config, build_optimizer, build_scheduler, lr_at
+from keel.train.optim import apply_config, build_optimizer, build_scheduler
 from keel.train.parallelize import PARALLELISMS, checkpointed_blocks, gradient_sync, parallelize
 from keel.train.plots import plot_loss
 from keel.train.progress import ProgressReporter, interactive
+from keel.train.resume import check_config_changes
 from keel.train.sampling import sample_text
 
 log = logging.getLogger(__name__)
 
-# Keys a resume refuses to change (the continuation would be another run); "model." and
-# "data." cover their whole sections except RESUME_DATA_APPLIED (the dataset itself is
-# checked by the data loader's state: same token counts).
-RESUME_REFUSED = ("model.", "data.", "train.seed", "train.batch_size", "train.seq_len", "train.grad_accum")
-RESUME_DATA_APPLIED = ("data.path", "data.cache_dir")
 # Largest loss whose perplexity is printed as a number; beyond it exp(loss) is reported as inf.
 MAX_PPL_LOSS = 50.0
 
@@ -114,26 +110,6 @@ def perplexity(loss: float | None) -> float:
     if loss is None or not math.isfinite(loss) or loss > MAX_PPL_LOSS:
         return math.inf
     return math.exp(loss)
-
-
-def _flat(d: dict) -> dict:
-    return {f"{s}.{k}": v for s, keys in d.items() for k, v in keys.items()}
-
-
-def config_changes(old: dict, new: Config) -> dict[str, dict]:
-    """``{"section.key": {"old": a, "new": b}}`` for every key that differs between the saved
-    config dict ``old`` (as :meth:`Config.to_dict` gives; missing keys take their defaults)
-    and ``new``."""
-    before = _flat(Config().to_dict())
-    before.update(_flat(old))
-    after = _flat(new.to_dict())
-    return {k: {"old": before.get(k), "new": after.get(k)} for k in sorted(set(before) | set(after))
-            if before.get(k) != after.get(k)}
-
-
-def refused_changes(changes: dict[str, dict]) -> list[str]:
-    """The keys of ``changes`` a resume refuses (:data:`RESUME_REFUSED`)."""
-    return [k for k in changes if k.startswith(RESUME_REFUSED) and k not in RESUME_DATA_APPLIED]
 
 
 def check_train_config(cfg: Config) -> None:
@@ -310,38 +286,9 @@ class Trainer:
         self.step, self.tokens, self.elapsed = state["step"], state["tokens"], state["elapsed_s"]
         self.say(f"resuming {self.run_dir} from step {self.step} ({self.ckpt.name})")
 
-    def _saved_config(self, state: dict) -> dict:
-        """The config the checkpoint was trained with (saved in it; older checkpoints: config.toml)."""
-        if "config" in state:
-            return state["config"]
-        path = self.run_dir / "config.toml"
-        return load_config(path).to_dict() if path.is_file() else self.cfg.to_dict()
-
     def _check_config_changes(self, state: dict) -> None:
-        """Refuse the keys of :data:`RESUME_REFUSED`; apply the others, saying so."""
-        old = self._saved_config(state)
-        changes = config_changes(old, self.cfg)
-        refused = refused_changes(changes)
-        if refused:
-            k = refused[0]
-            raise KeelError(f"cannot resume {self.run_dir} with {k} = {changes[k]['new']!r} (it was "
-                            f"{changes[k]['old']!r}): changing {', '.join(refused)} would make it another run; "
-                            "start a new run instead")
-        self.changes = changes
-        for key, c in changes.items():
-            self.say(f"resume: {key} changed from {c['old']!r} to {c['new']!r} (applied from step {state['step']})",
-                     logging.WARNING)
-        schedule_keys = {"train.lr", "train.min_lr", "train.warmup_steps", "train.steps", "train.schedule",
-                         "train.decay_fraction"}
-        if schedule_keys & set(changes):
-            try:
-                was = lr_at(state["step"], config_from_dict(old).train)
-            except KeelError:  # the old config no longer validates: nothing to compare with
-                return
-            now = lr_at(state["step"], self.tc)
-            if not math.isclose(was, now, rel_tol=1e-9):
-                self.say(f"resume: the learning rate of step {state['step'] + 1} changes from {was:.4g} to {now:.4g} "
-                         f"(train.schedule = {self.tc.schedule!r}; see keel.train.optim)", logging.WARNING)
+        """The resume policy (:func:`keel.train.resume.check_config_changes`): refuse or apply."""
+        self.changes = check_config_changes(state, self.cfg, self.run_dir, self.say)
 
     def _prepare_run_dir(self) -> list[dict]:
         """Write config and tokenizer; cut metrics.jsonl back to the restored step and record

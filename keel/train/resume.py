@@ -1,0 +1,88 @@
+"""The resume policy: what a resumed run may change in its config, and how it says so.
+
+A resume compares the config it is given with the one the checkpoint was trained with.
+Keys that would make the continuation another run (:data:`RESUME_REFUSED`) are refused in
+one line; every other change is applied from the resumed step, logged as a warning and
+recorded (the trainer writes a ``config_change`` record into metrics.jsonl).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+from keel.config import Config, config_from_dict, load_config
+from keel.errors import KeelError
+from keel.train.optim import lr_at
+
+# Keys a resume refuses to change (the continuation would be another run); "model." and
+# "data." cover their whole sections except RESUME_DATA_APPLIED (the dataset itself is
+# checked by the data loader's state: same token counts).
+RESUME_REFUSED = ("model.", "data.", "train.seed", "train.batch_size", "train.seq_len", "train.grad_accum")
+RESUME_DATA_APPLIED = ("data.path", "data.cache_dir")
+# Keys of the LR schedule: a change is applied, and the LR of the next step reported.
+SCHEDULE_KEYS = frozenset({"train.lr", "train.min_lr", "train.warmup_steps", "train.steps", "train.schedule",
+                           "train.decay_fraction"})
+
+
+def _flat(d: dict) -> dict:
+    return {f"{s}.{k}": v for s, keys in d.items() for k, v in keys.items()}
+
+
+def config_changes(old: dict, new: Config) -> dict[str, dict]:
+    """``{"section.key": {"old": a, "new": b}}`` for every key that differs between the saved
+    config dict ``old`` (as :meth:`Config.to_dict` gives; missing keys take their defaults)
+    and ``new``."""
+    before = _flat(Config().to_dict())
+    before.update(_flat(old))
+    after = _flat(new.to_dict())
+    return {k: {"old": before.get(k), "new": after.get(k)} for k in sorted(set(before) | set(after))
+            if before.get(k) != after.get(k)}
+
+
+def refused_changes(changes: dict[str, dict]) -> list[str]:
+    """The keys of ``changes`` a resume refuses (:data:`RESUME_REFUSED`)."""
+    return [k for k in changes if k.startswith(RESUME_REFUSED) and k not in RESUME_DATA_APPLIED]
+
+
+def saved_config(state: dict, run_dir: Path, cfg: Config) -> dict:
+    """The config the checkpoint was trained with (saved in it; older checkpoints: the
+    run's config.toml; else ``cfg``)."""
+    if "config" in state:
+        return state["config"]
+    path = run_dir / "config.toml"
+    return load_config(path).to_dict() if path.is_file() else cfg.to_dict()
+
+
+def check_config_changes(state: dict, cfg: Config, run_dir: Path, say) -> dict[str, dict]:
+    """Compare ``cfg`` with the config of the checkpoint state ``state``: refuse the keys
+    of :data:`RESUME_REFUSED` (one-line KeelError), apply the others, saying so through
+    ``say(msg, level)`` (and, for schedule keys, how the next step's LR changes).
+
+    Returns:
+        The changes, as :func:`config_changes` gives them.
+    Raises:
+        KeelError: a refused key changed.
+    """
+    old = saved_config(state, run_dir, cfg)
+    changes = config_changes(old, cfg)
+    refused = refused_changes(changes)
+    if refused:
+        k = refused[0]
+        raise KeelError(f"cannot resume {run_dir} with {k} = {changes[k]['new']!r} (it was "
+                        f"{changes[k]['old']!r}): changing {', '.join(refused)} would make it another run; "
+                        "start a new run instead")
+    for key, c in changes.items():
+        say(f"resume: {key} changed from {c['old']!r} to {c['new']!r} (applied from step {state['step']})",
+            logging.WARNING)
+    if SCHEDULE_KEYS & set(changes):
+        try:
+            was = lr_at(state["step"], config_from_dict(old).train)
+        except KeelError:  # the old config no longer validates: nothing to compare with
+            return changes
+        now = lr_at(state["step"], cfg.train)
+        if not math.isclose(was, now, rel_tol=1e-9):
+            say(f"resume: the learning rate of step {state['step'] + 1} changes from {was:.4g} to {now:.4g} "
+                f"(train.schedule = {cfg.train.schedule!r}; see keel.train.optim)", logging.WARNING)
+    return changes
