@@ -99,9 +99,9 @@ def test_lr_sensitivity_cli_end_to_end(keel_cli, tiny_data, tmp_path):
     assert (out / "sensitivity.png").stat().st_size > 1000 and "LR sensitivity" in (out / "sensitivity.md").read_text()
     # cached: a resumed run trains nothing; report-only reads the same numbers
     again = keel_cli(*args, "--resume")
-    assert again.returncode == 0 and "12 finished already, 0 to run" in again.stdout
+    assert again.returncode == 0 and "12 finished already, 0 to run" in again.stderr  # progress lines are logged (stderr)
     rep = keel_cli(*args, "--report-only")
-    assert rep.returncode == 0 and "12/12 runs finished" in rep.stdout
+    assert rep.returncode == 0 and "12/12 runs finished" in rep.stderr
     bad = keel_cli(*args)  # not empty without --resume
     assert bad.returncode == 2 and "--resume" in bad.stderr and "Traceback" not in bad.stderr
 

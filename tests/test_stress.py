@@ -30,7 +30,7 @@ def quiet(*a, **k):
 def grid(tiny_data, out, workers=1, **kw):
     sets = tiny_overrides(tiny_data, eval_every=1000, checkpoint_every=10)
     args = dict(config="demo", overrides=sets, schemes=SCHEMES, sublayers=[4], seeds=[0], peak_lr=PEAK,
-                ramp_steps=RAMP, out=out, workers=workers, threads=1, log=quiet)
+                ramp_steps=RAMP, out=out, workers=workers, threads=1)
     args.update(kw)
     return run_stress(**args)
 

@@ -70,10 +70,10 @@ def _tiny_sets(tiny_data, **train):
     return tiny_overrides(tiny_data, **t)
 
 
-def test_sweep_tables_best_lr_and_cache(tiny_data, tmp_path):
+def test_sweep_tables_best_lr_and_cache(tiny_data, tmp_path, caplog):
     out = tmp_path / "sw"
     grid = parse_grid(["model.residual=keel,pre_ln", "train.lr=1e-3,1e-2"])
-    s = run_sweep(DEMO, grid, _tiny_sets(tiny_data), out=out, workers=0, best="train.lr", log=lambda m: None)
+    s = run_sweep(DEMO, grid, _tiny_sets(tiny_data), out=out, workers=0, best="train.lr")
     runs = s["runs"]
     assert [r["name"] for r in runs] == ["keel_lr0.001", "keel_lr0.01", "pre_ln_lr0.001", "pre_ln_lr0.01"]
     for r in runs:
@@ -96,12 +96,13 @@ def test_sweep_tables_best_lr_and_cache(tiny_data, tmp_path):
 
     # a finished sweep is not run again; without --resume a non-empty folder is an error
     before = {r["name"]: (out / r["name"] / "result.json").stat().st_mtime_ns for r in runs}
-    lines = []
-    s2 = run_sweep(DEMO, grid, _tiny_sets(tiny_data), out=out, workers=0, resume=True, log=lines.append)
-    assert "4 finished already, 0 to run" in lines[0]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="keel"):
+        s2 = run_sweep(DEMO, grid, _tiny_sets(tiny_data), out=out, workers=0, resume=True)
+    assert any("4 finished already, 0 to run" in m for m in caplog.messages)
     assert {r["name"]: (out / r["name"] / "result.json").stat().st_mtime_ns for r in s2["runs"]} == before
     with pytest.raises(KeelError, match="--resume"):
-        run_sweep(DEMO, grid, _tiny_sets(tiny_data), out=out, workers=0, log=lambda m: None)
+        run_sweep(DEMO, grid, _tiny_sets(tiny_data), out=out, workers=0)
 
     # an interrupted run (checkpoint at step 4, no result) is resumed and ends where it would have
     name = "pre_ln_lr0.01"
@@ -110,9 +111,10 @@ def test_sweep_tables_best_lr_and_cache(tiny_data, tmp_path):
     (rd / "result.json").unlink()
     shutil.rmtree(rd / "checkpoints" / "step_00000008")
     (rd / "checkpoints" / "latest").write_text("step_00000004")
-    lines = []
-    s3 = run_sweep(DEMO, grid, _tiny_sets(tiny_data), out=out, workers=0, resume=True, log=lines.append)
-    assert "3 finished already, 1 to run" in lines[0]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="keel"):
+        s3 = run_sweep(DEMO, grid, _tiny_sets(tiny_data), out=out, workers=0, resume=True)
+    assert any("3 finished already, 1 to run" in m for m in caplog.messages)
     assert "resuming" in (rd / "run.log").read_text()
     again = next(r for r in s3["runs"] if r["name"] == name)
     assert again["step"] == 8 and again["final_val_loss"] == pytest.approx(final, rel=1e-6)
@@ -121,8 +123,7 @@ def test_sweep_tables_best_lr_and_cache(tiny_data, tmp_path):
     # a changed config under the same name is refused
     with pytest.raises(KeelError, match="other settings"):
         (rd / "result.json").unlink()
-        run_sweep(DEMO, grid, _tiny_sets(tiny_data, warmup_steps=1), out=out, workers=0, resume=True,
-                  log=lambda m: None)
+        run_sweep(DEMO, grid, _tiny_sets(tiny_data, warmup_steps=1), out=out, workers=0, resume=True)
 
 
 def test_stopped_run_is_a_result_and_excluded_from_best(tiny_data, tmp_path):
@@ -132,8 +133,7 @@ def test_stopped_run_is_a_result_and_excluded_from_best(tiny_data, tmp_path):
     overflowing stream is 0, so it trains nothing but stays finite.)"""
     grid = parse_grid(["model.init_std=0.02,1e20"])
     sets = _tiny_sets(tiny_data, max_bad_steps=2) + ["model.residual=post_ln"]
-    s = run_sweep(DEMO, grid, sets, out=tmp_path / "sw", workers=1, threads=1, best="model.init_std",
-                  log=lambda m: None)
+    s = run_sweep(DEMO, grid, sets, out=tmp_path / "sw", workers=1, threads=1, best="model.init_std")
     ok, bad = s["runs"]
     assert ok["verdict"] == "healthy" and ok["step"] == 8
     assert bad["status"] == "done" and bad["verdict"] == "instability" and bad["diverged"]
@@ -147,15 +147,15 @@ def _fail_task(job, run_dir, resume, log):
     return {"square": job.values["x"] ** 2}
 
 
-def test_grid_runner_records_errors_and_retries_them(tmp_path):
+def test_grid_runner_records_errors_and_retries_them(tmp_path, caplog):
     jobs = [GridJob(f"x{x}", {"x": x}, {"x": x}) for x in (1, 2, 3)]
-    res = run_grid(jobs, tmp_path / "g", _fail_task, workers=0, log=lambda m: None)
+    res = run_grid(jobs, tmp_path / "g", _fail_task, workers=0)
     assert [r["status"] for r in res] == ["done", "error", "done"]
     assert res[0]["square"] == 1 and res[2]["square"] == 9 and res[1]["message"] == "boom"
     assert not (tmp_path / "g" / "x2" / "result.json").exists()
-    lines = []
-    run_grid(jobs, tmp_path / "g", _fail_task, workers=0, resume=True, log=lines.append)
-    assert "2 finished already, 1 to run" in lines[0]
+    with caplog.at_level("INFO", logger="keel"):
+        run_grid(jobs, tmp_path / "g", _fail_task, workers=0, resume=True)
+    assert any("2 finished already, 1 to run" in m for m in caplog.messages)
     with pytest.raises(KeelError, match="repeated"):
         run_grid(jobs + jobs[:1], tmp_path / "h", _fail_task, workers=0)
     with pytest.raises(KeelError, match="folder name"):

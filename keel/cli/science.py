@@ -254,10 +254,9 @@ def cmd_stress(args) -> int:
     schemes = _parse_list(args.residual, str, "--residual") if args.residual is not None else list(SCHEMES)
     layers = _parse_list(args.layers, int, "--layers")
     seeds = _parse_list(args.seeds, int, "--seeds")
-    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     res = ST.run_stress(args.config, args.set, schemes, layers, seeds, args.peak_lr, args.ramp_steps, args.out,
                      args.workers, args.threads, resume=args.resume, report_only=args.report_only,
-                     reference_scheme=args.reference_scheme, log=log)
+                     reference_scheme=args.reference_scheme)
     if args.json:
         print(json.dumps(res["table"], indent=1))
     else:
@@ -302,12 +301,11 @@ def cmd_lr_sensitivity(args: argparse.Namespace) -> int:
     """``keel lr-sensitivity``: see :mod:`keel.experiments.sensitivity`."""
     if args.resume and args.report_only:
         raise KeelError("--report-only trains nothing; do not combine it with --resume")
-    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     s = LS.run_lr_sensitivity(args.config, _parse_list(args.residual, str, "--residual"),
                               _parse_list(args.layers, int, "--layers"), _parse_list(args.lrs, float, "--lrs"),
                               _parse_list(args.seeds, int, "--seeds"), args.set,
                               out=args.out, workers=args.workers, threads=args.threads or None, resume=args.resume,
-                              report_only=args.report_only, log=log)
+                              report_only=args.report_only)
     if args.json:
         print(json.dumps({k: s[k] for k in ("lrs", "unigram_entropy", "cells")}, indent=1))
     else:

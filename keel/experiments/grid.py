@@ -45,6 +45,8 @@ from pathlib import Path
 from keel.errors import KeelError
 from keel.io import atomic_write_text
 
+_log = logging.getLogger(__name__)  # progress lines ("[3/12] name: done in 41 s")
+
 RESULT_FILE = "result.json"
 JOB_FILE = "job.json"
 LOG_FILE = "run.log"
@@ -196,7 +198,7 @@ def _check_same_config(run_dir: Path, job: GridJob) -> None:
 
 
 def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, workers: int = 1,
-             resume: bool = False, threads: int | None = None, log: Callable[[str], None] = print) -> list[dict]:
+             resume: bool = False, threads: int | None = None) -> list[dict]:
     """Run every job of the grid that has not finished; return all results in job order.
 
     Args:
@@ -208,7 +210,6 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
         resume: continue a non-empty ``out_dir`` (finished jobs are skipped, interrupted
             ones are resumed); without it a non-empty ``out_dir`` is an error.
         threads: torch intra-op threads per worker; default ``max(1, cores // workers)``.
-        log: progress lines ("[3/12] name: done in 41 s").
     Returns:
         One dict per job: the cached or new ``result.json`` content (``status = "done"``),
         or ``{"status": "error", "message": ...}`` for a job whose task raised.
@@ -224,15 +225,15 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
     results: dict[str, dict] = {j.name: cached_result(out_dir / j.name) for j in done}
     n_workers = max(1, workers)
     threads = threads or max(1, (os.cpu_count() or 1) // n_workers)
-    log(f"grid: {len(jobs)} runs, {len(done)} finished already, {len(todo)} to run "
-        f"({workers or 'no'} worker process(es), {threads} thread(s) each), out {out_dir}")
+    _log.info(f"grid: {len(jobs)} runs, {len(done)} finished already, {len(todo)} to run "
+              f"({workers or 'no'} worker process(es), {threads} thread(s) each), out {out_dir}")
     count = [len(done)]
 
     def report(job: GridJob, r: dict) -> None:
         results[job.name] = r
         count[0] += 1
         what = "done" if r["status"] == "done" else f"error: {r['message']}"
-        log(f"[{count[0]}/{len(jobs)}] {job.name}: {what} ({r['wall_s']:.0f} s)")
+        _log.info(f"[{count[0]}/{len(jobs)}] {job.name}: {what} ({r['wall_s']:.0f} s)")
 
     def resumed(job: GridJob) -> bool:
         return (out_dir / job.name).exists()

@@ -37,14 +37,17 @@ and the unigram entropy of the training tokens as horizontal lines).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from keel.errors import KeelError
 from keel.experiments.grid import cached_result, run_grid
 from keel.io import atomic_write_text
+
+_log = logging.getLogger(__name__)
 
 OUT_JSON, OUT_MD, OUT_PNG = "sensitivity.json", "sensitivity.md", "sensitivity.png"
 
@@ -315,8 +318,7 @@ def write_outputs(summary: dict, out: str | Path) -> None:
 # ----------------------------------------------------------------------------- driver
 def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Sequence[int], lrs: Sequence[float],
                        seeds: Sequence[int], sets: Sequence[str] = (), *, out: str | Path, workers: int = 1,
-                       threads: int | None = None, resume: bool = False, report_only: bool = False,
-                       log: Callable[[str], None] = print) -> dict:
+                       threads: int | None = None, resume: bool = False, report_only: bool = False) -> dict:
     """Run (or complete, or only tabulate) the LR-sensitivity grid; write the outputs.
 
     Args:
@@ -349,9 +351,9 @@ def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Se
     jobs = build_jobs(config, grid, sets, data_path=str(data_dir))
     if report_only:
         results = [r for r in (cached_result(Path(out) / j.name) for j in jobs) if r is not None]
-        log(f"lr-sensitivity: report only, {len(results)}/{len(jobs)} runs finished")
+        _log.info(f"lr-sensitivity: report only, {len(results)}/{len(jobs)} runs finished")
     else:
-        results = run_grid(jobs, out, train_task, workers=workers, resume=resume, threads=threads, log=log)
+        results = run_grid(jobs, out, train_task, workers=workers, resume=resume, threads=threads)
     summary = {"config": str(resolve_config_path(config)), "sets": list(sets), "schemes": list(schemes),
                "sublayers": list(sublayers), "lrs": grid["train.lr"], "seeds": list(seeds), "data": str(data_dir),
                "unigram_entropy": dataset_unigram_entropy(data_dir), "runs": results,

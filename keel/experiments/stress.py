@@ -42,12 +42,15 @@ reference run) plus ``scheme``, ``sublayers``, ``blocks``, ``seed``, ``peak_lr``
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
 from keel.errors import KeelError
 from keel.experiments.grid import GridJob, cached_result, run_grid
 from keel.io import atomic_write_text
+
+_log = logging.getLogger(__name__)
 
 REFERENCES = "references"
 
@@ -225,7 +228,7 @@ def _check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, workers, referen
 def run_stress(config: str | None = None, overrides: list[str] | None = None, schemes: list[str] = ("pre_ln", "keel"),
                sublayers: list[int] = (64,), seeds: list[int] = (0,), peak_lr: float = 5e-2, ramp_steps: int = 1000,
                out: str | Path = "runs/stress", workers: int = 1, threads: int = 0, resume: bool = False,
-               report_only: bool = False, reference_scheme: str = "pre_ln", log=print) -> dict:
+               report_only: bool = False, reference_scheme: str = "pre_ln") -> dict:
     """Run (or complete) the stress grid and write stress.json / stress.md / stress.png.
 
     Args:
@@ -265,16 +268,16 @@ def run_stress(config: str | None = None, overrides: list[str] | None = None, sc
     refs, jobs = stress_jobs(cfg_path, overrides, schemes, sublayers, seeds, peak_lr, ramp_steps, data_dir, out,
                              reference_scheme)
     cached = [j.name for j in jobs if cached_result(out / j.name) is not None]
-    log(f"stress: {len(jobs)} runs + {len(refs)} reference runs ({reference_scheme}), ramp 0 -> {peak_lr:g} "
+    _log.info(f"stress: {len(jobs)} runs + {len(refs)} reference runs ({reference_scheme}), ramp 0 -> {peak_lr:g} "
         f"over {ramp_steps} steps, out {out}")
     if report_only:
         results = [r for r in (cached_result(out / j.name) for j in jobs) if r is not None]
         ref_results = [r for r in (cached_result(out / REFERENCES / j.name) for j in refs) if r is not None]
-        log(f"  report only: {len(results)}/{len(jobs)} runs finished")
+        _log.info(f"  report only: {len(results)}/{len(jobs)} runs finished")
     else:
         ref_results = run_grid(refs, out / REFERENCES, train_task, workers=workers, resume=True,
-                               threads=threads or None, log=log)
-        results = run_grid(jobs, out, stress_task, workers=workers, resume=True, threads=threads or None, log=log)
+                               threads=threads or None)
+        results = run_grid(jobs, out, stress_task, workers=workers, resume=True, threads=threads or None)
         results = [r for r in results if r.get("status") == "done"]
     table = stress_table(results, schemes, sublayers)
     summary = {"peak_lr": peak_lr, "ramp_steps": ramp_steps, "config": str(cfg_path), "overrides": overrides,

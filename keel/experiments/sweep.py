@@ -476,7 +476,7 @@ def load_sweep(sweep_dir: str | Path) -> dict:
 # ----------------------------------------------------------------------------- driver
 def run_sweep(config: str | None, grid: dict[str, list], sets: Sequence[str] = (), *, out: str | Path,
               workers: int = 1, threads: int | None = None, resume: bool = False, best: str | None = None,
-              match_params: int | str | None = None, log: Callable[[str], None] = print) -> dict:
+              match_params: int | str | None = None) -> dict:
     """Run (or complete) a sweep and write ``sweep.json`` and ``sweep.md`` in ``out``.
 
     Args: as the ``keel sweep`` options (see the module docstring); ``best`` = ``--best-over``.
@@ -499,7 +499,7 @@ def run_sweep(config: str | None, grid: dict[str, list], sets: Sequence[str] = (
     if not any(k.startswith("data.") for k in grid):  # prepare once, not in every worker
         data_path = str(resolve_data(base, progress=False))
     jobs = build_jobs(config, grid, sets, match_params=match_params, data_path=data_path)
-    results = run_grid(jobs, out, train_task, workers=workers, resume=resume, threads=threads, log=log)
+    results = run_grid(jobs, out, train_task, workers=workers, resume=resume, threads=threads)
     summary: dict[str, Any] = {
         "out": str(out), "config": str(resolve_config_path(config)), "sets": list(sets), "grid": grid,
         "grid_keys": list(grid), "derived_keys": ["model.d_model"] if match_params not in (None, 0, "0", "") else [],
