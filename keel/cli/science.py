@@ -69,6 +69,20 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_grid_flags(p, report_only: bool = True,
+                    config_help: str = "base TOML file or preset name (default: demo)") -> None:
+    """The flags every grid command shares (``keel sweep``, ``stress``, ``lr-sensitivity``):
+    base config, overrides, worker processes and threads, resume, and ``--report-only``."""
+    p.add_argument("--config", default=None, help=config_help)
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config key in every run (repeatable)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (0 = in this process)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = cores / workers)")
+    p.add_argument("--resume", action="store_true", help="continue --out: skip finished runs, resume interrupted ones")
+    if report_only:
+        p.add_argument("--report-only", action="store_true", help="train nothing: tabulate the finished runs of --out")
+
+
 def _register_gradflow(subparsers) -> None:
     """Add ``keel gradflow`` (see :mod:`keel.diagnostics.gradflow`)."""
     p = subparsers.add_parser(
@@ -152,16 +166,12 @@ def _register_sweep(subparsers) -> None:
     """Add ``keel sweep`` (see :mod:`keel.experiments.sweep`)."""
     p = subparsers.add_parser("sweep", help="run a grid of training runs (equal-compute tables, best LR)",
                               description=S.__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=None, help="base config file or preset name (default: demo, or the preset's base)")
+    _add_grid_flags(p, report_only=False,
+                    config_help="base TOML file or preset name (default: demo, or the preset's base)")
     p.add_argument("--preset", default=None, help="sweep preset: a name in keel/configs/sweeps/ or a TOML file")
     p.add_argument("--grid", action="append", default=[], metavar="SECTION.KEY=V1,V2,...",
                    help="a grid axis (repeatable; the sweep is the cartesian product)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config key in every run (repeatable)")
-    p.add_argument("--workers", type=int, default=1, help="worker processes (0 = in this process)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
     p.add_argument("--out", default=None, help="sweep folder (default: runs/sweep-<time>)")
-    p.add_argument("--resume", action="store_true", help="continue --out: skip finished runs, resume interrupted ones")
     p.add_argument("--best-over", default=None, metavar="KEY",
                    help="report, per combination of the other grid keys, the value of KEY (e.g. train.lr) "
                         "with the lowest final validation loss among runs that did not diverge")
@@ -275,15 +285,9 @@ def _register_stress(subparsers) -> None:
     p.add_argument("--ramp-steps", type=int, default=1000, help="steps of the linear ramp 0 -> peak (paper: 5000)")
     p.add_argument("--reference-scheme", default="pre_ln",
                    help="scheme of the reference run per depth and seed (same ramp; judges degradation)")
-    p.add_argument("--config", default=None, help="base TOML file or preset name (default: demo)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config key for every run (repeatable)")
+    _add_grid_flags(p)
     p.add_argument("--out", default="runs/stress", help="output folder (default: runs/stress)")
-    p.add_argument("--workers", type=int, default=1, help="worker processes (0 = in this process)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = cores / workers)")
-    p.add_argument("--resume", action="store_true", help="continue --out: skip finished runs, resume interrupted ones")
     p.add_argument("--json", action="store_true", help="print the table as JSON on stdout")
-    p.add_argument("--report-only", action="store_true", help="train nothing: tabulate the grid's finished runs")
     p.set_defaults(func=cmd_stress)
 
 
@@ -322,13 +326,7 @@ def _register_lr_sensitivity(subparsers) -> None:
     p.add_argument("--layers", default="16,64", help="comma-separated depths in SUB-LAYERS (even; 2 per block)")
     p.add_argument("--lrs", default="1e-3,3e-3,1e-2,3e-2,1e-1", help="comma-separated peak LRs (log-spaced)")
     p.add_argument("--seeds", default="0,1", help="comma-separated train.seed values")
-    p.add_argument("--config", default=None, help="base TOML file or preset name (default: demo)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config key in every run (repeatable)")
+    _add_grid_flags(p)
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--workers", type=int, default=1, help="worker processes (0 = in this process)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: cores / workers)")
-    p.add_argument("--resume", action="store_true", help="continue --out: skip finished runs, resume interrupted ones")
-    p.add_argument("--report-only", action="store_true", help="train nothing: tabulate the finished runs of --out")
     p.add_argument("--json", action="store_true", help="print the per-cell numbers as JSON on stdout")
     p.set_defaults(func=cmd_lr_sensitivity)
