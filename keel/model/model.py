@@ -47,12 +47,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b``, in the autocast dtype when autocast is on for a's device (as the autograd
-    backward of an autocast matmul would run); with ``out``, added into it (``out += a @ b``)."""
-    if torch.is_autocast_enabled(a.device.type):
-        dtype = torch.get_autocast_dtype(a.device.type)
-        prod = torch.mm(a.to(dtype), b.to(dtype))
-        return prod if out is None else out.add_(prod)
-    return torch.mm(a, b) if out is None else out.addmm_(a, b)
+    backward of an autocast matmul would run), else in ``b``'s dtype (``b`` is a model
+    tensor; an fp32 ``a`` -- softmax gradients -- is cast to it, as autograd casts the
+    gradient of ``logits.float()`` back to a bf16/fp16 model's dtype); with ``out``, added
+    into it (``out += a @ b``)."""
+    dtype = torch.get_autocast_dtype(a.device.type) if torch.is_autocast_enabled(a.device.type) else b.dtype
+    if out is not None and out.dtype == dtype:
+        return out.addmm_(a.to(dtype), b.to(dtype))
+    prod = torch.mm(a.to(dtype), b.to(dtype))
+    return prod if out is None else out.add_(prod)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

@@ -130,10 +130,26 @@ def rms_norm_of_sum(x: torch.Tensor, f: torch.Tensor | None, weight: torch.Tenso
         weight: the gain [d].
         scale: the factor on f (1 / alpha for ``Norm(alpha * x + F)``, see the module doc).
         eps: added to the mean square.
+    Under ``torch.compile`` (:func:`torch.compiler.is_compiling`) the same function is written
+    as plain tensor ops (:func:`_rms_norm_of_sum_composite`): Dynamo cannot trace the custom
+    ``jvp`` of :class:`_ScaledSumRMSNorm` (a graph break per norm), while the compiler fuses
+    the composite form into one kernel and derives its backward itself. Eager calls, and
+    the forward-mode AD of :mod:`keel.diagnostics.gradflow`, keep the hand-written derivatives.
+
     Returns:
         [..., d] in ``x``'s dtype.
     """
+    if torch.compiler.is_compiling():
+        return _rms_norm_of_sum_composite(x, f, weight, scale, eps)
     return _ScaledSumRMSNorm.apply(x, f, weight, scale, eps)[0]
+
+
+def _rms_norm_of_sum_composite(x, f, weight, scale, eps):
+    """:func:`rms_norm_of_sum` as plain differentiable ops (the traceable form used under compile)."""
+    cd = torch.promote_types(x.dtype, torch.float32)
+    s = x.to(cd) if f is None else torch.add(x.to(cd), f, alpha=scale)
+    r = torch.rsqrt(s.square().mean(-1, keepdim=True) + eps)
+    return (s * r * weight.to(cd)).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -173,7 +189,7 @@ def add_to_stream(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """
     if torch.promote_types(x.dtype, h.dtype) == x.dtype:
         return x + h
-    return add_to_stream(x, h)
+    return x + h.to(x.dtype)
 
 
 class Residual(nn.Module):
