@@ -110,9 +110,13 @@ def apply_compile(model: nn.Module, **compile_kwargs) -> None:
     ``_orig_mod.`` prefix in checkpoints. Calls with a KV cache (generation) take the eager
     forward: their ever-growing cache would only trigger recompilations. The embedding,
     final norm, LM head and loss stay eager. Apply after activation checkpointing (the
-    checkpointed forward is what gets compiled) and before DDP/FSDP. ``compile_kwargs`` go to
-    ``torch.compile`` (e.g. ``backend="aot_eager"``).
+    checkpointed forward is what gets compiled, as a ``torch.utils.checkpoint`` region inside
+    the block's graph) and before DDP/FSDP. ``compile_kwargs`` go to ``torch.compile`` (e.g.
+    ``backend="aot_eager"``); ``fullgraph=True`` is the default, so a graph break is an error
+    instead of a silently eager block (the norms take a traceable form under compile, see
+    :func:`keel.model.residual.rms_norm_of_sum`).
     """
+    compile_kwargs.setdefault("fullgraph", True)
     for block in _blocks(model):
         if getattr(block, "_keel_compiled", False):
             continue
