@@ -190,7 +190,8 @@ def test_compiled_model_checkpoints_load_both_ways(tmp_path):
     ck2 = save_checkpoint(tmp_path / "b", 1, other, {"step": 1})
     load_weights(compiled, ck2)  # uncompiled -> compiled
     ids = torch.randint(0, 64, (1, 8))
-    torch.testing.assert_close(compiled(ids), other(ids), rtol=0, atol=0)
+    # same weights; under compile the norms run as their composite form (fp32 rounding apart)
+    torch.testing.assert_close(compiled(ids), other(ids), rtol=1e-5, atol=1e-6)
 
     # a file written from the compiled module's own state_dict (prefixed names) also loads
     raw = tmp_path / "raw"
