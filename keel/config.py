@@ -32,7 +32,7 @@ else:  # pragma: no cover - Python 3.10
 from keel.errors import KeelError
 
 SCHEDULES = ("cosine", "wsd", "constant")
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16")
 DEFAULT_VAL_FRACTION = 0.05
 
 
@@ -218,7 +218,8 @@ class TrainConfig:
         log_every: steps between progress lines when stderr is not a terminal.
         seed: seed of the init, the data order and sampling.
         device: auto | cpu | cuda | cuda:N.
-        precision: auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16.
+        precision: auto (bf16-autocast on CUDA, fp32 elsewhere) | fp32 | bf16-autocast (fp32 weights, bf16 autocast)
+            | bf16 (FSDP2: bf16 parameters for compute, fp32 gradient reduction and shards; otherwise bf16-autocast).
         max_bad_steps: stop after this many non-finite steps in a row.
         sample_tokens: tokens sampled from the final model into sample.txt.
         sample_prompt: prompt of that sample.
@@ -261,7 +262,8 @@ class TrainConfig:
     log_every: int = 10  # steps
     seed: int = 1337
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
-    # "auto" = bf16 autocast on CUDA, fp32 on CPU; or "fp32" / "bf16".
+    # "auto" = bf16-autocast on CUDA, fp32 elsewhere; "fp32"; "bf16-autocast"; "bf16" (FSDP2
+    # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), as torchtitan; bf16-autocast without FSDP).
     precision: str = "auto"
     max_bad_steps: int = 10
     sample_tokens: int = 64

@@ -1,14 +1,16 @@
-"""Devices and precision: which device a run computes on and whether it autocasts to bf16."""
+"""Devices and precision: which device a run computes on, and in which precision (``train.precision``)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
+from keel.config import PRECISIONS
 from keel.errors import KeelError
 
-PRECISIONS = ("auto", "fp32", "bf16")
+log = logging.getLogger(__name__)
 
 
 def resolve_device(spec: str, key: str = "train.device") -> torch.device:
@@ -31,15 +33,41 @@ def resolve_device(spec: str, key: str = "train.device") -> torch.device:
     return device
 
 
-def autocast_context(device: torch.device, precision: str):
-    """bf16 autocast on CUDA ("auto" or "bf16"), fp32 elsewhere ("auto" or "fp32").
+def resolve_precision(device: torch.device, precision: str) -> str:
+    """The precision a run uses on ``device``: ``fp32``, ``bf16-autocast`` or ``bf16``.
+
+    ``auto`` is ``bf16-autocast`` on a CUDA device with native bf16 (compute capability >= 8.0,
+    Ampere or newer), ``fp32`` on an older GPU (logged: emulated bf16 would be slower) and
+    on the CPU. An explicit bf16 precision on a GPU without native bf16 is refused.
 
     Raises:
-        KeelError: ``precision`` not in :data:`PRECISIONS`.
+        KeelError: ``precision`` not in :data:`keel.config.PRECISIONS`, or a bf16 precision on
+            a CUDA device without native bf16.
     """
     if precision not in PRECISIONS:
-        raise KeelError(f"train.precision must be auto, fp32 or bf16, got {precision!r}")
-    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-    if not use_bf16:
+        raise KeelError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    native = device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
+    if precision == "auto":
+        if device.type == "cuda" and not native:
+            log.warning("train.precision = auto: %s has no native bf16 (compute capability < 8.0): training in fp32",
+                        device)
+        return "bf16-autocast" if device.type == "cuda" and native else "fp32"
+    if precision != "fp32" and not native:
+        raise KeelError(f"train.precision = {precision!r} needs a GPU with native bf16 (compute capability >= 8.0, "
+                        f"Ampere or newer); {device} has none: use train.precision = \"fp32\"")
+    return precision
+
+
+def autocast_context(device: torch.device, precision: str, sharded: bool = False):
+    """The context a training forward runs in: bf16 autocast for ``bf16-autocast``, and for
+    ``bf16`` unless the model is ``sharded`` by FSDP2 (whose MixedPrecisionPolicy then casts
+    the parameters, :func:`keel.train.parallelize.apply_fsdp`); none for ``fp32``.
+    ``precision`` is resolved first (:func:`resolve_precision`).
+
+    Raises:
+        KeelError: as :func:`resolve_precision`.
+    """
+    precision = resolve_precision(device, precision)
+    if precision == "fp32" or (precision == "bf16" and sharded):
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)

@@ -44,12 +44,30 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def rank_device(device: torch.device, local_rank: int, n_gpus: int) -> torch.device:
+    """The device of the process with ``local_rank`` on its node when the config asks for
+    ``device``: a CUDA device -- ``cuda`` or ``cuda:N``, any index -- becomes
+    ``cuda:LOCAL_RANK`` (torchtitan's rule: one GPU per process; choose the GPUs with
+    ``CUDA_VISIBLE_DEVICES``), so ``train.device = "cuda:0"`` never puts every rank on GPU 0.
+    Other devices are returned as they are.
+
+    Raises:
+        KeelError: ``local_rank`` has no GPU (``n_gpus`` visible).
+    """
+    if device.type != "cuda":
+        return device
+    if local_rank >= n_gpus:
+        raise KeelError(f"LOCAL_RANK {local_rank} has no GPU ({n_gpus} visible)")
+    return torch.device("cuda", local_rank)
+
+
 def init_distributed(device: torch.device) -> DistInfo:
     """Join the process group described by the torchrun environment, if there is one.
 
     Args:
         device: the device the config asks for (``cpu``, ``cuda`` or ``cuda:N``). Under
-            torchrun a CUDA device without an index becomes ``cuda:LOCAL_RANK``.
+            torchrun a CUDA device, with or without an index, becomes ``cuda:LOCAL_RANK``
+            (:func:`rank_device`).
     Returns:
         :class:`DistInfo`; single process (rank 0 of 1) when not launched by torchrun.
         The backend is NCCL on CUDA and gloo on CPU. A process group that already exists
@@ -73,10 +91,7 @@ def init_distributed(device: torch.device) -> DistInfo:
             raise KeelError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (set by torchrun)") from None
         here = True
     if device.type == "cuda":
-        if device.index is None:
-            if local_rank >= torch.cuda.device_count():
-                raise KeelError(f"LOCAL_RANK {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
-            device = torch.device("cuda", local_rank)
+        device = rank_device(device, local_rank, torch.cuda.device_count())
         torch.cuda.set_device(device)
     if here:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from keel.model import Transformer
 from keel.train.dist import DistInfo, all_reduce_sum
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
@@ -35,7 +36,8 @@ def summed_nll(model: torch.nn.Module | LogitsFn, windows: torch.Tensor | Sequen
     """Summed next-token cross-entropy (nats) over ``windows`` and the number of predicted tokens.
 
     Args:
-        model: a module or function mapping input ids [B, T] (int64) to logits [B, T, V]; an
+        model: a module or function mapping input ids [B, T] (int64) to logits [B, T, V], or a
+            keel ``Transformer``, scored through its chunked loss (no [B, T, V] logits); an
             ``nn.Module`` is put in eval mode for the call and restored afterwards.
         windows: LongTensor [N, T+1], or a sequence of 1-D LongTensors (lengths >= 2, may
             differ; equal lengths are batched together). Each window predicts its tokens
@@ -73,11 +75,21 @@ def summed_nll(model: torch.nn.Module | LogitsFn, windows: torch.Tensor | Sequen
 
 
 def _batch_nll(model, batch: torch.Tensor, amp) -> torch.Tensor:
-    """[summed nats, predicted tokens] of one batch [B, T+1], float64."""
-    with amp if amp is not None else contextlib.nullcontext():
-        logits = model(batch[:, :-1])
+    """[summed nats, predicted tokens] of one batch [B, T+1], float64.
+
+    A keel :class:`~keel.model.Transformer` (also sharded by FSDP2) is asked for its loss
+    (``model(ids, targets)``: the chunked LM head + cross-entropy, so the fp32 [B, T, V]
+    logits and their log-softmax never exist); its mean times the token count is the sum.
+    Any other model or function gives logits, scored with ``F.cross_entropy``.
+    """
     targets = batch[:, 1:]
-    nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+    with amp if amp is not None else contextlib.nullcontext():
+        if isinstance(model, Transformer):
+            nll = model(batch[:, :-1], targets).double() * targets.numel()
+        else:
+            logits = model(batch[:, :-1])
+            nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                  reduction="sum")
     return torch.tensor([float(nll.double()), targets.numel()], dtype=torch.float64)
 
 

@@ -133,24 +133,28 @@ def apply_compile(model: nn.Module, **compile_kwargs) -> None:
         block._keel_compiled = True
 
 
-def apply_fsdp(model: nn.Module, mesh=None, reshard_after_forward: bool = True) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh=None, reshard_after_forward: bool = True, bf16: bool = False) -> nn.Module:
     """Shard ``model`` with FSDP2: ``fully_shard`` each block, then the root (in place).
 
     Parameters become ``DTensor`` shards (dim 0) over ``mesh`` (default: a 1-D mesh of all
     ranks on the model's device type); each block's parameters are all-gathered just before
     its forward/backward and freed after. The tied embedding/LM head, if any, belongs to the
-    root group. Requires an initialised process group. Returns ``model`` (now also an
-    ``FSDPModule``).
+    root group. With ``bf16`` (``train.precision = "bf16"``), torchtitan's mixed precision:
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` -- the shards, gradients
+    and optimizer state stay fp32, the all-gathered parameters (and so the compute) are bf16,
+    gradients are reduced in fp32. Requires an initialised process group. Returns ``model``
+    (now also an ``FSDPModule``).
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if mesh is None:
         device_type = next(model.parameters()).device.type
         mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     for block in _blocks(model):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     return model
 
 
@@ -166,7 +170,8 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
 
 def parallelize(model: nn.Module, tc, info: DistInfo) -> nn.Module:
     """Apply the transforms ``tc`` (a :class:`keel.config.TrainConfig`) asks for, in order:
-    activation checkpointing, compile, then DDP or FSDP2 when ``info`` is distributed.
+    activation checkpointing, compile, then DDP or FSDP2 when ``info`` is distributed (with
+    bf16 mixed precision for ``train.precision = "bf16"``).
 
     Returns the module to call for training forwards (the DDP wrapper, or ``model`` itself,
     which FSDP2 shards in place). Raises KeelError on an unknown ``tc.parallelism`` or
@@ -180,7 +185,7 @@ def parallelize(model: nn.Module, tc, info: DistInfo) -> nn.Module:
     if not info.distributed:
         return model
     if tc.parallelism == "fsdp":
-        return apply_fsdp(model)
+        return apply_fsdp(model, bf16=tc.precision == "bf16")
     return apply_ddp(model, info.device)
 
 

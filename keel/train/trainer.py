@@ -176,7 +176,8 @@ class Trainer:
         self._clean_run_dir(restart)
         self.ckpt = self._find_checkpoint() if resume and not restart else None
         self.device = info.device
-        self.amp = autocast_context(self.device, self.tc.precision)
+        self.amp = autocast_context(self.device, self.tc.precision,
+                                    sharded=info.distributed and self.tc.parallelism == "fsdp")
         saved = load_trainer_state(self.ckpt) if self.ckpt is not None else None
         self.changes: dict[str, dict] = {}
         self._load_data()
