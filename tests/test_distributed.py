@@ -22,13 +22,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conftest import REPO, tiny_overrides
 from keel import KeelError
 from keel.config import load_config
 from keel.data import TokenLoader
+from keel.model import Transformer
 from keel.train import train
+from keel.train.checkpoint import (checkpoint_problem, find_intact_checkpoint, is_sharded, load_sharded_checkpoint,
+                                   load_weights)
+from keel.train.optim import build_optimizer
+from keel.train.state_dict import full_optimizer_state_dict
 from spawn import spawn_training
 
 RTOL = 1e-5
@@ -135,28 +139,90 @@ def test_resume_across_world_sizes(runs, name, source):
     root = runs["root"]
     assert_same_trajectory(root / "single", root / name, first_step=5)
     assert_same_trajectory(root / source, root / name, first_step=5)
-    ref = load_file(root / "single" / "checkpoints" / "step_00000008" / "model.safetensors")
-    got = load_file(root / name / "checkpoints" / "step_00000008" / "model.safetensors")
+    ref = weights(root / "single" / "checkpoints" / "step_00000008")
+    got = weights(root / name / "checkpoints" / "step_00000008")
     assert ref.keys() == got.keys()
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-6)
 
 
+def weights(ckpt: Path) -> dict:
+    """The weights of a checkpoint of either format, as one process reads them (export, eval)."""
+    model = Transformer(load_config(ckpt.parent.parent / "config.toml").model)
+    load_weights(model, ckpt)
+    return model.state_dict()
+
+
+def optimizer_state(ckpt: Path) -> dict:
+    """The name-keyed AdamW state of a checkpoint of either format, read in one process."""
+    if not is_sharded(ckpt):
+        return torch.load(ckpt / "trainer.pt", weights_only=True)["optimizer"]["state"]
+    cfg = load_config(ckpt.parent.parent / "config.toml")
+    model = Transformer(cfg.model)
+    opt = build_optimizer(model, cfg.train)
+    load_sharded_checkpoint(model, opt, ckpt)
+    return full_optimizer_state_dict(model, opt)["state"]
+
+
 def test_checkpoints_do_not_depend_on_world_size(runs):
+    """The 2-process FSDP checkpoint (sharded) holds the same weights and AdamW state as the
+    1-process one (full tensors), read back in one process."""
     root = runs["root"]
-    one = load_file(root / "single" / "checkpoints" / "step_00000004" / "model.safetensors")
-    fsdp = load_file(root / "fsdp" / "checkpoints" / "step_00000004" / "model.safetensors")
+    one = weights(root / "single" / "checkpoints" / "step_00000004")
+    fsdp = weights(root / "fsdp" / "checkpoints" / "step_00000004")
     assert {k: v.shape for k, v in one.items()} == {k: v.shape for k, v in fsdp.items()}
-    one_state = torch.load(root / "single" / "checkpoints" / "step_00000004" / "trainer.pt", weights_only=True)
+    one_opt = optimizer_state(root / "single" / "checkpoints" / "step_00000004")
+    fsdp_opt = optimizer_state(root / "fsdp" / "checkpoints" / "step_00000004")
+    assert set(one_opt) == set(fsdp_opt) == set(one)
     fsdp_state = torch.load(root / "fsdp" / "checkpoints" / "step_00000004" / "trainer.pt", weights_only=True)
-    assert set(one_state["optimizer"]["state"]) == set(fsdp_state["optimizer"]["state"]) == set(one)
+    one_state = torch.load(root / "single" / "checkpoints" / "step_00000004" / "trainer.pt", weights_only=True)
     for k in one:
         torch.testing.assert_close(fsdp[k], one[k], rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(fsdp_state["optimizer"]["state"][k]["exp_avg_sq"],
-                                   one_state["optimizer"]["state"][k]["exp_avg_sq"], rtol=1e-3, atol=1e-12)
+        torch.testing.assert_close(fsdp_opt[k]["exp_avg_sq"], one_opt[k]["exp_avg_sq"], rtol=1e-3, atol=1e-12)
     assert fsdp_state["loader"]["world_size"] == 2 and fsdp_state["loader"]["batch_size"] == 2
     assert (fsdp_state["loader"]["epoch"], fsdp_state["loader"]["position"]) == \
         (one_state["loader"]["epoch"], one_state["loader"]["position"])
+
+
+@pytest.mark.parametrize("name", ["fsdp", "ddp"])
+def test_multi_process_checkpoints_are_sharded_and_verified(runs, name, tmp_path):
+    """Each rank wrote and hashed its own shards (no full model.safetensors, no optimizer in
+    trainer.pt); the manifest covers every rank's files, and a damaged shard of rank 1 makes
+    the intact-checkpoint search fall back to the older checkpoint."""
+    if name == "ddp":
+        assert runs["cli"][0] == 0, runs["cli"][2][-3000:]
+    run = runs["root"] / name
+    ckpt = run / "checkpoints" / "step_00000008"
+    assert is_sharded(ckpt) and not (ckpt / "model.safetensors").exists()
+    assert "optimizer" not in torch.load(ckpt / "trainer.pt", weights_only=True)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    ranks = {v["rank"] for k, v in manifest["files"].items() if k.startswith("dcp/")}
+    assert ranks == {0, 1} and manifest["world_size"] == 2
+    assert {k for k in manifest["files"] if k.startswith("dcp/")} == \
+        {f"dcp/{p.name}" for p in (ckpt / "dcp").iterdir()}
+    assert checkpoint_problem(ckpt) is None
+    copy = tmp_path / "run"
+    shutil.copytree(run / "checkpoints", copy / "checkpoints")
+    shard = next(k for k, v in manifest["files"].items() if k.startswith("dcp/__1_"))
+    with open(copy / "checkpoints" / "step_00000008" / shard, "r+b") as f:
+        f.seek(8)
+        f.write(b"\x00\xff")
+    found, reasons = find_intact_checkpoint(copy)
+    assert found.name == "step_00000004" and "does not match its sha256" in reasons[0]
+
+
+def test_sharded_checkpoint_exports_and_loads_in_one_process(runs, tmp_path):
+    """export-hf, eval and generate (keel.run.Run.load_model) read a sharded checkpoint."""
+    from keel.hf.convert import export_hf
+    from keel.hf.modeling import KeelForCausalLM
+    from keel.run import Run
+
+    run = runs["root"] / "fsdp"
+    expected = weights(run / "checkpoints" / "step_00000008")
+    model = Run(run).load_model()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+    hf = KeelForCausalLM.from_pretrained(export_hf(run, tmp_path / "hf"))
+    assert all(torch.equal(hf.model.state_dict()[k], v) for k, v in expected.items())
 
 
 # --------------------------------------------------------------------------- the loader, no processes

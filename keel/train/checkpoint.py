@@ -21,6 +21,18 @@ tensors under the plain model's parameter names (no DDP ``module.``, no compile
 ``_orig_mod.``, no FSDP shards), and the optimizer state in ``trainer.pt`` is keyed by
 parameter name (see :func:`keel.train.parallelize.full_optimizer_state_dict`). A run saved
 with N processes resumes with M, compiled or not.
+
+Multi-process runs write a *sharded* checkpoint instead (:func:`save_sharded_checkpoint`)::
+
+    RUN/checkpoints/step_00000100/dcp/__R_0.distcp    # the shards rank R holds: weights + AdamW state
+    RUN/checkpoints/step_00000100/dcp/.metadata       # torch.distributed.checkpoint's index
+    RUN/checkpoints/step_00000100/trainer.pt          # scheduler, data position, RNG (no model tensors)
+    RUN/checkpoints/step_00000100/manifest.json       # size and sha256 of every file, and its rank
+
+Each rank writes and hashes its own shards (``torch.distributed.checkpoint.save``), so no
+rank ever holds the full weights or optimizer state; the same folder loads at any world
+size, also in one process (``torch.distributed.checkpoint.load`` reshards), and
+:func:`load_weights` reads both formats (``keel export-hf``, ``eval``, ``generate``).
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +57,7 @@ from keel.io import atomic_dir, atomic_write_text, chmod_default
 COMPILE_PREFIX = "_orig_mod."
 MANIFEST = "manifest.json"
 FILES = ("model.safetensors", "trainer.pt")
+SHARDED_DIR = "dcp"  # torch.distributed.checkpoint files of a multi-process run
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 log = logging.getLogger(__name__)
@@ -151,6 +165,117 @@ def _write_files(folder: Path, weights: dict[str, torch.Tensor], state: dict[str
         os.fsync(f.fileno())
 
 
+def is_sharded(ckpt: str | Path) -> bool:
+    """Whether checkpoint folder ``ckpt`` is a sharded (``torch.distributed.checkpoint``) one."""
+    return (Path(ckpt) / SHARDED_DIR / ".metadata").is_file()
+
+
+def _local_tensors(weights: dict) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in weights.items()
+            if isinstance(v, torch.Tensor)}
+
+
+def _hash_files(folder: Path, names: list[str]) -> dict[str, dict]:
+    return {n: {"bytes": (folder / n).stat().st_size, "sha256": _sha256(folder / n)} for n in names}
+
+
+def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                            state: dict[str, Any], info, keep: int = 2) -> Path:
+    """Write sharded checkpoint ``step`` of a multi-process run (collective: every rank calls it).
+
+    Every rank checks its own shards for non-finite values (any rank's finding stops all),
+    then ``torch.distributed.checkpoint.save`` writes each rank's shards of the weights and
+    AdamW state (:func:`keel.train.state_dict.sharded_state_dict`) into ``dcp/`` of a
+    temporary folder beside the final one; each rank hashes the files it wrote, and rank 0
+    writes ``trainer.pt`` (``state``: plain values, no optimizer), the manifest (every file,
+    with the rank that wrote it) and renames the folder into place, as :func:`save_checkpoint`
+    does. The run folder must be on a file system every rank sees.
+
+    Args:
+        info: the :class:`keel.train.dist.DistInfo` of this process.
+    Returns the checkpoint folder (on every rank).
+    Raises:
+        NonFiniteWeights: a weight holds NaN or inf on some rank (nothing is written).
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from keel.io import make_temp_dir
+    from keel.train.dist import barrier, broadcast_object
+    from keel.train.state_dict import sharded_state_dict
+
+    sd = sharded_state_dict(model, optimizer)
+    bad: list[list[str]] = [[] for _ in range(info.world_size)]
+    dist.all_gather_object(bad, non_finite_weights(_local_tensors(sd["model"])))
+    bad_names = sorted({n for names in bad for n in names})
+    if bad_names:
+        raise NonFiniteWeights(f"refusing to checkpoint step {step}: non-finite values in {', '.join(bad_names[:3])}"
+                               + (f" and {len(bad_names) - 3} more" if len(bad_names) > 3 else ""))
+    ckpt_root = Path(run_dir) / "checkpoints"
+    name = f"step_{step:08d}"
+    tmp = None
+    if info.is_main:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        tmp = str(make_temp_dir(ckpt_root, name))
+    tmp = Path(broadcast_object(tmp, info))
+    dcp.save(sd, checkpoint_id=tmp / SHARDED_DIR)
+    mine = sorted(p.name for p in (tmp / SHARDED_DIR).glob(f"__{info.rank}_*"))
+    if info.is_main:
+        mine.append(".metadata")
+    files: list[dict] = [{} for _ in range(info.world_size)]
+    dist.all_gather_object(files, _hash_files(tmp / SHARDED_DIR, mine))
+    if info.is_main:
+        _finish_sharded(tmp, ckpt_root / name, files, state, step, keep)
+    barrier(info)
+    return ckpt_root / name
+
+
+def _finish_sharded(tmp: Path, final: Path, per_rank: list[dict], state: dict, step: int, keep: int) -> None:
+    """Rank 0's part: trainer.pt, the manifest, the rename, ``latest`` and old checkpoints."""
+    torch.save(state, tmp / FILES[1])
+    with open(tmp / FILES[1], "rb") as f:
+        os.fsync(f.fileno())
+    files = _hash_files(tmp, [FILES[1]])
+    for rank, hashed in enumerate(per_rank):
+        files.update({f"{SHARDED_DIR}/{n}": {**v, "rank": rank} for n, v in hashed.items()})
+    with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
+        json.dump({"step": step, "files": files, "world_size": len(per_rank)}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    atomic_write_text(final.parent / "latest", final.name + "\n")
+    old = sorted(p for p in final.parent.glob("step_*") if p.is_dir())
+    for p in old[:-keep] if keep > 0 else []:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def load_sharded_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ckpt: str | Path) -> None:
+    """Load a sharded checkpoint into ``model`` (and ``optimizer``) at this run's world size:
+    collective in a process group (every rank reads its part, resharded to the current
+    layout), or in one process without one (full tensors). ``model`` is the plain, compiled
+    or FSDP-sharded model.
+
+    Raises:
+        KeelError: an unreadable checkpoint, or one that does not match the model.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from keel.train.state_dict import load_sharded_state_dict, sharded_state_dict
+
+    sd = sharded_state_dict(model, optimizer)
+    try:
+        with warnings.catch_warnings():  # "... assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(sd, checkpoint_id=Path(ckpt) / SHARDED_DIR)
+        load_sharded_state_dict(model, optimizer, sd)
+    except Exception as e:  # noqa: BLE001 -- CheckpointException, RuntimeError (shapes), OSError ...
+        raise KeelError(f"cannot load the sharded checkpoint {ckpt}: {_first_line(e)}") from None
+
+
 def checkpoint_problem(ckpt: str | Path) -> str | None:
     """Why the checkpoint folder ``ckpt`` cannot be used, or None when it is intact.
 
@@ -240,7 +365,8 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     manifest, or with both files for older checkpoints), oldest first. Not verified against
     the checksums: use :func:`checkpoint_problem` for that."""
     def complete(p: Path) -> bool:
-        return (p / FILES[0]).is_file() and ((p / MANIFEST).is_file() or (p / FILES[1]).is_file())
+        single = (p / FILES[0]).is_file() and ((p / MANIFEST).is_file() or (p / FILES[1]).is_file())
+        return single or (is_sharded(p) and (p / MANIFEST).is_file())
 
     return [p for p in reversed(_step_dirs(run_dir)) if complete(p)]
 
@@ -258,7 +384,8 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def load_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
-    """Load ``ckpt/model.safetensors`` into ``model`` (strict: same names and shapes).
+    """Load ``ckpt/model.safetensors`` into ``model`` (strict: same names and shapes), or the
+    weights of a sharded checkpoint (:func:`load_sharded_checkpoint`).
 
     ``model`` may be plain, compiled (``torch.compile``'s ``OptimizedModule``, or blocks
     compiled in place) or DDP-wrapped: the plain module is loaded. Names saved with an
@@ -270,6 +397,9 @@ def load_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
     """
     from keel.train.parallelize import unwrap
 
+    if is_sharded(ckpt):
+        load_sharded_checkpoint(model, None, ckpt)
+        return
     path = Path(ckpt) / "model.safetensors"
     if not path.is_file():
         raise KeelError(f"no model weights at {path}")

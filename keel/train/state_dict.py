@@ -2,8 +2,10 @@
 
 :func:`clip_grad_norm_` (the full L2 norm of all gradients, also when they are FSDP2
 ``DTensor`` shards), :func:`full_model_state_dict` / :func:`full_optimizer_state_dict`
-(gathered, on CPU, keyed by parameter name: what a world-size-independent checkpoint
-stores) and :func:`load_optimizer_state_dict`.
+(gathered, on CPU, keyed by parameter name: what a single-process checkpoint stores),
+:func:`load_optimizer_state_dict`, and the sharded views that ``torch.distributed.checkpoint``
+saves and loads in multi-process runs (:func:`sharded_state_dict`,
+:func:`load_sharded_state_dict`).
 """
 
 from __future__ import annotations
@@ -89,3 +91,28 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
         optimizer.load_state_dict(state)
         return
     set_optimizer_state_dict(unwrap(model), optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """``{"model": ..., "optim": ...}`` as each rank holds it: FSDP2 parameters and AdamW state
+    stay ``DTensor`` shards (nothing is gathered), keyed by the plain model's parameter names
+    (``torch.distributed.checkpoint.state_dict`` with default options). What
+    ``torch.distributed.checkpoint.save`` writes, one file per rank, and what ``load`` fills
+    at any world size (it reshards). A fresh optimizer's state is materialised first (zeros),
+    so that it can be loaded into. Without ``optimizer``: the model only."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    out = {"model": get_model_state_dict(unwrap(model))}
+    if optimizer is not None:
+        out["optim"] = get_optimizer_state_dict(unwrap(model), optimizer)
+    return out
+
+
+def load_sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
+    """Put a :func:`sharded_state_dict` (filled by ``torch.distributed.checkpoint.load``) back
+    into ``model`` (strict) and ``optimizer``."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    set_model_state_dict(unwrap(model), state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(unwrap(model), optimizer, state["optim"])

@@ -35,7 +35,8 @@ micro-batch, split evenly over the ranks (it must be divisible by the world size
 optimiser step always sees ``batch_size * seq_len * grad_accum`` tokens (``tokens`` in the
 metrics counts them over all ranks) and the same windows whatever the world size. Only
 rank 0 writes files and logs; every rank evaluates its share of the validation windows and
-takes part in checkpointing, which stores full, unsharded weights. Resuming from the
+writes its own shards of the weights and optimizer state into a sharded checkpoint
+(``torch.distributed.checkpoint``, :func:`keel.train.checkpoint.save_sharded_checkpoint`). Resuming from the
 checkpoint at step k reproduces the uninterrupted run's losses exactly on CPU: weights,
 AdamW state, scheduler, data position and RNG state are all restored.
 
@@ -63,8 +64,9 @@ from keel.model import Transformer, check_model_config
 from keel.train import dist as D
 from keel.train import state_dict as SD
 from keel.train.callbacks import Callback, StepState
-from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, latest_checkpoint, load_trainer_state,
-                                   load_weights, remove_stale_temporaries, save_checkpoint, tied_aliases)
+from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, is_sharded, latest_checkpoint,
+                                   load_sharded_checkpoint, load_trainer_state, load_weights, remove_stale_temporaries,
+                                   save_checkpoint, save_sharded_checkpoint, tied_aliases)
 from keel.train.device import autocast_context, resolve_device
 from keel.train.evaluate import mean_nll
 from keel.train.loggers import open_sinks
@@ -267,19 +269,23 @@ class Trainer:
         torch.manual_seed(self.tc.seed)
         self.model = Transformer(self.cfg.model)
         self.aliases = tied_aliases(self.model)
-        if self.ckpt is not None:
+        self.sharded_ckpt = self.ckpt is not None and is_sharded(self.ckpt)
+        if self.ckpt is not None and not self.sharded_ckpt:
             load_weights(self.model, self.ckpt)  # full weights, before any sharding
         self.model.to(self.device)
         self.train_module = parallelize(self.model, self.tc, self.info)  # DDP wrapper, or the model (FSDP2)
         self.fsdp = self.info.distributed and self.tc.parallelism == "fsdp"
         self.optimizer = build_optimizer(self.model, self.tc)
         self.scheduler = build_scheduler(self.optimizer, self.tc)
+        if self.sharded_ckpt:  # weights + AdamW state, resharded to this world size
+            load_sharded_checkpoint(self.model, self.optimizer, self.ckpt)
 
     def _restore(self, state: dict) -> None:
-        if "optimizer" not in state or "loader" not in state:
+        if ("optimizer" not in state and not self.sharded_ckpt) or "loader" not in state:
             raise KeelError(f"cannot resume from {self.ckpt}: it holds weights only (no optimiser or data state; "
                             "made by keel import-hf?); start a new run from it instead")
-        SD.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        if not self.sharded_ckpt:  # a sharded checkpoint's optimizer state was loaded with the weights
+            SD.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         apply_config(self.optimizer, self.scheduler, self.tc)
         self.loader.load_state_dict(state["loader"])
@@ -342,12 +348,23 @@ class Trainer:
             self.sink = None
 
     def checkpoint(self) -> None:
-        """Save weights and trainer state (collective under FSDP; rank 0 writes).
+        """Save weights and trainer state: one process writes the full tensors; several
+        processes write a sharded checkpoint, each rank its own shards (collective).
 
         Raises:
             TrainingStopped: the weights are not all finite (nothing is written; the last
                 good checkpoint stays ``latest``).
         """
+        if self.info.distributed:
+            state = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed,
+                     "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(),
+                     "rng": torch.get_rng_state(), "config": self.cfg.to_dict()}
+            try:
+                save_sharded_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state, self.info,
+                                        keep=self.tc.keep_checkpoints)
+            except NonFiniteWeights as e:
+                raise TrainingStopped(f"stopped at step {self.step}: {e}; last good checkpoint: {self._last_good()}")
+            return
         weights = SD.full_model_state_dict(self.model)
         optim_state = SD.full_optimizer_state_dict(self.model, self.optimizer)
         error = None
@@ -370,7 +387,8 @@ class Trainer:
         return str(ckpt) if ckpt is not None else "none"
 
     def plain_model(self) -> torch.nn.Module | None:
-        """The unsharded model on rank 0 (None elsewhere); collective under FSDP."""
+        """The unsharded model on rank 0 (None elsewhere); collective under FSDP, where it is a
+        gathered copy on the CPU (no second full model on the GPU of rank 0)."""
         if not self.fsdp:
             return self.model if self.main else None
         weights = SD.full_model_state_dict(self.model)
@@ -378,7 +396,7 @@ class Trainer:
             return None
         copy = Transformer(self.cfg.model)
         copy.load_state_dict(weights)
-        return copy.to(self.device)
+        return copy
 
     def _hooks(self, name: str, state: StepState) -> dict:
         fields: dict = {}
@@ -501,8 +519,8 @@ class Trainer:
             plot_loss(self.metrics_path, self.run_dir / "loss.png",
                       title=f"{self.cfg.model.residual}, {self.cfg.model.n_sublayers} sub-layers")
             if self.tc.sample_tokens > 0:
-                sample = sample_text(plain, self.tokenizer, self.tc.sample_prompt, self.tc.sample_tokens, self.device,
-                                     seed=self.tc.seed)
+                sample = sample_text(plain, self.tokenizer, self.tc.sample_prompt, self.tc.sample_tokens,
+                                     next(plain.parameters()).device, seed=self.tc.seed)
                 atomic_write_text(self.run_dir / "sample.txt", sample + "\n")
         D.barrier(self.info)
         tok_s = self.tokens / self.elapsed if self.elapsed > 0 else 0.0
