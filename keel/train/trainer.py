@@ -513,7 +513,7 @@ class Trainer:
         """Plot, sample, and the final numbers."""
         if val_loss is None:  # resumed at the end: nothing ran
             val_loss = self.validate()
-        plain = self.plain_model()
+        plain = self.plain_model() if self.tc.sample_tokens > 0 else None  # collective under FSDP
         sample = ""
         if self.main:
             plot_loss(self.metrics_path, self.run_dir / "loss.png",
