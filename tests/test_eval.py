@@ -283,3 +283,33 @@ def test_eval_quiet_by_default_verbose_shows_lm_eval_bars(run_dir, capfd):
     assert main(["eval", "--run", str(run_dir), "--tasks", MC_TASK, "--limit", "2", "--max-tokens", "64",
                  "--verbose"]) == 0
     assert "Running loglikelihood requests" in capfd.readouterr().err
+
+
+def test_generate_until_task_at_batch_size_8(run_dir, capfd):
+    """A generate_until task (the shipped keel_python_generate) through `keel eval` with the
+    default --batch-size 8: lm-eval batches prompts of different lengths, left-padded."""
+    assert main(["eval", "--run", str(run_dir), "--tasks", "keel_python_generate", "--limit", "8",
+                 "--batch-size", "8", "--max-tokens", "64"]) == 0
+    out = capfd.readouterr().out
+    assert "task keel_python_generate: exact_match" in out
+
+
+def test_shipped_tasks_load_with_plain_lm_eval_from_any_folder(tmp_path):
+    """`lm_eval --include_path keel/eval/example_tasks` from another working directory: lm-eval's
+    own TaskManager (no keel code) finds every shipped task and its data."""
+    import subprocess
+    import sys
+
+    from keel.eval.tasks import EXAMPLE_TASK_DIR
+
+    code = ("import json, sys\nfrom lm_eval.tasks import TaskManager\n"
+            "tm = TaskManager(include_path=sys.argv[1], include_defaults=False)\n"
+            "tasks = tm.load_task_or_group(['keel_python_completion', 'keel_python_paragraphs', "
+            "'keel_python_generate'])\n"
+            "print('RESULT', json.dumps({k: len(list(t.test_docs())) for k, t in tasks.items()}))\n")
+    blocked = "import sys\nsys.modules['keel'] = None\n" + code  # keel not importable
+    r = subprocess.run([sys.executable, "-c", blocked, str(EXAMPLE_TASK_DIR)], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    counts = json.loads(r.stdout.split("RESULT ")[-1])
+    assert counts == {"keel_python_completion": 20, "keel_python_paragraphs": 6, "keel_python_generate": 20}

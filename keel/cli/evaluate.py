@@ -79,7 +79,8 @@ def register(subparsers) -> None:
     src.add_argument("--run", help="run directory")
     src.add_argument("--hf", help="Hugging Face folder of a keel model (from `keel export-hf`)")
     p.add_argument("--tasks", default="", help="comma-separated lm-eval task names "
-                                               "(shipped: keel_python_completion, keel_python_paragraphs)")
+                                               "(shipped: keel_python_completion, keel_python_paragraphs, "
+                                               "keel_python_generate)")
     p.add_argument("--task-dir", default=None, help="extra folder of task YAMLs (local JSONL data allowed)")
     p.add_argument("--limit", type=int, default=None, help="at most N documents per task")
     p.add_argument("--text", default=None, metavar="FILE", help="held-out text file instead of the validation split")

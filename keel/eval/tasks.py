@@ -7,10 +7,13 @@
 
 Task names are looked up first in the shipped example folder (:data:`EXAMPLE_TASK_DIR`:
 ``keel_python_completion``, 20-item multiple choice; ``keel_python_paragraphs``, rolling
-log-likelihood over six paragraphs) and in ``task_dir``; only names found in neither
+log-likelihood over six paragraphs; ``keel_python_generate``, 20 greedy line completions,
+a ``generate_until`` task) and in ``task_dir``; only names found in neither
 load lm-eval's own registry (indexing it takes tens of seconds). Task YAMLs in those
 folders may name local files: ``dataset_path: json`` with ``dataset_kwargs: {data_files:
-...}``; relative ``data_files`` paths are resolved against the YAML's folder.
+...}``; relative ``data_files`` paths are resolved against the YAML's folder. The shipped
+tasks read their data with a ``custom_dataset`` function beside them, so they also work
+with plain ``lm_eval --include_path``.
 
 Offline: each task is loaded on its own. A task whose dataset cannot be loaded (no
 network, not in the ``datasets`` cache) is reported in one line, ``task X: dataset could
@@ -209,8 +212,10 @@ class _Tasks:
 
         cfg = load_yaml(path, resolve_func=True)
         files = (cfg.get("dataset_kwargs") or {}).get("data_files")
-        if files is None or cfg.get("task") != name:
+        if (files is None and cfg.get("custom_dataset") is None) or cfg.get("task") != name:
             return name
+        if files is None:  # a local loader function (the shipped tasks): the YAML as it is
+            return cfg
         base = Path(path).parent
 
         def fix(p):

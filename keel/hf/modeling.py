@@ -12,12 +12,12 @@ KV cache: the native model takes any object with ``update(k, v, layer_idx)`` and
 ``use_cache=True`` passes its cache straight through; RoPE positions start at the cache's
 length.
 
-Padding: the native model has no attention mask. A 2-D ``attention_mask`` is accepted when
-it is all ones, or when its zeros are only at the end of a row (right padding, no cache):
-causal attention never lets a real token see a later pad, so its logits are unaffected
-(the logits at pad positions are meaningless). Left padding, or any zero followed by a one,
-raises :class:`keel.errors.KeelError`; batch prompts of different lengths one by one, or
-pad on the right (lm-evaluation-harness' loglikelihood requests do).
+Padding: a 2-D ``attention_mask`` [B, past + T] (1 = real token, 0 = padding) goes to the
+native model, which takes RoPE positions from it (each row's real tokens count from 0) and
+masks padded keys (:func:`keel.model.model.padding_attention_mask`): left-padded batched
+``generate`` gives each row what it gives alone, and lm-evaluation-harness' ``generate_until``
+runs at any batch size. Right padding needs nothing (causal attention never lets a real
+token see a later pad).
 """
 
 from __future__ import annotations
@@ -37,22 +37,26 @@ _OUTPUT_FIELDS = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
 _CACHE_FIELD = "cache" if "cache" in _OUTPUT_FIELDS else "past_key_values"
 
 
-def check_attention_mask(attention_mask: torch.Tensor | None, past_length: int) -> None:
-    """Raise KeelError unless ``attention_mask`` [B, past_length + T] (0/1) is all ones or
-    right padding (zeros only after the last one in each row) with ``past_length == 0``."""
+def check_attention_mask(attention_mask: torch.Tensor | None, past_length: int, total: int) -> None:
+    """Raise KeelError unless ``attention_mask`` is None or 2-D [B, past_length + T] = ``total`` (0/1)."""
     if attention_mask is None:
         return
-    if attention_mask.dim() != 2:
-        raise KeelError("keel models take a 2-D attention_mask [batch, tokens] of 0/1 only")
-    m = attention_mask.to(torch.bool)
-    if bool(m.all()):
-        return
-    # a zero followed (later in the row) by a one = left padding or a hole
-    later_one = m.flip(-1).cummax(-1).values.flip(-1)
-    if bool((~m & later_one).any()) or past_length > 0:
-        raise KeelError(
-            "keel models do not support left padding or holes in attention_mask (the native model has no "
-            "padding mask); run prompts of different lengths one at a time, or pad on the right")
+    if attention_mask.dim() != 2 or attention_mask.shape[1] != total:
+        raise KeelError(f"keel models take a 2-D attention_mask [batch, past + new tokens] = [*, {total}] of 0/1, "
+                        f"got shape {tuple(attention_mask.shape)} (past {past_length})")
+
+
+def _check_position_ids(position_ids: torch.Tensor, attention_mask: torch.Tensor | None, past: int, T: int) -> None:
+    """Raise KeelError unless ``position_ids`` [B, T] are the positions the native model uses."""
+    if attention_mask is None:
+        expected = torch.arange(past, past + T, device=position_ids.device).expand(position_ids.shape[0], T)
+        real = torch.ones_like(expected, dtype=torch.bool)
+    else:
+        m = attention_mask.to(position_ids.device).long()
+        expected, real = (m.cumsum(-1) - 1)[:, past:], m[:, past:].bool()
+    if position_ids.shape != expected.shape or not torch.equal(position_ids[real], expected[real]):
+        raise KeelError("keel models derive positions from the cache length and the attention mask; position_ids "
+                        "must equal them (past + arange(T), or the count of real tokens before each one)")
 
 
 class KeelPreTrainedModel(PreTrainedModel):
@@ -155,9 +159,10 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
         Args:
             input_ids: LongTensor [B, T]; they follow the ``cache``'s positions, if any.
             attention_mask: optional 0/1 [B, past + T]; see the module docstring (left
-                padding raises KeelError).
-            position_ids: optional [B, T]; must equal ``past + arange(T)`` (the native
-                model derives RoPE positions from the cache length), else KeelError.
+                padding is supported).
+            position_ids: optional [B, T]; must equal the positions the native model derives
+                (``past + arange(T)``, or with a mask, the count of real tokens before each
+                real token; padding positions are not checked), else KeelError.
             cache / past_key_values: a ``transformers.DynamicCache`` (or
                 :class:`keel.model.KVCache`), extended in place; with ``use_cache`` and no
                 cache given, a new ``DynamicCache`` is made and returned.
@@ -183,14 +188,11 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
 
             cache = DynamicCache()
         past = cache.get_seq_length() if cache is not None else 0
-        check_attention_mask(attention_mask, past)
+        T = input_ids.shape[1]
+        check_attention_mask(attention_mask, past, past + T)
         if position_ids is not None:
-            T = input_ids.shape[1]
-            expected = torch.arange(past, past + T, device=position_ids.device).expand(position_ids.shape[0], T)
-            if position_ids.shape != expected.shape or not torch.equal(position_ids, expected):
-                raise KeelError("keel models derive positions from the cache length; position_ids must be "
-                                "past_length + arange(T) for every row (no padding offsets)")
-        logits = self.model(input_ids, cache=cache)
+            _check_position_ids(position_ids, attention_mask, past, T)
+        logits = self.model(input_ids, cache=cache, attention_mask=attention_mask)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),

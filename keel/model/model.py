@@ -182,7 +182,10 @@ class Attention(nn.Module):
             self.v_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, d]; cos, sin [T, hd/2] or, per row, [B, 1, T, hd/2]; ``mask``: optional bool
+        [B, 1, T, S] (True = may attend; S = past + T keys, see :func:`padding_attention_mask`),
+        replacing the causal mask. Returns [B, T, d]."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -191,11 +194,11 @@ class Attention(nn.Module):
             q, k, v = self.q_norm(q), self.k_norm(k), self.v_norm(v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask, causal = None, True
+        causal = mask is None
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
             S = k.shape[2]
-            if S != T:  # queries are the last T of S positions
+            if S != T and mask is None:  # queries are the last T of S positions
                 causal = False
                 mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
@@ -228,9 +231,33 @@ class Block(nn.Module):
         self.ffn_res = scheme(cfg, 2 * block_index + 1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
-        x = self.attn_res(x, lambda h: self.attn(h, cos, sin, cache))
+                cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.attn_res(x, lambda h: self.attn(h, cos, sin, cache, mask))
         return self.ffn_res(x, self.ffn)
+
+
+def padding_attention_mask(attention_mask: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and the attention mask of a padded batch (left padding, as batched generation uses).
+
+    Args:
+        attention_mask: 0/1 [B, S] over the past ``start`` tokens and the T = S - start new ones
+            (1 = a real token, 0 = padding).
+        start: tokens already in the KV cache.
+    Returns:
+        ``(positions, allowed)``: the RoPE position of each new token, LongTensor [B, T], which
+        counts the real tokens before it (``cumsum(mask) - 1``, so a row's first real token is at
+        position 0 whatever its padding, and its logits equal the unpadded row's); and bool
+        [B, 1, T, S], True where new token i may attend key j: ``j <= start + i`` (causal) and
+        key j is real -- or j is the token itself, so a padding query (whose output nothing
+        reads) never has an empty softmax.
+    """
+    m = attention_mask.to(torch.bool)
+    S = m.shape[1]
+    positions = (m.long().cumsum(-1) - 1).clamp_min(0)[:, start:]
+    q = torch.arange(start, S, device=m.device).unsqueeze(1)  # [T, 1] absolute query index
+    j = torch.arange(S, device=m.device).unsqueeze(0)  # [1, S]
+    allowed = (j <= q) & (m[:, None, :] | (j == q))  # [B, T, S]
+    return positions, allowed.unsqueeze(1)
 
 
 class Transformer(nn.Module):
@@ -242,6 +269,10 @@ class Transformer(nn.Module):
         cache: optional :class:`KVCache` (or ``transformers.DynamicCache``) holding the
             keys/values of earlier positions; it is extended in place, and ``input_ids``
             are taken to follow them (RoPE positions start at its length).
+        attention_mask: optional 0/1 [B, past + T] (1 = real token): with zeros (padding,
+            e.g. left padding of a batch of prompts), RoPE positions count each row's real
+            tokens and padded keys are masked out (:func:`padding_attention_mask`), so a
+            row's real tokens get the logits they would get alone. All ones = no mask.
     Returns:
         logits FloatTensor [B, T, V] (fp32) when targets is None, else the mean
         next-token cross-entropy (scalar fp32 tensor, nats per token), computed by
@@ -287,15 +318,18 @@ class Transformer(nn.Module):
             yield 2 * b + 1, block.ffn_res, block.ffn
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         start = cache.get_seq_length() if cache is not None else 0
         T = start + input_ids.shape[1]
         if T > self.cfg.max_seq_len:
             raise KeelError(f"sequence of {T} tokens is longer than model.max_seq_len = {self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[start:T], self.rope_sin[start:T]
+        cos, sin, mask = self.rope_cos[start:T], self.rope_sin[start:T], None
+        if attention_mask is not None and not bool(attention_mask.all()):  # padding: per-row positions
+            positions, mask = padding_attention_mask(attention_mask, start)
+            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         x = self.tok_emb(input_ids)
         for block in self.blocks:
-            x = block(x, cos, sin, cache)
+            x = block(x, cos, sin, cache) if mask is None else block(x, cos, sin, cache, mask)
         if self.norm is not None:
             x = self.norm(x)
         if targets is None:
@@ -310,8 +344,11 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,
-                 use_cache: bool = True) -> torch.Tensor:
+                 use_cache: bool = True, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Sample ``max_new_tokens`` tokens after ``input_ids`` [B, T0]; returns [B, T0 + n].
+
+        Prompts of different lengths go in one batch left-padded, with ``attention_mask`` 0/1
+        [B, T0] marking the padding (0): each row then generates what it would alone.
 
         temperature 0 (or below the smallest normal float of the logits' dtype) means greedy;
         any small positive temperature is safe (a tiny one samples the argmax). With
@@ -322,13 +359,15 @@ class Transformer(nn.Module):
         ids = input_ids
         cache = KVCache() if use_cache else None
         step_input = ids
+        mask = attention_mask if attention_mask is not None else torch.ones_like(ids)
         for _ in range(max_new_tokens):
             if cache is not None and cache.get_seq_length() + step_input.shape[1] > self.cfg.max_seq_len:
                 cache = None  # the context outgrew max_seq_len: re-run a cropped window from now on
             if cache is None:
-                logits = self(ids[:, -self.cfg.max_seq_len:])[:, -1, :]
+                window = -self.cfg.max_seq_len
+                logits = self(ids[:, window:], attention_mask=mask[:, window:])[:, -1, :]
             else:
-                logits = self(step_input, cache=cache)[:, -1, :]
+                logits = self(step_input, cache=cache, attention_mask=mask)[:, -1, :]
             if temperature < torch.finfo(logits.dtype).tiny:  # 0, or too small to divide by: greedy
                 nxt = logits.argmax(dim=-1, keepdim=True)
             else:  # shifted so that the largest is 0: x / T never overflows to inf - inf = nan
@@ -338,5 +377,6 @@ class Transformer(nn.Module):
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             ids = torch.cat([ids, nxt], dim=1)
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
             step_input = nxt
         return ids

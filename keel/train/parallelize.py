@@ -107,8 +107,8 @@ def apply_compile(model: nn.Module, **compile_kwargs) -> None:
     Compiling per block keeps the graphs small (the blocks share code, so Dynamo reuses the
     compiled graph across blocks whose guards agree). The block's ``forward`` attribute is
     replaced (no wrapper module), so the parameter names stay those of the plain model: no
-    ``_orig_mod.`` prefix in checkpoints. Calls with a KV cache (generation) take the eager
-    forward: their ever-growing cache would only trigger recompilations. The embedding,
+    ``_orig_mod.`` prefix in checkpoints. Calls with a KV cache or a padding mask (generation)
+    take the eager forward: their ever-growing cache would only trigger recompilations. The embedding,
     final norm, LM head and loss stay eager. Apply after activation checkpointing (the
     checkpointed forward is what gets compiled, as a ``torch.utils.checkpoint`` region inside
     the block's graph) and before DDP/FSDP. ``compile_kwargs`` go to ``torch.compile`` (e.g.
@@ -124,10 +124,10 @@ def apply_compile(model: nn.Module, **compile_kwargs) -> None:
         compiled = torch.compile(eager, **compile_kwargs)
 
         @functools.wraps(eager)
-        def forward(x, cos, sin, cache=None, _eager=eager, _compiled=compiled):
-            if cache is None:
+        def forward(x, cos, sin, cache=None, mask=None, _eager=eager, _compiled=compiled):
+            if cache is None and mask is None:
                 return _compiled(x, cos, sin)
-            return _eager(x, cos, sin, cache)
+            return _eager(x, cos, sin, cache, mask)
 
         block.forward = forward
         block._keel_compiled = True
