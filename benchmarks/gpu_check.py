@@ -22,9 +22,21 @@ OUT.md``); it prints one markdown table and writes it to ``OUT.md``. Sections (r
 5. ``train``: ``keel prepare`` (offline: the built-in Python-stdlib corpus) and ``keel train
    --config paper-64`` for 20 steps (``train.grad_accum`` lowered to fit the time budget);
    the loss of every step is printed from the run's ``metrics.jsonl``.
+6. ``compile``: zero graph breaks on the device: every scheme, with and without activation
+   checkpointing, each block ``torch.compile``d with ``fullgraph=True`` (``aot_eager``, so
+   the 12 compilations take seconds; the ``speed`` rows count inductor's breaks at full size),
+   forward + backward under bf16 autocast; fails on a break or a non-finite gradient.
+7. ``fsdp``: with 2 GPUs, ``keel train --nproc 2`` (NCCL, FSDP2, ``train.precision = "bf16"``)
+   for 4 steps with sharded (DCP) checkpoints at steps 2 and 4, then the run cut back to its
+   step-2 checkpoint and resumed: steps 3-4 must repeat the uninterrupted losses; skipped
+   with fewer GPUs. ``--dry-run --sections fsdp`` runs it on the CPU (gloo).
+
+Every row ends with ``pass``, ``FAIL`` or ``skip`` (column ``status``): bf16 error < 0.05;
+finite losses; no graph break; on the GPU a compiled speed row not slower than its eager
+row (> 5 %); memory within the prediction. The exit status is 1 when a row failed.
 
 Budget: under 8 minutes on one H100/H200. ``--dry-run`` runs every code path on the CPU at
-tiny shapes (``torch.compile`` with the ``aot_eager`` backend, no C++ compiler needed);
+tiny shapes (``torch.compile`` with Dynamo's ``eager`` backend, no C++ compiler needed);
 ``tests/test_gpu_check.py`` runs it, so that the first GPU run does not fail on a typo.
 """
 
@@ -51,6 +63,9 @@ import levers  # (benchmarks/levers.py: fused QKV / gate-up / chunked-loss micro
 import mfu  # (benchmarks/mfu.py: FLOPs per token, GPU peaks, step function)
 
 
+SECTIONS = ("bf16", "compile", "speed", "memory", "levers", "train", "fsdp")
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Sizes of one check run (the GPU plan or the tiny CPU dry-run plan)."""
@@ -71,6 +86,8 @@ class Plan:
     train_sets: tuple[str, ...]
     prepare_args: tuple[str, ...]
     compile_kwargs: tuple[tuple[str, str], ...] = ()
+    compile_check: tuple[int, int] = (256, 4)  # width, sub-layers of the graph-break check
+    compile_schemes: tuple[str, ...] = ()  # () = every scheme
 
 
 GPU = Plan(width=1024, heads=16, kv_heads=8, d_ff=3072, vocab=32768, seq=2048, batch=2, forward_sublayers=64,
@@ -78,12 +95,12 @@ GPU = Plan(width=1024, heads=16, kv_heads=8, d_ff=3072, vocab=32768, seq=2048, b
            train_sets=("train.grad_accum=4", "train.eval_tokens=65536"),
            prepare_args=("--tokenizer", "bpe:8192", "--max-bytes", "20000000"))
 DRY = Plan(width=64, heads=2, kv_heads=1, d_ff=192, vocab=256, seq=32, batch=2, forward_sublayers=4,
-           speed_sublayers=(4, 8), memory_sublayers=16, warmup=1, steps=1, train_steps=2,
+           speed_sublayers=(4,), memory_sublayers=8, warmup=1, steps=1, train_steps=2,
            train_sets=("model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
                        "model.d_ff=64", "model.max_seq_len=64", "model.vocab_size=512", "train.batch_size=2",
                        "train.seq_len=32", "train.grad_accum=1", "train.eval_tokens=256", "train.sample_tokens=4"),
            prepare_args=("--tokenizer", "bpe:512", "--max-bytes", "200000"),
-           compile_kwargs=(("backend", "aot_eager"),))
+           compile_kwargs=(("backend", "eager"),), compile_check=(64, 4), compile_schemes=("keel",))
 
 
 def model_config(plan: Plan, scheme: str, sublayers: int):
@@ -147,6 +164,10 @@ def fits(plan: Plan, cfg, checkpointing: str, device: torch.device, share: float
 
 def time_steps(plan: Plan, cfg, device: torch.device, checkpointing: str, compiled: bool) -> dict:
     """Build, warm up and time ``plan.steps`` training steps; tokens/s, loss, peak memory."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
     model, opt = mfu.build(cfg, device, checkpointing, 2, compiled, 1e-4, dict(plan.compile_kwargs))
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(0, plan.vocab, (plan.batch, plan.seq + 1), generator=g).to(device)
@@ -162,7 +183,7 @@ def time_steps(plan: Plan, cfg, device: torch.device, checkpointing: str, compil
         loss = step()
     step_s = (time.perf_counter() - t0) / plan.steps
     out = {"step_s": step_s, "tokens_per_s": plan.batch * plan.seq / step_s, "loss": loss.item(),
-           "warmup_s": warm_s, "peak_gib": peak_gib(device)}
+           "warmup_s": warm_s, "peak_gib": peak_gib(device), "graph_breaks": sum(counters["graph_break"].values())}
     del model, opt, step
     free(device)
     return out
@@ -213,19 +234,16 @@ def check_levers(plan: Plan, device: torch.device) -> list[dict]:
 
 def check_train(plan: Plan, work: Path) -> list[dict]:
     """Section 5: ``keel prepare`` + ``keel train --config paper-64`` for ``plan.train_steps`` steps."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               PYTHONUNBUFFERED="1")
-    keel = [sys.executable, "-m", "keel"]
-    data, run = work / "data", work / "run"
+    env = _env()
+    run = work / "run"
     t0 = time.perf_counter()
-    subprocess.run([*keel, "prepare", "--source", "builtin:python-stdlib", "--out", str(data), *plan.prepare_args],
-                   check=True, env=env, cwd=REPO)
+    data = _prepare(plan, work, env)
     prep_s = time.perf_counter() - t0
     sets = [f"data.path={data}", f"train.steps={plan.train_steps}", "train.log_every=1", "train.progress=false",
             *plan.train_sets]
     t0 = time.perf_counter()
-    subprocess.run([*keel, "train", "--config", "paper-64", "--run-dir", str(run),
-                    *[a for s in sets for a in ("--set", s)]], check=True, env=env, cwd=REPO)
+    _keel(["train", "--config", "paper-64", "--run-dir", str(run), *[a for s in sets for a in ("--set", s)]], env,
+          plan is DRY)
     train_s = time.perf_counter() - t0
     metrics = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     losses = [(m["step"], m["loss"]) for m in metrics if "loss" in m and m.get("step", 0) > 0]
@@ -233,32 +251,175 @@ def check_train(plan: Plan, work: Path) -> list[dict]:
              "train_s": train_s, "losses": losses, "sets": sets}]
 
 
+def check_compile(plan: Plan, device: torch.device) -> list[dict]:
+    """Section 6: every scheme x activation checkpointing, per-block ``fullgraph`` compile on the
+    device: forward + backward under bf16 autocast, graph breaks counted."""
+    from torch._dynamo.utils import counters
+
+    from keel.model import SCHEMES, Transformer
+    from keel.train.parallelize import apply_activation_checkpointing, apply_compile
+
+    width, sublayers = plan.compile_check
+    ids = torch.randint(0, plan.vocab, (2, plan.seq + 1), generator=torch.Generator().manual_seed(0)).to(device)
+    rows = []
+    for scheme in plan.compile_schemes or sorted(SCHEMES):
+        for ac in ("none", "block"):
+            torch._dynamo.reset()
+            counters.clear()
+            cfg = dataclasses.replace(model_config(plan, scheme, sublayers), d_model=width, d_ff=3 * width)
+            torch.manual_seed(0)
+            with torch.device(device):
+                model = Transformer(cfg)
+            apply_activation_checkpointing(model, ac)
+            row = {"section": "compile", "scheme": scheme, "sublayers": sublayers, "compile": True, "ckpt": ac}
+            try:
+                apply_compile(model, backend="eager" if device.type == "cpu" else "aot_eager")
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss = model(ids[:, :-1], ids[:, 1:])
+                loss.backward()
+                finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+                row.update(graph_breaks=sum(counters["graph_break"].values()),
+                           graphs=counters["stats"]["unique_graphs"], loss=loss.item(), finite=finite)
+            except Exception as e:  # noqa: BLE001 -- fullgraph raises on a break: a failed row, not a crash
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            rows.append(row)
+            del model
+            free(device)
+    return rows
+
+
+def _keel(args: list[str], env: dict, in_process: bool) -> None:
+    """``keel ARGS`` in a subprocess (as a user runs it), or through ``keel.cli.main`` in this
+    process (the dry run: no second interpreter and torch import). Raises on failure."""
+    if not in_process:
+        subprocess.run([sys.executable, "-m", "keel", *args], check=True, env=env, cwd=REPO)
+        return
+    from keel.cli import main as keel_main
+
+    if keel_main(list(args)) != 0:
+        raise RuntimeError(f"keel {' '.join(args[:3])} ... failed")
+
+
+def _prepare(plan: Plan, work: Path, env: dict) -> Path:
+    """``keel prepare`` of the offline corpus into ``work/data`` (once per check run)."""
+    data = work / "data"
+    if not (data / "meta.json").is_file():
+        _keel(["prepare", "--source", "builtin:python-stdlib", "--out", str(data), *plan.prepare_args], env,
+              plan is DRY)
+    return data
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                PYTHONUNBUFFERED="1")
+
+
+def check_fsdp(plan: Plan, work: Path, dry: bool) -> list[dict]:
+    """Section 7: 2-process FSDP2 + sharded-checkpoint save and resume (NCCL on 2 GPUs, gloo on
+    the CPU in a dry run); skipped with fewer than 2 GPUs."""
+    row = {"section": "fsdp", "scheme": "keel", "sublayers": 4, "ckpt": "-"}
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not dry and n_gpus < 2:
+        return [{**row, "skipped": f"needs 2 GPUs ({n_gpus} visible)"}]
+    env = _env()
+    data = _prepare(plan, work, env)
+    keel = [sys.executable, "-m", "keel", "train", "--nproc", "2"]
+    sets = [f"data.path={data}", "train.steps=4", "train.checkpoint_every=2", "train.eval_every=2",
+            "train.parallelism=fsdp", "train.progress=false", "train.sample_tokens=0", "model.n_layers=2",
+            "train.device=" + ("cpu" if dry else "cuda"), "train.precision=" + ("fp32" if dry else "bf16"),
+            *[s for s in plan.train_sets if not s.startswith(("model.n_layers", "train.sample_tokens"))]]
+    args = [a for s in sets for a in ("--set", s)]
+    full, cut = work / "fsdp_full", work / "fsdp_cut"
+    t0 = time.perf_counter()
+    subprocess.run([*keel, "--config", "paper-64", "--run-dir", str(full), *args], check=True, env=env, cwd=REPO)
+    ckpt = full / "checkpoints" / "step_00000002"
+    shards = sorted(p.name for p in (ckpt / "dcp").glob("__*_*.distcp")) if (ckpt / "dcp").is_dir() else []
+    import shutil
+
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoints" / "step_00000004")
+    (cut / "checkpoints" / "latest").write_text("step_00000002\n")
+    subprocess.run([*keel, "--resume", str(cut), *args], check=True, env=env, cwd=REPO)
+
+    def losses(run):
+        recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+        return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+    a, b = losses(full), losses(cut)
+    rtol = 1e-5 if dry else 1e-2  # fp32 on gloo; bf16 on NCCL
+    same = all(abs(a[k] - b[k]) <= rtol * abs(a[k]) for k in (3, 4))
+    return [{**row, "losses": sorted(a.items()), "resumed": [(k, b[k]) for k in (3, 4)], "shards": shards,
+             "same": same, "train_s": time.perf_counter() - t0}]
+
+
 def _fmt(v, spec: str = ".3g") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def table(rows: list[dict], header: str) -> str:
+def status(r: dict, rows: list[dict], dry: bool) -> str:
+    """``pass``, ``FAIL`` or ``skip`` for one row (criteria in the module docstring)."""
+    import math
+
+    if "skipped" in r:
+        return "skip"
+    if "error" in r:
+        return "FAIL"
+    sec = r["section"]
+    if sec == "bf16":
+        return "pass" if r["max_rel_logit_err"] < 0.05 else "FAIL"
+    if sec == "compile":
+        return "pass" if r["graph_breaks"] == 0 and r["finite"] and math.isfinite(r["loss"]) else "FAIL"
+    if sec == "train":
+        return "pass" if r["losses"] and all(math.isfinite(v) for _, v in r["losses"]) else "FAIL"
+    if sec == "fsdp":
+        return "pass" if r["same"] and r["shards"] else "FAIL"
+    if sec == "levers":
+        return "pass"
+    ok = math.isfinite(r["loss"]) and r.get("graph_breaks", 0) == 0
+    if sec == "memory" and r.get("peak_gib") is not None:
+        ok = ok and r["peak_gib"] <= r["predicted_gib"]
+    if sec == "speed" and r["compile"] and not dry:
+        eager = next(e for e in rows if e["section"] == "speed" and e["scheme"] == r["scheme"]
+                     and e["sublayers"] == r["sublayers"] and not e["compile"])
+        ok = ok and r["tokens_per_s"] >= 0.95 * eager["tokens_per_s"]
+    return "pass" if ok else "FAIL"
+
+
+def _result(r: dict) -> str:
+    """The section-specific numbers of a row."""
+    if "skipped" in r:
+        return r["skipped"]
+    if "error" in r:
+        return r["error"]
+    if r["section"] == "bf16":
+        return f"max rel. logit err {r['max_rel_logit_err']:.2e} (logit RMS {r['logit_rms']:.3g})"
+    if r["section"] == "train":
+        return (f"{r['steps']} steps, loss " + ", ".join(f"{s}: {v:.4f}" for s, v in r["losses"])
+                + f" (prepare {r['prepare_s']:.0f} s, train {r['train_s']:.0f} s)")
+    if r["section"] == "levers":
+        return (f"separate {r['separate_ms']:.2f} ms, fused {r['fused_ms']:.2f} ms "
+                f"(fused / separate {r['fused_ms'] / r['separate_ms']:.3f})")
+    if r["section"] == "compile":
+        return (f"{r['graph_breaks']} graph breaks, {r['graphs']} graphs, loss {r['loss']:.3f}, "
+                f"gradients {'finite' if r['finite'] else 'NOT finite'}")
+    if r["section"] == "fsdp":
+        return (f"loss {', '.join(f'{s}: {v:.5f}' for s, v in r['losses'])}; resumed from step 2: "
+                f"{', '.join(f'{s}: {v:.5f}' for s, v in r['resumed'])}; {len(r['shards'])} shard files "
+                f"({r['train_s']:.0f} s)")
+    return (f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_s'] * 1e3:.0f} ms, peak {_fmt(r['peak_gib'], '.1f')} GiB"
+            + (f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "")
+            + (f" (predicted <= {r['predicted_gib']:.3g} GiB)" if "predicted_gib" in r else "")
+            + f", warm-up {r['warmup_s']:.0f} s, loss {r['loss']:.3f}, {r['graph_breaks']} graph breaks")
+
+
+def table(rows: list[dict], header: str, dry: bool = False) -> str:
     """All rows as one markdown table (section-specific numbers in the ``result`` column)."""
-    lines = [header, "", "| section | scheme | sub-layers | compile | ckpt | result |", "|:---|:---|---:|:---|:---|:---|"]
+    lines = [header, "", "| section | scheme | sub-layers | compile | ckpt | result | status |",
+             "|:---|:---|---:|:---|:---|:---|:---|"]
     for r in rows:
-        if r["section"] == "bf16":
-            res = f"max rel. logit err {r['max_rel_logit_err']:.2e} (logit RMS {r['logit_rms']:.3g})"
-        elif r["section"] == "train":
-            res = (f"{r['steps']} steps, loss " + ", ".join(f"{s}: {v:.4f}" for s, v in r["losses"])
-                   + f" (prepare {r['prepare_s']:.0f} s, train {r['train_s']:.0f} s)")
-        elif r["section"] == "levers":
-            res = (f"separate {r['separate_ms']:.2f} ms, fused {r['fused_ms']:.2f} ms "
-                   f"(fused / separate {r['fused_ms'] / r['separate_ms']:.3f})")
-        elif "skipped" in r:
-            res = r["skipped"]
-        else:
-            res = (f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_s'] * 1e3:.0f} ms, peak {_fmt(r['peak_gib'], '.1f')} GiB"
-                   + (f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "")
-                   + (f" (predicted <= {r['predicted_gib']:.3g} GiB)" if "predicted_gib" in r else "")
-                   + f", warm-up {r['warmup_s']:.0f} s, loss {r['loss']:.3f}")
         compiled = {True: "yes", False: "no"}.get(r.get("compile"), "-")
         lines.append(f"| {r['section']} | {r['scheme']} | {r.get('sublayers', '-')} | {compiled} | "
-                     f"{r.get('ckpt', '-')} | {res} |")
+                     f"{r.get('ckpt', '-')} | {_result(r)} | {status(r, rows, dry)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -266,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="One-command GPU check (benchmarks/gpu_check.sh).")
     p.add_argument("--out", required=True, help="markdown file the table is written to")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: exercise every code path")
-    p.add_argument("--sections", default="bf16,speed,memory,levers,train", help="comma-separated subset")
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset")
     p.add_argument("--device", default=None, help="default: cuda (cpu with --dry-run)")
     a = p.parse_args(argv)
     plan = DRY if a.dry_run else GPU
@@ -284,9 +445,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     sections = set(a.sections.split(","))
     with tempfile.TemporaryDirectory(prefix="keel-gpu-check-") as work:
-        for sec, fn in (("bf16", lambda: check_bf16(plan, device)), ("speed", lambda: check_speed(plan, device, peak)),
+        for sec, fn in (("bf16", lambda: check_bf16(plan, device)), ("compile", lambda: check_compile(plan, device)),
+                        ("speed", lambda: check_speed(plan, device, peak)),
                         ("memory", lambda: check_memory(plan, device)), ("levers", lambda: check_levers(plan, device)),
-                        ("train", lambda: check_train(plan, Path(work)))):
+                        ("train", lambda: check_train(plan, Path(work))),
+                        ("fsdp", lambda: check_fsdp(plan, Path(work), a.dry_run))):
             if sec in sections:
                 t0 = time.perf_counter()
                 rows += fn()
@@ -295,13 +458,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{'DRY RUN (tiny shapes, CPU)' if a.dry_run else 'full'}; width {plan.width}, seq {plan.seq}, "
               f"batch {plan.batch}; total {time.perf_counter() - t_start:.0f} s; "
               f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
-    text = table(rows, header)
+    text = table(rows, header, a.dry_run)
     out = Path(a.out)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, out)
     print(text)
-    return 0
+    counts = {k: text.count(f"| {k} |") for k in ("pass", "FAIL", "skip")}
+    print(f"gpu_check: {counts['pass']} pass, {counts['FAIL']} FAIL, {counts['skip']} skip", file=sys.stderr)
+    return 1 if counts["FAIL"] else 0
 
 
 if __name__ == "__main__":

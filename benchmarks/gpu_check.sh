@@ -2,13 +2,15 @@
 # One-command GPU check (issue 13), under 8 minutes on one H100/H200:
 #   bf16-vs-fp32 logits of every scheme; tokens/s + MFU of pre_ln and keel at width 1024 x 64
 #   and x 512 sub-layers, eager and torch.compile; peak memory at 1024 sub-layers with
-#   activation checkpointing; 20 training steps of the paper-64 preset (offline corpus).
+#   activation checkpointing; 20 training steps of the paper-64 preset (offline corpus); zero
+#   graph breaks (every scheme, AC on/off); 2-process NCCL FSDP2 + DCP save/resume (2 GPUs).
+#   Each row ends with pass / FAIL / skip; the exit status is 1 when a row failed.
 # Usage:   benchmarks/gpu_check.sh OUT.md              (the table is printed and written to OUT.md)
 #          benchmarks/gpu_check.sh OUT.md --dry-run    (tiny shapes on the CPU: every code path)
 # PYTHON selects the interpreter (default: python); see benchmarks/gpu_check.py for details.
 set -euo pipefail
 if [ "$#" -lt 1 ] || [ "${1#-}" != "$1" ]; then
-    echo "usage: $0 OUT_FILE [--dry-run] [--sections bf16,speed,memory,levers,train]" >&2
+    echo "usage: $0 OUT_FILE [--dry-run] [--sections bf16,compile,speed,memory,levers,train,fsdp]" >&2
     exit 2
 fi
 out=$1
