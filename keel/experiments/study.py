@@ -558,6 +558,25 @@ def claim_section(claim: dict, c: dict) -> list[str]:
     return out + [""]
 
 
+def plateau_table(runs: list[dict]) -> list[str]:
+    """Markdown: per group, scheme and depth, the plateau exit step of each seed's best run
+    (lowest capped loss over its LRs) and how many of the finished runs never left the plateau."""
+    out = ["## When each scheme leaves the unigram plateau", "",
+           "Plateau exit: the first step whose 10-step trailing mean training loss is below 95% of the unigram "
+           "entropy. Per seed, the run at that seed's best LR.", "",
+           "| group | scheme | sub-layers | exit step at the best LR, per seed | finished runs that never left |",
+           "|---|---|---|---|---|"]
+    done = [r for r in runs if r["status"] == "done"]
+    for key in dict.fromkeys((r["group"], r["scheme"], r["sublayers"]) for r in done):
+        rs = [r for r in done if (r["group"], r["scheme"], r["sublayers"]) == key]
+        best = [min((r for r in rs if r["seed"] == sd), key=lambda r: r["capped_loss"])
+                for sd in sorted({r["seed"] for r in rs})]
+        steps = ", ".join("never" if b.get("plateau_exit_step") is None else str(b["plateau_exit_step"]) for b in best)
+        never = sum(r.get("plateau_exit_step") is None for r in rs)
+        out.append(f"| {key[0]} | {key[1]} | {key[2]} | {steps} | {never} of {len(rs)} |")
+    return out + [""]
+
+
 def runs_table(runs: list[dict]) -> list[str]:
     """Markdown: every run with its tokens, losses, plateau exit step and divergence verdict."""
     out = ["## Every run", "", "| group | scheme | sub-layers | LR | seed | status | tokens | final val loss | "
@@ -587,7 +606,7 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
     lines.append("")
     for cl, c in claims:
         lines += claim_section(cl, c)
-    return "\n".join(lines + runs_table(runs)) + "\n"
+    return "\n".join(lines + plateau_table(runs) + runs_table(runs)) + "\n"
 
 
 def plot_margins(claims: list[tuple[dict, dict]], out: Path) -> bool:
