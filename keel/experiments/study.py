@@ -568,12 +568,18 @@ def plateau_table(runs: list[dict]) -> list[str]:
            "|---|---|---|---|---|"]
     done = [r for r in runs if r["status"] == "done"]
     for key in dict.fromkeys((r["group"], r["scheme"], r["sublayers"]) for r in done):
-        rs = [r for r in done if (r["group"], r["scheme"], r["sublayers"]) == key]
-        best = [min((r for r in rs if r["seed"] == sd), key=lambda r: r["capped_loss"])
-                for sd in sorted({r["seed"] for r in rs})]
-        steps = ", ".join("never" if b.get("plateau_exit_step") is None else str(b["plateau_exit_step"]) for b in best)
-        never = sum(r.get("plateau_exit_step") is None for r in rs)
-        out.append(f"| {key[0]} | {key[1]} | {key[2]} | {steps} | {never} of {len(rs)} |")
+        rs = [r for r in runs if (r["group"], r["scheme"], r["sublayers"]) == key]
+        cells = []
+        for sd in sorted({r["seed"] for r in rs}):
+            mine = [r for r in rs if r["seed"] == sd]
+            if any(r["status"] != "done" for r in mine):
+                cells.append("pending")
+                continue
+            step = min(mine, key=lambda r: r["capped_loss"]).get("plateau_exit_step")
+            cells.append("never" if step is None else str(step))
+        fin = [r for r in rs if r["status"] == "done"]
+        never = sum(r.get("plateau_exit_step") is None for r in fin)
+        out.append(f"| {key[0]} | {key[1]} | {key[2]} | {', '.join(cells)} | {never} of {len(fin)} |")
     return out + [""]
 
 
