@@ -524,3 +524,24 @@ def test_llama_weight_map_covers_every_parameter(tie):
     assert {k for k, _ in table} == keel_names
     llama_names = [p for _, parts in table for p in parts]
     assert sorted(llama_names) == sorted(LlamaForCausalLM(llama_config_from_keel(cfg)).state_dict())
+
+
+def test_generated_code_left_padded_generate(tmp_path):
+    """The exported modeling_keel.py (transformers' remote-code loader): batched left-padded greedy
+    generate equals one-by-one generation, token for token."""
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    from keel.hf.remote import write_remote_code
+
+    _, hf = native_and_hf(tiny_cfg("keel"), seed=5)
+    hf.save_pretrained(tmp_path)
+    write_remote_code(tmp_path)
+    remote = get_class_from_dynamic_module("modeling_keel.KeelForCausalLM", str(tmp_path)).from_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (9, 5, 1)]
+    ids, mask = left_padded(prompts)
+    with torch.no_grad():
+        batched = remote.eval().generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        for row, p in enumerate(prompts):
+            single = remote.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+            assert batched[row, ids.shape[1]:].tolist() == single[0, len(p):].tolist(), row
