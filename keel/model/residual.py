@@ -830,7 +830,8 @@ class AttnRes(Residual):
     MLP); we count in sub-layers, so S may be odd (e.g. 1).
 
     Init: w_l = 0 (the paper: zero-initialised pseudo-queries, uniform weights at start);
-    norms' gains 1. Norms per sub-layer: ``norm`` (F's input norm; the official
+    norms' gains 1. Sub-layer 0 has a single source (the embedding, weight 1), hence no
+    pseudo-query or key norm (the official code creates them; they never get a gradient). Norms per sub-layer: ``norm`` (F's input norm; the official
     ``attn_norm``/``mlp_norm``) and ``key_norm`` (``attn_res_norm``/``mlp_res_norm``); the
     readout's key norm; the model's final norm. The depth attention runs in the stream's
     dtype with autocast off.
@@ -846,8 +847,9 @@ class AttnRes(Residual):
         super().__init__(cfg, index)
         self.opens_block = index % attn_res_block_size(cfg) == 0
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.key_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.query = nn.Parameter(torch.zeros(cfg.d_model))
+        if index > 0:  # sub-layer 0 has one source, the embedding: weight 1, nothing to learn
+            self.key_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.query = nn.Parameter(torch.zeros(cfg.d_model))
 
     @classmethod
     def check_config(cls, cfg: ModelConfig) -> None:
@@ -859,14 +861,18 @@ class AttnRes(Residual):
 
     @torch.no_grad()
     def reset_scheme_parameters(self) -> None:
-        self.query.zero_()
+        if self.index > 0:
+            self.query.zero_()
 
     def removed(self, x):
         return AttnRes.forward(self, x, torch.zeros_like)
 
     def forward(self, x, f):
-        with _no_autocast(x):
-            h = depth_attention(x, self.query, self.key_norm)
+        if self.index == 0:
+            h = x[0]
+        else:
+            with _no_autocast(x):
+                h = depth_attention(x, self.query, self.key_norm)
         out = f(self.norm(h)).to(x.dtype)
         if self.opens_block:  # the partial sum becomes a block; out starts the next one
             return torch.cat([x, out.unsqueeze(0)])
