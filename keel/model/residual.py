@@ -831,10 +831,10 @@ class AttnRes(Residual):
 
     Init: w_l = 0 (the paper: zero-initialised pseudo-queries, uniform weights at start);
     norms' gains 1. Sub-layer 0 has a single source (the embedding, weight 1), hence no
-    pseudo-query or key norm (the official code creates them; they never get a gradient). Norms per sub-layer: ``norm`` (F's input norm; the official
-    ``attn_norm``/``mlp_norm``) and ``key_norm`` (``attn_res_norm``/``mlp_res_norm``); the
-    readout's key norm; the model's final norm. The depth attention runs in the stream's
-    dtype with autocast off.
+    pseudo-query or key norm (the official code creates them; they never get a gradient).
+    Norms per sub-layer: ``norm`` (F's input norm; the official ``attn_norm``/``mlp_norm``)
+    and ``key_norm`` (``attn_res_norm``/``mlp_res_norm``); the readout's key norm; the
+    model's final norm. The depth attention runs in the stream's dtype with autocast off.
 
     Removed (``keel ablate``): F's output is taken as 0 -- the block structure stays, the
     sub-layer adds nothing to its block's partial sum (for S >= 2 an exact drop; in Full
