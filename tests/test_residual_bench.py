@@ -460,3 +460,40 @@ def test_hc_units_reject_single_stream_misuse():
     unit = HyperConnections(cfg, 0)
     x = torch.randn(cfg.hc_streams, 1, 2, cfg.d_model)
     assert unit(x, lambda h: h).shape == x.shape
+
+
+# ---- FSDP2 and the trainer -----------------------------------------------------------------------
+
+def test_new_schemes_train_the_same_under_fsdp2(tiny_data, tmp_path):
+    """Each new scheme trains (4 steps, with a checkpoint and a resume-able run dir) and FSDP2
+    over 2 CPU processes (gloo) follows the single-process losses and gradient norms."""
+    import json
+
+    from conftest import REPO, tiny_overrides
+    from keel.config import load_config
+    from keel.train import train
+    from spawn import spawn_training
+
+    schemes = ["peri_ln", "hyper_connections", "mhc", "attn_res"]
+
+    def cfg(scheme, **kw):
+        sets = tiny_overrides(tiny_data, steps=4, eval_every=4, checkpoint_every=4, **kw) + [f"model.residual={scheme}"]
+        return load_config(REPO / "keel" / "configs" / "demo.toml", sets)
+
+    spawn_training([(cfg(s, parallelism="fsdp"), tmp_path / f"fsdp-{s}", False) for s in schemes], world_size=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for s in schemes:
+            train(cfg(s), tmp_path / s)
+    finally:
+        torch.set_num_threads(threads)
+    for s in schemes:
+        a, b = ([json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                for d in (s, f"fsdp-{s}"))
+        assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(5))
+        assert a[-1]["loss"] < a[0]["loss"], s
+        for ra, rb in zip(a, b):
+            for key in ("loss", "grad_norm", "val_loss"):
+                if key in ra:
+                    assert rb[key] == pytest.approx(ra[key], rel=1e-4), (s, ra["step"], key)

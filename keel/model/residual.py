@@ -539,20 +539,20 @@ class HyperConnections(Residual):
 
     The stream is H [n, B, T, d], n = ``cfg.hc_streams`` (expansion rate, paper default 4),
     started as n copies of the embedding and summed at the end (:class:`ExpandedStream`).
-    Per sub-layer, with A [n, n+1] = (A_m | A_r) and B [n] (the HC matrix of Eq. 1, whose
-    first row is (0, B) and whose other rows are (A_m, A_r))::
+    Per sub-layer, with A [n, n+1] = (A_m | A_r) and B [n] (the paper's (n+1) x (n+1) HC
+    matrix has first row (0, B) and other rows (A_m, A_r); Sec. 2.1)::
 
-        (h_0, H'_1 .. H'_n) = A^T H          h_0 = sum_j A_m[j] H_j   (width connections, Eq. 3)
-        H_i <- H'_i + B_i * F(Norm(h_0))     (depth connections, Eq. 4)
+        (h_0, H'_1 .. H'_n) = A^T H          h_0 = sum_j A_m[j] H_j   (width connections)
+        H_i <- H'_i + B_i * F(Norm(h_0))     (depth connections)
 
-    Dynamic HC (``cfg.hc_dynamic``, default True; Eqs. 10-13), with H_bar = Norm_hc(H)
+    Dynamic HC (``cfg.hc_dynamic``, default True; Sec. 2.2), with H_bar = Norm_hc(H)
     per stream::
 
         A_m(H) = A_m + s_alpha * tanh(H_bar W_m),   A_r(H) = A_r + s_alpha * tanh(H_bar W_r)
         B(H)   = B   + s_beta  * tanh(H_bar W_beta)
 
     (W_m | W_r) is ``dynamic_alpha`` [d, n+1], W_beta ``dynamic_beta`` [d]; static HC uses
-    A and B alone. Init (paper, Eq. 14 and App. J Algorithm 2): ``A_m = e_{k mod n}`` (sub-
+    A and B alone. Init (paper, Sec. 2.3, and its App. J pseudo-code): ``A_m = e_{k mod n}`` (sub-
     layer k reads stream k mod n; k = the sub-layer index, our choice of counter), ``A_r =
     I_n``, ``B = 1``, W = 0, s_alpha = s_beta = 0.01. The model therefore starts as a plain
     Pre-LN residual network: the n streams stay equal copies of the Pre-LN stream x,
@@ -625,7 +625,7 @@ class HyperConnections(Residual):
 
 def sinkhorn_knopp(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """Sinkhorn-Knopp projection onto the doubly stochastic matrices (mHC, Xie et al. 2025,
-    arXiv 2512.24880, Eq. 9; Sinkhorn & Knopp 1967): ``M = exp(logits)``, then ``iters``
+    arXiv 2512.24880, Sec. 4.2; Sinkhorn & Knopp 1967): ``M = exp(logits)``, then ``iters``
     times: divide every row by its sum, then every column by its sum.
 
     The largest logit of each matrix is subtracted first (an exact no-op after the first
@@ -648,9 +648,10 @@ class ManifoldHyperConnections(Residual):
     2512.24880, Sec. 4). Stream x [n, B, T, d] as in :class:`HyperConnections` (n =
     ``cfg.hc_streams``, paper default 4; n copies of the embedding, summed at the end)::
 
-        x_{l+1} = H_res x_l + H_post^T F(Norm(H_pre x_l))                     (Eq. 3)
+        x_{l+1} = H_res x_l + H_post^T F(Norm(H_pre x_l))
 
-    with, per token, the flattened stream ``x_vec`` [n d] and (Eqs. 7-8)::
+    with, per token, the flattened stream ``x_vec`` [n d] and (the paper's parametrisation,
+    Sec. 4.2)::
 
         x' = RMSNorm(x_vec)
         H_pre  = sigmoid(alpha_pre  * (x' phi_pre)  + b_pre)                   [1 x n]
