@@ -395,6 +395,18 @@ def _to_theirs(x):  # ours [n, B, T, d] -> theirs [(B n), T, d]
     return x.permute(1, 0, 2, 3).reshape(B * n, T, d)
 
 
+def assert_same_unit(ours, theirs, cfg, tol):
+    """Our unit and the package's on the same random streams and the same F (theirs applies
+    F to its branch input, ours to Norm(branch input): we give theirs F(Norm(.)))."""
+    n, d = cfg.hc_streams, cfg.d_model
+    lin = torch.nn.Linear(d, d, bias=False).double()
+    f = lambda h: torch.tanh(lin(h))  # noqa: E731
+    x = torch.randn(n, 2, 5, d, dtype=torch.float64)
+    branch_in, add_residual = theirs(_to_theirs(x))
+    want = add_residual(f(rms(branch_in, ours.norm.weight, cfg.norm_eps)))
+    torch.testing.assert_close(_to_theirs(ours(x, f)), want, rtol=tol, atol=tol)
+
+
 def test_hyper_connections_equal_the_hyper_connections_package():
     hc_pkg = pytest.importorskip("hyper_connections")
     cfg = cfg64("hyper_connections", 2, norm_eps=1e-30)
@@ -410,12 +422,7 @@ def test_hyper_connections_equal_the_hyper_connections_package():
         theirs.static_beta.copy_(ours.static_beta)
         theirs.dynamic_beta_fn.copy_(ours.dynamic_beta)
         theirs.dynamic_beta_scale.copy_(ours.s_beta[0])
-    lin = torch.nn.Linear(d, d, bias=False).double()
-    f = lambda h: torch.tanh(lin(h))  # noqa: E731
-    x = torch.randn(n, 2, 5, d, dtype=torch.float64)
-    branch_in, add_residual = theirs(_to_theirs(x))
-    want = add_residual(f(rms(branch_in, ours.norm.weight, cfg.norm_eps)))
-    torch.testing.assert_close(_to_theirs(ours(x, f)), want, rtol=1e-10, atol=1e-10)
+    assert_same_unit(ours, theirs, cfg, tol=1e-10)
 
 
 def test_mhc_static_maps_equal_the_hyper_connections_package():
@@ -434,12 +441,7 @@ def test_mhc_static_maps_equal_the_hyper_connections_package():
     with torch.no_grad():
         theirs.static_alpha.copy_(torch.cat([ours.b_pre.unsqueeze(1), ours.b_res.T], dim=1))  # alpha[s, t] = H[t, s]
         theirs.static_beta.copy_(ours.b_post)
-    lin = torch.nn.Linear(d, d, bias=False).double()
-    f = lambda h: torch.tanh(lin(h))  # noqa: E731
-    x = torch.randn(n, 2, 5, d, dtype=torch.float64)
-    branch_in, add_residual = theirs(_to_theirs(x))
-    want = add_residual(f(rms(branch_in, ours.norm.weight, cfg.norm_eps)))
-    torch.testing.assert_close(_to_theirs(ours(x, f)), want, rtol=1e-5, atol=1e-5)
+    assert_same_unit(ours, theirs, cfg, tol=1e-5)
 
 
 def test_removed_attn_res_sub_layer_adds_nothing():
