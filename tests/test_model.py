@@ -170,6 +170,17 @@ def test_init_std_is_paper_default(scheme):
             assert torch.all(p == 1), name
 
 
+@pytest.mark.parametrize("scheme", ALL)
+@pytest.mark.parametrize("std", [0.02, 1.0])
+def test_embed_init_std_sets_only_the_embedding(scheme, std):
+    torch.manual_seed(0)
+    model = Transformer(small_cfg(residual=scheme, d_model=128, d_ff=256, vocab_size=512, embed_init_std=std))
+    assert model.tok_emb.weight.std().item() == pytest.approx(std, rel=0.03)
+    assert model.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.05)  # init_std, untouched
+    with pytest.raises(KeelError, match="model.embed_init_std"):
+        Transformer(small_cfg(residual=scheme, embed_init_std=-1.0))
+
+
 # ---- building blocks -----------------------------------------------------------------
 
 def test_rmsnorm_formula():

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from keel.config import config_from_dict
 from keel.errors import KeelError
 from keel.io import atomic_write_text
 
@@ -178,12 +179,23 @@ def plan_grid(jobs: Sequence[GridJob], out_dir: str | Path, resume: bool = False
     return done, todo
 
 
+def _with_defaults(config: dict) -> dict:
+    """A training config dict with every key a later keel added filled in with its default
+    (:func:`keel.config.config_from_dict`), so that a run started before a new config key
+    existed still matches its job; any other dict is returned as it is."""
+    try:
+        return json.loads(json.dumps(config_from_dict(config).to_dict()))
+    except (KeelError, TypeError, ValueError, AttributeError):
+        return config
+
+
 def _check_same_config(run_dir: Path, job: GridJob) -> None:
     """Raise KeelError if ``run_dir/job.json`` holds another config than ``job`` (naming the keys)."""
     stored = run_dir / JOB_FILE
     if not stored.is_file():
         return
     old, new = json.loads(stored.read_text()).get("config") or {}, json.loads(json.dumps(job.config))
+    old, new = _with_defaults(old), _with_defaults(new)
     if old == new:
         return
     keys = []

@@ -269,7 +269,8 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """N(0, init_std^2) for every weight matrix and the embedding, gains 1; then each
+        """N(0, init_std^2) for every weight matrix and the embedding (the embedding:
+        N(0, embed_init_std^2) when that is set and the embedding is not tied), gains 1; then each
         residual unit may re-initialise the sub-layer it wraps (DeepNorm) and resets its own
         maps (HC/mHC/AttnRes, :meth:`Residual.reset_scheme_parameters`)."""
         for module in self.modules():
@@ -277,6 +278,8 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+        if self.cfg.embed_init_std is not None and not self.cfg.tie_embeddings:
+            nn.init.normal_(self.tok_emb.weight, mean=0.0, std=self.cfg.embed_init_std)
         for _, unit, sublayer in self.sublayers():
             unit.reset_scheme_parameters()
             unit.init_sublayer(sublayer)
