@@ -625,6 +625,24 @@ def claim_section(claim: dict, c: dict) -> list[str]:
     return out + [""]
 
 
+def best_loss_table(study: Study, runs: list[dict]) -> list[str]:
+    """Markdown: per train group, scheme and depth, the best final validation loss over the
+    LR grid per seed (:func:`best_losses`), mean ± sd: every scheme of the study side by side."""
+    out = ["## Best loss per scheme and depth", "",
+           "Final validation loss (nats/token) at each seed's best LR; seeds with an unfinished LR are left out.", "",
+           "| group | sub-layers | scheme | best loss mean ± sd [per seed] |", "|---|---|---|---|"]
+    for g in study.groups:
+        if g.kind != "train":
+            continue
+        for L in g.sublayers:
+            for scheme in g.schemes:
+                b = best_losses(runs, [g.name], scheme, L)
+                if b:
+                    v = paired_verdict(b, study.min_effect, 1)
+                    out.append(f"| {g.name} | {L} | {scheme} | {_pm(v, '{:.3f}')} |")
+    return out + [""]
+
+
 def plateau_table(runs: list[dict]) -> list[str]:
     """Markdown: per group, scheme and depth, the plateau exit step of each seed's best run
     (lowest capped loss over its LRs) and how many of the finished runs never left the plateau."""
@@ -679,7 +697,7 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
     lines.append("")
     for cl, c in claims:
         lines += claim_section(cl, c)
-    return "\n".join(lines + plateau_table(runs) + runs_table(runs)) + "\n"
+    return "\n".join(lines + best_loss_table(study, runs) + plateau_table(runs) + runs_table(runs)) + "\n"
 
 
 def plot_margins(claims: list[tuple[dict, dict]], out: Path) -> bool:
