@@ -93,6 +93,13 @@ class ModelConfig:
         alpha: Keel's residual scale (a number > 0); unset means L, the number of sub-layers.
         keel_first_layer_rule: Keel: sub-layer 0 is plain Pre-LN and sub-layer 1 uses alpha = 1.
         mix_ln_ratio: Mix-LN: the first floor(ratio * n_layers) blocks are Post-LN, the rest Pre-LN.
+        peri_ln_embed_norm: Peri-LN: also RMS-normalise the embedding output.
+        hc_streams: Hyper-Connections and mHC: expansion rate n, the number of residual streams.
+        hc_dynamic: Hyper-Connections: dynamic (input-dependent) connections; false = static.
+        mhc_sinkhorn_iters: mHC: Sinkhorn-Knopp iterations of the residual mixing matrix.
+        attn_res_variant: Attention Residuals: "block" (Block AttnRes) or "full" (Full AttnRes).
+        attn_res_blocks: Block AttnRes: N, the number of blocks the L sub-layers are cut into.
+        attn_res_readout: Attention Residuals: the last hidden state, "attend" (depth attention) or "sum".
     """
 
     # "auto" (default): the tokenizer's vocabulary, rounded up to a multiple of vocab_multiple
@@ -119,6 +126,15 @@ class ModelConfig:
     keel_first_layer_rule: bool = True
     # Mix-LN: the first floor(mix_ln_ratio * n_layers) blocks are Post-LN, the rest Pre-LN.
     mix_ln_ratio: float = 0.25
+    # The residual bench (keel.model.residual: PeriLN, HyperConnections, ManifoldHyperConnections,
+    # AttnRes): their own keys, checked by each scheme's check_config.
+    peri_ln_embed_norm: bool = True
+    hc_streams: int = 4
+    hc_dynamic: bool = True
+    mhc_sinkhorn_iters: int = 20
+    attn_res_variant: str = "block"
+    attn_res_blocks: int = 8
+    attn_res_readout: str = "attend"
 
     @property
     def n_sublayers(self) -> int:

@@ -62,12 +62,14 @@ def _assert_same(eager, compiled_fn, compiled_model):
 @pytest.mark.parametrize("scheme", ALL)
 def test_per_block_compile_has_no_graph_break(scheme, ac):
     """``apply_compile`` (fullgraph) after ``apply_activation_checkpointing``: forward and backward
-    compile without a break, the blocks share their graphs (at most 2: Keel's first-layer
+    compile without a break, blocks share their graphs where they can (Keel's first-layer
     rule makes block 0 different), and the gradients equal eager ones."""
     eager, model = _pair(scheme, ac)
     apply_compile(model, backend="aot_eager")
     _assert_same(eager, model, model)
-    assert counters["stats"]["unique_graphs"] <= 2
+    # blocks share graphs where their code and constants agree (pre_ln: 1 graph for 3 blocks);
+    # never more than one per block (AttnRes: each block sees a different history)
+    assert counters["stats"]["unique_graphs"] <= (1 if scheme == "pre_ln" else 3)
 
 
 @pytest.mark.parametrize("ac", ["none", "block"])

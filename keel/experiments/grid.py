@@ -36,6 +36,8 @@ import contextlib
 import json
 import logging
 import os
+import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -90,8 +92,20 @@ def cached_result(run_dir: str | Path) -> dict | None:
         return None
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to send this worker SIGTERM when the process that started it dies (a
+    ``kill -9`` of the grid must not leave workers training); a no-op elsewhere."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
 def _init_worker(threads: int) -> None:
-    """Process-pool initializer: limit intra-op threads so workers x threads ~ cores."""
+    """Process-pool initializer: limit intra-op threads so workers x threads ~ cores; the
+    worker dies with the grid process."""
+    _die_with_parent()
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MKL_NUM_THREADS"] = str(threads)
     import torch
@@ -230,6 +244,8 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
     """
     if workers < 0:
         raise KeelError(f"--workers must be >= 0, got {workers}")
+    if threads is not None and threads < 0:
+        raise KeelError(f"--threads must be >= 0 (0 = cores / workers), got {threads}")
     out_dir = Path(out_dir)
     done, todo = plan_grid(jobs, out_dir, resume)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -130,23 +130,80 @@ def load_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
     sc = scales[scale]
     sized = sc.get("groups", {})
     groups = [_group(g, spec, sized[g]) for g, spec in d.get("groups", {}).items() if g in sized]
-    known = {g.name for g in groups}
     for g in groups:
         bad = [s for s in g.schemes if s not in SCHEMES]
         if bad:
             raise KeelError(f"study group {g.name!r}: unknown scheme(s) {', '.join(bad)} (available: {', '.join(SCHEMES)})")
-        if g.lr_from and g.lr_from not in known:
-            raise KeelError(f"study group {g.name!r}: lr_from names {g.lr_from!r}, not a group of this scale")
+        if len(set(g.schemes)) != len(g.schemes) or len(set(g.sublayers)) != len(g.sublayers) \
+                or len(set(g.seeds)) != len(g.seeds) or len(set(g.lrs)) != len(g.lrs):
+            raise KeelError(f"study group {g.name!r} repeats a scheme, depth, seed or LR")
+        if g.lr_from:
+            src = next((x for x in groups if x.name == g.lr_from and x is not g and x.kind == "train"), None)
+            if src is None or g.lr_from_sublayers not in src.sublayers or set(g.schemes) - set(src.schemes):
+                raise KeelError(f"study group {g.name!r}: lr_from must name another train group of this scale that "
+                                f"has lr_from_sublayers ({g.lr_from_sublayers}) and every scheme of this group")
+    extra = set(sized) - set(d.get("groups", {}))
+    if extra:
+        raise KeelError(f"study scale {scale!r} sizes undeclared group(s) {', '.join(sorted(extra))}")
     claims = d.get("claims", [])
+    if not isinstance(claims, list) or not claims:
+        raise KeelError("a study needs [[claims]] entries (an array of tables)")
     for c in claims:
-        if c.get("test") not in CLAIM_TESTS:
-            raise KeelError(f"study claim {c.get('id')!r}: unknown test {c.get('test')!r} "
-                            f"(available: {', '.join(CLAIM_TESTS)})")
+        _check_claim(c, {g.name: g for g in groups})
+    ids = [c["id"] for c in claims]
+    if len(set(ids)) != len(ids):
+        raise KeelError(f"study claims repeat an id: {', '.join(ids)}")
+    unknown = set(d) - {"description", "base", "verdict", "groups", "claims", "scales"}
+    if unknown:
+        raise KeelError(f"study {path.stem!r}: unknown top-level key(s) {', '.join(sorted(unknown))}")
     v = d.get("verdict", {})
+    if set(v) - {"min_effect", "min_seeds"} or float(v.get("min_effect", 0.02)) <= 0 or int(v.get("min_seeds", 2)) < 1:
+        raise KeelError("study [verdict] takes min_effect (> 0, nats) and min_seeds (>= 1) only")
+    controlled = [x.split("=", 1)[0].strip() for x in user_sets if x.split("=", 1)[0].strip() in GRID_KEYS]
+    if controlled:
+        raise KeelError(f"--set {controlled[0]} is set by the study's groups; change the study file instead")
     sets = [_override(k, x) for k, x in sc.get("set", {}).items()] + list(user_sets)
     return Study(name=path.stem, scale=scale, description=d.get("description", "").strip(), note=sc.get("note", ""),
                  base=d.get("base", "demo"), sets=sets, groups=groups, claims=claims,
                  min_effect=float(v.get("min_effect", 0.02)), min_seeds=int(v.get("min_seeds", 2)))
+
+
+# keys a claim of each test reads: (required, optional); "groups" lists, the rest are names
+CLAIM_KEYS = {"margin_grows": ({"groups", "scheme", "baseline"}, set()),
+              "lr_transfer": ({"group"}, {"scheme"}),
+              "init_margin": ({"group", "reference_group", "scheme", "baseline"}, set()),
+              "max_lr_order": ({"group", "order"}, set())}
+GRID_KEYS = {"model.residual", "model.n_layers", "train.lr", "train.seed"}  # set per run by the groups
+
+
+def _check_claim(c: dict, groups: dict[str, "Group"]) -> None:
+    """Raise KeelError naming the first problem of one ``[[claims]]`` entry: not a table, no id /
+    title / known test, a missing or unknown key, a group this scale does not size, a scheme
+    the group does not train, a ramp test on a train group (or the reverse)."""
+    if not isinstance(c, dict) or not c.get("id") or not c.get("title"):
+        raise KeelError("every [[claims]] entry needs an id and a title")
+    test = c.get("test")
+    if test not in CLAIM_KEYS:
+        raise KeelError(f"study claim {c['id']!r}: test must be one of {', '.join(CLAIM_KEYS)}, got {test!r}")
+    need, opt = CLAIM_KEYS[test]
+    missing, unknown = need - set(c), set(c) - need - opt - {"id", "title", "test"}
+    if missing or unknown:
+        raise KeelError(f"study claim {c['id']!r} ({test}): " + (f"missing {', '.join(sorted(missing))}" if missing
+                                                               else f"unknown key(s) {', '.join(sorted(unknown))}"))
+    names = list(c["groups"]) if isinstance(c.get("groups"), list) else [c.get("groups")] if "groups" in c else []
+    names += [c[k] for k in ("group", "reference_group") if k in c]
+    for g in names:
+        if g not in groups:
+            raise KeelError(f"study claim {c['id']!r}: group {g!r} is not sized by this scale")
+        if (groups[g].kind == "ramp") != (test == "max_lr_order"):
+            raise KeelError(f"study claim {c['id']!r}: {test} cannot read {groups[g].kind} group {g!r}")
+    if "groups" in c and not isinstance(c["groups"], list):
+        raise KeelError(f"study claim {c['id']!r}: groups must be a list of group names")
+    schemes = set().union(*(groups[g].schemes for g in names))
+    wanted = [c[k] for k in ("scheme", "baseline") if k in c] + list(c.get("order", []))
+    if set(wanted) - schemes:
+        raise KeelError(f"study claim {c['id']!r}: scheme(s) {', '.join(sorted(set(wanted) - schemes))} "
+                        f"not trained by its group(s)")
 
 
 # ----------------------------------------------------------------------------- verdicts
@@ -308,9 +365,11 @@ def claim_init_margin(study: Study, runs: list[dict], claim: dict) -> dict:
     return {"verdict": v["verdict"], "sublayers": L, "margin_best_init": v, "rows": rows}
 
 
-def _log_ratio(hi: float | None, lo: float | None, peak: float) -> float:
+def _log_ratio(hi: float | None, lo: float | None, peak: float) -> float | None:
     """log10(max LR of the scheme expected higher / of the lower one); a run that never diverged
-    counts as the peak LR (censored), so two censored runs give 0 (no evidence either way)."""
+    counts as the peak LR (censored). Two censored runs are no evidence either way: None."""
+    if hi is None and lo is None:
+        return None
     a, b = (hi if hi is not None else peak), (lo if lo is not None else peak)
     if a <= 0 or b <= 0:
         return math.inf if a > b else (-math.inf if a < b else 0.0)
@@ -321,7 +380,8 @@ def claim_max_lr_order(study: Study, runs: list[dict], claim: dict) -> dict:
     """Max LR (the stress ramp's LR just before divergence) increases along ``claim["order"]``.
 
     For each adjacent pair (a, b) of the order, per seed ``d = log10(maxLR_b / maxLR_a)``
-    (a run that never diverged counts as the peak LR); pair verdict :func:`paired_verdict`
+    (a run that never diverged counts as the peak LR; a seed where neither diverged is left
+    out, so a ramp whose peak is too low ends inconclusive); pair verdict :func:`paired_verdict`
     with ``min_effect = log10(1.05)`` (5%); the claim's verdict combines the pairs
     (:func:`combine`). Rows: one per depth with each scheme's max LR per seed.
     """
@@ -335,6 +395,7 @@ def claim_max_lr_order(study: Study, runs: list[dict], claim: dict) -> dict:
         rows.append({"sublayers": L, "max_lr": lr})
         for a, b in zip(order, order[1:]):
             d = {x: _log_ratio(lr[b][x], lr[a][x], peak) for x in sorted(set(lr[a]) & set(lr[b]))}
+            d = {x: v for x, v in d.items() if v is not None}  # both never diverged: censored, left out
             pairs[f"{a} < {b} at {L}"] = paired_verdict(d, math.log10(1.05), study.min_seeds)
     if not pairs:
         return {"verdict": INCONCLUSIVE, "why": "no finished ramp runs", "rows": rows, "parts": {}}
@@ -441,15 +502,20 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool, workers: int
                 continue
         refs, jobs = group_jobs(study, g, data_dir, out, lr_for)
         gdir = out / g.name
+        errors = {}
         if train:
-            _log.info(f"study: group {g.name}: {len(jobs)} runs" + (f" + {len(refs)} references" if refs else ""))
+            _log.info(f"study: group {g.name}: {len(jobs)} runs" + (f" + {len(refs)} reference runs" if refs else ""))
             if refs:
                 run_grid(refs, gdir / ST.REFERENCES, train_task, workers=workers, resume=True, threads=threads)
-            run_grid(jobs, gdir, ST.stress_task if g.kind == "ramp" else train_task, workers=workers, resume=True,
-                     threads=threads)
+            got = run_grid(jobs, gdir, ST.stress_task if g.kind == "ramp" else train_task, workers=workers,
+                           resume=True, threads=threads)
+            errors = {j.name: r for j, r in zip(jobs, got) if r.get("status") == "error"}
         for j in jobs:
             res = cached_result(gdir / j.name)
-            runs.append(run_record(g, j, gdir / j.name, res if res and res.get("status") == "done" else None))
+            rec = run_record(g, j, gdir / j.name, res if res and res.get("status") == "done" else None)
+            if j.name in errors:
+                rec.update(status="error", message=errors[j.name].get("message"))
+            runs.append(rec)
     return runs
 
 
@@ -536,7 +602,8 @@ def _lrs(d: dict) -> str:
 def claim_section(claim: dict, c: dict) -> list[str]:
     """Markdown of one claim: verdict, the rule, the table of its rows."""
     out = [f"## ({claim['id']}) {claim['title']}", "", f"**Verdict: {c['verdict']}.** {claim_numbers(c)}", "",
-           (CLAIM_TESTS[claim["test"]].__doc__ or "").strip().split("\n\n")[0].replace("\n", " "), ""]
+           " ".join((CLAIM_TESTS[claim["test"]].__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "`"),
+           ""]
     if claim["test"] == "margin_grows":
         out += ["| sub-layers | margin (baseline − scheme, nats) mean ± sd [per seed] | verdict | baseline runs diverged |",
                 "|---|---|---|---|"]
@@ -555,6 +622,24 @@ def claim_section(claim: dict, c: dict) -> list[str]:
                 for r in c["rows"]]
         out += ["", f"Max LR per seed; none = no divergence up to the peak LR {c.get('peak_lr', 0):g}. "
                 "Pair verdicts use log10 ratios with a 5% floor."]
+    return out + [""]
+
+
+def best_loss_table(study: Study, runs: list[dict]) -> list[str]:
+    """Markdown: per train group, scheme and depth, the best final validation loss over the
+    LR grid per seed (:func:`best_losses`), mean ± sd: every scheme of the study side by side."""
+    out = ["## Best loss per scheme and depth", "",
+           "Final validation loss (nats/token) at each seed's best LR; seeds with an unfinished LR are left out.", "",
+           "| group | sub-layers | scheme | best loss mean ± sd [per seed] |", "|---|---|---|---|"]
+    for g in study.groups:
+        if g.kind != "train":
+            continue
+        for L in g.sublayers:
+            for scheme in g.schemes:
+                b = best_losses(runs, [g.name], scheme, L)
+                if b:
+                    v = paired_verdict(b, study.min_effect, 1)
+                    out.append(f"| {g.name} | {L} | {scheme} | {_pm(v, '{:.3f}')} |")
     return out + [""]
 
 
@@ -612,7 +697,7 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
     lines.append("")
     for cl, c in claims:
         lines += claim_section(cl, c)
-    return "\n".join(lines + plateau_table(runs) + runs_table(runs)) + "\n"
+    return "\n".join(lines + best_loss_table(study, runs) + plateau_table(runs) + runs_table(runs)) + "\n"
 
 
 def plot_margins(claims: list[tuple[dict, dict]], out: Path) -> bool:
@@ -681,13 +766,13 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
         resume: continue a non-empty ``out``; report_only: train nothing, report the finished runs.
         dry_run: prepare nothing and train nothing; return the plan (runs, tokens, estimated
             GPU-hours at ``mfu`` of ``peak_tflops`` dense bf16 TFLOP/s) as ``{"plan": rows, "markdown": ...}``.
-        command: the command line, recorded in the report.
+        command: the command line; the report shows the one that started ``out`` (``study.json``).
     Returns:
         The ``report.json`` content: ``study``, ``scale``, ``claims`` (per claim its verdict and
         numbers), ``runs`` (every planned run's record, :func:`run_record`), ``plots``.
     Raises:
-        KeelError: bad study or scale (:func:`load_study`), bad config, non-empty ``out`` without
-            ``resume`` or ``report_only``.
+        KeelError: bad study or scale (:func:`load_study`), bad config, ``out`` not usable
+            (:func:`_claim_out`: a file, another study's folder, non-empty without ``resume``).
     """
     from keel.config import load_config, resolve_config_path
     from keel.data import resolve_data
@@ -698,18 +783,43 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     if dry_run:
         rows = plan_rows(study, "<data>", out, mfu, peak_tflops)
         return {"plan": rows, "markdown": plan_markdown(study, rows, mfu, peak_tflops)}
-    if not (resume or report_only) and out.is_dir() and any(out.iterdir()):
-        raise KeelError(f"output folder {out} is not empty; use --resume to continue it, or another --out")
+    first_command = _claim_out(out, study, command, resume=resume, report_only=report_only)
     data_dir = str(resolve_data(load_config(resolve_config_path(study.base), study.sets), progress=False))
     runs = collect(study, data_dir, out, train=not report_only, workers=workers, threads=threads)
     claims = [(cl, CLAIM_TESTS[cl["test"]](study, runs, cl)) for cl in study.claims]
     h1 = dataset_unigram_entropy(data_dir)
     out.mkdir(parents=True, exist_ok=True)
     plots = write_plots(study, runs, claims, out, h1)
-    report = {"study": study.name, "scale": study.scale, "note": study.note, "command": command, "sets": study.sets,
+    report = {"study": study.name, "scale": study.scale, "note": study.note, "command": first_command, "sets": study.sets,
               "unigram_entropy": h1, "min_effect": study.min_effect, "min_seeds": study.min_seeds,
               "claims": [{"id": cl["id"], "title": cl["title"], **c} for cl, c in claims],
               "runs": [{k: v for k, v in r.items() if k != "result"} for r in runs], "plots": plots}
     atomic_write_text(out / "report.json", json.dumps(report, indent=1, default=str))
-    atomic_write_text(out / "report.md", report_markdown(study, claims, runs, command))
+    atomic_write_text(out / "report.md", report_markdown(study, claims, runs, first_command))
     return report
+
+
+def _claim_out(out: Path, study: Study, command: str, *, resume: bool, report_only: bool) -> str:
+    """Check ``out`` for this invocation and mark it as this study's (``study.json``: study,
+    scale, the command that started it); return that first command.
+
+    Raises:
+        KeelError: ``out`` is a file; not empty without ``resume`` / ``report_only``; holds
+            another study or scale; ``report_only`` on a folder that holds no study.
+    """
+    marker = out / "study.json"
+    if out.exists() and not out.is_dir():
+        raise KeelError(f"--out {out} exists and is not a folder")
+    held = json.loads(marker.read_text()) if marker.is_file() else None
+    if report_only and held is None:
+        raise KeelError(f"{out} holds no study (no study.json): nothing to report; check --out")
+    if held is not None and (held.get("study"), held.get("scale")) != (study.name, study.scale):
+        raise KeelError(f"{out} holds study {held.get('study')!r} at scale {held.get('scale')!r}, "
+                        f"not {study.name!r} at {study.scale!r}; use another --out")
+    if not (resume or report_only) and out.is_dir() and any(out.iterdir()):
+        raise KeelError(f"output folder {out} is not empty; use --resume to continue it, or another --out")
+    if held is None:
+        out.mkdir(parents=True, exist_ok=True)
+        held = {"study": study.name, "scale": study.scale, "command": command}
+        atomic_write_text(marker, json.dumps(held, indent=1))
+    return held.get("command", command)
