@@ -139,7 +139,8 @@ def _write_files(folder: Path, weights: dict[str, torch.Tensor], state: dict[str
     """The checkpoint's files, the manifest last (each flushed to disk before the rename)."""
     save_file(weights, str(folder / FILES[0]), metadata={"format": "pt"})
     chmod_default(folder / FILES[0])  # safetensors creates it 0600
-    torch.save(state, folder / FILES[1])
+    with open(folder / FILES[1], "wb") as f:  # a file object: a full disk surfaces as OSError (keel.io.write_failure)
+        torch.save(state, f)
     files = {}
     for fname in FILES:
         with open(folder / fname, "rb") as f:

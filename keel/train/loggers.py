@@ -176,7 +176,7 @@ def check_loggers(names) -> list[str]:
     return ["jsonl"] + [n for n in dict.fromkeys(names) if n != "jsonl"]
 
 
-def open_sinks(cfg, run_dir: str | Path, resume_step: int | None = None) -> Sinks:
+def open_sinks(cfg, run_dir: str | Path, resume_step: int | None = None, history: list[dict] | None = None) -> Sinks:
     """The sinks ``cfg.train.loggers`` names, for run ``run_dir`` (call on rank 0 only).
 
     Args:
