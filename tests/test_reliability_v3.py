@@ -1,0 +1,245 @@
+"""Issue 19 (reliability v3): one writer per run, a clean stop on SIGINT/SIGTERM, a full disk or
+read-only folder as one line, every enumerated config key checked at load, and the lm-eval /
+export paths. Fault tests use real processes: a concurrent second ``keel train``, real signals,
+a real ``kill -9``, a real (size-limited) tmpfs where this machine lets a test mount one."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, tiny_overrides
+from keel.config import load_config
+from keel.errors import KeelError
+from keel.train import train
+from keel.train.checkpoint import checkpoint_problem
+from keel.train.metrics import read_metrics
+
+KEEL = Path(sys.executable).parent / "keel"
+ENV = dict(os.environ, PYTHONUNBUFFERED="1",
+           PYTHONPATH=os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
+
+
+def cfg(data, **train_keys):
+    return load_config(REPO / "keel" / "configs" / "demo.toml", tiny_overrides(data, **train_keys))
+
+
+def losses(run):
+    return [(r["step"], r.get("loss"), r.get("val_loss"), r.get("lr"), r.get("tokens"))
+            for r in read_metrics(run / "metrics.jsonl") if "config_change" not in r]
+
+
+def last_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+# A `keel train` whose run calls HOOK at step AT (a real callback, through the real CLI):
+# "pause" writes RUN.ready and waits for RUN.go; "SIGINT"/"SIGTERM"/"SIGKILL" signal the process itself.
+HOOKED = textwrap.dedent('''
+    import os, signal, sys, time
+    from pathlib import Path
+    import keel.experiments.training as T
+    from keel.train.callbacks import Callback
+    at, hook, flag = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+
+    class Hook(Callback):
+        def on_step_end(self, state):
+            if state.step != at:
+                return None
+            if hook == "pause":
+                flag.with_suffix(".ready").write_text(str(os.getpid()))
+                deadline = time.monotonic() + 600
+                while not flag.with_suffix(".go").exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            else:
+                os.kill(os.getpid(), getattr(signal, hook))
+            return None
+
+    real = T.run_callbacks
+    T.run_callbacks = lambda cfg: real(cfg) + [Hook()]
+    from keel.cli import main
+    sys.exit(main(sys.argv[4:]))
+''')
+
+
+def hooked_train(at: int, hook: str, flag: Path, *args, wait: bool = True):
+    cmd = [sys.executable, "-c", HOOKED, str(at), hook, str(flag), "train", *map(str, args)]
+    if not wait:
+        return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+def keel(*args, timeout=600):
+    return subprocess.run([str(KEEL), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data, tmp_path_factory):
+    """The uninterrupted tiny run (12 steps, checkpoints every 4)."""
+    run = tmp_path_factory.mktemp("ref") / "run"
+    torch.set_num_threads(1)
+    train(cfg(tiny_data), run)
+    return run
+
+
+# ---------------------------------------------------------------- 1. one writer per run
+def test_second_writer_is_refused_naming_the_holder(reference, tiny_data, tmp_path):
+    """A run paused at step 3 holds its folder: a second `keel train` there and a `--resume`
+    of it both stop at once with one line naming the first one's pid; the first then
+    finishes with the uninterrupted run's metrics, no step written twice."""
+    run, flag = tmp_path / "run", tmp_path / "flag"
+    first = hooked_train(3, "pause", flag, "--run-dir", run, *sum((["--set", s] for s in tiny_overrides(tiny_data)), []),
+                         wait=False)
+    try:
+        deadline = time.monotonic() + 300
+        while not flag.with_suffix(".ready").exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.1)
+        for args in (["--run-dir", run, "--restart"], ["--resume", run]):
+            second = keel("train", *args, *sum((["--set", s] for s in tiny_overrides(tiny_data)), [])
+                          if args[0] == "--run-dir" else [])
+            assert second.returncode == 2, second.stderr
+            line = last_line(second.stderr)
+            assert line == (f"keel: error: run directory {run} is in use by another keel process "
+                            f"(pid {first.pid}); wait for it to finish or stop it first"), second.stderr
+        flag.with_suffix(".go").touch()
+        out, err = first.communicate(timeout=600)
+        assert first.returncode == 0, err
+    finally:
+        first.kill()
+    assert losses(run) == losses(reference)
+
+
+def test_lock_dies_with_a_killed_writer(reference, tiny_data, tmp_path):
+    """kill -9 leaves no stale lock: the run resumes at once and ends with the reference's losses."""
+    run = tmp_path / "run"
+    killed = hooked_train(6, "SIGKILL", tmp_path / "flag", "--run-dir", run,
+                          *sum((["--set", s] for s in tiny_overrides(tiny_data)), []))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert (run / ".keel.lock").is_file()
+    res = train(cfg(tiny_data), run, resume=True)
+    assert res.resumed_from == 4
+    assert losses(run) == losses(reference)
+
+
+def test_run_lock_unit(tmp_path):
+    from keel.io import RunLock
+
+    with RunLock(tmp_path / "r") as held:
+        assert (tmp_path / "r" / ".keel.lock").read_text().strip() == str(os.getpid())
+        probe = subprocess.run([sys.executable, "-c", "import sys; from keel.io import RunLock; RunLock(sys.argv[1]).acquire()",
+                                str(tmp_path / "r")], capture_output=True, text=True, env=ENV, timeout=120)
+        assert probe.returncode == 1 and f"(pid {os.getpid()})" in probe.stderr
+        assert held.fd is not None
+    RunLock(tmp_path / "r").acquire().release()  # free again once released
+
+
+# ---------------------------------------------------------------- 3. SIGINT / SIGTERM: checkpoint, then stop
+@pytest.mark.parametrize("signame,code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_signal_finishes_the_step_checkpoints_and_resumes_exactly(signame, code, reference, tiny_data, tmp_path):
+    """A signal at step 6 (no checkpoint due before 12): step 6 is finished and checkpointed,
+    the command exits 128+signal with one line saying how to resume; the resumed run's
+    losses equal the uninterrupted run's."""
+    run = tmp_path / "run"
+    sets = tiny_overrides(tiny_data, checkpoint_every=100)
+    proc = hooked_train(6, signame, tmp_path / "flag", "--run-dir", run, *sum((["--set", s] for s in sets), []))
+    assert proc.returncode == code, proc.stderr
+    assert last_line(proc.stderr) == (f"keel: error: stopped by {signame} after step 6: checkpoint "
+                                      f"{run / 'checkpoints' / 'step_00000006'} written; resume with: "
+                                      f"keel train --resume {run}")
+    assert checkpoint_problem(run / "checkpoints" / "step_00000006") is None
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(7))
+    res = train(load_config(run / "config.toml"), run, resume=True)
+    assert res.resumed_from == 6
+    assert losses(run) == losses(reference)
+
+
+# ---------------------------------------------------------------- 5. full disk, read-only folder
+def _can_mount_tmpfs() -> bool:
+    if not shutil.which("unshare") or sys.platform != "linux":
+        return False
+    probe = subprocess.run(["unshare", "--mount", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                           capture_output=True, timeout=60)
+    return probe.returncode == 0
+
+
+needs_tmpfs = pytest.mark.skipif(not _can_mount_tmpfs(), reason="cannot mount a tmpfs here (unshare --mount)")
+
+
+def in_tmpfs(mount: Path, size: str, script: str, opts: str = "") -> subprocess.CompletedProcess:
+    """Run shell ``script`` in a private mount namespace where ``mount`` is a tmpfs of ``size``."""
+    mount.mkdir(parents=True, exist_ok=True)
+    sh = f"mount -t tmpfs -o size={size}{opts} tmpfs {mount} && {script}"
+    return subprocess.run(["unshare", "--mount", "sh", "-c", sh], capture_output=True, text=True, env=ENV,
+                          timeout=900)
+
+
+@needs_tmpfs
+def test_full_disk_during_a_checkpoint_names_the_last_good_step(reference, tiny_data, tmp_path):
+    """A tmpfs with room for one checkpoint (plus the small files): the step-8 checkpoint
+    fails with one line naming the folder and the intact step-4 checkpoint; a resume on the
+    still-full disk ends the same way; step 4 stays intact throughout."""
+    ckpt = reference / "checkpoints" / "step_00000012"
+    one = sum(p.stat().st_size for p in ckpt.iterdir())
+    size = int(one * 1.5) + 200_000
+    mnt = tmp_path / "mnt"
+    run = mnt / "run"
+    sets = " ".join(f"--set {s}" for s in tiny_overrides(tiny_data))
+    script = (f"{KEEL} train --run-dir {run} {sets}; echo rc=$?; "
+              f"{sys.executable} -c 'from keel.train.checkpoint import checkpoint_problem as p; "
+              f"print(\"step4:\", p(\"{run}/checkpoints/step_00000004\"))'; "
+              f"{KEEL} train --resume {run}; echo rc=$?")
+    res = in_tmpfs(mnt, str(size), script)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("keel: error:")]
+    want = (f"keel: error: cannot write the checkpoint of step 8 in {run / 'checkpoints'}: No space left on device")
+    assert len(errors) == 2 and all(e.startswith(want) for e in errors), res.stderr
+    assert all(e.endswith(f"last good checkpoint (intact): {run / 'checkpoints' / 'step_00000004'}")
+               for e in errors), res.stderr
+    assert "Traceback" not in res.stderr
+    assert res.stdout.count("rc=2") == 2 and "step4: None" in res.stdout, res.stdout
+
+
+@needs_tmpfs
+def test_read_only_run_dir_and_full_disk_prepare_are_one_line(tiny_data, tmp_path):
+    mnt = tmp_path / "mnt"
+    sets = " ".join(f"--set {s}" for s in tiny_overrides(tiny_data))
+    res = in_tmpfs(mnt, "1m", f"{KEEL} train --run-dir {mnt}/run {sets}", opts=",ro")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert last_line(res.stderr) == f"keel: error: cannot write {mnt}/run: Read-only file system"
+    res = in_tmpfs(mnt, "64k", f"{KEEL} prepare --source builtin:python-stdlib --tokenizer bpe:300 "
+                               f"--max-bytes 200000 --out {mnt}/ds; echo left: $(ls -A {mnt})")
+    assert "Traceback" not in res.stderr, res.stderr
+    line = last_line(res.stderr)
+    assert line.startswith(f"keel: error: cannot write {mnt}/ds") and line.endswith("No space left on device"), \
+        res.stderr
+    assert res.stdout.strip() == "left:"  # nothing half-made left behind
+
+
+def test_enospc_while_writing_metrics_is_one_line(tiny_data, tmp_path, monkeypatch, one_thread):
+    """Where no tmpfs can be mounted: a metrics write raising ENOSPC (monkeypatched) is one
+    KeelError naming metrics.jsonl and the last good checkpoint."""
+    import errno
+
+    from keel.train import metrics as M
+
+    real = M.JsonlSink.write
+
+    def write(self, record):
+        if record.get("step") == 6:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        return real(self, record)
+
+    monkeypatch.setattr(M.JsonlSink, "write", write)
+    run = tmp_path / "run"
+    with pytest.raises(KeelError) as e:
+        train(cfg(tiny_data), run)
+    assert str(e.value) == (f"cannot write {run / 'metrics.jsonl'}: No space left on device; "
+                            f"last good checkpoint: {run / 'checkpoints' / 'step_00000004'}")
