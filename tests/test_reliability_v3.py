@@ -243,3 +243,51 @@ def test_enospc_while_writing_metrics_is_one_line(tiny_data, tmp_path, monkeypat
         train(cfg(tiny_data), run)
     assert str(e.value) == (f"cannot write {run / 'metrics.jsonl'}: No space left on device; "
                             f"last good checkpoint: {run / 'checkpoints' / 'step_00000004'}")
+
+
+# ---------------------------------------------------------------- 6. every enumerated key checked at load
+@pytest.mark.parametrize("setting,msg", [
+    ("train.loggers=['tensorbord']", "train.loggers must be a list of 'jsonl' | 'tensorboard' | 'wandb', got 'tensorbord'"),
+    ("train.loggers='jsonl,wandbb'", "train.loggers must be a list of 'jsonl' | 'tensorboard' | 'wandb', got 'wandbb'"),
+    ("train.wandb_mode='offlne'", "train.wandb_mode must be 'offline' | 'online' | 'disabled', got 'offlne'"),
+    ("train.parallelism='zero3'", "train.parallelism must be 'ddp' | 'fsdp', got 'zero3'"),
+    ("train.activation_checkpointing='all'",
+     "train.activation_checkpointing must be 'none' | 'block' | 'every_k', got 'all'"),
+    ("train.schedule='linear'", "train.schedule must be 'cosine' | 'wsd' | 'constant', got 'linear'"),
+    ("train.precision='fp16'", "train.precision must be 'auto' | 'fp32' | 'bf16', got 'fp16'"),
+    ("train.seed=-1", "train.seed must be between 0 and 2**32 - 1 (numpy's seed range), got -1"),
+    ("train.seed=4294967296", "train.seed must be between 0 and 2**32 - 1 (numpy's seed range), got 4294967296"),
+])
+def test_enumerated_keys_are_checked_when_the_config_loads(setting, msg):
+    with pytest.raises(KeelError) as e:
+        load_config(None, [setting])
+    assert str(e.value) == msg
+
+
+def test_bad_logger_leaves_no_run_behind(tiny_data, tmp_path):
+    """It failed only at the first metrics write, after prepare, model build and the step-0 eval."""
+    res = keel("train", "--run-dir", tmp_path / "run", "--set", "train.loggers=tensorbord",
+               *sum((["--set", s] for s in tiny_overrides(tiny_data)), []))
+    assert res.returncode == 2 and last_line(res.stderr).startswith("keel: error: train.loggers must be")
+    assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_choices_drive_the_check_and_the_help():
+    """One declaration (the Literal annotation): the modules' name lists, the check and `keel config`."""
+    from typing import get_args, get_type_hints
+
+    from keel.config import TrainConfig, choices, describe_config
+    from keel.train.device import PRECISIONS
+    from keel.train.loggers import LOGGERS, WANDB_MODES
+    from keel.train.parallelize import PARALLELISMS
+
+    hints = get_type_hints(TrainConfig)
+    assert choices(TrainConfig, "schedule") == get_args(hints["schedule"]) == ("cosine", "wsd", "constant")
+    assert LOGGERS == get_args(get_args(hints["loggers"])[0]) and WANDB_MODES == get_args(hints["wandb_mode"])
+    assert PRECISIONS == get_args(hints["precision"]) and PARALLELISMS == get_args(hints["parallelism"])
+    rows = {r["key"]: r for r in describe_config()}
+    assert rows["train.schedule"]["type"] == "'cosine' | 'wsd' | 'constant'"
+    assert rows["train.loggers"]["type"] == "list of 'jsonl' | 'tensorboard' | 'wandb'"
+    assert rows["train.steps"]["choices"] is None and rows["train.steps"]["type"] == "int"
+    out = keel("config").stdout
+    assert any(ln.split()[:2] == ["train.wandb_mode", "'offline'"] for ln in out.splitlines())

@@ -6,9 +6,10 @@ import contextlib
 
 import torch
 
+from keel.config import TrainConfig, choices
 from keel.errors import KeelError
 
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = choices(TrainConfig, "precision")  # declared once, in keel.config.TrainConfig
 
 
 def resolve_device(spec: str, key: str = "train.device") -> torch.device:

@@ -26,11 +26,12 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from keel.config import TrainConfig, choices
 from keel.errors import KeelError
 from keel.train.metrics import JsonlSink
 
-LOGGERS = ("jsonl", "tensorboard", "wandb")
-WANDB_MODES = ("offline", "online", "disabled")
+LOGGERS = choices(TrainConfig, "loggers")  # declared once, in keel.config.TrainConfig
+WANDB_MODES = choices(TrainConfig, "wandb_mode")
 
 
 def flatten(record: dict, prefix: str = "") -> dict[str, float]:

@@ -73,7 +73,7 @@ from keel.train.interrupt import StopSignals
 from keel.train.loggers import open_sinks
 from keel.train.metrics import read_metrics, truncate_metrics
 from keel.train.optim import apply_config, build_optimizer, build_scheduler
-from keel.train.parallelize import PARALLELISMS, checkpointed_blocks, gradient_sync, parallelize
+from keel.train.parallelize import checkpointed_blocks, gradient_sync, parallelize
 from keel.train.plots import plot_loss
 from keel.train.progress import ProgressReporter, interactive
 from keel.train.resume import check_config_changes
@@ -132,8 +132,6 @@ def check_train_config(cfg: Config) -> None:
     cfg.data.validate()
     if tc.seq_len > cfg.model.max_seq_len:
         raise KeelError(f"train.seq_len ({tc.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len})")
-    if tc.parallelism not in PARALLELISMS:
-        raise KeelError(f"train.parallelism must be one of {', '.join(PARALLELISMS)}, got {tc.parallelism!r}")
     checkpointed_blocks(cfg.model.n_layers, tc.activation_checkpointing, tc.checkpoint_k)
 
 
