@@ -291,3 +291,64 @@ def test_choices_drive_the_check_and_the_help():
     assert rows["train.steps"]["choices"] is None and rows["train.steps"]["type"] == "int"
     out = keel("config").stdout
     assert any(ln.split()[:2] == ["train.wandb_mode", "'offline'"] for ln in out.splitlines())
+
+
+# ---------------------------------------------------------------- 2. keel train --nproc 2 stops every worker
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        kids = {c for c, pp in parents.items() if pp == p}
+        todo += list(kids - out)
+        out |= kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_signal_to_keel_train_nproc_stops_every_worker(signame, tiny_data, tmp_path):
+    """A signal to the `keel train --nproc 2` process alone (as `kill PID` sends it): torchrun
+    and both workers stop, the last step is checkpointed, nothing is written afterwards."""
+    run = tmp_path / "run"
+    sets = tiny_overrides(tiny_data, steps=100000, checkpoint_every=100000, eval_every=100000)
+    proc = subprocess.Popen([str(KEEL), "train", "--nproc", "2", "--run-dir", run,
+                             *sum((["--set", s] for s in sets), [])], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(r.get("step", 0) >= 2 for r in read_metrics(run / "metrics.jsonl")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        below = descendants(proc.pid)
+        assert len(below) >= 3  # torchrun and two workers
+        os.kill(proc.pid, getattr(signal, signame))
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + getattr(signal, signame), err
+    assert last_line(err) == (f"keel: error: stopped by {signame} (passed to every worker: each finishes its step, "
+                              f"the run is checkpointed); resume with: keel train --resume {run}")
+    deadline = time.monotonic() + 60
+    while any(alive(p) for p in below) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(alive(p) for p in below)
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
+    time.sleep(2)
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == steps  # nothing trains on
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps[-1]:08d}"

@@ -83,12 +83,39 @@ def default_run_dir(cfg) -> Path:
     return Path("runs") / f"{stamp}-{cfg.model.residual}-{cfg.model.n_sublayers}sl"
 
 
+def _die_with_parent() -> None:
+    """In the torchrun child, before exec: on Linux, ask the kernel to send it SIGTERM when
+    ``keel train`` dies, even by ``kill -9`` (``prctl(PR_SET_PDEATHSIG)``), so torchrun stops
+    its workers rather than leaving them training."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        pass
+
+
 def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
     """Re-run this ``keel train`` under torchrun with ``args.nproc`` processes on this machine:
     ``python -m torch.distributed.run --standalone --nproc_per_node N -m keel train <args>``
     (the same arguments, without ``--nproc``, and with the run directory made explicit so
-    that every rank agrees on it). Returns torchrun's exit status."""
+    that every rank agrees on it).
+
+    torchrun starts each worker in a session of its own, so a signal to ``keel train`` (or
+    to its process group) never reaches them directly. SIGINT and SIGTERM received here are
+    passed to torchrun (started in its own session, so a terminal's Ctrl-C reaches it once,
+    from here), which passes them to every worker: each finishes its step, the run is
+    checkpointed, and all stop. If ``keel train`` itself dies, torchrun gets SIGTERM
+    (:func:`_die_with_parent`). Returns torchrun's exit status.
+
+    Raises:
+        Interrupted: stopped by SIGINT / SIGTERM (the message says how to resume).
+    """
+    import signal
     import subprocess
+
+    from keel.errors import Interrupted
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
            "-m", "keel", "train"]
@@ -102,7 +129,24 @@ def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
         cmd += ["--run-dir", str(run_dir)]
     for item in args.set:
         cmd += ["--set", item]
-    return subprocess.call(cmd)
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        proc.send_signal(signum)
+
+    saved = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = proc.wait()
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    if received:
+        name = signal.Signals(received[0]).name
+        raise Interrupted(f"stopped by {name} (passed to every worker: each finishes its step, the run is "
+                          f"checkpointed); resume with: keel train --resume {run_dir}", received[0])
+    return code
 
 
 def cmd_train(args: argparse.Namespace) -> int:
