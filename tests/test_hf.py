@@ -310,8 +310,9 @@ def test_export_loads_with_keel_import_blocked(trained_run, tmp_path):
 
     out = export_hf(trained_run, tmp_path / "hf")
     config = json.loads((out / "config.json").read_text())
-    assert config["auto_map"] == {"AutoConfig": "configuration_keel.KeelConfig",
-                                  "AutoModelForCausalLM": "modeling_keel.KeelForCausalLM"}
+    h = config["auto_map"]["AutoConfig"].split(".")[0].rsplit("_", 1)[1]
+    assert len(h) == 12 and config["auto_map"] == {"AutoConfig": f"configuration_keel_{h}.KeelConfig",
+                                                   "AutoModelForCausalLM": f"modeling_keel_{h}.KeelForCausalLM"}
     native, tok = Run(trained_run).load_model(), Run(trained_run).tokenizer()
     text = "def parse(self, text):\n    return text.split()\n"
     ids = torch.tensor([tok.encode(text).ids])
@@ -322,7 +323,7 @@ def test_export_loads_with_keel_import_blocked(trained_run, tmp_path):
                        text=True, env=_offline_env(), timeout=600, cwd=tmp_path, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.split("RESULT ")[-1])
-    assert res["class"].startswith("transformers_modules.") and res["class"].endswith("modeling_keel.KeelForCausalLM")
+    assert res["class"].startswith("transformers_modules.") and res["class"].endswith(f"modeling_keel_{h}.KeelForCausalLM")
     assert res["keel_modules"] == []
     assert res["ids"] == ids[0].tolist()
     assert res["max_diff"] <= 1e-5
@@ -466,12 +467,12 @@ def test_generated_code_equals_native_for_every_scheme(scheme, tmp_path):
 
     native, hf = native_and_hf(tiny_cfg(scheme, tie=scheme == "keel"))
     hf.save_pretrained(tmp_path)
-    write_remote_code(tmp_path)
+    auto_map = write_remote_code(tmp_path)
     # trust_remote_code's own loader: here keel.hf is imported, and transformers prefers classes
     # registered explicitly (keel's) over a folder's code, so Auto* would not use the files
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-    cls = get_class_from_dynamic_module("modeling_keel.KeelForCausalLM", str(tmp_path))
+    cls = get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], str(tmp_path))
     assert cls.__module__.startswith("transformers_modules.") and cls is not KeelForCausalLM
     remote = cls.from_pretrained(tmp_path).eval()
     assert type(remote.config).__module__.startswith("transformers_modules.")

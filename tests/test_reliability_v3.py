@@ -135,8 +135,9 @@ def test_run_lock_unit(tmp_path):
 
     with RunLock(tmp_path / "r") as held:
         assert (tmp_path / "r" / ".keel.lock").read_text().strip() == str(os.getpid())
-        probe = subprocess.run([sys.executable, "-c", "import sys; from keel.io import RunLock; RunLock(sys.argv[1]).acquire()",
-                                str(tmp_path / "r")], capture_output=True, text=True, env=ENV, timeout=120)
+        code = "import sys; from keel.io import RunLock; RunLock(sys.argv[1]).acquire()"
+        probe = subprocess.run([sys.executable, "-c", code, str(tmp_path / "r")], capture_output=True, text=True,
+                               env=ENV, timeout=120)
         assert probe.returncode == 1 and f"(pid {os.getpid()})" in probe.stderr
         assert held.fd is not None
     RunLock(tmp_path / "r").acquire().release()  # free again once released
