@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from conftest import REPO, tiny_overrides
+from conftest import HANG_S, REPO, tiny_overrides
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -221,7 +221,7 @@ def test_tokenizer_loads_without_keel(trained_run, tmp_path):
     code = BLOCK_KEEL + ("from transformers import AutoTokenizer; t = AutoTokenizer.from_pretrained(sys.argv[1]); "
                          "print('RESULT', t('import os').input_ids, t.eos_token)")
     r = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, env=_offline_env(),
-                       timeout=300, stdin=subprocess.DEVNULL)
+                       timeout=HANG_S, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr
     from tokenizers import Tokenizer
 
@@ -320,7 +320,7 @@ def test_export_loads_with_keel_import_blocked(trained_run, tmp_path):
         torch.save({"text": text, "logits": native(ids)}, tmp_path / "ref.pt")
         expected = native.generate(ids, 8, temperature=0, use_cache=False)[0].tolist()
     r = subprocess.run([sys.executable, "-c", REMOTE_CHECK, str(out), str(tmp_path / "ref.pt")], capture_output=True,
-                       text=True, env=_offline_env(), timeout=600, cwd=tmp_path, stdin=subprocess.DEVNULL)
+                       text=True, env=_offline_env(), timeout=HANG_S, cwd=tmp_path, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.split("RESULT ")[-1])
     assert res["class"].startswith("transformers_modules.") and res["class"].endswith(f"modeling_keel_{h}.KeelForCausalLM")

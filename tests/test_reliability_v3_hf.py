@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
-from conftest import REPO, tiny_overrides  # noqa: E402
+from conftest import HANG_S, REPO, tiny_overrides  # noqa: E402
 from keel.cli import main  # noqa: E402
 from keel.config import ModelConfig, load_config  # noqa: E402
 from keel.data.text import encode_text  # noqa: E402
@@ -127,10 +127,10 @@ def test_two_exports_with_one_base_name_keep_their_own_code(run_dir, tmp_path):
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     for name in ("a", "b"):
         r = subprocess.run([sys.executable, "-c", EXPORT_MARKED, str(run_dir), str(tmp_path / name / "model"), name],
-                           capture_output=True, text=True, env=env, timeout=600)
+                           capture_output=True, text=True, env=env, timeout=HANG_S)
         assert r.returncode == 0, r.stderr[-2000:]
     r = subprocess.run([sys.executable, "-c", LOAD_BOTH, str(tmp_path / "a" / "model"), str(tmp_path / "b" / "model")],
-                       capture_output=True, text=True, env=dict(env, PYTHONPATH=""), cwd=tmp_path, timeout=600)
+                       capture_output=True, text=True, env=dict(env, PYTHONPATH=""), cwd=tmp_path, timeout=HANG_S)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.split("RESULT ")[-1]) == ["a", "b"]
 
