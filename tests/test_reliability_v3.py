@@ -3,6 +3,7 @@ read-only folder as one line, every enumerated config key checked at load, and t
 export paths. Fault tests use real processes: a concurrent second ``keel train``, real signals,
 a real ``kill -9``, a real (size-limited) tmpfs where this machine lets a test mount one."""
 
+import json
 import os
 import shutil
 import signal
@@ -373,3 +374,23 @@ def test_no_test_limits_a_subprocess_to_a_machine_dependent_time():
                 if int(value) < HANG_S:
                     short.append(f"{path.name}:{n}: {line.strip()}")
     assert short == []
+
+
+# ---------------------------------------------------------------- 7. prepare says when a split is (near) empty
+def test_prepare_warns_with_the_numbers_on_a_tiny_validation_split(tmp_path, capsys):
+    from keel.cli import main
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"d{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * 3)
+    (corpus / "nul.txt").write_text("print('a')\x00\n" + "x = 1\n" * 2)
+    assert main(["prepare", "--source", str(corpus), "--tokenizer", "bpe:300", "--out", str(tmp_path / "ds")]) == 0
+    out = capsys.readouterr().out
+    meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
+    assert meta["val_tokens"] < 129 and meta["docs_with_nul"] == 1
+    assert (f"  warning: the validation split has only {meta['val_tokens']:,} tokens; keel train needs at least "
+            "train.seq_len + 1 of them (129 with the default seq_len); use more text or a larger --val-fraction"
+            ) in out.splitlines()
+    assert ("  note: 1 document(s) hold NUL bytes; kept as text (under 10% control characters), the NULs included"
+            in out.splitlines())

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from keel.config import DEFAULT_PRESET, DEFAULT_VAL_FRACTION, resolve_config_path
+from keel.config import DEFAULT_PRESET, DEFAULT_VAL_FRACTION, TrainConfig, resolve_config_path
 from keel.errors import KeelError
 
 
@@ -71,8 +71,18 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if meta.get("long_docs_chunked"):
         print(f"  note: {meta['long_docs_chunked']} long document(s) were cut into {meta['chunks_of_long_docs']} "
               "chunks for the train/val split")
+    if meta.get("docs_with_nul"):
+        print(f"  note: {meta['docs_with_nul']} document(s) hold NUL bytes; kept as text (under 10% control "
+              "characters), the NULs included")
     if meta["val_tokens"] > meta["train_tokens"]:
         print("  warning: the validation split is larger than the training split (too few documents?)")
+    need = TrainConfig().seq_len + 1
+    for split in ("val", "train"):
+        if meta[f"{split}_tokens"] < need:
+            print(f"  warning: the {'validation' if split == 'val' else 'training'} split has only "
+                  f"{meta[f'{split}_tokens']:,} tokens; keel train needs at least train.seq_len + 1 of them "
+                  f"({need} with the default seq_len); use more text"
+                  + (" or a larger --val-fraction" if split == "val" else ""))
     print(f"  vocab {meta['vocab_size']}, train {meta['train_tokens']:,} tokens ({meta['n_docs_train']} docs), "
           f"val {meta['val_tokens']:,} tokens ({meta['n_docs_val']} docs)")
     return 0

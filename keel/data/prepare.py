@@ -101,7 +101,7 @@ def prepare_dataset(
     ``meta.json`` records ``format_version, source, tokenizer, tokenizer_sha256, vocab_size,
     eos_id, dtype, n_docs_train, n_docs_val, train_tokens, val_tokens, unigram_entropy (nats,
     of the training tokens: :mod:`keel.data.stats`), bytes_train, bytes_val,
-    docs_with_replacement_chars, docs_skipped_binary, long_docs_chunked, chunks_of_long_docs,
+    docs_with_replacement_chars, docs_skipped_binary, docs_with_nul, long_docs_chunked, chunks_of_long_docs,
     val_fraction, max_bytes, max_docs, seed, text_field, created``. ``n_docs_*`` count
     documents and chunks; byte counts are UTF-8 bytes of document text; token counts include
     the EOS tokens. Local paths are recorded as absolute paths.
@@ -297,6 +297,7 @@ def _build(tmp: Path, inputs: dict, progress: bool) -> dict:
         "bytes_val": val.n_bytes,
         "docs_with_replacement_chars": stats.docs_with_replacement_chars,
         "docs_skipped_binary": stats.docs_skipped_binary,
+        "docs_with_nul": stats.docs_with_nul,
         "long_docs_chunked": chunking[0],
         "chunks_of_long_docs": chunking[1],
         "val_fraction": inputs["val_fraction"],
