@@ -394,3 +394,51 @@ def test_prepare_warns_with_the_numbers_on_a_tiny_validation_split(tmp_path, cap
             ) in out.splitlines()
     assert ("  note: 1 document(s) hold NUL bytes; kept as text (under 10% control characters), the NULs included"
             in out.splitlines())
+
+
+# ---------------------------------------------------------------- 8. flags checked, odd input handled
+@pytest.fixture(scope="module")
+def finished_run(reference, tmp_path_factory):
+    run = tmp_path_factory.mktemp("fin") / "run"
+    shutil.copytree(reference, run)
+    return run
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--seq-len", "0"], "keel: error: --seq-len must be >= 1, got 0"),
+    (["--max-tokens", "0"], "keel: error: --max-tokens must be >= 1, got 0"),
+])
+def test_eval_rejects_zero_lengths(flags, msg, finished_run, capsys):
+    from keel.cli import main
+
+    assert main(["eval", "--run", str(finished_run), *flags]) == 2
+    assert capsys.readouterr().err.strip() == msg
+
+
+def test_run_dir_with_resume_is_refused(finished_run, tmp_path, capsys):
+    from keel.cli import main
+
+    assert main(["train", "--resume", str(finished_run), "--run-dir", str(tmp_path / "elsewhere")]) == 2
+    assert capsys.readouterr().err.strip() == (f"keel: error: --run-dir does not go with --resume: a resumed run "
+                                               f"stays in its folder ({finished_run})")
+
+
+def test_plot_loss_of_an_empty_metrics_file_writes_nothing(finished_run, tmp_path, capsys):
+    from keel.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "metrics.jsonl").write_text("")
+    assert main(["plot", "loss", str(run), "--out", str(tmp_path / "loss.png")]) == 2
+    assert capsys.readouterr().err.strip() == (f"keel: error: nothing to plot: no training loss in the "
+                                               f"metrics.jsonl of {run}")
+    assert not (tmp_path / "loss.png").exists()
+
+
+def test_generate_with_a_prompt_that_is_not_utf8(finished_run):
+    """argv bytes that are not UTF-8 reach Python as lone surrogates: it was a TypeError traceback."""
+    res = subprocess.run([os.fsencode(KEEL), b"generate", b"--run", os.fsencode(finished_run), b"--prompt",
+                          b"def \xff\xfe(", b"--max-new-tokens", b"3", b"--temperature", b"0"],
+                         capture_output=True, env=ENV, timeout=HANG_S)
+    assert res.returncode == 0, res.stderr.decode()
+    assert res.stdout.decode("utf-8").startswith("def \ufffd\ufffd(")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -170,6 +171,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise KeelError(f"--nproc must be >= 1, got {args.nproc}")
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             raise KeelError("--nproc starts torchrun itself; do not use it inside torchrun")
+    if args.resume and args.run_dir:
+        raise KeelError(f"--run-dir does not go with --resume: a resumed run stays in its folder ({args.resume})")
     if args.resume:
         run_dir = Path(args.resume)
         if not (run_dir / "config.toml").is_file():
@@ -218,12 +221,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from keel.run import Run
     from keel.train.sampling import sample_text
 
+    # a prompt that is not valid UTF-8 reaches Python with lone surrogates (os.fsdecode):
+    # its undecodable bytes become U+FFFD, as keel prepare reads such text
+    prompt = os.fsencode(args.prompt).decode("utf-8", errors="replace")
     run = Run(args.run)
     model, tokenizer = run.load_model(device=args.device), run.tokenizer()
     device = next(model.parameters()).device
 
     for i in range(args.num_samples):
-        text = sample_text(model, tokenizer, args.prompt, args.max_new_tokens, device,
+        text = sample_text(model, tokenizer, prompt, args.max_new_tokens, device,
                            temperature=args.temperature, top_k=args.top_k or None, seed=args.seed + i)
         print(text)
         if i + 1 < args.num_samples:

@@ -66,7 +66,8 @@ def plot_loss_curves(paths: Sequence[str | Path], out: str | Path, *, val: bool 
         smooth: trailing-mean window (steps) for the training loss.
         labels: one legend label per curve (default: run folder names).
     Raises:
-        KeelError: a path that is neither a run nor a sweep; bad ``x``; wrong number of labels.
+        KeelError: a path that is neither a run nor a sweep; bad ``x``; wrong number of labels; no loss
+            values at all in the runs (nothing is written).
     """
     from keel.train.metrics import read_metrics
     from keel.train.plots import plt, save_figure
@@ -92,6 +93,10 @@ def plot_loss_curves(paths: Sequence[str | Path], out: str | Path, *, val: bool 
         ys = list(ys) if val else _smooth(list(ys), smooth)
         ax.plot(xs, ys, "o-" if val else "-", ms=3, lw=1.0 if val else 0.9, label=labels[i] if labels else name)
         n += 1
+    if n == 0:
+        plt.close(fig)
+        what = "validation" if val else "training"
+        raise KeelError(f"nothing to plot: no {what} loss in the metrics.jsonl of {', '.join(str(r) for _, r in runs)}")
     ax.set_xlabel("tokens" if x == "tokens" else "optimiser steps")
     what = "validation" if val else "training" + (f" (mean of {smooth} steps)" if smooth > 1 else "")
     ax.set_ylabel(f"{what} loss (nats/token)")
