@@ -442,3 +442,42 @@ def test_generate_with_a_prompt_that_is_not_utf8(finished_run):
                          capture_output=True, env=ENV, timeout=HANG_S)
     assert res.returncode == 0, res.stderr.decode()
     assert res.stdout.decode("utf-8").startswith("def \ufffd\ufffd(")
+
+
+# ---------------------------------------------------------------- 4. W&B holds what metrics.jsonl holds
+DROP_STEP_6 = textwrap.dedent('''
+    import wandb.sdk.wandb_run as R
+    real_log = R.Run.log
+
+    def log(self, data=None, *args, **kwargs):  # step 6 is "in flight": handed to W&B, never persisted
+        if data and data.get("step") == 6.0:
+            return None
+        return real_log(self, data, *args, **kwargs)
+
+    R.Run.log = log
+''')
+
+
+def test_kill_9_between_a_wandb_log_and_its_persistence(reference, tiny_data, tmp_path):
+    """Step 6 handed to W&B but not yet on disk, then kill -9 at step 7 (checkpoint at 4):
+    after --resume, W&B holds every step of metrics.jsonl once, with its values (before:
+    step 6 was missing for good, as `wandb_last_step` already said 6)."""
+    pytest.importorskip("wandb")
+    from keel.train.loggers import flatten, wandb_history
+
+    run = tmp_path / "run"
+    sets = tiny_overrides(tiny_data, loggers='["wandb"]')
+    cmd = [sys.executable, "-c", DROP_STEP_6 + HOOKED, "7", "SIGKILL", str(tmp_path / "flag"), "train",
+           "--run-dir", str(run), *sum((["--set", s] for s in sets), [])]
+    killed = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=HANG_S)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    res = train(load_config(run / "config.toml"), run, resume=True)
+    assert res.resumed_from == 4
+    assert losses(run) == losses(reference)
+    rows = wandb_history(run / "wandb", (run / "wandb_id").read_text().strip())
+    records = read_metrics(run / "metrics.jsonl")
+    assert sorted(int(r["step"]) for r in rows) == [r["step"] for r in records] == list(range(13))
+    by_step = {int(r["step"]): r for r in rows}
+    for record in records:
+        want = {k: v for k, v in flatten(record).items() if k in ("loss", "lr", "grad_norm", "val_loss", "tokens")}
+        assert {k: by_step[record["step"]][k] for k in want} == pytest.approx(want, rel=1e-12), record["step"]
