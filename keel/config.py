@@ -251,7 +251,7 @@ class TrainConfig:
         precision: auto = bf16 autocast on CUDA, fp32 on CPU.
         max_bad_steps: stop after this many non-finite steps in a row.
         sample_tokens: tokens sampled from the final model into sample.txt.
-        sample_prompt: prompt of that sample.
+        sample_prompt: prompt of that sample; empty = a new document (the sample starts after <|endoftext|>).
         progress: show training progress (a bar on a terminal, else plain lines).
         stop_on_divergence: stop when the divergence classifier fires.
         divergence_warnings: log the divergence classifier's verdicts.
@@ -295,7 +295,7 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     max_bad_steps: int = 10
     sample_tokens: int = 64
-    sample_prompt: str = "def "
+    sample_prompt: str = ""
     progress: bool = True
     # Stability diagnostics (keel.diagnostics): stop when the divergence classifier fires;
     # log per-sub-layer gradient norms every N steps (0 = never).
@@ -352,8 +352,6 @@ class TrainConfig:
         _check(_finite(self.grad_clip) and self.grad_clip >= 0, "train.grad_clip", "a finite number >= 0 (0 = off)",
                self.grad_clip)
         _check(0 <= self.seed < 2**32, "train.seed", "between 0 and 2**32 - 1 (numpy's seed range)", self.seed)
-        _check(self.sample_tokens == 0 or bool(self.sample_prompt), "train.sample_prompt", "non-empty",
-               self.sample_prompt)
         return self
 
 

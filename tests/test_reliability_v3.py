@@ -481,3 +481,77 @@ def test_kill_9_between_a_wandb_log_and_its_persistence(reference, tiny_data, tm
     for record in records:
         want = {k: v for k, v in flatten(record).items() if k in ("loss", "lr", "grad_norm", "val_loss", "tokens")}
         assert {k: by_step[record["step"]][k] for k in want} == pytest.approx(want, rel=1e-12), record["step"]
+
+
+# ---------------------------------------------------------------- 13. usability
+def test_plain_progress_lines_show_val_loss_and_a_recent_eta():
+    """10 slow steps (10 s each) then 10 fast ones (1 s): at step 20 of 30 the ETA is 10 x 1 s
+    (before: 10 x the whole-run mean 5.5 s = 55 s); an eval step gets a line with its val_loss."""
+    from keel.train.progress import ProgressReporter
+
+    now = [0.0]
+    rep = ProgressReporter(total=30, initial=0, tokens_per_step=100, every_steps=10, every_s=1e9, use_bar=False,
+                           clock=lambda: now[0])
+    lines = {}
+    for step in range(1, 21):
+        now[0] += 10.0 if step <= 10 else 1.0
+        rec = {"step": step, "loss": 3.0, "lr": 1e-3}
+        if step == 5:
+            rec["val_loss"] = 3.25
+        line = rep.update(rec)
+        if line:
+            lines[step] = line
+    assert sorted(lines) == [5, 10, 20]
+    assert "| val_loss 3.2500 |" in lines[5]
+    assert lines[20].endswith("| 100 tokens/s | ETA 10s")
+
+
+def test_run_directory_is_logged_at_the_start(tiny_data, tmp_path, caplog, one_thread):
+    run = tmp_path / "run"
+    with caplog.at_level("INFO", logger="keel"):
+        train(cfg(tiny_data, steps=2, eval_every=2, checkpoint_every=2), run)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages.index(f"run directory: {run}") < min(i for i, m in enumerate(messages) if m.startswith("model: "))
+
+
+def test_prepare_draws_no_progress_bars_into_a_log_file(tmp_path, capfd):
+    from keel.cli import main
+
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n" * 50)
+    assert main(["prepare", "--source", str(corpus), "--tokenizer", "bpe:300", "--out", str(tmp_path / "ds")]) == 0
+    err = capfd.readouterr().err
+    assert "\r" not in err and "it/s" not in err and "doc/s" not in err, err
+
+
+def test_sample_prompt_default_starts_a_new_document(finished_run):
+    from keel.config import TrainConfig
+    from keel.run import Run
+    from keel.train.sampling import sample_text
+
+    assert TrainConfig().sample_prompt == "" and load_config(REPO / "keel" / "configs" / "demo.toml").train.sample_prompt \
+        == "def "  # the built-in corpus is Python: its preset says so
+    run = Run(finished_run)
+    model, tok = run.load_model(), run.tokenizer()
+    eos = tok.token_to_id("<|endoftext|>")
+    text = sample_text(model, tok, "", 6, torch.device("cpu"), temperature=0)
+    with torch.no_grad():
+        ids = model.generate(torch.tensor([[eos]]), 6, 0.0, None)[0].tolist()
+    assert text == tok.decode(ids) and not text.startswith("def ")
+
+
+def test_plot_lr_takes_an_lr_sensitivity_folder(tmp_path, capsys):
+    from keel.cli import main
+
+    lrs = [1e-3, 3e-3]
+    seeds = {"0": {"capped": [4.0, 3.5]}}
+    summary = {"sublayers": [4], "schemes": ["keel"], "lrs": lrs, "unigram_entropy": 5.0,
+               "cells": [{"sublayers": 4, "scheme": "keel", "n_seeds": 1, "seeds": seeds, "mean_curve": [4.0, 3.5],
+                          "init_loss": 6.2}]}
+    (tmp_path / "sens").mkdir()
+    (tmp_path / "sens" / "sensitivity.json").write_text(json.dumps(summary))
+    assert main(["plot", "lr", str(tmp_path / "sens"), "--out", str(tmp_path / "lr.png")]) == 0
+    assert capsys.readouterr().out.strip() == f"{tmp_path / 'lr.png'}: 1 lines"
+    assert (tmp_path / "lr.png").stat().st_size > 1000

@@ -154,3 +154,11 @@ def test_to_llama_shares_no_memory_with_the_keel_model(tie):
     opt.step()
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_export_hint_names_the_folder(run_dir, tmp_path, capsys):
+    """Item 13: the hint printed a literal OUT."""
+    out = tmp_path / "exported"
+    assert main(["export-hf", "--run", str(run_dir), "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith(f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")

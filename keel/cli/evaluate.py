@@ -55,8 +55,8 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
 
     out = export_hf(args.run, args.out)
     print(f"exported {args.run} -> {out}")
-    print("load it with AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True), or after `import keel.hf` "
-          "without trust_remote_code (a pre_ln export is a plain Llama model)")
+    print(f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True), or after "
+          "`import keel.hf` without trust_remote_code (a pre_ln export is a plain Llama model)")
     return 0
 
 

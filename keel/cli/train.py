@@ -57,8 +57,11 @@ def register(sub) -> None:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from keel.data import prepare_dataset, read_meta
 
+    from keel.train.progress import interactive
+
     out = prepare_dataset(args.source, args.tokenizer, args.out, val_fraction=args.val_fraction,
-                          max_bytes=args.max_bytes, text_field=args.text_field, cache_dir=args.cache_dir)
+                          max_bytes=args.max_bytes, text_field=args.text_field, cache_dir=args.cache_dir,
+                          progress=interactive())  # no progress bars written into a log file
     meta = read_meta(out)
     print(f"dataset: {out}")
     asked = args.tokenizer.split(":", 1)[1] if args.tokenizer.startswith("bpe:") else ""

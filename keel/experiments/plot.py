@@ -178,10 +178,19 @@ def plot_lr(sweep_dir: str | Path, out: str | Path, title: str = "") -> int:
     """Final validation loss against peak LR (log x), one line per scheme/depth (other keys).
 
     Diverged or stopped runs are drawn as crosses at their last validation loss. Returns
-    the number of lines. Raises KeelError if the sweep does not vary ``train.lr``.
+    the number of lines. A ``keel lr-sensitivity`` folder (``sensitivity.json``) is drawn as
+    that command draws it (:func:`keel.experiments.sensitivity.plot`: one panel per depth,
+    one line per scheme). Raises KeelError if the sweep does not vary ``train.lr``.
     """
     from keel.train.plots import plt, save_figure
 
+    from keel.experiments import sensitivity
+
+    summary_file = Path(sweep_dir) / sensitivity.OUT_JSON
+    if summary_file.is_file():
+        summary = json.loads(summary_file.read_text())
+        sensitivity.plot(summary, out)
+        return sum(1 for cell in summary["cells"] if cell["n_seeds"])
     sweep = _sweep(sweep_dir)
     if "train.lr" not in sweep["grid_keys"]:
         raise KeelError("this sweep does not vary train.lr: no LR axis")

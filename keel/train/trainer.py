@@ -345,6 +345,7 @@ class Trainer:
         if tc.warmup_steps > tc.steps:
             self.say(f"warning: train.warmup_steps ({tc.warmup_steps}) > train.steps ({tc.steps}): "
                      "the LR never reaches train.lr", logging.WARNING)
+        self.say(f"run directory: {self.run_dir}")
         self.say(f"model: {cfg.model.residual}, {cfg.model.n_layers} blocks = {cfg.model.n_sublayers} sub-layers, "
                  f"d_model {cfg.model.d_model}, {self.model.num_params() / 1e6:.2f}M parameters; "
                  f"data: {self.data_dir} ({self.meta['train_tokens']:,} train tokens)")
