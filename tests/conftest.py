@@ -45,6 +45,42 @@ def tiny_overrides(data_dir, **train):
     return sets
 
 
+@pytest.fixture(scope="session")
+def tiny_reference_run(tiny_data, tmp_path_factory):
+    """The uninterrupted run of :func:`tiny_overrides` on the demo preset (12 steps, checkpoints
+    every 4), on one thread: what fault and resume tests compare with. Copy it, never change it."""
+    import torch
+
+    from keel.train import train
+
+    run = tmp_path_factory.mktemp("ref") / "run"
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(load_config(REPO / "keel" / "configs" / "demo.toml", tiny_overrides(tiny_data)), run)
+    finally:
+        torch.set_num_threads(n)
+    return run
+
+
+@pytest.fixture
+def offline_one_thread(monkeypatch):
+    """No network (as in CI), one torch thread (tiny models; a shared machine); for the
+    lm-eval / transformers tests (``pytestmark = pytest.mark.usefixtures("offline_one_thread")``)."""
+    import datasets.config
+    import huggingface_hub.constants as hub_constants
+    import torch
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def tiny_config(tiny_data):
     def make(**train):

@@ -13,7 +13,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from conftest import HANG_S, REPO, tiny_overrides
 from keel.config import load_config
@@ -39,12 +38,9 @@ def no_temporaries(run):
     return not list(run.glob(".*.tmp")) and not list((run / "checkpoints").glob(".*"))
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_data, tmp_path_factory):
-    run = tmp_path_factory.mktemp("ref") / "run"
-    torch.set_num_threads(1)
-    train(cfg(tiny_data), run)
-    return run
+@pytest.fixture
+def reference(tiny_reference_run):
+    return tiny_reference_run
 
 
 @pytest.mark.parametrize("point", ["after model.safetensors", "after trainer.pt", "after the manifest",

@@ -82,13 +82,10 @@ def keel(*args, timeout=HANG_S):
     return subprocess.run([str(KEEL), *map(str, args)], capture_output=True, text=True, timeout=timeout, env=ENV)
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_data, tmp_path_factory):
-    """The uninterrupted tiny run (12 steps, checkpoints every 4)."""
-    run = tmp_path_factory.mktemp("ref") / "run"
-    torch.set_num_threads(1)
-    train(cfg(tiny_data), run)
-    return run
+@pytest.fixture
+def reference(tiny_reference_run):
+    """The uninterrupted tiny run (12 steps, checkpoints every 4; conftest)."""
+    return tiny_reference_run
 
 
 # ---------------------------------------------------------------- 1. one writer per run
@@ -332,6 +329,7 @@ def test_signal_to_keel_train_nproc_stops_every_worker(signame, tiny_data, tmp_p
     proc = subprocess.Popen([str(KEEL), "train", "--nproc", "2", "--run-dir", run,
                              *sum((["--set", s] for s in sets), [])], env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+    below: set[int] = set()
     try:
         deadline = time.monotonic() + HANG_S
         while not any(r.get("step", 0) >= 2 for r in read_metrics(run / "metrics.jsonl")):
@@ -341,15 +339,22 @@ def test_signal_to_keel_train_nproc_stops_every_worker(signame, tiny_data, tmp_p
         assert len(below) >= 3  # torchrun and two workers
         os.kill(proc.pid, getattr(signal, signame))
         out, err = proc.communicate(timeout=HANG_S)
+        # torchrun gives its workers 30 s after the signal, then kills them: 5 minutes means never
+        deadline = time.monotonic() + 300
+        while any(alive(p) for p in below) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = [p for p in below if alive(p)]
     finally:
         proc.kill()
+        for p in descendants(proc.pid) | set(below):  # what this test started: never left training
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+    assert left == []
     assert proc.returncode == 128 + getattr(signal, signame), err
     assert last_line(err) == (f"keel: error: stopped by {signame} (passed to every worker: each finishes its step, "
                               f"the run is checkpointed); resume with: keel train --resume {run}")
-    deadline = time.monotonic() + HANG_S
-    while any(alive(p) for p in below) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not any(alive(p) for p in below)
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
     time.sleep(2)
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == steps  # nothing trains on
