@@ -326,19 +326,21 @@ def test_signal_to_keel_train_nproc_stops_every_worker(signame, tiny_data, tmp_p
     and both workers stop, the last step is checkpointed, nothing is written afterwards."""
     run = tmp_path / "run"
     sets = tiny_overrides(tiny_data, steps=100000, checkpoint_every=100000, eval_every=100000)
-    proc = subprocess.Popen([str(KEEL), "train", "--nproc", "2", "--run-dir", run,
-                             *sum((["--set", s] for s in sets), [])], env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    err_file = tmp_path / "stderr.txt"
+    with open(err_file, "w") as errors:  # a file, not a pipe: workers left running would hold a pipe open
+        proc = subprocess.Popen([str(KEEL), "train", "--nproc", "2", "--run-dir", run,
+                                 *sum((["--set", s] for s in sets), [])], env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=errors)
     below: set[int] = set()
     try:
         deadline = time.monotonic() + HANG_S
         while not any(r.get("step", 0) >= 2 for r in read_metrics(run / "metrics.jsonl")):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
             time.sleep(0.2)
         below = descendants(proc.pid)
         assert len(below) >= 3  # torchrun and two workers
         os.kill(proc.pid, getattr(signal, signame))
-        out, err = proc.communicate(timeout=HANG_S)
+        proc.wait(timeout=HANG_S)
         # torchrun gives its workers 30 s after the signal, then kills them: 5 minutes means never
         deadline = time.monotonic() + 300
         while any(alive(p) for p in below) and time.monotonic() < deadline:
@@ -351,7 +353,8 @@ def test_signal_to_keel_train_nproc_stops_every_worker(signame, tiny_data, tmp_p
                 os.kill(p, signal.SIGKILL)
             except OSError:
                 pass
-    assert left == []
+    err = err_file.read_text()
+    assert left == [], err
     assert proc.returncode == 128 + getattr(signal, signame), err
     assert last_line(err) == (f"keel: error: stopped by {signame} (passed to every worker: each finishes its step, "
                               f"the run is checkpointed); resume with: keel train --resume {run}")
@@ -403,9 +406,9 @@ def test_prepare_warns_with_the_numbers_on_a_tiny_validation_split(tmp_path, cap
 
 # ---------------------------------------------------------------- 8. flags checked, odd input handled
 @pytest.fixture(scope="module")
-def finished_run(reference, tmp_path_factory):
+def finished_run(tiny_reference_run, tmp_path_factory):
     run = tmp_path_factory.mktemp("fin") / "run"
-    shutil.copytree(reference, run)
+    shutil.copytree(tiny_reference_run, run)
     return run
 
 
