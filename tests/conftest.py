@@ -81,6 +81,24 @@ def offline_one_thread(monkeypatch):
     torch.set_num_threads(n)
 
 
+def wandb_rows(run_dir, n: int, limit_s: float = 300.0) -> list[dict]:
+    """The W&B history rows of keel run ``run_dir`` (keel.train.loggers.wandb_history) once
+    there are ``n`` of them: ``run.finish()`` returns before W&B's service has written the
+    last rows of its log, so they are waited for (``limit_s`` only catches rows that never come)."""
+    import time
+    from pathlib import Path
+
+    from keel.train.loggers import wandb_history
+
+    run_dir = Path(run_dir)
+    deadline = time.monotonic() + limit_s
+    while True:
+        rows = wandb_history(run_dir / "wandb", (run_dir / "wandb_id").read_text().strip())
+        if len(rows) >= n or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.2)
+
+
 @pytest.fixture
 def tiny_config(tiny_data):
     def make(**train):

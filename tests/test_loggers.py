@@ -153,10 +153,9 @@ def test_wandb_does_not_log_a_step_twice_across_a_resume(tmp_path):
     assert again.write({"step": 3, "config_change": {"train.steps": {"old": 6, "new": 9}}})  # not a step's numbers
     again.close()
     run_id = (tmp_path / "wandb_id").read_text().strip()
-    from keel.train.loggers import wandb_history
+    from conftest import wandb_rows
 
-    held = [(int(r["step"]), r.get("loss"), r.get("config_change/train.steps/new")) for r in wandb_history(
-        tmp_path / "wandb", run_id)]
+    held = [(int(r["step"]), r.get("loss"), r.get("config_change/train.steps/new")) for r in wandb_rows(tmp_path, 9)]
     assert held == [(s, 1.0 / (s + 1), None) for s in range(6)] + [(6, 0.5, None), (7, 0.5, None), (3, None, 9)]
     folders = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(folders) == 2 and all(f"-{run_id}" in p.name for p in folders)  # one W&B run, two sessions

@@ -471,7 +471,8 @@ def test_kill_9_between_a_wandb_log_and_its_persistence(reference, tiny_data, tm
     after --resume, W&B holds every step of metrics.jsonl once, with its values (before:
     step 6 was missing for good, as `wandb_last_step` already said 6)."""
     pytest.importorskip("wandb")
-    from keel.train.loggers import flatten, wandb_history
+    from conftest import wandb_rows
+    from keel.train.loggers import flatten
 
     run = tmp_path / "run"
     sets = tiny_overrides(tiny_data, loggers='["wandb"]')
@@ -482,8 +483,8 @@ def test_kill_9_between_a_wandb_log_and_its_persistence(reference, tiny_data, tm
     res = train(load_config(run / "config.toml"), run, resume=True)
     assert res.resumed_from == 4
     assert losses(run) == losses(reference)
-    rows = wandb_history(run / "wandb", (run / "wandb_id").read_text().strip())
     records = read_metrics(run / "metrics.jsonl")
+    rows = wandb_rows(run, len(records))
     assert sorted(int(r["step"]) for r in rows) == [r["step"] for r in records] == list(range(13))
     by_step = {int(r["step"]): r for r in rows}
     for record in records:
