@@ -138,8 +138,8 @@ def _wandb_records(path: Path):
 
 def wandb_history(wandb_dir: str | Path, run_id: str) -> list[dict[str, Any]]:
     """The history rows W&B holds for run ``run_id`` under ``wandb_dir`` (``RUN/wandb``):
-    every ``*-{run_id}/run-{run_id}.wandb`` transaction log (one per session, offline or
-    online), oldest first, read with W&B's protobuf schema. Each row is ``{name: value}``
+    every ``*/run-{run_id}.wandb`` transaction log (one per session, offline or online),
+    oldest first, read with W&B's protobuf schema. Each row is ``{name: value}``
     as logged (plus W&B's ``_step``, ``_runtime``, ``_timestamp``). Empty when wandb is not
     installed or nothing was written."""
     try:
@@ -149,7 +149,10 @@ def wandb_history(wandb_dir: str | Path, run_id: str) -> list[dict[str, Any]]:
     from google.protobuf.message import DecodeError
 
     rows = []
-    for path in sorted(Path(wandb_dir).glob(f"*-{run_id}/run-{run_id}.wandb")):
+    # one folder per session: [offline-]run-<time>-<id>, with "-1", "-2" ... added when two
+    # sessions start within the same second; latest-run is a link to one of them
+    logs = [p for p in Path(wandb_dir).glob(f"*/run-{run_id}.wandb") if not p.parent.is_symlink()]
+    for path in sorted(logs, key=lambda p: p.parent.name.partition("run-")[2]):
         for raw in _wandb_records(path):
             record = pb.Record()
             try:
