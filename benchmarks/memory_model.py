@@ -58,13 +58,20 @@ def measure_activation_bytes_per_block(cfg, batch: int, seq_len: int, block_inde
     """Measured bytes autograd saves for one block's backward: the sum of the unique
     storages packed by ``torch.autograd.graph.saved_tensors_hooks`` during the forward of
     block ``block_index`` of a fresh fp32 ``Transformer(cfg)`` on a random input
-    x [batch, seq_len, d] (parameters and x itself are not counted). Needs
+    x [batch, seq_len, d] (for a multi-stream scheme, the stream that block receives: the
+    earlier blocks run first, without grad) (parameters and x itself are not counted). Needs
     ``cfg.n_layers >= 3`` for the default last block to be a generic (not first) one."""
     from keel.model import Transformer
 
     model = Transformer(cfg)
     block = model.blocks[block_index]
     x = torch.randn(batch, seq_len, cfg.d_model, requires_grad=True)
+    if model.stream is not None:  # a multi-stream scheme: the block's real input stream
+        with torch.no_grad():
+            x = model.stream.begin(x.detach())
+            for b in model.blocks[:block_index % len(model.blocks)]:
+                x = b(x, model.rope_cos[:seq_len], model.rope_sin[:seq_len])
+        x = x.contiguous().requires_grad_()
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
     sizes: dict[int, int] = {}
 

@@ -118,10 +118,18 @@ class ModelConfig:
         norm_eps: epsilon of every RMSNorm.
         tie_embeddings: share the token embedding with the LM head.
         init_std: standard deviation of the N(0, init_std^2) weight init.
+        embed_init_std: standard deviation of the token embedding's N(0, std^2) init; unset means init_std.
         residual: residual scheme, a name in keel.model.residual.SCHEMES (pre_ln, post_ln, deepnorm, keel, ...).
         alpha: Keel's residual scale (a number > 0); unset means L, the number of sub-layers.
         keel_first_layer_rule: Keel: sub-layer 0 is plain Pre-LN and sub-layer 1 uses alpha = 1.
         mix_ln_ratio: Mix-LN: the first floor(ratio * n_layers) blocks are Post-LN, the rest Pre-LN.
+        peri_ln_embed_norm: Peri-LN: also RMS-normalise the embedding output.
+        hc_streams: Hyper-Connections and mHC: expansion rate n, the number of residual streams.
+        hc_dynamic: Hyper-Connections: dynamic (input-dependent) connections; false = static.
+        mhc_sinkhorn_iters: mHC: Sinkhorn-Knopp iterations of the residual mixing matrix.
+        attn_res_variant: Attention Residuals: "block" (Block AttnRes) or "full" (Full AttnRes).
+        attn_res_blocks: Block AttnRes: N, the number of blocks the L sub-layers are cut into.
+        attn_res_readout: Attention Residuals: the last hidden state, "attend" (depth attention) or "sum".
     """
 
     # "auto" (default): the tokenizer's vocabulary, rounded up to a multiple of vocab_multiple
@@ -138,6 +146,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # the token embedding's init std; unset (None) = init_std (the paper: N(0, 0.02^2) for every weight).
+    # A larger value (e.g. 1.0) lets Pre-LN leave the unigram plateau early (docs/results/plateau.md).
+    embed_init_std: float | None = None
     # a name in keel.model.residual.SCHEMES (checked by keel.model.residual.check_model_config)
     residual: str = "keel"
     # Keel's alpha (any float > 0); unset (None) means L, the number of sub-layers (paper, Sec. 3).
@@ -145,6 +156,15 @@ class ModelConfig:
     keel_first_layer_rule: bool = True
     # Mix-LN: the first floor(mix_ln_ratio * n_layers) blocks are Post-LN, the rest Pre-LN.
     mix_ln_ratio: float = 0.25
+    # The residual bench (keel.model.residual: PeriLN, HyperConnections, ManifoldHyperConnections,
+    # AttnRes): their own keys, checked by each scheme's check_config.
+    peri_ln_embed_norm: bool = True
+    hc_streams: int = 4
+    hc_dynamic: bool = True
+    mhc_sinkhorn_iters: int = 20
+    attn_res_variant: str = "block"
+    attn_res_blocks: int = 8
+    attn_res_readout: str = "attend"
 
     @property
     def n_sublayers(self) -> int:
@@ -175,6 +195,9 @@ class ModelConfig:
         for name in ("rope_theta", "norm_eps", "init_std"):
             _check(_finite(getattr(self, name)) and getattr(self, name) > 0, f"model.{name}", "a finite number > 0",
                    getattr(self, name))
+        if self.embed_init_std is not None:
+            _check(_finite(self.embed_init_std) and self.embed_init_std > 0, "model.embed_init_std",
+                   "a finite number > 0 (or unset: init_std)", self.embed_init_std)
         if self.d_model % self.n_heads:
             raise KeelError(f"model.d_model ({self.d_model}) is not divisible by model.n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
@@ -515,7 +538,7 @@ def preset_names(kind: str = "") -> list[str]:
 
 def resolve_config_path(name: str | None, kind: str = "") -> Path:
     """A config file: ``name`` itself if it is a file path (or ends in ``.toml``), else the
-    packaged preset ``name`` (default ``demo``; ``kind="sweeps"`` for sweep presets).
+    packaged preset ``name`` (default ``demo``; ``kind="sweeps"`` for sweep presets, ``"studies"`` for studies).
 
     Raises:
         KeelError: neither a file nor a preset (the message lists the presets).
@@ -529,7 +552,7 @@ def resolve_config_path(name: str | None, kind: str = "") -> Path:
     preset = _preset_dir(kind) / f"{name}.toml"
     if preset.is_file():
         return Path(str(preset))
-    what = "sweep preset" if kind else "config"
+    what = {"sweeps": "sweep preset", "studies": "study"}.get(kind, "config")
     known = ", ".join(preset_names(kind)) or "none found"
     raise KeelError(f"unknown {what} {name!r}: not a file and not a shipped preset ({known})")
 

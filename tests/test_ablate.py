@@ -28,15 +28,18 @@ def _windows(n=4, T=16, V=97):
 
 
 def hand_forward(model, ids, skip):
-    """Transcription of Transformer.forward with sub-layer ``skip`` left out (x_{i+1} = x_i)."""
+    """Transcription of Transformer.forward with sub-layer ``skip`` left out (x_{i+1} = x_i,
+    or the scheme's own ``removed``: AttnRes takes F = 0)."""
     T = ids.shape[1]
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
     x = model.tok_emb(ids)
+    if model.stream is not None:
+        x = model.stream.begin(x)
     for b, blk in enumerate(model.blocks):
-        if 2 * b != skip:
-            x = blk.attn_res(x, lambda h: blk.attn(h, cos, sin))
-        if 2 * b + 1 != skip:
-            x = blk.ffn_res(x, blk.ffn)
+        x = blk.attn_res(x, lambda h: blk.attn(h, cos, sin)) if 2 * b != skip else blk.attn_res.removed(x)
+        x = blk.ffn_res(x, blk.ffn) if 2 * b + 1 != skip else blk.ffn_res.removed(x)
+    if model.stream is not None:
+        x = model.stream.end(x)
     if model.norm is not None:
         x = model.norm(x)
     return model.lm_head(x).float()

@@ -146,6 +146,9 @@ def _model_grads(scheme, reference, checkpointing, bf16, monkeypatch):
         for m in model.modules():
             if isinstance(m, RMSNorm):
                 m.weight.uniform_(0.5, 1.5)
+            elif isinstance(m, residual.Residual) or m is model.stream:  # HC/mHC/AttnRes maps off their
+                for p in m.parameters(recurse=False):  # init, where the streams are equal and some
+                    p.add_(0.1 * torch.randn_like(p))  # gradients vanish (rounding noise only)
     if checkpointing:
         apply_activation_checkpointing(model, "block")
     ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -169,7 +172,10 @@ def test_model_gradients_equal_autograd(scheme, checkpointing, bf16, monkeypatch
     # matmul input downstream, so compare norm-wise against bf16's unit roundoff 2^-8.
     tol = 1e-5 if not bf16 else 2 ** -8
     for name in ref:
-        err = (fused[name] - ref[name]).norm() / ref[name].norm().clamp_min(1e-30)
+        # relative to the gradient, or to 1e-3 of the largest one where it is nearly 0 (mHC's
+        # maps at sub-layer 0 see n equal streams: their true gradient is ~0, rounding noise)
+        floor = 1e-3 * max(g.norm() for g in ref.values())
+        err = (fused[name] - ref[name]).norm() / ref[name].norm().clamp_min(max(floor, 1e-30))
         assert err < tol, (name, err.item())
 
 

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from keel import KeelError, ModelConfig, Transformer
 from keel.model import SCHEMES, Attention, FeedForward, RMSNorm, apply_rope, rope_tables
-from keel.model.residual import DeepNorm
+from keel.model.residual import DeepNorm, Residual
 
 ALL = sorted(SCHEMES)
 torch.set_default_dtype(torch.float32)
@@ -158,11 +158,27 @@ def test_deepnorm_init_gains():
 def test_init_std_is_paper_default(scheme):
     torch.manual_seed(0)
     model = Transformer(small_cfg(residual=scheme, d_model=128, d_ff=256))
+    # a scheme's own maps (HC/mHC/AttnRes) have their papers' init: tests/test_residual_bench.py
+    own = {id(p) for m in model.modules() if isinstance(m, Residual) or m is model.stream
+           for p in m.parameters(recurse=False)}
     for name, p in model.named_parameters():
+        if id(p) in own:
+            continue
         if p.ndim == 2:
             assert p.std().item() == pytest.approx(0.02, rel=0.05), name
         else:
             assert torch.all(p == 1), name
+
+
+@pytest.mark.parametrize("scheme", ALL)
+@pytest.mark.parametrize("std", [0.02, 1.0])
+def test_embed_init_std_sets_only_the_embedding(scheme, std):
+    torch.manual_seed(0)
+    model = Transformer(small_cfg(residual=scheme, d_model=128, d_ff=256, vocab_size=512, embed_init_std=std))
+    assert model.tok_emb.weight.std().item() == pytest.approx(std, rel=0.03)
+    assert model.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.05)  # init_std, untouched
+    with pytest.raises(KeelError, match="model.embed_init_std"):
+        Transformer(small_cfg(residual=scheme, embed_init_std=-1.0))
 
 
 # ---- building blocks -----------------------------------------------------------------
@@ -249,6 +265,11 @@ def test_gradients_reach_every_parameter(scheme, tie):
     cfg = small_cfg(residual=scheme, tie_embeddings=tie)
     torch.manual_seed(0)
     model = Transformer(cfg)
+    with torch.no_grad():  # HC/mHC/AttnRes start where some of their maps have zero gradient
+        for m in model.modules():  # (W = 0, phi = 0, query = 0, by their papers): move off it
+            if isinstance(m, Residual) or m is model.stream:
+                for p in m.parameters(recurse=False):
+                    p.add_(0.1 * torch.randn_like(p))
     ids = torch.randint(0, cfg.vocab_size, (2, 12))
     model(ids, torch.roll(ids, -1, 1)).backward()
     for name, p in model.named_parameters():
@@ -261,7 +282,8 @@ def test_final_norm(scheme):
     """Schemes whose last sub-layer leaves the stream un-normalised end with a final norm
     (small_cfg has 3 blocks, so Mix-LN's last block is Pre-LN)."""
     model = Transformer(small_cfg(residual=scheme))
-    assert (model.norm is not None) == (scheme in ("pre_ln", "hybridnorm", "mix_ln"))
+    assert (model.norm is not None) == (scheme in ("pre_ln", "hybridnorm", "mix_ln", "peri_ln", "hyper_connections",
+                                                   "mhc", "attn_res"))
 
 
 def test_sublayer_count():

@@ -1,4 +1,4 @@
-"""The science commands: ``keel gradflow``, ``keel stress``, ``keel lr-sensitivity``,
+"""The science commands: ``keel study``, ``keel gradflow``, ``keel stress``, ``keel lr-sensitivity``,
 ``keel sweep``, ``keel plot`` and ``keel ablate``. The work is done by :mod:`keel.diagnostics.gradflow` and the modules of
 :mod:`keel.experiments`; the handlers here parse flags and print.
 """
@@ -17,6 +17,7 @@ from keel.experiments import ablate as A
 from keel.experiments import plot as P
 from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
+from keel.experiments import study as SD
 from keel.experiments import sweep as S
 
 
@@ -28,6 +29,7 @@ def register(subparsers) -> None:
     _register_sweep(subparsers)
     _register_plot(subparsers)
     _register_ablate(subparsers)
+    _register_study(subparsers)
 
 
 def cmd_gradflow(args: argparse.Namespace) -> int:
@@ -70,10 +72,12 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
 
 
 def _add_grid_flags(p, report_only: bool = True,
-                    config_help: str = "base TOML file or preset name (default: demo)") -> None:
-    """The flags every grid command shares (``keel sweep``, ``stress``, ``lr-sensitivity``):
-    base config, overrides, worker processes and threads, resume, and ``--report-only``."""
-    p.add_argument("--config", default=None, help=config_help)
+                    config_help: str | None = "base TOML file or preset name (default: demo)") -> None:
+    """The flags every grid command shares (``keel sweep``, ``stress``, ``lr-sensitivity``, ``study``):
+    base config (not with ``config_help=None``), overrides, worker processes and threads, resume,
+    and ``--report-only``."""
+    if config_help is not None:
+        p.add_argument("--config", default=None, help=config_help)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config key in every run (repeatable)")
     p.add_argument("--workers", type=int, default=1, help="worker processes (0 = in this process)")
@@ -330,3 +334,47 @@ def _register_lr_sensitivity(subparsers) -> None:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--json", action="store_true", help="print the per-cell numbers as JSON on stdout")
     p.set_defaults(func=cmd_lr_sensitivity)
+
+
+def cmd_study(args: argparse.Namespace) -> int:
+    """``keel study``: see :mod:`keel.experiments.study`."""
+    if args.resume and args.report_only:
+        raise KeelError("--report-only trains nothing; do not combine it with --resume")
+    if args.dry_run and (args.resume or args.report_only):
+        raise KeelError("--dry-run only prints the plan; do not combine it with --resume or --report-only")
+    if not 0 < args.mfu <= 1 or args.peak_tflops <= 0:
+        raise KeelError("--mfu must be in (0, 1] and --peak-tflops > 0")
+    out = args.out or f"runs/study-{Path(args.name).stem}-{args.scale}"
+    command = " ".join(["keel", "study"] + sys.argv[2:]) if len(sys.argv) > 2 else f"keel study {args.name}"
+    r = SD.run_study(args.name, args.scale, out, args.set, workers=args.workers, threads=args.threads or None,
+                     resume=args.resume, report_only=args.report_only, dry_run=args.dry_run, mfu=args.mfu,
+                     peak_tflops=args.peak_tflops, command=command)
+    if args.dry_run:
+        print(json.dumps(r["plan"], indent=1, default=str) if args.json else r["markdown"])
+        return 0
+    if args.json:
+        print(json.dumps({"claims": r["claims"]}, indent=1, default=str))
+    else:
+        for c in r["claims"]:
+            print(f"({c['id']}) {c['verdict']:<15} {c['title']}")
+        print(f"wrote {Path(out) / 'report.md'}, report.json, {', '.join(r['plots']) or 'no plots yet'}")
+    return 1 if any(x["status"] == "error" for x in r["runs"]) else 0
+
+
+def _register_study(subparsers) -> None:
+    """Add ``keel study`` (see :mod:`keel.experiments.study`)."""
+    from keel.config import preset_names
+
+    p = subparsers.add_parser("study", help="the paper's claims as one resumable study with computed verdicts",
+                              description=SD.__doc__.split("\n\n")[0])
+    p.add_argument("name", help=f"a shipped study ({', '.join(preset_names('studies'))}) or a study TOML file")
+    p.add_argument("--scale", required=True, help="the study's scale: tiny (tests), cpu, gpu-1 (one GPU-day), paper")
+    p.add_argument("--out", default=None, help="output folder (default: runs/study-NAME-SCALE)")
+    _add_grid_flags(p, config_help=None)
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (runs, tokens, estimated GPU-hours) and exit; prepares and trains nothing")
+    p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation assumed by --dry-run")
+    p.add_argument("--peak-tflops", type=float, default=989.0,
+                   help="GPU dense bf16 peak TFLOP/s assumed by --dry-run (H100 SXM: 989)")
+    p.add_argument("--json", action="store_true", help="print the verdicts (or the plan) as JSON on stdout")
+    p.set_defaults(func=cmd_study)

@@ -17,7 +17,9 @@ n_layers):
   branch F's output held fixed* at its actual value. For ``x <- Norm(a * x + F)`` that is
   ``a * J_Norm(a * x + F)``; for Pre-LN's ``x <- x + F(Norm(x))`` it is the identity (J* = 1).
   Every residual unit here acts on each token separately once F is fixed, so the Jacobian
-  is block-diagonal over tokens; J*_i is computed per token by the Lanczos method on
+  is block-diagonal over tokens (for a multi-stream scheme, HC/mHC/AttnRes, a token's
+  block is its m x d entries of the [m, B, T, d] stream: J* is then over all streams);
+  J*_i is computed per token by the Lanczos method on
   ``J^T J`` (``torch.func.jvp`` and ``torch.func.vjp``, float64; see
   :func:`jacobian_spectral_norms`) and summarised over the B*T tokens by the geometric
   mean. The paper predicts J* ~ gamma_l / (sqrt(2) * gamma_{l-1}) for Post-LN (so the
@@ -209,6 +211,22 @@ class _Recorder:
         return hook
 
 
+def _streams(x) -> int:
+    """1 for a multi-stream input [m, B, T, d] (HC, mHC, AttnRes), 0 for [B, T, d]."""
+    return int(x.dim() == 4)
+
+
+def _per_token(unit, x, f):
+    """``(fn, z)`` for :func:`jacobian_spectral_norms`: the unit as a map of z, its input
+    with the token axes first. A multi-stream input [m, B, T, d] becomes [B, T, m, d] (one
+    token's group is its m x d stream entries, which the unit mixes), and the output goes
+    back the same way (AttnRes' output may have more streams than its input: only J^T J,
+    input-shaped, is used)."""
+    if not _streams(x):
+        return (lambda z: unit(z, f)), x
+    return (lambda z: unit(z.movedim(-2, 0), f).movedim(0, -2)), x.movedim(0, -2)
+
+
 def _log10_product(logs_e: list[float]) -> float:
     return sum(logs_e) / math.log(10)
 
@@ -254,24 +272,16 @@ def profile_model(model, batch, jacobian_iters: int = 32, full_jacobian: bool = 
 
     log_js, log_full = [], []
     for i, (_, unit) in enumerate(rec.pairs):
-        x = rec.inputs[i].double()
         f_fixed = rec.branch_out[i].double()
-
-        def shortcut(z, unit=unit, f_fixed=f_fixed):
-            return unit(z, lambda _h: f_fixed)
-
-        sigma = jacobian_spectral_norms(shortcut, x, group_dims=1, iters=jacobian_iters, seed=seed + i)
+        sigma = jacobian_spectral_norms(*_per_token(unit, rec.inputs[i].double(), lambda _h, f=f_fixed: f),
+                                        group_dims=_streams(rec.inputs[i]) + 1, iters=jacobian_iters, seed=seed + i)
         log_js.append(float(sigma.clamp_min(torch.finfo(sigma.dtype).tiny).log().mean()))
         if full_jacobian:
-            xf = rec.inputs[i].float()
-            f_orig = rec.branch_fn[i]
-
-            def full(z, unit=unit, f_orig=f_orig):
-                return unit(z, f_orig)
-
             # the math SDPA kernel is composite, so forward-mode AD (jvp) runs through it
             with sdpa_kernel(SDPBackend.MATH):
-                s_full = jacobian_spectral_norms(full, xf, group_dims=2, iters=jacobian_iters, seed=seed + i)
+                s_full = jacobian_spectral_norms(*_per_token(unit, rec.inputs[i].float(), rec.branch_fn[i]),
+                                                 group_dims=_streams(rec.inputs[i]) + 2, iters=jacobian_iters,
+                                                 seed=seed + i)
             log_full.append(float(s_full.double().clamp_min(1e-300).log().mean()))
     out["jacobian_star"] = [math.exp(v) for v in log_js]
     out["log10_jacobian_product"] = _log10_product(log_js)

@@ -8,7 +8,8 @@ every model (nats → PPL; tokens counted are the predicted ones).
 What "removing sub-layer i" means here: the whole residual unit of sub-layer i is bypassed,
 ``x_{i+1} = x_i``. It is done from outside the model, by replacing the unit's ``forward``
 (``unit(x, F) -> x_next``, :mod:`keel.model.residual`) with ``lambda x, f: x`` for the
-duration of a ``with`` block (:func:`removed_sublayer`); F is then never called.
+duration of a ``with`` block (:func:`removed_sublayer`); F is then never called. (Strictly,
+with the unit's ``removed(x)``: ``x`` for every scheme but AttnRes, see the table.)
 
 ==============  ===========================================  ==========================================
 scheme          unit of sub-layer i                          removed (bypassed) means
@@ -24,6 +25,15 @@ scheme          unit of sub-layer i                          removed (bypassed) 
                                                              sub-layer 1 has α = 1 and keeps Norm_out
 ``hybridnorm``  (any unit with the same interface)           ``x`` (F, QKV norms inside F, outer norms)
 ``mix_ln``      Post-LN lower blocks, Pre-LN upper blocks    ``x``, as for the scheme of that block
+``peri_ln``     ``x + Norm_out(F(Norm_in(x)))``              ``x``: F and both its norms skipped
+``hyper_conn``  n streams H, ``A_r^T H + B F(Norm(A_m^T H))``  ``H``: the n streams pass unchanged
+``mhc``         ``H_res H + H_post^T F(Norm(H_pre H))``      ``H``: the n streams pass unchanged
+``attn_res``    F(Norm(softmax-weighted earlier outputs))    F's output is taken as 0
+                                                             (``AttnRes.removed``): the sub-layer adds
+                                                             nothing to its block's partial sum; the
+                                                             block structure stays. In Full AttnRes
+                                                             the zero source still takes softmax
+                                                             weight (its logit is 0)
 ==============  ===========================================  ==========================================
 
 Zeroing a norm's gain instead would not be "removal" for Post-LN or Keel: the outer norm
@@ -73,7 +83,7 @@ def removed_sublayer(model, index: int | None) -> Iterator[None]:
         yield
         return
     unit = _unit(model, index)
-    unit.forward = lambda x, f: x
+    unit.forward = lambda x, f: unit.removed(x)
     try:
         yield
     finally:

@@ -36,12 +36,15 @@ import contextlib
 import json
 import logging
 import os
+import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from keel.config import config_from_dict
 from keel.errors import Interrupted, KeelError
 from keel.io import atomic_write_text
 
@@ -89,8 +92,20 @@ def cached_result(run_dir: str | Path) -> dict | None:
         return None
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to send this worker SIGTERM when the process that started it dies (a
+    ``kill -9`` of the grid must not leave workers training); a no-op elsewhere."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
 def _init_worker(threads: int) -> None:
-    """Process-pool initializer: limit intra-op threads so workers x threads ~ cores."""
+    """Process-pool initializer: limit intra-op threads so workers x threads ~ cores; the
+    worker dies with the grid process."""
+    _die_with_parent()
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MKL_NUM_THREADS"] = str(threads)
     import torch
@@ -178,12 +193,23 @@ def plan_grid(jobs: Sequence[GridJob], out_dir: str | Path, resume: bool = False
     return done, todo
 
 
+def _with_defaults(config: dict) -> dict:
+    """A training config dict with every key a later keel added filled in with its default
+    (:func:`keel.config.config_from_dict`), so that a run started before a new config key
+    existed still matches its job; any other dict is returned as it is."""
+    try:
+        return json.loads(json.dumps(config_from_dict(config).to_dict()))
+    except (KeelError, TypeError, ValueError, AttributeError):
+        return config
+
+
 def _check_same_config(run_dir: Path, job: GridJob) -> None:
     """Raise KeelError if ``run_dir/job.json`` holds another config than ``job`` (naming the keys)."""
     stored = run_dir / JOB_FILE
     if not stored.is_file():
         return
     old, new = json.loads(stored.read_text()).get("config") or {}, json.loads(json.dumps(job.config))
+    old, new = _with_defaults(old), _with_defaults(new)
     if old == new:
         return
     keys = []
@@ -218,6 +244,8 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
     """
     if workers < 0:
         raise KeelError(f"--workers must be >= 0, got {workers}")
+    if threads is not None and threads < 0:
+        raise KeelError(f"--threads must be >= 0 (0 = cores / workers), got {threads}")
     out_dir = Path(out_dir)
     done, todo = plan_grid(jobs, out_dir, resume)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -345,7 +345,8 @@ def run_summary(run_dir: str | Path, stopped: str | None = None) -> dict:
 
 
 def train_task(job: GridJob, run_dir: Path, resume: bool, log: Callable[[str], None]) -> dict:
-    """Grid task of ``keel sweep``: train (or resume) ``job.config`` in ``run_dir``.
+    """Grid task of ``keel sweep``: train (or resume) ``job.config`` in ``run_dir``; a run
+    interrupted before its first intact checkpoint is trained again from step 0.
 
     A run stopped by the trainer (``keel.train.TrainingStopped``: non-finite steps,
     divergence) is a result (its verdict is a failure mode, ``stopped`` holds the
@@ -355,12 +356,17 @@ def train_task(job: GridJob, run_dir: Path, resume: bool, log: Callable[[str], N
     from keel.config import config_from_dict
     from keel.experiments.training import train_run
     from keel.train import TrainingStopped
+    from keel.train.checkpoint import find_intact_checkpoint
 
     t0 = time.perf_counter()
     cfg = config_from_dict(job.config)
     stopped = None
+    # interrupted before its first intact checkpoint: nothing to continue, train it again from step 0
+    restart = resume and find_intact_checkpoint(run_dir)[0] is None
+    if restart:
+        log("no intact checkpoint to resume from: training this run again from step 0")
     try:
-        train_run(cfg, run_dir, resume=resume)
+        train_run(cfg, run_dir, resume=resume and not restart, restart=restart)
     except TrainingStopped as e:
         stopped = str(e)
         log(f"stopped: {e}")

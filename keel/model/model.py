@@ -1,6 +1,7 @@
 """A decoder-only language model in the Llama style, with a switchable residual scheme.
 
-Token embedding -> n_layers blocks -> (final RMSNorm if the scheme asks for one) -> LM head.
+Token embedding -> (the scheme's stream start, if any) -> n_layers blocks -> (the scheme's
+stream end, if any) -> (final RMSNorm if the scheme asks for one) -> LM head.
 Each block is two sub-layers: grouped-query attention with RoPE, then a SwiGLU FFN; the
 residual scheme (``cfg.residual``, see :mod:`keel.model.residual`) decides how each
 sub-layer joins the residual stream. No biases, no dropout. Every weight starts as
@@ -256,6 +257,8 @@ class Transformer(nn.Module):
         self.cfg = check_model_config(cfg)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList([Block(cfg, b) for b in range(cfg.n_layers)])
+        # a multi-stream scheme's begin/end of the stream (None: the stream is the embedding)
+        self.stream = get_scheme(cfg.residual).make_stream(cfg)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps) if get_scheme(cfg.residual).uses_final_norm(cfg) else None
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -266,15 +269,22 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """N(0, init_std^2) for every weight matrix and the embedding, gains 1; then each
-        residual unit may re-initialise the sub-layer it wraps (DeepNorm)."""
+        """N(0, init_std^2) for every weight matrix and the embedding (the embedding:
+        N(0, embed_init_std^2) when that is set and the embedding is not tied), gains 1; then each
+        residual unit may re-initialise the sub-layer it wraps (DeepNorm) and resets its own
+        maps (HC/mHC/AttnRes, :meth:`Residual.reset_scheme_parameters`)."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+        if self.cfg.embed_init_std is not None and not self.cfg.tie_embeddings:
+            nn.init.normal_(self.tok_emb.weight, mean=0.0, std=self.cfg.embed_init_std)
         for _, unit, sublayer in self.sublayers():
+            unit.reset_scheme_parameters()
             unit.init_sublayer(sublayer)
+        if hasattr(self.stream, "reset_scheme_parameters"):
+            self.stream.reset_scheme_parameters()
 
     def sublayers(self) -> Iterator[tuple[int, Residual, nn.Module]]:
         """``(index, residual unit, F)`` for every sub-layer, in the paper's order: block b's
@@ -291,8 +301,12 @@ class Transformer(nn.Module):
             raise KeelError(f"sequence of {T} tokens is longer than model.max_seq_len = {self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[start:T], self.rope_sin[start:T]
         x = self.tok_emb(input_ids)
+        if self.stream is not None:  # e.g. n copies of the embedding [n, B, T, d]
+            x = self.stream.begin(x)
         for block in self.blocks:
             x = block(x, cos, sin, cache)
+        if self.stream is not None:  # back to [B, T, d]
+            x = self.stream.end(x)
         if self.norm is not None:
             x = self.norm(x)
         if targets is None:

@@ -11,7 +11,16 @@ Every scheme is one small ``nn.Module`` with the same interface::
 * set ``final_norm = True`` when the model needs a final RMSNorm before the LM head (or
   override the classmethod ``uses_final_norm(cfg)`` when that depends on the config);
 * set ``attention_qkv_norm = True`` to have RMSNorm on q, k and v inside attention;
-* override ``init_sublayer(F_module)`` to re-initialise the weights of the F it wraps.
+* override ``init_sublayer(F_module)`` to re-initialise the weights of the F it wraps;
+* carry a stream other than one [B, T, d] tensor (multi-stream schemes: Hyper-Connections,
+  mHC, Attention Residuals), or normalise the embedding (Peri-LN): the classmethod
+  ``make_stream(cfg)`` returns a module with ``begin(emb) -> stream`` (run once on the
+  token embedding [B, T, d]) and ``end(stream) -> [B, T, d]`` (run once after the last
+  block, before the final norm); every unit then maps that stream to the next one. A
+  multi-stream stream is one tensor ``[m, B, T, d]`` with an extra *leading* axis (m = n
+  streams for HC/mHC; earlier block representations for AttnRes, m may grow with depth).
+  The default ``make_stream`` returns None: the stream is the embedding itself and the six
+  single-stream schemes run exactly as before (same parameters, same code path).
 
 Norm is RMSNorm (gain init 1, no bias, eps = ``cfg.norm_eps``).
 
@@ -207,6 +216,21 @@ class Residual(nn.Module):
 
     def init_sublayer(self, sublayer: nn.Module) -> None:
         """Re-initialise the wrapped sub-layer's weights; default: keep N(0, init_std)."""
+
+    @classmethod
+    def make_stream(cls, cfg: ModelConfig) -> nn.Module | None:
+        """The model-level stream module (``begin(emb)``, ``end(stream)``, see the module
+        docstring), or None (default): the stream is the [B, T, d] embedding itself."""
+        return None
+
+    def reset_scheme_parameters(self) -> None:
+        """Re-initialise the unit's own non-norm parameters (HC/mHC/AttnRes maps); default:
+        none. Called at construction and by :meth:`keel.model.Transformer.reset_parameters`."""
+
+    def removed(self, x: torch.Tensor) -> torch.Tensor:
+        """The unit's output when its sub-layer is removed (``keel ablate``); default: the
+        input stream unchanged, ``x_{i+1} = x_i`` (F, and the unit's norms, skipped)."""
+        return x
 
     def forward(self, x: torch.Tensor, f: SubLayer) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
@@ -429,6 +453,433 @@ class MixLN(Residual):
         return add_to_stream(x, f(self.norm(x)))
 
 
+# ---------------------------------------------------------------------------------------
+# The residual bench of 2026: Peri-LN, Hyper-Connections, mHC, Attention Residuals.
+# HC, mHC and AttnRes carry a stream with an extra leading axis, [m, B, T, d]; their small
+# mixing maps run in the stream's dtype with autocast off (a bf16 einsum would turn the
+# fp32 stream into bf16), F itself runs under autocast as in every other scheme.
+
+def _no_autocast(x: torch.Tensor):
+    """A context in which autocast is off for x's device (the maps run in x's dtype)."""
+    return torch.autocast(x.device.type, enabled=False)
+
+
+class EmbeddingNorm(nn.Module):
+    """Peri-LN's stream module: ``begin(emb) = Norm(emb)`` (an RMSNorm of the embedding
+    output, gain init 1), ``end(x) = x``. Shapes [B, T, d] -> [B, T, d]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+    def begin(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+    def end(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class PeriLN(Residual):
+    """Peri-LN (Kim et al. 2025, "Peri-LN: Revisiting Normalization Layer in the Transformer
+    Architecture", ICML 2025, arXiv 2502.02732, Sec. 3): a norm on both the input and the
+    output of every module, the residual itself un-normalised::
+
+        x <- x + Norm_out(F(Norm_in(x)))
+
+    also called sandwich norm (Gemma 2/3, OLMo 2 use the output norm). Norms: RMSNorm
+    ``norm_in`` and ``norm_out`` per sub-layer (gain init 1; the paper uses LayerNorm, keel
+    RMSNorm everywhere); a final Norm before the LM head (the stream is a Pre-LN-like sum
+    that grows with depth); and, when ``cfg.peri_ln_embed_norm`` (default True), an RMSNorm
+    of the embedding output (the paper's "Peri-LN" applies LN to the embedding layer's
+    output as well, Sec. 3; switchable here because models that call themselves sandwich
+    norm, e.g. Gemma, do not). Every weight keeps the model's N(0, init_std^2) init.
+
+    Removed (``keel ablate``): ``x``, the default.
+    """
+
+    final_norm = True
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__(cfg, index)
+        self.norm_in = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm_out = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+    @classmethod
+    def make_stream(cls, cfg: ModelConfig) -> nn.Module | None:
+        return EmbeddingNorm(cfg) if cfg.peri_ln_embed_norm else None
+
+    def forward(self, x, f):
+        return add_to_stream(x, self.norm_out(f(self.norm_in(x))))
+
+
+class ExpandedStream(nn.Module):
+    """HC/mHC stream module (Zhu et al. 2025, arXiv 2409.19606, Sec. 2 and Fig. 2): the
+    embedding h^0 [B, T, d] is copied into n streams, ``begin(h) = [h, ..., h]`` [n, B, T,
+    d]; at the end the n streams are summed, ``end(H) = sum_i H_i`` [B, T, d], before the
+    final norm and the LM head. No parameters."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n = cfg.hc_streams
+
+    def begin(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(0).expand(self.n, *x.shape)
+
+    def end(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(0)
+
+
+def _check_hc(cfg: ModelConfig) -> None:
+    if not (isinstance(cfg.hc_streams, int) and cfg.hc_streams >= 1):
+        raise KeelError(f"model.hc_streams must be an integer >= 1, got {cfg.hc_streams!r}")
+
+
+class HyperConnections(Residual):
+    """Hyper-Connections (Zhu et al. 2025, "Hyper-Connections", ICLR 2025, arXiv 2409.19606).
+
+    The stream is H [n, B, T, d], n = ``cfg.hc_streams`` (expansion rate, paper default 4),
+    started as n copies of the embedding and summed at the end (:class:`ExpandedStream`).
+    Per sub-layer, with A [n, n+1] = (A_m | A_r) and B [n] (the paper's (n+1) x (n+1) HC
+    matrix has first row (0, B) and other rows (A_m, A_r); Sec. 2.1)::
+
+        (h_0, H'_1 .. H'_n) = A^T H          h_0 = sum_j A_m[j] H_j   (width connections)
+        H_i <- H'_i + B_i * F(Norm(h_0))     (depth connections)
+
+    Dynamic HC (``cfg.hc_dynamic``, default True; Sec. 2.2), with H_bar = Norm_hc(H)
+    per stream::
+
+        A_m(H) = A_m + s_alpha * tanh(H_bar W_m),   A_r(H) = A_r + s_alpha * tanh(H_bar W_r)
+        B(H)   = B   + s_beta  * tanh(H_bar W_beta)
+
+    (W_m | W_r) is ``dynamic_alpha`` [d, n+1], W_beta ``dynamic_beta`` [d]; static HC uses
+    A and B alone. Init (paper, Sec. 2.3, and its App. J pseudo-code): ``A_m = e_{k mod n}`` (sub-
+    layer k reads stream k mod n; k = the sub-layer index, our choice of counter), ``A_r =
+    I_n``, ``B = 1``, W = 0, s_alpha = s_beta = 0.01. The model therefore starts as a plain
+    Pre-LN residual network: the n streams stay equal copies of the Pre-LN stream x,
+    ``H_i <- x + F(Norm(x))``, and the final ``Norm(sum_i H_i) = Norm(n x)`` equals Pre-LN's
+    ``Norm(x)`` up to RMSNorm's eps (the transcription test checks this).
+
+    Norms: ``norm`` (F's input norm, as in Pre-LN; the paper's T includes it), ``hc_norm``
+    (dynamic only; the paper uses LayerNorm, we use RMSNorm, gain init 1, as keel does
+    everywhere and as the ``hyper-connections`` package does), and the model's final norm.
+    The maps run in the stream's dtype (fp32) with autocast off. Weight decay follows the
+    optimiser's rule (parameters with ndim >= 2: A, W_m|W_r); the paper does not say.
+
+    Removed (``keel ablate``): the n streams pass unchanged (no width mixing, no F).
+    """
+
+    final_norm = True
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__(cfg, index)
+        n, d = cfg.hc_streams, cfg.d_model
+        self.dynamic = cfg.hc_dynamic
+        self.norm = RMSNorm(d, cfg.norm_eps)
+        self.static_alpha = nn.Parameter(torch.empty(n, n + 1))
+        self.static_beta = nn.Parameter(torch.empty(n))
+        if self.dynamic:
+            self.hc_norm = RMSNorm(d, cfg.norm_eps)
+            self.dynamic_alpha = nn.Parameter(torch.empty(d, n + 1))
+            self.dynamic_beta = nn.Parameter(torch.empty(d))
+            self.s_alpha = nn.Parameter(torch.empty(1))
+            self.s_beta = nn.Parameter(torch.empty(1))
+        self.reset_scheme_parameters()
+
+    @classmethod
+    def check_config(cls, cfg: ModelConfig) -> None:
+        _check_hc(cfg)
+
+    @classmethod
+    def make_stream(cls, cfg: ModelConfig) -> nn.Module | None:
+        return ExpandedStream(cfg)
+
+    @torch.no_grad()
+    def reset_scheme_parameters(self) -> None:
+        n = self.static_beta.shape[0]
+        self.static_alpha.zero_()
+        self.static_alpha[self.index % n, 0] = 1.0  # A_m = e_{k mod n}
+        self.static_alpha[:, 1:].copy_(torch.eye(n))  # A_r = I
+        self.static_beta.fill_(1.0)  # B = 1
+        if self.dynamic:
+            self.dynamic_alpha.zero_()
+            self.dynamic_beta.zero_()
+            self.s_alpha.fill_(0.01)
+            self.s_beta.fill_(0.01)
+
+    def connections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Width connections of x [n, B, T, d]: ``(A^T H, B)`` as [n+1, B, T, d] and [n, B, T]
+        (static: B is [n, 1, 1])."""
+        if not self.dynamic:
+            return torch.einsum("je,jbtd->ebtd", self.static_alpha.to(x.dtype), x), self.static_beta[:, None, None]
+        xb = self.hc_norm(x)
+        alpha = self.static_alpha + self.s_alpha * torch.tanh(xb @ self.dynamic_alpha.to(x.dtype)).movedim(0, -2)
+        beta = self.static_beta[:, None, None] + self.s_beta * torch.tanh(xb @ self.dynamic_beta.to(x.dtype))
+        return torch.einsum("btje,jbtd->ebtd", alpha, x), beta
+
+    def forward(self, x, f):
+        with _no_autocast(x):
+            mixed, beta = self.connections(x)
+        out = f(self.norm(mixed[0]))
+        return mixed[1:] + beta.unsqueeze(-1) * out
+
+
+def sinkhorn_knopp(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """Sinkhorn-Knopp projection onto the doubly stochastic matrices (mHC, Xie et al. 2025,
+    arXiv 2512.24880, Sec. 4.2; Sinkhorn & Knopp 1967): ``M = exp(logits)``, then ``iters``
+    times: divide every row by its sum, then every column by its sum.
+
+    The largest logit of each matrix is subtracted first (an exact no-op after the first
+    row division, it keeps exp finite). After the last step the columns sum to 1 exactly
+    and the rows to 1 up to the remaining Sinkhorn error; entries are > 0.
+
+    Args:
+        logits: [..., n, n], any float dtype (the result has it).
+        iters: number of row+column normalisations (mHC's t_max, default 20).
+    """
+    m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True).detach())
+    for _ in range(iters):
+        m = m / m.sum(-1, keepdim=True)
+        m = m / m.sum(-2, keepdim=True)
+    return m
+
+
+class ManifoldHyperConnections(Residual):
+    """mHC (Xie et al. 2025, DeepSeek, "mHC: Manifold-Constrained Hyper-Connections", arXiv
+    2512.24880, Sec. 4). Stream x [n, B, T, d] as in :class:`HyperConnections` (n =
+    ``cfg.hc_streams``, paper default 4; n copies of the embedding, summed at the end)::
+
+        x_{l+1} = H_res x_l + H_post^T F(Norm(H_pre x_l))
+
+    with, per token, the flattened stream ``x_vec`` [n d] and (the paper's parametrisation,
+    Sec. 4.2)::
+
+        x' = RMSNorm(x_vec)
+        H_pre  = sigmoid(alpha_pre  * (x' phi_pre)  + b_pre)                   [1 x n]
+        H_post = 2 sigmoid(alpha_post * (x' phi_post) + b_post)                [1 x n]
+        H_res  = Sinkhorn-Knopp(alpha_res * mat(x' phi_res) + b_res)          [n x n]
+
+    ``H_res`` is doubly stochastic (:func:`sinkhorn_knopp`, ``cfg.mhc_sinkhorn_iters``
+    iterations, the paper's t_max = 20); H_pre in (0, 1) and H_post in (0, 2) are the
+    paper's non-negativity constraints on the pre/post maps.
+
+    Constants and init. Paper: n = 4, t_max = 20, gating factors alpha init 0.01. Our
+    choices where the paper (as far as we could read it) is silent, all so that the model
+    starts as a plain Pre-LN network (the streams stay equal copies of the Pre-LN stream:
+    a doubly stochastic H_res maps equal rows to equal rows, ``H_post = 2 sigmoid(0) = 1``
+    adds F once, and F's input norm removes the scale of ``H_pre x``) while the streams
+    are not all alike: phi = 0; ``b_pre = e_{k mod n}`` (logit 1 on stream k mod n, 0
+    elsewhere: sub-layer k reads mostly stream k mod n, as HC's A_m = e_{k mod n}) and
+    ``b_res = I_n`` (logits; H_res starts near the identity), both as the
+    ``hyper-connections`` package initialises its mHC; ``b_post = 0`` (H_post = 1, HC's
+    B = 1; that package starts from 2 sigmoid(1)).
+
+    Norms: ``norm`` (F's input norm), ``hc_norm`` (RMSNorm over the flattened n*d vector,
+    gain init 1), the model's final norm. The maps run in the stream's dtype, autocast off.
+
+    Removed (``keel ablate``): the n streams pass unchanged.
+    """
+
+    final_norm = True
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__(cfg, index)
+        n, d = cfg.hc_streams, cfg.d_model
+        self.iters = cfg.mhc_sinkhorn_iters
+        self.norm = RMSNorm(d, cfg.norm_eps)
+        self.hc_norm = RMSNorm(n * d, cfg.norm_eps)
+        self.phi_pre = nn.Parameter(torch.empty(n * d, n))
+        self.phi_post = nn.Parameter(torch.empty(n * d, n))
+        self.phi_res = nn.Parameter(torch.empty(n * d, n * n))
+        self.alpha_pre = nn.Parameter(torch.empty(1))
+        self.alpha_post = nn.Parameter(torch.empty(1))
+        self.alpha_res = nn.Parameter(torch.empty(1))
+        self.b_pre = nn.Parameter(torch.empty(n))
+        self.b_post = nn.Parameter(torch.empty(n))
+        self.b_res = nn.Parameter(torch.empty(n, n))
+        self.reset_scheme_parameters()
+
+    @classmethod
+    def check_config(cls, cfg: ModelConfig) -> None:
+        _check_hc(cfg)
+        if not (isinstance(cfg.mhc_sinkhorn_iters, int) and cfg.mhc_sinkhorn_iters >= 1):
+            raise KeelError(f"model.mhc_sinkhorn_iters must be an integer >= 1, got {cfg.mhc_sinkhorn_iters!r}")
+
+    @classmethod
+    def make_stream(cls, cfg: ModelConfig) -> nn.Module | None:
+        return ExpandedStream(cfg)
+
+    @torch.no_grad()
+    def reset_scheme_parameters(self) -> None:
+        n = self.b_pre.shape[0]
+        for p in (self.phi_pre, self.phi_post, self.phi_res, self.b_pre, self.b_post):
+            p.zero_()
+        for p in (self.alpha_pre, self.alpha_post, self.alpha_res):
+            p.fill_(0.01)
+        self.b_pre[self.index % n] = 1.0
+        self.b_res.copy_(torch.eye(n))
+
+    def maps(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(H_pre, H_post, H_res)`` of x [n, B, T, d]: [B, T, n], [B, T, n], [B, T, n, n]."""
+        n = x.shape[0]
+        xn = self.hc_norm(x.movedim(0, -2).flatten(-2))  # [B, T, n d]
+        h_pre = torch.sigmoid(self.alpha_pre * (xn @ self.phi_pre.to(x.dtype)) + self.b_pre)
+        h_post = 2 * torch.sigmoid(self.alpha_post * (xn @ self.phi_post.to(x.dtype)) + self.b_post)
+        logits = self.alpha_res * (xn @ self.phi_res.to(x.dtype)).unflatten(-1, (n, n)) + self.b_res
+        return h_pre, h_post, sinkhorn_knopp(logits, self.iters)
+
+    def forward(self, x, f):
+        with _no_autocast(x):
+            h_pre, h_post, h_res = self.maps(x)
+            h = torch.einsum("btj,jbtd->btd", h_pre, x)
+            mixed = torch.einsum("btij,jbtd->ibtd", h_res, x)
+        out = f(self.norm(h))
+        return mixed + h_post.movedim(-1, 0).unsqueeze(-1) * out
+
+
+def depth_attention(v: torch.Tensor, query: torch.Tensor, key_norm: RMSNorm) -> torch.Tensor:
+    """Attention over depth (Attention Residuals, Kimi Team 2026, arXiv 2603.15031, Eq. for
+    h_l; official pseudo-code ``block_attn_res``): ``h = sum_i softmax_i(w . Norm(v_i)) v_i``.
+
+    The keys ``Norm(v_i)`` are never formed: ``w . (v_i / rms(v_i) * g) = (v_i . (w * g)) /
+    rms(v_i)`` with ``rms(v) = sqrt(mean_d v^2 + eps)`` (an identity), so only v is kept for
+    the backward pass. No 1/sqrt(d) scale on the logits (the official pseudo-code has none).
+
+    Args:
+        v: the sources [m, B, T, d].
+        query: the pseudo-query w [d].
+        key_norm: the RMSNorm of the keys (gain g [d], its eps).
+    Returns:
+        [B, T, d] in v's dtype.
+    """
+    w = query.to(v.dtype) * key_norm.weight.to(v.dtype)
+    r = torch.rsqrt(v.square().mean(-1) + key_norm.eps)  # [m, B, T]
+    weights = torch.softmax((v @ w) * r, dim=0)
+    return torch.einsum("mbt,mbtd->btd", weights, v)
+
+
+class DepthAttentionReadout(nn.Module):
+    """AttnRes stream module: ``begin(emb) = emb[None]`` (the embedding is the first source,
+    b_0 = h_1 in the paper) [1, B, T, d]; ``end(S)`` = :func:`depth_attention` over every
+    block representation and the last partial sum, with its own pseudo-query (init 0) and
+    key norm, before the model's final norm (``cfg.attn_res_readout = "attend"``, default).
+    The official pseudo-code shows one layer only, not how the last hidden state is formed:
+    this is our choice, as the public reproductions' final aggregation (``final_res_proj``)
+    does; ``"sum"`` instead reads out the sum of all sources (the embedding plus every
+    sub-layer output: what a plain residual stream would hold), no parameters."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attend = cfg.attn_res_readout == "attend"
+        if self.attend:
+            self.query = nn.Parameter(torch.zeros(cfg.d_model))
+            self.key_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+    @torch.no_grad()
+    def reset_scheme_parameters(self) -> None:
+        if self.attend:
+            self.query.zero_()
+
+    def begin(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(0)
+
+    def end(self, s: torch.Tensor) -> torch.Tensor:
+        if not self.attend:
+            return s.sum(0)
+        with _no_autocast(s):
+            return depth_attention(s, self.query, self.key_norm)
+
+
+def attn_res_block_size(cfg: ModelConfig) -> int:
+    """Sub-layers per AttnRes block: 1 for Full AttnRes; ``ceil(L / N)`` for Block AttnRes
+    with N = ``cfg.attn_res_blocks`` (so at most N blocks; the last may be shorter).
+
+    Raises:
+        KeelError: an unknown ``model.attn_res_variant`` / ``attn_res_readout``, or
+            ``model.attn_res_blocks < 1``.
+    """
+    if cfg.attn_res_variant not in ("block", "full"):
+        raise KeelError(f"model.attn_res_variant must be 'block' or 'full', got {cfg.attn_res_variant!r}")
+    if cfg.attn_res_readout not in ("attend", "sum"):
+        raise KeelError(f"model.attn_res_readout must be 'attend' or 'sum', got {cfg.attn_res_readout!r}")
+    if not (isinstance(cfg.attn_res_blocks, int) and cfg.attn_res_blocks >= 1):
+        raise KeelError(f"model.attn_res_blocks must be an integer >= 1, got {cfg.attn_res_blocks!r}")
+    if cfg.attn_res_variant == "full":
+        return 1
+    return -(-cfg.n_sublayers // cfg.attn_res_blocks)
+
+
+class AttnRes(Residual):
+    """Attention Residuals (Kimi Team 2026, "Attention Residuals", arXiv 2603.15031; official
+    repository MoonshotAI/Attention-Residuals, its PyTorch pseudo-code). Each sub-layer's
+    input is a softmax-weighted sum over earlier representations, weights from one learned
+    pseudo-query w_l [d] per sub-layer over RMS-normalised sources (:func:`depth_attention`)::
+
+        h_l = sum_i softmax_i(w_l . Norm_l(v_i)) v_i,    out_l = F_l(Norm(h_l))
+
+    Full AttnRes: the sources are v_0 = the embedding and every earlier sub-layer output.
+    Block AttnRes (default, ``cfg.attn_res_variant = "block"``): the L sub-layers are cut
+    into blocks of S = ceil(L / N) sub-layers (N = ``cfg.attn_res_blocks``, default 8, the
+    paper's "N ~ 8 recovers most of Full's gain"); the sources are b_0 = the embedding, the
+    completed blocks' sums b_n = sum of their sub-layers' outputs, and the current block's
+    partial sum. As in the official code, a block closes right before a sub-layer whose
+    index is a multiple of S (that sub-layer still attends over the closed block, then
+    starts a new partial sum). With S = 1 Block equals Full.
+
+    The stream is S [m, B, T, d]: the completed blocks and, last, the partial sum (begun as
+    [embedding] by :class:`DepthAttentionReadout`, which also forms the model's output by a
+    last depth attention). The official pseudo-code counts blocks in layers (attention +
+    MLP); we count in sub-layers, so S may be odd (e.g. 1).
+
+    Init: w_l = 0 (the paper: zero-initialised pseudo-queries, uniform weights at start);
+    norms' gains 1. Sub-layer 0 has a single source (the embedding, weight 1), hence no
+    pseudo-query or key norm (the official code creates them; they never get a gradient).
+    Norms per sub-layer: ``norm`` (F's input norm; the official ``attn_norm``/``mlp_norm``)
+    and ``key_norm`` (``attn_res_norm``/``mlp_res_norm``); the readout's key norm; the
+    model's final norm. The depth attention runs in the stream's dtype with autocast off.
+
+    Removed (``keel ablate``): F's output is taken as 0 -- the block structure stays, the
+    sub-layer adds nothing to its block's partial sum (for S >= 2 an exact drop; in Full
+    AttnRes the source v_i = 0 still takes softmax weight, at logit 0).
+    """
+
+    final_norm = True
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__(cfg, index)
+        self.opens_block = index % attn_res_block_size(cfg) == 0
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if index > 0:  # sub-layer 0 has one source, the embedding: weight 1, nothing to learn
+            self.key_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.query = nn.Parameter(torch.zeros(cfg.d_model))
+
+    @classmethod
+    def check_config(cls, cfg: ModelConfig) -> None:
+        attn_res_block_size(cfg)
+
+    @classmethod
+    def make_stream(cls, cfg: ModelConfig) -> nn.Module | None:
+        return DepthAttentionReadout(cfg)
+
+    @torch.no_grad()
+    def reset_scheme_parameters(self) -> None:
+        if self.index > 0:
+            self.query.zero_()
+
+    def removed(self, x):
+        return AttnRes.forward(self, x, torch.zeros_like)
+
+    def forward(self, x, f):
+        if self.index == 0:
+            h = x[0]
+        else:
+            with _no_autocast(x):
+                h = depth_attention(x, self.query, self.key_norm)
+        out = f(self.norm(h)).to(x.dtype)
+        if self.opens_block:  # the partial sum becomes a block; out starts the next one
+            return torch.cat([x, out.unsqueeze(0)])
+        return torch.cat([x[:-1], (x[-1] + out).unsqueeze(0)])
+
+
 # The one list of residual schemes: config validation, the CLI defaults, gradflow, the
 # benchmarks and the tests all read it. Adding a scheme = a class above + a line here.
 SCHEMES: dict[str, type[Residual]] = {
@@ -438,6 +889,10 @@ SCHEMES: dict[str, type[Residual]] = {
     "keel": Keel,
     "hybridnorm": HybridNorm,
     "mix_ln": MixLN,
+    "peri_ln": PeriLN,
+    "hyper_connections": HyperConnections,
+    "mhc": ManifoldHyperConnections,
+    "attn_res": AttnRes,
 }
 
 

@@ -1,0 +1,1 @@
+"""Study presets for `keel study NAME` (TOML data files, see keel.experiments.study)."""

@@ -1,0 +1,831 @@
+"""``keel study NAME --scale SCALE``: a study of the paper's claims, declared as data, run on
+the grid runner, reported with verdicts computed from paired seeds.
+
+A study is a TOML file (packaged in ``keel/configs/studies/``, e.g. ``claims.toml``) with
+
+* ``[groups.G]``: a set of training runs, schemes x sub-layers x peak LRs x seeds, with extra
+  config keys (``set``). ``kind = "ramp"`` makes it the paper's max-LR stress test
+  (:mod:`keel.experiments.stress`: LR 0 -> ``peak_lr`` over ``ramp_steps``, a ``pre_ln``
+  reference run per depth and seed); ``lr_from = "G2"`` trains every scheme at the optimal LR
+  of group G2 at ``lr_from_sublayers`` sub-layers (the seed-mean curve's argmin), once
+  those runs have finished (LR transfer across depth).
+* ``[[claims]]``: per claim of the paper, the verdict function (``test``, a key of
+  :data:`CLAIM_TESTS`) and the groups and schemes it reads.
+* ``[scales.S]``: for each scale (``tiny`` for the test suite, ``cpu``, ``gpu-1``, ``paper``)
+  the config keys of every run (``set``) and each group's sizes (``[scales.S.groups.G]``).
+* ``[verdict]``: ``min_effect`` (nats/token) and ``min_seeds`` of :func:`paired_verdict`.
+
+Every run is an ordinary ``keel train`` run (:func:`keel.experiments.sweep.train_task`):
+finished runs are cached, interrupted ones resume (``--resume``), groups run in file order.
+Layout of ``--out``::
+
+    OUT/<group>/<run>/          one training run (grid job: job.json, result.json, run.log, ...)
+    OUT/<ramp group>/references/<run>/   the stress test's reference runs
+    OUT/report.md, report.json  the verdicts, the per-claim tables, every run's numbers
+    OUT/*.png                   loss against LR per group, the ramp, margins against depth, showcase
+
+The verdict vocabulary is ``reproduced`` / ``not reproduced`` / ``inconclusive``; the rule is
+:func:`paired_verdict`, the same for every claim, never written by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from keel.errors import KeelError
+from keel.experiments import sensitivity as LS
+from keel.experiments import stress as ST
+from keel.experiments.grid import GridJob, cached_result, run_grid
+from keel.experiments.sweep import _override, build_jobs, param_count, train_task
+from keel.io import atomic_write_text
+
+_log = logging.getLogger(__name__)
+
+REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
+GROUP_KEYS = {"kind", "schemes", "sublayers", "lrs", "seeds", "set", "peak_lr", "ramp_steps", "lr_from",
+              "lr_from_sublayers"}
+PLATEAU_WINDOW = 10  # steps of the trailing mean of the training loss that must fall below the plateau level
+
+
+# ----------------------------------------------------------------------------- the study as data
+@dataclass
+class Group:
+    """One group of runs of a study at one scale (see the module docstring). Depths are in
+    sub-layers (even); ``lrs`` are peak LRs (absolute); ``sets`` are ``section.key=value``."""
+
+    name: str
+    schemes: list[str]
+    sublayers: list[int]
+    seeds: list[int]
+    lrs: list[float] = field(default_factory=list)
+    kind: str = "train"
+    sets: list[str] = field(default_factory=list)
+    peak_lr: float = 5e-2
+    ramp_steps: int = 1000
+    lr_from: str = ""
+    lr_from_sublayers: int = 0
+
+
+@dataclass
+class Study:
+    """A loaded study at one scale: ``groups`` in run order, ``claims`` (dicts from the TOML),
+    ``sets`` (the scale's config keys, then the user's ``--set``), ``min_effect`` (nats/token)
+    and ``min_seeds`` of the verdict rule."""
+
+    name: str
+    scale: str
+    description: str
+    note: str
+    base: str
+    sets: list[str]
+    groups: list[Group]
+    claims: list[dict]
+    min_effect: float = 0.02
+    min_seeds: int = 2
+
+
+def _group(name: str, spec: dict, sized: dict) -> Group:
+    unknown = (set(spec) | set(sized)) - GROUP_KEYS
+    if unknown:
+        raise KeelError(f"study group {name!r}: unknown key(s) {', '.join(sorted(unknown))}")
+    d = {**spec, **sized}
+    sets = [_override(k, v) for k, v in d.pop("set", {}).items()]
+    g = Group(name=name, sets=sets, **{k: v for k, v in d.items()})
+    for L in g.sublayers:
+        if not isinstance(L, int) or L < 2 or L % 2:
+            raise KeelError(f"study group {name!r}: sub-layers must be even integers >= 2, got {L}")
+    if g.kind not in ("train", "ramp"):
+        raise KeelError(f"study group {name!r}: kind must be train or ramp, got {g.kind!r}")
+    if g.kind == "train" and not (g.lrs or g.lr_from):
+        raise KeelError(f"study group {name!r} has neither lrs nor lr_from")
+    if not (g.schemes and g.sublayers and g.seeds):
+        raise KeelError(f"study group {name!r} needs schemes, sublayers and seeds")
+    return g
+
+
+def load_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
+    """Read study ``name`` (a packaged preset or a TOML path) at ``scale``.
+
+    Raises:
+        KeelError: unknown study or scale, unparsable TOML, a malformed group or claim, an
+            unknown scheme, a claim naming a group that the scale does not size.
+    """
+    from keel.config import resolve_config_path, tomllib
+    from keel.model import SCHEMES
+
+    path = resolve_config_path(name, kind="studies")
+    try:
+        d = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise KeelError(f"cannot parse study {path}: {e}") from None
+    scales = d.get("scales", {})
+    if scale not in scales:
+        raise KeelError(f"study {path.stem!r} has no scale {scale!r} (scales: {', '.join(scales)})")
+    sc = scales[scale]
+    sized = sc.get("groups", {})
+    groups = [_group(g, spec, sized[g]) for g, spec in d.get("groups", {}).items() if g in sized]
+    for g in groups:
+        bad = [s for s in g.schemes if s not in SCHEMES]
+        if bad:
+            raise KeelError(f"study group {g.name!r}: unknown scheme(s) {', '.join(bad)} (available: {', '.join(SCHEMES)})")
+        if len(set(g.schemes)) != len(g.schemes) or len(set(g.sublayers)) != len(g.sublayers) \
+                or len(set(g.seeds)) != len(g.seeds) or len(set(g.lrs)) != len(g.lrs):
+            raise KeelError(f"study group {g.name!r} repeats a scheme, depth, seed or LR")
+        if g.lr_from:
+            src = next((x for x in groups if x.name == g.lr_from and x is not g and x.kind == "train"), None)
+            if src is None or g.lr_from_sublayers not in src.sublayers or set(g.schemes) - set(src.schemes):
+                raise KeelError(f"study group {g.name!r}: lr_from must name another train group of this scale that "
+                                f"has lr_from_sublayers ({g.lr_from_sublayers}) and every scheme of this group")
+    extra = set(sized) - set(d.get("groups", {}))
+    if extra:
+        raise KeelError(f"study scale {scale!r} sizes undeclared group(s) {', '.join(sorted(extra))}")
+    claims = d.get("claims", [])
+    if not isinstance(claims, list) or not claims:
+        raise KeelError("a study needs [[claims]] entries (an array of tables)")
+    for c in claims:
+        _check_claim(c, {g.name: g for g in groups})
+    ids = [c["id"] for c in claims]
+    if len(set(ids)) != len(ids):
+        raise KeelError(f"study claims repeat an id: {', '.join(ids)}")
+    unknown = set(d) - {"description", "base", "verdict", "groups", "claims", "scales"}
+    if unknown:
+        raise KeelError(f"study {path.stem!r}: unknown top-level key(s) {', '.join(sorted(unknown))}")
+    v = d.get("verdict", {})
+    if set(v) - {"min_effect", "min_seeds"} or float(v.get("min_effect", 0.02)) <= 0 or int(v.get("min_seeds", 2)) < 1:
+        raise KeelError("study [verdict] takes min_effect (> 0, nats) and min_seeds (>= 1) only")
+    controlled = [x.split("=", 1)[0].strip() for x in user_sets if x.split("=", 1)[0].strip() in GRID_KEYS]
+    if controlled:
+        raise KeelError(f"--set {controlled[0]} is set by the study's groups; change the study file instead")
+    sets = [_override(k, x) for k, x in sc.get("set", {}).items()] + list(user_sets)
+    return Study(name=path.stem, scale=scale, description=d.get("description", "").strip(), note=sc.get("note", ""),
+                 base=d.get("base", "demo"), sets=sets, groups=groups, claims=claims,
+                 min_effect=float(v.get("min_effect", 0.02)), min_seeds=int(v.get("min_seeds", 2)))
+
+
+# keys a claim of each test reads: (required, optional); "groups" lists, the rest are names
+CLAIM_KEYS = {"margin_grows": ({"groups", "scheme", "baseline"}, set()),
+              "lr_transfer": ({"group"}, {"scheme"}),
+              "init_margin": ({"group", "reference_group", "scheme", "baseline"}, set()),
+              "max_lr_order": ({"group", "order"}, set())}
+GRID_KEYS = {"model.residual", "model.n_layers", "train.lr", "train.seed"}  # set per run by the groups
+
+
+def _check_claim(c: dict, groups: dict[str, "Group"]) -> None:
+    """Raise KeelError naming the first problem of one ``[[claims]]`` entry: not a table, no id /
+    title / known test, a missing or unknown key, a group this scale does not size, a scheme
+    the group does not train, a ramp test on a train group (or the reverse)."""
+    if not isinstance(c, dict) or not c.get("id") or not c.get("title"):
+        raise KeelError("every [[claims]] entry needs an id and a title")
+    test = c.get("test")
+    if test not in CLAIM_KEYS:
+        raise KeelError(f"study claim {c['id']!r}: test must be one of {', '.join(CLAIM_KEYS)}, got {test!r}")
+    need, opt = CLAIM_KEYS[test]
+    missing, unknown = need - set(c), set(c) - need - opt - {"id", "title", "test"}
+    if missing or unknown:
+        raise KeelError(f"study claim {c['id']!r} ({test}): " + (f"missing {', '.join(sorted(missing))}" if missing
+                                                               else f"unknown key(s) {', '.join(sorted(unknown))}"))
+    names = list(c["groups"]) if isinstance(c.get("groups"), list) else [c.get("groups")] if "groups" in c else []
+    names += [c[k] for k in ("group", "reference_group") if k in c]
+    for g in names:
+        if g not in groups:
+            raise KeelError(f"study claim {c['id']!r}: group {g!r} is not sized by this scale")
+        if (groups[g].kind == "ramp") != (test == "max_lr_order"):
+            raise KeelError(f"study claim {c['id']!r}: {test} cannot read {groups[g].kind} group {g!r}")
+    if "groups" in c and not isinstance(c["groups"], list):
+        raise KeelError(f"study claim {c['id']!r}: groups must be a list of group names")
+    schemes = set().union(*(groups[g].schemes for g in names))
+    wanted = [c[k] for k in ("scheme", "baseline") if k in c] + list(c.get("order", []))
+    if set(wanted) - schemes:
+        raise KeelError(f"study claim {c['id']!r}: scheme(s) {', '.join(sorted(set(wanted) - schemes))} "
+                        f"not trained by its group(s)")
+
+
+# ----------------------------------------------------------------------------- verdicts
+def paired_verdict(diffs: dict, min_effect: float, min_seeds: int = 2) -> dict:
+    """The verdict of one paired comparison, oriented so that the claim predicts ``d > 0``.
+
+    ``diffs``: ``{seed: d_seed}`` (nats/token, or any unit ``min_effect`` is in), one per seed
+    that both sides finished (paired: same seed = same init draws and data order).
+
+    * ``reproduced``: at least ``min_seeds`` seeds and every ``d >= min_effect``;
+    * ``not reproduced``: at least ``min_seeds`` seeds and either every ``d <= -min_effect``
+      (the opposite holds) or every ``|d| < min_effect`` (no effect);
+    * ``inconclusive``: anything else (mixed signs, a seed inside the noise floor while
+      another is outside it, fewer than ``min_seeds`` seeds).
+
+    Returns ``{verdict, n, mean, sd, diffs}`` (``sd`` the sample standard deviation, ddof 1;
+    0 for one seed; None without seeds).
+    """
+    xs = [float(x) for x in diffs.values() if x is not None and math.isfinite(x)]
+    n = len(xs)
+    mean = statistics.fmean(xs) if xs else None
+    sd = (statistics.stdev(xs) if n > 1 else 0.0) if xs else None
+    if n < max(1, min_seeds):
+        verdict = INCONCLUSIVE
+    elif all(x >= min_effect for x in xs):
+        verdict = REPRODUCED
+    elif all(x <= -min_effect for x in xs) or all(abs(x) < min_effect for x in xs):
+        verdict = NOT_REPRODUCED
+    else:
+        verdict = INCONCLUSIVE
+    return {"verdict": verdict, "n": n, "mean": mean, "sd": sd, "diffs": dict(diffs)}
+
+
+def combine(verdicts: Sequence[str]) -> str:
+    """All parts reproduced -> reproduced; any part not reproduced -> not reproduced; else inconclusive."""
+    if verdicts and all(v == REPRODUCED for v in verdicts):
+        return REPRODUCED
+    return NOT_REPRODUCED if NOT_REPRODUCED in verdicts else INCONCLUSIVE
+
+
+def best_losses(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayers: int) -> dict:
+    """``{seed: best capped final validation loss}`` of ``scheme`` at ``sublayers`` over the
+    runs of ``groups`` (each seed's best LR; a run without a finite final loss counts as its
+    step-0 loss, as in :func:`keel.experiments.sensitivity.seed_curve`). Seeds with an
+    unfinished LR are left out."""
+    out = {}
+    for seed in sorted({r["seed"] for r in runs}):
+        rs = [r for r in runs if r["group"] in groups and r["scheme"] == scheme and r["sublayers"] == sublayers
+              and r["seed"] == seed]
+        if rs and all(r["status"] == "done" for r in rs):
+            out[seed] = min(r["capped_loss"] for r in rs)
+    return out
+
+
+def _pair(a: dict, b: dict) -> dict:
+    """``{seed: a - b}`` over the seeds both have."""
+    return {s: a[s] - b[s] for s in sorted(set(a) & set(b))}
+
+
+def claim_margin_grows(study: Study, runs: list[dict], claim: dict) -> dict:
+    """``scheme`` beats ``baseline`` at the deepest depth and its margin grows with depth.
+
+    Margin per seed and depth: ``m_L = best(baseline) - best(scheme)`` (nats/token, best
+    over the LR grid per seed). Two paired verdicts, combined by :func:`combine`:
+    ``m_deepest > 0`` and ``m_deepest - m_shallowest > 0`` (depths where both schemes have
+    a paired seed). Rows: the margin at every depth, and the baseline's diverged runs.
+    """
+    groups, s, b = claim["groups"], claim["scheme"], claim["baseline"]
+    depths = sorted({r["sublayers"] for r in runs if r["group"] in groups})
+    rows = []
+    for L in depths:
+        m = _pair(best_losses(runs, groups, b, L), best_losses(runs, groups, s, L))
+        if m:
+            failed = [r for r in runs if r["group"] in groups and r["scheme"] == b and r["sublayers"] == L
+                      and r.get("diverged")]
+            rows.append({"sublayers": L, "margin": paired_verdict(m, study.min_effect, study.min_seeds),
+                         "baseline_diverged_runs": len(failed)})
+    if len(rows) < 2:
+        return {"verdict": INCONCLUSIVE, "why": "needs paired results at two depths at least", "rows": rows}
+    lo, hi = rows[0], rows[-1]
+    growth = _pair(hi["margin"]["diffs"], lo["margin"]["diffs"])
+    parts = {"margin at the deepest depth": hi["margin"],
+             f"growth {lo['sublayers']} -> {hi['sublayers']} sub-layers": paired_verdict(growth, study.min_effect,
+                                                                                          study.min_seeds)}
+    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+
+
+def _opt_lrs(runs: list[dict], group: str, scheme: str, L: int) -> dict:
+    """``{seed: (optimal LR, at an edge of the LR grid)}`` of one scheme and depth of a train group."""
+    out = {}
+    rs = [r for r in runs if r["group"] == group and r["scheme"] == scheme and r["sublayers"] == L]
+    lrs = sorted({r["lr"] for r in rs})
+    for seed in sorted({r["seed"] for r in rs}):
+        mine = [r for r in rs if r["seed"] == seed]
+        if len(mine) == len(lrs) and all(r["status"] == "done" for r in mine):
+            best = min(mine, key=lambda r: r["capped_loss"])
+            out[seed] = (best["lr"], len(lrs) > 1 and best["lr"] in (lrs[0], lrs[-1]))
+    return out
+
+
+def claim_lr_transfer(study: Study, runs: list[dict], claim: dict) -> dict:
+    """The optimal peak LR of ``claim["scheme"]`` (default keel) is the same at the shallowest
+    and the deepest depth of the group, per seed.
+
+    Paired difference per seed: ``d = -|log10(eta*_deep / eta*_shallow)|``; transfer
+    (reproduced) needs every seed's optimum at the same grid point (``d = 0``) and inside
+    the LR grid at both depths; an optimum that moves by a grid step in every seed is "not
+    reproduced"; an optimum at an edge of the grid is "inconclusive" (the grid is too narrow).
+    Rows: every scheme's per-seed optima, for comparison.
+    """
+    g = claim["group"]
+    depths = sorted({r["sublayers"] for r in runs if r["group"] == g})
+    rows = []
+    for scheme in dict.fromkeys(r["scheme"] for r in runs if r["group"] == g):
+        per = {L: _opt_lrs(runs, g, scheme, L) for L in depths}
+        rows.append({"scheme": scheme, "opt_lr": {L: {s: v[0] for s, v in p.items()} for L, p in per.items()},
+                     "at_edge": any(e for p in per.values() for _, e in p.values())})
+    subject = claim.get("scheme", "keel")
+    row = next((r for r in rows if r["scheme"] == subject), None)
+    if row is None or len(depths) < 2:
+        return {"verdict": INCONCLUSIVE, "why": "needs the scheme's LR grid at two depths", "rows": rows}
+    lo, hi = row["opt_lr"][depths[0]], row["opt_lr"][depths[-1]]
+    shift = {s: abs(math.log10(hi[s] / lo[s])) for s in sorted(set(lo) & set(hi))}
+    n_ok = len(shift) >= study.min_seeds
+    if not n_ok or row["at_edge"]:
+        verdict = INCONCLUSIVE
+    elif all(x < 1e-9 for x in shift.values()):
+        verdict = REPRODUCED
+    elif all(x > 1e-9 for x in shift.values()):
+        verdict = NOT_REPRODUCED
+    else:
+        verdict = INCONCLUSIVE
+    return {"verdict": verdict, "scheme": subject, "depths": [depths[0], depths[-1]], "log10_shift": shift,
+            "rows": rows}
+
+
+def claim_init_margin(study: Study, runs: list[dict], claim: dict) -> dict:
+    """``scheme`` still beats ``baseline`` when each uses the better of two embedding inits.
+
+    Per seed, at the init group's depth: ``m = min(best(baseline) over inits) - min(best(scheme)
+    over inits)``, the inits being the group's (e.g. ``model.embed_init_std = 1.0``) and the
+    reference group's (the study's default init); verdict :func:`paired_verdict` of ``m``.
+    Also reported: the margin at each init alone, and the baseline's gain from the init.
+    """
+    g, ref, s, b = claim["group"], claim["reference_group"], claim["scheme"], claim["baseline"]
+    depths = sorted({r["sublayers"] for r in runs if r["group"] == g})
+    if not depths:
+        return {"verdict": INCONCLUSIVE, "why": "no finished runs in the init group", "rows": []}
+    L = depths[0]
+    bl = {k: best_losses(runs, [k], b, L) for k in (g, ref)}
+    sl = {k: best_losses(runs, [k], s, L) for k in (g, ref)}
+    best_b = {x: min(bl[g][x], bl[ref][x]) for x in set(bl[g]) & set(bl[ref])}
+    best_s = {x: min(sl[g][x], sl[ref][x]) for x in set(sl[g]) & set(sl[ref])}
+    v = paired_verdict(_pair(best_b, best_s), study.min_effect, study.min_seeds)
+    rows = {"margin, default init": paired_verdict(_pair(bl[ref], sl[ref]), study.min_effect, study.min_seeds),
+            "margin, this group's init": paired_verdict(_pair(bl[g], sl[g]), study.min_effect, study.min_seeds),
+            f"{b} gain from this group's init": paired_verdict(_pair(bl[ref], bl[g]), study.min_effect,
+                                                                study.min_seeds)}
+    return {"verdict": v["verdict"], "sublayers": L, "margin_best_init": v, "rows": rows}
+
+
+def _log_ratio(hi: float | None, lo: float | None, peak: float) -> float | None:
+    """log10(max LR of the scheme expected higher / of the lower one); a run that never diverged
+    counts as the peak LR (censored). Two censored runs are no evidence either way: None."""
+    if hi is None and lo is None:
+        return None
+    a, b = (hi if hi is not None else peak), (lo if lo is not None else peak)
+    if a <= 0 or b <= 0:
+        return math.inf if a > b else (-math.inf if a < b else 0.0)
+    return math.log10(a / b)
+
+
+def claim_max_lr_order(study: Study, runs: list[dict], claim: dict) -> dict:
+    """Max LR (the stress ramp's LR just before divergence) increases along ``claim["order"]``.
+
+    For each adjacent pair (a, b) of the order, per seed ``d = log10(maxLR_b / maxLR_a)``
+    (a run that never diverged counts as the peak LR; a seed where neither diverged is left
+    out, so a ramp whose peak is too low ends inconclusive); pair verdict :func:`paired_verdict`
+    with ``min_effect = log10(1.05)`` (5%); the claim's verdict combines the pairs
+    (:func:`combine`). Rows: one per depth with each scheme's max LR per seed.
+    """
+    g, order = claim["group"], claim["order"]
+    rr = [r for r in runs if r["group"] == g and r["status"] == "done"]
+    peak = max([r["peak_lr"] for r in rr] or [0.0])
+    depths = sorted({r["sublayers"] for r in rr})
+    pairs, rows = {}, []
+    for L in depths:
+        lr = {s: {r["seed"]: r.get("max_lr") for r in rr if r["scheme"] == s and r["sublayers"] == L} for s in order}
+        rows.append({"sublayers": L, "max_lr": lr})
+        for a, b in zip(order, order[1:]):
+            d = {x: _log_ratio(lr[b][x], lr[a][x], peak) for x in sorted(set(lr[a]) & set(lr[b]))}
+            d = {x: v for x, v in d.items() if v is not None}  # both never diverged: censored, left out
+            pairs[f"{a} < {b} at {L}"] = paired_verdict(d, math.log10(1.05), study.min_seeds)
+    if not pairs:
+        return {"verdict": INCONCLUSIVE, "why": "no finished ramp runs", "rows": rows, "parts": {}}
+    return {"verdict": combine([p["verdict"] for p in pairs.values()]), "parts": pairs, "rows": rows,
+            "peak_lr": peak}
+
+
+CLAIM_TESTS = {"margin_grows": claim_margin_grows, "lr_transfer": claim_lr_transfer,
+               "init_margin": claim_init_margin, "max_lr_order": claim_max_lr_order}
+
+
+# ----------------------------------------------------------------------------- jobs
+def group_jobs(study: Study, g: Group, data_dir: str, out: Path,
+               lr_for: dict[str, float] | None = None) -> tuple[list[GridJob], list[GridJob]]:
+    """(reference jobs, jobs) of one group: the stress test's for a ramp group, else one
+    :func:`keel.experiments.sweep.build_jobs` grid, depth-major (a partial group covers the
+    shallow depths with every seed first). ``lr_for``: ``{scheme: LR}`` of an ``lr_from`` group.
+    Raises KeelError on a bad config."""
+    from keel.config import resolve_config_path
+
+    sets = study.sets + g.sets
+    if g.kind == "ramp":
+        return ST.stress_jobs(resolve_config_path(study.base), sets, g.schemes, g.sublayers, g.seeds, g.peak_lr,
+                              g.ramp_steps, Path(data_dir), out / g.name)
+    jobs = []
+    for scheme in g.schemes:
+        lrs = [lr_for[scheme]] if lr_for is not None else g.lrs
+        grid = {"model.n_layers": [L // 2 for L in g.sublayers], "train.seed": g.seeds,
+                "model.residual": [scheme], "train.lr": sorted(lrs)}
+        jobs += build_jobs(study.base, grid, sets, data_path=data_dir)
+    order = {s: i for i, s in enumerate(g.schemes)}
+    jobs.sort(key=lambda j: (j.values["model.n_layers"], j.values["train.seed"], order[j.values["model.residual"]],
+                             j.values["train.lr"]))
+    return [], jobs
+
+
+def transferred_lrs(runs: list[dict], g: Group) -> dict[str, float] | None:
+    """``{scheme: optimal LR}`` of group ``g.lr_from`` at ``g.lr_from_sublayers``: the argmin of
+    the seed-mean capped loss over its LR grid (:func:`keel.experiments.sensitivity.cell_summary`);
+    None until every scheme has every seed finished there."""
+    out = {}
+    for scheme in g.schemes:
+        rs = [r for r in runs if r["group"] == g.lr_from and r["scheme"] == scheme
+              and r["sublayers"] == g.lr_from_sublayers]
+        lrs = sorted({r["lr"] for r in rs})
+        curves = [LS.seed_curve([r["result"] for r in rs if r["seed"] == s], lrs) for s in g.seeds]
+        if not rs or any(c is None for c in curves):
+            return None
+        out[scheme] = LS.cell_summary(curves, lrs)["opt_lr"]
+    return out
+
+
+# ----------------------------------------------------------------------------- run records
+def plateau_exit_step(records: Sequence[dict], level: float | None, window: int = PLATEAU_WINDOW) -> int | None:
+    """First step whose trailing mean training loss over ``window`` steps is below ``level``
+    (nats/token; the divergence classifier's stagnation level, 95% of the unigram entropy):
+    the step the run leaves the unigram plateau. None if it never does (or no level)."""
+    if level is None:
+        return None
+    losses = [(r["step"], r["loss"]) for r in records if "loss" in r and math.isfinite(r["loss"])]
+    for i in range(window - 1, len(losses)):
+        if statistics.fmean(x for _, x in losses[i - window + 1:i + 1]) < level:
+            return losses[i][0]
+    return None
+
+
+def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -> dict:
+    """One run's row of the report: coordinates, ``status`` (done / error / pending), ``tokens``
+    trained, final / step-0 validation loss, ``capped_loss`` (final, or the step-0 loss when the
+    run has no finite final loss), divergence verdict, max LR (ramp), plateau exit step."""
+    from keel.train.metrics import read_metrics
+
+    v = job.values
+    scheme = v.get("model.residual", v.get("scheme"))
+    rec = {"group": group.name, "name": job.name, "scheme": scheme,
+           "sublayers": v.get("sublayers", 2 * v.get("model.n_layers", 0)), "seed": v.get("train.seed", v.get("seed")),
+           "lr": v.get("train.lr", v.get("peak_lr")), "status": "pending", "result": result or {}}
+    if result is None:
+        return rec
+    final, first = result.get("final_val_loss"), result.get("first_val_loss")
+    h1 = result.get("unigram_entropy")
+    metrics = run_dir / "metrics.jsonl"
+    records = read_metrics(metrics) if metrics.is_file() else []
+    rec.update(status=result.get("status", "done"), tokens=result.get("tokens"), final_val_loss=final,
+               first_val_loss=first, capped_loss=final if final is not None else first,
+               verdict=result.get("verdict"), diverged=result.get("diverged"), max_lr=result.get("max_lr"),
+               peak_lr=group.peak_lr, wall_s=result.get("wall_s"),
+               plateau_exit_step=plateau_exit_step(records, 0.95 * h1 if h1 else None))
+    return rec
+
+
+def collect(study: Study, data_dir: str, out: Path, *, train: bool, workers: int = 1,
+            threads: int | None = None) -> tuple[list[dict], list[str]]:
+    """Run (``train``) or only read every group in order; return the run records
+    (:func:`run_record`) of every job, finished or not, and one line per group not planned
+    yet: an ``lr_from`` group whose source has not finished is skipped (logged), and runs on a
+    later invocation."""
+    runs: list[dict] = []
+    waiting = []
+    for g in study.groups:
+        lr_for = None
+        if g.lr_from:
+            lr_for = transferred_lrs(runs, g)
+            if lr_for is None:
+                waiting.append(f"group {g.name} waits for group {g.lr_from} at {g.lr_from_sublayers} sub-layers")
+                _log.info(f"study: {waiting[-1]}")
+                continue
+        refs, jobs = group_jobs(study, g, data_dir, out, lr_for)
+        gdir = out / g.name
+        errors = {}
+        if train:
+            _log.info(f"study: group {g.name}: {len(jobs)} runs" + (f" + {len(refs)} reference runs" if refs else ""))
+            if refs:
+                run_grid(refs, gdir / ST.REFERENCES, train_task, workers=workers, resume=True, threads=threads)
+            got = run_grid(jobs, gdir, ST.stress_task if g.kind == "ramp" else train_task, workers=workers,
+                           resume=True, threads=threads)
+            errors = {j.name: r for j, r in zip(jobs, got) if r.get("status") == "error"}
+        for j in jobs:
+            res = cached_result(gdir / j.name)
+            rec = run_record(g, j, gdir / j.name, res if res and res.get("status") == "done" else None)
+            if j.name in errors:
+                rec.update(status="error", message=errors[j.name].get("message"))
+            runs.append(rec)
+    return runs, waiting
+
+
+# ----------------------------------------------------------------------------- estimate (dry run)
+def flops_per_token(model_cfg, seq_len: int) -> float:
+    """Training FLOPs per token, PaLM (Chowdhery et al. 2022, App. B): ``6 N + 12 n_layers d_model
+    seq_len``, N = non-embedding parameters (:func:`keel.experiments.sweep.param_count`)."""
+    return 6.0 * param_count(model_cfg, non_embedding=True) + 12.0 * model_cfg.n_layers * model_cfg.d_model * seq_len
+
+
+def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: float) -> list[dict]:
+    """One row per group: runs (+ references), tokens per run (the planned budget; a ramp run
+    stops earlier when it diverges), total tokens and estimated GPU-hours at ``mfu`` of a
+    ``peak_tflops`` (dense bf16 TFLOP/s) GPU. An ``lr_from`` group is planned at one LR per scheme."""
+    from keel.config import config_from_dict
+
+    rows = []
+    for g in study.groups:
+        lr_for = {s: 1e-3 for s in g.schemes} if g.lr_from else None
+        refs, jobs = group_jobs(study, g, data_dir, out, lr_for)
+        flops = tokens = 0.0
+        per_run = []
+        for j in refs + jobs:
+            cfg = config_from_dict(j.config)
+            t = cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum
+            per_run.append(t)
+            tokens += t
+            flops += t * flops_per_token(cfg.model, cfg.train.seq_len)
+        rows.append({"group": g.name, "kind": g.kind, "runs": len(jobs), "references": len(refs),
+                     "schemes": g.schemes, "sublayers": g.sublayers, "seeds": g.seeds,
+                     "lrs": (f"from {g.lr_from} at {g.lr_from_sublayers}" if g.lr_from else g.lrs) if g.kind == "train"
+                     else f"ramp 0 -> {g.peak_lr:g} over {g.ramp_steps} steps",
+                     "tokens_per_run": sorted(set(per_run)), "tokens": tokens, "flops": flops,
+                     "gpu_hours": flops / (mfu * peak_tflops * 1e12) / 3600})
+    return rows
+
+
+def plan_markdown(study: Study, rows: list[dict], mfu: float, peak_tflops: float) -> str:
+    """The ``--dry-run`` table."""
+    lines = [f"Study {study.name}, scale {study.scale}: {study.note}".strip(), "",
+             "| group | runs | schemes | sub-layers | seeds | LRs | tokens per run | total tokens | est. GPU-hours |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        runs = f"{r['runs']}" + (f" + {r['references']} ref." if r["references"] else "")
+        lrs = ", ".join(f"{x:g}" for x in r["lrs"]) if isinstance(r["lrs"], list) else r["lrs"]
+        lines.append(f"| {r['group']} | {runs} | {', '.join(r['schemes'])} | {', '.join(map(str, r['sublayers']))} | "
+                     f"{', '.join(map(str, r['seeds']))} | {lrs} | {', '.join(f'{t:,.0f}' for t in r['tokens_per_run'])} | "
+                     f"{r['tokens']:.3g} | {r['gpu_hours']:,.1f} |")
+    tot = sum(r["gpu_hours"] for r in rows)
+    lines += ["", f"Total: {sum(r['runs'] + r['references'] for r in rows)} runs, "
+                  f"{sum(r['tokens'] for r in rows):.3g} tokens, about {tot:,.1f} GPU-hours "
+                  f"(training FLOPs 6N + 12 n_layers d T per token, PaLM App. B, at {mfu:.0%} MFU of "
+                  f"{peak_tflops:g} TFLOP/s dense bf16, an H100 SXM; evaluation not counted)."]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- report
+def _pm(v: dict | None, fmt: str = "{:+.3f}") -> str:
+    """``mean ± sd [per seed]`` of a :func:`paired_verdict` dict."""
+    if not v or v.get("mean") is None:
+        return "–"
+    per = ", ".join(fmt.format(x) for x in v["diffs"].values())
+    return f"{fmt.format(v['mean'])} ± {abs(v['sd']):.3f} [{per}]" if v["n"] > 1 else f"{fmt.format(v['mean'])} [{per}]"
+
+
+def claim_numbers(c: dict) -> str:
+    """One cell: the numbers behind a claim's verdict."""
+    if "parts" in c and c["parts"]:
+        return "; ".join(f"{k}: {_pm(v)}" for k, v in c["parts"].items())
+    if "margin_best_init" in c:
+        return f"margin at each scheme's better init ({c['sublayers']} sub-layers): {_pm(c['margin_best_init'])}"
+    if "log10_shift" in c:
+        row = next(r for r in c["rows"] if r["scheme"] == c["scheme"])
+        lo, hi = c["depths"]
+        return (f"{c['scheme']} optimal LR per seed: {lo} sub-layers {_lrs(row['opt_lr'][lo])}, "
+                f"{hi} sub-layers {_lrs(row['opt_lr'][hi])}" + ("; at an edge of the LR grid" if row["at_edge"] else ""))
+    return c.get("why", "–")
+
+
+def _lrs(d: dict) -> str:
+    return "[" + ", ".join("none" if x is None else f"{x:g}" for x in d.values()) + "]"
+
+
+def claim_section(claim: dict, c: dict) -> list[str]:
+    """Markdown of one claim: verdict, the rule, the table of its rows."""
+    out = [f"## ({claim['id']}) {claim['title']}", "", f"**Verdict: {c['verdict']}.** {claim_numbers(c)}", "",
+           " ".join((CLAIM_TESTS[claim["test"]].__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "`"),
+           ""]
+    if claim["test"] == "margin_grows":
+        out += ["| sub-layers | margin (baseline − scheme, nats) mean ± sd [per seed] | verdict | baseline runs diverged |",
+                "|---|---|---|---|"]
+        out += [f"| {r['sublayers']} | {_pm(r['margin'])} | {r['margin']['verdict']} | {r['baseline_diverged_runs']} |"
+                for r in c["rows"]]
+    elif claim["test"] == "lr_transfer":
+        out += ["| scheme | optimal LR per seed, by depth | optimum at a grid edge |", "|---|---|---|"]
+        out += [f"| {r['scheme']} | " + "; ".join(f"{L}: {_lrs(v)}" for L, v in r["opt_lr"].items())
+                + f" | {'yes' if r['at_edge'] else 'no'} |" for r in c["rows"]]
+    elif claim["test"] == "init_margin":
+        out += ["| comparison | mean ± sd [per seed] (nats) | verdict |", "|---|---|---|"]
+        out += [f"| {k} | {_pm(v)} | {v['verdict']} |" for k, v in c["rows"].items()]
+    elif claim["test"] == "max_lr_order":
+        out += ["| sub-layers | " + " | ".join(claim["order"]) + " |", "|---" * (len(claim["order"]) + 1) + "|"]
+        out += [f"| {r['sublayers']} | " + " | ".join(_lrs(r["max_lr"][s]) for s in claim["order"]) + " |"
+                for r in c["rows"]]
+        out += ["", f"Max LR per seed; none = no divergence up to the peak LR {c.get('peak_lr', 0):g}. "
+                "Pair verdicts use log10 ratios with a 5% floor."]
+    return out + [""]
+
+
+def best_loss_table(study: Study, runs: list[dict]) -> list[str]:
+    """Markdown: per train group, scheme and depth, the best final validation loss over the
+    LR grid per seed (:func:`best_losses`), mean ± sd: every scheme of the study side by side."""
+    out = ["## Best loss per scheme and depth", "",
+           "Final validation loss (nats/token) at each seed's best LR; seeds with an unfinished LR are left out.", "",
+           "| group | sub-layers | scheme | best loss mean ± sd [per seed] |", "|---|---|---|---|"]
+    for g in study.groups:
+        if g.kind != "train":
+            continue
+        for L in g.sublayers:
+            for scheme in g.schemes:
+                b = best_losses(runs, [g.name], scheme, L)
+                if b:
+                    v = paired_verdict(b, study.min_effect, 1)
+                    out.append(f"| {g.name} | {L} | {scheme} | {_pm(v, '{:.3f}')} |")
+    return out + [""]
+
+
+def plateau_table(runs: list[dict]) -> list[str]:
+    """Markdown: per group, scheme and depth, the plateau exit step of each seed's best run
+    (lowest capped loss over its LRs) and how many of the finished runs never left the plateau."""
+    out = ["## When each scheme leaves the unigram plateau", "",
+           "Plateau exit: the first step whose 10-step trailing mean training loss is below 95% of the unigram "
+           "entropy. Per seed, the run at that seed's best LR.", "",
+           "| group | scheme | sub-layers | exit step at the best LR, per seed | finished runs that never left |",
+           "|---|---|---|---|---|"]
+    done = [r for r in runs if r["status"] == "done"]
+    for key in dict.fromkeys((r["group"], r["scheme"], r["sublayers"]) for r in done):
+        rs = [r for r in runs if (r["group"], r["scheme"], r["sublayers"]) == key]
+        cells = []
+        for sd in sorted({r["seed"] for r in rs}):
+            mine = [r for r in rs if r["seed"] == sd]
+            if any(r["status"] != "done" for r in mine):
+                cells.append("pending")
+                continue
+            step = min(mine, key=lambda r: r["capped_loss"]).get("plateau_exit_step")
+            cells.append("never" if step is None else str(step))
+        fin = [r for r in rs if r["status"] == "done"]
+        never = sum(r.get("plateau_exit_step") is None for r in fin)
+        out.append(f"| {key[0]} | {key[1]} | {key[2]} | {', '.join(cells)} | {never} of {len(fin)} |")
+    return out + [""]
+
+
+def runs_table(runs: list[dict]) -> list[str]:
+    """Markdown: every run with its tokens, losses, plateau exit step and divergence verdict."""
+    out = ["## Every run", "", "| group | scheme | sub-layers | LR | seed | status | tokens | final val loss | "
+           "plateau exit step | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        f = r.get("final_val_loss")
+        out.append(f"| {r['group']} | {r['scheme']} | {r['sublayers']} | {r['lr']:g} | {r['seed']} | {r['status']} | "
+                   f"{r.get('tokens') or 0:,} | {'–' if f is None else f'{f:.4f}'} | "
+                   f"{r.get('plateau_exit_step') if r.get('plateau_exit_step') is not None else '–'} | "
+                   f"{r.get('verdict') or '–'} |")
+    return out
+
+
+def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[dict], command: str,
+                    waiting: Sequence[str] = ()) -> str:
+    """``report.md``: the verdict table, one section per claim, every run."""
+    done = [r for r in runs if r["status"] == "done"]
+    toks = sorted({r["tokens"] for r in done if r.get("tokens")})
+    lines = [f"# Study `{study.name}`, scale `{study.scale}`", "", study.note, "",
+             f"Runs finished: {len(done)} of {len(runs)} planned so far"
+             + (f" (tokens per finished run: {', '.join(f'{t:,}' for t in toks)})" if toks else "") + "."
+             + (f" Not planned yet: {'; '.join(waiting)}." if waiting else ""),
+             f"Command: `{command}`", "", "## Verdicts", "",
+             f"Rule (all claims): paired per-seed differences oriented so that the claim predicts > 0; reproduced "
+             f"when every seed (≥ {study.min_seeds}) shows ≥ {study.min_effect:g} nats, not reproduced when every "
+             f"seed shows the opposite or none does, inconclusive otherwise.", "",
+             "| claim | verdict | numbers: mean ± sd [per seed] |", "|---|---|---|"]
+    lines += [f"| ({cl['id']}) {cl['title']} | **{c['verdict']}** | {claim_numbers(c)} |" for cl, c in claims]
+    lines.append("")
+    for cl, c in claims:
+        lines += claim_section(cl, c)
+    return "\n".join(lines + best_loss_table(study, runs) + plateau_table(runs) + runs_table(runs)) + "\n"
+
+
+def plot_margins(claims: list[tuple[dict, dict]], out: Path) -> bool:
+    """Margin (baseline − scheme, nats) against depth (log x) for every margin claim, mean ±
+    sd over seeds; False (nothing written) when no claim has two depths."""
+    from keel.train.plots import plt, save_figure
+
+    series = [(cl, c) for cl, c in claims if cl["test"] == "margin_grows" and len(c.get("rows", [])) >= 2]
+    if not series:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for cl, c in series:
+        xs = [r["sublayers"] for r in c["rows"]]
+        ax.errorbar(xs, [r["margin"]["mean"] for r in c["rows"]], yerr=[r["margin"]["sd"] for r in c["rows"]],
+                    marker="o", capsize=3, label=f"({cl['id']}) {cl['baseline']} − {cl['scheme']}")
+    ax.axhline(0, color="gray", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("depth (sub-layers)")
+    ax.set_ylabel("final validation loss margin (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save_figure(fig, out)
+    return True
+
+
+def write_plots(study: Study, runs: list[dict], claims: list[tuple[dict, dict]], out: Path, h1: float | None) -> list[str]:
+    """The report's PNGs: loss against LR per train group with an LR grid, the ramp (loss
+    against LR), margins against depth, loss curves of single-LR groups. Returns the file names."""
+    from keel.experiments.plot import plot_loss_curves
+
+    files = []
+    for g in study.groups:
+        done = [r for r in runs if r["group"] == g.name and r["status"] == "done"]
+        if not done:
+            continue
+        name = f"{g.name}.png"
+        if g.kind == "ramp":
+            results = [{**r["result"], "run_dir": str(out / g.name / r["name"])} for r in done]
+            ST.plot_stress(results, g.schemes, g.sublayers, out / name)
+        elif len(g.lrs) > 1:
+            cells = LS.summarise([r["result"] for r in done], g.schemes, g.sublayers, g.lrs, g.seeds)
+            LS.plot({"sublayers": g.sublayers, "cells": cells, "lrs": sorted(g.lrs), "schemes": g.schemes,
+                     "unigram_entropy": h1 or float("nan")}, out / name)
+        else:
+            plot_loss_curves([out / g.name / r["name"] for r in done], out / name, smooth=10,
+                             labels=[f"{r['scheme']} L{r['sublayers']} s{r['seed']}" for r in done],
+                             title=f"group {g.name}")
+        files.append(name)
+    if plot_margins(claims, out / "margins.png"):
+        files.append("margins.png")
+    return files
+
+
+# ----------------------------------------------------------------------------- driver
+def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), *, workers: int = 1,
+              threads: int | None = None, resume: bool = False, report_only: bool = False, dry_run: bool = False,
+              mfu: float = 0.35, peak_tflops: float = 989.0, command: str = "") -> dict:
+    """Run (or continue, or only report, or only plan) study ``name`` at ``scale``.
+
+    Args:
+        name: a packaged study (``keel/configs/studies/NAME.toml``) or a TOML path.
+        scale: a scale of the study (``tiny``, ``cpu``, ``gpu-1``, ``paper``).
+        out: output folder (run folders, ``report.md``, ``report.json``, PNGs).
+        sets: ``section.key=value`` applied to every run after the scale's keys.
+        workers, threads: as :func:`keel.experiments.grid.run_grid`.
+        resume: continue a non-empty ``out``; report_only: train nothing, report the finished runs.
+        dry_run: prepare nothing and train nothing; return the plan (runs, tokens, estimated
+            GPU-hours at ``mfu`` of ``peak_tflops`` dense bf16 TFLOP/s) as ``{"plan": rows, "markdown": ...}``.
+        command: the command line; the report shows the one that started ``out`` (``study.json``).
+    Returns:
+        The ``report.json`` content: ``study``, ``scale``, ``claims`` (per claim its verdict and
+        numbers), ``runs`` (every planned run's record, :func:`run_record`), ``plots``.
+    Raises:
+        KeelError: bad study or scale (:func:`load_study`), bad config, ``out`` not usable
+            (:func:`_claim_out`: a file, another study's folder, non-empty without ``resume``).
+    """
+    from keel.config import load_config, resolve_config_path
+    from keel.data import resolve_data
+    from keel.data.stats import dataset_unigram_entropy
+
+    study = load_study(name, scale, sets)
+    out = Path(out)
+    if dry_run:
+        rows = plan_rows(study, "<data>", out, mfu, peak_tflops)
+        return {"plan": rows, "markdown": plan_markdown(study, rows, mfu, peak_tflops)}
+    first_command = _claim_out(out, study, command, resume=resume, report_only=report_only)
+    data_dir = str(resolve_data(load_config(resolve_config_path(study.base), study.sets), progress=False))
+    runs, waiting = collect(study, data_dir, out, train=not report_only, workers=workers, threads=threads)
+    claims = [(cl, CLAIM_TESTS[cl["test"]](study, runs, cl)) for cl in study.claims]
+    h1 = dataset_unigram_entropy(data_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(study, runs, claims, out, h1)
+    report = {"study": study.name, "scale": study.scale, "note": study.note, "command": first_command, "sets": study.sets,
+              "unigram_entropy": h1, "min_effect": study.min_effect, "min_seeds": study.min_seeds,
+              "claims": [{"id": cl["id"], "title": cl["title"], **c} for cl, c in claims],
+              "runs": [{k: v for k, v in r.items() if k != "result"} for r in runs], "plots": plots}
+    atomic_write_text(out / "report.json", json.dumps(report, indent=1, default=str))
+    report["waiting"] = waiting
+    atomic_write_text(out / "report.md", report_markdown(study, claims, runs, first_command, waiting))
+    return report
+
+
+def _claim_out(out: Path, study: Study, command: str, *, resume: bool, report_only: bool) -> str:
+    """Check ``out`` for this invocation and mark it as this study's (``study.json``: study,
+    scale, the command that started it); return that first command.
+
+    Raises:
+        KeelError: ``out`` is a file; not empty without ``resume`` / ``report_only``; holds
+            another study or scale; ``report_only`` on a folder that holds no study.
+    """
+    marker = out / "study.json"
+    if out.exists() and not out.is_dir():
+        raise KeelError(f"--out {out} exists and is not a folder")
+    held = json.loads(marker.read_text()) if marker.is_file() else None
+    if report_only and held is None:
+        raise KeelError(f"{out} holds no study (no study.json): nothing to report; check --out")
+    if held is not None and (held.get("study"), held.get("scale")) != (study.name, study.scale):
+        raise KeelError(f"{out} holds study {held.get('study')!r} at scale {held.get('scale')!r}, "
+                        f"not {study.name!r} at {study.scale!r}; use another --out")
+    if not (resume or report_only) and out.is_dir() and any(out.iterdir()):
+        raise KeelError(f"output folder {out} is not empty; use --resume to continue it, or another --out")
+    if held is None:
+        out.mkdir(parents=True, exist_ok=True)
+        held = {"study": study.name, "scale": study.scale, "command": command}
+        atomic_write_text(marker, json.dumps(held, indent=1))
+    return held.get("command", command)

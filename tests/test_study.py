@@ -1,0 +1,286 @@
+"""`keel study`: the verdict rule, each claim's computation on hand-made runs, the study
+files of every shipped study, the paper-scale plan, and the tiny scale end to end."""
+
+import json
+import math
+
+import pytest
+
+from keel.errors import KeelError
+from keel.experiments import study as SD
+from keel.experiments.grid import GridJob, _check_same_config
+from keel.config import Config, preset_names
+
+R, NR, INC = SD.REPRODUCED, SD.NOT_REPRODUCED, SD.INCONCLUSIVE
+
+
+def verdict_ref(diffs, eps, k):
+    """Direct transcription of the rule in claims.toml's [verdict] comment."""
+    d = list(diffs)
+    if len(d) < k:
+        return INC
+    if all(x >= eps for x in d):
+        return R
+    if all(x <= -eps for x in d) or all(abs(x) < eps for x in d):
+        return NR
+    return INC
+
+
+@pytest.mark.parametrize("diffs", [[0.1, 0.05], [0.1, 0.01], [-0.1, -0.3], [0.01, -0.015], [0.1, -0.1], [0.5],
+                                   [0.03, 0.02, 0.5], [-0.03, 0.001], []])
+def test_paired_verdict_transcription(diffs):
+    v = SD.paired_verdict(dict(enumerate(diffs)), 0.02, 2)
+    assert v["verdict"] == verdict_ref(diffs, 0.02, 2)
+    if diffs:
+        assert v["mean"] == pytest.approx(sum(diffs) / len(diffs))
+        sd = math.sqrt(sum((x - v["mean"]) ** 2 for x in diffs) / (len(diffs) - 1)) if len(diffs) > 1 else 0.0
+        assert v["sd"] == pytest.approx(sd)
+    assert SD.combine([R, R]) == R and SD.combine([R, INC]) == INC and SD.combine([INC, NR]) == NR
+
+
+def run(group, scheme, L, seed, lr, loss, **kw):
+    return {"group": group, "scheme": scheme, "sublayers": L, "seed": seed, "lr": lr, "status": "done",
+            "capped_loss": loss, **kw}
+
+
+def study(**kw):
+    return SD.Study(name="t", scale="t", description="", note="", base="demo", sets=[], groups=[], claims=[], **kw)
+
+
+def test_margin_grows_uses_each_seeds_best_lr():
+    runs = []
+    # pre_ln - keel margins: 16 sub-layers 0.05 / 0.04, 64 sub-layers 0.30 / 0.20 (keel's best LR differs per seed)
+    for seed, (m16, m64) in enumerate([(0.05, 0.30), (0.04, 0.20)]):
+        for L, m in ((16, m16), (64, m64)):
+            runs += [run("g", "pre_ln", L, seed, 1e-3, 3.0 + m), run("g", "pre_ln", L, seed, 1e-2, 3.5),
+                     run("g", "keel", L, seed, 1e-3, 3.2), run("g", "keel", L, seed, 1e-2, 3.0)]
+    c = SD.claim_margin_grows(study(), runs, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})
+    assert [r["sublayers"] for r in c["rows"]] == [16, 64]
+    assert c["rows"][1]["margin"]["diffs"] == pytest.approx({0: 0.30, 1: 0.20})
+    growth = next(v for k, v in c["parts"].items() if k.startswith("growth"))
+    assert growth["diffs"] == pytest.approx({0: 0.25, 1: 0.16}) and growth["verdict"] == R
+    assert c["verdict"] == R
+    # the gap gone at depth: not reproduced; one seed only: inconclusive
+    flat = [dict(r, capped_loss=3.0) for r in runs]
+    assert SD.claim_margin_grows(study(), flat, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})["verdict"] == NR
+    one = [r for r in runs if r["seed"] == 0]
+    assert SD.claim_margin_grows(study(), one, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})["verdict"] == INC
+    # an unfinished LR leaves that seed out
+    part = [dict(r, status="pending") if (r["seed"], r["lr"], r["scheme"]) == (1, 1e-2, "keel") else r for r in runs]
+    c = SD.claim_margin_grows(study(), part, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})
+    assert list(c["rows"][0]["margin"]["diffs"]) == [0] and c["verdict"] == INC
+
+
+def test_lr_transfer_and_edges():
+    runs = []
+    for seed in (0, 1):
+        for L in (16, 64):
+            for lr, loss in ((1e-3, 3.2), (3e-3, 3.0), (1e-2, 3.1)):
+                runs.append(run("g", "keel", L, seed, lr, loss))
+                runs.append(run("g", "post_ln", L, seed, lr, loss if L == 16 else {1e-3: 3.0, 3e-3: 3.1, 1e-2: 3.3}[lr]))
+    c = SD.claim_lr_transfer(study(), runs, {"group": "g", "scheme": "keel"})
+    assert c["verdict"] == R and c["log10_shift"] == {0: 0.0, 1: 0.0}
+    p = SD.claim_lr_transfer(study(), runs, {"group": "g", "scheme": "post_ln"})
+    assert p["verdict"] == INC  # its optimum moved to the grid's edge: the grid is too narrow to say
+    moved = [dict(r, capped_loss={1e-3: 3.3, 3e-3: 3.1, 1e-2: 3.0}[r["lr"]]) if r["sublayers"] == 64 else r
+             for r in runs if r["scheme"] == "keel"]
+    for r in moved:
+        if r["sublayers"] == 16 and r["lr"] == 1e-2:
+            r["capped_loss"] = 3.05
+    assert SD.claim_lr_transfer(study(), moved + [run("g", "keel", 64, 0, 3e-2, 3.5), run("g", "keel", 64, 1, 3e-2, 3.5),
+                                                  run("g", "keel", 16, 0, 3e-2, 3.5), run("g", "keel", 16, 1, 3e-2, 3.5)],
+                                {"group": "g", "scheme": "keel"})["verdict"] == NR
+
+
+def test_init_margin_takes_each_schemes_better_init():
+    runs = []
+    for seed in (0, 1):
+        runs += [run("ref", "pre_ln", 64, seed, 1e-2, 3.6), run("ref", "keel", 64, seed, 1e-2, 3.1),
+                 run("init", "pre_ln", 64, seed, 1e-2, 3.15 + 0.01 * seed), run("init", "keel", 64, seed, 1e-2, 3.3)]
+    c = SD.claim_init_margin(study(), runs, {"group": "init", "reference_group": "ref", "scheme": "keel",
+                                             "baseline": "pre_ln"})
+    assert c["margin_best_init"]["diffs"] == pytest.approx({0: 0.05, 1: 0.06}) and c["verdict"] == R
+    assert c["rows"]["margin, default init"]["diffs"] == pytest.approx({0: 0.5, 1: 0.5})
+    assert c["rows"]["pre_ln gain from this group's init"]["diffs"] == pytest.approx({0: 0.45, 1: 0.44})
+
+
+def test_max_lr_order_censoring():
+    rr = []
+    for seed in (0, 1):
+        rr += [run("ramp", "post_ln", 64, seed, 5e-2, 0, max_lr=1e-3, peak_lr=5e-2),
+               run("ramp", "pre_ln", 64, seed, 5e-2, 0, max_lr=8e-3 + seed * 1e-3, peak_lr=5e-2),
+               run("ramp", "keel", 64, seed, 5e-2, 0, max_lr=None, peak_lr=5e-2)]
+    c = SD.claim_max_lr_order(study(), rr, {"group": "ramp", "order": ["post_ln", "pre_ln", "keel"]})
+    assert c["parts"]["post_ln < pre_ln at 64"]["diffs"][0] == pytest.approx(math.log10(8))
+    assert c["parts"]["pre_ln < keel at 64"]["diffs"][1] == pytest.approx(math.log10(5e-2 / 9e-3))
+    assert c["verdict"] == R
+    both_censored = [dict(r, max_lr=None) if r["scheme"] != "post_ln" else r for r in rr]
+    c = SD.claim_max_lr_order(study(), both_censored, {"group": "ramp", "order": ["post_ln", "pre_ln", "keel"]})
+    # neither diverged in any seed: censored, no evidence (was "not reproduced" before censored pairs were left out)
+    assert c["parts"]["pre_ln < keel at 64"]["n"] == 0 and c["parts"]["pre_ln < keel at 64"]["verdict"] == INC
+    assert c["verdict"] == INC
+
+
+def test_plateau_exit_step():
+    recs = [{"step": s, "loss": 6.0 if s < 20 else 4.0} for s in range(1, 41)]
+    # trailing window ending at step s holds s - 19 losses of 4: mean (5*6 + 5*4)/10 = 5.0 at s = 24
+    assert SD.plateau_exit_step(recs, 5.0, window=10) == 25
+    assert SD.plateau_exit_step(recs, 5.01, window=10) == 24
+    assert SD.plateau_exit_step(recs, 3.0) is None and SD.plateau_exit_step(recs, None) is None
+
+
+@pytest.mark.parametrize("name", preset_names("studies"))
+@pytest.mark.parametrize("scale", ["tiny", "cpu", "gpu-1", "paper"])
+def test_shipped_studies_plan(name, scale):
+    plan = SD.run_study(name, scale, "unused", dry_run=True)
+    rows = {r["group"]: r for r in plan["plan"]}
+    assert rows and all(r["runs"] > 0 and r["tokens"] > 0 for r in rows.values())
+    if scale == "cpu":
+        assert all(t >= 1_000_000 for g, r in rows.items() if g != "showcase" for t in r["tokens_per_run"])
+        assert all(len(r["seeds"]) >= 2 for g, r in rows.items() if g != "showcase")
+    if scale == "paper":  # the paper's own settings: Table 1 ramp, Table 3 depths at width 1024
+        assert rows["ramp"]["lrs"] == "ramp 0 -> 0.05 over 5000 steps" and rows["ramp"]["sublayers"] == [64, 512]
+        assert rows["lr-grid"]["sublayers"] == [64, 128, 512, 1024]
+        assert rows["lr-grid"]["tokens_per_run"][0] == pytest.approx(250e9, rel=1e-3)
+        assert "GPU-hours" in plan["markdown"]
+
+
+def test_bad_study_input(tmp_path):
+    with pytest.raises(KeelError, match="no scale 'huge'"):
+        SD.load_study("claims", "huge")
+    with pytest.raises(KeelError, match="unknown study 'nope'"):
+        SD.load_study("nope", "cpu")
+    bad = tmp_path / "s.toml"
+    bad.write_text('[groups.g]\nschemes = ["keel", "nonsense"]\n[scales.x.groups.g]\nsublayers=[2]\nseeds=[0]\nlrs=[1e-3]\n')
+    with pytest.raises(KeelError, match="unknown scheme"):
+        SD.load_study(str(bad), "x")
+    bad.write_text('[groups.g]\nschemes = ["keel"]\n[scales.x.groups.g]\nsublayers=[3]\nseeds=[0]\nlrs=[1e-3]\n')
+    with pytest.raises(KeelError, match="even integers"):
+        SD.load_study(str(bad), "x")
+
+
+CLAIM = '[[claims]]\nid = "b"\ntitle = "t"\ntest = "margin_grows"\ngroups = ["g"]\nscheme = "keel"\nbaseline = "pre_ln"\n'
+GROUP = '[groups.g]\nschemes = ["keel", "pre_ln"]\n[scales.x.groups.g]\nsublayers = [2]\nseeds = [0]\nlrs = [1e-3]\n'
+
+
+@pytest.mark.parametrize("text, match", [
+    (GROUP, "needs \\[\\[claims\\]\\]"),
+    (GROUP + '[claims.b]\ntitle = "t"\n', "needs \\[\\[claims\\]\\]"),
+    (GROUP + CLAIM.replace('id = "b"\n', ""), "needs an id"),
+    (GROUP + CLAIM + CLAIM, "repeat an id"),
+    (GROUP + CLAIM.replace('["g"]', '["h"]'), "group 'h' is not sized"),
+    (GROUP + CLAIM.replace('"margin_grows"', '"max_lr_order"'), "missing group, order"),
+    (GROUP + CLAIM + "colour = 1\n", "unknown key\\(s\\) colour"),
+    (GROUP + CLAIM.replace('baseline = "pre_ln"', 'baseline = "post_ln"'), "post_ln not trained"),
+    (GROUP + CLAIM + "[verdict]\nmin_effect = -1\n", "min_effect"),
+    (GROUP + "[scales.x.groups.zzz]\nseeds = [0]\n" + CLAIM, "undeclared group"),
+    (GROUP.replace("[scales", 'lr_from = "g"\nlr_from_sublayers = 2\n[scales') + CLAIM, "lr_from must name another"),
+])
+def test_bad_study_files(tmp_path, text, match):
+    p = tmp_path / "s.toml"
+    p.write_text(text)
+    with pytest.raises(KeelError, match=match):
+        SD.load_study(str(p), "x")
+    with pytest.raises(KeelError, match="set by the study's groups"):
+        SD.load_study("claims", "tiny", ["model.residual=keel"])
+
+
+def test_out_belongs_to_one_study_and_scale(tmp_path, keel_cli):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(KeelError, match="not a folder"):
+        SD.run_study("claims", "tiny", tmp_path / "file", resume=True)
+    with pytest.raises(KeelError, match="holds no study"):
+        SD.run_study("claims", "tiny", tmp_path / "nothing", report_only=True)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "study.json").write_text(json.dumps({"study": "claims", "scale": "cpu"}))
+    with pytest.raises(KeelError, match="holds study 'claims' at scale 'cpu'"):
+        SD.run_study("claims", "tiny", tmp_path / "other", resume=True)
+    r = keel_cli("study", "claims", "--scale", "tiny", "--threads", "-2", "--workers", "0", "--out", tmp_path / "t")
+    assert r.returncode == 2 and "--threads must be >= 0" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_interrupted_run_without_checkpoint_trains_again(tiny_config, tmp_path):
+    """A grid job killed before its first checkpoint (history, no intact checkpoint) is trained
+    again on resume; before, the study's --resume failed on it forever ("pass --restart")."""
+    from keel.experiments.sweep import train_task
+
+    cfg = tiny_config(steps=6, checkpoint_every=100, eval_every=6, sample_tokens=0)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 0, "tokens": 0, "val_loss": 6.2}\n'
+                                           '{"step": 1, "tokens": 128, "loss": 6.2}\n')
+    out = train_task(GridJob("run", cfg.to_dict()), run_dir, True, lambda m: None)
+    assert out["step"] == 6 and out["final_val_loss"] is not None
+
+
+def test_grid_worker_dies_with_its_parent(tmp_path):
+    """kill -9 of a grid process must not leave its workers training (PR_SET_PDEATHSIG)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    child = ("from keel.experiments.grid import _die_with_parent; import os, time; _die_with_parent(); "
+             f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
+    parent_code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(120)"
+    parent = subprocess.Popen([sys.executable, "-c", parent_code])
+    for _ in range(600):
+        if pid_file.is_file() and pid_file.read_text():
+            break
+        time.sleep(0.1)
+    pid = int(pid_file.read_text())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    for _ in range(100):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the worker outlived its killed parent")
+
+
+def test_grid_accepts_a_job_stored_before_a_new_config_key(tmp_path):
+    """A run started before a config key existed (its job.json lacks it) is the same run when the
+    new key holds its default; failed before the grid filled in defaults (a resumed study would
+    refuse every cached run after a keel upgrade)."""
+    cfg = Config().to_dict()
+    old = json.loads(json.dumps(cfg))
+    del old["model"]["mix_ln_ratio"], old["train"]["max_bad_steps"]  # as if written before these keys existed
+    (tmp_path / "job.json").write_text(json.dumps({"name": "r", "config": old, "values": {}}))
+    _check_same_config(tmp_path, GridJob("r", cfg))
+    cfg["model"]["mix_ln_ratio"] = 0.5
+    with pytest.raises(KeelError, match="model.mix_ln_ratio"):
+        _check_same_config(tmp_path, GridJob("r", cfg))
+
+
+def test_study_tiny_end_to_end(keel_cli, tiny_data, tmp_path):
+    out = tmp_path / "study"
+    args = ["study", "claims", "--scale", "tiny", "--workers", "0", "--out", out, "--set", f"data.path={tiny_data}"]
+    r = keel_cli(*args)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads((out / "report.json").read_text())
+    assert [c["id"] for c in rep["claims"]] == ["a", "b", "c", "d", "e"]
+    assert all(c["verdict"] in (R, NR, INC) for c in rep["claims"])
+    assert all(x["status"] == "done" and x["tokens"] == 6 * 4 * 32 or x["group"] == "showcase" for x in rep["runs"])
+    # the transfer group ran each scheme at the optimum of the LR grid at 4 sub-layers
+    b = next(c for c in rep["claims"] if c["id"] == "b")
+    assert [row["sublayers"] for row in b["rows"]] == [2, 4, 8]
+    # one block: Keel (first-layer rule, outer norm = final norm) is Pre-LN exactly -> margin 0 at 2 sub-layers
+    assert all(abs(x) < 1e-6 for x in b["rows"][0]["margin"]["diffs"].values())
+    md = (out / "report.md").read_text()
+    assert "## Verdicts" in md and "plateau exit step" in md and "(e)" in md
+    assert all((out / p).stat().st_size > 1000 for p in rep["plots"]) and "margins.png" in rep["plots"]
+    again = keel_cli(*args, "--resume")
+    assert again.returncode == 0 and "0 to run" in again.stderr and "Traceback" not in again.stderr
+    assert keel_cli(*args).returncode == 2  # not empty without --resume
+    rep_only = keel_cli(*args[:-2], "--report-only", "--set", f"data.path={tiny_data}", "--json")
+    assert rep_only.returncode == 0 and json.loads(rep_only.stdout)["claims"][1]["verdict"] == b["verdict"]
