@@ -20,7 +20,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import tomli_w
 
@@ -31,8 +31,6 @@ else:  # pragma: no cover - Python 3.10
 
 from keel.errors import KeelError
 
-SCHEDULES = ("cosine", "wsd", "constant")
-PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16")
 DEFAULT_VAL_FRACTION = 0.05
 
 
@@ -44,6 +42,38 @@ def _check(ok: bool, where: str, rule: str, value: Any) -> None:
     """Raise ``KeelError("{where} must be {rule}, got {value!r}")`` unless ``ok``."""
     if not ok:
         raise KeelError(f"{where} must be {rule}, got {value!r}")
+
+
+def choices(cls, name: str) -> tuple | None:
+    """The values a field may take, as declared by its ``Literal[...]`` annotation (for a
+    ``list[Literal[...]]`` field, those of its items); None for a field without one.
+
+    This one declaration drives both the check at load (:func:`check_choices`) and the
+    help of ``keel config`` (:func:`describe_config`)."""
+    hint = get_type_hints(cls).get(name)
+    if get_origin(hint) is list:
+        hint = get_args(hint)[0]
+    return get_args(hint) if get_origin(hint) is Literal else None
+
+
+def _choices_text(values: tuple) -> str:
+    return " | ".join(map(repr, values))
+
+
+def check_choices(obj, section: str) -> None:
+    """Check every field of ``obj`` declared with ``Literal[...]`` (or ``list[Literal[...]]``).
+
+    Raises:
+        KeelError: ``"{section}.{key} must be 'a' | 'b', got 'c'"`` for the first value outside its declaration.
+    """
+    for f in dataclasses.fields(obj):
+        allowed = choices(type(obj), f.name)
+        if allowed is None:
+            continue
+        value = getattr(obj, f.name)
+        for item in value if isinstance(value, list) else [value]:
+            what = "a list of" if isinstance(value, list) else ""
+            _check(item in allowed, f"{section}.{f.name}", f"{what} {_choices_text(allowed)}".strip(), item)
 
 
 def resolve_vocab_size(requested: int | str, tokenizer_vocab: int, multiple: int = 64) -> int:
@@ -224,8 +254,8 @@ class TrainConfig:
         lr: peak learning rate (after warm-up).
         min_lr: learning rate at the end of the decay.
         warmup_steps: steps of linear warm-up.
-        schedule: LR after warm-up: cosine (to min_lr) | wsd (constant, then an exponential decay to min_lr over the last
-            decay_fraction of the steps) | constant.
+        schedule: LR after warm-up: cosine decays to min_lr; wsd holds lr, then decays exponentially to min_lr over the
+            last decay_fraction of the steps; constant holds lr.
         decay_fraction: with schedule wsd: the fraction of the steps spent decaying.
         batch_size: sequences per micro-batch, over all processes.
         seq_len: tokens per training sequence.
@@ -239,26 +269,27 @@ class TrainConfig:
         checkpoint_every: steps between checkpoints.
         keep_checkpoints: newest checkpoints kept on disk.
         log_every: steps between progress lines when stderr is not a terminal.
-        seed: seed of the init, the data order and sampling.
+        seed: seed of the init, the data order and sampling (0 to 2**32 - 1).
         device: auto | cpu | cuda | cuda:N.
-        precision: auto (bf16-autocast on CUDA, fp32 elsewhere) | fp32 | bf16-autocast (fp32 weights, bf16 autocast)
-            | bf16 (FSDP2: bf16 parameters for compute, fp32 gradient reduction and shards; otherwise bf16-autocast).
+        precision: auto = bf16-autocast on CUDA, fp32 elsewhere | fp32 | bf16-autocast (fp32 weights, bf16
+            autocast) | bf16 (FSDP2: bf16 parameters for compute, fp32 gradient reduction and shards; else
+            bf16-autocast).
         max_bad_steps: stop after this many non-finite steps in a row.
         sample_tokens: tokens sampled from the final model into sample.txt.
-        sample_prompt: prompt of that sample.
+        sample_prompt: prompt of that sample; empty = a new document (the sample starts after <|endoftext|>).
         progress: show training progress (a bar on a terminal, else plain lines).
         stop_on_divergence: stop when the divergence classifier fires.
         divergence_warnings: log the divergence classifier's verdicts.
         gradflow_every: log per-sub-layer gradient norms every N steps (0 = never).
-        parallelism: ddp | fsdp when several processes train (torchrun / --nproc).
-        activation_checkpointing: none | block | every_k (recompute activations in backward).
+        parallelism: how several processes train (torchrun / --nproc).
+        activation_checkpointing: recompute activations in backward: in every block, or every checkpoint_k-th (every_k).
         checkpoint_k: with every_k: checkpoint every k-th block.
         compile: torch.compile the model.
         eval_tasks: comma-separated lm-evaluation-harness tasks scored during training.
         eval_tasks_every: steps between task evaluations (0 = never).
         eval_tasks_limit: examples per task in those evaluations.
         loggers: where metrics go: jsonl (always), tensorboard (RUN/tensorboard), wandb (RUN/wandb).
-        wandb_mode: W&B: offline (sync later with `wandb sync`) | online | disabled.
+        wandb_mode: W&B mode; an offline run is uploaded later with `wandb sync`.
         wandb_project: W&B project name.
     """
 
@@ -269,7 +300,7 @@ class TrainConfig:
     # LR schedule after warm-up (keel.train.optim.lr_at): "cosine" to min_lr over the run;
     # "wsd" (warmup-stable-decay, MiniCPM): lr until the last decay_fraction of the steps, then an
     # exponential decay to min_lr; "constant": lr.
-    schedule: str = "cosine"
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     decay_fraction: float = 0.1
     batch_size: int = 16  # sequences per micro-batch
     seq_len: int = 128  # tokens per sequence
@@ -287,10 +318,10 @@ class TrainConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     # "auto" = bf16-autocast on CUDA, fp32 elsewhere; "fp32"; "bf16-autocast"; "bf16" (FSDP2
     # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), as torchtitan; bf16-autocast without FSDP).
-    precision: str = "auto"
+    precision: Literal["auto", "fp32", "bf16-autocast", "bf16"] = "auto"
     max_bad_steps: int = 10
     sample_tokens: int = 64
-    sample_prompt: str = "def "
+    sample_prompt: str = ""
     progress: bool = True
     # Stability diagnostics (keel.diagnostics): stop when the divergence classifier fires;
     # log per-sub-layer gradient norms every N steps (0 = never).
@@ -302,8 +333,8 @@ class TrainConfig:
     gradflow_every: int = 0
     # Scale-out (keel.train.parallelize): "ddp" | "fsdp" when launched with torchrun;
     # activation checkpointing "none" | "block" | "every_k" (every k-th block); torch.compile.
-    parallelism: str = "ddp"
-    activation_checkpointing: str = "none"
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
+    activation_checkpointing: Literal["none", "block", "every_k"] = "none"
     checkpoint_k: int = 2
     compile: bool = False
     # Periodic benchmark evaluation with lm-evaluation-harness (keel.eval): comma-separated
@@ -313,17 +344,19 @@ class TrainConfig:
     eval_tasks_limit: int = 100
     # Experiment tracking (keel.train.loggers): where every metrics record goes, besides
     # metrics.jsonl: "tensorboard" (RUN/tensorboard), "wandb" (RUN/wandb, train.wandb_mode).
-    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
-    wandb_mode: str = "offline"  # W&B: "offline" (sync later) | "online" | "disabled"
+    loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = field(default_factory=lambda: ["jsonl"])
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # W&B: "offline" = sync later
     wandb_project: str = "keel"  # W&B project name
 
     def validate(self) -> "TrainConfig":
         """Check every key's range; return self. Raises KeelError naming the bad key.
 
-        Keys that need other layers (``parallelism``, ``activation_checkpointing``,
-        ``device``) and the cross-section ``seq_len <= model.max_seq_len`` are checked by
-        :func:`keel.train.trainer.check_train_config`.
+        Keys declared with ``Literal[...]`` (``schedule``, ``precision``, ``parallelism``,
+        ``activation_checkpointing``, ``loggers``, ``wandb_mode``) are checked against that
+        declaration (:func:`check_choices`). ``device`` and the cross-section
+        ``seq_len <= model.max_seq_len`` are checked by :func:`keel.train.trainer.check_train_config`.
         """
+        check_choices(self, "train")
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_tokens",
                      "checkpoint_every", "log_every", "max_bad_steps", "checkpoint_k", "eval_tasks_limit"):
             _check(getattr(self, name) >= 1, f"train.{name}", ">= 1", getattr(self, name))
@@ -332,7 +365,6 @@ class TrainConfig:
         _check(_finite(self.lr) and self.lr > 0, "train.lr", "a finite number > 0", self.lr)
         _check(_finite(self.min_lr) and 0 <= self.min_lr <= self.lr, "train.min_lr",
                f"a finite number between 0 and train.lr ({self.lr})", self.min_lr)
-        _check(self.schedule in SCHEDULES, "train.schedule", " | ".join(map(repr, SCHEDULES)), self.schedule)
         _check(_finite(self.decay_fraction) and 0 < self.decay_fraction <= 1, "train.decay_fraction",
                "in (0, 1]", self.decay_fraction)
         if self.schedule == "wsd":
@@ -345,9 +377,7 @@ class TrainConfig:
                    getattr(self, name))
         _check(_finite(self.grad_clip) and self.grad_clip >= 0, "train.grad_clip", "a finite number >= 0 (0 = off)",
                self.grad_clip)
-        _check(self.precision in PRECISIONS, "train.precision", " | ".join(map(repr, PRECISIONS)), self.precision)
-        _check(self.sample_tokens == 0 or bool(self.sample_prompt), "train.sample_prompt", "non-empty",
-               self.sample_prompt)
+        _check(0 <= self.seed < 2**32, "train.seed", "between 0 and 2**32 - 1 (numpy's seed range)", self.seed)
         return self
 
 
@@ -582,7 +612,9 @@ def _field_comments(cls) -> dict[str, str]:
 
 def describe_config() -> list[dict[str, Any]]:
     """Every config key, read from the dataclasses themselves: ``[{"key": "model.d_model",
-    "type": "int", "default": 128, "help": "..."}]`` in section and field order. ``help`` is
+    "type": "int", "default": 128, "choices": None, "help": "..."}]`` in section and field order;
+    a field declared ``Literal[...]`` has its allowed values as ``choices`` and as its ``type``
+    (``"'cosine' | 'wsd' | 'constant'"``, ``"list of 'jsonl' | ..."``). ``help`` is
     the field's ``metadata["help"]`` if it has one, else its entry in the class docstring's
     ``Attributes`` section, else its comment in this file (trailing, or the comment block
     above it); ``default`` is the dataclass default (None = unset)."""
@@ -591,6 +623,10 @@ def describe_config() -> list[dict[str, Any]]:
         comments = {**_field_comments(cls), **_docstring_attributes(cls)}
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            out.append({"key": f"{section}.{f.name}", "type": str(f.type), "default": default,
+            allowed = choices(cls, f.name)
+            kind = str(f.type) if allowed is None else _choices_text(allowed)
+            if allowed is not None and str(f.type).startswith("list["):
+                kind = f"list of {kind}"
+            out.append({"key": f"{section}.{f.name}", "type": kind, "default": default, "choices": allowed,
                         "help": f.metadata.get("help") or comments.get(f.name, "")})
     return out

@@ -8,3 +8,13 @@ and exits with status 2, without a traceback. Programming errors keep their trac
 
 class KeelError(Exception):
     """A problem with the user's input (config, paths, data), reported in one line."""
+
+
+class Interrupted(KeelError):
+    """Work stopped on purpose by SIGINT (Ctrl-C) or SIGTERM, after saving what it could; the
+    message says how to continue. ``exit_code`` is 128 + the signal number (130, 143), the
+    shell's convention for a process ended by a signal; the command line exits with it."""
+
+    def __init__(self, msg: str, signum: int):
+        super().__init__(msg)
+        self.exit_code = 128 + int(signum)

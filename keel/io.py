@@ -1,5 +1,7 @@
 """Atomic output: write beside the target, then ``os.replace`` into place -- files
-(:func:`atomic_path`, :func:`atomic_write_text`) and folders (:func:`atomic_dir`).
+(:func:`atomic_path`, :func:`atomic_write_text`) and folders (:func:`atomic_dir`); a full
+disk or a read-only folder as one line (:func:`disk_errors`); one writer per run directory
+(:class:`RunLock`).
 
 A reader (or a crash) never sees a half-written file: either the old content or the new.
 Files get the usual permissions (0666 minus the umask), not ``mkstemp``'s 0600.
@@ -8,6 +10,7 @@ Files get the usual permissions (0666 minus the umask), not ``mkstemp``'s 0600.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -81,3 +84,98 @@ def atomic_dir(path: str | os.PathLike, replace: bool = False) -> Iterator[Path]
         os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# errno values of a write that failed because of the disk or the mount, not the program:
+# full, over quota, read-only, not permitted, file too large.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
+
+
+def write_failure(e: BaseException | None) -> OSError | None:
+    """The ``OSError`` with one of :data:`DISK_ERRNOS` behind ``e`` (``e`` itself or an error
+    it was raised from or while handling: ``torch.save`` to a file object turns ENOSPC into a
+    ``RuntimeError`` raised while handling it), or None when ``e`` is not such a failure."""
+    import re
+
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, OSError) and e.errno in DISK_ERRNOS:
+            return e
+        rust = re.search(r"\(os error (\d+)\)", str(e))  # safetensors' SafetensorError: "... (os error 28)"
+        if rust and int(rust.group(1)) in DISK_ERRNOS:
+            return OSError(int(rust.group(1)), os.strerror(int(rust.group(1))))
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+@contextlib.contextmanager
+def disk_errors(path: str | os.PathLike, note: str = "") -> Iterator[None]:
+    """Turn a write that fails for want of space or permission (:func:`write_failure`) inside
+    the block into one line: ``KeelError("cannot write PATH: No space left on device{note}")``.
+    ``PATH`` is the file the OS names, else ``path``. Other errors pass through.
+
+    Raises:
+        KeelError: as above.
+    """
+    from keel.errors import KeelError
+
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 -- OSError, torch's RuntimeError, SafetensorError: see write_failure
+        cause = write_failure(e)
+        if cause is None:
+            raise
+        where = cause.filename or path
+        raise KeelError(f"cannot write {where}: {cause.strerror or os.strerror(cause.errno)}{note}") from None
+
+
+LOCK_NAME = ".keel.lock"
+
+
+class RunLock:
+    """An exclusive lock on a run directory: ``fcntl.flock`` on ``DIR/.keel.lock``, which
+    holds the pid of the process that has it. The OS drops the lock when that process
+    exits, however it exits (``kill -9`` included), so a lock is never stale; the file
+    itself may stay.
+
+    Raises (from :meth:`acquire`):
+        KeelError: another process holds the lock (the message names its pid), or the
+            folder cannot be created or written (:func:`disk_errors`).
+    """
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_NAME
+        self.fd: int | None = None
+
+    def acquire(self) -> "RunLock":
+        import fcntl
+
+        from keel.errors import KeelError
+
+        with disk_errors(self.folder):
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise KeelError(f"run directory {self.folder} is in use by another keel process (pid {holder}); "
+                            "wait for it to finish or stop it first") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        """Drop the lock (closing the file releases it); the lock file stays."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

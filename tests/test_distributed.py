@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, tiny_overrides
+from conftest import HANG_S, REPO, tiny_overrides
 from keel import KeelError
 from keel.config import load_config
 from keel.data import TokenLoader
@@ -86,7 +86,7 @@ def runs(tiny_data, tmp_path_factory):
         train(single_cfg, root / "two_to_one", resume=True)
     finally:
         torch.set_num_threads(threads)
-        out, err = cli.communicate(timeout=600)
+        out, err = cli.communicate(timeout=HANG_S)
     return {"root": root, "cli": (cli.returncode, out, err)}
 
 

@@ -21,20 +21,7 @@ from keel.run import Run  # noqa: E402
 MC_TASK, ROLLING_TASK = "keel_python_completion", "keel_python_paragraphs"
 
 
-@pytest.fixture(autouse=True)
-def offline_one_thread(monkeypatch):
-    """No network (as in CI), one torch thread (tiny models; a shared machine)."""
-    import datasets.config
-    import huggingface_hub.constants as hub_constants
-
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        monkeypatch.setenv(var, "1")
-    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("offline_one_thread")  # conftest: no network, one torch thread
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,8 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
-from conftest import REPO, tiny_overrides
+from conftest import HANG_S, REPO, tiny_overrides
 from keel.config import load_config
 from keel.train import train
 from keel.train import checkpoint as C
@@ -39,12 +38,9 @@ def no_temporaries(run):
     return not list(run.glob(".*.tmp")) and not list((run / "checkpoints").glob(".*"))
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_data, tmp_path_factory):
-    run = tmp_path_factory.mktemp("ref") / "run"
-    torch.set_num_threads(1)
-    train(cfg(tiny_data), run)
-    return run
+@pytest.fixture
+def reference(tiny_reference_run):
+    return tiny_reference_run
 
 
 @pytest.mark.parametrize("point", ["after model.safetensors", "after trainer.pt", "after the manifest",
@@ -124,7 +120,7 @@ KILLER = textwrap.dedent('''
     import os, signal, sys
     import torch
     sys.path.insert(0, sys.argv[3])
-    from conftest import REPO, tiny_overrides
+    from conftest import HANG_S, REPO, tiny_overrides
     from keel.config import load_config
     from keel.train import checkpoint as C, train
 
@@ -143,7 +139,7 @@ def test_real_kill_9_during_checkpoint_write(reference, tiny_data, tmp_path, one
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", KILLER, str(run), str(tiny_data), str(REPO / "tests")],
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     leftovers = list((run / "checkpoints").glob(".step_00000008.*.tmp"))
     assert len(leftovers) == 1 and (leftovers[0] / "model.safetensors").is_file()  # what a kill leaves

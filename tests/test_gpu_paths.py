@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from conftest import REPO
 from keel import KeelError, ModelConfig, Transformer
-from keel.config import PRECISIONS, load_config
-from keel.train.device import autocast_context, resolve_precision
+from keel.config import load_config
+from keel.train.device import PRECISIONS, autocast_context, resolve_precision
 from keel.train.dist import rank_device
 from keel.train.evaluate import summed_nll
 

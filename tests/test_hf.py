@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from conftest import REPO, tiny_overrides
+from conftest import HANG_S, REPO, tiny_overrides
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -251,7 +251,7 @@ def test_tokenizer_loads_without_keel(trained_run, tmp_path):
     code = BLOCK_KEEL + ("from transformers import AutoTokenizer; t = AutoTokenizer.from_pretrained(sys.argv[1]); "
                          "print('RESULT', t('import os').input_ids, t.eos_token)")
     r = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, env=_offline_env(),
-                       timeout=300, stdin=subprocess.DEVNULL)
+                       timeout=HANG_S, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr
     from tokenizers import Tokenizer
 
@@ -340,8 +340,9 @@ def test_export_loads_with_keel_import_blocked(trained_run, tmp_path):
 
     out = export_hf(trained_run, tmp_path / "hf")
     config = json.loads((out / "config.json").read_text())
-    assert config["auto_map"] == {"AutoConfig": "configuration_keel.KeelConfig",
-                                  "AutoModelForCausalLM": "modeling_keel.KeelForCausalLM"}
+    h = config["auto_map"]["AutoConfig"].split(".")[0].rsplit("_", 1)[1]
+    assert len(h) == 12 and config["auto_map"] == {"AutoConfig": f"configuration_keel_{h}.KeelConfig",
+                                                   "AutoModelForCausalLM": f"modeling_keel_{h}.KeelForCausalLM"}
     native, tok = Run(trained_run).load_model(), Run(trained_run).tokenizer()
     text = "def parse(self, text):\n    return text.split()\n"
     ids = torch.tensor([tok.encode(text).ids])
@@ -349,10 +350,10 @@ def test_export_loads_with_keel_import_blocked(trained_run, tmp_path):
         torch.save({"text": text, "logits": native(ids)}, tmp_path / "ref.pt")
         expected = native.generate(ids, 8, temperature=0, use_cache=False)[0].tolist()
     r = subprocess.run([sys.executable, "-c", REMOTE_CHECK, str(out), str(tmp_path / "ref.pt")], capture_output=True,
-                       text=True, env=_offline_env(), timeout=600, cwd=tmp_path, stdin=subprocess.DEVNULL)
+                       text=True, env=_offline_env(), timeout=HANG_S, cwd=tmp_path, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.split("RESULT ")[-1])
-    assert res["class"].startswith("transformers_modules.") and res["class"].endswith("modeling_keel.KeelForCausalLM")
+    assert res["class"].startswith("transformers_modules.") and res["class"].endswith(f"modeling_keel_{h}.KeelForCausalLM")
     assert res["keel_modules"] == []
     assert res["ids"] == ids[0].tolist()
     assert res["max_diff"] <= 1e-5
@@ -496,12 +497,12 @@ def test_generated_code_equals_native_for_every_scheme(scheme, tmp_path):
 
     native, hf = native_and_hf(tiny_cfg(scheme, tie=scheme == "keel"))
     hf.save_pretrained(tmp_path)
-    write_remote_code(tmp_path)
+    auto_map = write_remote_code(tmp_path)
     # trust_remote_code's own loader: here keel.hf is imported, and transformers prefers classes
     # registered explicitly (keel's) over a folder's code, so Auto* would not use the files
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-    cls = get_class_from_dynamic_module("modeling_keel.KeelForCausalLM", str(tmp_path))
+    cls = get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], str(tmp_path))
     assert cls.__module__.startswith("transformers_modules.") and cls is not KeelForCausalLM
     remote = cls.from_pretrained(tmp_path).eval()
     assert type(remote.config).__module__.startswith("transformers_modules.")

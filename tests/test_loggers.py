@@ -152,8 +152,11 @@ def test_wandb_does_not_log_a_step_twice_across_a_resume(tmp_path):
     assert [again.write({"step": s, "loss": 0.5}) for s in (4, 5, 6, 7)] == [False, False, True, True]
     assert again.write({"step": 3, "config_change": {"train.steps": {"old": 6, "new": 9}}})  # not a step's numbers
     again.close()
-    assert (tmp_path / "wandb_last_step").read_text() == "7\n"
     run_id = (tmp_path / "wandb_id").read_text().strip()
+    from conftest import wandb_rows
+
+    held = [(int(r["step"]), r.get("loss"), r.get("config_change/train.steps/new")) for r in wandb_rows(tmp_path, 9)]
+    assert held == [(s, 1.0 / (s + 1), None) for s in range(6)] + [(6, 0.5, None), (7, 0.5, None), (3, None, 9)]
     folders = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(folders) == 2 and all(f"-{run_id}" in p.name for p in folders)  # one W&B run, two sessions
     with pytest.raises(KeelError, match="train.wandb_mode must be one of offline, online, disabled"):

@@ -77,9 +77,9 @@ def _truncate(path):
 
 
 DAMAGE = {
-    "latest missing": (lambda r: (r / "checkpoints" / "latest").unlink(), 12, "checkpoints/latest is missing"),
+    "latest missing": (lambda r: (r / "checkpoints" / "latest").unlink(), 12, "checkpoints/latest (the file is missing)"),
     "latest names a missing step": (lambda r: (r / "checkpoints" / "latest").write_text("step_00000099\n"), 12,
-                                    "names step_00000099, which does not exist"),
+                                    "checkpoints/latest (it names step_00000099, which does not exist)"),
     "model.safetensors deleted": (lambda r: (r / "checkpoints" / "step_00000012" / "model.safetensors").unlink(), 8,
                                   "step_00000012: model.safetensors is missing"),
     "model.safetensors truncated": (lambda r: _truncate(r / "checkpoints" / "step_00000012" / "model.safetensors"),

@@ -11,7 +11,9 @@ Modules, one per group of commands (each has ``register(subparsers)``):
 Every ``--help`` shows the defaults and no reST markup (:mod:`keel.cli.formatting`).
 
 A user mistake (bad path, bad config value, too little data) prints one line
-``keel: error: ...`` on stderr and exits with status 2; no traceback. Library code reports
+``keel: error: ...`` on stderr and exits with status 2; no traceback. A training run stopped
+by SIGINT / SIGTERM (after writing its checkpoint) prints one such line saying how to resume
+and exits with 130 / 143. Library code reports
 progress through the standard ``logging`` module (loggers under ``keel``); :func:`main`
 sends those records to stderr as plain lines. Heavy modules (torch, transformers) are
 imported inside the handlers, so that ``keel --help`` stays fast.
@@ -26,7 +28,7 @@ import sys
 from keel import __version__
 from keel.cli import evaluate, info, science, train
 from keel.cli.formatting import apply_help_format
-from keel.errors import KeelError
+from keel.errors import Interrupted, KeelError
 
 COMMAND_GROUPS = (train, evaluate, science, info)
 
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeelError as e:
         print(f"keel: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code if isinstance(e, Interrupted) else 2  # 130 / 143: stopped by SIGINT / SIGTERM
     except KeyboardInterrupt:
         print("keel: interrupted", file=sys.stderr)
         return 130

@@ -55,8 +55,8 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
 
     out = export_hf(args.run, args.out)
     print(f"exported {args.run} -> {out}")
-    print("load it with AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True), or after `import keel.hf` "
-          "without trust_remote_code (a pre_ln export is a plain Llama model)")
+    print(f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True), or after "
+          "`import keel.hf` without trust_remote_code (a pre_ln export is a plain Llama model)")
     return 0
 
 
@@ -132,19 +132,24 @@ def _held_out_dataset(args, cfg):
     return found, f"the dataset {KEEL_CONFIG} names ({where}) is not prepared here"
 
 
+def _check_counts(args: argparse.Namespace) -> None:
+    """``--limit``, ``--batch-size``, ``--max-tokens`` and ``--seq-len``, when given, are >= 1 (KeelError)."""
+    for flag in ("limit", "batch_size", "max_tokens", "seq_len"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise KeelError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     """``keel eval``: held-out perplexity / bits per byte, then lm-eval tasks; exit 1 if a task could not run."""
     from keel.eval.perplexity import text_perplexity, validation_perplexity
 
     task_names = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if args.limit is not None and args.limit < 1:
-        raise KeelError(f"--limit must be >= 1, got {args.limit}")
-    if args.batch_size < 1:
-        raise KeelError(f"--batch-size must be >= 1, got {args.batch_size}")
+    _check_counts(args)
     model, tokenizer, cfg, device, name = _load(args)
     mc = model.cfg
     default_seq = cfg.train.seq_len if cfg is not None else mc.max_seq_len
-    seq_len = args.seq_len or default_seq
+    seq_len = args.seq_len if args.seq_len is not None else default_seq
     if not 1 <= seq_len <= mc.max_seq_len:
         raise KeelError(f"--seq-len must be between 1 and model.max_seq_len = {mc.max_seq_len}, got {seq_len}")
     report: dict = {"model": name, "residual": mc.residual, "blocks": mc.n_layers, "sublayers": mc.n_sublayers,

@@ -42,6 +42,7 @@ from keel.data.sources import SourceStats, check_hub_reachable, iter_documents
 from keel.data.stats import unigram_entropy
 from keel.data.text import encode_batch
 from keel.errors import KeelError
+from keel.io import disk_errors
 
 FORMAT_VERSION = 1
 EOS_TOKEN = "<|endoftext|>"
@@ -100,7 +101,7 @@ def prepare_dataset(
     ``meta.json`` records ``format_version, source, tokenizer, tokenizer_sha256, vocab_size,
     eos_id, dtype, n_docs_train, n_docs_val, train_tokens, val_tokens, unigram_entropy (nats,
     of the training tokens: :mod:`keel.data.stats`), bytes_train, bytes_val,
-    docs_with_replacement_chars, docs_skipped_binary, long_docs_chunked, chunks_of_long_docs,
+    docs_with_replacement_chars, docs_skipped_binary, docs_with_nul, long_docs_chunked, chunks_of_long_docs,
     val_fraction, max_bytes, max_docs, seed, text_field, created``. ``n_docs_*`` count
     documents and chunks; byte counts are UTF-8 bytes of document text; token counts include
     the EOS tokens. Local paths are recorded as absolute paths.
@@ -111,7 +112,8 @@ def prepare_dataset(
     an older prepared dataset there.
 
     Raises :class:`KeelError` for bad options, any source or tokenizer problem, an empty
-    corpus, or an ``out`` that exists and is not a prepared dataset.
+    corpus, an ``out`` that exists and is not a prepared dataset, or a full disk / read-only
+    folder (naming the path; nothing is left behind).
     """
     inputs = _canonical_inputs(source, tokenizer, val_fraction, max_bytes, max_docs, text_field, seed)
     out = Path(out) if out is not None else Path(cache_dir) / dataset_slug(inputs)
@@ -124,14 +126,15 @@ def prepare_dataset(
     tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     created = [d for d in (out.parent, *out.parent.parents) if not d.exists()]  # deepest first
-    tmp.mkdir(parents=True)
-    try:
-        meta = _build(tmp, inputs, progress)
-        _move_into_place(tmp, out, inputs)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        _remove_empty(created)  # leave none of the folders this call created behind
-        raise
+    with disk_errors(out):  # a full disk or a read-only folder: one line naming the path
+        try:
+            tmp.mkdir(parents=True)
+            meta = _build(tmp, inputs, progress)
+            _move_into_place(tmp, out, inputs)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_empty(created)  # leave none of the folders this call created behind
+            raise
     log.info("prepared %s: %d+%d docs, %d train / %d val tokens", out, meta["n_docs_train"], meta["n_docs_val"],
              meta["train_tokens"], meta["val_tokens"])
     return out
@@ -294,6 +297,7 @@ def _build(tmp: Path, inputs: dict, progress: bool) -> dict:
         "bytes_val": val.n_bytes,
         "docs_with_replacement_chars": stats.docs_with_replacement_chars,
         "docs_skipped_binary": stats.docs_skipped_binary,
+        "docs_with_nul": stats.docs_with_nul,
         "long_docs_chunked": chunking[0],
         "chunks_of_long_docs": chunking[1],
         "val_fraction": inputs["val_fraction"],

@@ -60,6 +60,7 @@ class SourceStats:
     n_bytes: int = 0  # UTF-8 bytes of the documents yielded
     docs_with_replacement_chars: int = 0  # documents that had invalid UTF-8 replaced by U+FFFD
     docs_skipped_binary: int = 0  # documents skipped as not text (keel.data.text.looks_binary)
+    docs_with_nul: int = 0  # documents kept (mostly text) that hold NUL characters, kept as they are
 
 
 def iter_documents(
@@ -100,6 +101,7 @@ def iter_documents(
         stats.n_docs += 1
         stats.n_bytes += len(text.encode("utf-8"))
         stats.docs_with_replacement_chars += int(replaced)
+        stats.docs_with_nul += int("\x00" in text)
         yield text
         if (max_bytes and stats.n_bytes >= max_bytes) or (max_docs and stats.n_docs >= max_docs):
             return

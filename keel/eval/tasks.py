@@ -15,9 +15,10 @@ folders may name local files: ``dataset_path: json`` with ``dataset_kwargs: {dat
 tasks read their data with a ``custom_dataset`` function beside them, so they also work
 with plain ``lm_eval --include_path``.
 
-Offline: each task is loaded on its own. A task whose dataset cannot be loaded (no
-network, not in the ``datasets`` cache) is reported in one line, ``task X: dataset could
-not be loaded (offline?): ...``, and the other tasks still run. Needs
+Offline: each task is loaded and scored on its own. A task whose dataset cannot be loaded
+(no network, not in the ``datasets`` cache) is reported in one line, ``task X: dataset could
+not be loaded (offline?): ...``, and the other tasks still run; so is a task lm-eval cannot
+score (``task X: could not be scored: ...``, e.g. a continuation longer than the model's window). Needs
 ``pip install -e .[eval]`` (lm_eval with its hf extra, transformers).
 """
 
@@ -245,6 +246,17 @@ def _load_task(manager, spec, hub: _HubProbe):
         return f"dataset could not be loaded (offline?): {_first_line(e)}{reason}"
 
 
+def _scoring_failure(e: BaseException, window: int) -> str:
+    """One line for a task lm-eval could not score. lm-eval checks its requests with bare
+    ``assert``s (an empty context or continuation -- e.g. a token spanning the join of the
+    two --, or a continuation longer than the model's window): those are named."""
+    msg = f"could not be scored: {_first_line(e)}"
+    if isinstance(e, AssertionError):
+        msg += (" (lm-eval rejected a request: an empty context or continuation, e.g. a token spanning their "
+                f"join, or a continuation longer than the model's window of {window} tokens)")
+    return msg
+
+
 def _metrics_of(results: dict, task: str) -> dict[str, float]:
     """{metric: value} of one task in simple_evaluate's results ("acc,none" -> "acc"), floats only."""
     out = {}
@@ -307,8 +319,14 @@ def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float |
                 out[name] = {"error": loaded}
                 continue
             tasks = list(loaded["tasks"].values()) + list(loaded.get("groups", {}).values())
-            results = simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager,
-                                      log_samples=False, bootstrap_iters=0, verbosity=None)
+            try:
+                results = simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager,
+                                          log_samples=False, bootstrap_iters=0, verbosity=None)
+            except Exception as e:  # noqa: BLE001 -- one task's bad request must not stop the other tasks
+                msg = _scoring_failure(e, int(lm.max_length))
+                log(f"task {name}: {msg}")
+                out[name] = {"error": msg}
+                continue
             for task in loaded["tasks"]:
                 out[task] = _metrics_of(results, task)
     return out

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from keel.config import config_from_dict
-from keel.errors import KeelError
+from keel.errors import Interrupted, KeelError
 from keel.io import atomic_write_text
 
 _log = logging.getLogger(__name__)  # progress lines ("[3/12] name: done in 41 s")
@@ -148,7 +148,7 @@ def _execute(task: Task, job: GridJob, run_dir: str, resume: bool) -> dict:
         log(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {'resume' if resume else 'start'} {job.name}")
         try:
             out = dict(task(job, run_dir, resume, log))
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, Interrupted):  # Ctrl-C stops the grid, not just this run
             raise
         except BaseException as e:  # noqa: BLE001 - recorded, the grid goes on
             log(traceback.format_exc())

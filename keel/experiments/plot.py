@@ -66,7 +66,8 @@ def plot_loss_curves(paths: Sequence[str | Path], out: str | Path, *, val: bool 
         smooth: trailing-mean window (steps) for the training loss.
         labels: one legend label per curve (default: run folder names).
     Raises:
-        KeelError: a path that is neither a run nor a sweep; bad ``x``; wrong number of labels.
+        KeelError: a path that is neither a run nor a sweep; bad ``x``; wrong number of labels; no loss
+            values at all in the runs (nothing is written).
     """
     from keel.train.metrics import read_metrics
     from keel.train.plots import plt, save_figure
@@ -92,6 +93,10 @@ def plot_loss_curves(paths: Sequence[str | Path], out: str | Path, *, val: bool 
         ys = list(ys) if val else _smooth(list(ys), smooth)
         ax.plot(xs, ys, "o-" if val else "-", ms=3, lw=1.0 if val else 0.9, label=labels[i] if labels else name)
         n += 1
+    if n == 0:
+        plt.close(fig)
+        what = "validation" if val else "training"
+        raise KeelError(f"nothing to plot: no {what} loss in the metrics.jsonl of {', '.join(str(r) for _, r in runs)}")
     ax.set_xlabel("tokens" if x == "tokens" else "optimiser steps")
     what = "validation" if val else "training" + (f" (mean of {smooth} steps)" if smooth > 1 else "")
     ax.set_ylabel(f"{what} loss (nats/token)")
@@ -173,10 +178,19 @@ def plot_lr(sweep_dir: str | Path, out: str | Path, title: str = "") -> int:
     """Final validation loss against peak LR (log x), one line per scheme/depth (other keys).
 
     Diverged or stopped runs are drawn as crosses at their last validation loss. Returns
-    the number of lines. Raises KeelError if the sweep does not vary ``train.lr``.
+    the number of lines. A ``keel lr-sensitivity`` folder (``sensitivity.json``) is drawn as
+    that command draws it (:func:`keel.experiments.sensitivity.plot`: one panel per depth,
+    one line per scheme). Raises KeelError if the sweep does not vary ``train.lr``.
     """
     from keel.train.plots import plt, save_figure
 
+    from keel.experiments import sensitivity
+
+    summary_file = Path(sweep_dir) / sensitivity.OUT_JSON
+    if summary_file.is_file():
+        summary = json.loads(summary_file.read_text())
+        sensitivity.plot(summary, out)
+        return sum(1 for cell in summary["cells"] if cell["n_seeds"])
     sweep = _sweep(sweep_dir)
     if "train.lr" not in sweep["grid_keys"]:
         raise KeelError("this sweep does not vary train.lr: no LR axis")

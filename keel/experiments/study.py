@@ -488,17 +488,20 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
 
 
 def collect(study: Study, data_dir: str, out: Path, *, train: bool, workers: int = 1,
-            threads: int | None = None) -> list[dict]:
+            threads: int | None = None) -> tuple[list[dict], list[str]]:
     """Run (``train``) or only read every group in order; return the run records
-    (:func:`run_record`) of every job, finished or not. An ``lr_from`` group whose source has
-    not finished is skipped (logged), and runs on a later invocation."""
+    (:func:`run_record`) of every job, finished or not, and one line per group not planned
+    yet: an ``lr_from`` group whose source has not finished is skipped (logged), and runs on a
+    later invocation."""
     runs: list[dict] = []
+    waiting = []
     for g in study.groups:
         lr_for = None
         if g.lr_from:
             lr_for = transferred_lrs(runs, g)
             if lr_for is None:
-                _log.info(f"study: group {g.name} waits for group {g.lr_from} at {g.lr_from_sublayers} sub-layers")
+                waiting.append(f"group {g.name} waits for group {g.lr_from} at {g.lr_from_sublayers} sub-layers")
+                _log.info(f"study: {waiting[-1]}")
                 continue
         refs, jobs = group_jobs(study, g, data_dir, out, lr_for)
         gdir = out / g.name
@@ -516,7 +519,7 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool, workers: int
             if j.name in errors:
                 rec.update(status="error", message=errors[j.name].get("message"))
             runs.append(rec)
-    return runs
+    return runs, waiting
 
 
 # ----------------------------------------------------------------------------- estimate (dry run)
@@ -681,13 +684,15 @@ def runs_table(runs: list[dict]) -> list[str]:
     return out
 
 
-def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[dict], command: str) -> str:
+def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[dict], command: str,
+                    waiting: Sequence[str] = ()) -> str:
     """``report.md``: the verdict table, one section per claim, every run."""
     done = [r for r in runs if r["status"] == "done"]
     toks = sorted({r["tokens"] for r in done if r.get("tokens")})
     lines = [f"# Study `{study.name}`, scale `{study.scale}`", "", study.note, "",
              f"Runs finished: {len(done)} of {len(runs)} planned so far"
-             + (f" (tokens per finished run: {', '.join(f'{t:,}' for t in toks)})" if toks else "") + ".",
+             + (f" (tokens per finished run: {', '.join(f'{t:,}' for t in toks)})" if toks else "") + "."
+             + (f" Not planned yet: {'; '.join(waiting)}." if waiting else ""),
              f"Command: `{command}`", "", "## Verdicts", "",
              f"Rule (all claims): paired per-seed differences oriented so that the claim predicts > 0; reproduced "
              f"when every seed (≥ {study.min_seeds}) shows ≥ {study.min_effect:g} nats, not reproduced when every "
@@ -785,7 +790,7 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
         return {"plan": rows, "markdown": plan_markdown(study, rows, mfu, peak_tflops)}
     first_command = _claim_out(out, study, command, resume=resume, report_only=report_only)
     data_dir = str(resolve_data(load_config(resolve_config_path(study.base), study.sets), progress=False))
-    runs = collect(study, data_dir, out, train=not report_only, workers=workers, threads=threads)
+    runs, waiting = collect(study, data_dir, out, train=not report_only, workers=workers, threads=threads)
     claims = [(cl, CLAIM_TESTS[cl["test"]](study, runs, cl)) for cl in study.claims]
     h1 = dataset_unigram_entropy(data_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -795,7 +800,8 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
               "claims": [{"id": cl["id"], "title": cl["title"], **c} for cl, c in claims],
               "runs": [{k: v for k, v in r.items() if k != "result"} for r in runs], "plots": plots}
     atomic_write_text(out / "report.json", json.dumps(report, indent=1, default=str))
-    atomic_write_text(out / "report.md", report_markdown(study, claims, runs, first_command))
+    report["waiting"] = waiting
+    atomic_write_text(out / "report.md", report_markdown(study, claims, runs, first_command, waiting))
     return report
 
 

@@ -5,12 +5,13 @@ An exported folder holds::
     OUT/config.json               KeelConfig (model_type "keel": every ModelConfig field) with
                                   auto_map -> the two generated files below; for a pre_ln run:
                                   a stock LlamaConfig (model_type "llama"), no custom code
-    OUT/configuration_keel.py     generated from keel's source (keel.hf.remote; not for pre_ln)
-    OUT/modeling_keel.py          generated from keel's source (keel.hf.remote; not for pre_ln)
+    OUT/configuration_keel_H.py   generated from keel's source (keel.hf.remote; not for pre_ln);
+    OUT/modeling_keel_H.py        H = a hash of their content, so exports never share a module
     OUT/generation_config.json    eos/pad token ids
     OUT/model.safetensors         weights (tied embeddings stored once)
     OUT/tokenizer.json            the run's tokenizer
-    OUT/tokenizer_config.json     PreTrainedTokenizerFast, eos_token "<|endoftext|>"
+    OUT/tokenizer_config.json     PreTrainedTokenizerFast, eos_token "<|endoftext|>", split_special_tokens
+                                  (a literal "<|endoftext|>" in text is text, as everywhere in keel)
     OUT/keel_config.toml          the run's resolved config.toml (data and train sections too;
                                   data.path = the absolute path of its prepared dataset, if found)
 
@@ -86,12 +87,29 @@ def eos_token_of(tokenizer, run_dir: Path | None = None) -> str:
 
 
 def hf_tokenizer(tokenizer_file: str | Path, eos_token: str = EOS_TOKEN, model_max_length: int | None = None):
-    """A ``transformers.PreTrainedTokenizerFast`` over a ``tokenizer.json`` file; pad = eos, no BOS."""
+    """A ``transformers.PreTrainedTokenizerFast`` over a ``tokenizer.json`` file; pad = eos, no BOS;
+    ``split_special_tokens``: a literal ``<|endoftext|>`` in text is text, as in
+    :func:`keel.data.text.encode_text` (save it with :func:`save_hf_tokenizer`)."""
     from transformers import PreTrainedTokenizerFast
 
     kwargs = {"model_max_length": model_max_length} if model_max_length else {}
     return PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token=eos_token, pad_token=eos_token,
-                                   **kwargs)
+                                   split_special_tokens=True, **kwargs)
+
+
+def save_hf_tokenizer(hf_tok, folder: Path) -> None:
+    """``hf_tok.save_pretrained(folder)``, with ``"split_special_tokens": true`` in its
+    ``tokenizer_config.json`` (transformers 5 does not save it; ``AutoTokenizer`` reads it),
+    so that a stock ``AutoTokenizer`` / lm-eval on the export tokenizes exactly as keel does."""
+    import json
+
+    from keel.io import atomic_write_text
+
+    hf_tok.save_pretrained(folder)
+    path = Path(folder) / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["split_special_tokens"] = True
+    atomic_write_text(path, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def wrap_native(model, tokenizer, eos_token: str | None = None):
@@ -157,7 +175,7 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
             chmod_default(weights)  # safetensors writes 0600; every other file follows the umask
         if not llama:
             write_remote_code(tmp)
-        hf_tokenizer(run_dir / "tokenizer.json", eos, model.cfg.max_seq_len).save_pretrained(tmp)
+        save_hf_tokenizer(hf_tokenizer(run_dir / "tokenizer.json", eos, model.cfg.max_seq_len), tmp)
         _write_keel_config(run.config, tmp / KEEL_CONFIG_NAME)
     return out
 

@@ -155,15 +155,16 @@ def llama_to_keel_state(state: dict[str, torch.Tensor], n_layers: int, tied: boo
 
 
 def to_llama(model, **config_kwargs):
-    """A ``transformers.LlamaForCausalLM`` (fp32, eval mode, CPU) with the weights of a
-    ``pre_ln`` :class:`keel.model.Transformer`; ``config_kwargs`` go to LlamaConfig."""
+    """A ``transformers.LlamaForCausalLM`` (fp32, eval mode, CPU) with a copy of the weights of
+    a ``pre_ln`` :class:`keel.model.Transformer` (it shares no memory with ``model``: training
+    one leaves the other as it was); ``config_kwargs`` go to LlamaConfig."""
     from transformers import LlamaForCausalLM
 
     config = llama_config_from_keel(model.cfg, **config_kwargs)
     with torch.device("meta"):
         llama = LlamaForCausalLM(config)
     shapes = {k: v.shape for k, v in llama.state_dict().items()}
-    keel_state = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()
+    keel_state = {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in model.state_dict().items()
                   if not k.startswith("rope_")}
     if model.cfg.tie_embeddings:
         keel_state.pop("lm_head.weight", None)

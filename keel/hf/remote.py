@@ -1,7 +1,8 @@
 """Modeling code for an exported folder, generated from keel's own source at export time.
 
-``keel export-hf`` writes two Python files beside the weights and points ``auto_map`` in
-``config.json`` at them, so that anyone can load the folder without keel installed::
+``keel export-hf`` writes two Python files beside the weights (named with a hash of their
+content, :func:`write_remote_code`) and points ``auto_map`` in ``config.json`` at them, so
+that anyone can load the folder without keel installed::
 
     AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
 
@@ -32,12 +33,8 @@ from pathlib import Path
 
 from keel.errors import KeelError
 
-CONFIG_FILE = "configuration_keel.py"
-MODELING_FILE = "modeling_keel.py"
-AUTO_MAP = {
-    "AutoConfig": f"{CONFIG_FILE[:-3]}.KeelConfig",
-    "AutoModelForCausalLM": f"{MODELING_FILE[:-3]}.KeelForCausalLM",
-}
+CONFIG_FILE = "configuration_keel.py"  # written as configuration_keel_<hash>.py (write_remote_code)
+MODELING_FILE = "modeling_keel.py"  # written as modeling_keel_<hash>.py
 
 
 def _is_keel_import(node: ast.AST) -> bool:
@@ -217,16 +214,28 @@ def generate_remote_code() -> dict[str, str]:
 
 def write_remote_code(folder: str | Path) -> dict[str, str]:
     """Write the generated files into ``folder`` (which holds a keel ``config.json``) and add
-    ``auto_map`` to its ``config.json``. Returns the ``auto_map`` written."""
+    ``auto_map`` to its ``config.json``. Returns the ``auto_map`` written.
+
+    The files are named with a hash of their content, ``configuration_keel_<h>.py`` and
+    ``modeling_keel_<h>.py`` (``h``: 12 hex digits of the sha256 of both sources):
+    transformers caches remote code as a module named after the folder's base name and the
+    file name, so two exports called ``model`` with different code (two keel versions)
+    loaded in one process would otherwise both run the first one's code."""
+    import hashlib
     import json
 
     from keel.io import atomic_write_text
 
     folder = Path(folder)
-    for name, code in generate_remote_code().items():
-        atomic_write_text(folder / name, code)
+    files = generate_remote_code()
+    digest = hashlib.sha256("".join(files[k] for k in sorted(files)).encode("utf-8")).hexdigest()[:12]
+    config_mod, modeling_mod = f"{CONFIG_FILE[:-3]}_{digest}", f"{MODELING_FILE[:-3]}_{digest}"
+    modeling = files[MODELING_FILE].replace(f"from .{CONFIG_FILE[:-3]} import", f"from .{config_mod} import", 1)
+    atomic_write_text(folder / f"{config_mod}.py", files[CONFIG_FILE])
+    atomic_write_text(folder / f"{modeling_mod}.py", modeling)
+    auto_map = {"AutoConfig": f"{config_mod}.KeelConfig", "AutoModelForCausalLM": f"{modeling_mod}.KeelForCausalLM"}
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text())
-    config["auto_map"] = dict(AUTO_MAP)
+    config["auto_map"] = auto_map
     atomic_write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return dict(AUTO_MAP)
+    return auto_map

@@ -153,7 +153,8 @@ def _write_files(folder: Path, weights: dict[str, torch.Tensor], state: dict[str
     """The checkpoint's files, the manifest last (each flushed to disk before the rename)."""
     save_file(weights, str(folder / FILES[0]), metadata={"format": "pt"})
     chmod_default(folder / FILES[0])  # safetensors creates it 0600
-    torch.save(state, folder / FILES[1])
+    with open(folder / FILES[1], "wb") as f:  # a file object: a full disk surfaces as OSError (keel.io.write_failure)
+        torch.save(state, f)
     files = {}
     for fname in FILES:
         with open(folder / fname, "rb") as f:
@@ -319,7 +320,7 @@ def find_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]
     Candidates are the folder ``checkpoints/latest`` names and every ``step_*`` folder; the
     one with the highest step that passes :func:`checkpoint_problem` wins. The reasons
     (one line each, e.g. ``"step_00000012: model.safetensors is missing"`` or
-    ``"checkpoints/latest is missing"``) explain what was skipped; they are empty when
+    ``"checkpoints/latest (the file is missing)"``) explain what was skipped; they are empty when
     ``latest`` names the winner.
 
     Returns:
@@ -337,9 +338,9 @@ def find_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]
             break
         reasons.append(f"{folder.name}: {problem}")
     if named is None and root.is_dir() and (chosen is not None or reasons):
-        reasons.insert(0, "checkpoints/latest is missing")
+        reasons.insert(0, "checkpoints/latest (the file is missing)")
     elif named is not None and (chosen is None or named != chosen.name) and not (root / named).is_dir():
-        reasons.insert(0, f"checkpoints/latest names {named}, which does not exist")
+        reasons.insert(0, f"checkpoints/latest (it names {named}, which does not exist)")
     return chosen, reasons
 
 

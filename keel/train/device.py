@@ -7,9 +7,10 @@ import logging
 
 import torch
 
-from keel.config import PRECISIONS
+from keel.config import TrainConfig, choices
 from keel.errors import KeelError
 
+PRECISIONS = choices(TrainConfig, "precision")  # declared once, in keel.config.TrainConfig
 log = logging.getLogger(__name__)
 
 

@@ -15,22 +15,29 @@ Every record the trainer writes to ``metrics.jsonl`` goes to every logger named 
   run id is kept in ``RUN/wandb_id`` so a resumed run continues the same W&B run.
 
 Only rank 0 logs (the trainer makes sinks on rank 0 only). Resume: TensorBoard events at or
-after the first re-done step are purged (``purge_step``: the re-done steps replace them);
-W&B cannot take steps back, so the steps it already has (``RUN/wandb_last_step``) are not
-logged again. Either way every step appears once.
+after the first re-done step are purged (``purge_step``: the re-done steps replace them).
+W&B cannot take steps back, and a step passed to ``run.log()`` is not on disk until W&B's
+service has written it (a ``kill -9`` in between loses it), so a resumed W&B sink reads what
+W&B actually holds -- its own transaction logs, ``RUN/wandb/*-ID/run-ID.wandb``
+(:func:`wandb_history`) -- logs every record of ``metrics.jsonl`` it lacks, and skips the
+steps it has. Either way every step of ``metrics.jsonl`` appears once (for a step re-done
+after a crash, W&B keeps the first attempt's timings, ``tokens_per_s`` and ``elapsed_s``).
 """
 
 from __future__ import annotations
 
+import json
 import secrets
+import struct
 from pathlib import Path
 from typing import Any
 
+from keel.config import TrainConfig, choices
 from keel.errors import KeelError
 from keel.train.metrics import JsonlSink
 
-LOGGERS = ("jsonl", "tensorboard", "wandb")
-WANDB_MODES = ("offline", "online", "disabled")
+LOGGERS = choices(TrainConfig, "loggers")  # declared once, in keel.config.TrainConfig
+WANDB_MODES = choices(TrainConfig, "wandb_mode")
 
 
 def flatten(record: dict, prefix: str = "") -> dict[str, float]:
@@ -101,6 +108,67 @@ class TensorBoardSink:
         self.writer.close()
 
 
+# W&B's transaction log (the .wandb file `wandb sync` uploads): a 7-byte header (":W&B",
+# 0xBEE1, version), then LevelDB-log records in 32 KiB blocks -- a 7-byte header (crc32,
+# length, type: 1 full, 2 first, 3 middle, 4 last) and a piece of a serialized
+# wandb_internal_pb2.Record (W&B's own protobuf schema, used to parse it).
+_WANDB_BLOCK, _WANDB_MAGIC = 32768, (b":W&B", 0xBEE1)
+
+
+def _wandb_records(path: Path):
+    """The raw records of one ``.wandb`` file, in order; stops at a torn or unreadable tail."""
+    data = path.read_bytes()
+    if len(data) < 7 or struct.unpack("<4sHB", data[:7])[:2] != _WANDB_MAGIC:
+        return
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        left = _WANDB_BLOCK - pos % _WANDB_BLOCK
+        if left < 7:  # the rest of a block too short for a header is padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk = data[pos + 7:pos + 7 + length]
+        if kind not in (1, 2, 3, 4) or len(chunk) < length:
+            return
+        pos += 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            yield pending
+
+
+def wandb_history(wandb_dir: str | Path, run_id: str) -> list[dict[str, Any]]:
+    """The history rows W&B holds for run ``run_id`` under ``wandb_dir`` (``RUN/wandb``):
+    every ``*/run-{run_id}.wandb`` transaction log (one per session, offline or online),
+    oldest first, read with W&B's protobuf schema. Each row is ``{name: value}``
+    as logged (plus W&B's ``_step``, ``_runtime``, ``_timestamp``). Empty when wandb is not
+    installed or nothing was written."""
+    try:
+        from wandb.proto import wandb_internal_pb2 as pb
+    except ImportError:
+        return []
+    from google.protobuf.message import DecodeError
+
+    rows = []
+    # one folder per session: [offline-]run-<time>-<id>, with "-1", "-2" ... added when two
+    # sessions start within the same second; latest-run is a link to one of them
+    logs = [p for p in Path(wandb_dir).glob(f"*/run-{run_id}.wandb") if not p.parent.is_symlink()]
+    for path in sorted(logs, key=lambda p: p.parent.name.partition("run-")[2]):
+        for raw in _wandb_records(path):
+            record = pb.Record()
+            try:
+                record.ParseFromString(raw)
+            except DecodeError:
+                break
+            if record.WhichOneof("record_type") == "history":
+                rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
+def _wandb_key(row: dict) -> tuple[int, bool]:
+    """What makes a row unique: its ``step`` and whether it is a resume's config change."""
+    return int(row.get("step", 0)), any(k.startswith("config_change/") for k in row)
+
+
 class WandbSink:
     """Logs records to a Weights & Biases run in ``run_dir/wandb`` (see the module docstring).
 
@@ -109,11 +177,14 @@ class WandbSink:
         config: the resolved config's ``to_dict()`` (the W&B run config).
         mode: "offline" | "online" | "disabled".
         project: W&B project name.
+        history: the run's ``metrics.jsonl`` records so far (a resumed run's, up to its
+            checkpoint): those W&B does not hold (:func:`wandb_history`) are logged at once.
     Raises:
         KeelError: wandb is not installed (names the extra), or an unknown mode.
     """
 
-    def __init__(self, run_dir: str | Path, config: dict, mode: str = "offline", project: str = "keel"):
+    def __init__(self, run_dir: str | Path, config: dict, mode: str = "offline", project: str = "keel",
+                 history: list[dict] | None = None):
         if mode not in WANDB_MODES:
             raise KeelError(f"train.wandb_mode must be one of {', '.join(WANDB_MODES)}, got {mode!r}")
         wandb = _require("wandb", "wandb")
@@ -124,24 +195,24 @@ class WandbSink:
             from keel.io import atomic_write_text
 
             atomic_write_text(id_file, run_id + "\n")
-        self.step_file = run_dir / "wandb_last_step"
-        self.last_step = int(self.step_file.read_text()) if self.step_file.is_file() else -1
         self.run = wandb.init(project=project, dir=str(run_dir), id=run_id, resume="allow", mode=mode,
                               name=run_dir.name, config=config, settings=wandb.Settings(silent=True))
+        # read after init: an earlier session's service may still be closing its log (finish()
+        # returns first); this session's own log holds no history row yet
+        self.held = {_wandb_key(row) for row in wandb_history(run_dir / "wandb", run_id)}
         self.run.define_metric("*", step_metric="step")
+        for record in history or []:
+            self.write(record)
 
     def write(self, record: dict) -> bool:
-        """Log the numbers of ``record``; a step not after the last one this W&B run has
-        (``RUN/wandb_last_step``, kept across resumes) is skipped, except a resume's
-        ``config_change`` record. Returns whether it was logged."""
-        from keel.io import atomic_write_text
-
-        step = int(record.get("step", 0))
-        if step <= self.last_step and "config_change" not in record:  # a resume's config change is new
+        """Log the numbers of ``record`` unless W&B holds that step already (from before a
+        resume; a resume's ``config_change`` record counts apart). Returns whether it was logged."""
+        row = flatten(record)
+        key = _wandb_key(row)
+        if key in self.held or set(row) <= {"step"}:  # held already, or no number to log
             return False
-        self.run.log(flatten(record))
-        self.last_step = max(step, self.last_step)
-        atomic_write_text(self.step_file, f"{self.last_step}\n")
+        self.run.log(row)
+        self.held.add(key)
         return True
 
     def close(self) -> None:
@@ -176,12 +247,13 @@ def check_loggers(names) -> list[str]:
     return ["jsonl"] + [n for n in dict.fromkeys(names) if n != "jsonl"]
 
 
-def open_sinks(cfg, run_dir: str | Path, resume_step: int | None = None) -> Sinks:
+def open_sinks(cfg, run_dir: str | Path, resume_step: int | None = None, history: list[dict] | None = None) -> Sinks:
     """The sinks ``cfg.train.loggers`` names, for run ``run_dir`` (call on rank 0 only).
 
     Args:
         cfg: the resolved :class:`keel.config.Config`.
         resume_step: the checkpoint step a resumed run restarts after (None for a new run).
+        history: the records ``metrics.jsonl`` holds already (see :class:`WandbSink`).
     Raises:
         KeelError: unknown logger, or its optional package is not installed (names the extra).
     """
@@ -195,5 +267,5 @@ def open_sinks(cfg, run_dir: str | Path, resume_step: int | None = None) -> Sink
             sinks.append(TensorBoardSink(run_dir / "tensorboard", cfg.to_dict(), resume_step))
         else:
             sinks.append(WandbSink(run_dir, cfg.to_dict(), getattr(tc, "wandb_mode", "offline"),
-                                   getattr(tc, "wandb_project", "keel")))
+                                   getattr(tc, "wandb_project", "keel"), history=history))
     return Sinks(sinks)

@@ -23,11 +23,12 @@ import functools
 import torch
 import torch.nn as nn
 
+from keel.config import TrainConfig, choices
 from keel.errors import KeelError
 from keel.train.dist import DistInfo
 
 AC_MODES = ("none", "block", "every_k")
-PARALLELISMS = ("ddp", "fsdp")
+PARALLELISMS = choices(TrainConfig, "parallelism")  # declared once, in keel.config.TrainConfig
 
 
 # --------------------------------------------------------------------------- transforms

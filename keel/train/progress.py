@@ -6,10 +6,13 @@ reporter logs one plain line (``logging``, logger ``keel.train.progress``) every
 ``every_steps`` steps or every ``every_s`` seconds, whichever comes first, and at the last
 step::
 
-    step 120/1000 (12%) | loss 3.4121 | lr 2.95e-03 | 12,345 tokens/s | ETA 4m05s
+    step 120/1000 (12%) | loss 3.4121 | val_loss 3.5012 | lr 2.95e-03 | 12,345 tokens/s | ETA 4m05s
 
-tokens/s is measured over the steps since the previous line (wall clock, so evaluation and
-checkpoint time count); ETA = remaining steps x mean wall time per step so far.
+A step with a validation loss always gets a line (with ``val_loss``). tokens/s is measured
+over the steps since the previous line (wall clock, so evaluation and checkpoint time count);
+ETA = remaining steps x the wall time per step over those same recent steps (a run that sped
+up or slowed down is not estimated from its whole-run average), until a line has been
+logged: the mean since the start.
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ class ProgressReporter:
                                  tok_s=f"{record.get('tokens_per_s', 0.0):,.0f}", refresh=False)
             return None
         now = self.clock()
-        if not (step % self.every_steps == 0 or now - self.last_t >= self.every_s or step >= self.total):
+        due = step % self.every_steps == 0 or now - self.last_t >= self.every_s or step >= self.total
+        if not (due or record.get("val_loss") is not None):
             return None
         line = self.line(record, now)
         self.last_step, self.last_t = step, now
@@ -89,10 +93,15 @@ class ProgressReporter:
         step = int(record["step"])
         dt, steps = now - self.last_t, step - self.last_step
         tok_s = steps * self.tokens_per_step / dt if dt > 0 and steps > 0 else record.get("tokens_per_s", 0.0)
-        per_step = (now - self.start_t) / max(1, step - self.start_step)
+        if dt > 0 and steps > 0:  # the recent pace
+            per_step = dt / steps
+        else:
+            per_step = (now - self.start_t) / max(1, step - self.start_step)
         parts = [f"step {step}/{self.total} ({100 * step // max(1, self.total)}%)"]
         if record.get("loss") is not None:
             parts.append(f"loss {record['loss']:.4f}")
+        if record.get("val_loss") is not None:
+            parts.append(f"val_loss {record['val_loss']:.4f}")
         if record.get("lr") is not None:
             parts.append(f"lr {record['lr']:.2e}")
         parts += [f"{tok_s:,.0f} tokens/s", f"ETA {format_duration((self.total - step) * per_step)}"]

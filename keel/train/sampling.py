@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from keel.data.prepare import EOS_TOKEN
 from keel.data.text import encode_text
 
 
@@ -19,8 +20,12 @@ def sample_text(model: torch.nn.Module, tokenizer, prompt: str, max_new_tokens: 
             temperature works, one too small to divide by is greedy too).
         top_k: keep the k most likely tokens (None = all).
         seed: seeds the sampling generator (same seed, same text).
+
+    An empty ``prompt`` starts a new document: the model continues the end-of-text token
+    (``<|endoftext|>``; id 0 for a tokenizer without one).
     """
-    ids = encode_text(tokenizer, prompt) or [0]
+    eos = tokenizer.token_to_id(EOS_TOKEN)
+    ids = encode_text(tokenizer, prompt) or [eos if eos is not None else 0]
     gen = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()

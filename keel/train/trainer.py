@@ -46,9 +46,11 @@ in as :class:`keel.train.callbacks.Callback` objects.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,8 +60,8 @@ import torch
 
 from keel.config import Config, dump_config, resolve_vocab_size
 from keel.data import TokenLoader, load_tokenizer, read_meta, resolve_data, validation_tokens
-from keel.errors import KeelError
-from keel.io import atomic_write_text
+from keel.errors import Interrupted, KeelError
+from keel.io import RunLock, atomic_write_text, disk_errors, write_failure
 from keel.model import Transformer, check_model_config
 from keel.train import dist as D
 from keel.train import state_dict as SD
@@ -69,10 +71,11 @@ from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, is_
                                    save_checkpoint, save_sharded_checkpoint, tied_aliases)
 from keel.train.device import autocast_context, resolve_device
 from keel.train.evaluate import mean_nll
+from keel.train.interrupt import StopSignals
 from keel.train.loggers import open_sinks
 from keel.train.metrics import read_metrics, truncate_metrics
 from keel.train.optim import apply_config, build_optimizer, build_scheduler
-from keel.train.parallelize import PARALLELISMS, checkpointed_blocks, gradient_sync, parallelize
+from keel.train.parallelize import checkpointed_blocks, gradient_sync, parallelize
 from keel.train.plots import plot_loss
 from keel.train.progress import ProgressReporter, interactive
 from keel.train.resume import check_config_changes
@@ -87,6 +90,11 @@ MAX_PPL_LOSS = 50.0
 class TrainingStopped(KeelError):
     """Raised when a run stops early: too many non-finite steps in a row
     (``train.max_bad_steps``) or a callback asked to stop (e.g. a divergence verdict)."""
+
+
+class TrainingInterrupted(Interrupted):
+    """Raised when a run was stopped by SIGINT or SIGTERM after its checkpoint was written;
+    the message says how to resume (``exit_code`` 130 / 143, see :class:`keel.errors.Interrupted`)."""
 
 
 @dataclass
@@ -126,8 +134,6 @@ def check_train_config(cfg: Config) -> None:
     cfg.data.validate()
     if tc.seq_len > cfg.model.max_seq_len:
         raise KeelError(f"train.seq_len ({tc.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len})")
-    if tc.parallelism not in PARALLELISMS:
-        raise KeelError(f"train.parallelism must be one of {', '.join(PARALLELISMS)}, got {tc.parallelism!r}")
     checkpointed_blocks(cfg.model.n_layers, tc.activation_checkpointing, tc.checkpoint_k)
 
 
@@ -153,9 +159,35 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, callbacks: Seq
     check_train_config(cfg)
     info = D.init_distributed(resolve_device(cfg.train.device))
     try:
-        return Trainer(cfg, run_dir, resume, list(callbacks), info, restart=restart).fit()
+        run_dir = Path(D.broadcast_object(str(run_dir), info))
+        with run_lock(run_dir, info):
+            return Trainer(cfg, run_dir, resume, list(callbacks), info, restart=restart).fit()
     finally:
         D.destroy_distributed(info)
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path, info: D.DistInfo):
+    """Rank 0 holds the run directory's lock (:class:`keel.io.RunLock`) for the whole run, so
+    a second ``keel train`` (or ``--resume``) on the same folder stops at once; every rank
+    learns whether it got it.
+
+    Raises:
+        KeelError: another process holds the lock (naming its pid), or the folder cannot be made.
+    """
+    lock, error = RunLock(run_dir), None
+    if info.is_main:
+        try:
+            lock.acquire()
+        except KeelError as e:
+            error = str(e)
+    error = D.broadcast_object(error, info)
+    if error is not None:
+        raise KeelError(error)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 class Trainer:
@@ -170,7 +202,7 @@ class Trainer:
             raise KeelError(f"train.batch_size ({self.tc.batch_size}, the global number of sequences per "
                             f"micro-batch) is not divisible by the world size ({self.ws})")
         self.local_bs = self.tc.batch_size // self.ws
-        self.run_dir = Path(D.broadcast_object(str(run_dir), info))
+        self.run_dir = Path(run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         if not (resume or restart) and self.metrics_path.exists():
             raise KeelError(f"run directory {self.run_dir} already holds a run; "
@@ -302,10 +334,12 @@ class Trainer:
         config changes. Returns the records kept (the run's history up to ``self.step``)."""
         history = []
         if self.main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            dump_config(self.cfg, self.run_dir / "config.toml")
-            shutil.copyfile(self.data_dir / "tokenizer.json", self.run_dir / "tokenizer.json")
-            history = truncate_metrics(self.metrics_path, self.step if self.ckpt is not None else -1)
+            with disk_errors(self.run_dir):
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                dump_config(self.cfg, self.run_dir / "config.toml")
+                shutil.copyfile(self.data_dir / "tokenizer.json", self.run_dir / "tokenizer.json")
+                history = truncate_metrics(self.metrics_path, self.step if self.ckpt is not None else -1)
+            self.history = history  # what the sinks may replay (keel.train.loggers)
             if self.changes:
                 record = {"step": self.step, "config_change": self.changes}
                 if not history or history[-1] != record:
@@ -318,6 +352,7 @@ class Trainer:
         if tc.warmup_steps > tc.steps:
             self.say(f"warning: train.warmup_steps ({tc.warmup_steps}) > train.steps ({tc.steps}): "
                      "the LR never reaches train.lr", logging.WARNING)
+        self.say(f"run directory: {self.run_dir}")
         self.say(f"model: {cfg.model.residual}, {cfg.model.n_layers} blocks = {cfg.model.n_sublayers} sub-layers, "
                  f"d_model {cfg.model.d_model}, {self.model.num_params() / 1e6:.2f}M parameters; "
                  f"data: {self.data_dir} ({self.meta['train_tokens']:,} train tokens)")
@@ -337,9 +372,15 @@ class Trainer:
     def write(self, record: dict) -> None:
         """Send ``record`` to every sink of ``train.loggers`` (metrics.jsonl, TensorBoard, W&B; rank 0)."""
         if self.main:
-            if self.sink is None:
-                self.sink = open_sinks(self.cfg, self.run_dir, self.resumed_from)
-            self.sink.write(record)
+            try:
+                if self.sink is None:
+                    self.sink = open_sinks(self.cfg, self.run_dir, self.resumed_from, self.history)
+                self.sink.write(record)
+            except Exception as e:  # noqa: BLE001 -- only a full disk / read-only folder is turned into one line
+                if write_failure(e) is None:
+                    raise
+                with disk_errors(self.metrics_path, f"; last good checkpoint: {self._last_good()}"):
+                    raise
 
     def close_sink(self) -> None:
         """Close the ``train.loggers`` sinks, if open (flushes TensorBoard, finishes W&B)."""
@@ -377,6 +418,13 @@ class Trainer:
                                 aliases=self.aliases)
             except NonFiniteWeights as e:
                 error = f"stopped at step {self.step}: {e}; last good checkpoint: {self._last_good()}"
+            except Exception as e:  # noqa: BLE001 -- a full disk / read-only folder: one line, the last good step
+                cause = write_failure(e)
+                if cause is None:
+                    raise
+                error = (f"cannot write the checkpoint of step {self.step} in {self.run_dir / 'checkpoints'}: "
+                         f"{cause.strerror}{' (' + str(cause.filename) + ')' if cause.filename else ''}; "
+                         f"last good checkpoint (intact): {self._last_good()}")
         error = D.broadcast_object(error, self.info)
         if error is not None:
             raise TrainingStopped(error)
@@ -470,25 +518,44 @@ class Trainer:
         bad_in_row, val_loss = 0, None
         self.train_module.train()
         try:
-            while self.step < self.tc.steps:
-                record = self.train_step(state)
-                record.update(self._hooks("on_step_end", state))
-                record["_finite"] = state.finite
-                bad_in_row = self._skip_policy(record, bad_in_row)
-                if state.stop is not None:
+            with StopSignals(announce=self.main) as signals:
+                while self.step < self.tc.steps:
+                    record = self.train_step(state)
+                    record.update(self._hooks("on_step_end", state))
+                    record["_finite"] = state.finite
+                    bad_in_row = self._skip_policy(record, bad_in_row)
+                    if state.stop is not None:
+                        self.write(record)
+                        raise TrainingStopped(f"stopped at step {self.step}: {state.stop}")
+                    if self.step % self.tc.eval_every == 0 or self.step == self.tc.steps:
+                        val_loss = self.validate()
+                        record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
                     self.write(record)
-                    raise TrainingStopped(f"stopped at step {self.step}: {state.stop}")
-                if self.step % self.tc.eval_every == 0 or self.step == self.tc.steps:
-                    val_loss = self.validate()
-                    record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
-                self.write(record)
-                bar.update(record)
-                if self.step % self.tc.checkpoint_every == 0 or self.step == self.tc.steps:
-                    self.checkpoint()
+                    bar.update(record)
+                    saved = self.step % self.tc.checkpoint_every == 0 or self.step == self.tc.steps
+                    if saved:
+                        self.checkpoint()
+                    self._stop_if_signalled(signals, saved)
         finally:
             bar.close()
             self.close_sink()
         return self._finish(first_val, val_loss)
+
+    def _stop_if_signalled(self, signals: StopSignals, saved: bool) -> None:
+        """After a step: if any rank got SIGINT/SIGTERM, checkpoint (unless this step just did)
+        and raise :class:`TrainingInterrupted` on every rank."""
+        flag = torch.tensor(float(signals.received or 0))
+        if self.info.distributed:  # every rank stops after the same step
+            flag = D.all_reduce_sum(flag.to(self.device), self.info).cpu()
+            flag = torch.tensor(float(signals.received or (signal.SIGTERM if flag.item() else 0)))
+        if not flag.item():
+            return
+        if not saved:
+            self.checkpoint()
+        name = signal.Signals(int(flag.item())).name
+        raise TrainingInterrupted(f"stopped by {name} after step {self.step}: checkpoint "
+                                  f"{self.run_dir / 'checkpoints' / f'step_{self.step:08d}'} written; resume with: "
+                                  f"keel train --resume {self.run_dir}", int(flag.item()))
 
     def _nothing_to_do(self) -> TrainResult:
         """A resumed run already at (or past) ``train.steps``: report, train nothing, write nothing."""
