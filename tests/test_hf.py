@@ -536,8 +536,8 @@ def test_generated_code_left_padded_generate(tmp_path):
 
     _, hf = native_and_hf(tiny_cfg("keel"), seed=5)
     hf.save_pretrained(tmp_path)
-    write_remote_code(tmp_path)
-    remote = get_class_from_dynamic_module("modeling_keel.KeelForCausalLM", str(tmp_path)).from_pretrained(tmp_path)
+    auto_map = write_remote_code(tmp_path)
+    remote = get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], str(tmp_path)).from_pretrained(tmp_path)
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (9, 5, 1)]
     ids, mask = left_padded(prompts)

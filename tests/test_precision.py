@@ -171,8 +171,8 @@ def exported_class(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("remote")
     KeelForCausalLM(KeelConfig.from_model_config(tiny("keel"))).save_pretrained(folder)
-    write_remote_code(folder)
-    cls = get_class_from_dynamic_module("modeling_keel.KeelForCausalLM", str(folder))
+    auto_map = write_remote_code(folder)
+    cls = get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], str(folder))
     assert cls.__module__.startswith("transformers_modules.") and cls is not KeelForCausalLM
     return cls
 
