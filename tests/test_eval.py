@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
-from conftest import REPO, tiny_overrides  # noqa: E402
+from conftest import HANG_S, REPO, tiny_overrides  # noqa: E402
 from keel.cli import main  # noqa: E402
 from keel.config import load_config  # noqa: E402
 from keel.data import split_windows  # noqa: E402
@@ -296,7 +296,7 @@ def test_shipped_tasks_load_with_plain_lm_eval_from_any_folder(tmp_path):
             "print('RESULT', json.dumps({k: len(list(t.test_docs())) for k, t in tasks.items()}))\n")
     blocked = "import sys\nsys.modules['keel'] = None\n" + code  # keel not importable
     r = subprocess.run([sys.executable, "-c", blocked, str(EXAMPLE_TASK_DIR)], capture_output=True, text=True,
-                       cwd=tmp_path, timeout=300)
+                       cwd=tmp_path, timeout=HANG_S)
     assert r.returncode == 0, r.stderr[-2000:]
     counts = json.loads(r.stdout.split("RESULT ")[-1])
     assert counts == {"keel_python_completion": 20, "keel_python_paragraphs": 6, "keel_python_generate": 20}
