@@ -193,3 +193,17 @@ def test_presets_build(preset):
         # width moves in steps of 2 * n_heads: coarse at CPU widths (~40), fine at the paper's (~1024)
         assert max(counts) / min(counts) < (1.02 if preset.startswith("paper") else 1.10), counts
 
+
+
+def test_sweep_table_with_a_blown_up_loss():
+    """A final validation loss above ~709 nats made math.exp overflow (OverflowError) in the
+    sweep report; the perplexity is now the trainer's capped one (inf)."""
+    from keel.experiments.sweep import sweep_markdown
+
+    run = {"values": {"train.lr": 1.0}, "status": "done", "final_val_loss": 800.0, "best_val_loss": 9.0,
+           "tokens": 512, "step": 4, "params": 1e6, "non_embedding_params": 5e5, "wall_s": 1.0, "verdict": "instability"}
+    summary = {"grid_keys": ["train.lr"], "held_fixed": {}, "out": "o", "config": "demo", "sets": [], "runs": [run],
+               "best": [{"values": {}, "best": 1.0, "final_val_loss": 800.0, "n_ok": 1, "n": 1}],
+               "best_over": "train.lr"}
+    md = sweep_markdown(summary)
+    assert "| 800.0000 | 9.0000 | inf |" in md

@@ -431,6 +431,7 @@ def _num(v, fmt="{:.4f}") -> str:
 
 def sweep_markdown(summary: dict) -> str:
     """The ``sweep.md`` text: header (what was held fixed), all runs, and the best-over table."""
+    from keel.train.trainer import perplexity  # lazy: `keel --help` imports this module and must not load torch
     keys = summary["grid_keys"] + [k for k in summary.get("derived_keys", [])]
     held = summary["held_fixed"]
     fixed = [f"{k} = {v:,}" for k, v in held.items() if v != "varies"]
@@ -451,7 +452,7 @@ def sweep_markdown(summary: dict) -> str:
         else:
             fv = r.get("final_val_loss")
             cells = [_cell(k, vals.get(k)) for k in keys] + [
-                _num(fv), _num(r.get("best_val_loss")), _num(math.exp(fv) if fv is not None else None, "{:.2f}"),
+                _num(fv), _num(r.get("best_val_loss")), _num(perplexity(fv) if fv is not None else None, "{:.2f}"),
                 f"{r['tokens']:,}", str(r["step"]), f"{r['params'] / 1e6:.3f}", f"{r['non_embedding_params'] / 1e6:.3f}",
                 f"{r.get('wall_s', 0):.0f}", r["verdict"]]
         lines.append("| " + " | ".join(cells) + " |")
@@ -466,7 +467,7 @@ def sweep_markdown(summary: dict) -> str:
             fv = g["final_val_loss"]
             cells = [_cell(k, g["values"].get(k)) for k in others] + [
                 _cell(key, g["best"]) if g["best"] is not None else "all diverged", _num(fv),
-                _num(math.exp(fv) if fv is not None else None, "{:.2f}"), f"{g['n_ok']}/{g['n']}"]
+                _num(perplexity(fv) if fv is not None else None, "{:.2f}"), f"{g['n_ok']}/{g['n']}"]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
