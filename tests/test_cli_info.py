@@ -132,3 +132,16 @@ def test_keel_runs_table_and_json(tiny_data, tmp_path, capsys):
     assert table[1].split()[:5] == ["a", "keel", "2/4", f"{row['params'] / 1e6:.2f}M", "2/2"]
     assert table[1].split()[-1] == "finished" and f"{last['val_loss']:.4f}" in table[1]
     assert main(["runs", str(tmp_path / "none")]) == 2
+
+
+def test_help_loads_no_torch():
+    """`keel --help` (building every command's parser) must not import torch: it stays fast."""
+    import subprocess
+    import sys
+
+    from conftest import HANG_S
+
+    code = "import sys; from keel.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
