@@ -12,9 +12,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
+
+from keel.errors import KeelError
 
 
 def _umask() -> int:
@@ -71,8 +75,6 @@ def atomic_dir(path: str | os.PathLike, replace: bool = False) -> Iterator[Path]
     Raises:
         OSError: ``path`` exists, is not empty and ``replace`` is False.
     """
-    import shutil
-
     path = Path(path)
     tmp = make_temp_dir(path.parent, path.name)
     try:
@@ -95,8 +97,6 @@ def write_failure(e: BaseException | None) -> OSError | None:
     """The ``OSError`` with one of :data:`DISK_ERRNOS` behind ``e`` (``e`` itself or an error
     it was raised from or while handling: ``torch.save`` to a file object turns ENOSPC into a
     ``RuntimeError`` raised while handling it), or None when ``e`` is not such a failure."""
-    import re
-
     seen = 0
     while e is not None and seen < 10:
         if isinstance(e, OSError) and e.errno in DISK_ERRNOS:
@@ -117,8 +117,6 @@ def disk_errors(path: str | os.PathLike, note: str = "") -> Iterator[None]:
     Raises:
         KeelError: as above.
     """
-    from keel.errors import KeelError
-
     try:
         yield
     except Exception as e:  # noqa: BLE001 -- OSError, torch's RuntimeError, SafetensorError: see write_failure
@@ -149,9 +147,7 @@ class RunLock:
         self.fd: int | None = None
 
     def acquire(self) -> "RunLock":
-        import fcntl
-
-        from keel.errors import KeelError
+        import fcntl  # POSIX-only: keel.io stays importable elsewhere
 
         with disk_errors(self.folder):
             self.folder.mkdir(parents=True, exist_ok=True)

@@ -12,9 +12,15 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from keel.config import Config, load_config
+from keel.data import resolve_data
 from keel.errors import KeelError
+from keel.model import Transformer
+from keel.train.checkpoint import latest_checkpoint, list_checkpoints, load_weights
+from keel.train.device import resolve_device
+from keel.train.metrics import read_metrics
 
 
 class Run:
@@ -49,26 +55,18 @@ class Run:
 
     def metrics(self) -> list[dict]:
         """The records of ``metrics.jsonl`` ([] before the first one; see :mod:`keel.train.metrics`)."""
-        from keel.train.metrics import read_metrics
-
         return read_metrics(self.metrics_path)
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoint folders, oldest first."""
-        from keel.train.checkpoint import list_checkpoints
-
         return list_checkpoints(self.path)
 
     def latest_checkpoint(self) -> Path | None:
         """The checkpoint ``checkpoints/latest`` names, or None."""
-        from keel.train.checkpoint import latest_checkpoint
-
         return latest_checkpoint(self.path)
 
     def tokenizer(self):
         """The run's ``tokenizers.Tokenizer`` (``tokenizer.json``). Raises KeelError if missing."""
-        from tokenizers import Tokenizer
-
         path = self.path / "tokenizer.json"
         if not path.is_file():
             raise KeelError(f"run {self.path} has no tokenizer.json")
@@ -78,8 +76,6 @@ class Run:
         """The prepared dataset the run was trained on (``data.path``, or the cached dataset
         of ``data.source`` + ``data.tokenizer``, prepared again if the cache was removed).
         Raises KeelError if it cannot be found or prepared."""
-        from keel.data import resolve_data
-
         return resolve_data(self.config, progress=False)
 
     def load_model(self, device: str | torch.device = "cpu", checkpoint: str | Path | None = None):
@@ -91,10 +87,6 @@ class Run:
         Raises:
             KeelError: no checkpoint yet, or weights that do not match the config.
         """
-        from keel.model import Transformer
-        from keel.train.checkpoint import load_weights
-        from keel.train.device import resolve_device
-
         ckpt = Path(checkpoint) if checkpoint else self.latest_checkpoint()
         if ckpt is None:
             raise KeelError(f"run {self.path} has no checkpoint yet")

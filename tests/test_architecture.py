@@ -184,3 +184,68 @@ def test_wheel_ships_every_preset_and_works_without_the_source_tree(tmp_path):
     assert out.returncode == 0, out.stderr
     path, residual, sweeps = out.stdout.splitlines()
     assert path.startswith(str(target)) and residual == "keel" and "cpu-depth" in sweeps
+
+
+
+MAX_LAZY_OWN_IMPORTS = 10  # imports of keel's own modules inside functions (issue 20)
+
+
+def _has_reason(lines: list[str], first: int, last: int) -> bool:
+    """A ``#`` comment on lines ``first..last`` (1-based), or on the nearest line above that is
+    not another import or a bare ``try:`` (a block of lazy imports shares one comment line)."""
+    if any("#" in lines[i - 1] for i in range(first, last + 1)):
+        return True
+    for i in range(first - 1, 0, -1):
+        s = lines[i - 1].strip()
+        if s.startswith("#") or (s.startswith("try:") and "#" in s):
+            return True
+        if not (s.startswith(("import ", "from ")) or s == "try:"):
+            return False
+    return False
+
+
+def _lazy_module(node: ast.AST) -> str | None:
+    """The module an import statement loads (``keel`` for a relative import); None for any other node."""
+    if isinstance(node, ast.Import):
+        return node.names[0].name
+    if isinstance(node, ast.ImportFrom):
+        return "keel" if node.level else node.module
+    return None
+
+
+def lazy_imports(modules: dict[str, Path]) -> list[tuple[str, int, str, bool]]:
+    """(file, line, module, has a reason comment) of every import inside a function of ``modules``."""
+    out = []
+    for path in modules.values():
+        src = path.read_text()
+        lines, seen = src.splitlines(), set()
+        for fn in ast.walk(ast.parse(src)):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    mod = _lazy_module(node)
+                    if mod is not None and (path, node.lineno) not in seen:
+                        seen.add((path, node.lineno))
+                        name = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else path.name
+                        out.append((name, node.lineno, mod, _has_reason(lines, node.lineno, node.end_lineno)))
+    return out
+
+
+def test_imports_are_at_the_top_of_modules():
+    """Imports inside functions are the exception: at most ``MAX_LAZY_OWN_IMPORTS`` of keel's own
+    modules in all of keel/, and every lazy import, keel's or a third party's, says in a comment
+    what it buys (``keel --help`` loads no torch, an optional extra, seconds of import time)."""
+    found = lazy_imports(MODULES)
+    own = [f"{f}:{n} {m}" for f, n, m, _ in found if m == "keel" or m.startswith("keel.")]
+    assert len(own) <= MAX_LAZY_OWN_IMPORTS, "lazy imports of keel modules:\n" + "\n".join(own)
+    silent = [f"{f}:{n} {m}" for f, n, m, why in found if not why]
+    assert not silent, "lazy imports without a comment saying why:\n" + "\n".join(silent)
+
+
+def test_the_lazy_import_check_sees_imports_and_their_reasons(tmp_path):
+    """The checker itself: imports in functions are found, with or without a reason; a
+    top-level import is not."""
+    f = tmp_path / "x.py"
+    f.write_text("import os\n\n\ndef f():\n    import torch  # optional\n    from keel import a\n\n\n"
+                 "def g():\n    # the handler, by name\n    from . import b\n    import c\n    b.x = 1\n    import d\n")
+    assert lazy_imports({"x": f}) == [("x.py", 5, "torch", True), ("x.py", 6, "keel", False),
+                                      ("x.py", 11, "keel", True), ("x.py", 12, "c", True), ("x.py", 14, "d", False)]

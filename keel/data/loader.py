@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from keel.data.prepare import FORMAT_VERSION, prepare_dataset
+from keel.data.prepare import FORMAT_VERSION, find_prepared, prepare_dataset
 from keel.data.shards import read_shard
 from keel.errors import KeelError
 
@@ -266,8 +266,6 @@ def find_data(cfg) -> Path | None:
     """The prepared dataset a config's ``[data]`` names, if it exists (nothing is prepared):
     ``data.path`` if it is a prepared dataset, else the cached dataset of ``data.source`` +
     ``data.tokenizer`` under ``data.cache_dir``; None otherwise."""
-    from keel.data.prepare import find_prepared
-
     d = cfg.data
     try:
         if d.path:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm.auto import tqdm
 
 from keel.config import DEFAULT_VAL_FRACTION
 from keel.data.shards import ShardWriter, read_shard
@@ -524,12 +525,8 @@ def _batches(pieces):
 
 
 def _progress(iterable, total, desc: str, unit: str, enabled: bool):
-    """``tqdm`` on stderr when enabled and installed, else ``iterable`` unchanged."""
+    """``tqdm`` on stderr when enabled, else ``iterable`` unchanged."""
     if not enabled:
-        return iterable
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
         return iterable
     return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
 

@@ -240,10 +240,10 @@ def _text_of(record, text_field: str, where: str) -> str | None:
 
 def _parquet_documents(path: Path, text_field: str) -> Iterator[tuple[str, bool]]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional extra [data]: parquet sources only
     except ImportError:
         raise KeelError(f"reading {path} needs pyarrow: pip install pyarrow") from None
-    import pyarrow as pa
+    import pyarrow as pa  # optional extra [data]: parquet sources only
 
     try:
         parquet = pq.ParquetFile(path)
@@ -362,7 +362,7 @@ def _hf_documents(source: str, text_field: str) -> Iterator[tuple[str, bool]]:
     name, config = parse_hf_source(source)
     check_hub_reachable(f"dataset {name!r}")
     try:
-        import datasets
+        import datasets  # optional extra [data]; ~2 s to import
     except ImportError:
         raise KeelError(f"the data source {source!r} needs the datasets library: pip install datasets") from None
     try:

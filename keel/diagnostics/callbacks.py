@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import logging
 
+from keel.data.stats import dataset_unigram_entropy
+from keel.diagnostics.divergence import build_monitor
+from keel.diagnostics.gradflow import sublayer_grad_norms
 from keel.train.callbacks import Callback, StepState
 from keel.train.trainer import TrainingStopped
 
@@ -30,9 +33,6 @@ class DivergenceCallback(Callback):
         self.reference_dir, self.stop, self.monitor = reference_dir, stop, None
 
     def on_train_start(self, state: StepState) -> None:
-        from keel.data.stats import dataset_unigram_entropy
-        from keel.diagnostics.divergence import build_monitor
-
         entropy = dataset_unigram_entropy(state.data_dir) if state.data_dir is not None else None
         self.monitor = build_monitor(self.reference_dir or None, entropy)
         for r in state.history:
@@ -63,8 +63,6 @@ class GradflowCallback(Callback):
         self.every = every
 
     def on_gradients(self, state: StepState) -> dict | None:
-        from keel.diagnostics.gradflow import sublayer_grad_norms
-
         if self.every and (state.step + 1) % self.every == 0:
             return {"sublayer_grad_norm": sublayer_grad_norms(state.model)}
         return None

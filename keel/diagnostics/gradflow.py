@@ -49,14 +49,26 @@ inside the functions.
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import matplotlib
+import matplotlib.pyplot as plt
+import torch
+from torch.func import jvp, vjp
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
 from keel.config import resolve_vocab_size
+from keel.data import read_meta, resolve_data, validation_tokens
 from keel.errors import KeelError
+from keel.model import Transformer
+from keel.run import Run
+from keel.train.parallelize import unwrap
+from keel.train.plots import save_figure
 
 DEFAULT_LAYERS = "16,64"
 
@@ -65,9 +77,6 @@ DEFAULT_LAYERS = "16,64"
 
 def _plain(model):
     """The plain :class:`keel.model.Transformer` inside DDP or ``torch.compile`` wrappers."""
-    from keel.model import Transformer
-    from keel.train.parallelize import unwrap
-
     plain = unwrap(model)
     if not isinstance(plain, Transformer):
         raise KeelError("gradflow expects a keel Transformer")
@@ -93,8 +102,6 @@ def sublayer_grad_norms(model) -> list[float]:
     Raises:
         KeelError: ``model`` is not a keel Transformer.
     """
-    import torch
-
     norms = []
     for modules in sublayer_modules(model):
         total = torch.zeros((), dtype=torch.float64)
@@ -131,9 +138,6 @@ def jacobian_spectral_norms(fn, x, group_dims: int = 1, iters: int = 32, seed: i
         bound that converges to ||J||_2 much faster than power iteration when the top
         singular values are close.
     """
-    import torch
-    from torch.func import jvp, vjp
-
     gshape = x.shape[:x.dim() - group_dims]
     n = math.prod(x.shape[x.dim() - group_dims:])
     m = max(1, min(iters, n))
@@ -258,9 +262,6 @@ def profile_model(model, batch, jacobian_iters: int = 32, full_jacobian: bool = 
         after L-1) and, with ``full_jacobian``, ``full_jacobian``,
         ``log10_full_jacobian_product``.
     """
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     plain = _plain(model)
     plain.zero_grad(set_to_none=True)
     with _Recorder(plain) as rec:
@@ -304,8 +305,6 @@ def _init_config(base, scheme: str, sublayers: int, d_model: int, seq_len: int, 
     """The model config for the init-mode profile: the base config's model section with the
     residual scheme, n_layers = sublayers / 2, width d_model, head_dim 32 (one head below
     width 32), n_kv_heads = n_heads / 2 (GQA) when n_heads is even, d_ff = 3 * d_model."""
-    import copy
-
     m = copy.deepcopy(base.model)
     m.residual = scheme
     m.n_layers = sublayers // 2
@@ -324,8 +323,6 @@ def _init_config(base, scheme: str, sublayers: int, d_model: int, seq_len: int, 
 
 
 def _val_batch(data_dir, seq_len: int, batch_size: int):
-    from keel.data import validation_tokens
-
     windows = validation_tokens(data_dir, seq_len, batch_size * seq_len)
     return windows[:batch_size]
 
@@ -355,12 +352,7 @@ def plot_profiles(results: list[dict], out: str | Path) -> None:
 
     Raises:
         KeelError: the folder of ``out`` does not exist."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from keel.train.plots import save_figure
 
     out = Path(out)
     if not out.parent.is_dir():
@@ -401,8 +393,6 @@ def profile_runs(run_paths: Sequence[str | Path], seq_len: int, batch_size: int,
     and ``seconds`` (wall time). ``on_result`` is called with each result as it is ready.
     Raises KeelError for a path that is not a run with a checkpoint.
     """
-    from keel.run import Run
-
     results = []
     for path in run_paths:
         t0 = time.perf_counter()
@@ -425,11 +415,6 @@ def profile_schemes(base, schemes: Sequence[str], depths: Sequence[int], d_model
     windows of ``seq_len`` tokens of the dataset ``base`` (a :class:`keel.config.Config`)
     names. The init is seeded with ``seed`` for every model. Results as in
     :func:`profile_runs`, plus ``init_std``."""
-    import torch
-
-    from keel.data import read_meta, resolve_data
-    from keel.model import Transformer
-
     data_dir = resolve_data(base, progress=False)
     vocab = read_meta(data_dir)["vocab_size"]
     batch = _val_batch(data_dir, seq_len, batch_size)

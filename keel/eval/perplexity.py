@@ -25,8 +25,9 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from keel.data import split_windows
+from keel.data import split_windows, validation_tokens
 from keel.data.text import encode_text, utf8_bytes
+from keel.errors import KeelError
 from keel.train.evaluate import summed_nll
 from keel.train.trainer import perplexity as _perplexity
 
@@ -90,8 +91,6 @@ def text_perplexity(model, tokenizer, text: str, seq_len: int, device, eos_id: i
     Raises:
         KeelError: the text gives fewer than one predicted token.
     """
-    from keel.errors import KeelError
-
     ids = encode_text(tokenizer, text)
     if eos_id is not None:
         ids = [eos_id] + ids
@@ -113,8 +112,6 @@ def validation_perplexity(model, tokenizer, data_dir: str | Path, seq_len: int, 
     Raises:
         KeelError: not a prepared dataset, or a validation split shorter than one window.
     """
-    from keel.data import validation_tokens
-
     windows = validation_tokens(data_dir, seq_len, max_tokens)
     nats, n = summed_nll(model, windows, batch_size, device)
     targets = windows[:, 1:].reshape(-1).tolist()  # contiguous: val[1 : N*seq_len + 1]

@@ -25,13 +25,22 @@ score (``task X: could not be scored: ...``, e.g. a continuation longer than the
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import math
+import random
 from pathlib import Path
 from typing import Any, Callable
 
+import huggingface_hub.constants as hub_constants
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from keel.data.sources import check_hub_reachable
 from keel.errors import KeelError
 from keel.train.callbacks import Callback, StepState
+from keel.train.dist import barrier
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +74,8 @@ def _no_progress_bars(quiet: bool = True):
     if not quiet:
         yield
         return
-    import importlib
 
-    import datasets
-    from tqdm import tqdm
+    import datasets  # installed with lm_eval (extra [eval]); ~2 s to import
 
     def silent_tqdm(*args, **kwargs):  # callers pass disable= themselves: force it
         kwargs["disable"] = True
@@ -109,8 +116,7 @@ def _hub_offline(offline: bool):
     if not offline:
         yield
         return
-    import datasets.config
-    import huggingface_hub.constants as hub_constants
+    import datasets.config  # installed with lm_eval (extra [eval]); ~2 s to import
 
     saved = hub_constants.HF_HUB_OFFLINE, getattr(datasets.config, "HF_HUB_OFFLINE", None)
     hub_constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
@@ -129,8 +135,6 @@ class _HubProbe:
 
     def unreachable(self) -> str | None:
         if not self.checked:
-            from keel.data.sources import check_hub_reachable
-
             self.checked = True
             try:
                 check_hub_reachable("lm-eval task data")
@@ -143,7 +147,7 @@ class _HubProbe:
 def _no_env_probe():
     """Skip simple_evaluate's environment report (``torch.utils.collect_env``: several ``pip``
     and ``git`` subprocesses, seconds per task, and a ``fatal: not a git repository`` line)."""
-    import lm_eval.evaluator as ev
+    import lm_eval.evaluator as ev  # optional extra [eval]: keel train imports this module without it
 
     stubs = {"add_env_info": lambda storage: None, "get_git_commit_hash": lambda: None}
     saved = {k: getattr(ev, k) for k in stubs if hasattr(ev, k)}
@@ -160,11 +164,6 @@ def _no_env_probe():
 def _keep_rng_state():
     """simple_evaluate seeds python's, numpy's and torch's global generators; put them back
     afterwards so that evaluation inside training does not change the training run."""
-    import random
-
-    import numpy as np
-    import torch
-
     py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
@@ -181,7 +180,7 @@ class _Tasks:
     """Task index over the example folder + ``task_dir``; lm-eval's registry only when needed."""
 
     def __init__(self, task_dir: str | Path | None = None):
-        from lm_eval.tasks import TaskManager
+        from lm_eval.tasks import TaskManager  # optional extra [eval]: keel train imports this module without it
 
         paths = [EXAMPLE_TASK_DIR]
         if task_dir is not None:
@@ -197,7 +196,7 @@ class _Tasks:
         if name in self.local.all_tasks:
             return self.local
         if self._full is None:
-            from lm_eval.tasks import TaskManager
+            from lm_eval.tasks import TaskManager  # optional extra [eval]: keel train imports this module without it
 
             self._full = TaskManager(include_path=[str(p) for p in self.paths], include_defaults=True)
         return self._full
@@ -209,7 +208,7 @@ class _Tasks:
         path = getattr(entry, "yaml_path", None)
         if path is None or getattr(getattr(entry, "kind", None), "name", None) != "TASK":
             return name
-        from lm_eval.tasks._yaml_loader import load_yaml
+        from lm_eval.tasks._yaml_loader import load_yaml  # optional extra [eval]: keel train imports this module without it
 
         cfg = load_yaml(path, resolve_func=True)
         files = (cfg.get("dataset_kwargs") or {}).get("data_files")
@@ -294,7 +293,7 @@ def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float |
         KeelError: lm_eval is not installed, or ``task_dir`` is not a folder.
     """
     try:
-        from lm_eval import simple_evaluate
+        from lm_eval import simple_evaluate  # optional extra [eval]: keel train imports this module without it
         from lm_eval.models.huggingface import HFLM
     except ImportError as e:
         raise KeelError(f"keel eval needs lm-evaluation-harness: pip install -e .[eval] ({_first_line(e)})") from None
@@ -378,8 +377,6 @@ class TaskEvalCallback(Callback):
         self.tasks, self.every, self.limit = tasks, every, limit
 
     def on_step_end(self, state: StepState) -> dict | None:
-        from keel.train.dist import barrier
-
         if not (self.tasks and self.every and state.step % self.every == 0):
             return None
         plain = state.plain_model()

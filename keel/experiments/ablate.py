@@ -58,7 +58,16 @@ import math
 from pathlib import Path
 from typing import Callable, Iterator
 
+import torch
+from matplotlib.patches import Patch
+
+from keel.data import load_tokenizer, split_windows, validation_tokens
+from keel.data.shards import read_shard
 from keel.errors import KeelError
+from keel.io import atomic_write_text
+from keel.run import Run
+from keel.train.evaluate import mean_nll
+from keel.train.plots import plt, save_figure
 
 
 # ----------------------------------------------------------------------------- removal
@@ -153,8 +162,6 @@ def ablate_model(model, windows, batch_size: int = 16, log=None) -> dict:
     windows = windows.to(device)
     model.eval()
 
-    from keel.train.evaluate import mean_nll
-
     def nll_with(i):
         with removed_sublayer(model, i):
             return mean_nll(model, windows, batch_size, device)
@@ -170,8 +177,6 @@ def ablate_model(model, windows, batch_size: int = 16, log=None) -> dict:
 
 def ablate_hf_model(model, windows, batch_size: int = 8, log=None) -> dict:
     """:func:`layer_importance` of a Hugging Face causal LM; one unit = one decoder layer."""
-    import torch
-
     device = next(model.parameters()).device
     windows = windows.to(device)
     model.eval()
@@ -192,8 +197,6 @@ def ablate_hf_model(model, windows, batch_size: int = 8, log=None) -> dict:
     finally:
         hook.remove()
     returns_tuple = seen.get("tuple", False)
-
-    from keel.train.evaluate import mean_nll
 
     def nll_with(i):
         with removed_hf_layer(model, i, returns_tuple):
@@ -223,8 +226,6 @@ def ablate_markdown(res: dict, title: str) -> str:
 def plot_ablation(res: dict, out: str | Path, title: str = "") -> None:
     """Bar chart of ΔPPL per unit (Keel paper Appendix A style); symmetric-log y axis when
     the largest |ΔPPL| is over 50x the median one."""
-    from keel.train.plots import plt, save_figure
-
     d = [u["delta_ppl"] for u in res["units"]]
     colors = ["tab:blue" if u["kind"] in ("attn", "layer") else "tab:orange" for u in res["units"]]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.12 * len(d) + 3), 4))
@@ -238,8 +239,6 @@ def plot_ablation(res: dict, out: str | Path, title: str = "") -> None:
     ax.set_title(title or f"layer importance: {res['scheme']}, {res['sublayers']} sub-layers "
                  f"(full PPL {res['ppl_full']:.2f})")
     if unit == "sub-layer":
-        from matplotlib.patches import Patch
-
         ax.legend(handles=[Patch(color="tab:blue", label="attention"), Patch(color="tab:orange", label="FFN")])
     ax.grid(alpha=0.3, axis="y")
     save_figure(fig, out)
@@ -247,8 +246,6 @@ def plot_ablation(res: dict, out: str | Path, title: str = "") -> None:
 
 def write_outputs(res: dict, out_dir: str | Path, title: str) -> None:
     """``ablate.json``, ``ablate.md`` and ``ablate.png`` in ``out_dir`` (created), atomically."""
-    from keel.io import atomic_write_text
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "ablate.json", json.dumps(res, indent=1))
@@ -263,10 +260,6 @@ def write_outputs(res: dict, out_dir: str | Path, title: str) -> None:
 def _text_windows(ids, seq_len: int, max_tokens: int):
     """Whole windows of ``ids`` (:func:`keel.data.split_windows`) stacked [N, seq_len + 1];
     KeelError if there is none."""
-    import torch
-
-    from keel.data import split_windows
-
     rows = split_windows(ids, seq_len, max_tokens)
     if not rows:
         raise KeelError(f"text too short: {len(ids)} tokens, need at least {seq_len + 1}")
@@ -278,9 +271,6 @@ def ablate_run(run_dir: str | Path, seq_len: int | None = None, tokens: int = 16
     """:func:`ablate_model` of a keel run's latest checkpoint on the first ``tokens`` tokens of
     its validation split, in windows of ``seq_len`` (default: the run's ``train.seq_len``).
     Raises KeelError: not a run, no checkpoint, too little validation data."""
-    from keel.data import validation_tokens
-    from keel.run import Run
-
     run = Run(run_dir)
     model = run.load_model(device=device)
     windows = validation_tokens(run.data_dir(), seq_len or run.config.train.seq_len, tokens)
@@ -297,9 +287,6 @@ def hf_text(text_file: str | None, run_dir: str | None, tokens: int) -> str:
         return Path(text_file).read_text(encoding="utf-8", errors="replace")
     if run_dir is None:
         raise KeelError("--hf needs --text FILE or --run DIR (its validation split) for the text")
-    from keel.data import load_tokenizer
-    from keel.data.shards import read_shard
-    from keel.run import Run
 
     data_dir = Run(run_dir).data_dir()
     val = read_shard(Path(data_dir) / "val.bin")
@@ -312,8 +299,7 @@ def ablate_hf_folder(path: str | Path, text: str, seq_len: int | None = None, to
     """:func:`ablate_hf_model` of a local Hugging Face causal-LM folder on ``text`` (fp32),
     windows of ``seq_len`` tokens (default: min(512, max_position_embeddings)).
     Raises KeelError: not a folder, or text shorter than one window."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # optional extra [hf], ~1.7 s to import: only for --hf
 
     path = Path(path)
     if not path.is_dir():

@@ -33,16 +33,21 @@ itself and returns it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import torch
 
 from keel.config import config_from_dict
 from keel.errors import Interrupted, KeelError
@@ -96,8 +101,6 @@ def _die_with_parent() -> None:
     """Ask Linux to send this worker SIGTERM when the process that started it dies (a
     ``kill -9`` of the grid must not leave workers training); a no-op elsewhere."""
     if sys.platform.startswith("linux"):
-        import ctypes
-
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
 
@@ -108,7 +111,6 @@ def _init_worker(threads: int) -> None:
     _die_with_parent()
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MKL_NUM_THREADS"] = str(threads)
-    import torch
 
     torch.set_num_threads(threads)
     try:
@@ -270,9 +272,6 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
         for job in todo:
             report(job, _execute(task, job, str(out_dir / job.name), resumed(job)))
     elif todo:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
                                  initargs=(threads,)) as ex:

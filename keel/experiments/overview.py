@@ -18,7 +18,10 @@ import math
 import time
 from pathlib import Path
 
+import torch
+
 from keel.errors import KeelError
+from keel.model import Transformer
 from keel.run import Run
 
 log = logging.getLogger(__name__)
@@ -30,10 +33,6 @@ COLUMNS = ("run", "scheme", "blocks", "sublayers", "params", "step", "steps", "t
 def count_parameters(model_cfg) -> int:
     """Parameters of a model of this :class:`keel.config.ModelConfig` (tied weights once),
     counted on the meta device: nothing is allocated."""
-    import torch
-
-    from keel.model import Transformer
-
     with torch.device("meta"):
         return Transformer(model_cfg).num_params()
 

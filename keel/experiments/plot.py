@@ -23,6 +23,10 @@ from pathlib import Path
 from typing import Sequence
 
 from keel.errors import KeelError
+from keel.experiments import sensitivity
+from keel.experiments.sweep import load_sweep
+from keel.train.metrics import read_metrics
+from keel.train.plots import plt, save_figure
 
 
 def _run_dirs(paths: Sequence[str | Path]) -> list[tuple[str, Path]]:
@@ -69,9 +73,6 @@ def plot_loss_curves(paths: Sequence[str | Path], out: str | Path, *, val: bool 
         KeelError: a path that is neither a run nor a sweep; bad ``x``; wrong number of labels; no loss
             values at all in the runs (nothing is written).
     """
-    from keel.train.metrics import read_metrics
-    from keel.train.plots import plt, save_figure
-
     if x not in ("tokens", "steps"):
         raise KeelError(f"--x must be tokens or steps, got {x!r}")
     runs = _run_dirs(paths)
@@ -108,8 +109,6 @@ def plot_loss_curves(paths: Sequence[str | Path], out: str | Path, *, val: bool 
 
 
 def _sweep(sweep_dir) -> dict:
-    from keel.experiments.sweep import load_sweep
-
     return load_sweep(sweep_dir)
 
 
@@ -147,8 +146,6 @@ def plot_depth(sweep_dir: str | Path, out: str | Path, title: str = "") -> dict:
 
     Returns :func:`depth_points`. Raises KeelError (not a sweep, no depth axis, no usable run).
     """
-    from keel.train.plots import plt, save_figure
-
     sweep = _sweep(sweep_dir)
     pts = depth_points(sweep)
     if not pts:
@@ -182,10 +179,6 @@ def plot_lr(sweep_dir: str | Path, out: str | Path, title: str = "") -> int:
     that command draws it (:func:`keel.experiments.sensitivity.plot`: one panel per depth,
     one line per scheme). Raises KeelError if the sweep does not vary ``train.lr``.
     """
-    from keel.train.plots import plt, save_figure
-
-    from keel.experiments import sensitivity
-
     summary_file = Path(sweep_dir) / sensitivity.OUT_JSON
     if summary_file.is_file():
         summary = json.loads(summary_file.read_text())
@@ -221,8 +214,6 @@ def plot_lr(sweep_dir: str | Path, out: str | Path, title: str = "") -> int:
 
 
 def _last_val(run_dir: Path) -> float | None:
-    from keel.train.metrics import read_metrics
-
     if not (run_dir / "metrics.jsonl").is_file():
         return None
     vals = [r["val_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r]

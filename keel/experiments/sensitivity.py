@@ -43,9 +43,16 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from keel.config import load_config, resolve_config_path
+from keel.data import resolve_data
+from keel.data.stats import dataset_unigram_entropy
+from keel.diagnostics.divergence import Thresholds
 from keel.errors import KeelError
 from keel.experiments.grid import cached_result, run_grid
+from keel.experiments.sweep import build_jobs, train_task
 from keel.io import atomic_write_text
+from keel.model import SCHEMES
+from keel.train.plots import plt, save_figure
 
 _log = logging.getLogger(__name__)
 
@@ -279,8 +286,6 @@ def plot(summary: dict, out: str | Path) -> None:
     """Loss against LR (log x), one panel per depth that has results, one line per scheme
     (seed mean; the error bars span the seeds' capped losses; one colour per scheme in every
     panel); dashed: init loss, dotted: unigram entropy."""
-    from keel.train.plots import plt, save_figure
-
     depths = [L for L in summary["sublayers"] if any(r["sublayers"] == L and r["n_seeds"] for r in summary["cells"])]
     depths = depths or summary["sublayers"][:1]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -334,14 +339,6 @@ def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Se
     Raises:
         KeelError: bad grid or config; non-empty ``out`` without ``resume`` (see run_grid).
     """
-    from keel.config import resolve_config_path
-    from keel.config import load_config
-    from keel.data.stats import dataset_unigram_entropy
-    from keel.diagnostics.divergence import Thresholds
-    from keel.experiments.sweep import build_jobs, train_task
-    from keel.model import SCHEMES
-    from keel.data import resolve_data
-
     for s in schemes:
         if s not in SCHEMES:
             raise KeelError(f"unknown scheme {s!r} in --residual (available: {', '.join(SCHEMES)})")

@@ -46,9 +46,15 @@ import logging
 import math
 from pathlib import Path
 
+from keel.config import load_config, resolve_config_path
+from keel.data import resolve_data
 from keel.errors import KeelError
 from keel.experiments.grid import GridJob, cached_result, run_grid
+from keel.experiments.sweep import train_task
 from keel.io import atomic_write_text
+from keel.model import SCHEMES
+from keel.train.metrics import read_metrics
+from keel.train.plots import plt, save_figure
 
 _log = logging.getLogger(__name__)
 
@@ -84,9 +90,6 @@ def max_lr(records: list[dict], verdict_step: int) -> float:
 def stress_task(job: GridJob, run_dir: Path, resume: bool, log) -> dict:
     """Grid task of one stress run: train it (:func:`keel.experiments.sweep.train_task`),
     then add its coordinates (``job.values``) and its max LR (:func:`max_lr`)."""
-    from keel.experiments.sweep import train_task
-    from keel.train.metrics import read_metrics
-
     out = train_task(job, run_dir, resume, log)
     out.update(job.values)
     out["name"] = job.name
@@ -154,9 +157,6 @@ def table_markdown(table: dict, peak_lr: float | None = None) -> str:
 def plot_stress(results: list[dict], schemes: list[str], depths: list[int], out: Path) -> None:
     """Training loss against LR (log x), one panel per depth, one colour per scheme, one line
     per seed; a cross marks each run's divergence step. Written atomically as PNG."""
-    from keel.train.metrics import read_metrics
-    from keel.train.plots import plt, save_figure
-
     fig, axes = plt.subplots(1, len(depths), figsize=(6 * len(depths), 4.2), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, L in zip(axes[0], depths):
@@ -188,8 +188,6 @@ def stress_jobs(cfg_path, overrides: list[str], schemes: list[str], sublayers: l
     """(reference jobs, stress jobs), seed-major (a partial grid covers every scheme and depth
     first). Each stress job's config names its reference run (``train.divergence_reference``,
     an absolute path under ``out/references``). Raises KeelError on a bad config."""
-    from keel.config import load_config
-
     refs, jobs = [], []
     for seed in seeds:
         for L in sublayers:
@@ -207,8 +205,6 @@ def stress_jobs(cfg_path, overrides: list[str], schemes: list[str], sublayers: l
 
 
 def _check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, workers, reference_scheme) -> None:
-    from keel.model import SCHEMES
-
     for s in list(schemes) + [reference_scheme]:
         if s not in SCHEMES:
             raise KeelError(f"unknown scheme {s!r} (available: {', '.join(SCHEMES)})")
@@ -252,11 +248,6 @@ def run_stress(config: str | None = None, overrides: list[str] | None = None, sc
         KeelError: odd or non-positive depth, unknown scheme, bad peak/ramp/workers, bad
             config, a non-empty ``out`` without ``resume``, a run folder with another config.
     """
-    from keel.config import resolve_config_path
-    from keel.config import load_config
-    from keel.experiments.sweep import train_task
-    from keel.data import resolve_data
-
     schemes, sublayers, seeds = list(schemes), list(sublayers), list(seeds)
     _check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, workers, reference_scheme)
     out = Path(out)

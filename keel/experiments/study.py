@@ -38,12 +38,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from keel.config import config_from_dict, load_config, resolve_config_path, tomllib
+from keel.data import resolve_data
+from keel.data.stats import dataset_unigram_entropy
 from keel.errors import KeelError
 from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
 from keel.experiments.grid import GridJob, cached_result, run_grid
+from keel.experiments.plot import plot_loss_curves
 from keel.experiments.sweep import _override, build_jobs, param_count, train_task
 from keel.io import atomic_write_text
+from keel.model import SCHEMES
+from keel.train.metrics import read_metrics
+from keel.train.plots import plt, save_figure
 
 _log = logging.getLogger(__name__)
 
@@ -116,9 +123,6 @@ def load_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
         KeelError: unknown study or scale, unparsable TOML, a malformed group or claim, an
             unknown scheme, a claim naming a group that the scale does not size.
     """
-    from keel.config import resolve_config_path, tomllib
-    from keel.model import SCHEMES
-
     path = resolve_config_path(name, kind="studies")
     try:
         d = tomllib.loads(path.read_text())
@@ -414,8 +418,6 @@ def group_jobs(study: Study, g: Group, data_dir: str, out: Path,
     :func:`keel.experiments.sweep.build_jobs` grid, depth-major (a partial group covers the
     shallow depths with every seed first). ``lr_for``: ``{scheme: LR}`` of an ``lr_from`` group.
     Raises KeelError on a bad config."""
-    from keel.config import resolve_config_path
-
     sets = study.sets + g.sets
     if g.kind == "ramp":
         return ST.stress_jobs(resolve_config_path(study.base), sets, g.schemes, g.sublayers, g.seeds, g.peak_lr,
@@ -466,8 +468,6 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
     """One run's row of the report: coordinates, ``status`` (done / error / pending), ``tokens``
     trained, final / step-0 validation loss, ``capped_loss`` (final, or the step-0 loss when the
     run has no finite final loss), divergence verdict, max LR (ramp), plateau exit step."""
-    from keel.train.metrics import read_metrics
-
     v = job.values
     scheme = v.get("model.residual", v.get("scheme"))
     rec = {"group": group.name, "name": job.name, "scheme": scheme,
@@ -533,8 +533,6 @@ def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: f
     """One row per group: runs (+ references), tokens per run (the planned budget; a ramp run
     stops earlier when it diverges), total tokens and estimated GPU-hours at ``mfu`` of a
     ``peak_tflops`` (dense bf16 TFLOP/s) GPU. An ``lr_from`` group is planned at one LR per scheme."""
-    from keel.config import config_from_dict
-
     rows = []
     for g in study.groups:
         lr_for = {s: 1e-3 for s in g.schemes} if g.lr_from else None
@@ -708,8 +706,6 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
 def plot_margins(claims: list[tuple[dict, dict]], out: Path) -> bool:
     """Margin (baseline − scheme, nats) against depth (log x) for every margin claim, mean ±
     sd over seeds; False (nothing written) when no claim has two depths."""
-    from keel.train.plots import plt, save_figure
-
     series = [(cl, c) for cl, c in claims if cl["test"] == "margin_grows" and len(c.get("rows", [])) >= 2]
     if not series:
         return False
@@ -731,8 +727,6 @@ def plot_margins(claims: list[tuple[dict, dict]], out: Path) -> bool:
 def write_plots(study: Study, runs: list[dict], claims: list[tuple[dict, dict]], out: Path, h1: float | None) -> list[str]:
     """The report's PNGs: loss against LR per train group with an LR grid, the ramp (loss
     against LR), margins against depth, loss curves of single-LR groups. Returns the file names."""
-    from keel.experiments.plot import plot_loss_curves
-
     files = []
     for g in study.groups:
         done = [r for r in runs if r["group"] == g.name and r["status"] == "done"]
@@ -779,10 +773,6 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
         KeelError: bad study or scale (:func:`load_study`), bad config, ``out`` not usable
             (:func:`_claim_out`: a file, another study's folder, non-empty without ``resume``).
     """
-    from keel.config import load_config, resolve_config_path
-    from keel.data import resolve_data
-    from keel.data.stats import dataset_unigram_entropy
-
     study = load_study(name, scale, sets)
     out = Path(out)
     if dry_run:

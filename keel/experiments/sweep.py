@@ -47,6 +47,7 @@ Presets: ``--preset NAME`` reads the packaged ``keel/configs/sweeps/NAME.toml`` 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -55,9 +56,21 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
+
+from keel.config import config_from_dict, load_config, resolve_config_path, tomllib
+from keel.data import resolve_data
+from keel.data.stats import dataset_unigram_entropy
+from keel.diagnostics.divergence import HEALTHY, Verdict, run_verdict
 from keel.errors import KeelError
 from keel.experiments.grid import GridJob, run_grid
+from keel.experiments.training import train_run
 from keel.io import atomic_write_text
+from keel.model import Transformer
+from keel.train import TrainingStopped
+from keel.train.checkpoint import find_intact_checkpoint
+from keel.train.metrics import read_metrics
+from keel.train.trainer import perplexity
 
 HELD_KEYS = ("tokens", "steps", "params")
 
@@ -65,8 +78,6 @@ HELD_KEYS = ("tokens", "steps", "params")
 # ----------------------------------------------------------------------------- grid
 def parse_value(raw: str) -> Any:
     """A TOML scalar (``1e-3`` -> float, ``16`` -> int, ``true``) or, failing that, the string."""
-    from keel.config import tomllib
-
     raw = raw.strip()
     try:
         return tomllib.loads(f"v = {raw}")["v"]
@@ -145,12 +156,6 @@ def param_count(model_cfg, non_embedding: bool = False) -> int:
     ``non_embedding`` leaves out the token embedding (the LM head still counts), as
     :meth:`keel.model.Transformer.num_params` does. Raises KeelError on an invalid shape.
     """
-    import dataclasses
-
-    import torch
-
-    from keel.model import Transformer
-
     def count(n_layers: int) -> int:
         with torch.device("meta"):
             model = Transformer(dataclasses.replace(model_cfg, n_layers=n_layers))
@@ -185,8 +190,6 @@ def width_for_params(model_cfg, target: int, n_layers: int | None = None, *, mul
     Raises:
         KeelError: ``target`` < 1 or not reachable below 64x the base width.
     """
-    import dataclasses
-
     if target < 1:
         raise KeelError(f"parameter target must be >= 1, got {target}")
     n_layers = model_cfg.n_layers if n_layers is None else int(n_layers)
@@ -221,8 +224,6 @@ def load_preset(name: str) -> dict:
 
     Raises KeelError for an unknown name, unparsable TOML or unknown top-level keys.
     """
-    from keel.config import resolve_config_path, tomllib
-
     p = resolve_config_path(name, kind="sweeps")
     try:
         d = tomllib.loads(p.read_text())
@@ -251,9 +252,6 @@ def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[str] = 
         KeelError: unknown config keys or values, ``match_params`` together with a grid over
             ``model.d_model``, a grid point that is not a valid model.
     """
-    from keel.config import resolve_config_path
-    from keel.config import load_config
-
     cfg_path = resolve_config_path(config)
     base_sets = list(sets) + ["train.progress=false"] + ([f"data.path={data_path}"] if data_path else [])
     base = load_config(cfg_path, base_sets)
@@ -289,10 +287,6 @@ def _verdict(records: list[dict], stopped: str | None, reference_dir: str,
     """(verdict dict, reference used, unigram entropy used) of one run:
     :func:`keel.diagnostics.divergence.run_verdict` against the run's
     ``train.divergence_reference`` (if set) and its dataset's unigram entropy (if known)."""
-    from keel.data.stats import dataset_unigram_entropy
-    from keel.diagnostics.divergence import run_verdict
-    from keel.train.metrics import read_metrics
-
     ref = None
     if reference_dir:
         if not (Path(reference_dir) / "metrics.jsonl").is_file():
@@ -317,10 +311,6 @@ def run_summary(run_dir: str | Path, stopped: str | None = None) -> dict:
     (the ``train.divergence_reference`` run the verdict was judged against, or None) and
     ``unigram_entropy`` (nats, of the run's dataset, or None). Losses are nats/token.
     """
-    from keel.config import load_config
-    from keel.diagnostics.divergence import HEALTHY, Verdict
-    from keel.train.metrics import read_metrics
-
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.toml")
     records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
@@ -353,11 +343,6 @@ def train_task(job: GridJob, run_dir: Path, resume: bool, log: Callable[[str], N
     message), not an error. Returns
     :func:`run_summary` plus ``wall_s`` (seconds in this call).
     """
-    from keel.config import config_from_dict
-    from keel.experiments.training import train_run
-    from keel.train import TrainingStopped
-    from keel.train.checkpoint import find_intact_checkpoint
-
     t0 = time.perf_counter()
     cfg = config_from_dict(job.config)
     stopped = None
@@ -431,7 +416,6 @@ def _num(v, fmt="{:.4f}") -> str:
 
 def sweep_markdown(summary: dict) -> str:
     """The ``sweep.md`` text: header (what was held fixed), all runs, and the best-over table."""
-    from keel.train.trainer import perplexity  # lazy: `keel --help` imports this module and must not load torch
     keys = summary["grid_keys"] + [k for k in summary.get("derived_keys", [])]
     held = summary["held_fixed"]
     fixed = [f"{k} = {v:,}" for k, v in held.items() if v != "varies"]
@@ -495,10 +479,6 @@ def run_sweep(config: str | None, grid: dict[str, list], sets: Sequence[str] = (
         KeelError: bad grid/config, non-empty ``out`` without ``resume``, ``best`` not a
             grid key; data preparation errors.
     """
-    from keel.config import resolve_config_path
-    from keel.config import load_config
-    from keel.data import resolve_data
-
     if best is not None and best not in grid:
         raise KeelError(f"--best-over {best} is not one of the grid keys ({', '.join(grid) or 'none'})")
     base = load_config(resolve_config_path(config), list(sets))

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from keel.config import Config
+from keel.diagnostics.callbacks import DivergenceCallback, GradflowCallback
+from keel.eval.tasks import TaskEvalCallback
 from keel.train import Callback, TrainResult, train
 
 
@@ -21,17 +23,11 @@ def run_callbacks(cfg: Config) -> list[Callback]:
     tc = cfg.train
     out: list[Callback] = []
     if tc.stop_on_divergence or tc.divergence_warnings:
-        from keel.diagnostics.callbacks import DivergenceCallback
-
         out.append(DivergenceCallback(tc.divergence_reference, stop=tc.stop_on_divergence))
     if tc.gradflow_every:
-        from keel.diagnostics.callbacks import GradflowCallback
-
         out.append(GradflowCallback(tc.gradflow_every))
     tasks = [t.strip() for t in tc.eval_tasks.split(",") if t.strip()]
     if tasks and tc.eval_tasks_every:
-        from keel.eval.tasks import TaskEvalCallback
-
         out.append(TaskEvalCallback(tasks, tc.eval_tasks_every, tc.eval_tasks_limit))
     return out
 

@@ -27,12 +27,32 @@ folder and renamed into place, so a failed conversion leaves nothing.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+import json
 import shutil
+import warnings
 from pathlib import Path
 
+import torch
+import transformers.utils.logging as hf_logging
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+
+import keel.hf  # noqa: F401  (registers model_type "keel")
+from keel.config import dump_config, load_config
+from keel.data import find_data, read_meta
 from keel.data.prepare import EOS_TOKEN
 from keel.errors import KeelError
-from keel.io import atomic_dir, chmod_default
+from keel.hf.llama import from_llama, read_safetensors, to_llama
+from keel.hf.modeling import KeelForCausalLM
+from keel.hf.remote import write_remote_code
+from keel.io import atomic_dir, atomic_write_text, chmod_default
+from keel.run import Run
+from keel.train import state_dict as SD
+from keel.train.checkpoint import load_trainer_state, save_checkpoint
+from keel.train.device import resolve_device
+from keel.train.optim import build_optimizer, build_scheduler
 from keel.train.progress import interactive
 
 KEEL_CONFIG_NAME = "keel_config.toml"
@@ -42,8 +62,6 @@ KEEL_CONFIG_NAME = "keel_config.toml"
 def hf_progress_bars(enabled: bool):
     """transformers' own progress bars (writing / loading weights) on or off for the duration;
     keel turns them off when stderr is not a terminal (:func:`keel.train.progress.interactive`)."""
-    import transformers.utils.logging as hf_logging
-
     was = hf_logging.is_progress_bar_enabled()
     (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
     try:
@@ -73,9 +91,6 @@ def eos_token_of(tokenizer, run_dir: Path | None = None) -> str:
         return EOS_TOKEN
     if run_dir is not None:
         try:
-            from keel.config import load_config
-            from keel.data import read_meta
-
             cfg = load_config(run_dir / "config.toml")
             if cfg.data.path:
                 token = tokenizer.id_to_token(int(read_meta(cfg.data.path)["eos_id"]))
@@ -90,8 +105,6 @@ def hf_tokenizer(tokenizer_file: str | Path, eos_token: str = EOS_TOKEN, model_m
     """A ``transformers.PreTrainedTokenizerFast`` over a ``tokenizer.json`` file; pad = eos, no BOS;
     ``split_special_tokens``: a literal ``<|endoftext|>`` in text is text, as in
     :func:`keel.data.text.encode_text` (save it with :func:`save_hf_tokenizer`)."""
-    from transformers import PreTrainedTokenizerFast
-
     kwargs = {"model_max_length": model_max_length} if model_max_length else {}
     return PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token=eos_token, pad_token=eos_token,
                                    split_special_tokens=True, **kwargs)
@@ -101,10 +114,6 @@ def save_hf_tokenizer(hf_tok, folder: Path) -> None:
     """``hf_tok.save_pretrained(folder)``, with ``"split_special_tokens": true`` in its
     ``tokenizer_config.json`` (transformers 5 does not save it; ``AutoTokenizer`` reads it),
     so that a stock ``AutoTokenizer`` / lm-eval on the export tokenizes exactly as keel does."""
-    import json
-
-    from keel.io import atomic_write_text
-
     hf_tok.save_pretrained(folder)
     path = Path(folder) / "tokenizer_config.json"
     config = json.loads(path.read_text(encoding="utf-8"))
@@ -119,10 +128,6 @@ def wrap_native(model, tokenizer, eos_token: str | None = None):
     The HF tokenizer is built from ``tokenizer.to_str()`` (no file needed); eos/pad token ids
     are set on the model's config and generation config.
     """
-    from transformers import PreTrainedTokenizerFast
-
-    from keel.hf.modeling import KeelForCausalLM
-
     eos = eos_token or eos_token_of(tokenizer)
     eos_id = tokenizer.token_to_id(eos)
     # split_special_tokens: a literal "<|endoftext|>" in a task's text is text, as in
@@ -136,8 +141,6 @@ def wrap_native(model, tokenizer, eos_token: str | None = None):
 
 
 def _copy_tokenizer(tokenizer):
-    from tokenizers import Tokenizer
-
     return Tokenizer.from_str(tokenizer.to_str())
 
 
@@ -150,9 +153,6 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
     Returns ``out``. Raises KeelError: not a run directory, no checkpoint, no end-of-text
     token, or ``out`` exists and is not empty.
     """
-    from keel.hf.remote import write_remote_code
-    from keel.run import Run
-
     run_dir, out = Path(run_dir), Path(out)
     _check_output(out)
     run = Run(run_dir)
@@ -160,8 +160,6 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
     eos = eos_token_of(tokenizer, run_dir)
     llama = model.cfg.residual == "pre_ln"
     if llama:
-        from keel.hf.llama import to_llama
-
         eos_id = tokenizer.token_to_id(eos)
         hf = to_llama(model, eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=None)
         _set_generation_ids(hf, eos_id)
@@ -183,11 +181,6 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
 def _write_keel_config(cfg, path: Path) -> None:
     """The run's config, with ``data.path`` set to the absolute path of its prepared dataset
     when that exists here (so ``keel eval --hf`` finds it from any folder)."""
-    import copy
-
-    from keel.config import dump_config
-    from keel.data import find_data
-
     cfg = copy.deepcopy(cfg)
     data = find_data(cfg)
     if data is not None:
@@ -202,8 +195,6 @@ def _set_generation_ids(hf, eos_id: int) -> None:
 
 
 def _read_config_json(path: Path) -> dict:
-    import json
-
     if not (path / "config.json").is_file():
         raise KeelError(f"not a Hugging Face model folder (no config.json): {path}")
     try:
@@ -220,12 +211,6 @@ def load_hf(path: str | Path, device: str = "auto"):
     Raises KeelError: not a folder with a keel or Llama ``config.json`` and a tokenizer, or
     a Llama feature keel lacks (named).
     """
-    from transformers import AutoTokenizer
-
-    import keel.hf  # noqa: F401  (registers model_type "keel")
-    from keel.hf.modeling import KeelForCausalLM
-    from keel.train.device import resolve_device
-
     path = Path(path)
     model_type = _read_config_json(path).get("model_type")
     if model_type not in ("keel", "llama"):
@@ -233,10 +218,6 @@ def load_hf(path: str | Path, device: str = "auto"):
                         "`keel export-hf`) nor a Llama model")
     dev = resolve_device(device, key="--device")
     if model_type == "llama":
-        from transformers import LlamaConfig
-
-        from keel.hf.llama import from_llama, read_safetensors
-
         config = LlamaConfig.from_pretrained(path)
         native = from_llama(config, read_safetensors(path))
         model = KeelForCausalLM.from_native(native, eos_token_id=config.eos_token_id,
@@ -255,8 +236,6 @@ def load_hf(path: str | Path, device: str = "auto"):
 
 def _checkpoint_step(run) -> int:
     """The step of the run's latest checkpoint (0 if its trainer state does not say)."""
-    from keel.train.checkpoint import load_trainer_state
-
     ckpt = run.latest_checkpoint()
     try:
         return int(load_trainer_state(ckpt).get("step", 0)) if ckpt is not None else 0
@@ -283,13 +262,6 @@ def fresh_trainer_state(model, cfg, step: int = 0) -> dict:
     :func:`keel.train.state_dict.full_optimizer_state_dict`), the LR schedule advanced to
     ``step``, data position 0, the RNG state of ``torch.manual_seed(train.seed)``, 0 tokens.
     ``keel train --resume`` continues such a checkpoint from ``step`` to ``train.steps``."""
-    import warnings
-
-    import torch
-
-    from keel.train import state_dict as SD
-    from keel.train.optim import build_optimizer, build_scheduler
-
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train)
     with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": intended here
@@ -318,11 +290,6 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     Returns ``out``. Raises KeelError: not a keel/Llama folder, a Llama feature keel lacks
     (named), no tokenizer, or ``out`` exists and is not empty.
     """
-    import dataclasses
-
-    from keel.config import dump_config, load_config
-    from keel.train.checkpoint import save_checkpoint
-
     hf_dir, out = Path(hf_dir), Path(out)
     _check_output(out)
     model, hf_tok, _ = load_hf(hf_dir, device="cpu")

@@ -22,11 +22,15 @@ Parameter names: :func:`llama_weight_map` is the one table between the two namin
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from keel.config import ModelConfig
 from keel.errors import KeelError
+from keel.model import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +60,6 @@ def llama_weight_map(n_layers: int) -> list[tuple[str, list[str]]]:
 def llama_config_from_keel(cfg: ModelConfig, **kwargs):
     """The ``transformers.LlamaConfig`` of a ``pre_ln`` keel ModelConfig; ``kwargs`` go to
     LlamaConfig (e.g. ``eos_token_id``). Raises KeelError for another scheme."""
-    from transformers import LlamaConfig
-
     if cfg.residual != "pre_ln":
         raise KeelError(f"only pre_ln models are Llama models; this one is {cfg.residual!r}")
     return LlamaConfig(
@@ -158,8 +160,6 @@ def to_llama(model, **config_kwargs):
     """A ``transformers.LlamaForCausalLM`` (fp32, eval mode, CPU) with a copy of the weights of
     a ``pre_ln`` :class:`keel.model.Transformer` (it shares no memory with ``model``: training
     one leaves the other as it was); ``config_kwargs`` go to LlamaConfig."""
-    from transformers import LlamaForCausalLM
-
     config = llama_config_from_keel(model.cfg, **config_kwargs)
     with torch.device("meta"):
         llama = LlamaForCausalLM(config)
@@ -179,10 +179,6 @@ def to_llama(model, **config_kwargs):
 def read_safetensors(folder) -> dict[str, torch.Tensor]:
     """Every tensor of ``folder/*.safetensors`` (a single file or shards), on the CPU.
     Raises KeelError if there is none."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise KeelError(f"no *.safetensors weights in {folder} (PyTorch .bin files are not read)")
@@ -201,8 +197,6 @@ def from_llama(config, state: dict[str, torch.Tensor]) -> torch.nn.Module:
             (:func:`llama_to_keel_state`), or a config with tied embeddings whose file holds
             a different ``lm_head.weight``.
     """
-    from keel.model import Transformer
-
     cfg = model_config_from_llama(config)
     state = {k: v.to(torch.float32) for k, v in state.items()}
     head, emb = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")

@@ -26,7 +26,7 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from keel.errors import KeelError
@@ -184,8 +184,6 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
         if use_cache is None:
             use_cache = bool(getattr(self.config, "use_cache", False)) and not self.training
         if cache is None and use_cache:
-            from transformers import DynamicCache
-
             cache = DynamicCache()
         past = cache.get_seq_length() if cache is not None else 0
         T = input_ids.shape[1]

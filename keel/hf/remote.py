@@ -28,10 +28,15 @@ files and the same ``auto_map`` keys transformers writes for registered classes
 from __future__ import annotations
 
 import ast
+import hashlib
+import importlib
 import inspect
+import json
 from pathlib import Path
 
+import keel
 from keel.errors import KeelError
+from keel.io import atomic_write_text
 
 CONFIG_FILE = "configuration_keel.py"  # written as configuration_keel_<hash>.py (write_remote_code)
 MODELING_FILE = "modeling_keel.py"  # written as modeling_keel_<hash>.py
@@ -84,8 +89,6 @@ SELECTIVE = ("keel.config",)
 
 def _defining_module(module: str, name: str) -> str:
     """The module that defines ``name`` imported from ``module`` (packages re-export names)."""
-    import importlib
-
     obj = getattr(importlib.import_module(module), name)
     return getattr(obj, "__module__", module) if isinstance(obj, type) or callable(obj) else module
 
@@ -138,8 +141,6 @@ def _collect(root: str, done: dict[str, set[str] | None]) -> None:
     """Add ``root`` and the keel modules it imports from (first) to ``done``, in dependency
     order: ``{module: None}`` = the whole module, ``{module: names}`` for :data:`SELECTIVE`
     (whose own keel imports are collected whole)."""
-    import importlib
-
     source = inspect.getsource(importlib.import_module(root))
     for module, name in _keel_deps(source):
         if module in SELECTIVE:
@@ -155,8 +156,6 @@ def _collect(root: str, done: dict[str, set[str] | None]) -> None:
 
 def _parts(done: dict[str, set[str] | None], modules: list[str]) -> list[tuple[str, str]]:
     """``[(origin, source)]`` of ``modules`` (whole, or the selected names of a SELECTIVE one)."""
-    import importlib
-
     parts = []
     for module in modules:
         source, names = inspect.getsource(importlib.import_module(module)), done[module]
@@ -191,10 +190,6 @@ def generate_remote_code() -> dict[str, str]:
     needs (plus the names the model code takes from :data:`SELECTIVE` modules); the modeling
     file holds ``keel.hf.modeling`` and the rest of its keel dependencies.
     Raises KeelError if the result would still import keel."""
-    import importlib
-
-    import keel
-
     done: dict[str, set[str] | None] = {}
     _collect("keel.hf.configuration", done)
     config_mods = list(done)
@@ -221,11 +216,6 @@ def write_remote_code(folder: str | Path) -> dict[str, str]:
     transformers caches remote code as a module named after the folder's base name and the
     file name, so two exports called ``model`` with different code (two keel versions)
     loaded in one process would otherwise both run the first one's code."""
-    import hashlib
-    import json
-
-    from keel.io import atomic_write_text
-
     folder = Path(folder)
     files = generate_remote_code()
     digest = hashlib.sha256("".join(files[k] for k in sorted(files)).encode("utf-8")).hexdigest()[:12]

@@ -48,11 +48,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from keel.errors import KeelError
-from keel.io import atomic_dir, atomic_write_text, chmod_default
-
+from keel.io import atomic_dir, atomic_write_text, chmod_default, make_temp_dir
+from keel.train.dist import barrier, broadcast_object
+from keel.train.parallelize import unwrap
+from keel.train.state_dict import load_sharded_state_dict, sharded_state_dict
 
 COMPILE_PREFIX = "_orig_mod."
 MANIFEST = "manifest.json"
@@ -75,8 +78,6 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     embedding/LM head is stored once, as ``lm_head.weight``). Names are those of the plain
     model (DDP/compile wrappers are looked through).
     """
-    from keel.train.parallelize import unwrap
-
     groups: dict[int, list[str]] = {}
     for name, p in unwrap(model).named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(name)
@@ -122,8 +123,6 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module | dic
     Raises:
         NonFiniteWeights: a weight holds NaN or inf (nothing is written; ``latest`` is unchanged).
     """
-    from keel.train.parallelize import unwrap
-
     if isinstance(model, torch.nn.Module):
         aliases = tied_aliases(model)
         weights = unwrap(model).state_dict()
@@ -172,7 +171,7 @@ def is_sharded(ckpt: str | Path) -> bool:
 
 
 def _local_tensors(weights: dict) -> dict[str, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # lazy: +2-3 s of import; only sharded (FSDP) checkpoints need it
 
     return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in weights.items()
             if isinstance(v, torch.Tensor)}
@@ -200,12 +199,7 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Modu
     Raises:
         NonFiniteWeights: a weight holds NaN or inf on some rank (nothing is written).
     """
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    from keel.io import make_temp_dir
-    from keel.train.dist import barrier, broadcast_object
-    from keel.train.state_dict import sharded_state_dict
+    import torch.distributed.checkpoint as dcp  # lazy: +2-3 s of import; only sharded (FSDP) checkpoints need it
 
     sd = sharded_state_dict(model, optimizer)
     bad: list[list[str]] = [[] for _ in range(info.world_size)]
@@ -263,9 +257,7 @@ def load_sharded_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optim
     Raises:
         KeelError: an unreadable checkpoint, or one that does not match the model.
     """
-    import torch.distributed.checkpoint as dcp
-
-    from keel.train.state_dict import load_sharded_state_dict, sharded_state_dict
+    import torch.distributed.checkpoint as dcp  # lazy: +2-3 s of import; only sharded (FSDP) checkpoints need it
 
     sd = sharded_state_dict(model, optimizer)
     try:
@@ -396,8 +388,6 @@ def load_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
     Raises:
         KeelError: no weights file, an unreadable one, or names/shapes that do not match the model.
     """
-    from keel.train.parallelize import unwrap
-
     if is_sharded(ckpt):
         load_sharded_checkpoint(model, None, ckpt)
         return

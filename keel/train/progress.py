@@ -21,6 +21,8 @@ import logging
 import sys
 import time
 
+from tqdm.auto import tqdm
+
 log = logging.getLogger(__name__)
 
 
@@ -64,8 +66,6 @@ class ProgressReporter:
         self.start_t = self.last_t = clock()
         self.bar = None
         if enabled and self.use_bar:
-            from tqdm.auto import tqdm
-
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
     def update(self, record: dict) -> str | None:

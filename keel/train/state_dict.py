@@ -30,7 +30,7 @@ def clip_grad_norm_(parameters, max_norm: float) -> float:
 
     Returns a Python float (``nan``/``inf`` when a gradient is not finite).
     """
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # lazy: +1-2 s of import; keel eval / generate / runs never need it
 
     params = [p for p in parameters if p.grad is not None]
     if not params:
@@ -43,6 +43,7 @@ def clip_grad_norm_(parameters, max_norm: float) -> float:
 
 
 def _full_options():
+    # lazy: +1-2 s of import; keel eval / generate / runs never need it
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -57,6 +58,7 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     (call it on every rank); in a process group only rank 0 receives the tensors, the other
     ranks get ``{}``. Tied weights appear under every name.
     """
+    # lazy: +1-2 s of import; keel eval / generate / runs never need it
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return get_model_state_dict(unwrap(model), options=_full_options())
@@ -67,6 +69,7 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     at any world size and with or without FSDP. Collective under FSDP; only rank 0 receives
     it in a process group (``{}`` elsewhere). Format: ``{"state": {name: {"step", "exp_avg",
     "exp_avg_sq"}}, "param_groups": [{..., "params": [names]}]}`` for AdamW."""
+    # lazy: +1-2 s of import; keel eval / generate / runs never need it
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     return get_optimizer_state_dict(unwrap(model), optimizer, options=_full_options())
@@ -80,6 +83,7 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     Raises:
         KeelError: an index-keyed state with a sharded (FSDP) model.
     """
+    # lazy: +1-2 s of import; keel eval / generate / runs never need it
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     from torch.distributed.fsdp import FSDPModule
 
@@ -100,6 +104,7 @@ def sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None
     ``torch.distributed.checkpoint.save`` writes, one file per rank, and what ``load`` fills
     at any world size (it reshards). A fresh optimizer's state is materialised first (zeros),
     so that it can be loaded into. Without ``optimizer``: the model only."""
+    # lazy: +1-2 s of import; keel eval / generate / runs never need it
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     out = {"model": get_model_state_dict(unwrap(model))}
@@ -111,6 +116,7 @@ def sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None
 def load_sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
     """Put a :func:`sharded_state_dict` (filled by ``torch.distributed.checkpoint.load``) back
     into ``model`` (strict) and ``optimizer``."""
+    # lazy: +1-2 s of import; keel eval / generate / runs never need it
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     set_model_state_dict(unwrap(model), state["model"])

@@ -9,6 +9,8 @@ the working directory by ``datasets``).
 
 from pathlib import Path
 
+import datasets
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -17,6 +19,4 @@ def load(data_file: str, **_metadata):
 
     ``**_metadata``: the task's ``metadata`` (e.g. ``version``), which lm-eval passes too.
     """
-    import datasets
-
     return datasets.load_dataset("json", data_files={"test": str(HERE / data_file)})
