@@ -145,3 +145,29 @@ def test_help_loads_no_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
+
+
+def test_every_command_names_a_handler_that_exists():
+    """Each parser names its handler as ``"keel.cli.handlers.MODULE.FUNCTION"`` (imported only
+    when the command runs): every such name resolves to a function."""
+    import argparse
+    import importlib
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        module, _, function = parser.get_default("handler").rpartition(".")
+        assert module.startswith("keel.cli.handlers."), name
+        assert callable(getattr(importlib.import_module(module), function)), name
+
+
+def test_keel_config_loads_no_torch():
+    """`keel config` (its handler module included) stays as light as `keel --help`."""
+    import subprocess
+    import sys
+
+    from conftest import HANG_S
+
+    code = "import sys; from keel.cli import main; main(['config']); print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "False" and "model.residual" in r.stdout

@@ -1,7 +1,5 @@
-"""``keel eval``, ``keel export-hf`` and ``keel import-hf``.
-
-Importing :mod:`keel.hf` registers the model with transformers (a heavy import), so it
-happens inside the handlers only.
+"""The flags of ``keel eval``, ``keel export-hf`` and ``keel import-hf``; handlers:
+:mod:`keel.cli.handlers.evaluate` and :mod:`keel.cli.handlers.hf` (which imports transformers).
 
 Usage::
 
@@ -12,16 +10,6 @@ Usage::
 """
 
 from __future__ import annotations
-
-import argparse
-import json
-import math
-import sys
-from pathlib import Path
-
-from keel.errors import KeelError
-
-KEEL_CONFIG = "keel_config.toml"  # the run's config in an exported folder (keel.hf.convert.KEEL_CONFIG_NAME)
 
 
 def _register_hf(subparsers) -> None:
@@ -34,7 +22,7 @@ def _register_hf(subparsers) -> None:
                                            "A pre_ln run is exported as a stock LlamaForCausalLM (no custom code).")
     pe.add_argument("--run", required=True, help="run directory")
     pe.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
-    pe.set_defaults(func=_cmd_export_hf)
+    pe.set_defaults(handler="keel.cli.handlers.hf.cmd_export_hf")
 
     pi = subparsers.add_parser("import-hf", help="make a run directory from a keel or Llama Hugging Face folder",
                                description="Inverse of export-hf, and the way in for a stock LlamaForCausalLM "
@@ -47,25 +35,7 @@ def _register_hf(subparsers) -> None:
     pi.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="set a data.* or train.* key of the new run (repeatable); train.batch_size and "
                          "train.seq_len cannot change on resume, so choose them here")
-    pi.set_defaults(func=_cmd_import_hf)
-
-
-def _cmd_export_hf(args: argparse.Namespace) -> int:
-    from keel.hf.convert import export_hf
-
-    out = export_hf(args.run, args.out)
-    print(f"exported {args.run} -> {out}")
-    print(f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True), or after "
-          "`import keel.hf` without trust_remote_code (a pre_ln export is a plain Llama model)")
-    return 0
-
-
-def _cmd_import_hf(args: argparse.Namespace) -> int:
-    from keel.hf.convert import import_hf
-
-    out = import_hf(args.hf, args.out, overrides=args.set)
-    print(f"imported {args.hf} -> run {out} (continue training with `keel train --resume {out}`)")
-    return 0
+    pi.set_defaults(handler="keel.cli.handlers.hf.cmd_import_hf")
 
 
 def register(subparsers) -> None:
@@ -93,113 +63,5 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--verbose", action="store_true", help="show lm-evaluation-harness' own progress bars and logs")
     p.add_argument("--device", default="auto")
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(handler="keel.cli.handlers.evaluate.cmd_eval")
     _register_hf(subparsers)
-
-
-def _load(args):
-    """(native model, tokenizers.Tokenizer, Config or None, device, description)."""
-    if args.run:
-        from keel.run import Run
-
-        run = Run(args.run)
-        model = run.load_model(device=args.device)
-        return model, run.tokenizer(), run.config, next(model.parameters()).device, str(args.run)
-    from keel.hf.convert import KEEL_CONFIG_NAME, load_hf
-
-    hf, hf_tok, device = load_hf(args.hf, device=args.device)
-    cfg = None
-    if (Path(args.hf) / KEEL_CONFIG_NAME).is_file():
-        from keel.config import load_config
-
-        cfg = load_config(Path(args.hf) / KEEL_CONFIG_NAME)
-        cfg.model = hf.config.to_model_config()
-    return hf.model, hf_tok.backend_tokenizer, cfg, device, str(args.hf)
-
-
-def _held_out_dataset(args, cfg):
-    """(prepared dataset folder or None, why none): ``--run`` prepares it if needed; ``--hf``
-    only uses one that exists (:func:`keel.data.find_data`)."""
-    if cfg is None:
-        return None, f"no {KEEL_CONFIG} in {args.hf}"
-    from keel.data import find_data, resolve_data
-
-    if args.run:
-        return resolve_data(cfg, progress=False), ""
-    found = find_data(cfg)
-    d = cfg.data
-    where = f"data.path {d.path}" if d.path else f"data.source {d.source} under data.cache_dir {d.cache_dir}"
-    return found, f"the dataset {KEEL_CONFIG} names ({where}) is not prepared here"
-
-
-def _check_counts(args: argparse.Namespace) -> None:
-    """``--limit``, ``--batch-size``, ``--max-tokens`` and ``--seq-len``, when given, are >= 1 (KeelError)."""
-    for flag in ("limit", "batch_size", "max_tokens", "seq_len"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise KeelError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    """``keel eval``: held-out perplexity / bits per byte, then lm-eval tasks; exit 1 if a task could not run."""
-    from keel.eval.perplexity import text_perplexity, validation_perplexity
-
-    task_names = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    _check_counts(args)
-    model, tokenizer, cfg, device, name = _load(args)
-    mc = model.cfg
-    default_seq = cfg.train.seq_len if cfg is not None else mc.max_seq_len
-    seq_len = args.seq_len if args.seq_len is not None else default_seq
-    if not 1 <= seq_len <= mc.max_seq_len:
-        raise KeelError(f"--seq-len must be between 1 and model.max_seq_len = {mc.max_seq_len}, got {seq_len}")
-    report: dict = {"model": name, "residual": mc.residual, "blocks": mc.n_layers, "sublayers": mc.n_sublayers,
-                    "d_model": mc.d_model, "parameters": model.num_params(), "perplexity": None, "tasks": {}}
-    say = (lambda *a, **k: None) if args.json else print
-    say(f"model: {name} ({mc.residual}, {mc.n_layers} blocks = {mc.n_sublayers} sub-layers, d_model {mc.d_model}, "
-        f"{model.num_params() / 1e6:.2f}M parameters)")
-
-    res = None
-    if args.text:
-        path = Path(args.text)
-        if not path.is_file():
-            raise KeelError(f"--text file not found: {path}")
-        from keel.data.text import read_text_file
-
-        text, replaced = read_text_file(path)  # as `keel prepare` reads it: invalid UTF-8 -> U+FFFD
-        if replaced:
-            print(f"note: {path} is not valid UTF-8; its undecodable bytes became U+FFFD", file=sys.stderr)
-        from keel.data.prepare import EOS_TOKEN
-
-        res = text_perplexity(model, tokenizer, text, seq_len, device, eos_id=tokenizer.token_to_id(EOS_TOKEN),
-                              source=str(path), batch_size=args.batch_size)
-    else:
-        data_dir, why_none = _held_out_dataset(args, cfg)
-        if data_dir is not None:
-            max_tokens = args.max_tokens if args.max_tokens is not None else cfg.train.eval_tokens
-            res = validation_perplexity(model, tokenizer, data_dir, seq_len, max_tokens, device,
-                                        batch_size=args.batch_size)
-    if res is not None:
-        report["perplexity"] = {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
-                                for k, v in res.to_dict().items()}
-        say(f"held-out text: {res.source} ({res.tokens:,} tokens, {res.bytes:,} bytes, windows of {seq_len} tokens)")
-        say(f"  loss {res.loss:.4f} nats/token, perplexity {res.perplexity:.2f}, bits per byte {res.bits_per_byte:.4f}")
-    else:
-        say(f"held-out text: none ({why_none}; pass --text FILE)")
-
-    failed = 0
-    if task_names:
-        from keel.eval.tasks import run_tasks
-
-        results = run_tasks(model, tokenizer, task_names, limit=args.limit, task_dir=args.task_dir,
-                            log=lambda line: print(line, file=sys.stderr), batch_size=args.batch_size,
-                            verbose=args.verbose)
-        report["tasks"] = results
-        for task, metrics in results.items():
-            if "error" in metrics:
-                failed += 1
-                continue
-            vals = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
-            say(f"task {task}: {vals}")
-    if args.json:
-        print(json.dumps(report, indent=2))
-    return 1 if failed else 0

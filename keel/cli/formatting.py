@@ -11,7 +11,10 @@ parser and all its sub-parsers.
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import re
+from pathlib import Path
 
 _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
 
@@ -47,3 +50,11 @@ def apply_help_format(parser: argparse.ArgumentParser) -> None:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 apply_help_format(sub)
+
+
+def module_summary(name: str) -> str:
+    """The first paragraph of the docstring of module ``name`` (e.g. ``"keel.experiments.sweep"``),
+    read from its source without importing it: a command's ``--help`` shows its library module's
+    summary while ``keel --help`` imports no torch."""
+    source = Path(importlib.util.find_spec(name).origin).read_text(encoding="utf-8")
+    return (ast.get_docstring(ast.parse(source)) or "").split("\n\n")[0]

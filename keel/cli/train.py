@@ -1,15 +1,8 @@
-"""``keel prepare``, ``keel train`` and ``keel generate``."""
+"""The flags of ``keel prepare``, ``keel train`` and ``keel generate`` (handlers: :mod:`keel.cli.handlers.train`)."""
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-import time
-from pathlib import Path
-
-from keel.config import DEFAULT_PRESET, DEFAULT_VAL_FRACTION, TrainConfig, resolve_config_path
-from keel.errors import KeelError
+from keel.config import DEFAULT_PRESET, DEFAULT_VAL_FRACTION
 
 
 def register(sub) -> None:
@@ -24,7 +17,7 @@ def register(sub) -> None:
                     help=f"fraction of documents for validation (default {DEFAULT_VAL_FRACTION}, as data.val_fraction)")
     pp.add_argument("--max-bytes", type=int, default=None, help="read at most this many bytes of text")
     pp.add_argument("--text-field", default="text", help="field holding the text in .jsonl/.json/.parquet")
-    pp.set_defaults(func=cmd_prepare)
+    pp.set_defaults(handler="keel.cli.handlers.train.cmd_prepare")
 
     pt = sub.add_parser("train", help="train a language model")
     pt.add_argument("--config", default=None,
@@ -40,7 +33,7 @@ def register(sub) -> None:
     pt.add_argument("--nproc", type=int, default=None, metavar="N",
                     help="train with N processes on this machine (launches torchrun; "
                          "train.parallelism picks ddp or fsdp; train.batch_size is the global batch)")
-    pt.set_defaults(func=cmd_train)
+    pt.set_defaults(handler="keel.cli.handlers.train.cmd_train")
 
     pg = sub.add_parser("generate", help="sample text from a trained run")
     pg.add_argument("--run", required=True, help="run directory")
@@ -51,190 +44,4 @@ def register(sub) -> None:
     pg.add_argument("--num-samples", type=int, default=1)
     pg.add_argument("--seed", type=int, default=0)
     pg.add_argument("--device", default="auto")
-    pg.set_defaults(func=cmd_generate)
-
-
-def cmd_prepare(args: argparse.Namespace) -> int:
-    from keel.data import prepare_dataset, read_meta
-
-    from keel.train.progress import interactive
-
-    out = prepare_dataset(args.source, args.tokenizer, args.out, val_fraction=args.val_fraction,
-                          max_bytes=args.max_bytes, text_field=args.text_field, cache_dir=args.cache_dir,
-                          progress=interactive())  # no progress bars written into a log file
-    meta = read_meta(out)
-    print(f"dataset: {out}")
-    asked = args.tokenizer.split(":", 1)[1] if args.tokenizer.startswith("bpe:") else ""
-    if asked.isdigit() and meta["vocab_size"] < int(asked):
-        print(f"  note: asked for {asked} BPE tokens, the corpus supports only {meta['vocab_size']}")
-    if meta.get("docs_with_replacement_chars"):
-        print(f"  note: {meta['docs_with_replacement_chars']} document(s) were not valid UTF-8; "
-              "their undecodable bytes became U+FFFD")
-    if meta.get("docs_skipped_binary"):
-        print(f"  note: {meta['docs_skipped_binary']} document(s) were skipped as not text (NUL/control bytes)")
-    if meta.get("long_docs_chunked"):
-        print(f"  note: {meta['long_docs_chunked']} long document(s) were cut into {meta['chunks_of_long_docs']} "
-              "chunks for the train/val split")
-    if meta.get("docs_with_nul"):
-        print(f"  note: {meta['docs_with_nul']} document(s) hold NUL bytes; kept as text (under 10% control "
-              "characters), the NULs included")
-    if meta["val_tokens"] > meta["train_tokens"]:
-        print("  warning: the validation split is larger than the training split (too few documents?)")
-    need = TrainConfig().seq_len + 1
-    for split in ("val", "train"):
-        if meta[f"{split}_tokens"] < need:
-            print(f"  warning: the {'validation' if split == 'val' else 'training'} split has only "
-                  f"{meta[f'{split}_tokens']:,} tokens; keel train needs at least train.seq_len + 1 of them "
-                  f"({need} with the default seq_len); use more text"
-                  + (" or a larger --val-fraction" if split == "val" else ""))
-    print(f"  vocab {meta['vocab_size']}, train {meta['train_tokens']:,} tokens ({meta['n_docs_train']} docs), "
-          f"val {meta['val_tokens']:,} tokens ({meta['n_docs_val']} docs)")
-    return 0
-
-
-def default_run_dir(cfg) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{stamp}-{cfg.model.residual}-{cfg.model.n_sublayers}sl"
-
-
-def _die_with_parent() -> None:
-    """In the torchrun child, before exec: on Linux, ask the kernel to send it SIGTERM when
-    ``keel train`` dies, even by ``kill -9`` (``prctl(PR_SET_PDEATHSIG)``), so torchrun stops
-    its workers rather than leaving them training."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux
-        pass
-
-
-def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
-    """Re-run this ``keel train`` under torchrun with ``args.nproc`` processes on this machine:
-    ``python -m torch.distributed.run --standalone --nproc_per_node N -m keel train <args>``
-    (the same arguments, without ``--nproc``, and with the run directory made explicit so
-    that every rank agrees on it).
-
-    torchrun starts each worker in a session of its own, so a signal to ``keel train`` (or
-    to its process group) never reaches them directly. SIGINT and SIGTERM received here are
-    passed to torchrun (started in its own session, so a terminal's Ctrl-C reaches it once,
-    from here), which passes them to every worker: each finishes its step, the run is
-    checkpointed, and all stop. If ``keel train`` itself dies, torchrun gets SIGTERM
-    (:func:`_die_with_parent`). Returns torchrun's exit status.
-
-    Raises:
-        Interrupted: stopped by SIGINT / SIGTERM (the message says how to resume).
-    """
-    import signal
-    import subprocess
-
-    from keel.errors import Interrupted
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-           "-m", "keel", "train"]
-    if args.restart:
-        cmd += ["--restart"]
-    if args.resume:
-        cmd += ["--resume", str(args.resume)]
-    else:
-        if args.config:
-            cmd += ["--config", str(args.config)]
-        cmd += ["--run-dir", str(run_dir)]
-    for item in args.set:
-        cmd += ["--set", item]
-    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
-    received: list[int] = []
-
-    def forward(signum, frame):
-        received.append(signum)
-        proc.send_signal(signum)
-
-    saved = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        code = proc.wait()
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
-    if received:
-        name = signal.Signals(received[0]).name
-        raise Interrupted(f"stopped by {name} (passed to every worker: each finishes its step, the run is "
-                          f"checkpointed); resume with: keel train --resume {run_dir}", received[0])
-    return code
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    from keel.config import load_config
-    from keel.experiments.training import train_run
-
-    if args.nproc is not None:
-        import os
-
-        if args.nproc < 1:
-            raise KeelError(f"--nproc must be >= 1, got {args.nproc}")
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            raise KeelError("--nproc starts torchrun itself; do not use it inside torchrun")
-    if args.resume and args.run_dir:
-        raise KeelError(f"--run-dir does not go with --resume: a resumed run stays in its folder ({args.resume})")
-    if args.resume:
-        run_dir = Path(args.resume)
-        if not (run_dir / "config.toml").is_file():
-            raise KeelError(f"cannot resume {run_dir}: no config.toml there (not a run directory)")
-        if args.config:
-            raise KeelError("--resume takes the run's own config.toml; use --set to change keys")
-        cfg = load_config(run_dir / "config.toml", args.set)
-    else:
-        cfg = load_config(resolve_config_path(args.config), args.set)
-        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
-    if args.nproc is not None:
-        return launch_torchrun(args, run_dir)
-    res = train_run(cfg, run_dir, resume=bool(args.resume), restart=args.restart)
-    import os
-
-    if int(os.environ.get("RANK", "0")) == 0:  # only rank 0 reports
-        print_result(res)
-    return 0
-
-
-def print_result(res) -> None:
-    """The summary of a :class:`keel.train.TrainResult` on stdout."""
-    from keel.train.trainer import perplexity
-
-    print(f"run: {res.run_dir}")
-    if res.steps_run == 0 and res.resumed_from is not None:
-        print(f"already at step {res.step}: nothing to do (raise train.steps with --set to train further)")
-        return
-    if res.resumed_from is not None:
-        print(f"resumed at step {res.resumed_from}, trained {res.steps_run} more step(s)")
-    if res.first_val_loss is not None:
-        print(f"validation loss at step 0: {res.first_val_loss:.4f} (perplexity {perplexity(res.first_val_loss):.1f})")
-    print(f"validation loss at step {res.step}: {res.val_loss:.4f} (perplexity {perplexity(res.val_loss):.2f})")
-    print(f"tokens: {res.tokens:,}, mean {res.tokens_per_s:,.0f} tokens/s")
-    print("sample:")
-    print(res.sample)
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    if args.max_new_tokens < 0:
-        raise KeelError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise KeelError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if args.top_k < 0 or args.num_samples < 1:
-        raise KeelError("--top-k must be >= 0 and --num-samples >= 1")
-    from keel.run import Run
-    from keel.train.sampling import sample_text
-
-    # a prompt that is not valid UTF-8 reaches Python with lone surrogates (os.fsdecode):
-    # its undecodable bytes become U+FFFD, as keel prepare reads such text
-    prompt = os.fsencode(args.prompt).decode("utf-8", errors="replace")
-    run = Run(args.run)
-    model, tokenizer = run.load_model(device=args.device), run.tokenizer()
-    device = next(model.parameters()).device
-
-    for i in range(args.num_samples):
-        text = sample_text(model, tokenizer, prompt, args.max_new_tokens, device,
-                           temperature=args.temperature, top_k=args.top_k or None, seed=args.seed + i)
-        print(text)
-        if i + 1 < args.num_samples:
-            print("-" * 40)
-    return 0
+    pg.set_defaults(handler="keel.cli.handlers.train.cmd_generate")

@@ -1,0 +1,38 @@
+"""The handler of ``keel config`` (presets and every config key; its flags: :mod:`keel.cli.info`).
+It imports no torch: ``keel config`` stays as fast as ``keel --help``.
+
+Usage::
+
+    keel config                    # presets, sweep presets, every key: type, default, meaning
+    keel config --show paper-64    # the resolved preset, as TOML
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import tomli_w
+
+from keel.config import describe_config, load_config, preset_names, resolve_config_path
+
+
+def _value(v) -> str:
+    return "unset" if v is None else json.dumps(v)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    if args.show:
+        if args.show in preset_names("sweeps") and args.show not in preset_names():
+            print(resolve_config_path(args.show, kind="sweeps").read_text(), end="")
+            return 0
+        print(tomli_w.dumps(load_config(resolve_config_path(args.show)).to_dict()), end="")
+        return 0
+    print(f"presets (keel train --config NAME): {', '.join(preset_names())}")
+    print(f"sweep presets (keel sweep --preset NAME): {', '.join(preset_names('sweeps'))}")
+    print("keys (keel train --set SECTION.KEY=VALUE):")
+    keys = describe_config()
+    width = max(len(k["key"]) for k in keys)
+    for k in keys:
+        print(f"  {k['key'].ljust(width)}  {k['type']} = {_value(k['default'])}  {k['help']}")
+    return 0

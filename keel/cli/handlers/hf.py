@@ -1,0 +1,28 @@
+"""The handlers of ``keel export-hf`` and ``keel import-hf`` (their flags: :mod:`keel.cli.evaluate`).
+Importing this module imports transformers (:mod:`keel.hf.convert`).
+
+Usage::
+
+    keel export-hf --run runs/x --out hf/x
+    keel import-hf --hf hf/x --out runs/x-back
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from keel.hf.convert import export_hf, import_hf
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    out = export_hf(args.run, args.out)
+    print(f"exported {args.run} -> {out}")
+    print(f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True), or after "
+          "`import keel.hf` without trust_remote_code (a pre_ln export is a plain Llama model)")
+    return 0
+
+
+def cmd_import_hf(args: argparse.Namespace) -> int:
+    out = import_hf(args.hf, args.out, overrides=args.set)
+    print(f"imported {args.hf} -> run {out} (continue training with `keel train --resume {out}`)")
+    return 0

@@ -1,0 +1,220 @@
+"""The handlers of the science commands (their flags: :mod:`keel.cli.science`): ``keel study``,
+``keel gradflow``, ``keel stress``, ``keel lr-sensitivity``, ``keel sweep``, ``keel plot`` and
+``keel ablate``. The work is done by :mod:`keel.diagnostics.gradflow` and the modules of
+:mod:`keel.experiments`; the handlers here check flags and print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from keel.config import load_config, resolve_config_path
+from keel.diagnostics import gradflow as G
+from keel.errors import KeelError
+from keel.experiments import ablate as A
+from keel.experiments import plot as P
+from keel.experiments import sensitivity as LS
+from keel.experiments import stress as ST
+from keel.experiments import study as SD
+from keel.experiments import sweep as S
+from keel.model import SCHEMES
+
+
+def cmd_gradflow(args: argparse.Namespace) -> int:
+    if args.batch_size < 1 or args.seq_len < 2:
+        raise KeelError("--batch-size must be >= 1 and --seq-len >= 2")
+    if args.d_model < 2:
+        raise KeelError("--d-model must be >= 2")
+    if args.threads < 0:
+        raise KeelError("--threads must be >= 0 (0 = torch's default)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.jacobian_iters < 1:
+        raise KeelError("--jacobian-iters must be >= 1")
+    if args.run and (args.residual is not None or args.layers is not None):
+        raise KeelError("--run takes the model from the run; drop --residual and --layers")
+    show = None if args.json else (lambda r: print(G._summary_line(r), flush=True))
+    if not args.json:
+        print(G.SUMMARY_HEADER)
+    common = dict(batch_size=args.batch_size, jacobian_iters=args.jacobian_iters, full_jacobian=args.full_jacobian,
+                  seed=args.seed, on_result=show)
+    if args.run:
+        results = G.profile_runs(args.run, args.seq_len, **common)
+    else:
+        schemes = _parse_schemes(args.residual if args.residual is not None else ",".join(SCHEMES))
+        depths = _parse_layers(args.layers if args.layers is not None else G.DEFAULT_LAYERS)
+        base = load_config(resolve_config_path(args.config), args.set)
+        results = G.profile_schemes(base, schemes, depths, args.d_model, args.seq_len, **common)
+    if args.json:
+        print(json.dumps({"results": results}))
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)  # as other commands create their folders
+        G.plot_profiles(results, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _parse_schemes(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise KeelError("--residual needs at least one scheme")
+    for n in names:
+        if n not in SCHEMES:
+            raise KeelError(f"unknown residual scheme {n!r} in --residual (choose from {', '.join(SCHEMES)})")
+    return names
+
+
+def _parse_layers(text: str) -> list[int]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items:
+        raise KeelError("--layers needs at least one depth (sub-layers, e.g. 16,64)")
+    out = []
+    for s in items:
+        try:
+            n = int(s)
+        except ValueError:
+            raise KeelError(f"--layers: {s!r} is not an integer number of sub-layers") from None
+        if n < 2 or n % 2:
+            raise KeelError(f"--layers: {n} is not an even number >= 2 of sub-layers "
+                            f"(each block is an attention and an FFN sub-layer)")
+        out.append(n)
+    return out
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    preset = S.load_preset(args.preset) if args.preset else {}
+    grid = {k: list(v) for k, v in preset.get("grid", {}).items()}
+    grid.update(S.parse_grid(args.grid))
+    if not grid:
+        raise KeelError("nothing to sweep: give --grid section.key=v1,v2 (or a --preset with a [grid])")
+    sets = [S._override(k, v) for k, v in preset.get("set", {}).items()] + list(args.set)
+    config = args.config or preset.get("base")
+    best = args.best_over or preset.get("best_over")
+    match = args.match_params if args.match_params is not None else preset.get("match_params")
+    if args.resume and not args.out:
+        raise KeelError("--resume needs --out (the sweep folder to continue)")
+    out = Path(args.out) if args.out else Path("runs") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    s = S.run_sweep(config, grid, sets, out=out, workers=args.workers, threads=args.threads or None,
+                  resume=args.resume, best=best, match_params=match)
+    print(S.sweep_markdown(s))
+    print(f"sweep: {out}/sweep.md, {out}/sweep.json")
+    return 1 if any(r.get("status") != "done" for r in s["runs"]) else 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise KeelError(f"folder of --out does not exist: {out.parent}")
+    if args.kind == "loss":
+        n = P.plot_loss_curves(args.paths, out, val=args.val, x=args.x, smooth=args.smooth, title=args.title)
+        print(f"{out}: {n} curves")
+    else:
+        if len(args.paths) != 1:
+            raise KeelError(f"keel plot {args.kind} takes one sweep folder, got {len(args.paths)}")
+        if args.kind == "depth":
+            n = len(P.plot_depth(args.paths[0], out, title=args.title))
+        else:
+            n = P.plot_lr(args.paths[0], out, title=args.title)
+        print(f"{out}: {n} lines")
+    return 0
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    if args.tokens is not None and args.tokens < 1:
+        raise KeelError(f"--tokens must be >= 1, got {args.tokens}")
+    tokens = args.tokens or 16384
+    log = (lambda m: print(m, file=sys.stderr)) if args.verbose else None
+    if args.hf:
+        text = A.hf_text(args.text, args.run, tokens)
+        res = A.ablate_hf_folder(args.hf, text, args.seq_len, tokens, args.batch_size, log=log)
+        title, default_out = str(args.hf), Path(args.hf) / "ablate"
+    elif args.run:
+        res = A.ablate_run(args.run, args.seq_len, tokens, args.batch_size, args.device, log=log)
+        title, default_out = str(args.run), Path(args.run) / "ablate"
+    else:
+        raise KeelError("give --run DIR (a keel run) or --hf MODEL_PATH")
+    res["source"] = title
+    out = Path(args.out) if args.out else default_out
+    A.write_outputs(res, out, title)
+    if args.json:
+        print(json.dumps(res, indent=1))
+    else:
+        print(A.ablate_markdown(res, title))
+        print(f"ablate: {out}/ablate.json, ablate.md, ablate.png")
+    return 0
+
+
+def cmd_stress(args) -> int:
+    """``keel stress``: see :mod:`keel.experiments.stress`."""
+    if args.resume and args.report_only:
+        raise KeelError("--report-only trains nothing; do not combine it with --resume")
+    schemes = _parse_list(args.residual, str, "--residual") if args.residual is not None else list(SCHEMES)
+    layers = _parse_list(args.layers, int, "--layers")
+    seeds = _parse_list(args.seeds, int, "--seeds")
+    res = ST.run_stress(args.config, args.set, schemes, layers, seeds, args.peak_lr, args.ramp_steps, args.out,
+                     args.workers, args.threads, resume=args.resume, report_only=args.report_only,
+                     reference_scheme=args.reference_scheme)
+    if args.json:
+        print(json.dumps(res["table"], indent=1))
+    else:
+        print(ST.table_markdown(res["table"], args.peak_lr))
+        print(f"wrote {Path(args.out) / 'stress.json'}, stress.md, stress.png")
+    return 0
+
+
+def _parse_list(text: str, kind, what: str) -> list:
+    items = [s.strip() for s in str(text).split(",") if s.strip()]
+    if not items:
+        raise KeelError(f"{what} is empty")
+    try:
+        return [kind(s) for s in items]
+    except ValueError:
+        raise KeelError(f"{what} must be a comma-separated list of {kind.__name__}s, got {text!r}") from None
+
+
+def cmd_lr_sensitivity(args: argparse.Namespace) -> int:
+    """``keel lr-sensitivity``: see :mod:`keel.experiments.sensitivity`."""
+    if args.resume and args.report_only:
+        raise KeelError("--report-only trains nothing; do not combine it with --resume")
+    s = LS.run_lr_sensitivity(args.config, _parse_list(args.residual, str, "--residual"),
+                              _parse_list(args.layers, int, "--layers"), _parse_list(args.lrs, float, "--lrs"),
+                              _parse_list(args.seeds, int, "--seeds"), args.set,
+                              out=args.out, workers=args.workers, threads=args.threads or None, resume=args.resume,
+                              report_only=args.report_only)
+    if args.json:
+        print(json.dumps({k: s[k] for k in ("lrs", "unigram_entropy", "cells")}, indent=1))
+    else:
+        print(LS.markdown(s))
+        print(f"wrote {Path(args.out) / LS.OUT_JSON}, {LS.OUT_MD}, {LS.OUT_PNG}")
+    return 1 if any(r.get("status") != "done" for r in s["runs"]) else 0
+
+
+def cmd_study(args: argparse.Namespace) -> int:
+    """``keel study``: see :mod:`keel.experiments.study`."""
+    if args.resume and args.report_only:
+        raise KeelError("--report-only trains nothing; do not combine it with --resume")
+    if args.dry_run and (args.resume or args.report_only):
+        raise KeelError("--dry-run only prints the plan; do not combine it with --resume or --report-only")
+    if not 0 < args.mfu <= 1 or args.peak_tflops <= 0:
+        raise KeelError("--mfu must be in (0, 1] and --peak-tflops > 0")
+    out = args.out or f"runs/study-{Path(args.name).stem}-{args.scale}"
+    command = " ".join(["keel", "study"] + sys.argv[2:]) if len(sys.argv) > 2 else f"keel study {args.name}"
+    r = SD.run_study(args.name, args.scale, out, args.set, workers=args.workers, threads=args.threads or None,
+                     resume=args.resume, report_only=args.report_only, dry_run=args.dry_run, mfu=args.mfu,
+                     peak_tflops=args.peak_tflops, command=command)
+    if args.dry_run:
+        print(json.dumps(r["plan"], indent=1, default=str) if args.json else r["markdown"])
+        return 0
+    if args.json:
+        print(json.dumps({"claims": r["claims"]}, indent=1, default=str))
+    else:
+        for c in r["claims"]:
+            print(f"({c['id']}) {c['verdict']:<15} {c['title']}")
+        print(f"wrote {Path(out) / 'report.md'}, report.json, {', '.join(r['plots']) or 'no plots yet'}")
+    return 1 if any(x["status"] == "error" for x in r["runs"]) else 0
