@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from keel.config import DEFAULT_VAL_FRACTION
+from keel.config import DEFAULT_VAL_FRACTION, DataConfig
 from keel.data.shards import ShardWriter, read_shard
 from keel.data.sources import SourceStats, check_hub_reachable, iter_documents
 from keel.data.stats import unigram_entropy
@@ -60,15 +60,15 @@ log = logging.getLogger(__name__)
 
 def prepare_dataset(
     source: str,
-    tokenizer: str = "bpe:8192",
+    tokenizer: str = DataConfig.tokenizer,
     out: str | os.PathLike | None = None,
     *,
     val_fraction: float = DEFAULT_VAL_FRACTION,
     max_bytes: int | None = None,
     max_docs: int | None = None,
-    text_field: str = "text",
+    text_field: str = DataConfig.text_field,
     seed: int = 0,
-    cache_dir: str | os.PathLike = "data",
+    cache_dir: str | os.PathLike = DataConfig.cache_dir,
     progress: bool = True,
 ) -> Path:
     """Tokenize ``source`` into a prepared dataset directory and return its path.
@@ -140,8 +140,9 @@ def prepare_dataset(
     return out
 
 
-def find_prepared(source: str, tokenizer: str = "bpe:8192", *, val_fraction: float = DEFAULT_VAL_FRACTION,
-                  max_bytes: int | None = None, text_field: str = "text", cache_dir: str | os.PathLike = "data",
+def find_prepared(source: str, tokenizer: str = DataConfig.tokenizer, *, val_fraction: float = DEFAULT_VAL_FRACTION,
+                  max_bytes: int | None = None, text_field: str = DataConfig.text_field,
+                  cache_dir: str | os.PathLike = DataConfig.cache_dir,
                   ) -> Path | None:
     """The cached dataset :func:`prepare_dataset` would reuse for these inputs, or None if it
     is not there (nothing is read or built). Raises KeelError for bad options."""
