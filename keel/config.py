@@ -160,6 +160,8 @@ def _ok(cls: type, name: str, value: Any) -> bool:
     if t.base in (int, float):
         wanted = (int,) if t.base is int else (int, float)
         return isinstance(value, wanted) and not isinstance(value, bool) and _in_bounds(m, value)
+    if t.base is str and not isinstance(value, str):
+        return False
     return not (m["nonempty"] and not value)
 
 

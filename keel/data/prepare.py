@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from keel.config import DEFAULT_VAL_FRACTION, DataConfig
+from keel.config import DEFAULT_VAL_FRACTION, DataConfig, check_value
 from keel.data.shards import ShardWriter, read_shard
 from keel.data.sources import SourceStats, check_hub_reachable, iter_documents
 from keel.data.stats import unigram_entropy
@@ -185,10 +185,8 @@ def _safe_name(s: str) -> str:
 
 def _canonical_inputs(source, tokenizer, val_fraction, max_bytes, max_docs, text_field, seed) -> dict:
     """Validate the options; local paths become absolute, 0 limits become None."""
-    if not isinstance(source, str) or not source:
-        raise KeelError("data source must be a non-empty string")
-    if not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 1.0:
-        raise KeelError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    check_value("data.source", source)  # the ranges declared in keel.config.DataConfig
+    check_value("data.val_fraction", val_fraction)
     for name, value in (("max_bytes", max_bytes), ("max_docs", max_docs)):
         if value is not None and (not isinstance(value, int) or value < 0):
             raise KeelError(f"{name} must be a non-negative integer, got {value!r}")
