@@ -27,7 +27,7 @@ def test_flatten_joins_nested_names_and_drops_non_numbers():
 def test_logger_names_checked_and_config_accepts_list_or_string(tiny_config):
     assert check_loggers(["tensorboard"]) == ["jsonl", "tensorboard"]
     assert check_loggers("wandb, jsonl,wandb") == ["jsonl", "wandb"]
-    with pytest.raises(KeelError, match="train.loggers must be a list of 'jsonl' \\| 'tensorboard' \\| 'wandb', got 'mlflow'"):
+    with pytest.raises(KeelError, match=r"loggers must be a list of 'jsonl' \| 'tensorboard' \| 'wandb', got 'mlflow'"):
         check_loggers(["mlflow"])
     from conftest import REPO
 
