@@ -11,6 +11,8 @@ Usage::
 
 from __future__ import annotations
 
+from keel.config import key_default, key_help
+
 
 def _register_hf(subparsers) -> None:
     """Add ``export-hf`` and ``import-hf`` to the ``keel`` sub-parsers."""
@@ -62,6 +64,6 @@ def register(subparsers) -> None:
                    help="windows (perplexity) or requests (tasks) per forward pass")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--verbose", action="store_true", help="show lm-evaluation-harness' own progress bars and logs")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default=key_default("train.device"), help=key_help("train.device"))
     p.set_defaults(handler="keel.cli.handlers.evaluate.cmd_eval")
     _register_hf(subparsers)

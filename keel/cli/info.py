@@ -16,7 +16,8 @@ def register(subparsers) -> None:
     pc = subparsers.add_parser("config", help="list presets and every config key; show a resolved preset",
                                description="Without --show: the shipped presets (keel train --config NAME), the "
                                            "sweep presets (keel sweep --preset NAME) and every config key with its "
-                                           "type, default and meaning (set any with --set SECTION.KEY=VALUE). "
+                                           "type, default, meaning and allowed values or range (set any with "
+                                           "--set SECTION.KEY=VALUE). "
                                            "With --show: the resolved preset or config file, as TOML.")
     pc.add_argument("--show", default=None, metavar="PRESET", help="a preset name or TOML file to print resolved")
     pc.set_defaults(handler="keel.cli.handlers.config.cmd_config")

@@ -6,7 +6,7 @@ the work is done by :mod:`keel.diagnostics.gradflow` and the modules of :mod:`ke
 from __future__ import annotations
 
 from keel.cli.formatting import module_summary
-from keel.config import preset_names
+from keel.config import key_default, key_help, preset_names
 
 
 def register(subparsers) -> None:
@@ -109,7 +109,7 @@ def _register_ablate(subparsers) -> None:
     p.add_argument("--tokens", type=int, default=None, help="validation tokens to use (default 16384)")
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: the run's train.seq_len; HF 512)")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default=key_default("train.device"), help=key_help("train.device"))
     p.add_argument("--out", default=None, help="output folder (default: RUN/ablate or MODEL_PATH/ablate)")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     p.add_argument("--verbose", action="store_true", help="log each unit's PPL on stderr")

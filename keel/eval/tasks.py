@@ -351,6 +351,7 @@ def run_tasks(model, tokenizer, task_names: list[str], limit: int | float | None
     """
     try:
         # lazy: keel.hf needs transformers (extra [eval]) and ~1.7 s; keel train imports this module
+        # lazy: keel.hf needs transformers (extra [eval]) and ~1.7 s; keel train imports this module
         from keel.hf.convert import wrap_native
     except ImportError as e:
         raise KeelError(f"task evaluation needs transformers and lm-eval: pip install -e .[eval] ({_first_line(e)})"

@@ -34,5 +34,6 @@ def cmd_config(args: argparse.Namespace) -> int:
     keys = describe_config()
     width = max(len(k["key"]) for k in keys)
     for k in keys:
-        print(f"  {k['key'].ljust(width)}  {k['type']} = {_value(k['default'])}  {k['help']}")
+        rule = f"  (must be {k['rule']})" if k["rule"] else ""
+        print(f"  {k['key'].ljust(width)}  {k['type']} = {_value(k['default'])}  {k['help']}{rule}")
     return 0

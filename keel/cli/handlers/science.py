@@ -93,7 +93,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     grid.update(S.parse_grid(args.grid))
     if not grid:
         raise KeelError("nothing to sweep: give --grid section.key=v1,v2 (or a --preset with a [grid])")
-    sets = [S._override(k, v) for k, v in preset.get("set", {}).items()] + list(args.set)
+    sets = list(preset.get("set", {}).items()) + list(args.set)  # typed (key, value) pairs, then --set strings
     config = args.config or preset.get("base")
     best = args.best_over or preset.get("best_over")
     match = args.match_params if args.match_params is not None else preset.get("match_params")
