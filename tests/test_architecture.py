@@ -191,16 +191,16 @@ MAX_LAZY_OWN_IMPORTS = 10  # imports of keel's own modules inside functions (iss
 
 
 def _has_reason(lines: list[str], first: int, last: int) -> bool:
-    """A ``#`` comment on lines ``first..last`` (1-based), or on the nearest line above that is
-    not another import or a bare ``try:`` (a block of lazy imports shares one comment line)."""
+    """A ``#`` comment on lines ``first..last`` (1-based), or above them: on a comment line, or on
+    an import or ``try:`` line of the same block (a block of lazy imports shares one comment)."""
     if any("#" in lines[i - 1] for i in range(first, last + 1)):
         return True
     for i in range(first - 1, 0, -1):
         s = lines[i - 1].strip()
-        if s.startswith("#") or (s.startswith("try:") and "#" in s):
-            return True
-        if not (s.startswith(("import ", "from ")) or s == "try:"):
+        if not (s.startswith(("#", "import ", "from ", "try:"))):
             return False
+        if "#" in s:
+            return True
     return False
 
 
@@ -245,7 +245,7 @@ def test_the_lazy_import_check_sees_imports_and_their_reasons(tmp_path):
     """The checker itself: imports in functions are found, with or without a reason; a
     top-level import is not."""
     f = tmp_path / "x.py"
-    f.write_text("import os\n\n\ndef f():\n    import torch  # optional\n    from keel import a\n\n\n"
+    f.write_text("import os\n\n\ndef f():\n    import torch  # optional\n    x = 1\n    from keel import a\n\n\n"
                  "def g():\n    # the handler, by name\n    from . import b\n    import c\n    b.x = 1\n    import d\n")
-    assert lazy_imports({"x": f}) == [("x.py", 5, "torch", True), ("x.py", 6, "keel", False),
-                                      ("x.py", 11, "keel", True), ("x.py", 12, "c", True), ("x.py", 14, "d", False)]
+    assert lazy_imports({"x": f}) == [("x.py", 5, "torch", True), ("x.py", 7, "keel", False),
+                                      ("x.py", 12, "keel", True), ("x.py", 13, "c", True), ("x.py", 15, "d", False)]
