@@ -267,7 +267,7 @@ class TrainConfig:
         eval_every: steps between validation-loss evaluations.
         eval_tokens: validation tokens per evaluation.
         checkpoint_every: steps between checkpoints.
-        keep_checkpoints: newest checkpoints kept on disk.
+        keep_checkpoints: newest checkpoints kept on disk (0 = keep every checkpoint).
         log_every: steps between progress lines when stderr is not a terminal.
         seed: seed of the init, the data order and sampling (0 to 2**32 - 1).
         device: auto | cpu | cuda | cuda:N.
@@ -312,7 +312,7 @@ class TrainConfig:
     eval_every: int = 100  # steps
     eval_tokens: int = 65536  # validation tokens per evaluation
     checkpoint_every: int = 250  # steps
-    keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk (0 = keep all)
     log_every: int = 10  # steps
     seed: int = 1337
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"

@@ -374,6 +374,8 @@ class TaskEvalCallback(Callback):
     documents each) and writes ``eval_tasks`` ({task: {metric: value}}) into the step's
     record. Collective under FSDP (the full model is gathered on rank 0)."""
 
+    config_keys = ("train.eval_tasks",)
+
     def __init__(self, tasks: list[str], every: int, limit: int | None):
         self.tasks, self.every, self.limit = tasks, every, limit
 

@@ -19,23 +19,13 @@ import time
 from pathlib import Path
 
 from keel.errors import KeelError
+from keel.model import count_parameters
 from keel.run import Run
 
 log = logging.getLogger(__name__)
 
 COLUMNS = ("run", "scheme", "blocks", "sublayers", "params", "step", "steps", "tokens", "val_loss", "tokens_per_s",
            "status")
-
-
-def count_parameters(model_cfg) -> int:
-    """Parameters of a model of this :class:`keel.config.ModelConfig` (tied weights once),
-    counted on the meta device: nothing is allocated."""
-    import torch
-
-    from keel.model import Transformer
-
-    with torch.device("meta"):
-        return Transformer(model_cfg).num_params()
 
 
 def _not_finite(value) -> bool:

@@ -139,29 +139,11 @@ def _override(key: str, value: Any) -> str:
 
 # ----------------------------------------------------------------------------- params
 def param_count(model_cfg, non_embedding: bool = False) -> int:
-    """Parameters of ``Transformer(model_cfg)`` (tied weights once), counted by building
-    the model on the ``meta`` device (no memory, no init cost).
+    """Parameters of ``Transformer(model_cfg)``: :func:`keel.model.count_parameters` (the one
+    implementation; imported here on first use so that ``keel --help`` loads no torch)."""
+    from keel.model import count_parameters
 
-    ``non_embedding`` leaves out the token embedding (the LM head still counts), as
-    :meth:`keel.model.Transformer.num_params` does. Raises KeelError on an invalid shape.
-    """
-    import dataclasses
-
-    import torch
-
-    from keel.model import Transformer
-
-    def count(n_layers: int) -> int:
-        with torch.device("meta"):
-            model = Transformer(dataclasses.replace(model_cfg, n_layers=n_layers))
-        return model.num_params(non_embedding=non_embedding)
-
-    # Blocks after the first are identical in size (block 0 may differ, e.g. Keel's first-layer
-    # rule), so two small models give the exact count at any depth without building 512 blocks.
-    if model_cfg.n_layers <= 2:
-        return count(model_cfg.n_layers)
-    one, two = count(1), count(2)
-    return one + (model_cfg.n_layers - 1) * (two - one)
+    return count_parameters(model_cfg, non_embedding=non_embedding)
 
 
 def width_for_params(model_cfg, target: int, n_layers: int | None = None, *, multiple: int | None = None,
