@@ -411,8 +411,10 @@ CLAIM_TESTS = {"margin_grows": claim_margin_grows, "lr_transfer": claim_lr_trans
 def group_jobs(study: Study, g: Group, data_dir: str, out: Path,
                lr_for: dict[str, float] | None = None) -> tuple[list[GridJob], list[GridJob]]:
     """(reference jobs, jobs) of one group: the stress test's for a ramp group, else one
-    :func:`keel.experiments.sweep.build_jobs` grid, depth-major (a partial group covers the
-    shallow depths with every seed first). ``lr_for``: ``{scheme: LR}`` of an ``lr_from`` group.
+    :func:`keel.experiments.sweep.build_jobs` grid in the order depth, scheme (as the group lists
+    them), LR, seed: the seeds of one cell run side by side, so a partial group already holds
+    paired cells (every verdict needs >= 2 seeds) for its first schemes, instead of one seed of
+    every scheme. ``lr_for``: ``{scheme: LR}`` of an ``lr_from`` group.
     Raises KeelError on a bad config."""
     from keel.config import resolve_config_path
 
@@ -427,8 +429,8 @@ def group_jobs(study: Study, g: Group, data_dir: str, out: Path,
                 "model.residual": [scheme], "train.lr": sorted(lrs)}
         jobs += build_jobs(study.base, grid, sets, data_path=data_dir)
     order = {s: i for i, s in enumerate(g.schemes)}
-    jobs.sort(key=lambda j: (j.values["model.n_layers"], j.values["train.seed"], order[j.values["model.residual"]],
-                             j.values["train.lr"]))
+    jobs.sort(key=lambda j: (j.values["model.n_layers"], order[j.values["model.residual"]], j.values["train.lr"],
+                             j.values["train.seed"]))
     return [], jobs
 
 
