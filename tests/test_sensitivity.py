@@ -89,7 +89,8 @@ def test_lr_sensitivity_cli_end_to_end(keel_cli, tiny_data, tmp_path):
     saved = json.loads((out / "sensitivity.json").read_text())
     assert shown["cells"] == json.loads(json.dumps(saved["cells"]))
     assert len(saved["runs"]) == 2 * 2 * 3 and all(x["status"] == "done" for x in saved["runs"])
-    assert [(c["sublayers"], c["scheme"]) for c in saved["cells"]] == [(2, "pre_ln"), (2, "keel"), (4, "pre_ln"), (4, "keel")]
+    want = [(2, "pre_ln"), (2, "keel"), (4, "pre_ln"), (4, "keel")]
+    assert [(c["sublayers"], c["scheme"]) for c in saved["cells"]] == want
     for cell in saved["cells"]:
         cur = cell["seeds"]["0"]
         assert cell["n_seeds"] == 1 and cell["opt_lr"] in (1e-3, 1e-2, 10.0)
