@@ -151,6 +151,38 @@ def test_scheme_names_live_in_one_place():
     assert not offenders, "hard-coded lists of scheme names: " + ", ".join(offenders)
 
 
+PROGRESS_CALLBACK_NAMES = {"log", "say", "on_result"}
+# Being cleaned on another branch of issue 20 (the `sched` engineer): remove this exemption at merge.
+PROGRESS_CALLBACK_EXEMPT = ("keel.train.",)
+
+
+def progress_callback_params(path: Path) -> list[str]:
+    """``line name(param)`` for every function or lambda in ``path`` with a parameter named
+    log, say or on_result (a progress callable: keel reports progress through ``logging``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            params = a.posonlyargs + a.args + a.kwonlyargs + [p for p in (a.vararg, a.kwarg) if p is not None]
+            found += [f"{node.lineno} {getattr(node, 'name', 'lambda')}({p.arg})" for p in params
+                      if p.arg in PROGRESS_CALLBACK_NAMES]
+    return found
+
+
+def test_one_progress_channel_no_log_or_say_parameters():
+    """Progress goes through the standard ``logging`` module (set up once by the CLI), never
+    through a ``log=`` / ``say`` / ``on_result`` callable passed down (issue 20, item 3)."""
+    offenders = [f"{path.relative_to(REPO)}:{hit}" for m, path in MODULES.items()
+                 if not m.startswith(PROGRESS_CALLBACK_EXEMPT) for hit in progress_callback_params(path)]
+    assert not offenders, "progress callables as parameters (use logging): " + ", ".join(offenders)
+
+
+def test_the_progress_channel_test_catches_a_log_parameter(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("def f(a, *, log=print):\n    pass\ng = lambda say: say\n")
+    assert progress_callback_params(f) == ["1 f(log)", "3 lambda(say)"]
+
+
 @pytest.mark.parametrize("kind", ["", "sweeps"])
 def test_presets_are_listed_and_resolve(kind):
     from keel.config import load_config, preset_names, resolve_config_path

@@ -247,7 +247,7 @@ def test_cli_from_run(capsys, gradflow_run, tmp_path):
     assert r["residual"] == cfg.model.residual and r["sublayers"] == 4 and r["run"] == str(run)
     code, out, err = cli(capsys, "--run", run, "--seq-len", 16, "--batch-size", 2, "--threads", 1,
                          "--jacobian-iters", 5)
-    assert code == 0 and "sub-layers" in out and cfg.model.residual in out
+    assert code == 0 and "sub-layers" in err and cfg.model.residual in err  # the table is logged (stderr)
 
 
 @pytest.mark.parametrize("args,msg", [

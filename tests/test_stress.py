@@ -23,10 +23,6 @@ SCHEMES = ["pre_ln", "post_ln"]
 RAMP, PEAK = 30, 5.0
 
 
-def quiet(*a, **k):
-    pass
-
-
 def grid(tiny_data, out, workers=1, **kw):
     sets = tiny_overrides(tiny_data, eval_every=1000, checkpoint_every=10)
     args = dict(config="demo", overrides=sets, schemes=SCHEMES, sublayers=[4], seeds=[0], peak_lr=PEAK,

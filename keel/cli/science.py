@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -50,11 +51,8 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
         raise KeelError("--jacobian-iters must be >= 1")
     if args.run and (args.residual is not None or args.layers is not None):
         raise KeelError("--run takes the model from the run; drop --residual and --layers")
-    show = None if args.json else (lambda r: print(G._summary_line(r), flush=True))
-    if not args.json:
-        print(G.SUMMARY_HEADER)
     common = dict(batch_size=args.batch_size, jacobian_iters=args.jacobian_iters, full_jacobian=args.full_jacobian,
-                  seed=args.seed, on_result=show)
+                  seed=args.seed)  # the library logs the summary table (stderr) as each profile finishes
     if args.run:
         results = G.profile_runs(args.run, args.seq_len, **common)
     else:
@@ -220,13 +218,14 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     if args.tokens is not None and args.tokens < 1:
         raise KeelError(f"--tokens must be >= 1, got {args.tokens}")
     tokens = args.tokens or 16384
-    log = (lambda m: print(m, file=sys.stderr)) if args.verbose else None
+    if args.verbose:  # the library logs each unit's PPL at DEBUG level
+        logging.getLogger(A.__name__).setLevel(logging.DEBUG)
     if args.hf:
         text = A.hf_text(args.text, args.run, tokens)
-        res = A.ablate_hf_folder(args.hf, text, args.seq_len, tokens, args.batch_size, log=log)
+        res = A.ablate_hf_folder(args.hf, text, args.seq_len, tokens, args.batch_size)
         title, default_out = str(args.hf), Path(args.hf) / "ablate"
     elif args.run:
-        res = A.ablate_run(args.run, args.seq_len, tokens, args.batch_size, args.device, log=log)
+        res = A.ablate_run(args.run, args.seq_len, tokens, args.batch_size, args.device)
         title, default_out = str(args.run), Path(args.run) / "ablate"
     else:
         raise KeelError("give --run DIR (a keel run) or --hf MODEL_PATH")

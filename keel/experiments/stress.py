@@ -81,13 +81,13 @@ def max_lr(records: list[dict], verdict_step: int) -> float:
     raise KeelError(f"no LR logged at step {verdict_step - 1}")
 
 
-def stress_task(job: GridJob, run_dir: Path, resume: bool, log) -> dict:
+def stress_task(job: GridJob, run_dir: Path, resume: bool) -> dict:
     """Grid task of one stress run: train it (:func:`keel.experiments.sweep.train_task`),
     then add its coordinates (``job.values``) and its max LR (:func:`max_lr`)."""
     from keel.experiments.sweep import train_task
     from keel.train.metrics import read_metrics
 
-    out = train_task(job, run_dir, resume, log)
+    out = train_task(job, run_dir, resume)
     out.update(job.values)
     out["name"] = job.name
     out["run_dir"] = str(run_dir)
