@@ -71,8 +71,8 @@ def setup_logging(level: int = logging.INFO) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``keel ARGS``; returns the exit status (2 for a user error, 130 on Ctrl-C)."""
+    setup_logging()  # first: parsing may log (a deprecated flag)
     args = build_parser().parse_args(argv)
-    setup_logging()
     try:
         return args.func(args)
     except KeelError as e:

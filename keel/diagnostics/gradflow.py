@@ -38,7 +38,7 @@ n_layers):
 
 Usage::
 
-    keel gradflow --residual pre_ln,post_ln,keel --layers 16,64,256,1024 [--d-model 64]
+    keel gradflow --residual pre_ln,post_ln,keel --sublayers 16,64,256,1024 [--d-model 64]
                   [--batch-size 4] [--seq-len 64] [--seed 0] [--json] [--plot FILE]
     keel gradflow --run runs/a --run runs/b [--json] [--plot FILE]
 
@@ -401,13 +401,12 @@ def profile_runs(run_paths: Sequence[str | Path], seq_len: int, batch_size: int,
 
     Each result adds ``residual``, ``sublayers``, ``blocks``, ``d_model``, ``run``, ``label``
     and ``seconds`` (wall time). Each result is logged as it is ready: one line of a table
-    (:data:`SUMMARY_HEADER`, logged first) at INFO level, logger ``keel.diagnostics.gradflow``.
+    (:data:`SUMMARY_HEADER`, logged with the first) at INFO level, logger ``keel.diagnostics.gradflow``.
     Raises KeelError for a path that is not a run with a checkpoint.
     """
     from keel.run import Run
 
     results = []
-    _log.info(SUMMARY_HEADER)
     for path in run_paths:
         t0 = time.perf_counter()
         run = Run(path)
@@ -417,7 +416,7 @@ def profile_runs(run_paths: Sequence[str | Path], seq_len: int, batch_size: int,
         r = {"residual": cfg.model.residual, "sublayers": cfg.model.n_sublayers, "blocks": cfg.model.n_layers,
              "d_model": cfg.model.d_model, "run": str(run.path), "label": f"{cfg.model.residual} d{cfg.model.d_model}"}
         r.update(profile_model(model, batch, jacobian_iters, full_jacobian, seed))
-        results.append(_finished(r, t0))
+        results.append(_finished(r, t0, first=not results))
     return results
 
 
@@ -438,7 +437,6 @@ def profile_schemes(base, schemes: Sequence[str], depths: Sequence[int], d_model
     vocab = read_meta(data_dir)["vocab_size"]
     batch = _val_batch(data_dir, seq_len, batch_size)
     results = []
-    _log.info(SUMMARY_HEADER)
     for L in depths:
         for scheme in schemes:
             t0 = time.perf_counter()
@@ -447,11 +445,13 @@ def profile_schemes(base, schemes: Sequence[str], depths: Sequence[int], d_model
             r = {"residual": scheme, "sublayers": L, "blocks": L // 2, "d_model": d_model,
                  "init_std": mcfg.init_std, "label": scheme}
             r.update(profile_model(Transformer(mcfg), batch, jacobian_iters, full_jacobian, seed))
-            results.append(_finished(r, t0))
+            results.append(_finished(r, t0, first=not results))
     return results
 
 
-def _finished(r: dict, t0: float) -> dict:
+def _finished(r: dict, t0: float, first: bool) -> dict:
     r["seconds"] = time.perf_counter() - t0
+    if first:  # the table's header, once the first profile is ready (not before a failed start)
+        _log.info(SUMMARY_HEADER)
     _log.info(_summary_line(r))
     return r
