@@ -30,6 +30,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from keel.data.sources import hub_errors
 from keel.errors import KeelError
 from keel.train.callbacks import Callback, StepState
 
@@ -241,7 +242,7 @@ def _load_task(manager, spec, hub: _HubProbe):
     try:
         with _hub_offline(offline):
             return manager.load([spec])
-    except Exception as e:  # datasets raises many kinds (ConnectionError, FileNotFoundError, ...)
+    except hub_errors() as e:  # datasets' and huggingface_hub's: not found, offline, bad config, ...
         reason = f"; {hub.reason}" if offline else ""
         return f"dataset could not be loaded (offline?): {_first_line(e)}{reason}"
 
