@@ -183,6 +183,39 @@ def test_the_progress_channel_test_catches_a_log_parameter(tmp_path):
     assert progress_callback_params(f) == ["1 f(log)", "3 lambda(say)"]
 
 
+def blind_excepts(path: Path) -> list[int]:
+    """Lines of ``except:``, ``except Exception`` or ``except BaseException`` handlers in
+    ``path`` that neither end by re-raising (cleanup) nor say on their line why they catch
+    everything (``# noqa: BLE001 -- reason``)."""
+    lines = path.read_text().splitlines()
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ExceptHandler):
+            continue
+        types = node.type.elts if isinstance(node.type, ast.Tuple) else [node.type]
+        broad = node.type is None or any(isinstance(t, ast.Name) and t.id in ("Exception", "BaseException")
+                                         for t in types)
+        reraises = isinstance(node.body[-1], ast.Raise) and node.body[-1].exc is None
+        if broad and not reraises and "noqa: BLE001 --" not in lines[node.lineno - 1]:
+            found.append(node.lineno)
+    return found
+
+
+def test_no_blind_except():
+    """Catch what you mean (issue 20, item 8): a handler for every exception must re-raise or
+    give its reason on its line."""
+    offenders = [f"{path.relative_to(REPO)}:{n}" for path in MODULES.values() for n in blind_excepts(path)]
+    assert not offenders, "blind `except Exception` (catch the errors you mean): " + ", ".join(offenders)
+
+
+def test_the_blind_except_test_catches_one(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("try:\n    f()\nexcept Exception:\n    pass\ntry:\n    f()\nexcept BaseException:\n    raise\n"
+                 "try:\n    f()\nexcept (OSError, Exception) as e:  # noqa: BLE001 -- why\n    pass\n"
+                 "try:\n    f()\nexcept:\n    g()\n")
+    assert blind_excepts(f) == [3, 15]
+
+
 @pytest.mark.parametrize("kind", ["", "sweeps"])
 def test_presets_are_listed_and_resolve(kind):
     from keel.config import load_config, preset_names, resolve_config_path
