@@ -7,6 +7,7 @@ a callback (the trainer takes ``keel.train.Callback`` objects).
 """
 
 import ast
+import re
 import subprocess
 import sys
 import zipfile
@@ -196,7 +197,7 @@ def blind_excepts(path: Path) -> list[int]:
         broad = node.type is None or any(isinstance(t, ast.Name) and t.id in ("Exception", "BaseException")
                                          for t in types)
         reraises = isinstance(node.body[-1], ast.Raise) and node.body[-1].exc is None
-        if broad and not reraises and "noqa: BLE001 --" not in lines[node.lineno - 1]:
+        if broad and not reraises and not re.search(r"noqa: BLE001 -+ \S", lines[node.lineno - 1]):
             found.append(node.lineno)
     return found
 
