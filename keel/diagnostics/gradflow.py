@@ -42,6 +42,9 @@ Usage::
                   [--batch-size 4] [--seq-len 64] [--seed 0] [--json] [--plot FILE]
     keel gradflow --run runs/a --run runs/b [--json] [--plot FILE]
 
+A summary table (one line per profile, as it finishes) is logged on stderr; ``--json``
+prints the full results on stdout.
+
 The command itself is in :mod:`keel.cli.science`; :func:`profile_runs` and
 :func:`profile_schemes` are what it calls. Heavy modules (torch, matplotlib) are imported
 inside the functions.

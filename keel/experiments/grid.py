@@ -20,9 +20,10 @@ that already holds anything is an error that names ``--resume``.
 
 A task is a module-level function (so that the ``spawn`` start method can pickle it)::
 
-    task(job: GridJob, run_dir: Path, resume: bool, log: Callable[[str], None]) -> dict
+    task(job: GridJob, run_dir: Path, resume: bool) -> dict
 
-It returns a JSON-serialisable dict, stored as ``result.json`` together with
+It reports progress through ``logging`` (while it runs, the ``keel`` loggers write to the
+job's ``run.log``). It returns a JSON-serialisable dict, stored as ``result.json`` together with
 ``name``, ``values``, ``status = "done"`` and ``wall_s`` (seconds in the task). A task
 that raises is recorded as ``status = "error"`` with the message, is *not* cached (it
 runs again on ``--resume``), and does not stop the other jobs. A task that should
