@@ -4,23 +4,34 @@ Presets are data: TOML files shipped inside the package, ``keel/configs/NAME.tom
 (``demo`` is the default) and ``keel/configs/sweeps/NAME.toml`` for ``keel sweep``, read
 with ``importlib.resources`` so they exist after any install (:func:`resolve_config_path`,
 :func:`preset_names`).
+
+One declaration per key: each field of :class:`ModelConfig`, :class:`DataConfig` and
+:class:`TrainConfig` is made by :func:`key`, which holds its default, its help text and its
+allowed range (``ge``/``gt``/``le``/``lt``, ``nonempty``); its type, and for a
+``Literal[...]`` annotation its allowed values, are the annotation on the same line. From that
+one declaration come the load-time check (:func:`check_key`, run for every key by
+:func:`config_from_dict`), the help of ``keel config`` (:func:`describe_config`), the CLI
+flags that mirror a key (:func:`key_default`, :func:`key_help`) and the checks of other
+modules (:func:`check_value`, :func:`choices`). Checks that relate two keys (``d_model %
+n_heads``, ``min_lr <= lr``) stay explicit code in the sections' ``validate``.
+
 A config is loaded with :func:`load_config`, overridden with ``--set section.key=value``
-strings (:func:`apply_overrides`) and written back as the resolved ``config.toml`` of a
-run (:func:`dump_config`). Unknown sections or keys, values of the wrong type and values
-out of range raise :class:`keel.errors.KeelError` naming the key: each section checks its
-own keys in one place (``ModelConfig.validate``, ``DataConfig.validate``,
-``TrainConfig.validate``), called by :func:`config_from_dict`; the residual scheme's name
-and its own keys are checked by :func:`keel.model.residual.check_model_config`.
+strings or typed ``(key, value)`` pairs (:func:`apply_overrides`, the same coercion and
+checks for both) and written back as the resolved ``config.toml`` of a run
+(:func:`dump_config`). Unknown sections or keys, values of the wrong type and values out of
+range raise :class:`keel.errors.KeelError` naming the key. The residual scheme's name is
+checked by :func:`keel.model.residual.check_model_config`, where the list of schemes lives.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Iterable, Literal, Mapping, Union, get_args, get_origin, get_type_hints
 
 import tomli_w
 
@@ -31,49 +42,181 @@ else:  # pragma: no cover - Python 3.10
 
 from keel.errors import KeelError
 
-DEFAULT_VAL_FRACTION = 0.05
+
+def key(default: Any, help: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+        lt: float | None = None, nonempty: bool = False, note: str = "") -> Any:
+    """Declare one config key: a ``dataclasses.field`` whose metadata holds everything about it.
+
+    Args:
+        default: the default value (a list is copied per instance; None = unset).
+        help: one line for ``keel config``.
+        ge, gt, le, lt: inclusive / exclusive bounds of a number (a float key must also be finite).
+        nonempty: a string key must not be empty.
+        note: said in parentheses after the rule in the error message and the help (``0 = off``).
+    Returns:
+        a ``dataclasses.Field`` to assign to the key's annotated name.
+    """
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "nonempty": nonempty, "note": note}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
-def _finite(value: float) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
+@dataclass(frozen=True)
+class KeyType:
+    """A key's type, read from its annotation: ``base`` (bool, int, float, str or list),
+    ``values`` (the ``Literal[...]`` values, of the items for a list; () = any), ``optional``
+    (None allowed = unset) and ``text`` (as ``keel config`` prints it)."""
+
+    base: type
+    values: tuple = ()
+    optional: bool = False
+    text: str = ""
 
 
-def _check(ok: bool, where: str, rule: str, value: Any) -> None:
-    """Raise ``KeelError("{where} must be {rule}, got {value!r}")`` unless ``ok``."""
-    if not ok:
-        raise KeelError(f"{where} must be {rule}, got {value!r}")
-
-
-def choices(cls, name: str) -> tuple | None:
-    """The values a field may take, as declared by its ``Literal[...]`` annotation (for a
-    ``list[Literal[...]]`` field, those of its items); None for a field without one.
-
-    This one declaration drives both the check at load (:func:`check_choices`) and the
-    help of ``keel config`` (:func:`describe_config`)."""
-    hint = get_type_hints(cls).get(name)
+@functools.lru_cache(maxsize=None)
+def key_type(cls: type, name: str) -> KeyType:
+    """The :class:`KeyType` of field ``name`` of the section class ``cls``."""
+    hint = get_type_hints(cls)[name]
+    text = str(next(f.type for f in dataclasses.fields(cls) if f.name == name))
     if get_origin(hint) is list:
-        hint = get_args(hint)[0]
-    return get_args(hint) if get_origin(hint) is Literal else None
+        values = get_args(get_args(hint)[0])
+        return KeyType(list, values, False, f"list of {_choices_text(values)}" if values else text)
+    parts = get_args(hint) if get_origin(hint) in (Union, type(int | str)) else (hint,)
+    optional = type(None) in parts
+    values = tuple(v for p in parts if get_origin(p) is Literal for v in get_args(p))
+    bases = [p for p in parts if p is not type(None) and get_origin(p) is not Literal]
+    base = bases[0] if bases else str
+    if values:
+        text = " | ".join([b.__name__ for b in bases] + [repr(v) for v in values] + (["None"] if optional else []))
+    return KeyType(base, values, optional, text)
+
+
+def choices(cls: type, name: str) -> tuple | None:
+    """The values a field may take, as declared by its ``Literal[...]`` annotation (for a
+    ``list[Literal[...]]`` field, those of its items); None for a field without one."""
+    return key_type(cls, name).values or None
 
 
 def _choices_text(values: tuple) -> str:
     return " | ".join(map(repr, values))
 
 
-def check_choices(obj, section: str) -> None:
-    """Check every field of ``obj`` declared with ``Literal[...]`` (or ``list[Literal[...]]``).
+def _num(x: float) -> str:
+    """A bound as text: ``2**32 - 1`` for 2**k - 1 (k >= 16), else ``%g``."""
+    if isinstance(x, int) and x >= 2**16 - 1 and (x + 1) & x == 0:
+        return f"2**{(x + 1).bit_length() - 1} - 1"
+    return f"{x:g}"
+
+
+def _bounds_text(m: Mapping[str, Any], base: type) -> str:
+    lo = (">=", m["ge"]) if m["ge"] is not None else (">", m["gt"]) if m["gt"] is not None else None
+    hi = ("<=", m["le"]) if m["le"] is not None else ("<", m["lt"]) if m["lt"] is not None else None
+    if lo and hi:
+        if lo[0] == ">" and hi[0] == "<":
+            return f"between {_num(lo[1])} and {_num(hi[1])} (exclusive)"
+        if lo[0] == ">=" and hi[0] == "<=":
+            return f"between {_num(lo[1])} and {_num(hi[1])}"
+        return f"in {'[' if lo[0] == '>=' else '('}{_num(lo[1])}, {_num(hi[1])}{']' if hi[0] == '<=' else ')'}"
+    one = lo or hi
+    if one is None:
+        return ""
+    return f"{'a finite number ' if base is float else ''}{one[0]} {_num(one[1])}"
+
+
+def key_rule(cls: type, name: str) -> str:
+    """The rule of field ``name`` as words (``">= 1"``, ``"in [0, 1)"``, ``"'a' | 'b'"``,
+    ``"a non-empty string"``, with its note), as the error message and ``keel config`` say it;
+    "" for a key with no rule beyond its type."""
+    m, t = _field(cls, name).metadata, key_type(cls, name)
+    rule = _bounds_text(m, t.base)
+    if t.values:
+        rule = _choices_text(t.values) + (f" or {rule or 'an integer'}" if t.base is int else "")
+        rule = f"a list of {rule}" if t.base is list else rule
+    elif m["nonempty"]:
+        rule = "a non-empty string"
+    return f"{rule} ({m['note']})" if rule and m["note"] else rule
+
+
+@functools.lru_cache(maxsize=None)
+def _field(cls: type, name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(cls) if f.name == name)
+
+
+def _in_bounds(m: Mapping[str, Any], x: Any) -> bool:
+    if isinstance(x, float) and not math.isfinite(x):
+        return False
+    return ((m["ge"] is None or x >= m["ge"]) and (m["gt"] is None or x > m["gt"])
+            and (m["le"] is None or x <= m["le"]) and (m["lt"] is None or x < m["lt"]))
+
+
+def _ok(cls: type, name: str, value: Any) -> bool:
+    """Whether one (already typed) value meets field ``name``'s declaration."""
+    t, m = key_type(cls, name), _field(cls, name).metadata
+    if t.values and value in t.values:
+        return True
+    if t.values and t.base is not int:
+        return False
+    if t.base in (int, float):
+        wanted = (int,) if t.base is int else (int, float)
+        return isinstance(value, wanted) and not isinstance(value, bool) and _in_bounds(m, value)
+    if t.base is str and not isinstance(value, str):
+        return False
+    return not (m["nonempty"] and not value)
+
+
+def check_key(obj: Any, section: str, name: str) -> None:
+    """Check the value of one key of a section object against its declaration (:func:`key`).
 
     Raises:
-        KeelError: ``"{section}.{key} must be 'a' | 'b', got 'c'"`` for the first value outside its declaration.
+        KeelError: ``"{section}.{name} must be {rule}, got {value!r}"`` (for a list key, naming
+            the first bad item); an unset optional key (None) passes.
     """
+    value, t = getattr(obj, name), key_type(type(obj), name)
+    if value is None and t.optional:
+        return
+    for item in value if t.base is list and isinstance(value, list) else [value]:
+        if not _ok(type(obj), name, item):
+            rule = key_rule(type(obj), name) or f"of type {t.text}"
+            raise KeelError(f"{section}.{name} must be {rule}, got {item!r}")
+
+
+def check_keys(obj: Any, section: str) -> None:
+    """:func:`check_key` for every key of a section object, in declaration order."""
     for f in dataclasses.fields(obj):
-        allowed = choices(type(obj), f.name)
-        if allowed is None:
-            continue
-        value = getattr(obj, f.name)
-        for item in value if isinstance(value, list) else [value]:
-            what = "a list of" if isinstance(value, list) else ""
-            _check(item in allowed, f"{section}.{f.name}", f"{what} {_choices_text(allowed)}".strip(), item)
+        check_key(obj, section, f.name)
+
+
+def _section_field(dotted: str) -> tuple[type, str, str]:
+    section, _, name = dotted.partition(".")
+    if section not in _SECTIONS or name not in {f.name for f in dataclasses.fields(_SECTIONS[section])}:
+        raise KeelError(f"unknown config key {dotted}")
+    return _SECTIONS[section], section, name
+
+
+def check_value(dotted: str, value: Any) -> None:
+    """Check ``value`` for the key ``"section.name"`` as the config's load does, for a module
+    that receives one key's value on its own (``keel.train.device``, ``keel.train.parallelize``).
+
+    Raises:
+        KeelError: the same one-line message as :func:`check_key`; an unknown key.
+    """
+    cls, section, name = _section_field(dotted)
+    obj = cls()
+    setattr(obj, name, value)
+    check_key(obj, section, name)
+
+
+def key_default(dotted: str) -> Any:
+    """The declared default of the key ``"section.name"`` (a CLI flag that mirrors it uses this)."""
+    cls, _, name = _section_field(dotted)
+    return getattr(cls(), name)
+
+
+def key_help(dotted: str) -> str:
+    """The declared help of the key ``"section.name"``, with its default, for a CLI flag that mirrors it."""
+    cls, _, name = _section_field(dotted)
+    return f"{_field(cls, name).metadata['help']} (default {key_default(dotted)!r}, as {dotted})"
 
 
 def resolve_vocab_size(requested: int | str, tokenizer_vocab: int, multiple: int = 64) -> int:
@@ -96,75 +239,51 @@ def resolve_vocab_size(requested: int | str, tokenizer_vocab: int, multiple: int
 
 @dataclass
 class ModelConfig:
-    """Shape and residual scheme of the decoder-only LM.
+    """Shape and residual scheme of the decoder-only LM; each key is declared once, below
+    (``keel config`` prints them).
 
     Depth: ``n_layers`` counts blocks; each block is an attention sub-layer plus an FFN
     sub-layer, so the paper's L (sub-layers) is ``2 * n_layers`` (:attr:`n_sublayers`).
 
     Raises:
-        KeelError: from :meth:`validate` on an impossible shape or unknown scheme.
-
-    Attributes (``keel config`` prints these):
-        vocab_size: rows of the embedding and LM head: "auto" (the tokenizer's vocabulary rounded up to a
-            multiple of vocab_multiple) or a count >= the tokenizer's vocabulary.
-        vocab_multiple: with vocab_size "auto": round the vocabulary up to a multiple of this.
-        d_model: width of the residual stream.
-        n_layers: blocks (attention + FFN each); the paper's depth L is 2 * n_layers sub-layers.
-        n_heads: attention (query) heads; head_dim = d_model / n_heads, even.
-        n_kv_heads: key/value heads of grouped-query attention (divides n_heads).
-        d_ff: hidden width of the SwiGLU FFN.
-        max_seq_len: longest sequence in tokens (RoPE table size).
-        rope_theta: RoPE base.
-        norm_eps: epsilon of every RMSNorm.
-        tie_embeddings: share the token embedding with the LM head.
-        init_std: standard deviation of the N(0, init_std^2) weight init.
-        embed_init_std: standard deviation of the token embedding's N(0, std^2) init; unset means init_std.
-        residual: residual scheme, a name in keel.model.residual.SCHEMES (pre_ln, post_ln, deepnorm, keel, ...).
-        alpha: Keel's residual scale (a number > 0); unset means L, the number of sub-layers.
-        keel_first_layer_rule: Keel: sub-layer 0 is plain Pre-LN and sub-layer 1 uses alpha = 1.
-        mix_ln_ratio: Mix-LN: the first floor(ratio * n_layers) blocks are Post-LN, the rest Pre-LN.
-        peri_ln_embed_norm: Peri-LN: also RMS-normalise the embedding output.
-        hc_streams: Hyper-Connections and mHC: expansion rate n, the number of residual streams.
-        hc_dynamic: Hyper-Connections: dynamic (input-dependent) connections; false = static.
-        mhc_sinkhorn_iters: mHC: Sinkhorn-Knopp iterations of the residual mixing matrix.
-        attn_res_variant: Attention Residuals: "block" (Block AttnRes) or "full" (Full AttnRes).
-        attn_res_blocks: Block AttnRes: N, the number of blocks the L sub-layers are cut into.
-        attn_res_readout: Attention Residuals: the last hidden state, "attend" (depth attention) or "sum".
+        KeelError: from :meth:`validate` on an impossible shape.
     """
 
-    # "auto" (default): the tokenizer's vocabulary, rounded up to a multiple of vocab_multiple
-    # (resolved when a run starts, see resolve_vocab_size); or an explicit count >= the tokenizer's.
-    vocab_size: int | str = "auto"
-    vocab_multiple: int = 64
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    d_ff: int = 384
-    max_seq_len: int = 1024
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    # the token embedding's init std; unset (None) = init_std (the paper: N(0, 0.02^2) for every weight).
-    # A larger value (e.g. 1.0) lets Pre-LN leave the unigram plateau early (docs/results/plateau.md).
-    embed_init_std: float | None = None
-    # a name in keel.model.residual.SCHEMES (checked by keel.model.residual.check_model_config)
-    residual: str = "keel"
-    # Keel's alpha (any float > 0); unset (None) means L, the number of sub-layers (paper, Sec. 3).
-    alpha: float | None = None
-    keel_first_layer_rule: bool = True
-    # Mix-LN: the first floor(mix_ln_ratio * n_layers) blocks are Post-LN, the rest Pre-LN.
-    mix_ln_ratio: float = 0.25
-    # The residual bench (keel.model.residual: PeriLN, HyperConnections, ManifoldHyperConnections,
-    # AttnRes): their own keys, checked by each scheme's check_config.
-    peri_ln_embed_norm: bool = True
-    hc_streams: int = 4
-    hc_dynamic: bool = True
-    mhc_sinkhorn_iters: int = 20
-    attn_res_variant: str = "block"
-    attn_res_blocks: int = 8
-    attn_res_readout: str = "attend"
+    vocab_size: int | Literal["auto"] = key(
+        "auto", "rows of the embedding and LM head: \"auto\" (the tokenizer's vocabulary rounded up to a multiple "
+        "of vocab_multiple, resolved when a run starts) or a count >= the tokenizer's vocabulary.", ge=1)
+    vocab_multiple: int = key(64, "with vocab_size \"auto\": round the vocabulary up to a multiple of this.", ge=1)
+    d_model: int = key(128, "width of the residual stream.", ge=1)
+    n_layers: int = key(4, "blocks (attention + FFN each); the paper's depth L is 2 * n_layers sub-layers.", ge=1)
+    n_heads: int = key(4, "attention (query) heads; head_dim = d_model / n_heads, even.", ge=1)
+    n_kv_heads: int = key(2, "key/value heads of grouped-query attention (divides n_heads).", ge=1)
+    d_ff: int = key(384, "hidden width of the SwiGLU FFN.", ge=1)
+    max_seq_len: int = key(1024, "longest sequence in tokens (RoPE table size).", ge=1)
+    rope_theta: float = key(10000.0, "RoPE base.", gt=0)
+    norm_eps: float = key(1e-5, "epsilon of every RMSNorm.", gt=0)
+    tie_embeddings: bool = key(False, "share the token embedding with the LM head.")
+    init_std: float = key(0.02, "standard deviation of the N(0, init_std^2) weight init.", gt=0)
+    embed_init_std: float | None = key(
+        None, "standard deviation of the token embedding's N(0, std^2) init; unset means init_std (the paper). "
+        "A larger value (e.g. 1.0) lets Pre-LN leave the unigram plateau early (docs/results/plateau.md).",
+        gt=0, note="or unset: init_std")
+    residual: str = key(
+        "keel", "residual scheme, a name in keel.model.residual.SCHEMES (pre_ln, post_ln, deepnorm, keel, ...); "
+        "the list of names lives in the model layer, which checks it (keel.model.residual.check_model_config).")
+    alpha: float | None = key(None, "Keel's residual scale; unset means L, the number of sub-layers (paper, Sec. 3).",
+                              gt=0, note="omit it for the default L")
+    keel_first_layer_rule: bool = key(True, "Keel: sub-layer 0 is plain Pre-LN and sub-layer 1 uses alpha = 1.")
+    mix_ln_ratio: float = key(0.25, "Mix-LN: the first floor(ratio * n_layers) blocks are Post-LN, the rest Pre-LN.",
+                              ge=0, le=1)
+    peri_ln_embed_norm: bool = key(True, "Peri-LN: also RMS-normalise the embedding output.")
+    hc_streams: int = key(4, "Hyper-Connections and mHC: expansion rate n, the number of residual streams.", ge=1)
+    hc_dynamic: bool = key(True, "Hyper-Connections: dynamic (input-dependent) connections; false = static.")
+    mhc_sinkhorn_iters: int = key(20, "mHC: Sinkhorn-Knopp iterations of the residual mixing matrix.", ge=1)
+    attn_res_variant: Literal["block", "full"] = key(
+        "block", "Attention Residuals: \"block\" (Block AttnRes) or \"full\" (Full AttnRes).")
+    attn_res_blocks: int = key(8, "Block AttnRes: N, the number of blocks the L sub-layers are cut into.", ge=1)
+    attn_res_readout: Literal["attend", "sum"] = key(
+        "attend", "Attention Residuals: the last hidden state, \"attend\" (depth attention) or \"sum\".")
 
     @property
     def n_sublayers(self) -> int:
@@ -181,23 +300,13 @@ class ModelConfig:
         return float(self.alpha) if self.alpha is not None else float(self.n_sublayers)
 
     def validate(self) -> "ModelConfig":
-        """Check the shape; return self. Raises KeelError naming the bad field.
+        """Check every key against its declaration (:func:`check_keys`), then the shape; return self.
 
-        The residual scheme's name and its own keys are checked one layer up, by
-        :func:`keel.model.residual.check_model_config`, where the list of schemes lives.
+        Raises:
+            KeelError: naming the first bad key. The residual scheme's name is checked one layer
+                up, by :func:`keel.model.residual.check_model_config`, where the list of schemes lives.
         """
-        if self.vocab_size != "auto":
-            _check(isinstance(self.vocab_size, int) and self.vocab_size >= 1, "model.vocab_size",
-                   '"auto" or an integer >= 1', self.vocab_size)
-        for name in ("vocab_multiple", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
-            if getattr(self, name) < 1:
-                raise KeelError(f"model.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("rope_theta", "norm_eps", "init_std"):
-            _check(_finite(getattr(self, name)) and getattr(self, name) > 0, f"model.{name}", "a finite number > 0",
-                   getattr(self, name))
-        if self.embed_init_std is not None:
-            _check(_finite(self.embed_init_std) and self.embed_init_std > 0, "model.embed_init_std",
-                   "a finite number > 0 (or unset: init_std)", self.embed_init_std)
+        check_keys(self, "model")
         if self.d_model % self.n_heads:
             raise KeelError(f"model.d_model ({self.d_model}) is not divisible by model.n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
@@ -209,175 +318,108 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Where the tokens come from; see ``keel prepare`` and :mod:`keel.data`.
+    """Where the tokens come from (see ``keel prepare`` and :mod:`keel.data`); each key is
+    declared once, below."""
 
-    Attributes (``keel config`` prints these):
-        source: the corpus: builtin:python-stdlib, a file or folder of text, or hf:NAME[:CONFIG].
-        tokenizer: bpe:N (train an N-token byte-level BPE), a tokenizer.json path or a hub name.
-        path: a prepared dataset folder (keel prepare --out); empty = prepare source+tokenizer in cache_dir.
-        cache_dir: where prepared datasets are cached (relative to the working folder).
-        val_fraction: fraction of documents held out for validation.
-        max_bytes: read at most this many bytes of text from the source (0 = all).
-        text_field: the field holding the text in .jsonl/.json/.parquet sources.
-    """
-
-    source: str = "builtin:python-stdlib"
-    tokenizer: str = "bpe:8192"
-    # A prepared dataset directory; empty means "derive it from source+tokenizer under cache_dir".
-    path: str = ""
-    cache_dir: str = "data"
-    # Fraction of documents held out (long documents are first cut into chunks, see keel.data.prepare).
-    val_fraction: float = DEFAULT_VAL_FRACTION
-    # Limit on the text read from the source, in bytes (0 = no limit).
-    max_bytes: int = 0
-    text_field: str = "text"
+    source: str = key("builtin:python-stdlib",
+                      "the corpus: builtin:python-stdlib, a file or folder of text, or hf:NAME[:CONFIG].", nonempty=True)
+    tokenizer: str = key("bpe:8192", "bpe:N (train an N-token byte-level BPE), a tokenizer.json path or a hub name.",
+                         nonempty=True)
+    path: str = key("", "a prepared dataset folder (keel prepare --out); empty = prepare source+tokenizer in cache_dir.")
+    cache_dir: str = key("data", "where prepared datasets are cached (relative to the working folder).")
+    val_fraction: float = key(0.05, "fraction of documents held out for validation (long documents are first cut "
+                                    "into chunks, see keel.data.prepare).", gt=0, lt=1)
+    max_bytes: int = key(0, "read at most this many bytes of text from the source.", ge=0, note="0 = no limit")
+    text_field: str = key("text", "the field holding the text in .jsonl/.json/.parquet sources.", nonempty=True)
 
     def validate(self) -> "DataConfig":
-        """Check every key's range; return self. Raises KeelError naming the bad key."""
-        _check(bool(self.source), "data.source", "a non-empty string", self.source)
-        _check(bool(self.tokenizer), "data.tokenizer", "a non-empty string", self.tokenizer)
-        _check(bool(self.path or self.cache_dir), "data.cache_dir", "a folder when data.path is empty",
-               self.cache_dir)
-        _check(_finite(self.val_fraction) and 0 < self.val_fraction < 1, "data.val_fraction",
-               "between 0 and 1 (exclusive)", self.val_fraction)
-        _check(self.max_bytes >= 0, "data.max_bytes", ">= 0 (0 = no limit)", self.max_bytes)
-        _check(bool(self.text_field), "data.text_field", "a non-empty string", self.text_field)
+        """Check every key against its declaration (:func:`check_keys`) and ``cache_dir``
+        against ``path``; return self. Raises KeelError naming the bad key."""
+        check_keys(self, "data")
+        if not (self.path or self.cache_dir):
+            raise KeelError(f"data.cache_dir must be a folder when data.path is empty, got {self.cache_dir!r}")
         return self
+
+
+DEFAULT_VAL_FRACTION = DataConfig.val_fraction
 
 
 @dataclass
 class TrainConfig:
-    """Optimisation and bookkeeping. Defaults follow the paper's recipe (Sec. 5).
+    """Optimisation and bookkeeping; each key is declared once, below. Defaults follow the
+    paper's recipe (Sec. 5)."""
 
-    Attributes (``keel config`` prints these):
-        steps: optimiser steps to train for.
-        lr: peak learning rate (after warm-up).
-        min_lr: learning rate at the end of the decay.
-        warmup_steps: steps of linear warm-up.
-        schedule: LR after warm-up: cosine decays to min_lr; wsd holds lr, then decays exponentially to min_lr over the
-            last decay_fraction of the steps; constant holds lr.
-        decay_fraction: with schedule wsd: the fraction of the steps spent decaying.
-        batch_size: sequences per micro-batch, over all processes.
-        seq_len: tokens per training sequence.
-        grad_accum: micro-batches per optimiser step.
-        weight_decay: AdamW weight decay (matrices and embeddings only).
-        beta1: AdamW beta1.
-        beta2: AdamW beta2.
-        grad_clip: clip the global gradient norm to this (0 = no clipping).
-        eval_every: steps between validation-loss evaluations.
-        eval_tokens: validation tokens per evaluation.
-        checkpoint_every: steps between checkpoints.
-        keep_checkpoints: newest checkpoints kept on disk.
-        log_every: steps between progress lines when stderr is not a terminal.
-        seed: seed of the init, the data order and sampling (0 to 2**32 - 1).
-        device: auto | cpu | cuda | cuda:N.
-        precision: auto = bf16-autocast on CUDA, fp32 elsewhere | fp32 | bf16-autocast (fp32 weights, bf16
-            autocast) | bf16 (FSDP2: bf16 parameters for compute, fp32 gradient reduction and shards; else
-            bf16-autocast).
-        max_bad_steps: stop after this many non-finite steps in a row.
-        sample_tokens: tokens sampled from the final model into sample.txt.
-        sample_prompt: prompt of that sample; empty = a new document (the sample starts after <|endoftext|>).
-        progress: show training progress (a bar on a terminal, else plain lines).
-        stop_on_divergence: stop when the divergence classifier fires.
-        divergence_warnings: log the divergence classifier's verdicts.
-        gradflow_every: log per-sub-layer gradient norms every N steps (0 = never).
-        parallelism: how several processes train (torchrun / --nproc).
-        activation_checkpointing: recompute activations in backward: in every block, or every checkpoint_k-th (every_k).
-        checkpoint_k: with every_k: checkpoint every k-th block.
-        compile: torch.compile the model.
-        eval_tasks: comma-separated lm-evaluation-harness tasks scored during training.
-        eval_tasks_every: steps between task evaluations (0 = never).
-        eval_tasks_limit: examples per task in those evaluations.
-        loggers: where metrics go: jsonl (always), tensorboard (RUN/tensorboard), wandb (RUN/wandb).
-        wandb_mode: W&B mode; an offline run is uploaded later with `wandb sync`.
-        wandb_project: W&B project name.
-    """
-
-    steps: int = 1000
-    lr: float = 3e-3
-    min_lr: float = 1e-7
-    warmup_steps: int = 100
-    # LR schedule after warm-up (keel.train.optim.lr_at): "cosine" to min_lr over the run;
-    # "wsd" (warmup-stable-decay, MiniCPM): lr until the last decay_fraction of the steps, then an
-    # exponential decay to min_lr; "constant": lr.
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    decay_fraction: float = 0.1
-    batch_size: int = 16  # sequences per micro-batch
-    seq_len: int = 128  # tokens per sequence
-    grad_accum: int = 1
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    eval_every: int = 100  # steps
-    eval_tokens: int = 65536  # validation tokens per evaluation
-    checkpoint_every: int = 250  # steps
-    keep_checkpoints: int = 2  # newest checkpoints kept on disk
-    log_every: int = 10  # steps
-    seed: int = 1337
-    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
-    # "auto" = bf16-autocast on CUDA, fp32 elsewhere; "fp32"; "bf16-autocast"; "bf16" (FSDP2
-    # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), as torchtitan; bf16-autocast without FSDP).
-    precision: Literal["auto", "fp32", "bf16-autocast", "bf16"] = "auto"
-    max_bad_steps: int = 10
-    sample_tokens: int = 64
-    sample_prompt: str = ""
-    progress: bool = True
-    # Stability diagnostics (keel.diagnostics): stop when the divergence classifier fires;
-    # log per-sub-layer gradient norms every N steps (0 = never).
-    stop_on_divergence: bool = False
-    divergence_warnings: bool = True
-    # A finished run directory whose training-loss curve is the divergence classifier's
-    # reference (enables "optimisation degradation"); "" = none (keel.diagnostics.divergence).
-    divergence_reference: str = ""
-    gradflow_every: int = 0
-    # Scale-out (keel.train.parallelize): "ddp" | "fsdp" when launched with torchrun;
-    # activation checkpointing "none" | "block" | "every_k" (every k-th block); torch.compile.
-    parallelism: Literal["ddp", "fsdp"] = "ddp"
-    activation_checkpointing: Literal["none", "block", "every_k"] = "none"
-    checkpoint_k: int = 2
-    compile: bool = False
-    # Periodic benchmark evaluation with lm-evaluation-harness (keel.eval): comma-separated
-    # task names, every N steps (0 = never), at most `eval_tasks_limit` examples per task.
-    eval_tasks: str = ""
-    eval_tasks_every: int = 0
-    eval_tasks_limit: int = 100
-    # Experiment tracking (keel.train.loggers): where every metrics record goes, besides
-    # metrics.jsonl: "tensorboard" (RUN/tensorboard), "wandb" (RUN/wandb, train.wandb_mode).
-    loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = field(default_factory=lambda: ["jsonl"])
-    wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # W&B: "offline" = sync later
-    wandb_project: str = "keel"  # W&B project name
+    steps: int = key(1000, "optimiser steps to train for.", ge=1)
+    lr: float = key(3e-3, "peak learning rate (after warm-up).", gt=0)
+    min_lr: float = key(1e-7, "learning rate at the end of the decay (<= lr; > 0 with schedule wsd).", ge=0)
+    warmup_steps: int = key(100, "steps of linear warm-up.", ge=0)
+    schedule: Literal["cosine", "wsd", "constant"] = key(
+        "cosine", "LR after warm-up (keel.train.optim.lr_at): cosine decays to min_lr; wsd (warmup-stable-decay, "
+        "MiniCPM) holds lr, then decays exponentially to min_lr over the last decay_fraction of the steps; "
+        "constant holds lr.")
+    decay_fraction: float = key(0.1, "with schedule wsd: the fraction of the steps spent decaying.", gt=0, le=1)
+    batch_size: int = key(16, "sequences per micro-batch, over all processes.", ge=1)
+    seq_len: int = key(128, "tokens per training sequence.", ge=1)
+    grad_accum: int = key(1, "micro-batches per optimiser step.", ge=1)
+    weight_decay: float = key(0.01, "AdamW weight decay (matrices and embeddings only).", ge=0)
+    beta1: float = key(0.9, "AdamW beta1.", ge=0, lt=1)
+    beta2: float = key(0.95, "AdamW beta2.", ge=0, lt=1)
+    grad_clip: float = key(1.0, "clip the global gradient norm to this.", ge=0, note="0 = off")
+    eval_every: int = key(100, "steps between validation-loss evaluations.", ge=1)
+    eval_tokens: int = key(65536, "validation tokens per evaluation.", ge=1)
+    checkpoint_every: int = key(250, "steps between checkpoints.", ge=1)
+    keep_checkpoints: int = key(2, "newest checkpoints kept on disk (0 = keep every checkpoint).", ge=0)
+    log_every: int = key(10, "steps between progress lines when stderr is not a terminal.", ge=1)
+    seed: int = key(1337, "seed of the init, the data order and sampling.", ge=0, le=2**32 - 1,
+                    note="numpy's seed range")
+    device: str = key("auto", "auto | cpu | cuda | cuda:N (checked where torch is, by keel.train.device.resolve_device).",
+                      nonempty=True)
+    precision: Literal["auto", "fp32", "bf16-autocast", "bf16"] = key(
+        "auto", "auto = bf16-autocast on CUDA, fp32 elsewhere | fp32 | bf16-autocast (fp32 weights, bf16 autocast) | "
+        "bf16 (FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), as torchtitan; else bf16-autocast).")
+    max_bad_steps: int = key(10, "stop after this many non-finite steps in a row.", ge=1)
+    sample_tokens: int = key(64, "tokens sampled from the final model into sample.txt.", ge=0)
+    sample_prompt: str = key("", "prompt of that sample; empty = a new document (the sample starts after "
+                                 "<|endoftext|>).")
+    progress: bool = key(True, "show training progress (a bar on a terminal, else plain lines).")
+    stop_on_divergence: bool = key(False, "stop when the divergence classifier (keel.diagnostics) fires.")
+    divergence_warnings: bool = key(True, "log the divergence classifier's verdicts.")
+    divergence_reference: str = key(
+        "", "a finished run folder whose training-loss curve is the divergence classifier's reference "
+        "(enables \"optimisation degradation\"); empty = none.")
+    gradflow_every: int = key(0, "log per-sub-layer gradient norms every N steps.", ge=0, note="0 = never")
+    parallelism: Literal["ddp", "fsdp"] = key("ddp", "how several processes train (torchrun / --nproc; "
+                                                     "keel.train.parallelize).")
+    activation_checkpointing: Literal["none", "block", "every_k"] = key(
+        "none", "recompute activations in backward: in every block, or every checkpoint_k-th (every_k).")
+    checkpoint_k: int = key(2, "with every_k: checkpoint every k-th block.", ge=1)
+    compile: bool = key(False, "torch.compile the model.")
+    eval_tasks: str = key("", "comma-separated lm-evaluation-harness tasks scored during training (keel.eval).")
+    eval_tasks_every: int = key(0, "steps between task evaluations.", ge=0, note="0 = never")
+    eval_tasks_limit: int = key(100, "examples per task in those evaluations.", ge=1)
+    loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = key(
+        ["jsonl"], "where metrics go (keel.train.loggers): jsonl (always), tensorboard (RUN/tensorboard), "
+        "wandb (RUN/wandb).")
+    wandb_mode: Literal["offline", "online", "disabled"] = key(
+        "offline", "W&B mode; an offline run is uploaded later with `wandb sync`.")
+    wandb_project: str = key("keel", "W&B project name.")
 
     def validate(self) -> "TrainConfig":
-        """Check every key's range; return self. Raises KeelError naming the bad key.
+        """Check every key against its declaration (:func:`check_keys`), then the rules that
+        relate two keys (``min_lr <= lr``; ``min_lr > 0`` with ``wsd``); return self. ``device``
+        and the cross-section ``seq_len <= model.max_seq_len`` are checked by
+        :func:`keel.train.trainer.check_train_config`.
 
-        Keys declared with ``Literal[...]`` (``schedule``, ``precision``, ``parallelism``,
-        ``activation_checkpointing``, ``loggers``, ``wandb_mode``) are checked against that
-        declaration (:func:`check_choices`). ``device`` and the cross-section
-        ``seq_len <= model.max_seq_len`` are checked by :func:`keel.train.trainer.check_train_config`.
+        Raises:
+            KeelError: naming the first bad key.
         """
-        check_choices(self, "train")
-        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_tokens",
-                     "checkpoint_every", "log_every", "max_bad_steps", "checkpoint_k", "eval_tasks_limit"):
-            _check(getattr(self, name) >= 1, f"train.{name}", ">= 1", getattr(self, name))
-        for name in ("warmup_steps", "keep_checkpoints", "sample_tokens", "gradflow_every", "eval_tasks_every"):
-            _check(getattr(self, name) >= 0, f"train.{name}", ">= 0", getattr(self, name))
-        _check(_finite(self.lr) and self.lr > 0, "train.lr", "a finite number > 0", self.lr)
-        _check(_finite(self.min_lr) and 0 <= self.min_lr <= self.lr, "train.min_lr",
-               f"a finite number between 0 and train.lr ({self.lr})", self.min_lr)
-        _check(_finite(self.decay_fraction) and 0 < self.decay_fraction <= 1, "train.decay_fraction",
-               "in (0, 1]", self.decay_fraction)
-        if self.schedule == "wsd":
-            _check(self.min_lr > 0, "train.min_lr", "> 0 with train.schedule = \"wsd\" (exponential decay)",
-                   self.min_lr)
-        _check(_finite(self.weight_decay) and self.weight_decay >= 0, "train.weight_decay", "a finite number >= 0",
-               self.weight_decay)
-        for name in ("beta1", "beta2"):
-            _check(_finite(getattr(self, name)) and 0 <= getattr(self, name) < 1, f"train.{name}", "in [0, 1)",
-                   getattr(self, name))
-        _check(_finite(self.grad_clip) and self.grad_clip >= 0, "train.grad_clip", "a finite number >= 0 (0 = off)",
-               self.grad_clip)
-        _check(0 <= self.seed < 2**32, "train.seed", "between 0 and 2**32 - 1 (numpy's seed range)", self.seed)
+        check_keys(self, "train")
+        if self.min_lr > self.lr:
+            raise KeelError(f"train.min_lr must be a finite number between 0 and train.lr ({self.lr}), "
+                            f"got {self.min_lr!r}")
+        if self.schedule == "wsd" and self.min_lr <= 0:
+            raise KeelError(f"train.min_lr must be > 0 with train.schedule = \"wsd\" (exponential decay), "
+                            f"got {self.min_lr!r}")
         return self
 
 
@@ -406,64 +448,63 @@ def _coerce_names(where: str, value: Any) -> list[str]:
     return [v.strip() for v in items if v.strip()]
 
 
-def _coerce_vocab(value: Any) -> int | str:
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    try:
-        return _coerce("model", "vocab_size_int", value, 0)
-    except KeelError:
-        raise KeelError(f'model.vocab_size must be "auto" or an integer, got {value!r}') from None
+def _coerce_int(where: str, value: Any) -> int:
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise KeelError(f"{where} must be an integer, got {value!r}")
 
 
-def _coerce_field(section: str, key: str, value: Any, current: Any) -> Any:
-    """``value`` as the type of the field's default ``current``: a list of names (``train.loggers``)
-    or a scalar (:func:`_coerce`)."""
-    if isinstance(current, list):
-        return _coerce_names(f"{section}.{key}", value)
-    return _coerce(section, key, value, current)
+def coerce_key(section: str, name: str, value: Any) -> Any:
+    """``value`` (from TOML, a ``--set`` string or Python) as the declared type of ``section.name``:
+    bool (also "true"/"false"/"1"/"0"/"yes"/"no"), int (also "12", 12.0), float, str, a list of
+    names (also "a,b"), a ``Literal`` value, or None for an optional key.
 
-
-def _coerce(section: str, key: str, value: Any, current: Any) -> Any:
-    """Convert ``value`` to the type of the field's default ``current``."""
-    where = f"{section}.{key}"
-    if (section, key) == ("model", "vocab_size"):  # "auto" or an integer
-        return _coerce_vocab(value)
-    if current is None:  # optional numbers (model.alpha)
-        current = 0.0
-    if isinstance(current, bool):
+    Raises:
+        KeelError: ``"{section}.{name} must be an integer, got ..."`` and the like.
+    """
+    where, t = f"{section}.{name}", key_type(_SECTIONS[section], name)
+    if t.base is list:
+        return _coerce_names(where, value)
+    if value is None and t.optional:
+        return None
+    if t.base is int and t.values:  # model.vocab_size: "auto" or an integer
+        if isinstance(value, str) and value.strip().lower() in t.values:
+            return value.strip().lower()
+        try:
+            return _coerce_int(where, value)
+        except KeelError:
+            raise KeelError(f"{where} must be {_choices_text(t.values)} or an integer, got {value!r}") from None
+    if t.base is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
         raise KeelError(f"{where} must be true or false, got {value!r}")
-    if isinstance(current, int):
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise KeelError(f"{where} must be an integer, got {value!r}")
-    if isinstance(current, float):
+    if t.base is int:
+        return _coerce_int(where, value)
+    if t.base is float:
         try:
             return float(value)
         except (TypeError, ValueError):
             raise KeelError(f"{where} must be a number, got {value!r}") from None
-    if isinstance(current, str):
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise KeelError(f"{where} must be a string, got {value!r}")
-        return str(value)
-    raise AssertionError(f"unsupported field type for {where}")  # pragma: no cover
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise KeelError(f"{where} must be a string, got {value!r}")
+    return str(value)
 
 
-def config_from_dict(d: dict[str, Any]) -> Config:
+def config_from_dict(d: Mapping[str, Any]) -> Config:
     """Build and validate a :class:`Config` from nested dicts (e.g. parsed TOML).
 
     Raises:
-        KeelError: on an unknown section or key, or a value of the wrong type.
+        KeelError: on an unknown section or key, a value of the wrong type or out of its
+            declared range (:func:`check_key`), or a broken rule between keys.
     """
     cfg = Config()
     for section, values in d.items():
@@ -472,23 +513,70 @@ def config_from_dict(d: dict[str, Any]) -> Config:
         if not isinstance(values, dict):
             raise KeelError(f"config section [{section}] must be a table")
         obj = getattr(cfg, section)
-        for key, value in values.items():
-            if not hasattr(obj, key) or key.startswith("_"):
-                raise KeelError(f"unknown config key {section}.{key}")
-            setattr(obj, key, _coerce_field(section, key, value, getattr(obj, key)))
+        for name, value in values.items():
+            if name not in {f.name for f in dataclasses.fields(obj)}:
+                raise KeelError(f"unknown config key {section}.{name}")
+            setattr(obj, name, coerce_key(section, name, value))
     cfg.model.validate()
     cfg.data.validate()
     cfg.train.validate()
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a TOML config (default: the dataclass defaults) and apply ``overrides``.
+Override = Union[str, tuple[str, Any]]
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``"section.key=value"`` (a ``--set`` string) as ``("section.key", value)``: the value is
+    parsed as a TOML scalar when possible (``1e-3``, ``true``, ``"x"``, ``[1, 2]``), else kept
+    as the plain string.
+
+    Raises:
+        KeelError: no ``=`` or no section in the string.
+    """
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+        raise KeelError(f"--set expects section.key=value, got {item!r}")
+    lhs, raw = item.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return lhs.strip(), value
+
+
+def apply_overrides(d: Mapping[str, Any], overrides: Iterable[Override] | Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of the nested config dict ``d`` with ``overrides`` applied in order, later ones winning.
+
+    Args:
+        d: ``{"model": {...}, "data": {...}, "train": {...}}`` (e.g. parsed TOML, ``Config.to_dict()``).
+        overrides: ``--set`` strings ``"section.key=value"`` (:func:`parse_override`), typed pairs
+            ``("train.lr", 1e-3)``, or a mapping ``{"train.lr": 1e-3}``. Typed values are not
+            turned into text: they are coerced and checked by :func:`config_from_dict` like a
+            TOML file's values.
+    Raises:
+        KeelError: a malformed ``--set`` string or a key without a section.
+    """
+    out = {s: dict(v) if isinstance(v, dict) else v for s, v in d.items()}
+    items = overrides.items() if isinstance(overrides, Mapping) else overrides
+    for item in items:
+        dotted, value = parse_override(item) if isinstance(item, str) else item
+        section, sep, name = dotted.strip().partition(".")
+        if not sep:
+            raise KeelError(f"a config override needs section.key, got {dotted!r}")
+        out.setdefault(section, {})
+        if not isinstance(out[section], dict):
+            raise KeelError(f"config section [{section}] must be a table")
+        out[section][name.strip()] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[Override] | Mapping[str, Any] = ()) -> Config:
+    """Read a TOML config (default: the declared defaults) and apply ``overrides``.
 
     Args:
         path: a TOML file with any of the sections model/data/train; None = built-in defaults.
-        overrides: strings ``section.key=value``; values are parsed as TOML scalars when
-            possible (``1e-3``, ``true``, ``"x"``), else taken as plain strings.
+        overrides: ``--set`` strings ``section.key=value`` and/or typed ``(key, value)`` pairs
+            (or a mapping), applied in order by :func:`apply_overrides`.
 
     Raises:
         KeelError: missing/unparsable file, unknown key, bad value.
@@ -502,17 +590,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             d = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise KeelError(f"cannot parse config {p}: {e}") from None
-    for item in overrides or []:
-        if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise KeelError(f"--set expects section.key=value, got {item!r}")
-        lhs, raw = item.split("=", 1)
-        section, key = lhs.strip().split(".", 1)
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
-        d.setdefault(section, {})[key] = value
-    return config_from_dict(d)
+    return config_from_dict(apply_overrides(d, overrides or ()))
+
+
+def override_text(item: Override) -> str:
+    """An override as ``section.key=value`` text, for reports (a typed pair's value as TOML)."""
+    if isinstance(item, str):
+        return item
+    return f"{item[0]}={tomli_w.dumps({'v': item[1]}).split('=', 1)[1].strip()}"
+
+
 
 
 def dump_config(cfg: Config, path: str | Path) -> None:
@@ -560,73 +647,18 @@ def resolve_config_path(name: str | None, kind: str = "") -> Path:
     raise KeelError(f"unknown {what} {name!r}: not a file and not a shipped preset ({known})")
 
 
-def _docstring_attributes(cls) -> dict[str, str]:
-    """``{field: help}`` from the ``Attributes`` section of ``cls``'s docstring."""
-    import inspect
-
-    out: dict[str, str] = {}
-    lines = (inspect.getdoc(cls) or "").splitlines()
-    if not any(ln.startswith("Attributes") for ln in lines):
-        return out
-    start = next(i for i, ln in enumerate(lines) if ln.startswith("Attributes")) + 1
-    last = None
-    for line in lines[start:]:
-        if not line.startswith("    "):
-            break
-        name, sep, text = line.strip().partition(": ")
-        if line.startswith("        ") and last:  # continuation line
-            out[last] += " " + line.strip()
-        elif sep and name.isidentifier():
-            out[name], last = text, name
-    return out
-
-
-def _field_comments(cls) -> dict[str, str]:
-    """``{field: help}`` from the comments in ``cls``'s source: a field's trailing comment,
-    else the block of comment lines right above it."""
-    import inspect
-    import io
-    import tokenize
-
-    comments: dict[int, str] = {}
-    source = inspect.getsource(cls)
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
-    lines = source.splitlines()
-    out = {}
-    for i, line in enumerate(lines, start=1):
-        name = line.strip().split(":", 1)[0]
-        if not line.startswith("    ") or line.startswith("     ") or not name.isidentifier():
-            continue
-        if i in comments:
-            out[name] = comments[i]
-            continue
-        block, j = [], i - 1
-        while j in comments and lines[j - 1].strip().startswith("#"):
-            block.insert(0, comments[j])
-            j -= 1
-        out[name] = " ".join(block)
-    return out
-
-
 def describe_config() -> list[dict[str, Any]]:
-    """Every config key, read from the dataclasses themselves: ``[{"key": "model.d_model",
-    "type": "int", "default": 128, "choices": None, "help": "..."}]`` in section and field order;
-    a field declared ``Literal[...]`` has its allowed values as ``choices`` and as its ``type``
-    (``"'cosine' | 'wsd' | 'constant'"``, ``"list of 'jsonl' | ..."``). ``help`` is
-    the field's ``metadata["help"]`` if it has one, else its entry in the class docstring's
-    ``Attributes`` section, else its comment in this file (trailing, or the comment block
-    above it); ``default`` is the dataclass default (None = unset)."""
+    """Every config key, from its one declaration (:func:`key`), in section and field order:
+    ``[{"key": "model.d_model", "type": "int", "default": 128, "choices": None, "rule": ">= 1",
+    "help": "..."}]``. ``type`` is the annotation (a ``Literal[...]`` one as its values:
+    ``"'cosine' | 'wsd' | 'constant'"``, ``"list of 'jsonl' | ..."``), ``choices`` the allowed
+    values (None = any), ``rule`` the allowed range or values in words as the load-time check
+    says them (:func:`key_rule`; "" = any value of the type), ``default`` the declared default
+    (None = unset)."""
     out = []
     for section, cls in _SECTIONS.items():
-        comments = {**_field_comments(cls), **_docstring_attributes(cls)}
+        obj = cls()
         for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            allowed = choices(cls, f.name)
-            kind = str(f.type) if allowed is None else _choices_text(allowed)
-            if allowed is not None and str(f.type).startswith("list["):
-                kind = f"list of {kind}"
-            out.append({"key": f"{section}.{f.name}", "type": kind, "default": default, "choices": allowed,
-                        "help": f.metadata.get("help") or comments.get(f.name, "")})
+            out.append({"key": f"{section}.{f.name}", "type": key_type(cls, f.name).text, "default": getattr(obj, f.name),
+                        "choices": choices(cls, f.name), "rule": key_rule(cls, f.name), "help": f.metadata["help"]})
     return out

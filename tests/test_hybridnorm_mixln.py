@@ -188,7 +188,7 @@ def test_mix_ln_boundaries_equal_pre_ln_and_post_ln(ratio, same_as, n_layers):
 
 @pytest.mark.parametrize("ratio", [-0.1, 1.5, float("nan")])
 def test_mix_ln_bad_ratio(ratio):
-    with pytest.raises(KeelError, match="model.mix_ln_ratio must be a number in"):
+    with pytest.raises(KeelError, match=r"model.mix_ln_ratio must be between 0 and 1, got"):
         Transformer(small_cfg(residual="mix_ln", mix_ln_ratio=ratio))
 
 

@@ -112,7 +112,7 @@ def test_checkpointed_blocks_every_k(n, k):
 
 
 def test_checkpointing_errors():
-    with pytest.raises(KeelError, match="train.activation_checkpointing must be one of"):
+    with pytest.raises(KeelError, match=r"activation_checkpointing must be 'none' \| 'block' \| 'every_k', got 'layer'"):
         par.checkpointed_blocks(4, "layer")
     with pytest.raises(KeelError, match="train.checkpoint_k must be >= 1"):
         par.checkpointed_blocks(4, "every_k", 0)

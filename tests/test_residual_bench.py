@@ -333,9 +333,9 @@ def test_attn_res_init_and_readout_sum():
 
 
 @pytest.mark.parametrize("key,value,msg", [
-    ("attn_res_variant", "half", "model.attn_res_variant must be 'block' or 'full'"),
-    ("attn_res_blocks", 0, "model.attn_res_blocks must be an integer >= 1"),
-    ("attn_res_readout", "max", "model.attn_res_readout must be 'attend' or 'sum'"),
+    ("attn_res_variant", "half", "model.attn_res_variant must be 'block' \\| 'full', got 'half'"),
+    ("attn_res_blocks", 0, "model.attn_res_blocks must be >= 1, got 0"),
+    ("attn_res_readout", "max", "model.attn_res_readout must be 'attend' \\| 'sum', got 'max'"),
 ])
 def test_attn_res_config_errors(key, value, msg):
     from keel import KeelError
@@ -344,8 +344,8 @@ def test_attn_res_config_errors(key, value, msg):
 
 
 @pytest.mark.parametrize("scheme,key,value,msg", [
-    ("hyper_connections", "hc_streams", 0, "model.hc_streams must be an integer >= 1"),
-    ("mhc", "mhc_sinkhorn_iters", 0, "model.mhc_sinkhorn_iters must be an integer >= 1"),
+    ("hyper_connections", "hc_streams", 0, "model.hc_streams must be >= 1, got 0"),
+    ("mhc", "mhc_sinkhorn_iters", 0, "model.mhc_sinkhorn_iters must be >= 1, got 0"),
 ])
 def test_hc_config_errors(scheme, key, value, msg):
     from keel import KeelError

@@ -145,6 +145,20 @@ def test_shipped_studies_plan(name, scale):
         assert "GPU-hours" in plan["markdown"]
 
 
+def test_group_jobs_run_the_seeds_of_a_cell_side_by_side(tmp_path):
+    """Order depth, scheme, LR, seed: the first 2k jobs of a partial grid are k paired cells
+    (seed-major order left every cell of a 64-sub-layer group unpaired for hours)."""
+    study = SD.load_study("claims", "cpu")
+    g = next(g for g in study.groups if g.name == "lr-grid")
+    _, jobs = SD.group_jobs(study, g, "unused", tmp_path)
+    key = [(j.values["model.n_layers"], j.values["model.residual"], j.values["train.lr"], j.values["train.seed"])
+           for j in jobs]
+    rank = {s: i for i, s in enumerate(g.schemes)}
+    assert key == sorted(key, key=lambda k: (k[0], rank[k[1]], k[2], k[3]))
+    assert [k[3] for k in key[:4]] == [0, 1, 0, 1] and len({k[:3] for k in key[:2]}) == 1
+    assert key[0][:2] == (8, "keel") and len(key) == len(set(key)) == 64
+
+
 def test_bad_study_input(tmp_path):
     with pytest.raises(KeelError, match="no scale 'huge'"):
         SD.load_study("claims", "huge")

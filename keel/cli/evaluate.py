@@ -19,6 +19,7 @@ import math
 import sys
 from pathlib import Path
 
+from keel.config import key_default, key_help
 from keel.errors import KeelError
 
 KEEL_CONFIG = "keel_config.toml"  # the run's config in an exported folder (keel.hf.convert.KEEL_CONFIG_NAME)
@@ -92,7 +93,7 @@ def register(subparsers) -> None:
                    help="windows (perplexity) or requests (tasks) per forward pass")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--verbose", action="store_true", help="show lm-evaluation-harness' own progress bars and logs")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default=key_default("train.device"), help=key_help("train.device"))
     p.set_defaults(func=cmd_eval)
     _register_hf(subparsers)
 

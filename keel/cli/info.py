@@ -19,7 +19,8 @@ def register(subparsers) -> None:
     pc = subparsers.add_parser("config", help="list presets and every config key; show a resolved preset",
                                description="Without --show: the shipped presets (keel train --config NAME), the "
                                            "sweep presets (keel sweep --preset NAME) and every config key with its "
-                                           "type, default and meaning (set any with --set SECTION.KEY=VALUE). "
+                                           "type, default, meaning and allowed values or range (set any with "
+                                           "--set SECTION.KEY=VALUE). "
                                            "With --show: the resolved preset or config file, as TOML.")
     pc.add_argument("--show", default=None, metavar="PRESET", help="a preset name or TOML file to print resolved")
     pc.set_defaults(func=cmd_config)
@@ -54,7 +55,8 @@ def cmd_config(args: argparse.Namespace) -> int:
     keys = describe_config()
     width = max(len(k["key"]) for k in keys)
     for k in keys:
-        print(f"  {k['key'].ljust(width)}  {k['type']} = {_value(k['default'])}  {k['help']}")
+        rule = f"  (must be {k['rule']})" if k["rule"] else ""
+        print(f"  {k['key'].ljust(width)}  {k['type']} = {_value(k['default'])}  {k['help']}{rule}")
     return 0
 
 

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from keel.config import key_default, key_help
 from keel.diagnostics import gradflow as G
 from keel.errors import KeelError
 from keel.experiments import ablate as A
@@ -170,7 +171,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     grid.update(S.parse_grid(args.grid))
     if not grid:
         raise KeelError("nothing to sweep: give --grid section.key=v1,v2 (or a --preset with a [grid])")
-    sets = [S._override(k, v) for k, v in preset.get("set", {}).items()] + list(args.set)
+    sets = list(preset.get("set", {}).items()) + list(args.set)  # typed (key, value) pairs, then --set strings
     config = args.config or preset.get("base")
     best = args.best_over or preset.get("best_over")
     match = args.match_params if args.match_params is not None else preset.get("match_params")
@@ -271,7 +272,7 @@ def _register_ablate(subparsers) -> None:
     p.add_argument("--tokens", type=int, default=None, help="validation tokens to use (default 16384)")
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: the run's train.seq_len; HF 512)")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default=key_default("train.device"), help=key_help("train.device"))
     p.add_argument("--out", default=None, help="output folder (default: RUN/ablate or MODEL_PATH/ablate)")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     p.add_argument("--verbose", action="store_true", help="log each unit's PPL on stderr")

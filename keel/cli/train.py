@@ -8,22 +8,21 @@ import sys
 import time
 from pathlib import Path
 
-from keel.config import DEFAULT_PRESET, DEFAULT_VAL_FRACTION, TrainConfig, resolve_config_path
+from keel.config import DEFAULT_PRESET, TrainConfig, key_default, key_help, resolve_config_path
 from keel.errors import KeelError
 
 
 def register(sub) -> None:
     """Add ``prepare``, ``train`` and ``generate`` to the ``keel`` sub-parsers."""
     pp = sub.add_parser("prepare", help="tokenize a corpus into binary shards (cached)")
-    pp.add_argument("--source", default="builtin:python-stdlib",
-                    help="builtin:python-stdlib | a file or folder | hf:NAME[:CONFIG]")
-    pp.add_argument("--tokenizer", default="bpe:8192", help="bpe:N | path/to/tokenizer.json | HF tokenizer name")
+    for flag in ("source", "tokenizer"):  # defaults and help: the data.* keys' declarations (keel.config)
+        pp.add_argument(f"--{flag}", default=key_default(f"data.{flag}"), help=key_help(f"data.{flag}"))
     pp.add_argument("--out", default=None, help="output folder (default: derived from the inputs under --cache-dir)")
-    pp.add_argument("--cache-dir", default="data")
-    pp.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
-                    help=f"fraction of documents for validation (default {DEFAULT_VAL_FRACTION}, as data.val_fraction)")
-    pp.add_argument("--max-bytes", type=int, default=None, help="read at most this many bytes of text")
-    pp.add_argument("--text-field", default="text", help="field holding the text in .jsonl/.json/.parquet")
+    pp.add_argument("--cache-dir", default=key_default("data.cache_dir"), help=key_help("data.cache_dir"))
+    pp.add_argument("--val-fraction", type=float, default=key_default("data.val_fraction"),
+                    help=key_help("data.val_fraction"))
+    pp.add_argument("--max-bytes", type=int, default=key_default("data.max_bytes"), help=key_help("data.max_bytes"))
+    pp.add_argument("--text-field", default=key_default("data.text_field"), help=key_help("data.text_field"))
     pp.set_defaults(func=cmd_prepare)
 
     pt = sub.add_parser("train", help="train a language model")
@@ -50,7 +49,7 @@ def register(sub) -> None:
     pg.add_argument("--top-k", type=int, default=50, help="0 = no top-k filtering")
     pg.add_argument("--num-samples", type=int, default=1)
     pg.add_argument("--seed", type=int, default=0)
-    pg.add_argument("--device", default="auto")
+    pg.add_argument("--device", default=key_default("train.device"), help=key_help("train.device"))
     pg.set_defaults(func=cmd_generate)
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from keel.config import DEFAULT_VAL_FRACTION
+from keel.config import DEFAULT_VAL_FRACTION, DataConfig, check_value
 from keel.data.shards import ShardWriter, read_shard
 from keel.data.sources import SourceStats, check_hub_reachable, hub_errors, iter_documents
 from keel.data.stats import unigram_entropy
@@ -60,15 +60,15 @@ log = logging.getLogger(__name__)
 
 def prepare_dataset(
     source: str,
-    tokenizer: str = "bpe:8192",
+    tokenizer: str = DataConfig.tokenizer,
     out: str | os.PathLike | None = None,
     *,
     val_fraction: float = DEFAULT_VAL_FRACTION,
     max_bytes: int | None = None,
     max_docs: int | None = None,
-    text_field: str = "text",
+    text_field: str = DataConfig.text_field,
     seed: int = 0,
-    cache_dir: str | os.PathLike = "data",
+    cache_dir: str | os.PathLike = DataConfig.cache_dir,
     progress: bool = True,
 ) -> Path:
     """Tokenize ``source`` into a prepared dataset directory and return its path.
@@ -140,8 +140,9 @@ def prepare_dataset(
     return out
 
 
-def find_prepared(source: str, tokenizer: str = "bpe:8192", *, val_fraction: float = DEFAULT_VAL_FRACTION,
-                  max_bytes: int | None = None, text_field: str = "text", cache_dir: str | os.PathLike = "data",
+def find_prepared(source: str, tokenizer: str = DataConfig.tokenizer, *, val_fraction: float = DEFAULT_VAL_FRACTION,
+                  max_bytes: int | None = None, text_field: str = DataConfig.text_field,
+                  cache_dir: str | os.PathLike = DataConfig.cache_dir,
                   ) -> Path | None:
     """The cached dataset :func:`prepare_dataset` would reuse for these inputs, or None if it
     is not there (nothing is read or built). Raises KeelError for bad options."""
@@ -184,10 +185,8 @@ def _safe_name(s: str) -> str:
 
 def _canonical_inputs(source, tokenizer, val_fraction, max_bytes, max_docs, text_field, seed) -> dict:
     """Validate the options; local paths become absolute, 0 limits become None."""
-    if not isinstance(source, str) or not source:
-        raise KeelError("data source must be a non-empty string")
-    if not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 1.0:
-        raise KeelError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    check_value("data.source", source)  # the ranges declared in keel.config.DataConfig
+    check_value("data.val_fraction", val_fraction)
     for name, value in (("max_bytes", max_bytes), ("max_docs", max_docs)):
         if value is not None and (not isinstance(value, int) or value < 0):
             raise KeelError(f"{name} must be a non-negative integer, got {value!r}")

@@ -45,7 +45,9 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import Sequence
 
+from keel.config import Override
 from keel.errors import KeelError
 from keel.experiments.grid import GridJob, cached_result, run_grid
 from keel.io import atomic_write_text
@@ -61,8 +63,9 @@ def run_name(scheme: str, sublayers: int, seed: int) -> str:
 
 
 def run_overrides(scheme: str, sublayers: int, seed: int, peak_lr: float, ramp_steps: int,
-                  user_sets: list[str]) -> list[str]:
-    """The ``--set`` list of one run: quiet, cheap defaults, then the user's, then the forced ramp keys."""
+                  user_sets: Sequence[Override]) -> list[Override]:
+    """The overrides of one run (:func:`keel.config.apply_overrides`): quiet, cheap defaults, then
+    the user's (``--set`` strings or typed pairs), then the forced ramp keys."""
     soft = ["train.progress=false", "train.eval_tokens=4096", f"train.eval_every={ramp_steps}",
             "train.checkpoint_every=50", "train.keep_checkpoints=1", "train.sample_tokens=16"]
     forced = [f"model.residual={scheme}", f"model.n_layers={sublayers // 2}", f"train.steps={ramp_steps}",
@@ -182,7 +185,7 @@ def plot_stress(results: list[dict], schemes: list[str], depths: list[int], out:
     save_figure(fig, out)
 
 
-def stress_jobs(cfg_path, overrides: list[str], schemes: list[str], sublayers: list[int], seeds: list[int],
+def stress_jobs(cfg_path, overrides: Sequence[Override], schemes: list[str], sublayers: list[int], seeds: list[int],
                 peak_lr: float, ramp_steps: int, data_dir: Path, out: Path,
                 reference_scheme: str = "pre_ln") -> tuple[list[GridJob], list[GridJob]]:
     """(reference jobs, stress jobs), seed-major (a partial grid covers every scheme and depth
@@ -197,11 +200,12 @@ def stress_jobs(cfg_path, overrides: list[str], schemes: list[str], sublayers: l
             ref_name = reference_name(reference_scheme, L, seed)
             ref_dir = (out / REFERENCES / ref_name).resolve()
             sets = run_overrides(reference_scheme, L, seed, peak_lr, ramp_steps, overrides)
-            cfg = load_config(cfg_path, sets + [f"data.path={data_dir}", "train.stop_on_divergence=false"])
+            cfg = load_config(cfg_path, sets + [("data.path", str(data_dir)), ("train.stop_on_divergence", False)])
             refs.append(GridJob(ref_name, cfg.to_dict(), {"scheme": reference_scheme, **vals}))
             for s in schemes:
                 sets = run_overrides(s, L, seed, peak_lr, ramp_steps, overrides)
-                cfg = load_config(cfg_path, sets + [f"data.path={data_dir}", f"train.divergence_reference={ref_dir}"])
+                cfg = load_config(cfg_path, sets + [("data.path", str(data_dir)),
+                                                    ("train.divergence_reference", str(ref_dir))])
                 jobs.append(GridJob(run_name(s, L, seed), cfg.to_dict(), {"scheme": s, **vals}))
     return refs, jobs
 

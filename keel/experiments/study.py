@@ -38,11 +38,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from keel.config import Override, override_text
 from keel.errors import KeelError
 from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
 from keel.experiments.grid import GridJob, cached_result, run_grid
-from keel.experiments.sweep import _override, build_jobs, param_count, train_task
+from keel.experiments.sweep import build_jobs, param_count, train_task
 from keel.io import atomic_write_text
 
 _log = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ PLATEAU_WINDOW = 10  # steps of the trailing mean of the training loss that must
 @dataclass
 class Group:
     """One group of runs of a study at one scale (see the module docstring). Depths are in
-    sub-layers (even); ``lrs`` are peak LRs (absolute); ``sets`` are ``section.key=value``."""
+    sub-layers (even); ``lrs`` are peak LRs (absolute); ``sets`` are its ``[set]`` table as typed
+    ``(section.key, value)`` pairs (:func:`keel.config.apply_overrides`)."""
 
     name: str
     schemes: list[str]
@@ -65,7 +67,7 @@ class Group:
     seeds: list[int]
     lrs: list[float] = field(default_factory=list)
     kind: str = "train"
-    sets: list[str] = field(default_factory=list)
+    sets: list[Override] = field(default_factory=list)
     peak_lr: float = 5e-2
     ramp_steps: int = 1000
     lr_from: str = ""
@@ -75,7 +77,7 @@ class Group:
 @dataclass
 class Study:
     """A loaded study at one scale: ``groups`` in run order, ``claims`` (dicts from the TOML),
-    ``sets`` (the scale's config keys, then the user's ``--set``), ``min_effect`` (nats/token)
+    ``sets`` (the scale's config keys as typed pairs, then the user's ``--set`` strings), ``min_effect`` (nats/token)
     and ``min_seeds`` of the verdict rule."""
 
     name: str
@@ -83,7 +85,7 @@ class Study:
     description: str
     note: str
     base: str
-    sets: list[str]
+    sets: list[Override]
     groups: list[Group]
     claims: list[dict]
     min_effect: float = 0.02
@@ -95,7 +97,7 @@ def _group(name: str, spec: dict, sized: dict) -> Group:
     if unknown:
         raise KeelError(f"study group {name!r}: unknown key(s) {', '.join(sorted(unknown))}")
     d = {**spec, **sized}
-    sets = [_override(k, v) for k, v in d.pop("set", {}).items()]
+    sets = list(d.pop("set", {}).items())
     g = Group(name=name, sets=sets, **{k: v for k, v in d.items()})
     for L in g.sublayers:
         if not isinstance(L, int) or L < 2 or L % 2:
@@ -162,7 +164,7 @@ def load_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
     controlled = [x.split("=", 1)[0].strip() for x in user_sets if x.split("=", 1)[0].strip() in GRID_KEYS]
     if controlled:
         raise KeelError(f"--set {controlled[0]} is set by the study's groups; change the study file instead")
-    sets = [_override(k, x) for k, x in sc.get("set", {}).items()] + list(user_sets)
+    sets = list(sc.get("set", {}).items()) + list(user_sets)
     return Study(name=path.stem, scale=scale, description=d.get("description", "").strip(), note=sc.get("note", ""),
                  base=d.get("base", "demo"), sets=sets, groups=groups, claims=claims,
                  min_effect=float(v.get("min_effect", 0.02)), min_seeds=int(v.get("min_seeds", 2)))
@@ -411,8 +413,10 @@ CLAIM_TESTS = {"margin_grows": claim_margin_grows, "lr_transfer": claim_lr_trans
 def group_jobs(study: Study, g: Group, data_dir: str, out: Path,
                lr_for: dict[str, float] | None = None) -> tuple[list[GridJob], list[GridJob]]:
     """(reference jobs, jobs) of one group: the stress test's for a ramp group, else one
-    :func:`keel.experiments.sweep.build_jobs` grid, depth-major (a partial group covers the
-    shallow depths with every seed first). ``lr_for``: ``{scheme: LR}`` of an ``lr_from`` group.
+    :func:`keel.experiments.sweep.build_jobs` grid in the order depth, scheme (as the group lists
+    them), LR, seed: the seeds of one cell run side by side, so a partial group already holds
+    paired cells (every verdict needs >= 2 seeds) for its first schemes, instead of one seed of
+    every scheme. ``lr_for``: ``{scheme: LR}`` of an ``lr_from`` group.
     Raises KeelError on a bad config."""
     from keel.config import resolve_config_path
 
@@ -427,8 +431,8 @@ def group_jobs(study: Study, g: Group, data_dir: str, out: Path,
                 "model.residual": [scheme], "train.lr": sorted(lrs)}
         jobs += build_jobs(study.base, grid, sets, data_path=data_dir)
     order = {s: i for i, s in enumerate(g.schemes)}
-    jobs.sort(key=lambda j: (j.values["model.n_layers"], j.values["train.seed"], order[j.values["model.residual"]],
-                             j.values["train.lr"]))
+    jobs.sort(key=lambda j: (j.values["model.n_layers"], order[j.values["model.residual"]], j.values["train.lr"],
+                             j.values["train.seed"]))
     return [], jobs
 
 
@@ -795,7 +799,8 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     h1 = dataset_unigram_entropy(data_dir)
     out.mkdir(parents=True, exist_ok=True)
     plots = write_plots(study, runs, claims, out, h1)
-    report = {"study": study.name, "scale": study.scale, "note": study.note, "command": first_command, "sets": study.sets,
+    report = {"study": study.name, "scale": study.scale, "note": study.note, "command": first_command,
+              "sets": [override_text(x) for x in study.sets],
               "unigram_entropy": h1, "min_effect": study.min_effect, "min_seeds": study.min_seeds,
               "claims": [{"id": cl["id"], "title": cl["title"], **c} for cl, c in claims],
               "runs": [{k: v for k, v in r.items() if k != "result"} for r in runs], "plots": plots}

@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from keel.config import Override, override_text
 from keel.errors import KeelError
 from keel.experiments.grid import GridJob, run_grid
 from keel.io import atomic_write_text
@@ -132,12 +133,6 @@ def run_name(values: dict) -> str:
             parts.append(f"{short}{_fmt(v)}")
     name = "_".join(parts) or "run"
     return re.sub(r"[^A-Za-z0-9._=+-]", "-", name)
-
-
-def _override(key: str, value: Any) -> str:
-    import tomli_w
-
-    return f"{key}={tomli_w.dumps({'v': value}).split('=', 1)[1].strip()}"
 
 
 # ----------------------------------------------------------------------------- params
@@ -240,9 +235,11 @@ def load_preset(name: str) -> dict:
     return d
 
 
-def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[str] = (), *,
+def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[Override] = (), *,
                match_params: int | str | None = None, data_path: str | None = None) -> list[GridJob]:
-    """One :class:`GridJob` per grid point: base config + ``sets`` + the point's values.
+    """One :class:`GridJob` per grid point: base config + ``sets`` (``--set`` strings or typed
+    ``(key, value)`` pairs, :func:`keel.config.apply_overrides`) + the point's values, applied
+    as typed values (never turned into text and parsed back).
 
     Every job gets ``train.progress = false`` (workers log to their ``run.log``) and, if
     given, ``data.path = data_path`` (data prepared once, before the workers start).
@@ -258,7 +255,7 @@ def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[str] = 
     from keel.config import load_config
 
     cfg_path = resolve_config_path(config)
-    base_sets = list(sets) + ["train.progress=false"] + ([f"data.path={data_path}"] if data_path else [])
+    base_sets = list(sets) + [("train.progress", False)] + ([("data.path", str(data_path))] if data_path else [])
     base = load_config(cfg_path, base_sets)
     target = None
     if match_params not in (None, 0, "0", ""):
@@ -273,14 +270,14 @@ def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[str] = 
                 raise KeelError(f"--match-params must be a parameter count or 'auto', got {match_params!r}") from None
     jobs = []
     for values in expand_grid(grid) if grid else [{}]:
-        cfg = load_config(cfg_path, base_sets + [_override(k, v) for k, v in values.items()])
+        cfg = load_config(cfg_path, base_sets + list(values.items()))
         shown = dict(values)
         if target is not None:
             m = width_for_params(cfg.model, target, ffn_ratio=base.model.d_ff / base.model.d_model)
             if m.d_model % m.n_heads or m.n_heads % m.n_kv_heads:
                 raise KeelError(f"width {m.d_model} does not fit {m.n_heads} heads")
-            cfg = load_config(cfg_path, base_sets + [_override(k, v) for k, v in values.items()]
-                              + [f"model.d_model={m.d_model}", f"model.d_ff={m.d_ff}"])
+            cfg = load_config(cfg_path, base_sets + list(values.items())
+                              + [("model.d_model", m.d_model), ("model.d_ff", m.d_ff)])
             shown["model.d_model"] = m.d_model
         jobs.append(GridJob(run_name(values), cfg.to_dict(), shown))
     return jobs
@@ -484,12 +481,13 @@ def load_sweep(sweep_dir: str | Path) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
-def run_sweep(config: str | None, grid: dict[str, list], sets: Sequence[str] = (), *, out: str | Path,
+def run_sweep(config: str | None, grid: dict[str, list], sets: Sequence[Override] = (), *, out: str | Path,
               workers: int = 1, threads: int | None = None, resume: bool = False, best: str | None = None,
               match_params: int | str | None = None) -> dict:
     """Run (or complete) a sweep and write ``sweep.json`` and ``sweep.md`` in ``out``.
 
-    Args: as the ``keel sweep`` options (see the module docstring); ``best`` = ``--best-over``.
+    Args: as the ``keel sweep`` options (see the module docstring); ``best`` = ``--best-over``;
+        ``sets``: ``--set`` strings and typed ``(key, value)`` pairs (a preset's ``[set]`` table).
     Returns:
         The ``sweep.json`` content: ``config``, ``sets``, ``grid``, ``grid_keys``,
         ``held_fixed``, ``runs`` (one :func:`run_summary` record per run, plus ``name``,
@@ -511,7 +509,8 @@ def run_sweep(config: str | None, grid: dict[str, list], sets: Sequence[str] = (
     jobs = build_jobs(config, grid, sets, match_params=match_params, data_path=data_path)
     results = run_grid(jobs, out, train_task, workers=workers, resume=resume, threads=threads)
     summary: dict[str, Any] = {
-        "out": str(out), "config": str(resolve_config_path(config)), "sets": list(sets), "grid": grid,
+        "out": str(out), "config": str(resolve_config_path(config)), "sets": [override_text(x) for x in sets],
+        "grid": grid,
         "grid_keys": list(grid), "derived_keys": ["model.d_model"] if match_params not in (None, 0, "0", "") else [],
         "match_params": match_params, "runs": results,
         "held_fixed": held_fixed([r for r in results if r.get("status") == "done"]),

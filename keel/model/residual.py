@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from keel.config import ModelConfig
+from keel.config import ModelConfig, check_key
 from keel.errors import KeelError
 
 SubLayer = Callable[[torch.Tensor], torch.Tensor]
@@ -322,11 +322,6 @@ class Keel(Residual):
 
     activation_constants = (9, 4)  # two RMSNorms per sub-layer
 
-    @classmethod
-    def check_config(cls, cfg: ModelConfig) -> None:
-        if cfg.alpha is not None and not (math.isfinite(cfg.alpha) and cfg.alpha > 0):
-            raise KeelError(f"model.alpha must be a finite number > 0 (omit it for the default L), got {cfg.alpha}")
-
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__(cfg, index)
         first_rule = cfg.keel_first_layer_rule and index < 2
@@ -421,12 +416,10 @@ def mix_ln_post_blocks(cfg: ModelConfig) -> int:
     (0.29 * 100 is 28.999999999999996 in floating point; it counts as 29).
 
     Raises:
-        KeelError: ``model.mix_ln_ratio`` not a finite number in [0, 1].
+        KeelError: ``model.mix_ln_ratio`` outside its declared range [0, 1].
     """
-    ratio = cfg.mix_ln_ratio
-    if not (math.isfinite(ratio) and 0.0 <= ratio <= 1.0):
-        raise KeelError(f"model.mix_ln_ratio must be a number in [0, 1], got {ratio}")
-    return min(cfg.n_layers, math.floor(ratio * cfg.n_layers + 1e-9))
+    check_key(cfg, "model", "mix_ln_ratio")  # its range is declared in keel.config.ModelConfig
+    return min(cfg.n_layers, math.floor(cfg.mix_ln_ratio * cfg.n_layers + 1e-9))
 
 
 class MixLN(Residual):
@@ -545,11 +538,6 @@ class ExpandedStream(nn.Module):
         return x.sum(0)
 
 
-def _check_hc(cfg: ModelConfig) -> None:
-    if not (isinstance(cfg.hc_streams, int) and cfg.hc_streams >= 1):
-        raise KeelError(f"model.hc_streams must be an integer >= 1, got {cfg.hc_streams!r}")
-
-
 class HyperConnections(Residual):
     """Hyper-Connections (Zhu et al. 2025, "Hyper-Connections", ICLR 2025, arXiv 2409.19606).
 
@@ -600,10 +588,6 @@ class HyperConnections(Residual):
             self.s_alpha = nn.Parameter(torch.empty(1))
             self.s_beta = nn.Parameter(torch.empty(1))
         self.reset_scheme_parameters()
-
-    @classmethod
-    def check_config(cls, cfg: ModelConfig) -> None:
-        _check_hc(cfg)
 
     @classmethod
     def make_stream(cls, cfg: ModelConfig) -> nn.Module | None:
@@ -715,12 +699,6 @@ class ManifoldHyperConnections(Residual):
         self.reset_scheme_parameters()
 
     @classmethod
-    def check_config(cls, cfg: ModelConfig) -> None:
-        _check_hc(cfg)
-        if not (isinstance(cfg.mhc_sinkhorn_iters, int) and cfg.mhc_sinkhorn_iters >= 1):
-            raise KeelError(f"model.mhc_sinkhorn_iters must be an integer >= 1, got {cfg.mhc_sinkhorn_iters!r}")
-
-    @classmethod
     def make_stream(cls, cfg: ModelConfig) -> nn.Module | None:
         return ExpandedStream(cfg)
 
@@ -810,15 +788,11 @@ def attn_res_block_size(cfg: ModelConfig) -> int:
     with N = ``cfg.attn_res_blocks`` (so at most N blocks; the last may be shorter).
 
     Raises:
-        KeelError: an unknown ``model.attn_res_variant`` / ``attn_res_readout``, or
-            ``model.attn_res_blocks < 1``.
+        KeelError: ``model.attn_res_variant`` or ``model.attn_res_blocks`` outside its
+            declaration (keel.config.ModelConfig).
     """
-    if cfg.attn_res_variant not in ("block", "full"):
-        raise KeelError(f"model.attn_res_variant must be 'block' or 'full', got {cfg.attn_res_variant!r}")
-    if cfg.attn_res_readout not in ("attend", "sum"):
-        raise KeelError(f"model.attn_res_readout must be 'attend' or 'sum', got {cfg.attn_res_readout!r}")
-    if not (isinstance(cfg.attn_res_blocks, int) and cfg.attn_res_blocks >= 1):
-        raise KeelError(f"model.attn_res_blocks must be an integer >= 1, got {cfg.attn_res_blocks!r}")
+    for name in ("attn_res_variant", "attn_res_blocks"):
+        check_key(cfg, "model", name)
     if cfg.attn_res_variant == "full":
         return 1
     return -(-cfg.n_sublayers // cfg.attn_res_blocks)
@@ -867,10 +841,6 @@ class AttnRes(Residual):
         if index > 0:  # sub-layer 0 has one source, the embedding: weight 1, nothing to learn
             self.key_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.query = nn.Parameter(torch.zeros(cfg.d_model))
-
-    @classmethod
-    def check_config(cls, cfg: ModelConfig) -> None:
-        attn_res_block_size(cfg)
 
     @classmethod
     def make_stream(cls, cfg: ModelConfig) -> nn.Module | None:

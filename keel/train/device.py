@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from keel.config import TrainConfig, choices
+from keel.config import TrainConfig, check_value, choices
 from keel.errors import KeelError
 
 PRECISIONS = choices(TrainConfig, "precision")  # declared once, in keel.config.TrainConfig
@@ -42,11 +42,10 @@ def resolve_precision(device: torch.device, precision: str) -> str:
     on the CPU. An explicit bf16 precision on a GPU without native bf16 is refused.
 
     Raises:
-        KeelError: ``precision`` not in :data:`keel.config.PRECISIONS`, or a bf16 precision on
-            a CUDA device without native bf16.
+        KeelError: ``precision`` not one of ``train.precision``'s declared values (:data:`PRECISIONS`),
+            or a bf16 precision on a CUDA device without native bf16.
     """
-    if precision not in PRECISIONS:
-        raise KeelError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    check_value("train.precision", precision)
     native = device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
     if precision == "auto":
         if device.type == "cuda" and not native:

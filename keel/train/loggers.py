@@ -32,7 +32,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from keel.config import TrainConfig, choices
+from keel.config import TrainConfig, check_value, choices
 from keel.errors import KeelError
 from keel.train.metrics import JsonlSink
 
@@ -185,8 +185,7 @@ class WandbSink:
 
     def __init__(self, run_dir: str | Path, config: dict, mode: str = "offline", project: str = "keel",
                  history: list[dict] | None = None):
-        if mode not in WANDB_MODES:
-            raise KeelError(f"train.wandb_mode must be one of {', '.join(WANDB_MODES)}, got {mode!r}")
+        check_value("train.wandb_mode", mode)
         wandb = _require("wandb", "wandb")
         run_dir = Path(run_dir)
         id_file = run_dir / "wandb_id"
@@ -238,12 +237,10 @@ def check_loggers(names) -> list[str]:
     """``train.loggers`` as a list of known names ("jsonl" first, added if missing).
 
     Raises:
-        KeelError: an unknown name.
+        KeelError: a name outside train.loggers' declared values (keel.config.TrainConfig).
     """
     names = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
-    for n in names:
-        if n not in LOGGERS:
-            raise KeelError(f"unknown logger {n!r} in train.loggers (choose from {', '.join(LOGGERS)})")
+    check_value("train.loggers", names)
     return ["jsonl"] + [n for n in dict.fromkeys(names) if n != "jsonl"]
 
 

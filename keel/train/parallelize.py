@@ -23,11 +23,10 @@ import functools
 import torch
 import torch.nn as nn
 
-from keel.config import TrainConfig, choices
+from keel.config import TrainConfig, check_value, choices
 from keel.errors import KeelError
 from keel.train.dist import DistInfo
 
-AC_MODES = ("none", "block", "every_k")
 PARALLELISMS = choices(TrainConfig, "parallelism")  # declared once, in keel.config.TrainConfig
 
 
@@ -50,10 +49,9 @@ def checkpointed_blocks(n_blocks: int, mode: str, every_k: int = 2) -> list[int]
     Raises:
         KeelError: unknown ``mode`` or ``every_k < 1``.
     """
-    if mode not in AC_MODES:
-        raise KeelError(f"train.activation_checkpointing must be one of {', '.join(AC_MODES)}, got {mode!r}")
-    if mode == "every_k" and every_k < 1:
-        raise KeelError(f"train.checkpoint_k must be >= 1, got {every_k}")
+    check_value("train.activation_checkpointing", mode)
+    if mode == "every_k":
+        check_value("train.checkpoint_k", every_k)
     if mode == "none":
         return []
     if mode == "block":
@@ -178,8 +176,7 @@ def parallelize(model: nn.Module, tc, info: DistInfo) -> nn.Module:
     which FSDP2 shards in place). Raises KeelError on an unknown ``tc.parallelism`` or
     checkpointing mode.
     """
-    if tc.parallelism not in PARALLELISMS:
-        raise KeelError(f"train.parallelism must be one of {', '.join(PARALLELISMS)}, got {tc.parallelism!r}")
+    check_value("train.parallelism", tc.parallelism)
     apply_activation_checkpointing(model, tc.activation_checkpointing, tc.checkpoint_k)
     if tc.compile:
         apply_compile(model)

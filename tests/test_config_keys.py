@@ -1,0 +1,253 @@
+"""One declaration per config key (issue 20, item 2): the load-time check, `keel config`'s help,
+the CLI flags that mirror a key and the sweep/study overrides all come from it."""
+
+import argparse
+import ast
+import dataclasses
+import io
+import json
+import math
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+
+from keel import KeelError
+from keel.cli import build_parser, main
+from keel.config import (DataConfig, ModelConfig, TrainConfig, apply_overrides, choices, config_from_dict, key_rule,
+                         key_type, load_config)
+from keel.experiments import study as SD
+from keel.experiments.sweep import build_jobs
+
+KEEL = Path(__file__).resolve().parents[1] / "keel"
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+FIELDS = [(s, cls, f) for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+BOUNDS = ("ge", "gt", "le", "lt")
+
+
+def test_every_key_has_exactly_one_declaration():
+    """Each key is one `name: type = key(default, help, rule...)` line group: no docstring
+    `Attributes` entry, no comment beside it, no second assignment."""
+    source = (KEEL / "config.py").read_text()
+    tree = ast.parse(source)
+    comments = {t.start[0] for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+    for node in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in {c.__name__ for c in SECTIONS.values()}):
+        assert "Attributes" not in (ast.get_docstring(node) or ""), node.name
+        names = [s.target.id for s in node.body if isinstance(s, ast.AnnAssign)]
+        assert len(names) == len(set(names)) == len(dataclasses.fields(SECTIONS[node.name[:-6].lower()]))
+        for stmt in (s for s in node.body if isinstance(s, ast.AnnAssign)):
+            assert isinstance(stmt.value, ast.Call) and stmt.value.func.id == "key", stmt.target.id
+            assert not comments & set(range(stmt.lineno - 1, stmt.end_lineno + 1)), f"comment at {stmt.target.id}"
+    assert "_field_comments" not in source and "_docstring_attributes" not in source
+    for _, _, f in FIELDS:
+        assert f.metadata["help"].strip() and set(BOUNDS) <= set(f.metadata), f.name
+
+
+def test_no_module_restates_a_keys_allowed_values():
+    """The allowed values of each Literal key are written once, in keel/config.py."""
+    hits = []
+    for s, cls, f in FIELDS:
+        values = choices(cls, f.name)
+        if not values or len(values) < 2:
+            continue
+        pair = re.compile(r"""['"]{}['"]\s*(,|or)\s*['"]{}['"]""".format(*map(re.escape, values[:2])))
+        for p in KEEL.rglob("*.py"):
+            if p.name != "config.py" and pair.search(p.read_text()):
+                hits.append(f"{s}.{f.name}: {p.relative_to(KEEL)}")
+    assert hits == []
+
+
+def _rule_declared(cls, f) -> bool:
+    return any(f.metadata[b] is not None for b in BOUNDS) or bool(choices(cls, f.name)) or f.metadata["nonempty"]
+
+
+def test_keel_config_prints_every_key_with_type_default_rule_and_help(capsys):
+    assert main(["config"]) == 0
+    lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  ")}
+    assert set(lines) == {f"{s}.{f.name}" for s, _, f in FIELDS}
+    for s, cls, f in FIELDS:
+        line = lines.pop(f"{s}.{f.name}")
+        default = getattr(cls(), f.name)
+        shown = "unset" if default is None else json.dumps(default)
+        assert f" {key_type(cls, f.name).text} = {shown}  {f.metadata['help']}" in line, line
+        for v in choices(cls, f.name) or ():
+            assert repr(v) in line
+        for b in BOUNDS:
+            if f.metadata[b] is not None:
+                assert str(f.metadata[b]).rstrip("0").rstrip(".") in line.replace("2**32 - 1", str(2**32 - 1)), line
+        rule = key_rule(cls, f.name)
+        assert bool(rule) == _rule_declared(cls, f) and line.endswith(f"  (must be {rule})" if rule else "")
+
+
+def _bad_values():
+    """One value outside each key's declaration: (dotted key, value, rule)."""
+    out = []
+    for s, cls, f in FIELDS:
+        m, t = f.metadata, key_type(cls, f.name)
+        step = 1 if t.base is int else 0.5
+        bad = ([m["ge"] - step] if m["ge"] is not None else []) + ([m["gt"]] if m["gt"] is not None else []) \
+            + ([m["le"] + step] if m["le"] is not None else []) + ([m["lt"]] if m["lt"] is not None else [])
+        if t.base is float and bad:
+            bad += [math.inf]
+        if choices(cls, f.name) and t.base is not int:  # (model.vocab_size's "auto": a coercion error)
+            bad.append(["nope"] if t.base is list else "nope")
+        if m["nonempty"]:
+            bad.append("")
+        out += [(f"{s}.{f.name}", t.base(v) if t.base in (int, float) else v, key_rule(cls, f.name)) for v in bad]
+    return out
+
+
+BAD = _bad_values()
+
+
+def _message(dotted, value, rule):
+    item = value[0] if isinstance(value, list) else value
+    return f"{dotted} must be {rule}, got {item!r}"
+
+
+@pytest.mark.parametrize("dotted,value,rule", BAD, ids=[f"{k}={v}" for k, v, _ in BAD])
+def test_generated_check_rejects_each_value_outside_the_declaration(dotted, value, rule):
+    """Same one-line message from a --set string, a typed override, and the sweep's and the study's paths."""
+    text = f"{dotted}={json.dumps(value) if not (isinstance(value, float) and math.isinf(value)) else 'inf'}"
+    for overrides in ([text], [(dotted, value)], {dotted: value}):
+        with pytest.raises(KeelError) as e:
+            load_config(None, overrides)
+        assert str(e.value) == _message(dotted, value, rule)
+    with pytest.raises(KeelError) as e:
+        build_jobs(None, {dotted: [value]}, data_path="data")
+    assert str(e.value) == _message(dotted, value, rule)
+    forced = SD.GRID_KEYS | {"train.steps", "train.warmup_steps"}  # the ramp's own keys win over a group's
+    if dotted not in SD.GRID_KEYS:
+        for kind in ("train",) if dotted in forced else ("train", "ramp"):
+            g = SD.Group(name="g", schemes=["keel"], sublayers=[2], seeds=[0], lrs=[1e-3], kind=kind, sets=[(dotted, value)])
+            study = SD.Study(name="t", scale="t", description="", note="", base="demo", sets=[], groups=[g], claims=[])
+            with pytest.raises(KeelError) as e:
+                SD.group_jobs(study, g, "data", Path("out"))
+            assert str(e.value) == _message(dotted, value, rule)
+
+
+def test_every_ranged_key_has_a_bad_value_case():
+    assert {k for k, _, _ in BAD} == {f"{s}.{f.name}" for s, cls, f in FIELDS if _rule_declared(cls, f)}
+
+
+def test_typed_overrides_equal_the_strings_and_keep_their_type():
+    typed = {"train.lr": 1e-3, "train.progress": False, "train.loggers": ["jsonl", "wandb"], "model.residual": "pre_ln",
+             "train.steps": 12.0, "model.alpha": 2.5}
+    strings = ["train.lr=1e-3", "train.progress=false", "train.loggers=jsonl,wandb", "model.residual=pre_ln",
+               "train.steps=12", "model.alpha=2.5"]
+    assert load_config(None, typed) == load_config(None, strings) == load_config(None, list(typed.items()))
+    assert load_config(None, {"data.tokenizer": "1e3"}).data.tokenizer == "1e3"  # no text round trip
+    assert load_config(None, ["data.tokenizer=1e3"]).data.tokenizer == "1000.0"  # what a k=v string would do
+    d = {"train": {"lr": 0.5}}
+    assert apply_overrides(d, [("train.lr", 0.1), "train.lr=0.2"]) == {"train": {"lr": 0.2}} and d["train"]["lr"] == 0.5
+    with pytest.raises(KeelError, match="unknown config key train.lrr"):
+        load_config(None, {"train.lrr": 1.0})
+    with pytest.raises(KeelError, match="train.steps must be an integer, got 1.5"):
+        build_jobs(None, {"train.steps": [1.5]}, data_path="data")
+
+
+def test_sweep_preset_set_table_is_applied_typed_in_order():
+    jobs = build_jobs(None, {"train.lr": [0.01]}, [("train.steps", 7), "train.steps=9", ("model.residual", "post_ln")],
+                      data_path="/d 1")
+    cfg = jobs[0].config
+    assert cfg["train"]["steps"] == 9 and cfg["model"]["residual"] == "post_ln" and cfg["data"]["path"] == "/d 1"
+    assert cfg["train"]["lr"] == 0.01 and cfg["train"]["progress"] is False
+
+
+@pytest.mark.parametrize("command,flag,dotted", [
+    ("prepare", "source", "data.source"), ("prepare", "tokenizer", "data.tokenizer"),
+    ("prepare", "cache_dir", "data.cache_dir"), ("prepare", "val_fraction", "data.val_fraction"),
+    ("prepare", "max_bytes", "data.max_bytes"), ("prepare", "text_field", "data.text_field"),
+    ("generate", "device", "train.device"), ("eval", "device", "train.device"), ("ablate", "device", "train.device"),
+])
+def test_cli_flags_that_mirror_a_key_take_its_declared_default(command, flag, dotted):
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    action = next(a for a in sub.choices[command]._actions if a.dest == flag)
+    section, name = dotted.split(".")
+    field = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+    assert action.default == getattr(SECTIONS[section](), name) and field.metadata["help"] in action.help
+
+
+OLD_RUN_CONFIG = """\
+[model]
+vocab_size = 512
+vocab_multiple = 64
+d_model = 32
+n_layers = 1
+n_heads = 2
+n_kv_heads = 1
+d_ff = 64
+max_seq_len = 32
+rope_theta = 10000.0
+norm_eps = 1e-05
+tie_embeddings = false
+init_std = 0.02
+residual = "pre_ln"
+keel_first_layer_rule = true
+mix_ln_ratio = 0.25
+
+[data]
+source = "builtin:python-stdlib"
+tokenizer = "bpe:512"
+path = "data/python-stdlib-bpe512-97c7d0ae"
+cache_dir = "data"
+val_fraction = 0.05
+max_bytes = 300000
+text_field = "text"
+
+[train]
+steps = 6
+lr = 0.01
+min_lr = 1e-07
+warmup_steps = 2
+schedule = "cosine"
+decay_fraction = 0.1
+batch_size = 4
+seq_len = 32
+grad_accum = 1
+weight_decay = 0.01
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0
+eval_every = 6
+eval_tokens = 1024
+checkpoint_every = 100
+keep_checkpoints = 2
+log_every = 10
+seed = 1
+device = "auto"
+precision = "auto"
+max_bad_steps = 10
+sample_tokens = 0
+sample_prompt = "def "
+progress = false
+stop_on_divergence = false
+divergence_warnings = true
+divergence_reference = ""
+gradflow_every = 0
+parallelism = "ddp"
+activation_checkpointing = "none"
+checkpoint_k = 2
+compile = false
+eval_tasks = ""
+eval_tasks_every = 0
+eval_tasks_limit = 100
+loggers = [
+    "jsonl",
+]
+wandb_mode = "offline"
+wandb_project = "keel"
+"""
+
+
+def test_an_old_runs_config_toml_still_loads(tmp_path):
+    """A config.toml written before the residual bench's keys existed (a run of the CPU grid)."""
+    import tomllib
+
+    p = tmp_path / "config.toml"
+    p.write_text(OLD_RUN_CONFIG)
+    d = tomllib.loads(OLD_RUN_CONFIG)
+    cfg = load_config(p)
+    assert all(cfg.to_dict()[s][k] == v for s in d for k, v in d[s].items())
+    assert cfg.model.hc_streams == 4 and config_from_dict(cfg.to_dict()) == cfg
