@@ -93,9 +93,10 @@ def test_ablate_cli_on_a_run(tiny_config, tmp_path, keel_cli):
 
     run = tmp_path / "run"
     train(tiny_config(steps=4, checkpoint_every=4, eval_every=4), run)
-    r = keel_cli("ablate", "--run", run, "--tokens", 256, "--out", tmp_path / "abl", "--json")
+    r = keel_cli("ablate", "--run", run, "--tokens", 256, "--out", tmp_path / "abl", "--json", "--verbose")
     assert r.returncode == 0, r.stderr
-    res = json.loads(r.stdout)
+    res = json.loads(r.stdout)  # stdout: the JSON only; --verbose: one logged line per unit on stderr
+    assert [ln.split(":")[0].strip() for ln in r.stderr.splitlines() if "PPL" in ln] == [f"unit {i}" for i in range(4)]
     assert res == json.loads((tmp_path / "abl" / "ablate.json").read_text())
     assert len(res["units"]) == 4 and res["tokens"] == 256
     assert (tmp_path / "abl" / "ablate.png").stat().st_size > 1000
@@ -159,6 +160,7 @@ def test_hf_cli_with_text(tiny_llama, tmp_path, keel_cli):
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert len(res["units"]) == 3 and res["tokens"] == 128 and res["scheme"] == "hf:LlamaForCausalLM"
+    assert "unit 0: PPL" not in r.stderr  # the per-unit lines only with --verbose
     assert (tmp_path / "o" / "ablate.png").is_file()
     r = keel_cli("ablate", "--hf", tiny_llama)
     assert r.returncode == 2 and "--text" in r.stderr

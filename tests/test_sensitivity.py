@@ -79,7 +79,7 @@ def test_unigram_entropy_added_to_an_old_dataset(tiny_data, tmp_path):
 def test_lr_sensitivity_cli_end_to_end(keel_cli, tiny_data, tmp_path):
     out = tmp_path / "sens"
     sets = tiny_overrides(tiny_data, steps=6, warmup_steps=2, eval_every=6, checkpoint_every=100, sample_tokens=0)
-    args = ["lr-sensitivity", "--config", DEMO, "--residual", "pre_ln,keel", "--layers", "2,4", "--lrs", "1e-3,1e-2,10",
+    args = ["lr-sensitivity", "--config", DEMO, "--residual", "pre_ln,keel", "--sublayers", "2,4", "--lrs", "1e-3,1e-2,10",
             "--seeds", "0", "--workers", "0", "--out", out]
     for s in sets:
         args += ["--set", s]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -49,18 +50,15 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.jacobian_iters < 1:
         raise KeelError("--jacobian-iters must be >= 1")
-    if args.run and (args.residual is not None or args.layers is not None):
-        raise KeelError("--run takes the model from the run; drop --residual and --layers")
-    show = None if args.json else (lambda r: print(G._summary_line(r), flush=True))
-    if not args.json:
-        print(G.SUMMARY_HEADER)
+    if args.run and (args.residual is not None or args.sublayers is not None):
+        raise KeelError("--run takes the model from the run; drop --residual and --sublayers")
     common = dict(batch_size=args.batch_size, jacobian_iters=args.jacobian_iters, full_jacobian=args.full_jacobian,
-                  seed=args.seed, on_result=show)
+                  seed=args.seed)  # the library logs the summary table (stderr) as each profile finishes
     if args.run:
         results = G.profile_runs(args.run, args.seq_len, **common)
     else:
         schemes = _parse_schemes(args.residual if args.residual is not None else ",".join(SCHEMES))
-        depths = _parse_layers(args.layers if args.layers is not None else G.DEFAULT_LAYERS)
+        depths = _parse_layers(args.sublayers if args.sublayers is not None else G.DEFAULT_LAYERS)
         base = load_config(resolve_config_path(args.config), args.set)
         results = G.profile_schemes(base, schemes, depths, args.d_model, args.seq_len, **common)
     if args.json:
@@ -88,16 +86,36 @@ def _add_grid_flags(p, report_only: bool = True,
         p.add_argument("--report-only", action="store_true", help="train nothing: tabulate the finished runs of --out")
 
 
+_log = logging.getLogger(__name__)
+
+
+class _DeprecatedLayers(argparse.Action):
+    """``--layers``: the old name of ``--sublayers`` (it always counted sub-layers, while the
+    config's ``model.n_layers`` counts blocks). Kept for one release; it stores into
+    ``sublayers`` and logs one deprecation warning."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        _log.warning("warning: --layers is deprecated and will be removed in the next release; "
+                     "use --sublayers (the same value: depths in sub-layers, 2 per block)")
+        setattr(namespace, self.dest, values)
+
+
+def _add_sublayers_flag(p, default: str | None, help: str) -> None:
+    """``--sublayers`` (comma-separated depths in sub-layers) and its deprecated alias ``--layers``."""
+    p.add_argument("--sublayers", default=default, metavar="L1,L2,...", help=help)
+    p.add_argument("--layers", dest="sublayers", action=_DeprecatedLayers, metavar="L1,L2,...",
+                   help="deprecated alias of --sublayers (removed in the next release)")
+
+
 def _register_gradflow(subparsers) -> None:
     """Add ``keel gradflow`` (see :mod:`keel.diagnostics.gradflow`)."""
     p = subparsers.add_parser(
         "gradflow", help="per-sub-layer gradient norms and the residual-path Jacobian product J*",
         description="Gradient-flow profile on one batch of validation tokens, at initialisation "
-                    "(--residual, --layers) or from trained runs (--run).")
+                    "(--residual, --sublayers) or from trained runs (--run).")
     p.add_argument("--residual", default=None,
                    help="comma-separated schemes (default: every scheme in keel.model.SCHEMES)")
-    p.add_argument("--layers", default=None,
-                   help="comma-separated depths in SUB-layers, each even; blocks = L/2 (default: 16,64)")
+    _add_sublayers_flag(p, None, "comma-separated depths in sub-layers, each even; blocks = L/2 (default: 16,64)")
     p.add_argument("--run", action="append", default=[], metavar="DIR",
                    help="profile the latest checkpoint of a trained run instead (repeatable)")
     p.add_argument("--json", action="store_true", help='print {"results": [...]} as JSON on stdout')
@@ -133,15 +151,15 @@ def _parse_schemes(text: str) -> list[str]:
 def _parse_layers(text: str) -> list[int]:
     items = [s.strip() for s in text.split(",") if s.strip()]
     if not items:
-        raise KeelError("--layers needs at least one depth (sub-layers, e.g. 16,64)")
+        raise KeelError("--sublayers needs at least one depth (sub-layers, e.g. 16,64)")
     out = []
     for s in items:
         try:
             n = int(s)
         except ValueError:
-            raise KeelError(f"--layers: {s!r} is not an integer number of sub-layers") from None
+            raise KeelError(f"--sublayers: {s!r} is not an integer number of sub-layers") from None
         if n < 2 or n % 2:
-            raise KeelError(f"--layers: {n} is not an even number >= 2 of sub-layers "
+            raise KeelError(f"--sublayers: {n} is not an even number >= 2 of sub-layers "
                             f"(each block is an attention and an FFN sub-layer)")
         out.append(n)
     return out
@@ -221,13 +239,14 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     if args.tokens is not None and args.tokens < 1:
         raise KeelError(f"--tokens must be >= 1, got {args.tokens}")
     tokens = args.tokens or 16384
-    log = (lambda m: print(m, file=sys.stderr)) if args.verbose else None
+    if args.verbose:  # the library logs each unit's PPL at DEBUG level
+        logging.getLogger(A.__name__).setLevel(logging.DEBUG)
     if args.hf:
         text = A.hf_text(args.text, args.run, tokens)
-        res = A.ablate_hf_folder(args.hf, text, args.seq_len, tokens, args.batch_size, log=log)
+        res = A.ablate_hf_folder(args.hf, text, args.seq_len, tokens, args.batch_size)
         title, default_out = str(args.hf), Path(args.hf) / "ablate"
     elif args.run:
-        res = A.ablate_run(args.run, args.seq_len, tokens, args.batch_size, args.device, log=log)
+        res = A.ablate_run(args.run, args.seq_len, tokens, args.batch_size, args.device)
         title, default_out = str(args.run), Path(args.run) / "ablate"
     else:
         raise KeelError("give --run DIR (a keel run) or --hf MODEL_PATH")
@@ -267,7 +286,7 @@ def cmd_stress(args) -> int:
     if args.resume and args.report_only:
         raise KeelError("--report-only trains nothing; do not combine it with --resume")
     schemes = _parse_list(args.residual, str, "--residual") if args.residual is not None else list(SCHEMES)
-    layers = _parse_list(args.layers, int, "--layers")
+    layers = _parse_list(args.sublayers, int, "--sublayers")
     seeds = _parse_list(args.seeds, int, "--seeds")
     res = ST.run_stress(args.config, args.set, schemes, layers, seeds, args.peak_lr, args.ramp_steps, args.out,
                      args.workers, args.threads, resume=args.resume, report_only=args.report_only,
@@ -284,7 +303,7 @@ def _register_stress(subparsers) -> None:
     """Add ``keel stress`` (see :mod:`keel.experiments.stress`)."""
     p = subparsers.add_parser("stress", help="max-LR stress test: linear LR ramp until divergence (paper Table 1)")
     p.add_argument("--residual", default=None, help="comma-separated schemes (default: every scheme in keel.model.SCHEMES)")
-    p.add_argument("--layers", default="64", help="comma-separated depths in SUB-LAYERS (even; 2 per block)")
+    _add_sublayers_flag(p, "64", "comma-separated depths in sub-layers (even; 2 per block)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated train.seed values")
     p.add_argument("--peak-lr", type=float, default=5e-2, help="LR at the end of the ramp (paper: 5e-2)")
     p.add_argument("--ramp-steps", type=int, default=1000, help="steps of the linear ramp 0 -> peak (paper: 5000)")
@@ -311,7 +330,7 @@ def cmd_lr_sensitivity(args: argparse.Namespace) -> int:
     if args.resume and args.report_only:
         raise KeelError("--report-only trains nothing; do not combine it with --resume")
     s = LS.run_lr_sensitivity(args.config, _parse_list(args.residual, str, "--residual"),
-                              _parse_list(args.layers, int, "--layers"), _parse_list(args.lrs, float, "--lrs"),
+                              _parse_list(args.sublayers, int, "--sublayers"), _parse_list(args.lrs, float, "--lrs"),
                               _parse_list(args.seeds, int, "--seeds"), args.set,
                               out=args.out, workers=args.workers, threads=args.threads or None, resume=args.resume,
                               report_only=args.report_only)
@@ -328,7 +347,7 @@ def _register_lr_sensitivity(subparsers) -> None:
     p = subparsers.add_parser("lr-sensitivity", help="final loss against peak LR per scheme and depth "
                               "(Wortsman et al. 2023 LR sensitivity)", description=LS.__doc__.split("\n\n")[0])
     p.add_argument("--residual", default="pre_ln,keel", help="comma-separated schemes")
-    p.add_argument("--layers", default="16,64", help="comma-separated depths in SUB-LAYERS (even; 2 per block)")
+    _add_sublayers_flag(p, "16,64", "comma-separated depths in sub-layers (even; 2 per block)")
     p.add_argument("--lrs", default="1e-3,3e-3,1e-2,3e-2,1e-1", help="comma-separated peak LRs (log-spaced)")
     p.add_argument("--seeds", default="0,1", help="comma-separated train.seed values")
     _add_grid_flags(p)

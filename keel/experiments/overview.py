@@ -101,7 +101,7 @@ def format_table(rows: list[dict], root: str | Path | None = None) -> str:
                 "-" if row["val_loss"] is None else f"{row['val_loss']:.4f}",
                 "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}", row["status"]]
 
-    header = ["run", "scheme", "blocks/L", "params", "step", "tokens", "val_loss", "tokens/s", "status"]
+    header = ["run", "scheme", "blocks/sub-layers", "params", "step", "tokens", "val_loss", "tokens/s", "status"]
     table = [header] + [fmt(r) for r in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)

@@ -49,16 +49,19 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import re
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from keel.config import Override, override_text
 from keel.errors import KeelError
 from keel.experiments.grid import GridJob, run_grid
 from keel.io import atomic_write_text
+
+_log = logging.getLogger(__name__)  # inside a grid task: the run's run.log
 
 HELD_KEYS = ("tokens", "steps", "params")
 
@@ -323,7 +326,7 @@ def run_summary(run_dir: str | Path, stopped: str | None = None) -> dict:
     }
 
 
-def train_task(job: GridJob, run_dir: Path, resume: bool, log: Callable[[str], None]) -> dict:
+def train_task(job: GridJob, run_dir: Path, resume: bool) -> dict:
     """Grid task of ``keel sweep``: train (or resume) ``job.config`` in ``run_dir``; a run
     interrupted before its first intact checkpoint is trained again from step 0.
 
@@ -343,12 +346,12 @@ def train_task(job: GridJob, run_dir: Path, resume: bool, log: Callable[[str], N
     # interrupted before its first intact checkpoint: nothing to continue, train it again from step 0
     restart = resume and find_intact_checkpoint(run_dir)[0] is None
     if restart:
-        log("no intact checkpoint to resume from: training this run again from step 0")
+        _log.info("no intact checkpoint to resume from: training this run again from step 0")
     try:
         train_run(cfg, run_dir, resume=resume and not restart, restart=restart)
     except TrainingStopped as e:
         stopped = str(e)
-        log(f"stopped: {e}")
+        _log.info(f"stopped: {e}")
     out = run_summary(run_dir, stopped)
     out["wall_s"] = time.perf_counter() - t0
     return out
