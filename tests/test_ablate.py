@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from keel.config import load_config
 from keel.errors import KeelError
-from keel.experiments.ablate import ablate_hf_model, ablate_model, removed_sublayer
+from keel.experiments.ablate import ablate_hf_model, ablate_model, layer_importance, removed_sublayer
 from keel.train.evaluate import mean_nll
 from keel.model import SCHEMES, Transformer
 
@@ -164,3 +164,14 @@ def test_hf_cli_with_text(tiny_llama, tmp_path, keel_cli):
     assert (tmp_path / "o" / "ablate.png").is_file()
     r = keel_cli("ablate", "--hf", tiny_llama)
     assert r.returncode == 2 and "--text" in r.stderr
+
+
+@pytest.mark.parametrize("full,unit", [(800.0, 3.0), (3.0, 800.0), (720.0, 710.0)])
+def test_layer_importance_of_a_blown_up_model_is_finite(full, unit):
+    """A full-model NLL above ~709.8 nats raised OverflowError in exp (issue 20, item 8):
+    both PPLs are exp(min(nll, 700)), so ΔPPL is a number."""
+    res = layer_importance(2, lambda i: full if i is None else unit)
+    assert res["ppl_full"] == math.exp(min(full, 700.0))
+    assert [u["ppl"] for u in res["units"]] == [math.exp(min(unit, 700.0))] * 2
+    assert all(math.isfinite(u["delta_ppl"]) for u in res["units"])
+    assert res["units"][0]["delta_ppl"] == math.exp(min(unit, 700.0)) - math.exp(min(full, 700.0))

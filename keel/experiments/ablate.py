@@ -128,19 +128,25 @@ def hf_layers(model):
     return layers
 
 
+def _capped_ppl(nll: float) -> float:
+    """``exp(min(nll, 700))``: 700 nats is just below float64's exp overflow (709.8)."""
+    return math.exp(min(nll, 700.0))
+
+
 def layer_importance(n_units: int, nll_with: Callable[[int | None], float]) -> dict:
     """ΔPPL for every unit: ``nll_with(i)`` is the mean NLL with unit ``i`` removed (``None``: full).
 
     Returns ``{"nll_full", "ppl_full", "units": [{"index", "nll", "ppl", "delta_ppl"}, ...]}``
-    with ``ppl = exp(nll)`` and ``delta_ppl = ppl - ppl_full`` (Keel paper, Appendix A).
-    Each unit's PPL is logged at DEBUG level (logger ``keel.experiments.ablate``).
+    with ``ppl = exp(min(nll, 700))`` (capped so that a blown-up NLL gives a huge finite PPL, not
+    an OverflowError, and ΔPPL stays a number in the JSON) and ``delta_ppl = ppl - ppl_full``
+    (Keel paper, Appendix A). Each unit's PPL is logged at DEBUG level (logger ``keel.experiments.ablate``).
     """
     nll_full = nll_with(None)
-    ppl_full = math.exp(nll_full)
+    ppl_full = _capped_ppl(nll_full)
     units = []
     for i in range(n_units):
         nll = nll_with(i)
-        ppl = math.exp(min(nll, 700.0))
+        ppl = _capped_ppl(nll)
         units.append({"index": i, "nll": nll, "ppl": ppl, "delta_ppl": ppl - ppl_full})
         _log.debug(f"  unit {i}: PPL {ppl:.3f} (ΔPPL {ppl - ppl_full:+.3f})")
     return {"nll_full": nll_full, "ppl_full": ppl_full, "units": units}
