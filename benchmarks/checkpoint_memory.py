@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--keel-src", default=None, help="a keel source tree to measure instead of the installed one")
     p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--blocks", "--layers", dest="layers", type=int, default=8,
+                   help="transformer blocks = model.n_layers (--layers: the old name)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--sample-tokens", type=int, default=0, help="train.sample_tokens (0: no end-of-run sample)")
     p.add_argument("--work", default=None, help="folder for the data and the run (default: a temporary one)")

@@ -1,6 +1,7 @@
 """keel: Keel (Post-LN with a Highway-style residual, arXiv 2601.19895) and its baselines.
 
-``from keel import ModelConfig, Transformer`` and ``keel.load_run(path)`` are the public entry
+``from keel import ModelConfig, Transformer``, ``keel.load_run(path)`` and
+``keel.train_run(config, run_dir)`` (train as ``keel train`` does) are the public entry
 points. Names are loaded
 lazily, so that ``import keel`` (and ``keel --help``) does not import torch.
 """
@@ -18,6 +19,7 @@ _EXPORTS = {
     "Transformer": "keel.model",
     "Run": "keel.run",
     "load_run": "keel.run",
+    "train_run": "keel.experiments.training",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

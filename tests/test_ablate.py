@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from keel.config import load_config
 from keel.errors import KeelError
-from keel.experiments.ablate import ablate_hf_model, ablate_model, removed_sublayer
+from keel.experiments.ablate import ablate_hf_model, ablate_model, layer_importance, removed_sublayer
 from keel.train.evaluate import mean_nll
 from keel.model import SCHEMES, Transformer
 
@@ -93,9 +93,10 @@ def test_ablate_cli_on_a_run(tiny_config, tmp_path, keel_cli):
 
     run = tmp_path / "run"
     train(tiny_config(steps=4, checkpoint_every=4, eval_every=4), run)
-    r = keel_cli("ablate", "--run", run, "--tokens", 256, "--out", tmp_path / "abl", "--json")
+    r = keel_cli("ablate", "--run", run, "--tokens", 256, "--out", tmp_path / "abl", "--json", "--verbose")
     assert r.returncode == 0, r.stderr
-    res = json.loads(r.stdout)
+    res = json.loads(r.stdout)  # stdout: the JSON only; --verbose: one logged line per unit on stderr
+    assert [ln.split(":")[0].strip() for ln in r.stderr.splitlines() if "PPL" in ln] == [f"unit {i}" for i in range(4)]
     assert res == json.loads((tmp_path / "abl" / "ablate.json").read_text())
     assert len(res["units"]) == 4 and res["tokens"] == 256
     assert (tmp_path / "abl" / "ablate.png").stat().st_size > 1000
@@ -159,6 +160,18 @@ def test_hf_cli_with_text(tiny_llama, tmp_path, keel_cli):
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert len(res["units"]) == 3 and res["tokens"] == 128 and res["scheme"] == "hf:LlamaForCausalLM"
+    assert "unit 0: PPL" not in r.stderr  # the per-unit lines only with --verbose
     assert (tmp_path / "o" / "ablate.png").is_file()
     r = keel_cli("ablate", "--hf", tiny_llama)
     assert r.returncode == 2 and "--text" in r.stderr
+
+
+@pytest.mark.parametrize("full,unit", [(800.0, 3.0), (3.0, 800.0), (720.0, 710.0)])
+def test_layer_importance_of_a_blown_up_model_is_finite(full, unit):
+    """A full-model NLL above ~709.8 nats raised OverflowError in exp (issue 20, item 8):
+    both PPLs are exp(min(nll, 700)), so ΔPPL is a number."""
+    res = layer_importance(2, lambda i: full if i is None else unit)
+    assert res["ppl_full"] == math.exp(min(full, 700.0))
+    assert [u["ppl"] for u in res["units"]] == [math.exp(min(unit, 700.0))] * 2
+    assert all(math.isfinite(u["delta_ppl"]) for u in res["units"])
+    assert res["units"][0]["delta_ppl"] == math.exp(min(unit, 700.0)) - math.exp(min(full, 700.0))

@@ -7,6 +7,7 @@ a callback (the trainer takes ``keel.train.Callback`` objects).
 """
 
 import ast
+import re
 import subprocess
 import sys
 import zipfile
@@ -149,6 +150,69 @@ def test_scheme_names_live_in_one_place():
                 if len(set(node.value.split(",")) & set(names)) >= 3:
                     offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not offenders, "hard-coded lists of scheme names: " + ", ".join(offenders)
+
+
+PROGRESS_CALLBACK_NAMES = {"log", "say", "on_result"}
+
+
+def progress_callback_params(path: Path) -> list[str]:
+    """``line name(param)`` for every function or lambda in ``path`` with a parameter named
+    log, say or on_result (a progress callable: keel reports progress through ``logging``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            params = a.posonlyargs + a.args + a.kwonlyargs + [p for p in (a.vararg, a.kwarg) if p is not None]
+            found += [f"{node.lineno} {getattr(node, 'name', 'lambda')}({p.arg})" for p in params
+                      if p.arg in PROGRESS_CALLBACK_NAMES]
+    return found
+
+
+def test_one_progress_channel_no_log_or_say_parameters():
+    """Progress goes through the standard ``logging`` module (set up once by the CLI), never
+    through a ``log=`` / ``say`` / ``on_result`` callable passed down (issue 20, item 3)."""
+    offenders = [f"{path.relative_to(REPO)}:{hit}" for path in MODULES.values()
+                 for hit in progress_callback_params(path)]
+    assert not offenders, "progress callables as parameters (use logging): " + ", ".join(offenders)
+
+
+def test_the_progress_channel_test_catches_a_log_parameter(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("def f(a, *, log=print):\n    pass\ng = lambda say: say\n")
+    assert progress_callback_params(f) == ["1 f(log)", "3 lambda(say)"]
+
+
+def blind_excepts(path: Path) -> list[int]:
+    """Lines of ``except:``, ``except Exception`` or ``except BaseException`` handlers in
+    ``path`` that neither end by re-raising (cleanup) nor say on their line why they catch
+    everything (``# noqa: BLE001 -- reason``)."""
+    lines = path.read_text().splitlines()
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ExceptHandler):
+            continue
+        types = node.type.elts if isinstance(node.type, ast.Tuple) else [node.type]
+        broad = node.type is None or any(isinstance(t, ast.Name) and t.id in ("Exception", "BaseException")
+                                         for t in types)
+        reraises = isinstance(node.body[-1], ast.Raise) and node.body[-1].exc is None
+        if broad and not reraises and not re.search(r"noqa: BLE001 -+ \S", lines[node.lineno - 1]):
+            found.append(node.lineno)
+    return found
+
+
+def test_no_blind_except():
+    """Catch what you mean (issue 20, item 8): a handler for every exception must re-raise or
+    give its reason on its line."""
+    offenders = [f"{path.relative_to(REPO)}:{n}" for path in MODULES.values() for n in blind_excepts(path)]
+    assert not offenders, "blind `except Exception` (catch the errors you mean): " + ", ".join(offenders)
+
+
+def test_the_blind_except_test_catches_one(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("try:\n    f()\nexcept Exception:\n    pass\ntry:\n    f()\nexcept BaseException:\n    raise\n"
+                 "try:\n    f()\nexcept (OSError, Exception) as e:  # noqa: BLE001 -- why\n    pass\n"
+                 "try:\n    f()\nexcept:\n    g()\n")
+    assert blind_excepts(f) == [3, 15]
 
 
 @pytest.mark.parametrize("kind", ["", "sweeps"])

@@ -127,7 +127,7 @@ def test_keel_runs_table_and_json(tiny_data, tmp_path, capsys):
                    "status": "finished"}
     assert main(["runs", str(root)]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["run", "scheme", "blocks/L", "params", "step", "tokens", "val_loss", "tokens/s",
+    assert table[0].split() == ["run", "scheme", "blocks/sub-layers", "params", "step", "tokens", "val_loss", "tokens/s",
                                 "status"]
     assert table[1].split()[:5] == ["a", "keel", "2/4", f"{row['params'] / 1e6:.2f}M", "2/2"]
     assert table[1].split()[-1] == "finished" and f"{last['val_loss']:.4f}" in table[1]

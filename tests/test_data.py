@@ -131,6 +131,48 @@ def test_shard_writer_is_atomic(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["a.bin"]
 
 
+def test_shard_writer_that_cannot_start_leaves_nothing_open_or_behind(tmp_path, monkeypatch):
+    """issue 20: the temporary shard is opened under a context manager, so a failure while
+    the writer starts (here: writing the header) closes it and removes it."""
+    import errno
+    import gc
+    import warnings
+
+    import keel.data.shards as shards_mod
+
+    class FullDisk:
+        size = shards_mod.HEADER.size
+
+        @staticmethod
+        def pack(*values):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shards_mod, "HEADER", FullDisk)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        with pytest.raises(OSError, match="No space left"):
+            ShardWriter(tmp_path / "a.bin", vocab_size=10)
+        gc.collect()
+    assert list(tmp_path.iterdir()) == []  # was: the temporary file stayed
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+
+
+def test_prepare_closes_its_document_spills_when_reading_fails(tmp_path):
+    """issue 20: the train/val document spills are written under ``with``: an empty corpus
+    (an error after they were opened) leaves no unclosed file."""
+    import gc
+    import warnings
+
+    corpus = write_files(tmp_path / "corpus", {"a.txt": "   \n"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        with pytest.raises(KeelError, match="empty corpus"):
+            prepare_dataset(str(corpus), "bpe:300", tmp_path / "ds", progress=False)
+        gc.collect()
+    unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert not [m for m in unclosed if ".docs" in m], unclosed
+
+
 def test_shard_truncated_or_corrupt(tmp_path):
     path = write_shard(tmp_path / "a.bin", np.arange(100), vocab_size=1000)
     raw = path.read_bytes()
@@ -288,6 +330,56 @@ def test_hf_source_fails_fast_when_hub_unreachable(monkeypatch, no_hf_offline):
     with pytest.raises(KeelError, match="cannot reach the Hugging Face hub at 127.0.0.1:9"):
         next(iter_documents("hf:some/dataset"))
     assert time.monotonic() - start < 5
+
+
+@pytest.fixture
+def hub_offline_past_the_probe(monkeypatch):
+    """The hub probe passes, but huggingface_hub and datasets are in offline mode: a load
+    reaches the library and fails there (this machine has no network either)."""
+    import datasets.config
+    import huggingface_hub.constants as hub_constants
+
+    import keel.data.sources as sources_mod
+
+    monkeypatch.setattr(sources_mod, "check_hub_reachable", lambda what: None)
+    monkeypatch.setattr(prepare_mod, "check_hub_reachable", lambda what: None)
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+
+
+def test_hf_dataset_load_errors_are_one_line_and_bugs_are_not_hidden(hub_offline_past_the_probe, monkeypatch):
+    """issue 20: the hf: source catches the hub's errors (hub_errors), not every Exception."""
+    import datasets
+
+    with pytest.raises(KeelError, match="cannot load Hugging Face dataset 'hf:keel-no-such-org/no-such-dataset': "):
+        next(iter_documents("hf:keel-no-such-org/no-such-dataset"))
+
+    def buggy(*args, **kwargs):
+        raise TypeError("a bug, not a missing dataset")
+
+    monkeypatch.setattr(datasets, "load_dataset", buggy)
+    with pytest.raises(TypeError, match="a bug"):  # was turned into "cannot load Hugging Face dataset"
+        next(iter_documents("hf:keel-no-such-org/no-such-dataset"))
+
+
+def test_tokenizer_load_errors_are_one_line_and_bugs_are_not_hidden(tmp_path, monkeypatch, hub_offline_past_the_probe):
+    corpus = tmp_path / "corpus"
+    write_files(corpus, {"a.txt": "hello world " * 50})
+    (tmp_path / "bad.json").write_text("not a tokenizer")
+    with pytest.raises(KeelError, match="cannot read tokenizer .*bad.json: expected"):  # tokenizers' own error
+        prepare_dataset(str(corpus), str(tmp_path / "bad.json"), tmp_path / "ds", progress=False)
+    with pytest.raises(KeelError, match="cannot load tokenizer 'keel-no-such-org/tok' from the Hugging Face hub"):
+        prepare_dataset(str(corpus), "keel-no-such-org/tok", tmp_path / "ds", progress=False)
+    assert prepare_mod._hub_tokenizer_config("keel-no-such-org/tok") is None  # offline: the optional file is absent
+
+    class Buggy:
+        @staticmethod
+        def from_file(path):
+            raise TypeError("a bug, not a bad file")
+
+    monkeypatch.setattr(prepare_mod, "Tokenizer", Buggy)
+    with pytest.raises(TypeError, match="a bug"):  # was "cannot read tokenizer ...: a bug"
+        prepare_dataset(str(corpus), str(tmp_path / "bad.json"), tmp_path / "ds", progress=False)
 
 
 # --- prepare --------------------------------------------------------------------------

@@ -39,10 +39,6 @@ RTOL = 1e-5
 STEPS = 8
 
 
-def quiet(*a, **k):
-    pass
-
-
 def metrics(run):
     return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
 

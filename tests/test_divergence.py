@@ -225,10 +225,6 @@ def _metrics(run):
     return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def quiet(*a, **k):
-    pass
-
-
 def test_real_runs_healthy_and_blown_up(tiny_data, tmp_path, one_thread):
     sets = tiny_overrides(tiny_data, steps=20, eval_every=1000, checkpoint_every=1000)
     ok = tmp_path / "ok"

@@ -187,8 +187,9 @@ def test_forward_mode_jvp_equals_composite():
     prims = [torch.randn(2, 3, 8, dtype=torch.float64), torch.randn(2, 3, 8, dtype=torch.float64),
              torch.rand(8, dtype=torch.float64) + 0.5]
     tangents = [torch.randn_like(p) for p in prims]
-    for fused, ref in [(lambda x, f, g: rms_norm_of_sum(x, f, g, 0.25, 1e-3), lambda x, f, g: composite(x, f, g, 0.25, 1e-3)),
-                       (lambda x, f, g: rms_norm_of_sum(x, None, g, 1.0, 1e-3), lambda x, f, g: composite(x, None, g, 1.0, 1e-3))]:
+    cases = [(lambda x, f, g: rms_norm_of_sum(x, f, g, 0.25, 1e-3), lambda x, f, g: composite(x, f, g, 0.25, 1e-3)),
+             (lambda x, f, g: rms_norm_of_sum(x, None, g, 1.0, 1e-3), lambda x, f, g: composite(x, None, g, 1.0, 1e-3))]
+    for fused, ref in cases:
         out, tan = jvp(fused, tuple(prims), tuple(tangents))
         out_ref, tan_ref = jvp(ref, tuple(prims), tuple(tangents))
         torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)

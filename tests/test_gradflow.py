@@ -218,7 +218,7 @@ def cli(capsys, *args):
 
 def test_cli_json_schema_and_plot(capsys, tiny_data, tmp_path):
     png = tmp_path / "gf.png"
-    code, out, err = cli(capsys, "--residual", "post_ln,keel,hybridnorm", "--layers", "2,4", "--json",
+    code, out, err = cli(capsys, "--residual", "post_ln,keel,hybridnorm", "--sublayers", "2,4", "--json",
                          "--plot", png, "--d-model", 32, "--seq-len", 16, "--batch-size", 2, "--threads", 1,
                          "--jacobian-iters", 5, "--set", f"data.path={tiny_data}", "--set", "model.vocab_size=512")
     assert code == 0, err
@@ -247,15 +247,15 @@ def test_cli_from_run(capsys, gradflow_run, tmp_path):
     assert r["residual"] == cfg.model.residual and r["sublayers"] == 4 and r["run"] == str(run)
     code, out, err = cli(capsys, "--run", run, "--seq-len", 16, "--batch-size", 2, "--threads", 1,
                          "--jacobian-iters", 5)
-    assert code == 0 and "sub-layers" in out and cfg.model.residual in out
+    assert code == 0 and "sub-layers" in err and cfg.model.residual in err  # the table is logged (stderr)
 
 
 @pytest.mark.parametrize("args,msg", [
     (["--residual", "pre_ln,postln"], "unknown residual scheme 'postln'"),
-    (["--layers", "16,15"], "--layers: 15 is not an even number"),
-    (["--layers", "0"], "--layers: 0 is not an even number"),
-    (["--layers", "sixteen"], "is not an integer number of sub-layers"),
-    (["--layers", ","], "--layers needs at least one depth"),
+    (["--sublayers", "16,15"], "--sublayers: 15 is not an even number"),
+    (["--sublayers", "0"], "--sublayers: 0 is not an even number"),
+    (["--sublayers", "sixteen"], "is not an integer number of sub-layers"),
+    (["--sublayers", ","], "--sublayers needs at least one depth"),
     (["--run", "somewhere", "--residual", "keel"], "--run takes the model from the run"),
     (["--run", "/nonexistent/run"], "not a run directory"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),

@@ -220,14 +220,12 @@ def test_export_auto_load_offline_generate_import(trained_run, tmp_path, monkeyp
     assert main(["import-hf", "--hf", str(out), "--out", str(back)]) == 0
     a = load_file(latest_checkpoint(trained_run) / "model.safetensors")
     b = load_file(latest_checkpoint(back) / "model.safetensors")
-    # the step of the export is kept, with the LR schedule at that step (resumable)
+    # the step of the export is kept (resumable; the LR is a function of it: no schedule state)
     from keel.train.checkpoint import load_trainer_state
-    from keel.train.optim import lr_at
 
     assert latest_checkpoint(back).name == latest_checkpoint(trained_run).name == "step_00000004"
     state = load_trainer_state(latest_checkpoint(back))
-    assert state["step"] == 4 and state["scheduler"]["last_epoch"] == 4
-    assert state["scheduler"]["_last_lr"][0] == pytest.approx(lr_at(4, load_config(back / "config.toml").train))
+    assert state["step"] == 4 and "scheduler" not in state
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert load_config(back / "config.toml").model == load_config(trained_run / "config.toml").model
     capsys.readouterr()

@@ -348,7 +348,7 @@ def test_flops_per_token_is_palm_appendix_b(residual, tie):
     n = sum(p.numel() for p in model.parameters()) - model.tok_emb.weight.numel()
     assert mfu.flops_per_token(cfg, 32) == 6 * n + 12 * 3 * 64 * 32
     # and by hand, per block: q,o d*d each; k,v d*(K*hd) each; FFN 3*d*f; norms
-    hd, kv = 16, 2 * 16
+    kv = 2 * 16  # K * head_dim
     norms = {"keel": 4 * 64, "pre_ln": 2 * 64, "post_ln": 2 * 64}[residual]
     if residual == "keel":
         norms_total = 3 * norms - 64  # sub-layer 0 has no outer norm (first-layer rule)

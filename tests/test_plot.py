@@ -38,6 +38,14 @@ def test_depth_points_pick_best_lr(sweep_dir):
             assert loss == min(cands) and run["final_val_loss"] == loss
 
 
+def test_legend_labels_count_sub_layers():
+    """The LR plot's lines are labelled by depth in sub-layers (model.n_layers counts blocks)."""
+    from keel.experiments.plot import _series_key
+
+    values = {"model.residual": "keel", "model.n_layers": 2, "train.lr": 0.01}
+    assert _series_key(values, ["train.lr"]) == "residual=keel, 4 sub-layers"
+
+
 def test_plots_are_written(sweep_dir, tmp_path, keel_cli):
     assert plot_loss_curves([sweep_dir], tmp_path / "loss.png") == 8
     assert plot_loss_curves([sweep_dir / "keel_L2_lr0.001", sweep_dir / "pre_ln_L4_lr0.01"], tmp_path / "v.png",

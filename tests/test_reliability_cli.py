@@ -92,7 +92,7 @@ def test_generate_device_error_names_the_flag(cli_run, capsys):
 
 def test_gradflow_plot_creates_its_folder(tiny_data, tmp_path, capsys):
     png = tmp_path / "new" / "dir" / "gf.png"
-    code = main(["gradflow", "--residual", "keel", "--layers", "2", "--json", "--plot", str(png), "--d-model", "32",
+    code = main(["gradflow", "--residual", "keel", "--sublayers", "2", "--json", "--plot", str(png), "--d-model", "32",
                  "--seq-len", "16", "--batch-size", "2", "--threads", "1", "--jacobian-iters", "2",
                  "--set", f"data.path={tiny_data}"])
     assert code == 0, capsys.readouterr().err

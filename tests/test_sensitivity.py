@@ -79,7 +79,7 @@ def test_unigram_entropy_added_to_an_old_dataset(tiny_data, tmp_path):
 def test_lr_sensitivity_cli_end_to_end(keel_cli, tiny_data, tmp_path):
     out = tmp_path / "sens"
     sets = tiny_overrides(tiny_data, steps=6, warmup_steps=2, eval_every=6, checkpoint_every=100, sample_tokens=0)
-    args = ["lr-sensitivity", "--config", DEMO, "--residual", "pre_ln,keel", "--layers", "2,4", "--lrs", "1e-3,1e-2,10",
+    args = ["lr-sensitivity", "--config", DEMO, "--residual", "pre_ln,keel", "--sublayers", "2,4", "--lrs", "1e-3,1e-2,10",
             "--seeds", "0", "--workers", "0", "--out", out]
     for s in sets:
         args += ["--set", s]
@@ -89,7 +89,8 @@ def test_lr_sensitivity_cli_end_to_end(keel_cli, tiny_data, tmp_path):
     saved = json.loads((out / "sensitivity.json").read_text())
     assert shown["cells"] == json.loads(json.dumps(saved["cells"]))
     assert len(saved["runs"]) == 2 * 2 * 3 and all(x["status"] == "done" for x in saved["runs"])
-    assert [(c["sublayers"], c["scheme"]) for c in saved["cells"]] == [(2, "pre_ln"), (2, "keel"), (4, "pre_ln"), (4, "keel")]
+    want = [(2, "pre_ln"), (2, "keel"), (4, "pre_ln"), (4, "keel")]
+    assert [(c["sublayers"], c["scheme"]) for c in saved["cells"]] == want
     for cell in saved["cells"]:
         cur = cell["seeds"]["0"]
         assert cell["n_seeds"] == 1 and cell["opt_lr"] in (1e-3, 1e-2, 10.0)

@@ -23,10 +23,6 @@ SCHEMES = ["pre_ln", "post_ln"]
 RAMP, PEAK = 30, 5.0
 
 
-def quiet(*a, **k):
-    pass
-
-
 def grid(tiny_data, out, workers=1, **kw):
     sets = tiny_overrides(tiny_data, eval_every=1000, checkpoint_every=10)
     args = dict(config="demo", overrides=sets, schemes=SCHEMES, sublayers=[4], seeds=[0], peak_lr=PEAK,
@@ -87,7 +83,7 @@ def test_two_workers_match_one(tiny_data, tmp_path, one_worker):
 def test_cli_json_on_cached_grid(one_worker, tiny_data, capsys):
     out, res = one_worker
     sets = sum((["--set", s] for s in tiny_overrides(tiny_data, eval_every=1000, checkpoint_every=10)), [])
-    rc = main(["stress", "--residual", ",".join(SCHEMES), "--layers", "4", "--seeds", "0", "--peak-lr", str(PEAK),
+    rc = main(["stress", "--residual", ",".join(SCHEMES), "--sublayers", "4", "--seeds", "0", "--peak-lr", str(PEAK),
                "--ramp-steps", str(RAMP), "--out", str(out), "--json", "--resume", *sets])
     assert rc == 0
     table = json.loads(capsys.readouterr().out)
@@ -158,8 +154,8 @@ def test_max_lr_transcription():
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--layers", "63"], "must be even"),
-    (["--layers", "64,x"], "--layers must be a comma-separated list"),
+    (["--sublayers", "63"], "must be even"),
+    (["--sublayers", "64,x"], "--sublayers must be a comma-separated list"),
     (["--residual", "pre_ln,nope"], "unknown scheme 'nope'"),
     (["--peak-lr", "0"], "--peak-lr must be > 0"),
     (["--ramp-steps", "1"], "--ramp-steps must be >= 2"),

@@ -213,7 +213,7 @@ def test_out_belongs_to_one_study_and_scale(tmp_path, keel_cli):
     assert r.returncode == 2 and "--threads must be >= 0" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_interrupted_run_without_checkpoint_trains_again(tiny_config, tmp_path):
+def test_interrupted_run_without_checkpoint_trains_again(tiny_config, tmp_path, caplog):
     """A grid job killed before its first checkpoint (history, no intact checkpoint) is trained
     again on resume; before, the study's --resume failed on it forever ("pass --restart")."""
     from keel.experiments.sweep import train_task
@@ -223,8 +223,10 @@ def test_interrupted_run_without_checkpoint_trains_again(tiny_config, tmp_path):
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 0, "tokens": 0, "val_loss": 6.2}\n'
                                            '{"step": 1, "tokens": 128, "loss": 6.2}\n')
-    out = train_task(GridJob("run", cfg.to_dict()), run_dir, True, lambda m: None)
+    with caplog.at_level("INFO", logger="keel"):
+        out = train_task(GridJob("run", cfg.to_dict()), run_dir, True)
     assert out["step"] == 6 and out["final_val_loss"] is not None
+    assert any("no intact checkpoint to resume from" in r.getMessage() for r in caplog.records)  # logged
 
 
 def test_grid_worker_dies_with_its_parent(tmp_path):

@@ -141,7 +141,7 @@ def test_stopped_run_is_a_result_and_excluded_from_best(tiny_data, tmp_path):
     assert s["best"][0]["best"] == 0.02 and s["best"][0]["n_ok"] == 1
 
 
-def _fail_task(job, run_dir, resume, log):
+def _fail_task(job, run_dir, resume):
     if job.values["x"] == 2:
         raise KeelError("boom")
     return {"square": job.values["x"] ** 2}

@@ -21,10 +21,6 @@ def metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def quiet(*a, **k):
-    pass
-
-
 def test_lr_schedule_formula():
     cfg = TrainConfig(steps=100, lr=1e-2, min_lr=1e-7, warmup_steps=10)
     assert lr_at(0, cfg) == pytest.approx(1e-3)

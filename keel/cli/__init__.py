@@ -49,12 +49,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A StreamHandler that writes to whatever ``sys.stderr`` is when a record is emitted (as
+    :data:`logging.lastResort` does), so a redirected or captured stderr gets the lines too."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def setup_logging(level: int = logging.INFO) -> None:
     """Send the ``keel`` loggers' records to stderr as plain lines (once per process)."""
     logger = logging.getLogger("keel")
     logger.setLevel(level)
     if not any(getattr(h, "_keel_cli", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         handler._keel_cli = True
         logger.addHandler(handler)
@@ -72,8 +85,8 @@ def run_handler(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``keel ARGS``; returns the exit status (2 for a user error, 130 on Ctrl-C)."""
+    setup_logging()  # first: parsing may log (a deprecated flag)
     args = build_parser().parse_args(argv)
-    setup_logging()
     try:
         return run_handler(args)
     except KeelError as e:

@@ -5,6 +5,9 @@ the work is done by :mod:`keel.diagnostics.gradflow` and the modules of :mod:`ke
 
 from __future__ import annotations
 
+import argparse
+import logging
+
 from keel.cli.formatting import module_summary
 from keel.config import key_default, key_help, preset_names
 
@@ -36,16 +39,36 @@ def _add_grid_flags(p, report_only: bool = True,
         p.add_argument("--report-only", action="store_true", help="train nothing: tabulate the finished runs of --out")
 
 
+_log = logging.getLogger(__name__)
+
+
+class _DeprecatedLayers(argparse.Action):
+    """``--layers``: the old name of ``--sublayers`` (it always counted sub-layers, while the
+    config's ``model.n_layers`` counts blocks). Kept for one release; it stores into
+    ``sublayers`` and logs one deprecation warning."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        _log.warning("warning: --layers is deprecated and will be removed in the next release; "
+                     "use --sublayers (the same value: depths in sub-layers, 2 per block)")
+        setattr(namespace, self.dest, values)
+
+
+def _add_sublayers_flag(p, default: str | None, help: str) -> None:
+    """``--sublayers`` (comma-separated depths in sub-layers) and its deprecated alias ``--layers``."""
+    p.add_argument("--sublayers", default=default, metavar="L1,L2,...", help=help)
+    p.add_argument("--layers", dest="sublayers", action=_DeprecatedLayers, metavar="L1,L2,...",
+                   help="deprecated alias of --sublayers (removed in the next release)")
+
+
 def _register_gradflow(subparsers) -> None:
     """Add ``keel gradflow`` (see :mod:`keel.diagnostics.gradflow`)."""
     p = subparsers.add_parser(
         "gradflow", help="per-sub-layer gradient norms and the residual-path Jacobian product J*",
         description="Gradient-flow profile on one batch of validation tokens, at initialisation "
-                    "(--residual, --layers) or from trained runs (--run).")
+                    "(--residual, --sublayers) or from trained runs (--run).")
     p.add_argument("--residual", default=None,
                    help="comma-separated schemes (default: every scheme in keel.model.SCHEMES)")
-    p.add_argument("--layers", default=None,
-                   help="comma-separated depths in SUB-layers, each even; blocks = L/2 (default: 16,64)")
+    _add_sublayers_flag(p, None, "comma-separated depths in sub-layers, each even; blocks = L/2 (default: 16,64)")
     p.add_argument("--run", action="append", default=[], metavar="DIR",
                    help="profile the latest checkpoint of a trained run instead (repeatable)")
     p.add_argument("--json", action="store_true", help='print {"results": [...]} as JSON on stdout')
@@ -120,7 +143,7 @@ def _register_stress(subparsers) -> None:
     """Add ``keel stress`` (see :mod:`keel.experiments.stress`)."""
     p = subparsers.add_parser("stress", help="max-LR stress test: linear LR ramp until divergence (paper Table 1)")
     p.add_argument("--residual", default=None, help="comma-separated schemes (default: every scheme in keel.model.SCHEMES)")
-    p.add_argument("--layers", default="64", help="comma-separated depths in SUB-LAYERS (even; 2 per block)")
+    _add_sublayers_flag(p, "64", "comma-separated depths in sub-layers (even; 2 per block)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated train.seed values")
     p.add_argument("--peak-lr", type=float, default=5e-2, help="LR at the end of the ramp (paper: 5e-2)")
     p.add_argument("--ramp-steps", type=int, default=1000, help="steps of the linear ramp 0 -> peak (paper: 5000)")
@@ -138,7 +161,7 @@ def _register_lr_sensitivity(subparsers) -> None:
                               "(Wortsman et al. 2023 LR sensitivity)",
                               description=module_summary("keel.experiments.sensitivity"))
     p.add_argument("--residual", default="pre_ln,keel", help="comma-separated schemes")
-    p.add_argument("--layers", default="16,64", help="comma-separated depths in SUB-LAYERS (even; 2 per block)")
+    _add_sublayers_flag(p, "16,64", "comma-separated depths in sub-layers (even; 2 per block)")
     p.add_argument("--lrs", default="1e-3,3e-3,1e-2,3e-2,1e-1", help="comma-separated peak LRs (log-spaced)")
     p.add_argument("--seeds", default="0,1", help="comma-separated train.seed values")
     _add_grid_flags(p)

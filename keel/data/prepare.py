@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from keel.config import DEFAULT_VAL_FRACTION, DataConfig, check_value
 from keel.data.shards import ShardWriter, read_shard
-from keel.data.sources import SourceStats, check_hub_reachable, iter_documents
+from keel.data.sources import SourceStats, check_hub_reachable, hub_errors, iter_documents
 from keel.data.stats import unigram_entropy
 from keel.data.text import encode_batch
 from keel.errors import KeelError
@@ -239,35 +239,7 @@ def _build(tmp: Path, inputs: dict, progress: bool) -> dict:
     bpe_size = _parse_bpe(inputs["tokenizer"])
     tok, eos_id = (None, None) if bpe_size else _load_existing_tokenizer(inputs["tokenizer"], tmp / "tokenizer.json")
 
-    stats = SourceStats()
-    train, val = _Spill(tmp / "train.docs", spare_is_lowest=True), _Spill(tmp / "val.docs", spare_is_lowest=False)
-    docs = iter_documents(
-        inputs["source"],
-        max_bytes=inputs["max_bytes"],
-        max_docs=inputs["max_docs"],
-        text_field=inputs["text_field"],
-        stats=stats,
-    )
-    # Source errors (missing path, unknown scheme, offline hub) surface on the first next():
-    # take it before a progress bar is drawn, so the user sees one error line only.
-    first = next(docs, None)
-    docs = itertools.chain([first] if first is not None else [], docs)
-    chunking = _split_documents(_progress(docs, None, "reading documents", "doc", progress), train, val, inputs)
-    if stats.docs_skipped_binary:
-        log.warning("skipped %d document(s) that are not text (more than 10%% control characters, e.g. NUL bytes)",
-                    stats.docs_skipped_binary)
-    if stats.n_docs == 0:
-        binary = f" ({stats.docs_skipped_binary} skipped as not text)" if stats.docs_skipped_binary else ""
-        raise KeelError(f"empty corpus: {inputs['source']} has no documents with non-whitespace text{binary}")
-    if chunking[0]:
-        log.info("cut %d long document(s) (over %d characters) into %d chunks of about %d characters for the "
-                 "train/val split", chunking[0], LONG_DOC_CHARS, chunking[1], CHUNK_CHARS)
-    if train.n_docs == 0:
-        train.add(val.give_spare())
-    if val.n_docs == 0 and train.n_docs >= 2:
-        val.add(train.give_spare())
-    train.close()
-    val.close()
+    train, val, stats, chunking = _read_splits(tmp, inputs, progress)
 
     if bpe_size:
         tok = _train_bpe(train, bpe_size, progress)
@@ -328,6 +300,36 @@ def chunk_document(text: str, size: int = CHUNK_CHARS):
     yield text[start:]
 
 
+def _read_splits(tmp: Path, inputs: dict, progress: bool) -> tuple[_Spill, _Spill, SourceStats, tuple[int, int]]:
+    """Read the source's documents into ``tmp/train.docs`` and ``tmp/val.docs``; returns the
+    two spills (their files closed, also when reading fails), the source's statistics and
+    :func:`_split_documents`' (long documents, their chunks). Raises KeelError for a source error or an empty corpus."""
+    stats = SourceStats()
+    with _Spill(tmp / "train.docs", spare_is_lowest=True) as train, \
+            _Spill(tmp / "val.docs", spare_is_lowest=False) as val:
+        docs = iter_documents(inputs["source"], max_bytes=inputs["max_bytes"], max_docs=inputs["max_docs"],
+                              text_field=inputs["text_field"], stats=stats)
+        # Source errors (missing path, unknown scheme, offline hub) surface on the first next():
+        # take it before a progress bar is drawn, so the user sees one error line only.
+        first = next(docs, None)
+        docs = itertools.chain([first] if first is not None else [], docs)
+        chunking = _split_documents(_progress(docs, None, "reading documents", "doc", progress), train, val, inputs)
+        if stats.docs_skipped_binary:
+            log.warning("skipped %d document(s) that are not text (more than 10%% control characters, e.g. NUL "
+                        "bytes)", stats.docs_skipped_binary)
+        if stats.n_docs == 0:
+            binary = f" ({stats.docs_skipped_binary} skipped as not text)" if stats.docs_skipped_binary else ""
+            raise KeelError(f"empty corpus: {inputs['source']} has no documents with non-whitespace text{binary}")
+        if chunking[0]:
+            log.info("cut %d long document(s) (over %d characters) into %d chunks of about %d characters for the "
+                     "train/val split", chunking[0], LONG_DOC_CHARS, chunking[1], CHUNK_CHARS)
+        if train.n_docs == 0:
+            train.add(val.give_spare())
+        if val.n_docs == 0 and train.n_docs >= 2:
+            val.add(train.give_spare())
+    return train, val, stats, chunking
+
+
 def _split_documents(docs, train: "_Spill", val: "_Spill", inputs: dict) -> tuple[int, int]:
     """Put each document -- or each chunk of a long one -- into train or val by its split
     score. Returns (long documents cut, chunks they gave)."""
@@ -361,6 +363,8 @@ class _Spill:
     It remembers a *spare*: the document whose split score is closest to the other split
     (lowest score for train, highest for val), which :meth:`give_spare` hands over when the
     other split would otherwise be empty (the line before it then ends its text).
+    Written inside a ``with`` block, which closes the file (also on an error); read
+    afterwards with :meth:`pieces`.
     """
 
     def __init__(self, path: Path, spare_is_lowest: bool):
@@ -390,6 +394,12 @@ class _Spill:
 
     def close(self) -> None:
         self._file.close()
+
+    def __enter__(self) -> "_Spill":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def pieces(self):
         """``(text, ends)`` pairs in order, without the document given away."""
@@ -446,7 +456,9 @@ def _load_existing_tokenizer(spec: str, dest: Path) -> tuple[Tokenizer, int]:
     if path.is_file():
         try:
             tok = Tokenizer.from_file(str(path))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- narrowed: tokenizers raises the base class itself
+            if not _tokenizers_error(e):
+                raise
             raise KeelError(f"cannot read tokenizer {path}: {e}") from None
         shutil.copyfile(path, dest)
         config_path = path.with_name("tokenizer_config.json")
@@ -458,7 +470,9 @@ def _load_existing_tokenizer(spec: str, dest: Path) -> tuple[Tokenizer, int]:
         check_hub_reachable(f"tokenizer {spec!r}")
         try:
             tok = Tokenizer.from_pretrained(spec)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- narrowed: tokenizers raises the base class itself
+            if not (_tokenizers_error(e) or isinstance(e, hub_errors())):
+                raise
             raise KeelError(f"cannot load tokenizer {spec!r} from the Hugging Face hub: {e}") from None
         tok.save(str(dest))
         config = _hub_tokenizer_config(spec)
@@ -469,10 +483,19 @@ def _load_existing_tokenizer(spec: str, dest: Path) -> tuple[Tokenizer, int]:
     return tok, _eos_id(tok, config, spec)
 
 
+def _tokenizers_error(e: BaseException) -> bool:
+    """Whether ``e`` is an error of the ``tokenizers`` library: its Rust core raises the base
+    class ``Exception`` itself, never a subclass (bad JSON, not a tokenizer, a missing file
+    "... (os error 2)"). Anything else (a subclass) is not the library's and is not caught."""
+    return type(e) is Exception
+
+
 def _hub_tokenizer_config(name: str) -> dict | None:
+    """The hub repo's ``tokenizer_config.json`` as a dict, or None when it cannot be fetched
+    or read (:func:`keel.data.sources.hub_errors`: missing, offline, not JSON)."""
     try:
         return json.loads(Path(hf_hub_download(name, "tokenizer_config.json")).read_text())
-    except Exception:  # optional file; its absence is reported by _eos_id if it matters
+    except hub_errors():  # optional file; its absence is reported by _eos_id if it matters
         return None
 
 

@@ -16,6 +16,7 @@ vocabulary has at most 65535 entries, else as ``uint32``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from pathlib import Path
@@ -55,10 +56,11 @@ class ShardWriter:
         self.vocab_size = int(vocab_size)
         self.dtype = dtype_for_vocab(self.vocab_size)
         self.n_tokens = 0
-        self._target = atomic_path(self.path)
-        self._tmp = self._target.__enter__()
-        self._file = open(self._tmp, "wb")
-        self._file.write(HEADER.pack(MAGIC, VERSION, self.dtype.itemsize, 0))
+        with contextlib.ExitStack() as stack:  # a failure here closes the file and removes it
+            self._tmp = stack.enter_context(atomic_path(self.path))
+            self._file = stack.enter_context(open(self._tmp, "wb"))
+            self._file.write(HEADER.pack(MAGIC, VERSION, self.dtype.itemsize, 0))
+            self._open = stack.pop_all()  # closed by close() / abort(): file, then the temporary path
 
     def write(self, tokens) -> None:
         """Append ``tokens`` (a 1-D array or list of ints in ``[0, vocab_size)``).
@@ -83,14 +85,12 @@ class ShardWriter:
         self._file.write(HEADER.pack(MAGIC, VERSION, self.dtype.itemsize, self.n_tokens))
         self._file.flush()
         os.fsync(self._file.fileno())
-        self._file.close()
-        self._target.__exit__(None, None, None)  # renames the temporary file into place
+        self._open.close()  # closes the file, then renames the temporary file into place
         return self.path
 
     def abort(self) -> None:
         """Discard everything written so far."""
-        self._file.close()
-        self._target.__exit__(KeelError, KeelError("aborted"), None)  # removes the temporary file
+        self._open.__exit__(KeelError, KeelError("aborted"), None)  # closes the file and removes it
 
     def __enter__(self) -> ShardWriter:
         return self

@@ -24,6 +24,7 @@ characters), counted in :class:`SourceStats` too.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -320,6 +321,25 @@ def _env_true(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def hub_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions a load from the Hugging Face hub (``datasets.load_dataset``,
+    ``hf_hub_download``, ``Tokenizer.from_pretrained``, lm-eval's task loading) raises for
+    reasons outside the program, to be reported as one line: ``OSError`` (network, offline
+    mode, missing or gated repos and files: huggingface_hub's and ``requests``' errors are
+    OSErrors), ``ValueError`` (a bad repo name, unknown config, bad JSON),
+    ``huggingface_hub.errors.EntryNotFoundError``, ``httpx.HTTPError`` (huggingface_hub's
+    HTTP client) and ``datasets.exceptions.DatasetsError``. Only installed libraries are
+    named (datasets is optional)."""
+    errors: list[type[BaseException]] = [OSError, ValueError]
+    for module, name in (("huggingface_hub.errors", "EntryNotFoundError"), ("httpx", "HTTPError"),
+                         ("datasets.exceptions", "DatasetsError")):
+        try:
+            errors.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):  # not installed, or a version without it
+            continue
+    return tuple(errors)
+
+
 def check_hub_reachable(what: str) -> None:
     """Raise :class:`KeelError` quickly if the Hugging Face hub cannot be used.
 
@@ -367,7 +387,7 @@ def _hf_documents(source: str, text_field: str) -> Iterator[tuple[str, bool]]:
         raise KeelError(f"the data source {source!r} needs the datasets library: pip install datasets") from None
     try:
         stream = datasets.load_dataset(name, config, split="train", streaming=True)
-    except Exception as e:  # the library raises many types (not found, gated, bad config...)
+    except hub_errors() as e:  # not found, gated, bad config, offline, ...
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise KeelError(f"cannot load Hugging Face dataset {source!r}: {first_line}") from None
     for i, row in enumerate(stream):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from keel.data.stats import dataset_unigram_entropy
-from keel.diagnostics.divergence import build_monitor
+from keel.diagnostics.divergence import HEALTHY, build_monitor
 from keel.diagnostics.gradflow import sublayer_grad_norms
 from keel.train.callbacks import Callback, StepState
 from keel.train.trainer import TrainingStopped
@@ -22,12 +22,16 @@ class DivergenceCallback(Callback):
     unigram entropy of the run's training tokens; so the online verdict equals the offline
     one on the logged curve. The first verdict is logged as a warning and written as the
     step's ``divergence`` field; with ``stop`` the run then stops
-    (``train.stop_on_divergence``). On resume the logged history is replayed first.
+    (``train.stop_on_divergence``). At the end of the run (:meth:`on_train_end`) the
+    monitor's :meth:`~keel.diagnostics.divergence.OnlineDivergenceMonitor.finalize` reports a
+    spike still open at the last step the same way. On resume the logged history is replayed first.
 
     Args:
         reference_dir: ``train.divergence_reference`` (a finished run), or "" for none.
         stop: stop the run at the verdict.
     """
+
+    config_keys = ("train.stop_on_divergence", "train.divergence_warnings", "train.divergence_reference")
 
     def __init__(self, reference_dir: str = "", stop: bool = False):
         self.reference_dir, self.stop, self.monitor = reference_dir, stop, None
@@ -53,11 +57,27 @@ class DivergenceCallback(Callback):
             state.stop = f"{verdict.summary()} (train.stop_on_divergence)"
         return {"divergence": verdict.to_dict()}
 
+    def on_train_end(self, state: StepState) -> dict | None:
+        """A loss spike still open at the last step (``end_open_steps`` long) is a divergence
+        (what the offline :func:`keel.diagnostics.divergence.classify` says of the curve): log
+        it and return it as a ``divergence`` field. None when a verdict came earlier (it is
+        already in the metrics) or the curve ends healthy."""
+        if self.monitor.verdict is not None:
+            return None
+        verdict = self.monitor.finalize()
+        if verdict.mode == HEALTHY:
+            return None
+        if state.dist.is_main:
+            log.warning("step %d: divergence detected at the end of the run: %s", state.step, verdict.summary())
+        return {"divergence": verdict.to_dict()}
+
 
 class GradflowCallback(Callback):
     """Every ``every`` steps, logs ``sublayer_grad_norm``: the per-sub-layer parameter
     gradient norms before clipping (:func:`keel.diagnostics.gradflow.sublayer_grad_norms`,
     one float per sub-layer, paper order)."""
+
+    config_keys = ("train.gradflow_every",)
 
     def __init__(self, every: int):
         self.every = every

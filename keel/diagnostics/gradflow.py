@@ -38,9 +38,12 @@ n_layers):
 
 Usage::
 
-    keel gradflow --residual pre_ln,post_ln,keel --layers 16,64,256,1024 [--d-model 64]
+    keel gradflow --residual pre_ln,post_ln,keel --sublayers 16,64,256,1024 [--d-model 64]
                   [--batch-size 4] [--seq-len 64] [--seed 0] [--json] [--plot FILE]
     keel gradflow --run runs/a --run runs/b [--json] [--plot FILE]
+
+A summary table (one line per profile, as it finishes) is logged on stderr; ``--json``
+prints the full results on stdout.
 
 The command itself is in :mod:`keel.cli.science`; :func:`profile_runs` and
 :func:`profile_schemes` are what it calls. Heavy modules (torch, matplotlib) are imported
@@ -50,11 +53,12 @@ inside the functions.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import matplotlib
 import matplotlib.pyplot as plt
@@ -69,6 +73,8 @@ from keel.model import Transformer
 from keel.run import Run
 from keel.train.parallelize import unwrap
 from keel.train.plots import save_figure
+
+_log = logging.getLogger(__name__)  # the summary table, one line per finished profile
 
 DEFAULT_LAYERS = "16,64"
 
@@ -384,13 +390,13 @@ def plot_profiles(results: list[dict], out: str | Path) -> None:
 
 
 def profile_runs(run_paths: Sequence[str | Path], seq_len: int, batch_size: int, jacobian_iters: int = 32,
-                 full_jacobian: bool = False, seed: int = 0, on_result: Callable[[dict], None] | None = None
-                 ) -> list[dict]:
+                 full_jacobian: bool = False, seed: int = 0) -> list[dict]:
     """:func:`profile_model` of the latest checkpoint of each run, on ``batch_size`` windows
     of ``min(seq_len, max_seq_len)`` tokens of the run's validation split.
 
     Each result adds ``residual``, ``sublayers``, ``blocks``, ``d_model``, ``run``, ``label``
-    and ``seconds`` (wall time). ``on_result`` is called with each result as it is ready.
+    and ``seconds`` (wall time). Each result is logged as it is ready: one line of a table
+    (:data:`SUMMARY_HEADER`, logged with the first) at INFO level, logger ``keel.diagnostics.gradflow``.
     Raises KeelError for a path that is not a run with a checkpoint.
     """
     results = []
@@ -403,13 +409,13 @@ def profile_runs(run_paths: Sequence[str | Path], seq_len: int, batch_size: int,
         r = {"residual": cfg.model.residual, "sublayers": cfg.model.n_sublayers, "blocks": cfg.model.n_layers,
              "d_model": cfg.model.d_model, "run": str(run.path), "label": f"{cfg.model.residual} d{cfg.model.d_model}"}
         r.update(profile_model(model, batch, jacobian_iters, full_jacobian, seed))
-        results.append(_finished(r, t0, on_result))
+        results.append(_finished(r, t0, first=not results))
     return results
 
 
 def profile_schemes(base, schemes: Sequence[str], depths: Sequence[int], d_model: int, seq_len: int,
-                    batch_size: int, jacobian_iters: int = 32, full_jacobian: bool = False, seed: int = 0,
-                    on_result: Callable[[dict], None] | None = None) -> list[dict]:
+                    batch_size: int, jacobian_iters: int = 32, full_jacobian: bool = False, seed: int = 0
+                    ) -> list[dict]:
     """:func:`profile_model` of freshly initialised models: every scheme at every depth
     (sub-layers), width ``d_model`` (:func:`_init_config`), on ``batch_size`` validation
     windows of ``seq_len`` tokens of the dataset ``base`` (a :class:`keel.config.Config`)
@@ -427,12 +433,13 @@ def profile_schemes(base, schemes: Sequence[str], depths: Sequence[int], d_model
             r = {"residual": scheme, "sublayers": L, "blocks": L // 2, "d_model": d_model,
                  "init_std": mcfg.init_std, "label": scheme}
             r.update(profile_model(Transformer(mcfg), batch, jacobian_iters, full_jacobian, seed))
-            results.append(_finished(r, t0, on_result))
+            results.append(_finished(r, t0, first=not results))
     return results
 
 
-def _finished(r: dict, t0: float, on_result) -> dict:
+def _finished(r: dict, t0: float, first: bool) -> dict:
     r["seconds"] = time.perf_counter() - t0
-    if on_result is not None:
-        on_result(r)
+    if first:  # the table's header, once the first profile is ready (not before a failed start)
+        _log.info(SUMMARY_HEADER)
+    _log.info(_summary_line(r))
     return r

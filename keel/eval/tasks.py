@@ -30,14 +30,14 @@ import logging
 import math
 import random
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import huggingface_hub.constants as hub_constants
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from keel.data.sources import check_hub_reachable
+from keel.data.sources import check_hub_reachable, hub_errors
 from keel.errors import KeelError
 from keel.train.callbacks import Callback, StepState
 from keel.train.dist import barrier
@@ -240,7 +240,7 @@ def _load_task(manager, spec, hub: _HubProbe):
     try:
         with _hub_offline(offline):
             return manager.load([spec])
-    except Exception as e:  # datasets raises many kinds (ConnectionError, FileNotFoundError, ...)
+    except hub_errors() as e:  # datasets' and huggingface_hub's: not found, offline, bad config, ...
         reason = f"; {hub.reason}" if offline else ""
         return f"dataset could not be loaded (offline?): {_first_line(e)}{reason}"
 
@@ -272,7 +272,7 @@ def _metrics_of(results: dict, task: str) -> dict[str, float]:
 
 def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float | None = None,
                    task_dir: str | Path | None = None, batch_size: int = 1,
-                   log: Callable[[str], None] | None = print, verbose: bool = False) -> dict[str, dict[str, Any]]:
+                   verbose: bool = False) -> dict[str, dict[str, Any]]:
     """Score a Hugging Face causal LM on lm-eval tasks, one task at a time.
 
     Args:
@@ -283,12 +283,12 @@ def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float |
         limit: at most this many documents per task (an int), or a fraction if < 1; None = all.
         task_dir: extra folder of task YAMLs.
         batch_size: requests per forward pass (lm-eval's HFLM batch size).
-        log: called with one line per task that could not run (None = silent).
         verbose: show lm-eval's and datasets' progress bars and info logs (default: silenced).
     Returns:
         ``{task: {metric: value}}`` (e.g. ``acc``, ``acc_norm``, ``word_perplexity``,
         ``bits_per_byte``; lm-eval's definitions); a task that could not run maps to
-        ``{"error": "<one line>"}`` instead.
+        ``{"error": "<one line>"}`` instead, and that line is logged as a warning
+        (``task X: <one line>``, logger ``keel.eval.tasks``).
     Raises:
         KeelError: lm_eval is not installed, or ``task_dir`` is not a folder.
     """
@@ -297,7 +297,6 @@ def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float |
         from lm_eval.models.huggingface import HFLM
     except ImportError as e:
         raise KeelError(f"keel eval needs lm-evaluation-harness: pip install -e .[eval] ({_first_line(e)})") from None
-    log = log or (lambda _msg: None)
     out: dict[str, dict[str, Any]] = {}
     hub = _HubProbe()
     quiet_logs = contextlib.nullcontext() if verbose else _quiet_lm_eval()
@@ -309,12 +308,12 @@ def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float |
             manager = index.manager_for(name)
             if name not in manager.all_tasks:
                 msg = f"unknown task (not in {', '.join(map(str, index.paths))} nor in lm-eval's registry)"
-                log(f"task {name}: {msg}")
+                log.warning(f"task {name}: {msg}")
                 out[name] = {"error": msg}
                 continue
             loaded = _load_task(manager, index.spec(manager, name), hub)
             if isinstance(loaded, str):
-                log(f"task {name}: {loaded}")
+                log.warning(f"task {name}: {loaded}")
                 out[name] = {"error": loaded}
                 continue
             tasks = list(loaded["tasks"].values()) + list(loaded.get("groups", {}).values())
@@ -323,7 +322,7 @@ def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float |
                                           log_samples=False, bootstrap_iters=0, verbosity=None)
             except Exception as e:  # noqa: BLE001 -- one task's bad request must not stop the other tasks
                 msg = _scoring_failure(e, int(lm.max_length))
-                log(f"task {name}: {msg}")
+                log.warning(f"task {name}: {msg}")
                 out[name] = {"error": msg}
                 continue
             for task in loaded["tasks"]:
@@ -332,8 +331,7 @@ def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float |
 
 
 def run_tasks(model, tokenizer, task_names: list[str], limit: int | float | None = None,
-              task_dir: str | Path | None = None, log: Callable[[str], None] | None = print,
-              batch_size: int = 1, verbose: bool = False) -> dict:
+              task_dir: str | Path | None = None, batch_size: int = 1, verbose: bool = False) -> dict:
     """Score a native keel model on lm-eval tasks; the trainer's periodic evaluation.
 
     Args:
@@ -344,13 +342,12 @@ def run_tasks(model, tokenizer, task_names: list[str], limit: int | float | None
         task_names: task names; the shipped examples (``keel_python_completion``,
             ``keel_python_paragraphs``) need no ``task_dir``.
         limit: documents per task (None = all).
-        task_dir, log, batch_size, verbose: as in :func:`evaluate_tasks`.
+        task_dir, batch_size, verbose: as in :func:`evaluate_tasks`.
     Returns:
         ``{task: {metric: value}}``, ``{"error": ...}`` for a task that could not run
         (see :func:`evaluate_tasks`); metric values are finite floats or None (JSON-safe).
     """
     try:
-        # lazy: keel.hf needs transformers (extra [eval]) and ~1.7 s; keel train imports this module
         # lazy: keel.hf needs transformers (extra [eval]) and ~1.7 s; keel train imports this module
         from keel.hf.convert import wrap_native
     except ImportError as e:
@@ -362,7 +359,7 @@ def run_tasks(model, tokenizer, task_names: list[str], limit: int | float | None
     was_training = model.training
     try:
         hf, hf_tok = wrap_native(model, tokenizer)
-        res = evaluate_tasks(hf, hf_tok, task_names, limit=limit, task_dir=task_dir, batch_size=batch_size, log=log,
+        res = evaluate_tasks(hf, hf_tok, task_names, limit=limit, task_dir=task_dir, batch_size=batch_size,
                              verbose=verbose)
     finally:
         model.train(was_training)
@@ -375,6 +372,8 @@ class TaskEvalCallback(Callback):
     documents each) and writes ``eval_tasks`` ({task: {metric: value}}) into the step's
     record. Collective under FSDP (the full model is gathered on rank 0)."""
 
+    config_keys = ("train.eval_tasks",)
+
     def __init__(self, tasks: list[str], every: int, limit: int | None):
         self.tasks, self.every, self.limit = tasks, every, limit
 
@@ -384,6 +383,6 @@ class TaskEvalCallback(Callback):
         plain = state.plain_model()
         out = None
         if plain is not None:
-            out = {"eval_tasks": run_tasks(plain, state.tokenizer, self.tasks, limit=self.limit, log=log.info)}
+            out = {"eval_tasks": run_tasks(plain, state.tokenizer, self.tasks, limit=self.limit)}
         barrier(state.dist)
         return out

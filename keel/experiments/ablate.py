@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Callable, Iterator
@@ -68,6 +69,8 @@ from keel.io import atomic_write_text
 from keel.run import Run
 from keel.train.evaluate import mean_nll
 from keel.train.plots import plt, save_figure
+
+_log = logging.getLogger(__name__)  # one DEBUG line per unit removed (keel ablate --verbose)
 
 
 # ----------------------------------------------------------------------------- removal
@@ -134,25 +137,31 @@ def hf_layers(model):
     return layers
 
 
-def layer_importance(n_units: int, nll_with: Callable[[int | None], float], log=None) -> dict:
+def _capped_ppl(nll: float) -> float:
+    """``exp(min(nll, 700))``: 700 nats is just below float64's exp overflow (709.8)."""
+    return math.exp(min(nll, 700.0))
+
+
+def layer_importance(n_units: int, nll_with: Callable[[int | None], float]) -> dict:
     """ΔPPL for every unit: ``nll_with(i)`` is the mean NLL with unit ``i`` removed (``None``: full).
 
     Returns ``{"nll_full", "ppl_full", "units": [{"index", "nll", "ppl", "delta_ppl"}, ...]}``
-    with ``ppl = exp(nll)`` and ``delta_ppl = ppl - ppl_full`` (Keel paper, Appendix A).
+    with ``ppl = exp(min(nll, 700))`` (capped so that a blown-up NLL gives a huge finite PPL, not
+    an OverflowError, and ΔPPL stays a number in the JSON) and ``delta_ppl = ppl - ppl_full``
+    (Keel paper, Appendix A). Each unit's PPL is logged at DEBUG level (logger ``keel.experiments.ablate``).
     """
     nll_full = nll_with(None)
-    ppl_full = math.exp(nll_full)
+    ppl_full = _capped_ppl(nll_full)
     units = []
     for i in range(n_units):
         nll = nll_with(i)
-        ppl = math.exp(min(nll, 700.0))
+        ppl = _capped_ppl(nll)
         units.append({"index": i, "nll": nll, "ppl": ppl, "delta_ppl": ppl - ppl_full})
-        if log:
-            log(f"  unit {i}: PPL {ppl:.3f} (ΔPPL {ppl - ppl_full:+.3f})")
+        _log.debug(f"  unit {i}: PPL {ppl:.3f} (ΔPPL {ppl - ppl_full:+.3f})")
     return {"nll_full": nll_full, "ppl_full": ppl_full, "units": units}
 
 
-def ablate_model(model, windows, batch_size: int = 16, log=None) -> dict:
+def ablate_model(model, windows, batch_size: int = 16) -> dict:
     """:func:`layer_importance` of a keel ``Transformer`` over ``windows`` [N, T+1] (its device).
 
     Units are sub-layers: index 2b = attention of block b, 2b+1 = FFN of block b.
@@ -167,7 +176,7 @@ def ablate_model(model, windows, batch_size: int = 16, log=None) -> dict:
             return mean_nll(model, windows, batch_size, device)
 
     L = 2 * len(model.blocks)
-    out = layer_importance(L, nll_with, log)
+    out = layer_importance(L, nll_with)
     for u in out["units"]:
         u["block"], u["kind"] = u["index"] // 2, ("attn" if u["index"] % 2 == 0 else "ffn")
     out.update(scheme=model.cfg.residual, blocks=L // 2, sublayers=L, unit="sub-layer",
@@ -175,7 +184,7 @@ def ablate_model(model, windows, batch_size: int = 16, log=None) -> dict:
     return out
 
 
-def ablate_hf_model(model, windows, batch_size: int = 8, log=None) -> dict:
+def ablate_hf_model(model, windows, batch_size: int = 8) -> dict:
     """:func:`layer_importance` of a Hugging Face causal LM; one unit = one decoder layer."""
     device = next(model.parameters()).device
     windows = windows.to(device)
@@ -202,7 +211,7 @@ def ablate_hf_model(model, windows, batch_size: int = 8, log=None) -> dict:
         with removed_hf_layer(model, i, returns_tuple):
             return mean_nll(logits, windows, batch_size, device)
 
-    out = layer_importance(len(layers), nll_with, log)
+    out = layer_importance(len(layers), nll_with)
     for u in out["units"]:
         u["block"], u["kind"] = u["index"], "layer"
     out.update(scheme=f"hf:{type(model).__name__}", blocks=len(layers), sublayers=2 * len(layers),
@@ -267,14 +276,14 @@ def _text_windows(ids, seq_len: int, max_tokens: int):
 
 
 def ablate_run(run_dir: str | Path, seq_len: int | None = None, tokens: int = 16384, batch_size: int = 16,
-               device: str = "auto", log=None) -> dict:
+               device: str = "auto") -> dict:
     """:func:`ablate_model` of a keel run's latest checkpoint on the first ``tokens`` tokens of
     its validation split, in windows of ``seq_len`` (default: the run's ``train.seq_len``).
     Raises KeelError: not a run, no checkpoint, too little validation data."""
     run = Run(run_dir)
     model = run.load_model(device=device)
     windows = validation_tokens(run.data_dir(), seq_len or run.config.train.seq_len, tokens)
-    return ablate_model(model, windows, batch_size=batch_size, log=log)
+    return ablate_model(model, windows, batch_size=batch_size)
 
 
 def hf_text(text_file: str | None, run_dir: str | None, tokens: int) -> str:
@@ -295,7 +304,7 @@ def hf_text(text_file: str | None, run_dir: str | None, tokens: int) -> str:
 
 
 def ablate_hf_folder(path: str | Path, text: str, seq_len: int | None = None, tokens: int = 16384,
-                     batch_size: int = 8, log=None) -> dict:
+                     batch_size: int = 8) -> dict:
     """:func:`ablate_hf_model` of a local Hugging Face causal-LM folder on ``text`` (fp32),
     windows of ``seq_len`` tokens (default: min(512, max_position_embeddings)).
     Raises KeelError: not a folder, or text shorter than one window."""
@@ -308,4 +317,4 @@ def ablate_hf_folder(path: str | Path, text: str, seq_len: int | None = None, to
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     seq = seq_len or min(512, getattr(model.config, "max_position_embeddings", 512))
-    return ablate_hf_model(model, _text_windows(ids, seq, tokens), batch_size=batch_size, log=log)
+    return ablate_hf_model(model, _text_windows(ids, seq, tokens), batch_size=batch_size)

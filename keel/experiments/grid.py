@@ -20,9 +20,10 @@ that already holds anything is an error that names ``--resume``.
 
 A task is a module-level function (so that the ``spawn`` start method can pickle it)::
 
-    task(job: GridJob, run_dir: Path, resume: bool, log: Callable[[str], None]) -> dict
+    task(job: GridJob, run_dir: Path, resume: bool) -> dict
 
-It returns a JSON-serialisable dict, stored as ``result.json`` together with
+It reports progress through ``logging`` (while it runs, the ``keel`` loggers write to the
+job's ``run.log``). It returns a JSON-serialisable dict, stored as ``result.json`` together with
 ``name``, ``values``, ``status = "done"`` and ``wall_s`` (seconds in the task). A task
 that raises is recorded as ``status = "error"`` with the message, is *not* cached (it
 runs again on ``--resume``), and does not stop the other jobs. A task that should
@@ -60,7 +61,7 @@ JOB_FILE = "job.json"
 LOG_FILE = "run.log"
 GRID_FILE = "grid.json"
 
-Task = Callable[["GridJob", Path, bool, Callable[[str], None]], dict]
+Task = Callable[["GridJob", Path, bool], dict]  # task(job, run_dir, resume); it logs through `logging`
 
 
 @dataclass
@@ -143,17 +144,13 @@ def _execute(task: Task, job: GridJob, run_dir: str, resume: bool) -> dict:
     atomic_write_text(run_dir / JOB_FILE, json.dumps(asdict(job), indent=1))
     t0 = time.perf_counter()
     with open(run_dir / LOG_FILE, "a") as logf, _logging_to(logf):
-        def log(msg: str) -> None:
-            logf.write(f"{msg}\n")
-            logf.flush()
-
-        log(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {'resume' if resume else 'start'} {job.name}")
+        _log.info(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {'resume' if resume else 'start'} {job.name}")
         try:
-            out = dict(task(job, run_dir, resume, log))
+            out = dict(task(job, run_dir, resume))
         except (KeyboardInterrupt, Interrupted):  # Ctrl-C stops the grid, not just this run
             raise
         except BaseException as e:  # noqa: BLE001 - recorded, the grid goes on
-            log(traceback.format_exc())
+            _log.info(traceback.format_exc().rstrip("\n"))
             kind = "" if isinstance(e, KeelError) else f"{type(e).__name__}: "
             return {"name": job.name, "values": job.values, "status": "error", "message": f"{kind}{e}",
                     "wall_s": time.perf_counter() - t0}
@@ -232,7 +229,8 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
     Args:
         jobs: the grid (names unique).
         out_dir: parent folder of the job folders.
-        task: ``task(job, run_dir, resume, log) -> dict``, a module-level function.
+        task: ``task(job, run_dir, resume) -> dict``, a module-level function; it reports
+            progress through ``logging`` (the ``keel`` loggers go to the job's ``run.log`` meanwhile).
         workers: worker processes (``ProcessPoolExecutor`` with the ``spawn`` start method);
             0 runs the jobs one after another in this process (debugging, tests).
         resume: continue a non-empty ``out_dir`` (finished jobs are skipped, interrupted

@@ -18,23 +18,14 @@ import math
 import time
 from pathlib import Path
 
-import torch
-
 from keel.errors import KeelError
-from keel.model import Transformer
+from keel.model import count_parameters
 from keel.run import Run
 
 log = logging.getLogger(__name__)
 
 COLUMNS = ("run", "scheme", "blocks", "sublayers", "params", "step", "steps", "tokens", "val_loss", "tokens_per_s",
            "status")
-
-
-def count_parameters(model_cfg) -> int:
-    """Parameters of a model of this :class:`keel.config.ModelConfig` (tied weights once),
-    counted on the meta device: nothing is allocated."""
-    with torch.device("meta"):
-        return Transformer(model_cfg).num_params()
 
 
 def _not_finite(value) -> bool:
@@ -110,7 +101,7 @@ def format_table(rows: list[dict], root: str | Path | None = None) -> str:
                 "-" if row["val_loss"] is None else f"{row['val_loss']:.4f}",
                 "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}", row["status"]]
 
-    header = ["run", "scheme", "blocks/L", "params", "step", "tokens", "val_loss", "tokens/s", "status"]
+    header = ["run", "scheme", "blocks/sub-layers", "params", "step", "tokens", "val_loss", "tokens/s", "status"]
     table = [header] + [fmt(r) for r in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)

@@ -113,7 +113,10 @@ def _sweep(sweep_dir) -> dict:
 
 
 def _series_key(values: dict, skip: Sequence[str]) -> str:
-    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in values.items() if k not in skip)
+    """A line's legend label from its grid values; a depth (``model.n_layers``, blocks) is
+    shown in sub-layers, as on the depth axis: ``residual=keel, 8 sub-layers``."""
+    return ", ".join(f"{2 * int(v)} sub-layers" if k == "model.n_layers" else f"{k.split('.')[-1]}={v}"
+                     for k, v in values.items() if k not in skip)
 
 
 def depth_points(sweep: dict) -> dict[str, list[tuple[int, float, dict]]]:

@@ -152,11 +152,11 @@ def build_grid(schemes: Sequence[str], sublayers: Sequence[int], lrs: Sequence[f
     repeated value."""
     for L in sublayers:
         if L < 2 or L % 2:
-            raise KeelError(f"--layers counts sub-layers (2 per block) and must be even and >= 2, got {L}")
+            raise KeelError(f"--sublayers counts sub-layers (2 per block) and must be even and >= 2, got {L}")
     for lr in lrs:
         if not (math.isfinite(lr) and lr > 0):
             raise KeelError(f"--lrs must be positive numbers, got {lr}")
-    for what, xs in (("--residual", schemes), ("--layers", sublayers), ("--lrs", lrs), ("--seeds", seeds)):
+    for what, xs in (("--residual", schemes), ("--sublayers", sublayers), ("--lrs", lrs), ("--seeds", seeds)):
         if len(set(xs)) != len(xs):
             raise KeelError(f"{what} repeats a value")
     return {"train.seed": list(seeds), "model.n_layers": [L // 2 for L in sublayers],

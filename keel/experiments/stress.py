@@ -89,10 +89,10 @@ def max_lr(records: list[dict], verdict_step: int) -> float:
     raise KeelError(f"no LR logged at step {verdict_step - 1}")
 
 
-def stress_task(job: GridJob, run_dir: Path, resume: bool, log) -> dict:
+def stress_task(job: GridJob, run_dir: Path, resume: bool) -> dict:
     """Grid task of one stress run: train it (:func:`keel.experiments.sweep.train_task`),
     then add its coordinates (``job.values``) and its max LR (:func:`max_lr`)."""
-    out = train_task(job, run_dir, resume, log)
+    out = train_task(job, run_dir, resume)
     out.update(job.values)
     out["name"] = job.name
     out["run_dir"] = str(run_dir)
@@ -213,7 +213,7 @@ def _check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, workers, referen
             raise KeelError(f"unknown scheme {s!r} (available: {', '.join(SCHEMES)})")
     for L in sublayers:
         if L < 2 or L % 2:
-            raise KeelError(f"--layers counts sub-layers (2 per block) and must be even and >= 2, got {L}")
+            raise KeelError(f"--sublayers counts sub-layers (2 per block) and must be even and >= 2, got {L}")
     if not (math.isfinite(peak_lr) and peak_lr > 0):
         raise KeelError(f"--peak-lr must be > 0, got {peak_lr}")
     if ramp_steps < 2:
@@ -221,7 +221,7 @@ def _check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, workers, referen
     if workers < 0:
         raise KeelError(f"--workers must be >= 0, got {workers}")
     if len(set(schemes)) != len(schemes) or len(set(sublayers)) != len(sublayers) or len(set(seeds)) != len(seeds):
-        raise KeelError("--residual, --layers and --seeds must not repeat a value")
+        raise KeelError("--residual, --sublayers and --seeds must not repeat a value")
 
 
 def run_stress(config: str | None = None, overrides: list[str] | None = None, schemes: list[str] = ("pre_ln", "keel"),

@@ -50,13 +50,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
 import math
 import re
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
-
-import torch
+from typing import Any, Sequence
 
 from keel.config import Override, config_from_dict, load_config, override_text, resolve_config_path, tomllib
 from keel.data import resolve_data
@@ -66,11 +65,13 @@ from keel.errors import KeelError
 from keel.experiments.grid import GridJob, run_grid
 from keel.experiments.training import train_run
 from keel.io import atomic_write_text
-from keel.model import Transformer
+from keel.model import count_parameters
 from keel.train import TrainingStopped
 from keel.train.checkpoint import find_intact_checkpoint
 from keel.train.metrics import read_metrics
 from keel.train.trainer import perplexity
+
+_log = logging.getLogger(__name__)  # inside a grid task: the run's run.log
 
 HELD_KEYS = ("tokens", "steps", "params")
 
@@ -144,23 +145,9 @@ def run_name(values: dict) -> str:
 
 # ----------------------------------------------------------------------------- params
 def param_count(model_cfg, non_embedding: bool = False) -> int:
-    """Parameters of ``Transformer(model_cfg)`` (tied weights once), counted by building
-    the model on the ``meta`` device (no memory, no init cost).
-
-    ``non_embedding`` leaves out the token embedding (the LM head still counts), as
-    :meth:`keel.model.Transformer.num_params` does. Raises KeelError on an invalid shape.
-    """
-    def count(n_layers: int) -> int:
-        with torch.device("meta"):
-            model = Transformer(dataclasses.replace(model_cfg, n_layers=n_layers))
-        return model.num_params(non_embedding=non_embedding)
-
-    # Blocks after the first are identical in size (block 0 may differ, e.g. Keel's first-layer
-    # rule), so two small models give the exact count at any depth without building 512 blocks.
-    if model_cfg.n_layers <= 2:
-        return count(model_cfg.n_layers)
-    one, two = count(1), count(2)
-    return one + (model_cfg.n_layers - 1) * (two - one)
+    """Parameters of ``Transformer(model_cfg)``: :func:`keel.model.count_parameters` (the one
+    implementation; imported here on first use so that ``keel --help`` loads no torch)."""
+    return count_parameters(model_cfg, non_embedding=non_embedding)
 
 
 def width_for_params(model_cfg, target: int, n_layers: int | None = None, *, multiple: int | None = None,
@@ -330,7 +317,7 @@ def run_summary(run_dir: str | Path, stopped: str | None = None) -> dict:
     }
 
 
-def train_task(job: GridJob, run_dir: Path, resume: bool, log: Callable[[str], None]) -> dict:
+def train_task(job: GridJob, run_dir: Path, resume: bool) -> dict:
     """Grid task of ``keel sweep``: train (or resume) ``job.config`` in ``run_dir``; a run
     interrupted before its first intact checkpoint is trained again from step 0.
 
@@ -345,12 +332,12 @@ def train_task(job: GridJob, run_dir: Path, resume: bool, log: Callable[[str], N
     # interrupted before its first intact checkpoint: nothing to continue, train it again from step 0
     restart = resume and find_intact_checkpoint(run_dir)[0] is None
     if restart:
-        log("no intact checkpoint to resume from: training this run again from step 0")
+        _log.info("no intact checkpoint to resume from: training this run again from step 0")
     try:
         train_run(cfg, run_dir, resume=resume and not restart, restart=restart)
     except TrainingStopped as e:
         stopped = str(e)
-        log(f"stopped: {e}")
+        _log.info(f"stopped: {e}")
     out = run_summary(run_dir, stopped)
     out["wall_s"] = time.perf_counter() - t0
     return out

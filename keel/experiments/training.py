@@ -1,9 +1,11 @@
 """Wiring a training run: the trainer plus the callbacks its config asks for.
 
-``keel train``, ``keel sweep`` and ``keel stress`` all train through :func:`train_run`, so a
-run behaves the same whichever command started it. The trainer itself
-(:func:`keel.train.train`) knows nothing of the diagnostics and evaluation layers; this is
-the one place that connects them.
+:func:`train_run` (also ``keel.train_run``) is THE public entry point for training from
+Python: it honours the whole config, as ``keel train`` does. ``keel train``, ``keel sweep``
+and ``keel stress`` all train through it, so a run behaves the same whichever command (or
+script) started it. The trainer itself (:func:`keel.train.train`) knows nothing of the
+diagnostics and evaluation layers (it refuses a config that needs them without their
+callbacks); this is the one place that connects them.
 """
 
 from __future__ import annotations
@@ -33,5 +35,17 @@ def run_callbacks(cfg: Config) -> list[Callback]:
 
 
 def train_run(cfg: Config, run_dir: str | Path, resume: bool = False, restart: bool = False) -> TrainResult:
-    """:func:`keel.train.train` with :func:`run_callbacks` attached. Raises what it raises."""
+    """Train ``cfg`` into ``run_dir`` (or continue it) exactly as ``keel train`` does:
+    :func:`keel.train.train` with :func:`run_callbacks` attached, so every key of ``cfg``
+    (``train.stop_on_divergence``, ``gradflow_every``, ``eval_tasks``, ...) takes effect.
+
+    Args:
+        cfg: the run's config (not modified; the run's ``config.toml`` holds the resolved one).
+        run_dir: the run directory; ``resume`` / ``restart`` as :func:`keel.train.train`.
+    Returns:
+        :class:`keel.train.TrainResult` (losses in nats/token).
+    Raises:
+        KeelError: as :func:`keel.train.train` (``TrainingStopped`` on a divergence verdict
+            with ``train.stop_on_divergence``).
+    """
     return train(cfg, run_dir, resume=resume, callbacks=run_callbacks(cfg), restart=restart)

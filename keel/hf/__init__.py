@@ -6,11 +6,13 @@ Importing this package registers ``model_type = "keel"`` with ``AutoConfig`` and
     AutoModelForCausalLM.from_pretrained(dir)   # a folder written by `keel export-hf`
     AutoTokenizer.from_pretrained(dir)          # works without importing keel
 
-The exported folder carries no modeling code (no ``auto_map``, no ``trust_remote_code``):
-keel's own package is the one copy of the architecture, so ``import keel.hf`` is required
-before ``AutoModelForCausalLM.from_pretrained``. Conversions between run directories and
-Hugging Face folders are in :mod:`keel.hf.convert` (``keel export-hf`` / ``keel import-hf``).
-Needs ``pip install -e .[hf]`` (transformers).
+That loads a folder with keel's installed code. The folder also carries modeling code
+generated from keel's own source (:mod:`keel.hf.remote`, pointed at by ``auto_map``), so
+``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` works where keel is
+not installed; a ``pre_ln`` export is a stock ``LlamaForCausalLM`` instead, with no custom
+code (:mod:`keel.hf.llama`). Conversions between run directories and Hugging Face folders
+are in :mod:`keel.hf.convert` (``keel export-hf`` / ``keel import-hf``). Needs
+``pip install -e .[hf]`` (transformers).
 """
 
 from transformers import AutoConfig, AutoModelForCausalLM

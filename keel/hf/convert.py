@@ -31,7 +31,6 @@ import copy
 import dataclasses
 import json
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
@@ -52,7 +51,7 @@ from keel.run import Run
 from keel.train import state_dict as SD
 from keel.train.checkpoint import load_trainer_state, save_checkpoint
 from keel.train.device import resolve_device
-from keel.train.optim import build_optimizer, build_scheduler
+from keel.train.optim import build_optimizer
 from keel.train.progress import interactive
 
 KEEL_CONFIG_NAME = "keel_config.toml"
@@ -259,17 +258,12 @@ def _write_tokenizer(hf_dir: Path, hf_tok, dest: Path) -> None:
 def fresh_trainer_state(model, cfg, step: int = 0) -> dict:
     """A trainer state at optimiser step ``step`` for weights that come without one (an
     import): a fresh AdamW (no moments; name-keyed,
-    :func:`keel.train.state_dict.full_optimizer_state_dict`), the LR schedule advanced to
-    ``step``, data position 0, the RNG state of ``torch.manual_seed(train.seed)``, 0 tokens.
+    :func:`keel.train.state_dict.full_optimizer_state_dict`; the trainer sets the LR of
+    ``step``), data position 0, the RNG state of ``torch.manual_seed(train.seed)``, 0 tokens.
     ``keel train --resume`` continues such a checkpoint from ``step`` to ``train.steps``."""
     optimizer = build_optimizer(model, cfg.train)
-    scheduler = build_scheduler(optimizer, cfg.train)
-    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": intended here
-        warnings.simplefilter("ignore", UserWarning)
-        for _ in range(step):
-            scheduler.step()
     return {"step": step, "tokens": 0, "elapsed_s": 0.0, "optimizer": SD.full_optimizer_state_dict(model, optimizer),
-            "scheduler": scheduler.state_dict(), "loader": {"epoch": 0, "position": 0},
+            "loader": {"epoch": 0, "position": 0},
             "rng": torch.Generator().manual_seed(cfg.train.seed).get_state()}
 
 

@@ -1,7 +1,8 @@
 """The model zoo: one Llama-style LM, the residual scheme is one switch (``model.residual``)."""
 
-from keel.model.model import Attention, Block, FeedForward, KVCache, Transformer, apply_rope, rope_tables
+from keel.model.model import (Attention, Block, FeedForward, KVCache, Transformer, apply_rope, count_parameters,
+                              rope_tables)
 from keel.model.residual import SCHEMES, RMSNorm, Residual, check_model_config, get_scheme
 
-__all__ = ["Attention", "Block", "FeedForward", "KVCache", "Transformer", "apply_rope", "rope_tables",
+__all__ = ["Attention", "Block", "FeedForward", "KVCache", "Transformer", "apply_rope", "count_parameters", "rope_tables",
            "SCHEMES", "RMSNorm", "Residual", "check_model_config", "get_scheme"]

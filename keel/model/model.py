@@ -15,6 +15,7 @@ dtype (fp32, also under bf16 autocast, where only the matmuls run in bf16).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator
 
 import torch
@@ -394,3 +395,26 @@ class Transformer(nn.Module):
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
             step_input = nxt
         return ids
+
+
+def count_parameters(model_cfg: ModelConfig, non_embedding: bool = False) -> int:
+    """Parameters of ``Transformer(model_cfg)`` (tied weights once), as
+    :meth:`Transformer.num_params` counts them, without allocating: the model is built on
+    the ``meta`` device. ``non_embedding`` leaves out the token embedding (the LM head
+    still counts). The one parameter count of keel (``keel overview``, sweeps, studies).
+
+    Raises:
+        KeelError: an invalid shape (:func:`keel.model.check_model_config`).
+    """
+
+    def count(n_layers: int) -> int:
+        with torch.device("meta"):
+            model = Transformer(dataclasses.replace(model_cfg, n_layers=n_layers))
+        return model.num_params(non_embedding=non_embedding)
+
+    # Blocks after the first are identical in size (block 0 may differ, e.g. Keel's first-layer
+    # rule), so two small models give the exact count at any depth without building 512 blocks.
+    if model_cfg.n_layers <= 2:
+        return count(model_cfg.n_layers)
+    one, two = count(1), count(2)
+    return one + (model_cfg.n_layers - 1) * (two - one)

@@ -1,21 +1,26 @@
 """Hooks into the training loop, so that the loop never imports the layers built on it.
 
-The trainer (:mod:`keel.train.trainer`) calls every :class:`Callback` it was given at three
+The trainer (:mod:`keel.train.trainer`) calls every :class:`Callback` it was given at four
 points; a callback returns the fields it wants added to the step's ``metrics.jsonl`` record
 (or None). The divergence monitor (``keel.diagnostics.divergence``), gradient-flow logging
 (``keel.diagnostics.gradflow``) and lm-eval tasks (``keel.eval.tasks``) are callbacks; the
 layer that wires a run (``keel.experiments.training``) passes them in.
+
+Some ``train`` keys are implemented only by such callbacks (:data:`CALLBACK_KEYS`); a
+callback names the keys it implements in :attr:`Callback.config_keys`, and
+:func:`keel.train.train` refuses a config asking for one that no given callback implements
+(:func:`unhonoured_keys`), rather than ignoring it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
-from keel.config import Config
+from keel.config import Config, TrainConfig
 from keel.train.dist import DistInfo
 
 
@@ -57,8 +62,10 @@ class Callback:
 
     Every rank calls every hook with the same inputs (so collective operations inside a
     hook are allowed, and verdicts agree across ranks); only rank 0's returned fields are
-    written.
+    written. ``config_keys`` names the keys of :data:`CALLBACK_KEYS` the callback implements.
     """
+
+    config_keys: tuple[str, ...] = ()
 
     def on_train_start(self, state: StepState) -> None:
         """Before the first step of this process; ``state.history`` holds the records
@@ -72,3 +79,26 @@ class Callback:
     def on_step_end(self, state: StepState) -> dict | None:
         """After the update (or the skipped update) of step ``state.step``."""
         return None
+
+    def on_train_end(self, state: StepState) -> dict | None:
+        """After the last step of the run (``state.step == train.steps``), before the final
+        sample; the fields returned are written as one more ``metrics.jsonl`` record of step
+        ``state.step``. Not called when the run stops early or is interrupted (it resumes)."""
+        return None
+
+
+# The train keys only a callback implements, each with the test of whether the config asks
+# for it; the wiring layer (keel.experiments.training.run_callbacks) attaches the callbacks.
+CALLBACK_KEYS: dict[str, Callable[[TrainConfig], bool]] = {
+    "train.stop_on_divergence": lambda tc: tc.stop_on_divergence,
+    "train.divergence_reference": lambda tc: bool(tc.divergence_reference),
+    "train.gradflow_every": lambda tc: tc.gradflow_every > 0,
+    "train.eval_tasks": lambda tc: bool(tc.eval_tasks.strip()) and tc.eval_tasks_every > 0,
+}
+
+
+def unhonoured_keys(cfg: Config, callbacks: Sequence[Callback]) -> list[str]:
+    """The keys of :data:`CALLBACK_KEYS` that ``cfg`` asks for but no callback of ``callbacks``
+    implements (names its ``config_keys``); [] when the run can honour its whole config."""
+    honoured = {key for cb in callbacks for key in cb.config_keys}
+    return [key for key, asks in CALLBACK_KEYS.items() if asks(cfg.train) and key not in honoured]

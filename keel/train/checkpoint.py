@@ -3,7 +3,7 @@
 Layout of a run directory::
 
     RUN/checkpoints/step_00000100/model.safetensors   # weights (tied tensors stored once)
-    RUN/checkpoints/step_00000100/trainer.pt          # optimizer, scheduler, data position, RNG
+    RUN/checkpoints/step_00000100/trainer.pt          # optimizer, data position, RNG
     RUN/checkpoints/step_00000100/manifest.json       # size and sha256 of the two files above
     RUN/checkpoints/latest                            # name of the newest complete checkpoint
 
@@ -26,7 +26,7 @@ Multi-process runs write a *sharded* checkpoint instead (:func:`save_sharded_che
 
     RUN/checkpoints/step_00000100/dcp/__R_0.distcp    # the shards rank R holds: weights + AdamW state
     RUN/checkpoints/step_00000100/dcp/.metadata       # torch.distributed.checkpoint's index
-    RUN/checkpoints/step_00000100/trainer.pt          # scheduler, data position, RNG (no model tensors)
+    RUN/checkpoints/step_00000100/trainer.pt          # data position, RNG (no model tensors)
     RUN/checkpoints/step_00000100/manifest.json       # size and sha256 of every file, and its rank
 
 Each rank writes and hashes its own shards (``torch.distributed.checkpoint.save``), so no
@@ -107,7 +107,7 @@ def non_finite_weights(weights: dict[str, torch.Tensor]) -> list[str]:
 
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module | dict[str, torch.Tensor],
                     state: dict[str, Any], keep: int = 2, aliases: dict[str, str] | None = None) -> Path:
-    """Write checkpoint ``step`` and point ``latest`` to it; keep the newest ``keep``.
+    """Write checkpoint ``step`` and point ``latest`` to it; keep the newest ``keep`` (0: keep all).
 
     The files go to a temporary folder; ``manifest.json`` (size and sha256 of each file,
     and the step) is written last, then the folder is renamed to ``step_{step:08d}``.
@@ -115,7 +115,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module | dic
     Args:
         model: the model (a compiled ``OptimizedModule`` or a DDP wrapper is unwrapped: the
             plain module's names are saved), or a full state dict {name: tensor} such as
-            :func:`keel.train.parallelize.full_model_state_dict` returns under FSDP.
+            :func:`keel.train.state_dict.full_model_state_dict` returns under FSDP.
         state: plain Python values and tensors only (it is loaded with weights_only=True).
         aliases: names to leave out because they alias another (tied weights), as
             :func:`tied_aliases` gives; computed from ``model`` when it is a module.
@@ -182,7 +182,7 @@ def _hash_files(folder: Path, names: list[str]) -> dict[str, dict]:
 
 
 def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                            state: dict[str, Any], info, keep: int = 2) -> Path:
+                            state: dict[str, Any], info, keep: int = 2) -> Path:  # keep 0: keep all
     """Write sharded checkpoint ``step`` of a multi-process run (collective: every rank calls it).
 
     Every rank checks its own shards for non-finite values (any rank's finding stops all),

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from keel.errors import KeelError
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -111,6 +114,26 @@ def broadcast_object(obj, info: DistInfo):
     box = [obj]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def decide_on_rank0(decide: Callable[[], T], info: DistInfo) -> T:
+    """Run ``decide()`` on rank 0 only and return its result (any picklable value) on every
+    rank. Collective: every rank calls it.
+
+    Raises:
+        KeelError: on every rank, with rank 0's one-line message, when ``decide()`` raised
+            a KeelError there (the other ranks never run ``decide``).
+    """
+    value, error = None, None
+    if info.is_main:
+        try:
+            value = decide()
+        except KeelError as e:
+            error = str(e)
+    value, error = broadcast_object((value, error), info)
+    if error is not None:
+        raise KeelError(error)
+    return value
 
 
 def barrier(info: DistInfo) -> None:

@@ -12,9 +12,12 @@ schedules (``train.schedule``):
   A run extended while still in its stable phase continues without any LR change.
 * ``constant``: ``lr`` after warm-up. A run can be extended freely.
 
-A resumed run always uses the schedule of its current config at the step it resumes from
-(see :func:`keel.train.trainer.Trainer`); when that differs from the LR the old config
-gave, the trainer says so.
+The LR is a pure function of the step, written into the optimiser before every step
+(:func:`set_lr`); nothing about the schedule is checkpointed. A resumed run therefore always
+uses the schedule of its current config at the step it resumes from (see
+:func:`keel.train.trainer.Trainer`); when that differs from the LR the old config gave, the
+trainer says so. Checkpoints written before this change hold a ``scheduler`` entry (a
+``LambdaLR`` state); it is ignored on resume.
 """
 
 from __future__ import annotations
@@ -69,28 +72,38 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=True)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """``LambdaLR`` whose multiplier is ``lr_at(step) / lr``; its state is in the checkpoint."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
+def set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig) -> float:
+    """Write ``lr_at(step, cfg)`` into every param group before optimiser step ``step``
+    (0-based: the number of steps already done); returns that LR (absolute).
 
-
-def apply_config(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
-                 cfg: TrainConfig) -> None:
-    """After loading saved optimiser/scheduler states, make ``cfg`` the one in effect.
-
-    ``load_state_dict`` brings back the saved hyperparameters (the saved ``lr``, betas,
-    weight decay and the scheduler's base LR); a resumed run must use its current config's
-    instead. Sets each group's betas and weight decay (decay group first, as
-    :func:`build_optimizer` makes them), the scheduler's base LR and each group's LR to
-    ``lr_at(step)`` for the step the scheduler is at. Unchanged values give the same floats
-    as an uninterrupted run.
+    The LR is a pure function of the step (as nanoGPT's ``get_lr``): no scheduler object and
+    no schedule state in checkpoints, so a resumed run recomputes it from its current config.
+    Adding a schedule is :func:`lr_at` plus its name in ``TrainConfig.schedule``. Both groups
+    of :func:`build_optimizer` take the same LR (there is no per-group multiplier).
     """
-    scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
+    lr = lr_at(step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def without_scheduler_marks(optim_state: dict) -> dict:
+    """``optim_state`` (a full optimizer state dict, as a checkpoint holds it) without the
+    ``initial_lr`` that the ``LambdaLR`` of checkpoints written before the LR became a pure
+    function put into every param group: the optimizer of this version has no such key,
+    and loading a state with it fails (``KeyError`` in ``set_optimizer_state_dict``)."""
+    groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in optim_state["param_groups"]]
+    return {**optim_state, "param_groups": groups}
+
+
+def apply_config(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> None:
+    """After loading a saved optimiser state, make ``cfg``'s hyperparameters the ones in effect.
+
+    ``load_state_dict`` brings back the saved betas and weight decay; a resumed run must use
+    its current config's. Sets each group's betas and weight decay (decay group first, as
+    :func:`build_optimizer` makes them). The LR needs nothing: :func:`set_lr` writes it
+    before every step. Unchanged values give the same floats as an uninterrupted run.
+    """
     for i, group in enumerate(optimizer.param_groups):
         group["betas"] = (cfg.beta1, cfg.beta2)
         group["weight_decay"] = cfg.weight_decay if i == 0 else 0.0
-        group["initial_lr"] = cfg.lr
-    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
-    scheduler._last_lr = lrs

@@ -16,6 +16,8 @@ from keel.config import Config, config_from_dict, load_config
 from keel.errors import KeelError
 from keel.train.optim import lr_at
 
+log = logging.getLogger(__name__)
+
 # Keys a resume refuses to change (the continuation would be another run); "model." and
 # "data." cover their whole sections except RESUME_DATA_APPLIED (the dataset itself is
 # checked by the data loader's state: same token counts).
@@ -55,10 +57,10 @@ def saved_config(state: dict, run_dir: Path, cfg: Config) -> dict:
     return load_config(path).to_dict() if path.is_file() else cfg.to_dict()
 
 
-def check_config_changes(state: dict, cfg: Config, run_dir: Path, say) -> dict[str, dict]:
+def check_config_changes(state: dict, cfg: Config, run_dir: Path) -> dict[str, dict]:
     """Compare ``cfg`` with the config of the checkpoint state ``state``: refuse the keys
-    of :data:`RESUME_REFUSED` (one-line KeelError), apply the others, saying so through
-    ``say(msg, level)`` (and, for schedule keys, how the next step's LR changes).
+    of :data:`RESUME_REFUSED` (one-line KeelError), apply the others, logging each as a
+    warning (and, for schedule keys, how the next step's LR changes).
 
     Returns:
         The changes, as :func:`config_changes` gives them.
@@ -74,8 +76,7 @@ def check_config_changes(state: dict, cfg: Config, run_dir: Path, say) -> dict[s
                         f"{changes[k]['old']!r}): changing {', '.join(refused)} would make it another run; "
                         "start a new run instead")
     for key, c in changes.items():
-        say(f"resume: {key} changed from {c['old']!r} to {c['new']!r} (applied from step {state['step']})",
-            logging.WARNING)
+        log.warning("resume: %s changed from %r to %r (applied from step %d)", key, c["old"], c["new"], state["step"])
     if SCHEDULE_KEYS & set(changes):
         try:
             was = lr_at(state["step"], config_from_dict(old).train)
@@ -83,6 +84,6 @@ def check_config_changes(state: dict, cfg: Config, run_dir: Path, say) -> dict[s
             return changes
         now = lr_at(state["step"], cfg.train)
         if not math.isclose(was, now, rel_tol=1e-9):
-            say(f"resume: the learning rate of step {state['step'] + 1} changes from {was:.4g} to {now:.4g} "
-                f"(train.schedule = {cfg.train.schedule!r}; see keel.train.optim)", logging.WARNING)
+            log.warning("resume: the learning rate of step %d changes from %.4g to %.4g (train.schedule = %r; "
+                        "see keel.train.optim)", state["step"] + 1, was, now, cfg.train.schedule)
     return changes

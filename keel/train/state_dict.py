@@ -45,6 +45,7 @@ def clip_grad_norm_(parameters, max_norm: float) -> float:
 def _full_options():
     # lazy: +1-2 s of import; keel eval / generate / runs never need it
     # lazy: +1-2 s of import; keel eval / generate / runs never need it
+    # lazy: +1-2 s of import; keel eval / generate / runs never need it
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -61,6 +62,7 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     # lazy: +1-2 s of import; keel eval / generate / runs never need it
     # lazy: +1-2 s of import; keel eval / generate / runs never need it
+    # lazy: +1-2 s of import; keel eval / generate / runs never need it
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return get_model_state_dict(unwrap(model), options=_full_options())
@@ -71,6 +73,7 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     at any world size and with or without FSDP. Collective under FSDP; only rank 0 receives
     it in a process group (``{}`` elsewhere). Format: ``{"state": {name: {"step", "exp_avg",
     "exp_avg_sq"}}, "param_groups": [{..., "params": [names]}]}`` for AdamW."""
+    # lazy: +1-2 s of import; keel eval / generate / runs never need it
     # lazy: +1-2 s of import; keel eval / generate / runs never need it
     # lazy: +1-2 s of import; keel eval / generate / runs never need it
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -86,6 +89,7 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     Raises:
         KeelError: an index-keyed state with a sharded (FSDP) model.
     """
+    # lazy: +1-2 s of import; keel eval / generate / runs never need it
     # lazy: +1-2 s of import; keel eval / generate / runs never need it
     # lazy: +1-2 s of import; keel eval / generate / runs never need it
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -110,6 +114,7 @@ def sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None
     so that it can be loaded into. Without ``optimizer``: the model only."""
     # lazy: +1-2 s of import; keel eval / generate / runs never need it
     # lazy: +1-2 s of import; keel eval / generate / runs never need it
+    # lazy: +1-2 s of import; keel eval / generate / runs never need it
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     out = {"model": get_model_state_dict(unwrap(model))}
@@ -121,6 +126,7 @@ def sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None
 def load_sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
     """Put a :func:`sharded_state_dict` (filled by ``torch.distributed.checkpoint.load``) back
     into ``model`` (strict) and ``optimizer``."""
+    # lazy: +1-2 s of import; keel eval / generate / runs never need it
     # lazy: +1-2 s of import; keel eval / generate / runs never need it
     # lazy: +1-2 s of import; keel eval / generate / runs never need it
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict

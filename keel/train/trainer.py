@@ -38,7 +38,8 @@ rank 0 writes files and logs; every rank evaluates its share of the validation w
 writes its own shards of the weights and optimizer state into a sharded checkpoint
 (``torch.distributed.checkpoint``, :func:`keel.train.checkpoint.save_sharded_checkpoint`). Resuming from the
 checkpoint at step k reproduces the uninterrupted run's losses exactly on CPU: weights,
-AdamW state, scheduler, data position and RNG state are all restored.
+AdamW state, data position and RNG state are all restored (the LR is a pure function of the
+step, :func:`keel.train.optim.set_lr`: nothing of it is saved).
 
 The loop knows nothing of diagnostics, evaluation tasks or experiment tracking: those come
 in as :class:`keel.train.callbacks.Callback` objects.
@@ -47,6 +48,7 @@ in as :class:`keel.train.callbacks.Callback` objects.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import shutil
@@ -65,7 +67,7 @@ from keel.io import RunLock, atomic_write_text, disk_errors, write_failure
 from keel.model import Transformer, check_model_config
 from keel.train import dist as D
 from keel.train import state_dict as SD
-from keel.train.callbacks import Callback, StepState
+from keel.train.callbacks import Callback, StepState, unhonoured_keys
 from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, is_sharded, latest_checkpoint,
                                    load_sharded_checkpoint, load_trainer_state, load_weights, remove_stale_temporaries,
                                    save_checkpoint, save_sharded_checkpoint, tied_aliases)
@@ -74,7 +76,7 @@ from keel.train.evaluate import mean_nll
 from keel.train.interrupt import StopSignals
 from keel.train.loggers import open_sinks
 from keel.train.metrics import read_metrics, truncate_metrics
-from keel.train.optim import apply_config, build_optimizer, build_scheduler
+from keel.train.optim import apply_config, build_optimizer, set_lr, without_scheduler_marks
 from keel.train.parallelize import checkpointed_blocks, gradient_sync, parallelize
 from keel.train.plots import plot_loss
 from keel.train.progress import ProgressReporter, interactive
@@ -139,7 +141,16 @@ def check_train_config(cfg: Config) -> None:
 
 def train(cfg: Config, run_dir: str | Path, resume: bool = False, callbacks: Sequence[Callback] = (),
           restart: bool = False) -> TrainResult:
-    """Train ``cfg`` into ``run_dir`` (or continue it with ``resume=True``).
+    """Train ``cfg`` into ``run_dir`` (or continue it with ``resume=True``) with the given
+    callbacks only: the low-level loop, for callers who pass their own hooks.
+
+    ``keel.train_run`` (:func:`keel.experiments.training.train_run`, what ``keel train``
+    calls) is the public entry point: it attaches the callbacks the config asks for. Keys
+    only a callback implements (:data:`keel.train.callbacks.CALLBACK_KEYS`:
+    ``train.stop_on_divergence``, ``divergence_reference``, ``gradflow_every``,
+    ``eval_tasks``) are refused here when no callback implements them, never ignored;
+    ``train.divergence_warnings`` (on by default; logging only) has no effect without the
+    divergence callback.
 
     Launched by torchrun (``RANK``/``WORLD_SIZE`` set), every process calls this; rank 0's
     ``run_dir`` is used by all. See the module docstring for the global batch.
@@ -152,11 +163,17 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, callbacks: Seq
     Raises:
         KeelError: bad config, data problems, a run directory that already holds a run
             (without ``resume``), a resume of a run with history but no intact checkpoint
-            (without ``restart``), a refused config change on resume, ``train.batch_size``
+            (without ``restart``), a refused config change on resume, a key of
+            :data:`keel.train.callbacks.CALLBACK_KEYS` no callback implements, ``train.batch_size``
             not divisible by the world size, or ``TrainingStopped`` (the last good
             checkpoint is left intact).
     """
     check_train_config(cfg)
+    missing = unhonoured_keys(cfg, callbacks)
+    if missing:
+        raise KeelError(f"keel.train.train cannot honour {', '.join(missing)} without the callback that implements it: "
+                        "train with keel.train_run (what `keel train` does), or pass "
+                        "callbacks=keel.experiments.training.run_callbacks(cfg)")
     info = D.init_distributed(resolve_device(cfg.train.device))
     try:
         run_dir = Path(D.broadcast_object(str(run_dir), info))
@@ -175,15 +192,8 @@ def run_lock(run_dir: Path, info: D.DistInfo):
     Raises:
         KeelError: another process holds the lock (naming its pid), or the folder cannot be made.
     """
-    lock, error = RunLock(run_dir), None
-    if info.is_main:
-        try:
-            lock.acquire()
-        except KeelError as e:
-            error = str(e)
-    error = D.broadcast_object(error, info)
-    if error is not None:
-        raise KeelError(error)
+    lock = RunLock(run_dir)
+    D.decide_on_rank0(lambda: lock.acquire() and None, info)  # the lock object stays on rank 0
     try:
         yield
     finally:
@@ -195,6 +205,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: str | Path, resume: bool, callbacks: list[Callback], info: D.DistInfo,
                  restart: bool = False):
+        cfg = copy.deepcopy(cfg)  # the run resolves keys (model.vocab_size "auto"): never the caller's object
         self.cfg, self.tc, self.info, self.callbacks = cfg, cfg.train, info, callbacks
         self.main = info.is_main
         self.ws = info.world_size if info.distributed else 1
@@ -221,8 +232,8 @@ class Trainer:
         self.step, self.tokens, self.elapsed = 0, 0, 0.0
         if saved is not None:
             self._restore(saved)
-        elif resume and not restart:
-            self.say(f"no checkpoint in {self.run_dir} yet (no step was saved): starting it from step 0")
+        elif resume and not restart and self.main:
+            log.info("no checkpoint in %s yet (no step was saved): starting it from step 0", self.run_dir)
         self.resumed_from = self.step if self.ckpt is not None else None
         self.sink = None  # the train.loggers sinks (keel.train.loggers), opened by the first write
         self.history = self._prepare_run_dir()
@@ -232,10 +243,9 @@ class Trainer:
         """Rank 0 removes stale temporaries (and, for a restart, the old history)."""
         if self.main:
             for path in remove_stale_temporaries(self.run_dir):
-                self.say(f"removed {path} (left by an interrupted write)")
+                log.info("removed %s (left by an interrupted write)", path)
             if restart and (self.metrics_path.exists() or (self.run_dir / "checkpoints").exists()):
-                self.say(f"restarting {self.run_dir} from step 0: deleting its metrics and checkpoints",
-                         logging.WARNING)
+                log.warning("restarting %s from step 0: deleting its metrics and checkpoints", self.run_dir)
                 self.metrics_path.unlink(missing_ok=True)
                 shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
         D.barrier(self.info)
@@ -246,21 +256,19 @@ class Trainer:
         Raises:
             KeelError: the run has history but no intact checkpoint.
         """
-        found, error = None, None
-        if self.main:
+        def decide() -> str | None:
             ckpt, reasons = find_intact_checkpoint(self.run_dir)
             for reason in reasons:
-                self.say(f"skipping {reason}", logging.WARNING)
+                log.warning("skipping %s", reason)
             if ckpt is None and self._has_history():
-                error = (f"cannot resume {self.run_dir}: it has history but no intact checkpoint"
-                         f" ({'; '.join(reasons) or 'no checkpoint was saved'}); pass --restart to train it "
-                         "again from step 0 (its metrics and checkpoints are deleted)")
-            elif ckpt is not None and reasons:
-                self.say(f"resuming from {ckpt.name}, the newest intact checkpoint", logging.WARNING)
-            found = str(ckpt) if ckpt is not None else None
-        found, error = D.broadcast_object((found, error), self.info)
-        if error is not None:
-            raise KeelError(error)
+                raise KeelError(f"cannot resume {self.run_dir}: it has history but no intact checkpoint"
+                                f" ({'; '.join(reasons) or 'no checkpoint was saved'}); pass --restart to train it "
+                                "again from step 0 (its metrics and checkpoints are deleted)")
+            if ckpt is not None and reasons:
+                log.warning("resuming from %s, the newest intact checkpoint", ckpt.name)
+            return str(ckpt) if ckpt is not None else None
+
+        found = D.decide_on_rank0(decide, self.info)
         return Path(found) if found is not None else None
 
     def _has_history(self) -> bool:
@@ -269,28 +277,16 @@ class Trainer:
             return True
         return any(r.get("step", 0) >= 1 for r in read_metrics(self.metrics_path))
 
-    def say(self, msg: str, level: int = logging.INFO) -> None:
-        """Log ``msg`` on rank 0 only."""
-        if self.main:
-            log.log(level, msg)
-
     def _load_data(self) -> None:
-        """Rank 0 prepares (or finds) the dataset; the others wait for its answer."""
-        data_dir, error = None, None
-        if self.main:
-            try:
-                data_dir = str(resolve_data(self.cfg, progress=self.tc.progress and interactive()))
-            except KeelError as e:
-                error = str(e)
-        data_dir, error = D.broadcast_object((data_dir, error), self.info)
-        if error is not None:
-            raise KeelError(error)
-        self.data_dir = Path(data_dir)
+        """Rank 0 prepares (or finds) the dataset; the others wait for its answer. Resolves
+        ``model.vocab_size`` in the run's own copy of the config (never the caller's)."""
+        self.data_dir = Path(D.decide_on_rank0(
+            lambda: str(resolve_data(self.cfg, progress=self.tc.progress and interactive())), self.info))
         self.meta = read_meta(self.data_dir)
         vocab = resolve_vocab_size(self.cfg.model.vocab_size, self.meta["vocab_size"], self.cfg.model.vocab_multiple)
-        if self.cfg.model.vocab_size == "auto":
-            self.say(f"model.vocab_size = \"auto\": {vocab} (tokenizer: {self.meta['vocab_size']} ids, "
-                     f"rounded up to a multiple of {self.cfg.model.vocab_multiple})")
+        if self.cfg.model.vocab_size == "auto" and self.main:
+            log.info("model.vocab_size = \"auto\": %d (tokenizer: %d ids, rounded up to a multiple of %d)",
+                     vocab, self.meta["vocab_size"], self.cfg.model.vocab_multiple)
         self.cfg.model.vocab_size = vocab
         self.tokenizer = load_tokenizer(self.data_dir)
         self.loader = TokenLoader(self.data_dir, "train", batch_size=self.local_bs, seq_len=self.tc.seq_len,
@@ -308,7 +304,6 @@ class Trainer:
         self.train_module = parallelize(self.model, self.tc, self.info)  # DDP wrapper, or the model (FSDP2)
         self.fsdp = self.info.distributed and self.tc.parallelism == "fsdp"
         self.optimizer = build_optimizer(self.model, self.tc)
-        self.scheduler = build_scheduler(self.optimizer, self.tc)
         if self.sharded_ckpt:  # weights + AdamW state, resharded to this world size
             load_sharded_checkpoint(self.model, self.optimizer, self.ckpt)
 
@@ -317,17 +312,18 @@ class Trainer:
             raise KeelError(f"cannot resume from {self.ckpt}: it holds weights only (no optimiser or data state; "
                             "made by keel import-hf?); start a new run from it instead")
         if not self.sharded_ckpt:  # a sharded checkpoint's optimizer state was loaded with the weights
-            SD.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        apply_config(self.optimizer, self.scheduler, self.tc)
+            SD.load_optimizer_state_dict(self.model, self.optimizer, without_scheduler_marks(state["optimizer"]))
+        apply_config(self.optimizer, self.tc)  # an older checkpoint's "scheduler" entry is not needed: set_lr
         self.loader.load_state_dict(state["loader"])
         torch.set_rng_state(state["rng"])
         self.step, self.tokens, self.elapsed = state["step"], state["tokens"], state["elapsed_s"]
-        self.say(f"resuming {self.run_dir} from step {self.step} ({self.ckpt.name})")
+        if self.main:
+            log.info("resuming %s from step %d (%s)", self.run_dir, self.step, self.ckpt.name)
 
     def _check_config_changes(self, state: dict) -> None:
-        """The resume policy (:func:`keel.train.resume.check_config_changes`): refuse or apply."""
-        self.changes = check_config_changes(state, self.cfg, self.run_dir, self.say)
+        """The resume policy (:func:`keel.train.resume.check_config_changes`): refuse or apply
+        (rank 0 decides and logs; every rank raises a refusal)."""
+        self.changes = D.decide_on_rank0(lambda: check_config_changes(state, self.cfg, self.run_dir), self.info)
 
     def _prepare_run_dir(self) -> list[dict]:
         """Write config and tokenizer; cut metrics.jsonl back to the restored step and record
@@ -348,15 +344,18 @@ class Trainer:
         return D.broadcast_object(history, self.info)
 
     def _describe(self) -> None:
+        """Log what is about to be trained (rank 0)."""
         cfg, tc = self.cfg, self.tc
+        if not self.main:
+            return
         if tc.warmup_steps > tc.steps:
-            self.say(f"warning: train.warmup_steps ({tc.warmup_steps}) > train.steps ({tc.steps}): "
-                     "the LR never reaches train.lr", logging.WARNING)
-        self.say(f"run directory: {self.run_dir}")
-        self.say(f"model: {cfg.model.residual}, {cfg.model.n_layers} blocks = {cfg.model.n_sublayers} sub-layers, "
+            log.warning("warning: train.warmup_steps (%d) > train.steps (%d): the LR never reaches train.lr",
+                        tc.warmup_steps, tc.steps)
+        log.info("run directory: %s", self.run_dir)
+        log.info(f"model: {cfg.model.residual}, {cfg.model.n_layers} blocks = {cfg.model.n_sublayers} sub-layers, "
                  f"d_model {cfg.model.d_model}, {self.model.num_params() / 1e6:.2f}M parameters; "
                  f"data: {self.data_dir} ({self.meta['train_tokens']:,} train tokens)")
-        self.say(f"global batch: {tc.batch_size} sequences x {tc.seq_len} tokens x grad_accum {tc.grad_accum} = "
+        log.info(f"global batch: {tc.batch_size} sequences x {tc.seq_len} tokens x grad_accum {tc.grad_accum} = "
                  f"{self.tokens_per_step:,} tokens per optimizer step; world size {self.ws}"
                  + (f" ({tc.parallelism}, {self.local_bs} sequences per rank per micro-batch)"
                     if self.info.distributed else "")
@@ -390,7 +389,8 @@ class Trainer:
 
     def checkpoint(self) -> None:
         """Save weights and trainer state: one process writes the full tensors; several
-        processes write a sharded checkpoint, each rank its own shards (collective).
+        processes write a sharded checkpoint, each rank its own shards (collective). The
+        newest ``train.keep_checkpoints`` are kept (0: every checkpoint is kept).
 
         Raises:
             TrainingStopped: the weights are not all finite (nothing is written; the last
@@ -398,7 +398,7 @@ class Trainer:
         """
         if self.info.distributed:
             state = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed,
-                     "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(),
+                     "loader": self.loader.state_dict(),
                      "rng": torch.get_rng_state(), "config": self.cfg.to_dict()}
             try:
                 save_sharded_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state, self.info,
@@ -411,7 +411,7 @@ class Trainer:
         error = None
         if self.main:
             state = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed, "optimizer": optim_state,
-                     "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(),
+                     "loader": self.loader.state_dict(),
                      "rng": torch.get_rng_state(), "config": self.cfg.to_dict()}
             try:
                 save_checkpoint(self.run_dir, self.step, weights, state, keep=self.tc.keep_checkpoints,
@@ -467,7 +467,7 @@ class Trainer:
     def train_step(self, state: StepState) -> dict:
         """One optimiser step (skipped when the loss or gradient is not finite); returns its record."""
         t0 = time.perf_counter()
-        state.lr = self.scheduler.get_last_lr()[0]
+        state.lr = set_lr(self.optimizer, self.step, self.tc)
         state.loss, state.grad_norm = self.forward_backward(), None
         fields = self._hooks("on_gradients", state)  # raw gradients, before clipping
         max_norm = self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf")
@@ -477,7 +477,6 @@ class Trainer:
         if state.finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
         self.step, self.tokens = self.step + 1, self.tokens + self.tokens_per_step
         state.step, state.tokens = self.step, self.tokens
         dt = time.perf_counter() - t0
@@ -486,13 +485,15 @@ class Trainer:
                   "grad_norm": state.grad_norm, "tokens_per_s": self.tokens_per_step / dt, "elapsed_s": self.elapsed}
         return {**record, **fields}
 
-    def _skip_policy(self, record: dict, bad_in_row: int) -> int:
-        """Count a non-finite step; raise TrainingStopped after ``train.max_bad_steps`` in a row."""
-        if not record.pop("_finite"):
+    def _skip_policy(self, record: dict, finite: bool, bad_in_row: int) -> int:
+        """Count a non-finite step (``finite`` False: its update was skipped); raise
+        TrainingStopped after ``train.max_bad_steps`` in a row. Returns the new count."""
+        if not finite:
             bad_in_row += 1
             record["skipped"] = True
-            self.say(f"step {self.step}: non-finite loss {record['loss']}, grad norm {record['grad_norm']} or "
-                     f"LR {record['lr']}; update skipped ({bad_in_row} in a row)", logging.WARNING)
+            if self.main:
+                log.warning("step %d: non-finite loss %s, grad norm %s or LR %s; update skipped (%d in a row)",
+                            self.step, record["loss"], record["grad_norm"], record["lr"], bad_in_row)
             if bad_in_row >= self.tc.max_bad_steps:
                 self.write(record)
                 last = latest_checkpoint(self.run_dir)
@@ -522,8 +523,7 @@ class Trainer:
                 while self.step < self.tc.steps:
                     record = self.train_step(state)
                     record.update(self._hooks("on_step_end", state))
-                    record["_finite"] = state.finite
-                    bad_in_row = self._skip_policy(record, bad_in_row)
+                    bad_in_row = self._skip_policy(record, state.finite, bad_in_row)
                     if state.stop is not None:
                         self.write(record)
                         raise TrainingStopped(f"stopped at step {self.step}: {state.stop}")
@@ -536,6 +536,9 @@ class Trainer:
                     if saved:
                         self.checkpoint()
                     self._stop_if_signalled(signals, saved)
+                end = self._hooks("on_train_end", state)  # e.g. a loss spike still open at the last step
+                if end:
+                    self.write({"step": self.step, "tokens": self.tokens, **end})
         finally:
             bar.close()
             self.close_sink()
@@ -559,7 +562,9 @@ class Trainer:
 
     def _nothing_to_do(self) -> TrainResult:
         """A resumed run already at (or past) ``train.steps``: report, train nothing, write nothing."""
-        self.say(f"{self.run_dir} is already at step {self.step} (train.steps = {self.tc.steps}): nothing to do")
+        if self.main:
+            log.info("%s is already at step %d (train.steps = %d): nothing to do", self.run_dir, self.step,
+                     self.tc.steps)
         vals = [r["val_loss"] for r in self.history if r.get("val_loss") is not None]
         val_loss = vals[-1] if vals else self.validate()
         sample_path = self.run_dir / "sample.txt"

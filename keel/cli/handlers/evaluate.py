@@ -78,9 +78,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise KeelError(f"--seq-len must be between 1 and model.max_seq_len = {mc.max_seq_len}, got {seq_len}")
     report: dict = {"model": name, "residual": mc.residual, "blocks": mc.n_layers, "sublayers": mc.n_sublayers,
                     "d_model": mc.d_model, "parameters": model.num_params(), "perplexity": None, "tasks": {}}
-    say = (lambda *a, **k: None) if args.json else print
-    say(f"model: {name} ({mc.residual}, {mc.n_layers} blocks = {mc.n_sublayers} sub-layers, d_model {mc.d_model}, "
-        f"{model.num_params() / 1e6:.2f}M parameters)")
+    human = not args.json  # --json: stdout holds the JSON report only
+    if human:
+        print(f"model: {name} ({mc.residual}, {mc.n_layers} blocks = {mc.n_sublayers} sub-layers, "
+              f"d_model {mc.d_model}, {model.num_params() / 1e6:.2f}M parameters)")
 
     res = None
     if args.text:
@@ -103,23 +104,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if res is not None:
         report["perplexity"] = {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
                                 for k, v in res.to_dict().items()}
-        say(f"held-out text: {res.source} ({res.tokens:,} tokens, {res.bytes:,} bytes, windows of {seq_len} tokens)")
-        say(f"  loss {res.loss:.4f} nats/token, perplexity {res.perplexity:.2f}, bits per byte {res.bits_per_byte:.4f}")
-    else:
-        say(f"held-out text: none ({why_none}; pass --text FILE)")
+    if human and res is not None:
+        print(f"held-out text: {res.source} ({res.tokens:,} tokens, {res.bytes:,} bytes, windows of {seq_len} tokens)")
+        print(f"  loss {res.loss:.4f} nats/token, perplexity {res.perplexity:.2f}, bits per byte {res.bits_per_byte:.4f}")
+    elif human:
+        print(f"held-out text: none ({why_none}; pass --text FILE)")
 
     failed = 0
     if task_names:
         results = run_tasks(model, tokenizer, task_names, limit=args.limit, task_dir=args.task_dir,
-                            log=lambda line: print(line, file=sys.stderr), batch_size=args.batch_size,
-                            verbose=args.verbose)
+                            batch_size=args.batch_size, verbose=args.verbose)  # a task that fails: logged
         report["tasks"] = results
         for task, metrics in results.items():
             if "error" in metrics:
                 failed += 1
                 continue
             vals = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
-            say(f"task {task}: {vals}")
+            if human:
+                print(f"task {task}: {vals}")
     if args.json:
         print(json.dumps(report, indent=2))
     return 1 if failed else 0

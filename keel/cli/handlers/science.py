@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -37,18 +38,15 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.jacobian_iters < 1:
         raise KeelError("--jacobian-iters must be >= 1")
-    if args.run and (args.residual is not None or args.layers is not None):
-        raise KeelError("--run takes the model from the run; drop --residual and --layers")
-    show = None if args.json else (lambda r: print(G._summary_line(r), flush=True))
-    if not args.json:
-        print(G.SUMMARY_HEADER)
+    if args.run and (args.residual is not None or args.sublayers is not None):
+        raise KeelError("--run takes the model from the run; drop --residual and --sublayers")
     common = dict(batch_size=args.batch_size, jacobian_iters=args.jacobian_iters, full_jacobian=args.full_jacobian,
-                  seed=args.seed, on_result=show)
+                  seed=args.seed)  # the library logs the summary table (stderr) as each profile finishes
     if args.run:
         results = G.profile_runs(args.run, args.seq_len, **common)
     else:
         schemes = _parse_schemes(args.residual if args.residual is not None else ",".join(SCHEMES))
-        depths = _parse_layers(args.layers if args.layers is not None else G.DEFAULT_LAYERS)
+        depths = _parse_layers(args.sublayers if args.sublayers is not None else G.DEFAULT_LAYERS)
         base = load_config(resolve_config_path(args.config), args.set)
         results = G.profile_schemes(base, schemes, depths, args.d_model, args.seq_len, **common)
     if args.json:
@@ -73,15 +71,15 @@ def _parse_schemes(text: str) -> list[str]:
 def _parse_layers(text: str) -> list[int]:
     items = [s.strip() for s in text.split(",") if s.strip()]
     if not items:
-        raise KeelError("--layers needs at least one depth (sub-layers, e.g. 16,64)")
+        raise KeelError("--sublayers needs at least one depth (sub-layers, e.g. 16,64)")
     out = []
     for s in items:
         try:
             n = int(s)
         except ValueError:
-            raise KeelError(f"--layers: {s!r} is not an integer number of sub-layers") from None
+            raise KeelError(f"--sublayers: {s!r} is not an integer number of sub-layers") from None
         if n < 2 or n % 2:
-            raise KeelError(f"--layers: {n} is not an even number >= 2 of sub-layers "
+            raise KeelError(f"--sublayers: {n} is not an even number >= 2 of sub-layers "
                             f"(each block is an attention and an FFN sub-layer)")
         out.append(n)
     return out
@@ -129,13 +127,14 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     if args.tokens is not None and args.tokens < 1:
         raise KeelError(f"--tokens must be >= 1, got {args.tokens}")
     tokens = args.tokens or 16384
-    log = (lambda m: print(m, file=sys.stderr)) if args.verbose else None
+    if args.verbose:  # the library logs each unit's PPL at DEBUG level
+        logging.getLogger(A.__name__).setLevel(logging.DEBUG)
     if args.hf:
         text = A.hf_text(args.text, args.run, tokens)
-        res = A.ablate_hf_folder(args.hf, text, args.seq_len, tokens, args.batch_size, log=log)
+        res = A.ablate_hf_folder(args.hf, text, args.seq_len, tokens, args.batch_size)
         title, default_out = str(args.hf), Path(args.hf) / "ablate"
     elif args.run:
-        res = A.ablate_run(args.run, args.seq_len, tokens, args.batch_size, args.device, log=log)
+        res = A.ablate_run(args.run, args.seq_len, tokens, args.batch_size, args.device)
         title, default_out = str(args.run), Path(args.run) / "ablate"
     else:
         raise KeelError("give --run DIR (a keel run) or --hf MODEL_PATH")
@@ -155,7 +154,7 @@ def cmd_stress(args) -> int:
     if args.resume and args.report_only:
         raise KeelError("--report-only trains nothing; do not combine it with --resume")
     schemes = _parse_list(args.residual, str, "--residual") if args.residual is not None else list(SCHEMES)
-    layers = _parse_list(args.layers, int, "--layers")
+    layers = _parse_list(args.sublayers, int, "--sublayers")
     seeds = _parse_list(args.seeds, int, "--seeds")
     res = ST.run_stress(args.config, args.set, schemes, layers, seeds, args.peak_lr, args.ramp_steps, args.out,
                      args.workers, args.threads, resume=args.resume, report_only=args.report_only,
@@ -183,7 +182,7 @@ def cmd_lr_sensitivity(args: argparse.Namespace) -> int:
     if args.resume and args.report_only:
         raise KeelError("--report-only trains nothing; do not combine it with --resume")
     s = LS.run_lr_sensitivity(args.config, _parse_list(args.residual, str, "--residual"),
-                              _parse_list(args.layers, int, "--layers"), _parse_list(args.lrs, float, "--lrs"),
+                              _parse_list(args.sublayers, int, "--sublayers"), _parse_list(args.lrs, float, "--lrs"),
                               _parse_list(args.seeds, int, "--seeds"), args.set,
                               out=args.out, workers=args.workers, threads=args.threads or None, resume=args.resume,
                               report_only=args.report_only)
