@@ -90,7 +90,9 @@ def atomic_dir(path: str | os.PathLike, replace: bool = False) -> Iterator[Path]
 
 # errno values of a write that failed because of the disk or the mount, not the program:
 # full, over quota, read-only, not permitted, file too large.
-DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG,
+                         errno.EEXIST, errno.ENOTDIR, errno.EISDIR})  # the last three: a file where a folder must be
+_WHY = {errno.EEXIST: "a file is there, not a folder"}
 
 
 def write_failure(e: BaseException | None) -> OSError | None:
@@ -110,8 +112,9 @@ def write_failure(e: BaseException | None) -> OSError | None:
 
 @contextlib.contextmanager
 def disk_errors(path: str | os.PathLike, note: str = "") -> Iterator[None]:
-    """Turn a write that fails for want of space or permission (:func:`write_failure`) inside
-    the block into one line: ``KeelError("cannot write PATH: No space left on device{note}")``.
+    """Turn a write that fails for want of space or permission, or because a file stands where a
+    folder must be (:func:`write_failure`), inside the block into one line:
+    ``KeelError("cannot write PATH: No space left on device{note}")``.
     ``PATH`` is the file the OS names, else ``path``. Other errors pass through.
 
     Raises:
@@ -124,7 +127,21 @@ def disk_errors(path: str | os.PathLike, note: str = "") -> Iterator[None]:
         if cause is None:
             raise
         where = cause.filename or path
-        raise KeelError(f"cannot write {where}: {cause.strerror or os.strerror(cause.errno)}{note}") from None
+        why = _WHY.get(cause.errno) or cause.strerror or os.strerror(cause.errno)
+        raise KeelError(f"cannot write {where}: {why}{note}") from None
+
+
+def make_dirs(path: str | os.PathLike) -> Path:
+    """``mkdir -p path``; returns it as a Path.
+
+    Raises:
+        KeelError: one line naming the path when it cannot be a folder (a file stands there or
+            in its parents) or cannot be written (:func:`disk_errors`).
+    """
+    path = Path(path)
+    with disk_errors(path):
+        path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 LOCK_NAME = ".keel.lock"

@@ -52,7 +52,7 @@ import torch
 
 from keel.config import config_from_dict
 from keel.errors import Interrupted, KeelError
-from keel.io import atomic_write_text
+from keel.io import atomic_write_text, make_dirs
 
 _log = logging.getLogger(__name__)  # progress lines ("[3/12] name: done in 41 s")
 
@@ -248,7 +248,7 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
         raise KeelError(f"--threads must be >= 0 (0 = cores / workers), got {threads}")
     out_dir = Path(out_dir)
     done, todo = plan_grid(jobs, out_dir, resume)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_dirs(out_dir)
     atomic_write_text(out_dir / GRID_FILE, json.dumps([asdict(j) for j in jobs], indent=1))
     results: dict[str, dict] = {j.name: cached_result(out_dir / j.name) for j in done}
     n_workers = max(1, workers)

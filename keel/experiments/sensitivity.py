@@ -50,7 +50,7 @@ from keel.diagnostics.divergence import Thresholds
 from keel.errors import KeelError
 from keel.experiments.grid import cached_result, run_grid
 from keel.experiments.sweep import build_jobs, train_task
-from keel.io import atomic_write_text
+from keel.io import atomic_write_text, make_dirs
 from keel.model import SCHEMES
 from keel.train.plots import plt, save_figure
 
@@ -358,6 +358,6 @@ def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Se
     # the divergence classifier's stagnation level: below it, a run has left the unigram plateau
     summary["plateau_level"] = (1 - Thresholds().stagnation_margin) * summary["unigram_entropy"]
     summary["cells"] = summarise(results, schemes, sublayers, grid["train.lr"], seeds, summary["plateau_level"])
-    Path(out).mkdir(parents=True, exist_ok=True)
+    make_dirs(out)
     write_outputs(summary, out)
     return summary

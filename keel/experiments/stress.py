@@ -52,7 +52,7 @@ from keel.data import resolve_data
 from keel.errors import KeelError
 from keel.experiments.grid import GridJob, cached_result, run_grid
 from keel.experiments.sweep import train_task
-from keel.io import atomic_write_text
+from keel.io import atomic_write_text, make_dirs
 from keel.model import SCHEMES
 from keel.train.metrics import read_metrics
 from keel.train.plots import plt, save_figure
@@ -276,7 +276,7 @@ def run_stress(config: str | None = None, overrides: list[str] | None = None, sc
     table = stress_table(results, schemes, sublayers)
     summary = {"peak_lr": peak_lr, "ramp_steps": ramp_steps, "config": str(cfg_path), "overrides": overrides,
                "reference_scheme": reference_scheme, "runs": results, "references": ref_results, "table": table}
-    out.mkdir(parents=True, exist_ok=True)
+    make_dirs(out)
     atomic_write_text(out / "stress.json", json.dumps(summary, indent=1, default=str))
     atomic_write_text(out / "stress.md", table_markdown(table, peak_lr))
     plot_stress(results, schemes, sublayers, out / "stress.png")

@@ -47,7 +47,7 @@ from keel.experiments import stress as ST
 from keel.experiments.grid import GridJob, cached_result, run_grid
 from keel.experiments.plot import plot_loss_curves
 from keel.experiments.sweep import build_jobs, param_count, train_task
-from keel.io import atomic_write_text
+from keel.io import atomic_write_text, make_dirs
 from keel.model import SCHEMES
 from keel.train.metrics import read_metrics
 from keel.train.plots import plt, save_figure
@@ -786,7 +786,7 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     runs, waiting = collect(study, data_dir, out, train=not report_only, workers=workers, threads=threads)
     claims = [(cl, CLAIM_TESTS[cl["test"]](study, runs, cl)) for cl in study.claims]
     h1 = dataset_unigram_entropy(data_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    make_dirs(out)
     plots = write_plots(study, runs, claims, out, h1)
     report = {"study": study.name, "scale": study.scale, "note": study.note, "command": first_command,
               "sets": [override_text(x) for x in study.sets],
@@ -819,7 +819,7 @@ def _claim_out(out: Path, study: Study, command: str, *, resume: bool, report_on
     if not (resume or report_only) and out.is_dir() and any(out.iterdir()):
         raise KeelError(f"output folder {out} is not empty; use --resume to continue it, or another --out")
     if held is None:
-        out.mkdir(parents=True, exist_ok=True)
+        make_dirs(out)
         held = {"study": study.name, "scale": study.scale, "command": command}
         atomic_write_text(marker, json.dumps(held, indent=1))
     return held.get("command", command)

@@ -46,7 +46,7 @@ from keel.errors import KeelError
 from keel.hf.llama import from_llama, read_safetensors, to_llama
 from keel.hf.modeling import KeelForCausalLM
 from keel.hf.remote import write_remote_code
-from keel.io import atomic_dir, atomic_write_text, chmod_default
+from keel.io import atomic_dir, atomic_write_text, chmod_default, make_dirs
 from keel.run import Run
 from keel.train import state_dict as SD
 from keel.train.checkpoint import load_trainer_state, save_checkpoint
@@ -79,7 +79,7 @@ def _fresh_output(out: Path):
     """:func:`keel.io.atomic_dir` for ``out``: a temporary folder that becomes ``out`` when
     the block succeeds. Raises KeelError if ``out`` exists and is not an empty folder."""
     _check_output(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(out.parent)
     return atomic_dir(out)
 
 

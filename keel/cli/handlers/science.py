@@ -24,6 +24,7 @@ from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
 from keel.experiments import study as SD
 from keel.experiments import sweep as S
+from keel.io import make_dirs
 from keel.model import SCHEMES
 
 
@@ -52,7 +53,7 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"results": results}))
     if args.plot:
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)  # as other commands create their folders
+        make_dirs(Path(args.plot).parent)  # as other commands create their folders
         G.plot_profiles(results, args.plot)
         print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0
