@@ -526,6 +526,26 @@ def config_from_dict(d: Mapping[str, Any]) -> Config:
     return cfg
 
 
+def checked_copy(cfg: Config) -> Config:
+    """A validated copy of a :class:`Config` built or edited in Python: every value goes through
+    the same conversion and checks as a TOML file or ``--set`` (:func:`config_from_dict`), so a
+    run never starts from, or writes into its ``config.toml``, a value the CLI would refuse.
+
+    Raises:
+        KeelError: ``cfg`` is not a Config (e.g. a path: load it with :func:`load_config`), an
+            attribute that is no config key was set on a section, or a value the checks refuse.
+    """
+    if not isinstance(cfg, Config):
+        raise KeelError(f"expected a keel.config.Config (load a file with keel.config.load_config), "
+                        f"got {type(cfg).__name__}")
+    for section in _SECTIONS:
+        obj = getattr(cfg, section)
+        unknown = sorted(set(vars(obj)) - {f.name for f in dataclasses.fields(obj)})
+        if unknown:
+            raise KeelError(f"unknown config key {section}.{unknown[0]}")
+    return config_from_dict(cfg.to_dict())
+
+
 Override = Union[str, tuple[str, Any]]
 
 

@@ -188,3 +188,32 @@ def test_one_parameter_count(residual, n_layers):
     assert overview.count_parameters is count_parameters
     assert count_parameters(mc) == model.num_params() == sum(p.numel() for p in model.parameters())
     assert count_parameters(mc, non_embedding=True) == model.num_params(non_embedding=True)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda c: setattr(c.train, "stop_on_divergence", "maybe"), "train.stop_on_divergence must be true or false"),
+    (lambda c: setattr(c.train, "steps", 0), "train.steps must be >= 1"),
+    (lambda c: setattr(c.train, "foo", 1), "unknown config key train.foo"),
+    (lambda c: setattr(c.model, "residual", "nope"), "nope"),
+])
+def test_a_config_edited_in_python_is_checked_as_the_cli_checks_it(edit, match, tiny_data, tmp_path):
+    """A fresh-user trial set train.stop_on_divergence = "yes" in Python: the run trained and
+    wrote the string into config.toml (the CLI refuses such values); an unknown attribute was
+    ignored silently."""
+    cfg = cfg_for(tiny_data, steps=2)
+    edit(cfg)
+    with pytest.raises(KeelError, match=match) as e:
+        train_run(cfg, tmp_path / "r")
+    assert "\n" not in str(e.value) and not (tmp_path / "r").exists()
+
+
+def test_a_path_instead_of_a_config_is_a_keel_error(tmp_path):
+    with pytest.raises(KeelError, match="expected a keel.config.Config .* got str"):
+        train_run("keel/configs/demo.toml", tmp_path / "r")
+
+
+def test_a_python_value_is_stored_as_the_cli_would_store_it(tiny_data, tmp_path, one_thread):
+    cfg = cfg_for(tiny_data, steps=2, eval_every=2, checkpoint_every=2, sample_tokens=0)
+    cfg.train.progress = "false"  # the string a TOML-less caller might write; --set would coerce it
+    train_run(cfg, tmp_path / "r")
+    assert load_config(tmp_path / "r" / "config.toml").train.progress is False

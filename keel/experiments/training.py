@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from keel.config import Config
+from keel.config import Config, checked_copy
 from keel.diagnostics.callbacks import DivergenceCallback, GradflowCallback
 from keel.eval.tasks import TaskEvalCallback
 from keel.train import Callback, TrainResult, train
@@ -48,4 +48,5 @@ def train_run(cfg: Config, run_dir: str | Path, resume: bool = False, restart: b
         KeelError: as :func:`keel.train.train` (``TrainingStopped`` on a divergence verdict
             with ``train.stop_on_divergence``).
     """
+    cfg = checked_copy(cfg)  # before the callbacks read it
     return train(cfg, run_dir, resume=resume, callbacks=run_callbacks(cfg), restart=restart)

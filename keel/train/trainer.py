@@ -48,7 +48,6 @@ in as :class:`keel.train.callbacks.Callback` objects.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import math
 import shutil
@@ -60,7 +59,7 @@ from typing import Sequence
 
 import torch
 
-from keel.config import Config, dump_config, resolve_vocab_size
+from keel.config import Config, checked_copy, dump_config, resolve_vocab_size
 from keel.data import TokenLoader, load_tokenizer, read_meta, resolve_data, validation_tokens
 from keel.errors import Interrupted, KeelError
 from keel.io import RunLock, atomic_write_text, disk_errors, write_failure
@@ -168,6 +167,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, callbacks: Seq
             not divisible by the world size, or ``TrainingStopped`` (the last good
             checkpoint is left intact).
     """
+    cfg = checked_copy(cfg)  # a Config built or edited in Python is checked as the CLI checks it
     check_train_config(cfg)
     missing = unhonoured_keys(cfg, callbacks)
     if missing:
@@ -205,7 +205,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: str | Path, resume: bool, callbacks: list[Callback], info: D.DistInfo,
                  restart: bool = False):
-        cfg = copy.deepcopy(cfg)  # the run resolves keys (model.vocab_size "auto"): never the caller's object
+        cfg = checked_copy(cfg)  # checked as the CLI checks; the run resolves keys: never the caller's object
         self.cfg, self.tc, self.info, self.callbacks = cfg, cfg.train, info, callbacks
         self.main = info.is_main
         self.ws = info.world_size if info.distributed else 1
