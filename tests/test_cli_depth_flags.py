@@ -54,3 +54,13 @@ def test_help_names_sublayers_for_every_depth_flag():
         p = build_parser()._subparsers._group_actions[0].choices[command]
         text = p.format_help()
         assert "--sublayers" in text and "deprecated alias of --sublayers" in text
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_sublayers_and_layers_together_are_refused(command, capsys):
+    """A fresh-user trial: `--sublayers 4 --layers 8` silently profiled 8 sub-layers."""
+    for flags in (["--sublayers", "4", "--layers", "8"], ["--layers", "8", "--sublayers", "4"]):
+        with pytest.raises(SystemExit) as e:
+            parse(command, *flags)
+        assert e.value.code == 2
+        assert "not allowed with argument" in capsys.readouterr().err

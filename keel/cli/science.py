@@ -55,9 +55,10 @@ class _DeprecatedLayers(argparse.Action):
 
 def _add_sublayers_flag(p, default: str | None, help: str) -> None:
     """``--sublayers`` (comma-separated depths in sub-layers) and its deprecated alias ``--layers``."""
-    p.add_argument("--sublayers", default=default, metavar="L1,L2,...", help=help)
-    p.add_argument("--layers", dest="sublayers", action=_DeprecatedLayers, metavar="L1,L2,...",
-                   help="deprecated alias of --sublayers (removed in the next release)")
+    both = p.add_mutually_exclusive_group()  # `--sublayers 4 --layers 8` is refused, not settled by order
+    both.add_argument("--sublayers", default=default, metavar="L1,L2,...", help=help)
+    both.add_argument("--layers", dest="sublayers", action=_DeprecatedLayers, metavar="L1,L2,...",
+                      help="deprecated alias of --sublayers (removed in the next release)")
 
 
 def _register_gradflow(subparsers) -> None:
