@@ -85,6 +85,12 @@ def test_every_help_shows_defaults_and_no_rest_markup():
         in eval_help
 
 
+def test_every_command_help_has_a_description():
+    """A fresh-user trial: `keel stress --help` had no description line under its usage."""
+    missing = [" ".join(name) for name, parser in _parsers(build_parser()) if not (parser.description or "").strip()]
+    assert not missing, missing
+
+
 def test_plot_loss_help_shows_the_loss_options(capsys):
     with pytest.raises(SystemExit) as e:
         main(["plot", "loss", "--help"])

@@ -142,7 +142,10 @@ def _register_ablate(subparsers) -> None:
 
 def _register_stress(subparsers) -> None:
     """Add ``keel stress`` (see :mod:`keel.experiments.stress`)."""
-    p = subparsers.add_parser("stress", help="max-LR stress test: linear LR ramp until divergence (paper Table 1)")
+    p = subparsers.add_parser(
+        "stress", help="max-LR stress test: linear LR ramp until divergence (paper Table 1)",
+        description="The paper's max-LR stress test (Table 1): each scheme trains while its LR ramps linearly "
+                    "from 0 to --peak-lr; the report gives the LR at which each run diverges and how.")
     p.add_argument("--residual", default=None, help="comma-separated schemes (default: every scheme in keel.model.SCHEMES)")
     _add_sublayers_flag(p, "64", "comma-separated depths in sub-layers (even; 2 per block)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated train.seed values")

@@ -7,7 +7,10 @@ from keel.config import DEFAULT_PRESET, key_default, key_help
 
 def register(sub) -> None:
     """Add ``prepare``, ``train`` and ``generate`` to the ``keel`` sub-parsers."""
-    pp = sub.add_parser("prepare", help="tokenize a corpus into binary shards (cached)")
+    pp = sub.add_parser("prepare", help="tokenize a corpus into binary shards (cached)",
+                        description="Read a corpus (the built-in one, a file or folder of text, or a Hugging Face "
+                                    "dataset), train or load a tokenizer, and write train/val token shards; "
+                                    "`keel train` does this itself when its data is not prepared yet.")
     for flag in ("source", "tokenizer"):  # defaults and help: the data.* keys' declarations (keel.config)
         pp.add_argument(f"--{flag}", default=key_default(f"data.{flag}"), help=key_help(f"data.{flag}"))
     pp.add_argument("--out", default=None, help="output folder (default: derived from the inputs under --cache-dir)")
@@ -18,7 +21,10 @@ def register(sub) -> None:
     pp.add_argument("--text-field", default=key_default("data.text_field"), help=key_help("data.text_field"))
     pp.set_defaults(handler="keel.cli.handlers.train.cmd_prepare")
 
-    pt = sub.add_parser("train", help="train a language model")
+    pt = sub.add_parser("train", help="train a language model",
+                        description="Train a language model from a config (a preset or a TOML file, with --set "
+                                    "overrides) into a run directory: metrics, checkpoints, plots and a sample. "
+                                    "Continue an interrupted run with --resume DIR.")
     pt.add_argument("--config", default=None,
                     help=f"TOML file or preset name (see `keel config`; default: {DEFAULT_PRESET})")
     pt.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -34,7 +40,8 @@ def register(sub) -> None:
                          "train.parallelism picks ddp or fsdp; train.batch_size is the global batch)")
     pt.set_defaults(handler="keel.cli.handlers.train.cmd_train")
 
-    pg = sub.add_parser("generate", help="sample text from a trained run")
+    pg = sub.add_parser("generate", help="sample text from a trained run",
+                        description="Sample a continuation of --prompt from a run's newest checkpoint.")
     pg.add_argument("--run", required=True, help="run directory")
     pg.add_argument("--prompt", default="", help="text to continue")
     pg.add_argument("--max-new-tokens", type=int, default=100)
