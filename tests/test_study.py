@@ -145,6 +145,24 @@ def test_shipped_studies_plan(name, scale):
         assert "GPU-hours" in plan["markdown"]
 
 
+@pytest.mark.parametrize("name", preset_names("studies"))
+def test_claim_rules_name_the_claims_schemes(name):
+    """The report states each claim's rule with its schemes (was the docstring's
+    ``claim["order"]``/``scheme`` placeholders, verbatim)."""
+    st = SD.load_study(name, "cpu")
+    for claim in st.claims:
+        rule = SD.claim_rule(claim)
+        assert "claim[" not in rule and "``" not in rule and "{" not in rule
+        for key in ("scheme", "baseline"):
+            assert claim.get(key, "keel" if key == "scheme" else "") in rule
+    claims = {c["id"]: SD.claim_rule(c) for c in st.claims}
+    if name == "claims":
+        assert claims["a"].endswith("increases along post_ln < deepnorm < pre_ln < keel.")
+        assert claims["b"].startswith("keel beats pre_ln at the deepest depth")
+        assert SD.claim_section(st.claims[0], {"verdict": INC, "why": "no finished ramp runs", "rows": []})[-2:] \
+            == ["|---|---|---|---|---|", ""]  # no "peak LR 0" footnote without ramp runs
+
+
 def test_group_jobs_run_the_seeds_of_a_cell_side_by_side(tmp_path):
     """Order depth, scheme, LR, seed: the first 2k jobs of a partial grid are k paired cells
     (seed-major order left every cell of a 64-sub-layer group unpaired for hours)."""

@@ -269,7 +269,7 @@ def _pair(a: dict, b: dict) -> dict:
 
 
 def claim_margin_grows(study: Study, runs: list[dict], claim: dict) -> dict:
-    """``scheme`` beats ``baseline`` at the deepest depth and its margin grows with depth.
+    """{scheme} beats {baseline} at the deepest depth and its margin grows with depth.
 
     Margin per seed and depth: ``m_L = best(baseline) - best(scheme)`` (nats/token, best
     over the LR grid per seed). Two paired verdicts, combined by :func:`combine`:
@@ -310,8 +310,8 @@ def _opt_lrs(runs: list[dict], group: str, scheme: str, L: int) -> dict:
 
 
 def claim_lr_transfer(study: Study, runs: list[dict], claim: dict) -> dict:
-    """The optimal peak LR of ``claim["scheme"]`` (default keel) is the same at the shallowest
-    and the deepest depth of the group, per seed.
+    """The optimal peak LR of {scheme} is the same at the shallowest and the deepest depth of
+    the group, per seed.
 
     Paired difference per seed: ``d = -|log10(eta*_deep / eta*_shallow)|``; transfer
     (reproduced) needs every seed's optimum at the same grid point (``d = 0``) and inside
@@ -346,7 +346,7 @@ def claim_lr_transfer(study: Study, runs: list[dict], claim: dict) -> dict:
 
 
 def claim_init_margin(study: Study, runs: list[dict], claim: dict) -> dict:
-    """``scheme`` still beats ``baseline`` when each uses the better of two embedding inits.
+    """{scheme} still beats {baseline} when each uses the better of two embedding inits.
 
     Per seed, at the init group's depth: ``m = min(best(baseline) over inits) - min(best(scheme)
     over inits)``, the inits being the group's (e.g. ``model.embed_init_std = 1.0``) and the
@@ -382,7 +382,7 @@ def _log_ratio(hi: float | None, lo: float | None, peak: float) -> float | None:
 
 
 def claim_max_lr_order(study: Study, runs: list[dict], claim: dict) -> dict:
-    """Max LR (the stress ramp's LR just before divergence) increases along ``claim["order"]``.
+    """Max LR (the stress ramp's LR just before divergence) increases along {order}.
 
     For each adjacent pair (a, b) of the order, per seed ``d = log10(maxLR_b / maxLR_a)``
     (a run that never diverged counts as the peak LR; a seed where neither diverged is left
@@ -603,11 +603,18 @@ def _lrs(d: dict) -> str:
     return "[" + ", ".join("none" if x is None else f"{x:g}" for x in d.values()) + "]"
 
 
+def claim_rule(claim: dict) -> str:
+    """The claim's rule in one line: the first paragraph of its test's docstring, with the
+    claim's ``scheme`` (default keel), ``baseline`` and ``order`` filled in."""
+    text = " ".join((CLAIM_TESTS[claim["test"]].__doc__ or "").strip().split("\n\n")[0].split())
+    return text.format(scheme=claim.get("scheme", "keel"), baseline=claim.get("baseline", "the baseline"),
+                       order=" < ".join(claim.get("order", [])))
+
+
 def claim_section(claim: dict, c: dict) -> list[str]:
     """Markdown of one claim: verdict, the rule, the table of its rows."""
     out = [f"## ({claim['id']}) {claim['title']}", "", f"**Verdict: {c['verdict']}.** {claim_numbers(c)}", "",
-           " ".join((CLAIM_TESTS[claim["test"]].__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "`"),
-           ""]
+           claim_rule(claim), ""]
     if claim["test"] == "margin_grows":
         out += ["| sub-layers | margin (baseline − scheme, nats) mean ± sd [per seed] | verdict | baseline runs diverged |",
                 "|---|---|---|---|"]
@@ -624,8 +631,9 @@ def claim_section(claim: dict, c: dict) -> list[str]:
         out += ["| sub-layers | " + " | ".join(claim["order"]) + " |", "|---" * (len(claim["order"]) + 1) + "|"]
         out += [f"| {r['sublayers']} | " + " | ".join(_lrs(r["max_lr"][s]) for s in claim["order"]) + " |"
                 for r in c["rows"]]
-        out += ["", f"Max LR per seed; none = no divergence up to the peak LR {c.get('peak_lr', 0):g}. "
-                "Pair verdicts use log10 ratios with a 5% floor."]
+        if "peak_lr" in c:
+            out += ["", f"Max LR per seed; none = no divergence up to the peak LR {c['peak_lr']:g}. "
+                    "Pair verdicts use log10 ratios with a 5% floor."]
     return out + [""]
 
 
