@@ -103,6 +103,10 @@ def test_lr_sensitivity_cli_end_to_end(keel_cli, tiny_data, tmp_path):
     assert again.returncode == 0 and "12 finished already, 0 to run" in again.stderr  # progress lines are logged (stderr)
     rep = keel_cli(*args, "--report-only")
     assert rep.returncode == 0 and "12/12 runs finished" in rep.stderr
+    empty = tmp_path / "no-runs"  # report-only where no run has finished: one line, nothing written
+    none = keel_cli(*[empty if a == out else a for a in args], "--report-only")
+    assert none.returncode == 2 and "nothing to report" in none.stderr and "Traceback" not in none.stderr
+    assert not empty.exists()
     bad = keel_cli(*args)  # not empty without --resume
     assert bad.returncode == 2 and "--resume" in bad.stderr and "Traceback" not in bad.stderr
 

@@ -113,6 +113,11 @@ def test_cached_runs_are_skipped_and_interrupted_ones_resumed(tiny_data, one_wor
     res = grid(tiny_data, out, report_only=True)
     assert res["trained"] == [] and [r["name"] for r in res["runs"]] == ["pre_ln-4sl-seed0"]
     assert res["table"]["rows"][0]["cells"]["post_ln"]["text"] == "–"
+    # report-only where no run has finished: refused, nothing written (was an empty report)
+    empty = out.parent / "no-runs"
+    with pytest.raises(KeelError, match="no finished run .* nothing to report"):
+        grid(tiny_data, empty, report_only=True)
+    assert not empty.exists()
 
 
 def _r(scheme, L, lr):

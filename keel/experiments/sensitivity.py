@@ -337,7 +337,8 @@ def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Se
         ``lrs`` (sorted), ``seeds``, ``data``, ``unigram_entropy``, ``runs`` (grid results,
         finished ones only with ``report_only``) and ``cells`` (:func:`summarise`).
     Raises:
-        KeelError: bad grid or config; non-empty ``out`` without ``resume`` (see run_grid).
+        KeelError: bad grid or config; non-empty ``out`` without ``resume`` (see run_grid);
+            ``report_only`` where no run of the grid has finished.
     """
     for s in schemes:
         if s not in SCHEMES:
@@ -349,6 +350,9 @@ def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Se
     if report_only:
         results = [r for r in (cached_result(Path(out) / j.name) for j in jobs) if r is not None]
         _log.info(f"lr-sensitivity: report only, {len(results)}/{len(jobs)} runs finished")
+        if not results:
+            raise KeelError(f"{out} holds no finished run of this LR grid: nothing to report; "
+                            "check --out and the grid flags")
     else:
         results = run_grid(jobs, out, train_task, workers=workers, resume=resume, threads=threads)
     summary = {"config": str(resolve_config_path(config)), "sets": list(sets), "schemes": list(schemes),

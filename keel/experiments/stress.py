@@ -249,7 +249,8 @@ def run_stress(config: str | None = None, overrides: list[str] | None = None, sc
         "cached": [names]}``.
     Raises:
         KeelError: odd or non-positive depth, unknown scheme, bad peak/ramp/workers, bad
-            config, a non-empty ``out`` without ``resume``, a run folder with another config.
+            config, a non-empty ``out`` without ``resume``, a run folder with another config,
+            ``report_only`` where no run of the grid has finished.
     """
     schemes, sublayers, seeds = list(schemes), list(sublayers), list(seeds)
     _check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, workers, reference_scheme)
@@ -268,6 +269,9 @@ def run_stress(config: str | None = None, overrides: list[str] | None = None, sc
         results = [r for r in (cached_result(out / j.name) for j in jobs) if r is not None]
         ref_results = [r for r in (cached_result(out / REFERENCES / j.name) for j in refs) if r is not None]
         _log.info(f"  report only: {len(results)}/{len(jobs)} runs finished")
+        if not results:
+            raise KeelError(f"{out} holds no finished run of this stress test: nothing to report; "
+                            "check --out and the grid flags")
     else:
         ref_results = run_grid(refs, out / REFERENCES, train_task, workers=workers, resume=True,
                                threads=threads or None)
