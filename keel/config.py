@@ -271,8 +271,8 @@ class ModelConfig:
         "A larger value (e.g. 1.0) lets Pre-LN leave the unigram plateau early (docs/results/plateau.md).",
         gt=0, note="or unset: init_std")
     residual: str = key(
-        "keel", "residual scheme, a name in keel.model.residual.SCHEMES (pre_ln, post_ln, deepnorm, keel, ...); "
-        "the list of names lives in the model layer, which checks it (keel.model.residual.check_model_config).")
+        "keel", "residual scheme: a name in keel.model.residual.SCHEMES, listed by `keel config --schemes` "
+        "(pre_ln, post_ln, deepnorm, keel, ...); the model layer checks it (keel.model.residual.check_model_config).")
     alpha: float | None = key(None, "Keel's residual scale; unset means L, the number of sub-layers (paper, Sec. 3).",
                               gt=0, note="omit it for the default L")
     keel_first_layer_rule: bool = key(True, "Keel: sub-layer 0 is plain Pre-LN and sub-layer 1 uses alpha = 1.")

@@ -61,6 +61,20 @@ def test_keel_config_show_prints_the_resolved_preset(capsys):
     assert "unknown config 'nope'" in capsys.readouterr().err
 
 
+def test_keel_config_schemes_lists_every_scheme_with_its_paper(capsys):
+    from keel.model import SCHEMES
+
+    assert main(["config", "--schemes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    named = [ln.split()[0] for ln in lines[1:] if not ln.startswith("   ")]
+    assert named == list(SCHEMES)  # every scheme, in the one list's order
+    text = " ".join(lines)
+    assert "arXiv 2601.19895" in text and "Peri-LN (Kim et al. 2025" in text
+    assert "::" not in text and ":class:" not in text and "``" not in text
+    main(["config"])
+    assert "keel config --schemes" in next(ln for ln in capsys.readouterr().out.splitlines() if "model.residual " in ln)
+
+
 def _parsers(parser, prefix=("keel",)):
     yield prefix, parser
     for action in parser._actions:

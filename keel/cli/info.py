@@ -5,6 +5,7 @@ Usage::
 
     keel config                    # presets, sweep presets, every key: type, default, meaning
     keel config --show paper-64    # the resolved preset, as TOML
+    keel config --schemes          # the residual schemes (values of model.residual)
     keel runs [DIR] [--json]       # one line per run folder under DIR (default: runs)
 """
 
@@ -18,8 +19,11 @@ def register(subparsers) -> None:
                                            "sweep presets (keel sweep --preset NAME) and every config key with its "
                                            "type, default, meaning and allowed values or range (set any with "
                                            "--set SECTION.KEY=VALUE). "
-                                           "With --show: the resolved preset or config file, as TOML.")
+                                           "With --show: the resolved preset or config file, as TOML. "
+                                           "With --schemes: every residual scheme and its paper.")
     pc.add_argument("--show", default=None, metavar="PRESET", help="a preset name or TOML file to print resolved")
+    pc.add_argument("--schemes", action="store_true",
+                    help="list the residual schemes (the values of model.residual) with their papers")
     pc.set_defaults(handler="keel.cli.handlers.config.cmd_config")
 
     pr = subparsers.add_parser("runs", help="overview of run folders: scheme, depth, step, val loss, status",

@@ -1,16 +1,21 @@
 """The handler of ``keel config`` (presets and every config key; its flags: :mod:`keel.cli.info`).
-It imports no torch: ``keel config`` stays as fast as ``keel --help``.
+It imports no torch (``keel config`` stays as fast as ``keel --help``), except for ``--schemes``,
+whose list lives in the model layer.
 
 Usage::
 
     keel config                    # presets, sweep presets, every key: type, default, meaning
     keel config --show paper-64    # the resolved preset, as TOML
+    keel config --schemes          # the residual schemes (values of model.residual) and their papers
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import re
+import textwrap
 
 import tomli_w
 
@@ -21,7 +26,26 @@ def _value(v) -> str:
     return "unset" if v is None else json.dumps(v)
 
 
+def print_schemes() -> None:
+    """Print every name of :data:`keel.model.residual.SCHEMES` with the first paragraph of its
+    class docstring (the scheme's paper and equation)."""
+    # the one list of schemes lives in the torch-importing model layer; only this flag pays for it
+    schemes = importlib.import_module("keel.model.residual").SCHEMES
+    width = max(map(len, schemes))
+    for name, cls in schemes.items():
+        doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "")
+        doc = re.sub(r":(?:class|func|data|meth):`([^`]+)`", r"\1", doc).removesuffix("::").removesuffix(":")
+        lines = textwrap.wrap(doc, 100 - width) or [""]
+        print(f"  {name.ljust(width)}  {lines[0]}")
+        for line in lines[1:]:
+            print(f"  {' ' * width}  {line}")
+
+
 def cmd_config(args: argparse.Namespace) -> int:
+    if args.schemes:
+        print("residual schemes (keel train --set model.residual=NAME):")
+        print_schemes()
+        return 0
     if args.show:
         if args.show in preset_names("sweeps") and args.show not in preset_names():
             print(resolve_config_path(args.show, kind="sweeps").read_text(), end="")
