@@ -71,6 +71,7 @@ from keel.data import read_meta, resolve_data, validation_tokens
 from keel.errors import KeelError
 from keel.model import Transformer
 from keel.run import Run
+from keel.train.device import check_model_fits
 from keel.train.parallelize import unwrap
 from keel.train.plots import save_figure
 
@@ -429,6 +430,7 @@ def profile_schemes(base, schemes: Sequence[str], depths: Sequence[int], d_model
         for scheme in schemes:
             t0 = time.perf_counter()
             mcfg = _init_config(base, scheme, L, d_model, seq_len, vocab)
+            check_model_fits(mcfg, 4, "their fp32 weights")
             torch.manual_seed(seed)
             r = {"residual": scheme, "sublayers": L, "blocks": L // 2, "d_model": d_model,
                  "init_std": mcfg.init_std, "label": scheme}

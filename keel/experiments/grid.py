@@ -160,11 +160,13 @@ def _execute(task: Task, job: GridJob, run_dir: str, resume: bool) -> dict:
     return result
 
 
-def plan_grid(jobs: Sequence[GridJob], out_dir: str | Path, resume: bool = False) -> tuple[list[GridJob], list[GridJob]]:
+def plan_grid(jobs: Sequence[GridJob], out_dir: str | Path, resume: bool = False,
+              check: Callable[[GridJob], None] | None = None) -> tuple[list[GridJob], list[GridJob]]:
     """Split ``jobs`` into (finished, to run); check names and the resume rules.
 
     Raises:
-        KeelError: duplicate or unsafe names; ``out_dir`` not empty without ``resume``; a
+        KeelError: duplicate or unsafe names; a job to run that ``check(job)`` refuses (the
+            message names the job); ``out_dir`` not empty without ``resume``; a
             finished or interrupted job whose stored ``job.json`` has a different config (the
             grid changed: its cached result would not belong to this grid).
     """
@@ -186,6 +188,11 @@ def plan_grid(jobs: Sequence[GridJob], out_dir: str | Path, resume: bool = False
             done.append(job)
             continue
         _check_same_config(run_dir, job)
+        if check is not None:  # every run is checked before the first one starts
+            try:
+                check(job)
+            except KeelError as e:
+                raise KeelError(f"run {job.name}: {e}") from None
         todo.append(job)
     for job in done:
         _check_same_config(out_dir / job.name, job)
@@ -223,7 +230,8 @@ def _check_same_config(run_dir: Path, job: GridJob) -> None:
 
 
 def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, workers: int = 1,
-             resume: bool = False, threads: int | None = None) -> list[dict]:
+             resume: bool = False, threads: int | None = None,
+             check: Callable[[GridJob], None] | None = None) -> list[dict]:
     """Run every job of the grid that has not finished; return all results in job order.
 
     Args:
@@ -236,6 +244,9 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
         resume: continue a non-empty ``out_dir`` (finished jobs are skipped, interrupted
             ones are resumed); without it a non-empty ``out_dir`` is an error.
         threads: torch intra-op threads per worker; default ``max(1, cores // workers)``.
+        check: ``check(job)`` raises KeelError for a job that must not start (e.g.
+            :func:`keel.experiments.sweep.check_train_job`); every job to run is checked before
+            the first starts, so one bad job stops the grid before anything is written.
     Returns:
         One dict per job: the cached or new ``result.json`` content (``status = "done"``),
         or ``{"status": "error", "message": ...}`` for a job whose task raised.
@@ -247,7 +258,7 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
     if threads is not None and threads < 0:
         raise KeelError(f"--threads must be >= 0 (0 = cores / workers), got {threads}")
     out_dir = Path(out_dir)
-    done, todo = plan_grid(jobs, out_dir, resume)
+    done, todo = plan_grid(jobs, out_dir, resume, check)
     make_dirs(out_dir)
     atomic_write_text(out_dir / GRID_FILE, json.dumps([asdict(j) for j in jobs], indent=1))
     results: dict[str, dict] = {j.name: cached_result(out_dir / j.name) for j in done}

@@ -49,7 +49,7 @@ from keel.data.stats import dataset_unigram_entropy
 from keel.diagnostics.divergence import Thresholds
 from keel.errors import KeelError
 from keel.experiments.grid import cached_result, run_grid
-from keel.experiments.sweep import build_jobs, train_task
+from keel.experiments.sweep import build_jobs, check_train_job, train_task
 from keel.io import atomic_write_text, make_dirs
 from keel.model import SCHEMES
 from keel.train.plots import plt, save_figure
@@ -354,7 +354,8 @@ def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Se
             raise KeelError(f"{out} holds no finished run of this LR grid: nothing to report; "
                             "check --out and the grid flags")
     else:
-        results = run_grid(jobs, out, train_task, workers=workers, resume=resume, threads=threads)
+        results = run_grid(jobs, out, train_task, workers=workers, resume=resume, threads=threads,
+                           check=check_train_job)
     summary = {"config": str(resolve_config_path(config)), "sets": list(sets), "schemes": list(schemes),
                "sublayers": list(sublayers), "lrs": grid["train.lr"], "seeds": list(seeds), "data": str(data_dir),
                "unigram_entropy": dataset_unigram_entropy(data_dir), "runs": results,

@@ -51,7 +51,7 @@ from keel.config import Override, load_config, resolve_config_path
 from keel.data import resolve_data
 from keel.errors import KeelError
 from keel.experiments.grid import GridJob, cached_result, run_grid
-from keel.experiments.sweep import train_task
+from keel.experiments.sweep import check_train_job, train_task
 from keel.io import atomic_write_text, make_dirs
 from keel.model import SCHEMES
 from keel.train.metrics import read_metrics
@@ -274,8 +274,9 @@ def run_stress(config: str | None = None, overrides: list[str] | None = None, sc
                             "check --out and the grid flags")
     else:
         ref_results = run_grid(refs, out / REFERENCES, train_task, workers=workers, resume=True,
-                               threads=threads or None)
-        results = run_grid(jobs, out, stress_task, workers=workers, resume=True, threads=threads or None)
+                               threads=threads or None, check=check_train_job)
+        results = run_grid(jobs, out, stress_task, workers=workers, resume=True, threads=threads or None,
+                           check=check_train_job)
         results = [r for r in results if r.get("status") == "done"]
     table = stress_table(results, schemes, sublayers)
     summary = {"peak_lr": peak_lr, "ramp_steps": ramp_steps, "config": str(cfg_path), "overrides": overrides,

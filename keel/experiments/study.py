@@ -46,7 +46,7 @@ from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
 from keel.experiments.grid import GridJob, cached_result, run_grid
 from keel.experiments.plot import plot_loss_curves
-from keel.experiments.sweep import build_jobs, param_count, train_task
+from keel.experiments.sweep import build_jobs, check_train_job, param_count, train_task
 from keel.io import atomic_write_text, make_dirs
 from keel.model import SCHEMES
 from keel.train.metrics import read_metrics
@@ -512,9 +512,10 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool, workers: int
         if train:
             _log.info(f"study: group {g.name}: {len(jobs)} runs" + (f" + {len(refs)} reference runs" if refs else ""))
             if refs:
-                run_grid(refs, gdir / ST.REFERENCES, train_task, workers=workers, resume=True, threads=threads)
+                run_grid(refs, gdir / ST.REFERENCES, train_task, workers=workers, resume=True, threads=threads,
+                         check=check_train_job)
             got = run_grid(jobs, gdir, ST.stress_task if g.kind == "ramp" else train_task, workers=workers,
-                           resume=True, threads=threads)
+                           resume=True, threads=threads, check=check_train_job)
             errors = {j.name: r for j, r in zip(jobs, got) if r.get("status") == "error"}
         for j in jobs:
             res = cached_result(gdir / j.name)

@@ -69,7 +69,7 @@ from keel.model import count_parameters
 from keel.train import TrainingStopped
 from keel.train.checkpoint import find_intact_checkpoint
 from keel.train.metrics import read_metrics
-from keel.train.trainer import perplexity
+from keel.train.trainer import check_train_config, perplexity
 
 _log = logging.getLogger(__name__)  # inside a grid task: the run's run.log
 
@@ -317,6 +317,17 @@ def run_summary(run_dir: str | Path, stopped: str | None = None) -> dict:
     }
 
 
+def check_train_job(job: GridJob) -> None:
+    """The grid check of training jobs (``run_grid(check=...)``): the trainer's own checks
+    (:func:`keel.train.trainer.check_train_config`: shapes, ranges, a model too large for
+    this machine) on ``job.config``, before any run of the grid starts.
+
+    Raises:
+        KeelError: the first problem of the config.
+    """
+    check_train_config(config_from_dict(job.config))
+
+
 def train_task(job: GridJob, run_dir: Path, resume: bool) -> dict:
     """Grid task of ``keel sweep``: train (or resume) ``job.config`` in ``run_dir``; a run
     interrupted before its first intact checkpoint is trained again from step 0.
@@ -470,7 +481,8 @@ def run_sweep(config: str | None, grid: dict[str, list], sets: Sequence[Override
     if not any(k.startswith("data.") for k in grid):  # prepare once, not in every worker
         data_path = str(resolve_data(base, progress=False))
     jobs = build_jobs(config, grid, sets, match_params=match_params, data_path=data_path)
-    results = run_grid(jobs, out, train_task, workers=workers, resume=resume, threads=threads)
+    results = run_grid(jobs, out, train_task, workers=workers, resume=resume, threads=threads,
+                       check=check_train_job)
     summary: dict[str, Any] = {
         "out": str(out), "config": str(resolve_config_path(config)), "sets": [override_text(x) for x in sets],
         "grid": grid,

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import torch
 
-from keel.config import TrainConfig, check_value, choices
+from keel.config import ModelConfig, TrainConfig, check_value, choices
 from keel.errors import KeelError
+from keel.model import count_parameters
 
 PRECISIONS = choices(TrainConfig, "precision")  # declared once, in keel.config.TrainConfig
 log = logging.getLogger(__name__)
@@ -32,6 +34,29 @@ def resolve_device(spec: str, key: str = "train.device") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise KeelError(f"{key} is cuda but no CUDA device is available")
     return device
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory (bytes), from ``sysconf`` (POSIX)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_model_fits(model_cfg: ModelConfig, bytes_per_param: int, what: str) -> None:
+    """Refuse a model whose ``bytes_per_param`` bytes per parameter (e.g. 4 for fp32 weights,
+    16 for fp32 weights, gradients and AdamW's two moments) exceed this machine's memory.
+    Every model is built on the CPU before it moves to its device, so the host's memory is
+    the bound; the count is :func:`keel.model.count_parameters` (no allocation). A floor, not
+    an estimate: activations come on top.
+
+    Raises:
+        KeelError: the model cannot fit, e.g. a mistyped depth (one line, with the numbers).
+    """
+    n = count_parameters(model_cfg)
+    need, have = n * bytes_per_param, host_memory_bytes()
+    if need > have:
+        raise KeelError(f"{model_cfg.n_sublayers:,} sub-layers at width {model_cfg.d_model}: {n:,} parameters need "
+                        f"{need / 2**30:,.1f} GiB for {what} alone, more than this machine's "
+                        f"{have / 2**30:,.1f} GiB of memory")
 
 
 def resolve_precision(device: torch.device, precision: str) -> str:

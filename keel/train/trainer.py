@@ -53,7 +53,7 @@ import math
 import shutil
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -70,7 +70,7 @@ from keel.train.callbacks import Callback, StepState, unhonoured_keys
 from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, is_sharded, latest_checkpoint,
                                    load_sharded_checkpoint, load_trainer_state, load_weights, remove_stale_temporaries,
                                    save_checkpoint, save_sharded_checkpoint, tied_aliases)
-from keel.train.device import autocast_context, resolve_device
+from keel.train.device import autocast_context, check_model_fits, resolve_device
 from keel.train.evaluate import mean_nll
 from keel.train.interrupt import StopSignals
 from keel.train.loggers import open_sinks
@@ -130,6 +130,9 @@ def check_train_config(cfg: Config) -> None:
         KeelError: naming the first bad key.
     """
     check_model_config(cfg.model)
+    # built in full, in fp32, on every rank's CPU before any sharding; "auto" vocab: its floor
+    floor = cfg.model if cfg.model.vocab_size != "auto" else replace(cfg.model, vocab_size=1)
+    check_model_fits(floor, 4, "their fp32 weights")
     tc = cfg.train
     tc.validate()
     cfg.data.validate()
