@@ -18,3 +18,7 @@ class Interrupted(KeelError):
     def __init__(self, msg: str, signum: int):
         super().__init__(msg)
         self.exit_code = 128 + int(signum)
+        self.signum = int(signum)
+
+    def __reduce__(self):  # pickles with both arguments: a grid worker returns it to the grid process
+        return type(self), (str(self), self.signum)

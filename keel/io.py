@@ -10,10 +10,13 @@ Files get the usual permissions (0666 minus the umask), not ``mkstemp``'s 0600.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import re
 import shutil
+import signal
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -192,3 +195,12 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def die_with_parent(signum: int = signal.SIGKILL) -> None:
+    """Ask Linux to send this process ``signum`` when the thread that started it ends, even by
+    ``kill -9`` (``prctl(PR_SET_PDEATHSIG)``), so no child is left working for a dead parent;
+    a no-op elsewhere. Call it in the child (a pool initializer, a ``preexec_fn``)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))  # 1 = PR_SET_PDEATHSIG

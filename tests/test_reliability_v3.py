@@ -364,6 +364,71 @@ def test_signal_to_keel_train_nproc_stops_every_worker(signame, tiny_data, tmp_p
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps[-1]:08d}"
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_survives_pickling(signum):
+    """A grid worker returns its Interrupted to the grid process by pickle (was: TypeError,
+    `__init__() missing 1 required positional argument: 'signum'`, and a BrokenProcessPool)."""
+    import pickle
+
+    from keel.errors import Interrupted
+    from keel.train.trainer import TrainingInterrupted
+
+    for cls in (Interrupted, TrainingInterrupted):
+        e = pickle.loads(pickle.dumps(cls("stopped by it; resume with: keel train --resume r", signum)))
+        assert type(e) is cls and str(e) == "stopped by it; resume with: keel train --resume r"
+        assert (e.signum, e.exit_code) == (signum, 128 + signum)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM", "SIGKILL"])
+def test_signal_to_a_grid_checkpoints_the_running_jobs_and_cancels_the_rest(signame, tiny_data, tmp_path):
+    """A signal to `keel sweep --workers 2` (Ctrl-C, `kill PID`): both running runs finish their
+    step and checkpoint it, the third job never starts, no process is left, one line, exit
+    128 + signal. Before: a worker's Interrupted could not be unpickled (its __init__ takes two
+    arguments), so the grid died with a BrokenProcessPool traceback, and the job queued to a
+    worker started anyway (the grid waited for a whole run). `kill -9` of the grid: no worker
+    is left (before: each got SIGTERM, checkpointed, then hung for ever returning its result)."""
+    out = tmp_path / "sweep"
+    sets = tiny_overrides(tiny_data, steps=100000, checkpoint_every=100000, eval_every=100000)
+    err_file = tmp_path / "stderr.txt"
+    with open(err_file, "w") as errors:
+        proc = subprocess.Popen([str(KEEL), "sweep", "--grid", "train.seed=0,1,2", "--workers", "2", "--threads", "1",
+                                 "--out", out, *sum((["--set", s] for s in sets), [])], env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=errors)
+    runs = [out / f"seed{k}" for k in range(3)]
+    below: set[int] = set()
+    try:
+        deadline = time.monotonic() + HANG_S
+        while not all(any(r.get("step", 0) >= 2 for r in read_metrics(run / "metrics.jsonl")) for run in runs[:2]):
+            assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+            time.sleep(0.2)
+        below = descendants(proc.pid)
+        os.kill(proc.pid, getattr(signal, signame))
+        proc.wait(timeout=HANG_S)
+        deadline = time.monotonic() + 60
+        while any(alive(p) for p in below) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = [p for p in below if alive(p)]
+    finally:
+        proc.kill()
+        for p in descendants(proc.pid) | set(below):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+    err = err_file.read_text()
+    assert left == [] and "Traceback" not in err, err
+    if signame == "SIGKILL":
+        return
+    assert proc.returncode == 128 + getattr(signal, signame), err
+    assert last_line(err).startswith(f"keel: error: stopped by {signame} (each running job finished its step and "
+                                     "checkpointed its run; jobs not started were cancelled); continue with --resume")
+    for run in runs[:2]:
+        steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
+        assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps[-1]:08d}"
+    assert not runs[2].exists() and not (out / "sweep.json").exists()  # the queued job never started
+
+
 # ---------------------------------------------------------------- 14. tests bound work, not seconds
 def test_no_test_limits_a_subprocess_to_a_machine_dependent_time():
     """A 300 s subprocess limit (the keel_cli fixture's default) failed test_sensitivity at load

@@ -256,7 +256,7 @@ def test_grid_worker_dies_with_its_parent(tmp_path):
     import time
 
     pid_file = tmp_path / "child.pid"
-    child = ("from keel.experiments.grid import _die_with_parent; import os, time; _die_with_parent(); "
+    child = ("from keel.io import die_with_parent; import os, time; die_with_parent(); "
              f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
     parent_code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(120)"
     parent = subprocess.Popen([sys.executable, "-c", parent_code])

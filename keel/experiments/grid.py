@@ -29,18 +29,22 @@ that raises is recorded as ``status = "error"`` with the message, is *not* cache
 runs again on ``--resume``), and does not stop the other jobs. A task that should
 treat an expected failure (e.g. ``keel.train.TrainingStopped``) as a result catches it
 itself and returns it.
+
+Stopping: SIGINT or SIGTERM to the grid process (Ctrl-C reaches only it: workers run in
+their own process group) passes one SIGINT to every worker; a running training job finishes
+its step and checkpoints, queued jobs do not start, and the grid raises ``Interrupted``
+(exit 130 / 143); ``--resume`` continues. A ``kill -9`` of the grid kills its workers too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import multiprocessing
 import os
 import signal
-import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -52,7 +56,7 @@ import torch
 
 from keel.config import config_from_dict
 from keel.errors import Interrupted, KeelError
-from keel.io import atomic_write_text, make_dirs
+from keel.io import atomic_write_text, die_with_parent, make_dirs
 
 _log = logging.getLogger(__name__)  # progress lines ("[3/12] name: done in 41 s")
 
@@ -98,18 +102,26 @@ def cached_result(run_dir: str | Path) -> dict | None:
         return None
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to send this worker SIGTERM when the process that started it dies (a
-    ``kill -9`` of the grid must not leave workers training); a no-op elsewhere."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+_STOP: list[int] = []  # in a worker: the signal that stopped the grid (see _init_worker); no job starts after it
+
+
+_WORKER: list[int] = []  # set by _init_worker: this process is a grid worker
+
+
+def _stop_between_jobs(signum, frame) -> None:
+    _STOP.append(signum)
 
 
 def _init_worker(threads: int) -> None:
     """Process-pool initializer: limit intra-op threads so workers x threads ~ cores; the
-    worker dies with the grid process."""
-    _die_with_parent()
+    worker dies with the grid process. It runs in its own process group, so a terminal's
+    Ctrl-C reaches only the grid process, which passes one SIGINT to each worker
+    (:func:`_run_in_workers`); between jobs that SIGINT is recorded and the next job does not
+    start; during a job the trainer's handler checkpoints the run and stops it."""
+    die_with_parent(signal.SIGKILL)  # a kill -9 of the grid: no worker left behind (it would hang)
+    os.setpgrp()
+    signal.signal(signal.SIGINT, _stop_between_jobs)
+    _WORKER.append(os.getpid())
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MKL_NUM_THREADS"] = str(threads)
 
@@ -139,6 +151,8 @@ def _logging_to(stream):
 
 def _execute(task: Task, job: GridJob, run_dir: str, resume: bool) -> dict:
     """Run one job (in a worker or in-process); never raises for a task error."""
+    if _STOP:  # the grid was stopped while this job waited in the queue: do not start it
+        raise Interrupted("not started: the grid was stopped", _STOP[0])
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / JOB_FILE, json.dumps(asdict(job), indent=1))
@@ -147,7 +161,9 @@ def _execute(task: Task, job: GridJob, run_dir: str, resume: bool) -> dict:
         _log.info(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {'resume' if resume else 'start'} {job.name}")
         try:
             out = dict(task(job, run_dir, resume))
-        except (KeyboardInterrupt, Interrupted):  # Ctrl-C stops the grid, not just this run
+        except (KeyboardInterrupt, Interrupted) as e:  # Ctrl-C stops the grid, not just this run
+            if _WORKER:  # the jobs queued to this worker must not start
+                _STOP.append(getattr(e, "signum", signal.SIGINT))
             raise
         except BaseException as e:  # noqa: BLE001 - recorded, the grid goes on
             _log.info(traceback.format_exc().rstrip("\n"))
@@ -281,15 +297,57 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
         for job in todo:
             report(job, _execute(task, job, str(out_dir / job.name), resumed(job)))
     elif todo:
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
-                                 initargs=(threads,)) as ex:
-            futures = {ex.submit(_execute, task, job, str(out_dir / job.name), resumed(job)): job for job in todo}
-            try:
-                for fut in as_completed(futures):
-                    report(futures[fut], fut.result())
-            except BaseException:
-                for fut in futures:
-                    fut.cancel()
-                raise
+        _run_in_workers(task, todo, out_dir, workers, threads, report, resumed)
     return [results[j.name] for j in jobs]
+
+
+def _run_in_workers(task: Task, todo: list[GridJob], out_dir: Path, workers: int, threads: int,
+                    report: Callable[[GridJob, dict], None], resumed: Callable[[GridJob], bool]) -> None:
+    """Run ``todo`` in ``workers`` spawned processes, calling ``report(job, result)`` as each ends.
+
+    The first SIGINT or SIGTERM to the grid process stops the grid cleanly: jobs not started
+    are cancelled, and each worker gets one SIGINT, so a running job finishes its step and
+    checkpoints its run (:mod:`keel.train.interrupt`); then :class:`Interrupted`. The
+    original handlers are back after the first signal: a second Ctrl-C stops at once.
+
+    Raises:
+        Interrupted: stopped by SIGINT / SIGTERM (``--resume`` continues every run).
+    """
+    received: list[int] = []
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+                             initargs=(threads,)) as ex:
+        futures = {ex.submit(_execute, task, job, str(out_dir / job.name), resumed(job)): job for job in todo}
+
+        def stop(signum, frame) -> None:
+            received.append(signum)
+            restore()
+            for fut in futures:
+                fut.cancel()
+            for proc in multiprocessing.active_children():  # this pool's workers
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGINT)
+
+        saved: dict = {}
+
+        def restore() -> None:
+            while saved:
+                signal.signal(*saved.popitem())
+
+        if threading.current_thread() is threading.main_thread():
+            saved.update({s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)})
+        try:
+            for fut in as_completed(futures):
+                if received and (fut.cancelled() or isinstance(fut.exception(), (Interrupted, KeyboardInterrupt))):
+                    continue  # stopped on purpose: checkpointed (or never started), resumed by --resume
+                report(futures[fut], fut.result())
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            raise
+        finally:
+            restore()
+    if received:
+        name = signal.Signals(received[0]).name
+        raise Interrupted(f"stopped by {name} (each running job finished its step and checkpointed its run; "
+                          f"jobs not started were cancelled); continue with --resume, out {out_dir}", received[0])

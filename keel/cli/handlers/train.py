@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -15,6 +15,7 @@ from keel.config import TrainConfig, load_config, resolve_config_path
 from keel.data import prepare_dataset, read_meta
 from keel.errors import Interrupted, KeelError
 from keel.experiments.training import train_run
+from keel.io import die_with_parent
 from keel.run import Run
 from keel.train.progress import interactive
 from keel.train.sampling import sample_text
@@ -60,16 +61,6 @@ def default_run_dir(cfg) -> Path:
     return Path("runs") / f"{stamp}-{cfg.model.residual}-{cfg.model.n_sublayers}sl"
 
 
-def _die_with_parent() -> None:
-    """In the torchrun child, before exec: on Linux, ask the kernel to send it SIGTERM when
-    ``keel train`` dies, even by ``kill -9`` (``prctl(PR_SET_PDEATHSIG)``), so torchrun stops
-    its workers rather than leaving them training."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux
-        pass
-
-
 def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
     """Re-run this ``keel train`` under torchrun with ``args.nproc`` processes on this machine:
     ``python -m torch.distributed.run --standalone --nproc_per_node N -m keel train <args>``
@@ -81,7 +72,8 @@ def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
     passed to torchrun (started in its own session, so a terminal's Ctrl-C reaches it once,
     from here), which passes them to every worker: each finishes its step, the run is
     checkpointed, and all stop. If ``keel train`` itself dies, torchrun gets SIGTERM
-    (:func:`_die_with_parent`). Returns torchrun's exit status.
+    (:func:`keel.io.die_with_parent` with SIGTERM, which torchrun passes to its workers).
+    Returns torchrun's exit status.
 
     Raises:
         Interrupted: stopped by SIGINT / SIGTERM (the message says how to resume).
@@ -98,7 +90,8 @@ def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
         cmd += ["--run-dir", str(run_dir)]
     for item in args.set:
         cmd += ["--set", item]
-    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(cmd, start_new_session=True,
+                            preexec_fn=functools.partial(die_with_parent, signal.SIGTERM))
     received: list[int] = []
 
     def forward(signum, frame):
