@@ -319,30 +319,28 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
-@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
-def test_signal_to_keel_train_nproc_stops_every_worker(signame, tiny_data, tmp_path):
-    """A signal to the `keel train --nproc 2` process alone (as `kill PID` sends it): torchrun
-    and both workers stop, the last step is checkpointed, nothing is written afterwards."""
-    run = tmp_path / "run"
-    sets = tiny_overrides(tiny_data, steps=100000, checkpoint_every=100000, eval_every=100000)
+def signal_while_training(argv: list, runs: list[Path], signame: str, data, tmp_path: Path, min_processes: int = 1,
+                          grace_s: float = 60) -> tuple[str, subprocess.Popen, list[int]]:
+    """Start ``keel ARGV`` on endless tiny runs, send ``signame`` to that process alone (as
+    ``kill PID`` does) once every run in ``runs`` has trained 2 steps, wait for it and up to
+    ``grace_s`` for every process below it. Returns (its stderr, the process, the pids still
+    alive). Whatever it started is killed at the end, whatever happened."""
+    sets = tiny_overrides(data, steps=100000, checkpoint_every=100000, eval_every=100000)
     err_file = tmp_path / "stderr.txt"
     with open(err_file, "w") as errors:  # a file, not a pipe: workers left running would hold a pipe open
-        proc = subprocess.Popen([str(KEEL), "train", "--nproc", "2", "--run-dir", run,
-                                 *sum((["--set", s] for s in sets), [])], env=ENV, stdout=subprocess.DEVNULL,
-                                stderr=errors)
+        proc = subprocess.Popen([str(KEEL), *argv, *sum((["--set", s] for s in sets), [])], env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=errors)
     below: set[int] = set()
     try:
         deadline = time.monotonic() + HANG_S
-        while not any(r.get("step", 0) >= 2 for r in read_metrics(run / "metrics.jsonl")):
+        while not all(any(r.get("step", 0) >= 2 for r in read_metrics(run / "metrics.jsonl")) for run in runs):
             assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
             time.sleep(0.2)
         below = descendants(proc.pid)
-        assert len(below) >= 3  # torchrun and two workers
+        assert len(below) >= min_processes
         os.kill(proc.pid, getattr(signal, signame))
         proc.wait(timeout=HANG_S)
-        # torchrun gives its workers 30 s after the signal, then kills them: 5 minutes means never
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + grace_s
         while any(alive(p) for p in below) and time.monotonic() < deadline:
             time.sleep(0.5)
         left = [p for p in below if alive(p)]
@@ -353,7 +351,18 @@ def test_signal_to_keel_train_nproc_stops_every_worker(signame, tiny_data, tmp_p
                 os.kill(p, signal.SIGKILL)
             except OSError:
                 pass
-    err = err_file.read_text()
+    return err_file.read_text(), proc, left
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_signal_to_keel_train_nproc_stops_every_worker(signame, tiny_data, tmp_path):
+    """A signal to the `keel train --nproc 2` process alone (as `kill PID` sends it): torchrun
+    and both workers stop, the last step is checkpointed, nothing is written afterwards."""
+    run = tmp_path / "run"
+    err, proc, left = signal_while_training(["train", "--nproc", "2", "--run-dir", run], [run], signame, tiny_data,
+                                            tmp_path, min_processes=3,  # torchrun and two workers
+                                            grace_s=300)  # torchrun gives its workers 30 s, then kills them
     assert left == [], err
     assert proc.returncode == 128 + getattr(signal, signame), err
     assert last_line(err) == (f"keel: error: stopped by {signame} (passed to every worker: each finishes its step, "
@@ -389,34 +398,9 @@ def test_signal_to_a_grid_checkpoints_the_running_jobs_and_cancels_the_rest(sign
     worker started anyway (the grid waited for a whole run). `kill -9` of the grid: no worker
     is left (before: each got SIGTERM, checkpointed, then hung for ever returning its result)."""
     out = tmp_path / "sweep"
-    sets = tiny_overrides(tiny_data, steps=100000, checkpoint_every=100000, eval_every=100000)
-    err_file = tmp_path / "stderr.txt"
-    with open(err_file, "w") as errors:
-        proc = subprocess.Popen([str(KEEL), "sweep", "--grid", "train.seed=0,1,2", "--workers", "2", "--threads", "1",
-                                 "--out", out, *sum((["--set", s] for s in sets), [])], env=ENV,
-                                stdout=subprocess.DEVNULL, stderr=errors)
     runs = [out / f"seed{k}" for k in range(3)]
-    below: set[int] = set()
-    try:
-        deadline = time.monotonic() + HANG_S
-        while not all(any(r.get("step", 0) >= 2 for r in read_metrics(run / "metrics.jsonl")) for run in runs[:2]):
-            assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
-            time.sleep(0.2)
-        below = descendants(proc.pid)
-        os.kill(proc.pid, getattr(signal, signame))
-        proc.wait(timeout=HANG_S)
-        deadline = time.monotonic() + 60
-        while any(alive(p) for p in below) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        left = [p for p in below if alive(p)]
-    finally:
-        proc.kill()
-        for p in descendants(proc.pid) | set(below):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except OSError:
-                pass
-    err = err_file.read_text()
+    err, proc, left = signal_while_training(["sweep", "--grid", "train.seed=0,1,2", "--workers", "2", "--threads", "1",
+                                             "--out", out], runs[:2], signame, tiny_data, tmp_path)
     assert left == [] and "Traceback" not in err, err
     if signame == "SIGKILL":
         return
