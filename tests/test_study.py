@@ -60,6 +60,14 @@ def test_margin_grows_uses_each_seeds_best_lr():
     growth = next(v for k, v in c["parts"].items() if k.startswith("growth"))
     assert growth["diffs"] == pytest.approx({0: 0.25, 1: 0.16}) and growth["verdict"] == R
     assert c["verdict"] == R
+    # the equal-LR margins beside it (reported, not the verdict): loss(pre_ln) - loss(keel) at each LR
+    eq = {(r["sublayers"], r["lr"]): r["margin"]["diffs"] for r in c["equal_lr"]}
+    assert eq[(16, 1e-3)] == pytest.approx({0: 3.05 - 3.2, 1: 3.04 - 3.2})
+    assert eq[(64, 1e-3)] == pytest.approx({0: 3.30 - 3.2, 1: 3.20 - 3.2}) and eq[(64, 1e-2)] == {0: 0.5, 1: 0.5}
+    assert [(r["sublayers"], r["lr"]) for r in c["equal_lr"]] == [(16, 1e-3), (16, 1e-2), (64, 1e-3), (64, 1e-2)]
+    md = "\n".join(SD.claim_section({"id": "b", "title": "t", "test": "margin_grows", "scheme": "keel",
+                                      "baseline": "pre_ln"}, c))
+    assert "| 64 | 0.01 | +0.500 ± 0.000 [+0.500, +0.500] |" in md
     # the gap gone at depth: not reproduced; one seed only: inconclusive
     flat = [dict(r, capped_loss=3.0) for r in runs]
     assert SD.claim_margin_grows(study(), flat, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})["verdict"] == NR

@@ -263,6 +263,25 @@ def best_losses(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublay
     return out
 
 
+def equal_lr_margins(runs: Sequence[dict], groups: Sequence[str], scheme: str, baseline: str,
+                     min_effect: float, min_seeds: int) -> list[dict]:
+    """Per depth and peak LR that both schemes ran, the paired per-seed margin
+    ``loss(baseline) - loss(scheme)`` (capped final validation loss, nats/token) at that same
+    LR, as a :func:`paired_verdict` dict: how the margin depends on the LR, beside the
+    best-LR margin of :func:`claim_margin_grows`. Rows ``{"sublayers", "lr", "margin"}``."""
+    def losses(name: str, L: int, lr: float) -> dict:
+        return {r["seed"]: r["capped_loss"] for r in runs if r["group"] in groups and r["scheme"] == name
+                and r["sublayers"] == L and r["lr"] == lr and r["status"] == "done"}
+
+    rows = []
+    for L in sorted({r["sublayers"] for r in runs if r["group"] in groups}):
+        for lr in sorted({r["lr"] for r in runs if r["group"] in groups and r["sublayers"] == L}):
+            m = _pair(losses(baseline, L, lr), losses(scheme, L, lr))
+            if m:
+                rows.append({"sublayers": L, "lr": lr, "margin": paired_verdict(m, min_effect, min_seeds)})
+    return rows
+
+
 def _pair(a: dict, b: dict) -> dict:
     """``{seed: a - b}`` over the seeds both have."""
     return {s: a[s] - b[s] for s in sorted(set(a) & set(b))}
@@ -286,14 +305,17 @@ def claim_margin_grows(study: Study, runs: list[dict], claim: dict) -> dict:
                       and r.get("diverged")]
             rows.append({"sublayers": L, "margin": paired_verdict(m, study.min_effect, study.min_seeds),
                          "baseline_diverged_runs": len(failed)})
+    equal = equal_lr_margins(runs, groups, s, b, study.min_effect, study.min_seeds)
     if len(rows) < 2:
-        return {"verdict": INCONCLUSIVE, "why": "needs paired results at two depths at least", "rows": rows}
+        return {"verdict": INCONCLUSIVE, "why": "needs paired results at two depths at least", "rows": rows,
+                "equal_lr": equal}
     lo, hi = rows[0], rows[-1]
     growth = _pair(hi["margin"]["diffs"], lo["margin"]["diffs"])
     parts = {"margin at the deepest depth": hi["margin"],
              f"growth {lo['sublayers']} -> {hi['sublayers']} sub-layers": paired_verdict(growth, study.min_effect,
                                                                                           study.min_seeds)}
-    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows,
+            "equal_lr": equal}
 
 
 def _opt_lrs(runs: list[dict], group: str, scheme: str, L: int) -> dict:
@@ -621,6 +643,10 @@ def claim_section(claim: dict, c: dict) -> list[str]:
                 "|---|---|---|---|"]
         out += [f"| {r['sublayers']} | {_pm(r['margin'])} | {r['margin']['verdict']} | {r['baseline_diverged_runs']} |"
                 for r in c["rows"]]
+        if c.get("equal_lr"):
+            out += ["", "The same margin at equal peak LR (both schemes at that LR; not part of the verdict):", "",
+                    "| sub-layers | LR | margin (baseline − scheme, nats) mean ± sd [per seed] |", "|---|---|---|"]
+            out += [f"| {r['sublayers']} | {r['lr']:g} | {_pm(r['margin'])} |" for r in c["equal_lr"]]
     elif claim["test"] == "lr_transfer":
         out += ["| scheme | optimal LR per seed, by depth | optimum at a grid edge |", "|---|---|---|"]
         out += [f"| {r['scheme']} | " + "; ".join(f"{L}: {_lrs(v)}" for L, v in r["opt_lr"].items())
