@@ -319,12 +319,16 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def trained_2_steps(run: Path) -> bool:
+    return any(r.get("step", 0) >= 2 for r in read_metrics(run / "metrics.jsonl"))
+
+
 def signal_while_training(argv: list, runs: list[Path], signame: str, data, tmp_path: Path, min_processes: int = 1,
-                          grace_s: float = 60) -> tuple[str, subprocess.Popen, list[int]]:
+                          grace_s: float = 60, ready=trained_2_steps) -> tuple[str, subprocess.Popen, list[int]]:
     """Start ``keel ARGV`` on endless tiny runs, send ``signame`` to that process alone (as
-    ``kill PID`` does) once every run in ``runs`` has trained 2 steps, wait for it and up to
-    ``grace_s`` for every process below it. Returns (its stderr, the process, the pids still
-    alive). Whatever it started is killed at the end, whatever happened."""
+    ``kill PID`` does) once ``ready(run)`` holds for every run in ``runs`` (default: it has
+    trained 2 steps), wait for it and up to ``grace_s`` for every process below it. Returns
+    (its stderr, the process, the pids still alive). Whatever it started is killed at the end."""
     sets = tiny_overrides(data, steps=100000, checkpoint_every=100000, eval_every=100000)
     err_file = tmp_path / "stderr.txt"
     with open(err_file, "w") as errors:  # a file, not a pipe: workers left running would hold a pipe open
@@ -333,7 +337,7 @@ def signal_while_training(argv: list, runs: list[Path], signame: str, data, tmp_
     below: set[int] = set()
     try:
         deadline = time.monotonic() + HANG_S
-        while not all(any(r.get("step", 0) >= 2 for r in read_metrics(run / "metrics.jsonl")) for run in runs):
+        while not all(ready(run) for run in runs):
             assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
             time.sleep(0.2)
         below = descendants(proc.pid)
@@ -406,11 +410,26 @@ def test_signal_to_a_grid_checkpoints_the_running_jobs_and_cancels_the_rest(sign
         return
     assert proc.returncode == 128 + getattr(signal, signame), err
     assert last_line(err).startswith(f"keel: error: stopped by {signame} (each running job finished its step and "
-                                     "checkpointed its run; jobs not started were cancelled); continue with --resume")
+                                     "checkpointed its run; jobs not started were cancelled); continue: the same "
+                                     "command with --resume")
     for run in runs[:2]:
         steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
         assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps[-1]:08d}"
     assert not runs[2].exists() and not (out / "sweep.json").exists()  # the queued job never started
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_signals_to_a_grid_whose_job_is_starting_up(tiny_data, tmp_path):
+    """A SIGINT while the grid's first job is still starting (its run.log written, no step yet)
+    stops it: exit 130, one line, no process left. Found by a fresh-user trial: the worker
+    recorded that signal and went on training; further Ctrl-C were not passed on."""
+    out = tmp_path / "sweep"
+    err, proc, left = signal_while_training(["sweep", "--grid", "train.seed=0,1", "--workers", "1", "--out", out],
+                                            [out / "seed0"], "SIGINT", tiny_data, tmp_path,
+                                            ready=lambda run: (run / "run.log").is_file())
+    assert left == [] and "Traceback" not in err, err
+    assert proc.returncode == 130 and last_line(err).startswith("keel: error: stopped by SIGINT"), err
+    assert not (out / "seed1").exists()
 
 
 # ---------------------------------------------------------------- 14. tests bound work, not seconds

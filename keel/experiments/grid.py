@@ -31,9 +31,10 @@ treat an expected failure (e.g. ``keel.train.TrainingStopped``) as a result catc
 itself and returns it.
 
 Stopping: SIGINT or SIGTERM to the grid process (Ctrl-C reaches only it: workers run in
-their own process group) passes one SIGINT to every worker; a running training job finishes
-its step and checkpoints, queued jobs do not start, and the grid raises ``Interrupted``
-(exit 130 / 143); ``--resume`` continues. A ``kill -9`` of the grid kills its workers too.
+their own process group) is passed on to every worker; a running training job finishes its
+step and checkpoints (a job still starting up stops at once), queued jobs do not start, and
+the grid raises ``Interrupted`` (exit 130 / 143); ``--resume`` continues. A second signal
+stops the running jobs at once. A ``kill -9`` of the grid kills its workers too.
 """
 
 from __future__ import annotations
@@ -103,24 +104,29 @@ def cached_result(run_dir: str | Path) -> dict | None:
 
 
 _STOP: list[int] = []  # in a worker: the signal that stopped the grid (see _init_worker); no job starts after it
-
-
 _WORKER: list[int] = []  # set by _init_worker: this process is a grid worker
+_RUNNING: list[str] = []  # in a worker: the job it is running, if any
 
 
-def _stop_between_jobs(signum, frame) -> None:
+def _worker_signal(signum, frame) -> None:
+    """A grid worker's SIGINT/SIGTERM handler outside the trainer's own (see _init_worker)."""
     _STOP.append(signum)
+    if _RUNNING:  # a job is starting up (or finishing) outside the training loop: stop it now
+        raise KeyboardInterrupt
 
 
 def _init_worker(threads: int) -> None:
     """Process-pool initializer: limit intra-op threads so workers x threads ~ cores; the
     worker dies with the grid process. It runs in its own process group, so a terminal's
-    Ctrl-C reaches only the grid process, which passes one SIGINT to each worker
-    (:func:`_run_in_workers`); between jobs that SIGINT is recorded and the next job does not
-    start; during a job the trainer's handler checkpoints the run and stops it."""
+    Ctrl-C reaches only the grid process, which passes the signal on to each worker
+    (:func:`_run_in_workers`). In the training loop the trainer's handler takes it (the run
+    finishes its step and is checkpointed); outside it (a job starting up: data, model) the
+    job stops at once, as there is nothing to checkpoint yet; between jobs it is recorded and
+    no further job starts."""
     die_with_parent(signal.SIGKILL)  # a kill -9 of the grid: no worker left behind (it would hang)
     os.setpgrp()
-    signal.signal(signal.SIGINT, _stop_between_jobs)
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _worker_signal)
     _WORKER.append(os.getpid())
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MKL_NUM_THREADS"] = str(threads)
@@ -160,6 +166,7 @@ def _execute(task: Task, job: GridJob, run_dir: str, resume: bool) -> dict:
     with open(run_dir / LOG_FILE, "a") as logf, _logging_to(logf):
         _log.info(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {'resume' if resume else 'start'} {job.name}")
         try:
+            _RUNNING.append(job.name)
             out = dict(task(job, run_dir, resume))
         except (KeyboardInterrupt, Interrupted) as e:  # Ctrl-C stops the grid, not just this run
             if _WORKER:  # the jobs queued to this worker must not start
@@ -170,6 +177,8 @@ def _execute(task: Task, job: GridJob, run_dir: str, resume: bool) -> dict:
             kind = "" if isinstance(e, KeelError) else f"{type(e).__name__}: "
             return {"name": job.name, "values": job.values, "status": "error", "message": f"{kind}{e}",
                     "wall_s": time.perf_counter() - t0}
+        finally:
+            _RUNNING.clear()
     result = {"name": job.name, "values": job.values, "status": "done", **out,
               "wall_s": out.get("wall_s", time.perf_counter() - t0)}
     atomic_write_text(run_dir / RESULT_FILE, json.dumps(result, indent=1, default=str))
@@ -306,9 +315,9 @@ def _run_in_workers(task: Task, todo: list[GridJob], out_dir: Path, workers: int
     """Run ``todo`` in ``workers`` spawned processes, calling ``report(job, result)`` as each ends.
 
     The first SIGINT or SIGTERM to the grid process stops the grid cleanly: jobs not started
-    are cancelled, and each worker gets one SIGINT, so a running job finishes its step and
-    checkpoints its run (:mod:`keel.train.interrupt`); then :class:`Interrupted`. The
-    original handlers are back after the first signal: a second Ctrl-C stops at once.
+    are cancelled, and each worker gets the same signal, so a running job finishes its step
+    and checkpoints its run (:mod:`keel.train.interrupt`); then :class:`Interrupted`. Every
+    later signal is passed on too: a second Ctrl-C stops the running jobs at once.
 
     Raises:
         Interrupted: stopped by SIGINT / SIGTERM (``--resume`` continues every run).
@@ -319,23 +328,17 @@ def _run_in_workers(task: Task, todo: list[GridJob], out_dir: Path, workers: int
                              initargs=(threads,)) as ex:
         futures = {ex.submit(_execute, task, job, str(out_dir / job.name), resumed(job)): job for job in todo}
 
-        def stop(signum, frame) -> None:
+        def stop(signum, frame) -> None:  # each signal is passed on: a second one stops the jobs at once
             received.append(signum)
-            restore()
             for fut in futures:
                 fut.cancel()
             for proc in multiprocessing.active_children():  # this pool's workers
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGINT)
+                    os.kill(proc.pid, signum)
 
-        saved: dict = {}
-
-        def restore() -> None:
-            while saved:
-                signal.signal(*saved.popitem())
-
+        saved = {}
         if threading.current_thread() is threading.main_thread():
-            saved.update({s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)})
+            saved = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             for fut in as_completed(futures):
                 if received and (fut.cancelled() or isinstance(fut.exception(), (Interrupted, KeyboardInterrupt))):
@@ -346,8 +349,10 @@ def _run_in_workers(task: Task, todo: list[GridJob], out_dir: Path, workers: int
                 fut.cancel()
             raise
         finally:
-            restore()
+            for s, handler in saved.items():
+                signal.signal(s, handler)
     if received:
         name = signal.Signals(received[0]).name
         raise Interrupted(f"stopped by {name} (each running job finished its step and checkpointed its run; "
-                          f"jobs not started were cancelled); continue with --resume, out {out_dir}", received[0])
+                          f"jobs not started were cancelled); continue: the same command with --resume "
+                          f"(out {out_dir})", received[0])
