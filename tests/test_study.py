@@ -237,6 +237,10 @@ def test_out_belongs_to_one_study_and_scale(tmp_path, keel_cli):
         SD.run_study("claims", "tiny", tmp_path / "other", resume=True)
     r = keel_cli("study", "claims", "--scale", "tiny", "--threads", "-2", "--workers", "0", "--out", tmp_path / "t")
     assert r.returncode == 2 and "--threads must be >= 0" in r.stderr and "Traceback" not in r.stderr
+    # a bad --set is refused before the folder is claimed (was: study.json written, the fixed command refused)
+    with pytest.raises(KeelError, match="train.compile must be true or false"):
+        SD.run_study("claims", "tiny", tmp_path / "bad-set", ["train.compile=maybe"])
+    assert not (tmp_path / "bad-set").exists()
 
 
 def test_interrupted_run_without_checkpoint_trains_again(tiny_config, tmp_path, caplog):

@@ -816,8 +816,9 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     if dry_run:
         rows = plan_rows(study, "<data>", out, mfu, peak_tflops)
         return {"plan": rows, "markdown": plan_markdown(study, rows, mfu, peak_tflops)}
+    base = load_config(resolve_config_path(study.base), study.sets)  # a bad --set: refused before out is claimed
     first_command = _claim_out(out, study, command, resume=resume, report_only=report_only)
-    data_dir = str(resolve_data(load_config(resolve_config_path(study.base), study.sets), progress=False))
+    data_dir = str(resolve_data(base, progress=False))
     runs, waiting = collect(study, data_dir, out, train=not report_only, workers=workers, threads=threads)
     claims = [(cl, CLAIM_TESTS[cl["test"]](study, runs, cl)) for cl in study.claims]
     h1 = dataset_unigram_entropy(data_dir)
