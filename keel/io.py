@@ -154,7 +154,8 @@ class RunLock:
     """An exclusive lock on a run directory: ``fcntl.flock`` on ``DIR/.keel.lock``, which
     holds the pid of the process that has it. The OS drops the lock when that process
     exits, however it exits (``kill -9`` included), so a lock is never stale; the file
-    itself may stay.
+    itself may stay. A folder the lock created and nothing else wrote into (a run that failed
+    or was stopped before writing anything) is removed again by :meth:`release`.
 
     Raises (from :meth:`acquire`):
         KeelError: another process holds the lock (the message names its pid), or the
@@ -165,10 +166,12 @@ class RunLock:
         self.folder = Path(folder)
         self.path = self.folder / LOCK_NAME
         self.fd: int | None = None
+        self.created: list[Path] = []  # the folders acquire() made, deepest first
 
     def acquire(self) -> "RunLock":
         import fcntl  # POSIX-only: keel.io stays importable elsewhere
 
+        self.created = [p for p in (self.folder, *self.folder.parents) if not p.exists()]  # deepest first
         with disk_errors(self.folder):
             self.folder.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())
@@ -185,10 +188,18 @@ class RunLock:
         return self
 
     def release(self) -> None:
-        """Drop the lock (closing the file releases it); the lock file stays."""
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        """Drop the lock (closing the file releases it); the lock file stays, unless the lock
+        created the folder and nothing else is in it: then the folder (and the parents the lock
+        created) is removed, so a failed first start leaves nothing behind."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            if self.created and [p.name for p in self.folder.iterdir()] == [LOCK_NAME]:
+                self.path.unlink()
+                for folder in self.created:  # rmdir: only ever an empty folder
+                    folder.rmdir()
+        os.close(self.fd)
+        self.fd = None
 
     def __enter__(self) -> "RunLock":
         return self.acquire()

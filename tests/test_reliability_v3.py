@@ -139,6 +139,29 @@ def test_run_lock_unit(tmp_path):
         assert probe.returncode == 1 and f"(pid {os.getpid()})" in probe.stderr
         assert held.fd is not None
     RunLock(tmp_path / "r").acquire().release()  # free again once released
+    # a folder the lock made and nothing else wrote into goes again, with the parents it made
+    with RunLock(tmp_path / "a" / "b" / "r"):
+        pass
+    assert not (tmp_path / "a").exists()
+    with RunLock(tmp_path / "a" / "r2"):
+        (tmp_path / "a" / "r2" / "config.toml").write_text("x")
+    assert (tmp_path / "a" / "r2" / ".keel.lock").is_file()  # something was written: all stays
+    (tmp_path / "r").mkdir()
+    with RunLock(tmp_path / "r"):
+        pass
+    assert (tmp_path / "r").is_dir()  # not made by this lock: stays
+
+
+def test_failed_first_start_leaves_no_run_folder(tiny_data, tmp_path, capsys):
+    """`keel train` refused after taking the lock (data, vocabulary) leaves no folder holding only
+    `.keel.lock` (found by a fresh-user trial: `--resume` on it then said "not a run directory")."""
+    from keel.cli import main
+
+    run = tmp_path / "new" / "run"
+    sets = sum((["--set", s] for s in tiny_overrides(tiny_data)), [])
+    assert main(["train", "--run-dir", str(run), *sets, "--set", "model.vocab_size=10"]) == 2
+    assert "smaller than the tokenizer's vocabulary" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
 
 
 # ---------------------------------------------------------------- 3. SIGINT / SIGTERM: checkpoint, then stop
