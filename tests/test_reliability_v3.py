@@ -455,6 +455,25 @@ def test_signals_to_a_grid_whose_job_is_starting_up(tiny_data, tmp_path):
     assert not (out / "seed1").exists()
 
 
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_signal_outside_a_training_loop_cleans_up_and_says_so(signame, tmp_path):
+    """SIGTERM to `keel prepare` (or any command outside a training loop) unwinds like Ctrl-C:
+    the half-built dataset folder is removed, one line, exit 143. Found by a fresh-user trial:
+    SIGTERM killed it silently and left `NAME.tmp-PID/` in the cache."""
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen([str(KEEL), "prepare", "--source", "builtin:python-stdlib", "--tokenizer", "bpe:512",
+                             "--cache-dir", cache], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + HANG_S
+    while not (cache.is_dir() and any(".tmp-" in p.name for p in cache.iterdir())):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+    os.kill(proc.pid, getattr(signal, signame))
+    err = proc.communicate(timeout=HANG_S)[1]
+    assert proc.returncode == 128 + getattr(signal, signame) and last_line(err) == f"keel: stopped by {signame}", err
+    assert not cache.exists() or not [p for p in cache.iterdir() if ".tmp-" in p.name]
+
+
 # ---------------------------------------------------------------- 14. tests bound work, not seconds
 def test_no_test_limits_a_subprocess_to_a_machine_dependent_time():
     """A 300 s subprocess limit (the keel_cli fixture's default) failed test_sensitivity at load

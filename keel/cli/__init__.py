@@ -14,7 +14,8 @@ Every ``--help`` shows the defaults and no reST markup (:mod:`keel.cli.formattin
 A user mistake (bad path, bad config value, too little data) prints one line
 ``keel: error: ...`` on stderr and exits with status 2; no traceback. A training run stopped
 by SIGINT / SIGTERM (after writing its checkpoint) prints one such line saying how to resume
-and exits with 130 / 143. Library code reports
+and exits with 130 / 143; outside a training loop either signal unwinds (temporary files and
+a new, still empty run folder are removed) and prints ``keel: stopped by SIGNAL``. Library code reports
 progress through the standard ``logging`` module (loggers under ``keel``); :func:`main`
 sends those records to stderr as plain lines. The handlers are in :mod:`keel.cli.handlers`,
 which import torch and the library at their top: :func:`main` imports only the chosen
@@ -27,7 +28,9 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
 
 from keel import __version__
 from keel.cli import evaluate, info, science, train
@@ -83,21 +86,42 @@ def run_handler(args: argparse.Namespace) -> int:
     return getattr(importlib.import_module(module), function)(args)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM outside a training loop (which checkpoints on its own): unwinds like Ctrl-C, so
+    ``finally`` blocks and context managers clean up (temporary files, a new run's folder)."""
+
+    signum = signal.SIGTERM
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()  # signal handlers: main thread only
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run ``keel ARGS``; returns the exit status (2 for a user error, 130 on Ctrl-C)."""
+    """Run ``keel ARGS``; returns the exit status (2 for a user error, 130 / 143 when stopped
+    by SIGINT / SIGTERM)."""
     setup_logging()  # first: parsing may log (a deprecated flag)
     args = build_parser().parse_args(argv)
+    saved = signal.signal(signal.SIGTERM, _terminated) if _main_thread() else None
     try:
         return run_handler(args)
     except KeelError as e:
         print(f"keel: error: {e}", file=sys.stderr)
         return e.exit_code if isinstance(e, Interrupted) else 2  # 130 / 143: stopped by SIGINT / SIGTERM
-    except KeyboardInterrupt:
-        print("keel: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM before a training loop took over the signals
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"keel: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
     except BrokenPipeError:  # `keel ... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    finally:
+        if saved is not None:
+            signal.signal(signal.SIGTERM, saved)
 
 
 if __name__ == "__main__":
