@@ -182,7 +182,7 @@ def test_group_jobs_run_the_seeds_of_a_cell_side_by_side(tmp_path):
     rank = {s: i for i, s in enumerate(g.schemes)}
     assert key == sorted(key, key=lambda k: (k[0], rank[k[1]], k[2], k[3]))
     assert [k[3] for k in key[:4]] == [0, 1, 0, 1] and len({k[:3] for k in key[:2]}) == 1
-    assert key[0][:2] == (8, "keel") and len(key) == len(set(key)) == 64
+    assert key[0][:2] == (8, "keel") and len(key) == len(set(key)) == 2 * 4 * 5 * 2  # depths, schemes, LRs, seeds
 
 
 def test_bad_study_input(tmp_path):

@@ -288,7 +288,8 @@ def _pair(a: dict, b: dict) -> dict:
 
 
 def claim_margin_grows(study: Study, runs: list[dict], claim: dict) -> dict:
-    """{scheme} beats {baseline} at the deepest depth and its margin grows with depth.
+    """{scheme} beats {baseline} at the deepest depth and its margin grows with depth (both parts
+    must hold).
 
     Margin per seed and depth: ``m_L = best(baseline) - best(scheme)`` (nats/token, best
     over the LR grid per seed). Two paired verdicts, combined by :func:`combine`:
@@ -385,10 +386,11 @@ def claim_init_margin(study: Study, runs: list[dict], claim: dict) -> dict:
     best_b = {x: min(bl[g][x], bl[ref][x]) for x in set(bl[g]) & set(bl[ref])}
     best_s = {x: min(sl[g][x], sl[ref][x]) for x in set(sl[g]) & set(sl[ref])}
     v = paired_verdict(_pair(best_b, best_s), study.min_effect, study.min_seeds)
+    sets = next((grp.sets for grp in study.groups if grp.name == g), [])
+    init = ", ".join(override_text(x) for x in sets) or "this group's init"  # e.g. model.embed_init_std=1.0
     rows = {"margin, default init": paired_verdict(_pair(bl[ref], sl[ref]), study.min_effect, study.min_seeds),
-            "margin, this group's init": paired_verdict(_pair(bl[g], sl[g]), study.min_effect, study.min_seeds),
-            f"{b} gain from this group's init": paired_verdict(_pair(bl[ref], bl[g]), study.min_effect,
-                                                                study.min_seeds)}
+            f"margin, {init}": paired_verdict(_pair(bl[g], sl[g]), study.min_effect, study.min_seeds),
+            f"{b} gain from {init}": paired_verdict(_pair(bl[ref], bl[g]), study.min_effect, study.min_seeds)}
     return {"verdict": v["verdict"], "sublayers": L, "margin_best_init": v, "rows": rows}
 
 
@@ -730,9 +732,12 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
              + (f" (tokens per finished run: {', '.join(f'{t:,}' for t in toks)})" if toks else "") + "."
              + (f" Not planned yet: {'; '.join(waiting)}." if waiting else ""),
              f"Command: `{command}`", "", "## Verdicts", "",
-             f"Rule (all claims): paired per-seed differences oriented so that the claim predicts > 0; reproduced "
-             f"when every seed (≥ {study.min_seeds}) shows ≥ {study.min_effect:g} nats, not reproduced when every "
-             f"seed shows the opposite or none does, inconclusive otherwise.", "",
+             f"Rule: paired per-seed differences d, oriented so that the claim predicts d > 0 (nats; for (a) "
+             f"log10 ratios of max LR with a 5% floor). Reproduced when every seed (≥ {study.min_seeds}) has "
+             f"d ≥ {study.min_effect:g}; not reproduced when every seed has d ≤ −{study.min_effect:g}, or every "
+             f"seed has |d| < {study.min_effect:g} (no effect); inconclusive otherwise (mixed, too few seeds). "
+             "A claim with several parts (e.g. the margin at the deepest depth and its growth with depth) is "
+             "reproduced only when every part is, not reproduced when any part is not.", "",
              "| claim | verdict | numbers: mean ± sd [per seed] |", "|---|---|---|"]
     lines += [f"| ({cl['id']}) {cl['title']} | **{c['verdict']}** | {claim_numbers(c)} |" for cl, c in claims]
     lines.append("")
