@@ -70,7 +70,13 @@ def test_keel_config_schemes_lists_every_scheme_with_its_paper(capsys):
     assert named == list(SCHEMES)  # every scheme, in the one list's order
     text = " ".join(lines)
     assert "arXiv 2601.19895" in text and "Peri-LN (Kim et al. 2025" in text
-    assert "::" not in text and ":class:" not in text and "``" not in text
+    assert "::" not in text and ":class:" not in text and "``" not in text and "cfg." not in text
+    assert "alpha = model.alpha" in text and "rho = model.mix_ln_ratio" in text  # config keys, not attributes
+    assert "X_next  = Norm(Y) + FFN(Norm(Y))" in text  # the formula block after a "::" paragraph
+    assert "H_i <- H'_i + B_i * F(Norm(h_0))" in text  # Hyper-Connections: its update, not just the citation
+    with pytest.raises(SystemExit):  # one thing at a time (was: --show silently dropped)
+        main(["config", "--schemes", "--show", "demo"])
+    assert "not allowed with argument" in capsys.readouterr().err
     main(["config"])
     assert "keel config --schemes" in next(ln for ln in capsys.readouterr().out.splitlines() if "model.residual " in ln)
 

@@ -21,8 +21,9 @@ def register(subparsers) -> None:
                                            "--set SECTION.KEY=VALUE). "
                                            "With --show: the resolved preset or config file, as TOML. "
                                            "With --schemes: every residual scheme and its paper.")
-    pc.add_argument("--show", default=None, metavar="PRESET", help="a preset name or TOML file to print resolved")
-    pc.add_argument("--schemes", action="store_true",
+    what = pc.add_mutually_exclusive_group()
+    what.add_argument("--show", default=None, metavar="PRESET", help="a preset name or TOML file to print resolved")
+    what.add_argument("--schemes", action="store_true",
                     help="list the residual schemes (the values of model.residual) with their papers")
     pc.set_defaults(handler="keel.cli.handlers.config.cmd_config")
 

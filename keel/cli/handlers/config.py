@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import re
 import textwrap
@@ -26,19 +27,33 @@ def _value(v) -> str:
     return "unset" if v is None else json.dumps(v)
 
 
+def scheme_summary(doc: str) -> list[str]:
+    """The lines ``keel config --schemes`` shows for one scheme: its docstring's first prose
+    paragraph(s), up to and including the first formula block (a paragraph after one ending in
+    ``::``; at most 3 paragraphs), reST roles and ``cfg.`` names written as config keys."""
+    paras = [p.rstrip() for p in inspect.cleandoc(doc or "").split("\n\n")]
+    ends = [p.endswith("::") for p in paras]
+    n = 2 if ends[0] else (3 if len(paras) > 2 and ends[1] else 1)  # prose, up to its formula block
+    out: list[str] = []
+    for i, para in enumerate(paras[:n]):
+        if i and ends[i - 1]:  # a literal block: keep its lines
+            out += para.splitlines()
+            continue
+        text = " ".join(para.split()).replace("``", "").removesuffix("::").removesuffix(":")
+        out += textwrap.wrap(re.sub(r":(?:class|func|data|meth):`([^`]+)`", r"\1", text) + (":" * ends[i]), 96)
+    return [re.sub(r"\bcfg\.(\w+)", lambda m: "model." + ("alpha" if m[1] == "keel_alpha" else m[1]), x)
+            for x in out]
+
+
 def print_schemes() -> None:
-    """Print every name of :data:`keel.model.residual.SCHEMES` with the first paragraph of its
-    class docstring (the scheme's paper and equation)."""
+    """Print every name of :data:`keel.model.residual.SCHEMES` with :func:`scheme_summary` of
+    its class docstring (the scheme's paper, equation and config keys)."""
     # the one list of schemes lives in the torch-importing model layer; only this flag pays for it
     schemes = importlib.import_module("keel.model.residual").SCHEMES
-    width = max(map(len, schemes))
     for name, cls in schemes.items():
-        doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "")
-        doc = re.sub(r":(?:class|func|data|meth):`([^`]+)`", r"\1", doc).removesuffix("::").removesuffix(":")
-        lines = textwrap.wrap(doc, 100 - width) or [""]
-        print(f"  {name.ljust(width)}  {lines[0]}")
-        for line in lines[1:]:
-            print(f"  {' ' * width}  {line}")
+        print(f"  {name}")
+        for line in scheme_summary(cls.__doc__):
+            print(f"      {line}")
 
 
 def cmd_config(args: argparse.Namespace) -> int:
