@@ -40,9 +40,11 @@ def test_train_refuses_before_writing_the_run(tmp_path, capsys):
     assert not run.exists()
 
 
-def test_gradflow_refuses_a_huge_depth(tiny_data, capsys):
-    rc = main(["gradflow", "--sublayers", str(2 * HUGE_BLOCKS), "--residual", "keel", "--set", f"data.path={tiny_data}"])
+def test_gradflow_refuses_a_huge_depth_before_preparing_data(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    rc = main(["gradflow", "--sublayers", str(2 * HUGE_BLOCKS), "--residual", "keel", "--set", f"data.cache_dir={cache}"])
     _one_line_error(capsys, rc)
+    assert not cache.exists()  # was: the corpus was tokenized first (15 s), then the model refused
 
 
 @pytest.mark.parametrize("command", ["stress", "lr-sensitivity"])

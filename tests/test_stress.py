@@ -115,9 +115,14 @@ def test_cached_runs_are_skipped_and_interrupted_ones_resumed(tiny_data, one_wor
     assert res["table"]["rows"][0]["cells"]["post_ln"]["text"] == "–"
     # report-only where no run has finished: refused, nothing written (was an empty report)
     empty = out.parent / "no-runs"
-    with pytest.raises(KeelError, match="no finished run .* nothing to report"):
+    with pytest.raises(KeelError, match="holds no finished run: nothing to report"):
         grid(tiny_data, empty, report_only=True)
     assert not empty.exists()
+    other = out.parent / "other-grid" / "some-run"  # a folder with a finished run, none of this grid's
+    other.mkdir(parents=True)
+    (other / RESULT_FILE).write_text("{}")
+    with pytest.raises(KeelError, match="no finished run of this stress test"):
+        grid(tiny_data, other.parent, report_only=True)
 
 
 def _r(scheme, L, lr):

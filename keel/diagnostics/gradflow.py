@@ -422,6 +422,9 @@ def profile_schemes(base, schemes: Sequence[str], depths: Sequence[int], d_model
     windows of ``seq_len`` tokens of the dataset ``base`` (a :class:`keel.config.Config`)
     names. The init is seeded with ``seed`` for every model. Results as in
     :func:`profile_runs`, plus ``init_std``."""
+    for L in depths:  # a mistyped depth is refused before any data is prepared (vocabulary: its floor, 1)
+        for scheme in schemes:
+            check_model_fits(_init_config(base, scheme, L, d_model, seq_len, 1), 4, "their fp32 weights")
     data_dir = resolve_data(base, progress=False)
     vocab = read_meta(data_dir)["vocab_size"]
     batch = _val_batch(data_dir, seq_len, batch_size)
@@ -430,7 +433,6 @@ def profile_schemes(base, schemes: Sequence[str], depths: Sequence[int], d_model
         for scheme in schemes:
             t0 = time.perf_counter()
             mcfg = _init_config(base, scheme, L, d_model, seq_len, vocab)
-            check_model_fits(mcfg, 4, "their fp32 weights")
             torch.manual_seed(seed)
             r = {"residual": scheme, "sublayers": L, "blocks": L // 2, "d_model": d_model,
                  "init_std": mcfg.init_std, "label": scheme}

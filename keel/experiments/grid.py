@@ -92,6 +92,20 @@ def _check_name(name: str) -> None:
         raise KeelError(f"grid job name {name!r} is not a plain folder name (letters, digits, ._=-+)")
 
 
+def check_reportable(out_dir: str | Path) -> None:
+    """For ``--report-only``: ``out_dir`` must be a folder holding at least one finished job
+    (checked before any data is prepared or model built).
+
+    Raises:
+        KeelError: ``out_dir`` is missing, a file, or holds no finished job.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise KeelError(f"cannot write {out_dir}: a file is there, not a folder")  # as keel.io.make_dirs says
+    if not out_dir.is_dir() or not any((d / RESULT_FILE).is_file() for d in out_dir.iterdir()):
+        raise KeelError(f"{out_dir} holds no finished run: nothing to report; check --out")
+
+
 def cached_result(run_dir: str | Path) -> dict | None:
     """The stored ``result.json`` of a finished job, or None if it has not finished."""
     p = Path(run_dir) / RESULT_FILE

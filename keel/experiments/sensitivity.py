@@ -48,7 +48,7 @@ from keel.data import resolve_data
 from keel.data.stats import dataset_unigram_entropy
 from keel.diagnostics.divergence import Thresholds
 from keel.errors import KeelError
-from keel.experiments.grid import cached_result, run_grid
+from keel.experiments.grid import cached_result, check_reportable, run_grid
 from keel.experiments.sweep import build_jobs, check_train_job, train_task
 from keel.io import atomic_write_text, make_dirs
 from keel.model import SCHEMES
@@ -344,6 +344,8 @@ def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Se
         if s not in SCHEMES:
             raise KeelError(f"unknown scheme {s!r} in --residual (available: {', '.join(SCHEMES)})")
     grid = build_grid(schemes, sublayers, lrs, seeds)
+    if report_only:
+        check_reportable(out)
     base = load_config(resolve_config_path(config), list(sets))
     data_dir = resolve_data(base, progress=False)
     jobs = build_jobs(config, grid, sets, data_path=str(data_dir))

@@ -50,7 +50,7 @@ from typing import Sequence
 from keel.config import Override, load_config, resolve_config_path
 from keel.data import resolve_data
 from keel.errors import KeelError
-from keel.experiments.grid import GridJob, cached_result, run_grid
+from keel.experiments.grid import check_reportable, GridJob, cached_result, run_grid
 from keel.experiments.sweep import check_train_job, train_task
 from keel.io import atomic_write_text, make_dirs
 from keel.model import SCHEMES
@@ -257,6 +257,8 @@ def run_stress(config: str | None = None, overrides: list[str] | None = None, sc
     out = Path(out)
     if not (resume or report_only) and out.is_dir() and any(out.iterdir()):
         raise KeelError(f"output folder {out} is not empty; use --resume to continue it, or another --out")
+    if report_only:
+        check_reportable(out)
     cfg_path = resolve_config_path(config)
     overrides = list(overrides or [])
     data_dir = resolve_data(load_config(cfg_path, overrides), progress=False)  # prepared once, here
