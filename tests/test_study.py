@@ -257,6 +257,8 @@ def test_interrupted_run_without_checkpoint_trains_again(tiny_config, tmp_path, 
         out = train_task(GridJob("run", cfg.to_dict()), run_dir, True)
     assert out["step"] == 6 and out["final_val_loss"] is not None
     assert any("no intact checkpoint to resume from" in r.getMessage() for r in caplog.records)  # logged
+    assert out["note"] == "trained again from step 0: it had no intact checkpoint"  # on the grid's progress line
+    assert "note" not in train_task(GridJob("run", cfg.to_dict()), run_dir, True)  # finished: nothing restarted
 
 
 def test_grid_worker_dies_with_its_parent(tmp_path):

@@ -144,7 +144,7 @@ def test_stopped_run_is_a_result_and_excluded_from_best(tiny_data, tmp_path):
 def _fail_task(job, run_dir, resume):
     if job.values["x"] == 2:
         raise KeelError("boom")
-    return {"square": job.values["x"] ** 2}
+    return {"square": job.values["x"] ** 2, **({"note": "odd one"} if job.values["x"] == 3 else {})}
 
 
 def test_grid_runner_records_errors_and_retries_them(tmp_path, caplog):
@@ -156,6 +156,9 @@ def test_grid_runner_records_errors_and_retries_them(tmp_path, caplog):
     with caplog.at_level("INFO", logger="keel"):
         run_grid(jobs, tmp_path / "g", _fail_task, workers=0, resume=True)
     assert any("2 finished already, 1 to run" in m for m in caplog.messages)
+    with caplog.at_level("INFO", logger="keel"):
+        run_grid(jobs[2:], tmp_path / "n", _fail_task, workers=0)
+    assert any(m.startswith("[1/1] x3: done; odd one (") for m in caplog.messages)  # a task's note is shown
     with pytest.raises(KeelError, match="repeated"):
         run_grid(jobs + jobs[:1], tmp_path / "h", _fail_task, workers=0)
     with pytest.raises(KeelError, match="folder name"):

@@ -23,7 +23,8 @@ A task is a module-level function (so that the ``spawn`` start method can pickle
     task(job: GridJob, run_dir: Path, resume: bool) -> dict
 
 It reports progress through ``logging`` (while it runs, the ``keel`` loggers write to the
-job's ``run.log``). It returns a JSON-serialisable dict, stored as ``result.json`` together with
+job's ``run.log``; a ``note`` in its result is shown on the grid's progress line). It
+returns a JSON-serialisable dict, stored as ``result.json`` together with
 ``name``, ``values``, ``status = "done"`` and ``wall_s`` (seconds in the task). A task
 that raises is recorded as ``status = "error"`` with the message, is *not* cached (it
 runs again on ``--resume``), and does not stop the other jobs. A task that should
@@ -311,6 +312,7 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
         results[job.name] = r
         count[0] += 1
         what = "done" if r["status"] == "done" else f"error: {r['message']}"
+        what += f"; {r['note']}" if r.get("note") else ""
         _log.info(f"[{count[0]}/{len(jobs)}] {job.name}: {what} ({r['wall_s']:.0f} s)")
 
     def resumed(job: GridJob) -> bool:

@@ -351,6 +351,8 @@ def train_task(job: GridJob, run_dir: Path, resume: bool) -> dict:
         _log.info(f"stopped: {e}")
     out = run_summary(run_dir, stopped)
     out["wall_s"] = time.perf_counter() - t0
+    if restart:  # shown on the grid's progress line, not only in run.log
+        out["note"] = "trained again from step 0: it had no intact checkpoint"
     return out
 
 
