@@ -174,7 +174,7 @@ def test_signal_finishes_the_step_checkpoints_and_resumes_exactly(signame, code,
     sets = tiny_overrides(tiny_data, checkpoint_every=100)
     proc = hooked_train(6, signame, tmp_path / "flag", "--run-dir", run, *sum((["--set", s] for s in sets), []))
     assert proc.returncode == code, proc.stderr
-    assert last_line(proc.stderr) == (f"keel: error: stopped by {signame} after step 6: checkpoint "
+    assert last_line(proc.stderr) == (f"keel: stopped by {signame} after step 6: checkpoint "
                                       f"{run / 'checkpoints' / 'step_00000006'} written; resume with: "
                                       f"keel train --resume {run}")
     assert checkpoint_problem(run / "checkpoints" / "step_00000006") is None
@@ -392,7 +392,7 @@ def test_signal_to_keel_train_nproc_stops_every_worker(signame, tiny_data, tmp_p
                                             grace_s=300)  # torchrun gives its workers 30 s, then kills them
     assert left == [], err
     assert proc.returncode == 128 + getattr(signal, signame), err
-    assert last_line(err) == (f"keel: error: stopped by {signame} (passed to every worker: each finishes its step, "
+    assert last_line(err) == (f"keel: stopped by {signame} (passed to every worker: each finishes its step, "
                               f"the run is checkpointed); resume with: keel train --resume {run}")
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
     time.sleep(2)
@@ -432,7 +432,7 @@ def test_signal_to_a_grid_checkpoints_the_running_jobs_and_cancels_the_rest(sign
     if signame == "SIGKILL":
         return
     assert proc.returncode == 128 + getattr(signal, signame), err
-    assert last_line(err).startswith(f"keel: error: stopped by {signame} (each running job finished its step and "
+    assert last_line(err).startswith(f"keel: stopped by {signame} (each running job finished its step and "
                                      "checkpointed its run; jobs not started were cancelled); continue: the same "
                                      "command with --resume")
     for run in runs[:2]:
@@ -451,7 +451,7 @@ def test_signals_to_a_grid_whose_job_is_starting_up(tiny_data, tmp_path):
                                             [out / "seed0"], "SIGINT", tiny_data, tmp_path,
                                             ready=lambda run: (run / "run.log").is_file())
     assert left == [] and "Traceback" not in err, err
-    assert proc.returncode == 130 and last_line(err).startswith("keel: error: stopped by SIGINT"), err
+    assert proc.returncode == 130 and last_line(err).startswith("keel: stopped by SIGINT"), err
     assert not (out / "seed1").exists()
 
 

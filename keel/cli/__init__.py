@@ -13,8 +13,8 @@ Every ``--help`` shows the defaults and no reST markup (:mod:`keel.cli.formattin
 
 A user mistake (bad path, bad config value, too little data) prints one line
 ``keel: error: ...`` on stderr and exits with status 2; no traceback. A training run stopped
-by SIGINT / SIGTERM (after writing its checkpoint) prints one such line saying how to resume
-and exits with 130 / 143; outside a training loop either signal unwinds (temporary files and
+by SIGINT / SIGTERM (after writing its checkpoint) prints one line ``keel: stopped by ...``
+saying how to resume and exits with 130 / 143; outside a training loop either signal unwinds (temporary files and
 a new, still empty run folder are removed) and prints ``keel: stopped by SIGNAL``. Library code reports
 progress through the standard ``logging`` module (loggers under ``keel``); :func:`main`
 sends those records to stderr as plain lines. The handlers are in :mod:`keel.cli.handlers`,
@@ -109,9 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     saved = signal.signal(signal.SIGTERM, _terminated) if _main_thread() else None
     try:
         return run_handler(args)
+    except Interrupted as e:  # stopped on purpose (Ctrl-C, kill): not an error; 130 / 143
+        print(f"keel: {e}", file=sys.stderr)
+        return e.exit_code
     except KeelError as e:
         print(f"keel: error: {e}", file=sys.stderr)
-        return e.exit_code if isinstance(e, Interrupted) else 2  # 130 / 143: stopped by SIGINT / SIGTERM
+        return 2
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM before a training loop took over the signals
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"keel: stopped by {signal.Signals(signum).name}", file=sys.stderr)
