@@ -18,8 +18,9 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from keel.errors import KeelError
 
@@ -215,3 +216,25 @@ def die_with_parent(signum: int = signal.SIGKILL) -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))  # 1 = PR_SET_PDEATHSIG
+
+
+@contextlib.contextmanager
+def passing_on_stop_signals(pass_on: Callable[[int], None]) -> Iterator[list[int]]:
+    """While the block runs, SIGINT and SIGTERM do not stop this process: each calls
+    ``pass_on(signum)`` (e.g. send it to the child processes doing the work, which stop
+    cleanly), and is appended to the list the block gets. The handlers are put back after.
+    Signal handlers exist in the main thread only: elsewhere nothing is installed."""
+    received: list[int] = []
+
+    def handler(signum, frame) -> None:
+        received.append(signum)
+        pass_on(signum)
+
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        saved = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, old in saved.items():
+            signal.signal(s, old)

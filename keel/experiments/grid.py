@@ -46,7 +46,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -58,7 +57,7 @@ import torch
 
 from keel.config import config_from_dict
 from keel.errors import Interrupted, KeelError
-from keel.io import atomic_write_text, die_with_parent, make_dirs
+from keel.io import atomic_write_text, die_with_parent, make_dirs, passing_on_stop_signals
 
 _log = logging.getLogger(__name__)  # progress lines ("[3/12] name: done in 41 s")
 
@@ -338,35 +337,28 @@ def _run_in_workers(task: Task, todo: list[GridJob], out_dir: Path, workers: int
     Raises:
         Interrupted: stopped by SIGINT / SIGTERM (``--resume`` continues every run).
     """
-    received: list[int] = []
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
                              initargs=(threads,)) as ex:
         futures = {ex.submit(_execute, task, job, str(out_dir / job.name), resumed(job)): job for job in todo}
 
-        def stop(signum, frame) -> None:  # each signal is passed on: a second one stops the jobs at once
-            received.append(signum)
+        def stop(signum: int) -> None:  # each signal is passed on: a second one stops the jobs at once
             for fut in futures:
                 fut.cancel()
             for proc in multiprocessing.active_children():  # this pool's workers
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signum)
 
-        saved = {}
-        if threading.current_thread() is threading.main_thread():
-            saved = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            for fut in as_completed(futures):
-                if received and (fut.cancelled() or isinstance(fut.exception(), (Interrupted, KeyboardInterrupt))):
-                    continue  # stopped on purpose: checkpointed (or never started), resumed by --resume
-                report(futures[fut], fut.result())
-        except BaseException:
-            for fut in futures:
-                fut.cancel()
-            raise
-        finally:
-            for s, handler in saved.items():
-                signal.signal(s, handler)
+        with passing_on_stop_signals(stop) as received:
+            try:
+                for fut in as_completed(futures):
+                    if received and (fut.cancelled() or isinstance(fut.exception(), (Interrupted, KeyboardInterrupt))):
+                        continue  # stopped on purpose: checkpointed (or never started), resumed by --resume
+                    report(futures[fut], fut.result())
+            except BaseException:
+                for fut in futures:
+                    fut.cancel()
+                raise
     if received:
         name = signal.Signals(received[0]).name
         raise Interrupted(f"stopped by {name} (each running job finished its step and checkpointed its run; "

@@ -15,7 +15,7 @@ from keel.config import TrainConfig, load_config, resolve_config_path
 from keel.data import prepare_dataset, read_meta
 from keel.errors import Interrupted, KeelError
 from keel.experiments.training import train_run
-from keel.io import die_with_parent
+from keel.io import die_with_parent, passing_on_stop_signals
 from keel.run import Run
 from keel.train.progress import interactive
 from keel.train.sampling import sample_text
@@ -92,18 +92,8 @@ def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
         cmd += ["--set", item]
     proc = subprocess.Popen(cmd, start_new_session=True,
                             preexec_fn=functools.partial(die_with_parent, signal.SIGTERM))
-    received: list[int] = []
-
-    def forward(signum, frame):
-        received.append(signum)
-        proc.send_signal(signum)
-
-    saved = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with passing_on_stop_signals(proc.send_signal) as received:
         code = proc.wait()
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
     if received:
         name = signal.Signals(received[0]).name
         raise Interrupted(f"stopped by {name} (passed to every worker: each finishes its step, the run is "
