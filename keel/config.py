@@ -397,6 +397,10 @@ class TrainConfig:
         "none", "recompute activations in backward: in every block, or every checkpoint_k-th (every_k).")
     checkpoint_k: int = key(2, "with every_k: checkpoint every k-th block.", ge=1)
     compile: bool = key(False, "torch.compile the model.")
+    flush_denormal: bool = key(
+        True, "on the CPU, flush subnormal floats to zero while training (torch.set_flush_denormal): a model "
+        "whose gradients underflow, as a stagnating deep Post-LN's do, otherwise trains ~8x slower "
+        "(benchmarks/denormal.py); other values are unchanged; no effect on CUDA.")
     eval_tasks: str = key("", "comma-separated lm-evaluation-harness tasks scored during training (keel.eval).")
     eval_tasks_every: int = key(0, "steps between task evaluations.", ge=0, note="0 = never")
     eval_tasks_limit: int = key(100, "examples per task in those evaluations.", ge=1)

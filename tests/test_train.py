@@ -12,6 +12,7 @@ from keel.config import TrainConfig, load_config
 from keel.data import TokenLoader
 from keel.model import Transformer
 from keel.train import TrainingStopped, train
+from keel.train.callbacks import Callback
 from keel.run import Run
 from keel.train.checkpoint import latest_checkpoint, load_trainer_state
 from keel.train.optim import build_optimizer, lr_at
@@ -229,3 +230,28 @@ def test_resume_before_any_step_starts_at_zero(tiny_config, tmp_path, caplog):
         train(tiny_config(steps=2, eval_every=2, checkpoint_every=2), run, resume=True)
     assert any("no checkpoint" in r.getMessage() and "step 0" in r.getMessage() for r in caplog.records)
     assert [r["step"] for r in metrics(run)] == [0, 1, 2]
+
+
+class _SubnormalProbe(Callback):
+    """Records, at every backward, what float32 arithmetic makes of a subnormal input."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_gradients(self, state):
+        self.seen.append((torch.tensor([1e-40]) * 1.0).item())
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_flush_denormal_holds_during_training_only(tiny_config, tmp_path, flush):
+    """train.flush_denormal (default on) flushes subnormals to zero in the training steps,
+    the fix for the ~8x slower backward of a stagnating Post-LN (benchmarks/denormal.py),
+    and leaves torch's default (off) behind."""
+    probe = _SubnormalProbe()
+    cfg = tiny_config(steps=3, eval_every=3)
+    assert cfg.train.flush_denormal is True  # the default
+    cfg.train.flush_denormal = flush
+    train(cfg, tmp_path / "run", callbacks=[probe])
+    assert len(probe.seen) == 3
+    assert probe.seen == ([0.0] * 3 if flush else [pytest.approx(1e-40, rel=1e-4)] * 3)
+    assert (torch.tensor([1e-40]) * 1.0).item() == pytest.approx(1e-40, rel=1e-4)

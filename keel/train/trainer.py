@@ -70,7 +70,7 @@ from keel.train.callbacks import Callback, StepState, unhonoured_keys
 from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, is_sharded, latest_checkpoint,
                                    load_sharded_checkpoint, load_trainer_state, load_weights, remove_stale_temporaries,
                                    save_checkpoint, save_sharded_checkpoint, tied_aliases)
-from keel.train.device import autocast_context, check_model_fits, resolve_device
+from keel.train.device import autocast_context, check_model_fits, flushing_denormals, resolve_device
 from keel.train.evaluate import mean_nll
 from keel.train.interrupt import StopSignals
 from keel.train.loggers import open_sinks
@@ -180,7 +180,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, callbacks: Seq
     info = D.init_distributed(resolve_device(cfg.train.device))
     try:
         run_dir = Path(D.broadcast_object(str(run_dir), info))
-        with run_lock(run_dir, info):
+        with run_lock(run_dir, info), flushing_denormals(cfg.train.flush_denormal):
             return Trainer(cfg, run_dir, resume, list(callbacks), info, restart=restart).fit()
     finally:
         D.destroy_distributed(info)
