@@ -4,6 +4,7 @@ the trainer's logging, and the ``keel gradflow`` command."""
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from keel.cli import main
 from keel.config import load_config
 from keel.data import TokenLoader, validation_tokens
 from keel.model.model import linear_cross_entropy
+from keel.diagnostics import gradflow
 from keel.diagnostics.gradflow import jacobian_spectral_norms, profile_model, sublayer_grad_norms
 from keel.model import SCHEMES, RMSNorm
 from keel.experiments.training import train_run
@@ -265,3 +267,21 @@ def test_cli_errors_are_one_line(capsys, args, msg):
     assert code == 2
     assert err.startswith("keel: error: ") and msg in err and err.count("\n") == 1
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_summary_columns_line_up_for_every_scheme(scheme):
+    """Every column of a summary line ends where its header ends, the longest scheme name
+    (hyper_connections) included; before, names over 11 characters pushed the row right."""
+    r = {"residual": scheme, "blocks": 32, "sublayers": 64, "d_model": 64, "loss": 3.25,
+         "stream_ratio_first_last": 1.5, "stream_ratio_block1_last": 0.5, "param_grad_norm": [2.0, 1.0],
+         "log10_jacobian_product": -1.25, "log10_jacobian_product_from_block1": -0.75, "seconds": 12.5}
+    line, header = gradflow._summary_line(r), gradflow.SUMMARY_HEADER
+    assert len(line) == len(header)
+    ends = [m.end() for m in re.finditer(r"\S+", line)]
+    assert ends[0] <= header.index(" blocks") and line.startswith(scheme + " ")
+    assert line.split() == [scheme, "32", "64", "64", "3.250", "1.500e+00", "5.000e-01", "2.000e+00", "-1.25", "-0.75",
+                            "12.5"]
+    for value_end, word in zip(ends[1:], ["blocks", "sub-layers", "d_model", "loss", "0/L-1", "2/L-1", "0/L-1", "J*",
+                                          "blk1+", "seconds"]):
+        assert header[:value_end].endswith(word)

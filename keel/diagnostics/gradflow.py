@@ -69,7 +69,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from keel.config import resolve_vocab_size
 from keel.data import read_meta, resolve_data, validation_tokens
 from keel.errors import KeelError
-from keel.model import Transformer
+from keel.model import SCHEMES, Transformer
 from keel.run import Run
 from keel.train.device import check_model_fits
 from keel.train.parallelize import unwrap
@@ -338,15 +338,18 @@ def _sci(v) -> str:
     return "n/a" if v is None else f"{v:.3e}"
 
 
+_NAME_WIDTH = max(len("residual"), *map(len, SCHEMES))  # the widest scheme name, e.g. hyper_connections
+
+
 def _summary_line(r: dict) -> str:
     p = r["param_grad_norm"]
     ratio_p = p[0] / p[-1] if p[-1] > 0 else None
-    return (f"{r['residual']:<11} {r['blocks']:>6} {r['sublayers']:>10} {r['d_model']:>7} {r['loss']:>7.3f} "
+    return (f"{r['residual']:<{_NAME_WIDTH}} {r['blocks']:>6} {r['sublayers']:>10} {r['d_model']:>7} {r['loss']:>7.3f} "
             f"{_sci(r['stream_ratio_first_last']):>12} {_sci(r['stream_ratio_block1_last']):>12} {_sci(ratio_p):>12} "
             f"{r['log10_jacobian_product']:>9.2f} {r['log10_jacobian_product_from_block1']:>9.2f} {r['seconds']:>7.1f}")
 
 
-SUMMARY_HEADER = (f"{'residual':<11} {'blocks':>6} {'sub-layers':>10} {'d_model':>7} {'loss':>7} "
+SUMMARY_HEADER = (f"{'residual':<{_NAME_WIDTH}} {'blocks':>6} {'sub-layers':>10} {'d_model':>7} {'loss':>7} "
                   f"{'stream 0/L-1':>12} {'stream 2/L-1':>12} {'param 0/L-1':>12} "
                   f"{'log10 J*':>9} {'.. blk1+':>9} {'seconds':>7}")
 
