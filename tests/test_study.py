@@ -185,6 +185,19 @@ def test_group_jobs_run_the_seeds_of_a_cell_side_by_side(tmp_path):
     assert key[0][:2] == (8, "keel") and len(key) == len(set(key)) == 2 * 4 * 5 * 2  # depths, schemes, LRs, seeds
 
 
+def test_report_counts_say_what_is_left_out(tmp_path):
+    """Before anything ran, the report names the runs of a group not planned yet and says
+    that a ramp group's reference runs are not counted, so its total (149 - 8 - 2 = 139 at
+    the cpu scale) reconciles with --dry-run's."""
+    study = SD.load_study("claims", "cpu")
+    runs, waiting = SD.collect(study, "unused", tmp_path, train=False)
+    assert len(runs) == 139 and all(r["status"] == "pending" for r in runs)
+    assert waiting == ["group transfer (8 runs) waits for group lr-grid at 64 sub-layers"]
+    md = SD.report_markdown(study, [], runs, "keel study claims --scale cpu", waiting)
+    assert ("Runs finished: 0 of 139 planned so far. The ramp groups' reference runs (the scale's `--dry-run` "
+            "counts them) are not counted. Not planned yet: group transfer (8 runs) waits for group lr-grid") in md
+
+
 def test_bad_study_input(tmp_path):
     with pytest.raises(KeelError, match="no scale 'huge'"):
         SD.load_study("claims", "huge")

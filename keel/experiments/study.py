@@ -527,7 +527,9 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool, workers: int
         if g.lr_from:
             lr_for = transferred_lrs(runs, g)
             if lr_for is None:
-                waiting.append(f"group {g.name} waits for group {g.lr_from} at {g.lr_from_sublayers} sub-layers")
+                n = len(g.schemes) * len(g.sublayers) * len(g.seeds)
+                waiting.append(f"group {g.name} ({n} runs) waits for group {g.lr_from} at {g.lr_from_sublayers} "
+                               "sub-layers")
                 _log.info(f"study: {waiting[-1]}")
                 continue
         refs, jobs = group_jobs(study, g, data_dir, out, lr_for)
@@ -730,6 +732,8 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
     lines = [f"# Study `{study.name}`, scale `{study.scale}`", "", study.note, "",
              f"Runs finished: {len(done)} of {len(runs)} planned so far"
              + (f" (tokens per finished run: {', '.join(f'{t:,}' for t in toks)})" if toks else "") + "."
+             + (" The ramp groups' reference runs (the scale's `--dry-run` counts them) are not counted."
+                if any(g.kind == "ramp" for g in study.groups) else "")
              + (f" Not planned yet: {'; '.join(waiting)}." if waiting else ""),
              f"Command: `{command}`", "", "## Verdicts", "",
              f"Rule: paired per-seed differences d, oriented so that the claim predicts d > 0 (nats; for (a) "
