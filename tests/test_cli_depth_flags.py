@@ -24,6 +24,8 @@ def parse(command: str, *flags: str):
 @pytest.mark.parametrize("command", COMMANDS)
 def test_sublayers_and_the_layers_alias_give_the_same_plan(command):
     new, old = parse(command, "--sublayers", "4,8"), parse(command, "--layers", "4,8")
+    assert new.sublayers_flag == "--sublayers" and old.sublayers_flag == "--layers"  # named by errors
+    del new.sublayers_flag, old.sublayers_flag
     assert vars(new) == vars(old) and new.sublayers == "4,8"
     assert "layers" not in vars(new)  # one name for the value
     assert parse(command).sublayers == DEFAULTS[command]  # the alias does not hide the default
@@ -45,8 +47,16 @@ def test_the_warning_reaches_stderr_and_the_command_still_runs(capsys):
     assert main(["gradflow", "--layers", "3"]) == 2  # checked as --sublayers, after one warning
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "--layers is deprecated" in err[0]
-    assert err[1] == "keel: error: --sublayers: 3 is not an even number >= 2 of sub-layers " \
-                     "(each block is an attention and an FFN sub-layer)"
+    assert err[1] == "keel: error: --layers: 3 is not an even number >= 2 of sub-layers " \
+                     "(each block is an attention and an FFN sub-layer)"  # the flag typed (it said --sublayers)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("flag", ["--sublayers", "--layers"])
+def test_a_bad_depth_error_names_the_flag_typed(command, flag, capsys):
+    assert main([command, *COMMANDS[command], flag, "4,x"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"keel: error: {flag}") and ("--sublayers" in err) == (flag == "--sublayers")
 
 
 def test_help_names_sublayers_for_every_depth_flag():

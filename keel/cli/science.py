@@ -45,9 +45,11 @@ _log = logging.getLogger(__name__)
 class _DeprecatedLayers(argparse.Action):
     """``--layers``: the old name of ``--sublayers`` (it always counted sub-layers, while the
     config's ``model.n_layers`` counts blocks). Kept for one release; it stores into
-    ``sublayers`` and logs one deprecation warning."""
+    ``sublayers`` (and its name in ``sublayers_flag``, for error messages) and logs one
+    deprecation warning."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
+        namespace.sublayers_flag = option_string
         _log.warning("warning: --layers is deprecated and will be removed in the next release; "
                      "use --sublayers (the same value: depths in sub-layers, 2 per block)")
         setattr(namespace, self.dest, values)
@@ -59,6 +61,7 @@ def _add_sublayers_flag(p, default: str | None, help: str) -> None:
     both.add_argument("--sublayers", default=default, metavar="L1,L2,...", help=help)
     both.add_argument("--layers", dest="sublayers", action=_DeprecatedLayers, metavar="L1,L2,...",
                       help="deprecated alias of --sublayers (removed in the next release)")
+    p.set_defaults(sublayers_flag="--sublayers")  # the flag the user typed, named by errors
 
 
 def _register_gradflow(subparsers) -> None:

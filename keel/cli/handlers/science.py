@@ -40,14 +40,14 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
     if args.jacobian_iters < 1:
         raise KeelError("--jacobian-iters must be >= 1")
     if args.run and (args.residual is not None or args.sublayers is not None):
-        raise KeelError("--run takes the model from the run; drop --residual and --sublayers")
+        raise KeelError(f"--run takes the model from the run; drop --residual and {args.sublayers_flag}")
     common = dict(batch_size=args.batch_size, jacobian_iters=args.jacobian_iters, full_jacobian=args.full_jacobian,
                   seed=args.seed)  # the library logs the summary table (stderr) as each profile finishes
     if args.run:
         results = G.profile_runs(args.run, args.seq_len, **common)
     else:
         schemes = _parse_schemes(args.residual if args.residual is not None else ",".join(SCHEMES))
-        depths = _parse_layers(args.sublayers if args.sublayers is not None else G.DEFAULT_LAYERS)
+        depths = _parse_layers(args.sublayers if args.sublayers is not None else G.DEFAULT_LAYERS, args.sublayers_flag)
         base = load_config(resolve_config_path(args.config), args.set)
         results = G.profile_schemes(base, schemes, depths, args.d_model, args.seq_len, **common)
     if args.json:
@@ -69,18 +69,19 @@ def _parse_schemes(text: str) -> list[str]:
     return names
 
 
-def _parse_layers(text: str) -> list[int]:
+def _parse_layers(text: str, flag: str = "--sublayers") -> list[int]:
+    """Comma-separated even depths in sub-layers; KeelError naming ``flag`` (the option typed) otherwise."""
     items = [s.strip() for s in text.split(",") if s.strip()]
     if not items:
-        raise KeelError("--sublayers needs at least one depth (sub-layers, e.g. 16,64)")
+        raise KeelError(f"{flag} needs at least one depth (sub-layers, e.g. 16,64)")
     out = []
     for s in items:
         try:
             n = int(s)
         except ValueError:
-            raise KeelError(f"--sublayers: {s!r} is not an integer number of sub-layers") from None
+            raise KeelError(f"{flag}: {s!r} is not an integer number of sub-layers") from None
         if n < 2 or n % 2:
-            raise KeelError(f"--sublayers: {n} is not an even number >= 2 of sub-layers "
+            raise KeelError(f"{flag}: {n} is not an even number >= 2 of sub-layers "
                             f"(each block is an attention and an FFN sub-layer)")
         out.append(n)
     return out
@@ -155,7 +156,7 @@ def cmd_stress(args) -> int:
     if args.resume and args.report_only:
         raise KeelError("--report-only trains nothing; do not combine it with --resume")
     schemes = _parse_list(args.residual, str, "--residual") if args.residual is not None else list(SCHEMES)
-    layers = _parse_list(args.sublayers, int, "--sublayers")
+    layers = _parse_list(args.sublayers, int, args.sublayers_flag)
     seeds = _parse_list(args.seeds, int, "--seeds")
     res = ST.run_stress(args.config, args.set, schemes, layers, seeds, args.peak_lr, args.ramp_steps, args.out,
                      args.workers, args.threads, resume=args.resume, report_only=args.report_only,
@@ -183,7 +184,7 @@ def cmd_lr_sensitivity(args: argparse.Namespace) -> int:
     if args.resume and args.report_only:
         raise KeelError("--report-only trains nothing; do not combine it with --resume")
     s = LS.run_lr_sensitivity(args.config, _parse_list(args.residual, str, "--residual"),
-                              _parse_list(args.sublayers, int, "--sublayers"), _parse_list(args.lrs, float, "--lrs"),
+                              _parse_list(args.sublayers, int, args.sublayers_flag), _parse_list(args.lrs, float, "--lrs"),
                               _parse_list(args.seeds, int, "--seeds"), args.set,
                               out=args.out, workers=args.workers, threads=args.threads or None, resume=args.resume,
                               report_only=args.report_only)
