@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import keel_config, make_batches, parse_shapes  # noqa: E402
+from throughput import add_shape_flags, keel_config, make_batches, parse_shapes  # noqa: E402
 
 DEFAULT_SHAPES = "128x4,256x4,128x16,256x16,64x32"
 
@@ -114,12 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="WIDTHxBLOCKS, comma-separated")
     p.add_argument("--schemes", default="keel,pre_ln", help="comma-separated, or 'all' (keel.model.SCHEMES)")
     p.add_argument("--ac", default="none", help="activation checkpointing: none | block")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--gqa", type=int, default=2)
-    p.add_argument("--ffn-mult", type=int, default=3)
+    add_shape_flags(p)
     p.add_argument("--steps", type=int, default=2, help="timed steps per model per round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)

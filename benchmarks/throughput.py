@@ -569,17 +569,23 @@ def floors_markdown(report: dict) -> str:
 
 # ---- main ---------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--shapes", default="128x4,256x4,128x16,256x16",
-                   help="comma-separated WIDTHxBLOCKS (blocks = n_layers; sub-layers L = 2 * blocks)")
+def add_shape_flags(p: argparse.ArgumentParser) -> None:
+    """The flags shared by the benchmarks that build models with :func:`keel_config`: batch,
+    sequence length (tokens), vocab, head dim, GQA ratio, FFN multiplier."""
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--head-dim", type=int, default=32, help="n_heads = width / head_dim")
     p.add_argument("--gqa", type=int, default=2, help="query heads per KV head (n_kv_heads = n_heads / gqa)")
     p.add_argument("--ffn-mult", type=int, default=3, help="d_ff = ffn_mult * width")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shapes", default="128x4,256x4,128x16,256x16",
+                   help="comma-separated WIDTHxBLOCKS (blocks = n_layers; sub-layers L = 2 * blocks)")
+    add_shape_flags(p)
     p.add_argument("--schemes", default="all", help="'all' (keel.model.SCHEMES) or a comma-separated list")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers LlamaForCausalLM baseline")
     p.add_argument("--steps", type=int, default=1, help="timed steps per model per round")
