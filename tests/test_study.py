@@ -67,7 +67,12 @@ def test_margin_grows_uses_each_seeds_best_lr():
     assert [(r["sublayers"], r["lr"]) for r in c["equal_lr"]] == [(16, 1e-3), (16, 1e-2), (64, 1e-3), (64, 1e-2)]
     md = "\n".join(SD.claim_section({"id": "b", "title": "t", "test": "margin_grows", "scheme": "keel",
                                       "baseline": "pre_ln"}, c))
-    assert "| 64 | 0.01 | +0.500 ± 0.000 [+0.500, +0.500] |" in md
+    assert "| 64 | 0.01 | +0.500 ± 0.000 [s0 +0.500, s1 +0.500] |" in md
+    # each depth's row: its direction in words (not a verdict on the claim) and where each seed's best came from
+    assert c["rows"][1]["best_lr"] == {"pre_ln": {0: 1e-3, 1: 1e-3}, "keel": {0: 1e-2, 1: 1e-2}}
+    assert ("| 64 | +0.250 ± 0.071 [s0 +0.300, s1 +0.200] | keel better | [s0 0.001, s1 0.001]; "
+            "[s0 0.01, s1 0.01] | 0 |") in md
+    assert "(reproduced); growth 16 -> 64 sub-layers: +0.205 ± 0.064 [s0 +0.250, s1 +0.160] (reproduced)" in md
     # the gap gone at depth: not reproduced; one seed only: inconclusive
     flat = [dict(r, capped_loss=3.0) for r in runs]
     assert SD.claim_margin_grows(study(), flat, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})["verdict"] == NR
@@ -189,15 +194,35 @@ def test_group_jobs_run_the_seeds_of_a_cell_side_by_side(tmp_path):
 
 def test_report_counts_say_what_is_left_out(tmp_path):
     """Before anything ran, the report names the runs of a group not planned yet and says
-    that a ramp group's reference runs are not counted, so its total (149 - 8 - 2 = 139 at
+    that a ramp group's reference runs are not counted, so its total (153 - 8 - 2 = 143 at
     the cpu scale) reconciles with --dry-run's."""
     study = SD.load_study("claims", "cpu")
     runs, waiting = SD.collect(study, "unused", tmp_path, train=False)
-    assert len(runs) == 139 and all(r["status"] == "pending" for r in runs)
+    assert len(runs) == 143 and all(r["status"] == "pending" for r in runs)
     assert waiting == ["group transfer (8 runs) waits for group lr-grid at 64 sub-layers"]
     md = SD.report_markdown(study, [], runs, "keel study claims --scale cpu", waiting)
-    assert ("Runs finished: 0 of 139 planned so far. The ramp groups' reference runs (the scale's `--dry-run` "
+    assert ("Runs finished: 0 of 143 planned so far. The ramp groups' reference runs (the scale's `--dry-run` "
             "counts them) are not counted. Not planned yet: group transfer (8 runs) waits for group lr-grid") in md
+
+
+@pytest.mark.parametrize("diffs, words", [({0: 0.3, 1: 0.2}, "keel better"), ({0: -0.3, 1: -0.2}, "pre_ln better"),
+                                          ({0: 0.01, 1: -0.01}, "no difference"), ({0: 0.3, 1: -0.2}, "mixed"),
+                                          ({0: 0.3}, "too few seeds")])
+def test_a_depths_margin_is_said_in_words_not_as_a_verdict(diffs, words):
+    """A depth's row said "not reproduced" where the shallow depth merely favoured the baseline."""
+    assert SD.direction(SD.paired_verdict(diffs, 0.02, 2), "keel", "pre_ln") == words
+
+
+def test_the_report_states_which_rule_each_claim_follows():
+    st = SD.load_study("claims", "cpu")
+    rule = SD.verdict_rule(st, st.claims)
+    assert rule.startswith("Rule of (a), (b), (c), (e): paired per-seed differences d")
+    assert "for (a) log10 ratios of max LR" in rule and rule.endswith("(d) has its own rule, stated in its section.")
+    d = next(c for c in st.claims if c["id"] == "d")
+    assert "own rule" in SD.claim_rule(d) and "edge of the LR grid" in SD.claim_rule(d)
+    b = next(c for c in st.claims if c["id"] == "b")
+    section = SD.claim_section(b, {"verdict": INC, "why": "-", "rows": []})
+    assert any(line.startswith("What the paper shows: Table 3 gives benchmark averages") for line in section)
 
 
 def test_bad_study_input(tmp_path):
@@ -226,6 +251,7 @@ GROUP = '[groups.g]\nschemes = ["keel", "pre_ln"]\n[scales.x.groups.g]\nsublayer
     (GROUP + CLAIM.replace('["g"]', '["h"]'), "group 'h' is not sized"),
     (GROUP + CLAIM.replace('"margin_grows"', '"max_lr_order"'), "missing group, order"),
     (GROUP + CLAIM + "colour = 1\n", "unknown key\\(s\\) colour"),
+    (GROUP + CLAIM + "note = 1\n", "note must be a string"),
     (GROUP + CLAIM.replace('baseline = "pre_ln"', 'baseline = "post_ln"'), "post_ln not trained"),
     (GROUP + CLAIM + "[verdict]\nmin_effect = -1\n", "min_effect"),
     (GROUP + "[scales.x.groups.zzz]\nseeds = [0]\n" + CLAIM, "undeclared group"),

@@ -24,8 +24,9 @@ Layout of ``--out``::
     OUT/report.md, report.json  the verdicts, the per-claim tables, every run's numbers
     OUT/*.png                   loss against LR per group, the ramp, margins against depth, showcase
 
-The verdict vocabulary is ``reproduced`` / ``not reproduced`` / ``inconclusive``; the rule is
-:func:`paired_verdict`, the same for every claim, never written by hand.
+The verdict vocabulary is ``reproduced`` / ``not reproduced`` / ``inconclusive``, computed, never
+written by hand: by :func:`paired_verdict` on paired per-seed differences for every claim test
+but :func:`claim_lr_transfer`, whose rule (same optimal grid point in every seed) is its own.
 """
 
 from __future__ import annotations
@@ -191,10 +192,12 @@ def _check_claim(c: dict, groups: dict[str, "Group"]) -> None:
     if test not in CLAIM_KEYS:
         raise KeelError(f"study claim {c['id']!r}: test must be one of {', '.join(CLAIM_KEYS)}, got {test!r}")
     need, opt = CLAIM_KEYS[test]
-    missing, unknown = need - set(c), set(c) - need - opt - {"id", "title", "test"}
+    missing, unknown = need - set(c), set(c) - need - opt - {"id", "title", "test", "note"}
     if missing or unknown:
         raise KeelError(f"study claim {c['id']!r} ({test}): " + (f"missing {', '.join(sorted(missing))}" if missing
                                                                else f"unknown key(s) {', '.join(sorted(unknown))}"))
+    if not isinstance(c.get("note", ""), str):
+        raise KeelError(f"study claim {c['id']!r}: note must be a string (printed under the claim's rule)")
     names = list(c["groups"]) if isinstance(c.get("groups"), list) else [c.get("groups")] if "groups" in c else []
     names += [c[k] for k in ("group", "reference_group") if k in c]
     for g in names:
@@ -249,18 +252,28 @@ def combine(verdicts: Sequence[str]) -> str:
     return NOT_REPRODUCED if NOT_REPRODUCED in verdicts else INCONCLUSIVE
 
 
-def best_losses(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayers: int) -> dict:
-    """``{seed: best capped final validation loss}`` of ``scheme`` at ``sublayers`` over the
-    runs of ``groups`` (each seed's best LR; a run without a finite final loss counts as its
-    step-0 loss, as in :func:`keel.experiments.sensitivity.seed_curve`). Seeds with an
-    unfinished LR are left out."""
+def best_runs(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayers: int) -> dict:
+    """``{seed: run record}`` of ``scheme`` at ``sublayers`` over the runs of ``groups``: per seed,
+    the run with the lowest capped final validation loss (each seed's best LR; a run without a
+    finite final loss counts as its step-0 loss, as in
+    :func:`keel.experiments.sensitivity.seed_curve`). Seeds with an unfinished LR are left out."""
     out = {}
     for seed in sorted({r["seed"] for r in runs}):
         rs = [r for r in runs if r["group"] in groups and r["scheme"] == scheme and r["sublayers"] == sublayers
               and r["seed"] == seed]
         if rs and all(r["status"] == "done" for r in rs):
-            out[seed] = min(r["capped_loss"] for r in rs)
+            out[seed] = min(rs, key=lambda r: r["capped_loss"])
     return out
+
+
+def best_losses(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayers: int) -> dict:
+    """``{seed: best capped final validation loss}`` (nats/token) of :func:`best_runs`."""
+    return {seed: r["capped_loss"] for seed, r in best_runs(runs, groups, scheme, sublayers).items()}
+
+
+def best_lrs(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayers: int) -> dict:
+    """``{seed: peak LR}`` of :func:`best_runs`: where each seed's best loss came from."""
+    return {seed: r["lr"] for seed, r in best_runs(runs, groups, scheme, sublayers).items()}
 
 
 def equal_lr_margins(runs: Sequence[dict], groups: Sequence[str], scheme: str, baseline: str,
@@ -305,6 +318,7 @@ def claim_margin_grows(study: Study, runs: list[dict], claim: dict) -> dict:
             failed = [r for r in runs if r["group"] in groups and r["scheme"] == b and r["sublayers"] == L
                       and r.get("diverged")]
             rows.append({"sublayers": L, "margin": paired_verdict(m, study.min_effect, study.min_seeds),
+                         "best_lr": {b: best_lrs(runs, groups, b, L), s: best_lrs(runs, groups, s, L)},
                          "baseline_diverged_runs": len(failed)})
     equal = equal_lr_margins(runs, groups, s, b, study.min_effect, study.min_seeds)
     if len(rows) < 2:
@@ -333,13 +347,15 @@ def _opt_lrs(runs: list[dict], group: str, scheme: str, L: int) -> dict:
 
 
 def claim_lr_transfer(study: Study, runs: list[dict], claim: dict) -> dict:
-    """The optimal peak LR of {scheme} is the same at the shallowest and the deepest depth of
-    the group, per seed.
+    """The optimal peak LR of {scheme} (the grid point of its lowest final loss) is the same at
+    the shallowest and the deepest depth of the group. This claim has its own rule, not the
+    paired-difference one: reproduced when every seed (at least the study's minimum) has its
+    optimum at the same grid point at both depths, inside the grid; not reproduced when the
+    optimum moves by at least one grid step in every seed; inconclusive otherwise, or when any
+    optimum lies on an edge of the LR grid. There is no noise floor: one run per LR decides
+    each optimum.
 
-    Paired difference per seed: ``d = -|log10(eta*_deep / eta*_shallow)|``; transfer
-    (reproduced) needs every seed's optimum at the same grid point (``d = 0``) and inside
-    the LR grid at both depths; an optimum that moves by a grid step in every seed is "not
-    reproduced"; an optimum at an edge of the grid is "inconclusive" (the grid is too narrow).
+    Reported per seed: ``|log10(eta*_deep / eta*_shallow)|`` (0 = the same grid point).
     Rows: every scheme's per-seed optima, for comparison.
     """
     g = claim["group"]
@@ -608,14 +624,14 @@ def _pm(v: dict | None, fmt: str = "{:+.3f}") -> str:
     """``mean ± sd [per seed]`` of a :func:`paired_verdict` dict."""
     if not v or v.get("mean") is None:
         return "–"
-    per = ", ".join(fmt.format(x) for x in v["diffs"].values())
+    per = ", ".join(f"s{seed} {fmt.format(x)}" for seed, x in v["diffs"].items())
     return f"{fmt.format(v['mean'])} ± {abs(v['sd']):.3f} [{per}]" if v["n"] > 1 else f"{fmt.format(v['mean'])} [{per}]"
 
 
 def claim_numbers(c: dict) -> str:
     """One cell: the numbers behind a claim's verdict."""
     if "parts" in c and c["parts"]:
-        return "; ".join(f"{k}: {_pm(v)}" for k, v in c["parts"].items())
+        return "; ".join(f"{k}: {_pm(v)} ({v['verdict']})" for k, v in c["parts"].items())
     if "margin_best_init" in c:
         return f"margin at each scheme's better init ({c['sublayers']} sub-layers): {_pm(c['margin_best_init'])}"
     if "log10_shift" in c:
@@ -627,7 +643,19 @@ def claim_numbers(c: dict) -> str:
 
 
 def _lrs(d: dict) -> str:
-    return "[" + ", ".join("none" if x is None else f"{x:g}" for x in d.values()) + "]"
+    """``[s0 X, s1 Y]``: one LR per seed (``none`` for a missing one)."""
+    return "[" + ", ".join(f"s{seed} " + ("none" if x is None else f"{x:g}") for seed, x in d.items()) + "]"
+
+
+def direction(v: dict, scheme: str, baseline: str) -> str:
+    """What one depth's paired margin (:func:`paired_verdict` of ``baseline - scheme``) says, in
+    words that do not read as a verdict on the whole claim: ``{scheme} better`` (every seed >=
+    the noise floor), ``{baseline} better``, ``no difference``, ``mixed`` or ``too few seeds``."""
+    if v["verdict"] == REPRODUCED:
+        return f"{scheme} better"
+    if v["verdict"] == NOT_REPRODUCED:
+        return f"{baseline} better" if all(x < 0 for x in v["diffs"].values()) else "no difference"
+    return "too few seeds" if v["n"] < 2 else "mixed"
 
 
 def claim_rule(claim: dict) -> str:
@@ -641,12 +669,14 @@ def claim_rule(claim: dict) -> str:
 def claim_section(claim: dict, c: dict) -> list[str]:
     """Markdown of one claim: verdict, the rule, the table of its rows."""
     out = [f"## ({claim['id']}) {claim['title']}", "", f"**Verdict: {c['verdict']}.** {claim_numbers(c)}", "",
-           claim_rule(claim), ""]
+           claim_rule(claim), ""] + ([claim["note"].strip(), ""] if claim.get("note") else [])
     if claim["test"] == "margin_grows":
-        out += ["| sub-layers | margin (baseline − scheme, nats) mean ± sd [per seed] | verdict | baseline runs diverged |",
-                "|---|---|---|---|"]
-        out += [f"| {r['sublayers']} | {_pm(r['margin'])} | {r['margin']['verdict']} | {r['baseline_diverged_runs']} |"
-                for r in c["rows"]]
+        s, b = claim["scheme"], claim["baseline"]
+        out += [f"| sub-layers | margin ({b} − {s}, nats) mean ± sd [per seed] | at this depth | "
+                f"best LR per seed: {b}; {s} | {b} runs the divergence classifier flagged |", "|---|---|---|---|---|"]
+        out += [f"| {r['sublayers']} | {_pm(r['margin'])} | {direction(r['margin'], s, b)} | "
+                f"{_lrs(r.get('best_lr', {}).get(b, {}))}; {_lrs(r.get('best_lr', {}).get(s, {}))} | "
+                f"{r['baseline_diverged_runs']} |" for r in c["rows"]]
         if c.get("equal_lr"):
             out += ["", "The same margin at equal peak LR (both schemes at that LR; not part of the verdict):", "",
                     "| sub-layers | LR | margin (baseline − scheme, nats) mean ± sd [per seed] |", "|---|---|---|"]
@@ -673,7 +703,7 @@ def best_loss_table(study: Study, runs: list[dict]) -> list[str]:
     LR grid per seed (:func:`best_losses`), mean ± sd: every scheme of the study side by side."""
     out = ["## Best loss per scheme and depth", "",
            "Final validation loss (nats/token) at each seed's best LR; seeds with an unfinished LR are left out.", "",
-           "| group | sub-layers | scheme | best loss mean ± sd [per seed] |", "|---|---|---|---|"]
+           "| group | sub-layers | scheme | best loss mean ± sd [per seed] | best LR [per seed] |", "|---|---|---|---|---|"]
     for g in study.groups:
         if g.kind != "train":
             continue
@@ -682,7 +712,8 @@ def best_loss_table(study: Study, runs: list[dict]) -> list[str]:
                 b = best_losses(runs, [g.name], scheme, L)
                 if b:
                     v = paired_verdict(b, study.min_effect, 1)
-                    out.append(f"| {g.name} | {L} | {scheme} | {_pm(v, '{:.3f}')} |")
+                    out.append(f"| {g.name} | {L} | {scheme} | {_pm(v, '{:.3f}')} | "
+                               f"{_lrs(best_lrs(runs, [g.name], scheme, L))} |")
     return out + [""]
 
 
@@ -724,6 +755,23 @@ def runs_table(runs: list[dict]) -> list[str]:
     return out
 
 
+def verdict_rule(study: Study, claims: Sequence[dict]) -> str:
+    """The report's statement of the verdict rule: :func:`paired_verdict` for every claim but
+    those tested by :func:`claim_lr_transfer` (their rule is in their own section)."""
+    def ids(cs: Sequence[dict]) -> str:
+        return ", ".join(f"({c['id']})" for c in cs)
+
+    paired = [c for c in claims if c["test"] != "lr_transfer"]
+    ramp, own = [c for c in paired if c["test"] == "max_lr_order"], [c for c in claims if c["test"] == "lr_transfer"]
+    return (f"Rule of {ids(paired)}: paired per-seed differences d, oriented so that the claim predicts d > 0 "
+            f"(nats" + (f"; for {ids(ramp)} log10 ratios of max LR with a 5% floor" if ramp else "") + "). "
+            f"Reproduced when every seed (≥ {study.min_seeds}) has d ≥ {study.min_effect:g}; not reproduced when "
+            f"every seed has d ≤ −{study.min_effect:g}, or every seed has |d| < {study.min_effect:g} (no effect); "
+            "inconclusive otherwise (mixed, too few seeds). A claim with several parts (e.g. the margin at the "
+            "deepest depth and its growth with depth) is reproduced only when every part is, not reproduced when "
+            "any part is not." + (f" {ids(own)} has its own rule, stated in its section." if own else ""))
+
+
 def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[dict], command: str,
                     waiting: Sequence[str] = ()) -> str:
     """``report.md``: the verdict table, one section per claim, every run."""
@@ -735,13 +783,7 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
              + (" The ramp groups' reference runs (the scale's `--dry-run` counts them) are not counted."
                 if any(g.kind == "ramp" for g in study.groups) else "")
              + (f" Not planned yet: {'; '.join(waiting)}." if waiting else ""),
-             f"Command: `{command}`", "", "## Verdicts", "",
-             f"Rule: paired per-seed differences d, oriented so that the claim predicts d > 0 (nats; for (a) "
-             f"log10 ratios of max LR with a 5% floor). Reproduced when every seed (≥ {study.min_seeds}) has "
-             f"d ≥ {study.min_effect:g}; not reproduced when every seed has d ≤ −{study.min_effect:g}, or every "
-             f"seed has |d| < {study.min_effect:g} (no effect); inconclusive otherwise (mixed, too few seeds). "
-             "A claim with several parts (e.g. the margin at the deepest depth and its growth with depth) is "
-             "reproduced only when every part is, not reproduced when any part is not.", "",
+             f"Command: `{command}`", "", "## Verdicts", "", verdict_rule(study, [cl for cl, _ in claims]), "",
              "| claim | verdict | numbers: mean ± sd [per seed] |", "|---|---|---|"]
     lines += [f"| ({cl['id']}) {cl['title']} | **{c['verdict']}** | {claim_numbers(c)} |" for cl, c in claims]
     lines.append("")
