@@ -39,6 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import matplotlib.ticker
+
 from keel.config import Override, config_from_dict, load_config, override_text, resolve_config_path, tomllib
 from keel.data import resolve_data
 from keel.data.stats import dataset_unigram_entropy
@@ -793,18 +795,24 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
 
 
 def plot_margins(claims: list[tuple[dict, dict]], out: Path) -> bool:
-    """Margin (baseline − scheme, nats) against depth (log x) for every margin claim, mean ±
-    sd over seeds; False (nothing written) when no claim has two depths."""
+    """Margin (baseline − scheme, nats) against depth (log x) for every margin claim: the seed
+    mean as a line, every seed as a dot (two seeds: a mean ± sd bar would hide them);
+    False (nothing written) when no claim has two depths."""
     series = [(cl, c) for cl, c in claims if cl["test"] == "margin_grows" and len(c.get("rows", [])) >= 2]
     if not series:
         return False
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for cl, c in series:
         xs = [r["sublayers"] for r in c["rows"]]
-        ax.errorbar(xs, [r["margin"]["mean"] for r in c["rows"]], yerr=[r["margin"]["sd"] for r in c["rows"]],
-                    marker="o", capsize=3, label=f"({cl['id']}) {cl['baseline']} − {cl['scheme']}")
+        line = ax.plot(xs, [r["margin"]["mean"] for r in c["rows"]], marker="o",
+                       label=f"({cl['id']}) {cl['baseline']} − {cl['scheme']} (line: seed mean; dots: seeds)")[0]
+        seeds = [(r["sublayers"], d) for r in c["rows"] for d in r["margin"]["diffs"].values()]
+        ax.scatter([x for x, _ in seeds], [d for _, d in seeds], s=14, alpha=0.6, color=line.get_color())
     ax.axhline(0, color="gray", lw=1)
     ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({r["sublayers"] for _, c in series for r in c["rows"]}))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("depth (sub-layers)")
     ax.set_ylabel("final validation loss margin (nats/token)")
     ax.grid(alpha=0.3)
