@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -12,6 +13,12 @@ REPO = Path(__file__).resolve().parent.parent
 HANG_S = 3600
 if str(REPO) not in sys.path:  # the benchmarks/ scripts (e.g. benchmarks.memory_model) are tested too
     sys.path.insert(0, str(REPO))
+# The signal tests model a user at a terminal. A suite started as a background job of a
+# non-interactive shell (`make test &`, nohup) inherits SIGINT ignored, every keel subprocess
+# would too, and Python then never raises KeyboardInterrupt (POSIX: an ignored signal stays
+# ignored across exec). Take SIGINT back so that children start with its default disposition.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="module")
