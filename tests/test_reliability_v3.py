@@ -392,12 +392,37 @@ def test_signal_to_keel_train_nproc_stops_every_worker(signame, tiny_data, tmp_p
                                             grace_s=300)  # torchrun gives its workers 30 s, then kills them
     assert left == [], err
     assert proc.returncode == 128 + getattr(signal, signame), err
-    assert last_line(err) == (f"keel: stopped by {signame} (passed to every worker: each finishes its step, "
-                              f"the run is checkpointed); resume with: keel train --resume {run}")
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
+    assert last_line(err) == (f"keel: stopped by {signame} (passed to every worker: each finished its step, "
+                              f"the run is checkpointed at step {steps[-1]}); resume with: keel train --resume {run}")
     time.sleep(2)
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == steps  # nothing trains on
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps[-1]:08d}"
+
+
+def test_nproc_stop_message_says_what_the_workers_left(tiny_config, tmp_path):
+    """`keel train --nproc` said "the run is checkpointed" whatever the workers did; under load
+    torchrun once killed them first (test above, seen twice in full runs beside the study grid),
+    and the line promised a checkpoint that did not exist. It now reads the run folder."""
+    from keel.cli.handlers.train import nproc_stop_message
+
+    run = tmp_path / "run"
+    assert nproc_stop_message("SIGINT", run) == ("stopped by SIGINT, but the workers ended before writing a "
+                                                 "checkpoint (last step logged: 0); start the run again with: "
+                                                 "the same command")  # not even config.toml
+    run.mkdir()
+    (run / "config.toml").write_text("")
+    assert nproc_stop_message("SIGINT", run).endswith(f"start the run again with: keel train --resume {run} --restart")
+    (run / "config.toml").unlink()
+    train(tiny_config(steps=4, eval_every=4, checkpoint_every=4), run)
+    assert nproc_stop_message("SIGTERM", run) == (
+        f"stopped by SIGTERM (passed to every worker: each finished its step, the run is checkpointed at step 4); "
+        f"resume with: keel train --resume {run}")
+    with open(run / "metrics.jsonl", "a") as f:  # a step logged after the last checkpoint
+        f.write(json.dumps({"step": 5, "tokens": 640, "loss": 5.0}) + "\n")
+    assert nproc_stop_message("SIGINT", run) == (
+        f"stopped by SIGINT, but the workers ended before checkpointing step 5; "
+        f"keel train --resume {run} continues from step 4")
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

@@ -17,6 +17,8 @@ from keel.errors import Interrupted, KeelError
 from keel.experiments.training import train_run
 from keel.io import die_with_parent, passing_on_stop_signals
 from keel.run import Run
+from keel.train.checkpoint import latest_checkpoint
+from keel.train.metrics import read_metrics
 from keel.train.progress import interactive
 from keel.train.sampling import sample_text
 from keel.train.trainer import perplexity
@@ -95,10 +97,27 @@ def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
     with passing_on_stop_signals(proc.send_signal) as received:
         code = proc.wait()
     if received:
-        name = signal.Signals(received[0]).name
-        raise Interrupted(f"stopped by {name} (passed to every worker: each finishes its step, the run is "
-                          f"checkpointed); resume with: keel train --resume {run_dir}", received[0])
+        raise Interrupted(nproc_stop_message(signal.Signals(received[0]).name, run_dir), received[0])
     return code
+
+
+def nproc_stop_message(name: str, run_dir: Path) -> str:
+    """What ``keel train --nproc`` says after a stop signal, from what the workers left in
+    ``run_dir``: the promised checkpoint of the last step, or (workers killed before they
+    wrote it, e.g. by torchrun's 30 s grace) where a resume will really continue from."""
+    last = max((r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "step" in r), default=0)
+    ckpt = latest_checkpoint(run_dir)  # the workers may have died before writing config.toml: no Run()
+    done = int(ckpt.name.rsplit("_", 1)[1]) if ckpt is not None else None
+    if done is not None and done >= last:
+        return (f"stopped by {name} (passed to every worker: each finished its step, the run is checkpointed at "
+                f"step {done}); resume with: keel train --resume {run_dir}")
+    if done is None:
+        again = (f"keel train --resume {run_dir} --restart" if (run_dir / "config.toml").is_file()
+                 else "the same command")
+        return (f"stopped by {name}, but the workers ended before writing a checkpoint (last step logged: {last}); "
+                f"start the run again with: {again}")
+    return (f"stopped by {name}, but the workers ended before checkpointing step {last}; "
+            f"keel train --resume {run_dir} continues from step {done}")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
