@@ -393,6 +393,7 @@ def test_signal_to_keel_train_nproc_stops_every_worker(signame, tiny_data, tmp_p
     assert left == [], err
     assert proc.returncode == 128 + getattr(signal, signame), err
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
+    assert (run / "checkpoints" / "latest").is_file(), err  # the workers' own lines say how they ended
     assert last_line(err) == (f"keel: stopped by {signame} (passed to every worker: each finished its step, "
                               f"the run is checkpointed at step {steps[-1]}); resume with: keel train --resume {run}")
     time.sleep(2)

@@ -194,15 +194,15 @@ def test_group_jobs_run_the_seeds_of_a_cell_side_by_side(tmp_path):
 
 def test_report_counts_say_what_is_left_out(tmp_path):
     """Before anything ran, the report names the runs of a group not planned yet and says
-    that a ramp group's reference runs are not counted, so its total (153 - 8 - 2 = 143 at
+    that a ramp group's reference runs are not counted, so its total (161 - 16 - 2 = 143 at
     the cpu scale) reconciles with --dry-run's."""
     study = SD.load_study("claims", "cpu")
     runs, waiting = SD.collect(study, "unused", tmp_path, train=False)
     assert len(runs) == 143 and all(r["status"] == "pending" for r in runs)
-    assert waiting == ["group transfer (8 runs) waits for group lr-grid at 64 sub-layers"]
+    assert waiting == ["group transfer (16 runs) waits for group lr-grid at 64 sub-layers"]
     md = SD.report_markdown(study, [], runs, "keel study claims --scale cpu", waiting)
     assert ("Runs finished: 0 of 143 planned so far. The ramp groups' reference runs (the scale's `--dry-run` "
-            "counts them) are not counted. Not planned yet: group transfer (8 runs) waits for group lr-grid") in md
+            "counts them) are not counted. Not planned yet: group transfer (16 runs) waits for group lr-grid") in md
 
 
 @pytest.mark.parametrize("diffs, words", [({0: 0.3, 1: 0.2}, "keel better"), ({0: -0.3, 1: -0.2}, "pre_ln better"),
@@ -223,6 +223,22 @@ def test_the_report_states_which_rule_each_claim_follows():
     b = next(c for c in st.claims if c["id"] == "b")
     section = SD.claim_section(b, {"verdict": INC, "why": "-", "rows": []})
     assert any(line.startswith("What the paper shows: Table 3 gives benchmark averages") for line in section)
+
+
+def test_transfer_group_trains_the_optimum_and_the_grid_steps_around_it(tmp_path):
+    """lr_from_steps [0, -1]: each scheme at its transferred optimum and the next lower LR of the
+    source grid (Keel at 256 sub-layers stagnated at the 64-sub-layer optimum 1e-2 in one seed);
+    points off the grid are left out."""
+    study = SD.load_study("claims", "cpu")
+    g = next(x for x in study.groups if x.name == "transfer")
+    assert g.lr_from_steps == [0, -1]
+    lrs = SD.stepped_lrs(study, g, {"keel": 1e-2, "pre_ln": 3e-3, "post_ln": 3e-4, "deepnorm": 0.0100001})
+    assert lrs == {"keel": [3e-3, 1e-2], "pre_ln": [1e-3, 3e-3], "post_ln": [3e-4], "deepnorm": [3e-3, 1e-2]}
+    _, jobs = SD.group_jobs(study, g, "unused", tmp_path, lrs)
+    assert sorted((j.values["model.residual"], j.values["train.lr"], j.values["train.seed"]) for j in jobs
+                  if j.values["model.residual"] == "keel") == [("keel", 3e-3, 0), ("keel", 3e-3, 1), ("keel", 1e-2, 0),
+                                                              ("keel", 1e-2, 1)]
+    assert all(j.values["model.n_layers"] == 128 for j in jobs) and len(jobs) == 2 * (2 + 2 + 1 + 2)
 
 
 def test_bad_study_input(tmp_path):
@@ -252,6 +268,8 @@ GROUP = '[groups.g]\nschemes = ["keel", "pre_ln"]\n[scales.x.groups.g]\nsublayer
     (GROUP + CLAIM.replace('"margin_grows"', '"max_lr_order"'), "missing group, order"),
     (GROUP + CLAIM + "colour = 1\n", "unknown key\\(s\\) colour"),
     (GROUP + CLAIM + "note = 1\n", "note must be a string"),
+    (GROUP.replace("[scales", "lr_from_steps = [0, 0]\n[scales") + CLAIM, "lr_from_steps must be a list of distinct"),
+    (GROUP.replace("[scales", "lr_from_steps = -1\n[scales") + CLAIM, "lr_from_steps must be a list of distinct"),
     (GROUP + CLAIM.replace('baseline = "pre_ln"', 'baseline = "post_ln"'), "post_ln not trained"),
     (GROUP + CLAIM + "[verdict]\nmin_effect = -1\n", "min_effect"),
     (GROUP + "[scales.x.groups.zzz]\nseeds = [0]\n" + CLAIM, "undeclared group"),

@@ -8,7 +8,8 @@ A study is a TOML file (packaged in ``keel/configs/studies/``, e.g. ``claims.tom
   (:mod:`keel.experiments.stress`: LR 0 -> ``peak_lr`` over ``ramp_steps``, a ``pre_ln``
   reference run per depth and seed); ``lr_from = "G2"`` trains every scheme at the optimal LR
   of group G2 at ``lr_from_sublayers`` sub-layers (the seed-mean curve's argmin), once
-  those runs have finished (LR transfer across depth).
+  those runs have finished (LR transfer across depth), and at the points of G2's LR grid
+  ``lr_from_steps`` away from it (e.g. ``[0, -1]``: the optimum and the next lower LR).
 * ``[[claims]]``: per claim of the paper, the verdict function (``test``, a key of
   :data:`CLAIM_TESTS`) and the groups and schemes it reads.
 * ``[scales.S]``: for each scale (``tiny`` for the test suite, ``cpu``, ``gpu-1``, ``paper``)
@@ -59,7 +60,7 @@ _log = logging.getLogger(__name__)
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
 GROUP_KEYS = {"kind", "schemes", "sublayers", "lrs", "seeds", "set", "peak_lr", "ramp_steps", "lr_from",
-              "lr_from_sublayers"}
+              "lr_from_sublayers", "lr_from_steps"}
 PLATEAU_WINDOW = 10  # steps of the trailing mean of the training loss that must fall below the plateau level
 
 
@@ -81,6 +82,7 @@ class Group:
     ramp_steps: int = 1000
     lr_from: str = ""
     lr_from_sublayers: int = 0
+    lr_from_steps: list[int] = field(default_factory=lambda: [0])
 
 
 @dataclass
@@ -115,6 +117,11 @@ def _group(name: str, spec: dict, sized: dict) -> Group:
         raise KeelError(f"study group {name!r}: kind must be train or ramp, got {g.kind!r}")
     if g.kind == "train" and not (g.lrs or g.lr_from):
         raise KeelError(f"study group {name!r} has neither lrs nor lr_from")
+    steps = g.lr_from_steps
+    if not (isinstance(steps, list) and steps and all(isinstance(k, int) and not isinstance(k, bool) for k in steps)
+            and len(set(steps)) == len(steps)):
+        raise KeelError(f"study group {name!r}: lr_from_steps must be a list of distinct integers (grid steps from "
+                        f"the transferred optimum, e.g. [0, -1]), got {steps!r}")
     if not (g.schemes and g.sublayers and g.seeds):
         raise KeelError(f"study group {name!r} needs schemes, sublayers and seeds")
     return g
@@ -461,7 +468,7 @@ def group_jobs(study: Study, g: Group, data_dir: str, out: Path,
     :func:`keel.experiments.sweep.build_jobs` grid in the order depth, scheme (as the group lists
     them), LR, seed: the seeds of one cell run side by side, so a partial group already holds
     paired cells (every verdict needs >= 2 seeds) for its first schemes, instead of one seed of
-    every scheme. ``lr_for``: ``{scheme: LR}`` of an ``lr_from`` group.
+    every scheme. ``lr_for``: ``{scheme: [LR, ...]}`` of an ``lr_from`` group (:func:`stepped_lrs`).
     Raises KeelError on a bad config."""
     sets = study.sets + g.sets
     if g.kind == "ramp":
@@ -469,7 +476,7 @@ def group_jobs(study: Study, g: Group, data_dir: str, out: Path,
                               g.ramp_steps, Path(data_dir), out / g.name)
     jobs = []
     for scheme in g.schemes:
-        lrs = [lr_for[scheme]] if lr_for is not None else g.lrs
+        lrs = lr_for[scheme] if lr_for is not None else g.lrs
         grid = {"model.n_layers": [L // 2 for L in g.sublayers], "train.seed": g.seeds,
                 "model.residual": [scheme], "train.lr": sorted(lrs)}
         jobs += build_jobs(study.base, grid, sets, data_path=data_dir)
@@ -492,6 +499,18 @@ def transferred_lrs(runs: list[dict], g: Group) -> dict[str, float] | None:
         if not rs or any(c is None for c in curves):
             return None
         out[scheme] = LS.cell_summary(curves, lrs)["opt_lr"]
+    return out
+
+
+def stepped_lrs(study: Study, g: Group, opt: dict[str, float]) -> dict[str, list[float]]:
+    """``{scheme: [peak LR, ...]}`` of an ``lr_from`` group: the points of the source group's LR
+    grid ``g.lr_from_steps`` grid steps from each scheme's transferred optimum ``opt[scheme]``
+    (0 = the optimum, -1 = the next lower LR; a point off the grid is left out)."""
+    grid = sorted(next(x.lrs for x in study.groups if x.name == g.lr_from))
+    out = {}
+    for scheme, lr in opt.items():
+        i = min(range(len(grid)), key=lambda k: abs(math.log(grid[k] / lr)))
+        out[scheme] = [grid[i + k] for k in sorted(g.lr_from_steps) if 0 <= i + k < len(grid)]
     return out
 
 
@@ -543,9 +562,10 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool, workers: int
     for g in study.groups:
         lr_for = None
         if g.lr_from:
-            lr_for = transferred_lrs(runs, g)
+            opt = transferred_lrs(runs, g)
+            lr_for = stepped_lrs(study, g, opt) if opt is not None else None
             if lr_for is None:
-                n = len(g.schemes) * len(g.sublayers) * len(g.seeds)
+                n = len(g.schemes) * len(g.sublayers) * len(g.seeds) * len(g.lr_from_steps)
                 waiting.append(f"group {g.name} ({n} runs) waits for group {g.lr_from} at {g.lr_from_sublayers} "
                                "sub-layers")
                 _log.info(f"study: {waiting[-1]}")
@@ -580,10 +600,14 @@ def flops_per_token(model_cfg, seq_len: int) -> float:
 def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: float) -> list[dict]:
     """One row per group: runs (+ references), tokens per run (the planned budget; a ramp run
     stops earlier when it diverges), total tokens and estimated GPU-hours at ``mfu`` of a
-    ``peak_tflops`` (dense bf16 TFLOP/s) GPU. An ``lr_from`` group is planned at one LR per scheme."""
+    ``peak_tflops`` (dense bf16 TFLOP/s) GPU. An ``lr_from`` group is planned as if the optimum were
+    the middle of its source's LR grid."""
     rows = []
     for g in study.groups:
-        lr_for = {s: 1e-3 for s in g.schemes} if g.lr_from else None
+        lr_for = None
+        if g.lr_from:
+            grid = sorted(next(x.lrs for x in study.groups if x.name == g.lr_from))
+            lr_for = stepped_lrs(study, g, {s: grid[len(grid) // 2] for s in g.schemes})
         refs, jobs = group_jobs(study, g, data_dir, out, lr_for)
         flops = tokens = 0.0
         per_run = []
@@ -595,7 +619,8 @@ def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: f
             flops += t * flops_per_token(cfg.model, cfg.train.seq_len)
         rows.append({"group": g.name, "kind": g.kind, "runs": len(jobs), "references": len(refs),
                      "schemes": g.schemes, "sublayers": g.sublayers, "seeds": g.seeds,
-                     "lrs": (f"from {g.lr_from} at {g.lr_from_sublayers}" if g.lr_from else g.lrs) if g.kind == "train"
+                     "lrs": (f"from {g.lr_from} at {g.lr_from_sublayers}, grid steps {g.lr_from_steps}" if g.lr_from
+                             else g.lrs) if g.kind == "train"
                      else f"ramp 0 -> {g.peak_lr:g} over {g.ramp_steps} steps",
                      "tokens_per_run": sorted(set(per_run)), "tokens": tokens, "flops": flops,
                      "gpu_hours": flops / (mfu * peak_tflops * 1e12) / 3600})
