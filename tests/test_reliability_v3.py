@@ -401,6 +401,45 @@ def test_signal_to_keel_train_nproc_stops_every_worker(signame, tiny_data, tmp_p
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps[-1]:08d}"
 
 
+class _LateSignal:
+    """Stands in for StopSignals: its signal lands while the ranks all-reduce the stop flag
+    (none at the first read of ``received``, SIGINT from the second on)."""
+
+    def __init__(self):
+        self.reads = 0
+
+    @property
+    def received(self):
+        self.reads += 1
+        return None if self.reads == 1 else signal.SIGINT
+
+
+def test_a_signal_during_the_stop_all_reduce_counts_at_the_next_step(tmp_path):
+    """The flake of test_signal_to_keel_train_nproc_stops_every_worker, caught with py-spy:
+    rank 1 got the signal just after the flag all-reduce (which summed to 0), re-read it, and
+    went to checkpoint; rank 0 trained on into the next step's DDP broadcast; both waited until
+    torchrun killed them, and no checkpoint was written. The rank must act on the value it
+    all-reduced (a real one-process gloo group here) and stop one step later, with the others."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from keel.train.dist import DistInfo
+    from keel.train.trainer import Trainer, TrainingInterrupted
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        trainer = SimpleNamespace(info=DistInfo(), device=torch.device("cpu"), run_dir=tmp_path, step=7,
+                                  checkpoint=lambda: None)
+        late = _LateSignal()
+        assert Trainer._stop_if_signalled(trainer, late, saved=True) is None  # the all-reduced 0 decides: train on
+        with pytest.raises(TrainingInterrupted) as stop:
+            Trainer._stop_if_signalled(trainer, late, saved=True)
+        assert stop.value.signum == signal.SIGINT and "after step 7" in str(stop.value)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_nproc_stop_message_says_what_the_workers_left(tiny_config, tmp_path):
     """`keel train --nproc` said "the run is checkpointed" whatever the workers did; under load
     torchrun once killed them first (test above, seen twice in full runs beside the study grid),

@@ -93,6 +93,23 @@ class TrainingStopped(KeelError):
     (``train.max_bad_steps``) or a callback asked to stop (e.g. a divergence verdict)."""
 
 
+def agreed_stop_signal(received: int | None, info: D.DistInfo, device: torch.device) -> int:
+    """The signal every rank stops on after a step (collective: every rank calls it): this
+    rank's own ``received`` if any, else SIGTERM when another rank got one, else 0.
+
+    ``received`` is read once, by the caller, before the all-reduce: a signal that lands
+    during it counts at the next step, on every rank. (Reading it again after the all-reduce
+    let the rank that just got it stop and checkpoint while the others trained on: the two
+    waited for each other in different collectives until torchrun killed both, without a
+    checkpoint.)
+    """
+    mine = int(received or 0)
+    if not info.distributed:
+        return mine
+    total = D.all_reduce_sum(torch.tensor(float(mine), device=device), info).item()
+    return mine or (int(signal.SIGTERM) if total else 0)
+
+
 class TrainingInterrupted(Interrupted):
     """Raised when a run was stopped by SIGINT or SIGTERM after its checkpoint was written;
     the message says how to resume (``exit_code`` 130 / 143, see :class:`keel.errors.Interrupted`)."""
@@ -550,18 +567,15 @@ class Trainer:
     def _stop_if_signalled(self, signals: StopSignals, saved: bool) -> None:
         """After a step: if any rank got SIGINT/SIGTERM, checkpoint (unless this step just did)
         and raise :class:`TrainingInterrupted` on every rank."""
-        flag = torch.tensor(float(signals.received or 0))
-        if self.info.distributed:  # every rank stops after the same step
-            flag = D.all_reduce_sum(flag.to(self.device), self.info).cpu()
-            flag = torch.tensor(float(signals.received or (signal.SIGTERM if flag.item() else 0)))
-        if not flag.item():
+        signum = agreed_stop_signal(signals.received, self.info, self.device)
+        if not signum:
             return
         if not saved:
             self.checkpoint()
-        name = signal.Signals(int(flag.item())).name
+        name = signal.Signals(signum).name
         raise TrainingInterrupted(f"stopped by {name} after step {self.step}: checkpoint "
                                   f"{self.run_dir / 'checkpoints' / f'step_{self.step:08d}'} written; resume with: "
-                                  f"keel train --resume {self.run_dir}", int(flag.item()))
+                                  f"keel train --resume {self.run_dir}", signum)
 
     def _nothing_to_do(self) -> TrainResult:
         """A resumed run already at (or past) ``train.steps``: report, train nothing, write nothing."""
