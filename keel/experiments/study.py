@@ -864,7 +864,7 @@ def write_plots(study: Study, runs: list[dict], claims: list[tuple[dict, dict]],
                      "unigram_entropy": h1 or float("nan")}, out / name)
         else:
             plot_loss_curves([out / g.name / r["name"] for r in done], out / name, smooth=10,
-                             labels=[f"{r['scheme']} L{r['sublayers']} s{r['seed']}" for r in done],
+                             labels=[f"{r['scheme']} L{r['sublayers']} LR {r['lr']:g} s{r['seed']}" for r in done],
                              title=f"group {g.name}")
         files.append(name)
     if plot_margins(claims, out / "margins.png"):
