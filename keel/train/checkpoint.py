@@ -299,11 +299,16 @@ def checkpoint_problem(ckpt: str | Path) -> str | None:
     return None
 
 
+def checkpoint_step(ckpt: str | Path) -> int:
+    """The optimiser step of checkpoint folder ``RUN/checkpoints/step_NNNNNNNN``."""
+    return int(Path(ckpt).name[5:])
+
+
 def _step_dirs(run_dir: str | Path) -> list[Path]:
     """The ``step_*`` folders of a run, newest (highest step) first."""
     root = Path(run_dir) / "checkpoints"
     dirs = [p for p in root.glob("step_*") if p.is_dir() and _STEP_DIR.match(p.name)]
-    return sorted(dirs, key=lambda p: int(p.name[5:]), reverse=True)
+    return sorted(dirs, key=checkpoint_step, reverse=True)
 
 
 def find_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:

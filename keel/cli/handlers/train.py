@@ -17,7 +17,7 @@ from keel.errors import Interrupted, KeelError
 from keel.experiments.training import train_run
 from keel.io import die_with_parent, passing_on_stop_signals
 from keel.run import Run
-from keel.train.checkpoint import latest_checkpoint
+from keel.train.checkpoint import checkpoint_step, latest_checkpoint
 from keel.train.metrics import read_metrics
 from keel.train.progress import interactive
 from keel.train.sampling import sample_text
@@ -107,7 +107,7 @@ def nproc_stop_message(name: str, run_dir: Path) -> str:
     wrote it, e.g. by torchrun's 30 s grace) where a resume will really continue from."""
     last = max((r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "step" in r), default=0)
     ckpt = latest_checkpoint(run_dir)  # the workers may have died before writing config.toml: no Run()
-    done = int(ckpt.name.rsplit("_", 1)[1]) if ckpt is not None else None
+    done = checkpoint_step(ckpt) if ckpt is not None else None
     if done is not None and done >= last:
         return (f"stopped by {name} (passed to every worker: each finished its step, the run is checkpointed at "
                 f"step {done}); resume with: keel train --resume {run_dir}")
