@@ -391,3 +391,21 @@ def test_study_tiny_end_to_end(keel_cli, tiny_data, tmp_path):
     assert keel_cli(*args).returncode == 2  # not empty without --resume
     rep_only = keel_cli(*args[:-2], "--report-only", "--set", f"data.path={tiny_data}", "--json")
     assert rep_only.returncode == 0 and json.loads(rep_only.stdout)["claims"][1]["verdict"] == b["verdict"]
+
+
+def test_groups_flag_trains_only_the_named_groups(keel_cli, tiny_data, tmp_path):
+    """`--groups init,showcase` trains those groups and only reads the rest, so a long study
+    can run its cheap groups first; the report still lists every group's runs."""
+    out = tmp_path / "study"
+    r = SD.run_study("claims", "tiny", out, [f"data.path={tiny_data}"], workers=0, groups=["showcase", "init"])
+    status = {}
+    for x in r["runs"]:
+        status.setdefault(x["group"], set()).add(x["status"])
+    assert status == {"lr-grid": {"pending"}, "ramp": {"pending"}, "init": {"done"}, "showcase": {"done"},
+                      "bench": {"pending"}}  # transfer: waits for the lr-grid, not planned
+    assert any("group transfer" in w and "waits for group lr-grid" in w for w in r["waiting"])
+    bad = keel_cli("study", "claims", "--scale", "tiny", "--out", tmp_path / "x", "--groups", "init,nope")
+    assert bad.returncode == 2 and "has no group(s) nope (groups: lr-grid, transfer, ramp" in bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "x").exists()
+    both = keel_cli("study", "claims", "--scale", "tiny", "--out", out, "--groups", "init", "--report-only")
+    assert both.returncode == 2 and "do not combine it with --report-only" in both.stderr

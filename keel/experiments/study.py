@@ -17,7 +17,8 @@ A study is a TOML file (packaged in ``keel/configs/studies/``, e.g. ``claims.tom
 * ``[verdict]``: ``min_effect`` (nats/token) and ``min_seeds`` of :func:`paired_verdict`.
 
 Every run is an ordinary ``keel train`` run (:func:`keel.experiments.sweep.train_task`):
-finished runs are cached, interrupted ones resume (``--resume``), groups run in file order.
+finished runs are cached, interrupted ones resume (``--resume``), groups run in file order
+(``--groups ramp,init`` trains only those, e.g. the cheap groups first).
 Layout of ``--out``::
 
     OUT/<group>/<run>/          one training run (grid job: job.json, result.json, run.log, ...)
@@ -551,12 +552,13 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
     return rec
 
 
-def collect(study: Study, data_dir: str, out: Path, *, train: bool, workers: int = 1,
+def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[str], workers: int = 1,
             threads: int | None = None) -> tuple[list[dict], list[str]]:
-    """Run (``train``) or only read every group in order; return the run records
-    (:func:`run_record`) of every job, finished or not, and one line per group not planned
-    yet: an ``lr_from`` group whose source has not finished is skipped (logged), and runs on a
-    later invocation."""
+    """Run or only read every group in order; return the run records (:func:`run_record`) of
+    every job, finished or not, and one line per group not planned yet: an ``lr_from`` group
+    whose source has not finished is skipped (logged), and runs on a later invocation.
+    ``train``: True trains every group, False none, a list of group names only those (the other
+    groups are read, so the report still covers them)."""
     runs: list[dict] = []
     waiting = []
     for g in study.groups:
@@ -573,7 +575,7 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool, workers: int
         refs, jobs = group_jobs(study, g, data_dir, out, lr_for)
         gdir = out / g.name
         errors = {}
-        if train:
+        if train is True or (train and g.name in train):
             _log.info(f"study: group {g.name}: {len(jobs)} runs" + (f" + {len(refs)} reference runs" if refs else ""))
             if refs:
                 run_grid(refs, gdir / ST.REFERENCES, train_task, workers=workers, resume=True, threads=threads,
@@ -875,7 +877,8 @@ def write_plots(study: Study, runs: list[dict], claims: list[tuple[dict, dict]],
 # ----------------------------------------------------------------------------- driver
 def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), *, workers: int = 1,
               threads: int | None = None, resume: bool = False, report_only: bool = False, dry_run: bool = False,
-              mfu: float = 0.35, peak_tflops: float = 989.0, command: str = "") -> dict:
+              mfu: float = 0.35, peak_tflops: float = 989.0, command: str = "",
+              groups: Sequence[str] = ()) -> dict:
     """Run (or continue, or only report, or only plan) study ``name`` at ``scale``.
 
     Args:
@@ -888,14 +891,21 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
         dry_run: prepare nothing and train nothing; return the plan (runs, tokens, estimated
             GPU-hours at ``mfu`` of ``peak_tflops`` dense bf16 TFLOP/s) as ``{"plan": rows, "markdown": ...}``.
         command: the command line; the report shows the one that started ``out`` (``study.json``).
+        groups: train only these groups (still in the study's order; empty: all). The report
+            covers every group's finished runs. An ``lr_from`` group still waits for its source.
     Returns:
         The ``report.json`` content: ``study``, ``scale``, ``claims`` (per claim its verdict and
         numbers), ``runs`` (every planned run's record, :func:`run_record`), ``plots``.
     Raises:
         KeelError: bad study or scale (:func:`load_study`), bad config, ``out`` not usable
-            (:func:`_claim_out`: a file, another study's folder, non-empty without ``resume``).
+            (:func:`_claim_out`: a file, another study's folder, non-empty without ``resume``);
+            ``groups`` names a group the scale does not have.
     """
     study = load_study(name, scale, sets)
+    unknown = [g for g in groups if g not in {x.name for x in study.groups}]
+    if unknown:
+        raise KeelError(f"study {study.name!r} at scale {scale!r} has no group(s) {', '.join(unknown)} "
+                        f"(groups: {', '.join(x.name for x in study.groups)})")
     out = Path(out)
     if dry_run:
         rows = plan_rows(study, "<data>", out, mfu, peak_tflops)
@@ -903,7 +913,8 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     base = load_config(resolve_config_path(study.base), study.sets)  # a bad --set: refused before out is claimed
     first_command = _claim_out(out, study, command, resume=resume, report_only=report_only)
     data_dir = str(resolve_data(base, progress=False))
-    runs, waiting = collect(study, data_dir, out, train=not report_only, workers=workers, threads=threads)
+    train = False if report_only else (list(groups) or True)
+    runs, waiting = collect(study, data_dir, out, train=train, workers=workers, threads=threads)
     claims = [(cl, CLAIM_TESTS[cl["test"]](study, runs, cl)) for cl in study.claims]
     h1 = dataset_unigram_entropy(data_dir)
     make_dirs(out)

@@ -204,11 +204,14 @@ def cmd_study(args: argparse.Namespace) -> int:
         raise KeelError("--dry-run only prints the plan; do not combine it with --resume or --report-only")
     if not 0 < args.mfu <= 1 or args.peak_tflops <= 0:
         raise KeelError("--mfu must be in (0, 1] and --peak-tflops > 0")
+    groups = [g.strip() for g in args.groups.split(",") if g.strip()]
+    if groups and (args.report_only or args.dry_run):
+        raise KeelError("--groups picks the groups to train; do not combine it with --report-only or --dry-run")
     out = args.out or f"runs/study-{Path(args.name).stem}-{args.scale}"
     command = " ".join(["keel", "study"] + sys.argv[2:]) if len(sys.argv) > 2 else f"keel study {args.name}"
     r = SD.run_study(args.name, args.scale, out, args.set, workers=args.workers, threads=args.threads or None,
                      resume=args.resume, report_only=args.report_only, dry_run=args.dry_run, mfu=args.mfu,
-                     peak_tflops=args.peak_tflops, command=command)
+                     peak_tflops=args.peak_tflops, command=command, groups=groups)
     if args.dry_run:
         print(json.dumps(r["plan"], indent=1, default=str) if args.json else r["markdown"])
         return 0
