@@ -363,3 +363,25 @@ def test_run_verdict_one_vocabulary():
     # the classifier's own failure wins over the stop message
     assert run_verdict(recs[:5] + [{"step": 5, "loss": float("inf")}], stopped="x").step == 5
     assert {run_verdict(recs).mode, v.mode} <= set(MODES)
+
+
+# a slow plateau exit: on the unigram plateau (5.8 > level 5.67) until step 300, then learning
+LATE_EXIT = [9 - k / 50 if k < 160 else (5.8 if k < 300 else 3 + 2.8 * math.exp(-(k - 300) / 60)) for k in ISSUE_STEPS]
+
+
+def test_no_unigram_stagnation_while_the_reference_is_on_the_plateau_too():
+    """The stress ramp's Pre-LN run was called stagnant at step 122 against its own reference
+    curve (the same run without the stop), which left the plateau at step ~260 and learnt:
+    a run on the plateau while its reference is too is not stagnating."""
+    before = classify(ISSUE_STEPS, LATE_EXIT, unigram_entropy=H1)  # no reference: the H1 test alone
+    assert before.mode == STAGNATION and before.step < 170
+    assert classify(ISSUE_STEPS, LATE_EXIT, reference=(ISSUE_STEPS, LATE_EXIT), unigram_entropy=H1).mode == HEALTHY
+    # against a reference that left the plateau early the same curve still fails (first failure:
+    # degradation, as for PLATEAU in test_issue_curves_with_a_reference)
+    assert classify(ISSUE_STEPS, LATE_EXIT, reference=(ISSUE_STEPS, OK), unigram_entropy=H1).mode != HEALTHY
+    # a reference that never leaves the plateau does not rescue a run that never leaves it either:
+    # the run is "behind" only by H1 once the reference is below the level, so it stays healthy
+    # only while both are stuck; a reference that leaves at step 300 makes PLATEAU stagnant after it
+    late = classify(ISSUE_STEPS, PLATEAU, reference=(ISSUE_STEPS, LATE_EXIT), unigram_entropy=H1)
+    assert late.mode == STAGNATION and late.step >= 150 and late.evidence["stagnation_level"] == pytest.approx(
+        (1 - T.stagnation_margin) * H1)

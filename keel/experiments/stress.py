@@ -18,7 +18,8 @@ covers the whole ramp. Every stress run of that depth and seed gets
 the training tokens. The same ramp (not a constant LR) keeps early progress comparable: with
 a constant-LR reference, every ramp run would be "behind" while its LR is still tiny. A
 reference that itself fails only weakens the test (degradation needs the reference to have
-made progress); the reference scheme's own run is, by construction, never degraded.
+made progress); the reference scheme's own run is, by construction, never degraded, and no run
+is called stagnant on the unigram plateau while the reference is still on it.
 
 "Max LR" is the LR at the last step before divergence: the ``lr`` logged at step
 ``verdict.step - 1`` (0.0 if the run failed at step 1). A run that never diverged has no
