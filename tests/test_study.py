@@ -134,6 +134,23 @@ def test_max_lr_order_censoring():
     assert c["verdict"] == INC
 
 
+@pytest.mark.parametrize("divergence, words", [
+    (None, "healthy"),
+    ({"mode": "instability", "step": 875, "evidence": {"lr_at_step": 0.0437}}, "instability from step 875 (LR 0.0437)"),
+    ({"mode": "instability", "step": 994, "evidence": {"lr_at_step": 0.0497, "open_at_end": 1.0}},
+     "instability from step 994 (LR 0.0497), a spike still open when the curve ended"),
+    ({"mode": "stagnation", "step": 122, "evidence": {}}, "stagnation from step 122"),
+])
+def test_ramp_runs_verdicts_in_words(divergence, words):
+    """The (a) section lists each ramp run's verdict, so that a max LR set by the classifier's
+    weaker end-of-curve rule (both cpu-scale seed-1 runs of Pre-LN and Keel, step 994) is visible."""
+    rec = run("ramp", "keel", 64, 1, 5e-2, 0, max_lr=None, peak_lr=5e-2)
+    rec.update(verdict=divergence["mode"] if divergence else "healthy", divergence=divergence)
+    assert SD.ramp_verdict_words(rec) == words
+    c = SD.claim_max_lr_order(study(), [rec], {"group": "ramp", "order": ["pre_ln", "keel"]})
+    assert c["rows"][0]["verdicts"] == {"keel s1": words}
+
+
 def test_plateau_exit_step():
     recs = [{"step": s, "loss": 6.0 if s < 20 else 4.0} for s in range(1, 41)]
     # trailing window ending at step s holds s - 19 losses of 4: mean (5*6 + 5*4)/10 = 5.0 at s = 24

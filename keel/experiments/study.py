@@ -431,6 +431,19 @@ def _log_ratio(hi: float | None, lo: float | None, peak: float) -> float | None:
     return math.log10(a / b)
 
 
+def ramp_verdict_words(rec: dict) -> str:
+    """A ramp run's verdict, e.g. "instability from step 875 (LR 0.0437)", "healthy", or
+    "instability from step 994 (LR 0.0497), a spike still open when the curve ended" (the
+    classifier's end-of-curve rule: a weaker verdict than a spike that did not recover within its
+    recovery window)."""
+    d = rec.get("divergence") or {}
+    if not d or d.get("mode") == "healthy":
+        return rec.get("verdict") or "no verdict"
+    lr = d.get("evidence", {}).get("lr_at_step")
+    words = f"{d['mode']} from step {d['step']}" + (f" (LR {lr:.3g})" if lr is not None else "")
+    return words + (", a spike still open when the curve ended" if d.get("evidence", {}).get("open_at_end") else "")
+
+
 def claim_max_lr_order(study: Study, runs: list[dict], claim: dict) -> dict:
     """Max LR (the stress ramp's LR just before divergence) increases along {order}.
 
@@ -438,7 +451,8 @@ def claim_max_lr_order(study: Study, runs: list[dict], claim: dict) -> dict:
     (a run that never diverged counts as the peak LR; a seed where neither diverged is left
     out, so a ramp whose peak is too low ends inconclusive); pair verdict :func:`paired_verdict`
     with ``min_effect = log10(1.05)`` (5%); the claim's verdict combines the pairs
-    (:func:`combine`). Rows: one per depth with each scheme's max LR per seed.
+    (:func:`combine`). Rows: one per depth with each scheme's max LR per seed and each run's
+    verdict in words (:func:`ramp_verdict_words`).
     """
     g, order = claim["group"], claim["order"]
     rr = [r for r in runs if r["group"] == g and r["status"] == "done"]
@@ -447,7 +461,9 @@ def claim_max_lr_order(study: Study, runs: list[dict], claim: dict) -> dict:
     pairs, rows = {}, []
     for L in depths:
         lr = {s: {r["seed"]: r.get("max_lr") for r in rr if r["scheme"] == s and r["sublayers"] == L} for s in order}
-        rows.append({"sublayers": L, "max_lr": lr})
+        detail = {f"{r['scheme']} s{r['seed']}": ramp_verdict_words(r)
+                  for s in order for r in rr if r["scheme"] == s and r["sublayers"] == L}
+        rows.append({"sublayers": L, "max_lr": lr, "verdicts": detail})
         for a, b in zip(order, order[1:]):
             d = {x: _log_ratio(lr[b][x], lr[a][x], peak) for x in sorted(set(lr[a]) & set(lr[b]))}
             d = {x: v for x, v in d.items() if v is not None}  # both never diverged: censored, left out
@@ -546,7 +562,8 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
     records = read_metrics(metrics) if metrics.is_file() else []
     rec.update(status=result.get("status", "done"), tokens=result.get("tokens"), final_val_loss=final,
                first_val_loss=first, capped_loss=final if final is not None else first,
-               verdict=result.get("verdict"), diverged=result.get("diverged"), max_lr=result.get("max_lr"),
+               verdict=result.get("verdict"), divergence=result.get("divergence"),
+               diverged=result.get("diverged"), max_lr=result.get("max_lr"),
                peak_lr=group.peak_lr, wall_s=result.get("wall_s"),
                plateau_exit_step=plateau_exit_step(records, 0.95 * h1 if h1 else None))
     return rec
@@ -723,7 +740,9 @@ def claim_section(claim: dict, c: dict) -> list[str]:
                 for r in c["rows"]]
         if "peak_lr" in c:
             out += ["", f"Max LR per seed; none = no divergence up to the peak LR {c['peak_lr']:g}. "
-                    "Pair verdicts use log10 ratios with a 5% floor."]
+                    "Pair verdicts use log10 ratios with a 5% floor. Each run's verdict:", ""]
+            out += [f"- {r['sublayers']} sub-layers, {run}: {text}" for r in c["rows"]
+                    for run, text in r.get("verdicts", {}).items()]
     return out + [""]
 
 
