@@ -426,3 +426,16 @@ def test_groups_flag_trains_only_the_named_groups(keel_cli, tiny_data, tmp_path)
     assert "Traceback" not in bad.stderr and not (tmp_path / "x").exists()
     both = keel_cli("study", "claims", "--scale", "tiny", "--out", out, "--groups", "init", "--report-only")
     assert both.returncode == 2 and "do not combine it with --report-only" in both.stderr
+
+
+def test_report_tells_ramp_budgets_from_training_budgets():
+    """The count line listed every distinct token count (282,624, 306,176, ... 1,024,000), so a
+    ramp run stopped at its divergence read like a training run short of the 1M budget."""
+    s = SD.load_study("claims", "cpu")
+    done = [run("lr-grid", "keel", 16, 0, 1e-2, 3.0, tokens=1_024_000),
+            run("showcase", "keel", 1024, 0, 3e-3, 5.0, tokens=153_600),
+            run("ramp", "post_ln", 64, 0, 5e-2, 0, tokens=306_176), run("ramp", "keel", 64, 0, 5e-2, 0, tokens=1_024_000)]
+    assert SD.tokens_words(s, done) == (" (tokens per finished run: training runs 153,600, 1,024,000; "
+                                        "ramp runs 306,176–1,024,000 (a ramp run stops at its divergence))")
+    assert SD.tokens_words(s, done[:1]) == " (tokens per finished run: training runs 1,024,000)"
+    assert SD.tokens_words(s, []) == ""

@@ -820,14 +820,23 @@ def verdict_rule(study: Study, claims: Sequence[dict]) -> str:
             "any part is not." + (f" {ids(own)} has its own rule, stated in its section." if own else ""))
 
 
+def tokens_words(study: Study, done: list[dict]) -> str:
+    """" (tokens per finished run: ...)" for the report's count line: the distinct budgets of the
+    training runs, and the range of the ramp runs, which stop at their divergence."""
+    ramp = {g.name for g in study.groups if g.kind == "ramp"}
+    train = sorted({r["tokens"] for r in done if r.get("tokens") and r["group"] not in ramp})
+    stopped = sorted(r["tokens"] for r in done if r.get("tokens") and r["group"] in ramp)
+    parts = ([f"training runs {', '.join(f'{t:,}' for t in train)}"] if train else []) + (
+        [f"ramp runs {stopped[0]:,}–{stopped[-1]:,} (a ramp run stops at its divergence)"] if stopped else [])
+    return f" (tokens per finished run: {'; '.join(parts)})" if parts else ""
+
+
 def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[dict], command: str,
                     waiting: Sequence[str] = ()) -> str:
     """``report.md``: the verdict table, one section per claim, every run."""
     done = [r for r in runs if r["status"] == "done"]
-    toks = sorted({r["tokens"] for r in done if r.get("tokens")})
     lines = [f"# Study `{study.name}`, scale `{study.scale}`", "", study.note, "",
-             f"Runs finished: {len(done)} of {len(runs)} planned so far"
-             + (f" (tokens per finished run: {', '.join(f'{t:,}' for t in toks)})" if toks else "") + "."
+             f"Runs finished: {len(done)} of {len(runs)} planned so far{tokens_words(study, done)}."
              + (" The ramp groups' reference runs (the scale's `--dry-run` counts them) are not counted."
                 if any(g.kind == "ramp" for g in study.groups) else "")
              + (f" Not planned yet: {'; '.join(waiting)}." if waiting else ""),
