@@ -291,6 +291,15 @@ GROUP = '[groups.g]\nschemes = ["keel", "pre_ln"]\n[scales.x.groups.g]\nsublayer
     (GROUP + CLAIM + "[verdict]\nmin_effect = -1\n", "min_effect"),
     (GROUP + "[scales.x.groups.zzz]\nseeds = [0]\n" + CLAIM, "undeclared group"),
     (GROUP.replace("[scales", 'lr_from = "g"\nlr_from_sublayers = 2\n[scales') + CLAIM, "lr_from must name another"),
+    # wrong TOML types (were tracebacks, or "unknown scheme(s) k, e, e, l" for schemes = "keel")
+    (GROUP.replace("lrs = [1e-3]", "lrs = 1e-3") + CLAIM, "lrs must be a list of numbers, e.g. lrs = \\[0.001\\]"),
+    (GROUP.replace('lrs = [1e-3]', 'lrs = ["1e-3"]') + CLAIM, "lrs must be a list of numbers"),
+    (GROUP.replace("sublayers = [2]", "sublayers = 4") + CLAIM, "sublayers must be a list of integers"),
+    (GROUP.replace("seeds = [0]", "seeds = 0") + CLAIM, "seeds must be a list of integers"),
+    (GROUP.replace('schemes = ["keel", "pre_ln"]', 'schemes = "keel"') + CLAIM, "schemes must be a list of strings"),
+    (GROUP.replace("lrs = [1e-3]", "lrs = [0.0]") + CLAIM, "learning rates must be > 0"),
+    (GROUP.replace("[scales", 'set = 1\n[scales') + CLAIM, "set must be a table of config keys"),
+    (GROUP.replace("[scales", 'peak_lr = "high"\n[scales') + CLAIM, "peak_lr must be a number"),
 ])
 def test_bad_study_files(tmp_path, text, match):
     p = tmp_path / "s.toml"
@@ -439,3 +448,69 @@ def test_report_tells_ramp_budgets_from_training_budgets():
                                         "ramp runs 306,176–1,024,000 (a ramp run stops at its divergence))")
     assert SD.tokens_words(s, done[:1]) == " (tokens per finished run: training runs 1,024,000)"
     assert SD.tokens_words(s, []) == ""
+
+
+def test_study_flags_refused_before_anything_is_written(keel_cli, tmp_path):
+    """Each mistake is one line, exit 2, and leaves no folder behind (a bad --workers used to
+    leave study.json, so the corrected command was refused as "not empty")."""
+    base = ["study", "claims", "--scale", "tiny"]
+    cases = [(["--groups", "", "--out", tmp_path / "a"], "--groups needs group names"),
+             (["--groups", ",", "--out", tmp_path / "a"], "--groups needs group names"),
+             (["--workers", "-1", "--out", tmp_path / "a"], "--workers must be >= 0"),
+             (["--dry-run", "--peak-tflops", "nan"], "--peak-tflops a finite number > 0")]
+    for extra, message in cases:
+        r = keel_cli(*base, *extra)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (extra, r.stderr)
+    assert not (tmp_path / "a").exists()
+    # --resume on a folder that is not a study's (e.g. one of its groups, as the grid's stop hint named it)
+    (tmp_path / "group").mkdir()
+    (tmp_path / "group" / "L4_seed0_keel_lr0.01").mkdir()
+    r = keel_cli(*base, "--resume", "--out", tmp_path / "group")
+    assert r.returncode == 2 and "holds no study (no study.json) but is not empty: nothing to resume" in r.stderr
+    assert not (tmp_path / "group" / "study.json").exists()
+
+
+def test_dry_run_prices_the_named_groups():
+    """--groups with --dry-run plans only those groups; the H100 is named only for its own peak."""
+    full = SD.run_study("claims", "paper", "unused", dry_run=True)
+    part = SD.run_study("claims", "paper", "unused", dry_run=True, groups=["ramp", "init"], peak_tflops=1978)
+    assert [r["group"] for r in part["plan"]] == ["ramp", "init"]
+    ramp = next(r for r in full["plan"] if r["group"] == "ramp")
+    assert next(r for r in part["plan"] if r["group"] == "ramp")["gpu_hours"] == pytest.approx(ramp["gpu_hours"] / 2)
+    assert "1978 TFLOP/s dense bf16;" in part["markdown"] and "H100" not in part["markdown"]
+    assert "989 TFLOP/s dense bf16, an H100 SXM;" in full["markdown"]
+
+
+def test_dry_run_of_a_study_whose_vocab_size_is_auto(tmp_path):
+    """model.vocab_size = "auto" (the demo base's default) is resolved only once the tokenizer
+    exists; --dry-run used to refuse such a study with a Python hint."""
+    p = tmp_path / "s.toml"
+    p.write_text(GROUP + CLAIM + '[scales.x.set]\n"model.vocab_size" = "auto"\n')
+    plan = SD.run_study(str(p), "x", tmp_path / "out", dry_run=True)["plan"]
+    assert plan[0]["runs"] == 2 and plan[0]["gpu_hours"] > 0 and not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_says_how_to_continue_the_study(tiny_data, tmp_path):
+    """SIGINT during a run of `keel study --workers 0`: the hint names the study's command and
+    folder, not `keel train --resume <one run>` or a group's folder."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    out = tmp_path / "study"
+    exe = Path(sys.executable).parent / "keel"
+    proc = subprocess.Popen([str(exe), "study", "claims", "--scale", "tiny", "--workers", "0", "--out", str(out),
+                             "--set", f"data.path={tiny_data}", "--set", "train.steps=100000"],
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(out.glob("lr-grid/*/metrics.jsonl")):
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert f"continue: the same keel study command with --resume (out {out})" in err
+    assert "keel train --resume" not in err and "Traceback" not in err

@@ -185,8 +185,9 @@ def _register_study(subparsers) -> None:
     p.add_argument("--scale", required=True, help="the study's scale: tiny (tests), cpu, gpu-1 (one GPU-day), paper")
     p.add_argument("--out", default=None, help="output folder (default: runs/study-NAME-SCALE)")
     _add_grid_flags(p, config_help=None)
-    p.add_argument("--groups", default="", metavar="G[,G...]",
-                   help="train only these groups (e.g. ramp,init), in the study's order; the report still covers all")
+    p.add_argument("--groups", default=None, metavar="G[,G...]",
+                   help="train (or with --dry-run: plan) only these groups (e.g. ramp,init), in the study's order; "
+                        "the report still covers all")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (runs, tokens, estimated GPU-hours) and exit; prepares and trains nothing")
     p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation assumed by --dry-run")

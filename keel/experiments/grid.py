@@ -268,6 +268,14 @@ def _check_same_config(run_dir: Path, job: GridJob) -> None:
                     f"remove it or use another --out")
 
 
+def check_pool(workers: int, threads: int | None) -> None:
+    """Raise KeelError for ``workers < 0`` or ``threads < 0`` (the grid's ``--workers`` / ``--threads``)."""
+    if workers < 0:
+        raise KeelError(f"--workers must be >= 0, got {workers}")
+    if threads is not None and threads < 0:
+        raise KeelError(f"--threads must be >= 0 (0 = cores / workers), got {threads}")
+
+
 def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, workers: int = 1,
              resume: bool = False, threads: int | None = None,
              check: Callable[[GridJob], None] | None = None) -> list[dict]:
@@ -292,10 +300,7 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
     Raises:
         KeelError: see :func:`plan_grid`; ``workers < 0``.
     """
-    if workers < 0:
-        raise KeelError(f"--workers must be >= 0, got {workers}")
-    if threads is not None and threads < 0:
-        raise KeelError(f"--threads must be >= 0 (0 = cores / workers), got {threads}")
+    check_pool(workers, threads)
     out_dir = Path(out_dir)
     done, todo = plan_grid(jobs, out_dir, resume, check)
     make_dirs(out_dir)

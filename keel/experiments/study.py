@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,10 +47,10 @@ import matplotlib.ticker
 from keel.config import Override, config_from_dict, load_config, override_text, resolve_config_path, tomllib
 from keel.data import resolve_data
 from keel.data.stats import dataset_unigram_entropy
-from keel.errors import KeelError
+from keel.errors import Interrupted, KeelError
 from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
-from keel.experiments.grid import GridJob, cached_result, run_grid
+from keel.experiments.grid import GridJob, cached_result, check_pool, run_grid
 from keel.experiments.plot import plot_loss_curves
 from keel.experiments.sweep import build_jobs, check_train_job, param_count, train_task
 from keel.io import atomic_write_text, make_dirs
@@ -104,11 +105,36 @@ class Study:
     min_seeds: int = 2
 
 
+_LIST_TYPES = {"schemes": (str,), "sublayers": (int,), "seeds": (int,), "lrs": (int, float)}
+
+
+def _check_group_types(name: str, d: dict) -> None:
+    """Raise KeelError naming a group key of the wrong TOML type (e.g. ``lrs = 1e-3`` for
+    ``lrs = [1e-3]``, ``lrs = ["1e-3"]``, ``schemes = "keel"``)."""
+    for key, types in _LIST_TYPES.items():
+        v = d.get(key, [])
+        if not isinstance(v, list) or not all(isinstance(x, types) and not isinstance(x, bool) for x in v):
+            kind = "strings" if types == (str,) else "integers" if types == (int,) else "numbers"
+            raise KeelError(f"study group {name!r}: {key} must be a list of {kind}, e.g. {key} = "
+                            f"{['keel'] if kind == 'strings' else [64] if kind == 'integers' else [1e-3]}, got {v!r}")
+    for key, types in (("peak_lr", (int, float)), ("ramp_steps", (int,)), ("lr_from_sublayers", (int,)),
+                       ("lr_from", (str,)), ("kind", (str,))):
+        if key in d and (not isinstance(d[key], types) or isinstance(d[key], bool)):
+            raise KeelError(f"study group {name!r}: {key} must be {'text' if types == (str,) else 'a number'}, "
+                            f"got {d[key]!r}")
+    if "set" in d and not isinstance(d["set"], dict):
+        raise KeelError(f"study group {name!r}: set must be a table of config keys, e.g. set = "
+                        "{ \"model.embed_init_std\" = 1.0 }")
+    if any(not x > 0 for x in d.get("lrs", [])) or ("peak_lr" in d and not d["peak_lr"] > 0):
+        raise KeelError(f"study group {name!r}: learning rates must be > 0")
+
+
 def _group(name: str, spec: dict, sized: dict) -> Group:
     unknown = (set(spec) | set(sized)) - GROUP_KEYS
     if unknown:
         raise KeelError(f"study group {name!r}: unknown key(s) {', '.join(sorted(unknown))}")
     d = {**spec, **sized}
+    _check_group_types(name, d)
     sets = list(d.pop("set", {}).items())
     g = Group(name=name, sets=sets, **{k: v for k, v in d.items()})
     for L in g.sublayers:
@@ -336,7 +362,10 @@ def claim_margin_grows(study: Study, runs: list[dict], claim: dict) -> dict:
                 "equal_lr": equal}
     lo, hi = rows[0], rows[-1]
     growth = _pair(hi["margin"]["diffs"], lo["margin"]["diffs"])
-    parts = {"margin at the deepest depth": hi["margin"],
+    planned = max((L for g in study.groups if g.name in groups for L in g.sublayers), default=hi["sublayers"])
+    where = f"margin at {hi['sublayers']} sub-layers" + (
+        f" (the deepest finished; {planned} pending)" if planned > hi["sublayers"] else "")
+    parts = {where: hi["margin"],
              f"growth {lo['sublayers']} -> {hi['sublayers']} sub-layers": paired_verdict(growth, study.min_effect,
                                                                                           study.min_seeds)}
     return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows,
@@ -587,13 +616,15 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[st
                 n = len(g.schemes) * len(g.sublayers) * len(g.seeds) * len(g.lr_from_steps)
                 waiting.append(f"group {g.name} ({n} runs) waits for group {g.lr_from} at {g.lr_from_sublayers} "
                                "sub-layers")
-                _log.info(f"study: {waiting[-1]}")
+                if train is True or (train and g.name in train):
+                    _log.info(f"study: {waiting[-1]}")
                 continue
         refs, jobs = group_jobs(study, g, data_dir, out, lr_for)
         gdir = out / g.name
         errors = {}
         if train is True or (train and g.name in train):
-            _log.info(f"study: group {g.name}: {len(jobs)} runs" + (f" + {len(refs)} reference runs" if refs else ""))
+            _log.info(f"study: group {g.name}: {len(jobs)} runs"
+                      + (f" + {len(refs)} reference run{'s' if len(refs) > 1 else ''}" if refs else ""))
             if refs:
                 run_grid(refs, gdir / ST.REFERENCES, train_task, workers=workers, resume=True, threads=threads,
                          check=check_train_job)
@@ -632,6 +663,8 @@ def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: f
         per_run = []
         for j in refs + jobs:
             cfg = config_from_dict(j.config)
+            if cfg.model.vocab_size == "auto":  # not known before the tokenizer exists; non-embedding FLOPs ignore it
+                cfg.model.vocab_size = 256
             t = cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum
             per_run.append(t)
             tokens += t
@@ -661,7 +694,8 @@ def plan_markdown(study: Study, rows: list[dict], mfu: float, peak_tflops: float
     lines += ["", f"Total: {sum(r['runs'] + r['references'] for r in rows)} runs, "
                   f"{sum(r['tokens'] for r in rows):.3g} tokens, about {tot:,.1f} GPU-hours "
                   f"(training FLOPs 6N + 12 n_layers d T per token, PaLM App. B, at {mfu:.0%} MFU of "
-                  f"{peak_tflops:g} TFLOP/s dense bf16, an H100 SXM; evaluation not counted)."]
+                  f"{peak_tflops:g} TFLOP/s dense bf16{', an H100 SXM' if peak_tflops == 989 else ''}; "
+                  "evaluation not counted)."]
     return "\n".join(lines) + "\n"
 
 
@@ -740,7 +774,9 @@ def claim_section(claim: dict, c: dict) -> list[str]:
                 for r in c["rows"]]
         if "peak_lr" in c:
             out += ["", f"Max LR per seed; none = no divergence up to the peak LR {c['peak_lr']:g}. "
-                    "Pair verdicts use log10 ratios with a 5% floor. Each run's verdict:", ""]
+                    "A none counts as the peak LR (censored); a seed where both schemes of a pair are none is left out. "
+                    "Pair verdicts use log10 ratios of max LR with a 5% floor (log10 1.05 = 0.021). A spike still "
+                    "open when the curve ended counts as a divergence. Each run's verdict:", ""]
             out += [f"- {r['sublayers']} sub-layers, {run}: {text}" for r in c["rows"]
                     for run, text in r.get("verdicts", {}).items()]
     return out + [""]
@@ -827,7 +863,8 @@ def tokens_words(study: Study, done: list[dict]) -> str:
     train = sorted({r["tokens"] for r in done if r.get("tokens") and r["group"] not in ramp})
     stopped = sorted(r["tokens"] for r in done if r.get("tokens") and r["group"] in ramp)
     parts = ([f"training runs {', '.join(f'{t:,}' for t in train)}"] if train else []) + (
-        [f"ramp runs {stopped[0]:,}–{stopped[-1]:,} (a ramp run stops at its divergence)"] if stopped else [])
+        [f"ramp runs {stopped[0]:,}" + (f"–{stopped[-1]:,}" if stopped[-1] != stopped[0] else "")
+         + " (a ramp run stops at its divergence)"] if stopped else [])
     return f" (tokens per finished run: {'; '.join(parts)})" if parts else ""
 
 
@@ -936,13 +973,18 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
                         f"(groups: {', '.join(x.name for x in study.groups)})")
     out = Path(out)
     if dry_run:
-        rows = plan_rows(study, "<data>", out, mfu, peak_tflops)
+        rows = [r for r in plan_rows(study, "<data>", out, mfu, peak_tflops) if not groups or r["group"] in groups]
         return {"plan": rows, "markdown": plan_markdown(study, rows, mfu, peak_tflops)}
+    check_pool(workers, threads)
     base = load_config(resolve_config_path(study.base), study.sets)  # a bad --set: refused before out is claimed
     first_command = _claim_out(out, study, command, resume=resume, report_only=report_only)
     data_dir = str(resolve_data(base, progress=False))
     train = False if report_only else (list(groups) or True)
-    runs, waiting = collect(study, data_dir, out, train=train, workers=workers, threads=threads)
+    try:
+        runs, waiting = collect(study, data_dir, out, train=train, workers=workers, threads=threads)
+    except Interrupted as e:  # the grid's own hint names a group's folder and a run: continue the study instead
+        raise Interrupted(f"stopped by {signal.Signals(e.signum).name}; continue: the same keel study command "
+                          f"with --resume (out {out})", e.signum) from None
     claims = [(cl, CLAIM_TESTS[cl["test"]](study, runs, cl)) for cl in study.claims]
     h1 = dataset_unigram_entropy(data_dir)
     make_dirs(out)
@@ -977,6 +1019,9 @@ def _claim_out(out: Path, study: Study, command: str, *, resume: bool, report_on
                         f"not {study.name!r} at {study.scale!r}; use another --out")
     if not (resume or report_only) and out.is_dir() and any(out.iterdir()):
         raise KeelError(f"output folder {out} is not empty; use --resume to continue it, or another --out")
+    if resume and held is None and out.is_dir() and any(out.iterdir()):
+        raise KeelError(f"{out} holds no study (no study.json) but is not empty: nothing to resume; "
+                        "check --out (a study's folder, not one of its groups)")
     if held is None:
         make_dirs(out)
         held = {"study": study.name, "scale": study.scale, "command": command}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -202,11 +203,13 @@ def cmd_study(args: argparse.Namespace) -> int:
         raise KeelError("--report-only trains nothing; do not combine it with --resume")
     if args.dry_run and (args.resume or args.report_only):
         raise KeelError("--dry-run only prints the plan; do not combine it with --resume or --report-only")
-    if not 0 < args.mfu <= 1 or args.peak_tflops <= 0:
-        raise KeelError("--mfu must be in (0, 1] and --peak-tflops > 0")
-    groups = [g.strip() for g in args.groups.split(",") if g.strip()]
-    if groups and (args.report_only or args.dry_run):
-        raise KeelError("--groups picks the groups to train; do not combine it with --report-only or --dry-run")
+    if not 0 < args.mfu <= 1 or not 0 < args.peak_tflops < math.inf:
+        raise KeelError("--mfu must be in (0, 1] and --peak-tflops a finite number > 0")
+    groups = [g.strip() for g in (args.groups or "").split(",") if g.strip()]
+    if args.groups is not None and not groups:
+        raise KeelError("--groups needs group names, e.g. --groups ramp,init (leave it out to train every group)")
+    if groups and args.report_only:
+        raise KeelError("--groups picks the groups to train; do not combine it with --report-only")
     out = args.out or f"runs/study-{Path(args.name).stem}-{args.scale}"
     command = " ".join(["keel", "study"] + sys.argv[2:]) if len(sys.argv) > 2 else f"keel study {args.name}"
     r = SD.run_study(args.name, args.scale, out, args.set, workers=args.workers, threads=args.threads or None,
