@@ -505,12 +505,14 @@ def test_ctrl_c_says_how_to_continue_the_study(tiny_data, tmp_path):
     proc = subprocess.Popen([str(exe), "study", "claims", "--scale", "tiny", "--workers", "0", "--out", str(out),
                              "--set", f"data.path={tiny_data}", "--set", "train.steps=100000"],
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    deadline = time.time() + 120
+    from conftest import HANG_S
+
+    deadline = time.time() + HANG_S
     while time.time() < deadline and not list(out.glob("lr-grid/*/metrics.jsonl")):
         time.sleep(0.2)
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 130, err
     assert f"continue: the same keel study command with --resume (out {out})" in err
     assert "keel train --resume" not in err and "Traceback" not in err
