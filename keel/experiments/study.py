@@ -105,21 +105,24 @@ class Study:
     min_seeds: int = 2
 
 
-_LIST_TYPES = {"schemes": (str,), "sublayers": (int,), "seeds": (int,), "lrs": (int, float)}
+# group keys' TOML types: key -> (element types, words, example); lists first, then scalars
+_LIST_TYPES = {"schemes": ((str,), "a list of strings", '["keel"]'), "sublayers": ((int,), "a list of integers", "[64]"),
+               "seeds": ((int,), "a list of integers", "[0, 1]"), "lrs": ((int, float), "a list of numbers", "[0.001]")}
+_SCALAR_TYPES = {"peak_lr": (int, float), "ramp_steps": (int,), "lr_from_sublayers": (int,), "lr_from": (str,),
+                 "kind": (str,)}
 
 
 def _check_group_types(name: str, d: dict) -> None:
     """Raise KeelError naming a group key of the wrong TOML type (e.g. ``lrs = 1e-3`` for
     ``lrs = [1e-3]``, ``lrs = ["1e-3"]``, ``schemes = "keel"``)."""
-    for key, types in _LIST_TYPES.items():
+    def ok(x, types):
+        return isinstance(x, types) and not isinstance(x, bool)
+    for key, (types, words, example) in _LIST_TYPES.items():
         v = d.get(key, [])
-        if not isinstance(v, list) or not all(isinstance(x, types) and not isinstance(x, bool) for x in v):
-            kind = "strings" if types == (str,) else "integers" if types == (int,) else "numbers"
-            raise KeelError(f"study group {name!r}: {key} must be a list of {kind}, e.g. {key} = "
-                            f"{['keel'] if kind == 'strings' else [64] if kind == 'integers' else [1e-3]}, got {v!r}")
-    for key, types in (("peak_lr", (int, float)), ("ramp_steps", (int,)), ("lr_from_sublayers", (int,)),
-                       ("lr_from", (str,)), ("kind", (str,))):
-        if key in d and (not isinstance(d[key], types) or isinstance(d[key], bool)):
+        if not isinstance(v, list) or not all(ok(x, types) for x in v):
+            raise KeelError(f"study group {name!r}: {key} must be {words}, e.g. {key} = {example}, got {v!r}")
+    for key, types in _SCALAR_TYPES.items():
+        if key in d and not ok(d[key], types):
             raise KeelError(f"study group {name!r}: {key} must be {'text' if types == (str,) else 'a number'}, "
                             f"got {d[key]!r}")
     if "set" in d and not isinstance(d["set"], dict):
@@ -608,6 +611,7 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[st
     runs: list[dict] = []
     waiting = []
     for g in study.groups:
+        trains = train is True or (bool(train) and g.name in train)
         lr_for = None
         if g.lr_from:
             opt = transferred_lrs(runs, g)
@@ -616,13 +620,13 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[st
                 n = len(g.schemes) * len(g.sublayers) * len(g.seeds) * len(g.lr_from_steps)
                 waiting.append(f"group {g.name} ({n} runs) waits for group {g.lr_from} at {g.lr_from_sublayers} "
                                "sub-layers")
-                if train is True or (train and g.name in train):
+                if trains:
                     _log.info(f"study: {waiting[-1]}")
                 continue
         refs, jobs = group_jobs(study, g, data_dir, out, lr_for)
         gdir = out / g.name
         errors = {}
-        if train is True or (train and g.name in train):
+        if trains:
             _log.info(f"study: group {g.name}: {len(jobs)} runs"
                       + (f" + {len(refs)} reference run{'s' if len(refs) > 1 else ''}" if refs else ""))
             if refs:
