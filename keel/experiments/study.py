@@ -33,6 +33,7 @@ but :func:`claim_lr_transfer`, whose rule (same optimal grid point in every seed
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -647,7 +648,10 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[st
 # ----------------------------------------------------------------------------- estimate (dry run)
 def flops_per_token(model_cfg, seq_len: int) -> float:
     """Training FLOPs per token, PaLM (Chowdhery et al. 2022, App. B): ``6 N + 12 n_layers d_model
-    seq_len``, N = non-embedding parameters (:func:`keel.experiments.sweep.param_count`)."""
+    seq_len``, N = non-embedding parameters (:func:`keel.experiments.sweep.param_count`), so a
+    ``vocab_size = "auto"`` (known only once the tokenizer exists) does not matter."""
+    if model_cfg.vocab_size == "auto":
+        model_cfg = dataclasses.replace(model_cfg, vocab_size=256)
     return 6.0 * param_count(model_cfg, non_embedding=True) + 12.0 * model_cfg.n_layers * model_cfg.d_model * seq_len
 
 
@@ -667,8 +671,6 @@ def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: f
         per_run = []
         for j in refs + jobs:
             cfg = config_from_dict(j.config)
-            if cfg.model.vocab_size == "auto":  # not known before the tokenizer exists; non-embedding FLOPs ignore it
-                cfg.model.vocab_size = 256
             t = cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum
             per_run.append(t)
             tokens += t
