@@ -33,14 +33,13 @@ but :func:`claim_lr_transfer`, whose rule (same optimal grid point in every seed
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
 import signal
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import matplotlib.ticker
@@ -651,7 +650,7 @@ def flops_per_token(model_cfg, seq_len: int) -> float:
     seq_len``, N = non-embedding parameters (:func:`keel.experiments.sweep.param_count`), so a
     ``vocab_size = "auto"`` (known only once the tokenizer exists) does not matter."""
     if model_cfg.vocab_size == "auto":
-        model_cfg = dataclasses.replace(model_cfg, vocab_size=256)
+        model_cfg = replace(model_cfg, vocab_size=256)
     return 6.0 * param_count(model_cfg, non_embedding=True) + 12.0 * model_cfg.n_layers * model_cfg.d_model * seq_len
 
 
