@@ -3,6 +3,7 @@ files of every shipped study, the paper-scale plan, and the tiny scale end to en
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -10,6 +11,7 @@ from keel.errors import KeelError
 from keel.experiments import study as SD
 from keel.experiments.grid import GridJob, _check_same_config
 from keel.config import Config, preset_names
+from keel.train.metrics import read_metrics
 
 R, NR, INC = SD.REPRODUCED, SD.NOT_REPRODUCED, SD.INCONCLUSIVE
 
@@ -134,6 +136,39 @@ def test_max_lr_order_censoring():
     assert c["verdict"] == INC
 
 
+def test_max_lr_order_judges_a_censored_pair_on_the_extended_ramp():
+    """At width 64 both Pre-LN and Keel reach about the ramp's 5e-2 peak: the pair is judged on
+    the same ramp continued to 0.1 (extended_group) once all its runs there have finished."""
+    st = SD.Study(name="t", scale="t", description="", note="", base="demo", sets=[], claims=[],
+                  groups=[SD.Group("ramp", ["post_ln", "pre_ln", "keel"], [64], [0, 1], kind="ramp"),
+                          SD.Group("long", ["pre_ln", "keel"], [64], [0, 1], kind="ramp", peak_lr=0.1, ramp_steps=2000)])
+    claim = {"group": "ramp", "extended_group": "long", "order": ["post_ln", "pre_ln", "keel"]}
+    rr = []
+    for seed, (pre, keel) in enumerate([(4.4e-2, 8e-2), (5.5e-2, None)]):
+        rr += [run("ramp", "post_ln", 64, seed, 5e-2, 0, max_lr=1e-2, peak_lr=5e-2),
+               run("ramp", "pre_ln", 64, seed, 5e-2, 0, max_lr=pre if pre < 5e-2 else None, peak_lr=5e-2),
+               run("ramp", "keel", 64, seed, 5e-2, 0, max_lr=None, peak_lr=5e-2),
+               run("long", "pre_ln", 64, seed, 0.1, 0, max_lr=pre, peak_lr=0.1),
+               run("long", "keel", 64, seed, 0.1, 0, max_lr=keel, peak_lr=0.1)]
+    c = SD.claim_max_lr_order(st, rr, claim)
+    part = c["parts"]["pre_ln < keel at 64 (ramp to 0.1)"]
+    assert part["diffs"] == pytest.approx({0: math.log10(8e-2 / 4.4e-2), 1: math.log10(0.1 / 5.5e-2)})
+    assert set(c["parts"]) == {"post_ln < pre_ln at 64", "pre_ln < keel at 64 (ramp to 0.1)"} and c["verdict"] == R
+    assert [(r["group"], r["peak_lr"]) for r in c["rows"]] == [("ramp", 5e-2), ("long", 0.1)]
+    md = "\n".join(SD.claim_section({"id": "a", "title": "t", "test": "max_lr_order", **claim}, c))
+    assert "| 0.1 (long) | 64 | — | [s0 0.044, s1 0.055] | [s0 0.08, s1 none] |" in md
+    assert "- ramp to 0.1, 64 sub-layers, keel s1: no verdict" in md
+    # one extended run unfinished: the pair is judged on the first ramp (seed 1 both censored: left out)
+    part_done = [dict(r, status="pending") if (r["group"], r["seed"], r["scheme"]) == ("long", 1, "keel") else r
+                 for r in rr]
+    c = SD.claim_max_lr_order(st, part_done, claim)
+    assert c["parts"]["pre_ln < keel at 64"]["diffs"] == pytest.approx({0: math.log10(5e-2 / 4.4e-2)})
+    assert c["verdict"] == INC
+    # a scale that does not size the extended group reads the first ramp only
+    c = SD.claim_max_lr_order(replace(st, groups=st.groups[:1]), rr, claim)
+    assert "pre_ln < keel at 64" in c["parts"] and all(r["group"] == "ramp" for r in c["rows"])
+
+
 @pytest.mark.parametrize("divergence, words", [
     (None, "healthy"),
     ({"mode": "instability", "step": 875, "evidence": {"lr_at_step": 0.0437}}, "instability from step 875 (LR 0.0437)"),
@@ -192,7 +227,7 @@ def test_claim_rules_name_the_claims_schemes(name):
         assert claims["a"].endswith("increases along post_ln < deepnorm < pre_ln < keel.")
         assert claims["b"].startswith("keel beats pre_ln at the deepest depth")
         assert SD.claim_section(st.claims[0], {"verdict": INC, "why": "no finished ramp runs", "rows": []})[-2:] \
-            == ["|---|---|---|---|---|", ""]  # no "peak LR 0" footnote without ramp runs
+            == ["|---|---|---|---|---|---|", ""]  # no "peak LR 0" footnote without ramp runs
 
 
 def test_group_jobs_run_the_seeds_of_a_cell_side_by_side(tmp_path):
@@ -211,14 +246,14 @@ def test_group_jobs_run_the_seeds_of_a_cell_side_by_side(tmp_path):
 
 def test_report_counts_say_what_is_left_out(tmp_path):
     """Before anything ran, the report names the runs of a group not planned yet and says
-    that a ramp group's reference runs are not counted, so its total (161 - 16 - 2 = 143 at
+    that a ramp group's reference runs are not counted, so its total (167 - 16 - 2 - 2 = 147 at
     the cpu scale) reconciles with --dry-run's."""
     study = SD.load_study("claims", "cpu")
     runs, waiting = SD.collect(study, "unused", tmp_path, train=False)
-    assert len(runs) == 143 and all(r["status"] == "pending" for r in runs)
+    assert len(runs) == 147 and all(r["status"] == "pending" for r in runs)
     assert waiting == ["group transfer (16 runs) waits for group lr-grid at 64 sub-layers"]
     md = SD.report_markdown(study, [], runs, "keel study claims --scale cpu", waiting)
-    assert ("Runs finished: 0 of 143 planned so far. The ramp groups' reference runs (the scale's `--dry-run` "
+    assert ("Runs finished: 0 of 147 planned so far. The ramp groups' reference runs (the scale's `--dry-run` "
             "counts them) are not counted. Not planned yet: group transfer (16 runs) waits for group lr-grid") in md
 
 
@@ -272,6 +307,12 @@ def test_bad_study_input(tmp_path):
         SD.load_study(str(bad), "x")
 
 
+RAMPS = ('[groups.r]\nkind = "ramp"\nschemes = ["pre_ln", "keel"]\n'
+         '[groups.long]\nkind = "ramp"\nschemes = ["pre_ln", "keel"]\n'
+         '[scales.x.groups.r]\nsublayers = [2]\nseeds = [0]\npeak_lr = 0.05\nramp_steps = 10\n'
+         '[scales.x.groups.long]\nsublayers = [2]\nseeds = [0]\npeak_lr = 0.1\nramp_steps = 20\n')
+RAMP_CLAIM = ('[[claims]]\nid = "a"\ntitle = "t"\ntest = "max_lr_order"\ngroup = "r"\nextended_group = "long"\n'
+              'order = ["pre_ln", "keel"]\n')
 CLAIM = '[[claims]]\nid = "b"\ntitle = "t"\ntest = "margin_grows"\ngroups = ["g"]\nscheme = "keel"\nbaseline = "pre_ln"\n'
 GROUP = '[groups.g]\nschemes = ["keel", "pre_ln"]\n[scales.x.groups.g]\nsublayers = [2]\nseeds = [0]\nlrs = [1e-3]\n'
 
@@ -300,6 +341,11 @@ GROUP = '[groups.g]\nschemes = ["keel", "pre_ln"]\n[scales.x.groups.g]\nsublayer
     (GROUP.replace("lrs = [1e-3]", "lrs = [0.0]") + CLAIM, "learning rates must be > 0"),
     (GROUP.replace("[scales", 'set = 1\n[scales') + CLAIM, "set must be a table of config keys"),
     (GROUP.replace("[scales", 'peak_lr = "high"\n[scales') + CLAIM, "peak_lr must be a number"),
+    (RAMPS.replace("ramp_steps = 20", "ramp_steps = 30") + RAMP_CLAIM,
+     "extended_group 'long' must continue group 'r''s ramp: the same LR per step \\(0.05 / 10 steps\\)"),
+    (RAMPS.replace("peak_lr = 0.1", "peak_lr = 0.025").replace("ramp_steps = 20", "ramp_steps = 5") + RAMP_CLAIM,
+     "to a higher peak, got 0.025 / 5 steps"),
+    (GROUP + RAMPS + RAMP_CLAIM.replace('extended_group = "long"', 'extended_group = "g"'), "cannot read train group"),
 ])
 def test_bad_study_files(tmp_path, text, match):
     p = tmp_path / "s.toml"
@@ -403,7 +449,13 @@ def test_study_tiny_end_to_end(keel_cli, tiny_data, tmp_path):
     rep = json.loads((out / "report.json").read_text())
     assert [c["id"] for c in rep["claims"]] == ["a", "b", "c", "d", "e"]
     assert all(c["verdict"] in (R, NR, INC) for c in rep["claims"])
-    assert all(x["status"] == "done" and x["tokens"] == 6 * 4 * 32 or x["group"] == "showcase" for x in rep["runs"])
+    assert all(x["status"] == "done" and x["tokens"] == 6 * 4 * 32 or x["group"] in ("showcase", "ramp-long")
+               for x in rep["runs"])
+    # ramp-long continues the ramp at the same LR per step: its runs repeat the ramp's steps exactly
+    for name in ("keel-4sl-seed0", "pre_ln-4sl-seed0"):
+        short, long = (read_metrics(out / g / name / "metrics.jsonl") for g in ("ramp", "ramp-long"))
+        losses = [[(r["step"], r["lr"], r["loss"]) for r in m if "loss" in r] for m in (short, long)]
+        assert len(losses[1]) == 12 and losses[1][:6] == losses[0]
     # the transfer group ran each scheme at the optimum of the LR grid at 4 sub-layers
     b = next(c for c in rep["claims"] if c["id"] == "b")
     assert [row["sublayers"] for row in b["rows"]] == [2, 4, 8]
@@ -427,7 +479,8 @@ def test_groups_flag_trains_only_the_named_groups(keel_cli, tiny_data, tmp_path)
     status = {}
     for x in r["runs"]:
         status.setdefault(x["group"], set()).add(x["status"])
-    assert status == {"lr-grid": {"pending"}, "ramp": {"pending"}, "init": {"done"}, "showcase": {"done"},
+    assert status == {"lr-grid": {"pending"}, "ramp": {"pending"}, "ramp-long": {"pending"}, "init": {"done"},
+                      "showcase": {"done"},
                       "bench": {"pending"}}  # transfer: waits for the lr-grid, not planned
     assert any("group transfer" in w and "waits for group lr-grid" in w for w in r["waiting"])
     bad = keel_cli("study", "claims", "--scale", "tiny", "--out", tmp_path / "x", "--groups", "init,nope")

@@ -11,7 +11,9 @@ A study is a TOML file (packaged in ``keel/configs/studies/``, e.g. ``claims.tom
   those runs have finished (LR transfer across depth), and at the points of G2's LR grid
   ``lr_from_steps`` away from it (e.g. ``[0, -1]``: the optimum and the next lower LR).
 * ``[[claims]]``: per claim of the paper, the verdict function (``test``, a key of
-  :data:`CLAIM_TESTS`) and the groups and schemes it reads.
+  :data:`CLAIM_TESTS`) and the groups and schemes it reads. A ``max_lr_order`` claim may name an
+  ``extended_group``: its ramp continued at the same LR per step to a higher peak, where the
+  pairs that the first peak censors are judged (optional per scale).
 * ``[scales.S]``: for each scale (``tiny`` for the test suite, ``cpu``, ``gpu-1``, ``paper``)
   the config keys of every run (``set``) and each group's sizes (``[scales.S.groups.G]``).
 * ``[verdict]``: ``min_effect`` (nats/token) and ``min_seeds`` of :func:`paired_verdict`.
@@ -217,7 +219,7 @@ def load_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
 CLAIM_KEYS = {"margin_grows": ({"groups", "scheme", "baseline"}, set()),
               "lr_transfer": ({"group"}, {"scheme"}),
               "init_margin": ({"group", "reference_group", "scheme", "baseline"}, set()),
-              "max_lr_order": ({"group", "order"}, set())}
+              "max_lr_order": ({"group", "order"}, {"extended_group"})}
 GRID_KEYS = {"model.residual", "model.n_layers", "train.lr", "train.seed"}  # set per run by the groups
 
 
@@ -239,6 +241,8 @@ def _check_claim(c: dict, groups: dict[str, "Group"]) -> None:
         raise KeelError(f"study claim {c['id']!r}: note must be a string (printed under the claim's rule)")
     names = list(c["groups"]) if isinstance(c.get("groups"), list) else [c.get("groups")] if "groups" in c else []
     names += [c[k] for k in ("group", "reference_group") if k in c]
+    if c.get("extended_group") in groups:  # optional: a scale whose ramp peak suffices does not size it
+        names.append(c["extended_group"])
     for g in names:
         if g not in groups:
             raise KeelError(f"study claim {c['id']!r}: group {g!r} is not sized by this scale")
@@ -246,11 +250,24 @@ def _check_claim(c: dict, groups: dict[str, "Group"]) -> None:
             raise KeelError(f"study claim {c['id']!r}: {test} cannot read {groups[g].kind} group {g!r}")
     if "groups" in c and not isinstance(c["groups"], list):
         raise KeelError(f"study claim {c['id']!r}: groups must be a list of group names")
+    if c.get("extended_group") in groups:
+        _check_extended_ramp(c, groups[c["group"]], groups[c["extended_group"]])
     schemes = set().union(*(groups[g].schemes for g in names))
     wanted = [c[k] for k in ("scheme", "baseline") if k in c] + list(c.get("order", []))
     if set(wanted) - schemes:
         raise KeelError(f"study claim {c['id']!r}: scheme(s) {', '.join(sorted(set(wanted) - schemes))} "
                         f"not trained by its group(s)")
+
+
+def _check_extended_ramp(c: dict, ramp: "Group", ext: "Group") -> None:
+    """Raise KeelError unless ``ext`` continues ``ramp``: the same LR per step (``peak_lr /
+    ramp_steps``, so both ramps give step k the same LR and the extended runs repeat the first
+    ramp up to its end) to a higher peak."""
+    same_slope = math.isclose(ext.peak_lr / ext.ramp_steps, ramp.peak_lr / ramp.ramp_steps, rel_tol=1e-9)
+    if ext is ramp or not same_slope or ext.peak_lr <= ramp.peak_lr:
+        raise KeelError(f"study claim {c['id']!r}: extended_group {ext.name!r} must continue group {ramp.name!r}'s "
+                        f"ramp: the same LR per step ({ramp.peak_lr:g} / {ramp.ramp_steps} steps) to a higher peak, "
+                        f"got {ext.peak_lr:g} / {ext.ramp_steps} steps")
 
 
 # ----------------------------------------------------------------------------- verdicts
@@ -483,27 +500,42 @@ def claim_max_lr_order(study: Study, runs: list[dict], claim: dict) -> dict:
     (a run that never diverged counts as the peak LR; a seed where neither diverged is left
     out, so a ramp whose peak is too low ends inconclusive); pair verdict :func:`paired_verdict`
     with ``min_effect = log10(1.05)`` (5%); the claim's verdict combines the pairs
-    (:func:`combine`). Rows: one per depth with each scheme's max LR per seed and each run's
-    verdict in words (:func:`ramp_verdict_words`).
+    (:func:`combine`). A pair is judged on the claim's ``extended_group`` (the same ramp
+    continued to a higher peak, for the pairs the first peak censors) once every run of both
+    schemes at that depth has finished there, else on ``group``. Rows: one per ramp group and
+    depth with each scheme's max LR per seed, the ramp's peak, and each run's verdict in words
+    (:func:`ramp_verdict_words`).
     """
-    g, order = claim["group"], claim["order"]
-    rr = [r for r in runs if r["group"] == g and r["status"] == "done"]
-    peak = max([r["peak_lr"] for r in rr] or [0.0])
-    depths = sorted({r["sublayers"] for r in rr})
-    pairs, rows = {}, []
-    for L in depths:
-        lr = {s: {r["seed"]: r.get("max_lr") for r in rr if r["scheme"] == s and r["sublayers"] == L} for s in order}
-        detail = {f"{r['scheme']} s{r['seed']}": ramp_verdict_words(r)
-                  for s in order for r in rr if r["scheme"] == s and r["sublayers"] == L}
-        rows.append({"sublayers": L, "max_lr": lr, "verdicts": detail})
+    order, sized = claim["order"], {g.name for g in study.groups}
+    names = [claim["group"]] + ([claim["extended_group"]] if claim.get("extended_group") in sized else [])
+    pairs, rows, peaks = {}, [], {}
+    for name in names:
+        mine = [r for r in runs if r["group"] == name]
+        rr = [r for r in mine if r["status"] == "done"]
+        peaks[name] = max([r["peak_lr"] for r in rr] or [0.0])
+        for L in sorted({r["sublayers"] for r in rr}):
+            lr = {s: {r["seed"]: r.get("max_lr") for r in rr if r["scheme"] == s and r["sublayers"] == L} for s in order}
+            detail = {f"{r['scheme']} s{r['seed']}": ramp_verdict_words(r)
+                      for s in order for r in rr if r["scheme"] == s and r["sublayers"] == L}
+            rows.append({"group": name, "peak_lr": peaks[name], "sublayers": L, "max_lr": lr, "verdicts": detail})
+    for L in sorted({r["sublayers"] for r in rows if r["group"] == names[0]}):
         for a, b in zip(order, order[1:]):
-            d = {x: _log_ratio(lr[b][x], lr[a][x], peak) for x in sorted(set(lr[a]) & set(lr[b]))}
+            name = next((x for x in names[1:] if _ramp_pair_done(runs, x, (a, b), L)), names[0])
+            lr = next(r["max_lr"] for r in rows if r["group"] == name and r["sublayers"] == L)
+            d = {x: _log_ratio(lr[b][x], lr[a][x], peaks[name]) for x in sorted(set(lr[a]) & set(lr[b]))}
             d = {x: v for x, v in d.items() if v is not None}  # both never diverged: censored, left out
-            pairs[f"{a} < {b} at {L}"] = paired_verdict(d, math.log10(1.05), study.min_seeds)
+            key = f"{a} < {b} at {L}" + (f" (ramp to {peaks[name]:g})" if name != names[0] else "")
+            pairs[key] = paired_verdict(d, math.log10(1.05), study.min_seeds)
     if not pairs:
         return {"verdict": INCONCLUSIVE, "why": "no finished ramp runs", "rows": rows, "parts": {}}
     return {"verdict": combine([p["verdict"] for p in pairs.values()]), "parts": pairs, "rows": rows,
-            "peak_lr": peak}
+            "peak_lr": peaks[names[0]]}
+
+
+def _ramp_pair_done(runs: list[dict], group: str, pair: tuple[str, str], sublayers: int) -> bool:
+    """Whether ramp ``group`` planned runs of both schemes of ``pair`` at ``sublayers`` and all have finished."""
+    mine = [r for r in runs if r["group"] == group and r["sublayers"] == sublayers and r["scheme"] in pair]
+    return {r["scheme"] for r in mine} == set(pair) and all(r["status"] == "done" for r in mine)
 
 
 CLAIM_TESTS = {"margin_grows": claim_margin_grows, "lr_transfer": claim_lr_transfer,
@@ -774,15 +806,20 @@ def claim_section(claim: dict, c: dict) -> list[str]:
         out += ["| comparison | mean ± sd [per seed] (nats) | verdict |", "|---|---|---|"]
         out += [f"| {k} | {_pm(v)} | {v['verdict']} |" for k, v in c["rows"].items()]
     elif claim["test"] == "max_lr_order":
-        out += ["| sub-layers | " + " | ".join(claim["order"]) + " |", "|---" * (len(claim["order"]) + 1) + "|"]
-        out += [f"| {r['sublayers']} | " + " | ".join(_lrs(r["max_lr"][s]) for s in claim["order"]) + " |"
+        out += ["| ramp to | sub-layers | " + " | ".join(claim["order"]) + " |",
+                "|---" * (len(claim["order"]) + 2) + "|"]
+        out += [f"| {r['peak_lr']:g} ({r['group']}) | {r['sublayers']} | "
+                + " | ".join(_lrs(r["max_lr"][s]) if r["max_lr"][s] else "—" for s in claim["order"]) + " |"
                 for r in c["rows"]]
         if "peak_lr" in c:
-            out += ["", f"Max LR per seed; none = no divergence up to the peak LR {c['peak_lr']:g}. "
+            out += ["", "Max LR per seed; none = no divergence up to the ramp's peak LR; — = not run on that ramp. "
                     "A none counts as the peak LR (censored); a seed where both schemes of a pair are none is left out. "
-                    "Pair verdicts use log10 ratios of max LR with a 5% floor (log10 1.05 = 0.021). A spike still "
+                    + (f"A pair run on the ramp continued to a higher peak ({claim['extended_group']}, the same LR "
+                       "per step) is judged there once all its runs have finished. "
+                       if claim.get("extended_group") else "")
+                    + "Pair verdicts use log10 ratios of max LR with a 5% floor (log10 1.05 = 0.021). A spike still "
                     "open when the curve ended counts as a divergence. Each run's verdict:", ""]
-            out += [f"- {r['sublayers']} sub-layers, {run}: {text}" for r in c["rows"]
+            out += [f"- ramp to {r['peak_lr']:g}, {r['sublayers']} sub-layers, {run}: {text}" for r in c["rows"]
                     for run, text in r.get("verdicts", {}).items()]
     return out + [""]
 
