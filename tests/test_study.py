@@ -186,6 +186,26 @@ def test_ramp_runs_verdicts_in_words(divergence, words):
     assert c["rows"][0]["verdicts"] == {"keel s1": words}
 
 
+def test_groups_no_claim_reads_get_their_own_section():
+    """The 1024-sub-layer showcase and the residual bench had no section: their runs showed only
+    in the best-loss and every-run tables, without their note or their own settings."""
+    st = SD.load_study("claims", "cpu")
+    runs = [run("showcase", "keel", 1024, 0, 3e-3, 4.1, tokens=153_600, first_val_loss=6.24, final_val_loss=4.1,
+                plateau_exit_step=41, verdict="healthy"),
+            run("showcase", "post_ln", 1024, 0, 3e-3, 6.2, tokens=153_600, first_val_loss=6.24, final_val_loss=6.2,
+                plateau_exit_step=None, verdict="stagnation"),
+            dict(run("showcase", "pre_ln", 1024, 0, 3e-3, 0), status="pending"),
+            run("lr-grid", "keel", 16, 0, 1e-2, 3.0)]
+    md = SD.unclaimed_group_sections(st, runs)
+    assert [x for x in md if x.startswith("## ")] == ["## Group showcase (no claim reads it)",
+                                                       "## Group bench (no claim reads it)"]
+    assert any(x.startswith("The paper's core claim at its deepest depth") for x in md)
+    assert "Settings beyond the scale's: model.d_model=32, model.n_heads=2" in "\n".join(md)
+    assert "Runs finished: 2 of 3." in md and "Runs finished: 0 of 0." in md
+    assert "| keel | 1024 | 0.003 | 0 | 153,600 | 6.240 → 4.100 | 41 | healthy |" in md
+    assert "| post_ln | 1024 | 0.003 | 0 | 153,600 | 6.240 → 6.200 | never | stagnation |" in md
+
+
 def test_plateau_exit_step():
     recs = [{"step": s, "loss": 6.0 if s < 20 else 4.0} for s in range(1, 41)]
     # trailing window ending at step s holds s - 19 losses of 4: mean (5*6 + 5*4)/10 = 5.0 at s = 24
@@ -341,6 +361,7 @@ GROUP = '[groups.g]\nschemes = ["keel", "pre_ln"]\n[scales.x.groups.g]\nsublayer
     (GROUP.replace("lrs = [1e-3]", "lrs = [0.0]") + CLAIM, "learning rates must be > 0"),
     (GROUP.replace("[scales", 'set = 1\n[scales') + CLAIM, "set must be a table of config keys"),
     (GROUP.replace("[scales", 'peak_lr = "high"\n[scales') + CLAIM, "peak_lr must be a number"),
+    (GROUP.replace("[scales", 'note = 1\n[scales') + CLAIM, "note must be text"),
     (RAMPS.replace("ramp_steps = 20", "ramp_steps = 30") + RAMP_CLAIM,
      "extended_group 'long' must continue group 'r''s ramp: the same LR per step \\(0.05 / 10 steps\\)"),
     (RAMPS.replace("peak_lr = 0.1", "peak_lr = 0.025").replace("ramp_steps = 20", "ramp_steps = 5") + RAMP_CLAIM,

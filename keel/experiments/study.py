@@ -64,7 +64,7 @@ _log = logging.getLogger(__name__)
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
 GROUP_KEYS = {"kind", "schemes", "sublayers", "lrs", "seeds", "set", "peak_lr", "ramp_steps", "lr_from",
-              "lr_from_sublayers", "lr_from_steps"}
+              "lr_from_sublayers", "lr_from_steps", "note"}
 PLATEAU_WINDOW = 10  # steps of the trailing mean of the training loss that must fall below the plateau level
 
 
@@ -87,6 +87,7 @@ class Group:
     lr_from: str = ""
     lr_from_sublayers: int = 0
     lr_from_steps: list[int] = field(default_factory=lambda: [0])
+    note: str = ""
 
 
 @dataclass
@@ -111,7 +112,7 @@ class Study:
 _LIST_TYPES = {"schemes": ((str,), "a list of strings", '["keel"]'), "sublayers": ((int,), "a list of integers", "[64]"),
                "seeds": ((int,), "a list of integers", "[0, 1]"), "lrs": ((int, float), "a list of numbers", "[0.001]")}
 _SCALAR_TYPES = {"peak_lr": (int, float), "ramp_steps": (int,), "lr_from_sublayers": (int,), "lr_from": (str,),
-                 "kind": (str,)}
+                 "kind": (str,), "note": (str,)}
 
 
 def _check_group_types(name: str, d: dict) -> None:
@@ -843,6 +844,38 @@ def best_loss_table(study: Study, runs: list[dict]) -> list[str]:
     return out + [""]
 
 
+def unclaimed_group_sections(study: Study, runs: list[dict]) -> list[str]:
+    """Markdown: one section per group that no claim reads (e.g. the 1024-sub-layer showcase, the
+    residual bench): its ``note``, its settings beyond the scale's, and its finished runs (first
+    and final validation loss, nats/token; plateau exit step; divergence verdict). No verdict."""
+    read = set()
+    for c in study.claims:
+        read |= set(c.get("groups", [])) | {c[k] for k in ("group", "reference_group", "extended_group") if k in c}
+    out = []
+    for g in study.groups:
+        if g.name in read:
+            continue
+        done = [r for r in runs if r["group"] == g.name and r["status"] == "done"]
+        planned = sum(r["group"] == g.name for r in runs)
+        out += [f"## Group {g.name} (no claim reads it)", ""] + ([g.note.strip(), ""] if g.note else [])
+        if g.sets:
+            out += [f"Settings beyond the scale's: {', '.join(override_text(x) for x in g.sets)}.", ""]
+        out += [f"Runs finished: {len(done)} of {planned}.", ""]
+        if done:
+            out += ["| scheme | sub-layers | LR | seed | tokens | val loss: first → final | plateau exit step | verdict |",
+                    "|---|---|---|---|---|---|---|---|"]
+            out += [f"| {r['scheme']} | {r['sublayers']} | {r['lr']:g} | {r['seed']} | {r.get('tokens') or 0:,} | "
+                    f"{_loss(r.get('first_val_loss'))} → {_loss(r.get('final_val_loss'))} | "
+                    f"{'never' if r.get('plateau_exit_step') is None else r['plateau_exit_step']} | "
+                    f"{r.get('verdict') or '–'} |" for r in done]
+            out.append("")
+    return out
+
+
+def _loss(x: float | None) -> str:
+    return "–" if x is None else f"{x:.3f}"
+
+
 def plateau_table(runs: list[dict]) -> list[str]:
     """Markdown: per group, scheme and depth, the plateau exit step of each seed's best run
     (lowest capped loss over its LRs) and how many of the finished runs never left the plateau."""
@@ -925,7 +958,8 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
     lines.append("")
     for cl, c in claims:
         lines += claim_section(cl, c)
-    return "\n".join(lines + best_loss_table(study, runs) + plateau_table(runs) + runs_table(runs)) + "\n"
+    return "\n".join(lines + unclaimed_group_sections(study, runs) + best_loss_table(study, runs)
+                     + plateau_table(runs) + runs_table(runs)) + "\n"
 
 
 def plot_margins(claims: list[tuple[dict, dict]], out: Path) -> bool:
