@@ -4,6 +4,7 @@ files of every shipped study, the paper-scale plan, and the tiny scale end to en
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -186,6 +187,17 @@ def test_ramp_runs_verdicts_in_words(divergence, words):
     assert c["rows"][0]["verdicts"] == {"keel s1": words}
 
 
+def test_claims_without_finished_runs_say_so():
+    """Before any run finished, (d) printed "16 sub-layers [], 64 sub-layers []" and (e) "–"."""
+    st = SD.load_study("claims", "cpu")
+    runs, _ = SD.collect(st, "unused", Path("unused"), train=False)
+    words = {cl["id"]: SD.claim_numbers(SD.CLAIM_TESTS[cl["test"]](st, runs, cl)) for cl in st.claims}
+    assert words == {"a": "no finished ramp runs", "b": "needs paired results at two depths at least",
+                     "c": "needs paired results at two depths at least",
+                     "d": "no seed has keel's LR grid finished at both 16 and 64 sub-layers",
+                     "e": "no seed has both schemes' LR grids finished at both inits (64 sub-layers)"}
+
+
 def test_groups_no_claim_reads_get_their_own_section():
     """The 1024-sub-layer showcase and the residual bench had no section: their runs showed only
     in the best-loss and every-run tables, without their note or their own settings."""
@@ -226,10 +238,13 @@ def test_shipped_studies_plan(name, scale):
     if scale in ("cpu", "gpu-1"):  # optima fell on 1e-3 .. 1e-2 at the cpu scale: the grid reaches past both
         assert min(rows["lr-grid"]["lrs"]) <= 3e-4 and max(rows["lr-grid"]["lrs"]) >= 3e-2
     if scale == "paper":  # the paper's own settings: Table 1 ramp, Table 3 depths at width 1024
-        assert rows["ramp"]["lrs"] == "ramp 0 -> 0.05 over 5000 steps" and rows["ramp"]["sublayers"] == [64, 512]
+        assert rows["ramp"]["lr_plan"] == "ramp 0 -> 0.05 over 5000 steps" and rows["ramp"]["sublayers"] == [64, 512]
         assert rows["lr-grid"]["sublayers"] == [64, 128, 512, 1024]
         assert rows["lr-grid"]["tokens_per_run"][0] == pytest.approx(250e9, rel=1e-3)
         assert "GPU-hours" in plan["markdown"]
+    # JSON: lrs is always a list of numbers (was a sentence for the ramp and lr_from groups); the words are lr_plan
+    assert all(isinstance(r["lrs"], list) and all(isinstance(x, float) for x in r["lrs"]) for r in rows.values())
+    assert "transfer" not in rows or rows["transfer"]["lrs"] == [] and rows["transfer"]["lr_plan"].startswith("from lr-")
 
 
 @pytest.mark.parametrize("name", preset_names("studies"))
@@ -562,6 +577,13 @@ def test_dry_run_of_a_study_whose_vocab_size_is_auto(tmp_path):
     p.write_text(GROUP + CLAIM + '[scales.x.set]\n"model.vocab_size" = "auto"\n')
     plan = SD.run_study(str(p), "x", tmp_path / "out", dry_run=True)["plan"]
     assert plan[0]["runs"] == 2 and plan[0]["gpu_hours"] > 0 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("hours, words", [(0.000531, "0.00053"), (0.25, "0.25"), (1.0, "1.0"), (6.63, "6.6"),
+                                          (990_123.4, "990,123.4")])
+def test_plan_gpu_hours_words(hours, words):
+    """The cpu-scale plan read "about 0.0 GPU-hours" for every group."""
+    assert SD._hours(hours) == words
 
 
 def test_ctrl_c_says_how_to_continue_the_study(tiny_data, tmp_path):

@@ -431,6 +431,9 @@ def claim_lr_transfer(study: Study, runs: list[dict], claim: dict) -> dict:
         return {"verdict": INCONCLUSIVE, "why": "needs the scheme's LR grid at two depths", "rows": rows}
     lo, hi = row["opt_lr"][depths[0]], row["opt_lr"][depths[-1]]
     shift = {s: abs(math.log10(hi[s] / lo[s])) for s in sorted(set(lo) & set(hi))}
+    if not shift:
+        return {"verdict": INCONCLUSIVE, "rows": rows, "why": f"no seed has {subject}'s LR grid finished at both "
+                f"{depths[0]} and {depths[-1]} sub-layers"}
     n_ok = len(shift) >= study.min_seeds
     if not n_ok or row["at_edge"]:
         verdict = INCONCLUSIVE
@@ -709,12 +712,26 @@ def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: f
             flops += t * flops_per_token(cfg.model, cfg.train.seq_len)
         rows.append({"group": g.name, "kind": g.kind, "runs": len(jobs), "references": len(refs),
                      "schemes": g.schemes, "sublayers": g.sublayers, "seeds": g.seeds,
-                     "lrs": (f"from {g.lr_from} at {g.lr_from_sublayers}, grid steps {g.lr_from_steps}" if g.lr_from
-                             else g.lrs) if g.kind == "train"
-                     else f"ramp 0 -> {g.peak_lr:g} over {g.ramp_steps} steps",
+                     "lrs": list(g.lrs) if g.kind == "train" and not g.lr_from else [], "lr_plan": lr_plan_words(g),
                      "tokens_per_run": sorted(set(per_run)), "tokens": tokens, "flops": flops,
                      "gpu_hours": flops / (mfu * peak_tflops * 1e12) / 3600})
     return rows
+
+
+def lr_plan_words(g: Group) -> str:
+    """A group's LRs in words: ``0.0003, 0.001``, ``from lr-grid at 64, grid steps [0, -1]`` (an
+    ``lr_from`` group: known once its source has finished) or ``ramp 0 -> 0.05 over 1000 steps``."""
+    if g.kind == "ramp":
+        return f"ramp 0 -> {g.peak_lr:g} over {g.ramp_steps} steps"
+    if g.lr_from:
+        return f"from {g.lr_from} at {g.lr_from_sublayers}, grid steps {g.lr_from_steps}"
+    return ", ".join(f"{x:g}" for x in g.lrs)
+
+
+def _hours(h: float) -> str:
+    """GPU-hours for the plan: one decimal, or two significant digits below 1 (a cpu-scale group
+    read "0.0")."""
+    return f"{h:,.1f}" if h >= 1 else f"{h:.2g}"
 
 
 def plan_markdown(study: Study, rows: list[dict], mfu: float, peak_tflops: float) -> str:
@@ -724,13 +741,13 @@ def plan_markdown(study: Study, rows: list[dict], mfu: float, peak_tflops: float
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         runs = f"{r['runs']}" + (f" + {r['references']} ref." if r["references"] else "")
-        lrs = ", ".join(f"{x:g}" for x in r["lrs"]) if isinstance(r["lrs"], list) else r["lrs"]
         lines.append(f"| {r['group']} | {runs} | {', '.join(r['schemes'])} | {', '.join(map(str, r['sublayers']))} | "
-                     f"{', '.join(map(str, r['seeds']))} | {lrs} | {', '.join(f'{t:,.0f}' for t in r['tokens_per_run'])} | "
-                     f"{r['tokens']:.3g} | {r['gpu_hours']:,.1f} |")
+                     f"{', '.join(map(str, r['seeds']))} | {r['lr_plan']} | "
+                     f"{', '.join(f'{t:,.0f}' for t in r['tokens_per_run'])} | {r['tokens']:.3g} | "
+                     f"{_hours(r['gpu_hours'])} |")
     tot = sum(r["gpu_hours"] for r in rows)
     lines += ["", f"Total: {sum(r['runs'] + r['references'] for r in rows)} runs, "
-                  f"{sum(r['tokens'] for r in rows):.3g} tokens, about {tot:,.1f} GPU-hours "
+                  f"{sum(r['tokens'] for r in rows):.3g} tokens, about {_hours(tot)} GPU-hours "
                   f"(training FLOPs 6N + 12 n_layers d T per token, PaLM App. B, at {mfu:.0%} MFU of "
                   f"{peak_tflops:g} TFLOP/s dense bf16{', an H100 SXM' if peak_tflops == 989 else ''}; "
                   "evaluation not counted)."]
@@ -750,6 +767,8 @@ def claim_numbers(c: dict) -> str:
     """One cell: the numbers behind a claim's verdict."""
     if "parts" in c and c["parts"]:
         return "; ".join(f"{k}: {_pm(v)} ({v['verdict']})" for k, v in c["parts"].items())
+    if "margin_best_init" in c and not c["margin_best_init"]["n"]:
+        return f"no seed has both schemes' LR grids finished at both inits ({c['sublayers']} sub-layers)"
     if "margin_best_init" in c:
         return f"margin at each scheme's better init ({c['sublayers']} sub-layers): {_pm(c['margin_best_init'])}"
     if "log10_shift" in c:
