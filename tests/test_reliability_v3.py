@@ -3,6 +3,7 @@ read-only folder as one line, every enumerated config key checked at load, and t
 export paths. Fault tests use real processes: a concurrent second ``keel train``, real signals,
 a real ``kill -9``, a real (size-limited) tmpfs where this machine lets a test mount one."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -518,6 +519,40 @@ def test_signals_to_a_grid_whose_job_is_starting_up(tiny_data, tmp_path):
     assert left == [] and "Traceback" not in err, err
     assert proc.returncode == 130 and last_line(err).startswith("keel: stopped by SIGINT"), err
     assert not (out / "seed1").exists()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_ctrl_c_while_a_grid_worker_imports_torch(tiny_data, tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the whole process group) while a grid worker is still
+    starting (importing torch, before its initializer): exit 130, one line, no traceback, no
+    process left. Found by a fresh-user trial of `keel study`: the worker died of
+    KeyboardInterrupt inside `import torch`, the pool broke, three tracebacks and exit 1."""
+    out = tmp_path / "sweep"
+    sets = tiny_overrides(tiny_data, steps=100000, checkpoint_every=100000, eval_every=100000)
+    with open(tmp_path / "stderr.txt", "w") as errors:
+        proc = subprocess.Popen([str(KEEL), "sweep", "--grid", "train.seed=0,1", "--workers", "1", "--out", out,
+                                 *sum((["--set", x] for x in sets), [])], env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=errors, start_new_session=True)  # its own group, as a terminal gives it
+    below: set[int] = set()
+    try:
+        deadline = time.monotonic() + HANG_S
+        while not below:  # the worker has been spawned: it is importing keel and torch for a second or more
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()
+            below = descendants(proc.pid)
+            time.sleep(0.01)
+        assert not (out / "seed0" / "run.log").exists()  # no job has started yet
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=HANG_S)
+        deadline = time.monotonic() + 60
+        while any(alive(p) for p in below) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = [p for p in below if alive(p)]
+    finally:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = (tmp_path / "stderr.txt").read_text()
+    assert left == [] and "Traceback" not in err and proc.returncode == 130, err
+    assert last_line(err).startswith("keel: stopped by SIGINT"), err
 
 
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])

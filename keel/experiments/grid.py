@@ -117,6 +117,7 @@ def cached_result(run_dir: str | Path) -> dict | None:
         return None
 
 
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 _STOP: list[int] = []  # in a worker: the signal that stopped the grid (see _init_worker); no job starts after it
 _WORKER: list[int] = []  # set by _init_worker: this process is a grid worker
 _RUNNING: list[str] = []  # in a worker: the job it is running, if any
@@ -141,6 +142,7 @@ def _init_worker(threads: int) -> None:
     os.setpgrp()
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, _worker_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked since spawn (_run_in_workers)
     _WORKER.append(os.getpid())
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MKL_NUM_THREADS"] = str(threads)
@@ -343,27 +345,34 @@ def _run_in_workers(task: Task, todo: list[GridJob], out_dir: Path, workers: int
         Interrupted: stopped by SIGINT / SIGTERM (``--resume`` continues every run).
     """
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(threads,)) as ex:
-        futures = {ex.submit(_execute, task, job, str(out_dir / job.name), resumed(job)): job for job in todo}
+    futures: dict = {}
 
-        def stop(signum: int) -> None:  # each signal is passed on: a second one stops the jobs at once
+    def stop(signum: int) -> None:  # each signal is passed on: a second one stops the jobs at once
+        for fut in futures:
+            fut.cancel()
+        for proc in multiprocessing.active_children():  # this pool's workers
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signum)
+
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+                             initargs=(threads,)) as ex, passing_on_stop_signals(stop) as received:
+        # The workers are spawned by submit() with SIGINT / SIGTERM blocked (the mask is inherited):
+        # a Ctrl-C to the process group while a worker imports torch stays pending until
+        # _init_worker has its handler in place (it was a KeyboardInterrupt there: a broken pool).
+        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            futures.update({ex.submit(_execute, task, job, str(out_dir / job.name), resumed(job)): job for job in todo})
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+        try:
+            for fut in as_completed(futures):
+                if received and (fut.cancelled() or isinstance(fut.exception(), (Interrupted, KeyboardInterrupt))):
+                    continue  # stopped on purpose: checkpointed (or never started), resumed by --resume
+                report(futures[fut], fut.result())
+        except BaseException:
             for fut in futures:
                 fut.cancel()
-            for proc in multiprocessing.active_children():  # this pool's workers
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signum)
-
-        with passing_on_stop_signals(stop) as received:
-            try:
-                for fut in as_completed(futures):
-                    if received and (fut.cancelled() or isinstance(fut.exception(), (Interrupted, KeyboardInterrupt))):
-                        continue  # stopped on purpose: checkpointed (or never started), resumed by --resume
-                    report(futures[fut], fut.result())
-            except BaseException:
-                for fut in futures:
-                    fut.cancel()
-                raise
+            raise
     if received:
         name = signal.Signals(received[0]).name
         raise Interrupted(f"stopped by {name} (each running job finished its step and checkpointed its run; "
