@@ -377,6 +377,20 @@ GROUP = '[groups.g]\nschemes = ["keel", "pre_ln"]\n[scales.x.groups.g]\nsublayer
     (GROUP.replace("[scales", 'set = 1\n[scales') + CLAIM, "set must be a table of config keys"),
     (GROUP.replace("[scales", 'peak_lr = "high"\n[scales') + CLAIM, "peak_lr must be a number"),
     (GROUP.replace("[scales", 'note = 1\n[scales') + CLAIM, "note must be text"),
+    # found by a fresh-user trial: tracebacks (ValueError, ZeroDivisionError) or values quietly changed / ignored
+    (GROUP + CLAIM + '[verdict]\nmin_effect = "big"\n', "min_effect \\(a number > 0, nats\\)"),
+    (GROUP + CLAIM + '[verdict]\nmin_seeds = "two"\n', "min_seeds \\(an integer >= 1\\)"),
+    (GROUP + CLAIM + "[verdict]\nmin_seeds = 1.7\n", "min_seeds \\(an integer >= 1\\)"),
+    (GROUP + CLAIM + "[verdict]\nmin_effect = nan\n", "min_effect \\(a number > 0"),
+    ("verdict = 3\n" + GROUP + CLAIM, "study \\[verdict\\] takes"),
+    (RAMPS.replace("ramp_steps = 10", "ramp_steps = 0") + RAMP_CLAIM, "group 'r': ramp_steps must be >= 1, got 0"),
+    (GROUP.replace("[scales", "peak_lr = 0.1\n[scales") + CLAIM,
+     "group 'g': peak_lr belong\\(s\\) to a ramp group, not to this train group"),
+    (RAMPS.replace("ramp_steps = 10", "ramp_steps = 10\nlrs = [1e-3]") + RAMP_CLAIM,
+     "group 'r': lrs belong\\(s\\) to a train group, not to this ramp group"),
+    (GROUP.replace("lrs = [1e-3]", "lrs = [1e-3, 1e-2]") + '[groups.t]\nschemes = ["keel"]\nlr_from = "g"\n'
+     "[scales.x.groups.t]\nsublayers = [4]\nseeds = [0]\nlr_from_sublayers = 2\nlr_from_steps = [0, -5]\n" + CLAIM,
+     "group 't': lr_from_steps \\[-5\\] reach past group 'g''s 2-point LR grid \\(at most 1 steps"),
     (RAMPS.replace("ramp_steps = 20", "ramp_steps = 30") + RAMP_CLAIM,
      "extended_group 'long' must continue group 'r''s ramp: the same LR per step \\(0.05 / 10 steps\\)"),
     (RAMPS.replace("peak_lr = 0.1", "peak_lr = 0.025").replace("ramp_steps = 20", "ramp_steps = 5") + RAMP_CLAIM,
@@ -390,6 +404,48 @@ def test_bad_study_files(tmp_path, text, match):
         SD.load_study(str(p), "x")
     with pytest.raises(KeelError, match="set by the study's groups"):
         SD.load_study("claims", "tiny", ["model.residual=keel"])
+
+
+def test_a_study_file_that_is_not_utf8(tmp_path):
+    p = tmp_path / "bin.toml"
+    p.write_bytes(b"\xff\xfe[groups]\n")
+    with pytest.raises(KeelError, match="cannot read study .*bin.toml: not UTF-8 text"):
+        SD.load_study(str(p), "x")
+
+
+def test_set_wins_over_a_groups_own_keys(tmp_path):
+    """`--set` reaches every run, as --help says: it used to lose to a group's `set` (the
+    showcase kept its own train.steps, the init group its embed_init_std)."""
+    st = SD.load_study("claims", "tiny", ["train.steps=7", "model.embed_init_std=0.5"])
+    for name in ("showcase", "init", "lr-grid"):
+        g = next(x for x in st.groups if x.name == name)
+        _, jobs = SD.group_jobs(st, g, "unused", tmp_path)
+        assert {(j.config["train"]["steps"], j.config["model"]["embed_init_std"]) for j in jobs} == {(7, 0.5)}
+    plain = SD.load_study("claims", "tiny")
+    g = next(x for x in plain.groups if x.name == "showcase")
+    assert {j.config["train"]["steps"] for j in SD.group_jobs(plain, g, "unused", tmp_path)[1]} == {4}
+
+
+def test_study_command_is_the_one_that_trains_everything():
+    """The report's Command line was the first invocation, e.g. with `--groups ramp`."""
+    from keel.cli.handlers.science import study_command
+
+    argv = ["claims", "--scale", "cpu", "--workers", "2", "--out", "runs/a b", "--resume", "--groups", "ramp,init",
+            "--json", "--groups=init"]
+    assert study_command(argv) == "keel study claims --scale cpu --workers 2 --out 'runs/a b'"
+
+
+def test_a_folder_stopped_before_its_first_run_starts_again_without_resume(tmp_path):
+    """Ctrl-C before the first grid left only study.json: the same command was then refused as
+    "not empty; use --resume"."""
+    st = SD.load_study("claims", "tiny")
+    out = tmp_path / "s"
+    assert SD._claim_out(out, st, "keel study claims --scale tiny --groups ramp", resume=False, report_only=False)
+    assert SD._claim_out(out, st, "keel study claims --scale tiny", resume=False,
+                         report_only=False) == "keel study claims --scale tiny"
+    (out / "ramp").mkdir()
+    with pytest.raises(KeelError, match="is not empty; use --resume"):
+        SD._claim_out(out, st, "keel study claims --scale tiny", resume=False, report_only=False)
 
 
 def test_out_belongs_to_one_study_and_scale(tmp_path, keel_cli):
@@ -503,8 +559,13 @@ def test_study_tiny_end_to_end(keel_cli, tiny_data, tmp_path):
     again = keel_cli(*args, "--resume")
     assert again.returncode == 0 and "0 to run" in again.stderr and "Traceback" not in again.stderr
     assert keel_cli(*args).returncode == 2  # not empty without --resume
-    rep_only = keel_cli(*args[:-2], "--report-only", "--set", f"data.path={tiny_data}", "--json")
+    # --report-only needs no dataset (it used to prepare one, at gpu-1 scale a download) and takes no --set
+    rep_only = keel_cli(*args[:-2], "--report-only", "--json", cwd=tmp_path)
     assert rep_only.returncode == 0 and json.loads(rep_only.stdout)["claims"][1]["verdict"] == b["verdict"]
+    assert json.loads((out / "report.json").read_text())["unigram_entropy"] == rep["unigram_entropy"]
+    assert not (tmp_path / "data").exists()
+    refused = keel_cli(*args[:-2], "--report-only", "--set", "train.eval_tokens=512")
+    assert refused.returncode == 2 and "do not combine it with --set" in refused.stderr
 
 
 def test_groups_flag_trains_only_the_named_groups(keel_cli, tiny_data, tmp_path):
@@ -546,11 +607,14 @@ def test_study_flags_refused_before_anything_is_written(keel_cli, tmp_path):
     cases = [(["--groups", "", "--out", tmp_path / "a"], "--groups needs group names"),
              (["--groups", ",", "--out", tmp_path / "a"], "--groups needs group names"),
              (["--workers", "-1", "--out", tmp_path / "a"], "--workers must be >= 0"),
-             (["--dry-run", "--peak-tflops", "nan"], "--peak-tflops a finite number > 0")]
+             (["--dry-run", "--peak-tflops", "nan"], "--peak-tflops a finite number > 0"),
+             (["--out", ""], "--out is empty: give an output folder")]
     for extra, message in cases:
         r = keel_cli(*base, *extra)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (extra, r.stderr)
     assert not (tmp_path / "a").exists()
+    r = keel_cli("study", "", "--scale", "tiny", "--dry-run")  # said "unknown study 'demo'"
+    assert r.returncode == 2 and "the study name is empty" in r.stderr and "Traceback" not in r.stderr
     # --resume on a folder that is not a study's (e.g. one of its groups, as the grid's stop hint named it)
     (tmp_path / "group").mkdir()
     (tmp_path / "group" / "L4_seed0_keel_lr0.01").mkdir()

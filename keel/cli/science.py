@@ -24,14 +24,14 @@ def register(subparsers) -> None:
 
 
 def _add_grid_flags(p, report_only: bool = True,
-                    config_help: str | None = "base TOML file or preset name (default: demo)") -> None:
+                    config_help: str | None = "base TOML file or preset name (default: demo)",
+                    set_help: str = "override a config key in every run (repeatable)") -> None:
     """The flags every grid command shares (``keel sweep``, ``stress``, ``lr-sensitivity``, ``study``):
     base config (not with ``config_help=None``), overrides, worker processes and threads, resume,
     and ``--report-only``."""
     if config_help is not None:
         p.add_argument("--config", default=None, help=config_help)
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config key in every run (repeatable)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=set_help)
     p.add_argument("--workers", type=int, default=1, help="worker processes (0 = in this process)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = cores / workers)")
     p.add_argument("--resume", action="store_true", help="continue --out: skip finished runs, resume interrupted ones")
@@ -184,7 +184,9 @@ def _register_study(subparsers) -> None:
     p.add_argument("name", help=f"a shipped study ({', '.join(preset_names('studies'))}) or a study TOML file")
     p.add_argument("--scale", required=True, help="the study's scale: tiny (tests), cpu, gpu-1 (one GPU-day), paper")
     p.add_argument("--out", default=None, help="output folder (default: runs/study-NAME-SCALE)")
-    _add_grid_flags(p, config_help=None)
+    _add_grid_flags(p, config_help=None, set_help="override a config key in every run, after the scale's and the "
+                    "group's own keys (repeatable; not the keys the groups vary: model.residual, model.n_layers, "
+                    "train.lr, train.seed)")
     p.add_argument("--groups", default=None, metavar="G[,G...]",
                    help="train (or with --dry-run: plan) only these groups (e.g. ramp,init), in the study's order; "
                         "the report still covers all")

@@ -93,8 +93,9 @@ class Group:
 @dataclass
 class Study:
     """A loaded study at one scale: ``groups`` in run order, ``claims`` (dicts from the TOML),
-    ``sets`` (the scale's config keys as typed pairs, then the user's ``--set`` strings), ``min_effect`` (nats/token)
-    and ``min_seeds`` of the verdict rule."""
+    ``sets`` (the scale's config keys as typed pairs), ``user_sets`` (the user's ``--set``
+    strings: applied last, after a group's own ``set``), ``min_effect`` (nats/token) and
+    ``min_seeds`` of the verdict rule."""
 
     name: str
     scale: str
@@ -106,6 +107,12 @@ class Study:
     claims: list[dict]
     min_effect: float = 0.02
     min_seeds: int = 2
+    user_sets: list[str] = field(default_factory=list)
+
+    def all_sets(self, group: Group | None = None) -> list[Override]:
+        """The config keys of a run of ``group`` (or of the study's base run): the scale's, the
+        group's own ``set``, then the user's ``--set``, later ones winning."""
+        return self.sets + (group.sets if group else []) + list(self.user_sets)
 
 
 # group keys' TOML types: key -> (element types, words, example); lists first, then scalars
@@ -113,6 +120,10 @@ _LIST_TYPES = {"schemes": ((str,), "a list of strings", '["keel"]'), "sublayers"
                "seeds": ((int,), "a list of integers", "[0, 1]"), "lrs": ((int, float), "a list of numbers", "[0.001]")}
 _SCALAR_TYPES = {"peak_lr": (int, float), "ramp_steps": (int,), "lr_from_sublayers": (int,), "lr_from": (str,),
                  "kind": (str,), "note": (str,)}
+
+
+_RAMP_ONLY = {"peak_lr", "ramp_steps"}  # keys that only a kind = "ramp" group reads
+_TRAIN_ONLY = {"lrs", "lr_from", "lr_from_sublayers", "lr_from_steps"}  # and those only a train group reads
 
 
 def _check_group_types(name: str, d: dict) -> None:
@@ -148,6 +159,12 @@ def _group(name: str, spec: dict, sized: dict) -> Group:
             raise KeelError(f"study group {name!r}: sub-layers must be even integers >= 2, got {L}")
     if g.kind not in ("train", "ramp"):
         raise KeelError(f"study group {name!r}: kind must be train or ramp, got {g.kind!r}")
+    other = sorted(set(d) & (_TRAIN_ONLY if g.kind == "ramp" else _RAMP_ONLY))
+    if other:
+        raise KeelError(f"study group {name!r}: {', '.join(other)} belong(s) to a "
+                        f"{'train' if g.kind == 'ramp' else 'ramp'} group, not to this {g.kind} group")
+    if g.kind == "ramp" and g.ramp_steps < 1:
+        raise KeelError(f"study group {name!r}: ramp_steps must be >= 1, got {g.ramp_steps}")
     if g.kind == "train" and not (g.lrs or g.lr_from):
         raise KeelError(f"study group {name!r} has neither lrs nor lr_from")
     steps = g.lr_from_steps
@@ -164,35 +181,31 @@ def load_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
     """Read study ``name`` (a packaged preset or a TOML path) at ``scale``.
 
     Raises:
-        KeelError: unknown study or scale, unparsable TOML, a malformed group or claim, an
-            unknown scheme, a claim naming a group that the scale does not size.
+        KeelError: unknown study or scale, unparsable or non-UTF-8 TOML, a malformed group,
+            claim or ``[verdict]``, an unknown scheme, a claim naming a group that the scale
+            does not size, a ``--set`` of a key the groups set per run.
     """
     path = resolve_config_path(name, kind="studies")
     try:
-        d = tomllib.loads(path.read_text())
+        d = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise KeelError(f"cannot parse study {path}: {e}") from None
+    except UnicodeDecodeError:
+        raise KeelError(f"cannot read study {path}: not UTF-8 text (a TOML file is)") from None
+    unknown = set(d) - {"description", "base", "verdict", "groups", "claims", "scales"}
+    if unknown:
+        raise KeelError(f"study {path.stem!r}: unknown top-level key(s) {', '.join(sorted(unknown))}")
     scales = d.get("scales", {})
     if scale not in scales:
         raise KeelError(f"study {path.stem!r} has no scale {scale!r} (scales: {', '.join(scales)})")
     sc = scales[scale]
     sized = sc.get("groups", {})
-    groups = [_group(g, spec, sized[g]) for g, spec in d.get("groups", {}).items() if g in sized]
-    for g in groups:
-        bad = [s for s in g.schemes if s not in SCHEMES]
-        if bad:
-            raise KeelError(f"study group {g.name!r}: unknown scheme(s) {', '.join(bad)} (available: {', '.join(SCHEMES)})")
-        if len(set(g.schemes)) != len(g.schemes) or len(set(g.sublayers)) != len(g.sublayers) \
-                or len(set(g.seeds)) != len(g.seeds) or len(set(g.lrs)) != len(g.lrs):
-            raise KeelError(f"study group {g.name!r} repeats a scheme, depth, seed or LR")
-        if g.lr_from:
-            src = next((x for x in groups if x.name == g.lr_from and x is not g and x.kind == "train"), None)
-            if src is None or g.lr_from_sublayers not in src.sublayers or set(g.schemes) - set(src.schemes):
-                raise KeelError(f"study group {g.name!r}: lr_from must name another train group of this scale that "
-                                f"has lr_from_sublayers ({g.lr_from_sublayers}) and every scheme of this group")
     extra = set(sized) - set(d.get("groups", {}))
     if extra:
         raise KeelError(f"study scale {scale!r} sizes undeclared group(s) {', '.join(sorted(extra))}")
+    groups = [_group(g, spec, sized[g]) for g, spec in d.get("groups", {}).items() if g in sized]
+    for g in groups:
+        _check_group_in_study(g, groups)
     claims = d.get("claims", [])
     if not isinstance(claims, list) or not claims:
         raise KeelError("a study needs [[claims]] entries (an array of tables)")
@@ -201,19 +214,52 @@ def load_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
     ids = [c["id"] for c in claims]
     if len(set(ids)) != len(ids):
         raise KeelError(f"study claims repeat an id: {', '.join(ids)}")
-    unknown = set(d) - {"description", "base", "verdict", "groups", "claims", "scales"}
-    if unknown:
-        raise KeelError(f"study {path.stem!r}: unknown top-level key(s) {', '.join(sorted(unknown))}")
-    v = d.get("verdict", {})
-    if set(v) - {"min_effect", "min_seeds"} or float(v.get("min_effect", 0.02)) <= 0 or int(v.get("min_seeds", 2)) < 1:
-        raise KeelError("study [verdict] takes min_effect (> 0, nats) and min_seeds (>= 1) only")
+    min_effect, min_seeds = _verdict_settings(d.get("verdict", {}))
     controlled = [x.split("=", 1)[0].strip() for x in user_sets if x.split("=", 1)[0].strip() in GRID_KEYS]
     if controlled:
         raise KeelError(f"--set {controlled[0]} is set by the study's groups; change the study file instead")
-    sets = list(sc.get("set", {}).items()) + list(user_sets)
     return Study(name=path.stem, scale=scale, description=d.get("description", "").strip(), note=sc.get("note", ""),
-                 base=d.get("base", "demo"), sets=sets, groups=groups, claims=claims,
-                 min_effect=float(v.get("min_effect", 0.02)), min_seeds=int(v.get("min_seeds", 2)))
+                 base=d.get("base", "demo"), sets=list(sc.get("set", {}).items()), groups=groups, claims=claims,
+                 min_effect=min_effect, min_seeds=min_seeds, user_sets=list(user_sets))
+
+
+def _check_group_in_study(g: Group, groups: list[Group]) -> None:
+    """Raise KeelError for a group's unknown or repeated scheme, repeated depth / seed / LR, or an
+    ``lr_from`` that names no fitting train group or steps past its LR grid."""
+    bad = [s for s in g.schemes if s not in SCHEMES]
+    if bad:
+        raise KeelError(f"study group {g.name!r}: unknown scheme(s) {', '.join(bad)} (available: {', '.join(SCHEMES)})")
+    if len(set(g.schemes)) != len(g.schemes) or len(set(g.sublayers)) != len(g.sublayers) \
+            or len(set(g.seeds)) != len(g.seeds) or len(set(g.lrs)) != len(g.lrs):
+        raise KeelError(f"study group {g.name!r} repeats a scheme, depth, seed or LR")
+    if not g.lr_from:
+        return
+    src = next((x for x in groups if x.name == g.lr_from and x is not g and x.kind == "train"), None)
+    if src is None or g.lr_from_sublayers not in src.sublayers or set(g.schemes) - set(src.schemes):
+        raise KeelError(f"study group {g.name!r}: lr_from must name another train group of this scale that "
+                        f"has lr_from_sublayers ({g.lr_from_sublayers}) and every scheme of this group")
+    far = [k for k in g.lr_from_steps if abs(k) >= len(src.lrs)]
+    if far:
+        raise KeelError(f"study group {g.name!r}: lr_from_steps {far} reach past group {src.name!r}'s "
+                        f"{len(src.lrs)}-point LR grid (at most {len(src.lrs) - 1} steps from its optimum)")
+
+
+def _verdict_settings(v) -> tuple[float, int]:
+    """``(min_effect, min_seeds)`` of a study's ``[verdict]`` table (defaults 0.02 nats, 2 seeds).
+
+    Raises:
+        KeelError: not a table, an unknown key, ``min_effect`` not a finite number > 0,
+            ``min_seeds`` not an integer >= 1 (1.7 used to become 1, "two" a traceback).
+    """
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    effect, seeds = (v.get("min_effect", 0.02), v.get("min_seeds", 2)) if isinstance(v, dict) else (None, None)
+    if not isinstance(v, dict) or set(v) - {"min_effect", "min_seeds"} or not (number(effect) and 0 < effect < math.inf) \
+            or not (number(seeds) and isinstance(seeds, int) and seeds >= 1):
+        raise KeelError("study [verdict] takes min_effect (a number > 0, nats) and min_seeds (an integer >= 1) only, "
+                        f"got {v!r}")
+    return float(effect), seeds
 
 
 # keys a claim of each test reads: (required, optional); "groups" lists, the rest are names
@@ -555,7 +601,7 @@ def group_jobs(study: Study, g: Group, data_dir: str, out: Path,
     paired cells (every verdict needs >= 2 seeds) for its first schemes, instead of one seed of
     every scheme. ``lr_for``: ``{scheme: [LR, ...]}`` of an ``lr_from`` group (:func:`stepped_lrs`).
     Raises KeelError on a bad config."""
-    sets = study.sets + g.sets
+    sets = study.all_sets(g)
     if g.kind == "ramp":
         return ST.stress_jobs(resolve_config_path(study.base), sets, g.schemes, g.sublayers, g.seeds, g.peak_lr,
                               g.ramp_steps, Path(data_dir), out / g.name)
@@ -1071,9 +1117,10 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
         rows = [r for r in plan_rows(study, "<data>", out, mfu, peak_tflops) if not groups or r["group"] in groups]
         return {"plan": rows, "markdown": plan_markdown(study, rows, mfu, peak_tflops)}
     check_pool(workers, threads)
-    base = load_config(resolve_config_path(study.base), study.sets)  # a bad --set: refused before out is claimed
+    base = load_config(resolve_config_path(study.base), study.all_sets())  # a bad --set: refused before out is claimed
     first_command = _claim_out(out, study, command, resume=resume, report_only=report_only)
-    data_dir = str(resolve_data(base, progress=False))
+    # --report-only reads what the runs recorded: no dataset is prepared (or downloaded) for it
+    data_dir = "<data>" if report_only else str(resolve_data(base, progress=False))
     train = False if report_only else (list(groups) or True)
     try:
         runs, waiting = collect(study, data_dir, out, train=train, workers=workers, threads=threads)
@@ -1081,11 +1128,12 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
         raise Interrupted(f"stopped by {signal.Signals(e.signum).name}; continue: the same keel study command "
                           f"with --resume (out {out})", e.signum) from None
     claims = [(cl, CLAIM_TESTS[cl["test"]](study, runs, cl)) for cl in study.claims]
-    h1 = dataset_unigram_entropy(data_dir)
+    h1 = next((r["result"]["unigram_entropy"] for r in runs if r["result"].get("unigram_entropy")), None) \
+        if report_only else dataset_unigram_entropy(data_dir)
     make_dirs(out)
     plots = write_plots(study, runs, claims, out, h1)
     report = {"study": study.name, "scale": study.scale, "note": study.note, "command": first_command,
-              "sets": [override_text(x) for x in study.sets],
+              "sets": [override_text(x) for x in study.all_sets()],
               "unigram_entropy": h1, "min_effect": study.min_effect, "min_seeds": study.min_seeds,
               "claims": [{"id": cl["id"], "title": cl["title"], **c} for cl, c in claims],
               "runs": [{k: v for k, v in r.items() if k != "result"} for r in runs], "plots": plots}
@@ -1100,8 +1148,9 @@ def _claim_out(out: Path, study: Study, command: str, *, resume: bool, report_on
     scale, the command that started it); return that first command.
 
     Raises:
-        KeelError: ``out`` is a file; not empty without ``resume`` / ``report_only``; holds
-            another study or scale; ``report_only`` on a folder that holds no study.
+        KeelError: ``out`` is a file; not empty without ``resume`` / ``report_only`` (a folder
+            holding only this study's ``study.json``, stopped before its first run, counts as
+            empty); holds another study or scale; ``report_only`` on a folder that holds no study.
     """
     marker = out / "study.json"
     if out.exists() and not out.is_dir():
@@ -1112,12 +1161,13 @@ def _claim_out(out: Path, study: Study, command: str, *, resume: bool, report_on
     if held is not None and (held.get("study"), held.get("scale")) != (study.name, study.scale):
         raise KeelError(f"{out} holds study {held.get('study')!r} at scale {held.get('scale')!r}, "
                         f"not {study.name!r} at {study.scale!r}; use another --out")
-    if not (resume or report_only) and out.is_dir() and any(out.iterdir()):
+    fresh = held is not None and [p.name for p in out.iterdir()] == [marker.name]  # stopped before any run began
+    if not (resume or report_only or fresh) and out.is_dir() and any(out.iterdir()):
         raise KeelError(f"output folder {out} is not empty; use --resume to continue it, or another --out")
     if resume and held is None and out.is_dir() and any(out.iterdir()):
         raise KeelError(f"{out} holds no study (no study.json) but is not empty: nothing to resume; "
                         "check --out (a study's folder, not one of its groups)")
-    if held is None:
+    if held is None or fresh:
         make_dirs(out)
         held = {"study": study.name, "scale": study.scale, "command": command}
         atomic_write_text(marker, json.dumps(held, indent=1))

@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -197,6 +198,23 @@ def cmd_lr_sensitivity(args: argparse.Namespace) -> int:
     return 1 if any(r.get("status") != "done" for r in s["runs"]) else 0
 
 
+def study_command(argv: list[str]) -> str:
+    """The command that trains the whole study, as the report shows it: ``keel study`` and
+    ``argv`` without the flags that only pick what this invocation does (``--resume``,
+    ``--groups G``, ``--json``), e.g. a study started with ``--groups ramp,init``."""
+    keep, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--resume", "--json") or a.startswith("--groups="):
+            continue
+        elif a == "--groups":
+            skip = True
+        else:
+            keep.append(shlex.quote(a))
+    return " ".join(["keel", "study"] + keep)
+
+
 def cmd_study(args: argparse.Namespace) -> int:
     """``keel study``: see :mod:`keel.experiments.study`."""
     if args.resume and args.report_only:
@@ -210,8 +228,14 @@ def cmd_study(args: argparse.Namespace) -> int:
         raise KeelError("--groups needs group names, e.g. --groups ramp,init (leave it out to train every group)")
     if groups and args.report_only:
         raise KeelError("--groups picks the groups to train; do not combine it with --report-only")
+    if not args.name.strip():
+        raise KeelError("the study name is empty: give a shipped study (e.g. claims) or a study TOML file")
+    if args.out is not None and not args.out.strip():
+        raise KeelError("--out is empty: give an output folder (or leave --out out: runs/study-NAME-SCALE)")
+    if args.set and args.report_only:
+        raise KeelError("--report-only reads the finished runs as they were trained; do not combine it with --set")
     out = args.out or f"runs/study-{Path(args.name).stem}-{args.scale}"
-    command = " ".join(["keel", "study"] + sys.argv[2:]) if len(sys.argv) > 2 else f"keel study {args.name}"
+    command = study_command(sys.argv[2:]) if len(sys.argv) > 2 else f"keel study {args.name}"
     r = SD.run_study(args.name, args.scale, out, args.set, workers=args.workers, threads=args.threads or None,
                      resume=args.resume, report_only=args.report_only, dry_run=args.dry_run, mfu=args.mfu,
                      peak_tflops=args.peak_tflops, command=command, groups=groups)
