@@ -946,7 +946,8 @@ def plateau_table(runs: list[dict]) -> list[str]:
     (lowest capped loss over its LRs) and how many of the finished runs never left the plateau."""
     out = ["## When each scheme leaves the unigram plateau", "",
            "Plateau exit: the first step whose 10-step trailing mean training loss is below 95% of the unigram "
-           "entropy. Per seed, the run at that seed's best LR.", "",
+           "entropy. Per seed, the run at that seed's best LR; pending: a run of that seed is unfinished, so its "
+           "best LR is not known yet (the finished runs' exit steps are in the last table).", "",
            "| group | scheme | sub-layers | exit step at the best LR, per seed | finished runs that never left |",
            "|---|---|---|---|---|"]
     done = [r for r in runs if r["status"] == "done"]
