@@ -332,7 +332,8 @@ class DataConfig:
     cache_dir: str = key("data", "where prepared datasets are cached (relative to the working folder).")
     val_fraction: float = key(0.05, "fraction of documents held out for validation (long documents are first cut "
                                     "into chunks, see keel.data.prepare).", gt=0, lt=1)
-    max_bytes: int = key(0, "read at most this many bytes of text from the source.", ge=0, note="0 = no limit")
+    max_bytes: int = key(0, "stop reading the source after the document that brings its UTF-8 text to this many "
+                         "bytes (whole documents: up to one document more).", ge=0, note="0 = no limit")
     text_field: str = key("text", "the field holding the text in .jsonl/.json/.parquet sources.", nonempty=True)
 
     def validate(self) -> "DataConfig":
