@@ -558,16 +558,10 @@ def claim_max_lr_order(study: Study, runs: list[dict], claim: dict) -> dict:
     """
     order, sized = claim["order"], {g.name for g in study.groups}
     names = [claim["group"]] + ([claim["extended_group"]] if claim.get("extended_group") in sized else [])
-    pairs, rows, peaks = {}, [], {}
-    for name in names:
-        mine = [r for r in runs if r["group"] == name]
-        rr = [r for r in mine if r["status"] == "done"]
-        peaks[name] = max([r["peak_lr"] for r in rr] or [0.0])
-        for L in sorted({r["sublayers"] for r in rr}):
-            lr = {s: {r["seed"]: r.get("max_lr") for r in rr if r["scheme"] == s and r["sublayers"] == L} for s in order}
-            detail = {f"{r['scheme']} s{r['seed']}": ramp_verdict_words(r)
-                      for s in order for r in rr if r["scheme"] == s and r["sublayers"] == L}
-            rows.append({"group": name, "peak_lr": peaks[name], "sublayers": L, "max_lr": lr, "verdicts": detail})
+    rows = [row for name in names for row in _ramp_rows(runs, name, order)]
+    peaks = {name: max([r["peak_lr"] for r in runs if r["group"] == name and r["status"] == "done"] or [0.0])
+             for name in names}
+    pairs = {}
     for L in sorted({r["sublayers"] for r in rows if r["group"] == names[0]}):
         for a, b in zip(order, order[1:]):
             name = next((x for x in names[1:] if _ramp_pair_done(runs, x, (a, b), L)), names[0])
@@ -580,6 +574,20 @@ def claim_max_lr_order(study: Study, runs: list[dict], claim: dict) -> dict:
         return {"verdict": INCONCLUSIVE, "why": "no finished ramp runs", "rows": rows, "parts": {}}
     return {"verdict": combine([p["verdict"] for p in pairs.values()]), "parts": pairs, "rows": rows,
             "peak_lr": peaks[names[0]]}
+
+
+def _ramp_rows(runs: list[dict], group: str, order: Sequence[str]) -> list[dict]:
+    """One row per depth of ramp ``group``'s finished runs: its peak LR, each scheme's max LR per
+    seed, each run's verdict in words."""
+    rr = [r for r in runs if r["group"] == group and r["status"] == "done"]
+    peak = max([r["peak_lr"] for r in rr] or [0.0])
+    rows = []
+    for L in sorted({r["sublayers"] for r in rr}):
+        at = [r for r in rr if r["sublayers"] == L]
+        lr = {s: {r["seed"]: r.get("max_lr") for r in at if r["scheme"] == s} for s in order}
+        detail = {f"{r['scheme']} s{r['seed']}": ramp_verdict_words(r) for s in order for r in at if r["scheme"] == s}
+        rows.append({"group": group, "peak_lr": peak, "sublayers": L, "max_lr": lr, "verdicts": detail})
+    return rows
 
 
 def _ramp_pair_done(runs: list[dict], group: str, pair: tuple[str, str], sublayers: int) -> bool:
