@@ -10,6 +10,8 @@ A study is a TOML file (packaged in ``keel/configs/studies/``, e.g. ``claims.tom
   of group G2 at ``lr_from_sublayers`` sub-layers (the seed-mean curve's argmin), once
   those runs have finished (LR transfer across depth), and at the points of G2's LR grid
   ``lr_from_steps`` away from it (e.g. ``[0, -1]``: the optimum and the next lower LR).
+  ``note``: text for the report's section of a group that no claim reads (e.g. the showcase).
+  Config keys apply in the order scale ``set``, group ``set``, the user's ``--set`` (later wins).
 * ``[[claims]]``: per claim of the paper, the verdict function (``test``, a key of
   :data:`CLAIM_TESTS`) and the groups and schemes it reads. A ``max_lr_order`` claim may name an
   ``extended_group``: its ramp continued at the same LR per step to a higher peak, where the
