@@ -61,6 +61,10 @@ def test_margin_grows_uses_each_seeds_best_lr():
     assert [r["sublayers"] for r in c["rows"]] == [16, 64]
     assert c["rows"][1]["margin"]["diffs"] == pytest.approx({0: 0.30, 1: 0.20})
     growth = next(v for k, v in c["parts"].items() if k.startswith("growth"))
+    # the plateau exit of each seed's best run beside the margin (Pre-LN at 256 sub-layers left at steps 317, 411)
+    late = [dict(r, plateau_exit_step=400 if r["scheme"] == "pre_ln" else 50) for r in runs]
+    c_late = SD.claim_margin_grows(study(), late, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})
+    assert c_late["rows"][1]["plateau_exit"] == {"pre_ln": {0: 400, 1: 400}, "keel": {0: 50, 1: 50}}
     assert growth["diffs"] == pytest.approx({0: 0.25, 1: 0.16}) and growth["verdict"] == R
     assert c["verdict"] == R
     # the equal-LR margins beside it (reported, not the verdict): loss(pre_ln) - loss(keel) at each LR
@@ -74,7 +78,7 @@ def test_margin_grows_uses_each_seeds_best_lr():
     # each depth's row: its direction in words (not a verdict on the claim) and where each seed's best came from
     assert c["rows"][1]["best_lr"] == {"pre_ln": {0: 1e-3, 1: 1e-3}, "keel": {0: 1e-2, 1: 1e-2}}
     assert ("| 64 | +0.250 ± 0.071 [s0 +0.300, s1 +0.200] | keel better | [s0 0.001, s1 0.001]; "
-            "[s0 0.01, s1 0.01] | 0 |") in md
+            "[s0 0.01, s1 0.01] | [s0 never, s1 never]; [s0 never, s1 never] | 0 |") in md
     assert "(reproduced); growth 16 -> 64 sub-layers: +0.205 ± 0.064 [s0 +0.250, s1 +0.160] (reproduced)" in md
     # the gap gone at depth: not reproduced; one seed only: inconclusive
     flat = [dict(r, capped_loss=3.0) for r in runs]

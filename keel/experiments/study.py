@@ -412,7 +412,9 @@ def claim_margin_grows(study: Study, runs: list[dict], claim: dict) -> dict:
     Margin per seed and depth: ``m_L = best(baseline) - best(scheme)`` (nats/token, best
     over the LR grid per seed). Two paired verdicts, combined by :func:`combine`:
     ``m_deepest > 0`` and ``m_deepest - m_shallowest > 0`` (depths where both schemes have
-    a paired seed). Rows: the margin at every depth, and the baseline's diverged runs.
+    a paired seed). Rows: the margin at every depth, each seed's best LR and the plateau exit
+    step of that run (a margin is partly plateau-exit speed while the baseline leaves late), and
+    the baseline's diverged runs.
     """
     groups, s, b = claim["groups"], claim["scheme"], claim["baseline"]
     depths = sorted({r["sublayers"] for r in runs if r["group"] in groups})
@@ -424,6 +426,8 @@ def claim_margin_grows(study: Study, runs: list[dict], claim: dict) -> dict:
                       and r.get("diverged")]
             rows.append({"sublayers": L, "margin": paired_verdict(m, study.min_effect, study.min_seeds),
                          "best_lr": {b: best_lrs(runs, groups, b, L), s: best_lrs(runs, groups, s, L)},
+                         "plateau_exit": {x: {seed: r.get("plateau_exit_step")
+                                              for seed, r in best_runs(runs, groups, x, L).items()} for x in (b, s)},
                          "baseline_diverged_runs": len(failed)})
     equal = equal_lr_margins(runs, groups, s, b, study.min_effect, study.min_seeds)
     if len(rows) < 2:
@@ -840,6 +844,11 @@ def _lrs(d: dict) -> str:
     return "[" + ", ".join(f"s{seed} " + ("none" if x is None else f"{x:g}") for seed, x in d.items()) + "]"
 
 
+def _exits(d: dict) -> str:
+    """``[s0 317, s1 never]``: one plateau exit step per seed."""
+    return "[" + ", ".join(f"s{seed} " + ("never" if x is None else str(x)) for seed, x in d.items()) + "]"
+
+
 def direction(v: dict, scheme: str, baseline: str) -> str:
     """What one depth's paired margin (:func:`paired_verdict` of ``baseline - scheme``) says, in
     words that do not read as a verdict on the whole claim: ``{scheme} better`` (every seed >=
@@ -866,9 +875,11 @@ def claim_section(claim: dict, c: dict) -> list[str]:
     if claim["test"] == "margin_grows":
         s, b = claim["scheme"], claim["baseline"]
         out += [f"| sub-layers | margin ({b} − {s}, nats) mean ± sd [per seed] | at this depth | "
-                f"best LR per seed: {b}; {s} | {b} runs the divergence classifier flagged |", "|---|---|---|---|---|"]
+                f"best LR per seed: {b}; {s} | plateau exit step at that LR: {b}; {s} | "
+                f"{b} runs the divergence classifier flagged |", "|---|---|---|---|---|---|"]
         out += [f"| {r['sublayers']} | {_pm(r['margin'])} | {direction(r['margin'], s, b)} | "
                 f"{_lrs(r.get('best_lr', {}).get(b, {}))}; {_lrs(r.get('best_lr', {}).get(s, {}))} | "
+                f"{_exits(r.get('plateau_exit', {}).get(b, {}))}; {_exits(r.get('plateau_exit', {}).get(s, {}))} | "
                 f"{r['baseline_diverged_runs']} |" for r in c["rows"]]
         if c.get("equal_lr"):
             out += ["", "The same margin at equal peak LR (both schemes at that LR; not part of the verdict):", "",
