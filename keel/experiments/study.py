@@ -565,8 +565,7 @@ def claim_max_lr_order(study: Study, runs: list[dict], claim: dict) -> dict:
     order, sized = claim["order"], {g.name for g in study.groups}
     names = [claim["group"]] + ([claim["extended_group"]] if claim.get("extended_group") in sized else [])
     rows = [row for name in names for row in _ramp_rows(runs, name, order)]
-    peaks = {name: max([r["peak_lr"] for r in runs if r["group"] == name and r["status"] == "done"] or [0.0])
-             for name in names}
+    peaks = {r["group"]: r["peak_lr"] for r in rows}  # a pair is judged only on a group with finished rows
     pairs = {}
     for L in sorted({r["sublayers"] for r in rows if r["group"] == names[0]}):
         for a, b in zip(order, order[1:]):
