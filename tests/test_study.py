@@ -308,9 +308,11 @@ def test_report_counts_say_what_is_left_out(tmp_path):
 
 @pytest.mark.parametrize("diffs, words", [({0: 0.3, 1: 0.2}, "keel better"), ({0: -0.3, 1: -0.2}, "pre_ln better"),
                                           ({0: 0.01, 1: -0.01}, "no difference"), ({0: 0.3, 1: -0.2}, "mixed"),
-                                          ({0: 0.3}, "too few seeds")])
+                                          ({0: 0.3}, "too few seeds"),
+                                          ({0: -0.001, 1: -0.0004}, "no difference")])
 def test_a_depths_margin_is_said_in_words_not_as_a_verdict(diffs, words):
-    """A depth's row said "not reproduced" where the shallow depth merely favoured the baseline."""
+    """A depth's row said "not reproduced" where the shallow depth merely favoured the baseline;
+    two tiny negative margins (inside the 0.02 floor) read "pre_ln better"."""
     assert SD.direction(SD.paired_verdict(diffs, 0.02, 2), "keel", "pre_ln") == words
 
 
@@ -364,6 +366,8 @@ RAMP_CLAIM = ('[[claims]]\nid = "a"\ntitle = "t"\ntest = "max_lr_order"\ngroup =
               'order = ["pre_ln", "keel"]\n')
 CLAIM = '[[claims]]\nid = "b"\ntitle = "t"\ntest = "margin_grows"\ngroups = ["g"]\nscheme = "keel"\nbaseline = "pre_ln"\n'
 GROUP = '[groups.g]\nschemes = ["keel", "pre_ln"]\n[scales.x.groups.g]\nsublayers = [2]\nseeds = [0]\nlrs = [1e-3]\n'
+BENCH = ('[groups.b]\nschemes = ["peri_ln"]\nbaselines_from = "g"\nbaselines = ["keel"]\n'
+         '[scales.x.groups.b]\nsublayers = [2]\nseeds = [0]\nlrs = [1e-3]\n')
 
 
 @pytest.mark.parametrize("text, match", [
@@ -410,6 +414,17 @@ GROUP = '[groups.g]\nschemes = ["keel", "pre_ln"]\n[scales.x.groups.g]\nsublayer
     (RAMPS.replace("peak_lr = 0.1", "peak_lr = 0.025").replace("ramp_steps = 20", "ramp_steps = 5") + RAMP_CLAIM,
      "to a higher peak, got 0.025 / 5 steps"),
     (GROUP + RAMPS + RAMP_CLAIM.replace('extended_group = "long"', 'extended_group = "g"'), "cannot read train group"),
+    # baselines_from / baselines (the residual bench paired with the lr-grid)
+    (GROUP + BENCH.replace('baselines = ["keel"]\n', "") + CLAIM, "group 'b': baselines_from must name .*none given"),
+    (GROUP + BENCH.replace('baselines_from = "g"\n', "") + CLAIM, "group 'b': baselines_from must name"),
+    (GROUP + BENCH.replace('"g"', '"r"') + RAMPS + CLAIM, "baselines_from must name another train group"),
+    (GROUP + BENCH.replace('["keel"]', '["post_ln"]') + CLAIM, "trains every scheme of baselines \\(post_ln\\)"),
+    (GROUP + BENCH.replace("sublayers = [2]", "sublayers = [4]") + CLAIM, "at this group's depths and LRs"),
+    (GROUP + BENCH.replace("lrs = [1e-3]", "lrs = [1e-2]") + CLAIM, "at this group's depths and LRs"),
+    (GROUP + BENCH.replace('baselines = ["keel"]', 'baselines = "keel"') + CLAIM, "baselines must be a list of strings"),
+    (GROUP + BENCH.replace('baselines_from = "g"', "baselines_from = 1") + CLAIM, "baselines_from must be text"),
+    (RAMPS.replace("ramp_steps = 10", 'ramp_steps = 10\nbaselines = ["keel"]') + RAMP_CLAIM,
+     "group 'r': baselines belong\\(s\\) to a train group"),
 ])
 def test_bad_study_files(tmp_path, text, match):
     p = tmp_path / "s.toml"
@@ -569,6 +584,17 @@ def test_study_tiny_end_to_end(keel_cli, tiny_data, tmp_path):
     assert all(abs(x) < 1e-6 for x in b["rows"][0]["margin"]["diffs"].values())
     md = (out / "report.md").read_text()
     assert "## Verdicts" in md and "plateau exit step" in md and "(e)" in md
+    # the bench is paired seed by seed with the lr-grid's schemes at its depth and LRs
+    bm = [x for x in rep["baseline_margins"] if x["group"] == "bench"]
+    assert len(bm) == 4 * 3 and all(x["margin"]["n"] == 2 and x["sublayers"] == 4 for x in bm)
+
+    def best(group, scheme, seed):
+        return min(x["capped_loss"] for x in rep["runs"] if (x["group"], x["scheme"], x["sublayers"], x["seed"])
+                   == (group, scheme, 4, seed))
+    row = next(x for x in bm if (x["scheme"], x["baseline"]) == ("mhc", "pre_ln"))
+    assert row["margin"]["diffs"]["1"] == pytest.approx(best("lr-grid", "pre_ln", 1) - best("bench", "mhc", 1))
+    assert "| sub-layers | scheme | vs keel | vs pre_ln | vs post_ln |" in md and "\n| 4 | attn_res | " in md
+    assert "bench.png" in rep["plots"]
     assert all((out / p).stat().st_size > 1000 for p in rep["plots"]) and "margins.png" in rep["plots"]
     again = keel_cli(*args, "--resume")
     assert again.returncode == 0 and "0 to run" in again.stderr and "Traceback" not in again.stderr
@@ -690,3 +716,30 @@ def test_ctrl_c_says_how_to_continue_the_study(tiny_data, tmp_path):
     assert proc.returncode == 130, err
     assert f"continue: the same keel study command with --resume (out {out})" in err
     assert "keel train --resume" not in err and "Traceback" not in err
+
+
+def test_baseline_margins_pair_each_seed_over_the_benchs_lrs(tmp_path):
+    """The bench's margin against a baseline = the baseline's best loss minus the scheme's, per
+    seed, both over the bench's LR grid: the baseline's better loss at an LR the bench did not
+    run (3e-4 here) does not count; a seed with an unfinished run is left out."""
+    p = tmp_path / "s.toml"
+    p.write_text(GROUP.replace("lrs = [1e-3]", "lrs = [3e-4, 1e-3, 1e-2]").replace("seeds = [0]", "seeds = [0, 1, 2]")
+                 + BENCH.replace("lrs = [1e-3]", "lrs = [1e-3, 1e-2]").replace("seeds = [0]", "seeds = [0, 1, 2]")
+                 + CLAIM)
+    st = SD.load_study(str(p), "x")
+    bench = next(g for g in st.groups if g.name == "b")
+    runs = []
+    for seed, (k3, k2, p3, p2) in enumerate([(3.10, 3.30, 3.00, 3.40), (3.50, 3.20, 3.05, 3.90), (3.1, 3.1, 3.0, 3.0)]):
+        runs += [run("g", "keel", 2, seed, 3e-4, 2.0), run("g", "keel", 2, seed, 1e-3, k3),
+                 run("g", "keel", 2, seed, 1e-2, k2), run("b", "peri_ln", 2, seed, 1e-3, p3),
+                 run("b", "peri_ln", 2, seed, 1e-2, p2)]
+    runs[-1]["status"] = "running"  # seed 2 of peri_ln unfinished
+    rows = SD.baseline_margins(st, bench, runs)
+    assert [(r["sublayers"], r["scheme"], r["baseline"]) for r in rows] == [(2, "peri_ln", "keel")]
+    m = rows[0]["margin"]
+    assert m["diffs"] == pytest.approx({0: 3.10 - 3.00, 1: 3.20 - 3.05})
+    assert m["verdict"] == R and m["n"] == 2
+    table = SD.baseline_table(st, bench, runs)
+    assert table[2:4] == ["| sub-layers | scheme | vs keel |", "|---|---|---|"]
+    assert table[4] == "| 2 | peri_ln | +0.125 ± 0.035 [s0 +0.100, s1 +0.150] (peri_ln better) |"
+    assert SD.baseline_margins(st, next(g for g in st.groups if g.name == "g"), runs) == []

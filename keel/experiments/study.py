@@ -11,6 +11,9 @@ A study is a TOML file (packaged in ``keel/configs/studies/``, e.g. ``claims.tom
   those runs have finished (LR transfer across depth), and at the points of G2's LR grid
   ``lr_from_steps`` away from it (e.g. ``[0, -1]``: the optimum and the next lower LR).
   ``note``: text for the report's section of a group that no claim reads (e.g. the showcase).
+  ``baselines_from = "G2"`` with ``baselines = ["keel", ...]``: that section pairs each scheme
+  with those schemes of G2 at the same depths, seeds and LRs (e.g. the residual bench against
+  the lr-grid's Keel and Pre-LN; :func:`baseline_margins`).
   Config keys apply in the order scale ``set``, group ``set``, the user's ``--set`` (later wins).
 * ``[[claims]]``: per claim of the paper, the verdict function (``test``, a key of
   :data:`CLAIM_TESTS`) and the groups and schemes it reads. A ``max_lr_order`` claim may name an
@@ -66,7 +69,7 @@ _log = logging.getLogger(__name__)
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
 GROUP_KEYS = {"kind", "schemes", "sublayers", "lrs", "seeds", "set", "peak_lr", "ramp_steps", "lr_from",
-              "lr_from_sublayers", "lr_from_steps", "note"}
+              "lr_from_sublayers", "lr_from_steps", "note", "baselines_from", "baselines"}
 PLATEAU_WINDOW = 10  # steps of the trailing mean of the training loss that must fall below the plateau level
 
 
@@ -90,6 +93,8 @@ class Group:
     lr_from_sublayers: int = 0
     lr_from_steps: list[int] = field(default_factory=lambda: [0])
     note: str = ""
+    baselines_from: str = ""
+    baselines: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -119,13 +124,14 @@ class Study:
 
 # group keys' TOML types: key -> (element types, words, example); lists first, then scalars
 _LIST_TYPES = {"schemes": ((str,), "a list of strings", '["keel"]'), "sublayers": ((int,), "a list of integers", "[64]"),
-               "seeds": ((int,), "a list of integers", "[0, 1]"), "lrs": ((int, float), "a list of numbers", "[0.001]")}
+               "seeds": ((int,), "a list of integers", "[0, 1]"), "lrs": ((int, float), "a list of numbers", "[0.001]"),
+               "baselines": ((str,), "a list of strings", '["keel", "pre_ln"]')}
 _SCALAR_TYPES = {"peak_lr": (int, float), "ramp_steps": (int,), "lr_from_sublayers": (int,), "lr_from": (str,),
-                 "kind": (str,), "note": (str,)}
+                 "kind": (str,), "note": (str,), "baselines_from": (str,)}
 
 
 _RAMP_ONLY = {"peak_lr", "ramp_steps"}  # keys that only a kind = "ramp" group reads
-_TRAIN_ONLY = {"lrs", "lr_from", "lr_from_sublayers", "lr_from_steps"}  # and those only a train group reads
+_TRAIN_ONLY = {"lrs", "lr_from", "lr_from_sublayers", "lr_from_steps", "baselines_from", "baselines"}  # train only
 
 
 def _check_group_types(name: str, d: dict) -> None:
@@ -234,6 +240,7 @@ def _check_group_in_study(g: Group, groups: list[Group]) -> None:
     if len(set(g.schemes)) != len(g.schemes) or len(set(g.sublayers)) != len(g.sublayers) \
             or len(set(g.seeds)) != len(g.seeds) or len(set(g.lrs)) != len(g.lrs):
         raise KeelError(f"study group {g.name!r} repeats a scheme, depth, seed or LR")
+    _check_baselines(g, groups)
     if not g.lr_from:
         return
     src = next((x for x in groups if x.name == g.lr_from and x is not g and x.kind == "train"), None)
@@ -244,6 +251,21 @@ def _check_group_in_study(g: Group, groups: list[Group]) -> None:
     if far:
         raise KeelError(f"study group {g.name!r}: lr_from_steps {far} reach past group {src.name!r}'s "
                         f"{len(src.lrs)}-point LR grid (at most {len(src.lrs) - 1} steps from its optimum)")
+
+
+def _check_baselines(g: Group, groups: list[Group]) -> None:
+    """Raise KeelError unless ``baselines_from`` and ``baselines`` come together and name another
+    train group of this scale that trains every baseline scheme at every depth and LR of ``g``
+    (:func:`baseline_margins` pairs each of ``g``'s schemes with them over ``g``'s LRs)."""
+    if not (g.baselines_from or g.baselines):
+        return
+    src = next((x for x in groups if x.name == g.baselines_from and x is not g and x.kind == "train"), None)
+    missing_lrs = [lr for lr in g.lrs if src and not any(math.isclose(lr, x) for x in src.lrs)]
+    if not g.baselines or src is None or set(g.baselines) - set(src.schemes) \
+            or set(g.sublayers) - set(src.sublayers) or missing_lrs or g.lr_from:
+        raise KeelError(f"study group {g.name!r}: baselines_from must name another train group of this scale that "
+                        f"trains every scheme of baselines ({', '.join(g.baselines) or 'none given'}) at this "
+                        f"group's depths and LRs (a group with lrs, not lr_from)")
 
 
 def _verdict_settings(v) -> tuple[float, int]:
@@ -332,8 +354,8 @@ def paired_verdict(diffs: dict, min_effect: float, min_seeds: int = 2) -> dict:
     * ``inconclusive``: anything else (mixed signs, a seed inside the noise floor while
       another is outside it, fewer than ``min_seeds`` seeds).
 
-    Returns ``{verdict, n, mean, sd, diffs}`` (``sd`` the sample standard deviation, ddof 1;
-    0 for one seed; None without seeds).
+    Returns ``{verdict, n, mean, sd, diffs, min_effect}`` (``sd`` the sample standard
+    deviation, ddof 1; 0 for one seed; None without seeds).
     """
     xs = [float(x) for x in diffs.values() if x is not None and math.isfinite(x)]
     n = len(xs)
@@ -347,7 +369,7 @@ def paired_verdict(diffs: dict, min_effect: float, min_seeds: int = 2) -> dict:
         verdict = NOT_REPRODUCED
     else:
         verdict = INCONCLUSIVE
-    return {"verdict": verdict, "n": n, "mean": mean, "sd": sd, "diffs": dict(diffs)}
+    return {"verdict": verdict, "n": n, "mean": mean, "sd": sd, "diffs": dict(diffs), "min_effect": min_effect}
 
 
 def combine(verdicts: Sequence[str]) -> str:
@@ -398,6 +420,22 @@ def equal_lr_margins(runs: Sequence[dict], groups: Sequence[str], scheme: str, b
             if m:
                 rows.append({"sublayers": L, "lr": lr, "margin": paired_verdict(m, min_effect, min_seeds)})
     return rows
+
+
+def baseline_margins(study: Study, g: Group, runs: Sequence[dict]) -> list[dict]:
+    """Per depth of group ``g``, scheme of ``g`` and baseline scheme (``g.baselines``, trained by
+    group ``g.baselines_from``), the paired per-seed margin ``loss(baseline) - loss(scheme)``
+    (nats/token; > 0: ``g``'s scheme is better), each side at its seed's best LR over ``g``'s LR
+    grid (:func:`best_losses`; both groups train the same tokens per run), as a
+    :func:`paired_verdict` dict. Rows ``{"sublayers", "scheme", "baseline", "margin"}``; empty
+    when ``g`` names no baselines."""
+    if not g.baselines_from:
+        return []
+    on_grid = [r for r in runs if any(math.isclose(r["lr"], lr) for lr in g.lrs)]
+    return [{"sublayers": L, "scheme": s, "baseline": b,
+             "margin": paired_verdict(_pair(best_losses(on_grid, [g.baselines_from], b, L),
+                                            best_losses(on_grid, [g.name], s, L)), study.min_effect, study.min_seeds)}
+            for L in g.sublayers for s in g.schemes for b in g.baselines]
 
 
 def _pair(a: dict, b: dict) -> dict:
@@ -854,8 +892,8 @@ def direction(v: dict, scheme: str, baseline: str) -> str:
     the noise floor), ``{baseline} better``, ``no difference``, ``mixed`` or ``too few seeds``."""
     if v["verdict"] == REPRODUCED:
         return f"{scheme} better"
-    if v["verdict"] == NOT_REPRODUCED:
-        return f"{baseline} better" if all(x < 0 for x in v["diffs"].values()) else "no difference"
+    if v["verdict"] == NOT_REPRODUCED:  # the opposite holds, or no effect (every seed inside the floor)
+        return f"{baseline} better" if all(x <= -v["min_effect"] for x in v["diffs"].values()) else "no difference"
     return "too few seeds" if v["n"] < 2 else "mixed"
 
 
@@ -945,7 +983,7 @@ def unclaimed_group_sections(study: Study, runs: list[dict]) -> list[str]:
         out += [f"## Group {g.name} (no claim reads it)", ""] + ([g.note.strip(), ""] if g.note else [])
         if g.sets:
             out += [f"Settings beyond the scale's: {', '.join(override_text(x) for x in g.sets)}.", ""]
-        out += [f"Runs finished: {len(done)} of {planned}.", ""]
+        out += [f"Runs finished: {len(done)} of {planned}.", ""] + baseline_table(study, g, runs)
         if done:
             out += ["| scheme | sub-layers | LR | seed | tokens | val loss: first → final | plateau exit step | verdict |",
                     "|---|---|---|---|---|---|---|---|"]
@@ -955,6 +993,27 @@ def unclaimed_group_sections(study: Study, runs: list[dict]) -> list[str]:
                     f"{r.get('verdict') or '–'} |" for r in done]
             out.append("")
     return out
+
+
+def baseline_table(study: Study, g: Group, runs: list[dict]) -> list[str]:
+    """Markdown: ``g``'s schemes against its baselines (:func:`baseline_margins`), one row per
+    depth and scheme, one column per baseline; empty when ``g`` names none."""
+    rows = baseline_margins(study, g, runs)
+    if not rows:
+        return []
+    out = [f"Against group {g.baselines_from}'s {', '.join(g.baselines)} (the same seeds, data and tokens per run): "
+           f"margin = loss(baseline) − loss(scheme), nats/token, each side at its seed's best LR of this group's grid "
+           f"({', '.join(f'{x:g}' for x in sorted(g.lrs))}); > 0: the scheme is better. In brackets, as the claims' "
+           f"rule reads a margin: X better when every seed (≥ {study.min_seeds}) favours X by ≥ {study.min_effect:g}, "
+           f"no difference when every seed is within {study.min_effect:g}, else mixed. No claim of the paper.", "",
+           "| sub-layers | scheme | " + " | ".join(f"vs {b}" for b in g.baselines) + " |",
+           "|---|---|" + "---|" * len(g.baselines)]
+    for L in g.sublayers:
+        for s in g.schemes:
+            cells = [r["margin"] for r in rows if (r["sublayers"], r["scheme"]) == (L, s)]
+            out.append(f"| {L} | {s} | " + " | ".join(
+                f"{_pm(v)} ({direction(v, s, b)})" if v["n"] else "–" for v, b in zip(cells, g.baselines)) + " |")
+    return out + [""]
 
 
 def _loss(x: float | None) -> str:
@@ -1087,9 +1146,12 @@ def write_plots(study: Study, runs: list[dict], claims: list[tuple[dict, dict]],
         if g.kind == "ramp":
             results = [{**r["result"], "run_dir": str(out / g.name / r["name"])} for r in done]
             ST.plot_stress(results, g.schemes, g.sublayers, out / name)
-        elif len(g.lrs) > 1:
-            cells = LS.summarise([r["result"] for r in done], g.schemes, g.sublayers, g.lrs, g.seeds)
-            LS.plot({"sublayers": g.sublayers, "cells": cells, "lrs": sorted(g.lrs), "schemes": g.schemes,
+        elif len(g.lrs) > 1:  # with the baselines' runs of the group they are compared with, if any
+            refs = [r for r in runs if r["group"] == g.baselines_from and r["scheme"] in g.baselines
+                    and r["status"] == "done"]
+            schemes = g.schemes + [b for b in g.baselines if b not in g.schemes]
+            cells = LS.summarise([r["result"] for r in done + refs], schemes, g.sublayers, g.lrs, g.seeds)
+            LS.plot({"sublayers": g.sublayers, "cells": cells, "lrs": sorted(g.lrs), "schemes": schemes,
                      "unigram_entropy": h1 or float("nan")}, out / name)
         else:
             plot_loss_curves([out / g.name / r["name"] for r in done], out / name, smooth=10,
@@ -1122,7 +1184,8 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
             covers every group's finished runs. An ``lr_from`` group still waits for its source.
     Returns:
         The ``report.json`` content: ``study``, ``scale``, ``claims`` (per claim its verdict and
-        numbers), ``runs`` (every planned run's record, :func:`run_record`), ``plots``.
+        numbers), ``baseline_margins`` (:func:`baseline_margins` of each group, with ``group``),
+        ``runs`` (every planned run's record, :func:`run_record`), ``plots``.
     Raises:
         KeelError: bad study or scale (:func:`load_study`), bad config, ``out`` not usable
             (:func:`_claim_out`: a file, another study's folder, non-empty without ``resume``);
@@ -1157,6 +1220,7 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
               "sets": [override_text(x) for x in study.all_sets()],
               "unigram_entropy": h1, "min_effect": study.min_effect, "min_seeds": study.min_seeds,
               "claims": [{"id": cl["id"], "title": cl["title"], **c} for cl, c in claims],
+              "baseline_margins": [{"group": g.name, **r} for g in study.groups for r in baseline_margins(study, g, runs)],
               "runs": [{k: v for k, v in r.items() if k != "result"} for r in runs], "plots": plots}
     atomic_write_text(out / "report.json", json.dumps(report, indent=1, default=str))
     report["waiting"] = waiting
