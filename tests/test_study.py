@@ -78,7 +78,15 @@ def test_margin_grows_uses_each_seeds_best_lr():
     # each depth's row: its direction in words (not a verdict on the claim) and where each seed's best came from
     assert c["rows"][1]["best_lr"] == {"pre_ln": {0: 1e-3, 1: 1e-3}, "keel": {0: 1e-2, 1: 1e-2}}
     assert ("| 64 | +0.250 ± 0.071 [s0 +0.300, s1 +0.200] | keel better | [s0 0.001, s1 0.001]; "
-            "[s0 0.01, s1 0.01] | [s0 never, s1 never]; [s0 never, s1 never] | 0 |") in md
+            "[s0 0.01, s1 0.01] | [s0 never, s1 never]; [s0 never, s1 never] | 0 of 4 |") in md
+    # a Pre-LN run flagged as a stagnation that left the plateau later is counted as such (Pre-LN at 256
+    # sub-layers: "4" flagged read as 4 failed runs, while each was its seed's best run, at 4.34 nats)
+    stuck = {"mode": "stagnation", "step": 200, "evidence": {}}
+    late = [dict(r, diverged=True, divergence=stuck, plateau_exit_step=400 if r["lr"] == 1e-3 else None)
+            if r["scheme"] == "pre_ln" else r for r in late]
+    row = SD.claim_margin_grows(study(), late, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})["rows"][1]
+    assert (row["baseline_runs"], row["baseline_diverged_runs"], row["baseline_recovered_runs"]) == (4, 4, 2)
+    assert SD._flagged(row) == "4 of 4 (2 left the plateau later)"
     assert "(reproduced); growth 16 -> 64 sub-layers: +0.205 ± 0.064 [s0 +0.250, s1 +0.160] (reproduced)" in md
     # the gap gone at depth: not reproduced; one seed only: inconclusive
     flat = [dict(r, capped_loss=3.0) for r in runs]
@@ -180,13 +188,19 @@ def test_max_lr_order_judges_a_censored_pair_on_the_extended_ramp():
     ({"mode": "instability", "step": 994, "evidence": {"lr_at_step": 0.0497, "open_at_end": 1.0}},
      "instability from step 994 (LR 0.0497), a spike still open when the curve ended"),
     ({"mode": "stagnation", "step": 122, "evidence": {}}, "stagnation from step 122"),
+    ({"mode": "stagnation", "step": 221, "evidence": {"lr_at_step": 0.000905}, "plateau_exit_step": 617},
+     "stagnation from step 221 (LR 0.000905), left the plateau at step 617"),
+    ({"mode": "stagnation", "step": 221, "evidence": {}, "plateau_exit_step": 150}, "stagnation from step 221"),
 ])
-def test_ramp_runs_verdicts_in_words(divergence, words):
+def test_runs_verdicts_in_words(divergence, words):
     """The (a) section lists each ramp run's verdict, so that a max LR set by the classifier's
-    weaker end-of-curve rule (both cpu-scale seed-1 runs of Pre-LN and Keel, step 994) is visible."""
+    weaker end-of-curve rule (both cpu-scale seed-1 runs of Pre-LN and Keel, step 994) is visible;
+    a stagnation the run left later says so (Pre-LN at 256 sub-layers read "stagnation" at 4.34 nats)."""
     rec = run("ramp", "keel", 64, 1, 5e-2, 0, max_lr=None, peak_lr=5e-2)
-    rec.update(verdict=divergence["mode"] if divergence else "healthy", divergence=divergence)
-    assert SD.ramp_verdict_words(rec) == words
+    divergence = dict(divergence or {})
+    rec.update(verdict=divergence.get("mode", "healthy"), divergence=divergence or None,
+               plateau_exit_step=divergence.pop("plateau_exit_step", None))
+    assert SD.verdict_words(rec) == words
     c = SD.claim_max_lr_order(study(), [rec], {"group": "ramp", "order": ["pre_ln", "keel"]})
     assert c["rows"][0]["verdicts"] == {"keel s1": words}
 
@@ -302,8 +316,16 @@ def test_report_counts_say_what_is_left_out(tmp_path):
     assert len(runs) == 147 and all(r["status"] == "pending" for r in runs)
     assert waiting == ["group transfer (16 runs) waits for group lr-grid at 64 sub-layers"]
     md = SD.report_markdown(study, [], runs, "keel study claims --scale cpu", waiting)
-    assert ("Runs finished: 0 of 147 planned so far. The ramp groups' reference runs (the scale's `--dry-run` "
-            "counts them) are not counted. Not planned yet: group transfer (16 runs) waits for group lr-grid") in md
+    assert ("Runs finished: 0 of 147 planned so far. Unfinished: lr-grid 80 (keel, pre_ln, post_ln, deepnorm; "
+            "read by (b), (c), (d), (e)); ramp 8 (post_ln, deepnorm, pre_ln, keel; read by (a)); ") in md
+    assert ("bench 32 (peri_ln, hyper_connections, mhc, attn_res; read by no claim). The ramp groups' reference runs "
+            "(the scale's `--dry-run` counts them) are not counted. Not planned yet: group transfer (16 runs) waits "
+            "for group lr-grid") in md
+    # the last runs of the cpu study: DeepNorm at 256 sub-layers and the bench, which no verdict reads
+    done = [dict(r, status="done") if r["group"] != "bench" and r["scheme"] != "deepnorm" else r for r in runs]
+    assert SD.unfinished_words(study, done) == (" Unfinished: lr-grid 20 (deepnorm; read by no claim); ramp 2 (deepnorm; "
+                                                "read by (a)); bench 32 (peri_ln, hyper_connections, mhc, attn_res; "
+                                                "read by no claim).")
 
 
 @pytest.mark.parametrize("diffs, words", [({0: 0.3, 1: 0.2}, "keel better"), ({0: -0.3, 1: -0.2}, "pre_ln better"),
@@ -320,7 +342,17 @@ def test_the_report_states_which_rule_each_claim_follows():
     st = SD.load_study("claims", "cpu")
     rule = SD.verdict_rule(st, st.claims)
     assert rule.startswith("Rule of (a), (b), (c), (e): paired per-seed differences d")
-    assert "for (a) log10 ratios of max LR" in rule and rule.endswith("(d) has its own rule, stated in its section.")
+    assert "for (a) log10 ratios of max LR, f = log10 1.05 = 0.021, a 5% ratio" in rule  # said "d ≥ 0.02" for (a)
+    assert rule.endswith("(d) has its own rule, stated in its section.")
+    assert set(SD.CLAIM_UNITS) == set(SD.CLAIM_TESTS)
+    # every claim before any run finished (an (e) without init runs crashed the report: rows [] .items())
+    claims = [(c, SD.CLAIM_TESTS[c["test"]](st, [], c)) for c in st.claims]
+    md = SD.report_markdown(st, claims, [], "keel study claims --scale cpu").splitlines()
+    table = md[md.index("| claim | verdict | numbers: mean ± sd [per seed] | unit |"):][2:7]
+    assert [row.rsplit("|", 2)[1].strip() for row in table] == ["log10 of the max-LR ratio", "nats/token",
+                                                                "nats/token", "peak LR", "nats/token"]
+    assert "deepest depth of group lr-grid, which trains its whole LR grid" in SD.claim_rule(
+        next(c for c in st.claims if c["id"] == "d"))
     d = next(c for c in st.claims if c["id"] == "d")
     assert "own rule" in SD.claim_rule(d) and "edge of the LR grid" in SD.claim_rule(d)
     b = next(c for c in st.claims if c["id"] == "b")

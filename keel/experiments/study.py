@@ -71,6 +71,7 @@ REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inco
 GROUP_KEYS = {"kind", "schemes", "sublayers", "lrs", "seeds", "set", "peak_lr", "ramp_steps", "lr_from",
               "lr_from_sublayers", "lr_from_steps", "note", "baselines_from", "baselines"}
 PLATEAU_WINDOW = 10  # steps of the trailing mean of the training loss that must fall below the plateau level
+MAX_LR_FLOOR = math.log10(1.05)  # noise floor of a max-LR pair (log10 of the ratio): a 5% difference
 
 
 # ----------------------------------------------------------------------------- the study as data
@@ -460,13 +461,15 @@ def claim_margin_grows(study: Study, runs: list[dict], claim: dict) -> dict:
     for L in depths:
         m = _pair(best_losses(runs, groups, b, L), best_losses(runs, groups, s, L))
         if m:
-            failed = [r for r in runs if r["group"] in groups and r["scheme"] == b and r["sublayers"] == L
-                      and r.get("diverged")]
+            finished = [r for r in runs if r["group"] in groups and r["scheme"] == b and r["sublayers"] == L
+                        and r["status"] == "done"]
+            failed = [r for r in finished if r.get("diverged")]
             rows.append({"sublayers": L, "margin": paired_verdict(m, study.min_effect, study.min_seeds),
                          "best_lr": {b: best_lrs(runs, groups, b, L), s: best_lrs(runs, groups, s, L)},
                          "plateau_exit": {x: {seed: r.get("plateau_exit_step")
                                               for seed, r in best_runs(runs, groups, x, L).items()} for x in (b, s)},
-                         "baseline_diverged_runs": len(failed)})
+                         "baseline_runs": len(finished), "baseline_diverged_runs": len(failed),
+                         "baseline_recovered_runs": sum(left_plateau_later(r) for r in failed)})
     equal = equal_lr_margins(runs, groups, s, b, study.min_effect, study.min_seeds)
     if len(rows) < 2:
         return {"verdict": INCONCLUSIVE, "why": "needs paired results at two depths at least", "rows": rows,
@@ -498,7 +501,8 @@ def _opt_lrs(runs: list[dict], group: str, scheme: str, L: int) -> dict:
 
 def claim_lr_transfer(study: Study, runs: list[dict], claim: dict) -> dict:
     """The optimal peak LR of {scheme} (the grid point of its lowest final loss) is the same at
-    the shallowest and the deepest depth of the group. This claim has its own rule, not the
+    the shallowest and the deepest depth of group {group}, which trains its whole LR grid at each
+    depth (a group trained at transferred LRs has too few LRs to locate an optimum). This claim has its own rule, not the
     paired-difference one: reproduced when every seed (at least the study's minimum) has its
     optimum at the same grid point at both depths, inside the grid; not reproduced when the
     optimum moves by at least one grid step in every seed; inconclusive otherwise, or when any
@@ -548,7 +552,7 @@ def claim_init_margin(study: Study, runs: list[dict], claim: dict) -> dict:
     g, ref, s, b = claim["group"], claim["reference_group"], claim["scheme"], claim["baseline"]
     depths = sorted({r["sublayers"] for r in runs if r["group"] == g})
     if not depths:
-        return {"verdict": INCONCLUSIVE, "why": "no finished runs in the init group", "rows": []}
+        return {"verdict": INCONCLUSIVE, "why": "no finished runs in the init group", "rows": {}}
     L = depths[0]
     bl = {k: best_losses(runs, [k], b, L) for k in (g, ref)}
     sl = {k: best_losses(runs, [k], s, L) for k in (g, ref)}
@@ -574,16 +578,30 @@ def _log_ratio(hi: float | None, lo: float | None, peak: float) -> float | None:
     return math.log10(a / b)
 
 
-def ramp_verdict_words(rec: dict) -> str:
-    """A ramp run's verdict, e.g. "instability from step 875 (LR 0.0437)", "healthy", or
+def left_plateau_later(rec: dict) -> bool:
+    """Whether the divergence classifier flagged ``rec`` as a stagnation and the run then left
+    the unigram plateau (its :func:`plateau_exit_step` is after the flagged step): a first
+    failure the run recovered from, e.g. Pre-LN at 256 sub-layers, flagged at step 221, below
+    the plateau from step 617."""
+    d = rec.get("divergence") or {}
+    left = rec.get("plateau_exit_step")
+    return d.get("mode") == "stagnation" and left is not None and left > d.get("step", math.inf)
+
+
+def verdict_words(rec: dict) -> str:
+    """A run's divergence verdict, e.g. "instability from step 875 (LR 0.0437)", "healthy",
     "instability from step 994 (LR 0.0497), a spike still open when the curve ended" (the
     classifier's end-of-curve rule: a weaker verdict than a spike that did not recover within its
-    recovery window)."""
+    recovery window), or "stagnation from step 221 (LR 0.000905), left the plateau at step 617":
+    the classifier reports a run's first failure (here 100 steps on the unigram plateau), and
+    :func:`plateau_exit_step` says when the run got below it afterwards."""
     d = rec.get("divergence") or {}
     if not d or d.get("mode") == "healthy":
         return rec.get("verdict") or "no verdict"
     lr = d.get("evidence", {}).get("lr_at_step")
     words = f"{d['mode']} from step {d['step']}" + (f" (LR {lr:.3g})" if lr is not None else "")
+    if left_plateau_later(rec):
+        words += f", left the plateau at step {rec['plateau_exit_step']}"
     return words + (", a spike still open when the curve ended" if d.get("evidence", {}).get("open_at_end") else "")
 
 
@@ -598,7 +616,7 @@ def claim_max_lr_order(study: Study, runs: list[dict], claim: dict) -> dict:
     continued to a higher peak, for the pairs the first peak censors) once every run of both
     schemes at that depth has finished there, else on ``group``. Rows: one per ramp group and
     depth with each scheme's max LR per seed, the ramp's peak, and each run's verdict in words
-    (:func:`ramp_verdict_words`).
+    (:func:`verdict_words`).
     """
     order, sized = claim["order"], {g.name for g in study.groups}
     names = [claim["group"]] + ([claim["extended_group"]] if claim.get("extended_group") in sized else [])
@@ -612,7 +630,7 @@ def claim_max_lr_order(study: Study, runs: list[dict], claim: dict) -> dict:
             d = {x: _log_ratio(lr[b][x], lr[a][x], peaks[name]) for x in sorted(set(lr[a]) & set(lr[b]))}
             d = {x: v for x, v in d.items() if v is not None}  # both never diverged: censored, left out
             key = f"{a} < {b} at {L}" + (f" (ramp to {peaks[name]:g})" if name != names[0] else "")
-            pairs[key] = paired_verdict(d, math.log10(1.05), study.min_seeds)
+            pairs[key] = paired_verdict(d, MAX_LR_FLOOR, study.min_seeds)
     if not pairs:
         return {"verdict": INCONCLUSIVE, "why": "no finished ramp runs", "rows": rows, "parts": {}}
     return {"verdict": combine([p["verdict"] for p in pairs.values()]), "parts": pairs, "rows": rows,
@@ -628,7 +646,7 @@ def _ramp_rows(runs: list[dict], group: str, order: Sequence[str]) -> list[dict]
     for L in sorted({r["sublayers"] for r in rr}):
         at = [r for r in rr if r["sublayers"] == L]
         lr = {s: {r["seed"]: r.get("max_lr") for r in at if r["scheme"] == s} for s in order}
-        detail = {f"{r['scheme']} s{r['seed']}": ramp_verdict_words(r) for s in order for r in at if r["scheme"] == s}
+        detail = {f"{r['scheme']} s{r['seed']}": verdict_words(r) for s in order for r in at if r["scheme"] == s}
         rows.append({"group": group, "peak_lr": peak, "sublayers": L, "max_lr": lr, "verdicts": detail})
     return rows
 
@@ -641,6 +659,8 @@ def _ramp_pair_done(runs: list[dict], group: str, pair: tuple[str, str], sublaye
 
 CLAIM_TESTS = {"margin_grows": claim_margin_grows, "lr_transfer": claim_lr_transfer,
                "init_margin": claim_init_margin, "max_lr_order": claim_max_lr_order}
+CLAIM_UNITS = {"max_lr_order": "log10 of the max-LR ratio", "margin_grows": "nats/token", "init_margin": "nats/token",
+               "lr_transfer": "peak LR"}  # the unit of each claim test's numbers (the verdict table's column)
 
 
 # ----------------------------------------------------------------------------- jobs
@@ -897,12 +917,18 @@ def direction(v: dict, scheme: str, baseline: str) -> str:
     return "too few seeds" if v["n"] < 2 else "mixed"
 
 
+def _flagged(row: dict) -> str:
+    """``4 of 4 (4 left the plateau later)``: a margin row's flagged baseline runs."""
+    n, k = row["baseline_diverged_runs"], row.get("baseline_recovered_runs", 0)
+    return f"{n} of {row.get('baseline_runs', n)}" + (f" ({k} left the plateau later)" if k else "")
+
+
 def claim_rule(claim: dict) -> str:
     """The claim's rule in one line: the first paragraph of its test's docstring, with the
     claim's ``scheme`` (default keel), ``baseline`` and ``order`` filled in."""
     text = " ".join((CLAIM_TESTS[claim["test"]].__doc__ or "").strip().split("\n\n")[0].split())
     return text.format(scheme=claim.get("scheme", "keel"), baseline=claim.get("baseline", "the baseline"),
-                       order=" < ".join(claim.get("order", [])))
+                       order=" < ".join(claim.get("order", [])), group=claim.get("group", "G"))
 
 
 def claim_section(claim: dict, c: dict) -> list[str]:
@@ -913,11 +939,14 @@ def claim_section(claim: dict, c: dict) -> list[str]:
         s, b = claim["scheme"], claim["baseline"]
         out += [f"| sub-layers | margin ({b} − {s}, nats) mean ± sd [per seed] | at this depth | "
                 f"best LR per seed: {b}; {s} | plateau exit step at that LR: {b}; {s} | "
-                f"{b} runs the divergence classifier flagged |", "|---|---|---|---|---|---|"]
+                f"{b} runs the divergence classifier flagged, of those finished |", "|---|---|---|---|---|---|"]
         out += [f"| {r['sublayers']} | {_pm(r['margin'])} | {direction(r['margin'], s, b)} | "
                 f"{_lrs(r.get('best_lr', {}).get(b, {}))}; {_lrs(r.get('best_lr', {}).get(s, {}))} | "
                 f"{_exits(r.get('plateau_exit', {}).get(b, {}))}; {_exits(r.get('plateau_exit', {}).get(s, {}))} | "
-                f"{r['baseline_diverged_runs']} |" for r in c["rows"]]
+                f"{_flagged(r)} |" for r in c["rows"]]
+        out += ["", f"The classifier reports a run's first failure: a {b} run flagged as a stagnation (100 steps on "
+                "the unigram plateau) may leave the plateau later and still be that seed's best run (each run's "
+                "verdict and plateau exit step: the last table)."]
         if c.get("equal_lr"):
             out += ["", "The same margin at equal peak LR (both schemes at that LR; not part of the verdict):", "",
                     "| sub-layers | LR | margin (baseline − scheme, nats) mean ± sd [per seed] |", "|---|---|---|"]
@@ -971,9 +1000,7 @@ def unclaimed_group_sections(study: Study, runs: list[dict]) -> list[str]:
     """Markdown: one section per group that no claim reads (e.g. the 1024-sub-layer showcase, the
     residual bench): its ``note``, its settings beyond the scale's, and its finished runs (first
     and final validation loss, nats/token; plateau exit step; divergence verdict). No verdict."""
-    read = set()
-    for c in study.claims:
-        read |= set(c.get("groups", [])) | {c[k] for k in ("group", "reference_group", "extended_group") if k in c}
+    read = {g for c in study.claims for g, _ in claim_reads(c)}
     out = []
     for g in study.groups:
         if g.name in read:
@@ -990,7 +1017,7 @@ def unclaimed_group_sections(study: Study, runs: list[dict]) -> list[str]:
             out += [f"| {r['scheme']} | {r['sublayers']} | {r['lr']:g} | {r['seed']} | {r.get('tokens') or 0:,} | "
                     f"{_loss(r.get('first_val_loss'))} → {_loss(r.get('final_val_loss'))} | "
                     f"{'never' if r.get('plateau_exit_step') is None else r['plateau_exit_step']} | "
-                    f"{r.get('verdict') or '–'} |" for r in done]
+                    f"{verdict_words(r)} |" for r in done]
             out.append("")
     return out
 
@@ -1055,7 +1082,7 @@ def runs_table(runs: list[dict]) -> list[str]:
         out.append(f"| {r['group']} | {r['scheme']} | {r['sublayers']} | {r['lr']:g} | {r['seed']} | {r['status']} | "
                    f"{r.get('tokens') or 0:,} | {'–' if f is None else f'{f:.4f}'} | "
                    f"{r.get('plateau_exit_step') if r.get('plateau_exit_step') is not None else '–'} | "
-                   f"{r.get('verdict') or '–'} |")
+                   f"{verdict_words(r) if r['status'] == 'done' else '–'} |")
     return out
 
 
@@ -1067,13 +1094,39 @@ def verdict_rule(study: Study, claims: Sequence[dict]) -> str:
 
     paired = [c for c in claims if c["test"] != "lr_transfer"]
     ramp, own = [c for c in paired if c["test"] == "max_lr_order"], [c for c in claims if c["test"] == "lr_transfer"]
-    return (f"Rule of {ids(paired)}: paired per-seed differences d, oriented so that the claim predicts d > 0 "
-            f"(nats" + (f"; for {ids(ramp)} log10 ratios of max LR with a 5% floor" if ramp else "") + "). "
-            f"Reproduced when every seed (≥ {study.min_seeds}) has d ≥ {study.min_effect:g}; not reproduced when "
-            f"every seed has d ≤ −{study.min_effect:g}, or every seed has |d| < {study.min_effect:g} (no effect); "
+    return (f"Rule of {ids(paired)}: paired per-seed differences d, oriented so that the claim predicts d > 0, "
+            f"against a noise floor f (nats/token, f = {study.min_effect:g}"
+            + (f"; for {ids(ramp)} log10 ratios of max LR, f = log10 1.05 = {MAX_LR_FLOOR:.3f}, a 5% ratio"
+               if ramp else "") + "). "
+            f"Reproduced when every seed (≥ {study.min_seeds}) has d ≥ f; not reproduced when "
+            "every seed has d ≤ −f, or every seed has |d| < f (no effect); "
             "inconclusive otherwise (mixed, too few seeds). A claim with several parts (e.g. the margin at the "
             "deepest depth and its growth with depth) is reproduced only when every part is, not reproduced when "
             "any part is not." + (f" {ids(own)} has its own rule, stated in its section." if own else ""))
+
+
+def claim_reads(claim: dict) -> set[tuple[str, str]]:
+    """The ``(group, scheme)`` pairs whose runs a claim's verdict reads (an lr_transfer claim:
+    its ``scheme`` only; the other schemes of its table are for comparison)."""
+    groups = list(claim.get("groups", [])) + [claim[k] for k in ("group", "reference_group", "extended_group")
+                                              if k in claim]
+    schemes = [claim.get("scheme", "keel")] if claim["test"] == "lr_transfer" else \
+        [claim[k] for k in ("scheme", "baseline") if k in claim] + list(claim.get("order", []))
+    return {(g, s) for g in groups for s in schemes}
+
+
+def unfinished_words(study: Study, runs: list[dict]) -> str:
+    """" Unfinished: transfer 4 (deepnorm; read by no claim); ..." for the report's count line:
+    per group its planned runs not finished yet, their schemes, and the claims whose verdicts
+    they can still change."""
+    pending = [r for r in runs if r["status"] != "done"]
+    parts = []
+    for g in dict.fromkeys(r["group"] for r in pending):
+        schemes = list(dict.fromkeys(r["scheme"] for r in pending if r["group"] == g))
+        readers = [f"({c['id']})" for c in study.claims if any((g, x) in claim_reads(c) for x in schemes)]
+        parts.append(f"{g} {sum(r['group'] == g for r in pending)} ({', '.join(schemes)}; read by "
+                     f"{', '.join(readers) if readers else 'no claim'})")
+    return f" Unfinished: {'; '.join(parts)}." if parts else ""
 
 
 def tokens_words(study: Study, done: list[dict]) -> str:
@@ -1094,12 +1147,14 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
     done = [r for r in runs if r["status"] == "done"]
     lines = [f"# Study `{study.name}`, scale `{study.scale}`", "", study.note, "",
              f"Runs finished: {len(done)} of {len(runs)} planned so far{tokens_words(study, done)}."
+             + unfinished_words(study, runs)
              + (" The ramp groups' reference runs (the scale's `--dry-run` counts them) are not counted."
                 if any(g.kind == "ramp" for g in study.groups) else "")
              + (f" Not planned yet: {'; '.join(waiting)}." if waiting else ""),
              f"Command: `{command}`", "", "## Verdicts", "", verdict_rule(study, [cl for cl, _ in claims]), "",
-             "| claim | verdict | numbers: mean ± sd [per seed] |", "|---|---|---|"]
-    lines += [f"| ({cl['id']}) {cl['title']} | **{c['verdict']}** | {claim_numbers(c)} |" for cl, c in claims]
+             "| claim | verdict | numbers: mean ± sd [per seed] | unit |", "|---|---|---|---|"]
+    lines += [f"| ({cl['id']}) {cl['title']} | **{c['verdict']}** | {claim_numbers(c)} | {CLAIM_UNITS[cl['test']]} |"
+              for cl, c in claims]
     lines.append("")
     for cl, c in claims:
         lines += claim_section(cl, c)
