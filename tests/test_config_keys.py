@@ -17,7 +17,7 @@ from keel import KeelError
 from keel.cli import build_parser, main
 from keel.config import (DataConfig, ModelConfig, TrainConfig, apply_overrides, choices, config_from_dict, key_rule,
                          key_type, load_config)
-from keel.experiments import study as SD
+from keel.experiments.study import run as SRun, spec as SS
 from keel.experiments.sweep import build_jobs
 
 KEEL = Path(__file__).resolve().parents[1] / "keel"
@@ -117,13 +117,13 @@ def test_generated_check_rejects_each_value_outside_the_declaration(dotted, valu
     with pytest.raises(KeelError) as e:
         build_jobs(None, {dotted: [value]}, data_path="data")
     assert str(e.value) == _message(dotted, value, rule)
-    forced = SD.GRID_KEYS | {"train.steps", "train.warmup_steps"}  # the ramp's own keys win over a group's
-    if dotted not in SD.GRID_KEYS:
+    forced = SS.GRID_KEYS | {"train.steps", "train.warmup_steps"}  # the ramp's own keys win over a group's
+    if dotted not in SS.GRID_KEYS:
         for kind in ("train",) if dotted in forced else ("train", "ramp"):
-            g = SD.Group(name="g", schemes=["keel"], sublayers=[2], seeds=[0], lrs=[1e-3], kind=kind, sets=[(dotted, value)])
-            study = SD.Study(name="t", scale="t", description="", note="", base="demo", sets=[], groups=[g], claims=[])
+            g = SS.Group(name="g", schemes=["keel"], sublayers=[2], seeds=[0], lrs=[1e-3], kind=kind, sets=[(dotted, value)])
+            study = SS.Study(name="t", scale="t", description="", note="", base="demo", sets=[], groups=[g], claims=[])
             with pytest.raises(KeelError) as e:
-                SD.group_jobs(study, g, "data", Path("out"))
+                SRun.group_jobs(study, g, "data", Path("out"))
             assert str(e.value) == _message(dotted, value, rule)
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from keel.errors import KeelError
-from keel.experiments import study as SD
+from keel.experiments.study import report as SR, run as SRun, spec as SS, verdicts as SV
 from keel.experiments.grid import GridJob, _check_same_config
 from keel.config import Config, preset_names
 from keel.train.metrics import read_metrics
 
-R, NR, INC = SD.REPRODUCED, SD.NOT_REPRODUCED, SD.INCONCLUSIVE
+R, NR, INC = SV.REPRODUCED, SV.NOT_REPRODUCED, SV.INCONCLUSIVE
 
 
 def verdict_ref(diffs, eps, k):
@@ -32,13 +32,13 @@ def verdict_ref(diffs, eps, k):
 @pytest.mark.parametrize("diffs", [[0.1, 0.05], [0.1, 0.01], [-0.1, -0.3], [0.01, -0.015], [0.1, -0.1], [0.5],
                                    [0.03, 0.02, 0.5], [-0.03, 0.001], []])
 def test_paired_verdict_transcription(diffs):
-    v = SD.paired_verdict(dict(enumerate(diffs)), 0.02, 2)
+    v = SV.paired_verdict(dict(enumerate(diffs)), 0.02, 2)
     assert v["verdict"] == verdict_ref(diffs, 0.02, 2)
     if diffs:
         assert v["mean"] == pytest.approx(sum(diffs) / len(diffs))
         sd = math.sqrt(sum((x - v["mean"]) ** 2 for x in diffs) / (len(diffs) - 1)) if len(diffs) > 1 else 0.0
         assert v["sd"] == pytest.approx(sd)
-    assert SD.combine([R, R]) == R and SD.combine([R, INC]) == INC and SD.combine([INC, NR]) == NR
+    assert SV.combine([R, R]) == R and SV.combine([R, INC]) == INC and SV.combine([INC, NR]) == NR
 
 
 def run(group, scheme, L, seed, lr, loss, **kw):
@@ -47,7 +47,7 @@ def run(group, scheme, L, seed, lr, loss, **kw):
 
 
 def study(**kw):
-    return SD.Study(name="t", scale="t", description="", note="", base="demo", sets=[], groups=[], claims=[], **kw)
+    return SS.Study(name="t", scale="t", description="", note="", base="demo", sets=[], groups=[], claims=[], **kw)
 
 
 def test_margin_grows_uses_each_seeds_best_lr():
@@ -57,13 +57,13 @@ def test_margin_grows_uses_each_seeds_best_lr():
         for L, m in ((16, m16), (64, m64)):
             runs += [run("g", "pre_ln", L, seed, 1e-3, 3.0 + m), run("g", "pre_ln", L, seed, 1e-2, 3.5),
                      run("g", "keel", L, seed, 1e-3, 3.2), run("g", "keel", L, seed, 1e-2, 3.0)]
-    c = SD.claim_margin_grows(study(), runs, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})
+    c = SV.claim_margin_grows(study(), runs, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})
     assert [r["sublayers"] for r in c["rows"]] == [16, 64]
     assert c["rows"][1]["margin"]["diffs"] == pytest.approx({0: 0.30, 1: 0.20})
     growth = next(v for k, v in c["parts"].items() if k.startswith("growth"))
     # the plateau exit of each seed's best run beside the margin (Pre-LN at 256 sub-layers left at steps 317, 411)
     late = [dict(r, plateau_exit_step=400 if r["scheme"] == "pre_ln" else 50) for r in runs]
-    c_late = SD.claim_margin_grows(study(), late, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})
+    c_late = SV.claim_margin_grows(study(), late, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})
     assert c_late["rows"][1]["plateau_exit"] == {"pre_ln": {0: 400, 1: 400}, "keel": {0: 50, 1: 50}}
     assert growth["diffs"] == pytest.approx({0: 0.25, 1: 0.16}) and growth["verdict"] == R
     assert c["verdict"] == R
@@ -72,7 +72,7 @@ def test_margin_grows_uses_each_seeds_best_lr():
     assert eq[(16, 1e-3)] == pytest.approx({0: 3.05 - 3.2, 1: 3.04 - 3.2})
     assert eq[(64, 1e-3)] == pytest.approx({0: 3.30 - 3.2, 1: 3.20 - 3.2}) and eq[(64, 1e-2)] == {0: 0.5, 1: 0.5}
     assert [(r["sublayers"], r["lr"]) for r in c["equal_lr"]] == [(16, 1e-3), (16, 1e-2), (64, 1e-3), (64, 1e-2)]
-    md = "\n".join(SD.claim_section({"id": "b", "title": "t", "test": "margin_grows", "scheme": "keel",
+    md = "\n".join(SR.claim_section({"id": "b", "title": "t", "test": "margin_grows", "scheme": "keel",
                                       "baseline": "pre_ln"}, c))
     assert "| 64 | 0.01 | +0.500 ± 0.000 [s0 +0.500, s1 +0.500] |" in md
     # each depth's row: its direction in words (not a verdict on the claim) and where each seed's best came from
@@ -84,18 +84,18 @@ def test_margin_grows_uses_each_seeds_best_lr():
     stuck = {"mode": "stagnation", "step": 200, "evidence": {}}
     late = [dict(r, diverged=True, divergence=stuck, plateau_exit_step=400 if r["lr"] == 1e-3 else None)
             if r["scheme"] == "pre_ln" else r for r in late]
-    row = SD.claim_margin_grows(study(), late, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})["rows"][1]
+    row = SV.claim_margin_grows(study(), late, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})["rows"][1]
     assert (row["baseline_runs"], row["baseline_diverged_runs"], row["baseline_recovered_runs"]) == (4, 4, 2)
-    assert SD._flagged(row) == "4 of 4 (2 left the plateau later)"
+    assert SR._flagged(row) == "4 of 4 (2 left the plateau later)"
     assert "(reproduced); growth 16 -> 64 sub-layers: +0.205 ± 0.064 [s0 +0.250, s1 +0.160] (reproduced)" in md
     # the gap gone at depth: not reproduced; one seed only: inconclusive
     flat = [dict(r, capped_loss=3.0) for r in runs]
-    assert SD.claim_margin_grows(study(), flat, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})["verdict"] == NR
+    assert SV.claim_margin_grows(study(), flat, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})["verdict"] == NR
     one = [r for r in runs if r["seed"] == 0]
-    assert SD.claim_margin_grows(study(), one, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})["verdict"] == INC
+    assert SV.claim_margin_grows(study(), one, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})["verdict"] == INC
     # an unfinished LR leaves that seed out
     part = [dict(r, status="pending") if (r["seed"], r["lr"], r["scheme"]) == (1, 1e-2, "keel") else r for r in runs]
-    c = SD.claim_margin_grows(study(), part, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})
+    c = SV.claim_margin_grows(study(), part, {"groups": ["g"], "scheme": "keel", "baseline": "pre_ln"})
     assert list(c["rows"][0]["margin"]["diffs"]) == [0] and c["verdict"] == INC
 
 
@@ -106,16 +106,16 @@ def test_lr_transfer_and_edges():
             for lr, loss in ((1e-3, 3.2), (3e-3, 3.0), (1e-2, 3.1)):
                 runs.append(run("g", "keel", L, seed, lr, loss))
                 runs.append(run("g", "post_ln", L, seed, lr, loss if L == 16 else {1e-3: 3.0, 3e-3: 3.1, 1e-2: 3.3}[lr]))
-    c = SD.claim_lr_transfer(study(), runs, {"group": "g", "scheme": "keel"})
+    c = SV.claim_lr_transfer(study(), runs, {"group": "g", "scheme": "keel"})
     assert c["verdict"] == R and c["log10_shift"] == {0: 0.0, 1: 0.0}
-    p = SD.claim_lr_transfer(study(), runs, {"group": "g", "scheme": "post_ln"})
+    p = SV.claim_lr_transfer(study(), runs, {"group": "g", "scheme": "post_ln"})
     assert p["verdict"] == INC  # its optimum moved to the grid's edge: the grid is too narrow to say
     moved = [dict(r, capped_loss={1e-3: 3.3, 3e-3: 3.1, 1e-2: 3.0}[r["lr"]]) if r["sublayers"] == 64 else r
              for r in runs if r["scheme"] == "keel"]
     for r in moved:
         if r["sublayers"] == 16 and r["lr"] == 1e-2:
             r["capped_loss"] = 3.05
-    assert SD.claim_lr_transfer(study(), moved + [run("g", "keel", 64, 0, 3e-2, 3.5), run("g", "keel", 64, 1, 3e-2, 3.5),
+    assert SV.claim_lr_transfer(study(), moved + [run("g", "keel", 64, 0, 3e-2, 3.5), run("g", "keel", 64, 1, 3e-2, 3.5),
                                                   run("g", "keel", 16, 0, 3e-2, 3.5), run("g", "keel", 16, 1, 3e-2, 3.5)],
                                 {"group": "g", "scheme": "keel"})["verdict"] == NR
 
@@ -125,7 +125,7 @@ def test_init_margin_takes_each_schemes_better_init():
     for seed in (0, 1):
         runs += [run("ref", "pre_ln", 64, seed, 1e-2, 3.6), run("ref", "keel", 64, seed, 1e-2, 3.1),
                  run("init", "pre_ln", 64, seed, 1e-2, 3.15 + 0.01 * seed), run("init", "keel", 64, seed, 1e-2, 3.3)]
-    c = SD.claim_init_margin(study(), runs, {"group": "init", "reference_group": "ref", "scheme": "keel",
+    c = SV.claim_init_margin(study(), runs, {"group": "init", "reference_group": "ref", "scheme": "keel",
                                              "baseline": "pre_ln"})
     assert c["margin_best_init"]["diffs"] == pytest.approx({0: 0.05, 1: 0.06}) and c["verdict"] == R
     assert c["rows"]["margin, default init"]["diffs"] == pytest.approx({0: 0.5, 1: 0.5})
@@ -138,12 +138,12 @@ def test_max_lr_order_censoring():
         rr += [run("ramp", "post_ln", 64, seed, 5e-2, 0, max_lr=1e-3, peak_lr=5e-2),
                run("ramp", "pre_ln", 64, seed, 5e-2, 0, max_lr=8e-3 + seed * 1e-3, peak_lr=5e-2),
                run("ramp", "keel", 64, seed, 5e-2, 0, max_lr=None, peak_lr=5e-2)]
-    c = SD.claim_max_lr_order(study(), rr, {"group": "ramp", "order": ["post_ln", "pre_ln", "keel"]})
+    c = SV.claim_max_lr_order(study(), rr, {"group": "ramp", "order": ["post_ln", "pre_ln", "keel"]})
     assert c["parts"]["post_ln < pre_ln at 64"]["diffs"][0] == pytest.approx(math.log10(8))
     assert c["parts"]["pre_ln < keel at 64"]["diffs"][1] == pytest.approx(math.log10(5e-2 / 9e-3))
     assert c["verdict"] == R
     both_censored = [dict(r, max_lr=None) if r["scheme"] != "post_ln" else r for r in rr]
-    c = SD.claim_max_lr_order(study(), both_censored, {"group": "ramp", "order": ["post_ln", "pre_ln", "keel"]})
+    c = SV.claim_max_lr_order(study(), both_censored, {"group": "ramp", "order": ["post_ln", "pre_ln", "keel"]})
     # neither diverged in any seed: censored, no evidence (was "not reproduced" before censored pairs were left out)
     assert c["parts"]["pre_ln < keel at 64"]["n"] == 0 and c["parts"]["pre_ln < keel at 64"]["verdict"] == INC
     assert c["verdict"] == INC
@@ -152,9 +152,9 @@ def test_max_lr_order_censoring():
 def test_max_lr_order_judges_a_censored_pair_on_the_extended_ramp():
     """At width 64 both Pre-LN and Keel reach about the ramp's 5e-2 peak: the pair is judged on
     the same ramp continued to 0.1 (extended_group) once all its runs there have finished."""
-    st = SD.Study(name="t", scale="t", description="", note="", base="demo", sets=[], claims=[],
-                  groups=[SD.Group("ramp", ["post_ln", "pre_ln", "keel"], [64], [0, 1], kind="ramp"),
-                          SD.Group("long", ["pre_ln", "keel"], [64], [0, 1], kind="ramp", peak_lr=0.1, ramp_steps=2000)])
+    st = SS.Study(name="t", scale="t", description="", note="", base="demo", sets=[], claims=[],
+                  groups=[SS.Group("ramp", ["post_ln", "pre_ln", "keel"], [64], [0, 1], kind="ramp"),
+                          SS.Group("long", ["pre_ln", "keel"], [64], [0, 1], kind="ramp", peak_lr=0.1, ramp_steps=2000)])
     claim = {"group": "ramp", "extended_group": "long", "order": ["post_ln", "pre_ln", "keel"]}
     rr = []
     for seed, (pre, keel) in enumerate([(4.4e-2, 8e-2), (5.5e-2, None)]):
@@ -163,22 +163,22 @@ def test_max_lr_order_judges_a_censored_pair_on_the_extended_ramp():
                run("ramp", "keel", 64, seed, 5e-2, 0, max_lr=None, peak_lr=5e-2),
                run("long", "pre_ln", 64, seed, 0.1, 0, max_lr=pre, peak_lr=0.1),
                run("long", "keel", 64, seed, 0.1, 0, max_lr=keel, peak_lr=0.1)]
-    c = SD.claim_max_lr_order(st, rr, claim)
+    c = SV.claim_max_lr_order(st, rr, claim)
     part = c["parts"]["pre_ln < keel at 64 (ramp to 0.1)"]
     assert part["diffs"] == pytest.approx({0: math.log10(8e-2 / 4.4e-2), 1: math.log10(0.1 / 5.5e-2)})
     assert set(c["parts"]) == {"post_ln < pre_ln at 64", "pre_ln < keel at 64 (ramp to 0.1)"} and c["verdict"] == R
     assert [(r["group"], r["peak_lr"]) for r in c["rows"]] == [("ramp", 5e-2), ("long", 0.1)]
-    md = "\n".join(SD.claim_section({"id": "a", "title": "t", "test": "max_lr_order", **claim}, c))
+    md = "\n".join(SR.claim_section({"id": "a", "title": "t", "test": "max_lr_order", **claim}, c))
     assert "| 0.1 (long) | 64 | — | [s0 0.044, s1 0.055] | [s0 0.08, s1 none] |" in md
     assert "- ramp to 0.1, 64 sub-layers, keel s1: no verdict" in md
     # one extended run unfinished: the pair is judged on the first ramp (seed 1 both censored: left out)
     part_done = [dict(r, status="pending") if (r["group"], r["seed"], r["scheme"]) == ("long", 1, "keel") else r
                  for r in rr]
-    c = SD.claim_max_lr_order(st, part_done, claim)
+    c = SV.claim_max_lr_order(st, part_done, claim)
     assert c["parts"]["pre_ln < keel at 64"]["diffs"] == pytest.approx({0: math.log10(5e-2 / 4.4e-2)})
     assert c["verdict"] == INC
     # a scale that does not size the extended group reads the first ramp only
-    c = SD.claim_max_lr_order(replace(st, groups=st.groups[:1]), rr, claim)
+    c = SV.claim_max_lr_order(replace(st, groups=st.groups[:1]), rr, claim)
     assert "pre_ln < keel at 64" in c["parts"] and all(r["group"] == "ramp" for r in c["rows"])
 
 
@@ -200,16 +200,16 @@ def test_runs_verdicts_in_words(divergence, words):
     divergence = dict(divergence or {})
     rec.update(verdict=divergence.get("mode", "healthy"), divergence=divergence or None,
                plateau_exit_step=divergence.pop("plateau_exit_step", None))
-    assert SD.verdict_words(rec) == words
-    c = SD.claim_max_lr_order(study(), [rec], {"group": "ramp", "order": ["pre_ln", "keel"]})
+    assert SV.verdict_words(rec) == words
+    c = SV.claim_max_lr_order(study(), [rec], {"group": "ramp", "order": ["pre_ln", "keel"]})
     assert c["rows"][0]["verdicts"] == {"keel s1": words}
 
 
 def test_claims_without_finished_runs_say_so():
     """Before any run finished, (d) printed "16 sub-layers [], 64 sub-layers []" and (e) "–"."""
-    st = SD.load_study("claims", "cpu")
-    runs, _ = SD.collect(st, "unused", Path("unused"), train=False)
-    words = {cl["id"]: SD.claim_numbers(SD.CLAIM_TESTS[cl["test"]](st, runs, cl)) for cl in st.claims}
+    st = SS.load_study("claims", "cpu")
+    runs, _ = SRun.collect(st, "unused", Path("unused"), train=False)
+    words = {cl["id"]: SR.claim_numbers(SV.CLAIM_TESTS[cl["test"]](st, runs, cl)) for cl in st.claims}
     assert words == {"a": "no finished ramp runs", "b": "needs paired results at two depths at least",
                      "c": "needs paired results at two depths at least",
                      "d": "no seed has keel's LR grid finished at both 16 and 64 sub-layers",
@@ -219,14 +219,14 @@ def test_claims_without_finished_runs_say_so():
 def test_groups_no_claim_reads_get_their_own_section():
     """The 1024-sub-layer showcase and the residual bench had no section: their runs showed only
     in the best-loss and every-run tables, without their note or their own settings."""
-    st = SD.load_study("claims", "cpu")
+    st = SS.load_study("claims", "cpu")
     runs = [run("showcase", "keel", 1024, 0, 3e-3, 4.1, tokens=153_600, first_val_loss=6.24, final_val_loss=4.1,
                 plateau_exit_step=41, verdict="healthy"),
             run("showcase", "post_ln", 1024, 0, 3e-3, 6.2, tokens=153_600, first_val_loss=6.24, final_val_loss=6.2,
                 plateau_exit_step=None, verdict="stagnation"),
             dict(run("showcase", "pre_ln", 1024, 0, 3e-3, 0), status="pending"),
             run("lr-grid", "keel", 16, 0, 1e-2, 3.0)]
-    md = SD.unclaimed_group_sections(st, runs)
+    md = SR.unclaimed_group_sections(st, runs)
     assert [x for x in md if x.startswith("## ")] == ["## Group showcase (no claim reads it)",
                                                        "## Group bench (no claim reads it)"]
     assert any(x.startswith("The paper's core claim at its deepest depth") for x in md)
@@ -239,15 +239,15 @@ def test_groups_no_claim_reads_get_their_own_section():
 def test_plateau_exit_step():
     recs = [{"step": s, "loss": 6.0 if s < 20 else 4.0} for s in range(1, 41)]
     # trailing window ending at step s holds s - 19 losses of 4: mean (5*6 + 5*4)/10 = 5.0 at s = 24
-    assert SD.plateau_exit_step(recs, 5.0, window=10) == 25
-    assert SD.plateau_exit_step(recs, 5.01, window=10) == 24
-    assert SD.plateau_exit_step(recs, 3.0) is None and SD.plateau_exit_step(recs, None) is None
+    assert SRun.plateau_exit_step(recs, 5.0, window=10) == 25
+    assert SRun.plateau_exit_step(recs, 5.01, window=10) == 24
+    assert SRun.plateau_exit_step(recs, 3.0) is None and SRun.plateau_exit_step(recs, None) is None
 
 
 @pytest.mark.parametrize("name", preset_names("studies"))
 @pytest.mark.parametrize("scale", ["tiny", "cpu", "gpu-1", "paper"])
 def test_shipped_studies_plan(name, scale):
-    plan = SD.run_study(name, scale, "unused", dry_run=True)
+    plan = SRun.run_study(name, scale, "unused", dry_run=True)
     rows = {r["group"]: r for r in plan["plan"]}
     assert rows and all(r["runs"] > 0 and r["tokens"] > 0 for r in rows.values())
     if scale == "cpu":
@@ -270,7 +270,7 @@ def test_groups_compared_with_each_other_train_the_same_tokens(scale):
     """(e) takes each scheme's better init across the init group and the lr-grid, and the bench
     is read against the lr-grid's rows: at the paper scale init and bench ran 23,842 steps
     against the lr-grid's 238,419 (a tenth of the tokens)."""
-    rows = {r["group"]: r for r in SD.run_study("claims", scale, "unused", dry_run=True)["plan"]}
+    rows = {r["group"]: r for r in SRun.run_study("claims", scale, "unused", dry_run=True)["plan"]}
     for group in ("init", "bench", "transfer"):
         assert rows[group]["tokens_per_run"] == rows["lr-grid"]["tokens_per_run"], group
 
@@ -279,26 +279,26 @@ def test_groups_compared_with_each_other_train_the_same_tokens(scale):
 def test_claim_rules_name_the_claims_schemes(name):
     """The report states each claim's rule with its schemes (was the docstring's
     ``claim["order"]``/``scheme`` placeholders, verbatim)."""
-    st = SD.load_study(name, "cpu")
+    st = SS.load_study(name, "cpu")
     for claim in st.claims:
-        rule = SD.claim_rule(claim)
+        rule = SR.claim_rule(claim)
         assert "claim[" not in rule and "``" not in rule and "{" not in rule
         for key in ("scheme", "baseline"):
             assert claim.get(key, "keel" if key == "scheme" else "") in rule
-    claims = {c["id"]: SD.claim_rule(c) for c in st.claims}
+    claims = {c["id"]: SR.claim_rule(c) for c in st.claims}
     if name == "claims":
         assert claims["a"].endswith("increases along post_ln < deepnorm < pre_ln < keel.")
         assert claims["b"].startswith("keel beats pre_ln at the deepest depth")
-        assert SD.claim_section(st.claims[0], {"verdict": INC, "why": "no finished ramp runs", "rows": []})[-2:] \
+        assert SR.claim_section(st.claims[0], {"verdict": INC, "why": "no finished ramp runs", "rows": []})[-2:] \
             == ["|---|---|---|---|---|---|", ""]  # no "peak LR 0" footnote without ramp runs
 
 
 def test_group_jobs_run_the_seeds_of_a_cell_side_by_side(tmp_path):
     """Order depth, scheme, LR, seed: the first 2k jobs of a partial grid are k paired cells
     (seed-major order left every cell of a 64-sub-layer group unpaired for hours)."""
-    study = SD.load_study("claims", "cpu")
+    study = SS.load_study("claims", "cpu")
     g = next(g for g in study.groups if g.name == "lr-grid")
-    _, jobs = SD.group_jobs(study, g, "unused", tmp_path)
+    _, jobs = SRun.group_jobs(study, g, "unused", tmp_path)
     key = [(j.values["model.n_layers"], j.values["model.residual"], j.values["train.lr"], j.values["train.seed"])
            for j in jobs]
     rank = {s: i for i, s in enumerate(g.schemes)}
@@ -311,11 +311,11 @@ def test_report_counts_say_what_is_left_out(tmp_path):
     """Before anything ran, the report names the runs of a group not planned yet and says
     that a ramp group's reference runs are not counted, so its total (167 - 16 - 2 - 2 = 147 at
     the cpu scale) reconciles with --dry-run's."""
-    study = SD.load_study("claims", "cpu")
-    runs, waiting = SD.collect(study, "unused", tmp_path, train=False)
+    study = SS.load_study("claims", "cpu")
+    runs, waiting = SRun.collect(study, "unused", tmp_path, train=False)
     assert len(runs) == 147 and all(r["status"] == "pending" for r in runs)
     assert waiting == ["group transfer (16 runs) waits for group lr-grid at 64 sub-layers"]
-    md = SD.report_markdown(study, [], runs, "keel study claims --scale cpu", waiting)
+    md = SR.report_markdown(study, [], runs, "keel study claims --scale cpu", waiting)
     assert ("Runs finished: 0 of 147 planned so far. Unfinished: lr-grid 80 (keel, pre_ln, post_ln, deepnorm; "
             "read by (b), (c), (d), (e)); ramp 8 (post_ln, deepnorm, pre_ln, keel; read by (a)); ") in md
     assert ("bench 32 (peri_ln, hyper_connections, mhc, attn_res; read by no claim). The ramp groups' reference runs "
@@ -323,7 +323,7 @@ def test_report_counts_say_what_is_left_out(tmp_path):
             "for group lr-grid") in md
     # the last runs of the cpu study: DeepNorm at 256 sub-layers and the bench, which no verdict reads
     done = [dict(r, status="done") if r["group"] != "bench" and r["scheme"] != "deepnorm" else r for r in runs]
-    assert SD.unfinished_words(study, done) == (" Unfinished: lr-grid 20 (deepnorm; read by no claim); ramp 2 (deepnorm; "
+    assert SR.unfinished_words(study, done) == (" Unfinished: lr-grid 20 (deepnorm; read by no claim); ramp 2 (deepnorm; "
                                                 "read by (a)); bench 32 (peri_ln, hyper_connections, mhc, attn_res; "
                                                 "read by no claim).")
 
@@ -335,28 +335,28 @@ def test_report_counts_say_what_is_left_out(tmp_path):
 def test_a_depths_margin_is_said_in_words_not_as_a_verdict(diffs, words):
     """A depth's row said "not reproduced" where the shallow depth merely favoured the baseline;
     two tiny negative margins (inside the 0.02 floor) read "pre_ln better"."""
-    assert SD.direction(SD.paired_verdict(diffs, 0.02, 2), "keel", "pre_ln") == words
+    assert SR.direction(SV.paired_verdict(diffs, 0.02, 2), "keel", "pre_ln") == words
 
 
 def test_the_report_states_which_rule_each_claim_follows():
-    st = SD.load_study("claims", "cpu")
-    rule = SD.verdict_rule(st, st.claims)
+    st = SS.load_study("claims", "cpu")
+    rule = SR.verdict_rule(st, st.claims)
     assert rule.startswith("Rule of (a), (b), (c), (e): paired per-seed differences d")
     assert "for (a) log10 ratios of max LR, f = log10 1.05 = 0.021, a 5% ratio" in rule  # said "d ≥ 0.02" for (a)
     assert rule.endswith("(d) has its own rule, stated in its section.")
-    assert set(SD.CLAIM_UNITS) == set(SD.CLAIM_TESTS)
+    assert set(SV.CLAIM_UNITS) == set(SV.CLAIM_TESTS)
     # every claim before any run finished (an (e) without init runs crashed the report: rows [] .items())
-    claims = [(c, SD.CLAIM_TESTS[c["test"]](st, [], c)) for c in st.claims]
-    md = SD.report_markdown(st, claims, [], "keel study claims --scale cpu").splitlines()
+    claims = [(c, SV.CLAIM_TESTS[c["test"]](st, [], c)) for c in st.claims]
+    md = SR.report_markdown(st, claims, [], "keel study claims --scale cpu").splitlines()
     table = md[md.index("| claim | verdict | numbers: mean ± sd [per seed] | unit |"):][2:7]
     assert [row.rsplit("|", 2)[1].strip() for row in table] == ["log10 of the max-LR ratio", "nats/token",
                                                                 "nats/token", "peak LR", "nats/token"]
-    assert "deepest depth of group lr-grid, which trains its whole LR grid" in SD.claim_rule(
+    assert "deepest depth of group lr-grid, which trains its whole LR grid" in SR.claim_rule(
         next(c for c in st.claims if c["id"] == "d"))
     d = next(c for c in st.claims if c["id"] == "d")
-    assert "own rule" in SD.claim_rule(d) and "edge of the LR grid" in SD.claim_rule(d)
+    assert "own rule" in SR.claim_rule(d) and "edge of the LR grid" in SR.claim_rule(d)
     b = next(c for c in st.claims if c["id"] == "b")
-    section = SD.claim_section(b, {"verdict": INC, "why": "-", "rows": []})
+    section = SR.claim_section(b, {"verdict": INC, "why": "-", "rows": []})
     assert any(line.startswith("What the paper shows: Table 3 gives benchmark averages") for line in section)
 
 
@@ -364,12 +364,12 @@ def test_transfer_group_trains_the_optimum_and_the_grid_steps_around_it(tmp_path
     """lr_from_steps [0, -1]: each scheme at its transferred optimum and the next lower LR of the
     source grid (Keel at 256 sub-layers stagnated at the 64-sub-layer optimum 1e-2 in one seed);
     points off the grid are left out."""
-    study = SD.load_study("claims", "cpu")
+    study = SS.load_study("claims", "cpu")
     g = next(x for x in study.groups if x.name == "transfer")
     assert g.lr_from_steps == [0, -1]
-    lrs = SD.stepped_lrs(study, g, {"keel": 1e-2, "pre_ln": 3e-3, "post_ln": 3e-4, "deepnorm": 0.0100001})
+    lrs = SRun.stepped_lrs(study, g, {"keel": 1e-2, "pre_ln": 3e-3, "post_ln": 3e-4, "deepnorm": 0.0100001})
     assert lrs == {"keel": [3e-3, 1e-2], "pre_ln": [1e-3, 3e-3], "post_ln": [3e-4], "deepnorm": [3e-3, 1e-2]}
-    _, jobs = SD.group_jobs(study, g, "unused", tmp_path, lrs)
+    _, jobs = SRun.group_jobs(study, g, "unused", tmp_path, lrs)
     assert sorted((j.values["model.residual"], j.values["train.lr"], j.values["train.seed"]) for j in jobs
                   if j.values["model.residual"] == "keel") == [("keel", 3e-3, 0), ("keel", 3e-3, 1), ("keel", 1e-2, 0),
                                                               ("keel", 1e-2, 1)]
@@ -378,16 +378,16 @@ def test_transfer_group_trains_the_optimum_and_the_grid_steps_around_it(tmp_path
 
 def test_bad_study_input(tmp_path):
     with pytest.raises(KeelError, match="no scale 'huge'"):
-        SD.load_study("claims", "huge")
+        SS.load_study("claims", "huge")
     with pytest.raises(KeelError, match="unknown study 'nope'"):
-        SD.load_study("nope", "cpu")
+        SS.load_study("nope", "cpu")
     bad = tmp_path / "s.toml"
     bad.write_text('[groups.g]\nschemes = ["keel", "nonsense"]\n[scales.x.groups.g]\nsublayers=[2]\nseeds=[0]\nlrs=[1e-3]\n')
     with pytest.raises(KeelError, match="unknown scheme"):
-        SD.load_study(str(bad), "x")
+        SS.load_study(str(bad), "x")
     bad.write_text('[groups.g]\nschemes = ["keel"]\n[scales.x.groups.g]\nsublayers=[3]\nseeds=[0]\nlrs=[1e-3]\n')
     with pytest.raises(KeelError, match="even integers"):
-        SD.load_study(str(bad), "x")
+        SS.load_study(str(bad), "x")
 
 
 RAMPS = ('[groups.r]\nkind = "ramp"\nschemes = ["pre_ln", "keel"]\n'
@@ -462,29 +462,29 @@ def test_bad_study_files(tmp_path, text, match):
     p = tmp_path / "s.toml"
     p.write_text(text)
     with pytest.raises(KeelError, match=match):
-        SD.load_study(str(p), "x")
+        SS.load_study(str(p), "x")
     with pytest.raises(KeelError, match="set by the study's groups"):
-        SD.load_study("claims", "tiny", ["model.residual=keel"])
+        SS.load_study("claims", "tiny", ["model.residual=keel"])
 
 
 def test_a_study_file_that_is_not_utf8(tmp_path):
     p = tmp_path / "bin.toml"
     p.write_bytes(b"\xff\xfe[groups]\n")
     with pytest.raises(KeelError, match="cannot read study .*bin.toml: not UTF-8 text"):
-        SD.load_study(str(p), "x")
+        SS.load_study(str(p), "x")
 
 
 def test_set_wins_over_a_groups_own_keys(tmp_path):
     """`--set` reaches every run, as --help says: it used to lose to a group's `set` (the
     showcase kept its own train.steps, the init group its embed_init_std)."""
-    st = SD.load_study("claims", "tiny", ["train.steps=7", "model.embed_init_std=0.5"])
+    st = SS.load_study("claims", "tiny", ["train.steps=7", "model.embed_init_std=0.5"])
     for name in ("showcase", "init", "lr-grid"):
         g = next(x for x in st.groups if x.name == name)
-        _, jobs = SD.group_jobs(st, g, "unused", tmp_path)
+        _, jobs = SRun.group_jobs(st, g, "unused", tmp_path)
         assert {(j.config["train"]["steps"], j.config["model"]["embed_init_std"]) for j in jobs} == {(7, 0.5)}
-    plain = SD.load_study("claims", "tiny")
+    plain = SS.load_study("claims", "tiny")
     g = next(x for x in plain.groups if x.name == "showcase")
-    assert {j.config["train"]["steps"] for j in SD.group_jobs(plain, g, "unused", tmp_path)[1]} == {4}
+    assert {j.config["train"]["steps"] for j in SRun.group_jobs(plain, g, "unused", tmp_path)[1]} == {4}
 
 
 def test_study_command_is_the_one_that_trains_everything():
@@ -499,31 +499,31 @@ def test_study_command_is_the_one_that_trains_everything():
 def test_a_folder_stopped_before_its_first_run_starts_again_without_resume(tmp_path):
     """Ctrl-C before the first grid left only study.json: the same command was then refused as
     "not empty; use --resume"."""
-    st = SD.load_study("claims", "tiny")
+    st = SS.load_study("claims", "tiny")
     out = tmp_path / "s"
-    assert SD._claim_out(out, st, "keel study claims --scale tiny --groups ramp", resume=False, report_only=False)
-    assert SD._claim_out(out, st, "keel study claims --scale tiny", resume=False,
+    assert SRun._claim_out(out, st, "keel study claims --scale tiny --groups ramp", resume=False, report_only=False)
+    assert SRun._claim_out(out, st, "keel study claims --scale tiny", resume=False,
                          report_only=False) == "keel study claims --scale tiny"
     (out / "ramp").mkdir()
     with pytest.raises(KeelError, match="is not empty; use --resume"):
-        SD._claim_out(out, st, "keel study claims --scale tiny", resume=False, report_only=False)
+        SRun._claim_out(out, st, "keel study claims --scale tiny", resume=False, report_only=False)
 
 
 def test_out_belongs_to_one_study_and_scale(tmp_path, keel_cli):
     (tmp_path / "file").write_text("x")
     with pytest.raises(KeelError, match="not a folder"):
-        SD.run_study("claims", "tiny", tmp_path / "file", resume=True)
+        SRun.run_study("claims", "tiny", tmp_path / "file", resume=True)
     with pytest.raises(KeelError, match="holds no study"):
-        SD.run_study("claims", "tiny", tmp_path / "nothing", report_only=True)
+        SRun.run_study("claims", "tiny", tmp_path / "nothing", report_only=True)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "study.json").write_text(json.dumps({"study": "claims", "scale": "cpu"}))
     with pytest.raises(KeelError, match="holds study 'claims' at scale 'cpu'"):
-        SD.run_study("claims", "tiny", tmp_path / "other", resume=True)
+        SRun.run_study("claims", "tiny", tmp_path / "other", resume=True)
     r = keel_cli("study", "claims", "--scale", "tiny", "--threads", "-2", "--workers", "0", "--out", tmp_path / "t")
     assert r.returncode == 2 and "--threads must be >= 0" in r.stderr and "Traceback" not in r.stderr
     # a bad --set is refused before the folder is claimed (was: study.json written, the fixed command refused)
     with pytest.raises(KeelError, match="train.compile must be true or false"):
-        SD.run_study("claims", "tiny", tmp_path / "bad-set", ["train.compile=maybe"])
+        SRun.run_study("claims", "tiny", tmp_path / "bad-set", ["train.compile=maybe"])
     assert not (tmp_path / "bad-set").exists()
 
 
@@ -644,7 +644,7 @@ def test_groups_flag_trains_only_the_named_groups(keel_cli, tiny_data, tmp_path)
     """`--groups init,showcase` trains those groups and only reads the rest, so a long study
     can run its cheap groups first; the report still lists every group's runs."""
     out = tmp_path / "study"
-    r = SD.run_study("claims", "tiny", out, [f"data.path={tiny_data}"], workers=0, groups=["showcase", "init"])
+    r = SRun.run_study("claims", "tiny", out, [f"data.path={tiny_data}"], workers=0, groups=["showcase", "init"])
     status = {}
     for x in r["runs"]:
         status.setdefault(x["group"], set()).add(x["status"])
@@ -662,14 +662,14 @@ def test_groups_flag_trains_only_the_named_groups(keel_cli, tiny_data, tmp_path)
 def test_report_tells_ramp_budgets_from_training_budgets():
     """The count line listed every distinct token count (282,624, 306,176, ... 1,024,000), so a
     ramp run stopped at its divergence read like a training run short of the 1M budget."""
-    s = SD.load_study("claims", "cpu")
+    s = SS.load_study("claims", "cpu")
     done = [run("lr-grid", "keel", 16, 0, 1e-2, 3.0, tokens=1_024_000),
             run("showcase", "keel", 1024, 0, 3e-3, 5.0, tokens=153_600),
             run("ramp", "post_ln", 64, 0, 5e-2, 0, tokens=306_176), run("ramp", "keel", 64, 0, 5e-2, 0, tokens=1_024_000)]
-    assert SD.tokens_words(s, done) == (" (tokens per finished run: training runs 153,600, 1,024,000; "
+    assert SR.tokens_words(s, done) == (" (tokens per finished run: training runs 153,600, 1,024,000; "
                                         "ramp runs 306,176–1,024,000 (a ramp run stops at its divergence))")
-    assert SD.tokens_words(s, done[:1]) == " (tokens per finished run: training runs 1,024,000)"
-    assert SD.tokens_words(s, []) == ""
+    assert SR.tokens_words(s, done[:1]) == " (tokens per finished run: training runs 1,024,000)"
+    assert SR.tokens_words(s, []) == ""
 
 
 def test_study_flags_refused_before_anything_is_written(keel_cli, tmp_path):
@@ -697,8 +697,8 @@ def test_study_flags_refused_before_anything_is_written(keel_cli, tmp_path):
 
 def test_dry_run_prices_the_named_groups():
     """--groups with --dry-run plans only those groups; the H100 is named only for its own peak."""
-    full = SD.run_study("claims", "paper", "unused", dry_run=True)
-    part = SD.run_study("claims", "paper", "unused", dry_run=True, groups=["ramp", "init"], peak_tflops=1978)
+    full = SRun.run_study("claims", "paper", "unused", dry_run=True)
+    part = SRun.run_study("claims", "paper", "unused", dry_run=True, groups=["ramp", "init"], peak_tflops=1978)
     assert [r["group"] for r in part["plan"]] == ["ramp", "init"]
     ramp = next(r for r in full["plan"] if r["group"] == "ramp")
     assert next(r for r in part["plan"] if r["group"] == "ramp")["gpu_hours"] == pytest.approx(ramp["gpu_hours"] / 2)
@@ -711,7 +711,7 @@ def test_dry_run_of_a_study_whose_vocab_size_is_auto(tmp_path):
     exists; --dry-run used to refuse such a study with a Python hint."""
     p = tmp_path / "s.toml"
     p.write_text(GROUP + CLAIM + '[scales.x.set]\n"model.vocab_size" = "auto"\n')
-    plan = SD.run_study(str(p), "x", tmp_path / "out", dry_run=True)["plan"]
+    plan = SRun.run_study(str(p), "x", tmp_path / "out", dry_run=True)["plan"]
     assert plan[0]["runs"] == 2 and plan[0]["gpu_hours"] > 0 and not (tmp_path / "out").exists()
 
 
@@ -719,7 +719,7 @@ def test_dry_run_of_a_study_whose_vocab_size_is_auto(tmp_path):
                                           (990_123.4, "990,123.4")])
 def test_plan_gpu_hours_words(hours, words):
     """The cpu-scale plan read "about 0.0 GPU-hours" for every group."""
-    assert SD._hours(hours) == words
+    assert SRun._hours(hours) == words
 
 
 def test_ctrl_c_says_how_to_continue_the_study(tiny_data, tmp_path):
@@ -758,7 +758,7 @@ def test_baseline_margins_pair_each_seed_over_the_benchs_lrs(tmp_path):
     p.write_text(GROUP.replace("lrs = [1e-3]", "lrs = [3e-4, 1e-3, 1e-2]").replace("seeds = [0]", "seeds = [0, 1, 2]")
                  + BENCH.replace("lrs = [1e-3]", "lrs = [1e-3, 1e-2]").replace("seeds = [0]", "seeds = [0, 1, 2]")
                  + CLAIM)
-    st = SD.load_study(str(p), "x")
+    st = SS.load_study(str(p), "x")
     bench = next(g for g in st.groups if g.name == "b")
     runs = []
     for seed, (k3, k2, p3, p2) in enumerate([(3.10, 3.30, 3.00, 3.40), (3.50, 3.20, 3.05, 3.90), (3.1, 3.1, 3.0, 3.0)]):
@@ -766,12 +766,12 @@ def test_baseline_margins_pair_each_seed_over_the_benchs_lrs(tmp_path):
                  run("g", "keel", 2, seed, 1e-2, k2), run("b", "peri_ln", 2, seed, 1e-3, p3),
                  run("b", "peri_ln", 2, seed, 1e-2, p2)]
     runs[-1]["status"] = "running"  # seed 2 of peri_ln unfinished
-    rows = SD.baseline_margins(st, bench, runs)
+    rows = SV.baseline_margins(st, bench, runs)
     assert [(r["sublayers"], r["scheme"], r["baseline"]) for r in rows] == [(2, "peri_ln", "keel")]
     m = rows[0]["margin"]
     assert m["diffs"] == pytest.approx({0: 3.10 - 3.00, 1: 3.20 - 3.05})
     assert m["verdict"] == R and m["n"] == 2
-    table = SD.baseline_table(st, bench, runs)
+    table = SR.baseline_table(st, bench, runs)
     assert table[2:4] == ["| sub-layers | scheme | vs keel |", "|---|---|---|"]
     assert table[4] == "| 2 | peri_ln | +0.125 ± 0.035 [s0 +0.100, s1 +0.150] (peri_ln better) |"
-    assert SD.baseline_margins(st, next(g for g in st.groups if g.name == "g"), runs) == []
+    assert SV.baseline_margins(st, next(g for g in st.groups if g.name == "g"), runs) == []

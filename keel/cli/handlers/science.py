@@ -24,7 +24,7 @@ from keel.experiments import ablate as A
 from keel.experiments import plot as P
 from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
-from keel.experiments import study as SD
+from keel.experiments.study.run import run_study
 from keel.experiments import sweep as S
 from keel.io import make_dirs
 from keel.model import SCHEMES
@@ -236,7 +236,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         raise KeelError("--report-only reads the finished runs as they were trained; do not combine it with --set")
     out = args.out or f"runs/study-{Path(args.name).stem}-{args.scale}"
     command = study_command(sys.argv[2:]) if len(sys.argv) > 2 else f"keel study {args.name}"
-    r = SD.run_study(args.name, args.scale, out, args.set, workers=args.workers, threads=args.threads or None,
+    r = run_study(args.name, args.scale, out, args.set, workers=args.workers, threads=args.threads or None,
                      resume=args.resume, report_only=args.report_only, dry_run=args.dry_run, mfu=args.mfu,
                      peak_tflops=args.peak_tflops, command=command, groups=groups)
     if args.dry_run:

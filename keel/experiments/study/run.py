@@ -1,0 +1,336 @@
+"""Run a study (``keel study``): its groups' jobs on the grid runner, each run's record,
+the dry-run estimate (tokens, GPU-hours), the report."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import statistics
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from keel.config import config_from_dict, load_config, override_text, resolve_config_path
+from keel.data import resolve_data
+from keel.data.stats import dataset_unigram_entropy
+from keel.errors import Interrupted, KeelError
+from keel.experiments import sensitivity as LS
+from keel.experiments import stress as ST
+from keel.experiments.grid import GridJob, cached_result, check_pool, run_grid
+from keel.experiments.study.report import report_markdown, write_plots
+from keel.experiments.study.spec import Group, Study, load_study
+from keel.experiments.study.verdicts import CLAIM_TESTS, baseline_margins
+from keel.experiments.sweep import build_jobs, check_train_job, param_count, train_task
+from keel.io import atomic_write_text, make_dirs
+from keel.train.metrics import read_metrics
+
+PLATEAU_WINDOW = 10  # steps of the trailing mean of the training loss that must fall below the plateau level
+
+_log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- jobs
+def group_jobs(study: Study, g: Group, data_dir: str, out: Path,
+               lr_for: dict[str, float] | None = None) -> tuple[list[GridJob], list[GridJob]]:
+    """(reference jobs, jobs) of one group: the stress test's for a ramp group, else one
+    :func:`keel.experiments.sweep.build_jobs` grid in the order depth, scheme (as the group lists
+    them), LR, seed: the seeds of one cell run side by side, so a partial group already holds
+    paired cells (every verdict needs >= 2 seeds) for its first schemes, instead of one seed of
+    every scheme. ``lr_for``: ``{scheme: [LR, ...]}`` of an ``lr_from`` group (:func:`stepped_lrs`).
+    Raises KeelError on a bad config."""
+    sets = study.all_sets(g)
+    if g.kind == "ramp":
+        return ST.stress_jobs(resolve_config_path(study.base), sets, g.schemes, g.sublayers, g.seeds, g.peak_lr,
+                              g.ramp_steps, Path(data_dir), out / g.name)
+    jobs = []
+    for scheme in g.schemes:
+        lrs = lr_for[scheme] if lr_for is not None else g.lrs
+        grid = {"model.n_layers": [L // 2 for L in g.sublayers], "train.seed": g.seeds,
+                "model.residual": [scheme], "train.lr": sorted(lrs)}
+        jobs += build_jobs(study.base, grid, sets, data_path=data_dir)
+    order = {s: i for i, s in enumerate(g.schemes)}
+    jobs.sort(key=lambda j: (j.values["model.n_layers"], order[j.values["model.residual"]], j.values["train.lr"],
+                             j.values["train.seed"]))
+    return [], jobs
+
+
+def transferred_lrs(runs: list[dict], g: Group) -> dict[str, float] | None:
+    """``{scheme: optimal LR}`` of group ``g.lr_from`` at ``g.lr_from_sublayers``: the argmin of
+    the seed-mean capped loss over its LR grid (:func:`keel.experiments.sensitivity.cell_summary`);
+    None until every scheme has every seed finished there."""
+    out = {}
+    for scheme in g.schemes:
+        rs = [r for r in runs if r["group"] == g.lr_from and r["scheme"] == scheme
+              and r["sublayers"] == g.lr_from_sublayers]
+        lrs = sorted({r["lr"] for r in rs})
+        curves = [LS.seed_curve([r["result"] for r in rs if r["seed"] == s], lrs) for s in g.seeds]
+        if not rs or any(c is None for c in curves):
+            return None
+        out[scheme] = LS.cell_summary(curves, lrs)["opt_lr"]
+    return out
+
+
+def stepped_lrs(study: Study, g: Group, opt: dict[str, float]) -> dict[str, list[float]]:
+    """``{scheme: [peak LR, ...]}`` of an ``lr_from`` group: the points of the source group's LR
+    grid ``g.lr_from_steps`` grid steps from each scheme's transferred optimum ``opt[scheme]``
+    (0 = the optimum, -1 = the next lower LR; a point off the grid is left out)."""
+    grid = sorted(next(x.lrs for x in study.groups if x.name == g.lr_from))
+    out = {}
+    for scheme, lr in opt.items():
+        i = min(range(len(grid)), key=lambda k: abs(math.log(grid[k] / lr)))
+        out[scheme] = [grid[i + k] for k in sorted(g.lr_from_steps) if 0 <= i + k < len(grid)]
+    return out
+
+
+# ----------------------------------------------------------------------------- run records
+def plateau_exit_step(records: Sequence[dict], level: float | None, window: int = PLATEAU_WINDOW) -> int | None:
+    """First step whose trailing mean training loss over ``window`` steps is below ``level``
+    (nats/token; the divergence classifier's stagnation level, 95% of the unigram entropy):
+    the step the run leaves the unigram plateau. None if it never does (or no level)."""
+    if level is None:
+        return None
+    losses = [(r["step"], r["loss"]) for r in records if "loss" in r and math.isfinite(r["loss"])]
+    for i in range(window - 1, len(losses)):
+        if statistics.fmean(x for _, x in losses[i - window + 1:i + 1]) < level:
+            return losses[i][0]
+    return None
+
+
+def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -> dict:
+    """One run's row of the report: coordinates, ``status`` (done / error / pending), ``tokens``
+    trained, final / step-0 validation loss, ``capped_loss`` (final, or the step-0 loss when the
+    run has no finite final loss), divergence verdict, max LR (ramp), plateau exit step."""
+    v = job.values
+    scheme = v.get("model.residual", v.get("scheme"))
+    rec = {"group": group.name, "name": job.name, "scheme": scheme,
+           "sublayers": v.get("sublayers", 2 * v.get("model.n_layers", 0)), "seed": v.get("train.seed", v.get("seed")),
+           "lr": v.get("train.lr", v.get("peak_lr")), "status": "pending", "result": result or {}}
+    if result is None:
+        return rec
+    final, first = result.get("final_val_loss"), result.get("first_val_loss")
+    h1 = result.get("unigram_entropy")
+    metrics = run_dir / "metrics.jsonl"
+    records = read_metrics(metrics) if metrics.is_file() else []
+    rec.update(status=result.get("status", "done"), tokens=result.get("tokens"), final_val_loss=final,
+               first_val_loss=first, capped_loss=final if final is not None else first,
+               verdict=result.get("verdict"), divergence=result.get("divergence"),
+               diverged=result.get("diverged"), max_lr=result.get("max_lr"),
+               peak_lr=group.peak_lr, wall_s=result.get("wall_s"),
+               plateau_exit_step=plateau_exit_step(records, 0.95 * h1 if h1 else None))
+    return rec
+
+
+def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[str], workers: int = 1,
+            threads: int | None = None) -> tuple[list[dict], list[str]]:
+    """Run or only read every group in order; return the run records (:func:`run_record`) of
+    every job, finished or not, and one line per group not planned yet: an ``lr_from`` group
+    whose source has not finished is skipped (logged), and runs on a later invocation.
+    ``train``: True trains every group, False none, a list of group names only those (the other
+    groups are read, so the report still covers them)."""
+    runs: list[dict] = []
+    waiting = []
+    for g in study.groups:
+        trains = train is True or (bool(train) and g.name in train)
+        lr_for = None
+        if g.lr_from:
+            opt = transferred_lrs(runs, g)
+            lr_for = stepped_lrs(study, g, opt) if opt is not None else None
+            if lr_for is None:
+                n = len(g.schemes) * len(g.sublayers) * len(g.seeds) * len(g.lr_from_steps)
+                waiting.append(f"group {g.name} ({n} runs) waits for group {g.lr_from} at {g.lr_from_sublayers} "
+                               "sub-layers")
+                if trains:
+                    _log.info(f"study: {waiting[-1]}")
+                continue
+        refs, jobs = group_jobs(study, g, data_dir, out, lr_for)
+        gdir = out / g.name
+        errors = {}
+        if trains:
+            _log.info(f"study: group {g.name}: {len(jobs)} runs"
+                      + (f" + {len(refs)} reference run{'s' if len(refs) > 1 else ''}" if refs else ""))
+            if refs:
+                run_grid(refs, gdir / ST.REFERENCES, train_task, workers=workers, resume=True, threads=threads,
+                         check=check_train_job)
+            got = run_grid(jobs, gdir, ST.stress_task if g.kind == "ramp" else train_task, workers=workers,
+                           resume=True, threads=threads, check=check_train_job)
+            errors = {j.name: r for j, r in zip(jobs, got) if r.get("status") == "error"}
+        for j in jobs:
+            res = cached_result(gdir / j.name)
+            rec = run_record(g, j, gdir / j.name, res if res and res.get("status") == "done" else None)
+            if j.name in errors:
+                rec.update(status="error", message=errors[j.name].get("message"))
+            runs.append(rec)
+    return runs, waiting
+
+
+# ----------------------------------------------------------------------------- estimate (dry run)
+def flops_per_token(model_cfg, seq_len: int) -> float:
+    """Training FLOPs per token, PaLM (Chowdhery et al. 2022, App. B): ``6 N + 12 n_layers d_model
+    seq_len``, N = non-embedding parameters (:func:`keel.experiments.sweep.param_count`), so a
+    ``vocab_size = "auto"`` (known only once the tokenizer exists) does not matter."""
+    if model_cfg.vocab_size == "auto":
+        model_cfg = replace(model_cfg, vocab_size=256)
+    return 6.0 * param_count(model_cfg, non_embedding=True) + 12.0 * model_cfg.n_layers * model_cfg.d_model * seq_len
+
+
+def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: float) -> list[dict]:
+    """One row per group: runs (+ references), tokens per run (the planned budget; a ramp run
+    stops earlier when it diverges), total tokens and estimated GPU-hours at ``mfu`` of a
+    ``peak_tflops`` (dense bf16 TFLOP/s) GPU. An ``lr_from`` group is planned as if the optimum were
+    the middle of its source's LR grid."""
+    rows = []
+    for g in study.groups:
+        lr_for = None
+        if g.lr_from:
+            grid = sorted(next(x.lrs for x in study.groups if x.name == g.lr_from))
+            lr_for = stepped_lrs(study, g, {s: grid[len(grid) // 2] for s in g.schemes})
+        refs, jobs = group_jobs(study, g, data_dir, out, lr_for)
+        flops = tokens = 0.0
+        per_run = []
+        for j in refs + jobs:
+            cfg = config_from_dict(j.config)
+            t = cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum
+            per_run.append(t)
+            tokens += t
+            flops += t * flops_per_token(cfg.model, cfg.train.seq_len)
+        rows.append({"group": g.name, "kind": g.kind, "runs": len(jobs), "references": len(refs),
+                     "schemes": g.schemes, "sublayers": g.sublayers, "seeds": g.seeds,
+                     "lrs": list(g.lrs) if g.kind == "train" and not g.lr_from else [], "lr_plan": lr_plan_words(g),
+                     "tokens_per_run": sorted(set(per_run)), "tokens": tokens, "flops": flops,
+                     "gpu_hours": flops / (mfu * peak_tflops * 1e12) / 3600})
+    return rows
+
+
+def lr_plan_words(g: Group) -> str:
+    """A group's LRs in words: ``0.0003, 0.001``, ``from lr-grid at 64, grid steps [0, -1]`` (an
+    ``lr_from`` group: known once its source has finished) or ``ramp 0 -> 0.05 over 1000 steps``."""
+    if g.kind == "ramp":
+        return f"ramp 0 -> {g.peak_lr:g} over {g.ramp_steps} steps"
+    if g.lr_from:
+        return f"from {g.lr_from} at {g.lr_from_sublayers}, grid steps {g.lr_from_steps}"
+    return ", ".join(f"{x:g}" for x in g.lrs)
+
+
+def _hours(h: float) -> str:
+    """GPU-hours for the plan: one decimal, or two significant digits below 1 (a cpu-scale group
+    read "0.0")."""
+    return f"{h:,.1f}" if h >= 1 else f"{h:.2g}"
+
+
+def plan_markdown(study: Study, rows: list[dict], mfu: float, peak_tflops: float) -> str:
+    """The ``--dry-run`` table."""
+    lines = [f"Study {study.name}, scale {study.scale}: {study.note}".strip(), "",
+             "| group | runs | schemes | sub-layers | seeds | LRs | tokens per run | total tokens | est. GPU-hours |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        runs = f"{r['runs']}" + (f" + {r['references']} ref." if r["references"] else "")
+        lines.append(f"| {r['group']} | {runs} | {', '.join(r['schemes'])} | {', '.join(map(str, r['sublayers']))} | "
+                     f"{', '.join(map(str, r['seeds']))} | {r['lr_plan']} | "
+                     f"{', '.join(f'{t:,.0f}' for t in r['tokens_per_run'])} | {r['tokens']:.3g} | "
+                     f"{_hours(r['gpu_hours'])} |")
+    tot = sum(r["gpu_hours"] for r in rows)
+    lines += ["", f"Total: {sum(r['runs'] + r['references'] for r in rows)} runs, "
+                  f"{sum(r['tokens'] for r in rows):.3g} tokens, about {_hours(tot)} GPU-hours "
+                  f"(training FLOPs 6N + 12 n_layers d T per token, PaLM App. B, at {mfu:.0%} MFU of "
+                  f"{peak_tflops:g} TFLOP/s dense bf16{', an H100 SXM' if peak_tflops == 989 else ''}; "
+                  "evaluation not counted)."]
+    return "\n".join(lines) + "\n"
+
+
+
+# ----------------------------------------------------------------------------- driver
+def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), *, workers: int = 1,
+              threads: int | None = None, resume: bool = False, report_only: bool = False, dry_run: bool = False,
+              mfu: float = 0.35, peak_tflops: float = 989.0, command: str = "",
+              groups: Sequence[str] = ()) -> dict:
+    """Run (or continue, or only report, or only plan) study ``name`` at ``scale``.
+
+    Args:
+        name: a packaged study (``keel/configs/studies/NAME.toml``) or a TOML path.
+        scale: a scale of the study (``tiny``, ``cpu``, ``gpu-1``, ``paper``).
+        out: output folder (run folders, ``report.md``, ``report.json``, PNGs).
+        sets: ``section.key=value`` applied to every run after the scale's keys.
+        workers, threads: as :func:`keel.experiments.grid.run_grid`.
+        resume: continue a non-empty ``out``; report_only: train nothing, report the finished runs.
+        dry_run: prepare nothing and train nothing; return the plan (runs, tokens, estimated
+            GPU-hours at ``mfu`` of ``peak_tflops`` dense bf16 TFLOP/s) as ``{"plan": rows, "markdown": ...}``.
+        command: the command line; the report shows the one that started ``out`` (``study.json``).
+        groups: train only these groups (still in the study's order; empty: all). The report
+            covers every group's finished runs. An ``lr_from`` group still waits for its source.
+    Returns:
+        The ``report.json`` content: ``study``, ``scale``, ``claims`` (per claim its verdict and
+        numbers), ``baseline_margins`` (:func:`baseline_margins` of each group, with ``group``),
+        ``runs`` (every planned run's record, :func:`run_record`), ``plots``.
+    Raises:
+        KeelError: bad study or scale (:func:`load_study`), bad config, ``out`` not usable
+            (:func:`_claim_out`: a file, another study's folder, non-empty without ``resume``);
+            ``groups`` names a group the scale does not have.
+    """
+    study = load_study(name, scale, sets)
+    unknown = [g for g in groups if g not in {x.name for x in study.groups}]
+    if unknown:
+        raise KeelError(f"study {study.name!r} at scale {scale!r} has no group(s) {', '.join(unknown)} "
+                        f"(groups: {', '.join(x.name for x in study.groups)})")
+    out = Path(out)
+    if dry_run:
+        rows = [r for r in plan_rows(study, "<data>", out, mfu, peak_tflops) if not groups or r["group"] in groups]
+        return {"plan": rows, "markdown": plan_markdown(study, rows, mfu, peak_tflops)}
+    check_pool(workers, threads)
+    base = load_config(resolve_config_path(study.base), study.all_sets())  # a bad --set: refused before out is claimed
+    first_command = _claim_out(out, study, command, resume=resume, report_only=report_only)
+    # --report-only reads what the runs recorded: no dataset is prepared (or downloaded) for it
+    data_dir = "<data>" if report_only else str(resolve_data(base, progress=False))
+    train = False if report_only else (list(groups) or True)
+    try:
+        runs, waiting = collect(study, data_dir, out, train=train, workers=workers, threads=threads)
+    except Interrupted as e:  # the grid's own hint names a group's folder and a run: continue the study instead
+        raise Interrupted(f"stopped by {signal.Signals(e.signum).name}; continue: the same keel study command "
+                          f"with --resume (out {out})", e.signum) from None
+    claims = [(cl, CLAIM_TESTS[cl["test"]](study, runs, cl)) for cl in study.claims]
+    h1 = next((r["result"]["unigram_entropy"] for r in runs if r["result"].get("unigram_entropy")), None) \
+        if report_only else dataset_unigram_entropy(data_dir)
+    make_dirs(out)
+    plots = write_plots(study, runs, claims, out, h1)
+    report = {"study": study.name, "scale": study.scale, "note": study.note, "command": first_command,
+              "sets": [override_text(x) for x in study.all_sets()],
+              "unigram_entropy": h1, "min_effect": study.min_effect, "min_seeds": study.min_seeds,
+              "claims": [{"id": cl["id"], "title": cl["title"], **c} for cl, c in claims],
+              "baseline_margins": [{"group": g.name, **r} for g in study.groups for r in baseline_margins(study, g, runs)],
+              "runs": [{k: v for k, v in r.items() if k != "result"} for r in runs], "plots": plots}
+    atomic_write_text(out / "report.json", json.dumps(report, indent=1, default=str))
+    report["waiting"] = waiting
+    atomic_write_text(out / "report.md", report_markdown(study, claims, runs, first_command, waiting))
+    return report
+
+
+def _claim_out(out: Path, study: Study, command: str, *, resume: bool, report_only: bool) -> str:
+    """Check ``out`` for this invocation and mark it as this study's (``study.json``: study,
+    scale, the command that started it); return that first command.
+
+    Raises:
+        KeelError: ``out`` is a file; not empty without ``resume`` / ``report_only`` (a folder
+            holding only this study's ``study.json``, stopped before its first run, counts as
+            empty); holds another study or scale; ``report_only`` on a folder that holds no study.
+    """
+    marker = out / "study.json"
+    if out.exists() and not out.is_dir():
+        raise KeelError(f"--out {out} exists and is not a folder")
+    held = json.loads(marker.read_text()) if marker.is_file() else None
+    if report_only and held is None:
+        raise KeelError(f"{out} holds no study (no study.json): nothing to report; check --out")
+    if held is not None and (held.get("study"), held.get("scale")) != (study.name, study.scale):
+        raise KeelError(f"{out} holds study {held.get('study')!r} at scale {held.get('scale')!r}, "
+                        f"not {study.name!r} at {study.scale!r}; use another --out")
+    fresh = held is not None and [p.name for p in out.iterdir()] == [marker.name]  # stopped before any run began
+    if not (resume or report_only or fresh) and out.is_dir() and any(out.iterdir()):
+        raise KeelError(f"output folder {out} is not empty; use --resume to continue it, or another --out")
+    if resume and held is None and out.is_dir() and any(out.iterdir()):
+        raise KeelError(f"{out} holds no study (no study.json) but is not empty: nothing to resume; "
+                        "check --out (a study's folder, not one of its groups)")
+    if held is None or fresh:
+        make_dirs(out)
+        held = {"study": study.name, "scale": study.scale, "command": command}
+        atomic_write_text(marker, json.dumps(held, indent=1))
+    return held.get("command", command)

@@ -1,0 +1,284 @@
+"""A study as data: its groups, claims and scales, loaded from TOML and checked
+(:func:`load_study`); the file format is described in :mod:`keel.experiments.study`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from keel.config import Override, resolve_config_path, tomllib
+from keel.errors import KeelError
+from keel.model import SCHEMES
+
+GROUP_KEYS = {"kind", "schemes", "sublayers", "lrs", "seeds", "set", "peak_lr", "ramp_steps", "lr_from",
+              "lr_from_sublayers", "lr_from_steps", "note", "baselines_from", "baselines"}
+
+
+# ----------------------------------------------------------------------------- the study as data
+@dataclass
+class Group:
+    """One group of runs of a study at one scale (see the module docstring). Depths are in
+    sub-layers (even); ``lrs`` are peak LRs (absolute); ``sets`` are its ``[set]`` table as typed
+    ``(section.key, value)`` pairs (:func:`keel.config.apply_overrides`)."""
+
+    name: str
+    schemes: list[str]
+    sublayers: list[int]
+    seeds: list[int]
+    lrs: list[float] = field(default_factory=list)
+    kind: str = "train"
+    sets: list[Override] = field(default_factory=list)
+    peak_lr: float = 5e-2
+    ramp_steps: int = 1000
+    lr_from: str = ""
+    lr_from_sublayers: int = 0
+    lr_from_steps: list[int] = field(default_factory=lambda: [0])
+    note: str = ""
+    baselines_from: str = ""
+    baselines: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Study:
+    """A loaded study at one scale: ``groups`` in run order, ``claims`` (dicts from the TOML),
+    ``sets`` (the scale's config keys as typed pairs), ``user_sets`` (the user's ``--set``
+    strings: applied last, after a group's own ``set``), ``min_effect`` (nats/token) and
+    ``min_seeds`` of the verdict rule."""
+
+    name: str
+    scale: str
+    description: str
+    note: str
+    base: str
+    sets: list[Override]
+    groups: list[Group]
+    claims: list[dict]
+    min_effect: float = 0.02
+    min_seeds: int = 2
+    user_sets: list[str] = field(default_factory=list)
+
+    def all_sets(self, group: Group | None = None) -> list[Override]:
+        """The config keys of a run of ``group`` (or of the study's base run): the scale's, the
+        group's own ``set``, then the user's ``--set``, later ones winning."""
+        return self.sets + (group.sets if group else []) + list(self.user_sets)
+
+
+# group keys' TOML types: key -> (element types, words, example); lists first, then scalars
+_LIST_TYPES = {"schemes": ((str,), "a list of strings", '["keel"]'), "sublayers": ((int,), "a list of integers", "[64]"),
+               "seeds": ((int,), "a list of integers", "[0, 1]"), "lrs": ((int, float), "a list of numbers", "[0.001]"),
+               "baselines": ((str,), "a list of strings", '["keel", "pre_ln"]')}
+_SCALAR_TYPES = {"peak_lr": (int, float), "ramp_steps": (int,), "lr_from_sublayers": (int,), "lr_from": (str,),
+                 "kind": (str,), "note": (str,), "baselines_from": (str,)}
+
+
+_RAMP_ONLY = {"peak_lr", "ramp_steps"}  # keys that only a kind = "ramp" group reads
+_TRAIN_ONLY = {"lrs", "lr_from", "lr_from_sublayers", "lr_from_steps", "baselines_from", "baselines"}  # train only
+
+
+def _check_group_types(name: str, d: dict) -> None:
+    """Raise KeelError naming a group key of the wrong TOML type (e.g. ``lrs = 1e-3`` for
+    ``lrs = [1e-3]``, ``lrs = ["1e-3"]``, ``schemes = "keel"``)."""
+    def ok(x, types):
+        return isinstance(x, types) and not isinstance(x, bool)
+    for key, (types, words, example) in _LIST_TYPES.items():
+        v = d.get(key, [])
+        if not isinstance(v, list) or not all(ok(x, types) for x in v):
+            raise KeelError(f"study group {name!r}: {key} must be {words}, e.g. {key} = {example}, got {v!r}")
+    for key, types in _SCALAR_TYPES.items():
+        if key in d and not ok(d[key], types):
+            raise KeelError(f"study group {name!r}: {key} must be {'text' if types == (str,) else 'a number'}, "
+                            f"got {d[key]!r}")
+    if "set" in d and not isinstance(d["set"], dict):
+        raise KeelError(f"study group {name!r}: set must be a table of config keys, e.g. set = "
+                        "{ \"model.embed_init_std\" = 1.0 }")
+    if any(not x > 0 for x in d.get("lrs", [])) or ("peak_lr" in d and not d["peak_lr"] > 0):
+        raise KeelError(f"study group {name!r}: learning rates must be > 0")
+
+
+def _group(name: str, spec: dict, sized: dict) -> Group:
+    unknown = (set(spec) | set(sized)) - GROUP_KEYS
+    if unknown:
+        raise KeelError(f"study group {name!r}: unknown key(s) {', '.join(sorted(unknown))}")
+    d = {**spec, **sized}
+    _check_group_types(name, d)
+    sets = list(d.pop("set", {}).items())
+    g = Group(name=name, sets=sets, **{k: v for k, v in d.items()})
+    for L in g.sublayers:
+        if not isinstance(L, int) or L < 2 or L % 2:
+            raise KeelError(f"study group {name!r}: sub-layers must be even integers >= 2, got {L}")
+    if g.kind not in ("train", "ramp"):
+        raise KeelError(f"study group {name!r}: kind must be train or ramp, got {g.kind!r}")
+    other = sorted(set(d) & (_TRAIN_ONLY if g.kind == "ramp" else _RAMP_ONLY))
+    if other:
+        raise KeelError(f"study group {name!r}: {', '.join(other)} belong(s) to a "
+                        f"{'train' if g.kind == 'ramp' else 'ramp'} group, not to this {g.kind} group")
+    if g.kind == "ramp" and g.ramp_steps < 1:
+        raise KeelError(f"study group {name!r}: ramp_steps must be >= 1, got {g.ramp_steps}")
+    if g.kind == "train" and not (g.lrs or g.lr_from):
+        raise KeelError(f"study group {name!r} has neither lrs nor lr_from")
+    steps = g.lr_from_steps
+    if not (isinstance(steps, list) and steps and all(isinstance(k, int) and not isinstance(k, bool) for k in steps)
+            and len(set(steps)) == len(steps)):
+        raise KeelError(f"study group {name!r}: lr_from_steps must be a list of distinct integers (grid steps from "
+                        f"the transferred optimum, e.g. [0, -1]), got {steps!r}")
+    if not (g.schemes and g.sublayers and g.seeds):
+        raise KeelError(f"study group {name!r} needs schemes, sublayers and seeds")
+    return g
+
+
+def load_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
+    """Read study ``name`` (a packaged preset or a TOML path) at ``scale``.
+
+    Raises:
+        KeelError: unknown study or scale, unparsable or non-UTF-8 TOML, a malformed group,
+            claim or ``[verdict]``, an unknown scheme, a claim naming a group that the scale
+            does not size, a ``--set`` of a key the groups set per run.
+    """
+    path = resolve_config_path(name, kind="studies")
+    try:
+        d = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise KeelError(f"cannot parse study {path}: {e}") from None
+    except UnicodeDecodeError:
+        raise KeelError(f"cannot read study {path}: not UTF-8 text (a TOML file is)") from None
+    unknown = set(d) - {"description", "base", "verdict", "groups", "claims", "scales"}
+    if unknown:
+        raise KeelError(f"study {path.stem!r}: unknown top-level key(s) {', '.join(sorted(unknown))}")
+    scales = d.get("scales", {})
+    if scale not in scales:
+        raise KeelError(f"study {path.stem!r} has no scale {scale!r} (scales: {', '.join(scales)})")
+    sc = scales[scale]
+    sized = sc.get("groups", {})
+    extra = set(sized) - set(d.get("groups", {}))
+    if extra:
+        raise KeelError(f"study scale {scale!r} sizes undeclared group(s) {', '.join(sorted(extra))}")
+    groups = [_group(g, spec, sized[g]) for g, spec in d.get("groups", {}).items() if g in sized]
+    for g in groups:
+        _check_group_in_study(g, groups)
+    claims = d.get("claims", [])
+    if not isinstance(claims, list) or not claims:
+        raise KeelError("a study needs [[claims]] entries (an array of tables)")
+    for c in claims:
+        _check_claim(c, {g.name: g for g in groups})
+    ids = [c["id"] for c in claims]
+    if len(set(ids)) != len(ids):
+        raise KeelError(f"study claims repeat an id: {', '.join(ids)}")
+    min_effect, min_seeds = _verdict_settings(d.get("verdict", {}))
+    controlled = [x.split("=", 1)[0].strip() for x in user_sets if x.split("=", 1)[0].strip() in GRID_KEYS]
+    if controlled:
+        raise KeelError(f"--set {controlled[0]} is set by the study's groups; change the study file instead")
+    return Study(name=path.stem, scale=scale, description=d.get("description", "").strip(), note=sc.get("note", ""),
+                 base=d.get("base", "demo"), sets=list(sc.get("set", {}).items()), groups=groups, claims=claims,
+                 min_effect=min_effect, min_seeds=min_seeds, user_sets=list(user_sets))
+
+
+def _check_group_in_study(g: Group, groups: list[Group]) -> None:
+    """Raise KeelError for a group's unknown or repeated scheme, repeated depth / seed / LR, or an
+    ``lr_from`` that names no fitting train group or steps past its LR grid."""
+    bad = [s for s in g.schemes if s not in SCHEMES]
+    if bad:
+        raise KeelError(f"study group {g.name!r}: unknown scheme(s) {', '.join(bad)} (available: {', '.join(SCHEMES)})")
+    if len(set(g.schemes)) != len(g.schemes) or len(set(g.sublayers)) != len(g.sublayers) \
+            or len(set(g.seeds)) != len(g.seeds) or len(set(g.lrs)) != len(g.lrs):
+        raise KeelError(f"study group {g.name!r} repeats a scheme, depth, seed or LR")
+    _check_baselines(g, groups)
+    if not g.lr_from:
+        return
+    src = next((x for x in groups if x.name == g.lr_from and x is not g and x.kind == "train"), None)
+    if src is None or g.lr_from_sublayers not in src.sublayers or set(g.schemes) - set(src.schemes):
+        raise KeelError(f"study group {g.name!r}: lr_from must name another train group of this scale that "
+                        f"has lr_from_sublayers ({g.lr_from_sublayers}) and every scheme of this group")
+    far = [k for k in g.lr_from_steps if abs(k) >= len(src.lrs)]
+    if far:
+        raise KeelError(f"study group {g.name!r}: lr_from_steps {far} reach past group {src.name!r}'s "
+                        f"{len(src.lrs)}-point LR grid (at most {len(src.lrs) - 1} steps from its optimum)")
+
+
+def _check_baselines(g: Group, groups: list[Group]) -> None:
+    """Raise KeelError unless ``baselines_from`` and ``baselines`` come together and name another
+    train group of this scale that trains every baseline scheme at every depth and LR of ``g``
+    (:func:`baseline_margins` pairs each of ``g``'s schemes with them over ``g``'s LRs)."""
+    if not (g.baselines_from or g.baselines):
+        return
+    src = next((x for x in groups if x.name == g.baselines_from and x is not g and x.kind == "train"), None)
+    missing_lrs = [lr for lr in g.lrs if src and not any(math.isclose(lr, x) for x in src.lrs)]
+    if not g.baselines or src is None or set(g.baselines) - set(src.schemes) \
+            or set(g.sublayers) - set(src.sublayers) or missing_lrs or g.lr_from:
+        raise KeelError(f"study group {g.name!r}: baselines_from must name another train group of this scale that "
+                        f"trains every scheme of baselines ({', '.join(g.baselines) or 'none given'}) at this "
+                        f"group's depths and LRs (a group with lrs, not lr_from)")
+
+
+def _verdict_settings(v) -> tuple[float, int]:
+    """``(min_effect, min_seeds)`` of a study's ``[verdict]`` table (defaults 0.02 nats, 2 seeds).
+
+    Raises:
+        KeelError: not a table, an unknown key, ``min_effect`` not a finite number > 0,
+            ``min_seeds`` not an integer >= 1 (1.7 used to become 1, "two" a traceback).
+    """
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    effect, seeds = (v.get("min_effect", 0.02), v.get("min_seeds", 2)) if isinstance(v, dict) else (None, None)
+    if not isinstance(v, dict) or set(v) - {"min_effect", "min_seeds"} or not (number(effect) and 0 < effect < math.inf) \
+            or not (number(seeds) and isinstance(seeds, int) and seeds >= 1):
+        raise KeelError("study [verdict] takes min_effect (a number > 0, nats) and min_seeds (an integer >= 1) only, "
+                        f"got {v!r}")
+    return float(effect), seeds
+
+
+# keys a claim of each test reads: (required, optional); "groups" lists, the rest are names
+CLAIM_KEYS = {"margin_grows": ({"groups", "scheme", "baseline"}, set()),
+              "lr_transfer": ({"group"}, {"scheme"}),
+              "init_margin": ({"group", "reference_group", "scheme", "baseline"}, set()),
+              "max_lr_order": ({"group", "order"}, {"extended_group"})}
+GRID_KEYS = {"model.residual", "model.n_layers", "train.lr", "train.seed"}  # set per run by the groups
+
+
+def _check_claim(c: dict, groups: dict[str, "Group"]) -> None:
+    """Raise KeelError naming the first problem of one ``[[claims]]`` entry: not a table, no id /
+    title / known test, a missing or unknown key, a group this scale does not size, a scheme
+    the group does not train, a ramp test on a train group (or the reverse)."""
+    if not isinstance(c, dict) or not c.get("id") or not c.get("title"):
+        raise KeelError("every [[claims]] entry needs an id and a title")
+    test = c.get("test")
+    if test not in CLAIM_KEYS:
+        raise KeelError(f"study claim {c['id']!r}: test must be one of {', '.join(CLAIM_KEYS)}, got {test!r}")
+    need, opt = CLAIM_KEYS[test]
+    missing, unknown = need - set(c), set(c) - need - opt - {"id", "title", "test", "note"}
+    if missing or unknown:
+        raise KeelError(f"study claim {c['id']!r} ({test}): " + (f"missing {', '.join(sorted(missing))}" if missing
+                                                               else f"unknown key(s) {', '.join(sorted(unknown))}"))
+    if not isinstance(c.get("note", ""), str):
+        raise KeelError(f"study claim {c['id']!r}: note must be a string (printed under the claim's rule)")
+    names = list(c["groups"]) if isinstance(c.get("groups"), list) else [c.get("groups")] if "groups" in c else []
+    names += [c[k] for k in ("group", "reference_group") if k in c]
+    if c.get("extended_group") in groups:  # optional: a scale whose ramp peak suffices does not size it
+        names.append(c["extended_group"])
+    for g in names:
+        if g not in groups:
+            raise KeelError(f"study claim {c['id']!r}: group {g!r} is not sized by this scale")
+        if (groups[g].kind == "ramp") != (test == "max_lr_order"):
+            raise KeelError(f"study claim {c['id']!r}: {test} cannot read {groups[g].kind} group {g!r}")
+    if "groups" in c and not isinstance(c["groups"], list):
+        raise KeelError(f"study claim {c['id']!r}: groups must be a list of group names")
+    if c.get("extended_group") in groups:
+        _check_extended_ramp(c, groups[c["group"]], groups[c["extended_group"]])
+    schemes = set().union(*(groups[g].schemes for g in names))
+    wanted = [c[k] for k in ("scheme", "baseline") if k in c] + list(c.get("order", []))
+    if set(wanted) - schemes:
+        raise KeelError(f"study claim {c['id']!r}: scheme(s) {', '.join(sorted(set(wanted) - schemes))} "
+                        f"not trained by its group(s)")
+
+
+def _check_extended_ramp(c: dict, ramp: "Group", ext: "Group") -> None:
+    """Raise KeelError unless ``ext`` continues ``ramp``: the same LR per step (``peak_lr /
+    ramp_steps``, so both ramps give step k the same LR and the extended runs repeat the first
+    ramp up to its end) to a higher peak."""
+    same_slope = math.isclose(ext.peak_lr / ext.ramp_steps, ramp.peak_lr / ramp.ramp_steps, rel_tol=1e-9)
+    if ext is ramp or not same_slope or ext.peak_lr <= ramp.peak_lr:
+        raise KeelError(f"study claim {c['id']!r}: extended_group {ext.name!r} must continue group {ramp.name!r}'s "
+                        f"ramp: the same LR per step ({ramp.peak_lr:g} / {ramp.ramp_steps} steps) to a higher peak, "
+                        f"got {ext.peak_lr:g} / {ext.ramp_steps} steps")
+
