@@ -77,8 +77,8 @@ def test_margin_grows_uses_each_seeds_best_lr():
     assert "| 64 | 0.01 | +0.500 ± 0.000 [s0 +0.500, s1 +0.500] |" in md
     # each depth's row: its direction in words (not a verdict on the claim) and where each seed's best came from
     assert c["rows"][1]["best_lr"] == {"pre_ln": {0: 1e-3, 1: 1e-3}, "keel": {0: 1e-2, 1: 1e-2}}
-    assert ("| 64 | +0.250 ± 0.071 [s0 +0.300, s1 +0.200] | keel better | [s0 0.001, s1 0.001]; "
-            "[s0 0.01, s1 0.01] | [s0 never, s1 never]; [s0 never, s1 never] | 0 of 4 |") in md
+    assert ("| 64 | +0.250 ± 0.071 [s0 +0.300, s1 +0.200] | keel better | [s0 0.001*, s1 0.001*]; "
+            "[s0 0.01*, s1 0.01*] | [s0 never, s1 never]; [s0 never, s1 never] | 0 of 4 |") in md  # *: a grid edge
     # a Pre-LN run flagged as a stagnation that left the plateau later is counted as such (Pre-LN at 256
     # sub-layers: "4" flagged read as 4 failed runs, while each was its seed's best run, at 4.34 nats)
     stuck = {"mode": "stagnation", "step": 200, "evidence": {}}
@@ -446,17 +446,30 @@ BENCH = ('[groups.b]\nschemes = ["peri_ln"]\nbaselines_from = "g"\nbaselines = [
     (RAMPS.replace("peak_lr = 0.1", "peak_lr = 0.025").replace("ramp_steps = 20", "ramp_steps = 5") + RAMP_CLAIM,
      "to a higher peak, got 0.025 / 5 steps"),
     (GROUP + RAMPS + RAMP_CLAIM.replace('extended_group = "long"', 'extended_group = "g"'), "cannot read train group"),
-    # baselines_from / baselines (the residual bench paired with the lr-grid)
-    (GROUP + BENCH.replace('baselines = ["keel"]\n', "") + CLAIM, "group 'b': baselines_from must name .*none given"),
-    (GROUP + BENCH.replace('baselines_from = "g"\n', "") + CLAIM, "group 'b': baselines_from must name"),
-    (GROUP + BENCH.replace('"g"', '"r"') + RAMPS + CLAIM, "baselines_from must name another train group"),
-    (GROUP + BENCH.replace('["keel"]', '["post_ln"]') + CLAIM, "trains every scheme of baselines \\(post_ln\\)"),
-    (GROUP + BENCH.replace("sublayers = [2]", "sublayers = [4]") + CLAIM, "at this group's depths and LRs"),
-    (GROUP + BENCH.replace("lrs = [1e-3]", "lrs = [1e-2]") + CLAIM, "at this group's depths and LRs"),
+    # baselines_from / baselines (the residual bench paired with the lr-grid): each mistake named
+    # (ten different ones gave one line "must name another train group ... at this group's depths and LRs")
+    (GROUP + BENCH.replace('baselines = ["keel"]\n', "") + CLAIM, "group 'b': baselines_from .* and baselines .* "
+     "come together"),
+    (GROUP + BENCH.replace('baselines_from = "g"\n', "") + CLAIM, "group 'b': baselines_from .* come together"),
+    (GROUP + BENCH.replace('"g"', '"r"') + RAMPS + CLAIM, "baselines_from 'r' must name another train group of this "
+     "scale with its own lrs \\(g\\)"),
+    (GROUP + BENCH.replace('"g"', '"b"') + CLAIM, "baselines_from 'b' must name another train group"),
+    (GROUP + BENCH.replace('["keel"]', '["preln"]') + CLAIM, "baselines repeat a scheme or name an unknown one "
+     "\\(preln; available: "),
+    (GROUP + BENCH.replace('["keel"]', '["keel", "keel"]') + CLAIM, "baselines repeat a scheme"),
+    (GROUP + BENCH.replace('["keel"]', '["post_ln"]') + CLAIM, "group 'g' \\(baselines_from\\) trains no schemes post_ln"),
+    (GROUP + BENCH.replace("sublayers = [2]", "sublayers = [4]") + CLAIM, "trains no sub-layers 4; the pairs need them"),
+    (GROUP + BENCH.replace("lrs = [1e-3]", "lrs = [1e-3, 1e-2]") + CLAIM, "trains no LRs 0.01"),
+    (GROUP + BENCH.replace("seeds = [0]", "seeds = [0, 5]") + CLAIM, "trains no seeds 5"),
+    (GROUP + BENCH.replace("[scales.x.groups.b]", 'set = { "train.steps" = 12 }\n[scales.x.groups.b]') + CLAIM,
+     "group 'b': its set \\(train.steps=12\\) differs from group 'g''s \\(none\\); paired runs must train the same"),
     (GROUP + BENCH.replace('baselines = ["keel"]', 'baselines = "keel"') + CLAIM, "baselines must be a list of strings"),
     (GROUP + BENCH.replace('baselines_from = "g"', "baselines_from = 1") + CLAIM, "baselines_from must be text"),
     (RAMPS.replace("ramp_steps = 10", 'ramp_steps = 10\nbaselines = ["keel"]') + RAMP_CLAIM,
      "group 'r': baselines belong\\(s\\) to a train group"),
+    # a key the grid sets per run, in a group's set, was accepted and silently overridden (report.md listed it)
+    (GROUP.replace("[scales", 'set = { "model.n_layers" = 3 }\n[scales') + CLAIM,
+     "group 'g': set model.n_layers: the group's schemes, sublayers, lrs and seeds set it per run"),
 ])
 def test_bad_study_files(tmp_path, text, match):
     p = tmp_path / "s.toml"
@@ -775,3 +788,39 @@ def test_baseline_margins_pair_each_seed_over_the_benchs_lrs(tmp_path):
     assert table[2:4] == ["| sub-layers | scheme | vs keel |", "|---|---|---|"]
     assert table[4] == "| 2 | peri_ln | +0.125 ± 0.035 [s0 +0.100, s1 +0.150] (peri_ln better) |"
     assert SV.baseline_margins(st, next(g for g in st.groups if g.name == "g"), runs) == []
+
+
+def test_a_best_lr_at_an_edge_of_the_lrs_trained_is_marked():
+    """(b) and (c) read each seed's best LR at 256 sub-layers from two transferred LRs, where the
+    best is always an edge (Pre-LN the top, Keel the bottom), and the report did not say so."""
+    runs = [run("g", "keel", 64, 0, lr, loss) for lr, loss in ((1e-3, 3.3), (3e-3, 3.1), (1e-2, 3.2))]
+    runs += [run("g", "keel", 64, 1, lr, loss) for lr, loss in ((1e-3, 3.3), (3e-3, 3.4), (1e-2, 3.2))]
+    runs += [run("t", "keel", 256, 0, 3e-3, 3.5), run("t", "keel", 256, 0, 1e-2, 3.6), run("t", "keel", 256, 1, 1e-2, 3.6)]
+    assert SV.best_lr_at_edge(runs, ["g", "t"], "keel", 64) == {0: False, 1: True}
+    assert SV.best_lr_at_edge(runs, ["g", "t"], "keel", 256) == {0: True, 1: False}  # seed 1: one LR, no edge
+    assert SR._lrs({0: 3e-3, 1: 1e-2}, {0: False, 1: True}) == "[s0 0.003, s1 0.01*]"
+
+
+def test_a_bad_key_in_a_later_groups_set_is_refused_before_anything_trains(tmp_path, tiny_data):
+    """--dry-run refused it, a real run trained every group before it (hours at the cpu scale),
+    then stopped with no report and its folder left behind."""
+    p = tmp_path / "s.toml"
+    p.write_text(GROUP + '[groups.h]\nschemes = ["keel"]\n[scales.x.groups.h]\nsublayers = [2]\nseeds = [0]\n'
+                 'lrs = [1e-3]\nset = { "model.nonsense" = 1 }\n' + CLAIM)
+    sets = [f"data.path={tiny_data}", "train.steps=2", "train.batch_size=2", "train.seq_len=16", "train.eval_every=2",
+            "train.eval_tokens=64", "train.sample_tokens=0", "model.d_model=16", "model.d_ff=32"]
+    with pytest.raises(KeelError, match="model.nonsense"):
+        SRun.run_study(str(p), "x", tmp_path / "out", sets, workers=0)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_bench_table_says_why_a_pair_is_missing():
+    """`--groups bench` on a fresh folder printed a table of "–" with no word on why."""
+    st = SS.load_study("claims", "cpu")
+    bench = next(g for g in st.groups if g.name == "bench")
+    runs = [run("bench", "peri_ln", 64, seed, lr, 3.0) for seed in (0, 1) for lr in bench.lrs]
+    table = SR.baseline_table(st, bench, runs)
+    assert "| 64 | peri_ln | – | – | – | – |" in table
+    assert table[-2] == ("–: no seed has both sides finished yet (all of this group's LRs for the scheme and all of "
+                         "group lr-grid's for the baseline, at that depth).")
+    assert SR._exit_words(runs[0]) == "never" and SR._exit_words(dict(runs[0], status="pending")) == "–"

@@ -120,8 +120,10 @@ def test_sweep_tables_best_lr_and_cache(tiny_data, tmp_path, caplog):
     assert again["step"] == 8 and again["final_val_loss"] == pytest.approx(final, rel=1e-6)
     assert [x["step"] for x in read_metrics(rd / "metrics.jsonl")] == list(range(9))
 
-    # a changed config under the same name is refused
-    with pytest.raises(KeelError, match="other settings"):
+    # a changed config under the same name is refused, with the way to continue it (the message said
+    # "remove it", advice that throws finished runs away where the user had only left out a --set)
+    with pytest.raises(KeelError, match="other settings \\(train.warmup_steps\\); continue it with the settings in "
+                       "its job.json \\(e.g. the same --set flags\\), or use another --out"):
         (rd / "result.json").unlink()
         run_sweep(DEMO, grid, _tiny_sets(tiny_data, warmup_steps=1), out=out, workers=0, resume=True)
 

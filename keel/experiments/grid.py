@@ -266,8 +266,8 @@ def _check_same_config(run_dir: Path, job: GridJob) -> None:
             keys += [f"{sec}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
         elif a != b:
             keys.append(sec)
-    raise KeelError(f"run {run_dir} was started with other settings ({', '.join(keys)}); "
-                    f"remove it or use another --out")
+    raise KeelError(f"run {run_dir} was started with other settings ({', '.join(keys)}); continue it with the "
+                    f"settings in its {JOB_FILE} (e.g. the same --set flags), or use another --out")
 
 
 def check_pool(workers: int, threads: int | None) -> None:

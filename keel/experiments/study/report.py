@@ -53,9 +53,11 @@ def claim_numbers(c: dict) -> str:
     return c.get("why", "–")
 
 
-def _lrs(d: dict) -> str:
-    """``[s0 X, s1 Y]``: one LR per seed (``none`` for a missing one)."""
-    return "[" + ", ".join(f"s{seed} " + ("none" if x is None else f"{x:g}") for seed, x in d.items()) + "]"
+def _lrs(d: dict, edge: dict | None = None) -> str:
+    """``[s0 X, s1 Y*]``: one LR per seed (``none`` for a missing one; ``*`` where ``edge`` marks
+    that seed's LR as an edge of the LRs it trained, :func:`best_lr_at_edge`)."""
+    return "[" + ", ".join(f"s{seed} " + ("none" if x is None else f"{x:g}") + ("*" if (edge or {}).get(seed) else "")
+                           for seed, x in d.items()) + "]"
 
 
 def _exits(d: dict) -> str:
@@ -98,10 +100,14 @@ def claim_section(claim: dict, c: dict) -> list[str]:
                 f"best LR per seed: {b}; {s} | plateau exit step at that LR: {b}; {s} | "
                 f"{b} runs the divergence classifier flagged, of those finished |", "|---|---|---|---|---|---|"]
         out += [f"| {r['sublayers']} | {_pm(r['margin'])} | {direction(r['margin'], s, b)} | "
-                f"{_lrs(r.get('best_lr', {}).get(b, {}))}; {_lrs(r.get('best_lr', {}).get(s, {}))} | "
+                f"{_lrs(r['best_lr'][b], r.get('best_lr_at_edge', {}).get(b))}; "
+                f"{_lrs(r['best_lr'][s], r.get('best_lr_at_edge', {}).get(s))} | "
                 f"{_exits(r.get('plateau_exit', {}).get(b, {}))}; {_exits(r.get('plateau_exit', {}).get(s, {}))} | "
                 f"{_flagged(r)} |" for r in c["rows"]]
-        out += ["", f"The classifier reports a run's first failure: a {b} run flagged as a stagnation (100 steps on "
+        out += ["", "* : the best LR is the lowest or highest LR that scheme trained at that depth, so its optimum may "
+                "lie beyond it (at the deepest depth each scheme trained only the LRs transferred from the depth "
+                "before).", "",
+                f"The classifier reports a run's first failure: a {b} run flagged as a stagnation (100 steps on "
                 "the unigram plateau) may leave the plateau later and still be that seed's best run (each run's "
                 "verdict and plateau exit step: the last table)."]
         if c.get("equal_lr"):
@@ -173,7 +179,7 @@ def unclaimed_group_sections(study: Study, runs: list[dict]) -> list[str]:
                     "|---|---|---|---|---|---|---|---|"]
             out += [f"| {r['scheme']} | {r['sublayers']} | {r['lr']:g} | {r['seed']} | {r.get('tokens') or 0:,} | "
                     f"{_loss(r.get('first_val_loss'))} → {_loss(r.get('final_val_loss'))} | "
-                    f"{'never' if r.get('plateau_exit_step') is None else r['plateau_exit_step']} | "
+                    f"{_exit_words(r)} | "
                     f"{verdict_words(r)} |" for r in done]
             out.append("")
     return out
@@ -197,6 +203,9 @@ def baseline_table(study: Study, g: Group, runs: list[dict]) -> list[str]:
             cells = [r["margin"] for r in rows if (r["sublayers"], r["scheme"]) == (L, s)]
             out.append(f"| {L} | {s} | " + " | ".join(
                 f"{_pm(v)} ({direction(v, s, b)})" if v["n"] else "–" for v, b in zip(cells, g.baselines)) + " |")
+    if any(not r["margin"]["n"] for r in rows):
+        out += ["", f"–: no seed has both sides finished yet (all of this group's LRs for the scheme and all of group "
+                f"{g.baselines_from}'s for the baseline, at that depth)."]
     return out + [""]
 
 
@@ -209,8 +218,9 @@ def plateau_table(runs: list[dict]) -> list[str]:
     (lowest capped loss over its LRs) and how many of the finished runs never left the plateau."""
     out = ["## When each scheme leaves the unigram plateau", "",
            "Plateau exit: the first step whose 10-step trailing mean training loss is below 95% of the unigram "
-           "entropy. Per seed, the run at that seed's best LR; pending: a run of that seed is unfinished, so its "
-           "best LR is not known yet (the finished runs' exit steps are in the last table).", "",
+           "entropy. Per seed, the run at that seed's best LR (a ramp group: its one run per seed); pending: a run "
+           "of that seed is unfinished, so its best LR is not known yet (the finished runs' exit steps are in the "
+           "last table).", "",
            "| group | scheme | sub-layers | exit step at the best LR, per seed | finished runs that never left |",
            "|---|---|---|---|---|"]
     done = [r for r in runs if r["status"] == "done"]
@@ -230,6 +240,14 @@ def plateau_table(runs: list[dict]) -> list[str]:
     return out + [""]
 
 
+def _exit_words(r: dict) -> str:
+    """A run's plateau exit step for the tables: the step, ``never`` (finished on the plateau),
+    ``–`` (not finished)."""
+    if r["status"] != "done":
+        return "–"
+    return "never" if r.get("plateau_exit_step") is None else str(r["plateau_exit_step"])
+
+
 def runs_table(runs: list[dict]) -> list[str]:
     """Markdown: every run with its tokens, losses, plateau exit step and divergence verdict."""
     out = ["## Every run", "", "| group | scheme | sub-layers | LR | seed | status | tokens | final val loss | "
@@ -238,7 +256,7 @@ def runs_table(runs: list[dict]) -> list[str]:
         f = r.get("final_val_loss")
         out.append(f"| {r['group']} | {r['scheme']} | {r['sublayers']} | {r['lr']:g} | {r['seed']} | {r['status']} | "
                    f"{r.get('tokens') or 0:,} | {'–' if f is None else f'{f:.4f}'} | "
-                   f"{r.get('plateau_exit_step') if r.get('plateau_exit_step') is not None else '–'} | "
+                   f"{_exit_words(r)} | "
                    f"{verdict_words(r) if r['status'] == 'done' else '–'} |")
     return out
 

@@ -117,7 +117,7 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
                first_val_loss=first, capped_loss=final if final is not None else first,
                verdict=result.get("verdict"), divergence=result.get("divergence"),
                diverged=result.get("diverged"), max_lr=result.get("max_lr"),
-               peak_lr=group.peak_lr, wall_s=result.get("wall_s"),
+               peak_lr=group.peak_lr if group.kind == "ramp" else None, wall_s=result.get("wall_s"),
                plateau_exit_step=plateau_exit_step(records, 0.95 * h1 if h1 else None))
     return rec
 
@@ -274,8 +274,11 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
         raise KeelError(f"study {study.name!r} at scale {scale!r} has no group(s) {', '.join(unknown)} "
                         f"(groups: {', '.join(x.name for x in study.groups)})")
     out = Path(out)
+    # every group's run configs, built as for the plan: a bad key or value in a later group's set is refused
+    # here, before out is claimed (it used to stop the study after the groups before it had trained)
+    plan = plan_rows(study, "<data>", out, mfu, peak_tflops)
     if dry_run:
-        rows = [r for r in plan_rows(study, "<data>", out, mfu, peak_tflops) if not groups or r["group"] in groups]
+        rows = [r for r in plan if not groups or r["group"] in groups]
         return {"plan": rows, "markdown": plan_markdown(study, rows, mfu, peak_tflops)}
     check_pool(workers, threads)
     base = load_config(resolve_config_path(study.base), study.all_sets())  # a bad --set: refused before out is claimed

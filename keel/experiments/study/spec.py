@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from keel.config import Override, resolve_config_path, tomllib
+from keel.config import Override, override_text, resolve_config_path, tomllib
 from keel.errors import KeelError
 from keel.model import SCHEMES
 
@@ -103,6 +103,10 @@ def _group(name: str, spec: dict, sized: dict) -> Group:
     d = {**spec, **sized}
     _check_group_types(name, d)
     sets = list(d.pop("set", {}).items())
+    varied = sorted(k for k, _ in sets if k in GRID_KEYS)
+    if varied:
+        raise KeelError(f"study group {name!r}: set {', '.join(varied)}: the group's schemes, sublayers, lrs and "
+                        "seeds set it per run; change those instead")
     g = Group(name=name, sets=sets, **{k: v for k, v in d.items()})
     for L in g.sublayers:
         if not isinstance(L, int) or L < 2 or L % 2:
@@ -196,18 +200,37 @@ def _check_group_in_study(g: Group, groups: list[Group]) -> None:
 
 
 def _check_baselines(g: Group, groups: list[Group]) -> None:
-    """Raise KeelError unless ``baselines_from`` and ``baselines`` come together and name another
-    train group of this scale that trains every baseline scheme at every depth and LR of ``g``
-    (:func:`baseline_margins` pairs each of ``g``'s schemes with them over ``g``'s LRs)."""
+    """Raise KeelError, naming the first problem, unless ``baselines_from`` and ``baselines`` come
+    together and name another train group of this scale (with its own ``lrs``) that trains every
+    baseline scheme at every depth, LR and seed of ``g`` with the same ``set``: the pairs of
+    :func:`keel.experiments.study.verdicts.baseline_margins` train the same model, data and tokens."""
     if not (g.baselines_from or g.baselines):
         return
-    src = next((x for x in groups if x.name == g.baselines_from and x is not g and x.kind == "train"), None)
-    missing_lrs = [lr for lr in g.lrs if src and not any(math.isclose(lr, x) for x in src.lrs)]
-    if not g.baselines or src is None or set(g.baselines) - set(src.schemes) \
-            or set(g.sublayers) - set(src.sublayers) or missing_lrs or g.lr_from:
-        raise KeelError(f"study group {g.name!r}: baselines_from must name another train group of this scale that "
-                        f"trains every scheme of baselines ({', '.join(g.baselines) or 'none given'}) at this "
-                        f"group's depths and LRs (a group with lrs, not lr_from)")
+    where = f"study group {g.name!r}"
+    if not (g.baselines_from and g.baselines):
+        raise KeelError(f"{where}: baselines_from (a train group) and baselines (its schemes) come together, "
+                        f"e.g. baselines_from = \"lr-grid\", baselines = [\"keel\", \"pre_ln\"]")
+    trains = [x.name for x in groups if x.kind == "train" and x is not g and not x.lr_from]
+    src = next((x for x in groups if x.name == g.baselines_from and x.name in trains), None)
+    if src is None or g.lr_from:
+        raise KeelError(f"{where}: baselines_from {g.baselines_from!r} must name another train group of this scale "
+                        f"with its own lrs ({', '.join(trains) or 'none'}), and this group needs lrs, not lr_from")
+    unknown = [s for s in g.baselines if s not in SCHEMES]
+    if unknown or len(set(g.baselines)) != len(g.baselines):
+        raise KeelError(f"{where}: baselines repeat a scheme or name an unknown one ({', '.join(g.baselines)}; "
+                        f"available: {', '.join(SCHEMES)})")
+    lacking = {"schemes": [x for x in g.baselines if x not in src.schemes],
+               "sub-layers": [L for L in g.sublayers if L not in src.sublayers],
+               "LRs": [f"{lr:g}" for lr in g.lrs if not any(math.isclose(lr, x) for x in src.lrs)],
+               "seeds": [sd for sd in g.seeds if sd not in src.seeds]}
+    for what, xs in lacking.items():
+        if xs:
+            raise KeelError(f"{where}: group {src.name!r} (baselines_from) trains no {what} "
+                            f"{', '.join(map(str, xs))}; the pairs need them")
+    if dict(g.sets) != dict(src.sets):
+        raise KeelError(f"{where}: its set ({', '.join(override_text(x) for x in g.sets) or 'none'}) differs from "
+                        f"group {src.name!r}'s ({', '.join(override_text(x) for x in src.sets) or 'none'}); "
+                        "paired runs must train the same model, data and tokens")
 
 
 def _verdict_settings(v) -> tuple[float, int]:

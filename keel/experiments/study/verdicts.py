@@ -76,6 +76,18 @@ def best_lrs(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayers
     return {seed: r["lr"] for seed, r in best_runs(runs, groups, scheme, sublayers).items()}
 
 
+def best_lr_at_edge(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayers: int) -> dict:
+    """``{seed: bool}``: whether each seed's best LR (:func:`best_runs`) is the lowest or highest
+    LR that ``scheme`` trained at ``sublayers`` in ``groups`` (then the optimum may lie outside
+    them, e.g. at the deepest depth, trained at two LRs transferred from the depth before)."""
+    out = {}
+    for seed, r in best_runs(runs, groups, scheme, sublayers).items():
+        lrs = [x["lr"] for x in runs if x["group"] in groups and x["scheme"] == scheme
+               and x["sublayers"] == sublayers and x["seed"] == seed]
+        out[seed] = len(lrs) > 1 and r["lr"] in (min(lrs), max(lrs))
+    return out
+
+
 def equal_lr_margins(runs: Sequence[dict], groups: Sequence[str], scheme: str, baseline: str,
                      min_effect: float, min_seeds: int) -> list[dict]:
     """Per depth and peak LR that both schemes ran, the paired per-seed margin
@@ -138,6 +150,7 @@ def claim_margin_grows(study: Study, runs: list[dict], claim: dict) -> dict:
             failed = [r for r in finished if r.get("diverged")]
             rows.append({"sublayers": L, "margin": paired_verdict(m, study.min_effect, study.min_seeds),
                          "best_lr": {b: best_lrs(runs, groups, b, L), s: best_lrs(runs, groups, s, L)},
+                         "best_lr_at_edge": {x: best_lr_at_edge(runs, groups, x, L) for x in (b, s)},
                          "plateau_exit": {x: {seed: r.get("plateau_exit_step")
                                               for seed, r in best_runs(runs, groups, x, L).items()} for x in (b, s)},
                          "baseline_runs": len(finished), "baseline_diverged_runs": len(failed),
