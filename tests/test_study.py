@@ -693,11 +693,14 @@ def test_study_flags_refused_before_anything_is_written(keel_cli, tmp_path):
              (["--groups", ",", "--out", tmp_path / "a"], "--groups needs group names"),
              (["--workers", "-1", "--out", tmp_path / "a"], "--workers must be >= 0"),
              (["--dry-run", "--peak-tflops", "nan"], "--peak-tflops a finite number > 0"),
+             (["--dry-run", "--workers", "-1"], "--workers must be >= 0"),  # the plan used to accept it
              (["--out", ""], "--out is empty: give an output folder")]
     for extra, message in cases:
         r = keel_cli(*base, *extra)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (extra, r.stderr)
     assert not (tmp_path / "a").exists()
+    plan = json.loads(keel_cli(*base, "--dry-run", "--json").stdout)  # was a bare list of groups, with no totals
+    assert plan["total"]["runs"] == sum(g["runs"] for g in plan["groups"]) == 63 and plan["total"]["references"] == 2
     r = keel_cli("study", "", "--scale", "tiny", "--dry-run")  # said "unknown study 'demo'"
     assert r.returncode == 2 and "the study name is empty" in r.stderr and "Traceback" not in r.stderr
     # --resume on a folder that is not a study's (e.g. one of its groups, as the grid's stop hint named it)
@@ -713,6 +716,8 @@ def test_dry_run_prices_the_named_groups():
     full = SRun.run_study("claims", "paper", "unused", dry_run=True)
     part = SRun.run_study("claims", "paper", "unused", dry_run=True, groups=["ramp", "init"], peak_tflops=1978)
     assert [r["group"] for r in part["plan"]] == ["ramp", "init"]
+    assert part["total"]["runs"] == sum(r["runs"] for r in part["plan"]) and part["total"]["gpu_hours"] == \
+        pytest.approx(sum(r["gpu_hours"] for r in part["plan"]))
     ramp = next(r for r in full["plan"] if r["group"] == "ramp")
     assert next(r for r in part["plan"] if r["group"] == "ramp")["gpu_hours"] == pytest.approx(ramp["gpu_hours"] / 2)
     assert "1978 TFLOP/s dense bf16;" in part["markdown"] and "H100" not in part["markdown"]

@@ -237,10 +237,11 @@ def cmd_study(args: argparse.Namespace) -> int:
     out = args.out or f"runs/study-{Path(args.name).stem}-{args.scale}"
     command = study_command(sys.argv[2:]) if len(sys.argv) > 2 else f"keel study {args.name}"
     r = run_study(args.name, args.scale, out, args.set, workers=args.workers, threads=args.threads or None,
-                     resume=args.resume, report_only=args.report_only, dry_run=args.dry_run, mfu=args.mfu,
-                     peak_tflops=args.peak_tflops, command=command, groups=groups)
+                  resume=args.resume, report_only=args.report_only, dry_run=args.dry_run, mfu=args.mfu,
+                  peak_tflops=args.peak_tflops, command=command, groups=groups)
     if args.dry_run:
-        print(json.dumps(r["plan"], indent=1, default=str) if args.json else r["markdown"])
+        print(json.dumps({"groups": r["plan"], "total": r["total"]}, indent=1, default=str) if args.json
+              else r["markdown"])
         return 0
     if args.json:
         print(json.dumps({"claims": r["claims"]}, indent=1, default=str))

@@ -219,6 +219,11 @@ def _hours(h: float) -> str:
     return f"{h:,.1f}" if h >= 1 else f"{h:.2g}"
 
 
+def plan_total(rows: list[dict]) -> dict:
+    """The sums of :func:`plan_rows`' ``runs``, ``references``, ``tokens``, ``flops`` and ``gpu_hours``."""
+    return {k: sum(r[k] for r in rows) for k in ("runs", "references", "tokens", "flops", "gpu_hours")}
+
+
 def plan_markdown(study: Study, rows: list[dict], mfu: float, peak_tflops: float) -> str:
     """The ``--dry-run`` table."""
     lines = [f"Study {study.name}, scale {study.scale}: {study.note}".strip(), "",
@@ -230,9 +235,9 @@ def plan_markdown(study: Study, rows: list[dict], mfu: float, peak_tflops: float
                      f"{', '.join(map(str, r['seeds']))} | {r['lr_plan']} | "
                      f"{', '.join(f'{t:,.0f}' for t in r['tokens_per_run'])} | {r['tokens']:.3g} | "
                      f"{_hours(r['gpu_hours'])} |")
-    tot = sum(r["gpu_hours"] for r in rows)
-    lines += ["", f"Total: {sum(r['runs'] + r['references'] for r in rows)} runs, "
-                  f"{sum(r['tokens'] for r in rows):.3g} tokens, about {_hours(tot)} GPU-hours "
+    tot = plan_total(rows)
+    lines += ["", f"Total: {tot['runs'] + tot['references']} runs, "
+                  f"{tot['tokens']:.3g} tokens, about {_hours(tot['gpu_hours'])} GPU-hours "
                   f"(training FLOPs 6N + 12 n_layers d T per token, PaLM App. B, at {mfu:.0%} MFU of "
                   f"{peak_tflops:g} TFLOP/s dense bf16{', an H100 SXM' if peak_tflops == 989 else ''}; "
                   "evaluation not counted)."]
@@ -255,7 +260,8 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
         workers, threads: as :func:`keel.experiments.grid.run_grid`.
         resume: continue a non-empty ``out``; report_only: train nothing, report the finished runs.
         dry_run: prepare nothing and train nothing; return the plan (runs, tokens, estimated
-            GPU-hours at ``mfu`` of ``peak_tflops`` dense bf16 TFLOP/s) as ``{"plan": rows, "markdown": ...}``.
+            GPU-hours at ``mfu`` of ``peak_tflops`` dense bf16 TFLOP/s) as ``{"plan": rows per group,
+            "total": the sums of runs, references, tokens, FLOPs and GPU-hours, "markdown": ...}``.
         command: the command line; the report shows the one that started ``out`` (``study.json``).
         groups: train only these groups (still in the study's order; empty: all). The report
             covers every group's finished runs. An ``lr_from`` group still waits for its source.
@@ -277,10 +283,10 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     # every group's run configs, built as for the plan: a bad key or value in a later group's set is refused
     # here, before out is claimed (it used to stop the study after the groups before it had trained)
     plan = plan_rows(study, "<data>", out, mfu, peak_tflops)
+    check_pool(workers, threads)
     if dry_run:
         rows = [r for r in plan if not groups or r["group"] in groups]
-        return {"plan": rows, "markdown": plan_markdown(study, rows, mfu, peak_tflops)}
-    check_pool(workers, threads)
+        return {"plan": rows, "total": plan_total(rows), "markdown": plan_markdown(study, rows, mfu, peak_tflops)}
     base = load_config(resolve_config_path(study.base), study.all_sets())  # a bad --set: refused before out is claimed
     first_command = _claim_out(out, study, command, resume=resume, report_only=report_only)
     # --report-only reads what the runs recorded: no dataset is prepared (or downloaded) for it
