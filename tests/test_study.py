@@ -403,8 +403,8 @@ BENCH = ('[groups.b]\nschemes = ["peri_ln"]\nbaselines_from = "g"\nbaselines = [
 
 
 @pytest.mark.parametrize("text, match", [
-    (GROUP, "needs \\[\\[claims\\]\\]"),
-    (GROUP + '[claims.b]\ntitle = "t"\n', "needs \\[\\[claims\\]\\]"),
+    ("[scales.x]\n", "a study needs groups, and its claims are \\[\\[claims\\]\\] entries"),
+    (GROUP + '[claims.b]\ntitle = "t"\n', "its claims are \\[\\[claims\\]\\] entries \\(an array of tables"),
     (GROUP + CLAIM.replace('id = "b"\n', ""), "needs an id"),
     (GROUP + CLAIM + CLAIM, "repeat an id"),
     (GROUP + CLAIM.replace('["g"]', '["h"]'), "group 'h' is not sized"),
@@ -829,3 +829,19 @@ def test_the_bench_table_says_why_a_pair_is_missing():
     assert table[-2] == ("–: no seed has both sides finished yet (all of this group's LRs for the scheme and all of "
                          "group lr-grid's for the baseline, at that depth).")
     assert SR._exit_words(runs[0]) == "never" and SR._exit_words(dict(runs[0], status="pending")) == "–"
+
+
+def test_a_study_of_groups_only_reports_its_bench(tmp_path, tiny_data):
+    """A bench needs no claim of the paper: a study with groups and no [[claims]] (it was refused)
+    trains them and reports the bench's pairs, with no verdict table."""
+    p = tmp_path / "bench.toml"
+    p.write_text(GROUP + BENCH)
+    sets = [f"data.path={tiny_data}", "train.steps=2", "train.batch_size=2", "train.seq_len=16", "train.eval_every=2",
+            "train.eval_tokens=64", "train.sample_tokens=0", "model.d_model=16", "model.d_ff=32"]
+    r = SRun.run_study(str(p), "x", tmp_path / "out", sets, workers=0)
+    assert r["claims"] == [] and [x["status"] for x in r["runs"]] == ["done"] * 3  # keel, pre_ln; peri_ln
+    (m,) = r["baseline_margins"]
+    keel, peri = (next(x["capped_loss"] for x in r["runs"] if x["scheme"] == s) for s in ("keel", "peri_ln"))
+    assert (m["scheme"], m["baseline"], m["margin"]["diffs"]) == ("peri_ln", "keel", {0: pytest.approx(keel - peri)})
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Verdicts" not in md and "## Group b (no claim reads it)" in md and "| 2 | peri_ln | " in md

@@ -18,7 +18,8 @@ A study is a TOML file (packaged in ``keel/configs/studies/``, e.g. ``claims.tom
 * ``[[claims]]``: per claim of the paper, the verdict function (``test``, a key of
   :data:`verdicts.CLAIM_TESTS`) and the groups and schemes it reads. A ``max_lr_order`` claim may name an
   ``extended_group``: its ramp continued at the same LR per step to a higher peak, where the
-  pairs that the first peak censors are judged (optional per scale).
+  pairs that the first peak censors are judged (optional per scale). A study without claims is
+  a study of groups only (e.g. a bench paired by ``baselines_from``): its report has no verdicts.
 * ``[scales.S]``: for each scale (``tiny`` for the test suite, ``cpu``, ``gpu-1``, ``paper``)
   the config keys of every run (``set``) and each group's sizes (``[scales.S.groups.G]``).
 * ``[verdict]``: ``min_effect`` (nats/token) and ``min_seeds`` of :func:`verdicts.paired_verdict`.

@@ -316,11 +316,12 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
              + (" The ramp groups' reference runs (the scale's `--dry-run` counts them) are not counted."
                 if any(g.kind == "ramp" for g in study.groups) else "")
              + (f" Not planned yet: {'; '.join(waiting)}." if waiting else ""),
-             f"Command: `{command}`", "", "## Verdicts", "", verdict_rule(study, [cl for cl, _ in claims]), "",
-             "| claim | verdict | numbers: mean ± sd [per seed] | unit |", "|---|---|---|---|"]
-    lines += [f"| ({cl['id']}) {cl['title']} | **{c['verdict']}** | {claim_numbers(c)} | {CLAIM_UNITS[cl['test']]} |"
-              for cl, c in claims]
-    lines.append("")
+             f"Command: `{command}`", ""]
+    if claims:  # a study of groups only (e.g. a bench) has no verdicts
+        lines += ["## Verdicts", "", verdict_rule(study, [cl for cl, _ in claims]), "",
+                  "| claim | verdict | numbers: mean ± sd [per seed] | unit |", "|---|---|---|---|"]
+        lines += [f"| ({cl['id']}) {cl['title']} | **{c['verdict']}** | {claim_numbers(c)} | "
+                  f"{CLAIM_UNITS[cl['test']]} |" for cl, c in claims] + [""]
     for cl, c in claims:
         lines += claim_section(cl, c)
     return "\n".join(lines + unclaimed_group_sections(study, runs) + best_loss_table(study, runs)

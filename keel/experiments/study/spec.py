@@ -161,8 +161,9 @@ def load_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
     for g in groups:
         _check_group_in_study(g, groups)
     claims = d.get("claims", [])
-    if not isinstance(claims, list) or not claims:
-        raise KeelError("a study needs [[claims]] entries (an array of tables)")
+    if not isinstance(claims, list) or not (claims or groups):
+        raise KeelError("a study needs groups, and its claims are [[claims]] entries (an array of tables; none: "
+                        "a study of groups only, e.g. a bench with baselines_from)")
     for c in claims:
         _check_claim(c, {g.name: g for g in groups})
     ids = [c["id"] for c in claims]
