@@ -104,9 +104,9 @@ def claim_section(claim: dict, c: dict) -> list[str]:
                 f"{_lrs(r['best_lr'][s], r.get('best_lr_at_edge', {}).get(s))} | "
                 f"{_exits(r.get('plateau_exit', {}).get(b, {}))}; {_exits(r.get('plateau_exit', {}).get(s, {}))} | "
                 f"{_flagged(r)} |" for r in c["rows"]]
-        out += ["", "* : the best LR is the lowest or highest LR that scheme trained at that depth, so its optimum may "
-                "lie beyond it (at the deepest depth each scheme trained only the LRs transferred from the depth "
-                "before).", "",
+        out += ["", "A best LR marked with an asterisk is the lowest or highest LR that scheme trained at that depth, "
+                "so its optimum may lie beyond it (at the deepest depth each scheme trained only the LRs transferred "
+                "from the depth before).", "",
                 f"The classifier reports a run's first failure: a {b} run flagged as a stagnation (100 steps on "
                 "the unigram plateau) may leave the plateau later and still be that seed's best run (each run's "
                 "verdict and plateau exit step: the last table)."]
