@@ -845,3 +845,45 @@ def test_a_study_of_groups_only_reports_its_bench(tmp_path, tiny_data):
     assert (m["scheme"], m["baseline"], m["margin"]["diffs"]) == ("peri_ln", "keel", {0: pytest.approx(keel - peri)})
     md = (tmp_path / "out" / "report.md").read_text()
     assert "## Verdicts" not in md and "## Group b (no claim reads it)" in md and "| 2 | peri_ln | " in md
+
+
+def test_restore_reports_an_earlier_reports_runs_without_training_them(tmp_path, tiny_data, keel_cli):
+    """`--restore report.json` (the committed report, when runs/ is gone): its finished runs are
+    not trained again and give the same numbers and pairs; a run it lacks is trained; a report
+    of another study, scale or settings is refused in one line."""
+    p = tmp_path / "bench.toml"
+    p.write_text(GROUP + BENCH)
+    sets = [f"data.path={tiny_data}", "train.steps=2", "train.batch_size=2", "train.seq_len=16", "train.eval_every=2",
+            "train.eval_tokens=64", "train.sample_tokens=0", "model.d_model=16", "model.d_ff=32"]
+    first = SRun.run_study(str(p), "x", tmp_path / "a", sets, workers=0)
+    old = json.loads((tmp_path / "a" / "report.json").read_text())
+    old["runs"] = [r for r in old["runs"] if r["scheme"] != "peri_ln"]  # as if the report was committed before it ran
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    again = SRun.run_study(str(p), "x", tmp_path / "b", sets, workers=0, restore=tmp_path / "old.json")
+    assert [(x["scheme"], bool(x.get("restored"))) for x in again["runs"]] == [
+        ("keel", True), ("pre_ln", True), ("peri_ln", False)]
+    assert not (tmp_path / "b" / "g").exists()  # group g: nothing trained
+    assert (tmp_path / "b" / "b" / first["runs"][2]["name"] / "result.json").is_file()
+    strip = ("restored", "wall_s")
+    assert [{k: v for k, v in x.items() if k not in strip} for x in again["runs"]] == \
+        [{k: v for k, v in x.items() if k not in strip} for x in first["runs"]]
+    assert again["baseline_margins"] == first["baseline_margins"] and again["restored_from"] == str(tmp_path / "old.json")
+    assert "2 of the finished runs were restored from" in (tmp_path / "b" / "report.md").read_text()
+    # the numbers stay with a run's coordinates: a record of another LR is not taken for it
+    old["runs"][0]["lr"] = 3e-3
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    moved = SRun.run_study(str(p), "x", tmp_path / "c", sets, workers=0, restore=tmp_path / "old.json")
+    assert [bool(x.get("restored")) for x in moved["runs"]] == [False, True, False]
+    cases = [(tmp_path / "nope.json", "no such file"), (p, "cannot read it as JSON"),
+             (tmp_path / "a" / "study.json", "not a study report")]
+    for bad, message in cases:
+        with pytest.raises(KeelError, match=message):
+            SRun.run_study(str(p), "x", tmp_path / "d", sets, workers=0, restore=bad)
+    r = keel_cli("study", p, "--scale", "x", "--out", tmp_path / "d", *[a for s in sets[1:] for a in ("--set", s)],
+                 "--set", f"data.path={tiny_data}", "--set", "train.steps=3", "--restore", tmp_path / "a" / "report.json")
+    assert r.returncode == 2 and "its runs were trained with other settings (only now: train.steps=3)" \
+        in r.stderr and "Traceback" not in r.stderr
+    other = keel_cli("study", "claims", "--scale", "tiny", "--out", tmp_path / "d", "--restore",
+                     tmp_path / "a" / "report.json")
+    assert other.returncode == 2 and "holds study 'bench' at scale 'x', not 'claims' at 'tiny'" in other.stderr
+    assert not (tmp_path / "d").exists()

@@ -190,6 +190,9 @@ def _register_study(subparsers) -> None:
     p.add_argument("--groups", default=None, metavar="G[,G...]",
                    help="train (or with --dry-run: plan) only these groups (e.g. ramp,init), in the study's order; "
                         "the report still covers all")
+    p.add_argument("--restore", default=None, metavar="REPORT_JSON",
+                   help="an earlier report.json of the same study and scale (e.g. the committed one, when the "
+                        "run folders are gone): its finished runs are not trained again and count in the report")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (runs, tokens, estimated GPU-hours) and exit; prepares and trains nothing")
     p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation assumed by --dry-run")

@@ -234,11 +234,13 @@ def cmd_study(args: argparse.Namespace) -> int:
         raise KeelError("--out is empty: give an output folder (or leave --out out: runs/study-NAME-SCALE)")
     if args.set and args.report_only:
         raise KeelError("--report-only reads the finished runs as they were trained; do not combine it with --set")
+    if args.restore is not None and not args.restore.strip():
+        raise KeelError("--restore is empty: give an earlier report.json of this study")
     out = args.out or f"runs/study-{Path(args.name).stem}-{args.scale}"
     command = study_command(sys.argv[2:]) if len(sys.argv) > 2 else f"keel study {args.name}"
     r = run_study(args.name, args.scale, out, args.set, workers=args.workers, threads=args.threads or None,
                   resume=args.resume, report_only=args.report_only, dry_run=args.dry_run, mfu=args.mfu,
-                  peak_tflops=args.peak_tflops, command=command, groups=groups)
+                  peak_tflops=args.peak_tflops, command=command, groups=groups, restore=args.restore)
     if args.dry_run:
         print(json.dumps({"groups": r["plan"], "total": r["total"]}, indent=1, default=str) if args.json
               else r["markdown"])

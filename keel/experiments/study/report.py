@@ -306,8 +306,17 @@ def tokens_words(study: Study, done: list[dict]) -> str:
     return f" (tokens per finished run: {'; '.join(parts)})" if parts else ""
 
 
+def restored_words(runs: list[dict], restore: str | Path | None) -> str:
+    """The report's line on runs restored from an earlier report (``keel study --restore``)."""
+    n = sum(1 for r in runs if r.get("restored"))
+    if not n:
+        return ""
+    return (f" {n} of the finished runs were restored from `{restore}` (an earlier report of this study: their "
+            "numbers, not their run folders; their loss curves are not redrawn here).")
+
+
 def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[dict], command: str,
-                    waiting: Sequence[str] = ()) -> str:
+                    waiting: Sequence[str] = (), restore: str | Path | None = None) -> str:
     """``report.md``: the verdict table, one section per claim, every run."""
     done = [r for r in runs if r["status"] == "done"]
     lines = [f"# Study `{study.name}`, scale `{study.scale}`", "", study.note, "",
@@ -315,7 +324,7 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
              + unfinished_words(study, runs)
              + (" The ramp groups' reference runs (the scale's `--dry-run` counts them) are not counted."
                 if any(g.kind == "ramp" for g in study.groups) else "")
-             + (f" Not planned yet: {'; '.join(waiting)}." if waiting else ""),
+             + (f" Not planned yet: {'; '.join(waiting)}." if waiting else "") + restored_words(runs, restore),
              f"Command: `{command}`", ""]
     if claims:  # a study of groups only (e.g. a bench) has no verdicts
         lines += ["## Verdicts", "", verdict_rule(study, [cl for cl, _ in claims]), "",
@@ -361,6 +370,9 @@ def write_plots(study: Study, runs: list[dict], claims: list[tuple[dict, dict]],
     files = []
     for g in study.groups:
         done = [r for r in runs if r["group"] == g.name and r["status"] == "done"]
+        curves = g.kind == "ramp" or len(g.lrs) <= 1  # drawn from the run folders' metrics
+        if curves:
+            done = [r for r in done if not r.get("restored")]  # a restored run has no run folder
         if not done:
             continue
         name = f"{g.name}.png"

@@ -122,13 +122,67 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
     return rec
 
 
+RESTORED_KEYS = ("status", "tokens", "final_val_loss", "first_val_loss", "capped_loss", "verdict", "divergence",
+                 "diverged", "max_lr", "peak_lr", "wall_s", "plateau_exit_step")
+
+
+def load_restored(path: str | Path, study: Study) -> dict[tuple[str, str], dict]:
+    """The finished runs of an earlier ``report.json`` of the same study, scale and settings,
+    ``{(group, run name): record}``: what stands in for run folders that are gone (``runs/`` is
+    not kept between machines; the committed report is). A record keeps the numbers the
+    verdicts and tables read (:data:`RESTORED_KEYS`), not the loss curves.
+
+    Raises:
+        KeelError: the file is missing or not a study report; it is another study or scale, or
+            its runs were trained with other settings (``sets``, e.g. another ``--set``).
+    """
+    path = Path(path)
+    try:
+        rep = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise KeelError(f"--restore {path}: no such file (give a study's report.json)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KeelError(f"--restore {path}: cannot read it as JSON ({e})") from None
+    if not isinstance(rep, dict) or not isinstance(rep.get("runs"), list):
+        raise KeelError(f"--restore {path}: not a study report (no runs list); give a study's report.json")
+    if (rep.get("study"), rep.get("scale")) != (study.name, study.scale):
+        raise KeelError(f"--restore {path} holds study {rep.get('study')!r} at scale {rep.get('scale')!r}, "
+                        f"not {study.name!r} at {study.scale!r}")
+    mine = [override_text(x) for x in study.all_sets()]
+    if rep.get("sets") != mine:
+        theirs = [str(x) for x in rep.get("sets") or []]
+        words = [f"{side}: {', '.join(x)}" for side, x in (("only in the report", [x for x in theirs if x not in mine]),
+                                                            ("only now", [x for x in mine if x not in theirs])) if x]
+        raise KeelError(f"--restore {path}: its runs were trained with other settings "
+                        f"({'; '.join(words) or 'the same keys in another order'}); restore only the same study")
+    h1 = rep.get("unigram_entropy")
+    return {(r["group"], r["name"]): {**r, "unigram_entropy": h1} for r in rep["runs"]
+            if isinstance(r, dict) and r.get("status") == "done"}
+
+
+def restored_record(group: Group, job: GridJob, old: dict) -> dict | None:
+    """A run's record (:func:`run_record`) from its record in an earlier report (``old``), marked
+    ``restored``; ``result`` holds what the LR-grid summaries read. None when ``old`` is for
+    other coordinates (scheme, depth, seed, LR) than ``job``: then the run is trained."""
+    rec = run_record(group, job, Path(), None)
+    if any(old.get(k) != rec[k] for k in ("scheme", "sublayers", "seed", "lr")):
+        return None
+    rec.update({k: old.get(k) for k in RESTORED_KEYS}, restored=True)
+    rec["result"] = {"values": job.values, "unigram_entropy": old.get("unigram_entropy"),
+                     **{k: rec[k] for k in RESTORED_KEYS if k != "capped_loss"}}
+    return rec
+
+
 def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[str], workers: int = 1,
-            threads: int | None = None) -> tuple[list[dict], list[str]]:
+            threads: int | None = None, restored: dict[tuple[str, str], dict] | None = None
+            ) -> tuple[list[dict], list[str]]:
     """Run or only read every group in order; return the run records (:func:`run_record`) of
     every job, finished or not, and one line per group not planned yet: an ``lr_from`` group
     whose source has not finished is skipped (logged), and runs on a later invocation.
     ``train``: True trains every group, False none, a list of group names only those (the other
-    groups are read, so the report still covers them)."""
+    groups are read, so the report still covers them). ``restored``: :func:`load_restored`; a
+    run there is not trained, and its record stands in unless its own folder holds a result."""
+    restored = restored or {}
     runs: list[dict] = []
     waiting = []
     for g in study.groups:
@@ -146,19 +200,24 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[st
                 continue
         refs, jobs = group_jobs(study, g, data_dir, out, lr_for)
         gdir = out / g.name
+        olds = {j.name: restored_record(g, j, restored[(g.name, j.name)]) for j in jobs if (g.name, j.name) in restored}
+        todo = [j for j in jobs if olds.get(j.name) is None]
         errors = {}
-        if trains:
-            _log.info(f"study: group {g.name}: {len(jobs)} runs"
+        if trains and todo:
+            _log.info(f"study: group {g.name}: {len(todo)} runs"
+                      + (f" ({len(jobs) - len(todo)} more restored)" if len(todo) < len(jobs) else "")
                       + (f" + {len(refs)} reference run{'s' if len(refs) > 1 else ''}" if refs else ""))
             if refs:
                 run_grid(refs, gdir / ST.REFERENCES, train_task, workers=workers, resume=True, threads=threads,
                          check=check_train_job)
-            got = run_grid(jobs, gdir, ST.stress_task if g.kind == "ramp" else train_task, workers=workers,
+            got = run_grid(todo, gdir, ST.stress_task if g.kind == "ramp" else train_task, workers=workers,
                            resume=True, threads=threads, check=check_train_job)
-            errors = {j.name: r for j, r in zip(jobs, got) if r.get("status") == "error"}
+            errors = {j.name: r for j, r in zip(todo, got) if r.get("status") == "error"}
         for j in jobs:
             res = cached_result(gdir / j.name)
             rec = run_record(g, j, gdir / j.name, res if res and res.get("status") == "done" else None)
+            if rec["status"] == "pending" and olds.get(j.name) is not None:
+                rec = olds[j.name]
             if j.name in errors:
                 rec.update(status="error", message=errors[j.name].get("message"))
             runs.append(rec)
@@ -249,7 +308,7 @@ def plan_markdown(study: Study, rows: list[dict], mfu: float, peak_tflops: float
 def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), *, workers: int = 1,
               threads: int | None = None, resume: bool = False, report_only: bool = False, dry_run: bool = False,
               mfu: float = 0.35, peak_tflops: float = 989.0, command: str = "",
-              groups: Sequence[str] = ()) -> dict:
+              groups: Sequence[str] = (), restore: str | Path | None = None) -> dict:
     """Run (or continue, or only report, or only plan) study ``name`` at ``scale``.
 
     Args:
@@ -265,6 +324,9 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
         command: the command line; the report shows the one that started ``out`` (``study.json``).
         groups: train only these groups (still in the study's order; empty: all). The report
             covers every group's finished runs. An ``lr_from`` group still waits for its source.
+        restore: an earlier ``report.json`` of this study (:func:`load_restored`, e.g. the
+            committed one when ``out`` was lost): its finished runs are not trained again and
+            count in the verdicts and tables; their loss curves are not redrawn.
     Returns:
         The ``report.json`` content: ``study``, ``scale``, ``claims`` (per claim its verdict and
         numbers), ``baseline_margins`` (:func:`baseline_margins` of each group, with ``group``),
@@ -272,9 +334,10 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     Raises:
         KeelError: bad study or scale (:func:`load_study`), bad config, ``out`` not usable
             (:func:`_claim_out`: a file, another study's folder, non-empty without ``resume``);
-            ``groups`` names a group the scale does not have.
+            ``groups`` names a group the scale does not have; a bad ``restore``.
     """
     study = load_study(name, scale, sets)
+    restored = load_restored(restore, study) if restore is not None else {}
     unknown = [g for g in groups if g not in {x.name for x in study.groups}]
     if unknown:
         raise KeelError(f"study {study.name!r} at scale {scale!r} has no group(s) {', '.join(unknown)} "
@@ -293,7 +356,8 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     data_dir = "<data>" if report_only else str(resolve_data(base, progress=False))
     train = False if report_only else (list(groups) or True)
     try:
-        runs, waiting = collect(study, data_dir, out, train=train, workers=workers, threads=threads)
+        runs, waiting = collect(study, data_dir, out, train=train, workers=workers, threads=threads,
+                                restored=restored)
     except Interrupted as e:  # the grid's own hint names a group's folder and a run: continue the study instead
         raise Interrupted(f"stopped by {signal.Signals(e.signum).name}; continue: the same keel study command "
                           f"with --resume (out {out})", e.signum) from None
@@ -307,10 +371,12 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
               "unigram_entropy": h1, "min_effect": study.min_effect, "min_seeds": study.min_seeds,
               "claims": [{"id": cl["id"], "title": cl["title"], **c} for cl, c in claims],
               "baseline_margins": [{"group": g.name, **r} for g in study.groups for r in baseline_margins(study, g, runs)],
+              "restored_from": str(restore) if restore is not None else None,
               "runs": [{k: v for k, v in r.items() if k != "result"} for r in runs], "plots": plots}
     atomic_write_text(out / "report.json", json.dumps(report, indent=1, default=str))
     report["waiting"] = waiting
-    atomic_write_text(out / "report.md", report_markdown(study, claims, runs, first_command, waiting))
+    atomic_write_text(out / "report.md", report_markdown(study, claims, runs, first_command, waiting,
+                                                         restore))
     return report
 
 
