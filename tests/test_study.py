@@ -869,6 +869,11 @@ def test_restore_reports_an_earlier_reports_runs_without_training_them(tmp_path,
         [{k: v for k, v in x.items() if k not in strip} for x in first["runs"]]
     assert again["baseline_margins"] == first["baseline_margins"] and again["restored_from"] == str(tmp_path / "old.json")
     assert "2 of the finished runs were restored from" in (tmp_path / "b" / "report.md").read_text()
+    # --report-only --restore: the report of the committed runs alone, in a new folder, training nothing
+    only = SRun.run_study(str(p), "x", tmp_path / "r", sets, report_only=True, restore=tmp_path / "old.json")
+    assert [x["status"] for x in only["runs"]] == ["done", "done", "pending"]
+    assert [m["margin"]["n"] for m in only["baseline_margins"]] == [0]  # peri_ln has not run there
+    assert sorted(x.name for x in (tmp_path / "r").iterdir()) == ["report.json", "report.md", "study.json"]
     # the numbers stay with a run's coordinates: a record of another LR is not taken for it
     old["runs"][0]["lr"] = 3e-3
     (tmp_path / "old.json").write_text(json.dumps(old))

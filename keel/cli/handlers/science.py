@@ -232,7 +232,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         raise KeelError("the study name is empty: give a shipped study (e.g. claims) or a study TOML file")
     if args.out is not None and not args.out.strip():
         raise KeelError("--out is empty: give an output folder (or leave --out out: runs/study-NAME-SCALE)")
-    if args.set and args.report_only:
+    if args.set and args.report_only and args.restore is None:  # with --restore they must match the report's
         raise KeelError("--report-only reads the finished runs as they were trained; do not combine it with --set")
     if args.restore is not None and not args.restore.strip():
         raise KeelError("--restore is empty: give an earlier report.json of this study")

@@ -351,7 +351,10 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
         rows = [r for r in plan if not groups or r["group"] in groups]
         return {"plan": rows, "total": plan_total(rows), "markdown": plan_markdown(study, rows, mfu, peak_tflops)}
     base = load_config(resolve_config_path(study.base), study.all_sets())  # a bad --set: refused before out is claimed
-    first_command = _claim_out(out, study, command, resume=resume, report_only=report_only)
+    # a report of restored runs needs no earlier folder: --report-only --restore starts or continues one
+    from_report = report_only and restore is not None
+    first_command = _claim_out(out, study, command, resume=resume or from_report,
+                               report_only=report_only and not from_report)
     # --report-only reads what the runs recorded: no dataset is prepared (or downloaded) for it
     data_dir = "<data>" if report_only else str(resolve_data(base, progress=False))
     train = False if report_only else (list(groups) or True)
