@@ -892,3 +892,20 @@ def test_restore_reports_an_earlier_reports_runs_without_training_them(tmp_path,
                      tmp_path / "a" / "report.json")
     assert other.returncode == 2 and "holds study 'bench' at scale 'x', not 'claims' at 'tiny'" in other.stderr
     assert not (tmp_path / "d").exists()
+
+
+def test_resume_with_other_settings_is_refused_before_the_data_is_prepared(tmp_path, tiny_data, keel_cli):
+    """`--resume` with another --set used to prepare (at gpu-1 scale: download) the dataset first
+    and only then fail in the grid; the runs already started are compared first, data.path aside."""
+    p = tmp_path / "g.toml"
+    p.write_text(GROUP)
+    sets = [f"data.path={tiny_data}", "train.steps=2", "train.batch_size=2", "train.seq_len=16", "train.eval_every=2",
+            "train.eval_tokens=64", "train.sample_tokens=0", "model.d_model=16", "model.d_ff=32"]
+    SRun.run_study(str(p), "x", tmp_path / "a", sets, workers=0)
+    flags = [a for s in sets[1:] for a in ("--set", s)]
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    r = keel_cli("study", p, "--scale", "x", "--out", tmp_path / "a", "--resume", *flags, "--set", "train.steps=3",
+                 cwd=elsewhere)  # no data.path: the built-in corpus would be prepared under ./data
+    assert r.returncode == 2 and "was started with other settings (train.steps)" in r.stderr, r.stderr
+    assert not (elsewhere / "data").exists() and "Traceback" not in r.stderr

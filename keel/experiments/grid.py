@@ -270,6 +270,24 @@ def _check_same_config(run_dir: Path, job: GridJob) -> None:
                     f"settings in its {JOB_FILE} (e.g. the same --set flags), or use another --out")
 
 
+def check_started(jobs: Sequence[GridJob], out_dir: str | Path, ignore: Sequence[str] = ("data.path",)) -> None:
+    """Refuse to continue ``out_dir`` with other settings before anything slow runs: raise
+    KeelError (naming the keys) if the folder of one of ``jobs`` there was started with another
+    config, leaving out the ``section.key`` names in ``ignore`` (e.g. ``data.path``, known only once
+    the dataset is prepared, which for a download takes long). Folders not started pass."""
+    for job in jobs:
+        stored = Path(out_dir) / job.name / JOB_FILE
+        if not stored.is_file():
+            continue
+        old = json.loads(stored.read_text()).get("config") or {}
+        config = json.loads(json.dumps(job.config))
+        for key in ignore:
+            sec, name = key.split(".", 1)
+            if isinstance(old.get(sec), dict) and isinstance(config.get(sec), dict) and name in old[sec]:
+                config[sec][name] = old[sec][name]
+        _check_same_config(Path(out_dir) / job.name, GridJob(job.name, config, job.values))
+
+
 def check_pool(workers: int, threads: int | None) -> None:
     """Raise KeelError for ``workers < 0`` or ``threads < 0`` (the grid's ``--workers`` / ``--threads``)."""
     if workers < 0:

@@ -18,7 +18,7 @@ from keel.data.stats import dataset_unigram_entropy
 from keel.errors import Interrupted, KeelError
 from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
-from keel.experiments.grid import GridJob, cached_result, check_pool, run_grid
+from keel.experiments.grid import GridJob, cached_result, check_pool, check_started, run_grid
 from keel.experiments.study.report import report_markdown, write_plots
 from keel.experiments.study.spec import Group, Study, load_study
 from keel.experiments.study.verdicts import CLAIM_TESTS, baseline_margins
@@ -234,18 +234,27 @@ def flops_per_token(model_cfg, seq_len: int) -> float:
     return 6.0 * param_count(model_cfg, non_embedding=True) + 12.0 * model_cfg.n_layers * model_cfg.d_model * seq_len
 
 
+def planned_jobs(study: Study, data_dir: str, out: Path) -> list[tuple[Group, list[GridJob], list[GridJob]]]:
+    """(group, reference jobs, jobs) of every group as planned before anything trains: an
+    ``lr_from`` group as if the optimum were the middle of its source's LR grid. Raises KeelError
+    on a bad config."""
+    planned = []
+    for g in study.groups:
+        lr_for = None
+        if g.lr_from:
+            grid = sorted(next(x.lrs for x in study.groups if x.name == g.lr_from))
+            lr_for = stepped_lrs(study, g, {s: grid[len(grid) // 2] for s in g.schemes})
+        planned.append((g, *group_jobs(study, g, data_dir, out, lr_for)))
+    return planned
+
+
 def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: float) -> list[dict]:
     """One row per group: runs (+ references), tokens per run (the planned budget; a ramp run
     stops earlier when it diverges), total tokens and estimated GPU-hours at ``mfu`` of a
     ``peak_tflops`` (dense bf16 TFLOP/s) GPU. An ``lr_from`` group is planned as if the optimum were
     the middle of its source's LR grid."""
     rows = []
-    for g in study.groups:
-        lr_for = None
-        if g.lr_from:
-            grid = sorted(next(x.lrs for x in study.groups if x.name == g.lr_from))
-            lr_for = stepped_lrs(study, g, {s: grid[len(grid) // 2] for s in g.schemes})
-        refs, jobs = group_jobs(study, g, data_dir, out, lr_for)
+    for g, refs, jobs in planned_jobs(study, data_dir, out):
         flops = tokens = 0.0
         per_run = []
         for j in refs + jobs:
@@ -355,6 +364,10 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     from_report = report_only and restore is not None
     first_command = _claim_out(out, study, command, resume=resume or from_report,
                                report_only=report_only and not from_report)
+    if resume:  # another --set than the runs started with: refused now, not after the dataset is prepared
+        for g, refs, jobs in planned_jobs(study, "<data>", out):
+            check_started(refs, out / g.name / ST.REFERENCES)
+            check_started(jobs, out / g.name)
     # --report-only reads what the runs recorded: no dataset is prepared (or downloaded) for it
     data_dir = "<data>" if report_only else str(resolve_data(base, progress=False))
     train = False if report_only else (list(groups) or True)
