@@ -886,7 +886,7 @@ def test_restore_reports_an_earlier_reports_runs_without_training_them(tmp_path,
             SRun.run_study(str(p), "x", tmp_path / "d", sets, workers=0, restore=bad)
     r = keel_cli("study", p, "--scale", "x", "--out", tmp_path / "d", *[a for s in sets[1:] for a in ("--set", s)],
                  "--set", f"data.path={tiny_data}", "--set", "train.steps=3", "--restore", tmp_path / "a" / "report.json")
-    assert r.returncode == 2 and "its runs were trained with other settings (only now: train.steps=3)" \
+    assert r.returncode == 2 and "its runs were trained with other settings (train.steps 2 in the report, 3 now)" \
         in r.stderr and "Traceback" not in r.stderr
     other = keel_cli("study", "claims", "--scale", "tiny", "--out", tmp_path / "d", "--restore",
                      tmp_path / "a" / "report.json")
@@ -909,3 +909,57 @@ def test_resume_with_other_settings_is_refused_before_the_data_is_prepared(tmp_p
                  cwd=elsewhere)  # no data.path: the built-in corpus would be prepared under ./data
     assert r.returncode == 2 and "was started with other settings (train.steps)" in r.stderr, r.stderr
     assert not (elsewhere / "data").exists() and "Traceback" not in r.stderr
+
+
+def test_restore_refuses_malformed_or_mismatched_reports(tmp_path, tiny_data, keel_cli):
+    """What a new user's trial of --restore broke: a record with a loss that is text (a traceback
+    after the folder was made), a run listed twice (the last one won silently), a group's own set
+    changed in the study file (accepted), the same --set value spelt twice (refused), and a plain
+    --report-only on a restored folder (it silently dropped the restored runs)."""
+    p = tmp_path / "s.toml"
+    p.write_text(GROUP.replace("lrs = [1e-3]\n", 'lrs = [1e-3]\nset = { "train.eval_tokens" = 64 }\n'))
+    sets = [f"data.path={tiny_data}", "train.steps=2", "train.batch_size=2", "train.seq_len=16", "train.eval_every=2",
+            "train.sample_tokens=0", "model.d_model=16", "model.d_ff=32"]
+    SRun.run_study(str(p), "x", tmp_path / "a", sets, workers=0)
+    rep = json.loads((tmp_path / "a" / "report.json").read_text())
+    assert rep["group_sets"] == {"g": ["train.eval_tokens=64"]}
+
+    def refused(report, match, study=p, extra=()):
+        (tmp_path / "r.json").write_text(json.dumps(report))
+        with pytest.raises(KeelError, match=match):
+            SRun.run_study(str(study), "x", tmp_path / "o", [*sets, *extra], report_only=True,
+                           restore=tmp_path / "r.json")
+        assert not (tmp_path / "o").exists()
+
+    bad = json.loads(json.dumps(rep))
+    bad["runs"][0]["final_val_loss"] = "abc"
+    refused(bad, "run L2_seed0_keel_lr0.001: final_val_loss must be a number or null, got 'abc'")
+    bad = json.loads(json.dumps(rep))
+    bad["runs"][1]["divergence"] = "abc"
+    refused(bad, "divergence must be a divergence verdict")
+    bad = json.loads(json.dumps(rep))
+    del bad["runs"][0]["capped_loss"]
+    refused(bad, "capped_loss must be a finite number")
+    bad = json.loads(json.dumps(rep))
+    bad["runs"].append(dict(bad["runs"][0], capped_loss=1.0))
+    refused(bad, "run L2_seed0_keel_lr0.001 of group g is listed twice")
+    refused({k: v for k, v in rep.items() if k != "sets"}, "records no settings")
+    edited = tmp_path / "edited" / "s.toml"
+    edited.parent.mkdir()
+    edited.write_text(p.read_text().replace('"train.eval_tokens" = 64', '"train.eval_tokens" = 128'))
+    refused(rep, "group g: train.eval_tokens 64 in the report, 128 now", study=edited)
+    refused(rep, "train.steps 2 in the report, 3 now", extra=["train.steps=3"])
+    # the same values, spelt otherwise or given twice: the same settings
+    same = SRun.run_study(str(p), "x", tmp_path / "b", [*sets, "train.steps=2", "model.d_model = 16"],
+                          report_only=True, restore=tmp_path / "a" / "report.json")
+    assert [x["restored"] for x in same["runs"]] == [True, True]
+    assert "| g | keel | 2 | 0.001 | 0 | done (restored) |" in (tmp_path / "b" / "report.md").read_text()
+    lost = keel_cli("study", p, "--scale", "x", "--out", tmp_path / "b", "--report-only")
+    assert lost.returncode == 2 and "holds 2 runs restored from" in lost.stderr and "give --restore" in lost.stderr
+    plan = keel_cli("study", p, "--scale", "x", "--dry-run", *[a for s in sets for a in ("--set", s)],
+                    "--restore", tmp_path / "a" / "report.json")
+    assert plan.returncode == 0 and "2 of these runs are restored from" in plan.stdout
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "study.json").write_text("garbage")
+    r = keel_cli("study", p, "--scale", "x", "--out", tmp_path / "c", "--report-only")
+    assert r.returncode == 2 and "is not a study's marker" in r.stderr and "Traceback" not in r.stderr

@@ -254,7 +254,8 @@ def runs_table(runs: list[dict]) -> list[str]:
            "plateau exit step | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         f = r.get("final_val_loss")
-        out.append(f"| {r['group']} | {r['scheme']} | {r['sublayers']} | {r['lr']:g} | {r['seed']} | {r['status']} | "
+        status = r["status"] + (" (restored)" if r.get("restored") else "")
+        out.append(f"| {r['group']} | {r['scheme']} | {r['sublayers']} | {r['lr']:g} | {r['seed']} | {status} | "
                    f"{r.get('tokens') or 0:,} | {'–' if f is None else f'{f:.4f}'} | "
                    f"{_exit_words(r)} | "
                    f"{verdict_words(r) if r['status'] == 'done' else '–'} |")

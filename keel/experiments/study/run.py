@@ -132,15 +132,22 @@ def load_restored(path: str | Path, study: Study) -> dict[tuple[str, str], dict]
     not kept between machines; the committed report is). A record keeps the numbers the
     verdicts and tables read (:data:`RESTORED_KEYS`), not the loss curves.
 
+    Settings are compared by value (:func:`_restore_settings_diff`): the config the scale's and
+    the user's keys give, and each group's with its own ``set`` when the report records it
+    (``group_sets``; reports written before it compare the former only).
+
     Raises:
-        KeelError: the file is missing or not a study report; it is another study or scale, or
-            its runs were trained with other settings (``sets``, e.g. another ``--set``).
+        KeelError: the file is missing or not a study report; it is another study or scale; its
+            runs were trained with other settings; a finished run's record is malformed
+            (:func:`_check_restored_record`) or repeated.
     """
     path = Path(path)
     try:
         rep = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise KeelError(f"--restore {path}: no such file (give a study's report.json)") from None
+    except IsADirectoryError:
+        raise KeelError(f"--restore {path} is a folder; give the report.json in it") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise KeelError(f"--restore {path}: cannot read it as JSON ({e})") from None
     if not isinstance(rep, dict) or not isinstance(rep.get("runs"), list):
@@ -148,16 +155,80 @@ def load_restored(path: str | Path, study: Study) -> dict[tuple[str, str], dict]
     if (rep.get("study"), rep.get("scale")) != (study.name, study.scale):
         raise KeelError(f"--restore {path} holds study {rep.get('study')!r} at scale {rep.get('scale')!r}, "
                         f"not {study.name!r} at {study.scale!r}")
-    mine = [override_text(x) for x in study.all_sets()]
-    if rep.get("sets") != mine:
-        theirs = [str(x) for x in rep.get("sets") or []]
-        words = [f"{side}: {', '.join(x)}" for side, x in (("only in the report", [x for x in theirs if x not in mine]),
-                                                            ("only now", [x for x in mine if x not in theirs])) if x]
-        raise KeelError(f"--restore {path}: its runs were trained with other settings "
-                        f"({'; '.join(words) or 'the same keys in another order'}); restore only the same study")
+    if not isinstance(rep.get("sets"), list):
+        raise KeelError(f"--restore {path}: the report records no settings (sets), so its runs cannot be matched")
+    diff = _restore_settings_diff(study, rep["sets"], None)
+    group_sets = rep.get("group_sets") if isinstance(rep.get("group_sets"), dict) else {}
+    for g in study.groups:
+        if not diff and g.name in group_sets:
+            diff = _restore_settings_diff(study, rep["sets"] + list(group_sets[g.name]), g)
+    if diff:
+        raise KeelError(f"--restore {path}: its runs were trained with other settings ({diff}); restore only "
+                        "the same study, scale and --set values")
     h1 = rep.get("unigram_entropy")
-    return {(r["group"], r["name"]): {**r, "unigram_entropy": h1} for r in rep["runs"]
-            if isinstance(r, dict) and r.get("status") == "done"}
+    out: dict[tuple[str, str], dict] = {}
+    for r in rep["runs"]:
+        if isinstance(r, dict) and r.get("status") == "done":
+            _check_restored_record(path, r)
+            if (r["group"], r["name"]) in out:
+                raise KeelError(f"--restore {path}: run {r['name']} of group {r['group']} is listed twice")
+            out[(r["group"], r["name"])] = {**r, "unigram_entropy": h1 if _is_number(h1) else None}
+    return out
+
+
+def _restore_settings_diff(study: Study, theirs: list, group: Group | None) -> str:
+    """The keys whose value differs between the config the report's ``theirs`` (``section.key=value``
+    texts) give and the one this study gives (for ``group``, with its own ``set``), in words;
+    empty when they agree. Raises KeelError when ``theirs`` does not parse."""
+    base = resolve_config_path(study.base)
+    try:
+        old = load_config(base, [str(x) for x in theirs]).to_dict()
+    except KeelError as e:
+        raise KeelError(f"--restore: the report's settings do not load ({e})") from None
+    new = load_config(base, study.all_sets(group)).to_dict()
+    keys = [(sec, k) for sec in sorted(set(old) | set(new)) for k in sorted(set(old.get(sec, {})) | set(new.get(sec, {})))
+            if old.get(sec, {}).get(k) != new.get(sec, {}).get(k)]
+    if not keys:
+        return ""
+    where = f"group {group.name}: " if group else ""
+    return where + ", ".join(f"{sec}.{k} {old.get(sec, {}).get(k)!r} in the report, {new.get(sec, {}).get(k)!r} now"
+                             for sec, k in keys)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# restored record key -> (check, words); None passes for every key but the run's coordinates and capped_loss
+_RECORD_CHECKS = {"group": (lambda x: isinstance(x, str) and x, "a group name"),
+                  "name": (lambda x: isinstance(x, str) and x, "a run name"),
+                  "scheme": (lambda x: isinstance(x, str), "a scheme name"),
+                  "sublayers": (lambda x: isinstance(x, int) and not isinstance(x, bool), "an integer"),
+                  "seed": (lambda x: isinstance(x, int) and not isinstance(x, bool), "an integer"),
+                  "lr": (_is_number, "a number"),
+                  "capped_loss": (lambda x: _is_number(x) and math.isfinite(x), "a finite number (nats/token)"),
+                  "final_val_loss": (lambda x: x is None or _is_number(x), "a number or null"),
+                  "first_val_loss": (lambda x: x is None or _is_number(x), "a number or null"),
+                  "tokens": (lambda x: x is None or isinstance(x, int) and not isinstance(x, bool) and x >= 0,
+                             "a token count or null"),
+                  "max_lr": (lambda x: x is None or _is_number(x), "a number or null"),
+                  "peak_lr": (lambda x: x is None or _is_number(x), "a number or null"),
+                  "wall_s": (lambda x: x is None or _is_number(x), "seconds or null"),
+                  "plateau_exit_step": (lambda x: x is None or isinstance(x, int) and not isinstance(x, bool),
+                                        "a step or null"),
+                  "divergence": (lambda x: x is None or isinstance(x, dict) and isinstance(x.get("mode"), str),
+                                 "a divergence verdict ({mode, step, evidence}) or null"),
+                  "verdict": (lambda x: x is None or isinstance(x, str), "a string or null"),
+                  "diverged": (lambda x: x is None or isinstance(x, bool), "true, false or null")}
+
+
+def _check_restored_record(path: Path, r: dict) -> None:
+    """Raise KeelError naming the run and the key if a finished run's record in a restored report
+    lacks a key the report reads or holds a value of the wrong type (e.g. a loss that is text)."""
+    for key, (ok, words) in _RECORD_CHECKS.items():
+        if not ok(r.get(key)):
+            who = f"run {r['name']}" if isinstance(r.get("name"), str) else "a run"
+            raise KeelError(f"--restore {path}: {who}: {key} must be {words}, got {r.get(key)!r}")
 
 
 def restored_record(group: Group, job: GridJob, old: dict) -> dict | None:
@@ -346,7 +417,6 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
             ``groups`` names a group the scale does not have; a bad ``restore``.
     """
     study = load_study(name, scale, sets)
-    restored = load_restored(restore, study) if restore is not None else {}
     unknown = [g for g in groups if g not in {x.name for x in study.groups}]
     if unknown:
         raise KeelError(f"study {study.name!r} at scale {scale!r} has no group(s) {', '.join(unknown)} "
@@ -356,9 +426,16 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     # here, before out is claimed (it used to stop the study after the groups before it had trained)
     plan = plan_rows(study, "<data>", out, mfu, peak_tflops)
     check_pool(workers, threads)
+    restored = load_restored(restore, study) if restore is not None else {}  # after the --set keys are checked
     if dry_run:
         rows = [r for r in plan if not groups or r["group"] in groups]
-        return {"plan": rows, "total": plan_total(rows), "markdown": plan_markdown(study, rows, mfu, peak_tflops)}
+        md = plan_markdown(study, rows, mfu, peak_tflops)
+        if restore is not None:
+            n = sum((g.name, j.name) in restored for g, _, jobs in planned_jobs(study, "<data>", out) for j in jobs
+                    if not groups or g.name in groups)
+            md += f"\n{n} of these runs are restored from {restore} and would not train.\n"
+        return {"plan": rows, "total": plan_total(rows), "markdown": md}
+    _check_no_restored_runs_lost(out, restore)
     base = load_config(resolve_config_path(study.base), study.all_sets())  # a bad --set: refused before out is claimed
     # a report of restored runs needs no earlier folder: --report-only --restore starts or continues one
     from_report = report_only and restore is not None
@@ -387,13 +464,31 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
               "unigram_entropy": h1, "min_effect": study.min_effect, "min_seeds": study.min_seeds,
               "claims": [{"id": cl["id"], "title": cl["title"], **c} for cl, c in claims],
               "baseline_margins": [{"group": g.name, **r} for g in study.groups for r in baseline_margins(study, g, runs)],
-              "restored_from": str(restore) if restore is not None else None,
+              "group_sets": {g.name: [override_text(x) for x in g.sets] for g in study.groups},
+              "restored_from": str(restore) if any(r.get("restored") for r in runs) else None,
               "runs": [{k: v for k, v in r.items() if k != "result"} for r in runs], "plots": plots}
     atomic_write_text(out / "report.json", json.dumps(report, indent=1, default=str))
     report["waiting"] = waiting
     atomic_write_text(out / "report.md", report_markdown(study, claims, runs, first_command, waiting,
                                                          restore))
     return report
+
+
+def _check_no_restored_runs_lost(out: Path, restore: str | Path | None) -> None:
+    """Raise KeelError if ``out``'s report holds restored runs and ``restore`` is not given: the
+    report would lose them (``--report-only``) or the study would train them again (``--resume``)."""
+    prior = out / "report.json"
+    if restore is not None or not prior.is_file():
+        return
+    try:
+        rep = json.loads(prior.read_text(encoding="utf-8"))
+        n = sum(1 for r in rep.get("runs", []) if isinstance(r, dict) and r.get("restored"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError, TypeError):
+        return
+    if n:
+        src = rep.get("restored_from") or "the report it was restored from"
+        raise KeelError(f"{prior} holds {n} runs restored from {src}; give --restore {src} again "
+                        "(without it they would be left out of the report, or trained again)")
 
 
 def _claim_out(out: Path, study: Study, command: str, *, resume: bool, report_only: bool) -> str:
@@ -408,7 +503,15 @@ def _claim_out(out: Path, study: Study, command: str, *, resume: bool, report_on
     marker = out / "study.json"
     if out.exists() and not out.is_dir():
         raise KeelError(f"--out {out} exists and is not a folder")
-    held = json.loads(marker.read_text()) if marker.is_file() else None
+    held = None
+    if marker.is_file():
+        try:
+            held = json.loads(marker.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            held = "unreadable"
+        if not isinstance(held, dict):
+            raise KeelError(f"{marker} is not a study's marker (a JSON object with study, scale, command); "
+                            "check --out, or remove the file")
     if report_only and held is None:
         raise KeelError(f"{out} holds no study (no study.json): nothing to report; check --out")
     if held is not None and (held.get("study"), held.get("scale")) != (study.name, study.scale):
