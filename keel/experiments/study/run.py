@@ -428,13 +428,7 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     check_pool(workers, threads)
     restored = load_restored(restore, study) if restore is not None else {}  # after the --set keys are checked
     if dry_run:
-        rows = [r for r in plan if not groups or r["group"] in groups]
-        md = plan_markdown(study, rows, mfu, peak_tflops)
-        if restore is not None:
-            n = sum((g.name, j.name) in restored for g, _, jobs in planned_jobs(study, "<data>", out) for j in jobs
-                    if not groups or g.name in groups)
-            md += f"\n{n} of these runs are restored from {restore} and would not train.\n"
-        return {"plan": rows, "total": plan_total(rows), "markdown": md}
+        return _dry_run(study, plan, out, groups, restored, restore, mfu, peak_tflops)
     _check_no_restored_runs_lost(out, restore)
     base = load_config(resolve_config_path(study.base), study.all_sets())  # a bad --set: refused before out is claimed
     # a report of restored runs needs no earlier folder: --report-only --restore starts or continues one
@@ -442,9 +436,7 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     first_command = _claim_out(out, study, command, resume=resume or from_report,
                                report_only=report_only and not from_report)
     if resume:  # another --set than the runs started with: refused now, not after the dataset is prepared
-        for g, refs, jobs in planned_jobs(study, "<data>", out):
-            check_started(refs, out / g.name / ST.REFERENCES)
-            check_started(jobs, out / g.name)
+        _check_started_runs(study, out)
     # --report-only reads what the runs recorded: no dataset is prepared (or downloaded) for it
     data_dir = "<data>" if report_only else str(resolve_data(base, progress=False))
     train = False if report_only else (list(groups) or True)
@@ -472,6 +464,27 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     atomic_write_text(out / "report.md", report_markdown(study, claims, runs, first_command, waiting,
                                                          restore))
     return report
+
+
+def _dry_run(study: Study, plan: list[dict], out: Path, groups: Sequence[str], restored: dict, restore,
+             mfu: float, peak_tflops: float) -> dict:
+    """:func:`run_study`'s ``dry_run`` answer: the plan of ``groups`` (all when empty), with the
+    number of its runs that ``restore`` holds (they would not train)."""
+    rows = [r for r in plan if not groups or r["group"] in groups]
+    md = plan_markdown(study, rows, mfu, peak_tflops)
+    if restore is not None:
+        n = sum((g.name, j.name) in restored for g, _, jobs in planned_jobs(study, "<data>", out) for j in jobs
+                if not groups or g.name in groups)
+        md += f"\n{n} of these runs are restored from {restore} and would not train.\n"
+    return {"plan": rows, "total": plan_total(rows), "markdown": md}
+
+
+def _check_started_runs(study: Study, out: Path) -> None:
+    """:func:`keel.experiments.grid.check_started` for every group's planned runs (and ramp
+    references) in ``out``, before the dataset is prepared. Raises KeelError naming the keys."""
+    for g, refs, jobs in planned_jobs(study, "<data>", out):
+        check_started(refs, out / g.name / ST.REFERENCES)
+        check_started(jobs, out / g.name)
 
 
 def _check_no_restored_runs_lost(out: Path, restore: str | Path | None) -> None:
