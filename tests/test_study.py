@@ -707,7 +707,7 @@ def test_study_flags_refused_before_anything_is_written(keel_cli, tmp_path):
     (tmp_path / "group").mkdir()
     (tmp_path / "group" / "L4_seed0_keel_lr0.01").mkdir()
     r = keel_cli(*base, "--resume", "--out", tmp_path / "group")
-    assert r.returncode == 2 and "holds no study (no study.json) but is not empty: nothing to resume" in r.stderr
+    assert r.returncode == 2 and "holds no study (no study.json) but is not empty; check --out" in r.stderr
     assert not (tmp_path / "group" / "study.json").exists()
 
 
@@ -963,3 +963,10 @@ def test_restore_refuses_malformed_or_mismatched_reports(tmp_path, tiny_data, ke
     (tmp_path / "c" / "study.json").write_text("garbage")
     r = keel_cli("study", p, "--scale", "x", "--out", tmp_path / "c", "--report-only")
     assert r.returncode == 2 and "is not a study's marker" in r.stderr and "Traceback" not in r.stderr
+    # --report-only --restore into a folder that is not a study's (it said "nothing to resume" though
+    # --resume was not given)
+    (tmp_path / "d" / "x").mkdir(parents=True)
+    r = keel_cli("study", p, "--scale", "x", "--out", tmp_path / "d", "--report-only",
+                 *[a for s in sets for a in ("--set", s)], "--restore", tmp_path / "a" / "report.json")
+    assert r.returncode == 2 and "holds no study (no study.json) but is not empty; check --out" in r.stderr
+    assert "resume" not in r.stderr and not (tmp_path / "d" / "study.json").exists()

@@ -250,13 +250,19 @@ def _with_defaults(config: dict) -> dict:
         return config
 
 
-def _check_same_config(run_dir: Path, job: GridJob) -> None:
-    """Raise KeelError if ``run_dir/job.json`` holds another config than ``job`` (naming the keys)."""
+def _check_same_config(run_dir: Path, job: GridJob, ignore: Sequence[str] = ()) -> None:
+    """Raise KeelError if ``run_dir/job.json`` holds another config than ``job`` (naming the keys),
+    leaving out the ``section.key`` names in ``ignore``."""
     stored = run_dir / JOB_FILE
     if not stored.is_file():
         return
     old, new = json.loads(stored.read_text()).get("config") or {}, json.loads(json.dumps(job.config))
     old, new = _with_defaults(old), _with_defaults(new)
+    for key in ignore:
+        sec, name = key.split(".", 1)
+        for config in (old, new):
+            if isinstance(config.get(sec), dict):
+                config[sec].pop(name, None)
     if old == new:
         return
     keys = []
@@ -276,16 +282,7 @@ def check_started(jobs: Sequence[GridJob], out_dir: str | Path, ignore: Sequence
     config, leaving out the ``section.key`` names in ``ignore`` (e.g. ``data.path``, known only once
     the dataset is prepared, which for a download takes long). Folders not started pass."""
     for job in jobs:
-        stored = Path(out_dir) / job.name / JOB_FILE
-        if not stored.is_file():
-            continue
-        old = json.loads(stored.read_text()).get("config") or {}
-        config = json.loads(json.dumps(job.config))
-        for key in ignore:
-            sec, name = key.split(".", 1)
-            if isinstance(old.get(sec), dict) and isinstance(config.get(sec), dict) and name in old[sec]:
-                config[sec][name] = old[sec][name]
-        _check_same_config(Path(out_dir) / job.name, GridJob(job.name, config, job.values))
+        _check_same_config(Path(out_dir) / job.name, job, ignore)
 
 
 def check_pool(workers: int, threads: int | None) -> None:

@@ -20,7 +20,7 @@ from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
 from keel.experiments.grid import GridJob, cached_result, check_pool, check_started, run_grid
 from keel.experiments.study.report import report_markdown, write_plots
-from keel.experiments.study.spec import Group, Study, load_study
+from keel.experiments.study.spec import Group, Study, is_number, load_study
 from keel.experiments.study.verdicts import CLAIM_TESTS, baseline_margins
 from keel.experiments.sweep import build_jobs, check_train_job, param_count, train_task
 from keel.io import atomic_write_text, make_dirs
@@ -172,7 +172,7 @@ def load_restored(path: str | Path, study: Study) -> dict[tuple[str, str], dict]
             _check_restored_record(path, r)
             if (r["group"], r["name"]) in out:
                 raise KeelError(f"--restore {path}: run {r['name']} of group {r['group']} is listed twice")
-            out[(r["group"], r["name"])] = {**r, "unigram_entropy": h1 if _is_number(h1) else None}
+            out[(r["group"], r["name"])] = {**r, "unigram_entropy": h1 if is_number(h1) else None}
     return out
 
 
@@ -195,25 +195,21 @@ def _restore_settings_diff(study: Study, theirs: list, group: Group | None) -> s
                              for sec, k in keys)
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 # restored record key -> (check, words); None passes for every key but the run's coordinates and capped_loss
 _RECORD_CHECKS = {"group": (lambda x: isinstance(x, str) and x, "a group name"),
                   "name": (lambda x: isinstance(x, str) and x, "a run name"),
                   "scheme": (lambda x: isinstance(x, str), "a scheme name"),
                   "sublayers": (lambda x: isinstance(x, int) and not isinstance(x, bool), "an integer"),
                   "seed": (lambda x: isinstance(x, int) and not isinstance(x, bool), "an integer"),
-                  "lr": (_is_number, "a number"),
-                  "capped_loss": (lambda x: _is_number(x) and math.isfinite(x), "a finite number (nats/token)"),
-                  "final_val_loss": (lambda x: x is None or _is_number(x), "a number or null"),
-                  "first_val_loss": (lambda x: x is None or _is_number(x), "a number or null"),
+                  "lr": (is_number, "a number"),
+                  "capped_loss": (lambda x: is_number(x) and math.isfinite(x), "a finite number (nats/token)"),
+                  "final_val_loss": (lambda x: x is None or is_number(x), "a number or null"),
+                  "first_val_loss": (lambda x: x is None or is_number(x), "a number or null"),
                   "tokens": (lambda x: x is None or isinstance(x, int) and not isinstance(x, bool) and x >= 0,
                              "a token count or null"),
-                  "max_lr": (lambda x: x is None or _is_number(x), "a number or null"),
-                  "peak_lr": (lambda x: x is None or _is_number(x), "a number or null"),
-                  "wall_s": (lambda x: x is None or _is_number(x), "seconds or null"),
+                  "max_lr": (lambda x: x is None or is_number(x), "a number or null"),
+                  "peak_lr": (lambda x: x is None or is_number(x), "a number or null"),
+                  "wall_s": (lambda x: x is None or is_number(x), "seconds or null"),
                   "plateau_exit_step": (lambda x: x is None or isinstance(x, int) and not isinstance(x, bool),
                                         "a step or null"),
                   "divergence": (lambda x: x is None or isinstance(x, dict) and isinstance(x.get("mode"), str),
@@ -534,8 +530,8 @@ def _claim_out(out: Path, study: Study, command: str, *, resume: bool, report_on
     if not (resume or report_only or fresh) and out.is_dir() and any(out.iterdir()):
         raise KeelError(f"output folder {out} is not empty; use --resume to continue it, or another --out")
     if resume and held is None and out.is_dir() and any(out.iterdir()):
-        raise KeelError(f"{out} holds no study (no study.json) but is not empty: nothing to resume; "
-                        "check --out (a study's folder, not one of its groups)")
+        raise KeelError(f"{out} holds no study (no study.json) but is not empty; check --out (a study's folder, "
+                        "not one of its groups), or give an empty or new one")
     if held is None or fresh:
         make_dirs(out)
         held = {"study": study.name, "scale": study.scale, "command": command}

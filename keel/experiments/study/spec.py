@@ -76,6 +76,11 @@ _RAMP_ONLY = {"peak_lr", "ramp_steps"}  # keys that only a kind = "ramp" group r
 _TRAIN_ONLY = {"lrs", "lr_from", "lr_from_sublayers", "lr_from_steps", "baselines_from", "baselines"}  # train only
 
 
+def is_number(x) -> bool:
+    """True for an int or float that is not a bool (TOML/JSON ``true`` is not a number here)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _check_group_types(name: str, d: dict) -> None:
     """Raise KeelError naming a group key of the wrong TOML type (e.g. ``lrs = 1e-3`` for
     ``lrs = [1e-3]``, ``lrs = ["1e-3"]``, ``schemes = "keel"``)."""
@@ -241,12 +246,9 @@ def _verdict_settings(v) -> tuple[float, int]:
         KeelError: not a table, an unknown key, ``min_effect`` not a finite number > 0,
             ``min_seeds`` not an integer >= 1 (1.7 used to become 1, "two" a traceback).
     """
-    def number(x) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
-
     effect, seeds = (v.get("min_effect", 0.02), v.get("min_seeds", 2)) if isinstance(v, dict) else (None, None)
-    if not isinstance(v, dict) or set(v) - {"min_effect", "min_seeds"} or not (number(effect) and 0 < effect < math.inf) \
-            or not (number(seeds) and isinstance(seeds, int) and seeds >= 1):
+    if not isinstance(v, dict) or set(v) - {"min_effect", "min_seeds"} or not (is_number(effect) and 0 < effect < math.inf) \
+            or not (is_number(seeds) and isinstance(seeds, int) and seeds >= 1):
         raise KeelError("study [verdict] takes min_effect (a number > 0, nats) and min_seeds (an integer >= 1) only, "
                         f"got {v!r}")
     return float(effect), seeds
