@@ -113,3 +113,20 @@ def test_import_hf_keeps_the_step(cli_run, tmp_path, capsys):
 
     steps = [r["step"] for r in read_metrics(tmp_path / "back" / "metrics.jsonl") if "loss" in r]
     assert steps == [5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("argv", [
+    ["sweep", "--grid", "train.lr=1e-3"],
+    ["stress", "--residual", "keel", "--sublayers", "2", "--seeds", "0", "--ramp-steps", "2"],
+    ["lr-sensitivity", "--residual", "keel", "--sublayers", "2", "--lrs", "1e-3", "--seeds", "0"],
+    ["study", "claims", "--scale", "tiny", "--groups", "showcase"],
+])
+def test_resume_of_a_folder_that_does_not_exist_is_refused(argv, tmp_path, tiny_data, capsys):
+    """`--resume --out <typo>` started the whole grid again in a new folder (at a study's cpu scale,
+    hours) instead of saying there was nothing to continue."""
+    out = tmp_path / "no-such-folder"
+    tiny = [] if argv[0] == "study" else sets(tiny_data, steps=1, eval_every=1)
+    assert main([*argv, *tiny, "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume: {out} does not exist, nothing to continue" in err and "Traceback" not in err
+    assert not out.exists()

@@ -522,6 +522,40 @@ def test_signals_to_a_grid_whose_job_is_starting_up(tiny_data, tmp_path):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_a_second_sigint_to_a_grid_says_the_jobs_stopped_at_once(tiny_data, tmp_path):
+    """Two Ctrl-C: the second stops the running job at once (documented), but the grid said "each
+    running job finished its step and checkpointed its run" (a fresh-user trial: the run's
+    metrics were 5 steps past its last checkpoint). Steps of ~0.5 s make the second signal land
+    while the job is still finishing its step."""
+    out = tmp_path / "sweep"
+    sets = tiny_overrides(tiny_data, steps=100000, checkpoint_every=100000, eval_every=100000, batch_size=16,
+                          seq_len=64) + ["model.d_model=384", "model.d_ff=1536", "model.n_layers=4"]
+    with open(tmp_path / "stderr.txt", "w") as errors:
+        proc = subprocess.Popen([str(KEEL), "sweep", "--grid", "train.seed=0", "--workers", "1", "--out", out,
+                                 *sum((["--set", x] for x in sets), [])], env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=errors)
+    try:
+        deadline = time.monotonic() + HANG_S
+        metrics = out / "seed0" / "metrics.jsonl"
+        while not (metrics.is_file() and len(read_metrics(metrics)) >= 2):  # it is training
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=HANG_S)
+    finally:
+        for p in descendants(proc.pid):
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)
+        proc.kill()
+    err = (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert last_line(err).startswith("keel: stopped by SIGINT (a second SIGINT stopped the running jobs at once: "
+                                     "each resumes from its last checkpoint; jobs not started were cancelled)"), err
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_ctrl_c_while_a_grid_worker_imports_torch(tiny_data, tmp_path):
     """A terminal's Ctrl-C (SIGINT to the whole process group) while a grid worker is still
     starting (importing torch, before its initializer): exit 130, one line, no traceback, no

@@ -894,6 +894,33 @@ def test_restore_reports_an_earlier_reports_runs_without_training_them(tmp_path,
     assert not (tmp_path / "d").exists()
 
 
+def test_dry_run_restore_plans_a_transfer_group_at_the_restored_optimum(tmp_path, tiny_data, keel_cli):
+    """`--dry-run --restore` planned an lr_from group at the middle of its source's LR grid, so the
+    restored runs at the real optimum were not counted (the committed CPU report: "155 restored",
+    where --resume --restore trains only 4 of 163)."""
+    p = tmp_path / "t.toml"
+    p.write_text('[groups.g]\nschemes = ["keel"]\n[groups.t]\nschemes = ["keel"]\nlr_from = "g"\n'
+                 '[scales.x.groups.g]\nsublayers = [2]\nseeds = [0]\nlrs = [1e-3, 3e-3, 1e-2]\n'
+                 '[scales.x.groups.t]\nsublayers = [4]\nseeds = [0]\nlr_from_sublayers = 2\n')
+    sets = [f"data.path={tiny_data}", "train.steps=2", "train.batch_size=2", "train.seq_len=16", "train.eval_every=2",
+            "train.eval_tokens=64", "train.sample_tokens=0", "model.d_model=16", "model.d_ff=32"]
+    SRun.run_study(str(p), "x", tmp_path / "a", sets, workers=0)
+    rep = json.loads((tmp_path / "a" / "report.json").read_text())
+    for r in rep["runs"]:  # as if the optimum at 2 sub-layers were 1e-2 (the grid's top, not its middle)
+        if r["group"] == "g" and r["lr"] == 1e-2:
+            r["final_val_loss"] = r["capped_loss"] = 0.5
+        if r["group"] == "t":
+            r["name"], r["lr"] = r["name"].replace(f"lr{r['lr']:g}", "lr0.01"), 1e-2
+    (tmp_path / "r.json").write_text(json.dumps(rep))
+    plan = keel_cli("study", p, "--scale", "x", "--dry-run", "--json", *[a for s in sets for a in ("--set", s)],
+                    "--restore", tmp_path / "r.json")
+    assert plan.returncode == 0, plan.stderr
+    got = json.loads(plan.stdout)
+    assert (got["restored"], got["total"]["runs"], got["restored_from"]) == (4, 4, str(tmp_path / "r.json"))
+    only = SRun.run_study(str(p), "x", tmp_path / "o", sets, report_only=True, restore=tmp_path / "r.json")
+    assert [(x["group"], x["lr"], x["status"]) for x in only["runs"]][-1] == ("t", 1e-2, "done")
+
+
 def test_resume_with_other_settings_is_refused_before_the_data_is_prepared(tmp_path, tiny_data, keel_cli):
     """`--resume` with another --set used to prepare (at gpu-1 scale: download) the dataset first
     and only then fail in the grid; the runs already started are compared first, data.path aside."""

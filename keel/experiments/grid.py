@@ -325,7 +325,7 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
     results: dict[str, dict] = {j.name: cached_result(out_dir / j.name) for j in done}
     n_workers = max(1, workers)
     threads = threads or max(1, (os.cpu_count() or 1) // n_workers)
-    _log.info(f"grid: {len(jobs)} runs, {len(done)} finished already, {len(todo)} to run "
+    _log.info(f"grid: {len(jobs)} run{'s' if len(jobs) != 1 else ''}, {len(done)} finished already, {len(todo)} to run "
               f"({workers or 'no'} worker process(es), {threads} thread(s) each), out {out_dir}")
     count = [len(done)]
 
@@ -390,6 +390,8 @@ def _run_in_workers(task: Task, todo: list[GridJob], out_dir: Path, workers: int
             raise
     if received:
         name = signal.Signals(received[0]).name
-        raise Interrupted(f"stopped by {name} (each running job finished its step and checkpointed its run; "
-                          f"jobs not started were cancelled); continue: the same command with --resume "
-                          f"(out {out_dir})", received[0])
+        how = ("each running job finished its step and checkpointed its run" if len(received) == 1 else
+               f"a second {signal.Signals(received[-1]).name} stopped the running jobs at once: each resumes "
+               "from its last checkpoint")
+        raise Interrupted(f"stopped by {name} ({how}; jobs not started were cancelled); continue: the same "
+                          f"command with --resume (out {out_dir})", received[0])

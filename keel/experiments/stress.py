@@ -266,7 +266,8 @@ def run_stress(config: str | None = None, overrides: list[str] | None = None, sc
     refs, jobs = stress_jobs(cfg_path, overrides, schemes, sublayers, seeds, peak_lr, ramp_steps, data_dir, out,
                              reference_scheme)
     cached = [j.name for j in jobs if cached_result(out / j.name) is not None]
-    _log.info(f"stress: {len(jobs)} runs + {len(refs)} reference runs ({reference_scheme}), ramp 0 -> {peak_lr:g} "
+    _log.info(f"stress: {len(jobs)} run{'s' if len(jobs) != 1 else ''} + {len(refs)} reference "
+              f"run{'s' if len(refs) != 1 else ''} ({reference_scheme}), ramp 0 -> {peak_lr:g} "
         f"over {ramp_steps} steps, out {out}")
     if report_only:
         results = [r for r in (cached_result(out / j.name) for j in jobs) if r is not None]

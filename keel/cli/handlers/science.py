@@ -101,6 +101,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     match = args.match_params if args.match_params is not None else preset.get("match_params")
     if args.resume and not args.out:
         raise KeelError("--resume needs --out (the sweep folder to continue)")
+    _check_resume_target(args.resume, args.out)
     out = Path(args.out) if args.out else Path("runs") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     s = S.run_sweep(config, grid, sets, out=out, workers=args.workers, threads=args.threads or None,
                   resume=args.resume, best=best, match_params=match)
@@ -157,6 +158,7 @@ def cmd_stress(args) -> int:
     """``keel stress``: see :mod:`keel.experiments.stress`."""
     if args.resume and args.report_only:
         raise KeelError("--report-only trains nothing; do not combine it with --resume")
+    _check_resume_target(args.resume, args.out)
     schemes = _parse_list(args.residual, str, "--residual") if args.residual is not None else list(SCHEMES)
     layers = _parse_list(args.sublayers, int, args.sublayers_flag)
     seeds = _parse_list(args.seeds, int, "--seeds")
@@ -169,6 +171,14 @@ def cmd_stress(args) -> int:
         print(ST.table_markdown(res["table"], args.peak_lr))
         print(f"wrote {Path(args.out) / 'stress.json'}, stress.md, stress.png")
     return 0
+
+
+def _check_resume_target(resume: bool, out) -> None:
+    """Raise KeelError for ``--resume`` on an ``out`` folder that does not exist (a mistyped --out
+    used to start the whole grid again there, which at the cpu scale of a study is hours)."""
+    if resume and out and not Path(out).is_dir():
+        raise KeelError(f"--resume: {out} does not exist, nothing to continue; check --out, or drop --resume "
+                        "to start there")
 
 
 def _parse_list(text: str, kind, what: str) -> list:
@@ -185,6 +195,7 @@ def cmd_lr_sensitivity(args: argparse.Namespace) -> int:
     """``keel lr-sensitivity``: see :mod:`keel.experiments.sensitivity`."""
     if args.resume and args.report_only:
         raise KeelError("--report-only trains nothing; do not combine it with --resume")
+    _check_resume_target(args.resume, args.out)
     s = LS.run_lr_sensitivity(args.config, _parse_list(args.residual, str, "--residual"),
                               _parse_list(args.sublayers, int, args.sublayers_flag), _parse_list(args.lrs, float, "--lrs"),
                               _parse_list(args.seeds, int, "--seeds"), args.set,
@@ -237,12 +248,16 @@ def cmd_study(args: argparse.Namespace) -> int:
     if args.restore is not None and not args.restore.strip():
         raise KeelError("--restore is empty: give an earlier report.json of this study")
     out = args.out or f"runs/study-{Path(args.name).stem}-{args.scale}"
+    if args.restore is None:  # with --restore a new folder continues the restored study
+        _check_resume_target(args.resume, out)
     command = study_command(sys.argv[2:]) if len(sys.argv) > 2 else f"keel study {args.name}"
     r = run_study(args.name, args.scale, out, args.set, workers=args.workers, threads=args.threads or None,
                   resume=args.resume, report_only=args.report_only, dry_run=args.dry_run, mfu=args.mfu,
                   peak_tflops=args.peak_tflops, command=command, groups=groups, restore=args.restore)
     if args.dry_run:
-        print(json.dumps({"groups": r["plan"], "total": r["total"]}, indent=1, default=str) if args.json
+        plan = {"groups": r["plan"], "total": r["total"],
+                **{k: r[k] for k in ("restored", "restored_from") if k in r}}
+        print(json.dumps(plan, indent=1, default=str) if args.json
               else r["markdown"])
         return 0
     if args.json:

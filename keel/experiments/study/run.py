@@ -301,17 +301,24 @@ def flops_per_token(model_cfg, seq_len: int) -> float:
     return 6.0 * param_count(model_cfg, non_embedding=True) + 12.0 * model_cfg.n_layers * model_cfg.d_model * seq_len
 
 
-def planned_jobs(study: Study, data_dir: str, out: Path) -> list[tuple[Group, list[GridJob], list[GridJob]]]:
+def planned_jobs(study: Study, data_dir: str, out: Path, restored: dict[tuple[str, str], dict] | None = None
+                 ) -> list[tuple[Group, list[GridJob], list[GridJob]]]:
     """(group, reference jobs, jobs) of every group as planned before anything trains: an
-    ``lr_from`` group as if the optimum were the middle of its source's LR grid. Raises KeelError
-    on a bad config."""
-    planned = []
+    ``lr_from`` group at the optimum of its source's runs in ``restored`` (:func:`load_restored`)
+    when they give one, else as if the optimum were the middle of its source's LR grid. Raises
+    KeelError on a bad config."""
+    restored = restored or {}
+    planned, runs = [], []
     for g in study.groups:
         lr_for = None
         if g.lr_from:
             grid = sorted(next(x.lrs for x in study.groups if x.name == g.lr_from))
-            lr_for = stepped_lrs(study, g, {s: grid[len(grid) // 2] for s in g.schemes})
-        planned.append((g, *group_jobs(study, g, data_dir, out, lr_for)))
+            opt = transferred_lrs(runs, g) or {s: grid[len(grid) // 2] for s in g.schemes}
+            lr_for = stepped_lrs(study, g, opt)
+        refs, jobs = group_jobs(study, g, data_dir, out, lr_for)
+        olds = (restored_record(g, j, restored[(g.name, j.name)]) for j in jobs if (g.name, j.name) in restored)
+        runs += [r for r in olds if r is not None]
+        planned.append((g, refs, jobs))
     return planned
 
 
@@ -396,7 +403,9 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
         resume: continue a non-empty ``out``; report_only: train nothing, report the finished runs.
         dry_run: prepare nothing and train nothing; return the plan (runs, tokens, estimated
             GPU-hours at ``mfu`` of ``peak_tflops`` dense bf16 TFLOP/s) as ``{"plan": rows per group,
-            "total": the sums of runs, references, tokens, FLOPs and GPU-hours, "markdown": ...}``.
+            "total": the sums of runs, references, tokens, FLOPs and GPU-hours, "markdown": ...}``, with
+            ``restored`` (how many planned runs ``restore`` holds: they would not train; an ``lr_from``
+            group planned at the optimum of its source's restored runs) and ``restored_from``.
         command: the command line; the report shows the one that started ``out`` (``study.json``).
         groups: train only these groups (still in the study's order; empty: all). The report
             covers every group's finished runs. An ``lr_from`` group still waits for its source.
@@ -468,11 +477,14 @@ def _dry_run(study: Study, plan: list[dict], out: Path, groups: Sequence[str], r
     number of its runs that ``restore`` holds (they would not train)."""
     rows = [r for r in plan if not groups or r["group"] in groups]
     md = plan_markdown(study, rows, mfu, peak_tflops)
+    answer = {"plan": rows, "total": plan_total(rows)}
     if restore is not None:
-        n = sum((g.name, j.name) in restored for g, _, jobs in planned_jobs(study, "<data>", out) for j in jobs
-                if not groups or g.name in groups)
+        n = sum(restored_record(g, j, restored[(g.name, j.name)]) is not None
+                for g, _, jobs in planned_jobs(study, "<data>", out, restored) for j in jobs
+                if (g.name, j.name) in restored and (not groups or g.name in groups))
         md += f"\n{n} of these runs are restored from {restore} and would not train.\n"
-    return {"plan": rows, "total": plan_total(rows), "markdown": md}
+        answer.update(restored=n, restored_from=str(restore))
+    return {**answer, "markdown": md}
 
 
 def _check_started_runs(study: Study, out: Path) -> None:
