@@ -403,9 +403,8 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
         resume: continue a non-empty ``out``; report_only: train nothing, report the finished runs.
         dry_run: prepare nothing and train nothing; return the plan (runs, tokens, estimated
             GPU-hours at ``mfu`` of ``peak_tflops`` dense bf16 TFLOP/s) as ``{"plan": rows per group,
-            "total": the sums of runs, references, tokens, FLOPs and GPU-hours, "markdown": ...}``, with
-            ``restored`` (how many planned runs ``restore`` holds: they would not train; an ``lr_from``
-            group planned at the optimum of its source's restored runs) and ``restored_from``.
+            "total": the sums of runs, references, tokens, FLOPs and GPU-hours, "markdown": ...}``, and
+            with ``restore`` ``restored`` (planned runs it holds; see :func:`_dry_run`) and ``restored_from``.
         command: the command line; the report shows the one that started ``out`` (``study.json``).
         groups: train only these groups (still in the study's order; empty: all). The report
             covers every group's finished runs. An ``lr_from`` group still waits for its source.
@@ -474,7 +473,8 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
 def _dry_run(study: Study, plan: list[dict], out: Path, groups: Sequence[str], restored: dict, restore,
              mfu: float, peak_tflops: float) -> dict:
     """:func:`run_study`'s ``dry_run`` answer: the plan of ``groups`` (all when empty), with the
-    number of its runs that ``restore`` holds (they would not train)."""
+    number of its runs that ``restore`` holds (they would not train; an ``lr_from`` group is
+    planned at the optimum of its source's restored runs, :func:`planned_jobs`)."""
     rows = [r for r in plan if not groups or r["group"] in groups]
     md = plan_markdown(study, rows, mfu, peak_tflops)
     answer = {"plan": rows, "total": plan_total(rows)}
