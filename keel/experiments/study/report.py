@@ -10,12 +10,13 @@ import matplotlib.ticker
 
 from keel.config import override_text
 from keel.experiments import sensitivity as LS
-from keel.experiments import stress as ST
-from keel.experiments.plot import plot_loss_curves
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.verdicts import (
+    LEVEL,
     CLAIM_TESTS,
     CLAIM_UNITS,
+    CONDITIONS,
+    WINDOW,
     MAX_LR_FLOOR,
     NOT_REPRODUCED,
     REPRODUCED,
@@ -30,32 +31,76 @@ from keel.train.plots import plt, save_figure
 
 
 def _pm(v: dict | None, fmt: str = "{:+.3f}") -> str:
-    """``mean ± sd [per seed]`` of a :func:`paired_verdict` dict."""
+    """``mean [90% CI lo, hi] (s0 x, s1 y, ...)`` of a :func:`paired_verdict` dict (the interval:
+    its two one-sided bounds; ``mean (s0 x)`` for one seed)."""
     if not v or v.get("mean") is None:
         return "–"
     per = ", ".join(f"s{seed} {fmt.format(x)}" for seed, x in v["diffs"].items())
-    return f"{fmt.format(v['mean'])} ± {abs(v['sd']):.3f} [{per}]" if v["n"] > 1 else f"{fmt.format(v['mean'])} [{per}]"
+    if v.get("lo") is None:
+        return f"{fmt.format(v['mean'])} ({per})"
+    ci = round(100 * (2 * v.get("level", 0.95) - 1))
+    return f"{fmt.format(v['mean'])} [{ci}% CI {fmt.format(v['lo'])}, {fmt.format(v['hi'])}] ({per})"
 
 
 def claim_numbers(c: dict) -> str:
-    """One cell: the numbers behind a claim's verdict."""
-    if "parts" in c and c["parts"]:
-        return "; ".join(f"{k}: {_pm(v)} ({v['verdict']})" for k, v in c["parts"].items())
-    if "margin_best_init" in c and not c["margin_best_init"]["n"]:
-        return f"no seed has both schemes' LR grids finished at both inits ({c['sublayers']} sub-layers)"
-    if "margin_best_init" in c:
-        return f"margin at each scheme's better init ({c['sublayers']} sub-layers): {_pm(c['margin_best_init'])}"
+    """One cell: the numbers behind a claim's verdict, per condition."""
     if "log10_shift" in c:
         row = next(r for r in c["rows"] if r["scheme"] == c["scheme"])
         lo, hi = c["depths"]
         return (f"{c['scheme']} optimal LR per seed: {lo} sub-layers {_lrs(row['opt_lr'][lo])}, "
                 f"{hi} sub-layers {_lrs(row['opt_lr'][hi])}" + ("; at an edge of the LR grid" if row["at_edge"] else ""))
+    if "conditions" in c:
+        return " — ".join(f"{CONDITION_WORDS.get(k, k)}: " + _parts(v) for k, v in c["conditions"].items())
     return c.get("why", "–")
+
+
+def _parts(c: dict) -> str:
+    """A condition's parts: ``name: numbers (verdict)``, or why it has none."""
+    if not c.get("parts"):
+        return c.get("why", "–")
+    return "; ".join(f"{k}: {_pm(v)} ({v['verdict']})" for k, v in c["parts"].items())
+
+
+CONDITION_WORDS = {**CONDITIONS, "paper_ramp": "on the paper's ramp", "extended_ramp": "on the extended ramp"}
+
+
+def claim_summary(claim: dict, c: dict) -> str:
+    """The claim's one-line summary, written from its verdict data: the verdict per condition
+    (which init, which ramp) and the numbers of its deciding parts."""
+    head = f"({claim['id']}) {claim['title']}: "
+    conds = c.get("conditions")
+    if not conds:
+        return head + f"{c['verdict']} ({claim_numbers(c)})."
+    if claim["test"] == "margin_grows" and len(conds) == 2:
+        vp, vb = conds["paper_init"]["verdict"], conds["better_init"]["verdict"]
+        if vp == vb:
+            phrase = f"{vp} at both inits"
+        elif REPRODUCED in (vp, vb):
+            first, other = ("paper_init", "better_init") if vp == REPRODUCED else ("better_init", "paper_init")
+            phrase = f"reproduced {CONDITION_WORDS[first]} only ({conds[other]['verdict']} {CONDITION_WORDS[other]})"
+        else:
+            phrase = f"{vp} {CONDITION_WORDS['paper_init']}, {vb} {CONDITION_WORDS['better_init']}"
+    else:
+        phrase = "; ".join(f"{v['verdict']} {CONDITION_WORDS.get(k, k)}"
+                           + (f" (to {v['peak_lr']:g})" if v.get("peak_lr") else "") for k, v in conds.items())
+    nums = "; ".join(f"{CONDITION_WORDS.get(k, k)}: " + "; ".join(f"{name} {_short(p)}" for name, p in v["parts"].items())
+                     for k, v in conds.items() if v.get("parts"))
+    return head + phrase + (f" — {nums}" if nums else "") + "."
+
+
+def _short(v: dict) -> str:
+    """``+1.115 [90% CI +1.01, +1.22], 3 seeds`` of a :func:`paired_verdict` dict."""
+    if v.get("mean") is None:
+        return "no paired seed yet"
+    if v.get("lo") is None:
+        return f"{v['mean']:+.3f}, {v['n']} seed"
+    ci = round(100 * (2 * v.get("level", 0.95) - 1))
+    return f"{v['mean']:+.3f} [{ci}% CI {v['lo']:+.3f}, {v['hi']:+.3f}], {v['n']} seeds"
 
 
 def _lrs(d: dict, edge: dict | None = None) -> str:
     """``[s0 X, s1 Y*]``: one LR per seed (``none`` for a missing one; ``*`` where ``edge`` marks
-    that seed's LR as an edge of the LRs it trained, :func:`best_lr_at_edge`)."""
+    that seed's best LR as not bracketed by the LRs it trained)."""
     return "[" + ", ".join(f"s{seed} " + ("none" if x is None else f"{x:g}") + ("*" if (edge or {}).get(seed) else "")
                            for seed, x in d.items()) + "]"
 
@@ -65,15 +110,23 @@ def _exits(d: dict) -> str:
     return "[" + ", ".join(f"s{seed} " + ("never" if x is None else str(x)) for seed, x in d.items()) + "]"
 
 
+def _window(w: dict) -> str:
+    """A scheme's healthy-LR window per init group: ``lr-grid 0.001–0.01 (3 LRs)``."""
+    return "; ".join(f"{g} " + (f"{x[0]:g}–{x[-1]:g} ({len(x)} LR{'s' if len(x) > 1 else ''})" if x else "pending")
+                     for g, x in w.items())
+
+
 def direction(v: dict, scheme: str, baseline: str) -> str:
     """What one depth's paired margin (:func:`paired_verdict` of ``baseline - scheme``) says, in
-    words that do not read as a verdict on the whole claim: ``{scheme} better`` (every seed >=
-    the noise floor), ``{baseline} better``, ``no difference``, ``mixed`` or ``too few seeds``."""
+    words that do not read as a verdict on the whole claim: ``{scheme} better`` (the interval
+    clears the floor), ``{baseline} better`` (it lies below minus the floor), ``no {scheme}
+    advantage`` (below the floor, not below minus it), ``undecided`` (it straddles the floor) or
+    ``too few seeds``."""
     if v["verdict"] == REPRODUCED:
         return f"{scheme} better"
-    if v["verdict"] == NOT_REPRODUCED:  # the opposite holds, or no effect (every seed inside the floor)
-        return f"{baseline} better" if all(x <= -v["min_effect"] for x in v["diffs"].values()) else "no difference"
-    return "too few seeds" if v["n"] < 2 else "mixed"
+    if v["verdict"] == NOT_REPRODUCED:
+        return f"{baseline} better" if v["hi"] < -v["min_effect"] else f"no {scheme} advantage"
+    return "too few seeds" if v["n"] < 2 else "undecided"
 
 
 def _flagged(row: dict) -> str:
@@ -90,53 +143,63 @@ def claim_rule(claim: dict) -> str:
                        order=" < ".join(claim.get("order", [])), group=claim.get("group", "G"))
 
 
+def _margin_table(claim: dict, cond: str, c: dict) -> list[str]:
+    """Markdown: one condition of a margin claim, a row per depth."""
+    s, b = claim["scheme"], claim["baseline"]
+    out = [f"**{CONDITION_WORDS[cond].capitalize()}: {c['verdict']}.** {_parts(c)}", "",
+           f"| sub-layers | margin ({b} − {s}, nats) mean [CI] (per seed) | at this depth | "
+           f"best LR per seed: {b}; {s} | init of the best run: {b}; {s} | plateau exit step at that LR: {b}; {s} | "
+           f"healthy-LR window (within {WINDOW:g} nats of the best seed-mean loss): {b}; {s} | "
+           f"{b} runs flagged by the divergence classifier |", "|---|---|---|---|---|---|---|---|"]
+    for r in c["rows"]:
+        edge = {x: {sd: not ok for sd, ok in r["bracketed"][x].items()} for x in (b, s)}
+        out.append(f"| {r['sublayers']} | {_pm(r['margin'])} | {direction(r['margin'], s, b)} | "
+                   f"{_lrs(r['best_lr'][b], edge[b])}; {_lrs(r['best_lr'][s], edge[s])} | "
+                   + "; ".join("[" + ", ".join(f"s{sd} {g}" for sd, g in r["best_group"][x].items()) + "]" for x in (b, s))
+                   + f" | {_exits(r['plateau_exit'][b])}; {_exits(r['plateau_exit'][s])} | "
+                   f"{_window(r['window'][b])} / {_window(r['window'][s])} | {_flagged(r)} |")
+    return out + [""]
+
+
 def claim_section(claim: dict, c: dict) -> list[str]:
-    """Markdown of one claim: verdict, the rule, the table of its rows."""
-    out = [f"## ({claim['id']}) {claim['title']}", "", f"**Verdict: {c['verdict']}.** {claim_numbers(c)}", "",
+    """Markdown of one claim: its summary line, the rule, a table per condition."""
+    out = [f"## ({claim['id']}) {claim['title']}", "", f"**Verdict: {c['verdict']}.** {c.get('summary', '')}", "",
            claim_rule(claim), ""] + ([claim["note"].strip(), ""] if claim.get("note") else [])
     if claim["test"] == "margin_grows":
-        s, b = claim["scheme"], claim["baseline"]
-        out += [f"| sub-layers | margin ({b} − {s}, nats) mean ± sd [per seed] | at this depth | "
-                f"best LR per seed: {b}; {s} | plateau exit step at that LR: {b}; {s} | "
-                f"{b} runs the divergence classifier flagged, of those finished |", "|---|---|---|---|---|---|"]
-        out += [f"| {r['sublayers']} | {_pm(r['margin'])} | {direction(r['margin'], s, b)} | "
-                f"{_lrs(r['best_lr'][b], r.get('best_lr_at_edge', {}).get(b))}; "
-                f"{_lrs(r['best_lr'][s], r.get('best_lr_at_edge', {}).get(s))} | "
-                f"{_exits(r.get('plateau_exit', {}).get(b, {}))}; {_exits(r.get('plateau_exit', {}).get(s, {}))} | "
-                f"{_flagged(r)} |" for r in c["rows"]]
-        out += ["", "A best LR marked with an asterisk is the lowest or highest LR that scheme trained at that depth, "
-                "so its optimum may lie beyond it (at the deepest depth each scheme trained only the LRs transferred "
-                "from the depth before).", "",
+        for cond, cc in c["conditions"].items():
+            out += _margin_table(claim, cond, cc)
+        b = claim["baseline"]
+        out += ["A best LR marked with an asterisk is not bracketed: it is the lowest or highest LR that seed trained "
+                "(the study widens such a cell by one LR beyond the edge, at most twice per side).", "",
                 f"The classifier reports a run's first failure: a {b} run flagged as a stagnation (100 steps on "
                 "the unigram plateau) may leave the plateau later and still be that seed's best run (each run's "
                 "verdict and plateau exit step: the last table)."]
         if c.get("equal_lr"):
-            out += ["", "The same margin at equal peak LR (both schemes at that LR; not part of the verdict):", "",
-                    "| sub-layers | LR | margin (baseline − scheme, nats) mean ± sd [per seed] |", "|---|---|---|"]
+            out += ["", "The same margin at equal peak LR at the paper's init (both schemes at that LR; not part of "
+                    "the verdict):", "", "| sub-layers | LR | margin (baseline − scheme, nats) mean [CI] (per seed) |",
+                    "|---|---|---|"]
             out += [f"| {r['sublayers']} | {r['lr']:g} | {_pm(r['margin'])} |" for r in c["equal_lr"]]
     elif claim["test"] == "lr_transfer":
         out += ["| scheme | optimal LR per seed, by depth | optimum at a grid edge |", "|---|---|---|"]
         out += [f"| {r['scheme']} | " + "; ".join(f"{L}: {_lrs(v)}" for L, v in r["opt_lr"].items())
                 + f" | {'yes' if r['at_edge'] else 'no'} |" for r in c["rows"]]
-    elif claim["test"] == "init_margin":
-        out += ["| comparison | mean ± sd [per seed] (nats) | verdict |", "|---|---|---|"]
-        out += [f"| {k} | {_pm(v)} | {v['verdict']} |" for k, v in c["rows"].items()]
     elif claim["test"] == "max_lr_order":
+        for cond, cc in c["conditions"].items():
+            out += [f"**{CONDITION_WORDS[cond].capitalize()}" + (f" (to {cc['peak_lr']:g})" if cc.get("peak_lr") else "")
+                    + f": {cc['verdict']}.** {_parts(cc)}", ""]
         out += ["| ramp to | sub-layers | " + " | ".join(claim["order"]) + " |",
                 "|---" * (len(claim["order"]) + 2) + "|"]
         out += [f"| {r['peak_lr']:g} ({r['group']}) | {r['sublayers']} | "
                 + " | ".join(_lrs(r["max_lr"][s]) if r["max_lr"][s] else "—" for s in claim["order"]) + " |"
                 for r in c["rows"]]
-        if "peak_lr" in c:
-            out += ["", "Max LR per seed; none = no divergence up to the ramp's peak LR; — = not run on that ramp. "
-                    "A none counts as the peak LR (censored); a seed where both schemes of a pair are none is left out. "
-                    + (f"A pair run on the ramp continued to a higher peak ({claim['extended_group']}, the same LR "
-                       "per step) is judged there once all its runs have finished. "
-                       if claim.get("extended_group") else "")
-                    + "Pair verdicts use log10 ratios of max LR with a 5% floor (log10 1.05 = 0.021). A spike still "
-                    "open when the curve ended counts as a divergence. Each run's verdict:", ""]
-            out += [f"- ramp to {r['peak_lr']:g}, {r['sublayers']} sub-layers, {run}: {text}" for r in c["rows"]
-                    for run, text in r.get("verdicts", {}).items()]
+        out += ["", "Max LR per seed; none = no divergence up to the ramp's peak LR; — = not run on that ramp. "
+                "A none counts as the peak LR (censored: the pair's difference is then a lower bound); a seed where "
+                "both schemes of a pair are none is left out. The verdict is the paper's ramp's; the extended ramp "
+                "(the same LR per step to a higher peak) is reported beside it. Pair verdicts use log10 ratios of "
+                "max LR with a 5% floor (log10 1.05 = 0.021). A spike still open when the curve ended counts as a "
+                "divergence. Each run's verdict:", ""]
+        out += [f"- ramp to {r['peak_lr']:g}, {r['sublayers']} sub-layers, {run}: {text}" for r in c["rows"]
+                for run, text in r.get("verdicts", {}).items()]
     return out + [""]
 
 
@@ -262,23 +325,33 @@ def runs_table(runs: list[dict]) -> list[str]:
     return out
 
 
-def verdict_rule(study: Study, claims: Sequence[dict]) -> str:
-    """The report's statement of the verdict rule: :func:`paired_verdict` for every claim but
-    those tested by :func:`claim_lr_transfer` (their rule is in their own section)."""
+def verdict_rule(study: Study, claims: Sequence[dict], floor: dict | None = None) -> str:
+    """The report's statement of the verdict rule (:func:`paired_verdict`, :func:`trend_verdict`)
+    and of the loss floor and where it comes from (:func:`study_floor`); claims tested by
+    :func:`claim_lr_transfer` have their own rule, in their section."""
     def ids(cs: Sequence[dict]) -> str:
         return ", ".join(f"({c['id']})" for c in cs)
 
     paired = [c for c in claims if c["test"] != "lr_transfer"]
     ramp, own = [c for c in paired if c["test"] == "max_lr_order"], [c for c in claims if c["test"] == "lr_transfer"]
-    return (f"Rule of {ids(paired)}: paired per-seed differences d, oriented so that the claim predicts d > 0, "
-            f"against a noise floor f (nats/token, f = {study.min_effect:g}"
+    floor = floor or {"floor": study.min_effect}
+    why = (f" The floor is the median seed-to-seed sd of a scheme's best loss over the {floor['cells']} cells "
+           f"(scheme, depth, init) with two or more seeds that the margin claims read ({floor['median_sd']:.3f}; "
+           f"range {floor['min_sd']:.3f}–{floor['max_sd']:.3f}), and at least {floor['minimum']:g}: a difference "
+           "smaller than one configuration's typical seed noise does not count as an effect."
+           if floor.get("median_sd") is not None else "")
+    return (f"Rule of {ids(paired)}: per seed the paired difference d, oriented so that the claim predicts d > 0, and "
+            f"its mean's one-sided {LEVEL:.0%} Student-t bounds lo and hi (together a {2 * LEVEL - 1:.0%} interval, "
+            f"written [CI lo, hi]), against a floor f (nats/token, f = {floor['floor']:.3f}"
             + (f"; for {ids(ramp)} log10 ratios of max LR, f = log10 1.05 = {MAX_LR_FLOOR:.3f}, a 5% ratio"
-               if ramp else "") + "). "
-            f"Reproduced when every seed (≥ {study.min_seeds}) has d ≥ f; not reproduced when "
-            "every seed has d ≤ −f, or every seed has |d| < f (no effect); "
-            "inconclusive otherwise (mixed, too few seeds). A claim with several parts (e.g. the margin at the "
-            "deepest depth and its growth with depth) is reproduced only when every part is, not reproduced when "
-            "any part is not." + (f" {ids(own)} has its own rule, stated in its section." if own else ""))
+               if ramp else "") + f"). Reproduced when at least {study.min_seeds} seeds give lo ≥ f; not reproduced "
+            "when hi < f (the interval excludes an effect as large as the floor: no effect, or the opposite); "
+            "inconclusive otherwise. Growth with depth is the slope of each seed's margin against log2(sub-layers) "
+            "over every depth, judged the same way with the floor spread over the studied range "
+            "(f / log2(deepest / shallowest)). A claim with several parts is reproduced only when every part is. "
+            "Margin claims are judged at the paper's init (N(0, 0.02²) everywhere) and with each scheme, per seed "
+            "and depth, at the better of that and the init groups' embedding init; the summary says which."
+            + why + (f" {ids(own)} has its own rule, stated in its section." if own else ""))
 
 
 def unfinished_words(study: Study, runs: list[dict]) -> str:
@@ -317,7 +390,7 @@ def restored_words(runs: list[dict], restore: str | Path | None) -> str:
 
 
 def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[dict], command: str,
-                    waiting: Sequence[str] = (), restore: str | Path | None = None) -> str:
+                    waiting: Sequence[str] = (), restore: str | Path | None = None, floor: dict | None = None) -> str:
     """``report.md``: the verdict table, one section per claim, every run."""
     done = [r for r in runs if r["status"] == "done"]
     lines = [f"# Study `{study.name}`, scale `{study.scale}`", "", study.note, "",
@@ -328,9 +401,10 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
              + (f" Not planned yet: {'; '.join(waiting)}." if waiting else "") + restored_words(runs, restore),
              f"Command: `{command}`", ""]
     if claims:  # a study of groups only (e.g. a bench) has no verdicts
-        lines += ["## Verdicts", "", verdict_rule(study, [cl for cl, _ in claims]), "",
-                  "| claim | verdict | numbers: mean ± sd [per seed] | unit |", "|---|---|---|---|"]
-        lines += [f"| ({cl['id']}) {cl['title']} | **{c['verdict']}** | {claim_numbers(c)} | "
+        lines += ["## Summary", ""] + [f"- {c['summary']}" for _, c in claims] + [""]
+        lines += ["## Verdicts", "", verdict_rule(study, [cl for cl, _ in claims], floor), "",
+                  "| claim | at the paper's init | at each scheme's better init | unit |", "|---|---|---|---|"]
+        lines += [f"| ({cl['id']}) {cl['title']} | {_verdict_cell(c, first=True)} | {_verdict_cell(c, first=False)} | "
                   f"{CLAIM_UNITS[cl['test']]} |" for cl, c in claims] + [""]
     for cl, c in claims:
         lines += claim_section(cl, c)
@@ -338,62 +412,99 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
                      + plateau_table(runs) + runs_table(runs)) + "\n"
 
 
+def _verdict_cell(c: dict, first: bool) -> str:
+    """A verdict-table cell: the paper's-init column holds every condition run at the paper's init
+    (both ramps of a max-LR claim), the other the better-init condition; ``—`` where none."""
+    conds = c.get("conditions")
+    if conds is None:
+        return f"**{c['verdict']}**" if first else "—"
+    keys = [k for k in conds if (k == "better_init") != first]
+    if not keys:
+        return "—"
+    return "; ".join((f"{CONDITION_WORDS[k]}: " if len(keys) > 1 or k.endswith("ramp") else "")
+                     + f"**{conds[k]['verdict']}**" for k in keys)
+
+
 def plot_margins(claims: list[tuple[dict, dict]], out: Path) -> bool:
-    """Margin (baseline − scheme, nats) against depth (log x) for every margin claim: the seed
-    mean as a line, every seed as a dot (two seeds: a mean ± sd bar would hide them);
-    False (nothing written) when no claim has two depths."""
-    series = [(cl, c) for cl, c in claims if cl["test"] == "margin_grows" and len(c.get("rows", [])) >= 2]
+    """Margin (baseline − scheme, nats) against depth (log x) for every margin claim and condition
+    (solid: the paper's init; dashed: each scheme's better init): the seed mean as a line, every
+    seed as a dot; False (nothing written) when no condition has two depths."""
+    series = [(cl, k, cc) for cl, c in claims if cl["test"] == "margin_grows"
+              for k, cc in c["conditions"].items() if len(cc.get("rows", [])) >= 2]
     if not series:
         return False
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for cl, c in series:
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    colors = {}
+    for cl, k, c in series:
         xs = [r["sublayers"] for r in c["rows"]]
-        line = ax.plot(xs, [r["margin"]["mean"] for r in c["rows"]], marker="o",
-                       label=f"({cl['id']}) {cl['baseline']} − {cl['scheme']} (line: seed mean; dots: seeds)")[0]
+        line = ax.plot(xs, [r["margin"]["mean"] for r in c["rows"]], marker="o", ls="-" if k == "paper_init" else "--",
+                       color=colors.get(cl["id"]), label=f"({cl['id']}) {cl['baseline']} − {cl['scheme']}, "
+                       f"{CONDITION_WORDS[k]}")[0]
+        colors[cl["id"]] = line.get_color()
         seeds = [(r["sublayers"], d) for r in c["rows"] for d in r["margin"]["diffs"].values()]
-        ax.scatter([x for x, _ in seeds], [d for _, d in seeds], s=14, alpha=0.6, color=line.get_color())
+        ax.scatter([x for x, _ in seeds], [d for _, d in seeds], s=14, alpha=0.6, color=line.get_color(),
+                   marker="o" if k == "paper_init" else "x")
     ax.axhline(0, color="gray", lw=1)
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted({r["sublayers"] for _, c in series for r in c["rows"]}))
+    ax.set_xticks(sorted({r["sublayers"] for _, _, c in series for r in c["rows"]}))
     ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("depth (sub-layers)")
     ax.set_ylabel("final validation loss margin (nats/token)")
+    ax.set_title("line: seed mean; markers: seeds", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
+    save_figure(fig, out)
+    return True
+
+
+def plot_record_curves(recs: Sequence[dict], out: Path, *, x: str, title: str) -> bool:
+    """Loss curves (the thinned 10-step trailing mean kept in each run's record, nats/token) of
+    runs ``recs`` against ``x`` (``step``, or ``lr`` on a log axis for a ramp), one line each,
+    from their records alone (restored runs included); False (nothing written) when no record
+    has a curve."""
+    recs = [r for r in recs if (r.get("curve") or {}).get("step")]
+    if not recs:
+        return False
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for r in recs:
+        c = r["curve"]
+        pts = [(a, y) for a, y in zip(c[x], c["loss"]) if a is not None and y is not None and (x != "lr" or a > 0)]
+        ax.plot([a for a, _ in pts], [y for _, y in pts], lw=1,
+                label=f"{r['scheme']} L{r['sublayers']}" + (f" LR {r['lr']:g}" if x != "lr" else "") + f" s{r['seed']}")
+    if x == "lr":
+        ax.set_xscale("log")
+    ax.set_xlabel("peak LR of the ramp at that step" if x == "lr" else "step")
+    ax.set_ylabel("training loss, 10-step trailing mean (nats/token)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
     save_figure(fig, out)
     return True
 
 
 def write_plots(study: Study, runs: list[dict], claims: list[tuple[dict, dict]], out: Path, h1: float | None) -> list[str]:
-    """The report's PNGs: loss against LR per train group with an LR grid, the ramp (loss
-    against LR), margins against depth, loss curves of single-LR groups. Returns the file names."""
+    """The report's PNGs: loss against LR per train group with an LR grid, loss curves of the ramp
+    groups (against the ramp's LR) and of single-LR groups (drawn from the runs' records, so a
+    restored report redraws them), margins against depth. Returns the file names."""
     files = []
     for g in study.groups:
         done = [r for r in runs if r["group"] == g.name and r["status"] == "done"]
-        curves = g.kind == "ramp" or len(g.lrs) <= 1  # drawn from the run folders' metrics
-        if curves:
-            done = [r for r in done if not r.get("restored")]  # a restored run has no run folder
         if not done:
             continue
         name = f"{g.name}.png"
-        if g.kind == "ramp":
-            results = [{**r["result"], "run_dir": str(out / g.name / r["name"])} for r in done]
-            ST.plot_stress(results, g.schemes, g.sublayers, out / name)
-        elif len(g.lrs) > 1:  # with the baselines' runs of the group they are compared with, if any
+        if g.kind == "ramp" or len(g.lrs) <= 1:
+            if not plot_record_curves(done, out / name, x="lr" if g.kind == "ramp" else "step",
+                                      title=f"group {g.name}"):
+                continue
+        else:  # with the baselines' runs of the group they are compared with, if any
             refs = [r for r in runs if r["group"] == g.baselines_from and r["scheme"] in g.baselines
                     and r["status"] == "done"]
             schemes = g.schemes + [b for b in g.baselines if b not in g.schemes]
             cells = LS.summarise([r["result"] for r in done + refs], schemes, g.sublayers, g.lrs, g.seeds)
             LS.plot({"sublayers": g.sublayers, "cells": cells, "lrs": sorted(g.lrs), "schemes": schemes,
                      "unigram_entropy": h1 or float("nan")}, out / name)
-        else:
-            plot_loss_curves([out / g.name / r["name"] for r in done], out / name, smooth=10,
-                             labels=[f"{r['scheme']} L{r['sublayers']} LR {r['lr']:g} s{r['seed']}" for r in done],
-                             title=f"group {g.name}")
         files.append(name)
     if plot_margins(claims, out / "margins.png"):
         files.append("margins.png")
     return files
-
-

@@ -19,41 +19,111 @@ from keel.errors import Interrupted, KeelError
 from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
 from keel.experiments.grid import GridJob, cached_result, check_pool, check_started, run_grid
-from keel.experiments.study.report import report_markdown, write_plots
+from keel.experiments.study.report import claim_summary, report_markdown, write_plots
 from keel.experiments.study.spec import Group, Study, is_number, load_study
-from keel.experiments.study.verdicts import CLAIM_TESTS, baseline_margins
+from keel.experiments.study.verdicts import CLAIM_TESTS, LEVEL, baseline_margins, claim_reads, loss_floor
 from keel.experiments.sweep import build_jobs, check_train_job, param_count, train_task
 from keel.io import atomic_write_text, make_dirs
 from keel.train.metrics import read_metrics
 
 PLATEAU_WINDOW = 10  # steps of the trailing mean of the training loss that must fall below the plateau level
+CURVE_POINTS = 100  # points of the thinned loss curve each run's record keeps in report.json
 
 _log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- jobs
 def group_jobs(study: Study, g: Group, data_dir: str, out: Path,
-               lr_for: dict[str, float] | None = None) -> tuple[list[GridJob], list[GridJob]]:
+               lr_for: dict[tuple[str, int], list[float]] | None = None) -> tuple[list[GridJob], list[GridJob]]:
     """(reference jobs, jobs) of one group: the stress test's for a ramp group, else one
-    :func:`keel.experiments.sweep.build_jobs` grid in the order depth, scheme (as the group lists
-    them), LR, seed: the seeds of one cell run side by side, so a partial group already holds
-    paired cells (every verdict needs >= 2 seeds) for its first schemes, instead of one seed of
-    every scheme. ``lr_for``: ``{scheme: [LR, ...]}`` of an ``lr_from`` group (:func:`stepped_lrs`).
-    Raises KeelError on a bad config."""
+    :func:`keel.experiments.sweep.build_jobs` grid per (scheme, depth) in the order depth, scheme
+    (as the group lists them), LR, seed: the seeds of one cell run side by side, so a partial
+    group already holds paired cells for its first schemes, instead of one seed of every scheme.
+    ``lr_for``: ``{(scheme, sub-layers): [LR, ...]}`` (:func:`initial_lrs`, widened by
+    :func:`widened_lrs`); None: the group's ``lrs`` everywhere. Raises KeelError on a bad config."""
     sets = study.all_sets(g)
     if g.kind == "ramp":
         return ST.stress_jobs(resolve_config_path(study.base), sets, g.schemes, g.sublayers, g.seeds, g.peak_lr,
                               g.ramp_steps, Path(data_dir), out / g.name)
     jobs = []
     for scheme in g.schemes:
-        lrs = lr_for[scheme] if lr_for is not None else g.lrs
-        grid = {"model.n_layers": [L // 2 for L in g.sublayers], "train.seed": g.seeds,
-                "model.residual": [scheme], "train.lr": sorted(lrs)}
-        jobs += build_jobs(study.base, grid, sets, data_path=data_dir)
+        for L in g.sublayers:
+            lrs = lr_for[(scheme, L)] if lr_for is not None else g.lrs
+            grid = {"model.n_layers": [L // 2], "train.seed": g.scheme_seeds(scheme),
+                    "model.residual": [scheme], "train.lr": sorted(lrs)}
+            jobs += build_jobs(study.base, grid, sets, data_path=data_dir)
     order = {s: i for i, s in enumerate(g.schemes)}
     jobs.sort(key=lambda j: (j.values["model.n_layers"], order[j.values["model.residual"]], j.values["train.lr"],
                              j.values["train.seed"]))
     return [], jobs
+
+
+def initial_lrs(study: Study, g: Group, runs: list[dict]) -> dict[tuple[str, int], list[float]] | None:
+    """``{(scheme, sub-layers): [LR, ...]}`` planned for train group ``g``: its ``lrs``, or for an
+    ``lr_from`` group the source's grid points around each scheme's transferred optimum
+    (:func:`stepped_lrs`); None while that optimum is not known (the source has not finished)."""
+    if not g.lr_from:
+        return {(s, L): sorted(g.lrs) for s in g.schemes for L in g.sublayers}
+    opt = transferred_lrs(runs, g)
+    if opt is None:
+        return None
+    return {(s, L): lrs for s, lrs in stepped_lrs(study, g, opt).items() for L in g.sublayers}
+
+
+def lr_beyond(lrs: Sequence[float], ladder: Sequence[float], up: bool) -> float:
+    """The next LR past the highest (``up``) or lowest of ``lrs``: the next point of ``ladder``
+    (the group's LR grid, or its source's) beyond it, else the last step mirrored
+    (``edge^2 / neighbour``, e.g. 0.09 after 0.01, 0.03; 9e-5 below 3e-4, 1e-3), to 3 significant digits."""
+    pts = sorted(set(lrs) | set(ladder))
+    edge = max(lrs) if up else min(lrs)
+    beyond = [x for x in pts if (x > edge if up else x < edge)]
+    if beyond:
+        return min(beyond) if up else max(beyond)
+    inner = [x for x in pts if (x < edge if up else x > edge)]
+    nb = (max(inner) if up else min(inner)) if inner else (edge / 3 if up else edge * 3)
+    return float(f"{edge * edge / nb:.3g}")
+
+
+def widened_lrs(study: Study, g: Group, recs: list[dict], lr_for: dict[tuple[str, int], list[float]],
+                planned: dict[tuple[str, int], list[float]]) -> dict[tuple[str, int], list[float]] | None:
+    """``lr_for`` with one more LR for every (scheme, depth) cell of train group ``g`` that a claim
+    reads, whose runs have all finished, and where some seed's best run (lowest capped loss) is at
+    the lowest or highest LR the cell trained: the next LR beyond that edge (:func:`lr_beyond`),
+    for every seed of the cell (the cells stay rectangular, as the paired equal-LR table needs). At
+    most ``g.widen`` LRs per side beyond ``planned`` (:func:`initial_lrs`). None: nothing to widen."""
+    reads = {s for c in study.claims for grp, s in claim_reads(c) if grp == g.name}
+    ladder = next(x.lrs for x in study.groups if x.name == (g.lr_from or g.name))
+    out, changed = dict(lr_for), False
+    for (s, L), lrs in lr_for.items():
+        cell = [r for r in recs if r["scheme"] == s and r["sublayers"] == L]
+        if s not in reads or len(lrs) < 2 or not cell or any(r["status"] != "done" for r in cell):
+            continue
+        best = {min((r for r in cell if r["seed"] == sd), key=lambda r: r["capped_loss"])["lr"]
+                for sd in {r["seed"] for r in cell}}
+        for up, edge in ((True, max(lrs)), (False, min(lrs))):
+            past = [x for x in lrs if (x > max(planned[(s, L)]) if up else x < min(planned[(s, L)]))]
+            if edge in best and len(past) < g.widen:
+                out[(s, L)] = sorted(set(out[(s, L)]) | {lr_beyond(lrs, ladder, up)})
+                changed = True
+    return out if changed else None
+
+
+def group_records(study: Study, g: Group, runs: list[dict], data_dir: str, out: Path, read
+                  ) -> tuple[list[GridJob], list[GridJob], list[dict]] | None:
+    """(reference jobs, jobs, run records) of group ``g``, its LRs widened until every optimum a
+    claim reads is bracketed (:func:`widened_lrs`): ``read(refs, jobs)`` trains or only reads the
+    jobs and returns their records. None: an ``lr_from`` group whose source has not finished."""
+    lr_for = initial_lrs(study, g, runs) if g.kind == "train" else None
+    if g.kind == "train" and lr_for is None:
+        return None
+    planned = dict(lr_for or {})
+    while True:
+        refs, jobs = group_jobs(study, g, data_dir, out, lr_for)
+        recs = read(refs, jobs)
+        wider = widened_lrs(study, g, recs, lr_for, planned) if lr_for is not None else None
+        if wider is None:
+            return refs, jobs, recs
+        lr_for = wider
 
 
 def transferred_lrs(runs: list[dict], g: Group) -> dict[str, float] | None:
@@ -65,7 +135,7 @@ def transferred_lrs(runs: list[dict], g: Group) -> dict[str, float] | None:
         rs = [r for r in runs if r["group"] == g.lr_from and r["scheme"] == scheme
               and r["sublayers"] == g.lr_from_sublayers]
         lrs = sorted({r["lr"] for r in rs})
-        curves = [LS.seed_curve([r["result"] for r in rs if r["seed"] == s], lrs) for s in g.seeds]
+        curves = [LS.seed_curve([r["result"] for r in rs if r["seed"] == s], lrs) for s in g.scheme_seeds(scheme)]
         if not rs or any(c is None for c in curves):
             return None
         out[scheme] = LS.cell_summary(curves, lrs)["opt_lr"]
@@ -98,6 +168,21 @@ def plateau_exit_step(records: Sequence[dict], level: float | None, window: int 
     return None
 
 
+def thinned_curve(records: Sequence[dict], points: int = CURVE_POINTS, window: int = PLATEAU_WINDOW) -> dict:
+    """A run's loss curve small enough to keep in ``report.json`` (so that a restored report can
+    redraw it): at most ``points`` steps, evenly spaced, of the ``window``-step trailing mean
+    training loss (nats/token) and the peak LR, and every validation loss. Keys ``step``,
+    ``loss``, ``lr``, ``val_step``, ``val_loss``; non-finite values are left out."""
+    train = [(r["step"], r["loss"], r.get("lr")) for r in records
+             if is_number(r.get("loss")) and math.isfinite(r["loss"]) and is_number(r.get("step"))]
+    means = [statistics.fmean(x for _, x, _ in train[max(0, i - window + 1):i + 1]) for i in range(len(train))]
+    keep = sorted({round(i * (len(train) - 1) / max(1, points - 1)) for i in range(points)}) if train else []
+    val = [(r["step"], r["val_loss"]) for r in records
+           if is_number(r.get("val_loss")) and math.isfinite(r["val_loss"]) and is_number(r.get("step"))]
+    return {"step": [train[i][0] for i in keep], "loss": [round(means[i], 5) for i in keep],
+            "lr": [train[i][2] for i in keep], "val_step": [s for s, _ in val], "val_loss": [round(x, 5) for _, x in val]}
+
+
 def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -> dict:
     """One run's row of the report: coordinates, ``status`` (done / error / pending), ``tokens``
     trained, final / step-0 validation loss, ``capped_loss`` (final, or the step-0 loss when the
@@ -118,12 +203,12 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
                verdict=result.get("verdict"), divergence=result.get("divergence"),
                diverged=result.get("diverged"), max_lr=result.get("max_lr"),
                peak_lr=group.peak_lr if group.kind == "ramp" else None, wall_s=result.get("wall_s"),
-               plateau_exit_step=plateau_exit_step(records, 0.95 * h1 if h1 else None))
+               plateau_exit_step=plateau_exit_step(records, 0.95 * h1 if h1 else None), curve=thinned_curve(records))
     return rec
 
 
 RESTORED_KEYS = ("status", "tokens", "final_val_loss", "first_val_loss", "capped_loss", "verdict", "divergence",
-                 "diverged", "max_lr", "peak_lr", "wall_s", "plateau_exit_step")
+                 "diverged", "max_lr", "peak_lr", "wall_s", "plateau_exit_step", "curve")
 
 
 def load_restored(path: str | Path, study: Study) -> dict[tuple[str, str], dict]:
@@ -215,6 +300,9 @@ _RECORD_CHECKS = {"group": (lambda x: isinstance(x, str) and x, "a group name"),
                   "divergence": (lambda x: x is None or isinstance(x, dict) and isinstance(x.get("mode"), str),
                                  "a divergence verdict ({mode, step, evidence}) or null"),
                   "verdict": (lambda x: x is None or isinstance(x, str), "a string or null"),
+                  "curve": (lambda x: x is None or isinstance(x, dict) and all(
+                      isinstance(x.get(k), list) and all(v is None or is_number(v) for v in x[k])
+                      for k in ("step", "loss", "lr", "val_step", "val_loss")), "a thinned loss curve or null"),
                   "diverged": (lambda x: x is None or isinstance(x, bool), "true, false or null")}
 
 
@@ -254,41 +342,85 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[st
     waiting = []
     for g in study.groups:
         trains = train is True or (bool(train) and g.name in train)
-        lr_for = None
-        if g.lr_from:
-            opt = transferred_lrs(runs, g)
-            lr_for = stepped_lrs(study, g, opt) if opt is not None else None
-            if lr_for is None:
-                n = len(g.schemes) * len(g.sublayers) * len(g.seeds) * len(g.lr_from_steps)
-                waiting.append(f"group {g.name} ({n} runs) waits for group {g.lr_from} at {g.lr_from_sublayers} "
-                               "sub-layers")
-                if trains:
-                    _log.info(f"study: {waiting[-1]}")
-                continue
-        refs, jobs = group_jobs(study, g, data_dir, out, lr_for)
-        gdir = out / g.name
-        olds = {j.name: restored_record(g, j, restored[(g.name, j.name)]) for j in jobs if (g.name, j.name) in restored}
-        todo = [j for j in jobs if olds.get(j.name) is None]
-        errors = {}
-        if trains and todo:
-            _log.info(f"study: group {g.name}: {len(todo)} runs"
-                      + (f" ({len(jobs) - len(todo)} more restored)" if len(todo) < len(jobs) else "")
-                      + (f" + {len(refs)} reference run{'s' if len(refs) > 1 else ''}" if refs else ""))
-            if refs:
-                run_grid(refs, gdir / ST.REFERENCES, train_task, workers=workers, resume=True, threads=threads,
-                         check=check_train_job)
-            got = run_grid(todo, gdir, ST.stress_task if g.kind == "ramp" else train_task, workers=workers,
-                           resume=True, threads=threads, check=check_train_job)
-            errors = {j.name: r for j, r in zip(todo, got) if r.get("status") == "error"}
-        for j in jobs:
-            res = cached_result(gdir / j.name)
-            rec = run_record(g, j, gdir / j.name, res if res and res.get("status") == "done" else None)
-            if rec["status"] == "pending" and olds.get(j.name) is not None:
-                rec = olds[j.name]
-            if j.name in errors:
-                rec.update(status="error", message=errors[j.name].get("message"))
-            runs.append(rec)
+
+        def read(refs, jobs, g=g, trains=trains):
+            return _train_and_read(g, refs, jobs, out, restored, trains, workers, threads)
+
+        got = group_records(study, g, runs, data_dir, out, read)
+        if got is None:
+            n = sum(len(g.scheme_seeds(s)) for s in g.schemes) * len(g.sublayers) * len(g.lr_from_steps)
+            waiting.append(f"group {g.name} ({n} runs) waits for group {g.lr_from} at {g.lr_from_sublayers} "
+                           "sub-layers")
+            if trains:
+                _log.info(f"study: {waiting[-1]}")
+            runs += kept_restored(g, restored)  # measured runs stay in the report while their group waits
+            continue
+        runs += got[2]
     return runs, waiting
+
+
+def kept_restored(g: Group, restored: dict[tuple[str, str], dict]) -> list[dict]:
+    """The restored records (:func:`load_restored`) of group ``g``, as run records marked
+    ``restored``, for a group that is not planned yet (an ``lr_from`` group waiting for its
+    source): a report written meanwhile keeps them, so that restoring from it loses nothing."""
+    out = []
+    for (name, run_name), old in restored.items():
+        if name != g.name:
+            continue
+        values = {"model.residual": old["scheme"], "model.n_layers": old["sublayers"] // 2,
+                  "train.seed": old["seed"], "train.lr": old["lr"]}
+        rec = restored_record(g, GridJob(run_name, {}, values), old)
+        if rec is not None:
+            out.append(rec)
+    return out
+
+
+def _train_and_read(g: Group, refs: list[GridJob], jobs: list[GridJob], out: Path, restored: dict, trains: bool,
+                    workers: int, threads: int | None) -> list[dict]:
+    """:func:`collect`'s work for one group's jobs: train those not finished and not restored
+    (when ``trains``), then return every job's record (its folder's result, else its restored
+    record, else pending; ``error`` with the message for a run that failed now)."""
+    gdir = out / g.name
+    olds = {j.name: restored_record(g, j, restored[(g.name, j.name)]) for j in jobs if (g.name, j.name) in restored}
+    todo = [j for j in jobs if olds.get(j.name) is None]
+    errors = {}
+    if trains and todo:
+        _log.info(f"study: group {g.name}: {len(todo)} runs"
+                  + (f" ({len(jobs) - len(todo)} more restored)" if len(todo) < len(jobs) else "")
+                  + (f" + {len(refs)} reference run{'s' if len(refs) > 1 else ''}" if refs else ""))
+        if refs:
+            run_grid(refs, gdir / ST.REFERENCES, train_task, workers=workers, resume=True, threads=threads,
+                     check=check_train_job)
+        got = run_grid(todo, gdir, ST.stress_task if g.kind == "ramp" else train_task, workers=workers,
+                       resume=True, threads=threads, check=check_train_job)
+        errors = {j.name: r for j, r in zip(todo, got) if r.get("status") == "error"}
+    recs = []
+    for j in jobs:
+        res = cached_result(gdir / j.name)
+        rec = run_record(g, j, gdir / j.name, res if res and res.get("status") == "done" else None)
+        if rec["status"] == "pending" and olds.get(j.name) is not None:
+            rec = olds[j.name]
+        if j.name in errors:
+            rec.update(status="error", message=errors[j.name].get("message"))
+        recs.append(rec)
+    return recs
+
+
+def study_floor(study: Study, runs: list[dict]) -> dict:
+    """The loss claims' noise floor (:func:`keel.experiments.study.verdicts.loss_floor`) over every
+    (group, scheme, depth) cell a margin claim reads, each init's groups apart; with
+    ``floor_from_spread`` false, ``study.min_effect`` as it is (``{"floor": min_effect}``)."""
+    if not study.floor_from_spread:
+        return {"floor": study.min_effect, "minimum": study.min_effect}
+    cells = []
+    for c in study.claims:
+        if c["test"] != "margin_grows":
+            continue
+        for groups in (c["groups"], c.get("init_groups", [])):
+            for g in study.groups:
+                if g.name in groups:
+                    cells += [((g.name,), s, L) for s in (c["scheme"], c["baseline"]) for L in g.sublayers]
+    return loss_floor(runs, list(dict.fromkeys(cells)), study.min_effect)
 
 
 # ----------------------------------------------------------------------------- estimate (dry run)
@@ -305,20 +437,25 @@ def planned_jobs(study: Study, data_dir: str, out: Path, restored: dict[tuple[st
                  ) -> list[tuple[Group, list[GridJob], list[GridJob]]]:
     """(group, reference jobs, jobs) of every group as planned before anything trains: an
     ``lr_from`` group at the optimum of its source's runs in ``restored`` (:func:`load_restored`)
-    when they give one, else as if the optimum were the middle of its source's LR grid. Raises
-    KeelError on a bad config."""
+    when they give one, else as if the optimum were the middle of its source's LR grid; LRs
+    widened where the restored runs put an optimum on an edge. Raises KeelError on a bad config."""
     restored = restored or {}
     planned, runs = [], []
+
     for g in study.groups:
-        lr_for = None
-        if g.lr_from:
+        def read(refs, jobs, g=g):
+            olds = [restored_record(g, j, restored[(g.name, j.name)]) if (g.name, j.name) in restored else None
+                    for j in jobs]
+            return [o if o is not None else run_record(g, j, Path(), None) for j, o in zip(jobs, olds)]
+
+        got = group_records(study, g, runs, data_dir, out, read)
+        if got is None:  # the source's optimum is unknown: plan at the middle of its grid
             grid = sorted(next(x.lrs for x in study.groups if x.name == g.lr_from))
-            opt = transferred_lrs(runs, g) or {s: grid[len(grid) // 2] for s in g.schemes}
-            lr_for = stepped_lrs(study, g, opt)
-        refs, jobs = group_jobs(study, g, data_dir, out, lr_for)
-        olds = (restored_record(g, j, restored[(g.name, j.name)]) for j in jobs if (g.name, j.name) in restored)
-        runs += [r for r in olds if r is not None]
-        planned.append((g, refs, jobs))
+            lr_for = {(s, L): lrs for s, lrs in stepped_lrs(study, g, {s: grid[len(grid) // 2] for s in g.schemes}
+                                                             ).items() for L in g.sublayers}
+            got = (*group_jobs(study, g, data_dir, out, lr_for), [])
+        runs += [r for r in got[2] if r["status"] == "done"]
+        planned.append((g, got[0], got[1]))
     return planned
 
 
@@ -450,14 +587,19 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     except Interrupted as e:  # the grid's own hint names a group's folder and a run: continue the study instead
         raise Interrupted(f"stopped by {signal.Signals(e.signum).name}; continue: the same keel study command "
                           f"with --resume (out {out})", e.signum) from None
-    claims = [(cl, CLAIM_TESTS[cl["test"]](study, runs, cl)) for cl in study.claims]
+    floor = study_floor(study, runs)
+    study = replace(study, min_effect=floor["floor"])
+    claims = [(cl, {**CLAIM_TESTS[cl["test"]](study, runs, cl)}) for cl in study.claims]
+    for cl, c in claims:
+        c["summary"] = claim_summary(cl, c)
     h1 = next((r["result"]["unigram_entropy"] for r in runs if r["result"].get("unigram_entropy")), None) \
         if report_only else dataset_unigram_entropy(data_dir)
     make_dirs(out)
     plots = write_plots(study, runs, claims, out, h1)
     report = {"study": study.name, "scale": study.scale, "note": study.note, "command": first_command,
               "sets": [override_text(x) for x in study.all_sets()],
-              "unigram_entropy": h1, "min_effect": study.min_effect, "min_seeds": study.min_seeds,
+              "unigram_entropy": h1, "min_effect": study.min_effect, "min_seeds": study.min_seeds, "floor": floor,
+              "level": LEVEL, "summary": [c["summary"] for _, c in claims],
               "claims": [{"id": cl["id"], "title": cl["title"], **c} for cl, c in claims],
               "baseline_margins": [{"group": g.name, **r} for g in study.groups for r in baseline_margins(study, g, runs)],
               "group_sets": {g.name: [override_text(x) for x in g.sets] for g in study.groups},
@@ -466,7 +608,7 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     atomic_write_text(out / "report.json", json.dumps(report, indent=1, default=str))
     report["waiting"] = waiting
     atomic_write_text(out / "report.md", report_markdown(study, claims, runs, first_command, waiting,
-                                                         restore))
+                                                         restore, floor))
     return report
 
 

@@ -11,7 +11,8 @@ from keel.config import Override, override_text, resolve_config_path, tomllib
 from keel.errors import KeelError
 from keel.model import SCHEMES
 
-GROUP_KEYS = {"kind", "schemes", "sublayers", "lrs", "seeds", "set", "peak_lr", "ramp_steps", "lr_from",
+GROUP_KEYS = {"kind", "schemes", "sublayers", "lrs", "seeds", "seeds_for", "widen", "set", "peak_lr", "ramp_steps",
+              "lr_from",
               "lr_from_sublayers", "lr_from_steps", "note", "baselines_from", "baselines"}
 
 
@@ -37,6 +38,13 @@ class Group:
     note: str = ""
     baselines_from: str = ""
     baselines: list[str] = field(default_factory=list)
+    seeds_for: dict[str, list[int]] = field(default_factory=dict)
+    widen: int = 2  # LRs a cell a claim reads may gain beyond the planned ones on each side (to bracket its optimum)
+
+    def scheme_seeds(self, scheme: str) -> list[int]:
+        """The seeds ``scheme`` trains in this group: its ``seeds_for`` entry, else ``seeds`` (e.g. a
+        scheme no verdict reads kept at fewer seeds than the ones the verdicts read)."""
+        return self.seeds_for.get(scheme, self.seeds)
 
 
 @dataclass
@@ -55,7 +63,8 @@ class Study:
     groups: list[Group]
     claims: list[dict]
     min_effect: float = 0.02
-    min_seeds: int = 2
+    min_seeds: int = 3
+    floor_from_spread: bool = False
     user_sets: list[str] = field(default_factory=list)
 
     def all_sets(self, group: Group | None = None) -> list[Override]:
@@ -68,12 +77,13 @@ class Study:
 _LIST_TYPES = {"schemes": ((str,), "a list of strings", '["keel"]'), "sublayers": ((int,), "a list of integers", "[64]"),
                "seeds": ((int,), "a list of integers", "[0, 1]"), "lrs": ((int, float), "a list of numbers", "[0.001]"),
                "baselines": ((str,), "a list of strings", '["keel", "pre_ln"]')}
-_SCALAR_TYPES = {"peak_lr": (int, float), "ramp_steps": (int,), "lr_from_sublayers": (int,), "lr_from": (str,),
+_SCALAR_TYPES = {"peak_lr": (int, float), "ramp_steps": (int,), "widen": (int,), "lr_from_sublayers": (int,),
+                 "lr_from": (str,),
                  "kind": (str,), "note": (str,), "baselines_from": (str,)}
 
 
 _RAMP_ONLY = {"peak_lr", "ramp_steps"}  # keys that only a kind = "ramp" group reads
-_TRAIN_ONLY = {"lrs", "lr_from", "lr_from_sublayers", "lr_from_steps", "baselines_from", "baselines"}  # train only
+_TRAIN_ONLY = {"lrs", "widen", "lr_from", "lr_from_sublayers", "lr_from_steps", "baselines_from", "baselines"}  # train only
 
 
 def is_number(x) -> bool:
@@ -94,6 +104,11 @@ def _check_group_types(name: str, d: dict) -> None:
         if key in d and not ok(d[key], types):
             raise KeelError(f"study group {name!r}: {key} must be {'text' if types == (str,) else 'a number'}, "
                             f"got {d[key]!r}")
+    sf = d.get("seeds_for", {})
+    if not isinstance(sf, dict) or not all(isinstance(v, list) and v and all(ok(x, (int,)) for x in v)
+                                           for v in sf.values()):
+        raise KeelError(f"study group {name!r}: seeds_for must be a table of scheme = [seeds], e.g. "
+                        f"seeds_for = {{ deepnorm = [0, 1] }}, got {sf!r}")
     if "set" in d and not isinstance(d["set"], dict):
         raise KeelError(f"study group {name!r}: set must be a table of config keys, e.g. set = "
                         "{ \"model.embed_init_std\" = 1.0 }")
@@ -122,6 +137,8 @@ def _group(name: str, spec: dict, sized: dict) -> Group:
     if other:
         raise KeelError(f"study group {name!r}: {', '.join(other)} belong(s) to a "
                         f"{'train' if g.kind == 'ramp' else 'ramp'} group, not to this {g.kind} group")
+    if g.widen < 0:
+        raise KeelError(f"study group {name!r}: widen must be >= 0 (LRs added per side), got {g.widen}")
     if g.kind == "ramp" and g.ramp_steps < 1:
         raise KeelError(f"study group {name!r}: ramp_steps must be >= 1, got {g.ramp_steps}")
     if g.kind == "train" and not (g.lrs or g.lr_from):
@@ -174,13 +191,14 @@ def load_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
     ids = [c["id"] for c in claims]
     if len(set(ids)) != len(ids):
         raise KeelError(f"study claims repeat an id: {', '.join(ids)}")
-    min_effect, min_seeds = _verdict_settings(d.get("verdict", {}))
+    min_effect, min_seeds, spread = _verdict_settings(d.get("verdict", {}))
     controlled = [x.split("=", 1)[0].strip() for x in user_sets if x.split("=", 1)[0].strip() in GRID_KEYS]
     if controlled:
         raise KeelError(f"--set {controlled[0]} is set by the study's groups; change the study file instead")
     return Study(name=path.stem, scale=scale, description=d.get("description", "").strip(), note=sc.get("note", ""),
                  base=d.get("base", "demo"), sets=list(sc.get("set", {}).items()), groups=groups, claims=claims,
-                 min_effect=min_effect, min_seeds=min_seeds, user_sets=list(user_sets))
+                 min_effect=min_effect, min_seeds=min_seeds, floor_from_spread=spread,
+                 user_sets=list(user_sets))
 
 
 def _check_group_in_study(g: Group, groups: list[Group]) -> None:
@@ -190,8 +208,12 @@ def _check_group_in_study(g: Group, groups: list[Group]) -> None:
     if bad:
         raise KeelError(f"study group {g.name!r}: unknown scheme(s) {', '.join(bad)} (available: {', '.join(SCHEMES)})")
     if len(set(g.schemes)) != len(g.schemes) or len(set(g.sublayers)) != len(g.sublayers) \
-            or len(set(g.seeds)) != len(g.seeds) or len(set(g.lrs)) != len(g.lrs):
+            or any(len(set(g.scheme_seeds(s))) != len(g.scheme_seeds(s)) for s in g.schemes) \
+            or len(set(g.lrs)) != len(g.lrs):
         raise KeelError(f"study group {g.name!r} repeats a scheme, depth, seed or LR")
+    if set(g.seeds_for) - set(g.schemes):
+        raise KeelError(f"study group {g.name!r}: seeds_for names scheme(s) the group does not train: "
+                        f"{', '.join(sorted(set(g.seeds_for) - set(g.schemes)))}")
     _check_baselines(g, groups)
     if not g.lr_from:
         return
@@ -228,7 +250,7 @@ def _check_baselines(g: Group, groups: list[Group]) -> None:
     lacking = {"schemes": [x for x in g.baselines if x not in src.schemes],
                "sub-layers": [L for L in g.sublayers if L not in src.sublayers],
                "LRs": [f"{lr:g}" for lr in g.lrs if not any(math.isclose(lr, x) for x in src.lrs)],
-               "seeds": [sd for sd in g.seeds if sd not in src.seeds]}
+               "seeds": sorted({sd for b in g.baselines for sd in g.seeds if sd not in src.scheme_seeds(b)})}
     for what, xs in lacking.items():
         if xs:
             raise KeelError(f"{where}: group {src.name!r} (baselines_from) trains no {what} "
@@ -239,25 +261,28 @@ def _check_baselines(g: Group, groups: list[Group]) -> None:
                         "paired runs must train the same model, data and tokens")
 
 
-def _verdict_settings(v) -> tuple[float, int]:
-    """``(min_effect, min_seeds)`` of a study's ``[verdict]`` table (defaults 0.02 nats, 2 seeds).
+def _verdict_settings(v) -> tuple[float, int, bool]:
+    """``(min_effect, min_seeds, floor_from_spread)`` of a study's ``[verdict]`` table (defaults
+    0.02 nats, 3 seeds, false).
 
     Raises:
         KeelError: not a table, an unknown key, ``min_effect`` not a finite number > 0,
-            ``min_seeds`` not an integer >= 1 (1.7 used to become 1, "two" a traceback).
+            ``min_seeds`` not an integer >= 2 (a paired interval needs two), ``floor_from_spread``
+            not a boolean.
     """
-    effect, seeds = (v.get("min_effect", 0.02), v.get("min_seeds", 2)) if isinstance(v, dict) else (None, None)
-    if not isinstance(v, dict) or set(v) - {"min_effect", "min_seeds"} or not (is_number(effect) and 0 < effect < math.inf) \
-            or not (is_number(seeds) and isinstance(seeds, int) and seeds >= 1):
-        raise KeelError("study [verdict] takes min_effect (a number > 0, nats) and min_seeds (an integer >= 1) only, "
-                        f"got {v!r}")
-    return float(effect), seeds
+    ok = isinstance(v, dict) and not set(v) - {"min_effect", "min_seeds", "floor_from_spread"}
+    effect, seeds, spread = (v.get("min_effect", 0.02), v.get("min_seeds", 3), v.get("floor_from_spread", False)) \
+        if ok else (None, None, None)
+    if not ok or not (is_number(effect) and 0 < effect < math.inf) \
+            or not (is_number(seeds) and isinstance(seeds, int) and seeds >= 2) or not isinstance(spread, bool):
+        raise KeelError("study [verdict] takes min_effect (a number > 0, nats), min_seeds (an integer >= 2) and "
+                        f"floor_from_spread (true or false) only, got {v!r}")
+    return float(effect), seeds, spread
 
 
 # keys a claim of each test reads: (required, optional); "groups" lists, the rest are names
-CLAIM_KEYS = {"margin_grows": ({"groups", "scheme", "baseline"}, set()),
+CLAIM_KEYS = {"margin_grows": ({"groups", "scheme", "baseline"}, {"init_groups"}),
               "lr_transfer": ({"group"}, {"scheme"}),
-              "init_margin": ({"group", "reference_group", "scheme", "baseline"}, set()),
               "max_lr_order": ({"group", "order"}, {"extended_group"})}
 GRID_KEYS = {"model.residual", "model.n_layers", "train.lr", "train.seed"}  # set per run by the groups
 
@@ -278,8 +303,11 @@ def _check_claim(c: dict, groups: dict[str, "Group"]) -> None:
                                                                else f"unknown key(s) {', '.join(sorted(unknown))}"))
     if not isinstance(c.get("note", ""), str):
         raise KeelError(f"study claim {c['id']!r}: note must be a string (printed under the claim's rule)")
-    names = list(c["groups"]) if isinstance(c.get("groups"), list) else [c.get("groups")] if "groups" in c else []
-    names += [c[k] for k in ("group", "reference_group") if k in c]
+    for k in ("groups", "init_groups"):
+        if k in c and not (isinstance(c[k], list) and c[k] and all(isinstance(x, str) for x in c[k])):
+            raise KeelError(f"study claim {c['id']!r}: {k} must be a list of group names, got {c[k]!r}")
+    names = list(c.get("groups", [])) + list(c.get("init_groups", []))
+    names += [c[k] for k in ("group",) if k in c]
     if c.get("extended_group") in groups:  # optional: a scale whose ramp peak suffices does not size it
         names.append(c["extended_group"])
     for g in names:
@@ -287,8 +315,6 @@ def _check_claim(c: dict, groups: dict[str, "Group"]) -> None:
             raise KeelError(f"study claim {c['id']!r}: group {g!r} is not sized by this scale")
         if (groups[g].kind == "ramp") != (test == "max_lr_order"):
             raise KeelError(f"study claim {c['id']!r}: {test} cannot read {groups[g].kind} group {g!r}")
-    if "groups" in c and not isinstance(c["groups"], list):
-        raise KeelError(f"study claim {c['id']!r}: groups must be a list of group names")
     if c.get("extended_group") in groups:
         _check_extended_ramp(c, groups[c["group"]], groups[c["extended_group"]])
     schemes = set().union(*(groups[g].schemes for g in names))

@@ -8,41 +8,102 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from keel.config import override_text
 from keel.experiments.study.spec import Group, Study
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
 MAX_LR_FLOOR = math.log10(1.05)  # noise floor of a max-LR pair (log10 of the ratio): a 5% difference
+LEVEL = 0.95  # confidence of each one-sided bound of a paired interval (together: a two-sided 90% interval)
 
 
-def paired_verdict(diffs: dict, min_effect: float, min_seeds: int = 2) -> dict:
+def t_bounds(xs: Sequence[float], level: float = LEVEL) -> tuple[float, float] | None:
+    """One-sided Student-t bounds of the mean of ``xs``: ``(lo, hi)`` with
+    ``lo = mean - t_{level, n-1} * sd / sqrt(n)`` and ``hi = mean + t_{level, n-1} * sd / sqrt(n)``
+    (``sd`` with ddof 1; Student 1908, the paired t interval): each bound holds with probability
+    ``level`` when the ``xs`` are independent draws of a normal difference. None for fewer than two."""
+    n = len(xs)
+    if n < 2:
+        return None
+    from scipy.stats import t  # the t quantile; imported here, where the study needs it
+    half = float(t.ppf(level, n - 1)) * statistics.stdev(xs) / math.sqrt(n)
+    mean = statistics.fmean(xs)
+    return mean - half, mean + half
+
+
+def paired_verdict(diffs: dict, min_effect: float, min_seeds: int = 3, level: float = LEVEL) -> dict:
     """The verdict of one paired comparison, oriented so that the claim predicts ``d > 0``.
 
     ``diffs``: ``{seed: d_seed}`` (nats/token, or any unit ``min_effect`` is in), one per seed
-    that both sides finished (paired: same seed = same init draws and data order).
+    that both sides finished (paired: same seed = same init draws and data order). With
+    ``(lo, hi)`` the one-sided ``level`` t bounds of the mean difference (:func:`t_bounds`):
 
-    * ``reproduced``: at least ``min_seeds`` seeds and every ``d >= min_effect``;
-    * ``not reproduced``: at least ``min_seeds`` seeds and either every ``d <= -min_effect``
-      (the opposite holds) or every ``|d| < min_effect`` (no effect);
-    * ``inconclusive``: anything else (mixed signs, a seed inside the noise floor while
-      another is outside it, fewer than ``min_seeds`` seeds).
+    * ``reproduced``: at least ``min_seeds`` seeds and ``lo >= min_effect`` (the effect clears
+      the floor);
+    * ``not reproduced``: at least ``min_seeds`` seeds and ``hi < min_effect`` (the interval
+      excludes an effect as large as the floor: the opposite, or no effect);
+    * ``inconclusive``: anything else (the interval straddles the floor, or too few seeds).
 
-    Returns ``{verdict, n, mean, sd, diffs, min_effect}`` (``sd`` the sample standard
-    deviation, ddof 1; 0 for one seed; None without seeds).
+    Returns ``{verdict, n, mean, sd, lo, hi, level, diffs, min_effect}`` (``sd`` the sample
+    standard deviation, ddof 1; 0 for one seed; ``mean``/``sd`` None without seeds; ``lo``/``hi``
+    None below two seeds).
     """
     xs = [float(x) for x in diffs.values() if x is not None and math.isfinite(x)]
     n = len(xs)
     mean = statistics.fmean(xs) if xs else None
     sd = (statistics.stdev(xs) if n > 1 else 0.0) if xs else None
-    if n < max(1, min_seeds):
+    lo, hi = t_bounds(xs, level) or (None, None)
+    if n < max(2, min_seeds):
         verdict = INCONCLUSIVE
-    elif all(x >= min_effect for x in xs):
+    elif lo >= min_effect:
         verdict = REPRODUCED
-    elif all(x <= -min_effect for x in xs) or all(abs(x) < min_effect for x in xs):
+    elif hi < min_effect:
         verdict = NOT_REPRODUCED
     else:
         verdict = INCONCLUSIVE
-    return {"verdict": verdict, "n": n, "mean": mean, "sd": sd, "diffs": dict(diffs), "min_effect": min_effect}
+    return {"verdict": verdict, "n": n, "mean": mean, "sd": sd, "lo": lo, "hi": hi, "level": level,
+            "diffs": dict(diffs), "min_effect": min_effect}
+
+
+def trend_verdict(margins: dict[int, dict], min_effect: float, min_seeds: int = 3) -> dict:
+    """Whether a paired margin grows with depth, from every depth (not two endpoints).
+
+    ``margins``: ``{sub-layers: {seed: margin}}``. Per seed that has a margin at every depth, the
+    least-squares slope of its margin against ``log2(sub-layers)`` (nats per doubling of depth);
+    the verdict is :func:`paired_verdict` of those slopes with the floor spread over the studied
+    range, ``min_effect / log2(L_max / L_min)`` (the fitted growth from the shallowest to the
+    deepest depth must clear ``min_effect``). Fewer than two depths: inconclusive, no seeds.
+    Returns the :func:`paired_verdict` dict plus ``depths``.
+    """
+    depths = sorted(margins)
+    seeds = sorted(set.intersection(*(set(m) for m in margins.values()))) if depths else []
+    slopes = {}
+    if len(depths) >= 2:
+        xs = [math.log2(L) for L in depths]
+        mx = statistics.fmean(xs)
+        for sd in seeds:
+            ys = [margins[L][sd] for L in depths]
+            my = statistics.fmean(ys)
+            slopes[sd] = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    floor = min_effect / math.log2(depths[-1] / depths[0]) if len(depths) >= 2 else min_effect
+    return {**paired_verdict(slopes, floor, min_seeds), "depths": depths}
+
+
+def loss_floor(runs: Sequence[dict], cells: Sequence[tuple[Sequence[str], str, int]], minimum: float) -> dict:
+    """The noise floor of the loss claims, from the measured seed-to-seed spread.
+
+    ``cells``: ``(groups, scheme, sub-layers)`` whose best loss a verdict reads. Per cell with at
+    least two finished seeds, the sample sd of the best loss over seeds (:func:`best_losses`);
+    the floor is their median, and at least ``minimum`` (nats/token): a difference smaller than
+    the typical seed-to-seed spread of one configuration's best loss is not counted as an effect.
+    Returns ``{floor, median_sd, cells, min_sd, max_sd, minimum}``.
+    """
+    sds = []
+    for groups, scheme, L in cells:
+        b = list(best_losses(runs, groups, scheme, L).values())
+        if len(b) >= 2:
+            sds.append(statistics.stdev(b))
+    med = statistics.median(sds) if sds else None
+    return {"floor": max(minimum, med or 0.0), "median_sd": med, "cells": len(sds),
+            "min_sd": min(sds, default=None), "max_sd": max(sds, default=None), "minimum": minimum}
 
 
 def combine(verdicts: Sequence[str]) -> str:
@@ -74,18 +135,6 @@ def best_losses(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublay
 def best_lrs(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayers: int) -> dict:
     """``{seed: peak LR}`` of :func:`best_runs`: where each seed's best loss came from."""
     return {seed: r["lr"] for seed, r in best_runs(runs, groups, scheme, sublayers).items()}
-
-
-def best_lr_at_edge(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayers: int) -> dict:
-    """``{seed: bool}``: whether each seed's best LR (:func:`best_runs`) is the lowest or highest
-    LR that ``scheme`` trained at ``sublayers`` in ``groups`` (then the optimum may lie outside
-    them, e.g. at the deepest depth, trained at two LRs transferred from the depth before)."""
-    out = {}
-    for seed, r in best_runs(runs, groups, scheme, sublayers).items():
-        lrs = [x["lr"] for x in runs if x["group"] in groups and x["scheme"] == scheme
-               and x["sublayers"] == sublayers and x["seed"] == seed]
-        out[seed] = len(lrs) > 1 and r["lr"] in (min(lrs), max(lrs))
-    return out
 
 
 def equal_lr_margins(runs: Sequence[dict], groups: Sequence[str], scheme: str, baseline: str,
@@ -128,47 +177,108 @@ def _pair(a: dict, b: dict) -> dict:
     return {s: a[s] - b[s] for s in sorted(set(a) & set(b))}
 
 
-def claim_margin_grows(study: Study, runs: list[dict], claim: dict) -> dict:
-    """{scheme} beats {baseline} at the deepest depth and its margin grows with depth (both parts
-    must hold).
+WINDOW = 0.1  # nats/token: an LR is in a scheme's healthy window when its seed-mean loss is this close to the best
+CONDITIONS = {"paper_init": "at the paper's init", "better_init": "at each scheme's better init"}
 
-    Margin per seed and depth: ``m_L = best(baseline) - best(scheme)`` (nats/token, best
-    over the LR grid per seed). Two paired verdicts, combined by :func:`combine`:
-    ``m_deepest > 0`` and ``m_deepest - m_shallowest > 0`` (depths where both schemes have
-    a paired seed). Rows: the margin at every depth, each seed's best LR and the plateau exit
-    step of that run (a margin is partly plateau-exit speed while the baseline leaves late), and
-    the baseline's diverged runs.
-    """
-    groups, s, b = claim["groups"], claim["scheme"], claim["baseline"]
+
+def best_over_inits(study: Study, runs: Sequence[dict], alts: Sequence[Sequence[str]], scheme: str,
+                    sublayers: int) -> dict:
+    """``{seed: run record}``: per seed, the best run (lowest capped loss) of ``scheme`` at
+    ``sublayers`` over alternatives ``alts`` (each a list of groups: one embedding init). An
+    alternative whose groups are sized at that depth is required: a seed counts only when every
+    required alternative has all its LRs finished (:func:`best_runs`)."""
+    need = [a for a in alts if any(g.name in a and sublayers in g.sublayers and scheme in g.schemes
+                                   for g in study.groups)]
+    per = [best_runs(runs, a, scheme, sublayers) for a in need]
+    seeds = set.intersection(*(set(p) for p in per)) if per else set()
+    return {sd: min((p[sd] for p in per), key=lambda r: r["capped_loss"]) for sd in sorted(seeds)}
+
+
+def bracketed(runs: Sequence[dict], rec: dict) -> bool:
+    """Whether run ``rec`` (a seed's best) lies strictly inside the LRs its scheme trained at its
+    depth, seed and group: its optimum is bracketed (a lower and a higher LR were trained and
+    ended worse, diverged or stagnated)."""
+    lrs = [x["lr"] for x in runs if (x["group"], x["scheme"], x["sublayers"], x["seed"])
+           == (rec["group"], rec["scheme"], rec["sublayers"], rec["seed"])]
+    return min(lrs) < rec["lr"] < max(lrs)
+
+
+def lr_window(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayers: int,
+              margin: float = WINDOW) -> list[float]:
+    """The healthy-LR window of ``scheme`` at ``sublayers`` in ``groups``: the peak LRs whose
+    seed-mean capped loss (over the seeds that finished every LR) is within ``margin`` nats/token
+    of the best seed-mean loss, ascending. Empty while no seed has every LR finished."""
+    rs = [r for r in runs if r["group"] in groups and r["scheme"] == scheme and r["sublayers"] == sublayers]
+    lrs = sorted({r["lr"] for r in rs})
+    seeds = [sd for sd in sorted({r["seed"] for r in rs})
+             if sorted(r["lr"] for r in rs if r["seed"] == sd and r["status"] == "done") == lrs]
+    if not seeds:
+        return []
+    mean = {lr: statistics.fmean(r["capped_loss"] for r in rs if r["lr"] == lr and r["seed"] in seeds) for lr in lrs}
+    best = min(mean.values())
+    return [lr for lr in lrs if mean[lr] <= best + margin]
+
+
+def _margin_condition(study: Study, runs: list[dict], claim: dict, alts: list[list[str]]) -> dict:
+    """One condition of a margin claim: the paired margin at every depth, each scheme at each
+    seed's best run over ``alts`` (one group list per embedding init), the margin at the deepest
+    depth and its trend with depth (:func:`trend_verdict`), combined by :func:`combine`."""
+    s, b = claim["scheme"], claim["baseline"]
+    groups = [g for a in alts for g in a]
     depths = sorted({r["sublayers"] for r in runs if r["group"] in groups})
     rows = []
     for L in depths:
-        m = _pair(best_losses(runs, groups, b, L), best_losses(runs, groups, s, L))
-        if m:
-            finished = [r for r in runs if r["group"] in groups and r["scheme"] == b and r["sublayers"] == L
-                        and r["status"] == "done"]
-            failed = [r for r in finished if r.get("diverged")]
-            rows.append({"sublayers": L, "margin": paired_verdict(m, study.min_effect, study.min_seeds),
-                         "best_lr": {b: best_lrs(runs, groups, b, L), s: best_lrs(runs, groups, s, L)},
-                         "best_lr_at_edge": {x: best_lr_at_edge(runs, groups, x, L) for x in (b, s)},
-                         "plateau_exit": {x: {seed: r.get("plateau_exit_step")
-                                              for seed, r in best_runs(runs, groups, x, L).items()} for x in (b, s)},
-                         "baseline_runs": len(finished), "baseline_diverged_runs": len(failed),
-                         "baseline_recovered_runs": sum(left_plateau_later(r) for r in failed)})
-    equal = equal_lr_margins(runs, groups, s, b, study.min_effect, study.min_seeds)
+        best = {x: best_over_inits(study, runs, alts, x, L) for x in (b, s)}
+        m = _pair({sd: r["capped_loss"] for sd, r in best[b].items()},
+                  {sd: r["capped_loss"] for sd, r in best[s].items()})
+        if not m:
+            continue
+        finished = [r for r in runs if r["group"] in groups and r["scheme"] == b and r["sublayers"] == L
+                    and r["status"] == "done"]
+        failed = [r for r in finished if r.get("diverged")]
+        rows.append({"sublayers": L, "margin": paired_verdict(m, study.min_effect, study.min_seeds),
+                     "best_lr": {x: {sd: r["lr"] for sd, r in best[x].items()} for x in (b, s)},
+                     "best_group": {x: {sd: r["group"] for sd, r in best[x].items()} for x in (b, s)},
+                     "bracketed": {x: {sd: bracketed(runs, r) for sd, r in best[x].items()} for x in (b, s)},
+                     "plateau_exit": {x: {sd: r.get("plateau_exit_step") for sd, r in best[x].items()}
+                                      for x in (b, s)},
+                     "window": {x: {a[0]: lr_window(runs, a, x, L) for a in alts} for x in (b, s)},
+                     "baseline_runs": len(finished), "baseline_diverged_runs": len(failed),
+                     "baseline_recovered_runs": sum(left_plateau_later(r) for r in failed)})
     if len(rows) < 2:
         return {"verdict": INCONCLUSIVE, "why": "needs paired results at two depths at least", "rows": rows,
-                "equal_lr": equal}
-    lo, hi = rows[0], rows[-1]
-    growth = _pair(hi["margin"]["diffs"], lo["margin"]["diffs"])
+                "parts": {}}
+    hi = rows[-1]
     planned = max((L for g in study.groups if g.name in groups for L in g.sublayers), default=hi["sublayers"])
     where = f"margin at {hi['sublayers']} sub-layers" + (
         f" (the deepest finished; {planned} pending)" if planned > hi["sublayers"] else "")
-    parts = {where: hi["margin"],
-             f"growth {lo['sublayers']} -> {hi['sublayers']} sub-layers": paired_verdict(growth, study.min_effect,
-                                                                                          study.min_seeds)}
-    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows,
-            "equal_lr": equal}
+    trend = trend_verdict({r["sublayers"]: r["margin"]["diffs"] for r in rows}, study.min_effect, study.min_seeds)
+    parts = {where: hi["margin"], f"trend over {', '.join(str(r['sublayers']) for r in rows)} sub-layers "
+             "(slope per doubling)": trend}
+    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+
+
+def claim_margin_grows(study: Study, runs: list[dict], claim: dict) -> dict:
+    """{scheme} beats {baseline} at the deepest depth and its margin grows with depth (both parts
+    must hold), at the paper's init and at each scheme's better embedding init.
+
+    Margin per seed and depth: ``m_L = best(baseline) - best(scheme)`` (nats/token, best over
+    the LR grid per seed). Each condition (:data:`CONDITIONS`) has two parts, combined by
+    :func:`combine`: the margin at the deepest depth (:func:`paired_verdict`) and its slope
+    against log2 depth over every depth (:func:`trend_verdict`). ``paper_init`` reads the claim's
+    ``groups``; ``better_init`` (with ``init_groups``: the same depths at another embedding init)
+    takes, per scheme, seed and depth, the better of the two inits. The claim's verdict combines
+    the conditions: reproduced only where both are. Rows per depth: the margin, each seed's best
+    LR and init, whether it is bracketed, the plateau exit step, each init's healthy-LR window
+    (:func:`lr_window`), the baseline's flagged runs.
+    """
+    conds = {"paper_init": [list(claim["groups"])]}
+    if claim.get("init_groups"):
+        conds["better_init"] = [list(claim["groups"]), list(claim["init_groups"])]
+    out = {k: _margin_condition(study, runs, claim, alts) for k, alts in conds.items()}
+    equal = equal_lr_margins(runs, claim["groups"], claim["scheme"], claim["baseline"], study.min_effect,
+                             study.min_seeds)
+    return {"verdict": combine([c["verdict"] for c in out.values()]), "conditions": out, "equal_lr": equal}
 
 
 def _opt_lrs(runs: list[dict], group: str, scheme: str, L: int) -> dict:
@@ -226,32 +336,6 @@ def claim_lr_transfer(study: Study, runs: list[dict], claim: dict) -> dict:
             "rows": rows}
 
 
-def claim_init_margin(study: Study, runs: list[dict], claim: dict) -> dict:
-    """{scheme} still beats {baseline} when each uses the better of two embedding inits.
-
-    Per seed, at the init group's depth: ``m = min(best(baseline) over inits) - min(best(scheme)
-    over inits)``, the inits being the group's (e.g. ``model.embed_init_std = 1.0``) and the
-    reference group's (the study's default init); verdict :func:`paired_verdict` of ``m``.
-    Also reported: the margin at each init alone, and the baseline's gain from the init.
-    """
-    g, ref, s, b = claim["group"], claim["reference_group"], claim["scheme"], claim["baseline"]
-    depths = sorted({r["sublayers"] for r in runs if r["group"] == g})
-    if not depths:
-        return {"verdict": INCONCLUSIVE, "why": "no finished runs in the init group", "rows": {}}
-    L = depths[0]
-    bl = {k: best_losses(runs, [k], b, L) for k in (g, ref)}
-    sl = {k: best_losses(runs, [k], s, L) for k in (g, ref)}
-    best_b = {x: min(bl[g][x], bl[ref][x]) for x in set(bl[g]) & set(bl[ref])}
-    best_s = {x: min(sl[g][x], sl[ref][x]) for x in set(sl[g]) & set(sl[ref])}
-    v = paired_verdict(_pair(best_b, best_s), study.min_effect, study.min_seeds)
-    sets = next((grp.sets for grp in study.groups if grp.name == g), [])
-    init = ", ".join(override_text(x) for x in sets) or "this group's init"  # e.g. model.embed_init_std=1.0
-    rows = {"margin, default init": paired_verdict(_pair(bl[ref], sl[ref]), study.min_effect, study.min_seeds),
-            f"margin, {init}": paired_verdict(_pair(bl[g], sl[g]), study.min_effect, study.min_seeds),
-            f"{b} gain from {init}": paired_verdict(_pair(bl[ref], bl[g]), study.min_effect, study.min_seeds)}
-    return {"verdict": v["verdict"], "sublayers": L, "margin_best_init": v, "rows": rows}
-
-
 def _log_ratio(hi: float | None, lo: float | None, peak: float) -> float | None:
     """log10(max LR of the scheme expected higher / of the lower one); a run that never diverged
     counts as the peak LR (censored). Two censored runs are no evidence either way: None."""
@@ -291,35 +375,40 @@ def verdict_words(rec: dict) -> str:
 
 
 def claim_max_lr_order(study: Study, runs: list[dict], claim: dict) -> dict:
-    """Max LR (the stress ramp's LR just before divergence) increases along {order}.
+    """Max LR (the stress ramp's LR just before divergence) increases along {order}, on the
+    paper's ramp.
 
-    For each adjacent pair (a, b) of the order, per seed ``d = log10(maxLR_b / maxLR_a)``
-    (a run that never diverged counts as the peak LR; a seed where neither diverged is left
-    out, so a ramp whose peak is too low ends inconclusive); pair verdict :func:`paired_verdict`
-    with ``min_effect = log10(1.05)`` (5%); the claim's verdict combines the pairs
-    (:func:`combine`). A pair is judged on the claim's ``extended_group`` (the same ramp
-    continued to a higher peak, for the pairs the first peak censors) once every run of both
-    schemes at that depth has finished there, else on ``group``. Rows: one per ramp group and
+    For each adjacent pair (a, b) of the order, per seed ``d = log10(maxLR_b / maxLR_a)`` (a
+    run that never diverged counts as the peak LR: censored, so ``d`` is a lower bound when
+    ``b`` never diverged; a seed where neither diverged is left out); pair verdict
+    :func:`paired_verdict` with ``min_effect = log10(1.05)`` (5%); a condition's verdict combines
+    its pairs (:func:`combine`). Conditions: ``paper_ramp`` (the claim's ``group``: the paper's
+    ramp), which gives the claim's verdict, and ``extended_ramp`` (``extended_group``: the same
+    LR per step continued to a higher peak, reported beside it). Rows: one per ramp group and
     depth with each scheme's max LR per seed, the ramp's peak, and each run's verdict in words
     (:func:`verdict_words`).
     """
     order, sized = claim["order"], {g.name for g in study.groups}
-    names = [claim["group"]] + ([claim["extended_group"]] if claim.get("extended_group") in sized else [])
-    rows = [row for name in names for row in _ramp_rows(runs, name, order)]
-    peaks = {r["group"]: r["peak_lr"] for r in rows}  # a pair is judged only on a group with finished rows
-    pairs = {}
-    for L in sorted({r["sublayers"] for r in rows if r["group"] == names[0]}):
-        for a, b in zip(order, order[1:]):
-            name = next((x for x in names[1:] if _ramp_pair_done(runs, x, (a, b), L)), names[0])
-            lr = next(r["max_lr"] for r in rows if r["group"] == name and r["sublayers"] == L)
-            d = {x: _log_ratio(lr[b][x], lr[a][x], peaks[name]) for x in sorted(set(lr[a]) & set(lr[b]))}
-            d = {x: v for x, v in d.items() if v is not None}  # both never diverged: censored, left out
-            key = f"{a} < {b} at {L}" + (f" (ramp to {peaks[name]:g})" if name != names[0] else "")
-            pairs[key] = paired_verdict(d, MAX_LR_FLOOR, study.min_seeds)
-    if not pairs:
-        return {"verdict": INCONCLUSIVE, "why": "no finished ramp runs", "rows": rows, "parts": {}}
-    return {"verdict": combine([p["verdict"] for p in pairs.values()]), "parts": pairs, "rows": rows,
-            "peak_lr": peaks[names[0]]}
+    names = {"paper_ramp": claim["group"]}
+    if claim.get("extended_group") in sized:
+        names["extended_ramp"] = claim["extended_group"]
+    rows = [row for name in names.values() for row in _ramp_rows(runs, name, order)]
+    trained = {g.name: set(g.schemes) for g in study.groups}
+    conds = {}
+    for cond, name in names.items():
+        mine = [r for r in rows if r["group"] == name]
+        pairs = {}
+        for row in mine:
+            lr, L = row["max_lr"], row["sublayers"]
+            for a, b in zip(order, order[1:]):
+                d = {x: _log_ratio(lr[b][x], lr[a][x], row["peak_lr"]) for x in sorted(set(lr[a]) & set(lr[b]))}
+                d = {x: v for x, v in d.items() if v is not None}  # both never diverged: censored, left out
+                if {a, b} <= trained.get(name, set(order)):
+                    pairs[f"{a} < {b} at {L}"] = paired_verdict(d, MAX_LR_FLOOR, study.min_seeds)
+        conds[cond] = {"verdict": combine([p["verdict"] for p in pairs.values()]) if pairs else INCONCLUSIVE,
+                       "parts": pairs, "peak_lr": mine[0]["peak_lr"] if mine else None,
+                       **({} if pairs else {"why": "no finished ramp runs"})}
+    return {"verdict": conds["paper_ramp"]["verdict"], "conditions": conds, "rows": rows}
 
 
 def _ramp_rows(runs: list[dict], group: str, order: Sequence[str]) -> list[dict]:
@@ -336,24 +425,18 @@ def _ramp_rows(runs: list[dict], group: str, order: Sequence[str]) -> list[dict]
     return rows
 
 
-def _ramp_pair_done(runs: list[dict], group: str, pair: tuple[str, str], sublayers: int) -> bool:
-    """Whether ramp ``group`` planned runs of both schemes of ``pair`` at ``sublayers`` and all have finished."""
-    mine = [r for r in runs if r["group"] == group and r["sublayers"] == sublayers and r["scheme"] in pair]
-    return {r["scheme"] for r in mine} == set(pair) and all(r["status"] == "done" for r in mine)
-
-
 CLAIM_TESTS = {"margin_grows": claim_margin_grows, "lr_transfer": claim_lr_transfer,
-               "init_margin": claim_init_margin, "max_lr_order": claim_max_lr_order}
-CLAIM_UNITS = {"max_lr_order": "log10 of the max-LR ratio", "margin_grows": "nats/token", "init_margin": "nats/token",
-               "lr_transfer": "peak LR"}  # the unit of each claim test's numbers (the verdict table's column)
+               "max_lr_order": claim_max_lr_order}
+# the unit of each claim test's numbers (the verdict table's column)
+CLAIM_UNITS = {"max_lr_order": "log10 of the max-LR ratio", "margin_grows": "nats/token", "lr_transfer": "peak LR"}
 
 
 
 def claim_reads(claim: dict) -> set[tuple[str, str]]:
     """The ``(group, scheme)`` pairs whose runs a claim's verdict reads (an lr_transfer claim:
     its ``scheme`` only; the other schemes of its table are for comparison)."""
-    groups = list(claim.get("groups", [])) + [claim[k] for k in ("group", "reference_group", "extended_group")
-                                              if k in claim]
+    groups = list(claim.get("groups", [])) + list(claim.get("init_groups", [])) + [
+        claim[k] for k in ("group", "extended_group") if k in claim]
     schemes = [claim.get("scheme", "keel")] if claim["test"] == "lr_transfer" else \
         [claim[k] for k in ("scheme", "baseline") if k in claim] + list(claim.get("order", []))
     return {(g, s) for g in groups for s in schemes}
