@@ -52,16 +52,17 @@ def _threads(one_thread):
     yield
 
 
-# Open findings for the multi-stream schemes merged from the residual bench (not fixed here;
-# marked xfail, not strict, so that the matrix keeps running them and a fix shows as XPASS):
-# mHC's gradients differ from its fp64 gradients by up to 3e10 (relative) even in fp32; AttnRes
-# raises "Unexpected floating ScalarType in at::autocast::prioritize" under a mixed fp16 pair
-# and turns NaN in a pure fp16 model; HC's exported code gives NaN gradients in pure bf16.
-OPEN = {("mhc", None): "mHC: fp32 gradients far from fp64 (open, residual bench)",
-        ("attn_res", "fp16"): "AttnRes: NaN in a pure fp16 model (open)",
-        ("attn_res", "bf16-model/fp16-autocast"): "AttnRes: autocast prioritize error (open)",
-        ("attn_res", "fp16-model/bf16-autocast"): "AttnRes: autocast prioritize error (open)",
-        ("hyper_connections", "bf16", "exported"): "HC exported: NaN gradients in pure bf16 (open)"}
+# Open findings (marked xfail, not strict, so that the matrix keeps running them and a fix shows
+# as XPASS). Fixed in v4: AttnRes in fp16 (its depth-attention RMS and softmax now run in fp32) and
+# under a mixed fp16/bf16 pair (the stream's cat runs outside autocast); mHC's "3e10" was the
+# relative error of gradients that are 0 up to rounding (:func:`grad_floor`).
+OPEN = {("hyper_connections", p, "exported"): "HC exported: the static maps' gradients (near-cancelling sums "
+        "over every token and channel) measure 0.04-0.26 relative error under HF's low-precision loss since HC's "
+        "output projections start / sqrt(n) (native keel: within tolerance); open, issue 31"
+        for p in ("bf16-autocast", "bf16", "fp16", "bf16-model/fp16-autocast")}
+OPEN[("mhc", None)] = ("mHC: phi's gradients at init (the n streams are equal copies, so they nearly cancel) measure "
+                       "3.5e-4 relative error in fp32 and up to 5 in bf16 against the fp64 model, with every other "
+                       "gradient in tolerance; open, issue 31")
 
 
 def mark_open(request, scheme, path, *extra):
@@ -94,8 +95,17 @@ def _run(model, autocast, ids, targets, loss_scale=1.0):
     return loss.detach().double(), logits.double(), grads
 
 
-def rel_err(got, ref):
-    return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+def rel_err(got, ref, floor=1e-30):
+    """``max|got - ref| / max|ref|``, the denominator at least ``floor``."""
+    return float((got - ref).abs().max() / ref.abs().max().clamp_min(floor))
+
+
+def grad_floor(grads):
+    """The smallest gradient scale a relative error is taken against: 1e-6 of the largest
+    gradient of the model. A tensor whose fp64 gradient is smaller (mHC's static maps at init:
+    |grad| <= 1e-22, an exact 0 up to rounding, since the n equal streams cancel) is compared
+    absolutely, relative to that scale: its "relative error" of 3e10 measured rounding of 0."""
+    return 1e-6 * max(float(g.abs().max()) for g in grads.values())
 
 
 def precision_errors(scheme, path):
@@ -113,7 +123,8 @@ def precision_errors(scheme, path):
     ref = _run(ref_model, None, ids, targets)
     got = _run(model, autocast, ids, targets, FP16_LOSS_SCALE if F16 in (dtype, autocast) else 1.0)
     assert got[0].isfinite() and all(g.isfinite().all() for g in got[2].values())
-    grad_err = max(rel_err(got[2][n], ref[2][n]) for n in ref[2])
+    floor = grad_floor(ref[2])
+    grad_err = max(rel_err(got[2][n], ref[2][n], floor) for n in ref[2])
     return rel_err(got[0], ref[0]), rel_err(got[1], ref[1]), grad_err
 
 
@@ -202,6 +213,7 @@ def test_exported_code_every_precision_path(exported_class, scheme, path, tmp_pa
             cached = hf.generate(ids[:, :4], max_new_tokens=5, do_sample=False, use_cache=True)
             plain = hf.generate(ids[:, :4], max_new_tokens=5, do_sample=False, use_cache=False)
     assert rel_err(loss.detach().double(), ref_loss.detach()) <= tol_loss
+    floor = grad_floor({n: q.grad for n, q in ref.named_parameters()})
     for (name, p), (_, q) in zip(hf.model.named_parameters(), ref.named_parameters()):
-        assert rel_err(p.grad.double() / scale, q.grad) <= tol_grad, name
+        assert rel_err(p.grad.double() / scale, q.grad, floor) <= tol_grad, name
     assert torch.equal(cached, plain)

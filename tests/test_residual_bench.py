@@ -166,11 +166,12 @@ def test_hc_and_mhc_start_as_a_pre_ln_network(scheme, n_layers):
 # ---- mHC -------------------------------------------------------------------------------------
 
 def sinkhorn_reference(logits, iters):
-    """Sinkhorn & Knopp 1967 on one matrix: M = exp(logits); rows, then columns, ``iters`` times."""
+    """mHC (Xie et al. 2025, arXiv 2512.24880) Sec. 4.2 on one matrix: M^(0) = exp(logits),
+    M^(t) = T_r(T_c(M^(t-1))) with T_c dividing each column by its sum and T_r each row."""
     m = logits.exp()
     for _ in range(iters):
-        m = torch.stack([r / r.sum() for r in m])
-        m = torch.stack([c / c.sum() for c in m.T]).T
+        m = torch.stack([c / c.sum() for c in m.T]).T  # T_c
+        m = torch.stack([r / r.sum() for r in m])  # T_r, last: the rows sum to 1
     return m
 
 
@@ -186,7 +187,7 @@ def mhc_reference(model, ids):
         mixed, posts = torch.empty_like(x), torch.empty(B, T, n, dtype=x.dtype)
         for b in range(B):
             for t in range(T):
-                xv = rms(x[b, t].reshape(-1), unit.hc_norm.weight, eps)
+                xv = rms(x[b, t].reshape(-1), 1.0, eps)  # the paper's RMSNorm(x_vec): no gain
                 pre = torch.sigmoid(unit.alpha_pre * (xv @ unit.phi_pre) + unit.b_pre)
                 posts[b, t] = 2 * torch.sigmoid(unit.alpha_post * (xv @ unit.phi_post) + unit.b_post)
                 res = sinkhorn_reference(unit.alpha_res * (xv @ unit.phi_res).reshape(n, n) + unit.b_res,
@@ -221,11 +222,9 @@ def test_mhc_defaults_and_init():
 @pytest.mark.parametrize("perturbed", [False, True], ids=["init", "moved"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_mhc_residual_matrix_is_doubly_stochastic(dtype, perturbed):
-    """After the paper's 20 Sinkhorn-Knopp iterations: entries >= 0, rows and columns sum to 1
-    within 1e-6, at init and with the maps moved (b_res + N(0, 0.5^2), phi + N(0, 0.05^2),
-    gates + N(0, 0.1^2): logits of spread ~0.5). Finite Sinkhorn is not exact for widely
-    spread logits: at N(0, 1) logits the worst row error of 10^4 4x4 matrices is ~1e-3
-    (columns stay exact: the last step normalises them)."""
+    """After the paper's 20 Sinkhorn-Knopp iterations: entries >= 0, rows sum to 1 to rounding
+    (the last step normalises them), columns within 1e-6, at init and with the maps moved
+    (b_res + N(0, 0.5^2), phi + N(0, 0.05^2), gates + N(0, 0.1^2): logits of spread ~0.5)."""
     cfg = cfg64("mhc", 2)
     unit = ManifoldHyperConnections(cfg, 1).to(dtype)
     if perturbed:
@@ -238,9 +237,28 @@ def test_mhc_residual_matrix_is_doubly_stochastic(dtype, perturbed):
     assert h_res.shape == (3, 5, 4, 4)
     assert (h_res >= 0).all()
     one = torch.ones((), dtype=dtype)
-    torch.testing.assert_close(h_res.sum(-1), one.expand(3, 5, 4), rtol=0, atol=1e-6)
+    exact = 1e-14 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(h_res.sum(-1), one.expand(3, 5, 4), rtol=0, atol=exact)
     torch.testing.assert_close(h_res.sum(-2), one.expand(3, 5, 4), rtol=0, atol=1e-6)
     assert ((h_pre > 0) & (h_pre < 1)).all() and ((h_post > 0) & (h_post < 2)).all()
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+def test_sinkhorn_rows_are_exact_so_the_forward_gain_is_one(scale):
+    """The paper's order ends with T_r: every row of H_res sums to 1, so each output stream is a
+    convex mix of the input streams and the composite map over many sub-layers keeps a forward
+    gain of exactly 1 (the paper's Fig. 7: only the backward gain deviates). keel v1 ended with the
+    columns: rows off by up to 1.2e-3 at N(0, 1) logits and 5.8e-2 at N(0, 9), a composite forward
+    gain of 1.0052 over 60 sub-layers. Columns keep the remaining Sinkhorn error."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(10_000, 4, 4, dtype=torch.float64, generator=g) * scale
+    m = sinkhorn_knopp(logits, 20)
+    assert (m.sum(-1) - 1).abs().max() < 1e-14
+    assert 0 < (m.sum(-2) - 1).abs().max() < (1e-1 if scale == 3.0 else 1e-2)  # not exact: finite Sinkhorn
+    prod = torch.eye(4, dtype=torch.float64)
+    for k in range(60):  # composite map of 60 sub-layers
+        prod = m[k] @ prod
+    assert (prod.sum(-1) - 1).abs().max() < 1e-13  # forward gain (max row sum) exactly 1
 
 
 def test_sinkhorn_matches_reference_and_survives_large_logits():
@@ -499,3 +517,74 @@ def test_new_schemes_train_the_same_under_fsdp2(tiny_data, tmp_path):
             for key in ("loss", "grad_norm", "val_loss"):
                 if key in ra:
                     assert rb[key] == pytest.approx(ra[key], rel=1e-4), (s, ra["step"], key)
+
+
+# ---- Hyper-Connections Sec. 4 and mHC: weight decay, output projections ----------------------
+
+def _decayed(model):
+    from keel.config import TrainConfig
+    from keel.train.optim import build_optimizer
+    opt = build_optimizer(model, TrainConfig())
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)] for p in opt.param_groups[0]["params"]}, {names[id(p)] for p in opt.param_groups[1]["params"]}
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_hyper_connections_decay_the_dynamic_parameters_only(dynamic):
+    """HC Sec. 4: no weight decay on the static matrices (A_m | A_r, B), decay on the dynamic
+    ones (W_m | W_r, W_beta). keel v1 did the opposite for two of them (decayed A, not W_beta)."""
+    decay, no_decay = _decayed(Transformer(cfg64("hyper_connections", 2, hc_dynamic=dynamic)))
+    unit = "blocks.0.attn_res."
+    assert {unit + "static_alpha", unit + "static_beta"} <= no_decay
+    if dynamic:
+        assert {unit + "dynamic_alpha", unit + "dynamic_beta"} <= decay
+        assert {unit + "s_alpha", unit + "s_beta", unit + "hc_norm.weight"} <= no_decay
+    assert "blocks.0.attn.wq.weight" in decay and "blocks.0.attn.wo.weight" in decay
+
+
+def test_mhc_decays_its_projections_not_its_biases():
+    decay, no_decay = _decayed(Transformer(cfg64("mhc", 2)))
+    unit = "blocks.1.ffn_res."
+    assert {unit + x for x in ("phi_pre", "phi_post", "phi_res")} <= decay
+    assert {unit + x for x in ("b_pre", "b_post", "b_res", "alpha_pre", "alpha_post", "alpha_res")} <= no_decay
+    assert not any("hc_norm" in n for n, _ in Transformer(cfg64("mhc", 2)).named_parameters())  # no gain (paper)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_hyper_connections_scale_the_output_projections(n):
+    """HC Sec. 4: the output layers of F (attention's output projection, the FFN's second
+    linear) start with std / sqrt(n); every other matrix keeps N(0, init_std^2)."""
+    cfg = cfg64("hyper_connections", 4, hc_streams=n, d_model=128, d_ff=256, init_std=0.02)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    for block in model.blocks:
+        for w, want in ((block.attn.wo.weight, 0.02 / math.sqrt(n)), (block.ffn.w2.weight, 0.02 / math.sqrt(n)),
+                        (block.attn.wq.weight, 0.02), (block.ffn.w1.weight, 0.02)):
+            assert w.std().item() == pytest.approx(want, rel=0.05)
+    torch.manual_seed(0)
+    pre = Transformer(cfg64("mhc", 4, hc_streams=n, d_model=128, d_ff=256, init_std=0.02))
+    assert pre.blocks[0].attn.wo.weight.std().item() == pytest.approx(0.02, rel=0.05)  # mHC: not scaled
+
+
+def test_scheme_versions_name_new_runs():
+    """A changed scheme gets a new implementation version, and its grid runs a new name, so a
+    study never takes a run of the old implementation for a cached one."""
+    from keel.experiments.sweep import build_jobs
+    assert (HyperConnections.version, ManifoldHyperConnections.version, Residual.version) == (2, 2, 1)
+    jobs = build_jobs("demo", {"model.residual": ["hyper_connections", "keel"], "model.n_layers": [2]})
+    assert [j.name for j in jobs] == ["hyper_connections_L4_v2", "keel_L4"]
+    assert jobs[0].values["scheme_version"] == 2 and "scheme_version" not in jobs[1].values
+
+
+@pytest.mark.parametrize("readout", ["attend", "sum"])
+@pytest.mark.parametrize("variant", [{"attn_res_variant": "full"}, {"attn_res_blocks": 4}, {"attn_res_blocks": 3}])
+def test_attn_res_with_zero_queries_is_a_pre_ln_network(variant, readout):
+    """AttnRes (arXiv 2603.15031) with every pseudo-query 0 (its init) weights all earlier
+    representations alike: each sub-layer reads their mean, which F's input norm makes the
+    Pre-LN stream emb + sum of outputs (Norm(mean) = Norm(sum) up to eps, here 1e-30); the same
+    holds for the final readout. So the logits equal Pre-LN's with the same weights."""
+    cfg = cfg64("attn_res", 4, norm_eps=1e-30, attn_res_readout=readout, **variant)
+    model, ids = model64(cfg, perturb=False), ids_for(cfg)
+    assert all(not u.query.any() for k, u, _ in model.sublayers() if k > 0)
+    ref = shared_weights_pre_ln(model)
+    torch.testing.assert_close(hidden(model, ids, model.lm_head), hidden(ref, ids, ref.lm_head), rtol=1e-10, atol=1e-10)

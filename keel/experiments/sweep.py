@@ -65,7 +65,7 @@ from keel.errors import KeelError
 from keel.experiments.grid import GridJob, run_grid
 from keel.experiments.training import train_run
 from keel.io import atomic_write_text
-from keel.model import count_parameters
+from keel.model import SCHEMES, count_parameters
 from keel.train import TrainingStopped
 from keel.train.checkpoint import find_intact_checkpoint
 from keel.train.metrics import read_metrics
@@ -225,6 +225,9 @@ def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[Overrid
     ``(key, value)`` pairs, :func:`keel.config.apply_overrides`) + the point's values, applied
     as typed values (never turned into text and parsed back).
 
+    A scheme whose implementation version (:attr:`keel.model.residual.Residual.version`) is
+    above 1 adds ``_v<version>`` to the run name and ``scheme_version`` to the values, so runs
+    of an earlier implementation are never taken for cached ones.
     Every job gets ``train.progress = false`` (workers log to their ``run.log``) and, if
     given, ``data.path = data_path`` (data prepared once, before the workers start).
     With ``match_params`` (a count, or ``"auto"`` = the base config's non-embedding count),
@@ -260,7 +263,10 @@ def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[Overrid
             cfg = load_config(cfg_path, base_sets + list(values.items())
                               + [("model.d_model", m.d_model), ("model.d_ff", m.d_ff)])
             shown["model.d_model"] = m.d_model
-        jobs.append(GridJob(run_name(values), cfg.to_dict(), shown))
+        version = SCHEMES[cfg.model.residual].version
+        if version > 1:  # a scheme changed since its first version: its runs are other runs, not cached ones
+            shown["scheme_version"] = version
+        jobs.append(GridJob(run_name(values) + (f"_v{version}" if version > 1 else ""), cfg.to_dict(), shown))
     return jobs
 
 

@@ -205,14 +205,20 @@ class Residual(nn.Module):
     """Base class: the interface all schemes share. ``forward(x, F) -> x_next``.
 
     Class attributes a scheme may set: ``final_norm`` (a final RMSNorm before the LM head),
-    ``attention_qkv_norm`` (RMSNorm on q, k, v inside attention) and
+    ``attention_qkv_norm`` (RMSNorm on q, k, v inside attention),
     ``activation_constants`` ((c_d, c_1) of the activation-memory model in
-    ``benchmarks/memory_model.py``; None = measure it).
+    ``benchmarks/memory_model.py``; None = measure it), ``version`` (its implementation
+    version, raised whenever what it computes changes: it enters a run's identity, so a study
+    retrains the scheme's cached and restored runs) and ``weight_decay`` (``{parameter name:
+    decayed}`` where the scheme's paper departs from the optimiser's rule, decay for ndim >= 2;
+    :func:`keel.train.optim.build_optimizer`).
     """
 
     final_norm = False
     attention_qkv_norm = False
     activation_constants: tuple[int, int] | None = None
+    version = 1  # the scheme's implementation version: a run's identity (a changed scheme is not a cached run)
+    weight_decay: dict[str, bool] = {}  # parameter name -> decayed, where it departs from ndim >= 2
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
@@ -566,17 +572,25 @@ class HyperConnections(Residual):
     Norms: ``norm`` (F's input norm, as in Pre-LN; the paper's T includes it), ``hc_norm``
     (dynamic only; the paper uses LayerNorm, we use RMSNorm, gain init 1, as keel does
     everywhere and as the ``hyper-connections`` package does), and the model's final norm.
-    The maps run in the stream's dtype (fp32) with autocast off. Weight decay follows the
-    optimiser's rule (parameters with ndim >= 2: A, W_m|W_r); the paper does not say.
+    The maps run in the stream's dtype (fp32) with autocast off.
+
+    The paper's Sec. 4 (implementation details), both since version 2: (i) weight decay on the
+    dynamic parameters (W_m|W_r and W_beta) and none on the static ones (A = A_m|A_r, B) or the
+    scale factors; (ii) the output projections of F (attention's ``wo``, the FFN's ``w2``) start
+    with their standard deviation divided by sqrt(n), so that the n summed streams start at
+    the variance of one Pre-LN stream.
 
     Removed (``keel ablate``): the n streams pass unchanged (no width mixing, no F).
     """
 
     final_norm = True
+    version = 2  # Sec. 4: weight decay on the dynamic parameters only, output projections / sqrt(n)
+    weight_decay = {"static_alpha": False, "static_beta": False, "dynamic_alpha": True, "dynamic_beta": True}
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__(cfg, index)
         n, d = cfg.hc_streams, cfg.d_model
+        self.n = n
         self.dynamic = cfg.hc_dynamic
         self.norm = RMSNorm(d, cfg.norm_eps)
         self.static_alpha = nn.Parameter(torch.empty(n, n + 1))
@@ -592,6 +606,10 @@ class HyperConnections(Residual):
     @classmethod
     def make_stream(cls, cfg: ModelConfig) -> nn.Module | None:
         return ExpandedStream(cfg)
+
+    @torch.no_grad()
+    def init_sublayer(self, sublayer: nn.Module) -> None:
+        scale_output_projection(sublayer, self.n)
 
     @torch.no_grad()
     def reset_scheme_parameters(self) -> None:
@@ -623,23 +641,37 @@ class HyperConnections(Residual):
         return mixed[1:] + beta.unsqueeze(-1) * out
 
 
+def scale_output_projection(sublayer: nn.Module, n: int) -> None:
+    """Divide the weights of F's output projection (attention's ``wo``, the FFN's ``w2``: the
+    linear layers that write into the stream) by ``sqrt(n)`` (Hyper-Connections, Zhu et al. 2025,
+    Sec. 4: with n streams summed at the end, the output layers' standard deviation is scaled by
+    1 / sqrt(n)). Other sub-layers' weights are left as they are."""
+    for name in ("wo", "w2"):
+        layer = getattr(sublayer, name, None)
+        if isinstance(layer, nn.Linear):
+            layer.weight.div_(math.sqrt(n))
+
+
 def sinkhorn_knopp(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """Sinkhorn-Knopp projection onto the doubly stochastic matrices (mHC, Xie et al. 2025,
-    arXiv 2512.24880, Sec. 4.2; Sinkhorn & Knopp 1967): ``M = exp(logits)``, then ``iters``
-    times: divide every row by its sum, then every column by its sum.
+    arXiv 2512.24880, Sec. 4.2, Eq. for H_res; Sinkhorn & Knopp 1967): ``M_0 = exp(logits)``,
+    then ``iters`` times ``M_t = T_r(T_c(M_{t-1}))``: divide every column by its sum, then every
+    row by its sum.
 
-    The largest logit of each matrix is subtracted first (an exact no-op after the first
-    row division, it keeps exp finite). After the last step the columns sum to 1 exactly
-    and the rows to 1 up to the remaining Sinkhorn error; entries are > 0.
+    The largest logit of each matrix is subtracted first (a constant factor, removed exactly by
+    the first normalisation; it keeps exp finite). After the last step every row sums to 1 up to
+    rounding (each output stream ``sum_j M[i, j] x_j`` is a convex mix of the input streams: the
+    forward gain is exactly 1, the paper's Fig. 7) and the columns to 1 up to the remaining
+    Sinkhorn error; entries are > 0. (Before version 2 of mHC the order was rows, then columns.)
 
     Args:
         logits: [..., n, n], any float dtype (the result has it).
-        iters: number of row+column normalisations (mHC's t_max, default 20).
+        iters: number of column+row normalisations (mHC's t_max, default 20).
     """
     m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True).detach())
     for _ in range(iters):
-        m = m / m.sum(-1, keepdim=True)
         m = m / m.sum(-2, keepdim=True)
+        m = m / m.sum(-1, keepdim=True)
     return m
 
 
@@ -662,31 +694,39 @@ class ManifoldHyperConnections(Residual):
     iterations, the paper's t_max = 20); H_pre in (0, 1) and H_post in (0, 2) are the
     paper's non-negativity constraints on the pre/post maps.
 
-    Constants and init. Paper: n = 4, t_max = 20, gating factors alpha init 0.01. Our
-    choices where the paper (as far as we could read it) is silent, all so that the model
-    starts as a plain Pre-LN network (the streams stay equal copies of the Pre-LN stream:
-    a doubly stochastic H_res maps equal rows to equal rows, ``H_post = 2 sigmoid(0) = 1``
-    adds F once, and F's input norm removes the scale of ``H_pre x``) while the streams
-    are not all alike: phi = 0; ``b_pre = e_{k mod n}`` (logit 1 on stream k mod n, 0
-    elsewhere: sub-layer k reads mostly stream k mod n, as HC's A_m = e_{k mod n}) and
-    ``b_res = I_n`` (logits; H_res starts near the identity), both as the
-    ``hyper-connections`` package initialises its mHC; ``b_post = 0`` (H_post = 1, HC's
-    B = 1; that package starts from 2 sigmoid(1)).
+    Constants and init. Paper: n = 4, t_max = 20, gating factors alpha init 0.01. The paper
+    is silent on the biases; our choice makes the model start as a plain Pre-LN network (a
+    doubly stochastic H_res maps equal streams to equal streams, ``H_post = 2 sigmoid(0) = 1``
+    adds F once, F's input norm removes the scale of ``H_pre x``) and breaks the symmetry of
+    the n equal streams, which otherwise get equal gradients and stay equal: phi = 0;
+    ``b_pre = e_{k mod n}``, so ``H_pre = sigmoid(b_pre)`` = 0.731 on stream k mod n and 0.5 on
+    the others (sub-layer k weights its own stream 1.46x, a mild preference, not "mostly
+    stream k": a stronger logit would start the sigmoid in saturation); ``b_res = I_n``, so
+    ``H_res = Sinkhorn(exp(I))`` has 0.475 on the diagonal and 0.175 elsewhere for n = 4 (an
+    even mix tilted towards identity, not near the identity); ``b_post = 0``. ``b_pre`` and
+    ``b_res`` are the ``hyper-connections`` package's, so its mHC checks ours (that package
+    starts H_post from 2 sigmoid(1) = 1.46, we from 1, HC's B = 1).
 
-    Norms: ``norm`` (F's input norm), ``hc_norm`` (RMSNorm over the flattened n*d vector,
-    gain init 1), the model's final norm. The maps run in the stream's dtype, autocast off.
+    Weight decay as HC's Sec. 4 gives it: the dynamic projections phi are decayed, the static
+    biases b and the gating factors alpha are not (version 2; version 1 decayed b_res).
+
+    Norms: ``norm`` (F's input norm) and the RMS normalisation of the flattened n*d vector,
+    which has no gain (the paper's RMSNorm(x_vec) carries none; version 1 had one), and the
+    model's final norm. The maps run in the stream's dtype, autocast off.
 
     Removed (``keel ablate``): the n streams pass unchanged.
     """
 
     final_norm = True
+    version = 2  # Sinkhorn columns then rows (rows exact), no gain on the stream norm, b_res not decayed
+    weight_decay = {"b_res": False, "phi_pre": True, "phi_post": True, "phi_res": True}
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__(cfg, index)
         n, d = cfg.hc_streams, cfg.d_model
         self.iters = cfg.mhc_sinkhorn_iters
+        self.eps = cfg.norm_eps
         self.norm = RMSNorm(d, cfg.norm_eps)
-        self.hc_norm = RMSNorm(n * d, cfg.norm_eps)
         self.phi_pre = nn.Parameter(torch.empty(n * d, n))
         self.phi_post = nn.Parameter(torch.empty(n * d, n))
         self.phi_res = nn.Parameter(torch.empty(n * d, n * n))
@@ -715,7 +755,7 @@ class ManifoldHyperConnections(Residual):
     def maps(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(H_pre, H_post, H_res)`` of x [n, B, T, d]: [B, T, n], [B, T, n], [B, T, n, n]."""
         n = x.shape[0]
-        xn = self.hc_norm(x.movedim(0, -2).flatten(-2))  # [B, T, n d]
+        xn = torch.nn.functional.rms_norm(x.movedim(0, -2).flatten(-2), (n * x.shape[-1],), eps=self.eps)  # [B, T, n d]
         h_pre = torch.sigmoid(self.alpha_pre * (xn @ self.phi_pre.to(x.dtype)) + self.b_pre)
         h_post = 2 * torch.sigmoid(self.alpha_post * (xn @ self.phi_post.to(x.dtype)) + self.b_post)
         logits = self.alpha_res * (xn @ self.phi_res.to(x.dtype)).unflatten(-1, (n, n)) + self.b_res
@@ -743,11 +783,13 @@ def depth_attention(v: torch.Tensor, query: torch.Tensor, key_norm: RMSNorm) -> 
         query: the pseudo-query w [d].
         key_norm: the RMSNorm of the keys (gain g [d], its eps).
     Returns:
-        [B, T, d] in v's dtype.
+        [B, T, d] in v's dtype (the logits, the RMS and the softmax run in fp32 at least).
     """
     w = query.to(v.dtype) * key_norm.weight.to(v.dtype)
-    r = torch.rsqrt(v.square().mean(-1) + key_norm.eps)  # [m, B, T]
-    weights = torch.softmax((v @ w) * r, dim=0)
+    # the mean square, rsqrt and softmax in fp32 at least: in fp16 the backward of rsqrt overflows
+    f32 = torch.promote_types(v.dtype, torch.float32)
+    r = torch.rsqrt(v.to(f32).square().mean(-1) + key_norm.eps)  # [m, B, T]
+    weights = torch.softmax((v @ w).to(f32) * r, dim=0).to(v.dtype)
     return torch.einsum("mbt,mbtd->btd", weights, v)
 
 
@@ -861,9 +903,10 @@ class AttnRes(Residual):
             with _no_autocast(x):
                 h = depth_attention(x, self.query, self.key_norm)
         out = f(self.norm(h)).to(x.dtype)
-        if self.opens_block:  # the partial sum becomes a block; out starts the next one
-            return torch.cat([x, out.unsqueeze(0)])
-        return torch.cat([x[:-1], (x[-1] + out).unsqueeze(0)])
+        with _no_autocast(x):  # autocast's cat rejects a bf16 stream under fp16 autocast (and the reverse)
+            if self.opens_block:  # the partial sum becomes a block; out starts the next one
+                return torch.cat([x, out.unsqueeze(0)])
+            return torch.cat([x[:-1], (x[-1] + out).unsqueeze(0)])
 
 
 # The one list of residual schemes: config validation, the CLI defaults, gradflow, the

@@ -59,15 +59,30 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
+def decay_overrides(model: torch.nn.Module) -> dict[int, bool]:
+    """``{id(parameter): decayed}`` from every module's ``weight_decay`` table (``{name:
+    decayed}``, e.g. a residual scheme whose paper decays its dynamic maps and not its static
+    ones: :class:`keel.model.residual.HyperConnections`)."""
+    out = {}
+    for module in model.modules():
+        for name, decayed in getattr(module, "weight_decay", {}).items():
+            p = getattr(module, name, None)
+            if isinstance(p, torch.nn.Parameter):
+                out[id(p)] = decayed
+    return out
+
+
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with two groups: decay for params with ndim >= 2, no decay for gains.
+    """AdamW with two groups: decay for params with ndim >= 2, no decay for gains, except where
+    a module's ``weight_decay`` table says otherwise (:func:`decay_overrides`).
 
     Uses torch's fused AdamW kernel (CPU and CUDA: one pass over each tensor, no
     temporaries; ~10x faster than foreach on CPU at 9M parameters). Tied weights appear once.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
+    chosen = decay_overrides(model)
+    decay = [p for p in params if chosen.get(id(p), p.ndim >= 2)]
+    no_decay = [p for p in params if not chosen.get(id(p), p.ndim >= 2)]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=True)
 

@@ -191,7 +191,8 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
     scheme = v.get("model.residual", v.get("scheme"))
     rec = {"group": group.name, "name": job.name, "scheme": scheme,
            "sublayers": v.get("sublayers", 2 * v.get("model.n_layers", 0)), "seed": v.get("train.seed", v.get("seed")),
-           "lr": v.get("train.lr", v.get("peak_lr")), "status": "pending", "result": result or {}}
+           "lr": v.get("train.lr", v.get("peak_lr")), "scheme_version": v.get("scheme_version", 1),
+           "status": "pending", "result": result or {}}
     if result is None:
         return rec
     final, first = result.get("final_val_loss"), result.get("first_val_loss")
@@ -359,6 +360,21 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[st
     return runs, waiting
 
 
+def superseded_runs(g: Group, jobs: list[GridJob], restored: dict, gdir: Path) -> dict[str, str]:
+    """``{old run name: scheme}`` of the runs of ``g`` that a scheme's newer implementation
+    replaces (:func:`keel.experiments.sweep.build_jobs` names them ``<name>_v<version>``): a
+    restored record or a run folder under the old name, for a job of the new one."""
+    out = {}
+    for j in jobs:
+        v = j.values.get("scheme_version")
+        if v is None:
+            continue
+        old = j.name[: -len(f"_v{v}")]
+        if (g.name, old) in restored or (gdir / old).is_dir():
+            out[old] = j.values["model.residual"]
+    return out
+
+
 def kept_restored(g: Group, restored: dict[tuple[str, str], dict]) -> list[dict]:
     """The restored records (:func:`load_restored`) of group ``g``, as run records marked
     ``restored``, for a group that is not planned yet (an ``lr_from`` group waiting for its
@@ -384,6 +400,10 @@ def _train_and_read(g: Group, refs: list[GridJob], jobs: list[GridJob], out: Pat
     olds = {j.name: restored_record(g, j, restored[(g.name, j.name)]) for j in jobs if (g.name, j.name) in restored}
     todo = [j for j in jobs if olds.get(j.name) is None]
     errors = {}
+    stale = superseded_runs(g, jobs, restored, gdir)
+    if trains and stale:
+        _log.info(f"study: group {g.name}: {len(stale)} earlier runs of {', '.join(sorted(set(stale.values())))} "
+                  "were trained by an older implementation of the scheme; they train again")
     if trains and todo:
         _log.info(f"study: group {g.name}: {len(todo)} runs"
                   + (f" ({len(jobs) - len(todo)} more restored)" if len(todo) < len(jobs) else "")
@@ -404,6 +424,31 @@ def _train_and_read(g: Group, refs: list[GridJob], jobs: list[GridJob], out: Pat
             rec.update(status="error", message=errors[j.name].get("message"))
         recs.append(rec)
     return recs
+
+
+def report_json(study: Study, runs: list[dict], claims: list[tuple[dict, dict]], floor: dict, h1: float | None,
+                command: str, restore, plots: list[str]) -> dict:
+    """The content of ``report.json`` (see :func:`run_study`'s Returns)."""
+    return {"study": study.name, "scale": study.scale, "note": study.note, "command": command,
+            "sets": [override_text(x) for x in study.all_sets()],
+            "unigram_entropy": h1, "min_effect": study.min_effect, "min_seeds": study.min_seeds, "floor": floor,
+            "level": LEVEL, "summary": [c["summary"] for _, c in claims],
+            "claims": [{"id": cl["id"], "title": cl["title"], **c} for cl, c in claims],
+            "baseline_margins": [{"group": g.name, **r} for g in study.groups for r in baseline_margins(study, g, runs)],
+            "group_sets": {g.name: [override_text(x) for x in g.sets] for g in study.groups},
+            "restored_from": str(restore) if any(r.get("restored") for r in runs) else None,
+            "runs": [{k: v for k, v in r.items() if k != "result"} for r in runs], "plots": plots}
+
+
+def judge(study: Study, runs: list[dict]) -> tuple[Study, dict, list[tuple[dict, dict]]]:
+    """``(study with its floor as min_effect, the floor (:func:`study_floor`), [(claim, its
+    verdict dict with its summary line)])``: every claim judged on ``runs``."""
+    floor = study_floor(study, runs)
+    study = replace(study, min_effect=floor["floor"])
+    claims = [(cl, CLAIM_TESTS[cl["test"]](study, runs, cl)) for cl in study.claims]
+    for cl, c in claims:
+        c["summary"] = claim_summary(cl, c)
+    return study, floor, claims
 
 
 def study_floor(study: Study, runs: list[dict]) -> dict:
@@ -587,24 +632,12 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     except Interrupted as e:  # the grid's own hint names a group's folder and a run: continue the study instead
         raise Interrupted(f"stopped by {signal.Signals(e.signum).name}; continue: the same keel study command "
                           f"with --resume (out {out})", e.signum) from None
-    floor = study_floor(study, runs)
-    study = replace(study, min_effect=floor["floor"])
-    claims = [(cl, {**CLAIM_TESTS[cl["test"]](study, runs, cl)}) for cl in study.claims]
-    for cl, c in claims:
-        c["summary"] = claim_summary(cl, c)
+    study, floor, claims = judge(study, runs)
     h1 = next((r["result"]["unigram_entropy"] for r in runs if r["result"].get("unigram_entropy")), None) \
         if report_only else dataset_unigram_entropy(data_dir)
     make_dirs(out)
     plots = write_plots(study, runs, claims, out, h1)
-    report = {"study": study.name, "scale": study.scale, "note": study.note, "command": first_command,
-              "sets": [override_text(x) for x in study.all_sets()],
-              "unigram_entropy": h1, "min_effect": study.min_effect, "min_seeds": study.min_seeds, "floor": floor,
-              "level": LEVEL, "summary": [c["summary"] for _, c in claims],
-              "claims": [{"id": cl["id"], "title": cl["title"], **c} for cl, c in claims],
-              "baseline_margins": [{"group": g.name, **r} for g in study.groups for r in baseline_margins(study, g, runs)],
-              "group_sets": {g.name: [override_text(x) for x in g.sets] for g in study.groups},
-              "restored_from": str(restore) if any(r.get("restored") for r in runs) else None,
-              "runs": [{k: v for k, v in r.items() if k != "result"} for r in runs], "plots": plots}
+    report = report_json(study, runs, claims, floor, h1, first_command, restore, plots)
     atomic_write_text(out / "report.json", json.dumps(report, indent=1, default=str))
     report["waiting"] = waiting
     atomic_write_text(out / "report.md", report_markdown(study, claims, runs, first_command, waiting,
