@@ -752,7 +752,8 @@ def test_study_flags_refused_before_anything_is_written(keel_cli, tmp_path):
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (extra, r.stderr)
     assert not (tmp_path / "a").exists()
     plan = json.loads(keel_cli(*base, "--dry-run", "--json").stdout)  # was a bare list of groups, with no totals
-    assert plan["total"]["runs"] == sum(g["runs"] for g in plan["groups"]) == 63 and plan["total"]["references"] == 2
+    # lr-grid 24, transfer 6, ramp 4, ramp-long 2, init 24 (2 depths), transfer-init 6, showcase 3, bench 16
+    assert plan["total"]["runs"] == sum(g["runs"] for g in plan["groups"]) == 85 and plan["total"]["references"] == 2
     r = keel_cli("study", "", "--scale", "tiny", "--dry-run")  # said "unknown study 'demo'"
     assert r.returncode == 2 and "the study name is empty" in r.stderr and "Traceback" not in r.stderr
     # --resume on a folder that is not a study's (e.g. one of its groups, as the grid's stop hint named it)
@@ -924,7 +925,8 @@ def test_restore_reports_an_earlier_reports_runs_without_training_them(tmp_path,
     only = SRun.run_study(str(p), "x", tmp_path / "r", sets, report_only=True, restore=tmp_path / "old.json")
     assert [x["status"] for x in only["runs"]] == ["done", "done", "pending"]
     assert [m["margin"]["n"] for m in only["baseline_margins"]] == [0]  # peri_ln has not run there
-    assert sorted(x.name for x in (tmp_path / "r").iterdir()) == ["report.json", "report.md", "study.json"]
+    # the restored records carry their thinned loss curves: group g's loss-curve plot is redrawn from them
+    assert sorted(x.name for x in (tmp_path / "r").iterdir()) == ["g.png", "report.json", "report.md", "study.json"]
     # the numbers stay with a run's coordinates: a record of another LR is not taken for it
     old["runs"][0]["lr"] = 3e-3
     (tmp_path / "old.json").write_text(json.dumps(old))
