@@ -25,6 +25,13 @@ from typing import Callable, Iterator
 from keel.errors import KeelError
 
 
+# The signals that stop a run cleanly (finish the step, checkpoint, exit 128 + signal with a resume
+# hint): Ctrl-C, kill / a scheduler's stop, and SIGUSR1, Slurm's pre-timeout warning
+# (``sbatch --signal=USR1@90``, as submitit and Lightning use it). One list for the trainer, the
+# grid workers and the launchers that pass signals on.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -232,7 +239,7 @@ def passing_on_stop_signals(pass_on: Callable[[int], None]) -> Iterator[list[int
 
     saved = {}
     if threading.current_thread() is threading.main_thread():
-        saved = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        saved = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
         yield received
     finally:

@@ -166,11 +166,12 @@ def test_failed_first_start_leaves_no_run_folder(tiny_data, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- 3. SIGINT / SIGTERM: checkpoint, then stop
-@pytest.mark.parametrize("signame,code", [("SIGINT", 130), ("SIGTERM", 143)])
+@pytest.mark.parametrize("signame,code", [("SIGINT", 130), ("SIGTERM", 143), ("SIGUSR1", 138)])
 def test_signal_finishes_the_step_checkpoints_and_resumes_exactly(signame, code, reference, tiny_data, tmp_path):
     """A signal at step 6 (no checkpoint due before 12): step 6 is finished and checkpointed,
     the command exits 128+signal with one line saying how to resume; the resumed run's
-    losses equal the uninterrupted run's."""
+    losses equal the uninterrupted run's. SIGUSR1 is Slurm's pre-timeout warning
+    (``sbatch --signal=USR1@90``): it used to kill the run with nothing saved."""
     run = tmp_path / "run"
     sets = tiny_overrides(tiny_data, checkpoint_every=100)
     proc = hooked_train(6, signame, tmp_path / "flag", "--run-dir", run, *sum((["--set", s] for s in sets), []))
@@ -383,7 +384,7 @@ def signal_while_training(argv: list, runs: list[Path], signame: str, data, tmp_
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
-@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT", "SIGUSR1"])
 def test_signal_to_keel_train_nproc_stops_every_worker(signame, tiny_data, tmp_path):
     """A signal to the `keel train --nproc 2` process alone (as `kill PID` sends it): torchrun
     and both workers stop, the last step is checkpointed, nothing is written afterwards."""

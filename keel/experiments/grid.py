@@ -57,7 +57,7 @@ import torch
 
 from keel.config import config_from_dict
 from keel.errors import Interrupted, KeelError
-from keel.io import atomic_write_text, die_with_parent, make_dirs, passing_on_stop_signals
+from keel.io import STOP_SIGNALS, atomic_write_text, die_with_parent, make_dirs, passing_on_stop_signals
 
 _log = logging.getLogger(__name__)  # progress lines ("[3/12] name: done in 41 s")
 
@@ -117,7 +117,7 @@ def cached_result(run_dir: str | Path) -> dict | None:
         return None
 
 
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_STOP_SIGNALS = set(STOP_SIGNALS)
 _STOP: list[int] = []  # in a worker: the signal that stopped the grid (see _init_worker); no job starts after it
 _WORKER: list[int] = []  # set by _init_worker: this process is a grid worker
 _RUNNING: list[str] = []  # in a worker: the job it is running, if any
@@ -140,7 +140,7 @@ def _init_worker(threads: int) -> None:
     no further job starts."""
     die_with_parent(signal.SIGKILL)  # a kill -9 of the grid: no worker left behind (it would hang)
     os.setpgrp()
-    for s in (signal.SIGINT, signal.SIGTERM):
+    for s in STOP_SIGNALS:
         signal.signal(s, _worker_signal)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked since spawn (_run_in_workers)
     _WORKER.append(os.getpid())

@@ -1,6 +1,6 @@
-"""Stopping a run cleanly on SIGINT (Ctrl-C) or SIGTERM.
+"""Stopping a run cleanly on SIGINT (Ctrl-C), SIGTERM or SIGUSR1 (Slurm's pre-timeout signal).
 
-While :class:`StopSignals` is active, the first SIGINT or SIGTERM does not kill the process:
+While :class:`StopSignals` is active, the first of these signals does not kill the process:
 it is recorded (:attr:`StopSignals.received`), and the training loop finishes its current
 step, writes a checkpoint and stops (:class:`keel.train.trainer.TrainingInterrupted`). The
 original handlers are put back at once, so a second signal stops the process the usual way
@@ -14,9 +14,11 @@ import logging
 import signal
 import threading
 
+from keel.io import STOP_SIGNALS
+
 log = logging.getLogger(__name__)
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = STOP_SIGNALS  # SIGINT, SIGTERM and SIGUSR1 (Slurm's pre-timeout signal)
 
 
 class StopSignals:
