@@ -285,3 +285,15 @@ def test_summary_columns_line_up_for_every_scheme(scheme):
     for value_end, word in zip(ends[1:], ["blocks", "sub-layers", "d_model", "loss", "0/L-1", "2/L-1", "0/L-1", "J*",
                                           "blk1+", "seconds"]):
         assert header[:value_end].endswith(word)
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_full_jacobian_runs_for_every_scheme(scheme, val_batch):
+    """`keel gradflow --full-jacobian` failed for hyper_connections and mhc: their first stream is
+    the embedding expanded into n copies (stride 0), which a forward-mode tangent cannot be
+    written into. Every scheme now gives one finite, positive norm per sub-layer."""
+    torch.manual_seed(0)
+    model = Transformer(cfg_for(scheme, n_layers=2, d_model=16))
+    prof = profile_model(model, val_batch[:1, :9], jacobian_iters=8, full_jacobian=True)
+    full = prof["full_jacobian"]
+    assert len(full) == 4 and all(math.isfinite(x) and x > 0 for x in full)

@@ -145,6 +145,7 @@ def jacobian_spectral_norms(fn, x, group_dims: int = 1, iters: int = 32, seed: i
         bound that converges to ||J||_2 much faster than power iteration when the top
         singular values are close.
     """
+    x = x.contiguous()  # an expanded input (HC/mHC's n copies of the embedding, stride 0) cannot carry a tangent
     gshape = x.shape[:x.dim() - group_dims]
     n = math.prod(x.shape[x.dim() - group_dims:])
     m = max(1, min(iters, n))
