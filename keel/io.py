@@ -175,6 +175,9 @@ class RunLock:
         self.path = self.folder / LOCK_NAME
         self.fd: int | None = None
         self.created: list[Path] = []  # the folders acquire() made, deepest first
+        # the refusal when another process holds it ({pid}: the holder's)
+        self.busy = (f"run directory {self.folder} is in use by another keel process (pid {{pid}}); "
+                     "wait for it to finish or stop it first")
 
     def acquire(self) -> "RunLock":
         import fcntl  # POSIX-only: keel.io stays importable elsewhere
@@ -188,8 +191,7 @@ class RunLock:
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
             os.close(fd)
-            raise KeelError(f"run directory {self.folder} is in use by another keel process (pid {holder}); "
-                            "wait for it to finish or stop it first") from None
+            raise KeelError(self.busy.format(pid=holder)) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd

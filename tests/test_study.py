@@ -1062,3 +1062,21 @@ def test_readme_quotes_the_committed_reports_summary_lines():
     assert [x[2:] for x in block.strip().splitlines()] == rep["summary"] and len(rep["summary"]) == len(rep["claims"])
     md = (root / "docs/results/study-cpu/report.md").read_text(encoding="utf-8")
     assert all(f"- {x}" in md for x in rep["summary"])
+
+
+def test_one_training_study_per_folder(tmp_path, tiny_data):
+    """Two studies on one --out interleaved their runs, and the last report marked finished runs
+    "error"; a training study now holds the folder's OS lock, and --report-only still reads it."""
+    from keel.io import RunLock
+    p = tmp_path / "s.toml"
+    p.write_text(GROUP + CLAIM)
+    sets = [f"data.path={tiny_data}", "train.steps=2", "train.batch_size=2", "train.seq_len=16", "train.eval_every=2",
+            "train.eval_tokens=64", "train.sample_tokens=0", "model.d_model=16", "model.d_ff=32"]
+    out = tmp_path / "a"
+    SRun.run_study(str(p), "x", out, sets, workers=0)
+    with RunLock(out):  # as a running `keel study` holds it
+        with pytest.raises(KeelError, match=r"study folder .* is in use by another keel study \(pid \d+\)"):
+            SRun.run_study(str(p), "x", out, sets, workers=0, resume=True)
+        rep = SRun.run_study(str(p), "x", out, sets[1:], workers=0, report_only=True)
+        assert all(r["status"] == "done" for r in rep["runs"])
+    assert SRun.run_study(str(p), "x", out, sets, workers=0, resume=True)["runs"]

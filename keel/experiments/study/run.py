@@ -3,6 +3,7 @@ the dry-run estimate (tokens, GPU-hours), the report."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -23,7 +24,7 @@ from keel.experiments.study.report import claim_summary, report_markdown, write_
 from keel.experiments.study.spec import Group, Study, is_number, load_study
 from keel.experiments.study.verdicts import CLAIM_TESTS, LEVEL, baseline_margins, claim_reads, loss_floor
 from keel.experiments.sweep import build_jobs, check_train_job, param_count, train_task
-from keel.io import atomic_write_text, make_dirs
+from keel.io import LOCK_NAME, RunLock, atomic_write_text, make_dirs
 from keel.train.metrics import read_metrics
 
 PLATEAU_WINDOW = 10  # steps of the trailing mean of the training loss that must fall below the plateau level
@@ -626,9 +627,12 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     # --report-only reads what the runs recorded: no dataset is prepared (or downloaded) for it
     data_dir = "<data>" if report_only else str(resolve_data(base, progress=False))
     train = False if report_only else (list(groups) or True)
+    # one training study per folder (a second one interleaved its runs and marked finished ones "error"); a
+    # --report-only beside it reads what has finished and writes its report atomically
     try:
-        runs, waiting = collect(study, data_dir, out, train=train, workers=workers, threads=threads,
-                                restored=restored)
+        with contextlib.nullcontext() if report_only else study_lock(out):
+            runs, waiting = collect(study, data_dir, out, train=train, workers=workers, threads=threads,
+                                    restored=restored)
     except Interrupted as e:  # the grid's own hint names a group's folder and a run: continue the study instead
         raise Interrupted(f"stopped by {signal.Signals(e.signum).name}; continue: the same keel study command "
                           f"with --resume (out {out})", e.signum) from None
@@ -643,6 +647,17 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     atomic_write_text(out / "report.md", report_markdown(study, claims, runs, first_command, waiting,
                                                          restore, floor))
     return report
+
+
+def study_lock(out: Path) -> RunLock:
+    """The OS lock (:class:`keel.io.RunLock`) a training study holds on its folder ``out``.
+
+    Raises (on entry):
+        KeelError: another ``keel study`` trains in ``out`` (the message names its pid).
+    """
+    lock = RunLock(out)
+    lock.busy = f"study folder {out} is in use by another keel study (pid {{pid}}); wait for it or stop it first"
+    return lock
 
 
 def _dry_run(study: Study, plan: list[dict], out: Path, groups: Sequence[str], restored: dict, restore,
@@ -713,7 +728,7 @@ def _claim_out(out: Path, study: Study, command: str, *, resume: bool, report_on
     if held is not None and (held.get("study"), held.get("scale")) != (study.name, study.scale):
         raise KeelError(f"{out} holds study {held.get('study')!r} at scale {held.get('scale')!r}, "
                         f"not {study.name!r} at {study.scale!r}; use another --out")
-    fresh = held is not None and [p.name for p in out.iterdir()] == [marker.name]  # stopped before any run began
+    fresh = held is not None and [p.name for p in out.iterdir() if p.name != LOCK_NAME] == [marker.name]  # no run began
     if not (resume or report_only or fresh) and out.is_dir() and any(out.iterdir()):
         raise KeelError(f"output folder {out} is not empty; use --resume to continue it, or another --out")
     if resume and held is None and out.is_dir() and any(out.iterdir()):
