@@ -513,6 +513,19 @@ BENCH = ('[groups.b]\nschemes = ["peri_ln"]\nbaselines_from = "g"\nbaselines = [
     # a key the grid sets per run, in a group's set, was accepted and silently overridden (report.md listed it)
     (GROUP.replace("[scales", 'set = { "model.n_layers" = 3 }\n[scales') + CLAIM,
      "group 'g': set model.n_layers: the group's schemes, sublayers, lrs and seeds set it per run"),
+    # reliability v4: files of the wrong shape were tracebacks (or, for note = 7, a failure after every run)
+    ("scales = 5\n" + GROUP.split("[scales")[0] + CLAIM, "scales must be a table, got 5"),
+    ("[groups]\nx = 5\n", "\\[groups.x\\] must be a table, got 5"),
+    (GROUP + "[scales.x.groups]\ninit = 5\n" + CLAIM, "\\[scales.x.groups.init\\] must be a table"),
+    ('description = 5\n' + GROUP + CLAIM, "description must be text, got 5"),
+    (GROUP + "[scales.x]\nnote = 7\n" + CLAIM, "\\[scales.x\\] note must be text, got 7"),
+    (GROUP + "[scales.x]\nset = 5\n" + CLAIM, "scale 'x': set must be a table of config keys, got 5"),
+    (GROUP + '[scales.x.set]\n"train.lr" = 0.1\n' + CLAIM, "scale 'x': set train.lr: the groups'"),
+    (GROUP + CLAIM.replace('scheme = "keel"', 'scheme = ["keel"]'), "scheme must be a string, got \\['keel'\\]"),
+    (GROUP + CLAIM.replace('id = "b"', 'id = ["b"]'), "id must be a string"),
+    (GROUP.replace('[groups.g]', '[groups.g]\nkind = "ramp"').replace("lrs = [1e-3]\n", "")
+     + '[[claims]]\nid = "a"\ntitle = "t"\ntest = "max_lr_order"\ngroup = "g"\norder = "post_ln"\n',
+     "order must be a list of two or more scheme names"),
 ])
 def test_bad_study_files(tmp_path, text, match):
     p = tmp_path / "s.toml"
@@ -1013,13 +1026,19 @@ def test_restore_refuses_malformed_or_mismatched_reports(tmp_path, tiny_data, ke
 
     bad = json.loads(json.dumps(rep))
     bad["runs"][0]["final_val_loss"] = "abc"
-    refused(bad, "run L2_seed0_keel_lr0.001: final_val_loss must be a number or null, got 'abc'")
+    refused(bad, "run L2_seed0_keel_lr0.001: final_val_loss must be a loss >= 0 or null, got 'abc'")
+    bad = json.loads(json.dumps(rep))
+    bad["runs"][0]["capped_loss"] = -50  # an impossible loss was taken into the verdicts
+    refused(bad, r"run L2_seed0_keel_lr0.001: capped_loss must be a finite loss >= 0 \(nats/token\), got -50")
+    bad = json.loads(json.dumps(rep))
+    bad["runs"][0]["curve"] = {"step": "x"}
+    refused(bad, "curve must be a thinned loss curve or null")
     bad = json.loads(json.dumps(rep))
     bad["runs"][1]["divergence"] = "abc"
     refused(bad, "divergence must be a divergence verdict")
     bad = json.loads(json.dumps(rep))
     del bad["runs"][0]["capped_loss"]
-    refused(bad, "capped_loss must be a finite number")
+    refused(bad, "capped_loss must be a finite loss >= 0")
     bad = json.loads(json.dumps(rep))
     bad["runs"].append(dict(bad["runs"][0], capped_loss=1.0))
     refused(bad, "run L2_seed0_keel_lr0.001 of group g is listed twice")

@@ -171,6 +171,7 @@ def load_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
     unknown = set(d) - {"description", "base", "verdict", "groups", "claims", "scales"}
     if unknown:
         raise KeelError(f"study {path.stem!r}: unknown top-level key(s) {', '.join(sorted(unknown))}")
+    _check_tables(path.stem, d, scale)
     scales = d.get("scales", {})
     if scale not in scales:
         raise KeelError(f"study {path.stem!r} has no scale {scale!r} (scales: {', '.join(scales)})")
@@ -195,10 +196,43 @@ def load_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
     controlled = [x.split("=", 1)[0].strip() for x in user_sets if x.split("=", 1)[0].strip() in GRID_KEYS]
     if controlled:
         raise KeelError(f"--set {controlled[0]} is set by the study's groups; change the study file instead")
+    scale_set = sc.get("set", {})
+    if not isinstance(scale_set, dict):
+        raise KeelError(f"study scale {scale!r}: set must be a table of config keys, got {scale_set!r}")
+    varied = sorted(k for k in scale_set if k in GRID_KEYS)
+    if varied:  # they were silently overridden by every group's own values
+        raise KeelError(f"study scale {scale!r}: set {', '.join(varied)}: the groups' schemes, sublayers, lrs and "
+                        "seeds set it per run; change those instead")
     return Study(name=path.stem, scale=scale, description=d.get("description", "").strip(), note=sc.get("note", ""),
                  base=d.get("base", "demo"), sets=list(sc.get("set", {}).items()), groups=groups, claims=claims,
                  min_effect=min_effect, min_seeds=min_seeds, floor_from_spread=spread,
                  user_sets=list(user_sets))
+
+
+def _check_tables(name: str, d: dict, scale: str) -> None:
+    """Raise KeelError naming the first key of a study file whose TOML shape is wrong: a table
+    given as a value (``scales = 5``, ``[groups] x = 5``, ``[scales.S.groups] init = 5``), text
+    given as a number (``description = 5``, a scale's ``note = 7``, which used to pass the dry
+    run and fail only when the report was written, after every run had trained)."""
+    def table(x, where):
+        if not isinstance(x, dict):
+            raise KeelError(f"study {name!r}: {where} must be a table, got {x!r}")
+    table(d.get("scales", {}), "scales")
+    table(d.get("groups", {}), "groups")
+    for g, spec in d.get("groups", {}).items():
+        table(spec, f"[groups.{g}]")
+    for key in ("description", "base"):
+        if key in d and not isinstance(d[key], str):
+            raise KeelError(f"study {name!r}: {key} must be text, got {d[key]!r}")
+    sc = d.get("scales", {}).get(scale)
+    if sc is None:
+        return
+    table(sc, f"[scales.{scale}]")
+    table(sc.get("groups", {}), f"[scales.{scale}.groups]")
+    for g, sized in sc.get("groups", {}).items():
+        table(sized, f"[scales.{scale}.groups.{g}]")
+    if not isinstance(sc.get("note", ""), str):
+        raise KeelError(f"study {name!r}: [scales.{scale}] note must be text, got {sc['note']!r}")
 
 
 def _check_group_in_study(g: Group, groups: list[Group]) -> None:
@@ -287,12 +321,26 @@ CLAIM_KEYS = {"margin_grows": ({"groups", "scheme", "baseline"}, {"init_groups"}
 GRID_KEYS = {"model.residual", "model.n_layers", "train.lr", "train.seed"}  # set per run by the groups
 
 
+def _check_claim_shapes(c: dict) -> None:
+    """Raise KeelError naming a claim key of the wrong TOML type: a name given as a list or a
+    number (``scheme = ["keel"]``), an ``order`` that is not a list of two or more names (a
+    string ``"post_ln"`` read as its letters)."""
+    for k in ("scheme", "baseline", "group", "extended_group", "id", "title"):
+        if k in c and not isinstance(c[k], str):
+            raise KeelError(f"study claim {c.get('id')!r}: {k} must be a string, got {c[k]!r}")
+    if "order" in c and not (isinstance(c["order"], list) and len(c["order"]) >= 2
+                             and all(isinstance(x, str) for x in c["order"])):
+        raise KeelError(f"study claim {c['id']!r}: order must be a list of two or more scheme names, "
+                        f"e.g. order = [\"post_ln\", \"keel\"], got {c['order']!r}")
+
+
 def _check_claim(c: dict, groups: dict[str, "Group"]) -> None:
     """Raise KeelError naming the first problem of one ``[[claims]]`` entry: not a table, no id /
     title / known test, a missing or unknown key, a group this scale does not size, a scheme
     the group does not train, a ramp test on a train group (or the reverse)."""
     if not isinstance(c, dict) or not c.get("id") or not c.get("title"):
         raise KeelError("every [[claims]] entry needs an id and a title")
+    _check_claim_shapes(c)
     test = c.get("test")
     if test not in CLAIM_KEYS:
         raise KeelError(f"study claim {c['id']!r}: test must be one of {', '.join(CLAIM_KEYS)}, got {test!r}")
