@@ -1027,12 +1027,9 @@ def test_restore_refuses_malformed_or_mismatched_reports(tmp_path, tiny_data, ke
     bad = json.loads(json.dumps(rep))
     bad["runs"][0]["final_val_loss"] = "abc"
     refused(bad, "run L2_seed0_keel_lr0.001: final_val_loss must be a loss >= 0 or null, got 'abc'")
-    bad = json.loads(json.dumps(rep))
-    bad["runs"][0]["capped_loss"] = -50  # an impossible loss was taken into the verdicts
-    refused(bad, r"run L2_seed0_keel_lr0.001: capped_loss must be a finite loss >= 0 \(nats/token\), got -50")
-    bad = json.loads(json.dumps(rep))
-    bad["runs"][0]["curve"] = {"step": "x"}
-    refused(bad, "curve must be a thinned loss curve or null")
+    for key, value, words in (("capped_loss", -50, r"capped_loss must be a finite loss >= 0 \(nats/token\), got -50"),
+                              ("curve", {"step": "x"}, "curve must be a thinned loss curve or null")):
+        refused({**rep, "runs": [{**rep["runs"][0], key: value}, *rep["runs"][1:]]}, words)  # -50 entered the verdicts
     bad = json.loads(json.dumps(rep))
     bad["runs"][1]["divergence"] = "abc"
     refused(bad, "divergence must be a divergence verdict")
