@@ -5,6 +5,7 @@ Each test is one example of the issue with the right value asserted."""
 
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -148,6 +149,31 @@ def test_read_metrics_drops_torn_last_line_only(tmp_path, caplog):
     p.write_text('{"step": 1}\n{"ste\n{"step": 3}\n')
     with pytest.raises(KeelError, match="line 2 is not valid JSON"):
         read_metrics(p)
+
+
+@pytest.mark.parametrize("line, words", [
+    ("5", "line 2 is not a JSON object (one record per line), got 5"),
+    ('[{"step": 2}]', "line 2 is not a JSON object"),
+    ('{"step": "x"}', "line 2: step must be a non-negative integer, got 'x'"),
+    ('{"step": -1}', "line 2: step must be a non-negative integer, got -1"),
+    ('{"step": 2, "loss": "abc"}', "line 2: loss must be a number or null, got 'abc'"),
+])
+def test_metrics_records_of_the_wrong_shape_are_one_line(copy_of, tiny_data, line, words, capsys):
+    """Valid JSON that is not a record (reliability v4): `keel train --resume`, `keel runs` and
+    `keel plot loss` ended in "'int' object has no attribute 'items'" or a TypeError."""
+    from keel.cli import main
+    run = copy_of()
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join([lines[0], line, *lines[1:]]) + "\n")
+    with pytest.raises(KeelError, match=re.escape(words)):
+        read_metrics(run / "metrics.jsonl")
+    for argv in (["train", "--resume", str(run)], ["plot", "loss", str(run), "--out", str(run / "x.png")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, (argv, err)
+    main(["runs", str(run)])  # a listing: the run's row says why it cannot be read
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err + out.out, out
 
 
 def test_stale_temporaries_are_removed_at_resume(copy_of, tiny_data, one_thread):

@@ -48,7 +48,8 @@ def read_metrics(path: str | Path) -> list[dict]:
     ``float("nan")``, so every reader can do arithmetic on the records.
 
     Raises:
-        KeelError: a corrupt line before the last one.
+        KeelError: a corrupt line before the last one; a record of the wrong shape
+            (:func:`_check_record`).
     """
     path = Path(path)
     if not path.exists():
@@ -63,8 +64,25 @@ def read_metrics(path: str | Path) -> list[dict]:
                 log.warning("%s: dropping a partial last line (a write was interrupted)", path)
                 break
             raise KeelError(f"{path}: line {i + 1} is not valid JSON") from None
+        _check_record(path, i + 1, record)
         records.append({k: (math.nan if v is None and k in NUMERIC_FIELDS else v) for k, v in record.items()})
     return records
+
+
+def _check_record(path: Path, line: int, record) -> None:
+    """Raise KeelError naming the line of a ``metrics.jsonl`` record of the wrong shape: not a
+    JSON object (``5``), a ``step`` that is not a non-negative integer, a numeric field
+    (:data:`NUMERIC_FIELDS`) that is not a number or null (these were ``AttributeError`` /
+    ``TypeError`` tracebacks in ``keel train --resume``, ``keel runs`` and ``keel plot``)."""
+    if not isinstance(record, dict):
+        raise KeelError(f"{path}: line {line} is not a JSON object (one record per line), got {record!r}")
+    step = record.get("step", 0)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise KeelError(f"{path}: line {line}: step must be a non-negative integer, got {step!r}")
+    bad = [k for k in NUMERIC_FIELDS if k in record and record[k] is not None
+           and (isinstance(record[k], bool) or not isinstance(record[k], (int, float)))]
+    if bad:
+        raise KeelError(f"{path}: line {line}: {bad[0]} must be a number or null, got {record[bad[0]]!r}")
 
 
 def truncate_metrics(path: str | Path, keep_through_step: int) -> list[dict]:
