@@ -1096,3 +1096,26 @@ def test_one_training_study_per_folder(tmp_path, tiny_data):
         rep = SRun.run_study(str(p), "x", out, sets[1:], workers=0, report_only=True)
         assert all(r["status"] == "done" for r in rep["runs"])
     assert SRun.run_study(str(p), "x", out, sets, workers=0, resume=True)["runs"]
+
+
+def test_runs_of_a_superseded_implementation_stay_on_record(tmp_path, tiny_data):
+    """A scheme whose implementation version rose (HC, mHC: 2) retrains its runs; the old runs'
+    numbers leave the verdicts but stay in report.json's superseded_runs, through every later
+    --restore (the committed report is the only copy once runs/ is gone)."""
+    p = tmp_path / "s.toml"
+    p.write_text(GROUP.replace('["keel", "pre_ln"]', '["keel", "hyper_connections"]'))
+    sets = [f"data.path={tiny_data}", "train.steps=2", "train.batch_size=2", "train.seq_len=16", "train.eval_every=2",
+            "train.eval_tokens=64", "train.sample_tokens=0", "model.d_model=16", "model.d_ff=32"]
+    first = SRun.run_study(str(p), "x", tmp_path / "a", sets, workers=0)
+    assert [r["name"] for r in first["runs"]] == ["L2_seed0_keel_lr0.001", "L2_seed0_hyper_connections_lr0.001_v2"]
+    old = json.loads((tmp_path / "a" / "report.json").read_text())
+    old["runs"][1]["name"] = "L2_seed0_hyper_connections_lr0.001"  # as a version-1 report named it
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    rep = SRun.run_study(str(p), "x", tmp_path / "r", sets, report_only=True, restore=tmp_path / "old.json")
+    assert [(r["name"], r["status"]) for r in rep["runs"]] == [("L2_seed0_keel_lr0.001", "done"),
+                                                             ("L2_seed0_hyper_connections_lr0.001_v2", "pending")]
+    assert [(r["name"], r["status"]) for r in rep["superseded_runs"]] == [("L2_seed0_hyper_connections_lr0.001",
+                                                                          "superseded")]
+    assert "## Superseded runs" in (tmp_path / "r" / "report.md").read_text()
+    again = SRun.run_study(str(p), "x", tmp_path / "s", sets, report_only=True, restore=tmp_path / "r" / "report.json")
+    assert again["superseded_runs"] == rep["superseded_runs"]

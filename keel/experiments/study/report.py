@@ -412,6 +412,20 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
                      + plateau_table(runs) + runs_table(runs)) + "\n"
 
 
+def superseded_words(recs: Sequence[dict]) -> str:
+    """Markdown: the runs of a scheme's older implementation that a newer one replaced (kept in
+    ``report.json``'s ``superseded_runs``, read by no verdict or table above); empty if none."""
+    if not recs:
+        return ""
+    out = ["", "## Superseded runs", "",
+           f"{len(recs)} runs of an older implementation of their scheme (its `version` has since risen; "
+           "the study trains them again under the new one). Their numbers, for the record only:", "",
+           "| group | scheme | sub-layers | LR | seed | final val loss |", "|---|---|---|---|---|---|"]
+    out += [f"| {r['group']} | {r['scheme']} | {r['sublayers']} | {r['lr']:g} | {r['seed']} | "
+            f"{_loss(r.get('final_val_loss'))} |" for r in recs]
+    return "\n".join(out) + "\n"
+
+
 def _verdict_cell(c: dict, first: bool) -> str:
     """A verdict-table cell: the paper's-init column holds every condition run at the paper's init
     (both ramps of a max-LR claim), the other the better-init condition; ``—`` where none."""

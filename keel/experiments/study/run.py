@@ -20,7 +20,7 @@ from keel.errors import Interrupted, KeelError
 from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
 from keel.experiments.grid import GridJob, cached_result, check_pool, check_started, run_grid
-from keel.experiments.study.report import claim_summary, report_markdown, write_plots
+from keel.experiments.study.report import claim_summary, report_markdown, superseded_words, write_plots
 from keel.experiments.study.spec import Group, Study, is_number, load_study
 from keel.experiments.study.verdicts import CLAIM_TESTS, LEVEL, baseline_margins, claim_reads, loss_floor
 from keel.experiments.sweep import build_jobs, check_train_job, param_count, train_task
@@ -254,12 +254,13 @@ def load_restored(path: str | Path, study: Study) -> dict[tuple[str, str], dict]
                         "the same study, scale and --set values")
     h1 = rep.get("unigram_entropy")
     out: dict[tuple[str, str], dict] = {}
-    for r in rep["runs"]:
-        if isinstance(r, dict) and r.get("status") == "done":
+    superseded = rep.get("superseded_runs") if isinstance(rep.get("superseded_runs"), list) else []
+    for r in rep["runs"] + superseded:
+        if isinstance(r, dict) and r.get("status") in ("done", "superseded"):
             _check_restored_record(path, r)
             if (r["group"], r["name"]) in out:
                 raise KeelError(f"--restore {path}: run {r['name']} of group {r['group']} is listed twice")
-            out[(r["group"], r["name"])] = {**r, "unigram_entropy": h1 if is_number(h1) else None}
+            out[(r["group"], r["name"])] = {**r, "status": "done", "unigram_entropy": h1 if is_number(h1) else None}
     return out
 
 
@@ -331,8 +332,8 @@ def restored_record(group: Group, job: GridJob, old: dict) -> dict | None:
 
 
 def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[str], workers: int = 1,
-            threads: int | None = None, restored: dict[tuple[str, str], dict] | None = None
-            ) -> tuple[list[dict], list[str]]:
+            threads: int | None = None, restored: dict[tuple[str, str], dict] | None = None,
+            superseded: list[dict] | None = None) -> tuple[list[dict], list[str]]:
     """Run or only read every group in order; return the run records (:func:`run_record`) of
     every job, finished or not, and one line per group not planned yet: an ``lr_from`` group
     whose source has not finished is skipped (logged), and runs on a later invocation.
@@ -346,7 +347,11 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[st
         trains = train is True or (bool(train) and g.name in train)
 
         def read(refs, jobs, g=g, trains=trains):
-            return _train_and_read(g, refs, jobs, out, restored, trains, workers, threads)
+            recs = _train_and_read(g, refs, jobs, out, restored, trains, workers, threads)
+            if superseded is not None:  # kept in the report (out of every verdict), so that nothing measured is lost
+                superseded.extend({**restored[(g.name, old)], "status": "superseded"}
+                                  for old in superseded_runs(g, jobs, restored, out / g.name) if (g.name, old) in restored)
+            return recs
 
         got = group_records(study, g, runs, data_dir, out, read)
         if got is None:
@@ -627,12 +632,13 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     # --report-only reads what the runs recorded: no dataset is prepared (or downloaded) for it
     data_dir = "<data>" if report_only else str(resolve_data(base, progress=False))
     train = False if report_only else (list(groups) or True)
+    superseded: list[dict] = []
     # one training study per folder (a second one interleaved its runs and marked finished ones "error"); a
     # --report-only beside it reads what has finished and writes its report atomically
     try:
         with contextlib.nullcontext() if report_only else study_lock(out):
             runs, waiting = collect(study, data_dir, out, train=train, workers=workers, threads=threads,
-                                    restored=restored)
+                                    restored=restored, superseded=superseded)
     except Interrupted as e:  # the grid's own hint names a group's folder and a run: continue the study instead
         raise Interrupted(f"stopped by {signal.Signals(e.signum).name}; continue: the same keel study command "
                           f"with --resume (out {out})", e.signum) from None
@@ -642,10 +648,12 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     make_dirs(out)
     plots = write_plots(study, runs, claims, out, h1)
     report = report_json(study, runs, claims, floor, h1, first_command, restore, plots)
+    report["superseded_runs"] = list({(r["group"], r["name"]): {k: v for k, v in r.items() if k != "result"}
+                                      for r in superseded}.values())
     atomic_write_text(out / "report.json", json.dumps(report, indent=1, default=str))
     report["waiting"] = waiting
     atomic_write_text(out / "report.md", report_markdown(study, claims, runs, first_command, waiting,
-                                                         restore, floor))
+                                                         restore, floor) + superseded_words(report["superseded_runs"]))
     return report
 
 
