@@ -90,7 +90,24 @@ DAMAGE = {
     "trainer.pt overwritten": (lambda r: (r / "checkpoints" / "step_00000012" / "trainer.pt").write_bytes(
         b"\xff" * (r / "checkpoints" / "step_00000012" / "trainer.pt").stat().st_size), 8,
         "step_00000012: trainer.pt does not match its sha256"),
+    # reliability v4: a manifest of the wrong shape (a traceback) and a trainer state of another step with the
+    # manifest rehashed (resume said "applied from step 999" and trained nothing)
+    "manifest files is a string": (lambda r: (r / "checkpoints" / "step_00000012" / "manifest.json").write_text(
+        '{"files": "model.safetensors"}'), 8, "step_00000012: manifest.json lists no files with their bytes"),
+    "trainer state of another step": (lambda r: _restate(r / "checkpoints" / "step_00000012", step=999), 8,
+                                      "step_00000012: its trainer state says step 999, the folder step 12"),
 }
+
+
+def _restate(ckpt, **changes):
+    """Rewrite ckpt/trainer.pt with ``changes`` and rehash the manifest, as a careful forger would."""
+    import hashlib
+    state = torch.load(ckpt / "trainer.pt", weights_only=True)
+    torch.save({**state, **changes}, ckpt / "trainer.pt")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    data = (ckpt / "trainer.pt").read_bytes()
+    manifest["files"]["trainer.pt"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 
 @pytest.mark.parametrize("case", list(DAMAGE))

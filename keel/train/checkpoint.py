@@ -287,6 +287,9 @@ def checkpoint_problem(ckpt: str | Path) -> str | None:
         files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return "manifest.json is unreadable"
+    if not (isinstance(files, dict) and all(isinstance(w, dict) and isinstance(w.get("bytes"), int)
+                                            and isinstance(w.get("sha256"), str) for w in files.values())):
+        return "manifest.json lists no files with their bytes and sha256"
     for fname, want in files.items():
         path = ckpt / fname
         if not path.is_file():
@@ -296,6 +299,22 @@ def checkpoint_problem(ckpt: str | Path) -> str | None:
             return f"{fname} has {size} bytes, the manifest says {want['bytes']}"
         if _sha256(path) != want["sha256"]:
             return f"{fname} does not match its sha256 in the manifest"
+    return None
+
+
+def _state_step_problem(ckpt: Path) -> str | None:
+    """Why ``ckpt``'s trainer state does not belong to its folder (its ``step`` is not the one
+    the folder is named for: a resume would report "applied from step 999" and train nothing),
+    or None. Reads ``trainer.pt`` memory-mapped (the step, not the optimizer state)."""
+    path = ckpt / "trainer.pt"
+    if not path.is_file():
+        return None  # a sharded checkpoint keeps its trainer state with the shards; checked when loaded
+    try:
+        step = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("step")
+    except Exception as e:  # noqa: BLE001 -- a damaged pickle: the same words as load_trainer_state
+        return f"trainer.pt cannot be read ({_first_line(e)})"
+    if step != checkpoint_step(ckpt):
+        return f"its trainer state says step {step!r}, the folder step {checkpoint_step(ckpt)}"
     return None
 
 
@@ -329,7 +348,7 @@ def find_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]
     named = pointer.read_text(encoding="utf-8", errors="replace").strip() if pointer.is_file() else None
     chosen = None
     for folder in _step_dirs(run_dir):
-        problem = checkpoint_problem(folder)
+        problem = checkpoint_problem(folder) or _state_step_problem(folder)
         if problem is None:
             chosen = folder
             break
