@@ -83,8 +83,9 @@ def claim_summary(claim: dict, c: dict) -> str:
     else:
         phrase = "; ".join(f"{v['verdict']} {CONDITION_WORDS.get(k, k)}"
                            + (f" (to {v['peak_lr']:g})" if v.get("peak_lr") else "") for k, v in conds.items())
-    nums = "; ".join(f"{CONDITION_WORDS.get(k, k)}: " + "; ".join(f"{name} {_short(p)}" for name, p in v["parts"].items())
-                     for k, v in conds.items() if v.get("parts"))
+    nums = "; ".join(f"{CONDITION_WORDS.get(k, k)}: " + ("; ".join(f"{name} {_short(p)}" for name, p in v["parts"].items())
+                                                        if v.get("parts") else v.get("why", "no finished runs"))
+                     for k, v in conds.items())
     return head + phrase + (f" — {nums}" if nums else "") + "."
 
 
