@@ -64,6 +64,21 @@ def test_a_corpus_that_is_one_file_gets_a_validation_split(val_fraction, tmp_pat
         assert 0.3 < meta["n_docs_val"] / n_chunks < 0.7
 
 
+def test_a_corpus_without_validation_tokens_says_so(tmp_path, caplog):
+    """One short document beside one with NUL bytes (skipped as binary) prepared with 0 validation
+    tokens and no word about it (reliability v4)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    book = one_file(tmp_path, n_bytes=60_000)
+    (src / "a.txt").write_text(book.read_text()[:60_000], encoding="utf-8")
+    (src / "b.txt").write_bytes(b"\x00\x01\x02" * 1000)
+    with caplog.at_level("WARNING", logger="keel"):
+        out = prepare_dataset(str(src), "bpe:300", tmp_path / "ds", progress=False)
+    assert read_meta(out)["val_tokens"] == 0
+    assert any("has no validation tokens: all 1 document(s) went to the training split" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_short_documents_are_not_chunked(tmp_path):
     (tmp_path / "c").mkdir()
     for i in range(3):

@@ -139,6 +139,9 @@ def prepare_dataset(
             raise
     log.info("prepared %s: %d+%d docs, %d train / %d val tokens", out, meta["n_docs_train"], meta["n_docs_val"],
              meta["train_tokens"], meta["val_tokens"])
+    if not meta["val_tokens"]:  # e.g. one short document, or every other one skipped as binary
+        log.warning("%s has no validation tokens: all %d document(s) went to the training split; a run on it "
+                    "evaluates nothing (give more documents or a larger data.val_fraction)", out, meta["n_docs_train"])
     return out
 
 
