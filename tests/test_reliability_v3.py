@@ -467,6 +467,37 @@ def test_nproc_stop_message_says_what_the_workers_left(tiny_config, tmp_path):
         f"keel train --resume {run} continues from step 4")
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_a_worker_killed_under_nproc_ends_on_one_keel_line(tiny_data, tmp_path):
+    """kill -9 of one worker of `keel train --nproc 2`: torchrun's report (87 lines of gloo and
+    ChildFailedError) ended the output with no keel line; now the last line says how to resume."""
+    run = tmp_path / "run"
+    sets = tiny_overrides(tiny_data, steps=100000, checkpoint_every=100000, eval_every=100000)
+    err_file = tmp_path / "stderr.txt"
+    with open(err_file, "w") as errors:
+        proc = subprocess.Popen([str(KEEL), "train", "--nproc", "2", "--run-dir", str(run),
+                                 *sum((["--set", s] for s in sets), [])], env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=errors)
+    try:
+        deadline = time.monotonic() + HANG_S
+        while not trained_2_steps(run):
+            assert proc.poll() is None and time.monotonic() < deadline, err_file.read_text()
+            time.sleep(0.2)
+        workers = [p for p in descendants(proc.pid)
+                   if b"torch.distributed.run" not in Path(f"/proc/{p}/cmdline").read_bytes()
+                   and b"keel" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        os.kill(max(workers), signal.SIGKILL)
+        assert proc.wait(timeout=HANG_S) != 0
+    finally:
+        proc.kill()
+        for p in descendants(proc.pid):
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)
+    assert last_line(err_file.read_text()) == (
+        f"keel: a worker of this 2-process run failed (torchrun exit status 1; its report above names the rank); "
+        f"the last checkpoint is intact: keel train --resume {run} --nproc 2")
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_survives_pickling(signum):
     """A grid worker returns its Interrupted to the grid process by pickle (was: TypeError,

@@ -100,6 +100,10 @@ def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
         code = proc.wait()
     if received:
         raise Interrupted(nproc_stop_message(signal.Signals(received[0]).name, run_dir), received[0])
+    if code:  # a worker died (killed, out of memory): torchrun's report is long; end on the one line that matters
+        print(f"keel: a worker of this {args.nproc}-process run failed (torchrun exit status {code}; its report above "
+              f"names the rank); the last checkpoint is intact: keel train --resume {run_dir} --nproc {args.nproc}",
+              file=sys.stderr)
     return code
 
 
