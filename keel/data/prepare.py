@@ -137,12 +137,18 @@ def prepare_dataset(
             shutil.rmtree(tmp, ignore_errors=True)
             _remove_empty(created)  # leave none of the folders this call created behind
             raise
+    _log_prepared(out, meta)
+    return out
+
+
+def _log_prepared(out: Path, meta: dict) -> None:
+    """Log what a prepared dataset holds, and warn when it has no validation tokens (e.g. one
+    short document, or every other one skipped as binary)."""
     log.info("prepared %s: %d+%d docs, %d train / %d val tokens", out, meta["n_docs_train"], meta["n_docs_val"],
              meta["train_tokens"], meta["val_tokens"])
-    if not meta["val_tokens"]:  # e.g. one short document, or every other one skipped as binary
+    if not meta["val_tokens"]:
         log.warning("%s has no validation tokens: all %d document(s) went to the training split; a run on it "
                     "evaluates nothing (give more documents or a larger data.val_fraction)", out, meta["n_docs_train"])
-    return out
 
 
 def find_prepared(source: str, tokenizer: str = DataConfig.tokenizer, *, val_fraction: float = DEFAULT_VAL_FRACTION,
