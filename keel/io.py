@@ -26,10 +26,12 @@ from keel.errors import KeelError
 
 
 # The signals that stop a run cleanly (finish the step, checkpoint, exit 128 + signal with a resume
-# hint): Ctrl-C, kill / a scheduler's stop, and SIGUSR1, Slurm's pre-timeout warning
-# (``sbatch --signal=USR1@90``, as submitit and Lightning use it). One list for the trainer, the
-# grid workers and the launchers that pass signals on.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+# hint): Ctrl-C, kill / a scheduler's stop, SIGUSR1, Slurm's pre-timeout warning by convention
+# (``sbatch --signal=USR1@90``, as Lightning uses it), and SIGUSR2, the one submitit asks Slurm for
+# (``--signal=USR2@90``; in a submitit job keel checkpoints first, then submitit requeues the job:
+# :mod:`keel.experiments.executor`). One list for the trainer, the grid workers and the launchers
+# that pass signals on.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def _umask() -> int:

@@ -256,3 +256,23 @@ def test_loader_refuses_another_global_batch(tiny_data):
         TokenLoader(tiny_data, batch_size=2, seq_len=32, seed=3).load_state_dict(two.state_dict())
     with pytest.raises(KeelError, match="saved batch_size=2, now batch_size=1"):
         TokenLoader(tiny_data, batch_size=1, seq_len=32, seed=3, rank=1, world_size=2).load_state_dict(two.state_dict())
+
+
+def test_two_torchrun_nodes_on_localhost_train_fsdp_like_one_process(runs, tiny_data, tmp_path):
+    """Multi-node as the README shows it: two torchrun "nodes" (--nnodes 2, one process each,
+    node ranks 0 and 1, rendezvous at 127.0.0.1) train one FSDP run; its trajectory equals the
+    single-process run's, and it is checkpointed (sharded)."""
+    from spawn import free_port
+
+    run, port = tmp_path / "mn", str(free_port())
+    sets = tiny_overrides(tiny_data, steps=STEPS, eval_every=4, checkpoint_every=4, parallelism="fsdp")
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port,
+                               "-m", "keel", "train", "--run-dir", str(run), *[a for s in sets for a in ("--set", s)]],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1")) for rank in (0, 1)]
+    outs = [p.communicate(timeout=HANG_S) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    assert "world size 2 (fsdp" in outs[0][1]
+    assert_same_trajectory(runs["root"] / "single", run)
+    assert is_sharded(run / "checkpoints" / f"step_{STEPS:08d}")

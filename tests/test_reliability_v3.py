@@ -166,12 +166,13 @@ def test_failed_first_start_leaves_no_run_folder(tiny_data, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- 3. SIGINT / SIGTERM: checkpoint, then stop
-@pytest.mark.parametrize("signame,code", [("SIGINT", 130), ("SIGTERM", 143), ("SIGUSR1", 138)])
+@pytest.mark.parametrize("signame,code", [("SIGINT", 130), ("SIGTERM", 143), ("SIGUSR1", 138), ("SIGUSR2", 140)])
 def test_signal_finishes_the_step_checkpoints_and_resumes_exactly(signame, code, reference, tiny_data, tmp_path):
     """A signal at step 6 (no checkpoint due before 12): step 6 is finished and checkpointed,
     the command exits 128+signal with one line saying how to resume; the resumed run's
     losses equal the uninterrupted run's. SIGUSR1 is Slurm's pre-timeout warning
-    (``sbatch --signal=USR1@90``): it used to kill the run with nothing saved."""
+    (``sbatch --signal=USR1@90``): it used to kill the run with nothing saved; SIGUSR2 is the one
+    submitit asks Slurm for."""
     run = tmp_path / "run"
     sets = tiny_overrides(tiny_data, checkpoint_every=100)
     proc = hooked_train(6, signame, tmp_path / "flag", "--run-dir", run, *sum((["--set", s] for s in sets), []))

@@ -10,6 +10,7 @@ import logging
 
 from keel.cli.formatting import module_summary
 from keel.config import key_default, key_help, preset_names
+from keel.experiments.executor import EXECUTORS
 
 
 def register(subparsers) -> None:
@@ -35,6 +36,15 @@ def _add_grid_flags(p, report_only: bool = True,
     p.add_argument("--workers", type=int, default=1, help="worker processes (0 = in this process)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = cores / workers)")
     p.add_argument("--resume", action="store_true", help="continue --out: skip finished runs, resume interrupted ones")
+    p.add_argument("--executor", default="local", choices=EXECUTORS,
+                   help="where runs go: local worker processes (default), submitit-local (submitit jobs on this "
+                        "machine, at most --workers at a time) or slurm (an sbatch job per run, through submitit)")
+    p.add_argument("--slurm", action="append", default=[], metavar="KEY=VALUE",
+                   help="a Slurm parameter of every job (repeatable): partition, account, time (minutes), gpus "
+                        "(per node), nodes, cpus, mem_gb, qos, constraint, or any other sbatch option")
+    p.add_argument("--gpus-per-run", type=int, default=1, help="GPUs each run gets where there are GPUs (default 1)")
+    p.add_argument("--share-gpus", action="store_true",
+                   help="let more local workers than GPUs share them, instead of refusing")
     if report_only:
         p.add_argument("--report-only", action="store_true", help="train nothing: tabulate the finished runs of --out")
 

@@ -57,6 +57,7 @@ import torch
 
 from keel.config import config_from_dict
 from keel.errors import Interrupted, KeelError
+from keel.experiments.executor import Executor, assign_devices, run_submitit
 from keel.io import STOP_SIGNALS, atomic_write_text, die_with_parent, make_dirs, passing_on_stop_signals
 
 _log = logging.getLogger(__name__)  # progress lines ("[3/12] name: done in 41 s")
@@ -130,14 +131,18 @@ def _worker_signal(signum, frame) -> None:
         raise KeyboardInterrupt
 
 
-def _init_worker(threads: int) -> None:
+def _init_worker(threads: int, devices=None) -> None:
     """Process-pool initializer: limit intra-op threads so workers x threads ~ cores; the
     worker dies with the grid process. It runs in its own process group, so a terminal's
     Ctrl-C reaches only the grid process, which passes the signal on to each worker
     (:func:`_run_in_workers`). In the training loop the trainer's handler takes it (the run
     finishes its step and is checkpointed); outside it (a job starting up: data, model) the
     job stops at once, as there is nothing to checkpoint yet; between jobs it is recorded and
-    no further job starts."""
+    no further job starts. ``devices``: a queue of ``CUDA_VISIBLE_DEVICES`` values, one per worker
+    (:func:`keel.experiments.executor.assign_devices`; None on a machine without GPUs)."""
+    dev = devices.get() if devices is not None else None
+    if dev is not None:  # before anything touches CUDA in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = dev
     die_with_parent(signal.SIGKILL)  # a kill -9 of the grid: no worker left behind (it would hang)
     os.setpgrp()
     for s in STOP_SIGNALS:
@@ -184,6 +189,8 @@ def _execute(task: Task, job: GridJob, run_dir: str, resume: bool) -> dict:
         try:
             _RUNNING.append(job.name)
             out = dict(task(job, run_dir, resume))
+        except SystemExit:  # a submitit job requeued (keel.experiments.executor): not a result
+            raise
         except (KeyboardInterrupt, Interrupted) as e:  # Ctrl-C stops the grid, not just this run
             if _WORKER:  # the jobs queued to this worker must not start
                 _STOP.append(getattr(e, "signum", signal.SIGINT))
@@ -293,9 +300,24 @@ def check_pool(workers: int, threads: int | None) -> None:
         raise KeelError(f"--threads must be >= 0 (0 = cores / workers), got {threads}")
 
 
+def gpu_count() -> int:
+    """CUDA devices on this machine (0 without CUDA); read without initialising CUDA here."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def worker_devices(workers: int, executor: Executor) -> list[str | None]:
+    """``CUDA_VISIBLE_DEVICES`` of each local worker (None each without GPUs): see
+    :func:`keel.experiments.executor.assign_devices`.
+
+    Raises:
+        KeelError: more workers x GPUs per run than GPUs, without ``share_gpus``.
+    """
+    return assign_devices(max(1, workers), executor.gpus_per_run, gpu_count(), executor.share_gpus)
+
+
 def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, workers: int = 1,
              resume: bool = False, threads: int | None = None,
-             check: Callable[[GridJob], None] | None = None) -> list[dict]:
+             check: Callable[[GridJob], None] | None = None, executor: Executor | None = None) -> list[dict]:
     """Run every job of the grid that has not finished; return all results in job order.
 
     Args:
@@ -311,13 +333,17 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
         check: ``check(job)`` raises KeelError for a job that must not start (e.g.
             :func:`keel.experiments.sweep.check_train_job`); every job to run is checked before
             the first starts, so one bad job stops the grid before anything is written.
+        executor: where the runs go (:class:`keel.experiments.executor.Executor`; default local
+            workers, each with its own GPUs where there are any).
     Returns:
         One dict per job: the cached or new ``result.json`` content (``status = "done"``),
         or ``{"status": "error", "message": ...}`` for a job whose task raised.
     Raises:
-        KeelError: see :func:`plan_grid`; ``workers < 0``.
+        KeelError: see :func:`plan_grid`; ``workers < 0``; more local workers than GPUs (:func:`worker_devices`).
     """
     check_pool(workers, threads)
+    executor = executor or Executor()
+    devices = worker_devices(workers, executor) if executor.kind == "local" else []
     out_dir = Path(out_dir)
     done, todo = plan_grid(jobs, out_dir, resume, check)
     make_dirs(out_dir)
@@ -339,17 +365,21 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
     def resumed(job: GridJob) -> bool:
         return (out_dir / job.name).exists()
 
-    if todo and workers == 0:
+    if todo and executor.kind != "local":
+        run_submitit(_execute, task, todo, out_dir, executor, workers, threads, report, resumed, cached_result)
+    elif todo and workers == 0:
         for job in todo:
             report(job, _execute(task, job, str(out_dir / job.name), resumed(job)))
     elif todo:
-        _run_in_workers(task, todo, out_dir, workers, threads, report, resumed)
+        _run_in_workers(task, todo, out_dir, workers, threads, report, resumed, devices)
     return [results[j.name] for j in jobs]
 
 
 def _run_in_workers(task: Task, todo: list[GridJob], out_dir: Path, workers: int, threads: int,
-                    report: Callable[[GridJob, dict], None], resumed: Callable[[GridJob], bool]) -> None:
-    """Run ``todo`` in ``workers`` spawned processes, calling ``report(job, result)`` as each ends.
+                    report: Callable[[GridJob, dict], None], resumed: Callable[[GridJob], bool],
+                    devices: Sequence[str | None] = ()) -> None:
+    """Run ``todo`` in ``workers`` spawned processes, calling ``report(job, result)`` as each ends;
+    worker i sees the GPUs ``devices[i]`` (``CUDA_VISIBLE_DEVICES``) where that is not None.
 
     The first SIGINT or SIGTERM to the grid process stops the grid cleanly: jobs not started
     are cancelled, and each worker gets the same signal, so a running job finishes its step
@@ -361,6 +391,11 @@ def _run_in_workers(task: Task, todo: list[GridJob], out_dir: Path, workers: int
     """
     ctx = multiprocessing.get_context("spawn")
     futures: dict = {}
+    queue = None
+    if any(d is not None for d in devices):
+        queue = ctx.SimpleQueue()
+        for d in devices:
+            queue.put(d)
 
     def stop(signum: int) -> None:  # each signal is passed on: a second one stops the jobs at once
         for fut in futures:
@@ -370,7 +405,7 @@ def _run_in_workers(task: Task, todo: list[GridJob], out_dir: Path, workers: int
                 os.kill(proc.pid, signum)
 
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(threads,)) as ex, passing_on_stop_signals(stop) as received:
+                             initargs=(threads, queue)) as ex, passing_on_stop_signals(stop) as received:
         # The workers are spawned by submit() with SIGINT / SIGTERM blocked (the mask is inherited):
         # a Ctrl-C to the process group while a worker imports torch stays pending until
         # _init_worker has its handler in place (it was a KeyboardInterrupt there: a broken pool).

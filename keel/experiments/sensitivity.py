@@ -48,6 +48,7 @@ from keel.data import resolve_data
 from keel.data.stats import dataset_unigram_entropy
 from keel.diagnostics.divergence import Thresholds
 from keel.errors import KeelError
+from keel.experiments.executor import Executor
 from keel.experiments.grid import cached_result, check_reportable, run_grid
 from keel.experiments.sweep import build_jobs, check_train_job, train_task
 from keel.io import atomic_write_text, make_dirs
@@ -323,14 +324,15 @@ def write_outputs(summary: dict, out: str | Path) -> None:
 # ----------------------------------------------------------------------------- driver
 def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Sequence[int], lrs: Sequence[float],
                        seeds: Sequence[int], sets: Sequence[str] = (), *, out: str | Path, workers: int = 1,
-                       threads: int | None = None, resume: bool = False, report_only: bool = False) -> dict:
+                       threads: int | None = None, resume: bool = False, report_only: bool = False,
+                       executor: Executor | None = None) -> dict:
     """Run (or complete, or only tabulate) the LR-sensitivity grid; write the outputs.
 
     Args:
         config: base config file or preset name (default ``demo``).
         schemes, sublayers, lrs, seeds: the grid (depths in sub-layers, even).
         sets: ``section.key=value`` overrides for every run (shape, data, steps...).
-        out: output folder; workers / threads / resume: as :func:`keel.experiments.grid.run_grid`.
+        out: output folder; workers / threads / resume / executor: as :func:`keel.experiments.grid.run_grid`.
         report_only: train nothing; tabulate the runs of ``out`` that have finished.
     Returns:
         The ``sensitivity.json`` content: ``config``, ``sets``, ``schemes``, ``sublayers``,
@@ -357,7 +359,7 @@ def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Se
                             "check --out and the grid flags")
     else:
         results = run_grid(jobs, out, train_task, workers=workers, resume=resume, threads=threads,
-                           check=check_train_job)
+                           check=check_train_job, executor=executor)
     summary = {"config": str(resolve_config_path(config)), "sets": list(sets), "schemes": list(schemes),
                "sublayers": list(sublayers), "lrs": grid["train.lr"], "seeds": list(seeds), "data": str(data_dir),
                "unigram_entropy": dataset_unigram_entropy(data_dir), "runs": results,

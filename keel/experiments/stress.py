@@ -51,6 +51,7 @@ from typing import Sequence
 from keel.config import Override, load_config, resolve_config_path
 from keel.data import resolve_data
 from keel.errors import KeelError
+from keel.experiments.executor import Executor
 from keel.experiments.grid import check_reportable, GridJob, cached_result, run_grid
 from keel.experiments.sweep import check_train_job, train_task
 from keel.io import atomic_write_text, make_dirs
@@ -228,7 +229,7 @@ def _check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, workers, referen
 def run_stress(config: str | None = None, overrides: list[str] | None = None, schemes: list[str] = ("pre_ln", "keel"),
                sublayers: list[int] = (64,), seeds: list[int] = (0,), peak_lr: float = 5e-2, ramp_steps: int = 1000,
                out: str | Path = "runs/stress", workers: int = 1, threads: int = 0, resume: bool = False,
-               report_only: bool = False, reference_scheme: str = "pre_ln") -> dict:
+               report_only: bool = False, reference_scheme: str = "pre_ln", executor: Executor | None = None) -> dict:
     """Run (or complete) the stress grid and write stress.json / stress.md / stress.png.
 
     Args:
@@ -245,6 +246,7 @@ def run_stress(config: str | None = None, overrides: list[str] | None = None, sc
         resume: continue a non-empty ``out`` (finished runs cached, interrupted ones resumed).
         report_only: train nothing; tabulate the finished runs of the grid only.
         reference_scheme: the scheme of the reference runs (see the module docstring).
+        executor: where the runs go (:func:`keel.experiments.grid.run_grid`).
     Returns:
         ``{"runs": [results], "references": [results], "table": table, "trained": [names],
         "cached": [names]}``.
@@ -278,9 +280,9 @@ def run_stress(config: str | None = None, overrides: list[str] | None = None, sc
                             "check --out and the grid flags")
     else:
         ref_results = run_grid(refs, out / REFERENCES, train_task, workers=workers, resume=True,
-                               threads=threads or None, check=check_train_job)
+                               threads=threads or None, check=check_train_job, executor=executor)
         results = run_grid(jobs, out, stress_task, workers=workers, resume=True, threads=threads or None,
-                           check=check_train_job)
+                           check=check_train_job, executor=executor)
         results = [r for r in results if r.get("status") == "done"]
     table = stress_table(results, schemes, sublayers)
     summary = {"peak_lr": peak_lr, "ramp_steps": ramp_steps, "config": str(cfg_path), "overrides": overrides,

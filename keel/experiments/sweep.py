@@ -62,6 +62,7 @@ from keel.data import resolve_data
 from keel.data.stats import dataset_unigram_entropy
 from keel.diagnostics.divergence import HEALTHY, Verdict, run_verdict
 from keel.errors import KeelError
+from keel.experiments.executor import Executor
 from keel.experiments.grid import GridJob, run_grid
 from keel.experiments.training import train_run
 from keel.io import atomic_write_text
@@ -469,11 +470,12 @@ def load_sweep(sweep_dir: str | Path) -> dict:
 # ----------------------------------------------------------------------------- driver
 def run_sweep(config: str | None, grid: dict[str, list], sets: Sequence[Override] = (), *, out: str | Path,
               workers: int = 1, threads: int | None = None, resume: bool = False, best: str | None = None,
-              match_params: int | str | None = None) -> dict:
+              match_params: int | str | None = None, executor: Executor | None = None) -> dict:
     """Run (or complete) a sweep and write ``sweep.json`` and ``sweep.md`` in ``out``.
 
     Args: as the ``keel sweep`` options (see the module docstring); ``best`` = ``--best-over``;
-        ``sets``: ``--set`` strings and typed ``(key, value)`` pairs (a preset's ``[set]`` table).
+        ``sets``: ``--set`` strings and typed ``(key, value)`` pairs (a preset's ``[set]`` table);
+        ``executor``: where the runs go (:func:`keel.experiments.grid.run_grid`).
     Returns:
         The ``sweep.json`` content: ``config``, ``sets``, ``grid``, ``grid_keys``,
         ``held_fixed``, ``runs`` (one :func:`run_summary` record per run, plus ``name``,
@@ -490,7 +492,7 @@ def run_sweep(config: str | None, grid: dict[str, list], sets: Sequence[Override
         data_path = str(resolve_data(base, progress=False))
     jobs = build_jobs(config, grid, sets, match_params=match_params, data_path=data_path)
     results = run_grid(jobs, out, train_task, workers=workers, resume=resume, threads=threads,
-                       check=check_train_job)
+                       check=check_train_job, executor=executor)
     summary: dict[str, Any] = {
         "out": str(out), "config": str(resolve_config_path(config)), "sets": [override_text(x) for x in sets],
         "grid": grid,

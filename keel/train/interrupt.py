@@ -1,4 +1,4 @@
-"""Stopping a run cleanly on SIGINT (Ctrl-C), SIGTERM or SIGUSR1 (Slurm's pre-timeout signal).
+"""Stopping a run cleanly on SIGINT (Ctrl-C), SIGTERM, SIGUSR1 or SIGUSR2 (Slurm's pre-timeout signals).
 
 While :class:`StopSignals` is active, the first of these signals does not kill the process:
 it is recorded (:attr:`StopSignals.received`), and the training loop finishes its current
@@ -18,7 +18,7 @@ from keel.io import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
 
-SIGNALS = STOP_SIGNALS  # SIGINT, SIGTERM and SIGUSR1 (Slurm's pre-timeout signal)
+SIGNALS = STOP_SIGNALS  # SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 (keel.io.STOP_SIGNALS)
 
 
 class StopSignals:

@@ -24,6 +24,7 @@ from keel.experiments import ablate as A
 from keel.experiments import plot as P
 from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
+from keel.experiments.executor import Executor, parse_slurm
 from keel.experiments.study.run import run_study
 from keel.experiments import sweep as S
 from keel.io import make_dirs
@@ -104,7 +105,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     _check_resume_target(args.resume, args.out)
     out = Path(args.out) if args.out else Path("runs") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     s = S.run_sweep(config, grid, sets, out=out, workers=args.workers, threads=args.threads or None,
-                  resume=args.resume, best=best, match_params=match)
+                    resume=args.resume, best=best, match_params=match, executor=executor_of(args))
     print(S.sweep_markdown(s))
     print(f"sweep: {out}/sweep.md, {out}/sweep.json")
     return 1 if any(r.get("status") != "done" for r in s["runs"]) else 0
@@ -164,13 +165,22 @@ def cmd_stress(args) -> int:
     seeds = _parse_list(args.seeds, int, "--seeds")
     res = ST.run_stress(args.config, args.set, schemes, layers, seeds, args.peak_lr, args.ramp_steps, args.out,
                      args.workers, args.threads, resume=args.resume, report_only=args.report_only,
-                     reference_scheme=args.reference_scheme)
+                     reference_scheme=args.reference_scheme, executor=executor_of(args))
     if args.json:
         print(json.dumps(res["table"], indent=1))
     else:
         print(ST.table_markdown(res["table"], args.peak_lr))
         print(f"wrote {Path(args.out) / 'stress.json'}, stress.md, stress.png")
     return 0
+
+
+def executor_of(args: argparse.Namespace) -> Executor:
+    """The grid commands' ``--executor``, ``--slurm``, ``--gpus-per-run`` and ``--share-gpus``.
+
+    Raises:
+        KeelError: a bad ``--slurm`` item or value, ``--slurm`` without ``--executor slurm``, ``--gpus-per-run < 1``.
+    """
+    return Executor(args.executor, parse_slurm(args.slurm), args.gpus_per_run, args.share_gpus)
 
 
 def _check_resume_target(resume: bool, out) -> None:
@@ -200,7 +210,7 @@ def cmd_lr_sensitivity(args: argparse.Namespace) -> int:
                               _parse_list(args.sublayers, int, args.sublayers_flag), _parse_list(args.lrs, float, "--lrs"),
                               _parse_list(args.seeds, int, "--seeds"), args.set,
                               out=args.out, workers=args.workers, threads=args.threads or None, resume=args.resume,
-                              report_only=args.report_only)
+                              report_only=args.report_only, executor=executor_of(args))
     if args.json:
         print(json.dumps({k: s[k] for k in ("lrs", "unigram_entropy", "cells")}, indent=1))
     else:
@@ -253,7 +263,8 @@ def cmd_study(args: argparse.Namespace) -> int:
     command = study_command(sys.argv[2:]) if len(sys.argv) > 2 else f"keel study {args.name}"
     r = run_study(args.name, args.scale, out, args.set, workers=args.workers, threads=args.threads or None,
                   resume=args.resume, report_only=args.report_only, dry_run=args.dry_run, mfu=args.mfu,
-                  peak_tflops=args.peak_tflops, command=command, groups=groups, restore=args.restore)
+                  peak_tflops=args.peak_tflops, command=command, groups=groups, restore=args.restore,
+                  executor=executor_of(args))
     if args.dry_run:
         plan = {"groups": r["plan"], "total": r["total"],
                 **{k: r[k] for k in ("restored", "restored_from") if k in r}}

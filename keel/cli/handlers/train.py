@@ -94,9 +94,10 @@ def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
         cmd += ["--set", item]
     proc = subprocess.Popen(cmd, start_new_session=True,
                             preexec_fn=functools.partial(die_with_parent, signal.SIGTERM))
-    # torchrun passes SIGINT / SIGTERM to its workers but dies of SIGUSR1 (Slurm's pre-timeout signal): send it that
-    # as SIGTERM, which every worker checkpoints on
-    with passing_on_stop_signals(lambda s: proc.send_signal(signal.SIGTERM if s == signal.SIGUSR1 else s)) as received:
+    # torchrun passes SIGINT / SIGTERM to its workers but dies of SIGUSR1 / SIGUSR2 (Slurm's pre-timeout signals):
+    # send it those as SIGTERM, which every worker checkpoints on
+    usr = (signal.SIGUSR1, signal.SIGUSR2)
+    with passing_on_stop_signals(lambda s: proc.send_signal(signal.SIGTERM if s in usr else s)) as received:
         code = proc.wait()
     if received:
         raise Interrupted(nproc_stop_message(signal.Signals(received[0]).name, run_dir), received[0])

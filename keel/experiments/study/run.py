@@ -4,12 +4,13 @@ the dry-run estimate (tokens, GPU-hours), the report."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
 import signal
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from keel.data.stats import dataset_unigram_entropy
 from keel.errors import Interrupted, KeelError
 from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
+from keel.experiments.executor import Executor
 from keel.experiments.grid import GridJob, cached_result, check_pool, check_started, run_grid
 from keel.experiments.study.report import claim_summary, report_markdown, superseded_words, write_plots
 from keel.experiments.study.spec import Group, Study, is_number, load_study
@@ -331,14 +333,15 @@ def restored_record(group: Group, job: GridJob, old: dict) -> dict | None:
     return rec
 
 
-def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[str], workers: int = 1,
-            threads: int | None = None, restored: dict[tuple[str, str], dict] | None = None,
+def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[str], grid: Callable = run_grid,
+            restored: dict[tuple[str, str], dict] | None = None,
             superseded: list[dict] | None = None) -> tuple[list[dict], list[str]]:
     """Run or only read every group in order; return the run records (:func:`run_record`) of
     every job, finished or not, and one line per group not planned yet: an ``lr_from`` group
     whose source has not finished is skipped (logged), and runs on a later invocation.
     ``train``: True trains every group, False none, a list of group names only those (the other
-    groups are read, so the report still covers them). ``restored``: :func:`load_restored`; a
+    groups are read, so the report still covers them). ``grid``: :func:`keel.experiments.grid.run_grid`
+    with the workers, threads and executor bound. ``restored``: :func:`load_restored`; a
     run there is not trained, and its record stands in unless its own folder holds a result."""
     restored = restored or {}
     runs: list[dict] = []
@@ -347,7 +350,7 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[st
         trains = train is True or (bool(train) and g.name in train)
 
         def read(refs, jobs, g=g, trains=trains):
-            recs = _train_and_read(g, refs, jobs, out, restored, trains, workers, threads)
+            recs = _train_and_read(g, refs, jobs, out, restored, trains, grid)
             if superseded is not None:  # kept in the report (out of every verdict), so that nothing measured is lost
                 superseded.extend({**restored[(g.name, old)], "status": "superseded"}
                                   for old in superseded_runs(g, jobs, restored, out / g.name) if (g.name, old) in restored)
@@ -398,7 +401,7 @@ def kept_restored(g: Group, restored: dict[tuple[str, str], dict]) -> list[dict]
 
 
 def _train_and_read(g: Group, refs: list[GridJob], jobs: list[GridJob], out: Path, restored: dict, trains: bool,
-                    workers: int, threads: int | None) -> list[dict]:
+                    grid: Callable) -> list[dict]:
     """:func:`collect`'s work for one group's jobs: train those not finished and not restored
     (when ``trains``), then return every job's record (its folder's result, else its restored
     record, else pending; ``error`` with the message for a run that failed now)."""
@@ -415,10 +418,8 @@ def _train_and_read(g: Group, refs: list[GridJob], jobs: list[GridJob], out: Pat
                   + (f" ({len(jobs) - len(todo)} more restored)" if len(todo) < len(jobs) else "")
                   + (f" + {len(refs)} reference run{'s' if len(refs) > 1 else ''}" if refs else ""))
         if refs:
-            run_grid(refs, gdir / ST.REFERENCES, train_task, workers=workers, resume=True, threads=threads,
-                     check=check_train_job)
-        got = run_grid(todo, gdir, ST.stress_task if g.kind == "ramp" else train_task, workers=workers,
-                       resume=True, threads=threads, check=check_train_job)
+            grid(refs, gdir / ST.REFERENCES, train_task, resume=True, check=check_train_job)
+        got = grid(todo, gdir, ST.stress_task if g.kind == "ramp" else train_task, resume=True, check=check_train_job)
         errors = {j.name: r for j, r in zip(todo, got) if r.get("status") == "error"}
     recs = []
     for j in jobs:
@@ -579,7 +580,7 @@ def plan_markdown(study: Study, rows: list[dict], mfu: float, peak_tflops: float
 def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), *, workers: int = 1,
               threads: int | None = None, resume: bool = False, report_only: bool = False, dry_run: bool = False,
               mfu: float = 0.35, peak_tflops: float = 989.0, command: str = "",
-              groups: Sequence[str] = (), restore: str | Path | None = None) -> dict:
+              groups: Sequence[str] = (), restore: str | Path | None = None, executor: Executor | None = None) -> dict:
     """Run (or continue, or only report, or only plan) study ``name`` at ``scale``.
 
     Args:
@@ -587,7 +588,7 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
         scale: a scale of the study (``tiny``, ``cpu``, ``gpu-1``, ``paper``).
         out: output folder (run folders, ``report.md``, ``report.json``, PNGs).
         sets: ``section.key=value`` applied to every run after the scale's keys.
-        workers, threads: as :func:`keel.experiments.grid.run_grid`.
+        workers, threads, executor: as :func:`keel.experiments.grid.run_grid`.
         resume: continue a non-empty ``out``; report_only: train nothing, report the finished runs.
         dry_run: prepare nothing and train nothing; return the plan (runs, tokens, estimated
             GPU-hours at ``mfu`` of ``peak_tflops`` dense bf16 TFLOP/s) as ``{"plan": rows per group,
@@ -637,8 +638,9 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     # --report-only beside it reads what has finished and writes its report atomically
     try:
         with contextlib.nullcontext() if report_only else study_lock(out):
-            runs, waiting = collect(study, data_dir, out, train=train, workers=workers, threads=threads,
-                                    restored=restored, superseded=superseded)
+            grid = functools.partial(run_grid, workers=workers, threads=threads, executor=executor)
+            runs, waiting = collect(study, data_dir, out, train=train, grid=grid, restored=restored,
+                                    superseded=superseded)
     except Interrupted as e:  # the grid's own hint names a group's folder and a run: continue the study instead
         raise Interrupted(f"stopped by {signal.Signals(e.signum).name}; continue: the same keel study command "
                           f"with --resume (out {out})", e.signum) from None
