@@ -101,6 +101,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every_k: int = 2
     return chosen
 
 
+GRAPHS_PER_BLOCK = 4  # compiled graphs allowed per block: training, no-grad, and their dynamic-shape variants
+
+
 def apply_compile(model: nn.Module, **compile_kwargs) -> None:
     """``torch.compile`` every block's forward, torchtitan style (per block, not the model).
 
@@ -115,9 +118,21 @@ def apply_compile(model: nn.Module, **compile_kwargs) -> None:
     ``backend="aot_eager"``); ``fullgraph=True`` is the default, so a graph break is an error
     instead of a silently eager block (the norms take a traceable form under compile, see
     :func:`keel.model.residual.rms_norm_of_sum`).
+
+    Dynamo's recompile limit (8 graphs per code object, shared by every block, since they share
+    ``Block.forward``) is raised to :data:`GRAPHS_PER_BLOCK` per block: a scheme whose blocks differ
+    (Attention Residuals reads the outputs of every earlier block: one graph per depth; Keel's first
+    block, Mix-LN's Post-LN blocks, HC's stream index) needs a graph per distinct block and per
+    input-shape class (training, no-grad evaluation, sampling), and hit the limit at step 1 from 5
+    blocks on (``FailOnRecompileLimitHit``). Raising a limit never lowers it.
     """
     compile_kwargs.setdefault("fullgraph", True)
-    for block in _blocks(model):
+    blocks = _blocks(model)
+    need = GRAPHS_PER_BLOCK * len(blocks)
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, need)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, need + cfg.recompile_limit)
+    for block in blocks:
         if getattr(block, "_keel_compiled", False):
             continue
         eager = block.forward
