@@ -86,8 +86,10 @@ class Plan:
     train_sets: tuple[str, ...]
     prepare_args: tuple[str, ...]
     compile_kwargs: tuple[tuple[str, str], ...] = ()
-    compile_check: tuple[int, int] = (256, 4)  # width, sub-layers of the graph-break check
+    compile_check: tuple[int, int] = (256, 64)  # width, sub-layers of the graph-break check (the bench's depth)
     compile_schemes: tuple[str, ...] = ()  # () = every scheme
+    # timed (bf16 steps, MFU, peak memory) at the first of speed_sublayers beside pre_ln and keel: the bench
+    bench_schemes: tuple[str, ...] = ("peri_ln", "hyper_connections", "mhc", "attn_res")
 
 
 GPU = Plan(width=1024, heads=16, kv_heads=8, d_ff=3072, vocab=32768, seq=2048, batch=2, forward_sublayers=64,
@@ -100,7 +102,8 @@ DRY = Plan(width=64, heads=2, kv_heads=1, d_ff=192, vocab=256, seq=32, batch=2, 
                        "model.d_ff=64", "model.max_seq_len=64", "model.vocab_size=512", "train.batch_size=2",
                        "train.seq_len=32", "train.grad_accum=1", "train.eval_tokens=256", "train.sample_tokens=4"),
            prepare_args=("--tokenizer", "bpe:512", "--max-bytes", "200000"),
-           compile_kwargs=(("backend", "eager"),), compile_check=(64, 4), compile_schemes=("keel",))
+           compile_kwargs=(("backend", "eager"),), compile_check=(64, 4), compile_schemes=("keel", "attn_res"),
+           bench_schemes=("mhc",))
 
 
 def model_config(plan: Plan, scheme: str, sublayers: int):
@@ -190,10 +193,11 @@ def time_steps(plan: Plan, cfg, device: torch.device, checkpointing: str, compil
 
 
 def check_speed(plan: Plan, device: torch.device, peak_flops: float) -> list[dict]:
-    """Section 2: tokens/s and MFU of pre_ln and keel, eager and compiled."""
+    """Section 2: tokens/s and MFU of pre_ln and keel, eager and compiled, at every depth of the plan;
+    the bench's schemes (``plan.bench_schemes``) beside them at the first depth."""
     rows = []
-    for sublayers in plan.speed_sublayers:
-        for scheme in ("pre_ln", "keel"):
+    for i, sublayers in enumerate(plan.speed_sublayers):
+        for scheme in ("pre_ln", "keel") + (plan.bench_schemes if i == 0 else ()):
             cfg = model_config(plan, scheme, sublayers)
             ok, _ = fits(plan, cfg, "none", device, 0.85)
             ckpt = "none" if ok else "block"

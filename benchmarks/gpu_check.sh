@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One-command GPU check (issue 13), under 8 minutes on one H100/H200:
-#   bf16-vs-fp32 logits of every scheme; tokens/s + MFU of pre_ln and keel at width 1024 x 64
-#   and x 512 sub-layers, eager and torch.compile; peak memory at 1024 sub-layers with
-#   activation checkpointing; 20 training steps of the paper-64 preset (offline corpus); zero
-#   graph breaks (every scheme, AC on/off); 2-process NCCL FSDP2 + DCP save/resume (2 GPUs).
+#   bf16-vs-fp32 logits of every scheme; bf16 tokens/s + MFU + peak memory of pre_ln and keel at
+#   width 1024 x 64 and x 512 sub-layers and of the bench (peri_ln, hyper_connections, mhc,
+#   attn_res) at 64, eager and torch.compile; peak memory at 1024 sub-layers with activation
+#   checkpointing; 20 training steps of the paper-64 preset (offline corpus); zero graph breaks and
+#   no recompile-limit hit at 64 sub-layers (every scheme, AC on/off); 2-process NCCL FSDP2 + DCP
+#   save/resume (2 GPUs).
 #   Each row ends with pass / FAIL / skip; the exit status is 1 when a row failed.
 # Usage:   benchmarks/gpu_check.sh OUT.md              (the table is printed and written to OUT.md)
 #          benchmarks/gpu_check.sh OUT.md --dry-run    (tiny shapes on the CPU: every code path)

@@ -46,8 +46,9 @@ def test_dry_run_exercises_every_section(tmp_path):
     rows = rows_of(text)
     sections = [r[0] for r in rows]
     assert sections.count("bf16") == len(SCHEMES)
-    assert sections.count("compile") == 2  # keel x (AC off, on) in the dry run; every scheme on the GPU
-    assert sections.count("speed") == 4  # 1 depth x (pre_ln, keel) x (eager, compiled)
+    assert sections.count("compile") == 4  # (keel, attn_res) x (AC off, on) in the dry run; every scheme on the GPU
+    # 1 depth x (pre_ln, keel, the bench's mhc) x (eager, compiled)
+    assert sorted(r[1] for r in rows if r[0] == "speed") == ["keel"] * 2 + ["mhc"] * 2 + ["pre_ln"] * 2
     assert sections.count("memory") == 2 and sections.count("train") == 1
     assert sorted(r[1] for r in rows if r[0] == "levers") == ["ce", "ffn", "qkv"]
     assert [r[-1] for r in rows] == ["pass"] * len(rows)  # every row says pass / FAIL / skip
