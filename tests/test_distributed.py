@@ -276,3 +276,34 @@ def test_two_torchrun_nodes_on_localhost_train_fsdp_like_one_process(runs, tiny_
     assert "world size 2 (fsdp" in outs[0][1]
     assert_same_trajectory(runs["root"] / "single", run)
     assert is_sharded(run / "checkpoints" / f"step_{STEPS:08d}")
+
+
+@pytest.mark.parametrize("damage", ["garbled dcp/.metadata", "missing shard", "manifest files a string"])
+def test_a_damaged_sharded_checkpoint_is_skipped_for_the_previous_intact_one(runs, damage, tmp_path):
+    """A sharded checkpoint damaged after it was written is named with the reason and passed over;
+    a one-process resume continues from the previous intact one (step 4) to the uninterrupted
+    trajectory (these were tracebacks: CheckpointException, FileNotFoundError, AttributeError)."""
+    run = tmp_path / "run"
+    shutil.copytree(runs["root"] / "fsdp", run)
+    ckpt = run / "checkpoints" / f"step_{STEPS:08d}"
+    if damage == "garbled dcp/.metadata":
+        (ckpt / "dcp" / ".metadata").write_bytes(b"\x80garbled")
+    elif damage == "missing shard":
+        next((ckpt / "dcp").glob("*.distcp")).unlink()
+    else:
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        (ckpt / "manifest.json").write_text(json.dumps({**manifest, "files": "dcp"}))
+    found, reasons = find_intact_checkpoint(run)
+    assert found == run / "checkpoints" / "step_00000004"
+    want = {"garbled dcp/.metadata": "dcp/.metadata", "missing shard": ".distcp is missing",
+            "manifest files a string": "manifest.json lists no files"}[damage]
+    assert len(reasons) == 1 and reasons[0].startswith(f"step_{STEPS:08d}: ") and want in reasons[0], reasons
+    cfg = load_config(run / "config.toml")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res = train(cfg, run, resume=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert res.resumed_from == 4
+    assert_same_trajectory(runs["root"] / "single", run, first_step=5)
