@@ -54,3 +54,55 @@ def test_grids_check_every_run_before_the_first_starts(tiny_data, tmp_path, caps
                "--out", str(out), "--set", f"data.path={tiny_data}"])
     assert "run " in _one_line_error(capsys, rc)  # names the run
     assert not out.exists()  # not even the 4-sub-layer run started
+
+
+@pytest.mark.parametrize("ac", ["none", "block"])
+def test_activation_floor_is_the_rope_tables_and_the_saved_inputs(ac):
+    """The floor, transcribed: cos + sin (max_seq_len x head_dim fp32 each), plus per token and block
+    the inputs of q, k, v, o and of the FFN's up and down projections (4 d + 2 d_ff fp32 values), or
+    one d-vector per block when blocks are recomputed."""
+    from keel.config import TrainConfig
+
+    m = ModelConfig(d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=128, vocab_size=512)
+    t = TrainConfig(batch_size=5, seq_len=16, activation_checkpointing=ac)
+    per_block = (4 * 32 + 2 * 64) if ac == "none" else 32
+    assert DV.activation_floor_bytes(m, t) == 2 * 128 * 16 * 4 + 5 * 16 * 3 * per_block * 4
+    assert DV.activation_floor_bytes(m, t, world_size=2) == 2 * 128 * 16 * 4 + 3 * 16 * 3 * per_block * 4
+
+
+def _limited(limit_bytes: int):
+    def preexec():
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+    return preexec
+
+
+WIDE = ["model.d_model=256", "model.d_ff=1024", "model.n_layers=16", "model.n_heads=4", "model.n_kv_heads=2"]
+
+
+@pytest.mark.parametrize("keys,match", [
+    (["train.batch_size=2000", *WIDE], r"train\.batch_size 2000 x train\.seq_len 32 on 32 sub-layers at width 256 "
+                                       r"needs at least 12\.0 GiB with its activations, more than the 5\.6 GiB "
+                                       r"this process may use; lower the batch"),
+    (["model.max_seq_len=200000000"], r"model\.max_seq_len 200,000,000: RoPE's cos and sin tables alone need "
+                                    r"23\.8 GiB, more than the 5\.6 GiB"),
+])
+def test_a_batch_or_context_that_cannot_fit_is_one_line_under_an_address_space_limit(keys, match, tiny_data, tmp_path):
+    """Under ``ulimit -v`` 6e9 bytes these ended in the allocator's 81-line traceback (the issue's
+    ``batch_size=40000`` is first refused by the corpus-size check on this small corpus: a wider model
+    with a batch of 2000 breaks the same bound)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import tiny_overrides
+
+    sets = [a for s in tiny_overrides(tiny_data) for a in ("--set", s)]
+    sets += [a for k in keys for a in ("--set", k)]
+    r = subprocess.run([str(Path(sys.executable).parent / "keel"), "train", "--run-dir", str(tmp_path / "run"), *sets],
+                       capture_output=True, text=True, timeout=300, preexec_fn=_limited(6 * 10**9))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+    assert re.search(match, r.stderr), r.stderr
+    assert not (tmp_path / "run").exists()

@@ -37,8 +37,51 @@ def resolve_device(spec: str, key: str = "train.device") -> torch.device:
 
 
 def host_memory_bytes() -> int:
-    """This machine's physical memory (bytes), from ``sysconf`` (POSIX)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """The memory this process may use (bytes): the machine's physical memory (``sysconf``, POSIX),
+    or the address-space limit (``ulimit -v``, RLIMIT_AS) when that is lower."""
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with contextlib.suppress(ImportError, ValueError, OSError):
+        import resource  # noqa: PLC0415 - POSIX only
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            have = min(have, soft)
+    return have
+
+
+def activation_floor_bytes(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int = 1) -> int:
+    """A floor on the bytes one training micro-batch needs beside the weights (fp32, one process of
+    ``world_size``): RoPE's cos and sin tables (``max_seq_len x head_dim`` each), and the activations
+    autograd keeps for the backward, per token and block at least the inputs of the attention's four
+    projections and of the FFN's (``4 d_model + 2 d_ff`` values), or one ``d_model`` vector per block
+    under activation checkpointing (the recomputed block's own on top). Real use is higher (attention
+    scores, logits, optimizer temporaries): this only catches what cannot fit at all."""
+    rope = 2 * model_cfg.max_seq_len * model_cfg.head_dim * 4
+    tokens = -(-train_cfg.batch_size // max(1, world_size)) * train_cfg.seq_len
+    per_block = model_cfg.d_model if train_cfg.activation_checkpointing != "none" else \
+        4 * model_cfg.d_model + 2 * model_cfg.d_ff
+    return rope + tokens * model_cfg.n_layers * per_block * 4
+
+
+def check_activations_fit(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int = 1) -> None:
+    """Refuse a CPU training run whose weights and :func:`activation_floor_bytes` exceed this
+    process's memory (:func:`host_memory_bytes`): e.g. ``train.batch_size=40000`` or
+    ``model.max_seq_len=200000000`` used to end in the allocator's 80-line traceback.
+
+    Raises:
+        KeelError: one line naming the keys and the numbers.
+    """
+    weights = count_parameters(model_cfg) * 16 if model_cfg.vocab_size != "auto" else 0
+    need, have = weights + activation_floor_bytes(model_cfg, train_cfg, world_size), host_memory_bytes()
+    rope = 2 * model_cfg.max_seq_len * model_cfg.head_dim * 4
+    if rope > have:
+        raise KeelError(f"model.max_seq_len {model_cfg.max_seq_len:,}: RoPE's cos and sin tables alone need "
+                        f"{rope / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB this process may use")
+    if need > have:
+        raise KeelError(f"train.batch_size {train_cfg.batch_size} x train.seq_len {train_cfg.seq_len} on "
+                        f"{model_cfg.n_sublayers:,} sub-layers at width {model_cfg.d_model} needs at least "
+                        f"{need / 2**30:,.1f} GiB with its activations, more than the {have / 2**30:,.1f} GiB this "
+                        "process may use; lower the batch or sequence length, or set train.activation_checkpointing")
 
 
 def check_model_fits(model_cfg: ModelConfig, bytes_per_param: int, what: str) -> None:

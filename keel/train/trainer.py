@@ -70,7 +70,8 @@ from keel.train.callbacks import Callback, StepState, unhonoured_keys
 from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, is_sharded, latest_checkpoint,
                                    load_sharded_checkpoint, load_trainer_state, load_weights, remove_stale_temporaries,
                                    save_checkpoint, save_sharded_checkpoint, tied_aliases)
-from keel.train.device import autocast_context, check_model_fits, flushing_denormals, resolve_device
+from keel.train.device import (autocast_context, check_activations_fit, check_model_fits, flushing_denormals,
+                               resolve_device)
 from keel.train.evaluate import mean_nll
 from keel.train.interrupt import StopSignals
 from keel.train.loggers import open_sinks
@@ -156,6 +157,9 @@ def check_train_config(cfg: Config) -> None:
     if tc.seq_len > cfg.model.max_seq_len:
         raise KeelError(f"train.seq_len ({tc.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len})")
     checkpointed_blocks(cfg.model.n_layers, tc.activation_checkpointing, tc.checkpoint_k)
+    # activations live on the CPU too (a GPU says so itself); the global batch: the ranks of a CPU run share one host
+    if resolve_device(tc.device).type == "cpu":
+        check_activations_fit(floor, tc)
 
 
 def train(cfg: Config, run_dir: str | Path, resume: bool = False, callbacks: Sequence[Callback] = (),
