@@ -85,12 +85,12 @@ print(f"--- preempted vs uninterrupted: {len(a)} and {len(b)} steps, losses equa
 sys.exit(0 if a == b else 1)
 PY
 
-# 4. examples/slurm/train.sbatch (one keel train under srun + torchrun, 2 CPU workers, FSDP on gloo):
+# 4. examples/slurm/train.sbatch (one keel train, 2 Slurm tasks = 2 CPU workers, FSDP on gloo):
 #    USR1 to the batch script, as Slurm sends it 120 s before the limit: the workers checkpoint, the
 #    script requeues the job, and the requeued job resumes the run to its end
 PY=$(dirname "$(readlink -f "$KEEL")")/python
-JOB=$(sbatch --parsable --nodes=1 --gpus-per-node=0 --time=20 --chdir="$PWD" --output="$W/train-%j.out" \
-  --export=ALL,NPROC=2,CONFIG=demo,RUN="$W/train",KEEL_PYTHON="$PY" examples/slurm/train.sbatch \
+JOB=$(sbatch --parsable --nodes=1 --ntasks-per-node=2 --gpus-per-node=0 --time=20 --chdir="$PWD" \
+  --output="$W/train-%j.out" --export=ALL,CONFIG=demo,RUN="$W/train",KEEL_PYTHON="$PY" examples/slurm/train.sbatch \
   --set model.d_model=32 --set model.n_layers=2 --set model.n_heads=2 --set model.n_kv_heads=1 \
   --set model.d_ff=64 --set train.steps=300 --set train.batch_size=4 --set train.seq_len=32 \
   --set train.eval_every=100 --set train.checkpoint_every=1000 --set train.progress=false)
@@ -98,9 +98,10 @@ until [ -f "$W/train/metrics.jsonl" ] && [ "$(wc -l < "$W/train/metrics.jsonl")"
 scancel --batch --signal=USR1 "$JOB"
 while squeue -h -j "$JOB" 2>/dev/null | grep -q .; do sleep 2; done
 echo "--- train.sbatch, job $JOB"
-grep -hE "keel-train:|^keel: |resuming|stopped by" "$W/train-$JOB.out" | sort -u
+grep -hE "keel-train:|^keel: |resuming|restarting|received" "$W/train-$JOB.out"
 python3 - "$W/train" <<'PY'
 import json, sys
 steps = [r["step"] for r in map(json.loads, open(sys.argv[1] + "/metrics.jsonl")) if "loss" in r]
 print(f"--- train.sbatch run: steps {steps[0]}..{steps[-1]}, each once: {steps == list(range(1, 301))}")
 PY
+grep -q "resuming $W/train from step" "$W/train-$JOB.out" || { echo "--- the requeued job did not resume"; exit 1; }
