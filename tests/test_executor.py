@@ -78,10 +78,11 @@ def test_slurm_parameters_map_to_submitit_and_sbatch():
     ex = E.Executor("slurm", E.parse_slurm(["partition=gpu", "account=lab", "time=120", "gpus=8", "nodes=2",
                                             "qos=high", "exclusive=", "mail-type=END"]), gpus_per_run=2)
     assert E.slurm_parameters(ex) == {
-        "timeout_min": 120, "gpus_per_node": 8, "slurm_partition": "gpu", "slurm_account": "lab", "nodes": 2,
+        "timeout_min": 120, "tasks_per_node": 2, "gpus_per_node": 8, "slurm_partition": "gpu", "slurm_account": "lab", "nodes": 2,
         "slurm_qos": "high", "slurm_additional_parameters": {"exclusive": "", "mail-type": "END"}}
     # without gpus=, a Slurm job asks for the GPUs of a run; the time limit defaults to a day
-    assert E.slurm_parameters(E.Executor("slurm", gpus_per_run=4)) == {"timeout_min": 1440, "gpus_per_node": 4}
+    assert E.slurm_parameters(E.Executor("slurm", gpus_per_run=4)) == {"timeout_min": 1440, "gpus_per_node": 4,
+                                                                       "tasks_per_node": 4}
     assert E.slurm_parameters(E.Executor("slurm", {"gpus": "0"})) == {"timeout_min": 1440}  # a CPU partition
 
 
@@ -216,3 +217,20 @@ def test_a_tiny_study_completes_through_submitit_local(tiny_data, tmp_path):
     assert len(ledger) == 3 and all(j["state"] == "done" and j["attempts"] == 1 for j in ledger.values())
     again = _keel(*args, "--resume")
     assert again.returncode == 0 and "queued" not in again.stderr, again.stderr
+
+
+def test_a_run_on_two_processes_is_one_job_of_two_tasks(tiny_data, tmp_path):
+    """--gpus-per-run 2: each run is a job of 2 tasks that join one process group as torchrun's
+    workers would (here 2 CPU processes, gloo, DDP); rank 0 writes the result; the trajectory equals
+    the one-process run with the same global batch (4 sequences per step)."""
+    out = tmp_path / "sweep"
+    two = dict(batch_size=2, grad_accum=2, parallelism="ddp", steps=8)
+    r = _keel("sweep", *_sets(tiny_data, **two), "--grid", "train.seed=0", "--out", out,
+              "--executor", "submitit-local", "--gpus-per-run", "2", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    assert "world size 2 (ddp" in (out / "seed0" / "run.log").read_text()
+    assert len(list((out / "submitit").glob("*_1_log.out"))) == 1  # the second task's log: one job, two tasks
+    plain = _losses(_plain_run(tiny_overrides(tiny_data, steps=8, seed=0), tmp_path / "plain"))
+    got = _losses(out / "seed0")
+    assert [s for s, _ in got] == [s for s, _ in plain] == list(range(1, 9))
+    assert [v for _, v in got] == pytest.approx([v for _, v in plain], rel=1e-5)

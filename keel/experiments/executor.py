@@ -69,7 +69,9 @@ class Executor:
     Attributes:
         kind: ``local``, ``submitit-local`` or ``slurm`` (:data:`EXECUTORS`).
         slurm: ``--slurm KEY=VALUE`` pairs (strings), read by :func:`slurm_parameters`.
-        gpus_per_run: devices each run gets where there are GPUs (local workers, submitit jobs).
+        gpus_per_run: devices each run gets where there are GPUs; with a submitit executor also the
+            processes of a run (tasks per node of its job, each one rank: :func:`_join_as_torchrun_would`),
+            on the CPU too; a local worker runs each run in one process.
         share_gpus: let more local workers than GPUs share them (round robin) instead of refusing.
         poll_s: seconds between two looks at the submitted jobs' states.
     """
@@ -109,7 +111,8 @@ def parse_slurm(items: Sequence[str]) -> dict[str, str]:
 
 def slurm_parameters(ex: Executor) -> dict:
     """The submitit parameters of ``ex``: ``timeout_min`` (``time``, default :data:`DEFAULT_TIME_MIN`),
-    ``gpus_per_node`` (``gpus``, default ``gpus_per_run`` on Slurm), the :data:`SLURM_KEYS`, and
+    ``gpus_per_node`` (``gpus``, default ``gpus_per_run`` on Slurm), ``tasks_per_node`` (``gpus_per_run``
+    processes per run when it is above 1), the :data:`SLURM_KEYS`, and
     every other key in ``slurm_additional_parameters`` (sbatch ``--KEY=VALUE``).
 
     Raises:
@@ -117,6 +120,8 @@ def slurm_parameters(ex: Executor) -> dict:
             whole number >= 1 (gpus: >= 0).
     """
     params: dict = {"timeout_min": DEFAULT_TIME_MIN}
+    if ex.gpus_per_run > 1:  # one process per GPU, each a task of the job (GridCall gives it its rank)
+        params["tasks_per_node"] = ex.gpus_per_run
     if ex.kind == "slurm":
         params["gpus_per_node"] = ex.gpus_per_run
     extra = {}
@@ -164,13 +169,17 @@ class GridCall:
     def __init__(self, execute: Callable) -> None:
         self.execute = execute
 
-    def __call__(self, task: Callable, job, run_dir: str, resume: bool, threads: int | None) -> dict:
+    def __call__(self, task: Callable, job, run_dir: str, resume: bool, threads: int | None) -> dict | None:
         import torch  # noqa: PLC0415 - in the job's own process
 
         if threads:
             torch.set_num_threads(threads)
         submitit_handler = signal.getsignal(PREEMPT_SIGNAL)
+        rank = _join_as_torchrun_would()
         try:
+            if rank:  # another process of a multi-process run: rank 0 writes the result and the log
+                task(job, Path(run_dir), resume)
+                return None
             return self.execute(task, job, run_dir, resume)
         except Interrupted as e:
             if e.signum == PREEMPT_SIGNAL and callable(submitit_handler):
@@ -184,13 +193,30 @@ class GridCall:
         return submitit.helpers.DelayedSubmission(self, task, job, run_dir, True, threads)
 
 
+def _join_as_torchrun_would() -> int:
+    """In a job of several tasks (``gpus_per_run`` > 1, or several nodes): give this task the
+    environment torchrun gives a worker (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` = the
+    job's first host, ``MASTER_PORT`` from the job id), so that the trainer joins one process group
+    (:func:`keel.train.dist.init_distributed`). Returns this task's rank (0 in a one-task job)."""
+    import submitit  # noqa: PLC0415
+
+    env = submitit.JobEnvironment()
+    if env.num_tasks < 2:
+        return 0
+    digits = "".join(c for c in str(env.job_id) if c.isdigit()) or "0"
+    os.environ.update(RANK=str(env.global_rank), LOCAL_RANK=str(env.local_rank), WORLD_SIZE=str(env.num_tasks),
+                      MASTER_ADDR="127.0.0.1" if env.num_nodes == 1 else env.hostnames[0],
+                      MASTER_PORT=str(20000 + int(digits) % 20000))
+    return env.global_rank
+
+
 def _make_executor(ex: Executor, folder: Path):
     """A submitit executor writing into ``folder``."""
     import submitit  # noqa: PLC0415 - only the submitit executors need it
 
     params = slurm_parameters(ex)
     if ex.kind == "submitit-local":
-        params = {"timeout_min": params["timeout_min"]}
+        params = {k: params[k] for k in ("timeout_min", "tasks_per_node") if k in params}
         out = submitit.LocalExecutor(folder=folder)
     else:
         out = submitit.AutoExecutor(folder=folder, cluster="slurm")
@@ -221,9 +247,15 @@ def _job_handle(kind: str, folder: Path, job_id: str):
     return (submitit.SlurmJob if kind == "slurm" else submitit.LocalJob)(folder=folder, job_id=job_id)
 
 
+def _task0(handle):
+    """The job's first task (rank 0: the one that writes the run's result), or the job itself."""
+    subs = getattr(handle, "_sub_jobs", None)
+    return subs[0] if subs else handle
+
+
 def _alive(kind: str, handle) -> bool:
     """Is the job queued or running? Slurm: its state; local: its controller process runs."""
-    if handle.paths.result_pickle.exists():
+    if _task0(handle).paths.result_pickle.exists():
         return False
     if kind == "slurm":
         return _slurm_state(handle) in _ALIVE
@@ -267,7 +299,7 @@ def _signal_job(handle, signum: int) -> None:
 
 def _state_word(kind: str, handle) -> str:
     """queued / running / finished, from submitit's state of the job."""
-    if handle.paths.result_pickle.exists():
+    if _task0(handle).paths.result_pickle.exists():
         return "finished"
     state = _slurm_state(handle) if kind == "slurm" else "RUNNING"
     return {"PENDING": "queued", "REQUEUED": "queued", "CONFIGURING": "queued"}.get(state, state.lower())
@@ -279,12 +311,13 @@ def _outcome(run_dir: Path, handle, read_result: Callable[[Path], dict | None]) 
     r = read_result(run_dir)
     if r is not None:
         return r
-    if not handle.paths.result_pickle.exists():
+    first = _task0(handle)
+    if not first.paths.result_pickle.exists():
         return {"name": run_dir.name, "status": "error", "wall_s": 0.0,
                 "message": f"job {handle.job_id} ended without a result (killed, or out of time): see "
-                           f"{handle.paths.stderr}"}
+                           f"{first.paths.stderr}"}
     try:
-        out = handle.result()
+        out = first.result()
         if isinstance(out, dict):
             return out
         message = f"the job returned {out!r}, not a result"
