@@ -78,7 +78,8 @@ def test_slurm_parameters_map_to_submitit_and_sbatch():
     ex = E.Executor("slurm", E.parse_slurm(["partition=gpu", "account=lab", "time=120", "gpus=8", "nodes=2",
                                             "qos=high", "exclusive=", "mail-type=END"]), gpus_per_run=2)
     assert E.slurm_parameters(ex) == {
-        "timeout_min": 120, "tasks_per_node": 2, "gpus_per_node": 8, "slurm_partition": "gpu", "slurm_account": "lab", "nodes": 2,
+        "timeout_min": 120, "tasks_per_node": 2, "gpus_per_node": 8, "slurm_partition": "gpu", "slurm_account": "lab",
+        "nodes": 2,
         "slurm_qos": "high", "slurm_additional_parameters": {"exclusive": "", "mail-type": "END"}}
     # without gpus=, a Slurm job asks for the GPUs of a run; the time limit defaults to a day
     assert E.slurm_parameters(E.Executor("slurm", gpus_per_run=4)) == {"timeout_min": 1440, "gpus_per_node": 4,
