@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_overrides
+from conftest import HANG_S, tiny_overrides
 from keel.config import load_config
 from keel.errors import KeelError
 from keel.experiments import executor as E
@@ -26,7 +26,6 @@ from keel.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 KEEL = Path(sys.executable).parent / "keel"
-HANG_S = 300
 
 
 # ---------------------------------------------------------------- GPUs per local worker

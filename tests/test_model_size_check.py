@@ -97,12 +97,12 @@ def test_a_batch_or_context_that_cannot_fit_is_one_line_under_an_address_space_l
     import sys
     from pathlib import Path
 
-    from conftest import tiny_overrides
+    from conftest import HANG_S, tiny_overrides
 
     sets = [a for s in tiny_overrides(tiny_data) for a in ("--set", s)]
     sets += [a for k in keys for a in ("--set", k)]
     r = subprocess.run([str(Path(sys.executable).parent / "keel"), "train", "--run-dir", str(tmp_path / "run"), *sets],
-                       capture_output=True, text=True, timeout=300, preexec_fn=_limited(6 * 10**9))
+                       capture_output=True, text=True, timeout=HANG_S, preexec_fn=_limited(6 * 10**9))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
     assert re.search(match, r.stderr), r.stderr
     assert not (tmp_path / "run").exists()
