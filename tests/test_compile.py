@@ -136,7 +136,11 @@ def _train_eval_sample(model: Transformer, vocab: int) -> None:
             model(torch.randint(0, vocab, shape))
 
 
-@pytest.mark.parametrize("scheme", ALL)
+# the schemes whose blocks differ (a graph per block or per kind of block) in the default tier, the rest slow
+DISTINCT_BLOCKS = ("attn_res", "keel", "mhc")
+
+
+@pytest.mark.parametrize("scheme", [s if s in DISTINCT_BLOCKS else pytest.param(s, marks=pytest.mark.slow) for s in ALL])
 def test_per_block_compile_at_16_sublayers_trains_evaluates_and_samples(scheme):
     """8 blocks compiled per block (``fullgraph``): a training step, then evaluation and sampling
     shapes without grad, with no recompile-limit hit. Attention Residuals (a graph per block: each

@@ -278,7 +278,8 @@ def test_two_torchrun_nodes_on_localhost_train_fsdp_like_one_process(runs, tiny_
     assert is_sharded(run / "checkpoints" / f"step_{STEPS:08d}")
 
 
-@pytest.mark.parametrize("damage", ["garbled dcp/.metadata", "missing shard", "manifest files a string"])
+@pytest.mark.parametrize("damage", ["garbled dcp/.metadata", pytest.param("missing shard", marks=pytest.mark.slow),
+                                    pytest.param("manifest files a string", marks=pytest.mark.slow)])
 def test_a_damaged_sharded_checkpoint_is_skipped_for_the_previous_intact_one(runs, damage, tmp_path):
     """A sharded checkpoint damaged after it was written is named with the reason and passed over;
     a one-process resume continues from the previous intact one (step 4) to the uninterrupted

@@ -94,12 +94,13 @@ def test_slurm_parameters_map_to_submitit_and_sbatch():
     (["--executor", "local", "--slurm", "time=5"], "use it with --executor slurm"),
     (["--gpus-per-run", "0"], "--gpus-per-run must be >= 1"),
 ])
-def test_bad_executor_flags_are_one_line_errors(args, match, tmp_path):
+def test_bad_executor_flags_are_one_line_errors(args, match, tmp_path, capsys):
+    from keel.cli import main
+
     full = ["--executor", "slurm", *args] if "--executor" not in args else args
-    r = subprocess.run([str(KEEL), "sweep", "--grid", "train.lr=1e-3", "--out", str(tmp_path / "o"), *full],
-                       capture_output=True, text=True, timeout=HANG_S)
-    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
-    assert re.search(match, r.stderr), r.stderr
+    assert main(["sweep", "--grid", "train.lr=1e-3", "--out", str(tmp_path / "o"), *full]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and re.search(match, err), err
     assert not (tmp_path / "o").exists()
 
 
@@ -156,11 +157,20 @@ def test_resume_waits_for_a_job_still_running_and_resubmits_one_that_ended_witho
     args = ["sweep", *_sets(tiny_data), "--grid", "train.seed=0", "--out", out, "--executor", "submitit-local",
             "--threads", "1"]
     out.mkdir()
-    stand_in = subprocess.Popen(["sleep", "20"])  # outlives keel's start-up; a zombie once it ends
+    flag = tmp_path / "end"  # the stand-in runs until the driver has re-attached to it (then a zombie until reaped)
+    stand_in = subprocess.Popen(["bash", "-c", f"while [ ! -e {flag} ]; do sleep 0.1; done"])
     (out / "jobs.json").write_text(json.dumps({"executor": "submitit-local", "jobs": {
         "seed0": {"job_id": str(stand_in.pid), "attempts": 1, "state": "running"}}}))
-    r = _keel(*args, "--resume")
+    driver = subprocess.Popen([str(KEEL), *map(str, args), "--resume"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + HANG_S
+    while "updated" not in json.loads((out / "jobs.json").read_text())["jobs"]["seed0"]:  # the driver noted it
+        assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()
+        time.sleep(0.1)
+    flag.touch()
+    _, err = driver.communicate(timeout=HANG_S)
     stand_in.wait()
+    r = subprocess.CompletedProcess(driver.args, driver.returncode, "", err)
     assert r.returncode == 1, r.stderr  # the run failed
     assert f"  seed0: running (job {stand_in.pid})" in r.stderr and "submitting it again" not in r.stderr
     assert f"job {stand_in.pid} ended without a result" in r.stderr
@@ -176,7 +186,7 @@ def test_a_preempted_job_checkpoints_requeues_itself_and_resumes_to_the_uninterr
     """SIGUSR2 (what submitit asks Slurm for before a time limit) to the job's process mid-run: the
     trainer finishes its step and checkpoints, submitit requeues the job with resume=True, and the
     run continues from that step; its losses equal an uninterrupted run's."""
-    train = dict(steps=300, eval_every=100, checkpoint_every=1000, seed=0)
+    train = dict(steps=150, eval_every=50, checkpoint_every=1000, seed=0)
     out = tmp_path / "sweep"
     args = ["sweep", *_sets(tiny_data, **train), "--grid", "train.seed=0", "--out", out,
             "--executor", "submitit-local", "--threads", "1"]
@@ -196,11 +206,11 @@ def test_a_preempted_job_checkpoints_requeues_itself_and_resumes_to_the_uninterr
     log = (out / "seed0" / "run.log").read_text()
     assert "SIGUSR2 received: stopping after this step" in log
     step = int(log.split("resuming ")[1].split("from step ")[1].split()[0])
-    assert 0 < step < 300 and (out / "seed0" / "checkpoints" / f"step_{step:08d}").is_dir()
+    assert 0 < step < 150 and (out / "seed0" / "checkpoints" / f"step_{step:08d}").is_dir()
     sub = "".join(p.read_text() for p in (out / "submitit").glob("*_log.out"))
     assert "Calling checkpoint method" in sub and f"Requeued job {controller}" in sub
     plain = _losses(_plain_run(tiny_overrides(tiny_data, **train), tmp_path / "plain"))
-    assert _losses(out / "seed0") == plain and len(plain) == 300
+    assert _losses(out / "seed0") == plain and len(plain) == 150
 
 
 def test_a_tiny_study_completes_through_submitit_local(tiny_data, tmp_path):
