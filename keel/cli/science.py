@@ -42,7 +42,9 @@ def _add_grid_flags(p, report_only: bool = True,
     p.add_argument("--slurm", action="append", default=[], metavar="KEY=VALUE",
                    help="a Slurm parameter of every job (repeatable): partition, account, time (minutes), gpus "
                         "(per node), nodes, cpus, mem_gb, qos, constraint, or any other sbatch option")
-    p.add_argument("--gpus-per-run", type=int, default=1, help="GPUs each run gets where there are GPUs (default 1)")
+    p.add_argument("--gpus-per-run", type=int, default=1,
+                   help="GPUs each run gets where there are GPUs; with a submitit executor also its processes "
+                        "(one job task each, joined as torchrun's workers) (default 1)")
     p.add_argument("--share-gpus", action="store_true",
                    help="let more local workers than GPUs share them, instead of refusing")
     if report_only:
