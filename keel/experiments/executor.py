@@ -253,15 +253,21 @@ def _task0(handle):
     return subs[0] if subs else handle
 
 
-def _alive(kind: str, handle) -> bool:
-    """Is the job queued or running? Slurm: its state; local: its controller process runs."""
+def _live_state(kind: str, handle) -> str | None:
+    """The state of a job still queued or running (``queued``, ``running``, ...; Slurm: from its
+    state, local: its controller process runs), or None once it has ended. One look per call (Slurm:
+    one ``squeue``)."""
     if _task0(handle).paths.result_pickle.exists():
-        return False
+        return None
     if kind == "slurm":
-        return _slurm_state(handle) in _ALIVE
+        state = _slurm_state(handle)
+        if state not in _ALIVE:
+            return None
+        return {"PENDING": "queued", "REQUEUED": "queued", "CONFIGURING": "queued"}.get(state, state.lower())
     if getattr(handle, "_process", None) is not None:  # submitted by this process
-        return handle._process.poll() is None
-    return _pid_runs(handle.job_id)  # submitted by an earlier invocation: its controller's pid is the job id
+        return "running" if handle._process.poll() is None else None
+    # submitted by an earlier invocation: its controller's pid is the job id
+    return "running" if _pid_runs(handle.job_id) else None
 
 
 def _slurm_state(handle) -> str:
@@ -290,19 +296,11 @@ def _pid_runs(pid: str) -> bool:
     return True
 
 
-def _signal_job(handle, signum: int) -> None:
+def _signal_job(handle) -> None:
     """Pass a stop signal to a local job: its controller forwards SIGTERM to the job's process, which
     finishes its step and checkpoints (the controller dies of the others)."""
     with contextlib.suppress(OSError, ValueError):
         os.kill(int(handle.job_id), signal.SIGTERM)
-
-
-def _state_word(kind: str, handle) -> str:
-    """queued / running / finished, from submitit's state of the job."""
-    if _task0(handle).paths.result_pickle.exists():
-        return "finished"
-    state = _slurm_state(handle) if kind == "slurm" else "RUNNING"
-    return {"PENDING": "queued", "REQUEUED": "queued", "CONFIGURING": "queued"}.get(state, state.lower())
 
 
 def _outcome(run_dir: Path, handle, read_result: Callable[[Path], dict | None]) -> dict:
@@ -373,10 +371,11 @@ def run_submitit(execute: Callable, task: Callable, todo: list, out_dir: Path, e
         entry = st.ledger.get(job.name)
         if entry is not None:
             handle = _job_handle(ex.kind, folder, entry["job_id"])
-            if _alive(ex.kind, handle):
+            state = _live_state(ex.kind, handle)
+            if state is not None:
                 st.handles[job.name] = handle
                 waiting.remove(job)
-                st.record(job.name, _state_word(ex.kind, handle))
+                st.record(job.name, state)
     limit = max(1, workers) if ex.kind == "submitit-local" else len(todo)
     by_name = {j.name: j for j in todo}
 
@@ -384,7 +383,7 @@ def run_submitit(execute: Callable, task: Callable, todo: list, out_dir: Path, e
         waiting.clear()  # nothing new starts
         if ex.kind != "slurm":  # local jobs stop cleanly (they checkpoint); Slurm ones keep running
             for h in st.handles.values():
-                _signal_job(h, signum)
+                _signal_job(h)
 
     with passing_on_stop_signals(stop) as received:
         while waiting or st.handles:
@@ -415,10 +414,11 @@ def _submit(executor, execute: Callable, task: Callable, job, st: _Submitted, re
 def _collect(st: _Submitted, by_name: dict, report: Callable, read_result: Callable, stop_only: bool) -> None:
     """Log state changes; report (and forget) the jobs that ended."""
     for name, handle in list(st.handles.items()):
-        if _alive(st.ex.kind, handle) and not (st.ex.kind == "slurm" and stop_only):
-            st.record(name, _state_word(st.ex.kind, handle))
+        state = _live_state(st.ex.kind, handle)
+        if state is not None and not (st.ex.kind == "slurm" and stop_only):
+            st.record(name, state)
             continue
-        if _alive(st.ex.kind, handle):  # stopped: Slurm jobs are left running, in the ledger
+        if state is not None:  # stopped: Slurm jobs are left running, in the ledger
             del st.handles[name]
             continue
         r = _outcome(st.out_dir / name, handle, read_result)

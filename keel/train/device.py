@@ -49,6 +49,11 @@ def host_memory_bytes() -> int:
     return have
 
 
+def rope_table_bytes(model_cfg: ModelConfig) -> int:
+    """Bytes of RoPE's fp32 cos and sin tables: ``2 x max_seq_len x head_dim x 4``."""
+    return 2 * model_cfg.max_seq_len * model_cfg.head_dim * 4
+
+
 def activation_floor_bytes(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int = 1) -> int:
     """A floor on the bytes one training micro-batch needs beside the weights (fp32, one process of
     ``world_size``): RoPE's cos and sin tables (``max_seq_len x head_dim`` each), and the activations
@@ -56,7 +61,7 @@ def activation_floor_bytes(model_cfg: ModelConfig, train_cfg: TrainConfig, world
     projections and of the FFN's (``4 d_model + 2 d_ff`` values), or one ``d_model`` vector per block
     under activation checkpointing (the recomputed block's own on top). Real use is higher (attention
     scores, logits, optimizer temporaries): this only catches what cannot fit at all."""
-    rope = 2 * model_cfg.max_seq_len * model_cfg.head_dim * 4
+    rope = rope_table_bytes(model_cfg)
     tokens = -(-train_cfg.batch_size // max(1, world_size)) * train_cfg.seq_len
     per_block = model_cfg.d_model if train_cfg.activation_checkpointing != "none" else \
         4 * model_cfg.d_model + 2 * model_cfg.d_ff
@@ -73,7 +78,7 @@ def check_activations_fit(model_cfg: ModelConfig, train_cfg: TrainConfig, world_
     """
     weights = count_parameters(model_cfg) * 16 if model_cfg.vocab_size != "auto" else 0
     need, have = weights + activation_floor_bytes(model_cfg, train_cfg, world_size), host_memory_bytes()
-    rope = 2 * model_cfg.max_seq_len * model_cfg.head_dim * 4
+    rope = rope_table_bytes(model_cfg)
     if rope > have:
         raise KeelError(f"model.max_seq_len {model_cfg.max_seq_len:,}: RoPE's cos and sin tables alone need "
                         f"{rope / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB this process may use")
