@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: train test install clean-venv
+.PHONY: train test test-unit install clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,14 @@ install: $(STAMP)
 train: $(STAMP)
 	$(VENV)/bin/keel train $(ARGS)
 
+# Both tiers, one pytest-xdist worker per core (at most 4; each worker runs one torch thread).
+# The long end-to-end tests start first so that no worker is left with one at the end.
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist worksteal $(PYTEST_ARGS)
+
+# The fast unit tier for development: no subprocess, no training on the real-text dataset.
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -m "not e2e and not slow" $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -21,6 +21,27 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# Under pytest-xdist (`make test` runs one worker per core) each worker, and every keel process
+# it starts, uses one torch thread: two workers of two threads each on two cores spend their time
+# waiting for each other's OpenMP threads (a tiny study took 4x longer).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
+
+# The end-to-end tier: a test that starts a process (``keel_cli``, torch.multiprocessing, torchrun)
+# or trains on the real-text dataset. ``pytest -m "not e2e"`` is the fast unit tier for
+# development; ``make test`` and CI run both tiers.
+E2E_FIXTURES = {"keel_cli", "tiny_data", "tiny_config", "tiny_reference_run"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if E2E_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("spawns"):
+            item.add_marker(pytest.mark.e2e)
+    # the longest tests first: under pytest-xdist no worker is then left running one alone at the end
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny tensors: one torch thread is much faster than two on a shared machine."""
@@ -125,3 +146,21 @@ def keel_cli():
         return subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, cwd=cwd,
                               timeout=timeout, env=env)
     return run
+
+
+@pytest.fixture
+def connect_attempts(monkeypatch):
+    """Every outgoing TCP connection attempt of this process (``socket.connect``, which
+    requests/urllib3 and httpx reach), as a list of addresses: "fails fast" is tested as a
+    number of attempts, never as seconds."""
+    import socket
+
+    attempts, real = [], socket.socket.connect
+
+    def connect(sock, address):
+        attempts.append(address)
+        return real(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    return attempts
+

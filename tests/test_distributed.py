@@ -35,6 +35,8 @@ from keel.train.optim import build_optimizer
 from keel.train.state_dict import full_optimizer_state_dict
 from spawn import spawn_training
 
+pytestmark = pytest.mark.spawns  # starts processes: the e2e tier (tests/conftest.py)
+
 RTOL = 1e-5
 STEPS = 8
 

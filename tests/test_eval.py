@@ -233,12 +233,10 @@ def test_eval_hf_finds_the_cached_dataset_of_the_export(tiny_data, tmp_path, mon
            "here; pass --text FILE)" in capsys.readouterr().out
 
 
-def test_unreachable_hub_task_fails_within_seconds(run_dir, tmp_path, monkeypatch, caplog):
-    """Without HF_HUB_OFFLINE set, a task whose dataset is on the hub fails after one ~3 s
+def test_unreachable_hub_task_fails_after_one_probe(run_dir, tmp_path, monkeypatch, caplog, connect_attempts):
+    """Without HF_HUB_OFFLINE set, a task whose dataset is on the hub fails after one
     reachability probe (this machine has no network) instead of huggingface_hub's retries;
     the local tasks still run."""
-    import time
-
     import datasets.config
     import huggingface_hub.constants as hub_constants
 
@@ -252,12 +250,11 @@ def test_unreachable_hub_task_fails_within_seconds(run_dir, tmp_path, monkeypatc
         "task: keel_test_remote\ndataset_path: keel-no-such-org/no-such-dataset\noutput_type: multiple_choice\n"
         "test_split: test\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: answer\n")
     model, tok = Run(run_dir).load_model(), Run(run_dir).tokenizer()
-    t0 = time.perf_counter()
     with caplog.at_level("WARNING", logger="keel"):
         res = run_tasks(model, tok, ["keel_test_remote"], limit=2, task_dir=tmp_path)
-    elapsed = time.perf_counter() - t0
     lines = [r.getMessage() for r in caplog.records if r.name == "keel.eval.tasks"]
-    assert elapsed < 15, elapsed
+    # at most the probe (none where the hub's name does not resolve); huggingface_hub's retries never start
+    assert len(connect_attempts) <= 1, connect_attempts
     assert len(lines) == 1 and lines[0].startswith("task keel_test_remote: dataset could not be loaded (offline?): ")
     assert res["keel_test_remote"] == {"error": lines[0].split(": ", 1)[1]}
     assert hub_constants.HF_HUB_OFFLINE is False  # offline mode only for that load

@@ -24,6 +24,8 @@ from keel.experiments import grid as G
 from keel.train import train as train_run
 from keel.train.metrics import read_metrics
 
+pytestmark = pytest.mark.spawns  # starts processes: the e2e tier (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 KEEL = Path(sys.executable).parent / "keel"
 

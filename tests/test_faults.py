@@ -20,6 +20,8 @@ from keel.train import train
 from keel.train import checkpoint as C
 from keel.train.metrics import JsonlSink, read_metrics
 
+pytestmark = pytest.mark.spawns  # starts processes: the e2e tier (tests/conftest.py)
+
 
 class Killed(BaseException):
     """Stands in for a kill: not an Exception, so nothing on the way up handles it."""

@@ -15,6 +15,8 @@ from keel.train.device import PRECISIONS, autocast_context, resolve_precision
 from keel.train.dist import rank_device
 from keel.train.evaluate import summed_nll
 
+pytestmark = pytest.mark.spawns  # starts processes: the e2e tier (tests/conftest.py)
+
 CUDA = torch.device("cuda")
 
 

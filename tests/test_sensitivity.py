@@ -76,6 +76,7 @@ def test_unigram_entropy_added_to_an_old_dataset(tiny_data, tmp_path):
     assert json.loads((old / "meta.json").read_text())["unigram_entropy"] == pytest.approx(h)
 
 
+@pytest.mark.long
 def test_lr_sensitivity_cli_end_to_end(keel_cli, tiny_data, tmp_path):
     out = tmp_path / "sens"
     sets = tiny_overrides(tiny_data, steps=6, warmup_steps=2, eval_every=6, checkpoint_every=100, sample_tokens=0)

@@ -663,6 +663,7 @@ def test_grid_accepts_a_job_stored_before_a_new_config_key(tmp_path):
         _check_same_config(tmp_path, GridJob("r", cfg))
 
 
+@pytest.mark.long
 def test_study_tiny_end_to_end(keel_cli, tiny_data, tmp_path):
     out = tmp_path / "study"
     args = ["study", "claims", "--scale", "tiny", "--workers", "0", "--out", out, "--set", f"data.path={tiny_data}"]

@@ -479,6 +479,15 @@ def _no_autocast(x: torch.Tensor):
     return torch.autocast(x.device.type, enabled=False)
 
 
+def rms_reciprocal(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1 / sqrt(mean_d x^2 + eps)`` of x [..., d] as [..., 1] in x's dtype, the mean square and
+    rsqrt in fp32 at least (an fp16 square overflows above 256). RMSNorm's scale (Zhang &
+    Sennrich 2019, Eq. 4) for maps that apply it after a product: ``Norm(x) W = r * (x (g W))``."""
+    f32 = torch.promote_types(x.dtype, torch.float32)
+    ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=f32).square() / x.shape[-1]
+    return torch.rsqrt(ms + eps).to(x.dtype)
+
+
 class EmbeddingNorm(nn.Module):
     """Peri-LN's stream module: ``begin(emb) = Norm(emb)`` (an RMSNorm of the embedding
     output, gain init 1), ``end(x) = x``. Shapes [B, T, d] -> [B, T, d]."""
@@ -624,21 +633,34 @@ class HyperConnections(Residual):
             self.s_alpha.fill_(0.01)
             self.s_beta.fill_(0.01)
 
-    def connections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Width connections of x [n, B, T, d]: ``(A^T H, B)`` as [n+1, B, T, d] and [n, B, T]
-        (static: B is [n, 1, 1])."""
+    def connections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Width connections of the stream x [n, B, T, d]: ``(h_0, H', B(H))`` with h_0 [B, T, 1, d],
+        H' [B, T, n, d] (``A(H)^T H`` split into its first row and the rest) and B(H) [B, T, n]
+        (static: [n]).
+
+        ``Norm_hc(H) W = r * (H @ (g * W))`` with ``r = 1 / rms(H)`` per stream (an identity), so
+        the normalised stream is never formed; the mixing is batched products over the tokens in
+        the [B, T, n, d] layout (:meth:`forward` stores the stream that way), one for h_0 and one
+        for H' (not one product split: a split's backward concatenates gradients, which autocast
+        refuses for a bf16/fp16 pair)."""
+        xs = x.movedim(0, -2)  # [B, T, n, d]
         if not self.dynamic:
-            return torch.einsum("je,jbtd->ebtd", self.static_alpha.to(x.dtype), x), self.static_beta[:, None, None]
-        xb = self.hc_norm(x)
-        alpha = self.static_alpha + self.s_alpha * torch.tanh(xb @ self.dynamic_alpha.to(x.dtype)).movedim(0, -2)
-        beta = self.static_beta[:, None, None] + self.s_beta * torch.tanh(xb @ self.dynamic_beta.to(x.dtype))
-        return torch.einsum("btje,jbtd->ebtd", alpha, x), beta
+            alpha, beta = self.static_alpha.to(x.dtype), self.static_beta
+        else:
+            n = self.n
+            w = self.hc_norm.weight[:, None] * torch.cat([self.dynamic_alpha, self.dynamic_beta[:, None]], 1)
+            proj = torch.tanh((xs @ w.to(x.dtype)) * rms_reciprocal(xs, self.hc_norm.eps))  # [B, T, n, n+2]
+            alpha = self.static_alpha + self.s_alpha * proj[..., : n + 1]
+            beta = self.static_beta + self.s_beta * proj[..., n + 1]
+        alpha = alpha.transpose(-1, -2)  # [.., n+1, n]
+        return torch.matmul(alpha[..., :1, :], xs), torch.matmul(alpha[..., 1:, :], xs), beta
 
     def forward(self, x, f):
         with _no_autocast(x):
-            mixed, beta = self.connections(x)
-        out = f(self.norm(mixed[0]))
-        return mixed[1:] + beta.unsqueeze(-1) * out
+            h0, rest, beta = self.connections(x)
+        out = f(self.norm(h0.squeeze(-2)))
+        with _no_autocast(x):  # autocast's addcmul rejects a bf16 F under an fp16 stream (and the reverse)
+            return torch.addcmul(rest, beta.unsqueeze(-1).to(x.dtype), out.unsqueeze(-2).to(x.dtype)).movedim(-2, 0)
 
 
 def scale_output_projection(sublayer: nn.Module, n: int) -> None:
@@ -664,15 +686,98 @@ def sinkhorn_knopp(logits: torch.Tensor, iters: int) -> torch.Tensor:
     forward gain is exactly 1, the paper's Fig. 7) and the columns to 1 up to the remaining
     Sinkhorn error; entries are > 0. (Before version 2 of mHC the order was rows, then columns.)
 
+    Computed in Sinkhorn and Knopp's own form, ``M_t = diag(u_t) K diag(v_t)`` with ``K =
+    exp(logits)``: a column step is ``v_t = 1 / (u_{t-1}^T K)``, a row step ``u_t = 1 / (K v_t)``
+    (``u_0 = 1``), the same matrices as the alternating divisions up to rounding, on vectors of
+    n instead of matrices of n^2. In eager mode the gradient is the hand-written reverse pass of
+    :class:`_SinkhornKnopp` (only K and the 2 ``iters`` scaling vectors are kept: 2 n ``iters``
+    numbers per matrix, not autograd's 2 (n^2 + n) ``iters``); under ``torch.compile`` the same
+    iteration is written as plain ops (:func:`_sinkhorn_scalings`) and the compiler derives it.
+
     Args:
         logits: [..., n, n], any float dtype (the result has it).
-        iters: number of column+row normalisations (mHC's t_max, default 20).
+        iters: number of column+row normalisations (mHC's t_max, default 20), >= 1.
+    Returns:
+        [..., n, n], logits' dtype.
     """
-    m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True).detach())
+    # tokens last, [n, n, N]: on CPU a reduction over a leading dim of n runs vectorised over
+    # the N tokens, ~3x faster than over a trailing dim of n (benchmarks/README.md, the bench)
+    lt = logits.flatten(0, -3).permute(1, 2, 0) if logits.dim() > 2 else logits.unsqueeze(-1)
+    if torch.compiler.is_compiling():
+        k = torch.exp(lt - lt.amax(dim=(0, 1), keepdim=True).detach())
+        u, v = _sinkhorn_scalings(k, iters)[2:]
+        m = u.unsqueeze(1) * k * v.unsqueeze(0)
+    else:
+        m = _SinkhornKnopp.apply(lt.contiguous(), iters)[0]
+    return m.permute(2, 0, 1).reshape(logits.shape)
+
+
+def _sinkhorn_scalings(k: torch.Tensor, iters: int) -> tuple[list, list, torch.Tensor, torch.Tensor]:
+    """The scaling vectors of :func:`sinkhorn_knopp` for K [n, n, N] (N matrices, last):
+    ``([u_0 .. u_T], [v_1 .. v_T], u_T, v_T)``, each [n, N]."""
+    u = torch.ones_like(k[0])
+    us, vs = [u], []
     for _ in range(iters):
-        m = m / m.sum(-2, keepdim=True)
-        m = m / m.sum(-1, keepdim=True)
-    return m
+        v = torch.reciprocal((u.unsqueeze(1) * k).sum(0))  # column sums of diag(u) K
+        u = torch.reciprocal((k * v.unsqueeze(0)).sum(1))  # row sums of K diag(v)
+        us.append(u)
+        vs.append(v)
+    return us, vs, u, v
+
+
+class _SinkhornKnopp(torch.autograd.Function):
+    """:func:`sinkhorn_knopp` on logits [n, n, N] (N matrices, last) with a hand-written reverse
+    pass (and forward-mode ``jvp``, for :mod:`keel.diagnostics.gradflow`): outputs ``(M, K, U,
+    V)`` [n, n, N], [n, n, N], [T+1, n, N], [T, n, N]; U = [u_0 .. u_T] and V = [v_1 .. v_T] are
+    non-differentiable (kept for the derivatives).
+
+    Reverse pass, from ``M = diag(u_T) K diag(v_T)`` back through each step ``u_t = 1 / r_t, r_t
+    = K v_t`` and ``v_t = 1 / c_t, c_t = K^T u_{t-1}``: ``g_r = -g_u u_t^2``, ``g_v += K^T g_r``,
+    ``g_c = -g_v v_t^2``, ``g_u = K g_c``; ``g_K = G * u_T v_T^T + sum_t (g_r_t v_t^T + u_{t-1}
+    g_c_t^T)``, ``g_logits = g_K * K``."""
+
+    @staticmethod
+    def forward(logits, iters):
+        k = torch.exp(logits - logits.amax(dim=(0, 1), keepdim=True))
+        us, vs, u, v = _sinkhorn_scalings(k, iters)
+        return u.unsqueeze(1) * k * v.unsqueeze(0), k, torch.stack(us), torch.stack(vs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, k, us, vs = output
+        ctx.mark_non_differentiable(k, us, vs)
+        ctx.save_for_backward(k, us, vs)
+        ctx.save_for_forward(k, us, vs)
+
+    @staticmethod
+    def backward(ctx, gm, _gk, _gus, _gvs):
+        k, us, vs = ctx.saved_tensors
+        usq, vsq = us.square(), vs.square()
+        w = gm * k
+        gu = (w * vs[-1].unsqueeze(0)).sum(1)
+        gv = (w * us[-1].unsqueeze(1)).sum(0)
+        grs, gcs = [], []
+        for t in reversed(range(vs.shape[0])):  # vs[t] = v_{t+1}, us[t + 1] = u_{t+1}
+            gr = -gu * usq[t + 1]
+            gc = -(gv + (gr.unsqueeze(1) * k).sum(0)) * vsq[t]
+            gu, gv = (k * gc.unsqueeze(0)).sum(1), 0
+            grs.append(gr)
+            gcs.append(gc)
+        gr, gc = torch.stack(grs[::-1]), torch.stack(gcs[::-1])  # [T, n, N]
+        gk = gm * us[-1].unsqueeze(1) * vs[-1].unsqueeze(0) + (
+            gr.unsqueeze(2) * vs.unsqueeze(1) + us[:-1].unsqueeze(2) * gc.unsqueeze(1)).sum(0)
+        return gk * k, None
+
+    @staticmethod
+    def jvp(ctx, logits_t, _iters_t):
+        k, us, vs = ctx.saved_tensors
+        dk = logits_t * k  # the subtracted max is a constant (M does not depend on it)
+        du, dv = torch.zeros_like(us[0]), None
+        for t in range(vs.shape[0]):
+            dv = -((du.unsqueeze(1) * k + us[t].unsqueeze(1) * dk).sum(0)) * vs[t].square()
+            du = -((dk * vs[t].unsqueeze(0) + k * dv.unsqueeze(0)).sum(1)) * us[t + 1].square()
+        u, v = us[-1].unsqueeze(1), vs[-1].unsqueeze(0)
+        return du.unsqueeze(1) * k * v + u * dk * v + u * k * dv.unsqueeze(0), None, None, None
 
 
 class ManifoldHyperConnections(Residual):
@@ -753,21 +858,29 @@ class ManifoldHyperConnections(Residual):
         self.b_res.copy_(torch.eye(n))
 
     def maps(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(H_pre, H_post, H_res)`` of x [n, B, T, d]: [B, T, n], [B, T, n], [B, T, n, n]."""
+        """``(H_pre, H_post, H_res)`` of x [n, B, T, d]: [B, T, n], [B, T, n], [B, T, n, n].
+
+        One product with ``(phi_pre | phi_post | phi_res)`` [n d, n^2 + 2n] (the paper fuses
+        these projections in its infrastructure section), and ``RMSNorm(x_vec) phi = r * (x_vec
+        phi)``, ``r = 1 / rms(x_vec)`` (an identity), so the normalised vector is never formed."""
         n = x.shape[0]
-        xn = torch.nn.functional.rms_norm(x.movedim(0, -2).flatten(-2), (n * x.shape[-1],), eps=self.eps)  # [B, T, n d]
-        h_pre = torch.sigmoid(self.alpha_pre * (xn @ self.phi_pre.to(x.dtype)) + self.b_pre)
-        h_post = 2 * torch.sigmoid(self.alpha_post * (xn @ self.phi_post.to(x.dtype)) + self.b_post)
-        logits = self.alpha_res * (xn @ self.phi_res.to(x.dtype)).unflatten(-1, (n, n)) + self.b_res
+        xv = x.movedim(0, -2).flatten(-2)  # [B, T, n d]: a view when the stream is stored [B, T, n, d]
+        r = rms_reciprocal(xv, self.eps)
+        phi = torch.cat([self.phi_pre, self.phi_post, self.phi_res], 1).to(x.dtype)
+        proj = (xv @ phi) * r  # [B, T, n^2 + 2n]
+        h_pre = torch.sigmoid(self.alpha_pre * proj[..., :n] + self.b_pre)
+        h_post = 2 * torch.sigmoid(self.alpha_post * proj[..., n : 2 * n] + self.b_post)
+        logits = self.alpha_res * proj[..., 2 * n :].unflatten(-1, (n, n)) + self.b_res
         return h_pre, h_post, sinkhorn_knopp(logits, self.iters)
 
     def forward(self, x, f):
         with _no_autocast(x):
             h_pre, h_post, h_res = self.maps(x)
-            h = torch.einsum("btj,jbtd->btd", h_pre, x)
-            mixed = torch.einsum("btij,jbtd->ibtd", h_res, x)
-        out = f(self.norm(h))
-        return mixed + h_post.movedim(-1, 0).unsqueeze(-1) * out
+            xs = x.movedim(0, -2)  # [B, T, n, d]: batched products over the tokens, stored that way
+            h, mixed = h_pre.unsqueeze(-2) @ xs, h_res @ xs
+        out = f(self.norm(h.squeeze(-2)))
+        with _no_autocast(x):  # autocast's addcmul rejects a bf16 F under an fp16 stream (and the reverse)
+            return torch.addcmul(mixed, h_post.unsqueeze(-1).to(x.dtype), out.unsqueeze(-2).to(x.dtype)).movedim(-2, 0)
 
 
 def depth_attention(v: torch.Tensor, query: torch.Tensor, key_norm: RMSNorm) -> torch.Tensor:
@@ -788,9 +901,11 @@ def depth_attention(v: torch.Tensor, query: torch.Tensor, key_norm: RMSNorm) -> 
     w = query.to(v.dtype) * key_norm.weight.to(v.dtype)
     # the mean square, rsqrt and softmax in fp32 at least: in fp16 the backward of rsqrt overflows
     f32 = torch.promote_types(v.dtype, torch.float32)
-    r = torch.rsqrt(v.to(f32).square().mean(-1) + key_norm.eps)  # [m, B, T]
+    r = torch.rsqrt(torch.linalg.vector_norm(v, dim=-1, dtype=f32).square() / v.shape[-1] + key_norm.eps)  # [m, B, T]
     weights = torch.softmax((v @ w).to(f32) * r, dim=0).to(v.dtype)
-    return torch.einsum("mbt,mbtd->btd", weights, v)
+    # a broadcast product summed over the sources, not an einsum: that is a batched product of
+    # B T [1, m] x [m, d] matrices, which CPU runs one small matrix at a time
+    return (weights.unsqueeze(-1) * v).sum(0)
 
 
 class DepthAttentionReadout(nn.Module):

@@ -24,7 +24,7 @@ from keel.run import Run  # noqa: E402
 MC_TASK = "keel_python_completion"
 
 
-pytestmark = pytest.mark.usefixtures("offline_one_thread")  # conftest: no network, one torch thread
+pytestmark = [pytest.mark.usefixtures("offline_one_thread"), pytest.mark.spawns]  # conftest: no network, one thread
 
 
 @pytest.fixture(scope="module")

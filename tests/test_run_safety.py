@@ -24,6 +24,8 @@ from keel.train import train
 from keel.train.checkpoint import checkpoint_problem
 from keel.train.metrics import read_metrics
 
+pytestmark = pytest.mark.spawns  # starts processes: the e2e tier (tests/conftest.py)
+
 KEEL = Path(sys.executable).parent / "keel"
 ENV = dict(os.environ, PYTHONUNBUFFERED="1",
            PYTHONPATH=os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
