@@ -46,16 +46,21 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]
 
     On an exception the temporary file is removed and ``path`` is left as it was.
     ``suffix`` lets writers that infer the format from the name (matplotlib) see it.
+
+    Raises:
+        KeelError: the write (in the block too) failed for want of space or permission
+            (:func:`disk_errors`): one line naming ``path``, not the temporary file.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    with disk_errors(path, own_path=True):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+        os.close(fd)
+        try:
+            yield Path(tmp)
+            os.chmod(tmp, 0o666 & ~_umask())
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def chmod_default(path: str | os.PathLike) -> None:
@@ -87,18 +92,42 @@ def atomic_dir(path: str | os.PathLike, replace: bool = False) -> Iterator[Path]
 
     Raises:
         OSError: ``path`` exists, is not empty and ``replace`` is False.
+        KeelError: a write failed for want of space or permission (:func:`disk_errors`),
+            naming ``path``.
     """
     path = Path(path)
-    tmp = make_temp_dir(path.parent, path.name)
-    try:
-        yield tmp
-        if path.exists() and replace:
-            shutil.rmtree(path)
-        elif path.exists():
-            path.rmdir()  # only an empty folder may be replaced
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with disk_errors(path, own_path=True):
+        tmp = make_temp_dir(path.parent, path.name)
+        try:
+            yield tmp
+            if path.exists() and replace:
+                shutil.rmtree(path)
+            elif path.exists():
+                path.rmdir()  # only an empty folder may be replaced
+            os.replace(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_files(folder: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary folder inside ``folder`` (created); the files written into it are
+    moved into ``folder`` (replacing files of the same names) only when the whole block
+    succeeds: a set of outputs (a table, its JSON, its plot) appears completely or not at all.
+
+    Raises:
+        KeelError: a write failed for want of space or permission (:func:`disk_errors`),
+            naming ``folder``; nothing of the set is left.
+    """
+    folder = make_dirs(folder)
+    with disk_errors(folder, own_path=True):
+        tmp = make_temp_dir(folder, "outputs")
+        try:
+            yield tmp
+            for f in sorted(tmp.iterdir()):
+                os.replace(f, folder / f.name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # errno values of a write that failed because of the disk or the mount, not the program:
@@ -124,24 +153,40 @@ def write_failure(e: BaseException | None) -> OSError | None:
 
 
 @contextlib.contextmanager
-def disk_errors(path: str | os.PathLike, note: str = "") -> Iterator[None]:
+def disk_errors(path: str | os.PathLike, note: str = "", own_path: bool = False) -> Iterator[None]:
     """Turn a write that fails for want of space or permission, or because a file stands where a
     folder must be (:func:`write_failure`), inside the block into one line:
     ``KeelError("cannot write PATH: No space left on device{note}")``.
-    ``PATH`` is the file the OS names, else ``path``. Other errors pass through.
+    ``PATH`` is the file the OS names, else ``path`` (always ``path`` with ``own_path``: the
+    OS names a temporary file that the user never asked for). Other errors pass through.
+
+    A failure already turned into that line by an inner block (an atomic writer inside) keeps
+    its path; this block adds its ``note``.
 
     Raises:
         KeelError: as above.
     """
     try:
         yield
+    except KeelError as e:
+        if getattr(e, "disk_write", None) is None or not (note or own_path):
+            raise
+        where, why = (path if own_path else e.disk_write[0]), e.disk_write[1]
+        raise _disk_error(where, why, note) from None
     except Exception as e:  # noqa: BLE001 -- OSError, torch's RuntimeError, SafetensorError: see write_failure
         cause = write_failure(e)
         if cause is None:
             raise
-        where = cause.filename or path
-        why = _WHY.get(cause.errno) or cause.strerror or os.strerror(cause.errno)
-        raise KeelError(f"cannot write {where}: {why}{note}") from None
+        where = path if own_path else cause.filename or path
+        raise _disk_error(where, _WHY.get(cause.errno) or cause.strerror or os.strerror(cause.errno), note) from None
+
+
+def _disk_error(where, why: str, note: str) -> KeelError:
+    """``KeelError("cannot write WHERE: WHY{note}")``, its ``disk_write`` = (where, why) for an
+    enclosing :func:`disk_errors` (which may name its own path or add its note)."""
+    err = KeelError(f"cannot write {where}: {why}{note}")
+    err.disk_write = (where, why)
+    return err
 
 
 def make_dirs(path: str | os.PathLike) -> Path:

@@ -250,6 +250,52 @@ def test_read_only_run_dir_and_full_disk_prepare_are_one_line(tiny_data, tmp_pat
     assert res.stdout.strip() == "left:"  # nothing half-made left behind
 
 
+# Every command that writes, onto a read-only folder and onto a full one (a tmpfs filled to
+# FREE kB): one "keel: error: cannot write PATH: ..." line naming what the user asked for (not a
+# temporary file), exit 2, and nothing of the output left (issue 32: each was a traceback).
+WRITERS = {  # name: (command with {run}, {hf}, {out}; the path the line names)
+    "export-hf": ("export-hf --run {run} --out {out}/hf", "{out}/hf"),
+    "import-hf": ("import-hf --hf {hf} --out {out}/r", "{out}/r"),
+    "plot-loss": ("plot loss {run} --out {out}/loss.png", "{out}/loss.png"),
+    "gradflow-plot": ("gradflow --residual keel --sublayers 4 --plot {out}/g.png", "{out}/g.png"),
+    "ablate": ("ablate --run {run} --out {out}/ab", "{out}/ab"),
+}
+# the standard output: `keel eval --json > FILE` with no byte left (a read-only FILE the shell refuses itself)
+WRITERS_FULL = {**WRITERS, "eval-json": ("eval --run {run} --json > {out}/eval.json", "the standard output")}
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_reference_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("exp") / "hf"
+    res = subprocess.run([str(KEEL), "export-hf", "--run", str(tiny_reference_run), "--out", str(out)],
+                         capture_output=True, text=True, env=ENV, timeout=HANG_S)
+    assert res.returncode == 0, res.stderr
+    return out
+
+
+@needs_tmpfs
+@pytest.mark.parametrize("command,disk", [(c, "read-only") for c in WRITERS] + [(c, "full") for c in WRITERS_FULL])
+def test_every_writing_command_on_a_read_only_or_full_disk_is_one_line(command, disk, tiny_reference_run, exported,
+                                                                       tmp_path):
+    mnt = tmp_path / "mnt"
+    line, where = (s.format(run=tiny_reference_run, hf=exported, out=mnt) for s in WRITERS_FULL[command])
+    if disk == "read-only":
+        res = in_tmpfs(mnt, "1m", f"{KEEL} {line}; echo rc=$?", opts=",ro")
+        why = "Read-only file system"
+    else:  # 8 kB left (none for eval's output): too little for any output, enough for a folder or two
+        fill = 256 if command == "eval-json" else 248
+        script = f"dd if=/dev/zero of={mnt}/fill bs=1k count={fill} 2>/dev/null; {KEEL} {line}; echo rc=$?; ls -A {mnt}"
+        res = in_tmpfs(mnt, "256k", script)
+        why = "No space left on device"
+    assert "Traceback" not in res.stderr, res.stderr
+    assert last_line(res.stderr) == f"keel: error: cannot write {where}: {why}", res.stderr
+    assert "rc=2" in res.stdout, res.stdout
+    if disk == "full":  # nothing half-written: no file of the output (an empty folder at most)
+        left = res.stdout.split("rc=2", 1)[1].split()
+        assert set(left) <= {"fill", "ab", "eval.json"}, left
+        assert not list(mnt.glob("*"))  # the tmpfs is gone with its namespace; the folder below is empty
+
+
 def test_enospc_while_writing_metrics_is_one_line(tiny_data, tmp_path, monkeypatch, one_thread):
     """Where no tmpfs can be mounted: a metrics write raising ENOSPC (monkeypatched) is one
     KeelError naming metrics.jsonl and the last good checkpoint."""
@@ -473,7 +519,8 @@ def test_nproc_stop_message_says_what_the_workers_left(tiny_config, tmp_path):
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_a_worker_killed_under_nproc_ends_on_one_keel_line(tiny_data, tmp_path):
     """kill -9 of one worker of `keel train --nproc 2`: torchrun's report (87 lines of gloo and
-    ChildFailedError) ended the output with no keel line; now the last line says how to resume."""
+    ChildFailedError) ended the output with no keel line; now the last line names the worker
+    that died (its rank and signal, read from torchrun's report) and says how to resume."""
     run = tmp_path / "run"
     sets = tiny_overrides(tiny_data, steps=100000, checkpoint_every=100000, eval_every=100000)
     err_file = tmp_path / "stderr.txt"
@@ -496,8 +543,9 @@ def test_a_worker_killed_under_nproc_ends_on_one_keel_line(tiny_data, tmp_path):
         for p in descendants(proc.pid):
             with contextlib.suppress(OSError):
                 os.kill(p, signal.SIGKILL)
+    # the killed worker is the younger of the two: rank 1 (torchrun starts them in rank order)
     assert last_line(err_file.read_text()) == (
-        f"keel: a worker of this 2-process run failed (torchrun exit status 1; its report above names the rank); "
+        f"keel: worker rank 1 (killed by SIGKILL) of this 2-process run failed (torchrun exit status 1); "
         f"the last checkpoint is intact: keel train --resume {run} --nproc 2")
 
 

@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     saved = signal.signal(signal.SIGTERM, _terminated) if _main_thread() else None
     try:
-        return run_handler(args)
+        status = run_handler(args)
+        sys.stdout.flush()  # `keel ... > FILE` on a full disk fails here, if not before
+        return status
     except Interrupted as e:  # stopped on purpose (Ctrl-C, kill): not an error; 130 / 143
         print(f"keel: {e}", file=sys.stderr)
         return e.exit_code
@@ -122,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `keel ... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as e:  # the standard output on a full or read-only disk (files are written by disk_errors)
+        from keel.io import write_failure
+
+        if write_failure(e) is None:
+            raise
+        print(f"keel: error: cannot write {e.filename or 'the standard output'}: {e.strerror}", file=sys.stderr)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        return 2
     finally:
         if saved is not None:
             signal.signal(signal.SIGTERM, saved)

@@ -65,7 +65,7 @@ from matplotlib.patches import Patch
 from keel.data import load_tokenizer, split_windows, validation_tokens
 from keel.data.shards import read_shard
 from keel.errors import KeelError
-from keel.io import atomic_write_text, make_dirs
+from keel.io import atomic_files
 from keel.run import Run
 from keel.train.evaluate import mean_nll
 from keel.train.plots import plt, save_figure
@@ -255,11 +255,10 @@ def plot_ablation(res: dict, out: str | Path, title: str = "") -> None:
 
 def write_outputs(res: dict, out_dir: str | Path, title: str) -> None:
     """``ablate.json``, ``ablate.md`` and ``ablate.png`` in ``out_dir`` (created), atomically."""
-    out_dir = Path(out_dir)
-    make_dirs(out_dir)
-    atomic_write_text(out_dir / "ablate.json", json.dumps(res, indent=1))
-    atomic_write_text(out_dir / "ablate.md", ablate_markdown(res, title))
-    plot_ablation(res, out_dir / "ablate.png")
+    with atomic_files(out_dir) as tmp:  # all three or none (a full disk)
+        (tmp / "ablate.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
+        (tmp / "ablate.md").write_text(ablate_markdown(res, title), encoding="utf-8")
+        plot_ablation(res, tmp / "ablate.png")
 
 
 # ----------------------------------------------------------------------------- command

@@ -484,8 +484,8 @@ def rms_reciprocal(x: torch.Tensor, eps: float) -> torch.Tensor:
     rsqrt in fp32 at least (an fp16 square overflows above 256). RMSNorm's scale (Zhang &
     Sennrich 2019, Eq. 4) for maps that apply it after a product: ``Norm(x) W = r * (x (g W))``."""
     f32 = torch.promote_types(x.dtype, torch.float32)
-    ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=f32).square() / x.shape[-1]
-    return torch.rsqrt(ms + eps).to(x.dtype)
+    # square + mean, not vector_norm: its backward takes four stream-sized ops (div, eq, masked_fill, mul)
+    return torch.rsqrt(x.to(f32).square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 class EmbeddingNorm(nn.Module):
@@ -639,10 +639,11 @@ class HyperConnections(Residual):
         (static: [n]).
 
         ``Norm_hc(H) W = r * (H @ (g * W))`` with ``r = 1 / rms(H)`` per stream (an identity), so
-        the normalised stream is never formed; the mixing is batched products over the tokens in
-        the [B, T, n, d] layout (:meth:`forward` stores the stream that way), one for h_0 and one
-        for H' (not one product split: a split's backward concatenates gradients, which autocast
-        refuses for a bf16/fp16 pair)."""
+        the normalised stream is never formed; the mixing is one batched product over the tokens
+        in the [B, T, n, d] layout (:meth:`forward` stores the stream that way), sliced into h_0
+        and H' (slices, not ``split``: a split's backward concatenates gradients, which autocast
+        refuses for a bf16/fp16 pair; not two products: h_0's alone has a contraction of 1 in its
+        backward, ~4x slower on CPU than the whole mixing)."""
         xs = x.movedim(0, -2)  # [B, T, n, d]
         if not self.dynamic:
             alpha, beta = self.static_alpha.to(x.dtype), self.static_beta
@@ -652,8 +653,8 @@ class HyperConnections(Residual):
             proj = torch.tanh((xs @ w.to(x.dtype)) * rms_reciprocal(xs, self.hc_norm.eps))  # [B, T, n, n+2]
             alpha = self.static_alpha + self.s_alpha * proj[..., : n + 1]
             beta = self.static_beta + self.s_beta * proj[..., n + 1]
-        alpha = alpha.transpose(-1, -2)  # [.., n+1, n]
-        return torch.matmul(alpha[..., :1, :], xs), torch.matmul(alpha[..., 1:, :], xs), beta
+        mixed = torch.matmul(alpha.transpose(-1, -2), xs)  # [B, T, n+1, d]
+        return mixed[..., :1, :], mixed[..., 1:, :], beta
 
     def forward(self, x, f):
         with _no_autocast(x):
@@ -876,8 +877,10 @@ class ManifoldHyperConnections(Residual):
     def forward(self, x, f):
         with _no_autocast(x):
             h_pre, h_post, h_res = self.maps(x)
-            xs = x.movedim(0, -2)  # [B, T, n, d]: batched products over the tokens, stored that way
-            h, mixed = h_pre.unsqueeze(-2) @ xs, h_res @ xs
+            # (H_pre; H_res) x as one batched product over the tokens, in the stream's [B, T, n, d]
+            # storage, then sliced (see HyperConnections.connections)
+            both = torch.cat([h_pre.unsqueeze(-2), h_res], -2) @ x.movedim(0, -2)  # [B, T, n+1, d]
+            h, mixed = both[..., :1, :], both[..., 1:, :]
         out = f(self.norm(h.squeeze(-2)))
         with _no_autocast(x):  # autocast's addcmul rejects a bf16 F under an fp16 stream (and the reverse)
             return torch.addcmul(mixed, h_post.unsqueeze(-1).to(x.dtype), out.unsqueeze(-2).to(x.dtype)).movedim(-2, 0)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -92,20 +94,49 @@ def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
         cmd += ["--run-dir", str(run_dir)]
     for item in args.set:
         cmd += ["--set", item]
-    proc = subprocess.Popen(cmd, start_new_session=True,
+    proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE, text=True, errors="replace",
                             preexec_fn=functools.partial(die_with_parent, signal.SIGTERM))
+    report = threading.Thread(target=_pass_on_and_read_failure, args=(proc.stderr, failure := {}), daemon=True)
+    report.start()
     # torchrun passes SIGINT / SIGTERM to its workers but dies of SIGUSR1 / SIGUSR2 (Slurm's pre-timeout signals):
     # send it those as SIGTERM, which every worker checkpoints on
     usr = (signal.SIGUSR1, signal.SIGUSR2)
     with passing_on_stop_signals(lambda s: proc.send_signal(signal.SIGTERM if s in usr else s)) as received:
         code = proc.wait()
+    report.join(timeout=10)  # the rest of the report; a worker that outlived torchrun may hold the pipe open
     if received:
         raise Interrupted(nproc_stop_message(signal.Signals(received[0]).name, run_dir), received[0])
     if code:  # a worker died (killed, out of memory): torchrun's report is long; end on the one line that matters
-        print(f"keel: a worker of this {args.nproc}-process run failed (torchrun exit status {code}; its report above "
-              f"names the rank); the last checkpoint is intact: keel train --resume {run_dir} --nproc {args.nproc}",
+        print(f"keel: {_failed_worker(failure)} of this {args.nproc}-process run failed (torchrun exit status "
+              f"{code}); the last checkpoint is intact: keel train --resume {run_dir} --nproc {args.nproc}",
               file=sys.stderr)
     return code
+
+
+def _pass_on_and_read_failure(stream, failure: dict) -> None:
+    """Copy torchrun's standard error (its workers' too) to ours, line by line, and keep the
+    first rank and exit code of its failure report ("Root Cause" ... ``rank : 1 (local_rank:
+    1)``, ``exitcode : -9 (pid: ...)``) in ``failure`` (keys ``rank``, ``exitcode``)."""
+    cause = False
+    for line in stream:
+        sys.stderr.write(line)
+        cause = cause or "Root Cause" in line
+        m = re.match(r"\s*(rank|exitcode)\s*:\s*(-?\d+)", line) if cause else None
+        if m and m.group(1) not in failure:
+            failure[m.group(1)] = int(m.group(2))
+    sys.stderr.flush()
+
+
+def _failed_worker(failure: dict) -> str:
+    """"worker rank R (killed by SIGKILL)" from torchrun's report as read by
+    :func:`_pass_on_and_read_failure`, or "a worker" when it named none."""
+    if "rank" not in failure:
+        return "a worker"
+    code = failure.get("exitcode")
+    if code is None:
+        return f"worker rank {failure['rank']}"
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else None
+    return f"worker rank {failure['rank']} ({how or f'exit status {code}'})"
 
 
 def nproc_stop_message(name: str, run_dir: Path) -> str:
