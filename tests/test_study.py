@@ -1041,6 +1041,9 @@ def test_restore_refuses_malformed_or_mismatched_reports(tmp_path, tiny_data, ke
     bad["runs"].append(dict(bad["runs"][0], capped_loss=1.0))
     refused(bad, "run L2_seed0_keel_lr0.001 of group g is listed twice")
     refused({k: v for k, v in rep.items() if k != "sets"}, "records no settings")
+    # a group's settings that are not a list: a TypeError traceback; a group_sets that is not a table: ignored
+    for group_sets in ({"g": 5}, 7, {"g": "train.eval_tokens=64"}):
+        refused({**rep, "group_sets": group_sets}, "group_sets must map each group to a list of section.key=value texts")
     edited = tmp_path / "edited" / "s.toml"
     edited.parent.mkdir()
     edited.write_text(p.read_text().replace('"train.eval_tokens" = 64', '"train.eval_tokens" = 128'))

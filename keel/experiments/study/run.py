@@ -247,7 +247,10 @@ def load_restored(path: str | Path, study: Study) -> dict[tuple[str, str], dict]
     if not isinstance(rep.get("sets"), list):
         raise KeelError(f"--restore {path}: the report records no settings (sets), so its runs cannot be matched")
     diff = _restore_settings_diff(study, rep["sets"], None)
-    group_sets = rep.get("group_sets") if isinstance(rep.get("group_sets"), dict) else {}
+    group_sets = rep.get("group_sets", {})  # reports before v3 have none
+    if not isinstance(group_sets, dict) or not all(isinstance(v, list) for v in group_sets.values()):
+        raise KeelError(f"--restore {path}: group_sets must map each group to a list of section.key=value texts, "
+                        f"got {json.dumps(group_sets)[:80]}")
     for g in study.groups:
         if not diff and g.name in group_sets:
             diff = _restore_settings_diff(study, rep["sets"] + list(group_sets[g.name]), g)
