@@ -218,6 +218,20 @@ def cli(capsys, *args):
     return code, out.out, out.err
 
 
+def test_a_deep_profile_says_what_it_runs_before_it_starts(capsys, tiny_data, monkeypatch):
+    """`keel gradflow --sublayers 200000` passed the size guard, then printed nothing for minutes;
+    from LONG_SUBLAYERS sub-layers on (lowered to 4 here) each profile is announced first, the
+    shallower one is not."""
+    monkeypatch.setattr(gradflow, "LONG_SUBLAYERS", 4)
+    code, _, err = cli(capsys, "--residual", "keel", "--sublayers", "2,4", "--d-model", 16, "--seq-len", 8,
+                       "--batch-size", 1, "--threads", 1, "--jacobian-iters", 2, "--set", f"data.path={tiny_data}",
+                       "--set", "model.vocab_size=512")
+    assert code == 0, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("profiling ")]
+    assert lines == ["profiling keel at 4 sub-layers: building the model, then one forward and backward pass and 2 "
+                     "Jacobian products through every sub-layer (time grows with the depth; Ctrl-C stops)"], err
+
+
 def test_cli_json_schema_and_plot(capsys, tiny_data, tmp_path):
     png = tmp_path / "gf.png"
     code, out, err = cli(capsys, "--residual", "post_ln,keel,hybridnorm", "--sublayers", "2,4", "--json",

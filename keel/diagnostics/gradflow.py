@@ -78,6 +78,8 @@ from keel.train.plots import save_figure
 _log = logging.getLogger(__name__)  # the summary table, one line per finished profile
 
 DEFAULT_LAYERS = "16,64"
+# From this depth on a profile takes minutes or more on a CPU: say what is running before it starts.
+LONG_SUBLAYERS = 1024
 
 
 # ---- the model's sub-layers ------------------------------------------------------------
@@ -440,6 +442,10 @@ def profile_schemes(base, schemes: Sequence[str], depths: Sequence[int], d_model
             torch.manual_seed(seed)
             r = {"residual": scheme, "sublayers": L, "blocks": L // 2, "d_model": d_model,
                  "init_std": mcfg.init_std, "label": scheme}
+            if L >= LONG_SUBLAYERS:  # a silent wait of minutes looked like a hang (issue 32)
+                _log.info("profiling %s at %s sub-layers: building the model, then one forward and backward pass "
+                          "and %s Jacobian products through every sub-layer (time grows with the depth; Ctrl-C "
+                          "stops)", scheme, f"{L:,}", "the full" if full_jacobian else jacobian_iters)
             r.update(profile_model(Transformer(mcfg), batch, jacobian_iters, full_jacobian, seed))
             results.append(_finished(r, t0, first=not results))
     return results
