@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except OSError as e:  # the standard output on a full or read-only disk (files are written by disk_errors)
-        from keel.io import write_failure
+        from keel.io import write_failure  # lazily: keel.io at the top would be imported by `keel --help`
 
         if write_failure(e) is None:
             raise
