@@ -49,6 +49,10 @@ import statistics
 import sys
 import time
 
+# Model FLOPs per token, PaLM App. B (6 N + 12 n_layers d_model seq_len, N without the input
+# embedding): the study's dry run prices its runs with the same function, one place for both.
+from keel.experiments.study.run import flops_per_token
+
 # Dense bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s (no sparsity).
 GPU_PEAK_TFLOPS: dict[str, float] = {
     "H200": 989.0,   # H200 SXM; same compute as H100 SXM
@@ -69,23 +73,6 @@ def gpu_peak_flops(name: str) -> float | None:
         if key.lower() in name.lower():
             return GPU_PEAK_TFLOPS[key] * 1e12
     return None
-
-
-def flops_per_token(cfg, seq_len: int) -> float:
-    """Model FLOPs per trained token, PaLM Appendix B: ``6·N + 12·n_layers·d_model·seq_len``.
-
-    N = parameters excluding the input embedding (``Transformer.num_params(non_embedding=True)``
-    computed from the config without building the model): per block the q, k, v, o
-    projections ``d·(H·hd) + 2·d·(K·hd) + (H·hd)·d``, the SwiGLU FFN ``3·d·f``, and the
-    RMSNorm gains; the final norm; the LM head ``V·d`` unless tied to the embedding.
-    """
-    from keel.model import Transformer
-    import torch
-
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    n = model.num_params(non_embedding=True)
-    return 6.0 * n + 12.0 * cfg.n_layers * cfg.d_model * seq_len
 
 
 def measure_cpu_peak(size: int = 4096, reps: int = 3, clock=time.perf_counter) -> float:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 from pathlib import Path
 from typing import Sequence
 
@@ -108,12 +109,6 @@ def reference_name(scheme: str, sublayers: int, seed: int) -> str:
     return run_name(scheme, sublayers, seed)
 
 
-def _median(values: list[float]) -> float:
-    v = sorted(values)
-    n = len(v)
-    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
-
-
 def stress_table(results: list[dict], schemes: list[str], depths: list[int]) -> dict:
     """Table 1 layout: one row per depth (sub-layers), one cell per scheme.
 
@@ -135,7 +130,7 @@ def stress_table(results: list[dict], schemes: list[str], depths: list[int]) -> 
             elif nd == 0:
                 cell["text"] = "no div."
             else:
-                med, lo, hi = _median(vals), min(vals), max(vals)
+                med, lo, hi = statistics.median(vals), min(vals), max(vals)
                 cell.update({k: (x if math.isfinite(x) else None) for k, x in (("median", med), ("min", lo), ("max", hi))})
                 fmt = (lambda x: f"{x:.2e}" if math.isfinite(x) else "no div.")
                 cell["text"] = fmt(med) if n == 1 else f"{fmt(med)} ({fmt(lo)}–{fmt(hi)})"
