@@ -479,13 +479,13 @@ def _no_autocast(x: torch.Tensor):
     return torch.autocast(x.device.type, enabled=False)
 
 
-def rms_reciprocal(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``1 / sqrt(mean_d x^2 + eps)`` of x [..., d] as [..., 1] in x's dtype, the mean square and
-    rsqrt in fp32 at least (an fp16 square overflows above 256). RMSNorm's scale (Zhang &
-    Sennrich 2019, Eq. 4) for maps that apply it after a product: ``Norm(x) W = r * (x (g W))``."""
+def rms_reciprocal(x: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``1 / sqrt(mean_d x^2 + eps)`` of x [..., d] as [..., 1] in ``dtype`` (default x's), the
+    mean square and rsqrt in fp32 at least (an fp16 square overflows above 256). RMSNorm's scale
+    (Zhang & Sennrich 2019, Eq. 4) for maps that apply it after a product: ``Norm(x) W = r * (x (g W))``."""
     f32 = torch.promote_types(x.dtype, torch.float32)
     # square + mean, not vector_norm: its backward takes four stream-sized ops (div, eq, masked_fill, mul)
-    return torch.rsqrt(x.to(f32).square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    return torch.rsqrt(x.to(f32).square().mean(-1, keepdim=True) + eps).to(dtype or x.dtype)
 
 
 class EmbeddingNorm(nn.Module):
@@ -904,7 +904,7 @@ def depth_attention(v: torch.Tensor, query: torch.Tensor, key_norm: RMSNorm) -> 
     w = query.to(v.dtype) * key_norm.weight.to(v.dtype)
     # the mean square, rsqrt and softmax in fp32 at least: in fp16 the backward of rsqrt overflows
     f32 = torch.promote_types(v.dtype, torch.float32)
-    r = torch.rsqrt(torch.linalg.vector_norm(v, dim=-1, dtype=f32).square() / v.shape[-1] + key_norm.eps)  # [m, B, T]
+    r = rms_reciprocal(v, key_norm.eps, f32).squeeze(-1)  # [m, B, T]
     weights = torch.softmax((v @ w).to(f32) * r, dim=0).to(v.dtype)
     # a broadcast product summed over the sources, not an einsum: that is a batched product of
     # B T [1, m] x [m, d] matrices, which CPU runs one small matrix at a time
