@@ -20,6 +20,8 @@ import functools
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from keel import ModelConfig, Transformer
 from keel.model import SCHEMES
@@ -29,18 +31,17 @@ ALL = sorted(SCHEMES)
 B16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
 # name: (model dtype, autocast dtype, tolerance on the loss, on the logits, on every gradient).
-# Worst errors measured over the 6 schemes (loss / logits / gradient): fp32 0 / 2.9e-7 / 9.3e-7
-# (HC's static_alpha: 1.2e-5, the one fp32 gradient above 1e-6 -- a sum over every token, channel
-# and stream whose terms cancel to 1e-3 of the model's largest gradient, fp32 rounding (6e-8) of
-# terms ~200x larger than their sum; the fp32 tolerance 2e-5 is that bound);
-# bf16-autocast 3.4e-5 / 6.5e-3 / 2.2e-2; bf16 2.3e-5 / 9.0e-3 / 2.1e-2; fp16 1.4e-6 / 1.1e-3 /
-# 4.1e-3; bf16-model/fp16-autocast 4.1e-5 / 9.7e-3 / 2.6e-2; fp16-model/bf16-autocast 3.0e-5 /
-# 6.0e-3 / 2.0e-2 (tests/test_precision.py::precision_errors).
+# A gradient may also reach its rounding allowance (see allowances: a sum of cancelling terms is
+# off by about u x its condition in any precision). Worst errors measured over the ten schemes
+# (loss / logits / well-conditioned gradient), `python tests/test_precision.py`:
+# fp32 0 / 2.9e-7 / 9.3e-7; bf16-autocast 5.1e-5 / 6.6e-3 / 2.2e-2; bf16 4.6e-5 / 9.2e-3 / 2.7e-2;
+# fp16 9.0e-6 / 1.1e-3 / 4.1e-3; bf16-model/fp16-autocast 6.0e-5 / 9.7e-3 / 3.4e-2;
+# fp16-model/bf16-autocast 3.0e-5 / 6.6e-3 / 2.0e-2. Each tolerance is ~2-4x its worst.
 PATHS = {
-    "fp32": (F32, None, 1e-6, 2e-6, 2e-5),
+    "fp32": (F32, None, 1e-6, 1e-6, 4e-6),
     "bf16-autocast": (F32, B16, 2e-4, 3e-2, 8e-2),
     "bf16": (B16, None, 2e-4, 3e-2, 8e-2),
-    "fp16": (F16, None, 1e-5, 4e-3, 1.6e-2),
+    "fp16": (F16, None, 2e-5, 4e-3, 1.6e-2),
     "bf16-model/fp16-autocast": (B16, F16, 2e-4, 3e-2, 8e-2),
     "fp16-model/bf16-autocast": (F16, B16, 2e-4, 3e-2, 8e-2),
 }
@@ -55,26 +56,6 @@ FP16_LOSS_SCALE = 2.0 ** 14
 @pytest.fixture(autouse=True)
 def _threads(one_thread):
     yield
-
-
-# Open findings (marked xfail, not strict, so that the matrix keeps running them and a fix shows
-# as XPASS). Fixed in v4: AttnRes in fp16 (its depth-attention RMS and softmax now run in fp32) and
-# under a mixed fp16/bf16 pair (the stream's cat runs outside autocast); mHC's "3e10" was the
-# relative error of gradients that are 0 up to rounding (:func:`grad_floor`).
-OPEN = {("hyper_connections", p, "exported"): "HC exported: the static maps' gradients (near-cancelling sums "
-        "over every token and channel) measure 0.04-0.26 relative error under HF's low-precision loss since HC's "
-        "output projections start / sqrt(n) (native keel: within tolerance); open, issue 31"
-        for p in ("bf16-autocast", "bf16", "fp16", "bf16-model/fp16-autocast", "fp16-model/bf16-autocast")}
-OPEN[("mhc", None)] = ("mHC: phi's gradients at init (the n streams are equal copies, so they nearly cancel) measure "
-                       "3.5e-4 relative error in fp32 and up to 5 in bf16 against the fp64 model, with every other "
-                       "gradient in tolerance; open, issue 31")
-
-
-def mark_open(request, scheme, path, *extra):
-    """xfail (not strict) the (scheme, path) pairs listed in :data:`OPEN`."""
-    reason = OPEN.get((scheme, None)) or OPEN.get((scheme, path)) or OPEN.get((scheme, path, *extra))
-    if reason:
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=False))
 
 
 def tiny(scheme):
@@ -117,15 +98,76 @@ def grad_floor(grads):
 ROUNDOFF = {F32: 2.0 ** -24, B16: 2.0 ** -8, F16: 2.0 ** -11}
 
 
+def _reference(scheme):
+    """The fp64 model the paths are compared against: seed 0, every gain and bias moved by
+    N(0, 0.1^2) so that no gain is exactly 1."""
+    torch.manual_seed(0)
+    model = Transformer(tiny(scheme)).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+class RoundingNoise(TorchDispatchMode):
+    """Monte Carlo arithmetic (Parker 1997; Stott Parker, Pierce & Eggert 2000): every fp64 result
+    of every operation, forward and backward, multiplied by ``1 + u * U(-1, 1)`` -- a simulation
+    of rounding at unit roundoff ``u`` that does not use the low-precision code under test."""
+
+    def __init__(self, u: float, seed: int):
+        super().__init__()
+        self.u, self.gen = u, torch.Generator().manual_seed(seed)
+
+    def _perturb(self, t):
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+            return t * (1 + self.u * (2 * torch.rand(t.shape, generator=self.gen, dtype=t.dtype) - 1))
+        return t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return tree_map(self._perturb, func(*args, **(kwargs or {})))
+
+
+def rounding_conditions(model, ids, targets, samples=3) -> dict[str, float]:
+    """Each gradient's condition, measured in fp64: the largest relative change of the gradient
+    (against :func:`grad_floor`) over ``samples`` runs under :class:`RoundingNoise` at fp32's unit
+    roundoff, divided by that roundoff, at least 1. A gradient that is a sum of terms cancelling to
+    a small total has a large condition: HC's static maps (~200: sums over every token, channel and
+    stream); mHC's b_res (~2e4: at init the n streams are equal copies, so dL/dH_res has equal
+    columns, which the Sinkhorn's Jacobian maps to ~0) and b_pre / phi_res (~1e3-5e3). Any
+    arithmetic that rounds at u is expected to be off by about u x condition."""
+    u = ROUNDOFF[F32]
+    ref = _run(model, None, ids, targets)[2]
+    floor = grad_floor(ref)
+    worst = dict.fromkeys(ref, 1.0)
+    for seed in range(samples):
+        with RoundingNoise(u, seed):
+            got = _run(model, None, ids, targets)[2]
+        worst = {n: max(worst[n], rel_err(got[n], ref[n], floor) / u) for n in ref}
+    return worst
+
+
+# An allowance is SAFETY x (unit roundoff) x (condition): the Monte Carlo samples estimate a typical
+# error, the largest measured error of a real path over that estimate is 2.1 (pre_ln's norm gains, fp32).
+SAFETY = 4.0
+
+
+def allowances(path, conditions) -> dict[str, float]:
+    """Each gradient's tolerance on ``path``: the path's tolerance or SAFETY x (unit roundoff of the
+    path's lowest precision) x (the gradient's measured condition), whichever is larger."""
+    u = max(ROUNDOFF[d] for d in PATHS[path][:2] if d is not None)
+    return {n: max(PATHS[path][4], SAFETY * u * c) for n, c in conditions.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def reference_conditions(scheme) -> dict[str, float]:
+    return rounding_conditions(_reference(scheme), *_batch())
+
+
 def _errors(scheme, path):
     """(loss error, logits error, {parameter: gradient error}) of ``path`` against fp64."""
     dtype, autocast = PATHS[path][:2]
-    torch.manual_seed(0)
-    ref_model = Transformer(tiny(scheme)).double()
-    with torch.no_grad():  # non-trivial gains
-        for p in ref_model.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
+    ref_model = _reference(scheme)
     model = Transformer(tiny(scheme)).to(dtype)
     model.load_state_dict(ref_model.state_dict())
     ids, targets = _batch()
@@ -136,42 +178,28 @@ def _errors(scheme, path):
     return rel_err(got[0], ref[0]), rel_err(got[1], ref[1]), {n: rel_err(got[2][n], ref[2][n], floor) for n in ref[2]}
 
 
-@functools.lru_cache(maxsize=None)
-def gradient_conditions(scheme) -> dict[str, float]:
-    """Each gradient's condition, measured: its fp32 relative error over fp32's unit roundoff,
-    at least 1. A gradient that is a sum of terms cancelling to a small total (HC's static maps:
-    ~200) has a rounding error of about (unit roundoff) x (condition) in any precision."""
-    return {n: max(1.0, e / ROUNDOFF[F32]) for n, e in _errors(scheme, "fp32")[2].items()}
-
-
 def precision_errors(scheme, path):
     """(loss error, logits error, worst gradient error over its allowance x the path's gradient
-    tolerance). A gradient's allowance is the path's tolerance or, in bf16/fp16, the bound
-    (unit roundoff of the lowest precision) x (its measured condition), whichever is larger."""
+    tolerance), see :func:`allowances`."""
     loss, logits, grads = _errors(scheme, path)
-    tol = PATHS[path][4]
-    low = [d for d in (B16, F16) if d in PATHS[path][:2]]
-    cond = gradient_conditions(scheme) if low else {}
-    allowed = {n: max(tol, max(ROUNDOFF[d] for d in low) * cond[n]) if low else tol for n in grads}
-    return loss, logits, tol * max(e / allowed[n] for n, e in grads.items())
+    allowed = allowances(path, reference_conditions(scheme))
+    return loss, logits, PATHS[path][4] * max(e / allowed[n] for n, e in grads.items())
 
 
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("scheme", ALL)
-def test_forward_backward_against_fp64(scheme, path, request):
+def test_forward_backward_against_fp64(scheme, path):
     """Loss, logits and every gradient of a 2-block model within the path's tolerance of fp64
     (in bf16/fp16 a gradient may also reach its measured condition's bound, see precision_errors)."""
-    mark_open(request, scheme, path)
     errors = precision_errors(scheme, path)
     assert all(e <= tol for e, tol in zip(errors, PATHS[path][2:])), (errors, PATHS[path][2:])
 
 
 @pytest.mark.parametrize("dtype", [B16, F16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("scheme", ALL)
-def test_pure_low_precision_trains_and_generates(scheme, dtype, request):
+def test_pure_low_precision_trains_and_generates(scheme, dtype):
     """A model cast to bf16/fp16 takes AdamW steps (the loss falls) and generates with its KV cache
     exactly what it generates without one."""
-    mark_open(request, scheme, {B16: "bf16", F16: "fp16"}[dtype])
     torch.manual_seed(0)
     model = Transformer(tiny(scheme)).to(dtype)
     ids, targets = _batch()
@@ -219,15 +247,15 @@ def exported_class(tmp_path_factory):
 
 @pytest.mark.parametrize("path", [p for p in PATHS if p != "fp32"])
 @pytest.mark.parametrize("scheme", ALL)
-def test_exported_code_every_precision_path(exported_class, scheme, path, tmp_path, request):
+def test_exported_code_every_precision_path(exported_class, scheme, path, tmp_path):
     """The exported modeling code, loaded by transformers in bf16/fp16 (``dtype=``) and run under
-    each autocast: HF loss and gradients within the path's tolerance of the fp64 native model,
+    each autocast: HF loss and gradients within the path's tolerance of the fp64 native model
+    (a gradient within its :func:`allowances`),
     and greedy ``generate`` with the cache equal to generation without it."""
-    mark_open(request, scheme, path, "exported")
-    dtype, autocast, tol_loss, _, tol_grad = PATHS[path]
-    torch.manual_seed(0)
-    ref = Transformer(tiny(scheme)).double()
+    dtype, autocast, tol_loss = PATHS[path][:3]
+    ref = _reference(scheme)
     ids, _ = _batch()
+    allowed = allowances(path, rounding_conditions(ref, ids[:, :-1], ids[:, 1:]))
     ref_loss = ref(ids[:, :-1], ids[:, 1:])
     ref_loss.backward()
     config = exported_class.config_class.from_model_config(tiny(scheme))
@@ -244,5 +272,17 @@ def test_exported_code_every_precision_path(exported_class, scheme, path, tmp_pa
     assert rel_err(loss.detach().double(), ref_loss.detach()) <= tol_loss
     floor = grad_floor({n: q.grad for n, q in ref.named_parameters()})
     for (name, p), (_, q) in zip(hf.model.named_parameters(), ref.named_parameters()):
-        assert rel_err(p.grad.double() / scale, q.grad, floor) <= tol_grad, name
+        assert rel_err(p.grad.double() / scale, q.grad, floor) <= allowed[name], name
     assert torch.equal(cached, plain)
+
+
+if __name__ == "__main__":  # the measured worst errors quoted above PATHS
+    torch.set_num_threads(1)
+    for name in ALL:
+        cells = []
+        for p in PATHS:
+            loss_err, logits_err, grad_errs = _errors(name, p)
+            allowed = allowances(p, reference_conditions(name))
+            ratio = max(grad_errs[n] / allowed[n] for n in grad_errs)
+            cells.append(f"{p} {loss_err:.1e}/{logits_err:.1e} worst/allowed {ratio:.2f}")
+        print(name, " | ".join(cells), flush=True)

@@ -753,6 +753,11 @@ class _SinkhornKnopp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gm, _gk, _gus, _gvs):
         k, us, vs = ctx.saved_tensors
+        with torch.autocast(k.device.type, enabled=False):  # as the forward (autocast's stack rejects bf16 under fp16)
+            return _SinkhornKnopp._reverse(gm, k, us, vs), None
+
+    @staticmethod
+    def _reverse(gm, k, us, vs):
         usq, vsq = us.square(), vs.square()
         w = gm * k
         gu = (w * vs[-1].unsqueeze(0)).sum(1)
@@ -767,7 +772,7 @@ class _SinkhornKnopp(torch.autograd.Function):
         gr, gc = torch.stack(grs[::-1]), torch.stack(gcs[::-1])  # [T, n, N]
         gk = gm * us[-1].unsqueeze(1) * vs[-1].unsqueeze(0) + (
             gr.unsqueeze(2) * vs.unsqueeze(1) + us[:-1].unsqueeze(2) * gc.unsqueeze(1)).sum(0)
-        return gk * k, None
+        return gk * k
 
     @staticmethod
     def jvp(ctx, logits_t, _iters_t):
