@@ -30,6 +30,11 @@ OUT.md``); it prints one markdown table and writes it to ``OUT.md``. Sections (r
    for 4 steps with sharded (DCP) checkpoints at steps 2 and 4, then the run cut back to its
    step-2 checkpoint and resumed: steps 3-4 must repeat the uninterrupted losses; skipped
    with fewer GPUs. ``--dry-run --sections fsdp`` runs it on the CPU (gloo).
+8. ``hf``: every scheme as ``KeelForCausalLM`` on the device (fp32, TF32 off): greedy
+   ``generate`` of a left-padded batch (prompts of 9, 5, 1 tokens) equals each prompt alone;
+   ``hf-llama``: tokens/s of ``pre_ln`` and ``keel`` against ``transformers``'
+   ``LlamaForCausalLM`` of the same shape (``benchmarks/throughput.py``, paired rounds, bf16
+   autocast), passing at >= 0.5x the Llama's speed.
 
 Every row ends with ``pass``, ``FAIL`` or ``skip`` (column ``status``): bf16 error < 0.05;
 finite losses; no graph break; on the GPU a compiled speed row not slower than its eager
@@ -63,7 +68,7 @@ import levers  # (benchmarks/levers.py: fused QKV / gate-up / chunked-loss micro
 import mfu  # (benchmarks/mfu.py: FLOPs per token, GPU peaks, step function)
 
 
-SECTIONS = ("bf16", "compile", "speed", "memory", "levers", "train", "fsdp")
+SECTIONS = ("bf16", "compile", "speed", "memory", "levers", "train", "fsdp", "hf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,6 +361,69 @@ def check_fsdp(plan: Plan, work: Path, dry: bool) -> list[dict]:
              "same": same, "train_s": time.perf_counter() - t0}]
 
 
+def _left_padded(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, longest] and attention_mask of ``prompts``, padded on the left with id 0."""
+    n = max(map(len, prompts))
+    ids = torch.tensor([[0] * (n - len(q)) + q for q in prompts], device=device)
+    mask = torch.tensor([[0] * (n - len(q)) + [1] * len(q) for q in prompts], device=device)
+    return ids, mask
+
+
+def check_hf_left_padding(plan: Plan, device: torch.device) -> list[dict]:
+    """Section 8a: every scheme exported to Hugging Face (``KeelForCausalLM``) on the device, fp32
+    (TF32 off): a left-padded batch of prompts of 9, 5 and 1 tokens, greedy ``generate`` with the
+    cache, equals generating each prompt alone, token for token."""
+    from keel.hf import KeelConfig, KeelForCausalLM
+    from keel.model import SCHEMES
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(1, plan.vocab, (n,), generator=g).tolist() for n in (9, 5, 1)]
+    ids, mask = _left_padded(prompts, device)
+    sublayers = plan.compile_check[1] // 8 or 2
+    rows = []
+    for scheme in sorted(SCHEMES):
+        torch.manual_seed(0)
+        cfg = model_config(plan, scheme, sublayers)
+        with torch.device(device):
+            hf = KeelForCausalLM(KeelConfig.from_model_config(cfg)).eval()
+        with torch.no_grad():
+            batched = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+            alone = [hf.generate(torch.tensor([q], device=device), max_new_tokens=8, do_sample=False,
+                                 pad_token_id=0)[0, len(q):].tolist() for q in prompts]
+        same = [batched[i, ids.shape[1]:].tolist() == a for i, a in enumerate(alone)]
+        rows.append({"section": "hf", "scheme": scheme, "sublayers": sublayers, "what": "left padding",
+                     "rows_same": sum(same), "rows": len(same)})
+        del hf
+        free(device)
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    return rows
+
+
+def check_hf_llama(plan: Plan, device: torch.device, work: Path) -> list[dict]:
+    """Section 8b: training throughput of pre_ln and keel against ``transformers``'
+    ``LlamaForCausalLM`` of the same shape and weights (``benchmarks/throughput.py``, its paired
+    ratio: the Llama's step time over ours in the same round), at the first speed depth."""
+    sub = plan.speed_sublayers[0]
+    out = work / "throughput.json"
+    args = ["--device", str(device), "--shapes", f"{plan.width}x{sub // 2}", "--schemes", "pre_ln,keel",
+            "--seq-len", str(plan.seq), "--batch-size", str(plan.batch), "--vocab", str(plan.vocab),
+            "--head-dim", str(plan.width // plan.heads), "--gqa", str(plan.heads // plan.kv_heads),
+            "--ffn-mult", str(plan.d_ff // plan.width), "--no-memory", "--repeats", str(max(plan.steps, 2)),
+            "--warmup", str(plan.warmup), "--steps", "1", "--budget-s", "240", "--json", str(out)]
+    subprocess.run([sys.executable, str(HERE / "throughput.py"), *args], check=True, env=_env(),
+                   stdout=subprocess.DEVNULL)
+    shape = json.loads(out.read_text())["shapes"][0]
+    rows = []
+    for scheme in ("pre_ln", "keel"):
+        m = shape["models"][scheme]
+        rows.append({"section": "hf-llama", "scheme": scheme, "sublayers": sub, "tokens_per_s": m["tokens_per_s"],
+                     "hf_tokens_per_s": shape["models"]["hf_llama"]["tokens_per_s"],
+                     "speed_vs_hf": m["paired_vs_hf_llama"], "dlogits": shape.get("max_abs_dlogits_pre_ln_vs_hf")})
+    return rows
+
+
 def _fmt(v, spec: str = ".3g") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -379,6 +447,10 @@ def status(r: dict, rows: list[dict], dry: bool) -> str:
         return "pass" if r["same"] and r["shards"] else "FAIL"
     if sec == "levers":
         return "pass"
+    if sec == "hf":
+        return "pass" if r["rows_same"] == r["rows"] else "FAIL"
+    if sec == "hf-llama":  # at least half the speed of transformers' Llama of the same shape
+        return "pass" if r["speed_vs_hf"] >= 0.5 else "FAIL"
     ok = math.isfinite(r["loss"]) and r.get("graph_breaks", 0) == 0
     if sec == "memory" and r.get("peak_gib") is not None:
         ok = ok and r["peak_gib"] <= r["predicted_gib"]
@@ -403,6 +475,12 @@ def _result(r: dict) -> str:
     if r["section"] == "levers":
         return (f"separate {r['separate_ms']:.2f} ms, fused {r['fused_ms']:.2f} ms "
                 f"(fused / separate {r['fused_ms'] / r['separate_ms']:.3f})")
+    if r["section"] == "hf":
+        return f"{r['what']}: {r['rows_same']} of {r['rows']} rows equal one-by-one greedy generation"
+    if r["section"] == "hf-llama":
+        return (f"{r['tokens_per_s']:,.0f} tokens/s vs HF Llama {r['hf_tokens_per_s']:,.0f}: speed "
+                f"{r['speed_vs_hf']:.2f}x the Llama's (paired rounds)"
+                + (f"; pre_ln vs Llama max abs logit difference {r['dlogits']:.1e}" if r["dlogits"] is not None else ""))
     if r["section"] == "compile":
         return (f"{r['graph_breaks']} graph breaks, {r['graphs']} graphs, loss {r['loss']:.3f}, "
                 f"gradients {'finite' if r['finite'] else 'NOT finite'}")
@@ -453,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
                         ("speed", lambda: check_speed(plan, device, peak)),
                         ("memory", lambda: check_memory(plan, device)), ("levers", lambda: check_levers(plan, device)),
                         ("train", lambda: check_train(plan, Path(work))),
-                        ("fsdp", lambda: check_fsdp(plan, Path(work), a.dry_run))):
+                        ("fsdp", lambda: check_fsdp(plan, Path(work), a.dry_run)),
+                        ("hf", lambda: check_hf_left_padding(plan, device) + check_hf_llama(plan, device, Path(work)))):
             if sec in sections:
                 t0 = time.perf_counter()
                 rows += fn()

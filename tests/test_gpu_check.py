@@ -65,6 +65,25 @@ def test_dry_run_exercises_every_section(tmp_path):
     assert len(losses) == 2 and all(math.isfinite(v) and v > 0 for v in losses)
 
 
+def test_dry_run_hf_section(tmp_path):
+    """The Hugging Face rows: every scheme's left-padded batch generates as one prompt at a time,
+    and pre_ln / keel are timed against transformers' Llama of the same shape (same weights:
+    pre_ln's logits equal the Llama's)."""
+    out = tmp_path / "hf.md"
+    proc = run_script(out, "--dry-run", "--sections", "hf")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = rows_of(out.read_text())
+    assert sorted(r[1] for r in rows if r[0] == "hf") == sorted(SCHEMES)
+    assert all("3 of 3 rows equal" in r[-2] and r[-1] == "pass" for r in rows if r[0] == "hf")
+    llama = [r for r in rows if r[0] == "hf-llama"]
+    assert [r[1] for r in llama] == ["pre_ln", "keel"]
+    for r in llama:
+        speed = float(re.search(r"speed ([0-9.]+)x", r[-2]).group(1))
+        assert 0.05 < speed < 20, r
+    dlogits = float(re.search(r"max abs logit difference ([0-9.e+-]+)", llama[0][-2]).group(1))
+    assert dlogits < 1e-4, llama[0]  # fp32 on the CPU: the same function
+
+
 @pytest.mark.slow  # two torchrun launches: ~80 s on 2 busy cores (tests/test_distributed.py covers the path)
 def test_dry_run_fsdp_save_resume(tmp_path):
     """The 2-process FSDP2 + DCP row on gloo: sharded checkpoint written, resumed losses equal."""
