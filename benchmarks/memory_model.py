@@ -25,7 +25,7 @@ def activation_bytes_per_block(batch: int, seq_len: int, d_model: int, d_ff: int
     * ``T·hd``: the RoPE cos/sin slices ([T, hd/2] each), shared by the batch;
     * ``c_d·d + c_1``: every other [E, d] tensor (normed inputs, q, q after RoPE, SDPA
       output and its reshaped copy, the normalised value each RMSNorm keeps for its
-      hand-written backward, :func:`keel.model.residual.rms_norm_of_sum`) and every
+      hand-written backward, :func:`keel.model.norm.rms_norm_of_sum`) and every
       per-token 1/rms of an RMSNorm. Pre-LN and Mix-LN (its Pre-LN blocks; its Post-LN blocks
       need less): ``c_d = 7, c_1 = 2``; Post-LN and DeepNorm, whose norm output is the next
       sub-layer's matmul input (one tensor, saved once): ``c_d = 6, c_1 = 2``; Keel, whose

@@ -116,7 +116,7 @@ def test_activation_checkpointing_takes_effect_under_compile():
 def test_gradflow_jvp_still_uses_the_fused_norm():
     """Eager calls keep the hand-written derivatives (forward-mode AD works through the fused op),
     and the traceable composite under compile is the same function."""
-    from keel.model.residual import _rms_norm_of_sum_composite, rms_norm_of_sum
+    from keel.model.norm import _rms_norm_of_sum_composite, rms_norm_of_sum
 
     g = torch.Generator().manual_seed(0)
     x, f, w = (torch.randn(3, 8, generator=g, dtype=torch.float64) for _ in range(3))

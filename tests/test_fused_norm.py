@@ -1,4 +1,4 @@
-"""The fused RMSNorm of a scaled sum (keel.model.residual.rms_norm_of_sum): forward against
+"""The fused RMSNorm of a scaled sum (keel.model.norm.rms_norm_of_sum): forward against
 a transcription of the formula, hand-written backward against autograd (float64 gradcheck,
 fp32, bf16 autocast), what it saves for backward, and whole-model gradients of every scheme
 with and without activation checkpointing against the composite (autograd) formulation."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from keel import ModelConfig, Transformer
-from keel.model import SCHEMES, residual
-from keel.model.residual import RMSNorm, rms_norm_of_sum, scaled_sum_norm
+from keel.model import SCHEMES, norm, residual
+from keel.model.norm import RMSNorm, rms_norm_of_sum, scaled_sum_norm
 from keel.train.parallelize import apply_activation_checkpointing
 
 ALL = sorted(SCHEMES)
@@ -154,7 +154,7 @@ def _model_grads(scheme, reference, checkpointing, bf16, monkeypatch):
     ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(1))
     with monkeypatch.context() as mp:
         if reference:
-            mp.setattr(residual, "rms_norm_of_sum", composite)
+            mp.setattr(norm, "rms_norm_of_sum", composite)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = model(ids, ids)
         loss.backward()

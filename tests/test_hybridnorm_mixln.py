@@ -10,11 +10,23 @@ import torch.nn as nn
 
 from keel import KeelError, ModelConfig, Transformer
 from keel.model import SCHEMES, Attention, RMSNorm, apply_rope, rope_tables
-from keel.model.residual import HybridNorm, HybridNormStar, MixLN, mix_ln_post_blocks
+from keel.model.residual.single_stream import HybridNorm, MixLN, mix_ln_post_blocks
 from test_model import rmsnorm_ref  # the RMSNorm transcription shared by the scheme tests
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+class HybridNormStar(HybridNorm):
+    """HybridNorm* (Zhuo et al. 2025, arXiv 2503.04598; official README's
+    ``norm_pos_special_config``): :class:`HybridNorm`, except that block 0 (sub-layers 0 and
+    1) is Pre-Norm: ``x + F(Norm(x))`` for both its attention (QKV-Norm still on) and its FFN.
+
+    Not registered in ``SCHEMES``, so ``model.residual`` does not accept it; defined here, where
+    it is used.
+    """
+
+    first_block_pre_norm = True
 
 
 def small_cfg(**kw):

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_map
 
 from keel import ModelConfig, Transformer
 from keel.model import SCHEMES
-from keel.model.residual import add_to_stream
+from keel.model.residual.base import add_to_stream
 
 ALL = sorted(SCHEMES)
 B16, F16, F32 = torch.bfloat16, torch.float16, torch.float32

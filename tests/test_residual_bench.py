@@ -11,7 +11,8 @@ import torch
 from keel import ModelConfig, Transformer
 from keel.diagnostics.gradflow import jacobian_spectral_norms, profile_model
 from keel.model import RMSNorm
-from keel.model.residual import AttnRes, HyperConnections, ManifoldHyperConnections, Residual, sinkhorn_knopp
+from keel.model.residual import AttnRes, HyperConnections, ManifoldHyperConnections, Residual
+from keel.model.residual.multi_stream import sinkhorn_knopp
 
 DEPTHS = [2, 8]
 

@@ -226,7 +226,7 @@ def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[Overrid
     ``(key, value)`` pairs, :func:`keel.config.apply_overrides`) + the point's values, applied
     as typed values (never turned into text and parsed back).
 
-    A scheme whose implementation version (:attr:`keel.model.residual.Residual.version`) is
+    A scheme whose implementation version (:attr:`keel.model.residual.base.Residual.version`) is
     above 1 adds ``_v<version>`` to the run name and ``scheme_version`` to the values, so runs
     of an earlier implementation are never taken for cached ones.
     Every job gets ``train.progress = false`` (workers log to their ``run.log``) and, if

@@ -8,8 +8,8 @@ that anyone can load the folder without keel installed::
 
 * ``configuration_keel.py`` = ``keel/errors.py`` + ``ModelConfig`` (from ``keel/config.py``)
   + ``keel/hf/configuration.py``;
-* ``modeling_keel.py`` = ``keel/model/residual.py`` + ``keel/model/model.py`` +
-  ``keel/hf/modeling.py``, importing the first file relatively.
+* ``modeling_keel.py`` = ``keel/model/norm.py`` + the ``keel/model/residual/`` modules +
+  ``keel/model/model.py`` + ``keel/hf/modeling.py``, importing ``configuration_keel.py`` relatively.
 
 There is one copy of the architecture to maintain: the files are the source of those
 modules as they are installed, concatenated, with every ``from keel... import`` line

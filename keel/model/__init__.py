@@ -2,7 +2,8 @@
 
 from keel.model.model import (Attention, Block, FeedForward, KVCache, Transformer, apply_rope, count_parameters,
                               rope_tables)
-from keel.model.residual import SCHEMES, RMSNorm, Residual, check_model_config, get_scheme
+from keel.model.norm import RMSNorm
+from keel.model.residual import SCHEMES, Residual, check_model_config, get_scheme
 
 __all__ = ["Attention", "Block", "FeedForward", "KVCache", "Transformer", "apply_rope", "count_parameters", "rope_tables",
            "SCHEMES", "RMSNorm", "Residual", "check_model_config", "get_scheme"]

@@ -24,7 +24,8 @@ from torch import nn
 
 from keel.config import ModelConfig
 from keel.errors import KeelError
-from keel.model.residual import Residual, RMSNorm, check_model_config, get_scheme
+from keel.model.norm import RMSNorm
+from keel.model.residual import Residual, check_model_config, get_scheme
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,7 +167,7 @@ class Attention(nn.Module):
     per head (over head_dim, before RoPE), each with its own gain of size head_dim shared
     by the heads: ``softmax(Norm(Q_i) Norm(K_i)^T / sqrt(hd)) Norm(V_i)`` for head i, as
     HybridNorm defines QKV-Norm (Zhuo et al. 2025, arXiv 2503.04598; see
-    :class:`keel.model.residual.HybridNorm` for the sources).
+    :class:`keel.model.residual.single_stream.HybridNorm` for the sources).
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0, qkv_norm: bool = False):

@@ -62,7 +62,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def decay_overrides(model: torch.nn.Module) -> dict[int, bool]:
     """``{id(parameter): decayed}`` from every module's ``weight_decay`` table (``{name:
     decayed}``, e.g. a residual scheme whose paper decays its dynamic maps and not its static
-    ones: :class:`keel.model.residual.HyperConnections`)."""
+    ones: :class:`keel.model.residual.multi_stream.HyperConnections`)."""
     out = {}
     for module in model.modules():
         for name, decayed in getattr(module, "weight_decay", {}).items():

@@ -117,7 +117,7 @@ def apply_compile(model: nn.Module, **compile_kwargs) -> None:
     the block's graph) and before DDP/FSDP. ``compile_kwargs`` go to ``torch.compile`` (e.g.
     ``backend="aot_eager"``); ``fullgraph=True`` is the default, so a graph break is an error
     instead of a silently eager block (the norms take a traceable form under compile, see
-    :func:`keel.model.residual.rms_norm_of_sum`).
+    :func:`keel.model.norm.rms_norm_of_sum`).
 
     Dynamo's recompile limit (8 graphs per code object, shared by every block, since they share
     ``Block.forward``) is raised to :data:`GRAPHS_PER_BLOCK` per block: a scheme whose blocks differ

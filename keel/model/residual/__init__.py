@@ -1,0 +1,56 @@
+"""Residual schemes: how each sub-layer F (attention or FFN) joins the residual stream, one
+small ``nn.Module`` per scheme behind one interface (:mod:`keel.model.residual.base`):
+single-stream schemes in :mod:`~keel.model.residual.single_stream`, multi-stream ones (HC,
+mHC, AttnRes) in :mod:`~keel.model.residual.multi_stream`, and here the registry
+:data:`SCHEMES`, the one list of scheme names."""
+
+from __future__ import annotations
+
+from keel.config import ModelConfig
+from keel.errors import KeelError
+from keel.model.residual.base import Residual
+from keel.model.residual.multi_stream import AttnRes, HyperConnections, ManifoldHyperConnections
+from keel.model.residual.single_stream import DeepNorm, HybridNorm, Keel, MixLN, PeriLN, PostLN, PreLN
+
+# The one list of residual schemes: config validation, the CLI defaults, gradflow, the
+# benchmarks and the tests all read it. Adding a scheme = a class in single_stream.py or
+# multi_stream.py + a line here.
+SCHEMES: dict[str, type[Residual]] = {
+    "pre_ln": PreLN,
+    "post_ln": PostLN,
+    "deepnorm": DeepNorm,
+    "keel": Keel,
+    "hybridnorm": HybridNorm,
+    "mix_ln": MixLN,
+    "peri_ln": PeriLN,
+    "hyper_connections": HyperConnections,
+    "mhc": ManifoldHyperConnections,
+    "attn_res": AttnRes,
+}
+
+
+def get_scheme(name: str) -> type[Residual]:
+    """The :class:`Residual` class registered as ``name`` in :data:`SCHEMES`.
+
+    Raises:
+        KeelError: ``name`` is not a registered scheme (the message lists them).
+    """
+    if name not in SCHEMES:
+        raise KeelError(f"unknown model.residual {name!r} (choose from {', '.join(SCHEMES)})")
+    return SCHEMES[name]
+
+
+def check_model_config(cfg: ModelConfig) -> ModelConfig:
+    """Validate ``cfg``: its shape (:meth:`ModelConfig.validate`), the scheme name and the
+    scheme's own checks (:meth:`Residual.check_config`). Returns ``cfg``.
+
+    Raises:
+        KeelError: naming the first bad key.
+    """
+    cfg.validate()
+    get_scheme(cfg.residual).check_config(cfg)
+    return cfg
+
+
+__all__ = ["SCHEMES", "AttnRes", "DeepNorm", "HybridNorm", "HyperConnections", "Keel", "ManifoldHyperConnections",
+           "MixLN", "PeriLN", "PostLN", "PreLN", "Residual", "check_model_config", "get_scheme"]
