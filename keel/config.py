@@ -26,12 +26,10 @@ checked by :func:`keel.model.residual.check_model_config`, where the list of sch
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Iterable, Literal, Mapping, Union
 
 import tomli_w
 
@@ -44,150 +42,8 @@ from importlib.resources import files
 
 from keel.errors import KeelError
 from keel.io import atomic_write_text
-
-
-def key(default: Any, help: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-        lt: float | None = None, nonempty: bool = False, note: str = "") -> Any:
-    """Declare one config key: a ``dataclasses.field`` whose metadata holds everything about it.
-
-    Args:
-        default: the default value (a list is copied per instance; None = unset).
-        help: one line for ``keel config``.
-        ge, gt, le, lt: inclusive / exclusive bounds of a number (a float key must also be finite).
-        nonempty: a string key must not be empty.
-        note: said in parentheses after the rule in the error message and the help (``0 = off``).
-    Returns:
-        a ``dataclasses.Field`` to assign to the key's annotated name.
-    """
-    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "nonempty": nonempty, "note": note}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-@dataclass(frozen=True)
-class KeyType:
-    """A key's type, read from its annotation: ``base`` (bool, int, float, str or list),
-    ``values`` (the ``Literal[...]`` values, of the items for a list; () = any), ``optional``
-    (None allowed = unset) and ``text`` (as ``keel config`` prints it)."""
-
-    base: type
-    values: tuple = ()
-    optional: bool = False
-    text: str = ""
-
-
-@functools.lru_cache(maxsize=None)
-def key_type(cls: type, name: str) -> KeyType:
-    """The :class:`KeyType` of field ``name`` of the section class ``cls``."""
-    hint = get_type_hints(cls)[name]
-    text = str(next(f.type for f in dataclasses.fields(cls) if f.name == name))
-    if get_origin(hint) is list:
-        values = get_args(get_args(hint)[0])
-        return KeyType(list, values, False, f"list of {_choices_text(values)}" if values else text)
-    parts = get_args(hint) if get_origin(hint) in (Union, type(int | str)) else (hint,)
-    optional = type(None) in parts
-    values = tuple(v for p in parts if get_origin(p) is Literal for v in get_args(p))
-    bases = [p for p in parts if p is not type(None) and get_origin(p) is not Literal]
-    base = bases[0] if bases else str
-    if values:
-        text = " | ".join([b.__name__ for b in bases] + [repr(v) for v in values] + (["None"] if optional else []))
-    return KeyType(base, values, optional, text)
-
-
-def choices(cls: type, name: str) -> tuple | None:
-    """The values a field may take, as declared by its ``Literal[...]`` annotation (for a
-    ``list[Literal[...]]`` field, those of its items); None for a field without one."""
-    return key_type(cls, name).values or None
-
-
-def _choices_text(values: tuple) -> str:
-    return " | ".join(map(repr, values))
-
-
-def _num(x: float) -> str:
-    """A bound as text: ``2**32 - 1`` for 2**k - 1 (k >= 16), else ``%g``."""
-    if isinstance(x, int) and x >= 2**16 - 1 and (x + 1) & x == 0:
-        return f"2**{(x + 1).bit_length() - 1} - 1"
-    return f"{x:g}"
-
-
-def _bounds_text(m: Mapping[str, Any], base: type) -> str:
-    lo = (">=", m["ge"]) if m["ge"] is not None else (">", m["gt"]) if m["gt"] is not None else None
-    hi = ("<=", m["le"]) if m["le"] is not None else ("<", m["lt"]) if m["lt"] is not None else None
-    if lo and hi:
-        if lo[0] == ">" and hi[0] == "<":
-            return f"between {_num(lo[1])} and {_num(hi[1])} (exclusive)"
-        if lo[0] == ">=" and hi[0] == "<=":
-            return f"between {_num(lo[1])} and {_num(hi[1])}"
-        return f"in {'[' if lo[0] == '>=' else '('}{_num(lo[1])}, {_num(hi[1])}{']' if hi[0] == '<=' else ')'}"
-    one = lo or hi
-    if one is None:
-        return ""
-    return f"{'a finite number ' if base is float else ''}{one[0]} {_num(one[1])}"
-
-
-def key_rule(cls: type, name: str) -> str:
-    """The rule of field ``name`` as words (``">= 1"``, ``"in [0, 1)"``, ``"'a' | 'b'"``,
-    ``"a non-empty string"``, with its note), as the error message and ``keel config`` say it;
-    "" for a key with no rule beyond its type."""
-    m, t = _field(cls, name).metadata, key_type(cls, name)
-    rule = _bounds_text(m, t.base)
-    if t.values:
-        rule = _choices_text(t.values) + (f" or {rule or 'an integer'}" if t.base is int else "")
-        rule = f"a list of {rule}" if t.base is list else rule
-    elif m["nonempty"]:
-        rule = "a non-empty string"
-    return f"{rule} ({m['note']})" if rule and m["note"] else rule
-
-
-@functools.lru_cache(maxsize=None)
-def _field(cls: type, name: str) -> dataclasses.Field:
-    return next(f for f in dataclasses.fields(cls) if f.name == name)
-
-
-def _in_bounds(m: Mapping[str, Any], x: Any) -> bool:
-    if isinstance(x, float) and not math.isfinite(x):
-        return False
-    return ((m["ge"] is None or x >= m["ge"]) and (m["gt"] is None or x > m["gt"])
-            and (m["le"] is None or x <= m["le"]) and (m["lt"] is None or x < m["lt"]))
-
-
-def _ok(cls: type, name: str, value: Any) -> bool:
-    """Whether one (already typed) value meets field ``name``'s declaration."""
-    t, m = key_type(cls, name), _field(cls, name).metadata
-    if t.values and value in t.values:
-        return True
-    if t.values and t.base is not int:
-        return False
-    if t.base in (int, float):
-        wanted = (int,) if t.base is int else (int, float)
-        return isinstance(value, wanted) and not isinstance(value, bool) and _in_bounds(m, value)
-    if t.base is str and not isinstance(value, str):
-        return False
-    return not (m["nonempty"] and not value)
-
-
-def check_key(obj: Any, section: str, name: str) -> None:
-    """Check the value of one key of a section object against its declaration (:func:`key`).
-
-    Raises:
-        KeelError: ``"{section}.{name} must be {rule}, got {value!r}"`` (for a list key, naming
-            the first bad item); an unset optional key (None) passes.
-    """
-    value, t = getattr(obj, name), key_type(type(obj), name)
-    if value is None and t.optional:
-        return
-    for item in value if t.base is list and isinstance(value, list) else [value]:
-        if not _ok(type(obj), name, item):
-            rule = key_rule(type(obj), name) or f"of type {t.text}"
-            raise KeelError(f"{section}.{name} must be {rule}, got {item!r}")
-
-
-def check_keys(obj: Any, section: str) -> None:
-    """:func:`check_key` for every key of a section object, in declaration order."""
-    for f in dataclasses.fields(obj):
-        check_key(obj, section, f.name)
+from keel.keys import (ResumePolicy, check_key, check_keys, choices, choices_text, key, key_field, key_rule, key_type,
+                       resume_policy)
 
 
 def _section_field(dotted: str) -> tuple[type, str, str]:
@@ -195,6 +51,17 @@ def _section_field(dotted: str) -> tuple[type, str, str]:
     if section not in _SECTIONS or name not in {f.name for f in dataclasses.fields(_SECTIONS[section])}:
         raise KeelError(f"unknown config key {dotted}")
     return _SECTIONS[section], section, name
+
+
+def on_resume(dotted: str) -> ResumePolicy:
+    """What a resume does with a changed value of the key ``"section.name"``
+    (:func:`keel.keys.resume_policy`); a key no section declares any more (an older run's) takes
+    its section's policy, one of an unknown section "apply"."""
+    section, _, name = dotted.partition(".")
+    cls = _SECTIONS.get(section)
+    if cls is None:
+        return "apply"
+    return resume_policy(cls, name) if name in {f.name for f in dataclasses.fields(cls)} else cls.ON_RESUME
 
 
 def check_value(dotted: str, value: Any) -> None:
@@ -219,7 +86,7 @@ def key_default(dotted: str) -> Any:
 def key_help(dotted: str) -> str:
     """The declared help of the key ``"section.name"``, with its default, for a CLI flag that mirrors it."""
     cls, _, name = _section_field(dotted)
-    return f"{_field(cls, name).metadata['help']} (default {key_default(dotted)!r}, as {dotted})"
+    return f"{key_field(cls, name).metadata['help']} (default {key_default(dotted)!r}, as {dotted})"
 
 
 def resolve_vocab_size(requested: int | str, tokenizer_vocab: int, multiple: int = 64) -> int:
@@ -243,7 +110,7 @@ def resolve_vocab_size(requested: int | str, tokenizer_vocab: int, multiple: int
 @dataclass
 class ModelConfig:
     """Shape and residual scheme of the decoder-only LM; each key is declared once, below
-    (``keel config`` prints them).
+    (``keel config`` prints them). A resume refuses a changed model key (``ON_RESUME``).
 
     Depth: ``n_layers`` counts blocks; each block is an attention sub-layer plus an FFN
     sub-layer, so the paper's L (sub-layers) is ``2 * n_layers`` (:attr:`n_sublayers`).
@@ -251,6 +118,8 @@ class ModelConfig:
     Raises:
         KeelError: from :meth:`validate` on an impossible shape.
     """
+
+    ON_RESUME: ClassVar[ResumePolicy] = "refuse"  # the continuation would be another model
 
     vocab_size: int | Literal["auto"] = key(
         "auto", "rows of the embedding and LM head: \"auto\" (the tokenizer's vocabulary rounded up to a multiple "
@@ -322,14 +191,19 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     """Where the tokens come from (see ``keel prepare`` and :mod:`keel.data`); each key is
-    declared once, below."""
+    declared once, below. A resume refuses a changed data key but for where the dataset lies
+    (the data loader's state checks that it holds the same tokens)."""
+
+    ON_RESUME: ClassVar[ResumePolicy] = "refuse"
 
     source: str = key("builtin:python-stdlib",
                       "the corpus: builtin:python-stdlib, a file or folder of text, or hf:NAME[:CONFIG].", nonempty=True)
     tokenizer: str = key("bpe:8192", "bpe:N (train an N-token byte-level BPE), a tokenizer.json path or a hub name.",
                          nonempty=True)
-    path: str = key("", "a prepared dataset folder (keel prepare --out); empty = prepare source+tokenizer in cache_dir.")
-    cache_dir: str = key("data", "where prepared datasets are cached (relative to the working folder).")
+    path: str = key("", "a prepared dataset folder (keel prepare --out); empty = prepare source+tokenizer in cache_dir.",
+                    on_resume="apply")
+    cache_dir: str = key("data", "where prepared datasets are cached (relative to the working folder).",
+                         on_resume="apply")
     val_fraction: float = key(0.05, "fraction of documents held out for validation (long documents are first cut "
                                     "into chunks, see keel.data.prepare).", gt=0, lt=1)
     max_bytes: int = key(0, "stop reading the source after the document that brings its UTF-8 text to this many "
@@ -351,20 +225,26 @@ DEFAULT_VAL_FRACTION = DataConfig.val_fraction
 @dataclass
 class TrainConfig:
     """Optimisation and bookkeeping; each key is declared once, below. Defaults follow the
-    paper's recipe (Sec. 5)."""
+    paper's recipe (Sec. 5). A resume applies a changed train key from the resumed step on, but
+    for the keys declared ``on_resume="refuse"`` (seed and the batch shape: another run) and
+    reports the next LR for the schedule's (``"schedule"``)."""
 
-    steps: int = key(1000, "optimiser steps to train for.", ge=1)
-    lr: float = key(3e-3, "peak learning rate (after warm-up).", gt=0)
-    min_lr: float = key(1e-7, "learning rate at the end of the decay (<= lr; > 0 with schedule wsd).", ge=0)
-    warmup_steps: int = key(100, "steps of linear warm-up.", ge=0)
+    ON_RESUME: ClassVar[ResumePolicy] = "apply"
+
+    steps: int = key(1000, "optimiser steps to train for.", ge=1, on_resume="schedule")
+    lr: float = key(3e-3, "peak learning rate (after warm-up).", gt=0, on_resume="schedule")
+    min_lr: float = key(1e-7, "learning rate at the end of the decay (<= lr; > 0 with schedule wsd).", ge=0,
+                        on_resume="schedule")
+    warmup_steps: int = key(100, "steps of linear warm-up.", ge=0, on_resume="schedule")
     schedule: Literal["cosine", "wsd", "constant"] = key(
         "cosine", "LR after warm-up (keel.train.optim.lr_at): cosine decays to min_lr; wsd (warmup-stable-decay, "
         "MiniCPM) holds lr, then decays exponentially to min_lr over the last decay_fraction of the steps; "
-        "constant holds lr.")
-    decay_fraction: float = key(0.1, "with schedule wsd: the fraction of the steps spent decaying.", gt=0, le=1)
-    batch_size: int = key(16, "sequences per micro-batch, over all processes.", ge=1)
-    seq_len: int = key(128, "tokens per training sequence.", ge=1)
-    grad_accum: int = key(1, "micro-batches per optimiser step.", ge=1)
+        "constant holds lr.", on_resume="schedule")
+    decay_fraction: float = key(0.1, "with schedule wsd: the fraction of the steps spent decaying.", gt=0, le=1,
+                                on_resume="schedule")
+    batch_size: int = key(16, "sequences per micro-batch, over all processes.", ge=1, on_resume="refuse")
+    seq_len: int = key(128, "tokens per training sequence.", ge=1, on_resume="refuse")
+    grad_accum: int = key(1, "micro-batches per optimiser step.", ge=1, on_resume="refuse")
     weight_decay: float = key(0.01, "AdamW weight decay (matrices and embeddings only).", ge=0)
     beta1: float = key(0.9, "AdamW beta1.", ge=0, lt=1)
     beta2: float = key(0.95, "AdamW beta2.", ge=0, lt=1)
@@ -375,7 +255,7 @@ class TrainConfig:
     keep_checkpoints: int = key(2, "newest checkpoints kept on disk (0 = keep every checkpoint).", ge=0)
     log_every: int = key(10, "steps between progress lines when stderr is not a terminal.", ge=1)
     seed: int = key(1337, "seed of the init, the data order and sampling.", ge=0, le=2**32 - 1,
-                    note="numpy's seed range")
+                    note="numpy's seed range", on_resume="refuse")
     device: str = key("auto", "auto | cpu | cuda | cuda:N (checked where torch is, by keel.train.device.resolve_device).",
                       nonempty=True)
     precision: Literal["auto", "fp32", "bf16-autocast", "bf16"] = key(
@@ -386,12 +266,14 @@ class TrainConfig:
     sample_prompt: str = key("", "prompt of that sample; empty = a new document (the sample starts after "
                                  "<|endoftext|>).")
     progress: bool = key(True, "show training progress (a bar on a terminal, else plain lines).")
-    stop_on_divergence: bool = key(False, "stop when the divergence classifier (keel.diagnostics) fires.")
+    stop_on_divergence: bool = key(False, "stop when the divergence classifier (keel.diagnostics) fires.",
+                                   callback=lambda t: t.stop_on_divergence)
     divergence_warnings: bool = key(True, "log the divergence classifier's verdicts.")
     divergence_reference: str = key(
         "", "a finished run folder whose training-loss curve is the divergence classifier's reference "
-        "(enables \"optimisation degradation\"); empty = none.")
-    gradflow_every: int = key(0, "log per-sub-layer gradient norms every N steps.", ge=0, note="0 = never")
+        "(enables \"optimisation degradation\"); empty = none.", callback=lambda t: bool(t.divergence_reference))
+    gradflow_every: int = key(0, "log per-sub-layer gradient norms every N steps.", ge=0, note="0 = never",
+                              callback=lambda t: t.gradflow_every > 0)
     parallelism: Literal["ddp", "fsdp"] = key("ddp", "how several processes train (torchrun / --nproc; "
                                                      "keel.train.parallelize).")
     activation_checkpointing: Literal["none", "block", "every_k"] = key(
@@ -402,7 +284,8 @@ class TrainConfig:
         True, "on the CPU, flush subnormal floats to zero while training (torch.set_flush_denormal): a model "
         "whose gradients underflow, as a stagnating deep Post-LN's do, otherwise trains ~8x slower "
         "(benchmarks/denormal.py); other values are unchanged; no effect on CUDA.")
-    eval_tasks: str = key("", "comma-separated lm-evaluation-harness tasks scored during training (keel.eval).")
+    eval_tasks: str = key("", "comma-separated lm-evaluation-harness tasks scored during training (keel.eval).",
+                          callback=lambda t: bool(t.eval_tasks.strip()) and t.eval_tasks_every > 0)
     eval_tasks_every: int = key(0, "steps between task evaluations.", ge=0, note="0 = never")
     eval_tasks_limit: int = key(100, "examples per task in those evaluations.", ge=1)
     loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = key(
@@ -488,7 +371,7 @@ def coerce_key(section: str, name: str, value: Any) -> Any:
         try:
             return _coerce_int(where, value)
         except KeelError:
-            raise KeelError(f"{where} must be {_choices_text(t.values)} or an integer, got {value!r}") from None
+            raise KeelError(f"{where} must be {choices_text(t.values)} or an integer, got {value!r}") from None
     if t.base is bool:
         if isinstance(value, bool):
             return value

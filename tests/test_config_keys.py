@@ -15,8 +15,8 @@ import pytest
 
 from keel import KeelError
 from keel.cli import build_parser, main
-from keel.config import (DataConfig, ModelConfig, TrainConfig, apply_overrides, choices, config_from_dict, key_rule,
-                         key_type, load_config)
+from keel.config import DataConfig, ModelConfig, TrainConfig, apply_overrides, config_from_dict, load_config
+from keel.keys import choices, key_rule, key_type
 from keel.experiments.study import run as SRun, spec as SS
 from keel.experiments.sweep import build_jobs
 
@@ -24,6 +24,11 @@ KEEL = Path(__file__).resolve().parents[1] / "keel"
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
 FIELDS = [(s, cls, f) for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
 BOUNDS = ("ge", "gt", "le", "lt")
+
+
+def _is_class_var(stmt: ast.AnnAssign) -> bool:
+    """``NAME: ClassVar[...] = ...``: a section's own setting (ON_RESUME), not a key."""
+    return isinstance(stmt.annotation, ast.Subscript) and getattr(stmt.annotation.value, "id", "") == "ClassVar"
 
 
 def test_every_key_has_exactly_one_declaration():
@@ -34,9 +39,10 @@ def test_every_key_has_exactly_one_declaration():
     comments = {t.start[0] for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
     for node in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in {c.__name__ for c in SECTIONS.values()}):
         assert "Attributes" not in (ast.get_docstring(node) or ""), node.name
-        names = [s.target.id for s in node.body if isinstance(s, ast.AnnAssign)]
+        keys = [s for s in node.body if isinstance(s, ast.AnnAssign) and not _is_class_var(s)]
+        names = [s.target.id for s in keys]
         assert len(names) == len(set(names)) == len(dataclasses.fields(SECTIONS[node.name[:-6].lower()]))
-        for stmt in (s for s in node.body if isinstance(s, ast.AnnAssign)):
+        for stmt in keys:
             assert isinstance(stmt.value, ast.Call) and stmt.value.func.id == "key", stmt.target.id
             assert not comments & set(range(stmt.lineno - 1, stmt.end_lineno + 1)), f"comment at {stmt.target.id}"
     assert "_field_comments" not in source and "_docstring_attributes" not in source
@@ -251,3 +257,33 @@ def test_an_old_runs_config_toml_still_loads(tmp_path):
     cfg = load_config(p)
     assert all(cfg.to_dict()[s][k] == v for s in d for k, v in d[s].items())
     assert cfg.model.hc_streams == 4 and config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_resume_policy_is_declared_on_each_key():
+    """A resume refuses every model key, every data key but where the dataset lies, and the
+    train keys that make another run (seed, batch shape); it reports the LR for the schedule's
+    keys; a key an older run had and no section declares takes its section's policy."""
+    from keel.config import on_resume
+
+    every = [f"{s}.{f.name}" for s, _, f in FIELDS]
+    refused = {k for k in every if on_resume(k) == "refuse"}
+    assert refused == ({k for k in every if k.startswith(("model.", "data."))} - {"data.path", "data.cache_dir"}
+                       | {"train.seed", "train.batch_size", "train.seq_len", "train.grad_accum"})
+    assert {k for k in every if on_resume(k) == "schedule"} == {
+        "train.lr", "train.min_lr", "train.warmup_steps", "train.steps", "train.schedule", "train.decay_fraction"}
+    assert [on_resume(k) for k in ("model.gone", "data.gone", "train.gone", "nosection.x")] == [
+        "refuse", "refuse", "apply", "apply"]
+
+
+def test_callback_keys_come_from_their_declarations():
+    """The keys only a callback honours, and when a config asks for them."""
+    from keel.train.callbacks import CALLBACK_KEYS
+
+    assert sorted(CALLBACK_KEYS) == ["train.divergence_reference", "train.eval_tasks", "train.gradflow_every",
+                                     "train.stop_on_divergence"]
+    asks = {k for k, test in CALLBACK_KEYS.items() if test(TrainConfig())}
+    assert asks == set()
+    tc = TrainConfig(gradflow_every=5, eval_tasks="hellaswag", eval_tasks_every=0)
+    assert {k for k, test in CALLBACK_KEYS.items() if test(tc)} == {"train.gradflow_every"}
+    tc.eval_tasks_every = 10
+    assert {k for k, test in CALLBACK_KEYS.items() if test(tc)} == {"train.gradflow_every", "train.eval_tasks"}

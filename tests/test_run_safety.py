@@ -349,7 +349,8 @@ def test_choices_drive_the_check_and_the_help():
     """One declaration (the Literal annotation): the modules' name lists, the check and `keel config`."""
     from typing import get_args, get_type_hints
 
-    from keel.config import TrainConfig, choices, describe_config
+    from keel.config import TrainConfig, describe_config
+    from keel.keys import choices
     from keel.train.device import PRECISIONS
     from keel.train.loggers import LOGGERS, WANDB_MODES
     from keel.train.parallelize import PARALLELISMS

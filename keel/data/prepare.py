@@ -5,7 +5,15 @@ A prepared dataset directory holds::
     tokenizer.json   a `tokenizers` tokenizer (trained here for ``bpe:N``)
     train.bin        token shard of the training documents (see keel.data.shards)
     val.bin          token shard of the validation documents
-    meta.json        what was built from what (see prepare_dataset)
+    meta.json        what was built from what (below)
+
+``meta.json`` records ``format_version, source, tokenizer, tokenizer_sha256, vocab_size,
+eos_id, dtype, n_docs_train, n_docs_val, train_tokens, val_tokens, unigram_entropy (nats,
+of the training tokens: :mod:`keel.data.stats`), bytes_train, bytes_val,
+docs_with_replacement_chars, docs_skipped_binary, docs_with_nul, long_docs_chunked,
+chunks_of_long_docs, val_fraction, max_bytes, max_docs, seed, text_field, created``.
+``n_docs_*`` count documents and chunks; byte counts are UTF-8 bytes of document text; token
+counts include the EOS tokens. Local paths are recorded as absolute paths.
 
 Every document is followed by the end-of-text token. A long document (more than
 :data:`LONG_DOC_CHARS` characters: a book, a dump, a corpus that is one file) is cut into
@@ -100,14 +108,7 @@ def prepare_dataset(
         cache_dir: parent of the default ``out``.
         progress: show progress bars on stderr.
 
-    ``meta.json`` records ``format_version, source, tokenizer, tokenizer_sha256, vocab_size,
-    eos_id, dtype, n_docs_train, n_docs_val, train_tokens, val_tokens, unigram_entropy (nats,
-    of the training tokens: :mod:`keel.data.stats`), bytes_train, bytes_val,
-    docs_with_replacement_chars, docs_skipped_binary, docs_with_nul, long_docs_chunked, chunks_of_long_docs,
-    val_fraction, max_bytes, max_docs, seed, text_field, created``. ``n_docs_*`` count
-    documents and chunks; byte counts are UTF-8 bytes of document text; token counts include
-    the EOS tokens. Local paths are recorded as absolute paths.
-
+    ``meta.json`` records the inputs and what was built (the module docstring lists its keys).
     If ``out/meta.json`` exists and records the same inputs, nothing is read and ``out`` is
     returned (a changed local corpus is *not* detected: delete the directory to rebuild).
     Otherwise the dataset is built in ``out.tmp-<pid>`` and renamed to ``out``, replacing

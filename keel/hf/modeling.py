@@ -59,6 +59,14 @@ def _check_position_ids(position_ids: torch.Tensor, attention_mask: torch.Tensor
                         "must equal them (past + arange(T), or the count of real tokens before each one)")
 
 
+def _kept(logits: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions of logits [B, T, V] that ``logits_to_keep`` keeps (transformers' argument):
+    an int k > 0 the last k, 0 all, a tensor those indices."""
+    if isinstance(logits_to_keep, int):
+        return logits[:, -logits_to_keep:] if logits_to_keep > 0 else logits
+    return logits[:, logits_to_keep]
+
+
 class KeelPreTrainedModel(PreTrainedModel):
     """Base class: config class, weight init and the parts of the HF interface all keel models share."""
 
@@ -195,10 +203,5 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),
                                    labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
-        if isinstance(logits_to_keep, int):
-            if logits_to_keep > 0:
-                logits = logits[:, -logits_to_keep:]
-        else:
-            logits = logits[:, logits_to_keep]
-        out = {"loss": loss, "logits": logits, _CACHE_FIELD: cache if use_cache else None}
+        out = {"loss": loss, "logits": _kept(logits, logits_to_keep), _CACHE_FIELD: cache if use_cache else None}
         return CausalLMOutputWithPast(**out)

@@ -14,6 +14,7 @@ callback names the keys it implements in :attr:`Callback.config_keys`, and
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -21,6 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from keel.config import Config, TrainConfig
+from keel.keys import callback_test
 from keel.train.dist import DistInfo
 
 
@@ -88,13 +90,11 @@ class Callback:
 
 
 # The train keys only a callback implements, each with the test of whether the config asks
-# for it; the wiring layer (keel.experiments.training.run_callbacks) attaches the callbacks.
+# for it, as their declarations give them (``key(..., callback=...)`` in keel.config); the wiring
+# layer (keel.experiments.training.run_callbacks) attaches the callbacks.
 CALLBACK_KEYS: dict[str, Callable[[TrainConfig], bool]] = {
-    "train.stop_on_divergence": lambda tc: tc.stop_on_divergence,
-    "train.divergence_reference": lambda tc: bool(tc.divergence_reference),
-    "train.gradflow_every": lambda tc: tc.gradflow_every > 0,
-    "train.eval_tasks": lambda tc: bool(tc.eval_tasks.strip()) and tc.eval_tasks_every > 0,
-}
+    f"train.{f.name}": callback_test(TrainConfig, f.name)
+    for f in dataclasses.fields(TrainConfig) if callback_test(TrainConfig, f.name)}
 
 
 def unhonoured_keys(cfg: Config, callbacks: Sequence[Callback]) -> list[str]:

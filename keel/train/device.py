@@ -8,7 +8,8 @@ import os
 
 import torch
 
-from keel.config import ModelConfig, TrainConfig, check_value, choices
+from keel.config import ModelConfig, TrainConfig, check_value
+from keel.keys import choices
 from keel.errors import KeelError
 from keel.model import count_parameters
 

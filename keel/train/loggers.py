@@ -35,7 +35,8 @@ from typing import Any
 
 import tomli_w
 
-from keel.config import TrainConfig, check_value, choices
+from keel.config import TrainConfig, check_value
+from keel.keys import choices
 from keel.errors import KeelError
 from keel.io import atomic_write_text
 from keel.train.metrics import JsonlSink

@@ -26,7 +26,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from keel.config import TrainConfig, check_value, choices
+from keel.config import TrainConfig, check_value
+from keel.keys import choices
 from keel.errors import KeelError
 from keel.train.dist import DistInfo
 

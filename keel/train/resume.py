@@ -1,9 +1,11 @@
 """The resume policy: what a resumed run may change in its config, and how it says so.
 
 A resume compares the config it is given with the one the checkpoint was trained with.
-Keys that would make the continuation another run (:data:`RESUME_REFUSED`) are refused in
-one line; every other change is applied from the resumed step, logged as a warning and
-recorded (the trainer writes a ``config_change`` record into metrics.jsonl).
+Each key declares what a resume does with a changed value (``on_resume`` in its
+:func:`keel.keys.key`, :func:`keel.config.on_resume`): keys that would make the continuation
+another run are refused in one line; every other change is applied from the resumed step,
+logged as a warning and recorded (the trainer writes a ``config_change`` record into
+metrics.jsonl); for the schedule's keys the next step's LR is reported too.
 """
 
 from __future__ import annotations
@@ -12,21 +14,11 @@ import logging
 import math
 from pathlib import Path
 
-from keel.config import Config, config_from_dict, load_config
+from keel.config import Config, config_from_dict, load_config, on_resume
 from keel.errors import KeelError
 from keel.train.optim import lr_at
 
 log = logging.getLogger(__name__)
-
-# Keys a resume refuses to change (the continuation would be another run); "model." and
-# "data." cover their whole sections except RESUME_DATA_APPLIED (the dataset itself is
-# checked by the data loader's state: same token counts).
-RESUME_REFUSED = ("model.", "data.", "train.seed", "train.batch_size", "train.seq_len", "train.grad_accum")
-RESUME_DATA_APPLIED = ("data.path", "data.cache_dir")
-# Keys of the LR schedule: a change is applied, and the LR of the next step reported.
-SCHEDULE_KEYS = frozenset({"train.lr", "train.min_lr", "train.warmup_steps", "train.steps", "train.schedule",
-                           "train.decay_fraction"})
-
 
 def _flat(d: dict) -> dict:
     return {f"{s}.{k}": v for s, keys in d.items() for k, v in keys.items()}
@@ -44,8 +36,8 @@ def config_changes(old: dict, new: Config) -> dict[str, dict]:
 
 
 def refused_changes(changes: dict[str, dict]) -> list[str]:
-    """The keys of ``changes`` a resume refuses (:data:`RESUME_REFUSED`)."""
-    return [k for k in changes if k.startswith(RESUME_REFUSED) and k not in RESUME_DATA_APPLIED]
+    """The keys of ``changes`` a resume refuses (declared ``on_resume="refuse"``)."""
+    return [k for k in changes if on_resume(k) == "refuse"]
 
 
 def saved_config(state: dict, run_dir: Path, cfg: Config) -> dict:
@@ -59,7 +51,7 @@ def saved_config(state: dict, run_dir: Path, cfg: Config) -> dict:
 
 def check_config_changes(state: dict, cfg: Config, run_dir: Path) -> dict[str, dict]:
     """Compare ``cfg`` with the config of the checkpoint state ``state``: refuse the keys
-    of :data:`RESUME_REFUSED` (one-line KeelError), apply the others, logging each as a
+    declared ``on_resume="refuse"`` (one-line KeelError), apply the others, logging each as a
     warning (and, for schedule keys, how the next step's LR changes).
 
     Returns:
@@ -77,7 +69,7 @@ def check_config_changes(state: dict, cfg: Config, run_dir: Path) -> dict[str, d
                         "start a new run instead")
     for key, c in changes.items():
         log.warning("resume: %s changed from %r to %r (applied from step %d)", key, c["old"], c["new"], state["step"])
-    if SCHEDULE_KEYS & set(changes):
+    if any(on_resume(k) == "schedule" for k in changes):
         try:
             was = lr_at(state["step"], config_from_dict(old).train)
         except KeelError:  # the old config no longer validates: nothing to compare with

@@ -11,7 +11,8 @@ import math
 import torch
 from torch import nn
 
-from keel.config import ModelConfig, check_key
+from keel.config import ModelConfig
+from keel.keys import check_key
 from keel.model.norm import RMSNorm, rms_reciprocal
 from keel.model.residual.base import Residual
 

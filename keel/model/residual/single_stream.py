@@ -8,7 +8,8 @@ import math
 import torch
 from torch import nn
 
-from keel.config import ModelConfig, check_key
+from keel.config import ModelConfig
+from keel.keys import check_key
 from keel.model.norm import RMSNorm, scaled_sum_norm
 from keel.model.residual.base import Residual, add_to_stream
 
