@@ -477,12 +477,13 @@ def test_a_signal_during_the_stop_all_reduce_counts_at_the_next_step(tmp_path):
     import torch.distributed as dist
 
     from keel.train.dist import DistInfo
-    from keel.train.trainer import Trainer, TrainingInterrupted
+    from keel.train.interrupt import TrainingInterrupted
+    from keel.train.trainer import Trainer
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        trainer = SimpleNamespace(info=DistInfo(), device=torch.device("cpu"), run_dir=tmp_path, step=7,
-                                  checkpoint=lambda: None)
+        trainer = SimpleNamespace(info=DistInfo(), device=torch.device("cpu"), run_dir=tmp_path,
+                                  checkpoint=lambda: None, state=SimpleNamespace(step=7))
         late = _LateSignal()
         assert Trainer._stop_if_signalled(trainer, late, saved=True) is None  # the all-reduced 0 decides: train on
         with pytest.raises(TrainingInterrupted) as stop:
@@ -557,7 +558,7 @@ def test_interrupted_survives_pickling(signum):
     import pickle
 
     from keel.errors import Interrupted
-    from keel.train.trainer import TrainingInterrupted
+    from keel.train.interrupt import TrainingInterrupted
 
     for cls in (Interrupted, TrainingInterrupted):
         e = pickle.loads(pickle.dumps(cls("stopped by it; resume with: keel train --resume r", signum)))

@@ -7,6 +7,7 @@ Modules: ``trainer`` (the loop), ``callbacks`` (hooks for the layers above), ``e
 """
 
 from keel.train.callbacks import Callback, StepState
-from keel.train.trainer import TrainingInterrupted, TrainResult, TrainingStopped, train
+from keel.train.interrupt import TrainingInterrupted
+from keel.train.trainer import TrainResult, TrainingStopped, train
 
 __all__ = ["Callback", "StepState", "TrainResult", "TrainingInterrupted", "TrainingStopped", "train"]

@@ -2,7 +2,8 @@
 
 While :class:`StopSignals` is active, the first of these signals does not kill the process:
 it is recorded (:attr:`StopSignals.received`), and the training loop finishes its current
-step, writes a checkpoint and stops (:class:`keel.train.trainer.TrainingInterrupted`). The
+step, writes a checkpoint and stops (:class:`TrainingInterrupted`); under torchrun every rank
+stops on the same step (:func:`agreed_stop_signal`). The
 original handlers are put back at once, so a second signal stops the process the usual way
 (Ctrl-C twice: ``KeyboardInterrupt`` at once). Handlers can only be installed in the main
 thread; elsewhere (a thread running a run) the class does nothing.
@@ -14,7 +15,11 @@ import logging
 import signal
 import threading
 
+import torch
+
+from keel.errors import Interrupted
 from keel.io import STOP_SIGNALS
+from keel.train import dist as D
 
 log = logging.getLogger(__name__)
 
@@ -53,3 +58,25 @@ class StopSignals:
 
     def __exit__(self, *exc) -> None:
         self._restore()
+
+
+def agreed_stop_signal(received: int | None, info: D.DistInfo, device: torch.device) -> int:
+    """The signal every rank stops on after a step (collective: every rank calls it): this
+    rank's own ``received`` if any, else SIGTERM when another rank got one, else 0.
+
+    ``received`` is read once, by the caller, before the all-reduce: a signal that lands
+    during it counts at the next step, on every rank. (Reading it again after the all-reduce
+    let the rank that just got it stop and checkpoint while the others trained on: the two
+    waited for each other in different collectives until torchrun killed both, without a
+    checkpoint.)
+    """
+    mine = int(received or 0)
+    if not info.distributed:
+        return mine
+    total = D.all_reduce_sum(torch.tensor(float(mine), device=device), info).item()
+    return mine or (int(signal.SIGTERM) if total else 0)
+
+
+class TrainingInterrupted(Interrupted):
+    """Raised when a run was stopped by SIGINT or SIGTERM after its checkpoint was written;
+    the message says how to resume (``exit_code`` 130 / 143, see :class:`keel.errors.Interrupted`)."""

@@ -5,10 +5,13 @@
 (gathered, on CPU, keyed by parameter name: what a single-process checkpoint stores),
 :func:`load_optimizer_state_dict`, and the sharded views that ``torch.distributed.checkpoint``
 saves and loads in multi-process runs (:func:`sharded_state_dict`,
-:func:`load_sharded_state_dict`).
+:func:`load_sharded_state_dict`); and :class:`TrainState`, the trainer's own resumable state.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -134,3 +137,31 @@ def load_sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer |
     set_model_state_dict(unwrap(model), state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(unwrap(model), optimizer, state["optim"])
+
+
+@dataclass
+class TrainState:
+    """The trainer's resumable state beside the weights and the optimiser, checkpointed through
+    its own ``state_dict`` / ``load_state_dict`` (``torch.distributed.checkpoint.stateful.Stateful``,
+    as torchtitan's components): the optimiser ``step`` (0 = nothing trained), ``tokens`` trained
+    (global, all ranks), ``elapsed`` training seconds, the data ``loader``'s position, the CPU RNG
+    and ``config`` (the run's config as a dict, saved so that a resume can compare it).
+    """
+
+    loader: Any  # a keel.data.TokenLoader (its own state_dict / load_state_dict)
+    config: dict
+    step: int = 0
+    tokens: int = 0
+    elapsed: float = 0.0
+
+    def state_dict(self) -> dict:
+        """``{"step", "tokens", "elapsed_s", "loader", "rng", "config"}`` (the checkpoint's keys)."""
+        return {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed,
+                "loader": self.loader.state_dict(), "rng": torch.get_rng_state(), "config": self.config}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the counters, the loader's position and the CPU RNG (not the config: a resume
+        compares it, :func:`keel.train.resume.check_config_changes`, and keeps the new one)."""
+        self.loader.load_state_dict(state["loader"])
+        torch.set_rng_state(state["rng"])
+        self.step, self.tokens, self.elapsed = state["step"], state["tokens"], state["elapsed_s"]

@@ -61,7 +61,7 @@ import torch
 
 from keel.config import Config, checked_copy, dump_config, resolve_vocab_size
 from keel.data import TokenLoader, load_tokenizer, read_meta, resolve_data, validation_tokens
-from keel.errors import Interrupted, KeelError
+from keel.errors import KeelError
 from keel.io import RunLock, atomic_write_text, disk_errors, write_failure
 from keel.model import Transformer, check_model_config
 from keel.train import dist as D
@@ -73,7 +73,7 @@ from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, is_
 from keel.train.device import (autocast_context, check_activations_fit, check_model_fits, flushing_denormals,
                                resolve_device)
 from keel.train.evaluate import mean_nll
-from keel.train.interrupt import StopSignals
+from keel.train.interrupt import StopSignals, TrainingInterrupted, agreed_stop_signal
 from keel.train.loggers import open_sinks
 from keel.train.metrics import read_metrics, truncate_metrics
 from keel.train.optim import apply_config, build_optimizer, set_lr, without_scheduler_marks
@@ -92,28 +92,6 @@ MAX_PPL_LOSS = 50.0
 class TrainingStopped(KeelError):
     """Raised when a run stops early: too many non-finite steps in a row
     (``train.max_bad_steps``) or a callback asked to stop (e.g. a divergence verdict)."""
-
-
-def agreed_stop_signal(received: int | None, info: D.DistInfo, device: torch.device) -> int:
-    """The signal every rank stops on after a step (collective: every rank calls it): this
-    rank's own ``received`` if any, else SIGTERM when another rank got one, else 0.
-
-    ``received`` is read once, by the caller, before the all-reduce: a signal that lands
-    during it counts at the next step, on every rank. (Reading it again after the all-reduce
-    let the rank that just got it stop and checkpoint while the others trained on: the two
-    waited for each other in different collectives until torchrun killed both, without a
-    checkpoint.)
-    """
-    mine = int(received or 0)
-    if not info.distributed:
-        return mine
-    total = D.all_reduce_sum(torch.tensor(float(mine), device=device), info).item()
-    return mine or (int(signal.SIGTERM) if total else 0)
-
-
-class TrainingInterrupted(Interrupted):
-    """Raised when a run was stopped by SIGINT or SIGTERM after its checkpoint was written;
-    the message says how to resume (``exit_code`` 130 / 143, see :class:`keel.errors.Interrupted`)."""
 
 
 @dataclass
@@ -253,12 +231,12 @@ class Trainer:
         if saved is not None:
             self._check_config_changes(saved)  # before the weights are loaded: a clear refusal
         self._build_model()
-        self.step, self.tokens, self.elapsed = 0, 0, 0.0
+        self.state = SD.TrainState(self.loader, self.cfg.to_dict())
         if saved is not None:
             self._restore(saved)
         elif resume and not restart and self.main:
             log.info("no checkpoint in %s yet (no step was saved): starting it from step 0", self.run_dir)
-        self.resumed_from = self.step if self.ckpt is not None else None
+        self.resumed_from = self.state.step if self.ckpt is not None else None
         self.sink = None  # the train.loggers sinks (keel.train.loggers), opened by the first write
         self.history = self._prepare_run_dir()
         self.tokens_per_step = self.tc.batch_size * self.tc.seq_len * self.tc.grad_accum  # global
@@ -338,11 +316,9 @@ class Trainer:
         if not self.sharded_ckpt:  # a sharded checkpoint's optimizer state was loaded with the weights
             SD.load_optimizer_state_dict(self.model, self.optimizer, without_scheduler_marks(state["optimizer"]))
         apply_config(self.optimizer, self.tc)  # an older checkpoint's "scheduler" entry is not needed: set_lr
-        self.loader.load_state_dict(state["loader"])
-        torch.set_rng_state(state["rng"])
-        self.step, self.tokens, self.elapsed = state["step"], state["tokens"], state["elapsed_s"]
+        self.state.load_state_dict(state)
         if self.main:
-            log.info("resuming %s from step %d (%s)", self.run_dir, self.step, self.ckpt.name)
+            log.info("resuming %s from step %d (%s)", self.run_dir, self.state.step, self.ckpt.name)
 
     def _check_config_changes(self, state: dict) -> None:
         """The resume policy (:func:`keel.train.resume.check_config_changes`): refuse or apply
@@ -351,17 +327,17 @@ class Trainer:
 
     def _prepare_run_dir(self) -> list[dict]:
         """Write config and tokenizer; cut metrics.jsonl back to the restored step and record
-        config changes. Returns the records kept (the run's history up to ``self.step``)."""
+        config changes. Returns the records kept (the run's history up to ``self.state.step``)."""
         history = []
         if self.main:
             with disk_errors(self.run_dir):
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 dump_config(self.cfg, self.run_dir / "config.toml")
                 shutil.copyfile(self.data_dir / "tokenizer.json", self.run_dir / "tokenizer.json")
-                history = truncate_metrics(self.metrics_path, self.step if self.ckpt is not None else -1)
+                history = truncate_metrics(self.metrics_path, self.state.step if self.ckpt is not None else -1)
             self.history = history  # what the sinks may replay (keel.train.loggers)
             if self.changes:
-                record = {"step": self.step, "config_change": self.changes}
+                record = {"step": self.state.step, "config_change": self.changes}
                 if not history or history[-1] != record:
                     self.write(record)
                     history.append(record)
@@ -421,32 +397,27 @@ class Trainer:
                 good checkpoint stays ``latest``).
         """
         if self.info.distributed:
-            state = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed,
-                     "loader": self.loader.state_dict(),
-                     "rng": torch.get_rng_state(), "config": self.cfg.to_dict()}
             try:
-                save_sharded_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state, self.info,
-                                        keep=self.tc.keep_checkpoints)
+                save_sharded_checkpoint(self.run_dir, self.state.step, self.model, self.optimizer,
+                                        self.state.state_dict(), self.info, keep=self.tc.keep_checkpoints)
             except NonFiniteWeights as e:
-                raise TrainingStopped(f"stopped at step {self.step}: {e}; last good checkpoint: {self._last_good()}")
+                raise TrainingStopped(f"stopped at step {self.state.step}: {e}; last good checkpoint: {self._last_good()}")
             return
         weights = SD.full_model_state_dict(self.model)
         optim_state = SD.full_optimizer_state_dict(self.model, self.optimizer)
         error = None
         if self.main:
-            state = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed, "optimizer": optim_state,
-                     "loader": self.loader.state_dict(),
-                     "rng": torch.get_rng_state(), "config": self.cfg.to_dict()}
+            state = {**self.state.state_dict(), "optimizer": optim_state}
             try:
-                save_checkpoint(self.run_dir, self.step, weights, state, keep=self.tc.keep_checkpoints,
+                save_checkpoint(self.run_dir, self.state.step, weights, state, keep=self.tc.keep_checkpoints,
                                 aliases=self.aliases)
             except NonFiniteWeights as e:
-                error = f"stopped at step {self.step}: {e}; last good checkpoint: {self._last_good()}"
+                error = f"stopped at step {self.state.step}: {e}; last good checkpoint: {self._last_good()}"
             except Exception as e:  # noqa: BLE001 -- a full disk / read-only folder: one line, the last good step
                 cause = write_failure(e)
                 if cause is None:
                     raise
-                error = (f"cannot write the checkpoint of step {self.step} in {self.run_dir / 'checkpoints'}: "
+                error = (f"cannot write the checkpoint of step {self.state.step} in {self.run_dir / 'checkpoints'}: "
                          f"{cause.strerror}{' (' + str(cause.filename) + ')' if cause.filename else ''}; "
                          f"last good checkpoint (intact): {self._last_good()}")
         error = D.broadcast_object(error, self.info)
@@ -491,7 +462,7 @@ class Trainer:
     def train_step(self, state: StepState) -> dict:
         """One optimiser step (skipped when the loss or gradient is not finite); returns its record."""
         t0 = time.perf_counter()
-        state.lr = set_lr(self.optimizer, self.step, self.tc)
+        state.lr = set_lr(self.optimizer, self.state.step, self.tc)
         state.loss, state.grad_norm = self.forward_backward(), None
         fields = self._hooks("on_gradients", state)  # raw gradients, before clipping
         max_norm = self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf")
@@ -501,12 +472,12 @@ class Trainer:
         if state.finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step, self.tokens = self.step + 1, self.tokens + self.tokens_per_step
-        state.step, state.tokens = self.step, self.tokens
+        self.state.step, self.state.tokens = self.state.step + 1, self.state.tokens + self.tokens_per_step
+        state.step, state.tokens = self.state.step, self.state.tokens
         dt = time.perf_counter() - t0
-        self.elapsed += dt
-        record = {"step": self.step, "tokens": self.tokens, "loss": state.loss, "lr": state.lr,
-                  "grad_norm": state.grad_norm, "tokens_per_s": self.tokens_per_step / dt, "elapsed_s": self.elapsed}
+        self.state.elapsed += dt
+        record = {"step": self.state.step, "tokens": self.state.tokens, "loss": state.loss, "lr": state.lr,
+                  "grad_norm": state.grad_norm, "tokens_per_s": self.tokens_per_step / dt, "elapsed_s": self.state.elapsed}
         return {**record, **fields}
 
     def _skip_policy(self, record: dict, finite: bool, bad_in_row: int) -> int:
@@ -517,11 +488,11 @@ class Trainer:
             record["skipped"] = True
             if self.main:
                 log.warning("step %d: non-finite loss %s, grad norm %s or LR %s; update skipped (%d in a row)",
-                            self.step, record["loss"], record["grad_norm"], record["lr"], bad_in_row)
+                            self.state.step, record["loss"], record["grad_norm"], record["lr"], bad_in_row)
             if bad_in_row >= self.tc.max_bad_steps:
                 self.write(record)
                 last = latest_checkpoint(self.run_dir)
-                raise TrainingStopped(f"stopped at step {self.step}: {bad_in_row} non-finite steps in a row "
+                raise TrainingStopped(f"stopped at step {self.state.step}: {bad_in_row} non-finite steps in a row "
                                       f"(train.max_bad_steps); last good checkpoint: {last if last else 'none'}")
             return bad_in_row
         return 0
@@ -529,40 +500,40 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainResult:
         """Train to ``train.steps``; returns the final numbers."""
-        if self.resumed_from is not None and self.step >= self.tc.steps:
+        if self.resumed_from is not None and self.state.step >= self.tc.steps:
             self.close_sink()
             return self._nothing_to_do()
         self._describe()
         first_val = self._first_eval()
         state = StepState(self.cfg, self.run_dir, self.info, self.model, self.tokenizer, self.plain_model,
-                          step=self.step, tokens=self.tokens, history=self.history, data_dir=self.data_dir)
+                          step=self.state.step, tokens=self.state.tokens, history=self.history, data_dir=self.data_dir)
         for cb in self.callbacks:
             cb.on_train_start(state)
-        bar = ProgressReporter(self.tc.steps, self.step, self.tokens_per_step, enabled=self.tc.progress and self.main,
+        bar = ProgressReporter(self.tc.steps, self.state.step, self.tokens_per_step, enabled=self.tc.progress and self.main,
                                every_steps=self.tc.log_every)
         bad_in_row, val_loss = 0, None
         self.train_module.train()
         try:
             with StopSignals(announce=self.main) as signals:
-                while self.step < self.tc.steps:
+                while self.state.step < self.tc.steps:
                     record = self.train_step(state)
                     record.update(self._hooks("on_step_end", state))
                     bad_in_row = self._skip_policy(record, state.finite, bad_in_row)
                     if state.stop is not None:
                         self.write(record)
-                        raise TrainingStopped(f"stopped at step {self.step}: {state.stop}")
-                    if self.step % self.tc.eval_every == 0 or self.step == self.tc.steps:
+                        raise TrainingStopped(f"stopped at step {self.state.step}: {state.stop}")
+                    if self.state.step % self.tc.eval_every == 0 or self.state.step == self.tc.steps:
                         val_loss = self.validate()
                         record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
                     self.write(record)
                     bar.update(record)
-                    saved = self.step % self.tc.checkpoint_every == 0 or self.step == self.tc.steps
+                    saved = self.state.step % self.tc.checkpoint_every == 0 or self.state.step == self.tc.steps
                     if saved:
                         self.checkpoint()
                     self._stop_if_signalled(signals, saved)
                 end = self._hooks("on_train_end", state)  # e.g. a loss spike still open at the last step
                 if end:
-                    self.write({"step": self.step, "tokens": self.tokens, **end})
+                    self.write({"step": self.state.step, "tokens": self.state.tokens, **end})
         finally:
             bar.close()
             self.close_sink()
@@ -577,22 +548,23 @@ class Trainer:
         if not saved:
             self.checkpoint()
         name = signal.Signals(signum).name
-        raise TrainingInterrupted(f"stopped by {name} after step {self.step}: checkpoint "
-                                  f"{self.run_dir / 'checkpoints' / f'step_{self.step:08d}'} written; resume with: "
+        raise TrainingInterrupted(f"stopped by {name} after step {self.state.step}: checkpoint "
+                                  f"{self.run_dir / 'checkpoints' / f'step_{self.state.step:08d}'} written; resume with: "
                                   f"keel train --resume {self.run_dir}", signum)
 
     def _nothing_to_do(self) -> TrainResult:
         """A resumed run already at (or past) ``train.steps``: report, train nothing, write nothing."""
         if self.main:
-            log.info("%s is already at step %d (train.steps = %d): nothing to do", self.run_dir, self.step,
+            log.info("%s is already at step %d (train.steps = %d): nothing to do", self.run_dir, self.state.step,
                      self.tc.steps)
         vals = [r["val_loss"] for r in self.history if r.get("val_loss") is not None]
         val_loss = vals[-1] if vals else self.validate()
         sample_path = self.run_dir / "sample.txt"
         sample = sample_path.read_text().rstrip("\n") if sample_path.is_file() else ""
-        tok_s = self.tokens / self.elapsed if self.elapsed > 0 else 0.0
-        return TrainResult(self.run_dir, self.step, self.tokens, None, val_loss, perplexity(val_loss), tok_s, sample,
-                           resumed_from=self.step, steps_run=0)
+        st = self.state
+        tok_s = st.tokens / st.elapsed if st.elapsed > 0 else 0.0
+        return TrainResult(self.run_dir, st.step, st.tokens, None, val_loss, perplexity(val_loss), tok_s, sample,
+                           resumed_from=st.step, steps_run=0)
 
     def _first_eval(self) -> float | None:
         """Validation loss of the fresh model (logged as step 0), or the logged one on resume."""
@@ -616,7 +588,7 @@ class Trainer:
                                      next(plain.parameters()).device, seed=self.tc.seed)
                 atomic_write_text(self.run_dir / "sample.txt", sample + "\n")
         D.barrier(self.info)
-        tok_s = self.tokens / self.elapsed if self.elapsed > 0 else 0.0
-        steps_run = self.step - (self.resumed_from or 0)
-        return TrainResult(self.run_dir, self.step, self.tokens, first_val, val_loss, perplexity(val_loss), tok_s,
-                           sample, resumed_from=self.resumed_from, steps_run=steps_run)
+        st = self.state
+        tok_s = st.tokens / st.elapsed if st.elapsed > 0 else 0.0
+        return TrainResult(self.run_dir, st.step, st.tokens, first_val, val_loss, perplexity(val_loss), tok_s,
+                           sample, resumed_from=self.resumed_from, steps_run=st.step - (self.resumed_from or 0))
