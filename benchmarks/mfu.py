@@ -20,7 +20,7 @@ Peak FLOP/s:
 
 * CPU: measured in the same run, with the same thread count -- the best of ``--peak-reps``
   fp32 ``torch.mm`` of two ``--peak-size`` square matrices (default 4096), 2·n^3 FLOPs each.
-* CUDA: the datasheet dense bf16 peak of the device, looked up by name in :data:`GPU_PEAK_TFLOPS`
+* CUDA: the datasheet dense bf16 peak of the device, looked up by name in :data:`keel.train.device.GPU_PEAK_TFLOPS`
   (H100 SXM / H200: 989 TFLOP/s, A100: 312), or ``--peak-tflops``.
 
 Timing: ``--warmup`` steps first (not timed); then ``--repeats`` rounds, each running
@@ -49,30 +49,10 @@ import statistics
 import sys
 import time
 
-# Model FLOPs per token, PaLM App. B (6 N + 12 n_layers d_model seq_len, N without the input
-# embedding): the study's dry run prices its runs with the same function, one place for both.
-from keel.experiments.study.run import flops_per_token
-
-# Dense bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s (no sparsity).
-GPU_PEAK_TFLOPS: dict[str, float] = {
-    "H200": 989.0,   # H200 SXM; same compute as H100 SXM
-    "H100 PCIe": 756.0,
-    "H100": 989.0,   # H100 SXM
-    "GH200": 989.0,
-    "A100": 312.0,
-    "L40S": 362.0,
-    "A10G": 70.0,
-    "RTX 4090": 165.0,
-}
-
-
-def gpu_peak_flops(name: str) -> float | None:
-    """Datasheet dense bf16 peak (FLOP/s) for a CUDA device name, first matching key of
-    :data:`GPU_PEAK_TFLOPS` (longer keys first, so "H100 PCIe" wins over "H100"); None if unknown."""
-    for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
-        if key.lower() in name.lower():
-            return GPU_PEAK_TFLOPS[key] * 1e12
-    return None
+# Model FLOPs per token (PaLM App. B) and the GPU datasheet peaks: keel's own, the same functions
+# the trainer's per-step MFU and the study's dry run use.
+from keel.model import flops_per_token
+from keel.train.device import gpu_peak_flops
 
 
 def measure_cpu_peak(size: int = 4096, reps: int = 3, clock=time.perf_counter) -> float:

@@ -266,6 +266,9 @@ class TrainConfig:
     sample_prompt: str = key("", "prompt of that sample; empty = a new document (the sample starts after "
                                  "<|endoftext|>).")
     progress: bool = key(True, "show training progress (a bar on a terminal, else plain lines).")
+    peak_tflops: float = key(0.0, "one process's peak TFLOP/s, the denominator of the per-step MFU in metrics.jsonl; "
+                                  "0 = the datasheet dense bf16 peak of a known GPU (keel.train.device).", ge=0,
+                             note="no MFU on a CPU unless set")
     stop_on_divergence: bool = key(False, "stop when the divergence classifier (keel.diagnostics) fires.",
                                    callback=lambda t: t.stop_on_divergence)
     divergence_warnings: bool = key(True, "log the divergence classifier's verdicts.")

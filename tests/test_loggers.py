@@ -4,11 +4,13 @@ the same TensorBoard / W&B run without duplicate steps, W&B offline run folders,
 and the plain progress lines that replace tqdm when stderr is not a terminal."""
 
 import logging
+import re
 import math
 import sys
 
 import pytest
 
+from keel.config import load_config
 from keel.errors import KeelError
 from keel.train.loggers import check_loggers, config_hparams, flatten, open_sinks
 from keel.train.metrics import read_metrics
@@ -137,6 +139,26 @@ def test_training_logs_plain_progress_when_stderr_is_not_a_terminal(tiny_config,
     assert f"loss {loss:.4f}" in lines[0] and "tokens/s" in lines[0] and "ETA" in lines[0]
     assert "\r" not in capsys.readouterr().err  # no progress bar
     assert math.isfinite(loss)
+
+
+def test_mfu_is_logged_per_step_beside_tokens_per_s(tiny_config, tmp_path, caplog):
+    """With a peak (train.peak_tflops), every step's record has MFU = tokens/s x model FLOPs per
+    token (PaLM App. B) / peak, and the progress line shows it; on a CPU without one, none."""
+    from keel.model import flops_per_token
+    from keel.train import train
+
+    cfg = tiny_config(steps=2, eval_every=2, checkpoint_every=2, progress=True, log_every=1, peak_tflops=0.5)
+    with caplog.at_level(logging.INFO, logger="keel"):
+        train(cfg, tmp_path / "run")
+    steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    fpt = flops_per_token(load_config(tmp_path / "run" / "config.toml").model, cfg.train.seq_len)
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * fpt / 0.5e12, rel=1e-12) and 0 < r["mfu"] < 1
+    lines = [x.getMessage() for x in caplog.records if x.name == "keel.train.progress"]
+    assert all(re.search(r"tokens/s \| MFU \d+\.\d% \| ETA", ln) for ln in lines), lines
+    train(tiny_config(steps=1, progress=False), tmp_path / "cpu")
+    assert not any("mfu" in r for r in read_metrics(tmp_path / "cpu" / "metrics.jsonl"))
 
 
 def test_wandb_does_not_log_a_step_twice_across_a_resume(tmp_path):

@@ -7,7 +7,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO
 from keel import KeelError
 from keel.config import ModelConfig, TrainConfig
 from keel.data import TokenLoader
@@ -330,23 +329,15 @@ def test_deep_narrow_keel_learns_under_bf16_autocast(tiny_data):
 # --------------------------------------------------------------------------- MFU accounting
 
 
-def _mfu_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("keel_bench_mfu", REPO / "benchmarks" / "mfu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("residual,tie", [("keel", False), ("pre_ln", True), ("post_ln", False)])
 def test_flops_per_token_is_palm_appendix_b(residual, tie):
     """6 N + 12 n d T with N = parameters without the input embedding (PaLM, App. B)."""
-    mfu = _mfu_module()
+    from keel.model import flops_per_token
+
     cfg = tiny(residual, n_layers=3, d_model=64, n_heads=4, n_kv_heads=2, d_ff=160, tie_embeddings=tie)
     model = Transformer(cfg)
     n = sum(p.numel() for p in model.parameters()) - model.tok_emb.weight.numel()
-    assert mfu.flops_per_token(cfg, 32) == 6 * n + 12 * 3 * 64 * 32
+    assert flops_per_token(cfg, 32) == 6 * n + 12 * 3 * 64 * 32
     # and by hand, per block: q,o d*d each; k,v d*(K*hd) each; FFN 3*d*f; norms
     kv = 2 * 16  # K * head_dim
     norms = {"keel": 4 * 64, "pre_ln": 2 * 64, "post_ln": 2 * 64}[residual]
@@ -361,12 +352,14 @@ def test_flops_per_token_is_palm_appendix_b(residual, tie):
 
 
 def test_gpu_peak_table():
-    mfu = _mfu_module()
-    assert mfu.gpu_peak_flops("NVIDIA H200") == 989e12
-    assert mfu.gpu_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
-    assert mfu.gpu_peak_flops("NVIDIA H100 PCIe") == 756e12
-    assert mfu.gpu_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
-    assert mfu.gpu_peak_flops("Some Future GPU") is None
+    from keel.train.device import gpu_peak_flops, peak_flops
+
+    assert peak_flops(torch.device("cpu")) is None and peak_flops(torch.device("cpu"), 2.5) == 2.5e12
+    assert gpu_peak_flops("NVIDIA H200") == 989e12
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert gpu_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert gpu_peak_flops("Some Future GPU") is None
 
 
 def test_trainer_activation_checkpointing_changes_nothing_but_memory(tiny_config, tmp_path):

@@ -419,3 +419,14 @@ def count_parameters(model_cfg: ModelConfig, non_embedding: bool = False) -> int
         return count(model_cfg.n_layers)
     one, two = count(1), count(2)
     return one + (model_cfg.n_layers - 1) * (two - one)
+
+
+def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward) of ``Transformer(model_cfg)`` on sequences of
+    ``seq_len`` tokens, PaLM (Chowdhery et al. 2022, App. B): ``6 N + 12 n_layers d_model seq_len``,
+    N = non-embedding parameters (:func:`count_parameters`; the LM head counts). A
+    ``vocab_size = "auto"`` (known only once the tokenizer exists) is priced at 256 ids. The
+    numerator of MFU (the trainer's per-step ``mfu``, ``benchmarks/mfu.py``, a study's dry run)."""
+    if model_cfg.vocab_size == "auto":
+        model_cfg = dataclasses.replace(model_cfg, vocab_size=256)
+    return 6.0 * count_parameters(model_cfg, non_embedding=True) + 12.0 * model_cfg.n_layers * model_cfg.d_model * seq_len

@@ -17,6 +17,40 @@ PRECISIONS = choices(TrainConfig, "precision")  # declared once, in keel.config.
 log = logging.getLogger(__name__)
 
 
+# Dense bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s (no sparsity): MFU's
+# denominator for a CUDA device of that name (peak_flops; benchmarks/mfu.py).
+GPU_PEAK_TFLOPS: dict[str, float] = {
+    "H200": 989.0,   # H200 SXM; same compute as H100 SXM
+    "H100 PCIe": 756.0,
+    "H100": 989.0,   # H100 SXM
+    "GH200": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10G": 70.0,
+    "RTX 4090": 165.0,
+}
+
+
+def gpu_peak_flops(name: str) -> float | None:
+    """Datasheet dense bf16 peak (FLOP/s) for a CUDA device name, first matching key of
+    :data:`GPU_PEAK_TFLOPS` (longer keys first, so "H100 PCIe" wins over "H100"); None if unknown."""
+    for k in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
+        if k.lower() in name.lower():
+            return GPU_PEAK_TFLOPS[k] * 1e12
+    return None
+
+
+def peak_flops(device: torch.device, peak_tflops: float = 0.0) -> float | None:
+    """One process's peak FLOP/s for MFU: ``peak_tflops`` (``train.peak_tflops``) when > 0, else
+    the datasheet peak of a known CUDA device (:func:`gpu_peak_flops`); None on a CPU or an
+    unknown GPU (no MFU is logged)."""
+    if peak_tflops > 0:
+        return peak_tflops * 1e12
+    if device.type == "cuda":
+        return gpu_peak_flops(torch.cuda.get_device_name(device))
+    return None
+
+
 def resolve_device(spec: str, key: str = "train.device") -> torch.device:
     """``auto`` -> cuda if available else cpu; otherwise ``torch.device(spec)``.
 

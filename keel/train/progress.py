@@ -104,7 +104,10 @@ class ProgressReporter:
             parts.append(f"val_loss {record['val_loss']:.4f}")
         if record.get("lr") is not None:
             parts.append(f"lr {record['lr']:.2e}")
-        parts += [f"{tok_s:,.0f} tokens/s", f"ETA {format_duration((self.total - step) * per_step)}"]
+        parts.append(f"{tok_s:,.0f} tokens/s")
+        if record.get("mfu") is not None:  # the step's own (keel.train.trainer), beside the recent pace
+            parts.append(f"MFU {100 * record['mfu']:.1f}%")
+        parts.append(f"ETA {format_duration((self.total - step) * per_step)}")
         return " | ".join(parts)
 
     def close(self) -> None:

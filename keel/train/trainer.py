@@ -63,14 +63,14 @@ from keel.config import Config, checked_copy, dump_config, resolve_vocab_size
 from keel.data import TokenLoader, load_tokenizer, read_meta, resolve_data, validation_tokens
 from keel.errors import KeelError
 from keel.io import RunLock, atomic_write_text, disk_errors, write_failure
-from keel.model import Transformer, check_model_config
+from keel.model import Transformer, check_model_config, flops_per_token
 from keel.train import dist as D
 from keel.train import state_dict as SD
 from keel.train.callbacks import Callback, StepState, unhonoured_keys
 from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, is_sharded, latest_checkpoint,
                                    load_sharded_checkpoint, load_trainer_state, load_weights, remove_stale_temporaries,
                                    save_checkpoint, save_sharded_checkpoint, tied_aliases)
-from keel.train.device import (autocast_context, check_activations_fit, check_model_fits, flushing_denormals,
+from keel.train.device import (autocast_context, peak_flops, check_activations_fit, check_model_fits, flushing_denormals,
                                resolve_device)
 from keel.train.evaluate import mean_nll
 from keel.train.interrupt import StopSignals, TrainingInterrupted, agreed_stop_signal
@@ -240,6 +240,8 @@ class Trainer:
         self.sink = None  # the train.loggers sinks (keel.train.loggers), opened by the first write
         self.history = self._prepare_run_dir()
         self.tokens_per_step = self.tc.batch_size * self.tc.seq_len * self.tc.grad_accum  # global
+        peak = peak_flops(self.device, self.tc.peak_tflops)  # one process's; None: MFU is not logged
+        self.mfu_per_token_s = flops_per_token(self.cfg.model, self.tc.seq_len) / (peak * self.ws) if peak else None
 
     def _clean_run_dir(self, restart: bool) -> None:
         """Rank 0 removes stale temporaries (and, for a restart, the old history)."""
@@ -478,6 +480,8 @@ class Trainer:
         self.state.elapsed += dt
         record = {"step": self.state.step, "tokens": self.state.tokens, "loss": state.loss, "lr": state.lr,
                   "grad_norm": state.grad_norm, "tokens_per_s": self.tokens_per_step / dt, "elapsed_s": self.state.elapsed}
+        if self.mfu_per_token_s is not None:  # model FLOPs / s over the peak of every process (PaLM App. B)
+            record["mfu"] = record["tokens_per_s"] * self.mfu_per_token_s
         return {**record, **fields}
 
     def _skip_policy(self, record: dict, finite: bool, bad_in_row: int) -> int:

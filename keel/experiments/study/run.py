@@ -25,8 +25,9 @@ from keel.experiments.grid import GridJob, cached_result, check_pool, check_star
 from keel.experiments.study.report import claim_summary, report_markdown, superseded_words, write_plots
 from keel.experiments.study.spec import Group, Study, is_number, load_study
 from keel.experiments.study.verdicts import CLAIM_TESTS, LEVEL, baseline_margins, claim_reads, loss_floor
-from keel.experiments.sweep import build_jobs, check_train_job, param_count, train_task
+from keel.experiments.sweep import build_jobs, check_train_job, train_task
 from keel.io import LOCK_NAME, RunLock, atomic_write_text, make_dirs
+from keel.model import flops_per_token
 from keel.train.metrics import read_metrics
 
 PLATEAU_WINDOW = 10  # steps of the trailing mean of the training loss that must fall below the plateau level
@@ -479,15 +480,6 @@ def study_floor(study: Study, runs: list[dict]) -> dict:
 
 
 # ----------------------------------------------------------------------------- estimate (dry run)
-def flops_per_token(model_cfg, seq_len: int) -> float:
-    """Training FLOPs per token, PaLM (Chowdhery et al. 2022, App. B): ``6 N + 12 n_layers d_model
-    seq_len``, N = non-embedding parameters (:func:`keel.experiments.sweep.param_count`), so a
-    ``vocab_size = "auto"`` (known only once the tokenizer exists) does not matter."""
-    if model_cfg.vocab_size == "auto":
-        model_cfg = replace(model_cfg, vocab_size=256)
-    return 6.0 * param_count(model_cfg, non_embedding=True) + 12.0 * model_cfg.n_layers * model_cfg.d_model * seq_len
-
-
 def planned_jobs(study: Study, data_dir: str, out: Path, restored: dict[tuple[str, str], dict] | None = None
                  ) -> list[tuple[Group, list[GridJob], list[GridJob]]]:
     """(group, reference jobs, jobs) of every group as planned before anything trains: an
