@@ -166,11 +166,6 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
-    @property
-    def keel_alpha(self) -> float:
-        """Keel's residual scale: ``alpha`` if set, else L = 2 * n_layers."""
-        return float(self.alpha) if self.alpha is not None else float(self.n_sublayers)
-
     def validate(self) -> "ModelConfig":
         """Check every key against its declaration (:func:`check_keys`), then the shape; return self.
 
@@ -280,8 +275,8 @@ class TrainConfig:
     parallelism: Literal["ddp", "fsdp"] = key("ddp", "how several processes train (torchrun / --nproc; "
                                                      "keel.train.parallelize).")
     activation_checkpointing: Literal["none", "block", "every_k"] = key(
-        "none", "recompute activations in backward: in every block, or every checkpoint_k-th (every_k).")
-    checkpoint_k: int = key(2, "with every_k: checkpoint every k-th block.", ge=1)
+        "none", "recompute activations in backward: in every block, or every activation_checkpoint_k-th (every_k).")
+    activation_checkpoint_k: int = key(2, "with every_k: recompute the activations of every k-th block.", ge=1)
     compile: bool = key(False, "torch.compile the model.")
     flush_denormal: bool = key(
         True, "on the CPU, flush subnormal floats to zero while training (torch.set_flush_denormal): a model "
@@ -393,6 +388,16 @@ def coerce_key(section: str, name: str, value: Any) -> Any:
     return str(value)
 
 
+# Keys renamed since runs saved them (old "section.name" -> new): older config files, checkpoints and
+# --set strings are read under the new name (current_key), the one place a rename is recorded.
+RENAMED_KEYS = {"train.checkpoint_k": "train.activation_checkpoint_k"}  # beside checkpoint_every (saving)
+
+
+def current_key(dotted: str) -> str:
+    """The current name of the key ``"section.name"`` (:data:`RENAMED_KEYS`; itself if not renamed)."""
+    return RENAMED_KEYS.get(dotted, dotted)
+
+
 def config_from_dict(d: Mapping[str, Any]) -> Config:
     """Build and validate a :class:`Config` from nested dicts (e.g. parsed TOML).
 
@@ -407,7 +412,8 @@ def config_from_dict(d: Mapping[str, Any]) -> Config:
         if not isinstance(values, dict):
             raise KeelError(f"config section [{section}] must be a table")
         obj = getattr(cfg, section)
-        for name, value in values.items():
+        for old, value in values.items():
+            name = current_key(f"{section}.{old}").partition(".")[2]
             if name not in {f.name for f in dataclasses.fields(obj)}:
                 raise KeelError(f"unknown config key {section}.{name}")
             setattr(obj, name, coerce_key(section, name, value))
@@ -474,7 +480,7 @@ def apply_overrides(d: Mapping[str, Any], overrides: Iterable[Override] | Mappin
     items = overrides.items() if isinstance(overrides, Mapping) else overrides
     for item in items:
         dotted, value = parse_override(item) if isinstance(item, str) else item
-        section, sep, name = dotted.strip().partition(".")
+        section, sep, name = current_key(dotted.strip()).partition(".")
         if not sep:
             raise KeelError(f"a config override needs section.key, got {dotted!r}")
         out.setdefault(section, {})

@@ -15,7 +15,7 @@ import pytest
 
 from keel import KeelError
 from keel.cli import build_parser, main
-from keel.config import DataConfig, ModelConfig, TrainConfig, apply_overrides, config_from_dict, load_config
+from keel.config import Config, DataConfig, ModelConfig, TrainConfig, apply_overrides, config_from_dict, load_config
 from keel.keys import choices, key_rule, key_type
 from keel.experiments.study import run as SRun, spec as SS
 from keel.experiments.sweep import build_jobs
@@ -255,8 +255,24 @@ def test_an_old_runs_config_toml_still_loads(tmp_path):
     p.write_text(OLD_RUN_CONFIG)
     d = tomllib.loads(OLD_RUN_CONFIG)
     cfg = load_config(p)
-    assert all(cfg.to_dict()[s][k] == v for s in d for k, v in d[s].items())
+    renamed = {"checkpoint_k": "activation_checkpoint_k"}  # train.checkpoint_k was renamed (keel.config.RENAMED_KEYS)
+    assert all(cfg.to_dict()[s][renamed.get(k, k)] == v for s in d for k, v in d[s].items())
     assert cfg.model.hc_streams == 4 and config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_a_renamed_key_is_read_under_its_old_name_everywhere():
+    """train.checkpoint_k (recomputation, easily read as checkpoint saving) is now
+    train.activation_checkpoint_k: an old config file, an old --set and an old checkpoint's saved
+    config all mean the new key, and a resume sees no change."""
+    from keel.train.resume import config_changes
+
+    assert load_config(None, ["train.checkpoint_k=3"]).train.activation_checkpoint_k == 3
+    old = Config().to_dict()
+    old["train"]["checkpoint_k"] = old["train"].pop("activation_checkpoint_k")
+    assert config_from_dict(old) == Config()
+    assert config_changes(old, Config()) == {}
+    old["train"]["checkpoint_k"] = 4
+    assert config_changes(old, Config()) == {"train.activation_checkpoint_k": {"old": 4, "new": 2}}
 
 
 def test_resume_policy_is_declared_on_each_key():

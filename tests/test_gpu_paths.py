@@ -13,7 +13,7 @@ from keel import KeelError, ModelConfig, Transformer
 from keel.config import load_config
 from keel.train.device import PRECISIONS, autocast_context, resolve_precision
 from keel.train.dist import rank_device
-from keel.train.evaluate import summed_nll
+from keel.train.nll import summed_nll
 
 pytestmark = pytest.mark.spawns  # starts processes: the e2e tier (tests/conftest.py)
 

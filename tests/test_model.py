@@ -291,8 +291,9 @@ def test_final_norm(scheme):
 
 def test_sublayer_count():
     cfg = small_cfg(n_layers=5)
-    assert cfg.n_sublayers == 10 and cfg.keel_alpha == 10.0
+    assert cfg.n_sublayers == 10
     model = Transformer(cfg)
+    assert {b.ffn_res.alpha for b in model.blocks[1:]} == {10.0}  # Keel's alpha, unset: L
     assert [b.attn_res.index for b in model.blocks] == [0, 2, 4, 6, 8]
     assert [b.ffn_res.index for b in model.blocks] == [1, 3, 5, 7, 9]
 

@@ -113,7 +113,7 @@ def test_checkpointed_blocks_every_k(n, k):
 def test_checkpointing_errors():
     with pytest.raises(KeelError, match=r"activation_checkpointing must be 'none' \| 'block' \| 'every_k', got 'layer'"):
         par.checkpointed_blocks(4, "layer")
-    with pytest.raises(KeelError, match="train.checkpoint_k must be >= 1"):
+    with pytest.raises(KeelError, match="train.activation_checkpoint_k must be >= 1"):
         par.checkpointed_blocks(4, "every_k", 0)
 
 
@@ -375,4 +375,4 @@ def test_trainer_activation_checkpointing_changes_nothing_but_memory(tiny_config
 
     ref = losses(tmp_path / "plain")
     assert losses(tmp_path / "block", activation_checkpointing="block") == ref
-    assert losses(tmp_path / "every_k", activation_checkpointing="every_k", checkpoint_k=2) == ref
+    assert losses(tmp_path / "every_k", activation_checkpointing="every_k", activation_checkpoint_k=2) == ref

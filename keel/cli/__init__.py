@@ -5,7 +5,7 @@ Modules, one per group of commands (each has ``register(subparsers)``, which dec
 commands' flags and names each one's handler, ``"keel.cli.handlers.MODULE.FUNCTION"``):
 
 * :mod:`keel.cli.train` -- ``prepare``, ``train``, ``generate``;
-* :mod:`keel.cli.evaluate` -- ``eval``, ``export-hf``, ``import-hf``;
+* :mod:`keel.cli.trained` -- ``eval``, ``export-hf``, ``import-hf``;
 * :mod:`keel.cli.science` -- ``gradflow``, ``stress``, ``sweep``, ``plot``, ``ablate``;
 * :mod:`keel.cli.info` -- ``config``, ``runs``.
 
@@ -33,11 +33,11 @@ import sys
 import threading
 
 from keel import __version__
-from keel.cli import evaluate, info, science, train
+from keel.cli import info, science, trained, train
 from keel.cli.formatting import apply_help_format
 from keel.errors import Interrupted, KeelError
 
-COMMAND_GROUPS = (train, evaluate, science, info)
+COMMAND_GROUPS = (train, trained, science, info)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,7 +28,7 @@ from pathlib import Path
 from keel.data import split_windows, validation_tokens
 from keel.data.text import encode_text, utf8_bytes
 from keel.errors import KeelError
-from keel.train.evaluate import summed_nll
+from keel.train.nll import summed_nll
 from keel.train.trainer import perplexity as _perplexity
 
 

@@ -67,7 +67,7 @@ from keel.data.shards import read_shard
 from keel.errors import KeelError
 from keel.io import atomic_files
 from keel.run import Run
-from keel.train.evaluate import mean_nll
+from keel.train.nll import mean_nll
 from keel.train.plots import plt, save_figure
 
 _log = logging.getLogger(__name__)  # one DEBUG line per unit removed (keel ablate --verbose)

@@ -107,15 +107,68 @@ def check_reportable(out_dir: str | Path) -> None:
         raise KeelError(f"{out_dir} holds no finished run: nothing to report; check --out")
 
 
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _loss_or_null(x) -> bool:
+    return x is None or (_is_real(x) and not x < 0)  # NaN / inf: a diverged run's loss
+
+
+def _count_or_null(x) -> bool:
+    return x is None or (isinstance(x, int) and not isinstance(x, bool) and x >= 0)
+
+
+# result.json, declared: key -> (check, what is expected). A key present is checked (a task may
+# add keys of its own); these are the ones the reports of sweep, stress, lr-sensitivity and study
+# compute with, where a wrong shape was a TypeError deep in a report.
+RESULT_KEYS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "name": (lambda x: isinstance(x, str), "text"),
+    "status": (lambda x: x in ("done", "error"), '"done" or "error"'),
+    "values": (lambda x: isinstance(x, dict), "a table of the job's config values"),
+    **{k: (_loss_or_null, "a loss >= 0 (nats/token) or null")
+       for k in ("final_val_loss", "best_val_loss", "first_val_loss", "unigram_entropy")},
+    **{k: (_count_or_null, "an integer >= 0 or null")
+       for k in ("step", "steps", "tokens", "planned_tokens", "params", "non_embedding_params", "blocks", "sublayers")},
+    **{k: (lambda x: x is None or (_is_real(x) and x >= 0), "a number >= 0 or null")
+       for k in ("elapsed_s", "wall_s", "max_lr")},
+    "divergence": (lambda x: x is None or isinstance(x, dict), "a divergence verdict (a table) or null"),
+    "diverged": (lambda x: x is None or isinstance(x, bool), "true, false or null"),
+    "verdict": (lambda x: x is None or isinstance(x, str), "text or null"),
+}
+
+
+def check_result(path: str | Path, result) -> dict:
+    """``result`` (the content of ``path``, a ``result.json``) if it has the declared shape
+    (:data:`RESULT_KEYS`).
+
+    Raises:
+        KeelError: one line naming the file, the key and what was expected.
+    """
+    fix = "; delete the file to run the job again"
+    if not isinstance(result, dict):
+        raise KeelError(f"{path}: a job's result must be a JSON object, got {json.dumps(result)[:60]}{fix}")
+    for key, (ok, expected) in RESULT_KEYS.items():
+        if key in result and not ok(result[key]):
+            raise KeelError(f"{path}: {key} must be {expected}, got {json.dumps(result[key])[:60]}{fix}")
+    return result
+
+
 def cached_result(run_dir: str | Path) -> dict | None:
-    """The stored ``result.json`` of a finished job, or None if it has not finished."""
+    """The stored ``result.json`` of a finished job, or None if it has not finished (none, or
+    not JSON: a write cut short before results were atomic).
+
+    Raises:
+        KeelError: the file is JSON of the wrong shape (:func:`check_result`).
+    """
     p = Path(run_dir) / RESULT_FILE
     if not p.is_file():
         return None
     try:
-        return json.loads(p.read_text())
+        result = json.loads(p.read_text())
     except ValueError:
         return None
+    return check_result(p, result)
 
 
 _STOP_SIGNALS = set(STOP_SIGNALS)

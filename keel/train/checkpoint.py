@@ -45,6 +45,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -284,9 +285,12 @@ def checkpoint_problem(ckpt: str | Path) -> str | None:
         missing = [f for f in FILES if not (ckpt / f).is_file() or (ckpt / f).stat().st_size == 0]
         return f"{missing[0]} is missing or empty (and there is no manifest)" if missing else None
     try:
-        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+        declared = json.loads(manifest.read_text(encoding="utf-8"))
+        files = declared["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return "manifest.json is unreadable"
+    if declared.get("step", checkpoint_step(ckpt)) != checkpoint_step(ckpt):  # manifests before v2 name no step
+        return f"manifest.json says step {declared['step']!r}, the folder step {checkpoint_step(ckpt)}"
     if not (isinstance(files, dict) and all(isinstance(w, dict) and isinstance(w.get("bytes"), int)
                                             and isinstance(w.get("sha256"), str) for w in files.values())):
         return "manifest.json lists no files with their bytes and sha256"
@@ -302,20 +306,67 @@ def checkpoint_problem(ckpt: str | Path) -> str | None:
     return None
 
 
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _is_loader_state(x: Any) -> bool:
+    """A :meth:`keel.data.TokenLoader.state_dict`: integer epoch and position (and, when present,
+    integer seed, sizes and world size, a text split)."""
+    return (isinstance(x, dict) and all(_is_count(x.get(k)) for k in ("epoch", "position"))
+            and all(_is_count(v) for k, v in x.items() if k not in ("split", "epoch", "position"))
+            and isinstance(x.get("split", ""), str))
+
+
+# trainer.pt, declared: key -> (check, what is expected). Every key a resume reads is checked
+# before the checkpoint is chosen, so a state of the wrong shape is skipped for the previous
+# intact checkpoint, as a damaged file is (it used to be a TypeError deep in the resume).
+# ``optimizer`` and ``config`` are optional (a multi-process checkpoint keeps the optimiser
+# with its shards; the checkpoint of an import has no config).
+TRAINER_STATE: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "step": (_is_count, "its folder's step"),
+    "tokens": (_is_count, "a token count >= 0"),
+    "elapsed_s": (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0, "seconds >= 0"),
+    "loader": (_is_loader_state, "a data loader position (integer epoch and position)"),
+    "rng": (lambda x: isinstance(x, torch.Tensor) and x.dtype == torch.uint8 and x.dim() == 1,
+            "a CPU RNG state (a uint8 tensor)"),
+    "optimizer": (lambda x: isinstance(x, dict) and isinstance(x.get("state"), dict)
+                  and isinstance(x.get("param_groups"), list), "an optimizer state (state and param_groups)"),
+    "config": (lambda x: isinstance(x, dict) and all(isinstance(v, dict) for v in x.values()),
+               "a config (a table per section)"),
+}
+_OPTIONAL_STATE = ("optimizer", "config")
+
+
+def trainer_state_problem(state: Any, step: int) -> str | None:
+    """Why ``state`` (a loaded ``trainer.pt``) is not the trainer state of checkpoint step
+    ``step`` (:data:`TRAINER_STATE`), or None: e.g. ``"its trainer state says step 999, the
+    folder step 6"`` (a resume reported "applied from step 999" and trained nothing) or
+    ``"its trainer state's tokens must be a token count >= 0, got 'x'"``."""
+    if not isinstance(state, dict):
+        return f"its trainer state must be a table of {', '.join(TRAINER_STATE)}, got {type(state).__name__}"
+    if state.get("step") != step:
+        return f"its trainer state says step {state.get('step')!r}, the folder step {step}"
+    for key, (ok, expected) in TRAINER_STATE.items():
+        if key in _OPTIONAL_STATE and key not in state:
+            continue
+        if not ok(state.get(key)):
+            got = "nothing" if key not in state else repr(state[key])[:60]
+            return f"its trainer state's {key} must be {expected}, got {got}"
+    return None
+
+
 def _state_step_problem(ckpt: Path) -> str | None:
-    """Why ``ckpt``'s trainer state does not belong to its folder (its ``step`` is not the one
-    the folder is named for: a resume would report "applied from step 999" and train nothing),
-    or None. Reads ``trainer.pt`` memory-mapped (the step, not the optimizer state)."""
+    """Why ``ckpt``'s trainer state does not belong to its folder or has the wrong shape
+    (:func:`trainer_state_problem`), or None. Reads ``trainer.pt`` memory-mapped."""
     path = ckpt / "trainer.pt"
     if not path.is_file():
-        return None  # a sharded checkpoint keeps its trainer state with the shards; checked when loaded
+        return None  # a checkpoint before manifests lacking it: checkpoint_problem says so
     try:
-        step = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("step")
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 -- a damaged pickle: the same words as load_trainer_state
         return f"trainer.pt cannot be read ({_first_line(e)})"
-    if step != checkpoint_step(ckpt):
-        return f"its trainer state says step {step!r}, the folder step {checkpoint_step(ckpt)}"
-    return None
+    return trainer_state_problem(state, checkpoint_step(ckpt))
 
 
 def checkpoint_step(ckpt: str | Path) -> int:

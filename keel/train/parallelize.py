@@ -55,7 +55,7 @@ def checkpointed_blocks(n_blocks: int, mode: str, every_k: int = 2) -> list[int]
     """
     check_value("train.activation_checkpointing", mode)
     if mode == "every_k":
-        check_value("train.checkpoint_k", every_k)
+        check_value("train.activation_checkpoint_k", every_k)
     if mode == "none":
         return []
     if mode == "block":
@@ -191,7 +191,7 @@ def parallelize(model: nn.Module, tc, info: DistInfo) -> nn.Module:
     checkpointing mode.
     """
     check_value("train.parallelism", tc.parallelism)
-    apply_activation_checkpointing(model, tc.activation_checkpointing, tc.checkpoint_k)
+    apply_activation_checkpointing(model, tc.activation_checkpointing, tc.activation_checkpoint_k)
     if tc.compile:
         apply_compile(model)
     if not info.distributed:

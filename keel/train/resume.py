@@ -14,14 +14,15 @@ import logging
 import math
 from pathlib import Path
 
-from keel.config import Config, config_from_dict, load_config, on_resume
+from keel.config import Config, config_from_dict, current_key, load_config, on_resume
 from keel.errors import KeelError
 from keel.train.optim import lr_at
 
 log = logging.getLogger(__name__)
 
 def _flat(d: dict) -> dict:
-    return {f"{s}.{k}": v for s, keys in d.items() for k, v in keys.items()}
+    """``{"section.key": value}`` of a nested config dict, renamed keys under their current names."""
+    return {current_key(f"{s}.{k}"): v for s, keys in d.items() for k, v in keys.items()}
 
 
 def config_changes(old: dict, new: Config) -> dict[str, dict]:

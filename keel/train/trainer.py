@@ -72,7 +72,7 @@ from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, is_
                                    save_checkpoint, save_sharded_checkpoint, tied_aliases)
 from keel.train.device import (autocast_context, peak_flops, check_activations_fit, check_model_fits, flushing_denormals,
                                resolve_device)
-from keel.train.evaluate import mean_nll
+from keel.train.nll import mean_nll
 from keel.train.interrupt import StopSignals, TrainingInterrupted, agreed_stop_signal
 from keel.train.loggers import open_sinks
 from keel.train.metrics import read_metrics, truncate_metrics
@@ -134,7 +134,7 @@ def check_train_config(cfg: Config) -> None:
     cfg.data.validate()
     if tc.seq_len > cfg.model.max_seq_len:
         raise KeelError(f"train.seq_len ({tc.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len})")
-    checkpointed_blocks(cfg.model.n_layers, tc.activation_checkpointing, tc.checkpoint_k)
+    checkpointed_blocks(cfg.model.n_layers, tc.activation_checkpointing, tc.activation_checkpoint_k)
     # activations live on the CPU too (a GPU says so itself); the global batch: the ranks of a CPU run share one host
     if resolve_device(tc.device).type == "cpu":
         check_activations_fit(floor, tc)

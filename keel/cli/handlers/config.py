@@ -41,8 +41,7 @@ def scheme_summary(doc: str) -> list[str]:
             continue
         text = " ".join(para.split()).replace("``", "").removesuffix("::").removesuffix(":")
         out += textwrap.wrap(re.sub(r":(?:class|func|data|meth):`([^`]+)`", r"\1", text) + (":" * ends[i]), 96)
-    return [re.sub(r"\bcfg\.(\w+)", lambda m: "model." + ("alpha" if m[1] == "keel_alpha" else m[1]), x)
-            for x in out]
+    return [re.sub(r"\bcfg\.(\w+)", r"model.\1", x) for x in out]
 
 
 def print_schemes() -> None:

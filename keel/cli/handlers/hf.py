@@ -1,4 +1,4 @@
-"""The handlers of ``keel export-hf`` and ``keel import-hf`` (their flags: :mod:`keel.cli.evaluate`).
+"""The handlers of ``keel export-hf`` and ``keel import-hf`` (their flags: :mod:`keel.cli.trained`).
 Importing this module imports transformers (:mod:`keel.hf.convert`).
 
 Usage::

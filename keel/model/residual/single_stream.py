@@ -75,7 +75,7 @@ class DeepNorm(Residual):
 class Keel(Residual):
     """Keel (Chen & Wei 2026, arXiv 2601.19895, Sec. 3, Fig. 2):
     ``x <- Norm_out(alpha * x + F(Norm_in(x)))``, two RMSNorms per sub-layer,
-    ``alpha = cfg.keel_alpha`` (default L, the number of sub-layers; constant, not learned).
+    ``alpha = cfg.alpha``, unset: L = ``cfg.n_sublayers`` (constant, not learned).
 
     First-layer rule (paper v2), when ``cfg.keel_first_layer_rule``: sub-layer 0 (first
     attention) is plain Pre-LN, ``x + F(Norm_in(x))`` with no outer norm and alpha = 1;
@@ -87,7 +87,7 @@ class Keel(Residual):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__(cfg, index)
         first_rule = cfg.keel_first_layer_rule and index < 2
-        self.alpha = 1.0 if first_rule else cfg.keel_alpha
+        self.alpha = 1.0 if first_rule else float(cfg.alpha if cfg.alpha is not None else cfg.n_sublayers)
         self.norm_in = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.norm_out = None if (first_rule and index == 0) else RMSNorm(cfg.d_model, cfg.norm_eps)
 

@@ -1,5 +1,5 @@
 """The flags of ``keel eval``, ``keel export-hf`` and ``keel import-hf``; handlers:
-:mod:`keel.cli.handlers.evaluate` and :mod:`keel.cli.handlers.hf` (which imports transformers).
+:mod:`keel.cli.handlers.scoring` and :mod:`keel.cli.handlers.hf` (which imports transformers).
 
 Usage::
 
@@ -65,5 +65,5 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--verbose", action="store_true", help="show lm-evaluation-harness' own progress bars and logs")
     p.add_argument("--device", default=key_default("train.device"), help=key_help("train.device"))
-    p.set_defaults(handler="keel.cli.handlers.evaluate.cmd_eval")
+    p.set_defaults(handler="keel.cli.handlers.scoring.cmd_eval")
     _register_hf(subparsers)

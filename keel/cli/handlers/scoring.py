@@ -1,4 +1,4 @@
-"""The handler of ``keel eval`` (its flags: :mod:`keel.cli.evaluate`).
+"""The handler of ``keel eval`` (its flags: :mod:`keel.cli.trained`).
 
 Usage::
 
