@@ -239,9 +239,14 @@ class RunLock:
             holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
             os.close(fd)
             raise KeelError(self.busy.format(pid=holder)) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
+        try:
+            with disk_errors(self.path):  # a full disk: was "cannot write the standard output" (no file named)
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except KeelError:
+            self.release()  # the folders it created go again
+            raise
         return self
 
     def release(self) -> None:

@@ -113,6 +113,26 @@ def test_ablate_cli_on_a_run(tiny_config, tmp_path, keel_cli):
     assert r.returncode == 2 and "not a run directory" in r.stderr
 
 
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_ablate_cli_on_a_run_of_every_scheme(scheme, tiny_data, tmp_path, capsys):
+    """`keel ablate --run R` on a trained run of each scheme: a finite ΔPPL per sub-layer and all
+    three outputs."""
+    from conftest import REPO, tiny_overrides
+    from keel.cli import main
+    from keel.train import train
+
+    run = tmp_path / "run"
+    train(load_config(REPO / "keel" / "configs" / "demo.toml",
+                      [*tiny_overrides(tiny_data, steps=2, eval_every=2, checkpoint_every=2, eval_tokens=64,
+                                       sample_tokens=0), f"model.residual={scheme}"]), run)
+    code = main(["ablate", "--run", str(run), "--tokens", "128", "--out", str(tmp_path / "abl"), "--json"])
+    out = capsys.readouterr()
+    assert code == 0 and "Traceback" not in out.err, out.err
+    res = json.loads(out.out)
+    assert len(res["units"]) == 4 and all(math.isfinite(u["delta_ppl"]) for u in res["units"])
+    assert sorted(p.name for p in (tmp_path / "abl").iterdir()) == ["ablate.json", "ablate.md", "ablate.png"]
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tiny_data, tmp_path_factory):
     transformers = pytest.importorskip("transformers")

@@ -311,3 +311,22 @@ def test_full_jacobian_runs_for_every_scheme(scheme, val_batch):
     prof = profile_model(model, val_batch[:1, :9], jacobian_iters=8, full_jacobian=True)
     full = prof["full_jacobian"]
     assert len(full) == 4 and all(math.isfinite(x) and x > 0 for x in full)
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_cli_from_a_run_of_every_scheme(scheme, capsys, tiny_data, tmp_path):
+    """`keel gradflow --run R --full-jacobian` on a trained run of each scheme (it failed for a
+    trained mhc run): one finite profile with a full-Jacobian norm per sub-layer, exit 0."""
+    from conftest import tiny_overrides
+    from keel.train import train
+
+    run = tmp_path / "run"
+    train(load_config(REPO / "keel" / "configs" / "demo.toml",
+                      [*tiny_overrides(tiny_data, steps=2, eval_every=2, checkpoint_every=2, eval_tokens=64,
+                                       sample_tokens=0), f"model.residual={scheme}"]), run)
+    code, out, err = cli(capsys, "--run", run, "--full-jacobian", "--json", "--seq-len", 16, "--batch-size", 2,
+                         "--threads", 1, "--jacobian-iters", 4)
+    assert code == 0 and "Traceback" not in err, err
+    (r,) = json.loads(out)["results"]
+    assert r["residual"] == scheme and r["sublayers"] == 4
+    assert len(r["full_jacobian"]) == 4 and all(math.isfinite(x) and x > 0 for x in r["full_jacobian"])

@@ -3,6 +3,8 @@ numbers and exit 2 before anything is built or written. Found by a fresh-user tr
 gradflow --sublayers 2000000`` built blocks until memory ran out; ``keel stress`` recorded
 every run as an error and wrote an empty report with exit 0."""
 
+import re
+
 import pytest
 
 from keel.cli import main
@@ -106,3 +108,45 @@ def test_a_batch_or_context_that_cannot_fit_is_one_line_under_an_address_space_l
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
     assert re.search(match, r.stderr), r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_an_allocation_failure_the_estimate_missed_is_one_line(tiny_data, tmp_path):
+    """A run that passes the activation floor and still runs out of memory (here mHC's streams and
+    the attention under ``ulimit -v`` 3e9 bytes) ended in the allocator's traceback; it is one line
+    saying what was asked for and which settings to lower (keel.train.device.memory_errors)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import HANG_S, tiny_overrides
+
+    keys = ["train.steps=1", "train.eval_tokens=64", "train.batch_size=1000", "train.seq_len=64", "model.d_model=256",
+            "model.d_ff=1024", "model.residual=mhc"]
+    sets = [a for s in [*tiny_overrides(tiny_data), *keys] for a in ("--set", s)]
+    r = subprocess.run([str(Path(sys.executable).parent / "keel"), "train", "--run-dir", str(tmp_path / "run"), *sets],
+                       capture_output=True, text=True, timeout=HANG_S, preexec_fn=_limited(3 * 10**9))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "keel: error: out of memory while training (it asked for "), r.stderr[-2000:]
+    assert "MiB more): lower train.batch_size (1000) or train.seq_len (64) (raise train.grad_accum, now 1, to keep " \
+           "the batch), set train.activation_checkpointing, or train a smaller model" in r.stderr
+
+
+@pytest.mark.parametrize("error, asked", [
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                  "tried to allocate 196608000 bytes. Error code 12 (Cannot allocate memory)"),
+     " (it asked for 188 MiB more)"),
+    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.2 GiB total capacity)"),
+     " (it asked for 2,048 MiB more)"),
+    (MemoryError(), ""),
+])
+def test_memory_errors_names_the_settings_to_lower(error, asked):
+    from keel.config import TrainConfig
+
+    with pytest.raises(KeelError, match=rf"^out of memory while training{re.escape(asked)}: lower train\.batch_size "
+                                        r"\(8\) or train\.seq_len \(128\)"):
+        with DV.memory_errors(TrainConfig(batch_size=8, seq_len=128)):
+            raise error
+    with pytest.raises(RuntimeError, match="shape mismatch"):  # any other error passes through
+        with DV.memory_errors(TrainConfig()):
+            raise RuntimeError("shape mismatch")

@@ -96,14 +96,29 @@ DAMAGE = {
         '{"files": "model.safetensors"}'), 8, "step_00000012: manifest.json lists no files with their bytes"),
     "trainer state of another step": (lambda r: _restate(r / "checkpoints" / "step_00000012", step=999), 8,
                                       "step_00000012: its trainer state says step 999, the folder step 12"),
+    # trainer state of the wrong shape, rehashed (each was a TypeError / AttributeError deep in the resume)
+    **{f"trainer state {key} = {value!r}": (
+        lambda r, key=key, value=value: _restate(r / "checkpoints" / "step_00000012", **{key: value}), 8,
+        f"step_00000012: its trainer state's {key} must be ") for key, value in (
+            ("tokens", "x"), ("elapsed_s", "x"), ("optimizer", 5), ("loader", 5), ("loader", {"epoch": "x"}),
+            ("rng", 5), ("config", 5))},
+    "trainer state a list": (lambda r: _restate(r / "checkpoints" / "step_00000012", whole=[1, 2]), 8,
+                             "step_00000012: its trainer state must be a table of step, tokens"),
+    "manifest of another step": (lambda r: _remanifest(r / "checkpoints" / "step_00000012", step="x"), 8,
+                                 "step_00000012: manifest.json says step 'x', the folder step 12"),
 }
+
+
+def _remanifest(ckpt, **changes):
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    (ckpt / "manifest.json").write_text(json.dumps({**manifest, **changes}))
 
 
 def _restate(ckpt, **changes):
     """Rewrite ckpt/trainer.pt with ``changes`` and rehash the manifest, as a careful forger would."""
     import hashlib
     state = torch.load(ckpt / "trainer.pt", weights_only=True)
-    torch.save({**state, **changes}, ckpt / "trainer.pt")
+    torch.save(changes["whole"] if "whole" in changes else {**state, **changes}, ckpt / "trainer.pt")
     manifest = json.loads((ckpt / "manifest.json").read_text())
     data = (ckpt / "trainer.pt").read_bytes()
     manifest["files"]["trainer.pt"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}

@@ -155,6 +155,42 @@ def test_run_lock_unit(tmp_path):
     assert (tmp_path / "r").is_dir()  # not made by this lock: stays
 
 
+def test_a_lock_that_cannot_record_its_pid_on_a_full_disk_is_one_line(tmp_path, monkeypatch):
+    """On a full disk the lock's folder and file were made, then writing the pid raised an OSError
+    that names no file: `keel study` / `keel train` said "cannot write the standard output". It
+    names the lock file now, and the folders the lock made go again."""
+    import errno
+
+    from keel.io import RunLock
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(KeelError, match=f"^cannot write {tmp_path / 'a' / 'run' / '.keel.lock'}: No space left on device$"):
+        RunLock(tmp_path / "a" / "run").acquire()
+    assert not (tmp_path / "a").exists()
+
+
+def test_the_tokenizer_copy_on_a_full_disk_names_the_runs_file(tiny_data, tmp_path, monkeypatch, one_thread):
+    """shutil names the source when the copy of tokenizer.json into a new run fails for want of
+    space ("cannot write DATA/tokenizer.json": the dataset, which keel never writes); the copy goes
+    through a temporary file now, so the line names the run's file and leaves no partial copy."""
+    import errno
+
+    from keel.train import trainer as T
+
+    def full(src, dst):
+        Path(dst).write_bytes(b"{")  # a partial copy, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(src))
+
+    monkeypatch.setattr(T.shutil, "copyfile", full)
+    run = tmp_path / "run"
+    with pytest.raises(KeelError, match=f"^cannot write {run / 'tokenizer.json'}: No space left on device$"):
+        train(cfg(tiny_data), run)
+    assert not [p.name for p in run.glob("*tokenizer*")]
+
+
 def test_failed_first_start_leaves_no_run_folder(tiny_data, tmp_path, capsys):
     """`keel train` refused after taking the lock (data, vocabulary) leaves no folder holding only
     `.keel.lock` (found by a fresh-user trial: `--resume` on it then said "not a run directory")."""

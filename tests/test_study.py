@@ -1123,3 +1123,39 @@ def test_runs_of_a_superseded_implementation_stay_on_record(tmp_path, tiny_data)
     assert "## Superseded runs" in (tmp_path / "r" / "report.md").read_text()
     again = SRun.run_study(str(p), "x", tmp_path / "s", sets, report_only=True, restore=tmp_path / "r" / "report.json")
     assert again["superseded_runs"] == rep["superseded_runs"]
+
+
+@pytest.fixture(scope="module")
+def finished_study(tiny_data, tmp_path_factory):
+    """A finished two-run study (GROUP + CLAIM at scale x): copy it, never change it."""
+    root = tmp_path_factory.mktemp("finished")
+    p = root / "s.toml"
+    p.write_text(GROUP + CLAIM)
+    sets = [f"data.path={tiny_data}", "train.steps=2", "train.batch_size=2", "train.seq_len=16", "train.eval_every=2",
+            "train.eval_tokens=64", "train.sample_tokens=0", "model.d_model=16", "model.d_ff=32"]
+    SRun.run_study(str(p), "x", root / "out", sets, workers=0)
+    return p, root / "out"
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda r: [1, 2], "a job's result must be a JSON object, got \\[1, 2\\]"),
+    (lambda r: {**r, "final_val_loss": "abc"}, 'final_val_loss must be a loss >= 0 \\(nats/token\\) or null, got "abc"'),
+    (lambda r: {**r, "unigram_entropy": "abc"}, 'unigram_entropy must be a loss >= 0 .* got "abc"'),
+    (lambda r: {**r, "final_val_loss": -50}, "final_val_loss must be a loss >= 0 .* got -50"),
+    (lambda r: {**r, "tokens": "x"}, 'tokens must be an integer >= 0 or null, got "x"'),
+    (lambda r: {**r, "divergence": 5}, "divergence must be a divergence verdict \\(a table\\) or null, got 5"),
+], ids=["a list", "final_val_loss text", "unigram_entropy text", "a negative loss", "tokens text", "divergence a number"])
+def test_report_only_over_a_result_of_the_wrong_shape_is_one_line(finished_study, tmp_path, change, words):
+    """`--report-only` over a run whose result.json is a list, or whose final_val_loss or
+    unigram_entropy is text, ended in a TypeError / AttributeError inside the report (a
+    negative loss entered the verdicts); result.json is checked by its declaration
+    (keel.experiments.grid.RESULT_KEYS), naming the file and the key."""
+    import shutil
+
+    p, finished = finished_study
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    result = out / "g" / "L2_seed0_keel_lr0.001" / "result.json"
+    result.write_text(json.dumps(change(json.loads(result.read_text()))))
+    with pytest.raises(KeelError, match=f"{result}: {words}; delete the file to run the job again"):
+        SRun.run_study(str(p), "x", out, [], report_only=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 
 import torch
 
@@ -140,6 +141,43 @@ def check_model_fits(model_cfg: ModelConfig, bytes_per_param: int, what: str) ->
         raise KeelError(f"{model_cfg.n_sublayers:,} sub-layers at width {model_cfg.d_model}: {n:,} parameters need "
                         f"{need / 2**30:,.1f} GiB for {what} alone, more than this machine's "
                         f"{have / 2**30:,.1f} GiB of memory")
+
+
+_ALLOCATION = re.compile(r"(?:can't allocate memory|out of memory)", re.IGNORECASE)
+_ASKED = re.compile(r"(?:tried to allocate|Tried to allocate) ([0-9.]+) ?(bytes|[KMG]iB)")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an allocation failure: ``MemoryError``, ``torch.OutOfMemoryError`` (CUDA)
+    or the CPU allocator's ``RuntimeError`` ("DefaultCPUAllocator: can't allocate memory")."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(e, RuntimeError) and bool(_ALLOCATION.search(str(e))))
+
+
+@contextlib.contextmanager
+def memory_errors(train_cfg: TrainConfig):
+    """Turn an allocation failure inside the block (:func:`is_out_of_memory`; one the estimate of
+    :func:`check_activations_fit` did not foresee, e.g. attention scores or a scheme's extra
+    streams) into one line saying what it asked for and which settings to lower (it was the
+    allocator's 80-line traceback).
+
+    Raises:
+        KeelError: as above; any other error passes through.
+    """
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 -- RuntimeError / OutOfMemoryError / MemoryError: see is_out_of_memory
+        if not is_out_of_memory(e):
+            raise
+        asked = _ASKED.search(str(e))
+        size = ""
+        if asked:
+            n, unit = float(asked.group(1)), asked.group(2)
+            n *= {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+            size = f" (it asked for {n / 2**20:,.0f} MiB more)"
+        raise KeelError(f"out of memory while training{size}: lower train.batch_size ({train_cfg.batch_size}) or "
+                        f"train.seq_len ({train_cfg.seq_len}) (raise train.grad_accum, now {train_cfg.grad_accum}, "
+                        "to keep the batch), set train.activation_checkpointing, or train a smaller model") from None
 
 
 def resolve_precision(device: torch.device, precision: str) -> str:

@@ -62,7 +62,7 @@ import torch
 from keel.config import Config, checked_copy, dump_config, resolve_vocab_size
 from keel.data import TokenLoader, load_tokenizer, read_meta, resolve_data, validation_tokens
 from keel.errors import KeelError
-from keel.io import RunLock, atomic_write_text, disk_errors, write_failure
+from keel.io import RunLock, atomic_path, atomic_write_text, disk_errors, write_failure
 from keel.model import Transformer, check_model_config, flops_per_token
 from keel.train import dist as D
 from keel.train import state_dict as SD
@@ -71,7 +71,7 @@ from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, is_
                                    load_sharded_checkpoint, load_trainer_state, load_weights, remove_stale_temporaries,
                                    save_checkpoint, save_sharded_checkpoint, tied_aliases)
 from keel.train.device import (autocast_context, peak_flops, check_activations_fit, check_model_fits, flushing_denormals,
-                               resolve_device)
+                               memory_errors, resolve_device)
 from keel.train.nll import mean_nll
 from keel.train.interrupt import StopSignals, TrainingInterrupted, agreed_stop_signal
 from keel.train.loggers import open_sinks
@@ -179,7 +179,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, callbacks: Seq
     info = D.init_distributed(resolve_device(cfg.train.device))
     try:
         run_dir = Path(D.broadcast_object(str(run_dir), info))
-        with run_lock(run_dir, info), flushing_denormals(cfg.train.flush_denormal):
+        with run_lock(run_dir, info), flushing_denormals(cfg.train.flush_denormal), memory_errors(cfg.train):
             return Trainer(cfg, run_dir, resume, list(callbacks), info, restart=restart).fit()
     finally:
         D.destroy_distributed(info)
@@ -335,7 +335,8 @@ class Trainer:
             with disk_errors(self.run_dir):
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 dump_config(self.cfg, self.run_dir / "config.toml")
-                shutil.copyfile(self.data_dir / "tokenizer.json", self.run_dir / "tokenizer.json")
+                with atomic_path(self.run_dir / "tokenizer.json") as tmp:  # on a full disk: this path, not the source
+                    shutil.copyfile(self.data_dir / "tokenizer.json", tmp)
                 history = truncate_metrics(self.metrics_path, self.state.step if self.ckpt is not None else -1)
             self.history = history  # what the sinks may replay (keel.train.loggers)
             if self.changes:
