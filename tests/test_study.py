@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from keel.errors import KeelError
-from keel.experiments.study import report as SR, run as SRun, spec as SS, verdicts as SV
+from keel.experiments.study import claims as SC, report as SR, run as SRun, spec as SS, verdicts as SV
+from keel.experiments.study.cells import direction, lrs
 from keel.experiments.grid import GridJob, _check_same_config
 from keel.config import Config, preset_names
 from keel.train.metrics import read_metrics
@@ -241,9 +242,9 @@ def test_runs_verdicts_in_words(divergence, words):
 
 def test_claims_without_finished_runs_say_so():
     """Before any run finished, (d) printed "16 sub-layers [], 64 sub-layers []" and (e) "–"."""
-    st = SS.load_study("claims", "cpu")
+    st = SC.load_study("claims", "cpu")
     runs, _ = SRun.collect(st, "unused", Path("unused"), train=False)
-    words = {cl["id"]: SR.claim_numbers(SV.CLAIM_TESTS[cl["test"]](st, runs, cl)) for cl in st.claims}
+    words = {cl["id"]: SC.claim_kind(cl).numbers(SC.claim_kind(cl).verdict(st, runs, cl)) for cl in st.claims}
     two = ("at the paper's init: needs paired results at two depths at least — at each scheme's better init: "
            "needs paired results at two depths at least")
     assert words == {"a": "on the paper's ramp: no finished ramp runs — on the extended ramp: no finished ramp runs",
@@ -253,7 +254,7 @@ def test_claims_without_finished_runs_say_so():
 def test_groups_no_claim_reads_get_their_own_section():
     """The 1024-sub-layer showcase and the residual bench had no section: their runs showed only
     in the best-loss and every-run tables, without their note or their own settings."""
-    st = SS.load_study("claims", "cpu")
+    st = SC.load_study("claims", "cpu")
     runs = [run("showcase", "keel", 1024, 0, 3e-3, 4.1, tokens=153_600, first_val_loss=6.24, final_val_loss=4.1,
                 plateau_exit_step=41, verdict="healthy"),
             run("showcase", "post_ln", 1024, 0, 3e-3, 6.2, tokens=153_600, first_val_loss=6.24, final_val_loss=6.2,
@@ -313,13 +314,13 @@ def test_groups_compared_with_each_other_train_the_same_tokens(scale):
 def test_claim_rules_name_the_claims_schemes(name):
     """The report states each claim's rule with its schemes (was the docstring's
     ``claim["order"]``/``scheme`` placeholders, verbatim)."""
-    st = SS.load_study(name, "cpu")
+    st = SC.load_study(name, "cpu")
     for claim in st.claims:
-        rule = SR.claim_rule(claim)
+        rule = SC.claim_kind(claim).rule(claim)
         assert "claim[" not in rule and "``" not in rule and "{" not in rule
         for key in ("scheme", "baseline"):
             assert claim.get(key, "keel" if key == "scheme" else "") in rule
-    claims = {c["id"]: SR.claim_rule(c) for c in st.claims}
+    claims = {c["id"]: SC.claim_kind(c).rule(c) for c in st.claims}
     if name == "claims":
         assert claims["a"].endswith("increases along post_ln < deepnorm < pre_ln < keel, on the paper's ramp.")
         assert claims["b"].startswith("keel beats pre_ln at the deepest depth")
@@ -330,7 +331,7 @@ def test_claim_rules_name_the_claims_schemes(name):
 def test_group_jobs_run_the_seeds_of_a_cell_side_by_side(tmp_path):
     """Order depth, scheme, LR, seed: the first 2k jobs of a partial grid are k paired cells
     (seed-major order left every cell of a 64-sub-layer group unpaired for hours)."""
-    study = SS.load_study("claims", "cpu")
+    study = SC.load_study("claims", "cpu")
     g = next(g for g in study.groups if g.name == "lr-grid")
     _, jobs = SRun.group_jobs(study, g, "unused", tmp_path)
     key = [(j.values["model.n_layers"], j.values["model.residual"], j.values["train.lr"], j.values["train.seed"])
@@ -347,7 +348,7 @@ def test_report_counts_say_what_is_left_out(tmp_path):
     """Before anything ran, the report names the runs of a group not planned yet and says
     that a ramp group's reference runs are not counted, so its total (319 - 33 - 27 - 3 - 3 = 253 at
     the cpu scale) reconciles with --dry-run's."""
-    study = SS.load_study("claims", "cpu")
+    study = SC.load_study("claims", "cpu")
     runs, waiting = SRun.collect(study, "unused", tmp_path, train=False)
     assert len(runs) == 253 and all(r["status"] == "pending" for r in runs)
     assert waiting == ["group transfer (33 runs) waits for group lr-grid at 64 sub-layers",
@@ -373,28 +374,27 @@ def test_report_counts_say_what_is_left_out(tmp_path):
 def test_a_depths_margin_is_said_in_words_not_as_a_verdict(diffs, words):
     """A depth's row said "not reproduced" where the shallow depth merely favoured the baseline;
     two tiny negative margins (inside the 0.02 floor) read "pre_ln better"."""
-    assert SR.direction(SV.paired_verdict(diffs, 0.02, 3), "keel", "pre_ln") == words
+    assert direction(SV.paired_verdict(diffs, 0.02, 3), "keel", "pre_ln") == words
 
 
 def test_the_report_states_which_rule_each_claim_follows():
-    st = SS.load_study("claims", "cpu")
+    st = SC.load_study("claims", "cpu")
     rule = SR.verdict_rule(st, st.claims)
     assert rule.startswith("Rule of (a), (b), (c): per seed the paired difference d")
     assert "for (a) log10 ratios of max LR, f = log10 1.05 = 0.021, a 5% ratio" in rule  # said "d ≥ 0.02" for (a)
     assert rule.endswith("(d) has its own rule, stated in its section.")
-    assert set(SV.CLAIM_UNITS) == set(SV.CLAIM_TESTS)
+    assert all(kind.unit and kind.verdict.__doc__ for kind in SC.CLAIMS.values())
     # every claim before any run finished (an (e) without init runs crashed the report: rows [] .items())
-    claims = [(c, SV.CLAIM_TESTS[c["test"]](st, [], c)) for c in st.claims]
+    claims = [(c, SC.claim_kind(c).verdict(st, [], c)) for c in st.claims]
     for c, v in claims:
         v["summary"] = SR.claim_summary(c, v)
     md = SR.report_markdown(st, claims, [], "keel study claims --scale cpu").splitlines()
     table = md[md.index("| claim | at the paper's init | at each scheme's better init | unit |"):][2:6]
     assert [row.rsplit("|", 2)[1].strip() for row in table] == ["log10 of the max-LR ratio", "nats/token",
                                                                 "nats/token", "peak LR"]
-    assert "deepest depth of group lr-grid, which trains its whole LR grid" in SR.claim_rule(
-        next(c for c in st.claims if c["id"] == "d"))
     d = next(c for c in st.claims if c["id"] == "d")
-    assert "own rule" in SR.claim_rule(d) and "edge of the LR grid" in SR.claim_rule(d)
+    assert "deepest depth of group lr-grid, which trains its whole LR grid" in SC.claim_kind(d).rule(d)
+    assert "own rule" in SC.claim_kind(d).rule(d) and "edge of the LR grid" in SC.claim_kind(d).rule(d)
     b = next(c for c in st.claims if c["id"] == "b")
     section = SR.claim_section(b, SV.claim_margin_grows(st, [], b))
     assert any(line.startswith("What the paper shows: Table 3 gives benchmark averages") for line in section)
@@ -404,7 +404,7 @@ def test_transfer_group_trains_the_optimum_and_the_grid_steps_around_it(tmp_path
     """lr_from_steps [0, -1]: each scheme at its transferred optimum and the next lower LR of the
     source grid (Keel at 256 sub-layers stagnated at the 64-sub-layer optimum 1e-2 in one seed);
     points off the grid are left out. (The cpu scale now takes [-1, 0, 1] and widens edges.)"""
-    study = SS.load_study("claims", "cpu")
+    study = SC.load_study("claims", "cpu")
     g = next(x for x in study.groups if x.name == "transfer")
     assert g.lr_from_steps == [-1, 0, 1]
     g = replace(g, lr_from_steps=[0, -1])
@@ -419,16 +419,16 @@ def test_transfer_group_trains_the_optimum_and_the_grid_steps_around_it(tmp_path
 
 def test_bad_study_input(tmp_path):
     with pytest.raises(KeelError, match="no scale 'huge'"):
-        SS.load_study("claims", "huge")
+        SC.load_study("claims", "huge")
     with pytest.raises(KeelError, match="unknown study 'nope'"):
-        SS.load_study("nope", "cpu")
+        SC.load_study("nope", "cpu")
     bad = tmp_path / "s.toml"
     bad.write_text('[groups.g]\nschemes = ["keel", "nonsense"]\n[scales.x.groups.g]\nsublayers=[2]\nseeds=[0]\nlrs=[1e-3]\n')
     with pytest.raises(KeelError, match="unknown scheme"):
-        SS.load_study(str(bad), "x")
+        SC.load_study(str(bad), "x")
     bad.write_text('[groups.g]\nschemes = ["keel"]\n[scales.x.groups.g]\nsublayers=[3]\nseeds=[0]\nlrs=[1e-3]\n')
     with pytest.raises(KeelError, match="even integers"):
-        SS.load_study(str(bad), "x")
+        SC.load_study(str(bad), "x")
 
 
 RAMPS = ('[groups.r]\nkind = "ramp"\nschemes = ["pre_ln", "keel"]\n'
@@ -531,27 +531,27 @@ def test_bad_study_files(tmp_path, text, match):
     p = tmp_path / "s.toml"
     p.write_text(text)
     with pytest.raises(KeelError, match=match):
-        SS.load_study(str(p), "x")
+        SC.load_study(str(p), "x")
     with pytest.raises(KeelError, match="set by the study's groups"):
-        SS.load_study("claims", "tiny", ["model.residual=keel"])
+        SC.load_study("claims", "tiny", ["model.residual=keel"])
 
 
 def test_a_study_file_that_is_not_utf8(tmp_path):
     p = tmp_path / "bin.toml"
     p.write_bytes(b"\xff\xfe[groups]\n")
     with pytest.raises(KeelError, match="cannot read study .*bin.toml: not UTF-8 text"):
-        SS.load_study(str(p), "x")
+        SC.load_study(str(p), "x")
 
 
 def test_set_wins_over_a_groups_own_keys(tmp_path):
     """`--set` reaches every run, as --help says: it used to lose to a group's `set` (the
     showcase kept its own train.steps, the init group its embed_init_std)."""
-    st = SS.load_study("claims", "tiny", ["train.steps=7", "model.embed_init_std=0.5"])
+    st = SC.load_study("claims", "tiny", ["train.steps=7", "model.embed_init_std=0.5"])
     for name in ("showcase", "init", "lr-grid"):
         g = next(x for x in st.groups if x.name == name)
         _, jobs = SRun.group_jobs(st, g, "unused", tmp_path)
         assert {(j.config["train"]["steps"], j.config["model"]["embed_init_std"]) for j in jobs} == {(7, 0.5)}
-    plain = SS.load_study("claims", "tiny")
+    plain = SC.load_study("claims", "tiny")
     g = next(x for x in plain.groups if x.name == "showcase")
     assert {j.config["train"]["steps"] for j in SRun.group_jobs(plain, g, "unused", tmp_path)[1]} == {4}
 
@@ -568,7 +568,7 @@ def test_study_command_is_the_one_that_trains_everything():
 def test_a_folder_stopped_before_its_first_run_starts_again_without_resume(tmp_path):
     """Ctrl-C before the first grid left only study.json: the same command was then refused as
     "not empty; use --resume"."""
-    st = SS.load_study("claims", "tiny")
+    st = SC.load_study("claims", "tiny")
     out = tmp_path / "s"
     assert SRun._claim_out(out, st, "keel study claims --scale tiny --groups ramp", resume=False, report_only=False)
     assert SRun._claim_out(out, st, "keel study claims --scale tiny", resume=False,
@@ -741,7 +741,7 @@ def test_groups_flag_trains_only_the_named_groups(keel_cli, tiny_data, tmp_path)
 def test_report_tells_ramp_budgets_from_training_budgets():
     """The count line listed every distinct token count (282,624, 306,176, ... 1,024,000), so a
     ramp run stopped at its divergence read like a training run short of the 1M budget."""
-    s = SS.load_study("claims", "cpu")
+    s = SC.load_study("claims", "cpu")
     done = [run("lr-grid", "keel", 16, 0, 1e-2, 3.0, tokens=1_024_000),
             run("showcase", "keel", 1024, 0, 3e-3, 5.0, tokens=153_600),
             run("ramp", "post_ln", 64, 0, 5e-2, 0, tokens=306_176), run("ramp", "keel", 64, 0, 5e-2, 0, tokens=1_024_000)]
@@ -843,7 +843,7 @@ def test_baseline_margins_pair_each_seed_over_the_benchs_lrs(tmp_path):
     p.write_text(GROUP.replace("lrs = [1e-3]", "lrs = [3e-4, 1e-3, 1e-2]").replace("seeds = [0]", "seeds = [0, 1, 2]")
                  + BENCH.replace("lrs = [1e-3]", "lrs = [1e-3, 1e-2]").replace("seeds = [0]", "seeds = [0, 1, 2]")
                  + CLAIM)
-    st = SS.load_study(str(p), "x")
+    st = SC.load_study(str(p), "x")
     bench = next(g for g in st.groups if g.name == "b")
     runs = []
     for seed, (k3, k2, p3, p2) in enumerate([(3.10, 3.30, 3.00, 3.40), (3.50, 3.20, 3.05, 3.90), (3.1, 3.1, 3.0, 3.0)]):
@@ -869,7 +869,7 @@ def test_a_best_lr_at_an_edge_of_the_lrs_trained_is_marked():
     runs += [run("g", "keel", 64, 1, lr, loss) for lr, loss in ((1e-3, 3.3), (3e-3, 3.4), (1e-2, 3.2))]
     assert [SV.bracketed(runs, min((r for r in runs if r["seed"] == sd), key=lambda r: r["capped_loss"]))
             for sd in (0, 1)] == [True, False]
-    assert SR._lrs({0: 3e-3, 1: 1e-2}, {0: False, 1: True}) == "[s0 0.003, s1 0.01*]"
+    assert lrs({0: 3e-3, 1: 1e-2}, {0: False, 1: True}) == "[s0 0.003, s1 0.01*]"
 
 
 def test_a_bad_key_in_a_later_groups_set_is_refused_before_anything_trains(tmp_path, tiny_data):
@@ -887,7 +887,7 @@ def test_a_bad_key_in_a_later_groups_set_is_refused_before_anything_trains(tmp_p
 
 def test_the_bench_table_says_why_a_pair_is_missing():
     """`--groups bench` on a fresh folder printed a table of "–" with no word on why."""
-    st = SS.load_study("claims", "cpu")
+    st = SC.load_study("claims", "cpu")
     bench = next(g for g in st.groups if g.name == "bench")
     runs = [run("bench", "peri_ln", 64, seed, lr, 3.0) for seed in (0, 1) for lr in bench.lrs]
     table = SR.baseline_table(st, bench, runs)
@@ -1159,3 +1159,47 @@ def test_report_only_over_a_result_of_the_wrong_shape_is_one_line(finished_study
     result.write_text(json.dumps(change(json.loads(result.read_text()))))
     with pytest.raises(KeelError, match=f"{result}: {words}; delete the file to run the job again"):
         SRun.run_study(str(p), "x", out, [], report_only=True)
+
+
+def test_a_new_kind_of_claim_is_one_class_and_one_toml_block(tmp_path, monkeypatch):
+    """A kind of claim declares its keys with key(), its verdict and its tables in one class;
+    registered in CLAIMS, a [[claims]] block uses it: checked at load (a missing or mistyped key
+    is one line), judged, and drawn in the report."""
+    from dataclasses import MISSING, dataclass
+    from typing import ClassVar
+
+    from keel.keys import key
+
+    def below(study, runs, claim):
+        """{scheme} reaches a final loss below {baseline} nats."""
+        return {"verdict": SV.INCONCLUSIVE, "why": f"no finished runs of {claim['scheme']}"}
+
+    @dataclass(kw_only=True)
+    class LossBelow(SC.Claim):
+        kind: ClassVar[str] = "loss_below"
+        unit: ClassVar[str] = "nats/token"
+        group: str = key(MISSING, "a train group.", nonempty=True)
+        scheme: str = key(MISSING, "the scheme.", nonempty=True)
+        baseline: str = key("3.0", "the loss to beat, nats.")
+        verdict = staticmethod(below)
+
+        @classmethod
+        def tables(cls, claim, c):
+            return [f"| {claim['scheme']} | {c['why']} |"]
+
+    monkeypatch.setitem(SC.CLAIMS, "loss_below", LossBelow)
+    block = '[[claims]]\nid = "z"\ntitle = "t"\ntest = "loss_below"\ngroup = "g"\nscheme = "keel"\n'
+    p = tmp_path / "s.toml"
+    p.write_text(GROUP + block)
+    st = SC.load_study(str(p), "x")
+    claim = st.claims[0]
+    assert SC.claim_kind(claim) is LossBelow and SC.claim_kind(claim).reads(claim) == {("g", "keel")}
+    section = SR.claim_section(claim, LossBelow.verdict(st, [], claim))
+    assert "keel reaches a final loss below the baseline nats." in section
+    assert "| keel | no finished runs of keel |" in section
+    for bad, match in [(block.replace('scheme = "keel"\n', ""), "\\(loss_below\\): missing scheme"),
+                       (block.replace('"keel"', '["keel"]'), "scheme must be a string"),
+                       (block.replace('"keel"', '"post_ln"'), "post_ln not trained")]:
+        p.write_text(GROUP + bad)
+        with pytest.raises(KeelError, match=match):
+            SC.load_study(str(p), "x")

@@ -19,13 +19,14 @@ A study is a TOML file (packaged in ``keel/configs/studies/``, e.g. ``claims.tom
   the lowest or highest it trained gets the next LR beyond that edge, at most ``widen`` per side
   (:func:`run.widened_lrs`), so every optimum a verdict reads is bracketed.
   Config keys apply in the order scale ``set``, group ``set``, the user's ``--set`` (later wins).
-* ``[[claims]]``: per claim of the paper, the verdict function (``test``, a key of
-  :data:`verdicts.CLAIM_TESTS`) and the groups and schemes it reads. A ``max_lr_order`` claim may name an
-  ``extended_group``: its ramp continued at the same LR per step to a higher peak, where the
-  pairs that the first peak censors are reported beside the paper's ramp, which gives the verdict
-  (optional per scale). A ``margin_grows`` claim may name ``init_groups``: the same depths at
-  another embedding init; it is then judged at the paper's init and at each scheme's better init. A study without claims is
-  a study of groups only (e.g. a bench paired by ``baselines_from``): its report has no verdicts.
+* ``[[claims]]``: per claim of the paper, its kind (``test``, a name in :data:`claims.CLAIMS`:
+  ``margin_grows``, ``lr_transfer``, ``max_lr_order``) and the groups and schemes it reads. A
+  ``max_lr_order`` claim may name an ``extended_group``: its ramp continued at the same LR per
+  step to a higher peak, where the pairs that the first peak censors are reported beside the
+  paper's ramp, which gives the verdict (optional per scale). A ``margin_grows`` claim may name
+  ``init_groups``: the same depths at another embedding init; it is then judged at the paper's
+  init and at each scheme's better init. A study without claims is a study of groups only (e.g.
+  a bench paired by ``baselines_from``): its report has no verdicts.
 * ``[scales.S]``: for each scale (``tiny`` for the test suite, ``cpu``, ``gpu-1``, ``paper``)
   the config keys of every run (``set``) and each group's sizes (``[scales.S.groups.G]``).
 * ``[verdict]``: ``min_effect`` (nats/token), ``min_seeds`` and ``floor_from_spread`` of
@@ -50,8 +51,10 @@ claim test but :func:`verdicts.claim_lr_transfer`, whose rule (same optimal grid
 seed) is its own.
 
 Modules, each importing only those before it: :mod:`.spec` (the TOML as :class:`spec.Study`,
-checked), :mod:`.verdicts` (one function per claim test, :data:`verdicts.CLAIM_TESTS`),
-:mod:`.report` (``report.md`` and the PNGs), :mod:`.run` (jobs, run records, the dry-run
-estimate, :func:`run.run_study`).
+its groups checked), :mod:`.verdicts` (the paired-difference rule, one verdict function per kind
+of claim), :mod:`.cells` (numbers as markdown cells), :mod:`.claims` (one class per kind of
+claim: its keys, verdict, reads and tables, the registry :data:`claims.CLAIMS`, and
+:func:`claims.load_study`, which checks every claim), :mod:`.report` (``report.md`` and the
+PNGs), :mod:`.run` (jobs, run records, the dry-run estimate, :func:`run.run_study`).
 """
 

@@ -11,197 +11,32 @@ import matplotlib.ticker
 from keel.config import override_text
 from keel.experiments import sensitivity as LS
 from keel.experiments.study.spec import Group, Study
-from keel.experiments.study.verdicts import (
-    LEVEL,
-    CLAIM_TESTS,
-    CLAIM_UNITS,
-    CONDITIONS,
-    WINDOW,
-    MAX_LR_FLOOR,
-    NOT_REPRODUCED,
-    REPRODUCED,
-    baseline_margins,
-    best_losses,
-    best_lrs,
-    claim_reads,
-    paired_verdict,
-    verdict_words,
-)
+from keel.experiments.study.cells import CONDITION_WORDS, direction, lrs, pm, short
+from keel.experiments.study.claims import claim_kind
+from keel.experiments.study.verdicts import (LEVEL, MAX_LR_FLOOR, baseline_margins, best_losses, best_lrs, paired_verdict,
+                                             verdict_words)
 from keel.train.plots import plt, save_figure
-
-
-def _pm(v: dict | None, fmt: str = "{:+.3f}") -> str:
-    """``mean [90% CI lo, hi] (s0 x, s1 y, ...)`` of a :func:`paired_verdict` dict (the interval:
-    its two one-sided bounds; ``mean (s0 x)`` for one seed)."""
-    if not v or v.get("mean") is None:
-        return "–"
-    per = ", ".join(f"s{seed} {fmt.format(x)}" for seed, x in v["diffs"].items())
-    if v.get("lo") is None:
-        return f"{fmt.format(v['mean'])} ({per})"
-    ci = round(100 * (2 * v.get("level", 0.95) - 1))
-    return f"{fmt.format(v['mean'])} [{ci}% CI {fmt.format(v['lo'])}, {fmt.format(v['hi'])}] ({per})"
-
-
-def claim_numbers(c: dict) -> str:
-    """One cell: the numbers behind a claim's verdict, per condition."""
-    if "log10_shift" in c:
-        row = next(r for r in c["rows"] if r["scheme"] == c["scheme"])
-        lo, hi = c["depths"]
-        return (f"{c['scheme']} optimal LR per seed: {lo} sub-layers {_lrs(row['opt_lr'][lo])}, "
-                f"{hi} sub-layers {_lrs(row['opt_lr'][hi])}" + ("; at an edge of the LR grid" if row["at_edge"] else ""))
-    if "conditions" in c:
-        return " — ".join(f"{CONDITION_WORDS.get(k, k)}: " + _parts(v) for k, v in c["conditions"].items())
-    return c.get("why", "–")
-
-
-def _parts(c: dict) -> str:
-    """A condition's parts: ``name: numbers (verdict)``, or why it has none."""
-    if not c.get("parts"):
-        return c.get("why", "–")
-    return "; ".join(f"{k}: {_pm(v)} ({v['verdict']})" for k, v in c["parts"].items())
-
-
-CONDITION_WORDS = {**CONDITIONS, "paper_ramp": "on the paper's ramp", "extended_ramp": "on the extended ramp"}
 
 
 def claim_summary(claim: dict, c: dict) -> str:
     """The claim's one-line summary, written from its verdict data: the verdict per condition
-    (which init, which ramp) and the numbers of its deciding parts."""
+    (which init, which ramp; :meth:`Claim.phrase`) and the numbers of its deciding parts."""
     head = f"({claim['id']}) {claim['title']}: "
     conds = c.get("conditions")
     if not conds:
-        return head + f"{c['verdict']} ({claim_numbers(c)})."
-    if claim["test"] == "margin_grows" and len(conds) == 2:
-        vp, vb = conds["paper_init"]["verdict"], conds["better_init"]["verdict"]
-        if vp == vb:
-            phrase = f"{vp} at both inits"
-        elif REPRODUCED in (vp, vb):
-            first, other = ("paper_init", "better_init") if vp == REPRODUCED else ("better_init", "paper_init")
-            phrase = f"reproduced {CONDITION_WORDS[first]} only ({conds[other]['verdict']} {CONDITION_WORDS[other]})"
-        else:
-            phrase = f"{vp} {CONDITION_WORDS['paper_init']}, {vb} {CONDITION_WORDS['better_init']}"
-    else:
-        phrase = "; ".join(f"{v['verdict']} {CONDITION_WORDS.get(k, k)}"
-                           + (f" (to {v['peak_lr']:g})" if v.get("peak_lr") else "") for k, v in conds.items())
-    nums = "; ".join(f"{CONDITION_WORDS.get(k, k)}: " + ("; ".join(f"{name} {_short(p)}" for name, p in v["parts"].items())
+        return head + f"{c['verdict']} ({claim_kind(claim).numbers(c)})."
+    nums = "; ".join(f"{CONDITION_WORDS.get(k, k)}: " + ("; ".join(f"{name} {short(p)}" for name, p in v["parts"].items())
                                                         if v.get("parts") else v.get("why", "no finished runs"))
                      for k, v in conds.items())
-    return head + phrase + (f" — {nums}" if nums else "") + "."
-
-
-def _short(v: dict) -> str:
-    """``+1.115 [90% CI +1.01, +1.22], 3 seeds`` of a :func:`paired_verdict` dict."""
-    if v.get("mean") is None:
-        return "no paired seed yet"
-    if v.get("lo") is None:
-        return f"{v['mean']:+.3f}, {v['n']} seed"
-    ci = round(100 * (2 * v.get("level", 0.95) - 1))
-    return f"{v['mean']:+.3f} [{ci}% CI {v['lo']:+.3f}, {v['hi']:+.3f}], {v['n']} seeds"
-
-
-def _lrs(d: dict, edge: dict | None = None) -> str:
-    """``[s0 X, s1 Y*]``: one LR per seed (``none`` for a missing one; ``*`` where ``edge`` marks
-    that seed's best LR as not bracketed by the LRs it trained)."""
-    return "[" + ", ".join(f"s{seed} " + ("none" if x is None else f"{x:g}") + ("*" if (edge or {}).get(seed) else "")
-                           for seed, x in d.items()) + "]"
-
-
-def _exits(d: dict) -> str:
-    """``[s0 317, s1 never]``: one plateau exit step per seed."""
-    return "[" + ", ".join(f"s{seed} " + ("never" if x is None else str(x)) for seed, x in d.items()) + "]"
-
-
-def _window(w: dict) -> str:
-    """A scheme's healthy-LR window per init group: ``lr-grid 0.001–0.01 (3 LRs)``."""
-    return "; ".join(f"{g} " + (f"{x[0]:g}–{x[-1]:g} ({len(x)} LR{'s' if len(x) > 1 else ''})" if x else "pending")
-                     for g, x in w.items())
-
-
-def direction(v: dict, scheme: str, baseline: str) -> str:
-    """What one depth's paired margin (:func:`paired_verdict` of ``baseline - scheme``) says, in
-    words that do not read as a verdict on the whole claim: ``{scheme} better`` (the interval
-    clears the floor), ``{baseline} better`` (it lies below minus the floor), ``no {scheme}
-    advantage`` (below the floor, not below minus it), ``undecided`` (it straddles the floor) or
-    ``too few seeds``."""
-    if v["verdict"] == REPRODUCED:
-        return f"{scheme} better"
-    if v["verdict"] == NOT_REPRODUCED:
-        return f"{baseline} better" if v["hi"] < -v["min_effect"] else f"no {scheme} advantage"
-    return "too few seeds" if v["n"] < 2 else "undecided"
-
-
-def _flagged(row: dict) -> str:
-    """``4 of 4 (4 left the plateau later)``: a margin row's flagged baseline runs."""
-    n, k = row["baseline_diverged_runs"], row.get("baseline_recovered_runs", 0)
-    return f"{n} of {row.get('baseline_runs', n)}" + (f" ({k} left the plateau later)" if k else "")
-
-
-def claim_rule(claim: dict) -> str:
-    """The claim's rule in one line: the first paragraph of its test's docstring, with the
-    claim's ``scheme`` (default keel), ``baseline`` and ``order`` filled in."""
-    text = " ".join((CLAIM_TESTS[claim["test"]].__doc__ or "").strip().split("\n\n")[0].split())
-    return text.format(scheme=claim.get("scheme", "keel"), baseline=claim.get("baseline", "the baseline"),
-                       order=" < ".join(claim.get("order", [])), group=claim.get("group", "G"))
-
-
-def _margin_table(claim: dict, cond: str, c: dict) -> list[str]:
-    """Markdown: one condition of a margin claim, a row per depth."""
-    s, b = claim["scheme"], claim["baseline"]
-    out = [f"**{CONDITION_WORDS[cond].capitalize()}: {c['verdict']}.** {_parts(c)}", "",
-           f"| sub-layers | margin ({b} − {s}, nats) mean [CI] (per seed) | at this depth | "
-           f"best LR per seed: {b}; {s} | init of the best run: {b}; {s} | plateau exit step at that LR: {b}; {s} | "
-           f"healthy-LR window (within {WINDOW:g} nats of the best seed-mean loss): {b}; {s} | "
-           f"{b} runs flagged by the divergence classifier |", "|---|---|---|---|---|---|---|---|"]
-    for r in c["rows"]:
-        edge = {x: {sd: not ok for sd, ok in r["bracketed"][x].items()} for x in (b, s)}
-        out.append(f"| {r['sublayers']} | {_pm(r['margin'])} | {direction(r['margin'], s, b)} | "
-                   f"{_lrs(r['best_lr'][b], edge[b])}; {_lrs(r['best_lr'][s], edge[s])} | "
-                   + "; ".join("[" + ", ".join(f"s{sd} {g}" for sd, g in r["best_group"][x].items()) + "]" for x in (b, s))
-                   + f" | {_exits(r['plateau_exit'][b])}; {_exits(r['plateau_exit'][s])} | "
-                   f"{_window(r['window'][b])} / {_window(r['window'][s])} | {_flagged(r)} |")
-    return out + [""]
+    return head + claim_kind(claim).phrase(conds) + (f" — {nums}" if nums else "") + "."
 
 
 def claim_section(claim: dict, c: dict) -> list[str]:
-    """Markdown of one claim: its summary line, the rule, a table per condition."""
+    """Markdown of one claim: its summary line, the rule, its kind's tables (:meth:`Claim.tables`)."""
+    kind = claim_kind(claim)
     out = [f"## ({claim['id']}) {claim['title']}", "", f"**Verdict: {c['verdict']}.** {c.get('summary', '')}", "",
-           claim_rule(claim), ""] + ([claim["note"].strip(), ""] if claim.get("note") else [])
-    if claim["test"] == "margin_grows":
-        for cond, cc in c["conditions"].items():
-            out += _margin_table(claim, cond, cc)
-        b = claim["baseline"]
-        out += ["A best LR marked with an asterisk is not bracketed: it is the lowest or highest LR that seed trained "
-                "(the study widens such a cell by one LR beyond the edge, at most twice per side).", "",
-                f"The classifier reports a run's first failure: a {b} run flagged as a stagnation (100 steps on "
-                "the unigram plateau) may leave the plateau later and still be that seed's best run (each run's "
-                "verdict and plateau exit step: the last table)."]
-        if c.get("equal_lr"):
-            out += ["", "The same margin at equal peak LR at the paper's init (both schemes at that LR; not part of "
-                    "the verdict):", "", "| sub-layers | LR | margin (baseline − scheme, nats) mean [CI] (per seed) |",
-                    "|---|---|---|"]
-            out += [f"| {r['sublayers']} | {r['lr']:g} | {_pm(r['margin'])} |" for r in c["equal_lr"]]
-    elif claim["test"] == "lr_transfer":
-        out += ["| scheme | optimal LR per seed, by depth | optimum at a grid edge |", "|---|---|---|"]
-        out += [f"| {r['scheme']} | " + "; ".join(f"{L}: {_lrs(v)}" for L, v in r["opt_lr"].items())
-                + f" | {'yes' if r['at_edge'] else 'no'} |" for r in c["rows"]]
-    elif claim["test"] == "max_lr_order":
-        for cond, cc in c["conditions"].items():
-            out += [f"**{CONDITION_WORDS[cond].capitalize()}" + (f" (to {cc['peak_lr']:g})" if cc.get("peak_lr") else "")
-                    + f": {cc['verdict']}.** {_parts(cc)}", ""]
-        out += ["| ramp to | sub-layers | " + " | ".join(claim["order"]) + " |",
-                "|---" * (len(claim["order"]) + 2) + "|"]
-        out += [f"| {r['peak_lr']:g} ({r['group']}) | {r['sublayers']} | "
-                + " | ".join(_lrs(r["max_lr"][s]) if r["max_lr"][s] else "—" for s in claim["order"]) + " |"
-                for r in c["rows"]]
-        out += ["", "Max LR per seed; none = no divergence up to the ramp's peak LR; — = not run on that ramp. "
-                "A none counts as the peak LR (censored: the pair's difference is then a lower bound); a seed where "
-                "both schemes of a pair are none is left out. The verdict is the paper's ramp's; the extended ramp "
-                "(the same LR per step to a higher peak) is reported beside it. Pair verdicts use log10 ratios of "
-                "max LR with a 5% floor (log10 1.05 = 0.021). A spike still open when the curve ended counts as a "
-                "divergence. Each run's verdict:", ""]
-        out += [f"- ramp to {r['peak_lr']:g}, {r['sublayers']} sub-layers, {run}: {text}" for r in c["rows"]
-                for run, text in r.get("verdicts", {}).items()]
-    return out + [""]
+           kind.rule(claim), ""] + ([claim["note"].strip(), ""] if claim.get("note") else [])
+    return out + kind.tables(claim, c) + [""]
 
 
 def best_loss_table(study: Study, runs: list[dict]) -> list[str]:
@@ -218,8 +53,8 @@ def best_loss_table(study: Study, runs: list[dict]) -> list[str]:
                 b = best_losses(runs, [g.name], scheme, L)
                 if b:
                     v = paired_verdict(b, study.min_effect, 1)
-                    out.append(f"| {g.name} | {L} | {scheme} | {_pm(v, '{:.3f}')} | "
-                               f"{_lrs(best_lrs(runs, [g.name], scheme, L))} |")
+                    out.append(f"| {g.name} | {L} | {scheme} | {pm(v, '{:.3f}')} | "
+                               f"{lrs(best_lrs(runs, [g.name], scheme, L))} |")
     return out + [""]
 
 
@@ -227,7 +62,7 @@ def unclaimed_group_sections(study: Study, runs: list[dict]) -> list[str]:
     """Markdown: one section per group that no claim reads (e.g. the 1024-sub-layer showcase, the
     residual bench): its ``note``, its settings beyond the scale's, and its finished runs (first
     and final validation loss, nats/token; plateau exit step; divergence verdict). No verdict."""
-    read = {g for c in study.claims for g, _ in claim_reads(c)}
+    read = {g for c in study.claims for g, _ in claim_kind(c).reads(c)}
     out = []
     for g in study.groups:
         if g.name in read:
@@ -266,7 +101,7 @@ def baseline_table(study: Study, g: Group, runs: list[dict]) -> list[str]:
         for s in g.schemes:
             cells = [r["margin"] for r in rows if (r["sublayers"], r["scheme"]) == (L, s)]
             out.append(f"| {L} | {s} | " + " | ".join(
-                f"{_pm(v)} ({direction(v, s, b)})" if v["n"] else "–" for v, b in zip(cells, g.baselines)) + " |")
+                f"{pm(v)} ({direction(v, s, b)})" if v["n"] else "–" for v, b in zip(cells, g.baselines)) + " |")
     if any(not r["margin"]["n"] for r in rows):
         out += ["", f"–: no seed has both sides finished yet (all of this group's LRs for the scheme and all of group "
                 f"{g.baselines_from}'s for the baseline, at that depth)."]
@@ -333,8 +168,9 @@ def verdict_rule(study: Study, claims: Sequence[dict], floor: dict | None = None
     def ids(cs: Sequence[dict]) -> str:
         return ", ".join(f"({c['id']})" for c in cs)
 
-    paired = [c for c in claims if c["test"] != "lr_transfer"]
-    ramp, own = [c for c in paired if c["test"] == "max_lr_order"], [c for c in claims if c["test"] == "lr_transfer"]
+    paired = [c for c in claims if not claim_kind(c).own_rule]
+    ramp = [c for c in paired if claim_kind(c).group_kind == "ramp"]
+    own = [c for c in claims if claim_kind(c).own_rule]
     floor = floor or {"floor": study.min_effect}
     why = (f" The floor is the median seed-to-seed sd of a scheme's best loss over the {floor['cells']} cells "
            f"(scheme, depth, init) with two or more seeds that the margin claims read ({floor['median_sd']:.3f}; "
@@ -363,7 +199,7 @@ def unfinished_words(study: Study, runs: list[dict]) -> str:
     parts = []
     for g in dict.fromkeys(r["group"] for r in pending):
         schemes = list(dict.fromkeys(r["scheme"] for r in pending if r["group"] == g))
-        readers = [f"({c['id']})" for c in study.claims if any((g, x) in claim_reads(c) for x in schemes)]
+        readers = [f"({c['id']})" for c in study.claims if any((g, x) in claim_kind(c).reads(c) for x in schemes)]
         parts.append(f"{g} {sum(r['group'] == g for r in pending)} ({', '.join(schemes)}; read by "
                      f"{', '.join(readers) if readers else 'no claim'})")
     return f" Unfinished: {'; '.join(parts)}." if parts else ""
@@ -406,7 +242,7 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
         lines += ["## Verdicts", "", verdict_rule(study, [cl for cl, _ in claims], floor), "",
                   "| claim | at the paper's init | at each scheme's better init | unit |", "|---|---|---|---|"]
         lines += [f"| ({cl['id']}) {cl['title']} | {_verdict_cell(c, first=True)} | {_verdict_cell(c, first=False)} | "
-                  f"{CLAIM_UNITS[cl['test']]} |" for cl, c in claims] + [""]
+                  f"{claim_kind(cl).unit} |" for cl, c in claims] + [""]
     for cl, c in claims:
         lines += claim_section(cl, c)
     return "\n".join(lines + unclaimed_group_sections(study, runs) + best_loss_table(study, runs)
@@ -444,7 +280,7 @@ def plot_margins(claims: list[tuple[dict, dict]], out: Path) -> bool:
     """Margin (baseline − scheme, nats) against depth (log x) for every margin claim and condition
     (solid: the paper's init; dashed: each scheme's better init): the seed mean as a line, every
     seed as a dot; False (nothing written) when no condition has two depths."""
-    series = [(cl, k, cc) for cl, c in claims if cl["test"] == "margin_grows"
+    series = [(cl, k, cc) for cl, c in claims if claim_kind(cl).kind == "margin_grows"
               for k, cc in c["conditions"].items() if len(cc.get("rows", [])) >= 2]
     if not series:
         return False

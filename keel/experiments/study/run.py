@@ -23,8 +23,9 @@ from keel.experiments import stress as ST
 from keel.experiments.executor import Executor
 from keel.experiments.grid import GridJob, cached_result, check_pool, check_started, run_grid
 from keel.experiments.study.report import claim_summary, report_markdown, superseded_words, write_plots
-from keel.experiments.study.spec import Group, Study, is_number, load_study
-from keel.experiments.study.verdicts import CLAIM_TESTS, LEVEL, baseline_margins, claim_reads, loss_floor
+from keel.experiments.study.claims import claim_kind, load_study
+from keel.experiments.study.spec import Group, Study, is_number
+from keel.experiments.study.verdicts import LEVEL, baseline_margins, loss_floor
 from keel.experiments.sweep import build_jobs, check_train_job, train_task
 from keel.io import LOCK_NAME, RunLock, atomic_write_text, make_dirs
 from keel.model import flops_per_token
@@ -95,7 +96,7 @@ def widened_lrs(study: Study, g: Group, recs: list[dict], lr_for: dict[tuple[str
     the lowest or highest LR the cell trained: the next LR beyond that edge (:func:`lr_beyond`),
     for every seed of the cell (the cells stay rectangular, as the paired equal-LR table needs). At
     most ``g.widen`` LRs per side beyond ``planned`` (:func:`initial_lrs`). None: nothing to widen."""
-    reads = {s for c in study.claims for grp, s in claim_reads(c) if grp == g.name}
+    reads = {s for c in study.claims for grp, s in claim_kind(c).reads(c) if grp == g.name}
     ladder = next(x.lrs for x in study.groups if x.name == (g.lr_from or g.name))
     out, changed = dict(lr_for), False
     for (s, L), lrs in lr_for.items():
@@ -456,7 +457,7 @@ def judge(study: Study, runs: list[dict]) -> tuple[Study, dict, list[tuple[dict,
     verdict dict with its summary line)])``: every claim judged on ``runs``."""
     floor = study_floor(study, runs)
     study = replace(study, min_effect=floor["floor"])
-    claims = [(cl, CLAIM_TESTS[cl["test"]](study, runs, cl)) for cl in study.claims]
+    claims = [(cl, claim_kind(cl).verdict(study, runs, cl)) for cl in study.claims]
     for cl, c in claims:
         c["summary"] = claim_summary(cl, c)
     return study, floor, claims

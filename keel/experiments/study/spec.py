@@ -153,8 +153,9 @@ def _group(name: str, spec: dict, sized: dict) -> Group:
     return g
 
 
-def load_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
-    """Read study ``name`` (a packaged preset or a TOML path) at ``scale``.
+def read_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
+    """Read study ``name`` (a packaged preset or a TOML path) at ``scale``; its claims are checked
+    against their kinds by :func:`keel.experiments.study.claims.load_study`, which calls this.
 
     Raises:
         KeelError: unknown study or scale, unparsable or non-UTF-8 TOML, a malformed group,
@@ -187,11 +188,6 @@ def load_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
     if not isinstance(claims, list) or not (claims or groups):
         raise KeelError("a study needs groups, and its claims are [[claims]] entries (an array of tables; none: "
                         "a study of groups only, e.g. a bench with baselines_from)")
-    for c in claims:
-        _check_claim(c, {g.name: g for g in groups})
-    ids = [c["id"] for c in claims]
-    if len(set(ids)) != len(ids):
-        raise KeelError(f"study claims repeat an id: {', '.join(ids)}")
     min_effect, min_seeds, spread = _verdict_settings(d.get("verdict", {}))
     controlled = [x.split("=", 1)[0].strip() for x in user_sets if x.split("=", 1)[0].strip() in GRID_KEYS]
     if controlled:
@@ -314,71 +310,7 @@ def _verdict_settings(v) -> tuple[float, int, bool]:
     return float(effect), seeds, spread
 
 
-# keys a claim of each test reads: (required, optional); "groups" lists, the rest are names
-CLAIM_KEYS = {"margin_grows": ({"groups", "scheme", "baseline"}, {"init_groups"}),
-              "lr_transfer": ({"group"}, {"scheme"}),
-              "max_lr_order": ({"group", "order"}, {"extended_group"})}
 GRID_KEYS = {"model.residual", "model.n_layers", "train.lr", "train.seed"}  # set per run by the groups
 
 
-def _check_claim_shapes(c: dict) -> None:
-    """Raise KeelError naming a claim key of the wrong TOML type: a name given as a list or a
-    number (``scheme = ["keel"]``), an ``order`` that is not a list of two or more names (a
-    string ``"post_ln"`` read as its letters)."""
-    for k in ("scheme", "baseline", "group", "extended_group", "id", "title"):
-        if k in c and not isinstance(c[k], str):
-            raise KeelError(f"study claim {c.get('id')!r}: {k} must be a string, got {c[k]!r}")
-    if "order" in c and not (isinstance(c["order"], list) and len(c["order"]) >= 2
-                             and all(isinstance(x, str) for x in c["order"])):
-        raise KeelError(f"study claim {c['id']!r}: order must be a list of two or more scheme names, "
-                        f"e.g. order = [\"post_ln\", \"keel\"], got {c['order']!r}")
-
-
-def _check_claim(c: dict, groups: dict[str, "Group"]) -> None:
-    """Raise KeelError naming the first problem of one ``[[claims]]`` entry: not a table, no id /
-    title / known test, a missing or unknown key, a group this scale does not size, a scheme
-    the group does not train, a ramp test on a train group (or the reverse)."""
-    if not isinstance(c, dict) or not c.get("id") or not c.get("title"):
-        raise KeelError("every [[claims]] entry needs an id and a title")
-    _check_claim_shapes(c)
-    test = c.get("test")
-    if test not in CLAIM_KEYS:
-        raise KeelError(f"study claim {c['id']!r}: test must be one of {', '.join(CLAIM_KEYS)}, got {test!r}")
-    need, opt = CLAIM_KEYS[test]
-    missing, unknown = need - set(c), set(c) - need - opt - {"id", "title", "test", "note"}
-    if missing or unknown:
-        raise KeelError(f"study claim {c['id']!r} ({test}): " + (f"missing {', '.join(sorted(missing))}" if missing
-                                                               else f"unknown key(s) {', '.join(sorted(unknown))}"))
-    if not isinstance(c.get("note", ""), str):
-        raise KeelError(f"study claim {c['id']!r}: note must be a string (printed under the claim's rule)")
-    for k in ("groups", "init_groups"):
-        if k in c and not (isinstance(c[k], list) and c[k] and all(isinstance(x, str) for x in c[k])):
-            raise KeelError(f"study claim {c['id']!r}: {k} must be a list of group names, got {c[k]!r}")
-    names = list(c.get("groups", [])) + list(c.get("init_groups", []))
-    names += [c[k] for k in ("group",) if k in c]
-    if c.get("extended_group") in groups:  # optional: a scale whose ramp peak suffices does not size it
-        names.append(c["extended_group"])
-    for g in names:
-        if g not in groups:
-            raise KeelError(f"study claim {c['id']!r}: group {g!r} is not sized by this scale")
-        if (groups[g].kind == "ramp") != (test == "max_lr_order"):
-            raise KeelError(f"study claim {c['id']!r}: {test} cannot read {groups[g].kind} group {g!r}")
-    if c.get("extended_group") in groups:
-        _check_extended_ramp(c, groups[c["group"]], groups[c["extended_group"]])
-    schemes = set().union(*(groups[g].schemes for g in names))
-    wanted = [c[k] for k in ("scheme", "baseline") if k in c] + list(c.get("order", []))
-    if set(wanted) - schemes:
-        raise KeelError(f"study claim {c['id']!r}: scheme(s) {', '.join(sorted(set(wanted) - schemes))} "
-                        f"not trained by its group(s)")
-
-
-def _check_extended_ramp(c: dict, ramp: "Group", ext: "Group") -> None:
-    """Raise KeelError unless ``ext`` continues ``ramp``: the same LR per step (``peak_lr /
-    ramp_steps``, so both ramps give step k the same LR and the extended runs repeat the first
-    ramp up to its end) to a higher peak."""
-    same_slope = math.isclose(ext.peak_lr / ext.ramp_steps, ramp.peak_lr / ramp.ramp_steps, rel_tol=1e-9)
-    if ext is ramp or not same_slope or ext.peak_lr <= ramp.peak_lr:
-        raise KeelError(f"study claim {c['id']!r}: extended_group {ext.name!r} must continue group {ramp.name!r}'s "
-                        f"ramp: the same LR per step ({ramp.peak_lr:g} / {ramp.ramp_steps} steps) to a higher peak, "
-                        f"got {ext.peak_lr:g} / {ext.ramp_steps} steps")
 

@@ -1,6 +1,6 @@
 """The verdicts of a study's claims, computed from the finished runs' records with
-paired per-seed differences (:func:`paired_verdict`), one function per claim test
-(:data:`CLAIM_TESTS`)."""
+paired per-seed differences (:func:`paired_verdict`), one function per kind of claim (the kinds,
+with their keys and tables: :mod:`keel.experiments.study.claims`)."""
 
 from __future__ import annotations
 
@@ -424,21 +424,5 @@ def _ramp_rows(runs: list[dict], group: str, order: Sequence[str]) -> list[dict]
         rows.append({"group": group, "peak_lr": peak, "sublayers": L, "max_lr": lr, "verdicts": detail})
     return rows
 
-
-CLAIM_TESTS = {"margin_grows": claim_margin_grows, "lr_transfer": claim_lr_transfer,
-               "max_lr_order": claim_max_lr_order}
-# the unit of each claim test's numbers (the verdict table's column)
-CLAIM_UNITS = {"max_lr_order": "log10 of the max-LR ratio", "margin_grows": "nats/token", "lr_transfer": "peak LR"}
-
-
-
-def claim_reads(claim: dict) -> set[tuple[str, str]]:
-    """The ``(group, scheme)`` pairs whose runs a claim's verdict reads (an lr_transfer claim:
-    its ``scheme`` only; the other schemes of its table are for comparison)."""
-    groups = list(claim.get("groups", [])) + list(claim.get("init_groups", [])) + [
-        claim[k] for k in ("group", "extended_group") if k in claim]
-    schemes = [claim.get("scheme", "keel")] if claim["test"] == "lr_transfer" else \
-        [claim[k] for k in ("scheme", "baseline") if k in claim] + list(claim.get("order", []))
-    return {(g, s) for g in groups for s in schemes}
 
 

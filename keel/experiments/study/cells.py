@@ -1,0 +1,75 @@
+"""Markdown cells of a study's numbers: a paired interval, LRs per seed, plateau exits, LR
+windows, a margin's direction. Used by the claim kinds' tables (:mod:`.claims`) and the
+report's other tables (:mod:`.report`)."""
+
+from __future__ import annotations
+
+from keel.experiments.study.verdicts import CONDITIONS, NOT_REPRODUCED, REPRODUCED
+
+CONDITION_WORDS = {**CONDITIONS, "paper_ramp": "on the paper's ramp", "extended_ramp": "on the extended ramp"}
+
+
+def pm(v: dict | None, fmt: str = "{:+.3f}") -> str:
+    """``mean [90% CI lo, hi] (s0 x, s1 y, ...)`` of a :func:`paired_verdict` dict (the interval:
+    its two one-sided bounds; ``mean (s0 x)`` for one seed)."""
+    if not v or v.get("mean") is None:
+        return "–"
+    per = ", ".join(f"s{seed} {fmt.format(x)}" for seed, x in v["diffs"].items())
+    if v.get("lo") is None:
+        return f"{fmt.format(v['mean'])} ({per})"
+    ci = round(100 * (2 * v.get("level", 0.95) - 1))
+    return f"{fmt.format(v['mean'])} [{ci}% CI {fmt.format(v['lo'])}, {fmt.format(v['hi'])}] ({per})"
+
+
+def parts(c: dict) -> str:
+    """A condition's parts: ``name: numbers (verdict)``, or why it has none."""
+    if not c.get("parts"):
+        return c.get("why", "–")
+    return "; ".join(f"{k}: {pm(v)} ({v['verdict']})" for k, v in c["parts"].items())
+
+
+def short(v: dict) -> str:
+    """``+1.115 [90% CI +1.01, +1.22], 3 seeds`` of a :func:`paired_verdict` dict."""
+    if v.get("mean") is None:
+        return "no paired seed yet"
+    if v.get("lo") is None:
+        return f"{v['mean']:+.3f}, {v['n']} seed"
+    ci = round(100 * (2 * v.get("level", 0.95) - 1))
+    return f"{v['mean']:+.3f} [{ci}% CI {v['lo']:+.3f}, {v['hi']:+.3f}], {v['n']} seeds"
+
+
+def lrs(d: dict, edge: dict | None = None) -> str:
+    """``[s0 X, s1 Y*]``: one LR per seed (``none`` for a missing one; ``*`` where ``edge`` marks
+    that seed's best LR as not bracketed by the LRs it trained)."""
+    return "[" + ", ".join(f"s{seed} " + ("none" if x is None else f"{x:g}") + ("*" if (edge or {}).get(seed) else "")
+                           for seed, x in d.items()) + "]"
+
+
+def exits(d: dict) -> str:
+    """``[s0 317, s1 never]``: one plateau exit step per seed."""
+    return "[" + ", ".join(f"s{seed} " + ("never" if x is None else str(x)) for seed, x in d.items()) + "]"
+
+
+def window(w: dict) -> str:
+    """A scheme's healthy-LR window per init group: ``lr-grid 0.001–0.01 (3 LRs)``."""
+    return "; ".join(f"{g} " + (f"{x[0]:g}–{x[-1]:g} ({len(x)} LR{'s' if len(x) > 1 else ''})" if x else "pending")
+                     for g, x in w.items())
+
+
+def direction(v: dict, scheme: str, baseline: str) -> str:
+    """What one depth's paired margin (:func:`paired_verdict` of ``baseline - scheme``) says, in
+    words that do not read as a verdict on the whole claim: ``{scheme} better`` (the interval
+    clears the floor), ``{baseline} better`` (it lies below minus the floor), ``no {scheme}
+    advantage`` (below the floor, not below minus it), ``undecided`` (it straddles the floor) or
+    ``too few seeds``."""
+    if v["verdict"] == REPRODUCED:
+        return f"{scheme} better"
+    if v["verdict"] == NOT_REPRODUCED:
+        return f"{baseline} better" if v["hi"] < -v["min_effect"] else f"no {scheme} advantage"
+    return "too few seeds" if v["n"] < 2 else "undecided"
+
+
+def flagged(row: dict) -> str:
+    """``4 of 4 (4 left the plateau later)``: a margin row's flagged baseline runs."""
+    n, k = row["baseline_diverged_runs"], row.get("baseline_recovered_runs", 0)
+    return f"{n} of {row.get('baseline_runs', n)}" + (f" ({k} left the plateau later)" if k else "")

@@ -1,0 +1,311 @@
+"""The kinds of claim a study makes, one class per kind: the keys of its ``[[claims]]`` entry
+(declared with :func:`keel.keys.key`), its verdict (a function of :mod:`.verdicts`, whose
+docstring is the rule the report states), the groups and schemes it reads, its numbers in one
+line, and its tables in the report. :data:`CLAIMS` is the one list of kinds (a claim's
+``test`` names one); :func:`load_study` reads a study file and checks every claim against its
+kind before anything trains.
+
+A new kind of claim is one class here, its line in :data:`CLAIMS`, and a ``[[claims]]`` block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import MISSING, dataclass
+from typing import ClassVar, Sequence
+
+from keel.errors import KeelError
+from keel.experiments.study import verdicts as V
+from keel.experiments.study.cells import CONDITION_WORDS, direction, exits, flagged, lrs, parts, pm, window
+from keel.experiments.study.spec import Group, Study, read_study
+from keel.keys import check_keys, key, key_type
+
+
+@dataclass(kw_only=True)
+class Claim:
+    """The keys every ``[[claims]]`` entry has, and what a kind of claim provides (class methods
+    on the claim's table as a dict and its verdict dict)."""
+
+    kind: ClassVar[str] = ""  # the value of ``test`` that names the kind
+    unit: ClassVar[str] = ""  # of the numbers in the verdict table
+    group_kind: ClassVar[str] = "train"  # the kind of group it reads (spec.Group.kind)
+    own_rule: ClassVar[bool] = False  # judged by a rule of its own, not the paired-difference one
+
+    id: str = key(MISSING, "the claim's label in the report, e.g. \"b\".", nonempty=True)
+    title: str = key(MISSING, "what the paper claims, one line.", nonempty=True)
+    test: str = key(MISSING, "the kind of claim: a name in keel.experiments.study.claims.CLAIMS.", nonempty=True)
+    note: str = key("", "text printed under the claim's rule in the report.")
+
+    @staticmethod
+    def verdict(study: Study, runs: list[dict], claim: dict) -> dict:  # pragma: no cover
+        """``{"verdict": ..., ...}`` of the claim over the study's run records."""
+        raise NotImplementedError
+
+    @classmethod
+    def groups_read(cls, claim: dict) -> list[str]:
+        return [claim["group"]] + ([claim["extended_group"]] if claim.get("extended_group") else [])
+
+    @classmethod
+    def schemes_read(cls, claim: dict) -> list[str]:
+        return [claim[k] for k in ("scheme", "baseline") if k in claim]
+
+    @classmethod
+    def reads(cls, claim: dict) -> set[tuple[str, str]]:
+        """The ``(group, scheme)`` pairs whose runs the claim's verdict reads."""
+        return {(g, s) for g in cls.groups_read(claim) for s in cls.schemes_read(claim)}
+
+    @classmethod
+    def rule(cls, claim: dict) -> str:
+        """The claim's rule in one line: the first paragraph of its verdict's docstring, with the
+        claim's ``scheme`` (default keel), ``baseline``, ``order`` and ``group`` filled in."""
+        text = " ".join((cls.verdict.__doc__ or "").strip().split("\n\n")[0].split())
+        return text.format(scheme=claim.get("scheme", "keel"), baseline=claim.get("baseline", "the baseline"),
+                           order=" < ".join(claim.get("order", [])), group=claim.get("group", "G"))
+
+    @classmethod
+    def numbers(cls, c: dict) -> str:
+        """One cell: the numbers behind the verdict ``c``, per condition."""
+        if "conditions" in c:
+            return " — ".join(f"{CONDITION_WORDS.get(k, k)}: " + parts(v) for k, v in c["conditions"].items())
+        return c.get("why", "–")
+
+    @classmethod
+    def phrase(cls, conds: dict) -> str:
+        """The summary's verdict words over the conditions ``conds`` (which init, which ramp)."""
+        return "; ".join(f"{v['verdict']} {CONDITION_WORDS.get(k, k)}"
+                         + (f" (to {v['peak_lr']:g})" if v.get("peak_lr") else "") for k, v in conds.items())
+
+    @classmethod
+    def tables(cls, claim: dict, c: dict) -> list[str]:
+        """Markdown lines of the claim's section after its rule and note."""
+        return []
+
+    @classmethod
+    def check(cls, claim: dict, groups: dict[str, Group]) -> None:
+        """Raise KeelError naming what this kind needs beyond its keys' declarations."""
+
+
+@dataclass(kw_only=True)
+class MarginGrows(Claim):
+    kind: ClassVar[str] = "margin_grows"
+    unit: ClassVar[str] = "nats/token"
+
+    groups: list[str] = key(MISSING, "train groups at the paper's init, the depths of the margin.", nonempty=True,
+                            note="group names")
+    scheme: str = key(MISSING, "the scheme the paper says wins, e.g. \"keel\".", nonempty=True)
+    baseline: str = key(MISSING, "the scheme it beats, e.g. \"pre_ln\".", nonempty=True)
+    init_groups: list[str] = key([], "the same depths at another embedding init: the claim is also judged at "
+                                     "each scheme's better init.", note="group names")
+    verdict = staticmethod(V.claim_margin_grows)
+
+    @classmethod
+    def groups_read(cls, claim: dict) -> list[str]:
+        return list(claim["groups"]) + list(claim.get("init_groups", []))
+
+    @classmethod
+    def phrase(cls, conds: dict) -> str:
+        if len(conds) != 2:
+            return super().phrase(conds)
+        vp, vb = conds["paper_init"]["verdict"], conds["better_init"]["verdict"]
+        if vp == vb:
+            return f"{vp} at both inits"
+        if V.REPRODUCED in (vp, vb):
+            first, other = ("paper_init", "better_init") if vp == V.REPRODUCED else ("better_init", "paper_init")
+            return f"reproduced {CONDITION_WORDS[first]} only ({conds[other]['verdict']} {CONDITION_WORDS[other]})"
+        return f"{vp} {CONDITION_WORDS['paper_init']}, {vb} {CONDITION_WORDS['better_init']}"
+
+    @classmethod
+    def tables(cls, claim: dict, c: dict) -> list[str]:
+        out = [line for cond, cc in c["conditions"].items() for line in _margin_table(claim, cond, cc)]
+        out += ["A best LR marked with an asterisk is not bracketed: it is the lowest or highest LR that seed trained "
+                "(the study widens such a cell by one LR beyond the edge, at most twice per side).", "",
+                f"The classifier reports a run's first failure: a {claim['baseline']} run flagged as a stagnation (100 "
+                "steps on the unigram plateau) may leave the plateau later and still be that seed's best run (each "
+                "run's verdict and plateau exit step: the last table)."]
+        if c.get("equal_lr"):
+            out += ["", "The same margin at equal peak LR at the paper's init (both schemes at that LR; not part of "
+                    "the verdict):", "", "| sub-layers | LR | margin (baseline − scheme, nats) mean [CI] (per seed) |",
+                    "|---|---|---|"]
+            out += [f"| {r['sublayers']} | {r['lr']:g} | {pm(r['margin'])} |" for r in c["equal_lr"]]
+        return out
+
+
+def _margin_table(claim: dict, cond: str, c: dict) -> list[str]:
+    """Markdown: one condition of a margin claim, a row per depth."""
+    s, b = claim["scheme"], claim["baseline"]
+    out = [f"**{CONDITION_WORDS[cond].capitalize()}: {c['verdict']}.** {parts(c)}", "",
+           f"| sub-layers | margin ({b} − {s}, nats) mean [CI] (per seed) | at this depth | "
+           f"best LR per seed: {b}; {s} | init of the best run: {b}; {s} | plateau exit step at that LR: {b}; {s} | "
+           f"healthy-LR window (within {V.WINDOW:g} nats of the best seed-mean loss): {b}; {s} | "
+           f"{b} runs flagged by the divergence classifier |", "|---|---|---|---|---|---|---|---|"]
+    for r in c["rows"]:
+        edge = {x: {sd: not ok for sd, ok in r["bracketed"][x].items()} for x in (b, s)}
+        out.append(f"| {r['sublayers']} | {pm(r['margin'])} | {direction(r['margin'], s, b)} | "
+                   f"{lrs(r['best_lr'][b], edge[b])}; {lrs(r['best_lr'][s], edge[s])} | "
+                   + "; ".join("[" + ", ".join(f"s{sd} {g}" for sd, g in r["best_group"][x].items()) + "]" for x in (b, s))
+                   + f" | {exits(r['plateau_exit'][b])}; {exits(r['plateau_exit'][s])} | "
+                   f"{window(r['window'][b])} / {window(r['window'][s])} | {flagged(r)} |")
+    return out + [""]
+
+
+@dataclass(kw_only=True)
+class LrTransfer(Claim):
+    kind: ClassVar[str] = "lr_transfer"
+    unit: ClassVar[str] = "peak LR"
+    own_rule: ClassVar[bool] = True
+
+    group: str = key(MISSING, "a train group with its whole LR grid at two or more depths.", nonempty=True)
+    scheme: str = key("keel", "the scheme whose optimal LR should transfer.", nonempty=True)
+    verdict = staticmethod(V.claim_lr_transfer)
+
+    @classmethod
+    def schemes_read(cls, claim: dict) -> list[str]:
+        return [claim.get("scheme", "keel")]  # the other schemes of its table are for comparison
+
+    @classmethod
+    def numbers(cls, c: dict) -> str:
+        if "log10_shift" not in c:
+            return super().numbers(c)
+        row = next(r for r in c["rows"] if r["scheme"] == c["scheme"])
+        lo, hi = c["depths"]
+        return (f"{c['scheme']} optimal LR per seed: {lo} sub-layers {lrs(row['opt_lr'][lo])}, "
+                f"{hi} sub-layers {lrs(row['opt_lr'][hi])}" + ("; at an edge of the LR grid" if row["at_edge"] else ""))
+
+    @classmethod
+    def tables(cls, claim: dict, c: dict) -> list[str]:
+        return ["| scheme | optimal LR per seed, by depth | optimum at a grid edge |", "|---|---|---|"] + [
+            f"| {r['scheme']} | " + "; ".join(f"{L}: {lrs(v)}" for L, v in r["opt_lr"].items())
+            + f" | {'yes' if r['at_edge'] else 'no'} |" for r in c["rows"]]
+
+
+@dataclass(kw_only=True)
+class MaxLrOrder(Claim):
+    kind: ClassVar[str] = "max_lr_order"
+    unit: ClassVar[str] = "log10 of the max-LR ratio"
+    group_kind: ClassVar[str] = "ramp"
+
+    group: str = key(MISSING, "the ramp group on the paper's ramp (its verdict).", nonempty=True)
+    order: list[str] = key(MISSING, "the schemes from the lowest max LR to the highest.", nonempty=True,
+                           note="two or more scheme names")
+    extended_group: str = key("", "the same ramp continued at the same LR per step to a higher peak, reported "
+                                  "beside it (optional per scale).")
+    verdict = staticmethod(V.claim_max_lr_order)
+
+    @classmethod
+    def schemes_read(cls, claim: dict) -> list[str]:
+        return list(claim["order"])
+
+    @classmethod
+    def check(cls, claim: dict, groups: dict[str, Group]) -> None:
+        order = claim["order"]
+        if len(order) < 2:
+            raise KeelError(f"study claim {claim['id']!r}: order must be a list of two or more scheme names, "
+                            f"e.g. order = [\"post_ln\", \"keel\"], got {order!r}")
+        if claim.get("extended_group") in groups:
+            _check_extended_ramp(claim, groups[claim["group"]], groups[claim["extended_group"]])
+
+    @classmethod
+    def tables(cls, claim: dict, c: dict) -> list[str]:
+        out = []
+        for cond, cc in c["conditions"].items():
+            out += [f"**{CONDITION_WORDS[cond].capitalize()}" + (f" (to {cc['peak_lr']:g})" if cc.get("peak_lr") else "")
+                    + f": {cc['verdict']}.** {parts(cc)}", ""]
+        out += ["| ramp to | sub-layers | " + " | ".join(claim["order"]) + " |",
+                "|---" * (len(claim["order"]) + 2) + "|"]
+        out += [f"| {r['peak_lr']:g} ({r['group']}) | {r['sublayers']} | "
+                + " | ".join(lrs(r["max_lr"][s]) if r["max_lr"][s] else "—" for s in claim["order"]) + " |"
+                for r in c["rows"]]
+        out += ["", "Max LR per seed; none = no divergence up to the ramp's peak LR; — = not run on that ramp. "
+                "A none counts as the peak LR (censored: the pair's difference is then a lower bound); a seed where "
+                "both schemes of a pair are none is left out. The verdict is the paper's ramp's; the extended ramp "
+                "(the same LR per step to a higher peak) is reported beside it. Pair verdicts use log10 ratios of "
+                "max LR with a 5% floor (log10 1.05 = 0.021). A spike still open when the curve ended counts as a "
+                "divergence. Each run's verdict:", ""]
+        return out + [f"- ramp to {r['peak_lr']:g}, {r['sublayers']} sub-layers, {run}: {text}" for r in c["rows"]
+                      for run, text in r.get("verdicts", {}).items()]
+
+
+def _check_extended_ramp(c: dict, ramp: Group, ext: Group) -> None:
+    """Raise KeelError unless ``ext`` continues ``ramp``: the same LR per step (``peak_lr /
+    ramp_steps``, so both ramps give step k the same LR and the extended runs repeat the first
+    ramp up to its end) to a higher peak."""
+    same_slope = math.isclose(ext.peak_lr / ext.ramp_steps, ramp.peak_lr / ramp.ramp_steps, rel_tol=1e-9)
+    if ext is ramp or not same_slope or ext.peak_lr <= ramp.peak_lr:
+        raise KeelError(f"study claim {c['id']!r}: extended_group {ext.name!r} must continue group {ramp.name!r}'s "
+                        f"ramp: the same LR per step ({ramp.peak_lr:g} / {ramp.ramp_steps} steps) to a higher peak, "
+                        f"got {ext.peak_lr:g} / {ext.ramp_steps} steps")
+
+
+# The one list of claim kinds: a claim's ``test`` names one.
+CLAIMS: dict[str, type[Claim]] = {c.kind: c for c in (MarginGrows, LrTransfer, MaxLrOrder)}
+
+
+def claim_kind(claim: dict) -> type[Claim]:
+    """The :class:`Claim` subclass of a (checked) claim's ``test``."""
+    return CLAIMS[claim["test"]]
+
+
+def _check_types(cls: type[Claim], c: dict) -> None:
+    """Raise KeelError naming a key whose TOML type is not its declared one: a name given as a
+    list or a number (``scheme = ["keel"]``), a list of names given as one string."""
+    for f in dataclasses.fields(cls):
+        if f.name not in c:
+            continue
+        v, base = c[f.name], key_type(cls, f.name).base
+        if base is str and not isinstance(v, str):
+            raise KeelError(f"study claim {c.get('id')!r}: {f.name} must be a string, got {v!r}")
+        if base is list and not (isinstance(v, list) and all(isinstance(x, str) for x in v)
+                                 and (v or not f.metadata["nonempty"])):
+            raise KeelError(f"study claim {c.get('id')!r}: {f.name} must be a list of {f.metadata['note'] or 'names'}, "
+                            f"got {v!r}")
+
+
+def check_claim(c: object, groups: dict[str, Group]) -> None:
+    """Raise KeelError naming the first problem of one ``[[claims]]`` entry: not a table, no id /
+    title / known test, a key of the wrong type, missing or unknown, a group this scale does not
+    size or of the other kind (train / ramp), a scheme the groups do not train, and what the
+    kind checks itself (:meth:`Claim.check`)."""
+    if not isinstance(c, dict) or not c.get("id") or not c.get("title"):
+        raise KeelError("every [[claims]] entry needs an id and a title")
+    _check_types(Claim, c)
+    cls = CLAIMS.get(c.get("test"))
+    if cls is None:
+        raise KeelError(f"study claim {c['id']!r}: test must be one of {', '.join(CLAIMS)}, got {c.get('test')!r}")
+    _check_types(cls, c)
+    declared = {f.name: f for f in dataclasses.fields(cls)}
+    missing = sorted(k for k, f in declared.items() if k not in c and f.default is MISSING and
+                     f.default_factory is MISSING)
+    unknown = sorted(set(c) - set(declared))
+    if missing or unknown:
+        raise KeelError(f"study claim {c['id']!r} ({cls.kind}): " + (f"missing {', '.join(missing)}" if missing
+                                                                      else f"unknown key(s) {', '.join(unknown)}"))
+    check_keys(cls(**c), f"study claim {c['id']!r}:")
+    for g in cls.groups_read(c):
+        if g not in groups and g != c.get("extended_group"):  # an extended ramp is optional per scale
+            raise KeelError(f"study claim {c['id']!r}: group {g!r} is not sized by this scale")
+        if g in groups and groups[g].kind != cls.group_kind:
+            raise KeelError(f"study claim {c['id']!r}: {cls.kind} cannot read {groups[g].kind} group {g!r}")
+    cls.check(c, groups)
+    schemes = set().union(*(groups[g].schemes for g in cls.groups_read(c) if g in groups))
+    if set(cls.schemes_read(c)) - schemes:
+        raise KeelError(f"study claim {c['id']!r}: scheme(s) {', '.join(sorted(set(cls.schemes_read(c)) - schemes))} "
+                        f"not trained by its group(s)")
+
+
+def load_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
+    """Read study ``name`` at ``scale`` (:func:`keel.experiments.study.spec.read_study`) and check
+    every claim against its kind (:func:`check_claim`): the whole file is checked before anything
+    trains.
+
+    Raises:
+        KeelError: everything :func:`read_study` raises; a bad claim (naming it and the key).
+    """
+    study = read_study(name, scale, user_sets)
+    groups = {g.name: g for g in study.groups}
+    for c in study.claims:
+        check_claim(c, groups)
+    ids = [c["id"] for c in study.claims]
+    if len(set(ids)) != len(ids):
+        raise KeelError(f"study claims repeat an id: {', '.join(ids)}")
+    return study
