@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from keel.errors import KeelError
-from keel.experiments.study import claims as SC, report as SR, run as SRun, spec as SS, verdicts as SV
+from keel.experiments.study import claims as SC, records as SRec, report as SR, run as SRun, spec as SS, verdicts as SV
 from keel.experiments.study.cells import direction, lrs
 from keel.experiments.grid import GridJob, _check_same_config
 from keel.config import Config, preset_names
@@ -211,7 +211,7 @@ def test_a_cell_with_its_optimum_on_an_edge_is_widened():
 def test_thinned_curve_keeps_a_redrawable_curve():
     recs = [{"step": i, "loss": 6.0 - i / 100, "lr": 1e-3} for i in range(1, 1001)]
     recs += [{"step": 500, "val_loss": 4.0}, {"step": 1000, "val_loss": 3.5}, {"step": 7, "loss": None}]
-    c = SRun.thinned_curve(recs, points=11, window=10)
+    c = SRec.thinned_curve(recs, points=11, window=10)
     assert c["step"] == [1, 101, 201, 301, 401, 501, 600, 700, 800, 900, 1000]  # rounded even spacing
     assert c["loss"][-1] == pytest.approx(sum(6.0 - i / 100 for i in range(991, 1001)) / 10)
     assert c["val_step"] == [500, 1000] and c["val_loss"] == [4.0, 3.5]
@@ -274,9 +274,9 @@ def test_groups_no_claim_reads_get_their_own_section():
 def test_plateau_exit_step():
     recs = [{"step": s, "loss": 6.0 if s < 20 else 4.0} for s in range(1, 41)]
     # trailing window ending at step s holds s - 19 losses of 4: mean (5*6 + 5*4)/10 = 5.0 at s = 24
-    assert SRun.plateau_exit_step(recs, 5.0, window=10) == 25
-    assert SRun.plateau_exit_step(recs, 5.01, window=10) == 24
-    assert SRun.plateau_exit_step(recs, 3.0) is None and SRun.plateau_exit_step(recs, None) is None
+    assert SRec.plateau_exit_step(recs, 5.0, window=10) == 25
+    assert SRec.plateau_exit_step(recs, 5.01, window=10) == 24
+    assert SRec.plateau_exit_step(recs, 3.0) is None and SRec.plateau_exit_step(recs, None) is None
 
 
 @pytest.mark.parametrize("name", preset_names("studies"))

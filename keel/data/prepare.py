@@ -68,19 +68,10 @@ CACHE_KEYS = ("source", "tokenizer", "val_fraction", "max_bytes", "max_docs", "s
 log = logging.getLogger(__name__)
 
 
-def prepare_dataset(
-    source: str,
-    tokenizer: str = DataConfig.tokenizer,
-    out: str | os.PathLike | None = None,
-    *,
-    val_fraction: float = DEFAULT_VAL_FRACTION,
-    max_bytes: int | None = None,
-    max_docs: int | None = None,
-    text_field: str = DataConfig.text_field,
-    seed: int = 0,
-    cache_dir: str | os.PathLike = DataConfig.cache_dir,
-    progress: bool = True,
-) -> Path:
+def prepare_dataset(source: str, tokenizer: str = DataConfig.tokenizer, out: str | os.PathLike | None = None, *,
+                    val_fraction: float = DEFAULT_VAL_FRACTION, max_bytes: int | None = None,
+                    max_docs: int | None = None, text_field: str = DataConfig.text_field, seed: int = 0,
+                    cache_dir: str | os.PathLike = DataConfig.cache_dir, progress: bool = True) -> Path:
     """Tokenize ``source`` into a prepared dataset directory and return its path.
 
     Args:
@@ -100,13 +91,10 @@ def prepare_dataset(
             config's default ``data.val_fraction``, so ``keel prepare`` and ``keel train``
             share a cache). The split is a deterministic function of the document index and
             ``seed``; with 2 or more documents (or chunks) each split gets at least one.
-        max_bytes: stop reading after the document that brings the UTF-8 text to this many
-            bytes (``None`` or ``0``: no limit).
-        max_docs: stop after this many documents (``None`` or ``0``: no limit).
-        text_field: the text field of ``.jsonl``/``.json``/``.parquet``/``hf:`` records.
-        seed: seed of the train/val split.
-        cache_dir: parent of the default ``out``.
-        progress: show progress bars on stderr.
+        max_bytes / max_docs: stop after the document that brings the UTF-8 text to this many
+            bytes / after this many documents (``None`` or ``0``: no limit).
+        text_field: the text field of ``.jsonl``/``.json``/``.parquet``/``hf:`` records; seed: seed
+            of the train/val split; cache_dir: parent of the default ``out``; progress: bars on stderr.
 
     ``meta.json`` records the inputs and what was built (the module docstring lists its keys).
     If ``out/meta.json`` exists and records the same inputs, nothing is read and ``out`` is

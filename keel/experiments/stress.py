@@ -42,6 +42,7 @@ reference run) plus ``scheme``, ``sublayers``, ``blocks``, ``seed``, ``peak_lr``
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -221,6 +222,20 @@ def _check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, workers, referen
         raise KeelError("--residual, --sublayers and --seeds must not repeat a value")
 
 
+def _finished(out: Path, jobs: list, refs: list) -> tuple[list[dict], list[dict]]:
+    """The finished runs' and references' results in ``out`` (``--report-only``).
+
+    Raises:
+        KeelError: no run of the grid has finished."""
+    results = [r for r in (cached_result(out / j.name) for j in jobs) if r is not None]
+    ref_results = [r for r in (cached_result(out / REFERENCES / j.name) for j in refs) if r is not None]
+    _log.info(f"  report only: {len(results)}/{len(jobs)} runs finished")
+    if not results:
+        raise KeelError(f"{out} holds no finished run of this stress test: nothing to report; "
+                        "check --out and the grid flags")
+    return results, ref_results
+
+
 def run_stress(config: str | None = None, overrides: list[str] | None = None, schemes: list[str] = ("pre_ln", "keel"),
                sublayers: list[int] = (64,), seeds: list[int] = (0,), peak_lr: float = 5e-2, ramp_steps: int = 1000,
                out: str | Path = "runs/stress", workers: int = 1, threads: int = 0, resume: bool = False,
@@ -263,22 +278,15 @@ def run_stress(config: str | None = None, overrides: list[str] | None = None, sc
     refs, jobs = stress_jobs(cfg_path, overrides, schemes, sublayers, seeds, peak_lr, ramp_steps, data_dir, out,
                              reference_scheme)
     cached = [j.name for j in jobs if cached_result(out / j.name) is not None]
-    _log.info(f"stress: {len(jobs)} run{'s' if len(jobs) != 1 else ''} + {len(refs)} reference "
-              f"run{'s' if len(refs) != 1 else ''} ({reference_scheme}), ramp 0 -> {peak_lr:g} "
-        f"over {ramp_steps} steps, out {out}")
+    _log.info(f"stress: {len(jobs)} run(s) + {len(refs)} reference run(s) ({reference_scheme}), "
+              f"ramp 0 -> {peak_lr:g} over {ramp_steps} steps, out {out}")
     if report_only:
-        results = [r for r in (cached_result(out / j.name) for j in jobs) if r is not None]
-        ref_results = [r for r in (cached_result(out / REFERENCES / j.name) for j in refs) if r is not None]
-        _log.info(f"  report only: {len(results)}/{len(jobs)} runs finished")
-        if not results:
-            raise KeelError(f"{out} holds no finished run of this stress test: nothing to report; "
-                            "check --out and the grid flags")
+        results, ref_results = _finished(out, jobs, refs)
     else:
-        ref_results = run_grid(refs, out / REFERENCES, train_task, workers=workers, resume=True,
-                               threads=threads or None, check=check_train_job, executor=executor)
-        results = run_grid(jobs, out, stress_task, workers=workers, resume=True, threads=threads or None,
-                           check=check_train_job, executor=executor)
-        results = [r for r in results if r.get("status") == "done"]
+        grid = functools.partial(run_grid, workers=workers, resume=True, threads=threads or None,
+                                 check=check_train_job, executor=executor)
+        ref_results = grid(refs, out / REFERENCES, train_task)
+        results = [r for r in grid(jobs, out, stress_task) if r.get("status") == "done"]
     table = stress_table(results, schemes, sublayers)
     summary = {"peak_lr": peak_lr, "ramp_steps": ramp_steps, "config": str(cfg_path), "overrides": overrides,
                "reference_scheme": reference_scheme, "runs": results, "references": ref_results, "table": table}
@@ -286,6 +294,5 @@ def run_stress(config: str | None = None, overrides: list[str] | None = None, sc
     atomic_write_text(out / "stress.json", json.dumps(summary, indent=1, default=str))
     atomic_write_text(out / "stress.md", table_markdown(table, peak_lr))
     plot_stress(results, schemes, sublayers, out / "stress.png")
-    summary["trained"] = [] if report_only else [j.name for j in jobs if j.name not in cached]
-    summary["cached"] = cached
+    summary.update(trained=[] if report_only else [j.name for j in jobs if j.name not in cached], cached=cached)
     return summary

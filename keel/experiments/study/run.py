@@ -9,7 +9,6 @@ import json
 import logging
 import math
 import signal
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -24,15 +23,13 @@ from keel.experiments.executor import Executor
 from keel.experiments.grid import GridJob, cached_result, check_pool, check_started, run_grid
 from keel.experiments.study.report import claim_summary, report_markdown, superseded_words, write_plots
 from keel.experiments.study.claims import claim_kind, load_study
-from keel.experiments.study.spec import Group, Study, is_number
+from keel.experiments.study.records import kept_restored, load_restored, restored_record, run_record
+from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.verdicts import LEVEL, baseline_margins, loss_floor
 from keel.experiments.sweep import build_jobs, check_train_job, train_task
 from keel.io import LOCK_NAME, RunLock, atomic_write_text, make_dirs
 from keel.model import flops_per_token
-from keel.train.metrics import read_metrics
 
-PLATEAU_WINDOW = 10  # steps of the trailing mean of the training loss that must fall below the plateau level
-CURVE_POINTS = 100  # points of the thinned loss curve each run's record keeps in report.json
 
 _log = logging.getLogger(__name__)
 
@@ -159,185 +156,6 @@ def stepped_lrs(study: Study, g: Group, opt: dict[str, float]) -> dict[str, list
     return out
 
 
-# ----------------------------------------------------------------------------- run records
-def plateau_exit_step(records: Sequence[dict], level: float | None, window: int = PLATEAU_WINDOW) -> int | None:
-    """First step whose trailing mean training loss over ``window`` steps is below ``level``
-    (nats/token; the divergence classifier's stagnation level, 95% of the unigram entropy):
-    the step the run leaves the unigram plateau. None if it never does (or no level)."""
-    if level is None:
-        return None
-    losses = [(r["step"], r["loss"]) for r in records if "loss" in r and math.isfinite(r["loss"])]
-    for i in range(window - 1, len(losses)):
-        if statistics.fmean(x for _, x in losses[i - window + 1:i + 1]) < level:
-            return losses[i][0]
-    return None
-
-
-def thinned_curve(records: Sequence[dict], points: int = CURVE_POINTS, window: int = PLATEAU_WINDOW) -> dict:
-    """A run's loss curve small enough to keep in ``report.json`` (so that a restored report can
-    redraw it): at most ``points`` steps, evenly spaced, of the ``window``-step trailing mean
-    training loss (nats/token) and the peak LR, and every validation loss. Keys ``step``,
-    ``loss``, ``lr``, ``val_step``, ``val_loss``; non-finite values are left out."""
-    train = [(r["step"], r["loss"], r.get("lr")) for r in records
-             if is_number(r.get("loss")) and math.isfinite(r["loss"]) and is_number(r.get("step"))]
-    means = [statistics.fmean(x for _, x, _ in train[max(0, i - window + 1):i + 1]) for i in range(len(train))]
-    keep = sorted({round(i * (len(train) - 1) / max(1, points - 1)) for i in range(points)}) if train else []
-    val = [(r["step"], r["val_loss"]) for r in records
-           if is_number(r.get("val_loss")) and math.isfinite(r["val_loss"]) and is_number(r.get("step"))]
-    return {"step": [train[i][0] for i in keep], "loss": [round(means[i], 5) for i in keep],
-            "lr": [train[i][2] for i in keep], "val_step": [s for s, _ in val], "val_loss": [round(x, 5) for _, x in val]}
-
-
-def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -> dict:
-    """One run's row of the report: coordinates, ``status`` (done / error / pending), ``tokens``
-    trained, final / step-0 validation loss, ``capped_loss`` (final, or the step-0 loss when the
-    run has no finite final loss), divergence verdict, max LR (ramp), plateau exit step."""
-    v = job.values
-    scheme = v.get("model.residual", v.get("scheme"))
-    rec = {"group": group.name, "name": job.name, "scheme": scheme,
-           "sublayers": v.get("sublayers", 2 * v.get("model.n_layers", 0)), "seed": v.get("train.seed", v.get("seed")),
-           "lr": v.get("train.lr", v.get("peak_lr")), "scheme_version": v.get("scheme_version", 1),
-           "status": "pending", "result": result or {}}
-    if result is None:
-        return rec
-    final, first = result.get("final_val_loss"), result.get("first_val_loss")
-    h1 = result.get("unigram_entropy")
-    metrics = run_dir / "metrics.jsonl"
-    records = read_metrics(metrics) if metrics.is_file() else []
-    rec.update(status=result.get("status", "done"), tokens=result.get("tokens"), final_val_loss=final,
-               first_val_loss=first, capped_loss=final if final is not None else first,
-               verdict=result.get("verdict"), divergence=result.get("divergence"),
-               diverged=result.get("diverged"), max_lr=result.get("max_lr"),
-               peak_lr=group.peak_lr if group.kind == "ramp" else None, wall_s=result.get("wall_s"),
-               plateau_exit_step=plateau_exit_step(records, 0.95 * h1 if h1 else None), curve=thinned_curve(records))
-    return rec
-
-
-RESTORED_KEYS = ("status", "tokens", "final_val_loss", "first_val_loss", "capped_loss", "verdict", "divergence",
-                 "diverged", "max_lr", "peak_lr", "wall_s", "plateau_exit_step", "curve")
-
-
-def load_restored(path: str | Path, study: Study) -> dict[tuple[str, str], dict]:
-    """The finished runs of an earlier ``report.json`` of the same study, scale and settings,
-    ``{(group, run name): record}``: what stands in for run folders that are gone (``runs/`` is
-    not kept between machines; the committed report is). A record keeps the numbers the
-    verdicts and tables read (:data:`RESTORED_KEYS`), not the loss curves.
-
-    Settings are compared by value (:func:`_restore_settings_diff`): the config the scale's and
-    the user's keys give, and each group's with its own ``set`` when the report records it
-    (``group_sets``; reports written before it compare the former only).
-
-    Raises:
-        KeelError: the file is missing or not a study report; it is another study or scale; its
-            runs were trained with other settings; a finished run's record is malformed
-            (:func:`_check_restored_record`) or repeated.
-    """
-    path = Path(path)
-    try:
-        rep = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise KeelError(f"--restore {path}: no such file (give a study's report.json)") from None
-    except IsADirectoryError:
-        raise KeelError(f"--restore {path} is a folder; give the report.json in it") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise KeelError(f"--restore {path}: cannot read it as JSON ({e})") from None
-    if not isinstance(rep, dict) or not isinstance(rep.get("runs"), list):
-        raise KeelError(f"--restore {path}: not a study report (no runs list); give a study's report.json")
-    if (rep.get("study"), rep.get("scale")) != (study.name, study.scale):
-        raise KeelError(f"--restore {path} holds study {rep.get('study')!r} at scale {rep.get('scale')!r}, "
-                        f"not {study.name!r} at {study.scale!r}")
-    if not isinstance(rep.get("sets"), list):
-        raise KeelError(f"--restore {path}: the report records no settings (sets), so its runs cannot be matched")
-    diff = _restore_settings_diff(study, rep["sets"], None)
-    group_sets = rep.get("group_sets", {})  # reports before v3 have none
-    if not isinstance(group_sets, dict) or not all(isinstance(v, list) for v in group_sets.values()):
-        raise KeelError(f"--restore {path}: group_sets must map each group to a list of section.key=value texts, "
-                        f"got {json.dumps(group_sets)[:80]}")
-    for g in study.groups:
-        if not diff and g.name in group_sets:
-            diff = _restore_settings_diff(study, rep["sets"] + list(group_sets[g.name]), g)
-    if diff:
-        raise KeelError(f"--restore {path}: its runs were trained with other settings ({diff}); restore only "
-                        "the same study, scale and --set values")
-    h1 = rep.get("unigram_entropy")
-    out: dict[tuple[str, str], dict] = {}
-    superseded = rep.get("superseded_runs") if isinstance(rep.get("superseded_runs"), list) else []
-    for r in rep["runs"] + superseded:
-        if isinstance(r, dict) and r.get("status") in ("done", "superseded"):
-            _check_restored_record(path, r)
-            if (r["group"], r["name"]) in out:
-                raise KeelError(f"--restore {path}: run {r['name']} of group {r['group']} is listed twice")
-            out[(r["group"], r["name"])] = {**r, "status": "done", "unigram_entropy": h1 if is_number(h1) else None}
-    return out
-
-
-def _restore_settings_diff(study: Study, theirs: list, group: Group | None) -> str:
-    """The keys whose value differs between the config the report's ``theirs`` (``section.key=value``
-    texts) give and the one this study gives (for ``group``, with its own ``set``), in words;
-    empty when they agree. Raises KeelError when ``theirs`` does not parse."""
-    base = resolve_config_path(study.base)
-    try:
-        old = load_config(base, [str(x) for x in theirs]).to_dict()
-    except KeelError as e:
-        raise KeelError(f"--restore: the report's settings do not load ({e})") from None
-    new = load_config(base, study.all_sets(group)).to_dict()
-    keys = [(sec, k) for sec in sorted(set(old) | set(new)) for k in sorted(set(old.get(sec, {})) | set(new.get(sec, {})))
-            if old.get(sec, {}).get(k) != new.get(sec, {}).get(k)]
-    if not keys:
-        return ""
-    where = f"group {group.name}: " if group else ""
-    return where + ", ".join(f"{sec}.{k} {old.get(sec, {}).get(k)!r} in the report, {new.get(sec, {}).get(k)!r} now"
-                             for sec, k in keys)
-
-
-# restored record key -> (check, words); None passes for every key but the run's coordinates and capped_loss
-_RECORD_CHECKS = {"group": (lambda x: isinstance(x, str) and x, "a group name"),
-                  "name": (lambda x: isinstance(x, str) and x, "a run name"),
-                  "scheme": (lambda x: isinstance(x, str), "a scheme name"),
-                  "sublayers": (lambda x: isinstance(x, int) and not isinstance(x, bool), "an integer"),
-                  "seed": (lambda x: isinstance(x, int) and not isinstance(x, bool), "an integer"),
-                  "lr": (is_number, "a number"),
-                  "capped_loss": (lambda x: is_number(x) and 0 <= x < math.inf, "a finite loss >= 0 (nats/token)"),
-                  "final_val_loss": (lambda x: x is None or is_number(x) and x >= 0, "a loss >= 0 or null"),
-                  "first_val_loss": (lambda x: x is None or is_number(x) and x >= 0, "a loss >= 0 or null"),
-                  "tokens": (lambda x: x is None or isinstance(x, int) and not isinstance(x, bool) and x >= 0,
-                             "a token count or null"),
-                  "max_lr": (lambda x: x is None or is_number(x), "a number or null"),
-                  "peak_lr": (lambda x: x is None or is_number(x), "a number or null"),
-                  "wall_s": (lambda x: x is None or is_number(x), "seconds or null"),
-                  "plateau_exit_step": (lambda x: x is None or isinstance(x, int) and not isinstance(x, bool),
-                                        "a step or null"),
-                  "divergence": (lambda x: x is None or isinstance(x, dict) and isinstance(x.get("mode"), str),
-                                 "a divergence verdict ({mode, step, evidence}) or null"),
-                  "verdict": (lambda x: x is None or isinstance(x, str), "a string or null"),
-                  "curve": (lambda x: x is None or isinstance(x, dict) and all(
-                      isinstance(x.get(k), list) and all(v is None or is_number(v) for v in x[k])
-                      for k in ("step", "loss", "lr", "val_step", "val_loss")), "a thinned loss curve or null"),
-                  "diverged": (lambda x: x is None or isinstance(x, bool), "true, false or null")}
-
-
-def _check_restored_record(path: Path, r: dict) -> None:
-    """Raise KeelError naming the run and the key if a finished run's record in a restored report
-    lacks a key the report reads or holds a value of the wrong type (e.g. a loss that is text)."""
-    for key, (ok, words) in _RECORD_CHECKS.items():
-        if not ok(r.get(key)):
-            who = f"run {r['name']}" if isinstance(r.get("name"), str) else "a run"
-            raise KeelError(f"--restore {path}: {who}: {key} must be {words}, got {r.get(key)!r}")
-
-
-def restored_record(group: Group, job: GridJob, old: dict) -> dict | None:
-    """A run's record (:func:`run_record`) from its record in an earlier report (``old``), marked
-    ``restored``; ``result`` holds what the LR-grid summaries read. None when ``old`` is for
-    other coordinates (scheme, depth, seed, LR) than ``job``: then the run is trained."""
-    rec = run_record(group, job, Path(), None)
-    if any(old.get(k) != rec[k] for k in ("scheme", "sublayers", "seed", "lr")):
-        return None
-    rec.update({k: old.get(k) for k in RESTORED_KEYS}, restored=True)
-    rec["result"] = {"values": job.values, "unigram_entropy": old.get("unigram_entropy"),
-                     **{k: rec[k] for k in RESTORED_KEYS if k != "capped_loss"}}
-    return rec
-
-
 def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[str], grid: Callable = run_grid,
             restored: dict[tuple[str, str], dict] | None = None,
             superseded: list[dict] | None = None) -> tuple[list[dict], list[str]]:
@@ -386,22 +204,6 @@ def superseded_runs(g: Group, jobs: list[GridJob], restored: dict, gdir: Path) -
         old = j.name[: -len(f"_v{v}")]
         if (g.name, old) in restored or (gdir / old).is_dir():
             out[old] = j.values["model.residual"]
-    return out
-
-
-def kept_restored(g: Group, restored: dict[tuple[str, str], dict]) -> list[dict]:
-    """The restored records (:func:`load_restored`) of group ``g``, as run records marked
-    ``restored``, for a group that is not planned yet (an ``lr_from`` group waiting for its
-    source): a report written meanwhile keeps them, so that restoring from it loses nothing."""
-    out = []
-    for (name, run_name), old in restored.items():
-        if name != g.name:
-            continue
-        values = {"model.residual": old["scheme"], "model.n_layers": old["sublayers"] // 2,
-                  "train.seed": old["seed"], "train.lr": old["lr"]}
-        rec = restored_record(g, GridJob(run_name, {}, values), old)
-        if rec is not None:
-            out.append(rec)
     return out
 
 
@@ -571,7 +373,6 @@ def plan_markdown(study: Study, rows: list[dict], mfu: float, peak_tflops: float
     return "\n".join(lines) + "\n"
 
 
-
 # ----------------------------------------------------------------------------- driver
 def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), *, workers: int = 1,
               threads: int | None = None, resume: bool = False, report_only: bool = False, dry_run: bool = False,
@@ -580,8 +381,7 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     """Run (or continue, or only report, or only plan) study ``name`` at ``scale``.
 
     Args:
-        name: a packaged study (``keel/configs/studies/NAME.toml``) or a TOML path.
-        scale: a scale of the study (``tiny``, ``cpu``, ``gpu-1``, ``paper``).
+        name, scale: a packaged study (``keel/configs/studies/NAME.toml``) or a TOML path; its scale.
         out: output folder (run folders, ``report.md``, ``report.json``, PNGs).
         sets: ``section.key=value`` applied to every run after the scale's keys.
         workers, threads, executor: as :func:`keel.experiments.grid.run_grid`.
@@ -606,33 +406,24 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
             ``groups`` names a group the scale does not have; a bad ``restore``.
     """
     study = load_study(name, scale, sets)
-    unknown = [g for g in groups if g not in {x.name for x in study.groups}]
-    if unknown:
-        raise KeelError(f"study {study.name!r} at scale {scale!r} has no group(s) {', '.join(unknown)} "
-                        f"(groups: {', '.join(x.name for x in study.groups)})")
+    _check_groups(study, scale, groups)
     out = Path(out)
-    # every group's run configs, built as for the plan: a bad key or value in a later group's set is refused
-    # here, before out is claimed (it used to stop the study after the groups before it had trained)
-    plan = plan_rows(study, "<data>", out, mfu, peak_tflops)
+    plan = plan_rows(study, "<data>", out, mfu, peak_tflops)  # every group's configs: a bad set refused now
     check_pool(workers, threads)
     restored = load_restored(restore, study) if restore is not None else {}  # after the --set keys are checked
     if dry_run:
         return _dry_run(study, plan, out, groups, restored, restore, mfu, peak_tflops)
     _check_no_restored_runs_lost(out, restore)
     base = load_config(resolve_config_path(study.base), study.all_sets())  # a bad --set: refused before out is claimed
-    # a report of restored runs needs no earlier folder: --report-only --restore starts or continues one
-    from_report = report_only and restore is not None
+    from_report = report_only and restore is not None  # a report of restored runs needs no earlier folder
     first_command = _claim_out(out, study, command, resume=resume or from_report,
                                report_only=report_only and not from_report)
     if resume:  # another --set than the runs started with: refused now, not after the dataset is prepared
         _check_started_runs(study, out)
-    # --report-only reads what the runs recorded: no dataset is prepared (or downloaded) for it
-    data_dir = "<data>" if report_only else str(resolve_data(base, progress=False))
+    data_dir = "<data>" if report_only else str(resolve_data(base, progress=False))  # report: no dataset needed
     train = False if report_only else (list(groups) or True)
     superseded: list[dict] = []
-    # one training study per folder (a second one interleaved its runs and marked finished ones "error"); a
-    # --report-only beside it reads what has finished and writes its report atomically
-    try:
+    try:  # one training study per folder; a --report-only beside it reads what has finished
         with contextlib.nullcontext() if report_only else study_lock(out):
             grid = functools.partial(run_grid, workers=workers, threads=threads, executor=executor)
             runs, waiting = collect(study, data_dir, out, train=train, grid=grid, restored=restored,
@@ -640,19 +431,35 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     except Interrupted as e:  # the grid's own hint names a group's folder and a run: continue the study instead
         raise Interrupted(f"stopped by {signal.Signals(e.signum).name}; continue: the same keel study command "
                           f"with --resume (out {out})", e.signum) from None
-    study, floor, claims = judge(study, runs)
     h1 = next((r["result"]["unigram_entropy"] for r in runs if r["result"].get("unigram_entropy")), None) \
         if report_only else dataset_unigram_entropy(data_dir)
+    return write_report(study, runs, out, h1, first_command, restore, superseded, waiting)
+
+
+def write_report(study: Study, runs: list[dict], out: Path, h1: float | None, command: str,
+                 restore: str | Path | None, superseded: list[dict], waiting: dict) -> dict:
+    """Judge the claims (:func:`judge`) and write ``report.json``, ``report.md`` and the PNGs into
+    ``out`` (each atomically); returns the report (``report.json``'s content plus ``waiting``).
+    ``h1``: the training tokens' unigram entropy (nats), the plateau level of the tables."""
+    study, floor, claims = judge(study, runs)
     make_dirs(out)
     plots = write_plots(study, runs, claims, out, h1)
-    report = report_json(study, runs, claims, floor, h1, first_command, restore, plots)
+    report = report_json(study, runs, claims, floor, h1, command, restore, plots)
     report["superseded_runs"] = list({(r["group"], r["name"]): {k: v for k, v in r.items() if k != "result"}
                                       for r in superseded}.values())
     atomic_write_text(out / "report.json", json.dumps(report, indent=1, default=str))
     report["waiting"] = waiting
-    atomic_write_text(out / "report.md", report_markdown(study, claims, runs, first_command, waiting,
+    atomic_write_text(out / "report.md", report_markdown(study, claims, runs, command, waiting,
                                                          restore, floor) + superseded_words(report["superseded_runs"]))
     return report
+
+
+def _check_groups(study: Study, scale: str, groups: Sequence[str]) -> None:
+    """Raise KeelError naming the ``--groups`` entries the study's scale does not have."""
+    unknown = [g for g in groups if g not in {x.name for x in study.groups}]
+    if unknown:
+        raise KeelError(f"study {study.name!r} at scale {scale!r} has no group(s) {', '.join(unknown)} "
+                        f"(groups: {', '.join(x.name for x in study.groups)})")
 
 
 def study_lock(out: Path) -> RunLock:

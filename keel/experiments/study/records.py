@@ -1,0 +1,219 @@
+"""A study's run records: one per planned run, read from its run folder (:func:`run_record`:
+status, losses, the divergence verdict, the plateau exit step, a thinned loss curve) or
+restored from an earlier ``report.json`` (``keel study --restore``: :func:`load_restored`,
+every record checked against :data:`RESTORED_KEYS` before a verdict reads it)."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+from keel.config import load_config, resolve_config_path
+from keel.errors import KeelError
+from keel.experiments.grid import GridJob
+from keel.experiments.study.spec import Group, Study, is_number
+from keel.train.metrics import read_metrics
+
+
+PLATEAU_WINDOW = 10  # steps of the trailing mean of the training loss that must fall below the plateau level
+
+
+CURVE_POINTS = 100  # points of the thinned loss curve each run's record keeps in report.json
+
+
+# ----------------------------------------------------------------------------- run records
+def plateau_exit_step(records: Sequence[dict], level: float | None, window: int = PLATEAU_WINDOW) -> int | None:
+    """First step whose trailing mean training loss over ``window`` steps is below ``level``
+    (nats/token; the divergence classifier's stagnation level, 95% of the unigram entropy):
+    the step the run leaves the unigram plateau. None if it never does (or no level)."""
+    if level is None:
+        return None
+    losses = [(r["step"], r["loss"]) for r in records if "loss" in r and math.isfinite(r["loss"])]
+    for i in range(window - 1, len(losses)):
+        if statistics.fmean(x for _, x in losses[i - window + 1:i + 1]) < level:
+            return losses[i][0]
+    return None
+
+
+def thinned_curve(records: Sequence[dict], points: int = CURVE_POINTS, window: int = PLATEAU_WINDOW) -> dict:
+    """A run's loss curve small enough to keep in ``report.json`` (so that a restored report can
+    redraw it): at most ``points`` steps, evenly spaced, of the ``window``-step trailing mean
+    training loss (nats/token) and the peak LR, and every validation loss. Keys ``step``,
+    ``loss``, ``lr``, ``val_step``, ``val_loss``; non-finite values are left out."""
+    train = [(r["step"], r["loss"], r.get("lr")) for r in records
+             if is_number(r.get("loss")) and math.isfinite(r["loss"]) and is_number(r.get("step"))]
+    means = [statistics.fmean(x for _, x, _ in train[max(0, i - window + 1):i + 1]) for i in range(len(train))]
+    keep = sorted({round(i * (len(train) - 1) / max(1, points - 1)) for i in range(points)}) if train else []
+    val = [(r["step"], r["val_loss"]) for r in records
+           if is_number(r.get("val_loss")) and math.isfinite(r["val_loss"]) and is_number(r.get("step"))]
+    return {"step": [train[i][0] for i in keep], "loss": [round(means[i], 5) for i in keep],
+            "lr": [train[i][2] for i in keep], "val_step": [s for s, _ in val], "val_loss": [round(x, 5) for _, x in val]}
+
+
+def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -> dict:
+    """One run's row of the report: coordinates, ``status`` (done / error / pending), ``tokens``
+    trained, final / step-0 validation loss, ``capped_loss`` (final, or the step-0 loss when the
+    run has no finite final loss), divergence verdict, max LR (ramp), plateau exit step."""
+    v = job.values
+    scheme = v.get("model.residual", v.get("scheme"))
+    rec = {"group": group.name, "name": job.name, "scheme": scheme,
+           "sublayers": v.get("sublayers", 2 * v.get("model.n_layers", 0)), "seed": v.get("train.seed", v.get("seed")),
+           "lr": v.get("train.lr", v.get("peak_lr")), "scheme_version": v.get("scheme_version", 1),
+           "status": "pending", "result": result or {}}
+    if result is None:
+        return rec
+    final, first = result.get("final_val_loss"), result.get("first_val_loss")
+    h1 = result.get("unigram_entropy")
+    metrics = run_dir / "metrics.jsonl"
+    records = read_metrics(metrics) if metrics.is_file() else []
+    rec.update(status=result.get("status", "done"), tokens=result.get("tokens"), final_val_loss=final,
+               first_val_loss=first, capped_loss=final if final is not None else first,
+               verdict=result.get("verdict"), divergence=result.get("divergence"),
+               diverged=result.get("diverged"), max_lr=result.get("max_lr"),
+               peak_lr=group.peak_lr if group.kind == "ramp" else None, wall_s=result.get("wall_s"),
+               plateau_exit_step=plateau_exit_step(records, 0.95 * h1 if h1 else None), curve=thinned_curve(records))
+    return rec
+
+
+RESTORED_KEYS = ("status", "tokens", "final_val_loss", "first_val_loss", "capped_loss", "verdict", "divergence",
+                 "diverged", "max_lr", "peak_lr", "wall_s", "plateau_exit_step", "curve")
+
+
+def load_restored(path: str | Path, study: Study) -> dict[tuple[str, str], dict]:
+    """The finished runs of an earlier ``report.json`` of the same study, scale and settings,
+    ``{(group, run name): record}``: what stands in for run folders that are gone (``runs/`` is
+    not kept between machines; the committed report is). A record keeps the numbers the
+    verdicts and tables read (:data:`RESTORED_KEYS`), not the loss curves.
+
+    Settings are compared by value (:func:`_restore_settings_diff`): the config the scale's and
+    the user's keys give, and each group's with its own ``set`` when the report records it
+    (``group_sets``; reports written before it compare the former only).
+
+    Raises:
+        KeelError: the file is missing or not a study report; it is another study or scale; its
+            runs were trained with other settings; a finished run's record is malformed
+            (:func:`_check_restored_record`) or repeated.
+    """
+    path = Path(path)
+    try:
+        rep = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise KeelError(f"--restore {path}: no such file (give a study's report.json)") from None
+    except IsADirectoryError:
+        raise KeelError(f"--restore {path} is a folder; give the report.json in it") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KeelError(f"--restore {path}: cannot read it as JSON ({e})") from None
+    if not isinstance(rep, dict) or not isinstance(rep.get("runs"), list):
+        raise KeelError(f"--restore {path}: not a study report (no runs list); give a study's report.json")
+    if (rep.get("study"), rep.get("scale")) != (study.name, study.scale):
+        raise KeelError(f"--restore {path} holds study {rep.get('study')!r} at scale {rep.get('scale')!r}, "
+                        f"not {study.name!r} at {study.scale!r}")
+    if not isinstance(rep.get("sets"), list):
+        raise KeelError(f"--restore {path}: the report records no settings (sets), so its runs cannot be matched")
+    diff = _restore_settings_diff(study, rep["sets"], None)
+    group_sets = rep.get("group_sets", {})  # reports before v3 have none
+    if not isinstance(group_sets, dict) or not all(isinstance(v, list) for v in group_sets.values()):
+        raise KeelError(f"--restore {path}: group_sets must map each group to a list of section.key=value texts, "
+                        f"got {json.dumps(group_sets)[:80]}")
+    for g in study.groups:
+        if not diff and g.name in group_sets:
+            diff = _restore_settings_diff(study, rep["sets"] + list(group_sets[g.name]), g)
+    if diff:
+        raise KeelError(f"--restore {path}: its runs were trained with other settings ({diff}); restore only "
+                        "the same study, scale and --set values")
+    h1 = rep.get("unigram_entropy")
+    out: dict[tuple[str, str], dict] = {}
+    superseded = rep.get("superseded_runs") if isinstance(rep.get("superseded_runs"), list) else []
+    for r in rep["runs"] + superseded:
+        if isinstance(r, dict) and r.get("status") in ("done", "superseded"):
+            _check_restored_record(path, r)
+            if (r["group"], r["name"]) in out:
+                raise KeelError(f"--restore {path}: run {r['name']} of group {r['group']} is listed twice")
+            out[(r["group"], r["name"])] = {**r, "status": "done", "unigram_entropy": h1 if is_number(h1) else None}
+    return out
+
+
+def _restore_settings_diff(study: Study, theirs: list, group: Group | None) -> str:
+    """The keys whose value differs between the config the report's ``theirs`` (``section.key=value``
+    texts) give and the one this study gives (for ``group``, with its own ``set``), in words;
+    empty when they agree. Raises KeelError when ``theirs`` does not parse."""
+    base = resolve_config_path(study.base)
+    try:
+        old = load_config(base, [str(x) for x in theirs]).to_dict()
+    except KeelError as e:
+        raise KeelError(f"--restore: the report's settings do not load ({e})") from None
+    new = load_config(base, study.all_sets(group)).to_dict()
+    keys = [(sec, k) for sec in sorted(set(old) | set(new)) for k in sorted(set(old.get(sec, {})) | set(new.get(sec, {})))
+            if old.get(sec, {}).get(k) != new.get(sec, {}).get(k)]
+    if not keys:
+        return ""
+    where = f"group {group.name}: " if group else ""
+    return where + ", ".join(f"{sec}.{k} {old.get(sec, {}).get(k)!r} in the report, {new.get(sec, {}).get(k)!r} now"
+                             for sec, k in keys)
+
+
+# restored record key -> (check, words); None passes for every key but the run's coordinates and capped_loss
+_RECORD_CHECKS = {"group": (lambda x: isinstance(x, str) and x, "a group name"),
+                  "name": (lambda x: isinstance(x, str) and x, "a run name"),
+                  "scheme": (lambda x: isinstance(x, str), "a scheme name"),
+                  "sublayers": (lambda x: isinstance(x, int) and not isinstance(x, bool), "an integer"),
+                  "seed": (lambda x: isinstance(x, int) and not isinstance(x, bool), "an integer"),
+                  "lr": (is_number, "a number"),
+                  "capped_loss": (lambda x: is_number(x) and 0 <= x < math.inf, "a finite loss >= 0 (nats/token)"),
+                  "final_val_loss": (lambda x: x is None or is_number(x) and x >= 0, "a loss >= 0 or null"),
+                  "first_val_loss": (lambda x: x is None or is_number(x) and x >= 0, "a loss >= 0 or null"),
+                  "tokens": (lambda x: x is None or isinstance(x, int) and not isinstance(x, bool) and x >= 0,
+                             "a token count or null"),
+                  "max_lr": (lambda x: x is None or is_number(x), "a number or null"),
+                  "peak_lr": (lambda x: x is None or is_number(x), "a number or null"),
+                  "wall_s": (lambda x: x is None or is_number(x), "seconds or null"),
+                  "plateau_exit_step": (lambda x: x is None or isinstance(x, int) and not isinstance(x, bool),
+                                        "a step or null"),
+                  "divergence": (lambda x: x is None or isinstance(x, dict) and isinstance(x.get("mode"), str),
+                                 "a divergence verdict ({mode, step, evidence}) or null"),
+                  "verdict": (lambda x: x is None or isinstance(x, str), "a string or null"),
+                  "curve": (lambda x: x is None or isinstance(x, dict) and all(
+                      isinstance(x.get(k), list) and all(v is None or is_number(v) for v in x[k])
+                      for k in ("step", "loss", "lr", "val_step", "val_loss")), "a thinned loss curve or null"),
+                  "diverged": (lambda x: x is None or isinstance(x, bool), "true, false or null")}
+
+
+def _check_restored_record(path: Path, r: dict) -> None:
+    """Raise KeelError naming the run and the key if a finished run's record in a restored report
+    lacks a key the report reads or holds a value of the wrong type (e.g. a loss that is text)."""
+    for key, (ok, words) in _RECORD_CHECKS.items():
+        if not ok(r.get(key)):
+            who = f"run {r['name']}" if isinstance(r.get("name"), str) else "a run"
+            raise KeelError(f"--restore {path}: {who}: {key} must be {words}, got {r.get(key)!r}")
+
+
+def restored_record(group: Group, job: GridJob, old: dict) -> dict | None:
+    """A run's record (:func:`run_record`) from its record in an earlier report (``old``), marked
+    ``restored``; ``result`` holds what the LR-grid summaries read. None when ``old`` is for
+    other coordinates (scheme, depth, seed, LR) than ``job``: then the run is trained."""
+    rec = run_record(group, job, Path(), None)
+    if any(old.get(k) != rec[k] for k in ("scheme", "sublayers", "seed", "lr")):
+        return None
+    rec.update({k: old.get(k) for k in RESTORED_KEYS}, restored=True)
+    rec["result"] = {"values": job.values, "unigram_entropy": old.get("unigram_entropy"),
+                     **{k: rec[k] for k in RESTORED_KEYS if k != "capped_loss"}}
+    return rec
+
+
+def kept_restored(g: Group, restored: dict[tuple[str, str], dict]) -> list[dict]:
+    """The restored records (:func:`load_restored`) of group ``g``, as run records marked
+    ``restored``, for a group that is not planned yet (an ``lr_from`` group waiting for its
+    source): a report written meanwhile keeps them, so that restoring from it loses nothing."""
+    out = []
+    for (name, run_name), old in restored.items():
+        if name != g.name:
+            continue
+        values = {"model.residual": old["scheme"], "model.n_layers": old["sublayers"] // 2,
+                  "train.seed": old["seed"], "train.lr": old["lr"]}
+        rec = restored_record(g, GridJob(run_name, {}, values), old)
+        if rec is not None:
+            out.append(rec)
+    return out
