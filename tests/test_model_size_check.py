@@ -72,6 +72,22 @@ def test_activation_floor_is_the_rope_tables_and_the_saved_inputs(ac):
     assert DV.activation_floor_bytes(m, t, world_size=2) == 2 * 128 * 16 * 4 + 3 * 16 * 3 * per_block * 4
 
 
+@pytest.mark.parametrize("scheme,m", [("hyper_connections", 4), ("mhc", 1000), ("attn_res", 1 + 8), ("keel", 1)])
+def test_activation_floor_counts_a_multi_stream_schemes_copies(scheme, m):
+    """HC/mHC keep n stream copies per sub-layer input, Block AttnRes up to N + 1 sources: each
+    sub-layer's stream input (m d values per token) is kept for the backward. hc_streams = 1000
+    (a run killed by the OOM killer with no keel line) is now refused before it starts."""
+    from keel.config import TrainConfig
+
+    cfg = ModelConfig(d_model=32, n_layers=8, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=128, vocab_size=512,
+                      residual=scheme, hc_streams=m if scheme in ("hyper_connections", "mhc") else 4)
+    t = TrainConfig(batch_size=5, seq_len=16)
+    extra = 2 * m * 32 if m > 1 else 0
+    assert DV.activation_floor_bytes(cfg, t) == 2 * 128 * 16 * 4 + 5 * 16 * 8 * (4 * 32 + 2 * 64 + extra) * 4
+    ckpt = TrainConfig(batch_size=5, seq_len=16, activation_checkpointing="block")
+    assert DV.activation_floor_bytes(cfg, ckpt) == 2 * 128 * 16 * 4 + 5 * 16 * 8 * m * 32 * 4
+
+
 def _limited(limit_bytes: int):
     def preexec():
         import resource

@@ -12,7 +12,7 @@ import torch
 from keel.config import ModelConfig, TrainConfig, check_value
 from keel.keys import choices
 from keel.errors import KeelError
-from keel.model import count_parameters
+from keel.model import count_parameters, get_scheme
 
 PRECISIONS = choices(TrainConfig, "precision")  # declared once, in keel.config.TrainConfig
 log = logging.getLogger(__name__)
@@ -94,13 +94,16 @@ def activation_floor_bytes(model_cfg: ModelConfig, train_cfg: TrainConfig, world
     """A floor on the bytes one training micro-batch needs beside the weights (fp32, one process of
     ``world_size``): RoPE's cos and sin tables (``max_seq_len x head_dim`` each), and the activations
     autograd keeps for the backward, per token and block at least the inputs of the attention's four
-    projections and of the FFN's (``4 d_model + 2 d_ff`` values), or one ``d_model`` vector per block
-    under activation checkpointing (the recomputed block's own on top). Real use is higher (attention
-    scores, logits, optimizer temporaries): this only catches what cannot fit at all."""
+    projections and of the FFN's (``4 d_model + 2 d_ff`` values) and, for a multi-stream scheme of m
+    stream copies (:meth:`keel.model.Residual.stream_copies`: HC/mHC's n streams, AttnRes's sources),
+    each sub-layer's stream input (``2 m d_model``); or the block's stream input (``m d_model``) under
+    activation checkpointing (the recomputed block's own on top). Real use is higher (attention scores,
+    logits, optimizer temporaries): this only catches what cannot fit at all."""
     rope = rope_table_bytes(model_cfg)
     tokens = -(-train_cfg.batch_size // max(1, world_size)) * train_cfg.seq_len
-    per_block = model_cfg.d_model if train_cfg.activation_checkpointing != "none" else \
-        4 * model_cfg.d_model + 2 * model_cfg.d_ff
+    m = get_scheme(model_cfg.residual).stream_copies(model_cfg)
+    per_block = m * model_cfg.d_model if train_cfg.activation_checkpointing != "none" else \
+        4 * model_cfg.d_model + 2 * model_cfg.d_ff + (2 * m * model_cfg.d_model if m > 1 else 0)
     return rope + tokens * model_cfg.n_layers * per_block * 4
 
 

@@ -93,6 +93,12 @@ class Residual(nn.Module):
         docstring), or None (default): the stream is the [B, T, d] embedding itself."""
         return None
 
+    @classmethod
+    def stream_copies(cls, cfg: ModelConfig) -> int:
+        """How many [B, T, d] tensors the stream holds between sub-layers, at most (memory floors,
+        :func:`keel.train.device.activation_floor_bytes`): 1 for a single-stream scheme."""
+        return 1
+
     def reset_scheme_parameters(self) -> None:
         """Re-initialise the unit's own non-norm parameters (HC/mHC/AttnRes maps); default:
         none. Called at construction and by :meth:`keel.model.Transformer.reset_parameters`."""

@@ -102,6 +102,10 @@ class HyperConnections(Residual):
     def make_stream(cls, cfg: ModelConfig) -> nn.Module | None:
         return ExpandedStream(cfg)
 
+    @classmethod
+    def stream_copies(cls, cfg: ModelConfig) -> int:
+        return cfg.hc_streams
+
     @torch.no_grad()
     def init_sublayer(self, sublayer: nn.Module) -> None:
         scale_output_projection(sublayer, self.n)
@@ -339,6 +343,10 @@ class ManifoldHyperConnections(Residual):
     def make_stream(cls, cfg: ModelConfig) -> nn.Module | None:
         return ExpandedStream(cfg)
 
+    @classmethod
+    def stream_copies(cls, cfg: ModelConfig) -> int:
+        return cfg.hc_streams
+
     @torch.no_grad()
     def reset_scheme_parameters(self) -> None:
         n = self.b_pre.shape[0]
@@ -496,6 +504,10 @@ class AttnRes(Residual):
     @classmethod
     def make_stream(cls, cfg: ModelConfig) -> nn.Module | None:
         return DepthAttentionReadout(cfg)
+
+    @classmethod
+    def stream_copies(cls, cfg: ModelConfig) -> int:
+        return 1 + -(-cfg.n_sublayers // attn_res_block_size(cfg))  # the embedding and every block's sum
 
     @torch.no_grad()
     def reset_scheme_parameters(self) -> None:
