@@ -230,6 +230,9 @@ def test_a_deep_profile_says_what_it_runs_before_it_starts(capsys, tiny_data, mo
     lines = [ln for ln in err.splitlines() if ln.startswith("profiling ")]
     assert lines == ["profiling keel at 4 sub-layers: building the model, then one forward and backward pass and 2 "
                      "Jacobian products through every sub-layer (time grows with the depth; Ctrl-C stops)"], err
+    # and how far it is, with the time left, at every tenth of the sub-layers (here each of the 4)
+    eta = re.findall(r"gradflow: Jacobians of sub-layer (\d) of 4, about \d+ s left", err)
+    assert eta == ["1", "2", "3"], err
 
 
 def test_cli_json_schema_and_plot(capsys, tiny_data, tmp_path):

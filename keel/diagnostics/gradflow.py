@@ -241,6 +241,20 @@ def _per_token(unit, x, f):
     return (lambda z: unit(z.movedim(-2, 0), f).movedim(0, -2)), x.movedim(0, -2)
 
 
+class _Eta:
+    """Progress of a deep profile's per-sub-layer Jacobians: a log line at every tenth of the
+    sub-layers with the time left, extrapolated from the time per sub-layer so far."""
+
+    def __init__(self, total: int):
+        self.total, self.t0, self.every = total, time.perf_counter(), max(1, total // 10)
+
+    def step(self, i: int) -> None:
+        if i and i % self.every == 0:
+            left = (time.perf_counter() - self.t0) / i * (self.total - i)
+            _log.info("gradflow: Jacobians of sub-layer %s of %s, about %.0f s left", f"{i:,}", f"{self.total:,}",
+                      left)
+
+
 def _log10_product(logs_e: list[float]) -> float:
     return sum(logs_e) / math.log(10)
 
@@ -282,7 +296,10 @@ def profile_model(model, batch, jacobian_iters: int = 32, full_jacobian: bool = 
     out["stream_grad_norm"] = [g if g is not None else 0.0 for g in rec.stream_grad]
 
     log_js, log_full = [], []
+    eta = _Eta(len(rec.pairs)) if len(rec.pairs) >= LONG_SUBLAYERS else None
     for i, (_, unit) in enumerate(rec.pairs):
+        if eta is not None:
+            eta.step(i)
         f_fixed = rec.branch_out[i].double()
         sigma = jacobian_spectral_norms(*_per_token(unit, rec.inputs[i].double(), lambda _h, f=f_fixed: f),
                                         group_dims=_streams(rec.inputs[i]) + 1, iters=jacobian_iters, seed=seed + i)
