@@ -295,6 +295,9 @@ WRITERS = {  # name: (command with {run}, {hf}, {out}; the path the line names)
     "plot-loss": ("plot loss {run} --out {out}/loss.png", "{out}/loss.png"),
     "gradflow-plot": ("gradflow --residual keel --sublayers 4 --plot {out}/g.png", "{out}/g.png"),
     "ablate": ("ablate --run {run} --out {out}/ab", "{out}/ab"),
+    # named the folder's temporary twin (ds.tmp-PID) on a read-only disk
+    "prepare": ("prepare --source builtin:python-stdlib --tokenizer bpe:300 --max-bytes 200000 --out {out}/ds",
+                "{out}/ds"),
 }
 # the standard output: `keel eval --json > FILE` with no byte left (a read-only FILE the shell refuses itself)
 WRITERS_FULL = {**WRITERS, "eval-json": ("eval --run {run} --json > {out}/eval.json", "the standard output")}

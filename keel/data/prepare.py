@@ -117,7 +117,7 @@ def prepare_dataset(source: str, tokenizer: str = DataConfig.tokenizer, out: str
     tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     created = [d for d in (out.parent, *out.parent.parents) if not d.exists()]  # deepest first
-    with disk_errors(out):  # a full disk or a read-only folder: one line naming the path
+    with disk_errors(out, own_path=True):  # a full disk or a read-only folder: one line naming out (not its tmp)
         try:
             tmp.mkdir(parents=True)
             meta = _build(tmp, inputs, progress)
