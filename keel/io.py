@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from keel.errors import KeelError
 
@@ -119,15 +119,31 @@ def atomic_files(folder: str | os.PathLike) -> Iterator[Path]:
         KeelError: a write failed for want of space or permission (:func:`disk_errors`),
             naming ``folder``; nothing of the set is left.
     """
+    created = [d for d in (Path(folder), *Path(folder).parents) if not d.exists()]  # deepest first
     folder = make_dirs(folder)
-    with disk_errors(folder, own_path=True):
-        tmp = make_temp_dir(folder, "outputs")
+    done = False
+    try:
+        with disk_errors(folder, own_path=True):
+            tmp = make_temp_dir(folder, "outputs")
+            try:
+                yield tmp
+                for f in sorted(tmp.iterdir()):
+                    os.replace(f, folder / f.name)
+                done = True
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        if not done:  # none of the folders this call made is left behind (empty ones only)
+            remove_empty_dirs(created)
+
+
+def remove_empty_dirs(folders: Iterable[Path]) -> None:
+    """Remove each of ``folders`` (deepest first) while it is empty; stop at the first that is not."""
+    for d in folders:
         try:
-            yield tmp
-            for f in sorted(tmp.iterdir()):
-                os.replace(f, folder / f.name)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            d.rmdir()
+        except OSError:
+            return
 
 
 # errno values of a write that failed because of the disk or the mount, not the program:

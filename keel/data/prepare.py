@@ -52,7 +52,7 @@ from keel.data.sources import SourceStats, check_hub_reachable, hub_errors, iter
 from keel.data.stats import unigram_entropy
 from keel.data.text import encode_batch
 from keel.errors import KeelError
-from keel.io import disk_errors
+from keel.io import disk_errors, remove_empty_dirs
 
 FORMAT_VERSION = 1
 EOS_TOKEN = "<|endoftext|>"
@@ -124,7 +124,7 @@ def prepare_dataset(source: str, tokenizer: str = DataConfig.tokenizer, out: str
             _move_into_place(tmp, out, inputs)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-            _remove_empty(created)  # leave none of the folders this call created behind
+            remove_empty_dirs(created)  # leave none of the folders this call created behind
             raise
     _log_prepared(out, meta)
     return out
@@ -149,15 +149,6 @@ def find_prepared(source: str, tokenizer: str = DataConfig.tokenizer, *, val_fra
     inputs = _canonical_inputs(source, tokenizer, val_fraction, max_bytes, None, text_field, 0)
     out = Path(cache_dir) / dataset_slug(inputs)
     return out if _cache_matches(out, inputs) else None
-
-
-def _remove_empty(folders: list[Path]) -> None:
-    """Remove ``folders`` (deepest first) while they are empty."""
-    for d in folders:
-        try:
-            d.rmdir()
-        except OSError:
-            return
 
 
 def dataset_slug(inputs: dict) -> str:
