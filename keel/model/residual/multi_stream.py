@@ -39,7 +39,20 @@ class ExpandedStream(nn.Module):
         return x.sum(0)
 
 
-class HyperConnections(Residual):
+class ExpandedStreamScheme(Residual):
+    """A scheme whose stream is n copies of the embedding (:class:`ExpandedStream`, n =
+    ``cfg.hc_streams``): Hyper-Connections and mHC."""
+
+    @classmethod
+    def make_stream(cls, cfg: ModelConfig) -> nn.Module | None:
+        return ExpandedStream(cfg)
+
+    @classmethod
+    def stream_copies(cls, cfg: ModelConfig) -> int:
+        return cfg.hc_streams
+
+
+class HyperConnections(ExpandedStreamScheme):
     """Hyper-Connections (Zhu et al. 2025, "Hyper-Connections", ICLR 2025, arXiv 2409.19606).
 
     The stream is H [n, B, T, d], n = ``cfg.hc_streams`` (expansion rate, paper default 4),
@@ -97,14 +110,6 @@ class HyperConnections(Residual):
             self.s_alpha = nn.Parameter(torch.empty(1))
             self.s_beta = nn.Parameter(torch.empty(1))
         self.reset_scheme_parameters()
-
-    @classmethod
-    def make_stream(cls, cfg: ModelConfig) -> nn.Module | None:
-        return ExpandedStream(cfg)
-
-    @classmethod
-    def stream_copies(cls, cfg: ModelConfig) -> int:
-        return cfg.hc_streams
 
     @torch.no_grad()
     def init_sublayer(self, sublayer: nn.Module) -> None:
@@ -276,7 +281,7 @@ class _SinkhornKnopp(torch.autograd.Function):
         return du.unsqueeze(1) * k * v + u * dk * v + u * k * dv.unsqueeze(0), None, None, None
 
 
-class ManifoldHyperConnections(Residual):
+class ManifoldHyperConnections(ExpandedStreamScheme):
     """mHC (Xie et al. 2025, DeepSeek, "mHC: Manifold-Constrained Hyper-Connections", arXiv
     2512.24880, Sec. 4). Stream x [n, B, T, d] as in :class:`HyperConnections` (n =
     ``cfg.hc_streams``, paper default 4; n copies of the embedding, summed at the end)::
@@ -338,14 +343,6 @@ class ManifoldHyperConnections(Residual):
         self.b_post = nn.Parameter(torch.empty(n))
         self.b_res = nn.Parameter(torch.empty(n, n))
         self.reset_scheme_parameters()
-
-    @classmethod
-    def make_stream(cls, cfg: ModelConfig) -> nn.Module | None:
-        return ExpandedStream(cfg)
-
-    @classmethod
-    def stream_copies(cls, cfg: ModelConfig) -> int:
-        return cfg.hc_streams
 
     @torch.no_grad()
     def reset_scheme_parameters(self) -> None:
