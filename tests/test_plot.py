@@ -5,7 +5,8 @@ import pytest
 from conftest import REPO, tiny_overrides
 from keel.errors import KeelError
 from keel.experiments.plot import depth_points, plot_depth, plot_loss_curves, plot_lr
-from keel.experiments.sweep import load_sweep, parse_grid, run_sweep
+from keel.experiments.presets import run_sweep
+from keel.experiments.sweep import load_sweep, parse_grid
 
 
 @pytest.fixture(scope="module")

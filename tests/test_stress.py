@@ -11,10 +11,10 @@ from keel.cli import main
 from keel.data.stats import dataset_unigram_entropy
 from keel.diagnostics.divergence import MODES, classify_metrics
 from keel.experiments.grid import RESULT_FILE
+from keel.experiments.presets import run_stress
 from keel.experiments.stress import (
     REFERENCES,
     max_lr,
-    run_stress,
     stress_table,
     table_markdown,
 )

@@ -831,7 +831,7 @@ def test_ctrl_c_says_how_to_continue_the_study(tiny_data, tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 130, err
-    assert f"continue: the same keel study command with --resume (out {out})" in err
+    assert f"continue: the same command with --resume (out {out})" in err
     assert "keel train --resume" not in err and "Traceback" not in err
 
 

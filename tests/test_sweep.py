@@ -11,7 +11,8 @@ from conftest import REPO, tiny_overrides
 from keel.config import config_from_dict, load_config
 from keel.errors import KeelError
 from keel.experiments.grid import GridJob, run_grid
-from keel.experiments.sweep import (best_over, expand_grid, parse_grid, param_count, run_name, run_sweep,
+from keel.experiments.presets import run_sweep
+from keel.experiments.sweep import (best_over, expand_grid, parse_grid, param_count, run_name,
                                     width_for_params)
 from keel.model import SCHEMES, Transformer
 from keel.train.metrics import read_metrics

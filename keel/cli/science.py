@@ -27,9 +27,9 @@ def register(subparsers) -> None:
 def _add_grid_flags(p, report_only: bool = True,
                     config_help: str | None = "base TOML file or preset name (default: demo)",
                     set_help: str = "override a config key in every run (repeatable)") -> None:
-    """The flags every grid command shares (``keel sweep``, ``stress``, ``lr-sensitivity``, ``study``):
-    base config (not with ``config_help=None``), overrides, worker processes and threads, resume,
-    and ``--report-only``."""
+    """The flags every grid command shares (``keel sweep``, ``stress``, ``lr-sensitivity``, ``study``: one
+    engine, :func:`keel.experiments.study.run.execute`): base config (not with ``config_help=None``),
+    overrides, worker processes and threads, resume, the executor, ``--report-only`` and ``--dry-run``."""
     if config_help is not None:
         p.add_argument("--config", default=None, help=config_help)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=set_help)
@@ -49,6 +49,11 @@ def _add_grid_flags(p, report_only: bool = True,
                    help="let more local workers than GPUs share them, instead of refusing")
     if report_only:
         p.add_argument("--report-only", action="store_true", help="train nothing: tabulate the finished runs of --out")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (runs, tokens, estimated GPU-hours) and exit; prepares and trains nothing")
+    p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation assumed by --dry-run")
+    p.add_argument("--peak-tflops", type=float, default=989.0,
+                   help="GPU dense bf16 peak TFLOP/s assumed by --dry-run (H100 SXM: 989)")
 
 
 _log = logging.getLogger(__name__)
@@ -205,10 +210,5 @@ def _register_study(subparsers) -> None:
     p.add_argument("--restore", default=None, metavar="REPORT_JSON",
                    help="an earlier report.json of the same study and scale (e.g. the committed one, when the "
                         "run folders are gone): its finished runs are not trained again and count in the report")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the plan (runs, tokens, estimated GPU-hours) and exit; prepares and trains nothing")
-    p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation assumed by --dry-run")
-    p.add_argument("--peak-tflops", type=float, default=989.0,
-                   help="GPU dense bf16 peak TFLOP/s assumed by --dry-run (H100 SXM: 989)")
     p.add_argument("--json", action="store_true", help="print the verdicts (or the plan) as JSON on stdout")
     p.set_defaults(handler="keel.cli.handlers.science.cmd_study")

@@ -122,6 +122,13 @@ class Thresholds:
     blowup_steps: int = 5
     stagnation_margin: float = 0.05
 
+    def plateau_level(self, h1: float | None) -> float | None:
+        """The unigram plateau's level, ``(1 - stagnation_margin) * h1`` nats/token (``h1``: the
+        training tokens' unigram entropy; None without one): a training loss at or above it has
+        learnt no more than token frequencies (stagnation, the Keel paper's Sec. 5.1). The one
+        place the level is computed (the classifier, a study's plateau exit, lr-sensitivity)."""
+        return None if h1 is None else (1 - self.stagnation_margin) * h1
+
 
 @dataclass
 class Verdict:
@@ -308,7 +315,7 @@ class OnlineDivergenceMonitor:
             ref_p = self.ref.at(step)
             expected = t.behind_frac * ref_p
             behind = ref_p >= t.min_ref_progress * self.ref.l0 and progress < expected
-        level = None if self.h1 is None else (1 - t.stagnation_margin) * self.h1
+        level = t.plateau_level(self.h1)
         if level is not None:
             on_plateau = self.baseline >= level
             if on_plateau and self.ref is not None and self.ref.l0 - self.ref.at(step) >= level:

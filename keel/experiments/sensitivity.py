@@ -3,11 +3,13 @@ residual scheme and depth (Wortsman et al. 2023, "Small-scale proxies for large-
 Transformer training instabilities", arXiv 2309.14322, Sec. 3.2).
 
 Every point (scheme x depth x peak LR x seed) is an ordinary training run with the usual
-schedule (linear warm-up, then cosine to ``train.min_lr``), trained by the ``keel sweep``
-task on :mod:`keel.experiments.grid`: finished runs are cached, an interrupted grid
-continues with ``--resume``. Runs are named ``seed<S>_L<sub-layers>_<scheme>_lr<LR>`` and
-run in the order seeds x depths x schemes x LRs as given on the command line (put the
-most informative depth first).
+schedule (linear warm-up, then cosine to ``train.min_lr``). The command is a study preset
+(:func:`keel.experiments.presets.run_lr_sensitivity`): one train group run by the one engine
+(:func:`keel.experiments.study.run.execute`): finished runs are cached, an interrupted grid
+continues with ``--resume``, ``--dry-run`` plans it. Runs are named
+``L<sub-layers>_seed<S>_<scheme>_lr<LR>`` and run in the order depths x schemes x LRs x seeds
+as given on the command line (put the most informative depth first; the seeds of one point
+run side by side).
 
 Per (scheme, depth, seed), with ``l(eta)`` the final validation loss at peak LR ``eta``
 (nats/token) and ``l0`` the validation loss at initialisation (step 0):
@@ -37,25 +39,15 @@ and the unigram entropy of the training tokens as horizontal lines).
 from __future__ import annotations
 
 import json
-import logging
 import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from keel.config import load_config, resolve_config_path
-from keel.data import resolve_data
-from keel.data.stats import dataset_unigram_entropy
 from keel.diagnostics.divergence import Thresholds
 from keel.errors import KeelError
-from keel.experiments.executor import Executor
-from keel.experiments.grid import cached_result, check_reportable, run_grid
-from keel.experiments.sweep import build_jobs, check_train_job, train_task
-from keel.io import atomic_write_text, make_dirs
-from keel.model import SCHEMES
+from keel.io import atomic_write_text
 from keel.train.plots import plt, save_figure
-
-_log = logging.getLogger(__name__)
 
 OUT_JSON, OUT_MD, OUT_PNG = "sensitivity.json", "sensitivity.md", "sensitivity.png"
 
@@ -314,59 +306,14 @@ def plot(summary: dict, out: str | Path) -> None:
 
 
 def write_outputs(summary: dict, out: str | Path) -> None:
-    """Write ``sensitivity.json``, ``sensitivity.md`` and ``sensitivity.png`` into ``out`` (atomically)."""
+    """Write ``sensitivity.json`` and ``sensitivity.md`` into ``out`` (atomically; ``sensitivity.png``
+    is the engine's plot of the group, :func:`plot` through :func:`keel.experiments.study.report.write_plots`)."""
     out = Path(out)
     atomic_write_text(out / OUT_JSON, json.dumps(summary, indent=1, default=str))
     atomic_write_text(out / OUT_MD, markdown(summary))
-    plot(summary, out / OUT_PNG)
 
 
-# ----------------------------------------------------------------------------- driver
-def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Sequence[int], lrs: Sequence[float],
-                       seeds: Sequence[int], sets: Sequence[str] = (), *, out: str | Path, workers: int = 1,
-                       threads: int | None = None, resume: bool = False, report_only: bool = False,
-                       executor: Executor | None = None) -> dict:
-    """Run (or complete, or only tabulate) the LR-sensitivity grid; write the outputs.
-
-    Args:
-        config: base config file or preset name (default ``demo``).
-        schemes, sublayers, lrs, seeds: the grid (depths in sub-layers, even).
-        sets: ``section.key=value`` overrides for every run (shape, data, steps...).
-        out: output folder; workers / threads / resume / executor: as :func:`keel.experiments.grid.run_grid`.
-        report_only: train nothing; tabulate the runs of ``out`` that have finished.
-    Returns:
-        The ``sensitivity.json`` content: ``config``, ``sets``, ``schemes``, ``sublayers``,
-        ``lrs`` (sorted), ``seeds``, ``data``, ``unigram_entropy``, ``runs`` (grid results,
-        finished ones only with ``report_only``) and ``cells`` (:func:`summarise`).
-    Raises:
-        KeelError: bad grid or config; non-empty ``out`` without ``resume`` (see run_grid);
-            ``report_only`` where no run of the grid has finished.
-    """
-    for s in schemes:
-        if s not in SCHEMES:
-            raise KeelError(f"unknown scheme {s!r} in --residual (available: {', '.join(SCHEMES)})")
-    grid = build_grid(schemes, sublayers, lrs, seeds)
-    if report_only:
-        check_reportable(out)
-    base = load_config(resolve_config_path(config), list(sets))
-    data_dir = resolve_data(base, progress=False)
-    jobs = build_jobs(config, grid, sets, data_path=str(data_dir))
-    if report_only:
-        results = [r for r in (cached_result(Path(out) / j.name) for j in jobs) if r is not None]
-        _log.info(f"lr-sensitivity: report only, {len(results)}/{len(jobs)} runs finished")
-        if not results:
-            raise KeelError(f"{out} holds no finished run of this LR grid: nothing to report; "
-                            "check --out and the grid flags")
-    else:
-        results = run_grid(jobs, out, train_task, workers=workers, resume=resume, threads=threads,
-                           check=check_train_job, executor=executor)
-    summary = {"config": str(resolve_config_path(config)), "sets": list(sets), "schemes": list(schemes),
-               "sublayers": list(sublayers), "lrs": grid["train.lr"], "seeds": list(seeds), "data": str(data_dir),
-               "unigram_entropy": dataset_unigram_entropy(data_dir), "runs": results,
-               "plateau_level": None, "cells": None}
-    # the divergence classifier's stagnation level: below it, a run has left the unigram plateau
-    summary["plateau_level"] = (1 - Thresholds().stagnation_margin) * summary["unigram_entropy"]
-    summary["cells"] = summarise(results, schemes, sublayers, grid["train.lr"], seeds, summary["plateau_level"])
-    make_dirs(out)
-    write_outputs(summary, out)
-    return summary
+def plateau_level(h1: float | None) -> float | None:
+    """The divergence classifier's stagnation level for unigram entropy ``h1`` (nats):
+    :meth:`keel.diagnostics.divergence.Thresholds.plateau_level` at its default thresholds."""
+    return Thresholds().plateau_level(h1)

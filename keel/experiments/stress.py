@@ -25,43 +25,36 @@ is called stagnant on the unigram plateau while the reference is still on it.
 ``verdict.step - 1`` (0.0 if the run failed at step 1). A run that never diverged has no
 max LR ("no divergence up to peak LR X").
 
-The runs are jobs of :func:`keel.experiments.grid.run_grid` (as ``keel sweep``): worker
-processes, finished runs cached, an interrupted grid continued with ``--resume``, a run
-folder with another config refused. Each run's ``result.json`` is the ``keel sweep`` run
-summary (:func:`keel.experiments.sweep.run_summary`: one vocabulary, ``healthy`` /
-``stagnation`` / ``instability`` / ``degradation``, and a ``reference`` field naming the
-reference run) plus ``scheme``, ``sublayers``, ``blocks``, ``seed``, ``peak_lr``,
-``ramp_steps`` and ``max_lr``. Layout of ``--out`` (default ``runs/stress``)::
+The command is a study preset (:func:`keel.experiments.presets.run_stress`): its flags make a
+study of one ramp group, run by the one engine (:func:`keel.experiments.study.run.execute`):
+worker processes or a Slurm executor, finished runs cached, an interrupted grid continued with
+``--resume``, a run folder with another config refused, ``--dry-run``. Each run's
+``result.json`` is the ``keel sweep`` run summary (:func:`keel.experiments.sweep.run_summary`:
+one vocabulary, ``healthy`` / ``stagnation`` / ``instability`` / ``degradation``, and a
+``reference`` field naming the reference run) plus ``scheme``, ``sublayers``, ``blocks``,
+``seed``, ``peak_lr``, ``ramp_steps`` and ``max_lr``. Layout of ``--out`` (default ``runs/stress``)::
 
     OUT/references/<ref scheme>-<L>sl-seed<S>/   the reference runs (a grid of their own)
     OUT/<scheme>-<L>sl-seed<S>/                  one run directory per stress run
     OUT/stress.json                              all results + the table
     OUT/stress.md                                the table, laid out like the paper's Table 1
-    OUT/stress.png                               loss against LR (log x), one panel per depth
+    OUT/stress.png                               training loss against the ramp's LR (log x), one line per run
+    OUT/study.json, report.md, report.json       the engine's marker and report
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import logging
 import math
 import statistics
 from pathlib import Path
 from typing import Sequence
 
-from keel.config import Override, load_config, resolve_config_path
-from keel.data import resolve_data
+from keel.config import Override, load_config
 from keel.errors import KeelError
-from keel.experiments.executor import Executor
-from keel.experiments.grid import check_reportable, GridJob, cached_result, run_grid
-from keel.experiments.sweep import check_train_job, train_task
-from keel.io import atomic_write_text, make_dirs
+from keel.experiments.grid import GridJob
+from keel.experiments.sweep import train_task
 from keel.model import SCHEMES
 from keel.train.metrics import read_metrics
-from keel.train.plots import plt, save_figure
-
-_log = logging.getLogger(__name__)
 
 REFERENCES = "references"
 
@@ -154,34 +147,6 @@ def table_markdown(table: dict, peak_lr: float | None = None) -> str:
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
-def plot_stress(results: list[dict], schemes: list[str], depths: list[int], out: Path) -> None:
-    """Training loss against LR (log x), one panel per depth, one colour per scheme, one line
-    per seed; a cross marks each run's divergence step. Written atomically as PNG."""
-    fig, axes = plt.subplots(1, len(depths), figsize=(6 * len(depths), 4.2), squeeze=False)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, L in zip(axes[0], depths):
-        for i, s in enumerate(schemes):
-            c = colors[i % len(colors)]
-            for j, r in enumerate(x for x in results if x["scheme"] == s and x["sublayers"] == L):
-                recs = [q for q in read_metrics(Path(r["run_dir"]) / "metrics.jsonl")
-                        if "loss" in q and q.get("lr", 0) > 0 and math.isfinite(q["loss"])]
-                if not recs:
-                    continue
-                ax.plot([q["lr"] for q in recs], [q["loss"] for q in recs], color=c, lw=0.8, alpha=0.75,
-                        label=s if j == 0 else None)
-                if r["diverged"]:
-                    at = [q for q in recs if q["step"] == r["divergence"]["step"]]
-                    if at:
-                        ax.plot([at[0]["lr"]], [at[0]["loss"]], "x", color=c, ms=8, mew=2)
-        ax.set_xscale("log")
-        ax.set_xlabel("learning rate")
-        ax.set_ylabel("training loss (nats/token)")
-        ax.set_title(f"{L} sub-layers ({L // 2} blocks); x = divergence onset")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    save_figure(fig, out)
-
-
 def stress_jobs(cfg_path, overrides: Sequence[Override], schemes: list[str], sublayers: list[int], seeds: list[int],
                 peak_lr: float, ramp_steps: int, data_dir: Path, out: Path,
                 reference_scheme: str = "pre_ln") -> tuple[list[GridJob], list[GridJob]]:
@@ -205,7 +170,9 @@ def stress_jobs(cfg_path, overrides: Sequence[Override], schemes: list[str], sub
     return refs, jobs
 
 
-def _check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, workers, reference_scheme) -> None:
+def check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, workers, reference_scheme) -> None:
+    """Raise KeelError naming the first bad ``keel stress`` flag: an unknown scheme, an odd depth,
+    a non-positive peak LR, a ramp under 2 steps, negative workers, a repeated value."""
     for s in list(schemes) + [reference_scheme]:
         if s not in SCHEMES:
             raise KeelError(f"unknown scheme {s!r} (available: {', '.join(SCHEMES)})")
@@ -220,79 +187,3 @@ def _check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, workers, referen
         raise KeelError(f"--workers must be >= 0, got {workers}")
     if len(set(schemes)) != len(schemes) or len(set(sublayers)) != len(sublayers) or len(set(seeds)) != len(seeds):
         raise KeelError("--residual, --sublayers and --seeds must not repeat a value")
-
-
-def _finished(out: Path, jobs: list, refs: list) -> tuple[list[dict], list[dict]]:
-    """The finished runs' and references' results in ``out`` (``--report-only``).
-
-    Raises:
-        KeelError: no run of the grid has finished."""
-    results = [r for r in (cached_result(out / j.name) for j in jobs) if r is not None]
-    ref_results = [r for r in (cached_result(out / REFERENCES / j.name) for j in refs) if r is not None]
-    _log.info(f"  report only: {len(results)}/{len(jobs)} runs finished")
-    if not results:
-        raise KeelError(f"{out} holds no finished run of this stress test: nothing to report; "
-                        "check --out and the grid flags")
-    return results, ref_results
-
-
-def run_stress(config: str | None = None, overrides: list[str] | None = None, schemes: list[str] = ("pre_ln", "keel"),
-               sublayers: list[int] = (64,), seeds: list[int] = (0,), peak_lr: float = 5e-2, ramp_steps: int = 1000,
-               out: str | Path = "runs/stress", workers: int = 1, threads: int = 0, resume: bool = False,
-               report_only: bool = False, reference_scheme: str = "pre_ln", executor: Executor | None = None) -> dict:
-    """Run (or complete) the stress grid and write stress.json / stress.md / stress.png.
-
-    Args:
-        config: base config file or preset name (default ``demo``).
-        overrides: ``section.key=value`` strings applied to every run (e.g. ``model.d_model=64``).
-        schemes: residual schemes, each in ``keel.model.SCHEMES``.
-        sublayers: depths L in sub-layers (each even; n_layers = L / 2 blocks).
-        seeds: ``train.seed`` values.
-        peak_lr: LR at the end of the linear ramp (absolute).
-        ramp_steps: optimiser steps of the ramp (0 -> peak).
-        out: output folder.
-        workers: worker processes (0 = in this process); threads: torch threads per worker
-            (0 = cores / workers).
-        resume: continue a non-empty ``out`` (finished runs cached, interrupted ones resumed).
-        report_only: train nothing; tabulate the finished runs of the grid only.
-        reference_scheme: the scheme of the reference runs (see the module docstring).
-        executor: where the runs go (:func:`keel.experiments.grid.run_grid`).
-    Returns:
-        ``{"runs": [results], "references": [results], "table": table, "trained": [names],
-        "cached": [names]}``.
-    Raises:
-        KeelError: odd or non-positive depth, unknown scheme, bad peak/ramp/workers, bad
-            config, a non-empty ``out`` without ``resume``, a run folder with another config,
-            ``report_only`` where no run of the grid has finished.
-    """
-    schemes, sublayers, seeds = list(schemes), list(sublayers), list(seeds)
-    _check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, workers, reference_scheme)
-    out = Path(out)
-    if not (resume or report_only) and out.is_dir() and any(out.iterdir()):
-        raise KeelError(f"output folder {out} is not empty; use --resume to continue it, or another --out")
-    if report_only:
-        check_reportable(out)
-    cfg_path = resolve_config_path(config)
-    overrides = list(overrides or [])
-    data_dir = resolve_data(load_config(cfg_path, overrides), progress=False)  # prepared once, here
-    refs, jobs = stress_jobs(cfg_path, overrides, schemes, sublayers, seeds, peak_lr, ramp_steps, data_dir, out,
-                             reference_scheme)
-    cached = [j.name for j in jobs if cached_result(out / j.name) is not None]
-    _log.info(f"stress: {len(jobs)} run(s) + {len(refs)} reference run(s) ({reference_scheme}), "
-              f"ramp 0 -> {peak_lr:g} over {ramp_steps} steps, out {out}")
-    if report_only:
-        results, ref_results = _finished(out, jobs, refs)
-    else:
-        grid = functools.partial(run_grid, workers=workers, resume=True, threads=threads or None,
-                                 check=check_train_job, executor=executor)
-        ref_results = grid(refs, out / REFERENCES, train_task)
-        results = [r for r in grid(jobs, out, stress_task) if r.get("status") == "done"]
-    table = stress_table(results, schemes, sublayers)
-    summary = {"peak_lr": peak_lr, "ramp_steps": ramp_steps, "config": str(cfg_path), "overrides": overrides,
-               "reference_scheme": reference_scheme, "runs": results, "references": ref_results, "table": table}
-    make_dirs(out)
-    atomic_write_text(out / "stress.json", json.dumps(summary, indent=1, default=str))
-    atomic_write_text(out / "stress.md", table_markdown(table, peak_lr))
-    plot_stress(results, schemes, sublayers, out / "stress.png")
-    summary.update(trained=[] if report_only else [j.name for j in jobs if j.name not in cached], cached=cached)
-    return summary

@@ -3,14 +3,17 @@
 A sweep is the cartesian product of ``--grid KEY=V1,V2,...`` options over any config keys
 (``model.residual``, ``model.n_layers``, ``train.lr`` ...), applied on top of a base config
 and ``--set`` overrides. Every point is an ordinary run directory (``keel.train.train``)
-named after its coordinates, e.g. ``keel_L64_lr0.003`` (L = sub-layers). Runs are spread
-over worker processes by :func:`keel.experiments.grid.run_grid`: finished runs are cached,
-an interrupted sweep continues with ``--resume``.
+named after its coordinates, e.g. ``keel_L64_lr0.003`` (L = sub-layers). The command is a
+study preset (:func:`keel.experiments.presets.run_sweep`): one grid group run by the one engine
+(:func:`keel.experiments.study.run.execute`): worker processes or a Slurm executor, finished
+runs cached, an interrupted sweep continued with ``--resume``, ``--dry-run`` plans it.
 
 Outputs in ``--out``::
 
     sweep.json   grid, base config, what was held fixed, one record per run, the best-LR table
     sweep.md     the same as markdown tables
+    sweep.png    the runs' training loss curves (the engine's plot of the group)
+    study.json, report.md, report.json   the engine's marker and report
     NAME/        the run directories (config.toml, metrics.jsonl, checkpoints/, result.json ...)
 
 Per run: final validation loss (at the last step; nats/token), best validation loss over
@@ -57,15 +60,12 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from keel.config import Override, config_from_dict, load_config, override_text, resolve_config_path, tomllib
-from keel.data import resolve_data
+from keel.config import Override, config_from_dict, load_config, resolve_config_path, tomllib
 from keel.data.stats import dataset_unigram_entropy
 from keel.diagnostics.divergence import HEALTHY, Verdict, run_verdict
 from keel.errors import KeelError
-from keel.experiments.executor import Executor
-from keel.experiments.grid import GridJob, run_grid
+from keel.experiments.grid import GridJob
 from keel.experiments.training import train_run
-from keel.io import atomic_write_text
 from keel.model import SCHEMES, count_parameters
 from keel.train import TrainingStopped
 from keel.train.checkpoint import find_intact_checkpoint
@@ -465,50 +465,3 @@ def load_sweep(sweep_dir: str | Path) -> dict:
     if not p.is_file():
         raise KeelError(f"not a sweep folder (no sweep.json): {sweep_dir}")
     return json.loads(p.read_text())
-
-
-# ----------------------------------------------------------------------------- driver
-def run_sweep(config: str | None, grid: dict[str, list], sets: Sequence[Override] = (), *, out: str | Path,
-              workers: int = 1, threads: int | None = None, resume: bool = False, best: str | None = None,
-              match_params: int | str | None = None, executor: Executor | None = None) -> dict:
-    """Run (or complete) a sweep and write ``sweep.json`` and ``sweep.md`` in ``out``.
-
-    Args: as the ``keel sweep`` options (see the module docstring); ``best`` = ``--best-over``;
-        ``sets``: ``--set`` strings and typed ``(key, value)`` pairs (a preset's ``[set]`` table);
-        ``executor``: where the runs go (:func:`keel.experiments.grid.run_grid`).
-    Returns:
-        The ``sweep.json`` content: ``config``, ``sets``, ``grid``, ``grid_keys``,
-        ``held_fixed``, ``runs`` (one :func:`run_summary` record per run, plus ``name``,
-        ``values``, ``status``, ``wall_s``), ``best_over``, ``best``.
-    Raises:
-        KeelError: bad grid/config, non-empty ``out`` without ``resume``, ``best`` not a
-            grid key; data preparation errors.
-    """
-    if best is not None and best not in grid:
-        raise KeelError(f"--best-over {best} is not one of the grid keys ({', '.join(grid) or 'none'})")
-    base = load_config(resolve_config_path(config), list(sets))
-    data_path = None
-    if not any(k.startswith("data.") for k in grid):  # prepare once, not in every worker
-        data_path = str(resolve_data(base, progress=False))
-    jobs = build_jobs(config, grid, sets, match_params=match_params, data_path=data_path)
-    results = run_grid(jobs, out, train_task, workers=workers, resume=resume, threads=threads,
-                       check=check_train_job, executor=executor)
-    summary: dict[str, Any] = {
-        "out": str(out), "config": str(resolve_config_path(config)), "sets": [override_text(x) for x in sets],
-        "grid": grid,
-        "grid_keys": list(grid), "derived_keys": ["model.d_model"] if match_params not in (None, 0, "0", "") else [],
-        "match_params": match_params, "runs": results,
-        "held_fixed": held_fixed([r for r in results if r.get("status") == "done"]),
-        "best_over": best, "best": None,
-    }
-    if best:
-        rows = best_over(results, list(grid), best)
-        summary["best"] = [{"values": g["values"], "best": g["best"], "name": g["run"]["name"] if g["run"] else None,
-                            "final_val_loss": g["run"]["final_val_loss"] if g["run"] else None,
-                            "n_ok": g["n_ok"], "n": g["n"]} for g in rows]
-    out = Path(out)
-    atomic_write_text(out / "sweep.json", json.dumps(summary, indent=1, default=str))
-    atomic_write_text(out / "sweep.md", sweep_markdown(summary))
-    return summary
-
-

@@ -22,6 +22,7 @@ from keel.diagnostics import gradflow as G
 from keel.errors import KeelError
 from keel.experiments import ablate as A
 from keel.experiments import plot as P
+from keel.experiments import presets
 from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
 from keel.experiments.executor import Executor, parse_slurm
@@ -102,10 +103,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     match = args.match_params if args.match_params is not None else preset.get("match_params")
     if args.resume and not args.out:
         raise KeelError("--resume needs --out (the sweep folder to continue)")
-    _check_resume_target(args.resume, args.out)
+    _check_engine_flags(args)
     out = Path(args.out) if args.out else Path("runs") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
-    s = S.run_sweep(config, grid, sets, out=out, workers=args.workers, threads=args.threads or None,
-                    resume=args.resume, best=best, match_params=match, executor=executor_of(args))
+    s = presets.run_sweep(config, grid, sets, out=out, best=best, match_params=match, **engine_options(args, "sweep"))
+    if args.dry_run:
+        return _print_plan(s, False)
     print(S.sweep_markdown(s))
     print(f"sweep: {out}/sweep.md, {out}/sweep.json")
     return 1 if any(r.get("status") != "done" for r in s["runs"]) else 0
@@ -157,20 +159,49 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 def cmd_stress(args) -> int:
     """``keel stress``: see :mod:`keel.experiments.stress`."""
-    if args.resume and args.report_only:
-        raise KeelError("--report-only trains nothing; do not combine it with --resume")
-    _check_resume_target(args.resume, args.out)
+    _check_engine_flags(args)
     schemes = _parse_list(args.residual, str, "--residual") if args.residual is not None else list(SCHEMES)
     layers = _parse_list(args.sublayers, int, args.sublayers_flag)
     seeds = _parse_list(args.seeds, int, "--seeds")
-    res = ST.run_stress(args.config, args.set, schemes, layers, seeds, args.peak_lr, args.ramp_steps, args.out,
-                     args.workers, args.threads, resume=args.resume, report_only=args.report_only,
-                     reference_scheme=args.reference_scheme, executor=executor_of(args))
+    res = presets.run_stress(args.config, args.set, schemes, layers, seeds, args.peak_lr, args.ramp_steps, args.out,
+                             reference_scheme=args.reference_scheme, report_only=args.report_only,
+                             **engine_options(args, "stress"))
+    if args.dry_run:
+        return _print_plan(res, args.json)
     if args.json:
         print(json.dumps(res["table"], indent=1))
     else:
         print(ST.table_markdown(res["table"], args.peak_lr))
         print(f"wrote {Path(args.out) / 'stress.json'}, stress.md, stress.png")
+    return 0
+
+
+def engine_options(args: argparse.Namespace, name: str) -> dict:
+    """The engine options (:func:`keel.experiments.study.run.execute`) of a grid command's flags;
+    ``name``: the command, for the command line the report shows."""
+    command = " ".join(["keel", name] + [shlex.quote(a) for a in sys.argv[2:] if a not in ("--resume", "--json")])
+    return dict(workers=args.workers, threads=args.threads or None, resume=args.resume, dry_run=args.dry_run,
+                mfu=args.mfu, peak_tflops=args.peak_tflops, command=command, executor=executor_of(args))
+
+
+def _check_engine_flags(args: argparse.Namespace) -> None:
+    """Raise KeelError for flags of a grid command that do not go together (``--resume`` with
+    ``--report-only`` or ``--dry-run``), a bad ``--mfu`` / ``--peak-tflops``, ``--resume`` of a missing folder."""
+    report_only = getattr(args, "report_only", False)
+    if args.resume and report_only:
+        raise KeelError("--report-only trains nothing; do not combine it with --resume")
+    if args.dry_run and (args.resume or report_only):
+        raise KeelError("--dry-run only prints the plan; do not combine it with --resume or --report-only")
+    if not 0 < args.mfu <= 1 or not 0 < args.peak_tflops < math.inf:
+        raise KeelError("--mfu must be in (0, 1] and --peak-tflops a finite number > 0")
+    if getattr(args, "restore", None) is None:  # with --restore a new folder continues the restored study
+        _check_resume_target(args.resume, getattr(args, "out", None))
+
+
+def _print_plan(r: dict, as_json: bool) -> int:
+    """Print a ``--dry-run`` plan (:func:`keel.experiments.study.run.execute`): JSON or the markdown table."""
+    plan = {"groups": r["plan"], "total": r["total"], **{k: r[k] for k in ("restored", "restored_from") if k in r}}
+    print(json.dumps(plan, indent=1, default=str) if as_json else r["markdown"])
     return 0
 
 
@@ -203,14 +234,14 @@ def _parse_list(text: str, kind, what: str) -> list:
 
 def cmd_lr_sensitivity(args: argparse.Namespace) -> int:
     """``keel lr-sensitivity``: see :mod:`keel.experiments.sensitivity`."""
-    if args.resume and args.report_only:
-        raise KeelError("--report-only trains nothing; do not combine it with --resume")
-    _check_resume_target(args.resume, args.out)
-    s = LS.run_lr_sensitivity(args.config, _parse_list(args.residual, str, "--residual"),
-                              _parse_list(args.sublayers, int, args.sublayers_flag), _parse_list(args.lrs, float, "--lrs"),
-                              _parse_list(args.seeds, int, "--seeds"), args.set,
-                              out=args.out, workers=args.workers, threads=args.threads or None, resume=args.resume,
-                              report_only=args.report_only, executor=executor_of(args))
+    _check_engine_flags(args)
+    s = presets.run_lr_sensitivity(args.config, _parse_list(args.residual, str, "--residual"),
+                                   _parse_list(args.sublayers, int, args.sublayers_flag),
+                                   _parse_list(args.lrs, float, "--lrs"), _parse_list(args.seeds, int, "--seeds"),
+                                   args.set, out=args.out, report_only=args.report_only,
+                                   **engine_options(args, "lr-sensitivity"))
+    if args.dry_run:
+        return _print_plan(s, args.json)
     if args.json:
         print(json.dumps({k: s[k] for k in ("lrs", "unigram_entropy", "cells")}, indent=1))
     else:
@@ -238,12 +269,6 @@ def study_command(argv: list[str]) -> str:
 
 def cmd_study(args: argparse.Namespace) -> int:
     """``keel study``: see :mod:`keel.experiments.study`."""
-    if args.resume and args.report_only:
-        raise KeelError("--report-only trains nothing; do not combine it with --resume")
-    if args.dry_run and (args.resume or args.report_only):
-        raise KeelError("--dry-run only prints the plan; do not combine it with --resume or --report-only")
-    if not 0 < args.mfu <= 1 or not 0 < args.peak_tflops < math.inf:
-        raise KeelError("--mfu must be in (0, 1] and --peak-tflops a finite number > 0")
     groups = [g.strip() for g in (args.groups or "").split(",") if g.strip()]
     if args.groups is not None and not groups:
         raise KeelError("--groups needs group names, e.g. --groups ramp,init (leave it out to train every group)")
@@ -258,19 +283,14 @@ def cmd_study(args: argparse.Namespace) -> int:
     if args.restore is not None and not args.restore.strip():
         raise KeelError("--restore is empty: give an earlier report.json of this study")
     out = args.out or f"runs/study-{Path(args.name).stem}-{args.scale}"
-    if args.restore is None:  # with --restore a new folder continues the restored study
-        _check_resume_target(args.resume, out)
+    _check_engine_flags(argparse.Namespace(**{**vars(args), "out": out}))
     command = study_command(sys.argv[2:]) if len(sys.argv) > 2 else f"keel study {args.name}"
     r = run_study(args.name, args.scale, out, args.set, workers=args.workers, threads=args.threads or None,
                   resume=args.resume, report_only=args.report_only, dry_run=args.dry_run, mfu=args.mfu,
                   peak_tflops=args.peak_tflops, command=command, groups=groups, restore=args.restore,
                   executor=executor_of(args))
     if args.dry_run:
-        plan = {"groups": r["plan"], "total": r["total"],
-                **{k: r[k] for k in ("restored", "restored_from") if k in r}}
-        print(json.dumps(plan, indent=1, default=str) if args.json
-              else r["markdown"])
-        return 0
+        return _print_plan(r, args.json)
     if args.json:
         print(json.dumps({"claims": r["claims"]}, indent=1, default=str))
     else:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from keel.config import load_config, resolve_config_path
+from keel.diagnostics.divergence import Thresholds
 from keel.errors import KeelError
 from keel.experiments.grid import GridJob
 from keel.experiments.study.spec import Group, Study, is_number
@@ -57,11 +58,10 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
     """One run's row of the report: coordinates, ``status`` (done / error / pending), ``tokens``
     trained, final / step-0 validation loss, ``capped_loss`` (final, or the step-0 loss when the
     run has no finite final loss), divergence verdict, max LR (ramp), plateau exit step."""
-    v = job.values
-    scheme = v.get("model.residual", v.get("scheme"))
-    rec = {"group": group.name, "name": job.name, "scheme": scheme,
-           "sublayers": v.get("sublayers", 2 * v.get("model.n_layers", 0)), "seed": v.get("train.seed", v.get("seed")),
-           "lr": v.get("train.lr", v.get("peak_lr")), "scheme_version": v.get("scheme_version", 1),
+    model, train = job.config.get("model", {}), job.config.get("train", {})  # the run's own keys: one vocabulary
+    rec = {"group": group.name, "name": job.name, "scheme": model.get("residual"),
+           "sublayers": 2 * model.get("n_layers", 0), "seed": train.get("seed"), "lr": train.get("lr"),
+           "scheme_version": job.values.get("scheme_version", 1), "values": job.values,
            "status": "pending", "result": result or {}}
     if result is None:
         return rec
@@ -74,7 +74,8 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
                verdict=result.get("verdict"), divergence=result.get("divergence"),
                diverged=result.get("diverged"), max_lr=result.get("max_lr"),
                peak_lr=group.peak_lr if group.kind == "ramp" else None, wall_s=result.get("wall_s"),
-               plateau_exit_step=plateau_exit_step(records, 0.95 * h1 if h1 else None), curve=thinned_curve(records))
+               plateau_exit_step=plateau_exit_step(records, Thresholds().plateau_level(h1 or None)),
+               curve=thinned_curve(records))
     return rec
 
 
@@ -211,9 +212,9 @@ def kept_restored(g: Group, restored: dict[tuple[str, str], dict]) -> list[dict]
     for (name, run_name), old in restored.items():
         if name != g.name:
             continue
-        values = {"model.residual": old["scheme"], "model.n_layers": old["sublayers"] // 2,
-                  "train.seed": old["seed"], "train.lr": old["lr"]}
-        rec = restored_record(g, GridJob(run_name, {}, values), old)
+        config = {"model": {"residual": old["scheme"], "n_layers": old["sublayers"] // 2},
+                  "train": {"seed": old["seed"], "lr": old["lr"]}}
+        rec = restored_record(g, GridJob(run_name, config, old.get("values", {})), old)
         if rec is not None:
             out.append(rec)
     return out

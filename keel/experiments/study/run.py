@@ -27,7 +27,7 @@ from keel.experiments.study.records import kept_restored, load_restored, restore
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.verdicts import LEVEL, baseline_margins, loss_floor
 from keel.experiments.sweep import build_jobs, check_train_job, train_task
-from keel.io import LOCK_NAME, RunLock, atomic_write_text, make_dirs
+from keel.io import LOCK_NAME, RunLock, atomic_write_text, make_dirs, remove_empty_dirs
 from keel.model import flops_per_token
 
 
@@ -46,7 +46,11 @@ def group_jobs(study: Study, g: Group, data_dir: str, out: Path,
     sets = study.all_sets(g)
     if g.kind == "ramp":
         return ST.stress_jobs(resolve_config_path(study.base), sets, g.schemes, g.sublayers, g.seeds, g.peak_lr,
-                              g.ramp_steps, Path(data_dir), out / g.name)
+                              g.ramp_steps, Path(data_dir), out / g.dir_name, g.reference)
+    if g.kind == "grid":  # keel sweep: any keys; a grid over data.* keys prepares each run's data in its worker
+        own_data = any(k.startswith("data.") for k in g.grid)
+        return [], build_jobs(study.base, g.grid, sets, match_params=g.match_params,
+                              data_path=None if own_data else data_dir)
     jobs = []
     for scheme in g.schemes:
         for L in g.sublayers:
@@ -175,8 +179,9 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[st
         def read(refs, jobs, g=g, trains=trains):
             recs = _train_and_read(g, refs, jobs, out, restored, trains, grid)
             if superseded is not None:  # kept in the report (out of every verdict), so that nothing measured is lost
-                superseded.extend({**restored[(g.name, old)], "status": "superseded"}
-                                  for old in superseded_runs(g, jobs, restored, out / g.name) if (g.name, old) in restored)
+                stale = superseded_runs(g, jobs, restored, out / g.dir_name)
+                superseded.extend({**restored[(g.name, old)], "status": "superseded"} for old in stale
+                                  if (g.name, old) in restored)
             return recs
 
         got = group_records(study, g, runs, data_dir, out, read)
@@ -203,7 +208,7 @@ def superseded_runs(g: Group, jobs: list[GridJob], restored: dict, gdir: Path) -
             continue
         old = j.name[: -len(f"_v{v}")]
         if (g.name, old) in restored or (gdir / old).is_dir():
-            out[old] = j.values["model.residual"]
+            out[old] = j.config["model"]["residual"]
     return out
 
 
@@ -212,7 +217,7 @@ def _train_and_read(g: Group, refs: list[GridJob], jobs: list[GridJob], out: Pat
     """:func:`collect`'s work for one group's jobs: train those not finished and not restored
     (when ``trains``), then return every job's record (its folder's result, else its restored
     record, else pending; ``error`` with the message for a run that failed now)."""
-    gdir = out / g.name
+    gdir = out / g.dir_name
     olds = {j.name: restored_record(g, j, restored[(g.name, j.name)]) for j in jobs if (g.name, j.name) in restored}
     todo = [j for j in jobs if olds.get(j.name) is None]
     errors = {}
@@ -374,16 +379,29 @@ def plan_markdown(study: Study, rows: list[dict], mfu: float, peak_tflops: float
 
 
 # ----------------------------------------------------------------------------- driver
-def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), *, workers: int = 1,
-              threads: int | None = None, resume: bool = False, report_only: bool = False, dry_run: bool = False,
-              mfu: float = 0.35, peak_tflops: float = 989.0, command: str = "",
-              groups: Sequence[str] = (), restore: str | Path | None = None, executor: Executor | None = None) -> dict:
-    """Run (or continue, or only report, or only plan) study ``name`` at ``scale``.
+def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), **options) -> dict:
+    """Run (or continue, or only report, or only plan) study ``name`` (a packaged study,
+    ``keel/configs/studies/NAME.toml``, or a TOML path) at ``scale``, ``sets`` (``section.key=value``)
+    applied to every run after the scale's keys: :func:`load_study`, then :func:`execute` with ``options``.
+
+    Raises:
+        KeelError: a bad study or scale (:func:`load_study`), and as :func:`execute`.
+    """
+    return execute(load_study(name, scale, sets), out, **options)
+
+
+def execute(study: Study, out: str | Path, *, workers: int = 1, threads: int | None = None, resume: bool = False,
+            report_only: bool = False, dry_run: bool = False, mfu: float = 0.35, peak_tflops: float = 989.0,
+            command: str = "", groups: Sequence[str] = (), restore: str | Path | None = None,
+            executor: Executor | None = None) -> dict:
+    """The one experiment engine: run (or continue, or only report, or only plan) a loaded study,
+    from a study file (``keel study``) or built by a preset's front-end (``keel sweep``, ``keel
+    stress``, ``keel lr-sensitivity``): the folder check and lock, the dataset prepared once,
+    every group's runs on the grid runner, ``--restore``, the ``--dry-run`` plan, the report.
 
     Args:
-        name, scale: a packaged study (``keel/configs/studies/NAME.toml``) or a TOML path; its scale.
+        study: the study (:func:`load_study`, or built in code).
         out: output folder (run folders, ``report.md``, ``report.json``, PNGs).
-        sets: ``section.key=value`` applied to every run after the scale's keys.
         workers, threads, executor: as :func:`keel.experiments.grid.run_grid`.
         resume: continue a non-empty ``out``; report_only: train nothing, report the finished runs.
         dry_run: prepare nothing and train nothing; return the plan (runs, tokens, estimated
@@ -405,8 +423,7 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
             (:func:`_claim_out`: a file, another study's folder, non-empty without ``resume``);
             ``groups`` names a group the scale does not have; a bad ``restore``.
     """
-    study = load_study(name, scale, sets)
-    _check_groups(study, scale, groups)
+    _check_groups(study, study.scale, groups)
     out = Path(out)
     plan = plan_rows(study, "<data>", out, mfu, peak_tflops)  # every group's configs: a bad set refused now
     check_pool(workers, threads)
@@ -416,30 +433,57 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     _check_no_restored_runs_lost(out, restore)
     base = load_config(resolve_config_path(study.base), study.all_sets())  # a bad --set: refused before out is claimed
     from_report = report_only and restore is not None  # a report of restored runs needs no earlier folder
+    fresh = not out.exists()
     first_command = _claim_out(out, study, command, resume=resume or from_report,
                                report_only=report_only and not from_report)
     if resume:  # another --set than the runs started with: refused now, not after the dataset is prepared
         _check_started_runs(study, out)
-    data_dir = "<data>" if report_only else str(resolve_data(base, progress=False))  # report: no dataset needed
-    train = False if report_only else (list(groups) or True)
+    shared = not report_only and not all(g.kind == "grid" and any(k.startswith("data.") for k in g.grid)
+                                         for g in study.groups)  # a report needs no dataset; a grid over data.* its own
+    data_dir = str(resolve_data(base, progress=False)) if shared else "<data>"
     superseded: list[dict] = []
-    try:  # one training study per folder; a --report-only beside it reads what has finished
-        with contextlib.nullcontext() if report_only else study_lock(out):
-            grid = functools.partial(run_grid, workers=workers, threads=threads, executor=executor)
-            runs, waiting = collect(study, data_dir, out, train=train, grid=grid, restored=restored,
-                                    superseded=superseded)
-    except Interrupted as e:  # the grid's own hint names a group's folder and a run: continue the study instead
-        raise Interrupted(f"stopped by {signal.Signals(e.signum).name}; continue: the same keel study command "
-                          f"with --resume (out {out})", e.signum) from None
-    h1 = next((r["result"]["unigram_entropy"] for r in runs if r["result"].get("unigram_entropy")), None) \
-        if report_only else dataset_unigram_entropy(data_dir)
+    with _stopped_hint(out), _unclaimed_if(fresh, out), contextlib.nullcontext() if report_only else study_lock(out):
+        grid = functools.partial(run_grid, workers=workers, threads=threads, executor=executor)
+        runs, waiting = collect(study, data_dir, out, train=False if report_only else (list(groups) or True),
+                                grid=grid, restored=restored, superseded=superseded)
+    h1 = dataset_unigram_entropy(data_dir) if shared else \
+        next((r["result"]["unigram_entropy"] for r in runs if r["result"].get("unigram_entropy")), None)
     return write_report(study, runs, out, h1, first_command, restore, superseded, waiting)
+
+
+@contextlib.contextmanager
+def _stopped_hint(out: Path):
+    """Re-raise the grid's :class:`Interrupted` with the study's folder in its hint (the grid's
+    names a group's folder): what stopped and how, then ``continue: the same command with --resume``."""
+    try:
+        yield
+    except Interrupted as e:
+        msg = str(e)  # the grid's says how its jobs stopped; a run's own (workers=0) names its checkpoint: left out
+        what = msg.split("; continue:")[0] if "; continue:" in msg else f"stopped by {signal.Signals(e.signum).name}"
+        raise Interrupted(f"{what}; continue: the same command with --resume (out {out})", e.signum) from None
+
+
+@contextlib.contextmanager
+def _unclaimed_if(fresh: bool, out: Path):
+    """On a KeelError before any run began (e.g. the grid's check of every run refused one), take
+    back the marker :func:`_claim_out` wrote in a folder this invocation created, and the folder:
+    nothing half-written is left behind."""
+    try:
+        yield
+    except KeelError:
+        left = {p.name for p in out.iterdir()} if fresh and out.is_dir() else None
+        if left is not None and left <= {"study.json", LOCK_NAME}:
+            for name in left:
+                (out / name).unlink(missing_ok=True)
+            remove_empty_dirs([out])
+        raise
 
 
 def write_report(study: Study, runs: list[dict], out: Path, h1: float | None, command: str,
                  restore: str | Path | None, superseded: list[dict], waiting: dict) -> dict:
     """Judge the claims (:func:`judge`) and write ``report.json``, ``report.md`` and the PNGs into
-    ``out`` (each atomically); returns the report (``report.json``'s content plus ``waiting``).
+    ``out`` (each atomically); returns the report (``report.json``'s content plus ``waiting`` and
+    ``records``, every run record with its result).
     ``h1``: the training tokens' unigram entropy (nats), the plateau level of the tables."""
     study, floor, claims = judge(study, runs)
     make_dirs(out)
@@ -449,6 +493,7 @@ def write_report(study: Study, runs: list[dict], out: Path, h1: float | None, co
                                       for r in superseded}.values())
     atomic_write_text(out / "report.json", json.dumps(report, indent=1, default=str))
     report["waiting"] = waiting
+    report["records"] = runs  # with each run's result (report.json leaves those out): a preset's tables read them
     atomic_write_text(out / "report.md", report_markdown(study, claims, runs, command, waiting,
                                                          restore, floor) + superseded_words(report["superseded_runs"]))
     return report
@@ -494,8 +539,8 @@ def _check_started_runs(study: Study, out: Path) -> None:
     """:func:`keel.experiments.grid.check_started` for every group's planned runs (and ramp
     references) in ``out``, before the dataset is prepared. Raises KeelError naming the keys."""
     for g, refs, jobs in planned_jobs(study, "<data>", out):
-        check_started(refs, out / g.name / ST.REFERENCES)
-        check_started(jobs, out / g.name)
+        check_started(refs, out / g.dir_name / ST.REFERENCES)
+        check_started(jobs, out / g.dir_name)
 
 
 def _check_no_restored_runs_lost(out: Path, restore: str | Path | None) -> None:

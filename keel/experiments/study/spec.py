@@ -12,8 +12,7 @@ from keel.errors import KeelError
 from keel.model import SCHEMES
 
 GROUP_KEYS = {"kind", "schemes", "sublayers", "lrs", "seeds", "seeds_for", "widen", "set", "peak_lr", "ramp_steps",
-              "lr_from",
-              "lr_from_sublayers", "lr_from_steps", "note", "baselines_from", "baselines"}
+              "reference", "lr_from", "lr_from_sublayers", "lr_from_steps", "note", "baselines_from", "baselines"}
 
 
 # ----------------------------------------------------------------------------- the study as data
@@ -40,6 +39,16 @@ class Group:
     baselines: list[str] = field(default_factory=list)
     seeds_for: dict[str, list[int]] = field(default_factory=dict)
     widen: int = 2  # LRs a cell a claim reads may gain beyond the planned ones on each side (to bracket its optimum)
+    reference: str = "pre_ln"  # a ramp group's reference scheme (the divergence classifier's baseline run)
+    grid: dict[str, list] = field(default_factory=dict)  # a grid group's axes: {section.key: [values]} (keel sweep)
+    match_params: int | str | None = None  # a grid group's parameter target (keel sweep --match-params)
+    folder: str | None = None  # its runs' folder under the study's out: the name by default, "" = out itself
+
+    @property
+    def dir_name(self) -> str:
+        """The folder of this group's runs under the study's ``--out`` (``""``: ``--out`` itself, as
+        ``keel sweep``, ``stress`` and ``lr-sensitivity`` lay out their runs)."""
+        return self.name if self.folder is None else self.folder
 
     def scheme_seeds(self, scheme: str) -> list[int]:
         """The seeds ``scheme`` trains in this group: its ``seeds_for`` entry, else ``seeds`` (e.g. a
@@ -78,11 +87,11 @@ _LIST_TYPES = {"schemes": ((str,), "a list of strings", '["keel"]'), "sublayers"
                "seeds": ((int,), "a list of integers", "[0, 1]"), "lrs": ((int, float), "a list of numbers", "[0.001]"),
                "baselines": ((str,), "a list of strings", '["keel", "pre_ln"]')}
 _SCALAR_TYPES = {"peak_lr": (int, float), "ramp_steps": (int,), "widen": (int,), "lr_from_sublayers": (int,),
-                 "lr_from": (str,),
+                 "lr_from": (str,), "reference": (str,),
                  "kind": (str,), "note": (str,), "baselines_from": (str,)}
 
 
-_RAMP_ONLY = {"peak_lr", "ramp_steps"}  # keys that only a kind = "ramp" group reads
+_RAMP_ONLY = {"peak_lr", "ramp_steps", "reference"}  # keys that only a kind = "ramp" group reads
 _TRAIN_ONLY = {"lrs", "widen", "lr_from", "lr_from_sublayers", "lr_from_steps", "baselines_from", "baselines"}  # train only
 
 
@@ -234,7 +243,7 @@ def _check_tables(name: str, d: dict, scale: str) -> None:
 def _check_group_in_study(g: Group, groups: list[Group]) -> None:
     """Raise KeelError for a group's unknown or repeated scheme, repeated depth / seed / LR, or an
     ``lr_from`` that names no fitting train group or steps past its LR grid."""
-    bad = [s for s in g.schemes if s not in SCHEMES]
+    bad = [s for s in g.schemes + ([g.reference] if g.kind == "ramp" else []) if s not in SCHEMES]
     if bad:
         raise KeelError(f"study group {g.name!r}: unknown scheme(s) {', '.join(bad)} (available: {', '.join(SCHEMES)})")
     if len(set(g.schemes)) != len(g.schemes) or len(set(g.sublayers)) != len(g.sublayers) \
