@@ -154,6 +154,24 @@ def test_typed_overrides_equal_the_strings_and_keep_their_type():
         build_jobs(None, {"train.steps": [1.5]}, data_path="data")
 
 
+@pytest.mark.parametrize("sets,lines", [
+    (["model.residual=pre_ln", "model.alpha=4"], ["model.alpha is read only by keel; model.residual=pre_ln ignores it"]),
+    (["model.residual=keel", "model.alpha=4"], []),
+    (["model.residual=pre_ln", "model.hc_streams=4", "model.mix_ln_ratio=0.25"], []),  # the defaults: not set
+    (["model.residual=keel", "model.hc_streams=2", "model.attn_res_variant=full"],
+     ["model.hc_streams is read only by hyper_connections and mhc; model.residual=keel ignores it",
+      "model.attn_res_variant is read only by attn_res; model.residual=keel ignores it"]),
+    (["model.residual=mhc", "model.hc_streams=2", "model.hc_dynamic=false"],
+     ["model.hc_dynamic is read only by hyper_connections; model.residual=mhc ignores it"]),
+])
+def test_a_scheme_specific_key_the_scheme_ignores_is_named(sets, lines):
+    """A model key only some schemes read (declared on their classes, ``config_keys``), set to
+    a non-default value for a scheme that does not read it: one line each, naming its readers."""
+    from keel.model import ignored_keys
+
+    assert ignored_keys(load_config(None, sets).model) == lines
+
+
 def test_an_unknown_key_suggests_the_closest_one(tmp_path):
     """A typo gave "unknown config key train.lrr" alone; now the closest declared key is named,
     from --set, a TOML file or Python, in any section; nothing when no key is close."""
