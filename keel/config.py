@@ -26,6 +26,7 @@ checked by :func:`keel.model.residual.check_model_config`, where the list of sch
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,10 +47,23 @@ from keel.keys import (ResumePolicy, check_key, check_keys, choices, choices_tex
                        resume_policy)
 
 
+def unknown_key(dotted: str) -> KeelError:
+    """The error for a key no section declares, the one place unknown keys are refused (a TOML
+    file, ``--set``, a key set in Python, a CLI flag's key): ``unknown config key train.lrr (did
+    you mean train.lr?)``. The suggestion is the declared key whose name is closest
+    (``difflib.get_close_matches``), in any section (``model.lr``: ``train.lr``), the key's own
+    section first on a tie; none when no name is close."""
+    section, _, name = dotted.partition(".")
+    known = [(f.name, s) for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(name, sorted({n for n, _ in known}), n=1)
+    where = sorted((s != section, s) for n, s in known if close and n == close[0])
+    return KeelError(f"unknown config key {dotted}" + (f" (did you mean {where[0][1]}.{close[0]}?)" if close else ""))
+
+
 def _section_field(dotted: str) -> tuple[type, str, str]:
     section, _, name = dotted.partition(".")
     if section not in _SECTIONS or name not in {f.name for f in dataclasses.fields(_SECTIONS[section])}:
-        raise KeelError(f"unknown config key {dotted}")
+        raise unknown_key(dotted)
     return _SECTIONS[section], section, name
 
 
@@ -408,14 +422,16 @@ def config_from_dict(d: Mapping[str, Any]) -> Config:
     cfg = Config()
     for section, values in d.items():
         if section not in _SECTIONS:
-            raise KeelError(f"unknown config section [{section}] (expected model, data, train)")
+            close = difflib.get_close_matches(section, _SECTIONS, n=1)
+            hint = f"did you mean [{close[0]}]? " if close else ""
+            raise KeelError(f"unknown config section [{section}] ({hint}the sections are model, data, train)")
         if not isinstance(values, dict):
             raise KeelError(f"config section [{section}] must be a table")
         obj = getattr(cfg, section)
         for old, value in values.items():
             name = current_key(f"{section}.{old}").partition(".")[2]
             if name not in {f.name for f in dataclasses.fields(obj)}:
-                raise KeelError(f"unknown config key {section}.{name}")
+                raise unknown_key(f"{section}.{name}")
             setattr(obj, name, coerce_key(section, name, value))
     cfg.model.validate()
     cfg.data.validate()
@@ -439,7 +455,7 @@ def checked_copy(cfg: Config) -> Config:
         obj = getattr(cfg, section)
         unknown = sorted(set(vars(obj)) - {f.name for f in dataclasses.fields(obj)})
         if unknown:
-            raise KeelError(f"unknown config key {section}.{unknown[0]}")
+            raise unknown_key(f"{section}.{unknown[0]}")
     return config_from_dict(cfg.to_dict())
 
 

@@ -15,7 +15,8 @@ import pytest
 
 from keel import KeelError
 from keel.cli import build_parser, main
-from keel.config import Config, DataConfig, ModelConfig, TrainConfig, apply_overrides, config_from_dict, load_config
+from keel.config import (Config, DataConfig, ModelConfig, TrainConfig, apply_overrides, checked_copy, config_from_dict,
+                         load_config)
 from keel.keys import choices, key_rule, key_type
 from keel.experiments.study import run as SRun, spec as SS
 from keel.experiments.sweep import build_jobs
@@ -151,6 +152,47 @@ def test_typed_overrides_equal_the_strings_and_keep_their_type():
         load_config(None, {"train.lrr": 1.0})
     with pytest.raises(KeelError, match="train.steps must be an integer, got 1.5"):
         build_jobs(None, {"train.steps": [1.5]}, data_path="data")
+
+
+@pytest.mark.parametrize("sets,lines", [
+    (["model.residual=pre_ln", "model.alpha=4"], ["model.alpha is read only by keel; model.residual=pre_ln ignores it"]),
+    (["model.residual=keel", "model.alpha=4"], []),
+    (["model.residual=pre_ln", "model.hc_streams=4", "model.mix_ln_ratio=0.25"], []),  # the defaults: not set
+    (["model.residual=keel", "model.hc_streams=2", "model.attn_res_variant=full"],
+     ["model.hc_streams is read only by hyper_connections and mhc; model.residual=keel ignores it",
+      "model.attn_res_variant is read only by attn_res; model.residual=keel ignores it"]),
+    (["model.residual=mhc", "model.hc_streams=2", "model.hc_dynamic=false"],
+     ["model.hc_dynamic is read only by hyper_connections; model.residual=mhc ignores it"]),
+])
+def test_a_scheme_specific_key_the_scheme_ignores_is_named(sets, lines):
+    """A model key only some schemes read (declared on their classes, ``config_keys``), set to
+    a non-default value for a scheme that does not read it: one line each, naming its readers."""
+    from keel.model import ignored_keys
+
+    assert ignored_keys(load_config(None, sets).model) == lines
+
+
+def test_an_unknown_key_suggests_the_closest_one(tmp_path):
+    """A typo gave "unknown config key train.lrr" alone; now the closest declared key is named,
+    from --set, a TOML file or Python, in any section; nothing when no key is close."""
+    for sets, msg in [(["train.lrr=1e-3"], "unknown config key train.lrr (did you mean train.lr?)"),
+                      (["model.hc_stream=2"], "unknown config key model.hc_stream (did you mean model.hc_streams?)"),
+                      (["model.lr=1e-3"], "unknown config key model.lr (did you mean train.lr?)"),
+                      (["data.cachedir=x"], "unknown config key data.cachedir (did you mean data.cache_dir?)"),
+                      (["train.zzqqxx=1"], "unknown config key train.zzqqxx"),
+                      (["trian.lr=1"], "unknown config section [trian] (did you mean [train]? the sections are "
+                                       "model, data, train)")]:
+        with pytest.raises(KeelError) as e:
+            load_config(None, sets)
+        assert str(e.value) == msg
+    toml = tmp_path / "c.toml"
+    toml.write_text("[train]\nstpes = 3\n")
+    with pytest.raises(KeelError, match=re.escape("unknown config key train.stpes (did you mean train.steps?)")):
+        load_config(toml)
+    cfg = Config()
+    cfg.train.seeed = 1
+    with pytest.raises(KeelError, match=re.escape("unknown config key train.seeed (did you mean train.seed?)")):
+        checked_copy(cfg)
 
 
 def test_sweep_preset_set_table_is_applied_typed_in_order():

@@ -2,18 +2,21 @@
 direct computations, J* against closed forms and full Jacobians, depth behaviour at init,
 the trainer's logging, and the ``keel gradflow`` command."""
 
+import argparse
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import REPO
 from keel import ModelConfig, Transformer
-from keel.cli import main
+from keel.cli import build_parser, main
 from keel.config import load_config
-from keel.data import TokenLoader, validation_tokens
+from keel.data import TokenLoader, find_data, validation_tokens
+from keel.errors import KeelError
 from keel.model.model import linear_cross_entropy
 from keel.diagnostics import gradflow
 from keel.diagnostics.gradflow import jacobian_spectral_norms, profile_model, sublayer_grad_norms
@@ -212,6 +215,11 @@ def test_trainer_logs_sublayer_grad_norms(gradflow_run, tiny_data):
 
 # ---- the command ---------------------------------------------------------------------------
 
+def gradflow_parser():
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["gradflow"]
+
+
 def cli(capsys, *args):
     code = main(["gradflow", *map(str, args)])
     out = capsys.readouterr()
@@ -278,6 +286,8 @@ def test_cli_from_run(capsys, gradflow_run, tmp_path):
     (["--run", "somewhere", "--residual", "keel"], "--run takes the model from the run"),
     (["--run", "/nonexistent/run"], "not a run directory"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--d-model", "80"], "--d-model 80 is not a multiple of the head dimension 32 (e.g. 64 or 96; a width below 32 "
+                          "is one head of that width)"),
 ])
 def test_cli_errors_are_one_line(capsys, args, msg):
     code, out, err = cli(capsys, *args)
@@ -333,3 +343,41 @@ def test_cli_from_a_run_of_every_scheme(scheme, capsys, tiny_data, tmp_path):
     (r,) = json.loads(out)["results"]
     assert r["residual"] == scheme and r["sublayers"] == 4
     assert len(r["full_jacobian"]) == 4 and all(math.isfinite(x) and x > 0 for x in r["full_jacobian"])
+
+
+@pytest.mark.parametrize("d_model,heads", [(16, (1, 16)), (30, (1, 30)), (32, (1, 32)), (64, (2, 32)), (96, (3, 32)),
+                                           (48, None), (80, None)])
+def test_init_width_has_the_head_dim_the_help_states(d_model, heads):
+    """`--help` said head_dim 32, yet 80 was two heads of 40 and 48 one of 48: a width above 32
+    is a multiple of 32 (heads of 32) or refused, a width below 32 is one head, as the help says."""
+    help_text = next(a.help for a in gradflow_parser()._actions if a.dest == "d_model")
+    assert "a multiple of 32 (heads of head_dim 32), or below 32 for one head" in help_text
+    if heads is None:
+        with pytest.raises(KeelError, match=f"--d-model {d_model} is not a multiple of the head dimension 32"):
+            gradflow._init_config(load_config(None), "keel", 4, d_model, 16, 512)
+        return
+    m = gradflow._init_config(load_config(None), "keel", 4, d_model, 16, 512)
+    assert (m.n_heads, m.head_dim, m.d_model) == (*heads, d_model)
+
+
+def test_cli_data_is_where_keel_train_finds_it(capsys, tmp_path, monkeypatch):
+    """Without data.path, gradflow prepares the config's data.source + data.tokenizer once under
+    data.cache_dir (data/ in the working folder) -- the dataset keel train then reuses, as its
+    --help says -- and finds it there the next time."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(8):
+        (corpus / f"{i}.txt").write_text(f"def f{i}(x):\n    return x * {i} + {i + 1}\n" * 40)
+    monkeypatch.chdir(tmp_path)
+    sets = [f"data.source={corpus}", "data.tokenizer=bpe:300", "data.val_fraction=0.5"]
+    help_text = next(a.help for a in gradflow_parser()._actions if a.dest == "config")
+    assert "as keel train finds it" in help_text and "data.cache_dir (default data/ in the working folder)" in help_text
+    args = ["--residual", "keel", "--sublayers", "2", "--d-model", 16, "--seq-len", 8, "--batch-size", 1,
+            "--jacobian-iters", 2, *[x for kv in sets for x in ("--set", kv)]]
+    code, _, err = cli(capsys, *args)
+    assert code == 0, err
+    (prepared,) = (tmp_path / "data").iterdir()
+    assert f"prepared {Path('data') / prepared.name}:" in err
+    assert find_data(load_config(REPO / "keel" / "configs" / "demo.toml", sets)) == Path("data") / prepared.name
+    code, _, err = cli(capsys, *args)
+    assert code == 0 and f"reusing cached dataset {Path('data') / prepared.name}" in err, err

@@ -240,6 +240,35 @@ def test_export_auto_load_offline_generate_import(trained_run, tmp_path, monkeyp
     assert "already exists" in capsys.readouterr().err
 
 
+def readme_snippet(marker: str) -> str:
+    """The README's one ```python block that contains ``marker``."""
+    blocks = (REPO / "README.md").read_text(encoding="utf-8").split("```python\n")[1:]
+    (code,) = [b.split("```")[0] for b in blocks if marker in b.split("```")[0]]
+    return code
+
+
+def test_readme_batched_generation_pads_on_the_left(trained_run, tmp_path, monkeypatch, capsys):
+    """The README's batched-generation snippet, run on an export in hf/keel: its tokenizer pads on
+    the left (transformers' default is the right, which a decoder-only model continues from the
+    padding), and each row generates what its prompt generates alone."""
+    from keel.hf.convert import export_hf
+
+    export_hf(trained_run, tmp_path / "hf" / "keel")
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(readme_snippet('padding_side="left"'), scope)
+    tok, model, batch, out = scope["tok"], scope["model"], scope["batch"], scope["out"]
+    assert tok.padding_side == "left" and batch["attention_mask"][1, 0] == 1 and batch["attention_mask"][0, 0] == 0
+    width = batch["input_ids"].shape[1]
+    printed = capsys.readouterr().out
+    for row, prompt in enumerate(["def parse(", "import os\nimport sys\n"]):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            alone = model.generate(ids, max_new_tokens=40, do_sample=False)[0, ids.shape[1]:]
+        assert out[row, width:width + len(alone)].tolist() == alone.tolist(), row
+        assert tok.decode(alone, skip_special_tokens=True) in printed
+
+
 def test_tokenizer_loads_without_keel(trained_run, tmp_path):
     """AutoTokenizer needs no keel (import blocked) and no trust_remote_code. (On a terminal,
     transformers first asks whether to run the folder's config code: either answer works.)"""

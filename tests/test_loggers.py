@@ -14,7 +14,7 @@ from keel.config import load_config
 from keel.errors import KeelError
 from keel.train.loggers import check_loggers, config_hparams, flatten, open_sinks
 from keel.train.metrics import read_metrics
-from keel.train.progress import ProgressReporter, format_duration
+from keel.train.progress import ProgressReporter, format_duration, format_percent
 
 
 def test_flatten_joins_nested_names_and_drops_non_numbers():
@@ -120,12 +120,45 @@ def test_progress_lines_every_n_steps_or_m_seconds():
         line = rep.update({"step": step, "loss": 1.0 / step, "lr": 1e-3, "tokens_per_s": 0.0})
         if line:
             lines[step] = line
-    # every 5 steps, or once 7 s passed since the last line (step 4: 8 s), and the last step
-    assert sorted(lines) == [4, 5, 9, 10, 14, 15, 19, 20]
+    # every 5 steps, or once 7 s passed since the last line (step 9: 8 s after step 5), and the last step;
+    # the seconds count from the end of step 1 (the first window), so step 4 is not due (6 s)
+    assert sorted(lines) == [5, 9, 10, 14, 15, 19, 20]
     assert lines[5] == "step 5/20 (25%) | loss 0.2000 | lr 1.00e-03 | 50 tokens/s | ETA 30s"  # 100 tokens per 2 s
-    assert lines[4] == "step 4/20 (20%) | loss 0.2500 | lr 1.00e-03 | 50 tokens/s | ETA 32s"
+    assert lines[9] == "step 9/20 (45%) | loss 0.1111 | lr 1.00e-03 | 50 tokens/s | ETA 22s"
     assert lines[20].endswith("ETA 0s")
     assert format_duration(3725) == "1h02m" and format_duration(245) == "4m05s"
+
+
+def test_progress_tokens_per_s_leaves_out_the_start_up():
+    """A first step of 60 s (torch.compile, warm-up), then 2 s per step: the first line says how
+    long that step took, and tokens/s and the ETA count only the steps after it (50 tokens/s, not
+    4 x 100 tokens / 68 s = 6); the window starts at the first step of a resumed run too."""
+    t = [0.0]
+    rep = ProgressReporter(total=20, initial=10, tokens_per_step=100, every_steps=5, every_s=30.0, use_bar=False,
+                           clock=lambda: t[0])
+    lines = {}
+    for step in range(11, 21):
+        t[0] += 60.0 if step == 11 else 2.0
+        line = rep.update({"step": step, "loss": 2.0, "lr": 1e-3, "tokens_per_s": 100 / (60.0 if step == 11 else 2.0)})
+        if line:
+            lines[step] = line
+    assert sorted(lines) == [11, 15, 20]  # step 11: 60 s > every_s
+    assert lines[11] == "step 11/20 (55%) | loss 2.0000 | lr 1.00e-03 | first step 1m00s"
+    assert lines[15] == "step 15/20 (75%) | loss 2.0000 | lr 1.00e-03 | 50 tokens/s | ETA 10s"
+    assert lines[20] == "step 20/20 (100%) | loss 2.0000 | lr 1.00e-03 | 50 tokens/s | ETA 0s"
+
+
+@pytest.mark.parametrize("mfu,shown", [(1e-4, "0.010%"), (1.1e-4, "0.011%"), (0.0123, "1.2%"), (0.4249, "42%"),
+                                       (0.0996, "10%"), (1.0, "100%"), (2.5e-7, "0.000025%"), (0.0, "0%")])
+def test_progress_mfu_has_two_significant_digits(mfu, shown):
+    """A tiny CPU model's MFU (1e-4) was printed as 0.0%."""
+    assert format_percent(mfu) == shown
+    t = [0.0]
+    rep = ProgressReporter(total=4, initial=0, tokens_per_step=10, every_steps=2, use_bar=False, clock=lambda: t[0])
+    for step in (1, 2):
+        t[0] += 1.0
+        line = rep.update({"step": step, "loss": 1.0, "lr": 1e-3, "mfu": mfu})
+    assert line == f"step 2/4 (50%) | loss 1.0000 | lr 1.00e-03 | 10 tokens/s | MFU {shown} | ETA 2s"
 
 
 def test_training_logs_plain_progress_when_stderr_is_not_a_terminal(tiny_config, tmp_path, caplog, capsys):
@@ -156,7 +189,8 @@ def test_mfu_is_logged_per_step_beside_tokens_per_s(tiny_config, tmp_path, caplo
     for r in steps:
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * fpt / 0.5e12, rel=1e-12) and 0 < r["mfu"] < 1
     lines = [x.getMessage() for x in caplog.records if x.name == "keel.train.progress"]
-    assert all(re.search(r"tokens/s \| MFU \d+\.\d% \| ETA", ln) for ln in lines), lines
+    assert len(lines) == 2 and re.search(r"\| first step \d+s$", lines[0]), lines  # no throughput yet: no MFU
+    assert f"tokens/s | MFU {format_percent(steps[1]['mfu'])} | ETA" in lines[1], lines
     train(tiny_config(steps=1, progress=False), tmp_path / "cpu")
     assert not any("mfu" in r for r in read_metrics(tmp_path / "cpu" / "metrics.jsonl"))
 

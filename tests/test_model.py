@@ -1,15 +1,17 @@
 """Model tests: each formula against a direct transcription of its equation, parametrized
 over residual schemes and shapes."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 import torch.nn as nn
 
+import keel.config
 from keel import KeelError, ModelConfig, Transformer
 from keel.model import SCHEMES, Attention, FeedForward, RMSNorm, apply_rope, rope_tables
-from keel.model.residual import DeepNorm, Residual
+from keel.model.residual import DeepNorm, Residual, scheme_readers
 
 ALL = sorted(SCHEMES)
 torch.set_default_dtype(torch.float32)
@@ -393,3 +395,55 @@ def test_generate_past_max_seq_len():
     out = model.generate(ids, 10, temperature=0)
     assert out.shape == (1, 16)
     assert torch.equal(out, model.generate(ids, 10, temperature=0, use_cache=False))
+
+
+# ---- which scheme reads which model key ---------------------------------------------------
+
+class _RecordingConfig(ModelConfig):
+    """A ModelConfig that notes every key read while ``_RecordingConfig.reads`` is a set."""
+
+    reads: set | None = None
+
+    def __getattribute__(self, name):
+        reads = type(self).reads
+        if reads is not None and name in MODEL_KEYS:
+            reads.add(name)
+        return super().__getattribute__(name)
+
+
+MODEL_KEYS = {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def keys_read(scheme: str, monkeypatch) -> set[str]:
+    """The model keys a ``scheme`` model reads: built, its memory floor, one forward pass
+    (the load-time check of every key, which reads them all, is left out)."""
+    monkeypatch.setattr(keel.config, "check_keys", lambda obj, section: None)
+    cfg = _RecordingConfig(**{**small_cfg().__dict__, "residual": scheme, "n_layers": 4})
+    _RecordingConfig.reads = set()
+    try:
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        SCHEMES[scheme].stream_copies(cfg)
+        model(torch.randint(0, cfg.vocab_size, (1, 6)))
+        return set(_RecordingConfig.reads)
+    finally:
+        _RecordingConfig.reads = None
+
+
+def test_scheme_config_keys_are_the_keys_each_scheme_reads(monkeypatch):
+    """``config_keys`` on a scheme's class, the one record of which scheme reads which
+    ``model.*`` key (what warns of ``model.alpha`` set for pre_ln), is what the code does: each
+    declared key is a ModelConfig key the scheme reads, no scheme reads a key other schemes
+    declare without declaring it, and every key that some schemes read and others do not is declared."""
+    reads = {s: keys_read(s, monkeypatch) for s in ALL}
+    declared = {s: set(SCHEMES[s].config_keys) for s in ALL}
+    specific = set().union(*declared.values())
+    assert specific <= MODEL_KEYS
+    assert specific == {"alpha", "keel_first_layer_rule", "mix_ln_ratio", "peri_ln_embed_norm", "hc_streams",
+                        "hc_dynamic", "mhc_sinkhorn_iters", "attn_res_variant", "attn_res_blocks", "attn_res_readout"}
+    for s in ALL:
+        assert declared[s] <= reads[s], (s, declared[s] - reads[s])
+        assert reads[s] & specific <= declared[s], (s, reads[s] & specific - declared[s])
+    some = {k for k in MODEL_KEYS if 0 < sum(k in reads[s] for s in ALL) < len(ALL)}
+    assert some <= specific, some - specific
+    assert scheme_readers("hc_streams") == ["hyper_connections", "mhc"] and scheme_readers("d_model") == []

@@ -232,6 +232,23 @@ def test_resume_before_any_step_starts_at_zero(tiny_config, tmp_path, caplog):
     assert [r["step"] for r in metrics(run)] == [0, 1, 2]
 
 
+def test_a_key_the_scheme_ignores_is_one_warning(tiny_config, tmp_path, caplog):
+    """`--set model.alpha=4` on a pre_ln run was accepted silently (only keel reads it): one
+    warning line naming the key and its reader; a key at its default (hc_streams) and a key the
+    scheme reads (alpha for keel) are not mentioned."""
+    cfg = tiny_config(steps=1, warmup_steps=0, eval_every=1, checkpoint_every=1, sample_tokens=0)
+    cfg.model.residual, cfg.model.alpha, cfg.model.hc_streams = "pre_ln", 4.0, 4
+    with caplog.at_level("INFO", logger="keel"):
+        train(cfg, tmp_path / "pre_ln")
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == ["model.alpha is read only by keel; model.residual=pre_ln ignores it"]
+    caplog.clear()
+    cfg.model.residual = "keel"
+    with caplog.at_level("INFO", logger="keel"):
+        train(cfg, tmp_path / "keel")
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
 class _SubnormalProbe(Callback):
     """Records, at every backward, what float32 arithmetic makes of a subnormal input."""
 

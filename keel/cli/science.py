@@ -94,11 +94,17 @@ def _register_gradflow(subparsers) -> None:
                    help="profile the latest checkpoint of a trained run instead (repeatable)")
     p.add_argument("--json", action="store_true", help='print {"results": [...]} as JSON on stdout')
     p.add_argument("--plot", default=None, metavar="FILE", help="write a PNG of the profiles")
-    p.add_argument("--d-model", type=int, default=64, help="width at init (head_dim 32, d_ff = 3 x width)")
+    p.add_argument("--d-model", type=int, default=64,
+                   help="width at init: a multiple of 32 (heads of head_dim 32), or below 32 for one head of that "
+                        "(even) width; d_ff = 3 x width (default 64)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences in the batch")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--seed", type=int, default=0, help="seed of the initialisation and of the Lanczos start vectors")
-    p.add_argument("--config", default=None, help="config file or preset for data and init (default: demo)")
+    p.add_argument("--config", default=None,
+                   help="config file or preset for data and init (default: demo). The data is found as keel train "
+                        "finds it: data.path if set, else data.source with data.tokenizer (demo: the built-in corpus, "
+                        "bpe:8192), prepared once and cached under data.cache_dir (default data/ in the working "
+                        "folder), the same dataset keel train and keel prepare use")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config key, e.g. model.init_std=0.125 or data.path=DIR (repeatable)")
     p.add_argument("--jacobian-iters", type=int, default=32,

@@ -74,10 +74,13 @@ from keel.run import Run
 from keel.train.device import check_model_fits
 from keel.train.parallelize import unwrap
 from keel.train.plots import save_figure
+from keel.train.progress import interactive
 
 _log = logging.getLogger(__name__)  # the summary table, one line per finished profile
 
 DEFAULT_LAYERS = "16,64"
+# The head width of the init-mode models (``--d-model``): a multiple of it, or one head below it.
+HEAD_DIM = 32
 # From this depth on a profile takes minutes or more on a CPU: say what is running before it starts.
 LONG_SUBLAYERS = 1024
 
@@ -330,15 +333,23 @@ def profile_model(model, batch, jacobian_iters: int = 32, full_jacobian: bool = 
 
 def _init_config(base, scheme: str, sublayers: int, d_model: int, seq_len: int, vocab: int):
     """The model config for the init-mode profile: the base config's model section with the
-    residual scheme, n_layers = sublayers / 2, width d_model, head_dim 32 (one head below
-    width 32), n_kv_heads = n_heads / 2 (GQA) when n_heads is even, d_ff = 3 * d_model."""
+    residual scheme, n_layers = sublayers / 2, width d_model, head_dim :data:`HEAD_DIM` (32;
+    a width below it is one head of that width), n_kv_heads = n_heads / 2 (GQA) when n_heads
+    is even, d_ff = 3 * d_model.
+
+    Raises:
+        KeelError: a width above 32 that is not a multiple of it (it used to get wider heads
+            silently: 80 was two heads of 40), or an odd head width (RoPE).
+    """
+    if d_model > HEAD_DIM and d_model % HEAD_DIM:
+        lower = d_model // HEAD_DIM * HEAD_DIM
+        raise KeelError(f"--d-model {d_model} is not a multiple of the head dimension {HEAD_DIM} (e.g. {lower} or "
+                        f"{lower + HEAD_DIM}; a width below {HEAD_DIM} is one head of that width)")
     m = copy.deepcopy(base.model)
     m.residual = scheme
     m.n_layers = sublayers // 2
     m.d_model = d_model
-    m.n_heads = max(1, d_model // 32)
-    while d_model % m.n_heads:
-        m.n_heads -= 1
+    m.n_heads = max(1, d_model // HEAD_DIM)
     m.n_kv_heads = m.n_heads // 2 if m.n_heads % 2 == 0 else m.n_heads
     m.d_ff = 3 * d_model
     m.max_seq_len = max(m.max_seq_len, seq_len)
@@ -448,7 +459,7 @@ def profile_schemes(base, schemes: Sequence[str], depths: Sequence[int], d_model
     for L in depths:  # a mistyped depth is refused before any data is prepared (vocabulary: its floor, 1)
         for scheme in schemes:
             check_model_fits(_init_config(base, scheme, L, d_model, seq_len, 1), 4, "their fp32 weights")
-    data_dir = resolve_data(base, progress=False)
+    data_dir = resolve_data(base, progress=interactive())  # as keel train: data.path, or cached under data.cache_dir
     vocab = read_meta(data_dir)["vocab_size"]
     batch = _val_batch(data_dir, seq_len, batch_size)
     results = []

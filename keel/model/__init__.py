@@ -3,7 +3,8 @@
 from keel.model.model import (Attention, Block, FeedForward, KVCache, Transformer, apply_rope, count_parameters,
                               flops_per_token, rope_tables)
 from keel.model.norm import RMSNorm
-from keel.model.residual import SCHEMES, Residual, check_model_config, get_scheme
+from keel.model.residual import SCHEMES, Residual, check_model_config, get_scheme, ignored_keys
 
 __all__ = ["Attention", "Block", "FeedForward", "KVCache", "Transformer", "apply_rope", "count_parameters",
-           "flops_per_token", "rope_tables", "SCHEMES", "RMSNorm", "Residual", "check_model_config", "get_scheme"]
+           "flops_per_token", "rope_tables", "SCHEMES", "RMSNorm", "Residual", "check_model_config", "get_scheme",
+           "ignored_keys"]

@@ -8,16 +8,21 @@ step::
 
     step 120/1000 (12%) | loss 3.4121 | val_loss 3.5012 | lr 2.95e-03 | 12,345 tokens/s | ETA 4m05s
 
-A step with a validation loss always gets a line (with ``val_loss``). tokens/s is measured
-over the steps since the previous line (wall clock, so evaluation and checkpoint time count);
-ETA = remaining steps x the wall time per step over those same recent steps (a run that sped
-up or slowed down is not estimated from its whole-run average), until a line has been
-logged: the mean since the start.
+A step with a validation loss always gets a line (with ``val_loss``). tokens/s is the training
+throughput over a window of recent steps: the steps since the previous line (wall clock, so
+evaluation and checkpoint time count), where the first window starts when the first step of
+this process ends, so that start-up (data, model build, ``torch.compile``, the first step's
+warm-up) is never counted. ETA = remaining steps x the wall time per step over that same
+window (a run that sped up or slowed down is not estimated from its whole-run average). A line
+of that first step itself has no window yet: it says how long the step took (``first step
+12s``) instead of tokens/s and an ETA. MFU is the step's own (``mfu`` of the record, see
+:mod:`keel.train.trainer`), with 2 significant digits (``MFU 0.011%``, ``MFU 42%``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 
@@ -31,6 +36,15 @@ def interactive(stream=None) -> bool:
     stream = stream if stream is not None else sys.stderr
     isatty = getattr(stream, "isatty", None)
     return bool(isatty and isatty())
+
+
+def format_percent(fraction: float) -> str:
+    """``fraction`` as a percentage with 2 significant digits: ``"42%"``, ``"4.2%"``, ``"0.011%"``
+    (a tiny model's MFU is not ``0.0%``); ``"0%"`` for 0."""
+    pct = float(f"{100 * fraction:.2g}")  # rounded first, so 9.96 is "10", not "10.0"
+    if pct == 0 or not math.isfinite(pct):
+        return f"{pct:g}%"
+    return f"{pct:.{max(0, 1 - math.floor(math.log10(abs(pct))))}f}%"
 
 
 def format_duration(seconds: float) -> str:
@@ -62,8 +76,10 @@ class ProgressReporter:
         self.total, self.tokens_per_step, self.enabled = total, tokens_per_step, enabled
         self.every_steps, self.every_s, self.clock = max(1, every_steps), every_s, clock
         self.use_bar = interactive() if use_bar is None else use_bar
-        self.start_step = self.last_step = initial
-        self.start_t = self.last_t = clock()
+        self.start_t = clock()  # the first step of this process starts
+        # where the tokens/s window starts (step, time): the end of the first step, then each line's step
+        self.last_step: int | None = None
+        self.last_t = self.start_t
         self.bar = None
         if enabled and self.use_bar:
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
@@ -81,22 +97,16 @@ class ProgressReporter:
             return None
         now = self.clock()
         due = step % self.every_steps == 0 or now - self.last_t >= self.every_s or step >= self.total
-        if not (due or record.get("val_loss") is not None):
-            return None
-        line = self.line(record, now)
-        self.last_step, self.last_t = step, now
-        log.info(line)
+        line = self.line(record, now) if due or record.get("val_loss") is not None else None
+        if line is not None or self.last_step is None:  # the next window starts here (or at the first step's end)
+            self.last_step, self.last_t = step, now
+        if line is not None:
+            log.info(line)
         return line
 
     def line(self, record: dict, now: float) -> str:
         """The plain progress line of ``record`` at time ``now`` (see the module docstring)."""
         step = int(record["step"])
-        dt, steps = now - self.last_t, step - self.last_step
-        tok_s = steps * self.tokens_per_step / dt if dt > 0 and steps > 0 else record.get("tokens_per_s", 0.0)
-        if dt > 0 and steps > 0:  # the recent pace
-            per_step = dt / steps
-        else:
-            per_step = (now - self.start_t) / max(1, step - self.start_step)
         parts = [f"step {step}/{self.total} ({100 * step // max(1, self.total)}%)"]
         if record.get("loss") is not None:
             parts.append(f"loss {record['loss']:.4f}")
@@ -104,10 +114,13 @@ class ProgressReporter:
             parts.append(f"val_loss {record['val_loss']:.4f}")
         if record.get("lr") is not None:
             parts.append(f"lr {record['lr']:.2e}")
-        parts.append(f"{tok_s:,.0f} tokens/s")
+        if self.last_step is None:  # the first step: start-up and warm-up, no training throughput yet
+            return " | ".join(parts + [f"first step {format_duration(now - self.start_t)}"])
+        steps, dt = max(1, step - self.last_step), max(now - self.last_t, 1e-9)
+        parts.append(f"{steps * self.tokens_per_step / dt:,.0f} tokens/s")
         if record.get("mfu") is not None:  # the step's own (keel.train.trainer), beside the recent pace
-            parts.append(f"MFU {100 * record['mfu']:.1f}%")
-        parts.append(f"ETA {format_duration((self.total - step) * per_step)}")
+            parts.append(f"MFU {format_percent(record['mfu'])}")
+        parts.append(f"ETA {format_duration((self.total - step) * dt / steps)}")
         return " | ".join(parts)
 
     def close(self) -> None:

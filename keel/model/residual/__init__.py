@@ -6,6 +6,8 @@ mHC, AttnRes) in :mod:`~keel.model.residual.multi_stream`, and here the registry
 
 from __future__ import annotations
 
+import dataclasses
+
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.residual.base import Residual
@@ -40,6 +42,25 @@ def get_scheme(name: str) -> type[Residual]:
     return SCHEMES[name]
 
 
+def scheme_readers(name: str) -> list[str]:
+    """The registered schemes that read the model key ``name``, as each scheme's class declares
+    it (``config_keys``); [] for a key no scheme declares (one the whole model reads, or none)."""
+    return [scheme for scheme, cls in SCHEMES.items() if name in cls.config_keys]
+
+
+def ignored_keys(cfg: ModelConfig) -> list[str]:
+    """One line per scheme-specific model key (:func:`scheme_readers`) that ``cfg`` sets to a
+    value other than its default although ``cfg.residual`` does not read it, e.g. ``model.alpha
+    is read only by keel; model.residual=pre_ln ignores it`` (the trainer logs them as warnings)."""
+    default, lines = ModelConfig(), []
+    for f in dataclasses.fields(cfg):
+        readers = scheme_readers(f.name)
+        if readers and cfg.residual not in readers and getattr(cfg, f.name) != getattr(default, f.name):
+            who = readers[0] if len(readers) == 1 else f"{', '.join(readers[:-1])} and {readers[-1]}"
+            lines.append(f"model.{f.name} is read only by {who}; model.residual={cfg.residual} ignores it")
+    return lines
+
+
 def check_model_config(cfg: ModelConfig) -> ModelConfig:
     """Validate ``cfg``: its shape (:meth:`ModelConfig.validate`), the scheme name and the
     scheme's own checks (:meth:`Residual.check_config`). Returns ``cfg``.
@@ -53,4 +74,5 @@ def check_model_config(cfg: ModelConfig) -> ModelConfig:
 
 
 __all__ = ["SCHEMES", "AttnRes", "DeepNorm", "HybridNorm", "HyperConnections", "Keel", "ManifoldHyperConnections",
-           "MixLN", "PeriLN", "PostLN", "PreLN", "Residual", "check_model_config", "get_scheme"]
+           "MixLN", "PeriLN", "PostLN", "PreLN", "Residual", "check_model_config", "get_scheme", "ignored_keys",
+           "scheme_readers"]

@@ -59,7 +59,10 @@ class Residual(nn.Module):
     version, raised whenever what it computes changes: it enters a run's identity, so a study
     retrains the scheme's cached and restored runs) and ``weight_decay`` (``{parameter name:
     decayed}`` where the scheme's paper departs from the optimiser's rule, decay for ndim >= 2;
-    :func:`keel.train.optim.build_optimizer`).
+    :func:`keel.train.optim.build_optimizer`) and ``config_keys`` (the ``model.*`` keys only
+    some schemes read, declared by each scheme that reads them: the one record of which scheme
+    reads which key; a run whose scheme ignores such a key set to a non-default value says so,
+    :func:`keel.model.residual.ignored_keys`).
     """
 
     final_norm = False
@@ -67,6 +70,7 @@ class Residual(nn.Module):
     activation_constants: tuple[int, int] | None = None
     version = 1  # the scheme's implementation version: a run's identity (a changed scheme is not a cached run)
     weight_decay: dict[str, bool] = {}  # parameter name -> decayed, where it departs from ndim >= 2
+    config_keys: tuple[str, ...] = ()  # the scheme-specific ModelConfig keys this scheme reads
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()

@@ -43,6 +43,8 @@ class ExpandedStreamScheme(Residual):
     """A scheme whose stream is n copies of the embedding (:class:`ExpandedStream`, n =
     ``cfg.hc_streams``): Hyper-Connections and mHC."""
 
+    config_keys = ("hc_streams",)
+
     @classmethod
     def make_stream(cls, cfg: ModelConfig) -> nn.Module | None:
         return ExpandedStream(cfg)
@@ -94,6 +96,7 @@ class HyperConnections(ExpandedStreamScheme):
     final_norm = True
     version = 2  # Sec. 4: weight decay on the dynamic parameters only, output projections / sqrt(n)
     weight_decay = {"static_alpha": False, "static_beta": False, "dynamic_alpha": True, "dynamic_beta": True}
+    config_keys = ExpandedStreamScheme.config_keys + ("hc_dynamic",)
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__(cfg, index)
@@ -326,6 +329,7 @@ class ManifoldHyperConnections(ExpandedStreamScheme):
     final_norm = True
     version = 2  # Sinkhorn columns then rows (rows exact), no gain on the stream norm, b_res not decayed
     weight_decay = {"b_res": False, "phi_pre": True, "phi_post": True, "phi_res": True}
+    config_keys = ExpandedStreamScheme.config_keys + ("mhc_sinkhorn_iters",)
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__(cfg, index)
@@ -489,6 +493,7 @@ class AttnRes(Residual):
     """
 
     final_norm = True
+    config_keys = ("attn_res_variant", "attn_res_blocks", "attn_res_readout")
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__(cfg, index)

@@ -83,6 +83,7 @@ class Keel(Residual):
     """
 
     activation_constants = (9, 4)  # two RMSNorms per sub-layer
+    config_keys = ("alpha", "keel_first_layer_rule")
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__(cfg, index)
@@ -194,6 +195,7 @@ class MixLN(Residual):
     """
 
     activation_constants = (7, 2)  # its Pre-LN blocks; Post-LN blocks need less
+    config_keys = ("mix_ln_ratio",)
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__(cfg, index)
@@ -248,6 +250,7 @@ class PeriLN(Residual):
     """
 
     final_norm = True
+    config_keys = ("peri_ln_embed_norm",)
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__(cfg, index)
