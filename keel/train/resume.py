@@ -14,11 +14,13 @@ import logging
 import math
 from pathlib import Path
 
-from keel.config import Config, config_from_dict, current_key, load_config, on_resume
+from keel.config import Config, config_from_dict, load_config, on_resume
 from keel.errors import KeelError
+from keel.keys import current_key
 from keel.train.optim import lr_at
 
 log = logging.getLogger(__name__)
+
 
 def _flat(d: dict) -> dict:
     """``{"section.key": value}`` of a nested config dict, renamed keys under their current names."""
@@ -47,7 +49,7 @@ def saved_config(state: dict, run_dir: Path, cfg: Config) -> dict:
     if "config" in state:
         return state["config"]
     path = run_dir / "config.toml"
-    return load_config(path).to_dict() if path.is_file() else cfg.to_dict()
+    return load_config(path, stored=True).to_dict() if path.is_file() else cfg.to_dict()
 
 
 def check_config_changes(state: dict, cfg: Config, run_dir: Path) -> dict[str, dict]:
@@ -72,7 +74,7 @@ def check_config_changes(state: dict, cfg: Config, run_dir: Path) -> dict[str, d
         log.warning("resume: %s changed from %r to %r (applied from step %d)", key, c["old"], c["new"], state["step"])
     if any(on_resume(k) == "schedule" for k in changes):
         try:
-            was = lr_at(state["step"], config_from_dict(old).train)
+            was = lr_at(state["step"], config_from_dict(old, stored=True).train)
         except KeelError:  # the old config no longer validates: nothing to compare with
             return changes
         now = lr_at(state["step"], cfg.train)
