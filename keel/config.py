@@ -246,6 +246,9 @@ class TrainConfig:
     grad_clip: float = key(1.0, "clip the global gradient norm to this.", ge=0, note="0 = off")
     eval_every: int = key(100, "steps between validation-loss evaluations.", ge=1)
     eval_tokens: int = key(65536, "validation tokens per evaluation.", ge=1)
+    eval_batch_tokens: int = key(512, "validation scores at least this many tokens per forward pass on each process "
+                                      "(more windows than the micro-batch of batch_size when those hold fewer, as with "
+                                      "a short seq_len; keel.train.nll.eval_batch_size).", ge=1)
     checkpoint_every: int = key(250, "steps between checkpoints.", ge=1)
     keep_checkpoints: int = key(2, "newest checkpoints kept on disk (0 = keep every checkpoint).", ge=0)
     log_every: int = key(10, "steps between progress lines when stderr is not a terminal.", ge=1)

@@ -72,7 +72,7 @@ from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, is_
                                    save_checkpoint, save_sharded_checkpoint, tied_aliases)
 from keel.train.device import (autocast_context, peak_flops, check_activations_fit, check_model_fits, flushing_denormals,
                                memory_errors, resolve_device)
-from keel.train.nll import mean_nll
+from keel.train.nll import eval_batch_size, mean_nll, perplexity
 from keel.train.interrupt import StopSignals, TrainingInterrupted, agreed_stop_signal
 from keel.train.loggers import open_sinks
 from keel.train.metrics import read_metrics, truncate_metrics
@@ -84,9 +84,6 @@ from keel.train.resume import check_config_changes
 from keel.train.sampling import sample_text
 
 log = logging.getLogger(__name__)
-
-# Largest loss whose perplexity is printed as a number; beyond it exp(loss) is reported as inf.
-MAX_PPL_LOSS = 50.0
 
 
 class TrainingStopped(KeelError):
@@ -108,15 +105,6 @@ class TrainResult:
     sample: str
     resumed_from: int | None = None  # the step a resumed run continued from (None: a fresh run)
     steps_run: int = 0  # optimiser steps done by this call (0: nothing to do)
-
-
-def perplexity(loss: float | None) -> float:
-    """``exp(loss)``; ``inf`` for a loss above :data:`MAX_PPL_LOSS` (50 nats: a perplexity
-    of 5e21, far beyond any vocabulary, so a blown-up run prints ``inf`` rather than an
-    87-digit number) and for a non-finite or missing loss."""
-    if loss is None or not math.isfinite(loss) or loss > MAX_PPL_LOSS:
-        return math.inf
-    return math.exp(loss)
 
 
 def check_train_config(cfg: Config) -> None:
@@ -296,6 +284,7 @@ class Trainer:
         self.loader = TokenLoader(self.data_dir, "train", batch_size=self.local_bs, seq_len=self.tc.seq_len,
                                   seed=self.tc.seed, rank=self.info.rank, world_size=self.ws)
         self.val_windows = validation_tokens(self.data_dir, self.tc.seq_len, self.tc.eval_tokens)
+        self.eval_bs = eval_batch_size(self.local_bs, self.tc.seq_len, self.tc.eval_batch_tokens)  # windows per pass
 
     def _build_model(self) -> None:
         torch.manual_seed(self.tc.seed)
@@ -365,11 +354,16 @@ class Trainer:
                  + (f"; activation checkpointing: {tc.activation_checkpointing}"
                     if tc.activation_checkpointing != "none" else "")
                  + ("; torch.compile" if tc.compile else ""))
+        passes = -(-len(self.val_windows) // (self.eval_bs * self.ws))
+        if passes > 100:  # a validation that looks hung otherwise (tiny windows, a huge train.eval_tokens)
+            log.info(f"validation: {len(self.val_windows):,} windows (train.eval_tokens = {tc.eval_tokens:,}, "
+                     f"train.seq_len = {tc.seq_len}), {self.eval_bs:,} per forward pass on each process "
+                     f"(train.eval_batch_tokens = {tc.eval_batch_tokens:,}): {passes:,} forward passes per evaluation")
 
     # ------------------------------------------------------------------ pieces of a step
     def validate(self) -> float:
         """Mean validation loss (nats/token) on the fixed validation windows (all ranks)."""
-        return mean_nll(self.model, self.val_windows, self.local_bs, self.device, self.amp, self.info)
+        return mean_nll(self.model, self.val_windows, self.eval_bs, self.device, self.amp, self.info)
 
     def write(self, record: dict) -> None:
         """Send ``record`` to every sink of ``train.loggers`` (metrics.jsonl, TensorBoard, W&B; rank 0)."""
