@@ -5,7 +5,8 @@ Each key declares what a resume does with a changed value (``on_resume`` in its
 :func:`keel.keys.key`, :func:`keel.config.on_resume`): keys that would make the continuation
 another run are refused in one line; every other change is applied from the resumed step,
 logged as a warning and recorded (the trainer writes a ``config_change`` record into
-metrics.jsonl); for the schedule's keys the next step's LR is reported too.
+metrics.jsonl); for the schedule's keys the next step's LR is reported too. Which checkpoint a
+resume continues from: :func:`checkpoint_to_resume`.
 """
 
 from __future__ import annotations
@@ -17,9 +18,38 @@ from pathlib import Path
 from keel.config import Config, config_from_dict, load_config, on_resume
 from keel.errors import KeelError
 from keel.keys import current_key
+from keel.train.checkpoint import find_intact_checkpoint
+from keel.train.metrics import read_metrics
 from keel.train.optim import lr_at
 
 log = logging.getLogger(__name__)
+
+
+def has_history(run_dir: Path) -> bool:
+    """Whether the run in ``run_dir`` went past step 0: a metrics record of step >= 1 or a checkpoint folder."""
+    if any(p.is_dir() for p in (run_dir / "checkpoints").glob("step_*")):
+        return True
+    return any(r.get("step", 0) >= 1 for r in read_metrics(run_dir / "metrics.jsonl"))
+
+
+def checkpoint_to_resume(run_dir: Path) -> str | None:
+    """The newest intact checkpoint of ``run_dir`` (:func:`keel.train.checkpoint.find_intact_checkpoint`),
+    as a string, or None for a run that has none and no history; each newer damaged one is
+    skipped with a warning saying why.
+
+    Raises:
+        KeelError: the run has history but no intact checkpoint.
+    """
+    ckpt, reasons = find_intact_checkpoint(run_dir)
+    for reason in reasons:
+        log.warning("skipping %s", reason)
+    if ckpt is None and has_history(run_dir):
+        raise KeelError(f"cannot resume {run_dir}: it has history but no intact checkpoint"
+                        f" ({'; '.join(reasons) or 'no checkpoint was saved'}); pass --restart to train it "
+                        "again from step 0 (its metrics and checkpoints are deleted)")
+    if ckpt is not None and reasons:
+        log.warning("resuming from %s, the newest intact checkpoint", ckpt.name)
+    return str(ckpt) if ckpt is not None else None
 
 
 def _flat(d: dict) -> dict:

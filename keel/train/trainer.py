@@ -75,12 +75,12 @@ from keel.train.device import (autocast_context, peak_flops, check_activations_f
 from keel.train.nll import eval_batch_size, mean_nll, perplexity
 from keel.train.interrupt import StopSignals, TrainingInterrupted, agreed_stop_signal
 from keel.train.loggers import open_sinks
-from keel.train.metrics import read_metrics, truncate_metrics
+from keel.train.metrics import truncate_metrics
 from keel.train.optim import apply_config, build_optimizer, set_lr, without_scheduler_marks
 from keel.train.parallelize import checkpointed_blocks, gradient_sync, parallelize
 from keel.train.plots import plot_loss
 from keel.train.progress import ProgressReporter, interactive
-from keel.train.resume import check_config_changes
+from keel.train.resume import check_config_changes, checkpoint_to_resume
 from keel.train.sampling import sample_text
 
 log = logging.getLogger(__name__)
@@ -243,31 +243,14 @@ class Trainer:
         D.barrier(self.info)
 
     def _find_checkpoint(self) -> Path | None:
-        """The newest intact checkpoint to resume from (rank 0 decides, all ranks agree).
+        """The newest intact checkpoint to resume from (rank 0 decides,
+        :func:`keel.train.resume.checkpoint_to_resume`; all ranks agree).
 
         Raises:
             KeelError: the run has history but no intact checkpoint.
         """
-        def decide() -> str | None:
-            ckpt, reasons = find_intact_checkpoint(self.run_dir)
-            for reason in reasons:
-                log.warning("skipping %s", reason)
-            if ckpt is None and self._has_history():
-                raise KeelError(f"cannot resume {self.run_dir}: it has history but no intact checkpoint"
-                                f" ({'; '.join(reasons) or 'no checkpoint was saved'}); pass --restart to train it "
-                                "again from step 0 (its metrics and checkpoints are deleted)")
-            if ckpt is not None and reasons:
-                log.warning("resuming from %s, the newest intact checkpoint", ckpt.name)
-            return str(ckpt) if ckpt is not None else None
-
-        found = D.decide_on_rank0(decide, self.info)
+        found = D.decide_on_rank0(lambda: checkpoint_to_resume(self.run_dir), self.info)
         return Path(found) if found is not None else None
-
-    def _has_history(self) -> bool:
-        """Whether the run went past step 0: a metrics record of step >= 1 or a checkpoint folder."""
-        if any(p.is_dir() for p in (self.run_dir / "checkpoints").glob("step_*")):
-            return True
-        return any(r.get("step", 0) >= 1 for r in read_metrics(self.metrics_path))
 
     def _load_data(self) -> None:
         """Rank 0 prepares (or finds) the dataset; the others wait for its answer. Resolves
