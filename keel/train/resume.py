@@ -5,8 +5,9 @@ Each key declares what a resume does with a changed value (``on_resume`` in its
 :func:`keel.keys.key`, :func:`keel.config.on_resume`): keys that would make the continuation
 another run are refused in one line; every other change is applied from the resumed step,
 logged as a warning and recorded (the trainer writes a ``config_change`` record into
-metrics.jsonl); for the schedule's keys the next step's LR is reported too. Which checkpoint a
-resume continues from: :func:`checkpoint_to_resume`.
+metrics.jsonl); for the schedule's keys the next step's LR is reported too. ``train.steps``
+may not go below the step the run reached. Which checkpoint a resume continues from:
+:func:`checkpoint_to_resume`.
 """
 
 from __future__ import annotations
@@ -84,13 +85,15 @@ def saved_config(state: dict, run_dir: Path, cfg: Config) -> dict:
 
 def check_config_changes(state: dict, cfg: Config, run_dir: Path) -> dict[str, dict]:
     """Compare ``cfg`` with the config of the checkpoint state ``state``: refuse the keys
-    declared ``on_resume="refuse"`` (one-line KeelError), apply the others, logging each as a
-    warning (and, for schedule keys, how the next step's LR changes).
+    declared ``on_resume="refuse"`` and a ``train.steps`` below the checkpoint's step (one-line
+    KeelError), apply the others, logging each as a warning (and, for schedule keys, how the
+    next step's LR changes). A resume with nothing left to train (the checkpoint is at
+    ``train.steps``) logs nothing here: it applies nothing, and the trainer says so.
 
     Returns:
         The changes, as :func:`config_changes` gives them.
     Raises:
-        KeelError: a refused key changed.
+        KeelError: a refused key changed, or ``train.steps`` is below the step the run reached.
     """
     old = saved_config(state, run_dir, cfg)
     changes = config_changes(old, cfg)
@@ -100,6 +103,11 @@ def check_config_changes(state: dict, cfg: Config, run_dir: Path) -> dict[str, d
         raise KeelError(f"cannot resume {run_dir} with {k} = {changes[k]['new']!r} (it was "
                         f"{changes[k]['old']!r}): changing {', '.join(refused)} would make it another run; "
                         "start a new run instead")
+    if cfg.train.steps < state["step"]:  # "step 10/5": a run cannot be cut back to fewer steps than it trained
+        raise KeelError(f"cannot resume {run_dir}: train.steps={cfg.train.steps} is below the step this run reached "
+                        f"({state['step']}); give train.steps >= {state['step']}")
+    if state["step"] >= cfg.train.steps:
+        return changes
     for key, c in changes.items():
         log.warning("resume: %s changed from %r to %r (applied from step %d)", key, c["old"], c["new"], state["step"])
     if any(on_resume(k) == "schedule" for k in changes):

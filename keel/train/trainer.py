@@ -26,7 +26,8 @@ the continuation a different run (every ``model.*`` key, the data keys, ``train.
 one-line error; every other key is applied from the resumed step on, with a warning and a
 ``{"step": k, "config_change": {"section.key": {"old": .., "new": ..}}}`` record in
 ``metrics.jsonl``; a change of the LR at the resumed step is called out. ``config.toml``
-always holds the config in effect.
+always holds the config in effect. A ``train.steps`` below the resumed step is refused; a resume
+with nothing left to train applies no change and writes nothing (one line says so).
 
 Several processes (``torchrun --nproc_per_node N -m keel train ...`` or
 ``keel train --nproc N``): ``train.parallelism`` picks DDP or FSDP2 (applied by
@@ -214,7 +215,9 @@ class Trainer:
         self.amp = autocast_context(self.device, self.tc.precision,
                                     sharded=info.distributed and self.tc.parallelism == "fsdp")
         saved = load_trainer_state(self.ckpt) if self.ckpt is not None else None
-        self.changes: dict[str, dict] = {}
+        self.changes: dict[str, dict] = {}  # applied from the resumed step, recorded in metrics.jsonl
+        self.not_applied: dict[str, dict] = {}  # those of a resume with nothing left to train: said, never written
+        self.nothing_left = saved is not None and saved["step"] >= self.tc.steps
         self._load_data()
         if saved is not None:
             self._check_config_changes(saved)  # before the weights are loaded: a clear refusal
@@ -296,8 +299,10 @@ class Trainer:
 
     def _check_config_changes(self, state: dict) -> None:
         """The resume policy (:func:`keel.train.resume.check_config_changes`): refuse or apply
-        (rank 0 decides and logs; every rank raises a refusal)."""
-        self.changes = D.decide_on_rank0(lambda: check_config_changes(state, self.cfg, self.run_dir), self.info)
+        (rank 0 decides and logs; every rank raises a refusal); with nothing left to train, the
+        changes are kept aside as not applied (:meth:`_nothing_to_do` says so, nothing records them)."""
+        changes = D.decide_on_rank0(lambda: check_config_changes(state, self.cfg, self.run_dir), self.info)
+        self.changes, self.not_applied = ({}, changes) if self.nothing_left else (changes, {})
 
     def _prepare_run_dir(self) -> list[dict]:
         """Write config and tokenizer; cut metrics.jsonl back to the restored step and record
@@ -306,9 +311,10 @@ class Trainer:
         if self.main:
             with disk_errors(self.run_dir):
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-                dump_config(self.cfg, self.run_dir / "config.toml")
-                with atomic_path(self.run_dir / "tokenizer.json") as tmp:  # on a full disk: this path, not the source
-                    shutil.copyfile(self.data_dir / "tokenizer.json", tmp)
+                if not (self.nothing_left and (self.run_dir / "config.toml").is_file()):  # a no-op resume: as it was
+                    dump_config(self.cfg, self.run_dir / "config.toml")
+                    with atomic_path(self.run_dir / "tokenizer.json") as tmp:  # a full disk: this path, not the source
+                        shutil.copyfile(self.data_dir / "tokenizer.json", tmp)
                 history = truncate_metrics(self.metrics_path, self.state.step if self.ckpt is not None else -1)
             self.history = history  # what the sinks may replay (keel.train.loggers)
             if self.changes:
@@ -482,7 +488,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainResult:
         """Train to ``train.steps``; returns the final numbers."""
-        if self.resumed_from is not None and self.state.step >= self.tc.steps:
+        if self.nothing_left:
             self.close_sink()
             return self._nothing_to_do()
         self._describe()
@@ -535,8 +541,14 @@ class Trainer:
                                   f"keel train --resume {self.run_dir}", signum)
 
     def _nothing_to_do(self) -> TrainResult:
-        """A resumed run already at (or past) ``train.steps``: report, train nothing, write nothing."""
-        if self.main:
+        """A resumed run already at ``train.steps``: report, train nothing, write nothing (a changed key
+        is not applied, so not recorded either: one line says so)."""
+        if self.main and self.not_applied:
+            keys = ", ".join(f"{k} = {c['new']!r}" for k, c in self.not_applied.items())
+            log.warning("%s is already at step %d (train.steps = %d): nothing left to train; not applied and not "
+                        "written: %s (raise train.steps with --set to train further)", self.run_dir, self.state.step,
+                        self.tc.steps, keys)
+        elif self.main:
             log.info("%s is already at step %d (train.steps = %d): nothing to do", self.run_dir, self.state.step,
                      self.tc.steps)
         vals = [r["val_loss"] for r in self.history if r.get("val_loss") is not None]
