@@ -43,8 +43,8 @@ from importlib.resources import files
 
 from keel.errors import KeelError
 from keel.io import atomic_write_text
-from keel.keys import (ResumePolicy, check_key, check_keys, choices, choices_text, key, key_field, key_rule, key_type,
-                       resume_policy)
+from keel.keys import (ResumePolicy, check_key, check_keys, choices, choices_text, current_key, key, key_field, key_rule,
+                       key_type, resume_policy)
 
 
 def unknown_key(dotted: str) -> KeelError:
@@ -260,6 +260,9 @@ class TrainConfig:
     grad_clip: float = key(1.0, "clip the global gradient norm to this.", ge=0, note="0 = off")
     eval_every: int = key(100, "steps between validation-loss evaluations.", ge=1)
     eval_tokens: int = key(65536, "validation tokens per evaluation.", ge=1)
+    eval_batch_tokens: int = key(512, "validation scores at least this many tokens per forward pass on each process "
+                                      "(more windows than the micro-batch of batch_size when those hold fewer, as with "
+                                      "a short seq_len; keel.train.nll.eval_batch_size).", ge=1)
     checkpoint_every: int = key(250, "steps between checkpoints.", ge=1)
     keep_checkpoints: int = key(2, "newest checkpoints kept on disk (0 = keep every checkpoint).", ge=0)
     log_every: int = key(10, "steps between progress lines when stderr is not a terminal.", ge=1)
@@ -402,19 +405,13 @@ def coerce_key(section: str, name: str, value: Any) -> Any:
     return str(value)
 
 
-# Keys renamed since runs saved them (old "section.name" -> new): older config files, checkpoints and
-# --set strings are read under the new name (current_key), the one place a rename is recorded.
-RENAMED_KEYS = {"train.checkpoint_k": "train.activation_checkpoint_k"}  # beside checkpoint_every (saving)
-
-
-def current_key(dotted: str) -> str:
-    """The current name of the key ``"section.name"`` (:data:`RENAMED_KEYS`; itself if not renamed)."""
-    return RENAMED_KEYS.get(dotted, dotted)
-
-
-def config_from_dict(d: Mapping[str, Any]) -> Config:
+def config_from_dict(d: Mapping[str, Any], stored: bool = False) -> Config:
     """Build and validate a :class:`Config` from nested dicts (e.g. parsed TOML).
 
+    Args:
+        d: ``{"model": {...}, "data": {...}, "train": {...}}``; a renamed key (:data:`keel.keys.RENAMED_KEYS`)
+            is read under its current name, with one deprecation line (:func:`keel.keys.current_key`) unless
+            ``stored``: ``d`` is what keel wrote itself (a run's config.toml, a checkpoint's config).
     Raises:
         KeelError: on an unknown section or key, a value of the wrong type or out of its
             declared range (:func:`check_key`), or a broken rule between keys.
@@ -429,7 +426,7 @@ def config_from_dict(d: Mapping[str, Any]) -> Config:
             raise KeelError(f"config section [{section}] must be a table")
         obj = getattr(cfg, section)
         for old, value in values.items():
-            name = current_key(f"{section}.{old}").partition(".")[2]
+            name = current_key(f"{section}.{old}", warn=not stored).partition(".")[2]
             if name not in {f.name for f in dataclasses.fields(obj)}:
                 raise unknown_key(f"{section}.{name}")
             setattr(obj, name, coerce_key(section, name, value))
@@ -496,7 +493,7 @@ def apply_overrides(d: Mapping[str, Any], overrides: Iterable[Override] | Mappin
     items = overrides.items() if isinstance(overrides, Mapping) else overrides
     for item in items:
         dotted, value = parse_override(item) if isinstance(item, str) else item
-        section, sep, name = current_key(dotted.strip()).partition(".")
+        section, sep, name = current_key(dotted.strip(), warn=True).partition(".")
         if not sep:
             raise KeelError(f"a config override needs section.key, got {dotted!r}")
         out.setdefault(section, {})
@@ -506,13 +503,16 @@ def apply_overrides(d: Mapping[str, Any], overrides: Iterable[Override] | Mappin
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: Iterable[Override] | Mapping[str, Any] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: Iterable[Override] | Mapping[str, Any] = (),
+                stored: bool = False) -> Config:
     """Read a TOML config (default: the declared defaults) and apply ``overrides``.
 
     Args:
         path: a TOML file with any of the sections model/data/train; None = built-in defaults.
         overrides: ``--set`` strings ``section.key=value`` and/or typed ``(key, value)`` pairs
             (or a mapping), applied in order by :func:`apply_overrides`.
+        stored: ``path`` is a file keel wrote (a run's ``config.toml``): a renamed key in it is
+            read without the deprecation line (:func:`keel.keys.current_key`); ``overrides`` always get it.
 
     Raises:
         KeelError: missing/unparsable file, unknown key, bad value.
@@ -526,7 +526,8 @@ def load_config(path: str | Path | None = None, overrides: Iterable[Override] | 
             d = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise KeelError(f"cannot parse config {p}: {e}") from None
-    return config_from_dict(apply_overrides(d, overrides or ()))
+    # the overrides' renamed keys are said (and renamed) by apply_overrides; the file's by config_from_dict
+    return config_from_dict(apply_overrides(d, overrides or ()), stored=stored)
 
 
 def override_text(item: Override) -> str:

@@ -4,7 +4,8 @@ type, and for a ``Literal[...]`` annotation its allowed values, are the annotati
 line. Everything else about a key is read from that declaration: the load-time check
 (:func:`check_key`), the rule as words (:func:`key_rule`), the allowed values
 (:func:`choices`), what a resume does with a changed value (:func:`resume_policy`) and whether
-only a training callback honours it (:func:`callback_test`). The sections themselves
+only a training callback honours it (:func:`callback_test`). A renamed key's old name is mapped
+here too (:data:`RENAMED_KEYS`, :func:`current_key`). The sections themselves
 (``[model]``, ``[data]``, ``[train]``) are in :mod:`keel.config`.
 """
 
@@ -12,12 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Union, get_args, get_origin, get_type_hints
 
 from keel.errors import KeelError
+
+log = logging.getLogger(__name__)
 
 # What a resume does when the key's value differs from the checkpoint's (keel.train.resume):
 # "refuse" (the continuation would be another run: one-line error), "apply" (from the resumed
@@ -185,3 +189,24 @@ def resume_policy(cls: type, name: str) -> ResumePolicy:
 def callback_test(cls: type, name: str) -> Callable[[Any], bool] | None:
     """The declared ``callback`` test of field ``name`` (None: the trainer itself honours it)."""
     return key_field(cls, name).metadata["callback"]
+
+
+# Keys renamed since runs saved them (old "section.name" -> new): older config files, checkpoints and
+# --set strings are read under the new name (current_key), the one place a rename is recorded.
+RENAMED_KEYS = {"train.checkpoint_k": "train.activation_checkpoint_k"}  # beside checkpoint_every (saving)
+_RENAMES_SAID: set[str] = set()  # old names whose deprecation line this process has logged (once per key)
+
+
+def current_key(dotted: str, warn: bool = False) -> str:
+    """The current name of the key ``"section.name"`` (:data:`RENAMED_KEYS`; itself if not renamed).
+
+    With ``warn`` (the name comes from the user: a config file, ``--set``, a typed override), an old
+    name logs one deprecation line the first time this process meets it, e.g. ``train.checkpoint_k
+    is now train.activation_checkpoint_k; update your config``. What keel wrote itself (a run's
+    ``config.toml``, a checkpoint's config) is read quietly: the user has nothing to update there.
+    """
+    new = RENAMED_KEYS.get(dotted, dotted)
+    if warn and new != dotted and dotted not in _RENAMES_SAID:
+        _RENAMES_SAID.add(dotted)
+        log.warning("%s is now %s; update your config", dotted, new)
+    return new

@@ -47,7 +47,7 @@ class Run:
     @cached_property
     def config(self) -> Config:
         """The resolved config the run was trained with (``config.toml``)."""
-        return load_config(self.path / "config.toml")
+        return load_config(self.path / "config.toml", stored=True)
 
     @property
     def metrics_path(self) -> Path:

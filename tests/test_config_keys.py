@@ -12,6 +12,7 @@ import tokenize
 from pathlib import Path
 
 import pytest
+import tomli_w
 
 from keel import KeelError
 from keel.cli import build_parser, main
@@ -297,7 +298,7 @@ def test_an_old_runs_config_toml_still_loads(tmp_path):
     p.write_text(OLD_RUN_CONFIG)
     d = tomllib.loads(OLD_RUN_CONFIG)
     cfg = load_config(p)
-    renamed = {"checkpoint_k": "activation_checkpoint_k"}  # train.checkpoint_k was renamed (keel.config.RENAMED_KEYS)
+    renamed = {"checkpoint_k": "activation_checkpoint_k"}  # train.checkpoint_k was renamed (keel.keys.RENAMED_KEYS)
     assert all(cfg.to_dict()[s][renamed.get(k, k)] == v for s in d for k, v in d[s].items())
     assert cfg.model.hc_streams == 4 and config_from_dict(cfg.to_dict()) == cfg
 
@@ -315,6 +316,55 @@ def test_a_renamed_key_is_read_under_its_old_name_everywhere():
     assert config_changes(old, Config()) == {}
     old["train"]["checkpoint_k"] = 4
     assert config_changes(old, Config()) == {"train.activation_checkpoint_k": {"old": 4, "new": 2}}
+
+
+DEPRECATED = "train.checkpoint_k is now train.activation_checkpoint_k; update your config"
+
+
+@pytest.fixture
+def renames_said(monkeypatch, caplog):
+    """The deprecation lines logged from here on (each old name is said once per process: start afresh)."""
+    import keel.keys
+
+    monkeypatch.setattr(keel.keys, "_RENAMES_SAID", set(), raising=False)
+    caplog.set_level("WARNING", logger="keel")
+    return lambda: [r.getMessage() for r in caplog.records if "is now" in r.getMessage()]
+
+
+def test_an_old_key_name_in_a_config_file_or_set_is_said_once(tmp_path, renames_said):
+    """It was mapped to the new name silently, so the user never learned to update the config."""
+    p = tmp_path / "mine.toml"
+    p.write_text("[train]\ncheckpoint_k = 4\n")
+    assert load_config(p).train.activation_checkpoint_k == 4
+    assert renames_said() == [DEPRECATED]
+    assert load_config(p, ["train.checkpoint_k=3"]).train.activation_checkpoint_k == 3  # once per key
+    assert renames_said() == [DEPRECATED]
+
+
+@pytest.mark.parametrize("how", ["--set", "typed pair", "mapping"])
+def test_an_old_key_name_in_an_override_is_said(how, renames_said):
+    overrides = {"--set": ["train.checkpoint_k=3"], "typed pair": [("train.checkpoint_k", 3)],
+                 "mapping": {"train.checkpoint_k": 3}}[how]
+    assert load_config(None, overrides).train.activation_checkpoint_k == 3
+    assert renames_said() == [DEPRECATED]
+
+
+def test_an_old_key_name_keel_wrote_itself_is_read_quietly(tmp_path, renames_said):
+    """An older run's config.toml and its checkpoint's config: the user has nothing to update there
+    (a resume rewrites config.toml with the new name), so a resume says nothing about the rename."""
+    from keel.run import Run
+    from keel.train.resume import check_config_changes, config_changes
+
+    old = Config().to_dict()
+    old["train"]["checkpoint_k"] = old["train"].pop("activation_checkpoint_k")
+    (tmp_path / "config.toml").write_text(tomli_w.dumps(old))
+    assert load_config(tmp_path / "config.toml", stored=True) == Config() == Run(tmp_path).config
+    assert config_from_dict(old, stored=True) == Config() and config_changes(old, Config()) == {}
+    assert check_config_changes({"step": 3, "config": old}, Config(), tmp_path) == {}
+    assert check_config_changes({"step": 3}, Config(), tmp_path) == {}  # an older checkpoint: config.toml
+    assert renames_said() == []
+    assert load_config(tmp_path / "config.toml", ["train.checkpoint_k=5"], stored=True).train.activation_checkpoint_k == 5
+    assert renames_said() == [DEPRECATED]  # what the user typed is still said
 
 
 def test_resume_policy_is_declared_on_each_key():

@@ -345,6 +345,45 @@ def test_resume_refuses_changes_that_make_another_run(setting, key, copy_of, tin
     assert (run / "config.toml").read_text() == before
 
 
+def _files(run):
+    return {p.relative_to(run): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".keel.lock"}
+
+
+def test_resume_refuses_fewer_steps_than_the_run_reached(copy_of, tiny_data):
+    """train.steps=5 on a run at step 12 wrote steps = 5 and a config_change record ("step 12/5" in keel runs)."""
+    run = copy_of()
+    before = _files(run)
+    with pytest.raises(KeelError) as e:
+        train(cfg_for(tiny_data, steps=5), run, resume=True)
+    assert str(e.value) == (f"cannot resume {run}: train.steps=5 is below the step this run reached (12); "
+                            "give train.steps >= 12")
+    assert _files(run) == before
+
+
+def test_a_resume_with_nothing_left_to_train_applies_and_writes_no_change(copy_of, tiny_data, caplog, one_thread):
+    """eval_every=3 on a finished run went into config.toml but not into the checkpoint, so every later
+    resume reported "train.eval_every changed from 4 to 3" again. Nothing trains, so nothing is applied:
+    one line says so, nothing is written, and a later resume sees no change."""
+    run = copy_of()
+    before = _files(run)
+    with caplog.at_level("INFO", logger="keel"):
+        res = train(cfg_for(tiny_data, eval_every=3), run, resume=True)
+    assert res.steps_run == 0 and res.step == 12
+    said = [r.getMessage() for r in caplog.records if "already at step" in r.getMessage() or "changed" in r.getMessage()]
+    assert said == [f"{run} is already at step 12 (train.steps = 12): nothing left to train; not applied and not "
+                    "written: train.eval_every = 3 (raise train.steps with --set to train further)"]
+    assert _files(run) == before and Run(run).config.train.eval_every == 4
+    caplog.clear()
+    with caplog.at_level("INFO", logger="keel"):
+        again = train(Run(run).config, run, resume=True)  # what `keel train --resume RUN` loads
+    assert again.steps_run == 0 and not [r for r in caplog.records if r.levelname == "WARNING"]
+    # the change, asked for where there is something to train, is applied and recorded once
+    train(cfg_for(tiny_data, eval_every=3, steps=15), run, resume=True)
+    assert [x for x in recs(run) if "config_change" in x] == [{"step": 12, "config_change": {
+        "train.eval_every": {"old": 4, "new": 3}, "train.steps": {"old": 12, "new": 15}}}]
+    assert [x["step"] for x in recs(run) if "val_loss" in x] == [0, 4, 8, 12, 15]
+
+
 def test_apply_config_sets_new_hyperparameters_after_loading():
     model = torch.nn.Linear(3, 3)
     old, new = TrainConfig(weight_decay=0.01, beta1=0.9), TrainConfig(weight_decay=0.1, beta1=0.8, lr=1e-3)

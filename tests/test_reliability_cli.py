@@ -42,6 +42,19 @@ def test_resumed_run_says_where_it_resumed(cli_run, tmp_path, capsys):
     assert "resumed at step 4, trained 2 more step(s)" in out and "validation loss at step 6" in out
 
 
+def test_resume_with_fewer_steps_than_reached_is_one_line_and_writes_nothing(cli_run, tmp_path, capsys):
+    """It wrote train.steps = 3 into a run at step 4 and `keel runs` showed "step 4/3"."""
+    run = tmp_path / "r"
+    shutil.copytree(cli_run, run)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".keel.lock"}
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--set", "train.steps=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"keel: error: cannot resume {run}: train.steps=3 is below the step this run reached (4); "
+                   "give train.steps >= 4"]
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".keel.lock"} == before
+
+
 def test_restart_flag(cli_run, tmp_path, capsys):
     run = tmp_path / "r"
     shutil.copytree(cli_run, run)

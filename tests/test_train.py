@@ -272,3 +272,66 @@ def test_flush_denormal_holds_during_training_only(tiny_config, tmp_path, flush)
     assert len(probe.seen) == 3
     assert probe.seen == ([0.0] * 3 if flush else [pytest.approx(1e-40, rel=1e-4)] * 3)
     assert (torch.tensor([1e-40]) * 1.0).item() == pytest.approx(1e-40, rel=1e-4)
+
+
+# ---------------------------------------------------------------- validation batching
+def _trainer(cfg, run_dir):
+    """A fresh run's Trainer (data, model, validation windows), nothing trained."""
+    from keel.train import dist as D
+    from keel.train.trainer import Trainer
+
+    return Trainer(cfg, run_dir, False, [], D.init_distributed(torch.device("cpu")))
+
+
+def _forward_passes(trainer) -> int:
+    calls = []
+    handle = trainer.model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        trainer.validate()
+    finally:
+        handle.remove()
+    return len(calls)
+
+
+def test_validation_of_one_token_windows_is_batched_by_tokens(tiny_config, tmp_path, caplog, one_thread):
+    """seq_len=1, batch_size=1 validated 2,048 one-token windows in 2,048 forward passes (65,536 at the
+    default train.eval_tokens: minutes of an apparent hang before step 1); now train.eval_batch_tokens
+    (512) tokens per pass."""
+    from keel.train.nll import eval_batch_size
+
+    assert [eval_batch_size(1, 1, 512), eval_batch_size(4, 32, 512), eval_batch_size(16, 32, 512),
+            eval_batch_size(16, 128, 512), eval_batch_size(3, 1000, 512)] == [512, 16, 16, 16, 3]
+    trainer = _trainer(tiny_config(seq_len=1, batch_size=1, eval_tokens=2048), tmp_path / "one")
+    assert tuple(trainer.val_windows.shape) == (2048, 2) and trainer.eval_bs == 512
+    assert _forward_passes(trainer) == 4
+    slow = _trainer(tiny_config(seq_len=1, batch_size=1, eval_tokens=2048, eval_batch_tokens=1), tmp_path / "slow")
+    assert slow.eval_bs == 1 and _forward_passes(slow) == 2048
+    with caplog.at_level("INFO", logger="keel"):
+        slow._describe()
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("validation:")] == [
+        "validation: 2,048 windows (train.eval_tokens = 2,048, train.seq_len = 1), 1 per forward pass on each "
+        "process (train.eval_batch_tokens = 1): 2,048 forward passes per evaluation"]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="keel"):
+        trainer._describe()  # 4 passes: nothing to say
+    assert not [r for r in caplog.records if r.getMessage().startswith("validation:")]
+    # the same windows and, batched 512 at a time, the same loss as one window at a time (float rounding only)
+    assert trainer.validate() == pytest.approx(slow.validate(), rel=1e-6)
+
+
+def test_validation_loss_of_an_ordinary_config_is_unchanged(tiny_config, tmp_path, one_thread):
+    """A micro-batch of train.eval_batch_tokens or more (16 x 32 = 512 tokens here; every shipped preset,
+    sweep and CPU study) is validated in the batches it always was: the same val_loss to the last bit as
+    the old path, train.batch_size windows per forward pass, written out here."""
+    trainer = _trainer(tiny_config(batch_size=16, eval_tokens=4096), tmp_path / "r")
+    windows, bs, model = trainer.val_windows, 16, trainer.model
+    assert tuple(windows.shape) == (128, 33)
+    model.eval()
+    nats, n = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(windows), bs):
+            batch = windows[i:i + bs]
+            nats += float(model(batch[:, :-1], batch[:, 1:]).double() * batch[:, 1:].numel())
+            n += batch[:, 1:].numel()
+    model.train()
+    assert n == 4096 and trainer.validate() == nats / n

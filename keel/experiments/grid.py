@@ -305,7 +305,7 @@ def _with_defaults(config: dict) -> dict:
     (:func:`keel.config.config_from_dict`), so that a run started before a new config key
     existed still matches its job; any other dict is returned as it is."""
     try:
-        return json.loads(json.dumps(config_from_dict(config).to_dict()))
+        return json.loads(json.dumps(config_from_dict(config, stored=True).to_dict()))
     except (KeelError, TypeError, ValueError, AttributeError):
         return config
 

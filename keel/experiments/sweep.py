@@ -302,7 +302,7 @@ def run_summary(run_dir: str | Path, stopped: str | None = None) -> dict:
     ``unigram_entropy`` (nats, of the run's dataset, or None). Losses are nats/token.
     """
     run_dir = Path(run_dir)
-    cfg = load_config(run_dir / "config.toml")
+    cfg = load_config(run_dir / "config.toml", stored=True)
     records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
     vals = [r for r in records if "val_loss" in r]
     last = records[-1] if records else {}

@@ -90,7 +90,7 @@ def eos_token_of(tokenizer, run_dir: Path | None = None) -> str:
         return EOS_TOKEN
     if run_dir is not None:
         try:
-            cfg = load_config(run_dir / "config.toml")
+            cfg = load_config(run_dir / "config.toml", stored=True)
             if cfg.data.path:
                 token = tokenizer.id_to_token(int(read_meta(cfg.data.path)["eos_id"]))
                 if token is not None:
@@ -291,7 +291,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     if any(o.strip().startswith("model.") for o in overrides):
         raise KeelError("import-hf takes the model from the folder's config.json; --set only data.* and train.* keys")
     exported = hf_dir / KEEL_CONFIG_NAME
-    cfg = load_config(exported if exported.is_file() else None, overrides)
+    cfg = load_config(exported if exported.is_file() else None, overrides, stored=True)
     if not exported.is_file() and not any(o.strip().startswith("data.tokenizer=") for o in overrides):
         cfg.data.tokenizer = str((out / "tokenizer.json").resolve())
     cfg.model = dataclasses.replace(model.config.to_model_config())

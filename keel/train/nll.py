@@ -2,12 +2,14 @@
 
 Training validation (``val_loss``), ``keel eval`` (perplexity, bits per byte), ``keel
 ablate`` (ΔPPL) and the experiment commands all score text through :func:`summed_nll`, on
-windows cut by :func:`keel.data.split_windows`, so their numbers agree exactly.
+windows cut by :func:`keel.data.split_windows`, so their numbers agree exactly. The trainer's
+windows per validation pass: :func:`eval_batch_size`; a loss as a perplexity: :func:`perplexity`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -17,6 +19,28 @@ from keel.model import Transformer
 from keel.train.dist import DistInfo, all_reduce_sum
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+
+# Largest loss whose perplexity is printed as a number; beyond it exp(loss) is reported as inf.
+MAX_PPL_LOSS = 50.0
+
+
+def perplexity(loss: float | None) -> float:
+    """``exp(loss)``; ``inf`` for a loss above :data:`MAX_PPL_LOSS` (50 nats: a perplexity
+    of 5e21, far beyond any vocabulary, so a blown-up run prints ``inf`` rather than an
+    87-digit number) and for a non-finite or missing loss."""
+    if loss is None or not math.isfinite(loss) or loss > MAX_PPL_LOSS:
+        return math.inf
+    return math.exp(loss)
+
+
+def eval_batch_size(batch_size: int, seq_len: int, min_tokens: int) -> int:
+    """Windows per validation forward pass on each process: the training micro-batch
+    (``batch_size`` windows of ``seq_len`` predicted tokens), or, when it predicts fewer than
+    ``min_tokens`` (``train.eval_batch_tokens``), as many whole windows as ``min_tokens``
+    fill. One window per pass made a ``seq_len=1, batch_size=1`` run validate 65,536 windows
+    in as many forward passes; a micro-batch of ``min_tokens`` or more is kept as it is, so
+    an ordinary config's ``val_loss`` is computed exactly as before."""
+    return max(batch_size, min_tokens // seq_len)
 
 
 def _groups(windows: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -5,7 +5,9 @@ Each key declares what a resume does with a changed value (``on_resume`` in its
 :func:`keel.keys.key`, :func:`keel.config.on_resume`): keys that would make the continuation
 another run are refused in one line; every other change is applied from the resumed step,
 logged as a warning and recorded (the trainer writes a ``config_change`` record into
-metrics.jsonl); for the schedule's keys the next step's LR is reported too.
+metrics.jsonl); for the schedule's keys the next step's LR is reported too. ``train.steps``
+may not go below the step the run reached. Which checkpoint a resume continues from:
+:func:`checkpoint_to_resume`.
 """
 
 from __future__ import annotations
@@ -14,11 +16,42 @@ import logging
 import math
 from pathlib import Path
 
-from keel.config import Config, config_from_dict, current_key, load_config, on_resume
+from keel.config import Config, config_from_dict, load_config, on_resume
 from keel.errors import KeelError
+from keel.keys import current_key
+from keel.train.checkpoint import find_intact_checkpoint
+from keel.train.metrics import read_metrics
 from keel.train.optim import lr_at
 
 log = logging.getLogger(__name__)
+
+
+def has_history(run_dir: Path) -> bool:
+    """Whether the run in ``run_dir`` went past step 0: a metrics record of step >= 1 or a checkpoint folder."""
+    if any(p.is_dir() for p in (run_dir / "checkpoints").glob("step_*")):
+        return True
+    return any(r.get("step", 0) >= 1 for r in read_metrics(run_dir / "metrics.jsonl"))
+
+
+def checkpoint_to_resume(run_dir: Path) -> str | None:
+    """The newest intact checkpoint of ``run_dir`` (:func:`keel.train.checkpoint.find_intact_checkpoint`),
+    as a string, or None for a run that has none and no history; each newer damaged one is
+    skipped with a warning saying why.
+
+    Raises:
+        KeelError: the run has history but no intact checkpoint.
+    """
+    ckpt, reasons = find_intact_checkpoint(run_dir)
+    for reason in reasons:
+        log.warning("skipping %s", reason)
+    if ckpt is None and has_history(run_dir):
+        raise KeelError(f"cannot resume {run_dir}: it has history but no intact checkpoint"
+                        f" ({'; '.join(reasons) or 'no checkpoint was saved'}); pass --restart to train it "
+                        "again from step 0 (its metrics and checkpoints are deleted)")
+    if ckpt is not None and reasons:
+        log.warning("resuming from %s, the newest intact checkpoint", ckpt.name)
+    return str(ckpt) if ckpt is not None else None
+
 
 def _flat(d: dict) -> dict:
     """``{"section.key": value}`` of a nested config dict, renamed keys under their current names."""
@@ -47,18 +80,20 @@ def saved_config(state: dict, run_dir: Path, cfg: Config) -> dict:
     if "config" in state:
         return state["config"]
     path = run_dir / "config.toml"
-    return load_config(path).to_dict() if path.is_file() else cfg.to_dict()
+    return load_config(path, stored=True).to_dict() if path.is_file() else cfg.to_dict()
 
 
 def check_config_changes(state: dict, cfg: Config, run_dir: Path) -> dict[str, dict]:
     """Compare ``cfg`` with the config of the checkpoint state ``state``: refuse the keys
-    declared ``on_resume="refuse"`` (one-line KeelError), apply the others, logging each as a
-    warning (and, for schedule keys, how the next step's LR changes).
+    declared ``on_resume="refuse"`` and a ``train.steps`` below the checkpoint's step (one-line
+    KeelError), apply the others, logging each as a warning (and, for schedule keys, how the
+    next step's LR changes). A resume with nothing left to train (the checkpoint is at
+    ``train.steps``) logs nothing here: it applies nothing, and the trainer says so.
 
     Returns:
         The changes, as :func:`config_changes` gives them.
     Raises:
-        KeelError: a refused key changed.
+        KeelError: a refused key changed, or ``train.steps`` is below the step the run reached.
     """
     old = saved_config(state, run_dir, cfg)
     changes = config_changes(old, cfg)
@@ -68,11 +103,16 @@ def check_config_changes(state: dict, cfg: Config, run_dir: Path) -> dict[str, d
         raise KeelError(f"cannot resume {run_dir} with {k} = {changes[k]['new']!r} (it was "
                         f"{changes[k]['old']!r}): changing {', '.join(refused)} would make it another run; "
                         "start a new run instead")
+    if cfg.train.steps < state["step"]:  # "step 10/5": a run cannot be cut back to fewer steps than it trained
+        raise KeelError(f"cannot resume {run_dir}: train.steps={cfg.train.steps} is below the step this run reached "
+                        f"({state['step']}); give train.steps >= {state['step']}")
+    if state["step"] >= cfg.train.steps:
+        return changes
     for key, c in changes.items():
         log.warning("resume: %s changed from %r to %r (applied from step %d)", key, c["old"], c["new"], state["step"])
     if any(on_resume(k) == "schedule" for k in changes):
         try:
-            was = lr_at(state["step"], config_from_dict(old).train)
+            was = lr_at(state["step"], config_from_dict(old, stored=True).train)
         except KeelError:  # the old config no longer validates: nothing to compare with
             return changes
         now = lr_at(state["step"], cfg.train)

@@ -26,7 +26,8 @@ the continuation a different run (every ``model.*`` key, the data keys, ``train.
 one-line error; every other key is applied from the resumed step on, with a warning and a
 ``{"step": k, "config_change": {"section.key": {"old": .., "new": ..}}}`` record in
 ``metrics.jsonl``; a change of the LR at the resumed step is called out. ``config.toml``
-always holds the config in effect.
+always holds the config in effect. A ``train.steps`` below the resumed step is refused; a resume
+with nothing left to train applies no change and writes nothing (one line says so).
 
 Several processes (``torchrun --nproc_per_node N -m keel train ...`` or
 ``keel train --nproc N``): ``train.parallelism`` picks DDP or FSDP2 (applied by
@@ -71,21 +72,18 @@ from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, is_
                                    save_checkpoint, save_sharded_checkpoint, tied_aliases)
 from keel.train.device import (autocast_context, peak_flops, check_activations_fit, check_model_fits, flushing_denormals,
                                memory_errors, resolve_device)
-from keel.train.nll import mean_nll
+from keel.train.nll import eval_batch_size, mean_nll, perplexity
 from keel.train.interrupt import StopSignals, TrainingInterrupted, agreed_stop_signal
 from keel.train.loggers import open_sinks
-from keel.train.metrics import read_metrics, truncate_metrics
+from keel.train.metrics import truncate_metrics
 from keel.train.optim import apply_config, build_optimizer, set_lr, without_scheduler_marks
 from keel.train.parallelize import checkpointed_blocks, gradient_sync, parallelize
 from keel.train.plots import plot_loss
 from keel.train.progress import ProgressReporter, interactive
-from keel.train.resume import check_config_changes
+from keel.train.resume import check_config_changes, checkpoint_to_resume
 from keel.train.sampling import sample_text
 
 log = logging.getLogger(__name__)
-
-# Largest loss whose perplexity is printed as a number; beyond it exp(loss) is reported as inf.
-MAX_PPL_LOSS = 50.0
 
 
 class TrainingStopped(KeelError):
@@ -107,15 +105,6 @@ class TrainResult:
     sample: str
     resumed_from: int | None = None  # the step a resumed run continued from (None: a fresh run)
     steps_run: int = 0  # optimiser steps done by this call (0: nothing to do)
-
-
-def perplexity(loss: float | None) -> float:
-    """``exp(loss)``; ``inf`` for a loss above :data:`MAX_PPL_LOSS` (50 nats: a perplexity
-    of 5e21, far beyond any vocabulary, so a blown-up run prints ``inf`` rather than an
-    87-digit number) and for a non-finite or missing loss."""
-    if loss is None or not math.isfinite(loss) or loss > MAX_PPL_LOSS:
-        return math.inf
-    return math.exp(loss)
 
 
 def check_train_config(cfg: Config) -> None:
@@ -225,7 +214,9 @@ class Trainer:
         self.amp = autocast_context(self.device, self.tc.precision,
                                     sharded=info.distributed and self.tc.parallelism == "fsdp")
         saved = load_trainer_state(self.ckpt) if self.ckpt is not None else None
-        self.changes: dict[str, dict] = {}
+        self.changes: dict[str, dict] = {}  # applied from the resumed step, recorded in metrics.jsonl
+        self.not_applied: dict[str, dict] = {}  # those of a resume with nothing left to train: said, never written
+        self.nothing_left = saved is not None and saved["step"] >= self.tc.steps
         self._load_data()
         if saved is not None:
             self._check_config_changes(saved)  # before the weights are loaded: a clear refusal
@@ -254,31 +245,14 @@ class Trainer:
         D.barrier(self.info)
 
     def _find_checkpoint(self) -> Path | None:
-        """The newest intact checkpoint to resume from (rank 0 decides, all ranks agree).
+        """The newest intact checkpoint to resume from (rank 0 decides,
+        :func:`keel.train.resume.checkpoint_to_resume`; all ranks agree).
 
         Raises:
             KeelError: the run has history but no intact checkpoint.
         """
-        def decide() -> str | None:
-            ckpt, reasons = find_intact_checkpoint(self.run_dir)
-            for reason in reasons:
-                log.warning("skipping %s", reason)
-            if ckpt is None and self._has_history():
-                raise KeelError(f"cannot resume {self.run_dir}: it has history but no intact checkpoint"
-                                f" ({'; '.join(reasons) or 'no checkpoint was saved'}); pass --restart to train it "
-                                "again from step 0 (its metrics and checkpoints are deleted)")
-            if ckpt is not None and reasons:
-                log.warning("resuming from %s, the newest intact checkpoint", ckpt.name)
-            return str(ckpt) if ckpt is not None else None
-
-        found = D.decide_on_rank0(decide, self.info)
+        found = D.decide_on_rank0(lambda: checkpoint_to_resume(self.run_dir), self.info)
         return Path(found) if found is not None else None
-
-    def _has_history(self) -> bool:
-        """Whether the run went past step 0: a metrics record of step >= 1 or a checkpoint folder."""
-        if any(p.is_dir() for p in (self.run_dir / "checkpoints").glob("step_*")):
-            return True
-        return any(r.get("step", 0) >= 1 for r in read_metrics(self.metrics_path))
 
     def _load_data(self) -> None:
         """Rank 0 prepares (or finds) the dataset; the others wait for its answer. Resolves
@@ -295,6 +269,7 @@ class Trainer:
         self.loader = TokenLoader(self.data_dir, "train", batch_size=self.local_bs, seq_len=self.tc.seq_len,
                                   seed=self.tc.seed, rank=self.info.rank, world_size=self.ws)
         self.val_windows = validation_tokens(self.data_dir, self.tc.seq_len, self.tc.eval_tokens)
+        self.eval_bs = eval_batch_size(self.local_bs, self.tc.seq_len, self.tc.eval_batch_tokens)  # windows per pass
 
     def _build_model(self) -> None:
         torch.manual_seed(self.tc.seed)
@@ -323,8 +298,10 @@ class Trainer:
 
     def _check_config_changes(self, state: dict) -> None:
         """The resume policy (:func:`keel.train.resume.check_config_changes`): refuse or apply
-        (rank 0 decides and logs; every rank raises a refusal)."""
-        self.changes = D.decide_on_rank0(lambda: check_config_changes(state, self.cfg, self.run_dir), self.info)
+        (rank 0 decides and logs; every rank raises a refusal); with nothing left to train, the
+        changes are kept aside as not applied (:meth:`_nothing_to_do` says so, nothing records them)."""
+        changes = D.decide_on_rank0(lambda: check_config_changes(state, self.cfg, self.run_dir), self.info)
+        self.changes, self.not_applied = ({}, changes) if self.nothing_left else (changes, {})
 
     def _prepare_run_dir(self) -> list[dict]:
         """Write config and tokenizer; cut metrics.jsonl back to the restored step and record
@@ -333,9 +310,10 @@ class Trainer:
         if self.main:
             with disk_errors(self.run_dir):
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-                dump_config(self.cfg, self.run_dir / "config.toml")
-                with atomic_path(self.run_dir / "tokenizer.json") as tmp:  # on a full disk: this path, not the source
-                    shutil.copyfile(self.data_dir / "tokenizer.json", tmp)
+                if not (self.nothing_left and (self.run_dir / "config.toml").is_file()):  # a no-op resume: as it was
+                    dump_config(self.cfg, self.run_dir / "config.toml")
+                    with atomic_path(self.run_dir / "tokenizer.json") as tmp:  # a full disk: this path, not the source
+                        shutil.copyfile(self.data_dir / "tokenizer.json", tmp)
                 history = truncate_metrics(self.metrics_path, self.state.step if self.ckpt is not None else -1)
             self.history = history  # what the sinks may replay (keel.train.loggers)
             if self.changes:
@@ -366,11 +344,16 @@ class Trainer:
                  + (f"; activation checkpointing: {tc.activation_checkpointing}"
                     if tc.activation_checkpointing != "none" else "")
                  + ("; torch.compile" if tc.compile else ""))
+        passes = -(-len(self.val_windows) // (self.eval_bs * self.ws))
+        if passes > 100:  # a validation that looks hung otherwise (tiny windows, a huge train.eval_tokens)
+            log.info(f"validation: {len(self.val_windows):,} windows (train.eval_tokens = {tc.eval_tokens:,}, "
+                     f"train.seq_len = {tc.seq_len}), {self.eval_bs:,} per forward pass on each process "
+                     f"(train.eval_batch_tokens = {tc.eval_batch_tokens:,}): {passes:,} forward passes per evaluation")
 
     # ------------------------------------------------------------------ pieces of a step
     def validate(self) -> float:
         """Mean validation loss (nats/token) on the fixed validation windows (all ranks)."""
-        return mean_nll(self.model, self.val_windows, self.local_bs, self.device, self.amp, self.info)
+        return mean_nll(self.model, self.val_windows, self.eval_bs, self.device, self.amp, self.info)
 
     def write(self, record: dict) -> None:
         """Send ``record`` to every sink of ``train.loggers`` (metrics.jsonl, TensorBoard, W&B; rank 0)."""
@@ -506,7 +489,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainResult:
         """Train to ``train.steps``; returns the final numbers."""
-        if self.resumed_from is not None and self.state.step >= self.tc.steps:
+        if self.nothing_left:
             self.close_sink()
             return self._nothing_to_do()
         self._describe()
@@ -559,8 +542,14 @@ class Trainer:
                                   f"keel train --resume {self.run_dir}", signum)
 
     def _nothing_to_do(self) -> TrainResult:
-        """A resumed run already at (or past) ``train.steps``: report, train nothing, write nothing."""
-        if self.main:
+        """A resumed run already at ``train.steps``: report, train nothing, write nothing (a changed key
+        is not applied, so not recorded either: one line says so)."""
+        if self.main and self.not_applied:
+            keys = ", ".join(f"{k} = {c['new']!r}" for k, c in self.not_applied.items())
+            log.warning("%s is already at step %d (train.steps = %d): nothing left to train; not applied and not "
+                        "written: %s (raise train.steps with --set to train further)", self.run_dir, self.state.step,
+                        self.tc.steps, keys)
+        elif self.main:
             log.info("%s is already at step %d (train.steps = %d): nothing to do", self.run_dir, self.state.step,
                      self.tc.steps)
         vals = [r["val_loss"] for r in self.history if r.get("val_loss") is not None]

@@ -39,7 +39,7 @@ def _load(args):
     hf, hf_tok, device = load_hf(args.hf, device=args.device)
     cfg = None
     if (Path(args.hf) / KEEL_CONFIG_NAME).is_file():
-        cfg = load_config(Path(args.hf) / KEEL_CONFIG_NAME)
+        cfg = load_config(Path(args.hf) / KEEL_CONFIG_NAME, stored=True)
         cfg.model = hf.config.to_model_config()
     return hf.model, hf_tok.backend_tokenizer, cfg, device, str(args.hf)
 

@@ -172,7 +172,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise KeelError(f"cannot resume {run_dir}: no config.toml there (not a run directory)")
         if args.config:
             raise KeelError("--resume takes the run's own config.toml; use --set to change keys")
-        cfg = load_config(run_dir / "config.toml", args.set)
+        cfg = load_config(run_dir / "config.toml", args.set, stored=True)  # keel wrote it: no rename notes
     else:
         cfg = load_config(resolve_config_path(args.config), args.set)
         run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
