@@ -96,7 +96,7 @@ def run_stress(config: str | None = None, overrides: Sequence[Override] = (), sc
             config, ``out`` not usable, ``report_only`` where no run of the grid has finished.
     """
     schemes, sublayers, seeds, out = list(schemes), list(sublayers), list(seeds), Path(out)
-    ST.check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, engine.get("workers", 1), reference_scheme)
+    ST.check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, reference_scheme)
     group = Group(name="stress", folder="", kind="ramp", schemes=schemes, sublayers=sublayers, seeds=seeds,
                   peak_lr=peak_lr, ramp_steps=ramp_steps, reference=reference_scheme)
     names = [ST.run_name(s, L, sd) for sd in seeds for L in sublayers for s in schemes]

@@ -170,9 +170,10 @@ def stress_jobs(cfg_path, overrides: Sequence[Override], schemes: list[str], sub
     return refs, jobs
 
 
-def check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, workers, reference_scheme) -> None:
+def check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, reference_scheme) -> None:
     """Raise KeelError naming the first bad ``keel stress`` flag: an unknown scheme, an odd depth,
-    a non-positive peak LR, a ramp under 2 steps, negative workers, a repeated value."""
+    a non-positive peak LR, a ramp under 2 steps, a repeated value (``--workers``: the engine's
+    :func:`keel.experiments.grid.check_pool`)."""
     for s in list(schemes) + [reference_scheme]:
         if s not in SCHEMES:
             raise KeelError(f"unknown scheme {s!r} (available: {', '.join(SCHEMES)})")
@@ -183,7 +184,5 @@ def check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, workers, referenc
         raise KeelError(f"--peak-lr must be > 0, got {peak_lr}")
     if ramp_steps < 2:
         raise KeelError(f"--ramp-steps must be >= 2, got {ramp_steps}")
-    if workers < 0:
-        raise KeelError(f"--workers must be >= 0, got {workers}")
     if len(set(schemes)) != len(schemes) or len(set(sublayers)) != len(sublayers) or len(set(seeds)) != len(seeds):
         raise KeelError("--residual, --sublayers and --seeds must not repeat a value")
