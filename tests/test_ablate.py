@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from keel.config import load_config
 from keel.errors import KeelError
-from keel.experiments.ablate import ablate_hf_model, ablate_model, layer_importance, removed_sublayer
+from keel.diagnostics.ablate import ablate_hf_model, ablate_model, layer_importance, removed_sublayer
 from keel.train.nll import mean_nll
 from keel.model import SCHEMES, Transformer
 

@@ -149,9 +149,9 @@ def _register_plot(subparsers) -> None:
 
 
 def _register_ablate(subparsers) -> None:
-    """Add ``keel ablate`` (see :mod:`keel.experiments.ablate`)."""
+    """Add ``keel ablate`` (see :mod:`keel.diagnostics.ablate`)."""
     p = subparsers.add_parser("ablate", help="layer importance: ΔPPL when each sub-layer is removed",
-                              description=module_summary("keel.experiments.ablate"))
+                              description=module_summary("keel.diagnostics.ablate"))
     p.add_argument("--run", default=None, help="a keel run directory (model and validation split)")
     p.add_argument("--hf", default=None, metavar="MODEL_PATH",
                    help="a local Hugging Face causal LM folder instead (one decoder layer = one unit)")

@@ -20,7 +20,7 @@ import torch
 from keel.config import load_config, resolve_config_path
 from keel.diagnostics import gradflow as G
 from keel.errors import KeelError
-from keel.experiments import ablate as A
+from keel.diagnostics import ablate as A
 from keel.experiments import plot as P
 from keel.experiments import presets
 from keel.experiments import sensitivity as LS

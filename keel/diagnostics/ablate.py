@@ -148,7 +148,7 @@ def layer_importance(n_units: int, nll_with: Callable[[int | None], float]) -> d
     Returns ``{"nll_full", "ppl_full", "units": [{"index", "nll", "ppl", "delta_ppl"}, ...]}``
     with ``ppl = exp(min(nll, 700))`` (capped so that a blown-up NLL gives a huge finite PPL, not
     an OverflowError, and ΔPPL stays a number in the JSON) and ``delta_ppl = ppl - ppl_full``
-    (Keel paper, Appendix A). Each unit's PPL is logged at DEBUG level (logger ``keel.experiments.ablate``).
+    (Keel paper, Appendix A). Each unit's PPL is logged at DEBUG level (logger ``keel.diagnostics.ablate``).
     """
     nll_full = nll_with(None)
     ppl_full = _capped_ppl(nll_full)
