@@ -134,8 +134,8 @@ def copy_pre_ln_into_hf(ours: torch.nn.Module, hf: torch.nn.Module) -> None:
              "lm_head.weight": "lm_head.weight"}
     sub = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
            "attn.wo": "self_attn.o_proj", "ffn.w1": "mlp.gate_proj", "ffn.w3": "mlp.up_proj",
-           "ffn.w2": "mlp.down_proj", "attn_res.norm": "input_layernorm",
-           "ffn_res.norm": "post_attention_layernorm"}
+           "ffn.w2": "mlp.down_proj", "attn_residual.norm": "input_layernorm",
+           "ffn_residual.norm": "post_attention_layernorm"}
     src = ours.state_dict()
     dst = hf.state_dict()
     mapped = {}

@@ -5,7 +5,8 @@ line. Everything else about a key is read from that declaration: the load-time c
 (:func:`check_key`), the rule as words (:func:`key_rule`), the allowed values
 (:func:`choices`), what a resume does with a changed value (:func:`resume_policy`) and whether
 only a training callback honours it (:func:`callback_test`). A renamed key's old name is mapped
-here too (:data:`RENAMED_KEYS`, :func:`current_key`). The sections themselves
+here too (:data:`RENAMED_KEYS`, :func:`current_key`), as is a renamed parameter's
+(:data:`RENAMED_PARAMS`, :func:`current_param_name`). The sections themselves
 (``[model]``, ``[data]``, ``[train]``) are in :mod:`keel.config`.
 """
 
@@ -15,6 +16,7 @@ import dataclasses
 import functools
 import logging
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Union, get_args, get_origin, get_type_hints
@@ -210,3 +212,25 @@ def current_key(dotted: str, warn: bool = False) -> str:
         _RENAMES_SAID.add(dotted)
         log.warning("%s is now %s; update your config", dotted, new)
     return new
+
+
+# Parameter names renamed since checkpoints stored them: the module a block holds, old -> new, so
+# ``blocks.N.attn_res.norm.weight`` is now ``blocks.N.attn_residual.norm.weight``. The one place such a
+# rename is recorded: every reader of stored weights maps through it (a Block's load_state_dict hook,
+# keel.train.checkpoint for sharded checkpoints, keel.train.state_dict for name-keyed optimizer states,
+# keel.hf.modeling for exported folders). A Block's residual-scheme units were ``attn_res`` / ``ffn_res``,
+# which read as the AttnRes scheme; the scheme itself (``model.residual = "attn_res"``) keeps its name.
+RENAMED_PARAMS = {"attn_res": "attn_residual", "ffn_res": "ffn_residual"}
+_BLOCK_MODULE = re.compile(r"(?<![^.])(blocks\.\d+\.)(\w+)(?=\.|$)")  # "blocks.N.<module>", at a name boundary
+
+
+def current_param_name(name: str, old: bool = False) -> str:
+    """The current name of the parameter or state-dict key ``name`` (:data:`RENAMED_PARAMS`; itself
+    if not renamed), whatever comes before ``blocks.`` (``model.``, ``_orig_mod.``, ``optim.state.``);
+    with ``old``, the other way: the name a checkpoint saved before the rename stores.
+
+    >>> current_param_name("model.blocks.3.attn_res.norm.weight")
+    'model.blocks.3.attn_residual.norm.weight'
+    """
+    table = {new: was for was, new in RENAMED_PARAMS.items()} if old else RENAMED_PARAMS
+    return _BLOCK_MODULE.sub(lambda m: m[1] + table.get(m[2], m[2]), name)

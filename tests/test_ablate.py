@@ -36,8 +36,8 @@ def hand_forward(model, ids, skip):
     if model.stream is not None:
         x = model.stream.begin(x)
     for b, blk in enumerate(model.blocks):
-        x = blk.attn_res(x, lambda h: blk.attn(h, cos, sin)) if 2 * b != skip else blk.attn_res.removed(x)
-        x = blk.ffn_res(x, blk.ffn) if 2 * b + 1 != skip else blk.ffn_res.removed(x)
+        x = blk.attn_residual(x, lambda h: blk.attn(h, cos, sin)) if 2 * b != skip else blk.attn_residual.removed(x)
+        x = blk.ffn_residual(x, blk.ffn) if 2 * b + 1 != skip else blk.ffn_residual.removed(x)
     if model.stream is not None:
         x = model.stream.end(x)
     if model.norm is not None:
@@ -77,10 +77,10 @@ def test_keel_first_sublayer_removal_keeps_the_rest():
     model, w = _model("keel"), _windows()
     with torch.no_grad(), removed_sublayer(model, 0):
         x = model.tok_emb(w[:, :-1])
-        assert model.blocks[0].attn_res(x, lambda h: 1 / 0) is x  # F is never called
+        assert model.blocks[0].attn_residual(x, lambda h: 1 / 0) is x  # F is never called
         inside = model(w[:, :-1])
     assert torch.equal(inside, hand_forward(model, w[:, :-1], 0))
-    assert "forward" not in vars(model.blocks[0].attn_res)
+    assert "forward" not in vars(model.blocks[0].attn_residual)
     with pytest.raises(KeelError, match="out of range"):
         with removed_sublayer(model, 4):
             pass

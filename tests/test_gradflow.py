@@ -54,13 +54,13 @@ def test_sublayer_grad_norms_match_direct_sum(scheme, val_batch):
     model(val_batch[:, :-1], val_batch[:, 1:]).backward()
     got = sublayer_grad_norms(model)
     assert len(got) == 6
-    # transcription: sub-layer 2b = blocks.b.{attn, attn_res}, 2b+1 = blocks.b.{ffn, ffn_res}
+    # transcription: sub-layer 2b = blocks.b.{attn, attn_residual}, 2b+1 = blocks.b.{ffn, ffn_residual}
     expected = [0.0] * 6
     for name, p in model.named_parameters():
         parts = name.split(".")
         if parts[0] != "blocks":
             continue
-        i = 2 * int(parts[1]) + (0 if parts[2] in ("attn", "attn_res") else 1)
+        i = 2 * int(parts[1]) + (0 if parts[2] in ("attn", "attn_residual") else 1)
         expected[i] += float((p.grad.double() ** 2).sum())
     assert got == pytest.approx([math.sqrt(v) for v in expected], rel=1e-12)
     assert all(v > 0 for v in got)
@@ -79,10 +79,10 @@ def test_stream_grad_norms_match_retain_grad(scheme, val_batch):
     x = model.tok_emb(ids)
     outs = []
     for blk in model.blocks:
-        x = blk.attn_res(x, lambda h, blk=blk: blk.attn(h, cos, sin))
+        x = blk.attn_residual(x, lambda h, blk=blk: blk.attn(h, cos, sin))
         x.retain_grad()
         outs.append(x)
-        x = blk.ffn_res(x, blk.ffn)
+        x = blk.ffn_residual(x, blk.ffn)
         x.retain_grad()
         outs.append(x)
     if model.norm is not None:
@@ -146,7 +146,7 @@ def test_full_jacobian_matches_autograd_on_one_sequence(val_batch):
     blk = model.blocks[0]
     cos, sin = model.rope_cos[:6], model.rope_sin[:6]
     x0 = model.tok_emb(batch[:, :-1]).detach()
-    fn = lambda z: blk.attn_res(z.view(1, 6, 16), lambda h: blk.attn(h, cos, sin)).reshape(-1)  # noqa: E731
+    fn = lambda z: blk.attn_residual(z.view(1, 6, 16), lambda h: blk.attn(h, cos, sin)).reshape(-1)  # noqa: E731
     J = torch.autograd.functional.jacobian(fn, x0.reshape(-1))
     assert prof["full_jacobian"][0] == pytest.approx(torch.linalg.matrix_norm(J, ord=2).item(), rel=1e-5)
 

@@ -144,7 +144,7 @@ def test_hybridnorm_model_matches_block_equations():
     for blk in model.blocks:
         assert blk.attn.q_norm is not None
         y = x + blk.attn(x, cos, sin)
-        h = rmsnorm_ref(y, blk.ffn_res.norm.weight, cfg.norm_eps)
+        h = rmsnorm_ref(y, blk.ffn_residual.norm.weight, cfg.norm_eps)
         x = h + blk.ffn(h)
     ref = rmsnorm_ref(x, model.norm.weight, cfg.norm_eps) @ model.lm_head.weight.T
     torch.testing.assert_close(model(ids), ref.float(), rtol=1e-6, atol=1e-6)  # logits are cast to fp32
@@ -178,7 +178,7 @@ def test_mix_ln_split_is_floor_of_ratio_times_blocks(ratio, n_layers, expected):
     assert mix_ln_post_blocks(cfg) == expected
     if n_layers <= 10:
         model = Transformer(cfg)
-        posts = [(b.attn_res.post, b.ffn_res.post) for b in model.blocks]
+        posts = [(b.attn_residual.post, b.ffn_residual.post) for b in model.blocks]
         assert posts == [(i < expected, i < expected) for i in range(n_layers)]
         assert (model.norm is not None) == (expected < n_layers)
 
@@ -227,7 +227,7 @@ def test_gqa_shapes_and_gradients_reach_every_parameter(variant, n_heads, n_kv_h
     names = [n for n, _ in model.named_parameters()]
     if scheme == "hybridnorm":
         assert any(n.endswith("attn.q_norm.weight") for n in names)
-        assert any("attn_res.norm" in n for n in names) == (variant == "hybridnorm_star")
+        assert any("attn_residual.norm" in n for n in names) == (variant == "hybridnorm_star")
     for name, p in model.named_parameters():
         assert p.grad is not None, name
         assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
@@ -237,5 +237,5 @@ def test_hybridnorm_star_model_first_block(monkeypatch):
     star(monkeypatch)
     model = Transformer(small_cfg(residual="hybridnorm"))
     b0, b1 = model.blocks[0], model.blocks[1]
-    assert b0.attn_res.pre_norm and b0.ffn_res.pre_norm and b0.attn_res.norm is not None
-    assert not b1.attn_res.pre_norm and b1.attn_res.norm is None and b1.ffn_res.norm is not None
+    assert b0.attn_residual.pre_norm and b0.ffn_residual.pre_norm and b0.attn_residual.norm is not None
+    assert not b1.attn_residual.pre_norm and b1.attn_residual.norm is None and b1.ffn_residual.norm is not None

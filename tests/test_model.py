@@ -153,7 +153,7 @@ def test_deepnorm_init_gains():
         expected = xavier_std(lin.weight, gain)
         assert lin.weight.std().item() == pytest.approx(expected, rel=0.03), name
     assert model.tok_emb.weight.std().item() == pytest.approx(cfg.init_std, rel=0.03)
-    assert isinstance(blk.attn_res, DeepNorm)
+    assert isinstance(blk.attn_residual, DeepNorm)
 
 
 @pytest.mark.parametrize("scheme", [s for s in ALL if s != "deepnorm"])  # DeepNorm: test above
@@ -295,9 +295,9 @@ def test_sublayer_count():
     cfg = small_cfg(n_layers=5)
     assert cfg.n_sublayers == 10
     model = Transformer(cfg)
-    assert {b.ffn_res.alpha for b in model.blocks[1:]} == {10.0}  # Keel's alpha, unset: L
-    assert [b.attn_res.index for b in model.blocks] == [0, 2, 4, 6, 8]
-    assert [b.ffn_res.index for b in model.blocks] == [1, 3, 5, 7, 9]
+    assert {b.ffn_residual.alpha for b in model.blocks[1:]} == {10.0}  # Keel's alpha, unset: L
+    assert [b.attn_residual.index for b in model.blocks] == [0, 2, 4, 6, 8]
+    assert [b.ffn_residual.index for b in model.blocks] == [1, 3, 5, 7, 9]
 
 
 @pytest.mark.parametrize("kw,msg", [

@@ -53,8 +53,8 @@ def sub_fns(model, T):
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
     out = []
     for blk in model.blocks:
-        out.append((blk.attn_res, lambda h, blk=blk: blk.attn(h, cos, sin)))
-        out.append((blk.ffn_res, blk.ffn))
+        out.append((blk.attn_residual, lambda h, blk=blk: blk.attn(h, cos, sin)))
+        out.append((blk.ffn_residual, blk.ffn))
     return out
 
 
@@ -128,7 +128,7 @@ def hc_reference(model, ids):
 def test_hyper_connections_model_matches_transcription(n_layers, dynamic):
     cfg = cfg64("hyper_connections", n_layers, hc_dynamic=dynamic, hc_streams=3)
     model, ids = model64(cfg), ids_for(cfg)
-    assert hasattr(model.blocks[0].attn_res, "dynamic_alpha") == dynamic
+    assert hasattr(model.blocks[0].attn_residual, "dynamic_alpha") == dynamic
     torch.testing.assert_close(hidden(model, ids), hc_reference(model, ids), rtol=1e-10, atol=1e-10)
 
 
@@ -401,7 +401,7 @@ def test_attn_res_init_and_readout_sum():
     """Pseudo-queries start at 0 (uniform weights); readout "sum" = embedding + every output."""
     model = Transformer(cfg64("attn_res", 2))
     assert model.cfg.attn_res_blocks == 8 and model.cfg.attn_res_variant == "block"
-    assert not hasattr(model.blocks[0].attn_res, "query")  # one source: nothing to learn
+    assert not hasattr(model.blocks[0].attn_residual, "query")  # one source: nothing to learn
     assert all(not u.query.any() for k, u, _ in model.sublayers() if k > 0) and not model.stream.query.any()
     cfg = cfg64("attn_res", 2, attn_res_readout="sum", attn_res_variant="full")
     model, ids = model64(cfg), ids_for(cfg)
@@ -441,7 +441,7 @@ def test_shortcut_jacobian_of_a_multi_stream_unit(scheme):
     torch.autograd.functional.jacobian of one token's [m, d] -> output entries."""
     cfg = cfg64(scheme, 2, attn_res_variant="full")
     model = model64(cfg)
-    unit = model.blocks[1].attn_res  # sub-layer 2: AttnRes has 3 sources there
+    unit = model.blocks[1].attn_residual  # sub-layer 2: AttnRes has 3 sources there
     m = 3 if scheme == "attn_res" else cfg.hc_streams
     x = torch.randn(m, 2, 3, cfg.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     f_fixed = torch.randn(2, 3, cfg.d_model, dtype=torch.float64)
@@ -490,7 +490,7 @@ def assert_same_unit(ours, theirs, cfg, tol):
 def test_hyper_connections_equal_the_hyper_connections_package():
     hc_pkg = pytest.importorskip("hyper_connections")
     cfg = cfg64("hyper_connections", 2, norm_eps=1e-30)
-    ours = model64(cfg).blocks[0].ffn_res  # sub-layer 1, maps perturbed
+    ours = model64(cfg).blocks[0].ffn_residual  # sub-layer 1, maps perturbed
     n, d = cfg.hc_streams, cfg.d_model
     with torch.no_grad():
         ours.hc_norm.weight.fill_(1.0)  # theirs: F.normalize * sqrt(d) * (gamma + 1), gamma = 0
@@ -512,7 +512,7 @@ def test_mhc_static_maps_equal_the_hyper_connections_package():
     in fp32."""
     hc_pkg = pytest.importorskip("hyper_connections")
     cfg = cfg64("mhc", 2)
-    ours = model64(cfg).blocks[0].ffn_res
+    ours = model64(cfg).blocks[0].ffn_residual
     n, d = cfg.hc_streams, cfg.d_model
     with torch.no_grad():
         for p in (ours.phi_pre, ours.phi_post, ours.phi_res):
@@ -596,7 +596,7 @@ def test_hyper_connections_decay_the_dynamic_parameters_only(dynamic):
     """HC Sec. 4: no weight decay on the static matrices (A_m | A_r, B), decay on the dynamic
     ones (W_m | W_r, W_beta). keel v1 did the opposite for two of them (decayed A, not W_beta)."""
     decay, no_decay = _decayed(Transformer(cfg64("hyper_connections", 2, hc_dynamic=dynamic)))
-    unit = "blocks.0.attn_res."
+    unit = "blocks.0.attn_residual."
     assert {unit + "static_alpha", unit + "static_beta"} <= no_decay
     if dynamic:
         assert {unit + "dynamic_alpha", unit + "dynamic_beta"} <= decay
@@ -606,7 +606,7 @@ def test_hyper_connections_decay_the_dynamic_parameters_only(dynamic):
 
 def test_mhc_decays_its_projections_not_its_biases():
     decay, no_decay = _decayed(Transformer(cfg64("mhc", 2)))
-    unit = "blocks.1.ffn_res."
+    unit = "blocks.1.ffn_residual."
     assert {unit + x for x in ("phi_pre", "phi_post", "phi_res")} <= decay
     assert {unit + x for x in ("b_pre", "b_post", "b_res", "alpha_pre", "alpha_post", "alpha_res")} <= no_decay
     assert not any("hc_norm" in n for n, _ in Transformer(cfg64("mhc", 2)).named_parameters())  # no gain (paper)

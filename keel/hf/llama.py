@@ -44,12 +44,12 @@ def llama_weight_map(n_layers: int) -> list[tuple[str, list[str]]]:
     for i in range(n_layers):
         k, h = f"blocks.{i}.", f"model.layers.{i}."
         table += [
-            (k + "attn_res.norm.weight", [h + "input_layernorm.weight"]),
+            (k + "attn_residual.norm.weight", [h + "input_layernorm.weight"]),
             (k + "attn.wq.weight", [h + "self_attn.q_proj.weight"]),
             (k + "attn.wk.weight", [h + "self_attn.k_proj.weight"]),
             (k + "attn.wv.weight", [h + "self_attn.v_proj.weight"]),
             (k + "attn.wo.weight", [h + "self_attn.o_proj.weight"]),
-            (k + "ffn_res.norm.weight", [h + "post_attention_layernorm.weight"]),
+            (k + "ffn_residual.norm.weight", [h + "post_attention_layernorm.weight"]),
             (k + "ffn.w1.weight", [h + "mlp.gate_proj.weight"]),
             (k + "ffn.w3.weight", [h + "mlp.up_proj.weight"]),
             (k + "ffn.w2.weight", [h + "mlp.down_proj.weight"]),

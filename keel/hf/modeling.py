@@ -31,10 +31,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from keel.errors import KeelError
 from keel.hf.configuration import KeelConfig
+from keel.keys import RENAMED_PARAMS
 from keel.model import RMSNorm, Transformer, rope_tables
 
 _OUTPUT_FIELDS = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
 _CACHE_FIELD = "cache" if "cache" in _OUTPUT_FIELDS else "past_key_values"
+# transformers' ``key_mapping`` (pattern -> replacement) from the names a folder exported before a
+# parameter rename stores to the current ones (keel.keys.RENAMED_PARAMS): model.blocks.N.attn_res.* ...
+OLD_NAME_PATTERNS = {rf"blocks\.(\d+)\.{old}\.": rf"blocks.\1.{new}." for old, new in RENAMED_PARAMS.items()}
 
 
 def check_attention_mask(attention_mask: torch.Tensor | None, past_length: int, total: int) -> None:
@@ -75,6 +79,15 @@ class KeelPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     supports_gradient_checkpointing = False
     _no_split_modules = ["Block"]
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """``PreTrainedModel.from_pretrained``, where a folder exported before a parameter rename
+        (:data:`keel.keys.RENAMED_PARAMS`) loads too: its names are mapped to the current ones
+        (:data:`OLD_NAME_PATTERNS`, before a ``key_mapping`` of the caller's). transformers then
+        saves such a model under the names it was loaded with (``save_original_format``)."""
+        kwargs["key_mapping"] = {**OLD_NAME_PATTERNS, **(kwargs.get("key_mapping") or {})}
+        return super().from_pretrained(*args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: torch.nn.Module) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 
 from keel.config import ModelConfig
 from keel.errors import KeelError
+from keel.keys import RENAMED_PARAMS
 from keel.model.norm import RMSNorm
 from keel.model.residual import Residual, check_model_config, get_scheme
 
@@ -222,21 +223,34 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def _current_unit_names(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
+    """``load_state_dict`` pre-hook of a :class:`Block`: keys saved under a unit's old name
+    (:data:`keel.keys.RENAMED_PARAMS`, e.g. ``blocks.0.attn_res.norm.weight``) are renamed in place
+    to the current one (``blocks.0.attn_residual.norm.weight``), so older weights keep loading."""
+    for name in [k for k in state_dict if k.startswith(prefix)]:
+        head, dot, rest = name[len(prefix):].partition(".")
+        if head in RENAMED_PARAMS:
+            state_dict[prefix + RENAMED_PARAMS[head] + dot + rest] = state_dict.pop(name)
+
+
 class Block(nn.Module):
-    """One block = attention sub-layer (index 2b) + FFN sub-layer (index 2b + 1)."""
+    """One block = attention sub-layer (index 2b) + FFN sub-layer (index 2b + 1); each sub-layer's
+    residual-scheme unit is ``attn_residual`` / ``ffn_residual`` (``attn_res`` / ``ffn_res`` in weights
+    saved before the rename, which still load)."""
 
     def __init__(self, cfg: ModelConfig, block_index: int):
         super().__init__()
         scheme = get_scheme(cfg.residual)
         self.attn = Attention(cfg, block_index, qkv_norm=scheme.attention_qkv_norm)
-        self.attn_res = scheme(cfg, 2 * block_index)
+        self.attn_residual = scheme(cfg, 2 * block_index)
         self.ffn = FeedForward(cfg)
-        self.ffn_res = scheme(cfg, 2 * block_index + 1)
+        self.ffn_residual = scheme(cfg, 2 * block_index + 1)
+        self.register_load_state_dict_pre_hook(_current_unit_names)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.attn_res(x, lambda h: self.attn(h, cos, sin, cache, mask))
-        return self.ffn_res(x, self.ffn)
+        x = self.attn_residual(x, lambda h: self.attn(h, cos, sin, cache, mask))
+        return self.ffn_residual(x, self.ffn)
 
 
 def padding_attention_mask(attention_mask: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,8 +340,8 @@ class Transformer(nn.Module):
         """``(index, residual unit, F)`` for every sub-layer, in the paper's order: block b's
         attention is sub-layer 2b, its FFN 2b + 1 (index 0 .. L-1, L = 2 * n_layers)."""
         for b, block in enumerate(self.blocks):
-            yield 2 * b, block.attn_res, block.attn
-            yield 2 * b + 1, block.ffn_res, block.ffn
+            yield 2 * b, block.attn_residual, block.attn
+            yield 2 * b + 1, block.ffn_residual, block.ffn
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
                 cache: KVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,7 +20,9 @@ Checkpoints do not depend on how the model was run: the weights are the full, ga
 tensors under the plain model's parameter names (no DDP ``module.``, no compile
 ``_orig_mod.``, no FSDP shards), and the optimizer state in ``trainer.pt`` is keyed by
 parameter name (see :func:`keel.train.parallelize.full_optimizer_state_dict`). A run saved
-with N processes resumes with M, compiled or not.
+with N processes resumes with M, compiled or not. Weights and optimizer states stored under
+parameter names renamed since (:data:`keel.keys.RENAMED_PARAMS`) load under the current ones,
+in both formats.
 
 Multi-process runs write a *sharded* checkpoint instead (:func:`save_sharded_checkpoint`)::
 
@@ -54,9 +56,10 @@ from safetensors.torch import load_file, save_file
 
 from keel.errors import KeelError
 from keel.io import atomic_dir, atomic_write_text, chmod_default, make_temp_dir
+from keel.keys import current_param_name
 from keel.train.dist import barrier, broadcast_object
 from keel.train.parallelize import unwrap
-from keel.train.state_dict import load_sharded_state_dict, sharded_state_dict
+from keel.train.state_dict import load_sharded_state_dict, renamed_optimizer_state, sharded_state_dict
 
 COMPILE_PREFIX = "_orig_mod."
 MANIFEST = "manifest.json"
@@ -261,13 +264,28 @@ def load_sharded_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optim
     import torch.distributed.checkpoint as dcp  # lazy: +2-3 s of import; only sharded (FSDP) checkpoints need it
 
     sd = sharded_state_dict(model, optimizer)
+    path = Path(ckpt) / SHARDED_DIR
     try:
+        # dcp.load reads the names it is given: a checkpoint saved before a parameter rename
+        # (keel.keys.RENAMED_PARAMS) is read under its old names, then renamed back
+        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        old = any(current_param_name(k) != k for k in stored)
+        load = _renamed_sharded(sd, old=True) if old else sd
         with warnings.catch_warnings():  # "... assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(sd, checkpoint_id=Path(ckpt) / SHARDED_DIR)
-        load_sharded_state_dict(model, optimizer, sd)
+            dcp.load(load, checkpoint_id=path)
+        load_sharded_state_dict(model, optimizer, _renamed_sharded(load) if old else sd)
     except Exception as e:  # noqa: BLE001 -- CheckpointException, RuntimeError (shapes), OSError ...
         raise KeelError(f"cannot load the sharded checkpoint {ckpt}: {_first_line(e)}") from None
+
+
+def _renamed_sharded(sd: dict, old: bool = False) -> dict:
+    """A :func:`keel.train.state_dict.sharded_state_dict` under the current parameter names, or with
+    ``old`` under those from before a rename (:func:`keel.keys.current_param_name`); tensors shared."""
+    out = {"model": {current_param_name(k, old): v for k, v in sd["model"].items()}}
+    if "optim" in sd:
+        out["optim"] = renamed_optimizer_state(sd["optim"], old)
+    return out
 
 
 def checkpoint_problem(ckpt: str | Path) -> str | None:

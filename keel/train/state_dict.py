@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from keel.errors import KeelError
+from keel.keys import current_param_name
 from keel.train.parallelize import unwrap
 
 
@@ -105,7 +106,20 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
                             "resume it without FSDP first")
         optimizer.load_state_dict(state)
         return
-    set_optimizer_state_dict(unwrap(model), optimizer, state, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(unwrap(model), optimizer, renamed_optimizer_state(state),
+                             options=StateDictOptions(full_state_dict=True))
+
+
+def renamed_optimizer_state(state: dict, old: bool = False) -> dict:
+    """A name-keyed optimizer state (:func:`full_optimizer_state_dict`, or the ``"optim"`` part of a
+    :func:`sharded_state_dict`) under the current parameter names (:func:`keel.keys.current_param_name`:
+    a state saved before a parameter rename loads), or with ``old`` under the names from before it.
+    The tensors are shared, not copied; an index-keyed state's integers stay as they are."""
+    def name(n):
+        return current_param_name(n, old) if isinstance(n, str) else n
+
+    return {**state, "state": {name(k): v for k, v in state.get("state", {}).items()},
+            "param_groups": [{**g, "params": [name(p) for p in g["params"]]} for g in state.get("param_groups", [])]}
 
 
 def sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
