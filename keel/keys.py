@@ -6,18 +6,19 @@ line. Everything else about a key is read from that declaration: the load-time c
 (:func:`choices`), what a resume does with a changed value (:func:`resume_policy`) and whether
 only a training callback honours it (:func:`callback_test`). A renamed key's old name is mapped
 here too (:data:`RENAMED_KEYS`, :func:`current_key`), as is a renamed parameter's
-(:data:`RENAMED_PARAMS`, :func:`current_param_name`). The sections themselves
-(``[model]``, ``[data]``, ``[train]``) are in :mod:`keel.config`.
+(:data:`RENAMED_PARAMS`, :func:`current_param_name`). The sections themselves (``[model]``,
+``[data]``, ``[train]``) are in :mod:`keel.config`, a study group's keys in its ``Group``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import logging
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Union, get_args, get_origin, get_type_hints
 
@@ -32,41 +33,47 @@ ResumePolicy = Literal["refuse", "apply", "schedule"]
 
 
 def key(default: Any, help: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-        lt: float | None = None, nonempty: bool = False, note: str = "", on_resume: ResumePolicy | None = None,
-        callback: Callable[[Any], bool] | None = None) -> Any:
+        lt: float | None = None, nonempty: bool = False, unique: bool = False, note: str = "",
+        on_resume: ResumePolicy | None = None, callback: Callable[[Any], bool] | None = None,
+        read_if: Callable[[Any], bool] | None = None) -> Any:
     """Declare one config key: a ``dataclasses.field`` whose metadata holds everything about it.
 
     Args:
-        default: the default value (a list is copied per instance; None = unset).
+        default: the default value (a list or dict is copied per instance; None = unset).
         help: one line for ``keel config``.
-        ge, gt, le, lt: inclusive / exclusive bounds of a number (a float key must also be finite).
-        nonempty: a string key must not be empty.
+        ge, gt, le, lt: inclusive / exclusive bounds of a number, also of each number in a list or
+            table key (``lrs: list[float]``, gt=0: every LR > 0); a float must also be finite.
+        nonempty: a string key, a list key, each list of a table key (``dict[str, list[int]]``) is not empty.
+        unique: the items of a list key (of each list of a table key) are distinct.
         note: said in parentheses after the rule in the error message and the help (``0 = off``).
         on_resume: what a resume does with a changed value (:data:`ResumePolicy`); None: the
             section's ``ON_RESUME`` (model and data: "refuse", train: "apply").
         callback: for a key only a training callback implements, the test of whether the section
             object asks for it (e.g. ``lambda t: t.gradflow_every > 0``); a trainer without that
             callback refuses such a config (:func:`keel.train.callbacks.unhonoured_keys`).
+        read_if: for a key only some objects read, the test of whether one does (a ramp group's
+            ``peak_lr``: ``lambda g: g.kind == "ramp"``); see :func:`unread_keys`.
     Returns:
         a ``dataclasses.Field`` to assign to the key's annotated name.
     """
     meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "nonempty": nonempty, "note": note,
-            "on_resume": on_resume, "callback": callback}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
+            "unique": unique, "on_resume": on_resume, "callback": callback, "read_if": read_if}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
 class KeyType:
-    """A key's type, read from its annotation: ``base`` (bool, int, float, str or list),
+    """A key's type, read from its annotation: ``base`` (bool, int, float, str, list or dict),
     ``values`` (the ``Literal[...]`` values, of the items for a list; () = any), ``optional``
-    (None allowed = unset) and ``text`` (as ``keel config`` prints it)."""
+    (None allowed = unset), ``text`` (as ``keel config`` prints it), ``hint`` (of a list or table)."""
 
     base: type
     values: tuple = ()
     optional: bool = False
     text: str = ""
+    hint: Any = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,9 +81,10 @@ def key_type(cls: type, name: str) -> KeyType:
     """The :class:`KeyType` of field ``name`` of the section class ``cls``."""
     hint = get_type_hints(cls)[name]
     text = str(next(f.type for f in dataclasses.fields(cls) if f.name == name))
-    if get_origin(hint) is list:
-        values = get_args(get_args(hint)[0])
-        return KeyType(list, values, False, f"list of {choices_text(values)}" if values else text)
+    if get_origin(hint) in (list, dict):
+        item = get_args(hint)[-1]
+        values = get_args(item) if get_origin(item) is Literal else ()
+        return KeyType(get_origin(hint), values, False, f"list of {choices_text(values)}" if values else text, hint)
     parts = get_args(hint) if get_origin(hint) in (Union, type(int | str)) else (hint,)
     optional = type(None) in parts
     values = tuple(v for p in parts if get_origin(p) is Literal for v in get_args(p))
@@ -119,15 +127,32 @@ def _bounds_text(m: Mapping[str, Any], base: type) -> str:
     return f"{'a finite number ' if base is float else ''}{one[0]} {_num(one[1])}"
 
 
+_NOUNS = {int: "integers", float: "numbers", str: "strings"}
+
+
+def _items_text(m: Mapping[str, Any], hint: Any, one: bool = False) -> str:
+    """Values of type ``hint`` as words: ``numbers > 0``, ``lists of 'a' | 'b'`` (``one``: ``a list of ...``)."""
+    a, s = ("a ", "") if one else ("", "s")
+    if get_origin(hint) is dict:
+        return f"{a}table{s} of {_items_text(m, get_args(hint)[1])}"
+    if get_origin(hint) is list:
+        return (f"{a}{'non-empty ' if m['nonempty'] else ''}list{s} of {'distinct ' if m['unique'] else ''}"
+                f"{_items_text(m, get_args(hint)[0])}")
+    if get_origin(hint) is Literal:
+        return choices_text(get_args(hint))
+    return f"{_NOUNS.get(hint, 'values')} {_bounds_text(m, None)}".strip()
+
+
 def key_rule(cls: type, name: str) -> str:
     """The rule of field ``name`` as words (``">= 1"``, ``"in [0, 1)"``, ``"'a' | 'b'"``,
-    ``"a non-empty string"``, with its note), as the error message and ``keel config`` say it;
-    "" for a key with no rule beyond its type."""
+    ``"a non-empty string"``, ``"a list of numbers > 0"``, with its note), as the error message
+    and ``keel config`` say it; "" for a key with no rule beyond its type."""
     m, t = key_field(cls, name).metadata, key_type(cls, name)
     rule = _bounds_text(m, t.base)
-    if t.values:
+    if t.hint is not None:
+        rule = _items_text(m, t.hint, one=True)
+    elif t.values:
         rule = choices_text(t.values) + (f" or {rule or 'an integer'}" if t.base is int else "")
-        rule = f"a list of {rule}" if t.base is list else rule
     elif m["nonempty"]:
         rule = "a non-empty string"
     return f"{rule} ({m['note']})" if rule and m["note"] else rule
@@ -145,41 +170,68 @@ def _in_bounds(m: Mapping[str, Any], x: Any) -> bool:
             and (m["le"] is None or x <= m["le"]) and (m["lt"] is None or x < m["lt"]))
 
 
-def _ok(cls: type, name: str, value: Any) -> bool:
-    """Whether one (already typed) value meets field ``name``'s declaration."""
-    t, m = key_type(cls, name), key_field(cls, name).metadata
-    if t.values and value in t.values:
+def _ok(m: Mapping[str, Any], base: Any, value: Any, values: tuple = ()) -> bool:
+    """Whether one (already typed) value of type ``base`` (a list or table: and its items) meets the declaration ``m``."""
+    if get_origin(base) is dict:
+        return isinstance(value, dict) and all(_ok(m, get_args(base)[1], v) for v in value.values())
+    if get_origin(base) is list:
+        return (isinstance(value, list) and bool(value or not m["nonempty"])
+                and all(_ok(m, get_args(base)[0], x) for x in value) and (not m["unique"] or len(set(value)) == len(value)))
+    if get_origin(base) is Literal:
+        return value in get_args(base)
+    if values and value in values:
         return True
-    if t.values and t.base is not int:
+    if values and base is not int:
         return False
-    if t.base in (int, float):
-        wanted = (int,) if t.base is int else (int, float)
+    if base in (int, float):
+        wanted = (int,) if base is int else (int, float)
         return isinstance(value, wanted) and not isinstance(value, bool) and _in_bounds(m, value)
-    if t.base is str and not isinstance(value, str):
+    if base is str and not isinstance(value, str):
         return False
     return not (m["nonempty"] and not value)
 
 
-def check_key(obj: Any, section: str, name: str) -> None:
+def check_key(obj: Any, section: str, name: str, sep: str = ".") -> None:
     """Check the value of one key of a section object against its declaration (:func:`key`).
 
     Raises:
-        KeelError: ``"{section}.{name} must be {rule}, got {value!r}"`` (for a list key, naming
+        KeelError: ``"{section}{sep}{name} must be {rule}, got {value!r}"`` (for a list key, naming
             the first bad item); an unset optional key (None) passes.
     """
-    value, t = getattr(obj, name), key_type(type(obj), name)
+    value, t, m = getattr(obj, name), key_type(type(obj), name), key_field(type(obj), name).metadata
     if value is None and t.optional:
         return
-    for item in value if t.base is list and isinstance(value, list) else [value]:
-        if not _ok(type(obj), name, item):
-            rule = key_rule(type(obj), name) or f"of type {t.text}"
-            raise KeelError(f"{section}.{name} must be {rule}, got {item!r}")
+    if not _ok(m, t.hint or t.base, value, t.values):
+        rule = key_rule(type(obj), name)
+        if t.base is int and not t.values and (isinstance(value, bool) or not isinstance(value, int)):
+            rule = f"an integer {rule}".strip()  # (a config's value is one by now: keel.config.coerce_key)
+        if t.base is list and isinstance(value, list):  # name the first bad item
+            value = next((x for x in value if not _ok(m, get_args(t.hint)[0], x)), value)
+        raise KeelError(f"{section}{sep}{name} must be {rule or f'of type {t.text}'}, got {value!r}")
 
 
-def check_keys(obj: Any, section: str) -> None:
+def key_names(cls: type) -> list[str]:
+    """The fields of ``cls`` declared by :func:`key` (its keys), in declaration order."""
+    return [f.name for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+
+def check_keys(obj: Any, section: str, sep: str = ".") -> None:
     """:func:`check_key` for every key of a section object, in declaration order."""
-    for f in dataclasses.fields(obj):
-        check_key(obj, section, f.name)
+    for name in key_names(type(obj)):
+        check_key(obj, section, name, sep)
+
+
+def unread_keys(obj: Any, given: Iterable[str]) -> list[str]:
+    """The keys among ``given`` (those a file sets) that ``obj`` does not read: declared with a
+    ``read_if`` test that is false for it (a ramp group's ``peak_lr`` in a train group), sorted."""
+    tests = {n: key_field(type(obj), n).metadata["read_if"] for n in key_names(type(obj))}
+    return sorted(n for n in given if tests.get(n) is not None and not tests[n](obj))
+
+
+def did_you_mean(name: str, names: Iterable[str]) -> str:
+    """`` (did you mean lr?)``: the name among ``names`` closest to ``name`` (``difflib``); "" when none is close."""
+    close = difflib.get_close_matches(name, sorted(names), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def resume_policy(cls: type, name: str) -> ResumePolicy:

@@ -6,40 +6,46 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from keel.config import Override, override_text, resolve_config_path, tomllib
 from keel.errors import KeelError
+from keel.keys import check_keys, did_you_mean, key, key_names, key_rule, unread_keys
 from keel.model import SCHEMES
 
-GROUP_KEYS = {"kind", "schemes", "sublayers", "lrs", "seeds", "seeds_for", "widen", "set", "peak_lr", "ramp_steps",
-              "reference", "lr_from", "lr_from_sublayers", "lr_from_steps", "note", "baselines_from", "baselines"}
+
+def _only(kind: str):
+    return lambda g: g.kind == kind  # the read_if of a key only a group of this kind reads
 
 
 # ----------------------------------------------------------------------------- the study as data
 @dataclass
 class Group:
-    """One group of runs of a study at one scale (see the module docstring). Depths are in
-    sub-layers (even); ``lrs`` are peak LRs (absolute); ``sets`` are its ``[set]`` table as typed
-    ``(section.key, value)`` pairs (:func:`keel.config.apply_overrides`)."""
+    """One group of runs of a study at one scale (see the module docstring): a study file's group
+    keys are declared below (:func:`keel.keys.key`); its ``set`` table is ``sets``, typed
+    ``(section.key, value)`` pairs (:func:`keel.config.apply_overrides`). Python sets the rest."""
 
     name: str
-    schemes: list[str]
-    sublayers: list[int]
-    seeds: list[int]
-    lrs: list[float] = field(default_factory=list)
-    kind: str = "train"
+    schemes: list[str] = key([], "the residual schemes it trains (keel.model.SCHEMES).", nonempty=True, unique=True)
+    sublayers: list[int] = key([], "its depths, in sub-layers.", ge=2, nonempty=True, unique=True, note="even")
+    seeds: list[int] = key([], "the seeds each scheme trains (but those of seeds_for).", nonempty=True, unique=True)
+    lrs: list[float] = key([], "a train group's peak LRs (absolute), or lr_from.", gt=0, unique=True, read_if=_only("train"))
+    kind: Literal["train", "ramp"] = key("train", "an LR grid or an LR ramp (keel sweep's group, made in Python: grid).")
     sets: list[Override] = field(default_factory=list)
-    peak_lr: float = 5e-2
-    ramp_steps: int = 1000
-    lr_from: str = ""
-    lr_from_sublayers: int = 0
-    lr_from_steps: list[int] = field(default_factory=lambda: [0])
-    note: str = ""
-    baselines_from: str = ""
-    baselines: list[str] = field(default_factory=list)
-    seeds_for: dict[str, list[int]] = field(default_factory=dict)
-    widen: int = 2  # LRs a cell a claim reads may gain beyond the planned ones on each side (to bracket its optimum)
-    reference: str = "pre_ln"  # a ramp group's reference scheme (the divergence classifier's baseline run)
+    peak_lr: float = key(5e-2, "a ramp group's last LR.", gt=0, read_if=_only("ramp"))
+    ramp_steps: int = key(1000, "a ramp group's steps to peak_lr.", ge=1, read_if=_only("ramp"))
+    lr_from: str = key("", "a train group whose optimal LR per scheme it trains.", read_if=_only("train"))
+    lr_from_sublayers: int = key(0, "the depth of lr_from's optimum.", read_if=_only("train"))
+    lr_from_steps: list[int] = key([0], "the LRs it trains, in grid steps from lr_from's optimum.", nonempty=True,
+                                   unique=True, note="from the transferred optimum, e.g. [0, -1]", read_if=_only("train"))
+    note: str = key("", "text printed with the group in the report.")
+    baselines_from: str = key("", "a train group whose baselines runs pair with this group's.", read_if=_only("train"))
+    baselines: list[str] = key([], "the schemes of baselines_from that pair.", unique=True, read_if=_only("train"))
+    seeds_for: dict[str, list[int]] = key({}, "a scheme's own seeds.", nonempty=True, unique=True, note="scheme = [seeds]")
+    widen: int = key(2, "LRs a cell a claim reads may gain beyond the planned ones on each side (to bracket its "
+                        "optimum).", ge=0, note="LRs added per side", read_if=_only("train"))
+    reference: str = key("pre_ln", "a ramp group's reference scheme (the divergence classifier's baseline run).",
+                         read_if=_only("ramp"))
     grid: dict[str, list] = field(default_factory=dict)  # a grid group's axes: {section.key: [values]} (keel sweep)
     match_params: int | str | None = None  # a grid group's parameter target (keel sweep --match-params)
     folder: str | None = None  # its runs' folder under the study's out: the name by default, "" = out itself
@@ -82,83 +88,36 @@ class Study:
         return self.sets + (group.sets if group else []) + list(self.user_sets)
 
 
-# group keys' TOML types: key -> (element types, words, example); lists first, then scalars
-_LIST_TYPES = {"schemes": ((str,), "a list of strings", '["keel"]'), "sublayers": ((int,), "a list of integers", "[64]"),
-               "seeds": ((int,), "a list of integers", "[0, 1]"), "lrs": ((int, float), "a list of numbers", "[0.001]"),
-               "baselines": ((str,), "a list of strings", '["keel", "pre_ln"]')}
-_SCALAR_TYPES = {"peak_lr": (int, float), "ramp_steps": (int,), "widen": (int,), "lr_from_sublayers": (int,),
-                 "lr_from": (str,), "reference": (str,),
-                 "kind": (str,), "note": (str,), "baselines_from": (str,)}
-
-
-_RAMP_ONLY = {"peak_lr", "ramp_steps", "reference"}  # keys that only a kind = "ramp" group reads
-_TRAIN_ONLY = {"lrs", "widen", "lr_from", "lr_from_sublayers", "lr_from_steps", "baselines_from", "baselines"}  # train only
-
-
 def is_number(x) -> bool:
     """True for an int or float that is not a bool (TOML/JSON ``true`` is not a number here)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _check_group_types(name: str, d: dict) -> None:
-    """Raise KeelError naming a group key of the wrong TOML type (e.g. ``lrs = 1e-3`` for
-    ``lrs = [1e-3]``, ``lrs = ["1e-3"]``, ``schemes = "keel"``)."""
-    def ok(x, types):
-        return isinstance(x, types) and not isinstance(x, bool)
-    for key, (types, words, example) in _LIST_TYPES.items():
-        v = d.get(key, [])
-        if not isinstance(v, list) or not all(ok(x, types) for x in v):
-            raise KeelError(f"study group {name!r}: {key} must be {words}, e.g. {key} = {example}, got {v!r}")
-    for key, types in _SCALAR_TYPES.items():
-        if key in d and not ok(d[key], types):
-            raise KeelError(f"study group {name!r}: {key} must be {'text' if types == (str,) else 'a number'}, "
-                            f"got {d[key]!r}")
-    sf = d.get("seeds_for", {})
-    if not isinstance(sf, dict) or not all(isinstance(v, list) and v and all(ok(x, (int,)) for x in v)
-                                           for v in sf.values()):
-        raise KeelError(f"study group {name!r}: seeds_for must be a table of scheme = [seeds], e.g. "
-                        f"seeds_for = {{ deepnorm = [0, 1] }}, got {sf!r}")
-    if "set" in d and not isinstance(d["set"], dict):
-        raise KeelError(f"study group {name!r}: set must be a table of config keys, e.g. set = "
-                        "{ \"model.embed_init_std\" = 1.0 }")
-    if any(not x > 0 for x in d.get("lrs", [])) or ("peak_lr" in d and not d["peak_lr"] > 0):
-        raise KeelError(f"study group {name!r}: learning rates must be > 0")
-
-
 def _group(name: str, spec: dict, sized: dict) -> Group:
-    unknown = (set(spec) | set(sized)) - GROUP_KEYS
+    """The group ``name`` of a study file (its ``[groups.NAME]`` table ``spec``, the scale's ``sized``),
+    checked against the declarations of :class:`Group`: one-line errors ``study group 'g': ...``."""
+    where, d, known = f"study group {name!r}", {**spec, **sized}, key_names(Group) + ["set"]
+    unknown = sorted(set(d) - set(known))
     if unknown:
-        raise KeelError(f"study group {name!r}: unknown key(s) {', '.join(sorted(unknown))}")
-    d = {**spec, **sized}
-    _check_group_types(name, d)
-    sets = list(d.pop("set", {}).items())
-    varied = sorted(k for k, _ in sets if k in GRID_KEYS)
+        raise KeelError(f"{where}: unknown key(s) {', '.join(k + did_you_mean(k, known) for k in unknown)}")
+    sets = d.pop("set", {})
+    if not isinstance(sets, dict):
+        raise KeelError(f"{where}: set must be a table of config keys, e.g. set = {{ \"model.embed_init_std\" = 1.0 }}")
+    varied = sorted(k for k in sets if k in GRID_KEYS)
     if varied:
-        raise KeelError(f"study group {name!r}: set {', '.join(varied)}: the group's schemes, sublayers, lrs and "
+        raise KeelError(f"{where}: set {', '.join(varied)}: the group's schemes, sublayers, lrs and "
                         "seeds set it per run; change those instead")
-    g = Group(name=name, sets=sets, **{k: v for k, v in d.items()})
-    for L in g.sublayers:
-        if not isinstance(L, int) or L < 2 or L % 2:
-            raise KeelError(f"study group {name!r}: sub-layers must be even integers >= 2, got {L}")
-    if g.kind not in ("train", "ramp"):
-        raise KeelError(f"study group {name!r}: kind must be train or ramp, got {g.kind!r}")
-    other = sorted(set(d) & (_TRAIN_ONLY if g.kind == "ramp" else _RAMP_ONLY))
+    g = Group(name=name, sets=list(sets.items()), **d)
+    check_keys(g, where, sep=": ")
+    other = unread_keys(g, d)
     if other:
-        raise KeelError(f"study group {name!r}: {', '.join(other)} belong(s) to a "
-                        f"{'train' if g.kind == 'ramp' else 'ramp'} group, not to this {g.kind} group")
-    if g.widen < 0:
-        raise KeelError(f"study group {name!r}: widen must be >= 0 (LRs added per side), got {g.widen}")
-    if g.kind == "ramp" and g.ramp_steps < 1:
-        raise KeelError(f"study group {name!r}: ramp_steps must be >= 1, got {g.ramp_steps}")
+        raise KeelError(f"{where}: {', '.join(other)} belong(s) to a {'train' if g.kind == 'ramp' else 'ramp'} group, "
+                        f"not to this {g.kind} group")
+    odd = [L for L in g.sublayers if L % 2]
+    if odd:
+        raise KeelError(f"{where}: sublayers must be {key_rule(Group, 'sublayers')}, got {odd[0]}")
     if g.kind == "train" and not (g.lrs or g.lr_from):
-        raise KeelError(f"study group {name!r} has neither lrs nor lr_from")
-    steps = g.lr_from_steps
-    if not (isinstance(steps, list) and steps and all(isinstance(k, int) and not isinstance(k, bool) for k in steps)
-            and len(set(steps)) == len(steps)):
-        raise KeelError(f"study group {name!r}: lr_from_steps must be a list of distinct integers (grid steps from "
-                        f"the transferred optimum, e.g. [0, -1]), got {steps!r}")
-    if not (g.schemes and g.sublayers and g.seeds):
-        raise KeelError(f"study group {name!r} needs schemes, sublayers and seeds")
+        raise KeelError(f"{where} has neither lrs nor lr_from")
     return g
 
 
@@ -226,9 +185,9 @@ def _check_tables(name: str, d: dict, scale: str) -> None:
     table(d.get("groups", {}), "groups")
     for g, spec in d.get("groups", {}).items():
         table(spec, f"[groups.{g}]")
-    for key in ("description", "base"):
-        if key in d and not isinstance(d[key], str):
-            raise KeelError(f"study {name!r}: {key} must be text, got {d[key]!r}")
+    for k in ("description", "base"):
+        if k in d and not isinstance(d[k], str):
+            raise KeelError(f"study {name!r}: {k} must be text, got {d[k]!r}")
     sc = d.get("scales", {}).get(scale)
     if sc is None:
         return
@@ -241,15 +200,11 @@ def _check_tables(name: str, d: dict, scale: str) -> None:
 
 
 def _check_group_in_study(g: Group, groups: list[Group]) -> None:
-    """Raise KeelError for a group's unknown or repeated scheme, repeated depth / seed / LR, or an
-    ``lr_from`` that names no fitting train group or steps past its LR grid."""
+    """Raise KeelError for a group's unknown scheme, or an ``lr_from`` that names no fitting train
+    group or steps past its LR grid."""
     bad = [s for s in g.schemes + ([g.reference] if g.kind == "ramp" else []) if s not in SCHEMES]
     if bad:
         raise KeelError(f"study group {g.name!r}: unknown scheme(s) {', '.join(bad)} (available: {', '.join(SCHEMES)})")
-    if len(set(g.schemes)) != len(g.schemes) or len(set(g.sublayers)) != len(g.sublayers) \
-            or any(len(set(g.scheme_seeds(s))) != len(g.scheme_seeds(s)) for s in g.schemes) \
-            or len(set(g.lrs)) != len(g.lrs):
-        raise KeelError(f"study group {g.name!r} repeats a scheme, depth, seed or LR")
     if set(g.seeds_for) - set(g.schemes):
         raise KeelError(f"study group {g.name!r}: seeds_for names scheme(s) the group does not train: "
                         f"{', '.join(sorted(set(g.seeds_for) - set(g.schemes)))}")
@@ -283,9 +238,8 @@ def _check_baselines(g: Group, groups: list[Group]) -> None:
         raise KeelError(f"{where}: baselines_from {g.baselines_from!r} must name another train group of this scale "
                         f"with its own lrs ({', '.join(trains) or 'none'}), and this group needs lrs, not lr_from")
     unknown = [s for s in g.baselines if s not in SCHEMES]
-    if unknown or len(set(g.baselines)) != len(g.baselines):
-        raise KeelError(f"{where}: baselines repeat a scheme or name an unknown one ({', '.join(g.baselines)}; "
-                        f"available: {', '.join(SCHEMES)})")
+    if unknown:
+        raise KeelError(f"{where}: baselines name an unknown scheme ({', '.join(unknown)}; available: {', '.join(SCHEMES)})")
     lacking = {"schemes": [x for x in g.baselines if x not in src.schemes],
                "sub-layers": [L for L in g.sublayers if L not in src.sublayers],
                "LRs": [f"{lr:g}" for lr in g.lrs if not any(math.isclose(lr, x) for x in src.lrs)],
