@@ -149,6 +149,31 @@ def keel_cli():
 
 
 @pytest.fixture
+def keel_main(capsys, monkeypatch):
+    """Run ``keel ARGS`` in this process (``keel.cli.main``), as :func:`keel_cli` does in a
+    subprocess: returns a ``CompletedProcess`` (``returncode``, ``stdout``, ``stderr``). For commands
+    whose process adds nothing to the test (a refusal, a plan, a report): each ``keel_cli`` call
+    starts an interpreter and imports torch (~3 s on an idle core)."""
+    import subprocess
+
+    from keel.cli import main
+
+    def run(*args, cwd=None):
+        argv = [str(a) for a in args]
+        capsys.readouterr()  # what the test printed before is not this command's output
+        with monkeypatch.context() as m:
+            if cwd is not None:
+                m.chdir(cwd)
+            try:
+                code = main(argv)
+            except SystemExit as e:  # argparse's own errors (exit 2) and --help (exit 0)
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["keel", *argv], code, out, err)
+    return run
+
+
+@pytest.fixture
 def connect_attempts(monkeypatch):
     """Every outgoing TCP connection attempt of this process (``socket.connect``, which
     requests/urllib3 and httpx reach), as a list of addresses: "fails fast" is tested as a

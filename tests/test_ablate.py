@@ -86,7 +86,7 @@ def test_keel_first_sublayer_removal_keeps_the_rest():
             pass
 
 
-def test_ablate_cli_on_a_run(tiny_config, tmp_path, keel_cli):
+def test_ablate_cli_on_a_run(tiny_config, tmp_path, keel_cli, keel_main):
     from keel.data import validation_tokens
     from keel.train import train
     from keel.run import Run
@@ -109,7 +109,7 @@ def test_ablate_cli_on_a_run(tiny_config, tmp_path, keel_cli):
         assert res["ppl_full"] == pytest.approx(full, rel=1e-5)
         want = ppl(hand_forward(model, w[:, :-1], 3), w[:, 1:]) - full
     assert res["units"][3]["delta_ppl"] == pytest.approx(want, rel=1e-4, abs=1e-6 * full)
-    r = keel_cli("ablate", "--run", tmp_path / "nowhere")
+    r = keel_main("ablate", "--run", tmp_path / "nowhere")
     assert r.returncode == 2 and "not a run directory" in r.stderr
 
 
@@ -170,7 +170,7 @@ def test_hf_layer_removal_equals_a_model_without_that_layer(tiny_llama):
         assert ppl(model(input_ids=w[:, :-1]).logits, w[:, 1:]) == pytest.approx(full, rel=1e-6)
 
 
-def test_hf_cli_with_text(tiny_llama, tmp_path, keel_cli):
+def test_hf_cli_with_text(tiny_llama, tmp_path, keel_cli, keel_main):
     import json as _json
 
     text = tmp_path / "t.txt"
@@ -182,7 +182,7 @@ def test_hf_cli_with_text(tiny_llama, tmp_path, keel_cli):
     assert len(res["units"]) == 3 and res["tokens"] == 128 and res["scheme"] == "hf:LlamaForCausalLM"
     assert "unit 0: PPL" not in r.stderr  # the per-unit lines only with --verbose
     assert (tmp_path / "o" / "ablate.png").is_file()
-    r = keel_cli("ablate", "--hf", tiny_llama)
+    r = keel_main("ablate", "--hf", tiny_llama)
     assert r.returncode == 2 and "--text" in r.stderr
 
 

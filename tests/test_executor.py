@@ -115,7 +115,7 @@ def _keel(*args, **kw):
     return subprocess.run([str(KEEL), *map(str, args)], capture_output=True, text=True, timeout=HANG_S, **kw)
 
 
-def test_sweep_through_submitit_local_keeps_a_ledger_and_never_submits_twice(tiny_data, tmp_path):
+def test_sweep_through_submitit_local_keeps_a_ledger_and_never_submits_twice(tiny_data, tmp_path, keel_main):
     out = tmp_path / "sweep"
     args = ["sweep", *_sets(tiny_data), "--grid", "train.lr=1e-3,3e-3", "--out", out, "--executor", "submitit-local",
             "--workers", "2", "--threads", "1"]
@@ -131,7 +131,7 @@ def test_sweep_through_submitit_local_keeps_a_ledger_and_never_submits_twice(tin
     assert [x["status"] for x in sweep["runs"]] == ["done", "done"]
     # the same training as a local worker: the losses of a run equal a plain keel train's
     assert _losses(out / "lr0.001") == _losses(_plain_run(tiny_overrides(tiny_data, lr=1e-3), tmp_path / "plain"))
-    again = _keel(*args, "--resume")
+    again = keel_main(*args, "--resume")  # nothing to submit: no process of its own needed
     assert again.returncode == 0 and "0 to run" in again.stderr and "queued" not in again.stderr
     assert json.loads((out / "jobs.json").read_text()) == ledger
 
@@ -189,7 +189,7 @@ def test_a_preempted_job_checkpoints_requeues_itself_and_resumes_to_the_uninterr
     """SIGUSR2 (what submitit asks Slurm for before a time limit) to the job's process mid-run: the
     trainer finishes its step and checkpoints, submitit requeues the job with resume=True, and the
     run continues from that step; its losses equal an uninterrupted run's."""
-    train = dict(steps=150, eval_every=50, checkpoint_every=1000, seed=0)
+    train = dict(steps=60, eval_every=30, checkpoint_every=1000, seed=0)
     out = tmp_path / "sweep"
     args = ["sweep", *_sets(tiny_data, **train), "--grid", "train.seed=0", "--out", out,
             "--executor", "submitit-local", "--threads", "1"]
@@ -209,14 +209,14 @@ def test_a_preempted_job_checkpoints_requeues_itself_and_resumes_to_the_uninterr
     log = (out / "seed0" / "run.log").read_text()
     assert "SIGUSR2 received: stopping after this step" in log
     step = int(log.split("resuming ")[1].split("from step ")[1].split()[0])
-    assert 0 < step < 150 and (out / "seed0" / "checkpoints" / f"step_{step:08d}").is_dir()
+    assert 0 < step < 60 and (out / "seed0" / "checkpoints" / f"step_{step:08d}").is_dir()
     sub = "".join(p.read_text() for p in (out / "submitit").glob("*_log.out"))
     assert "Calling checkpoint method" in sub and f"Requeued job {controller}" in sub
     plain = _losses(_plain_run(tiny_overrides(tiny_data, **train), tmp_path / "plain"))
-    assert _losses(out / "seed0") == plain and len(plain) == 150
+    assert _losses(out / "seed0") == plain and len(plain) == 60
 
 
-def test_a_tiny_study_completes_through_submitit_local(tiny_data, tmp_path):
+def test_a_tiny_study_completes_through_submitit_local(tiny_data, tmp_path, keel_main):
     out = tmp_path / "study"
     args = ["study", "claims", "--scale", "tiny", "--groups", "showcase", "--out", out, "--set",
             f"data.path={tiny_data}", "--executor", "submitit-local", "--workers", "2", "--threads", "1"]
@@ -228,7 +228,7 @@ def test_a_tiny_study_completes_through_submitit_local(tiny_data, tmp_path):
     assert all(x["status"] == "done" and x["final_val_loss"] > 0 for x in runs)
     ledger = json.loads((out / "showcase" / "jobs.json").read_text())["jobs"]
     assert len(ledger) == 3 and all(j["state"] == "done" and j["attempts"] == 1 for j in ledger.values())
-    again = _keel(*args, "--resume")
+    again = keel_main(*args, "--resume")
     assert again.returncode == 0 and "queued" not in again.stderr, again.stderr
 
 

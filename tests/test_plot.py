@@ -47,7 +47,7 @@ def test_legend_labels_count_sub_layers():
     assert _series_key(values, ["train.lr"]) == "residual=keel, 4 sub-layers"
 
 
-def test_plots_are_written(sweep_dir, tmp_path, keel_cli):
+def test_plots_are_written(sweep_dir, tmp_path, keel_main):
     assert plot_loss_curves([sweep_dir], tmp_path / "loss.png") == 8
     assert plot_loss_curves([sweep_dir / "keel_L2_lr0.001", sweep_dir / "pre_ln_L4_lr0.01"], tmp_path / "v.png",
                             val=True, x="steps") == 2
@@ -55,10 +55,10 @@ def test_plots_are_written(sweep_dir, tmp_path, keel_cli):
     assert plot_lr(sweep_dir, tmp_path / "lr.png") == 4  # scheme x depth lines
     for f in ("loss.png", "v.png", "depth.png", "lr.png"):
         _png(tmp_path / f)
-    r = keel_cli("plot", "depth", sweep_dir, "--out", tmp_path / "cli.png")
+    r = keel_main("plot", "depth", sweep_dir, "--out", tmp_path / "cli.png")
     assert r.returncode == 0 and "2 lines" in r.stdout
     _png(tmp_path / "cli.png")
-    r = keel_cli("plot", "loss", tmp_path, "--out", tmp_path / "x.png")
+    r = keel_main("plot", "loss", tmp_path, "--out", tmp_path / "x.png")
     assert r.returncode == 2 and "not a run folder" in r.stderr
 
 

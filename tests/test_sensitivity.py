@@ -77,7 +77,7 @@ def test_unigram_entropy_added_to_an_old_dataset(tiny_data, tmp_path):
 
 
 @pytest.mark.long
-def test_lr_sensitivity_cli_end_to_end(keel_cli, tiny_data, tmp_path):
+def test_lr_sensitivity_cli_end_to_end(keel_cli, keel_main, tiny_data, tmp_path):
     out = tmp_path / "sens"
     sets = tiny_overrides(tiny_data, steps=6, warmup_steps=2, eval_every=6, checkpoint_every=100, sample_tokens=0)
     args = ["lr-sensitivity", "--config", DEMO, "--residual", "pre_ln,keel", "--sublayers", "2,4", "--lrs", "1e-3,1e-2,10",
@@ -100,15 +100,15 @@ def test_lr_sensitivity_cli_end_to_end(keel_cli, tiny_data, tmp_path):
     assert saved["unigram_entropy"] == pytest.approx(dataset_unigram_entropy(tiny_data))
     assert (out / "sensitivity.png").stat().st_size > 1000 and "LR sensitivity" in (out / "sensitivity.md").read_text()
     # cached: a resumed run trains nothing; report-only reads the same numbers
-    again = keel_cli(*args, "--resume")
+    again = keel_main(*args, "--resume")
     assert again.returncode == 0 and "12 finished already, 0 to run" in again.stderr  # progress lines are logged (stderr)
-    rep = keel_cli(*args, "--report-only")
+    rep = keel_main(*args, "--report-only")
     assert rep.returncode == 0 and "12/12 runs finished" in rep.stderr
     empty = tmp_path / "no-runs"  # report-only where no run has finished: one line, nothing written
-    none = keel_cli(*[empty if a == out else a for a in args], "--report-only")
+    none = keel_main(*[empty if a == out else a for a in args], "--report-only")
     assert none.returncode == 2 and "nothing to report" in none.stderr and "Traceback" not in none.stderr
     assert not empty.exists()
-    bad = keel_cli(*args)  # not empty without --resume
+    bad = keel_main(*args)  # not empty without --resume
     assert bad.returncode == 2 and "--resume" in bad.stderr and "Traceback" not in bad.stderr
 
 

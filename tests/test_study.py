@@ -603,7 +603,7 @@ def test_a_folder_stopped_before_its_first_run_starts_again_without_resume(tmp_p
         SRun._claim_out(out, st, "keel study claims --scale tiny", resume=False, report_only=False)
 
 
-def test_out_belongs_to_one_study_and_scale(tmp_path, keel_cli):
+def test_out_belongs_to_one_study_and_scale(tmp_path, keel_main):
     (tmp_path / "file").write_text("x")
     with pytest.raises(KeelError, match="not a folder"):
         SRun.run_study("claims", "tiny", tmp_path / "file", resume=True)
@@ -613,7 +613,7 @@ def test_out_belongs_to_one_study_and_scale(tmp_path, keel_cli):
     (tmp_path / "other" / "study.json").write_text(json.dumps({"study": "claims", "scale": "cpu"}))
     with pytest.raises(KeelError, match="holds study 'claims' at scale 'cpu'"):
         SRun.run_study("claims", "tiny", tmp_path / "other", resume=True)
-    r = keel_cli("study", "claims", "--scale", "tiny", "--threads", "-2", "--workers", "0", "--out", tmp_path / "t")
+    r = keel_main("study", "claims", "--scale", "tiny", "--threads", "-2", "--workers", "0", "--out", tmp_path / "t")
     assert r.returncode == 2 and "--threads must be >= 0" in r.stderr and "Traceback" not in r.stderr
     # a bad --set is refused before the folder is claimed (was: study.json written, the fixed command refused)
     with pytest.raises(KeelError, match="train.compile must be true or false"):
@@ -689,7 +689,7 @@ def test_grid_accepts_a_job_stored_before_a_new_config_key(tmp_path):
 
 
 @pytest.mark.long
-def test_study_tiny_end_to_end(keel_cli, tiny_data, tmp_path):
+def test_study_tiny_end_to_end(keel_cli, keel_main, tiny_data, tmp_path):
     out = tmp_path / "study"
     args = ["study", "claims", "--scale", "tiny", "--workers", "0", "--out", out, "--set", f"data.path={tiny_data}"]
     r = keel_cli(*args)
@@ -732,19 +732,19 @@ def test_study_tiny_end_to_end(keel_cli, tiny_data, tmp_path):
     assert "| sub-layers | scheme | vs keel | vs pre_ln | vs post_ln |" in md and "\n| 4 | attn_res | " in md
     assert "bench.png" in rep["plots"]
     assert all((out / p).stat().st_size > 1000 for p in rep["plots"]) and "margins.png" in rep["plots"]
-    again = keel_cli(*args, "--resume")
+    again = keel_main(*args, "--resume")
     assert again.returncode == 0 and "0 to run" in again.stderr and "Traceback" not in again.stderr
-    assert keel_cli(*args).returncode == 2  # not empty without --resume
+    assert keel_main(*args).returncode == 2  # not empty without --resume
     # --report-only needs no dataset (it used to prepare one, at gpu-1 scale a download) and takes no --set
-    rep_only = keel_cli(*args[:-2], "--report-only", "--json", cwd=tmp_path)
+    rep_only = keel_main(*args[:-2], "--report-only", "--json", cwd=tmp_path)
     assert rep_only.returncode == 0 and json.loads(rep_only.stdout)["claims"][1]["verdict"] == b["verdict"]
     assert json.loads((out / "report.json").read_text())["unigram_entropy"] == rep["unigram_entropy"]
     assert not (tmp_path / "data").exists()
-    refused = keel_cli(*args[:-2], "--report-only", "--set", "train.eval_tokens=512")
+    refused = keel_main(*args[:-2], "--report-only", "--set", "train.eval_tokens=512")
     assert refused.returncode == 2 and "do not combine it with --set" in refused.stderr
 
 
-def test_groups_flag_trains_only_the_named_groups(keel_cli, tiny_data, tmp_path):
+def test_groups_flag_trains_only_the_named_groups(keel_main, tiny_data, tmp_path):
     """`--groups init,showcase` trains those groups and only reads the rest, so a long study
     can run its cheap groups first; the report still lists every group's runs."""
     out = tmp_path / "study"
@@ -756,10 +756,10 @@ def test_groups_flag_trains_only_the_named_groups(keel_cli, tiny_data, tmp_path)
                       "showcase": {"done"}, "transfer-init": {"pending"},
                       "bench": {"pending"}}  # transfer: waits for the lr-grid, not planned
     assert any("group transfer" in w and "waits for group lr-grid" in w for w in r["waiting"])
-    bad = keel_cli("study", "claims", "--scale", "tiny", "--out", tmp_path / "x", "--groups", "init,nope")
+    bad = keel_main("study", "claims", "--scale", "tiny", "--out", tmp_path / "x", "--groups", "init,nope")
     assert bad.returncode == 2 and "has no group(s) nope (groups: lr-grid, transfer, ramp" in bad.stderr
     assert "Traceback" not in bad.stderr and not (tmp_path / "x").exists()
-    both = keel_cli("study", "claims", "--scale", "tiny", "--out", out, "--groups", "init", "--report-only")
+    both = keel_main("study", "claims", "--scale", "tiny", "--out", out, "--groups", "init", "--report-only")
     assert both.returncode == 2 and "do not combine it with --report-only" in both.stderr
 
 
@@ -776,7 +776,7 @@ def test_report_tells_ramp_budgets_from_training_budgets():
     assert SR.tokens_words(s, []) == ""
 
 
-def test_study_flags_refused_before_anything_is_written(keel_cli, tmp_path):
+def test_study_flags_refused_before_anything_is_written(keel_main, tmp_path):
     """Each mistake is one line, exit 2, and leaves no folder behind (a bad --workers used to
     leave study.json, so the corrected command was refused as "not empty")."""
     base = ["study", "claims", "--scale", "tiny"]
@@ -787,18 +787,18 @@ def test_study_flags_refused_before_anything_is_written(keel_cli, tmp_path):
              (["--dry-run", "--workers", "-1"], "--workers must be >= 0"),  # the plan used to accept it
              (["--out", ""], "--out is empty: give an output folder")]
     for extra, message in cases:
-        r = keel_cli(*base, *extra)
+        r = keel_main(*base, *extra)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (extra, r.stderr)
     assert not (tmp_path / "a").exists()
-    plan = json.loads(keel_cli(*base, "--dry-run", "--json").stdout)  # was a bare list of groups, with no totals
+    plan = json.loads(keel_main(*base, "--dry-run", "--json").stdout)  # was a bare list of groups, with no totals
     # lr-grid 24, transfer 6, ramp 4, ramp-long 2, init 24 (2 depths), transfer-init 6, showcase 3, bench 16
     assert plan["total"]["runs"] == sum(g["runs"] for g in plan["groups"]) == 85 and plan["total"]["references"] == 2
-    r = keel_cli("study", "", "--scale", "tiny", "--dry-run")  # said "unknown study 'demo'"
+    r = keel_main("study", "", "--scale", "tiny", "--dry-run")  # said "unknown study 'demo'"
     assert r.returncode == 2 and "the study name is empty" in r.stderr and "Traceback" not in r.stderr
     # --resume on a folder that is not a study's (e.g. one of its groups, as the grid's stop hint named it)
     (tmp_path / "group").mkdir()
     (tmp_path / "group" / "L4_seed0_keel_lr0.01").mkdir()
-    r = keel_cli(*base, "--resume", "--out", tmp_path / "group")
+    r = keel_main(*base, "--resume", "--out", tmp_path / "group")
     assert r.returncode == 2 and "holds no study (no study.json) but is not empty; check --out" in r.stderr
     assert not (tmp_path / "group" / "study.json").exists()
 
@@ -938,7 +938,7 @@ def test_a_study_of_groups_only_reports_its_bench(tmp_path, tiny_data):
     assert "## Verdicts" not in md and "## Group b (no claim reads it)" in md and "| 2 | peri_ln | " in md
 
 
-def test_restore_reports_an_earlier_reports_runs_without_training_them(tmp_path, tiny_data, keel_cli):
+def test_restore_reports_an_earlier_reports_runs_without_training_them(tmp_path, tiny_data, keel_main):
     """`--restore report.json` (the committed report, when runs/ is gone): its finished runs are
     not trained again and give the same numbers and pairs; a run it lacks is trained; a report
     of another study, scale or settings is refused in one line."""
@@ -976,17 +976,17 @@ def test_restore_reports_an_earlier_reports_runs_without_training_them(tmp_path,
     for bad, message in cases:
         with pytest.raises(KeelError, match=message):
             SRun.run_study(str(p), "x", tmp_path / "d", sets, workers=0, restore=bad)
-    r = keel_cli("study", p, "--scale", "x", "--out", tmp_path / "d", *[a for s in sets[1:] for a in ("--set", s)],
+    r = keel_main("study", p, "--scale", "x", "--out", tmp_path / "d", *[a for s in sets[1:] for a in ("--set", s)],
                  "--set", f"data.path={tiny_data}", "--set", "train.steps=3", "--restore", tmp_path / "a" / "report.json")
     assert r.returncode == 2 and "its runs were trained with other settings (train.steps 2 in the report, 3 now)" \
         in r.stderr and "Traceback" not in r.stderr
-    other = keel_cli("study", "claims", "--scale", "tiny", "--out", tmp_path / "d", "--restore",
+    other = keel_main("study", "claims", "--scale", "tiny", "--out", tmp_path / "d", "--restore",
                      tmp_path / "a" / "report.json")
     assert other.returncode == 2 and "holds study 'bench' at scale 'x', not 'claims' at 'tiny'" in other.stderr
     assert not (tmp_path / "d").exists()
 
 
-def test_dry_run_restore_plans_a_transfer_group_at_the_restored_optimum(tmp_path, tiny_data, keel_cli):
+def test_dry_run_restore_plans_a_transfer_group_at_the_restored_optimum(tmp_path, tiny_data, keel_main):
     """`--dry-run --restore` planned an lr_from group at the middle of its source's LR grid, so the
     restored runs at the real optimum were not counted (the committed CPU report: "155 restored",
     where --resume --restore trains only 4 of 163)."""
@@ -1004,7 +1004,7 @@ def test_dry_run_restore_plans_a_transfer_group_at_the_restored_optimum(tmp_path
         if r["group"] == "t":
             r["name"], r["lr"] = r["name"].replace(f"lr{r['lr']:g}", "lr0.01"), 1e-2
     (tmp_path / "r.json").write_text(json.dumps(rep))
-    plan = keel_cli("study", p, "--scale", "x", "--dry-run", "--json", *[a for s in sets for a in ("--set", s)],
+    plan = keel_main("study", p, "--scale", "x", "--dry-run", "--json", *[a for s in sets for a in ("--set", s)],
                     "--restore", tmp_path / "r.json")
     assert plan.returncode == 0, plan.stderr
     got = json.loads(plan.stdout)
@@ -1013,7 +1013,7 @@ def test_dry_run_restore_plans_a_transfer_group_at_the_restored_optimum(tmp_path
     assert [(x["group"], x["lr"], x["status"]) for x in only["runs"]][-1] == ("t", 1e-2, "done")
 
 
-def test_resume_with_other_settings_is_refused_before_the_data_is_prepared(tmp_path, tiny_data, keel_cli):
+def test_resume_with_other_settings_is_refused_before_the_data_is_prepared(tmp_path, tiny_data, keel_main):
     """`--resume` with another --set used to prepare (at gpu-1 scale: download) the dataset first
     and only then fail in the grid; the runs already started are compared first, data.path aside."""
     p = tmp_path / "g.toml"
@@ -1024,13 +1024,13 @@ def test_resume_with_other_settings_is_refused_before_the_data_is_prepared(tmp_p
     flags = [a for s in sets[1:] for a in ("--set", s)]
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
-    r = keel_cli("study", p, "--scale", "x", "--out", tmp_path / "a", "--resume", *flags, "--set", "train.steps=3",
+    r = keel_main("study", p, "--scale", "x", "--out", tmp_path / "a", "--resume", *flags, "--set", "train.steps=3",
                  cwd=elsewhere)  # no data.path: the built-in corpus would be prepared under ./data
     assert r.returncode == 2 and "was started with other settings (train.steps)" in r.stderr, r.stderr
     assert not (elsewhere / "data").exists() and "Traceback" not in r.stderr
 
 
-def test_restore_refuses_malformed_or_mismatched_reports(tmp_path, tiny_data, keel_cli):
+def test_restore_refuses_malformed_or_mismatched_reports(tmp_path, tiny_data, keel_main):
     """What a new user's trial of --restore broke: a record with a loss that is text (a traceback
     after the folder was made), a run listed twice (the last one won silently), a group's own set
     changed in the study file (accepted), the same --set value spelt twice (refused), and a plain
@@ -1079,19 +1079,19 @@ def test_restore_refuses_malformed_or_mismatched_reports(tmp_path, tiny_data, ke
                           report_only=True, restore=tmp_path / "a" / "report.json")
     assert [x["restored"] for x in same["runs"]] == [True, True]
     assert "| g | keel | 2 | 0.001 | 0 | done (restored) |" in (tmp_path / "b" / "report.md").read_text()
-    lost = keel_cli("study", p, "--scale", "x", "--out", tmp_path / "b", "--report-only")
+    lost = keel_main("study", p, "--scale", "x", "--out", tmp_path / "b", "--report-only")
     assert lost.returncode == 2 and "holds 2 runs restored from" in lost.stderr and "give --restore" in lost.stderr
-    plan = keel_cli("study", p, "--scale", "x", "--dry-run", *[a for s in sets for a in ("--set", s)],
+    plan = keel_main("study", p, "--scale", "x", "--dry-run", *[a for s in sets for a in ("--set", s)],
                     "--restore", tmp_path / "a" / "report.json")
     assert plan.returncode == 0 and "2 of these runs are restored from" in plan.stdout
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "study.json").write_text("garbage")
-    r = keel_cli("study", p, "--scale", "x", "--out", tmp_path / "c", "--report-only")
+    r = keel_main("study", p, "--scale", "x", "--out", tmp_path / "c", "--report-only")
     assert r.returncode == 2 and "is not a study's marker" in r.stderr and "Traceback" not in r.stderr
     # --report-only --restore into a folder that is not a study's (it said "nothing to resume" though
     # --resume was not given)
     (tmp_path / "d" / "x").mkdir(parents=True)
-    r = keel_cli("study", p, "--scale", "x", "--out", tmp_path / "d", "--report-only",
+    r = keel_main("study", p, "--scale", "x", "--out", tmp_path / "d", "--report-only",
                  *[a for s in sets for a in ("--set", s)], "--restore", tmp_path / "a" / "report.json")
     assert r.returncode == 2 and "holds no study (no study.json) but is not empty; check --out" in r.stderr
     assert "resume" not in r.stderr and not (tmp_path / "d" / "study.json").exists()

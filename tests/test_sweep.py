@@ -173,16 +173,16 @@ def test_best_over_needs_a_grid_key():
         best_over([], ["model.residual"], "train.lr")
 
 
-def test_cli_errors(keel_cli, tmp_path, tiny_data):
+def test_cli_errors(keel_main, tmp_path, tiny_data):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
-    r = keel_cli("sweep", "--grid", "train.lr=1e-3,2e-3", "--out", tmp_path / "full",
+    r = keel_main("sweep", "--grid", "train.lr=1e-3,2e-3", "--out", tmp_path / "full",
                  *sum((["--set", s] for s in _tiny_sets(tiny_data)), []))
     assert r.returncode == 2 and "--resume" in r.stderr and "Traceback" not in r.stderr
-    r = keel_cli("sweep", "--grid", "train.lr=1e-3", "--best-over", "model.residual", "--out", tmp_path / "o",
+    r = keel_main("sweep", "--grid", "train.lr=1e-3", "--best-over", "model.residual", "--out", tmp_path / "o",
                  *sum((["--set", s] for s in _tiny_sets(tiny_data)), []))
     assert r.returncode == 2 and "--best-over model.residual" in r.stderr
-    r = keel_cli("sweep", "--preset", "no-such-preset")
+    r = keel_main("sweep", "--preset", "no-such-preset")
     assert r.returncode == 2 and "unknown sweep preset" in r.stderr
 
 

@@ -138,19 +138,19 @@ def test_run_dir_in_use_is_refused(tiny_config, tmp_path):
         train(tiny_config(steps=2), run)
 
 
-def test_cli_train_generate_and_errors(keel_cli, tiny_data, tmp_path):
+def test_cli_train_generate_and_errors(keel_cli, keel_main, tiny_data, tmp_path):
     run = tmp_path / "cli-run"
     sets = [a for s in tiny_overrides(tiny_data, steps=4, eval_every=2, checkpoint_every=2) for a in ("--set", s)]
     r = keel_cli("train", "--run-dir", run, *sets)
     assert r.returncode == 0, r.stderr
     assert f"run: {run}" in r.stdout and "validation loss at step 4" in r.stdout and "sample:" in r.stdout
 
-    r = keel_cli("generate", "--run", run, "--prompt", "import os", "--max-new-tokens", "5", "--temperature", "0")
+    r = keel_main("generate", "--run", run, "--prompt", "import os", "--max-new-tokens", "5", "--temperature", "0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("import os")
 
     # resume with more steps
-    r = keel_cli("train", "--resume", run, "--set", "train.steps=6")
+    r = keel_main("train", "--resume", run, "--set", "train.steps=6")
     assert r.returncode == 0, r.stderr
     assert "validation loss at step 6" in r.stdout
 
