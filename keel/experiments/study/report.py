@@ -223,7 +223,7 @@ def restored_words(runs: list[dict], restore: str | Path | None) -> str:
     if not n:
         return ""
     return (f" {n} of the finished runs were restored from `{restore}` (an earlier report of this study: their "
-            "numbers, not their run folders; their loss curves are not redrawn here).")
+            "numbers and thinned loss curves, not their run folders; a record without a curve is not redrawn).")
 
 
 def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[dict], command: str,

@@ -413,7 +413,7 @@ def execute(study: Study, out: str | Path, *, workers: int = 1, threads: int | N
             covers every group's finished runs. An ``lr_from`` group still waits for its source.
         restore: an earlier ``report.json`` of this study (:func:`load_restored`, e.g. the
             committed one when ``out`` was lost): its finished runs are not trained again and
-            count in the verdicts and tables; their loss curves are not redrawn.
+            count in the verdicts and tables; their plots are redrawn from the thinned curves they keep.
     Returns:
         The ``report.json`` content: ``study``, ``scale``, ``claims`` (per claim its verdict and
         numbers), ``baseline_margins`` (:func:`baseline_margins` of each group, with ``group``),
