@@ -458,7 +458,8 @@ BENCH = ('[groups.b]\nschemes = ["peri_ln"]\nbaselines_from = "g"\nbaselines = [
     (GROUP + CLAIM.replace('baseline = "pre_ln"', 'baseline = "post_ln"'), "post_ln not trained"),
     (GROUP + CLAIM + "[verdict]\nmin_effect = -1\n", "min_effect"),
     (GROUP + "[scales.x.groups.zzz]\nseeds = [0]\n" + CLAIM, "undeclared group"),
-    (GROUP.replace("[scales", 'lr_from = "g"\nlr_from_sublayers = 2\n[scales') + CLAIM, "lr_from must name another"),
+    (GROUP.replace("[scales", 'lr_from = "g"\nlr_from_sublayers = 2\n[scales').replace("lrs = [1e-3]\n", "") + CLAIM,
+     "lr_from must name another"),
     # wrong TOML types (were tracebacks, or "unknown scheme(s) k, e, e, l" for schemes = "keel")
     (GROUP.replace("lrs = [1e-3]", "lrs = 1e-3") + CLAIM, "lrs must be a list of distinct numbers > 0, got 0.001"),
     (GROUP.replace('lrs = [1e-3]', 'lrs = ["1e-3"]') + CLAIM, "lrs must be a list of distinct numbers > 0, got '1e-3'"),
@@ -559,6 +560,47 @@ def test_a_bad_group_key_is_one_line_naming_the_group(tmp_path, line, message):
     with pytest.raises(KeelError) as e:
         SC.load_study(str(p), "x")
     assert str(e.value) == f"study group 'g': {message}"
+
+
+def _named(name: str) -> str:
+    """GROUP and CLAIM with the group called ``name`` (a TOML quoted key)."""
+    return GROUP.replace("groups.g]", f'groups."{name}"]') + CLAIM.replace('["g"]', f'["{name}"]')
+
+
+@pytest.mark.parametrize("text, message", [
+    # a group name is the folder of its runs under --out: "../escape" wrote them to OUT/../escape
+    *[(_named(n), f"study 's': group name {n!r} must be a simple name (letters, digits, _ . -, starting with a "
+       "letter or digit): it names the folder of its runs under --out") for n in ("../escape", "a/b", ".", "..", "/abs")],
+    # unknown keys of a [scales.S] table were ignored
+    (GROUP + '[scales.x.sett]\n"train.steps" = 3\n' + CLAIM,
+     "study 's': [scales.x] unknown key(s) sett (did you mean set?) (it takes note, set, groups)"),
+    (GROUP + '[scales.x]\nnotes = "x"\n' + CLAIM,
+     "study 's': [scales.x] unknown key(s) notes (did you mean note?) (it takes note, set, groups)"),
+    (GROUP + "[scales.x]\nseeds = [0]\n" + CLAIM, "study 's': [scales.x] unknown key(s) seeds (it takes note, set, groups)"),
+    # claims: a key that named nothing, or named a scheme twice, was accepted
+    (RAMPS + RAMP_CLAIM.replace('"long"', '"zz"'),
+     "study 's': claim 'a': extended_group 'zz' names no group of the study (groups: r, long)"),
+    (RAMPS + RAMP_CLAIM.replace('["pre_ln", "keel"]', '["keel", "keel"]'),
+     "study claim 'a': order must be a non-empty list of distinct strings (two or more scheme names), got ['keel', 'keel']"),
+    (GROUP + CLAIM.replace('baseline = "pre_ln"', 'baseline = "keel"'),
+     "study claim 'b': scheme and baseline are both 'keel'; the margin is between two different schemes"),
+    # groups: lr_from's keys given without it, or lrs given with it (ignored)
+    (GROUP.replace("[scales", '[groups.t]\nschemes = ["keel"]\nlr_from = "g"\n[scales') + CLAIM
+     + "[scales.x.groups.t]\nsublayers = [4]\nseeds = [0]\nlr_from_sublayers = 2\nlrs = [1e-3]\n",
+     "study group 't': lrs is ignored with lr_from (the group trains lr_from's optimum and its lr_from_steps); give one"),
+    (GROUP.replace("[scales", "lr_from_steps = [0]\n[scales") + CLAIM,
+     "study group 'g': lr_from_steps need(s) lr_from (the train group whose optimal LR it trains)"),
+    (GROUP.replace("[scales", "lr_from_sublayers = 2\n[scales") + CLAIM,
+     "study group 'g': lr_from_sublayers need(s) lr_from (the train group whose optimal LR it trains)"),
+])
+def test_a_study_key_that_would_be_ignored_or_escape_out_is_refused(tmp_path, text, message):
+    """Found by a fresh user: each was accepted silently (the runs of group "../escape" written
+    outside --out); each is now one line naming the study, group or claim and the key."""
+    p = tmp_path / "s.toml"
+    p.write_text(text)
+    with pytest.raises(KeelError) as e:
+        SC.load_study(str(p), "x")
+    assert str(e.value) == message
 
 
 def test_a_study_file_that_is_not_utf8(tmp_path):

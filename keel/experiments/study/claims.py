@@ -104,6 +104,12 @@ class MarginGrows(Claim):
         return list(claim["groups"]) + list(claim.get("init_groups", []))
 
     @classmethod
+    def check(cls, claim: dict, groups: dict[str, Group]) -> None:
+        if claim["scheme"] == claim["baseline"]:
+            raise KeelError(f"study claim {claim['id']!r}: scheme and baseline are both {claim['scheme']!r}; "
+                            "the margin is between two different schemes")
+
+    @classmethod
     def phrase(cls, conds: dict) -> str:
         if len(conds) != 2:
             return super().phrase(conds)
@@ -187,7 +193,7 @@ class MaxLrOrder(Claim):
 
     group: str = key(MISSING, "the ramp group on the paper's ramp (its verdict).", nonempty=True)
     order: list[str] = key(MISSING, "the schemes from the lowest max LR to the highest.", nonempty=True,
-                           note="two or more scheme names")
+                           unique=True, note="two or more scheme names")
     extended_group: str = key("", "the same ramp continued at the same LR per step to a higher peak, reported "
                                   "beside it (optional per scale).")
     verdict = staticmethod(V.claim_max_lr_order)
@@ -280,7 +286,7 @@ def check_claim(c: object, groups: dict[str, Group]) -> None:
     if missing or unknown:
         raise KeelError(f"study claim {c['id']!r} ({cls.kind}): " + (f"missing {', '.join(missing)}" if missing
                                                                       else f"unknown key(s) {', '.join(unknown)}"))
-    check_keys(cls(**c), f"study claim {c['id']!r}:")
+    check_keys(cls(**c), f"study claim {c['id']!r}", sep=": ")
     for g in cls.groups_read(c):
         if g not in groups and g != c.get("extended_group"):  # an extended ramp is optional per scale
             raise KeelError(f"study claim {c['id']!r}: group {g!r} is not sized by this scale")

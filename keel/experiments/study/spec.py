@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -118,6 +119,12 @@ def _group(name: str, spec: dict, sized: dict) -> Group:
         raise KeelError(f"{where}: sublayers must be {key_rule(Group, 'sublayers')}, got {odd[0]}")
     if g.kind == "train" and not (g.lrs or g.lr_from):
         raise KeelError(f"{where} has neither lrs nor lr_from")
+    if g.lr_from and "lrs" in d:
+        raise KeelError(f"{where}: lrs is ignored with lr_from (the group trains lr_from's optimum and its "
+                        "lr_from_steps); give one")
+    stray = [k for k in ("lr_from_sublayers", "lr_from_steps") if k in d and not g.lr_from]
+    if stray:
+        raise KeelError(f"{where}: {', '.join(stray)} need(s) lr_from (the train group whose optimal LR it trains)")
     return g
 
 
@@ -141,6 +148,7 @@ def read_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
     if unknown:
         raise KeelError(f"study {path.stem!r}: unknown top-level key(s) {', '.join(sorted(unknown))}")
     _check_tables(path.stem, d, scale)
+    _check_names(path.stem, d)
     scales = d.get("scales", {})
     if scale not in scales:
         raise KeelError(f"study {path.stem!r} has no scale {scale!r} (scales: {', '.join(scales)})")
@@ -197,6 +205,32 @@ def _check_tables(name: str, d: dict, scale: str) -> None:
         table(sized, f"[scales.{scale}.groups.{g}]")
     if not isinstance(sc.get("note", ""), str):
         raise KeelError(f"study {name!r}: [scales.{scale}] note must be text, got {sc['note']!r}")
+
+
+GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a group's name is the folder of its runs under --out
+SCALE_KEYS = ("note", "set", "groups")  # the keys of a [scales.S] table
+
+
+def _check_names(name: str, d: dict) -> None:
+    """Raise KeelError naming the first name of a (table-shaped) study file that would be
+    ignored or misread: a group name that is not a simple folder name (``"../escape"``, ``"a/b"``,
+    ``"."``: its runs would leave ``--out``), an unknown key of a ``[scales.S]`` table (``sett``,
+    ``seeds`` outside ``groups``), a claim's ``extended_group`` that names no group of the study."""
+    for g in d.get("groups", {}):
+        if not GROUP_NAME.fullmatch(g):
+            raise KeelError(f"study {name!r}: group name {g!r} must be a simple name (letters, digits, _ . -, "
+                            "starting with a letter or digit): it names the folder of its runs under --out")
+    for s, sc in d.get("scales", {}).items():
+        unknown = sorted(set(sc) - set(SCALE_KEYS)) if isinstance(sc, dict) else []
+        if unknown:
+            raise KeelError(f"study {name!r}: [scales.{s}] unknown key(s) "
+                            f"{', '.join(k + did_you_mean(k, SCALE_KEYS) for k in unknown)} (it takes note, set, groups)")
+    claims = d.get("claims", [])
+    for c in claims if isinstance(claims, list) else []:
+        ext = c.get("extended_group") if isinstance(c, dict) else None
+        if isinstance(ext, str) and ext and ext not in d.get("groups", {}):
+            raise KeelError(f"study {name!r}: claim {c.get('id')!r}: extended_group {ext!r} names no group of the "
+                            f"study (groups: {', '.join(d.get('groups', {})) or 'none'})")
 
 
 def _check_group_in_study(g: Group, groups: list[Group]) -> None:
