@@ -1270,3 +1270,56 @@ def test_a_new_kind_of_claim_is_one_class_and_one_toml_block(tmp_path, monkeypat
         p.write_text(GROUP + bad)
         with pytest.raises(KeelError, match=match):
             SC.load_study(str(p), "x")
+
+
+@pytest.mark.parametrize("bad", ["data.tokenizer=bpe:abc", "data.source=/nonexistent/corpus",
+                                 "data.path=/nonexistent/data"])
+def test_bad_data_is_refused_before_out_is_claimed_and_by_dry_run(tmp_path, keel_main, bad):
+    """A bad data key gave the right one-line error but left --out behind holding study.json, and
+    --dry-run accepted it (study and preset front-end alike)."""
+    p = tmp_path / "s.toml"
+    p.write_text(GROUP)
+    sets = ["--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", bad, "--set", "train.steps=2"]
+    for cmd in (["study", p, "--scale", "x"], ["lr-sensitivity", "--sublayers", "2", "--lrs", "1e-3", "--seeds", "0"]):
+        for extra in (["--out", tmp_path / "o"], ["--dry-run", "--out", tmp_path / "o"]):
+            r = keel_main(*cmd, *sets, *extra)
+            assert r.returncode == 2 and r.stderr.startswith("keel: error: ") and r.stderr.count("\n") == 1, r.stderr
+            assert not (tmp_path / "o").exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_vocab_size_below_the_tokenizers_is_refused_before_any_run(tmp_path, tiny_data, keel_main):
+    """model.vocab_size = 256 on a bpe:512 dataset failed run by run (an error line per run, exit 1,
+    run folders and a report written): now one line before any run starts, and --out left unclaimed."""
+    p = tmp_path / "s.toml"
+    p.write_text(GROUP)
+    sets = [f"data.path={tiny_data}", "model.vocab_size=256", "train.steps=2", "model.d_model=16", "model.d_ff=32"]
+    r = keel_main("study", p, "--scale", "x", "--out", tmp_path / "o", *[a for s in sets for a in ("--set", s)])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("keel: error: group g, run L2_seed0_keel_lr0.001: model.vocab_size = 256 is smaller "
+                               "than the tokenizer's vocabulary (512 ids)")
+    assert not (tmp_path / "o").exists()
+
+
+def _no_final_loss(runs: list) -> list:
+    return [{k: v for k, v in runs[0].items() if k != "final_val_loss"}, *runs[1:]]
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda runs: [5, *runs[1:]], r"runs\[0\] must be a run record \(a JSON object\), got 5"),
+    (lambda runs: [{**runs[0], "status": "weird"}, *runs[1:]],
+     r"runs\[0\], run L2_seed0_keel_lr0.001: status must be one of done, superseded, error, pending, got 'weird'"),
+    (_no_final_loss, r"runs\[0\], run L2_seed0_keel_lr0.001: final_val_loss must be a loss >= 0 or null; "
+                     "the record has no final_val_loss"),
+], ids=["not an object", "unknown status", "no final_val_loss"])
+def test_restore_refuses_a_malformed_record_in_one_line(finished_study, tmp_path, keel_main, change, words):
+    """`--report-only --restore` dropped a record that is not an object or has an unknown status
+    (exit 0, "15 of the finished runs were restored", the run pending), and restored a finished
+    run without its final loss as done with no loss: each is refused, naming the record and key."""
+    p, out = finished_study
+    rep = json.loads((out / "report.json").read_text())
+    (tmp_path / "r.json").write_text(json.dumps({**rep, "runs": change(rep["runs"])}))
+    sets = [a for s in rep["sets"] for a in ("--set", s)]
+    r = keel_main("study", p, "--scale", "x", *sets, "--report-only", "--restore", tmp_path / "r.json",
+                  "--out", tmp_path / "o")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and re.search(words, r.stderr), r.stderr
+    assert not (tmp_path / "o").exists()

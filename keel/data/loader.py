@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from keel.data.prepare import FORMAT_VERSION, find_prepared, prepare_dataset
+from keel.data.prepare import FORMAT_VERSION, check_inputs, find_prepared, prepare_dataset
 from keel.data.shards import read_shard
 from keel.errors import KeelError
 
@@ -260,6 +260,20 @@ def resolve_data(cfg, progress: bool = True) -> Path:
         return Path(d.path)
     return prepare_dataset(d.source, d.tokenizer, cache_dir=d.cache_dir, val_fraction=d.val_fraction,
                            max_bytes=d.max_bytes or None, text_field=d.text_field, progress=progress)
+
+
+def check_data(cfg) -> None:
+    """What :func:`resolve_data` would refuse that can be checked without preparing anything
+    (``--dry-run``): ``data.path`` is a prepared dataset, or ``data.source`` and ``data.tokenizer``
+    name something (:func:`keel.data.prepare.check_inputs`).
+
+    Raises:
+        KeelError: ``data.path`` is not a prepared dataset; a bad tokenizer spec or source.
+    """
+    if cfg.data.path:
+        read_meta(cfg.data.path)
+    else:
+        check_inputs(cfg.data.source, cfg.data.tokenizer)
 
 
 def find_data(cfg) -> Path | None:

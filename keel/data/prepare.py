@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 
 from keel.config import DEFAULT_VAL_FRACTION, DataConfig, check_value
 from keel.data.shards import ShardWriter, read_shard
-from keel.data.sources import SourceStats, check_hub_reachable, hub_errors, iter_documents
+from keel.data.sources import SourceStats, check_hub_reachable, check_source, hub_errors, iter_documents
 from keel.data.stats import unigram_entropy
 from keel.data.text import encode_batch
 from keel.errors import KeelError
@@ -402,6 +402,24 @@ class _Spill:
         return (text for text, _ in self.pieces())
 
 
+def check_inputs(source: str, tokenizer: str) -> None:
+    """What can be checked of :func:`prepare_dataset`'s ``source`` and ``tokenizer`` without
+    reading or building anything (``--dry-run``): a ``bpe:N`` spec parses, a tokenizer file path
+    exists, the source names something (:func:`keel.data.sources.check_source`).
+
+    Raises:
+        KeelError: a bad tokenizer spec, a missing tokenizer file, an unknown or missing source.
+    """
+    if _parse_bpe(tokenizer) is None and _is_tokenizer_path(tokenizer) and not Path(tokenizer).expanduser().exists():
+        raise KeelError(f"no such tokenizer file: {Path(tokenizer).expanduser()}")
+    check_source(source)
+
+
+def _is_tokenizer_path(spec: str) -> bool:
+    """Whether a tokenizer spec other than ``bpe:N`` names a file (not a Hugging Face name)."""
+    return spec.endswith(".json") or spec.startswith((".", "/", "~"))
+
+
 def _parse_bpe(spec: str) -> int | None:
     """``"bpe:N"`` -> ``N`` (validated); ``None`` for any other tokenizer spec."""
     if not isinstance(spec, str) or not spec:
@@ -453,7 +471,7 @@ def _load_existing_tokenizer(spec: str, dest: Path) -> tuple[Tokenizer, int]:
         config_path = path.with_name("tokenizer_config.json")
         if config_path.is_file():
             config = json.loads(config_path.read_text())
-    elif spec.endswith(".json") or spec.startswith((".", "/", "~")):
+    elif _is_tokenizer_path(spec):
         raise KeelError(f"no such tokenizer file: {path}")
     elif re.fullmatch(r"[\w.-]+(/[\w.-]+)?", spec):
         check_hub_reachable(f"tokenizer {spec!r}")

@@ -110,17 +110,28 @@ def iter_documents(
 
 def _raw_documents(source: str, text_field: str) -> Iterator[tuple[str, bool]]:
     """Dispatch on the source string; yields ``(text, had_invalid_utf8)`` pairs."""
+    check_source(source)
     if os.path.exists(source):
         yield from _local_documents(Path(source), text_field)
+    elif source.startswith("builtin:"):
+        yield from _stdlib_documents()
+    else:
+        yield from _hf_documents(source, text_field)
+
+
+def check_source(source: str) -> None:
+    """Check what a source string names without reading it: a local path that exists, a known
+    ``builtin:`` source, or an ``hf:`` name (not looked up).
+
+    Raises:
+        KeelError: an unknown builtin source or scheme, or a local path that does not exist.
+    """
+    if os.path.exists(source) or source.startswith("hf:"):
         return
     if source.startswith("builtin:"):
         name = source[len("builtin:") :]
         if name != "python-stdlib":
             raise KeelError(f"unknown builtin data source {name!r} (available: {', '.join(BUILTINS)})")
-        yield from _stdlib_documents()
-        return
-    if source.startswith("hf:"):
-        yield from _hf_documents(source, text_field)
         return
     match = _SCHEME.match(source)
     if match:

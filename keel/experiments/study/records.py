@@ -125,12 +125,34 @@ def load_restored(path: str | Path, study: Study) -> dict[tuple[str, str], dict]
     if diff:
         raise KeelError(f"--restore {path}: its runs were trained with other settings ({diff}); restore only "
                         "the same study, scale and --set values")
+    return _restored_runs(path, rep)
+
+
+_RUN_STATUSES = ("done", "superseded", "error", "pending")  # a report's run statuses; the first two are restored
+
+
+def _restored_runs(path: Path, rep: dict) -> dict[tuple[str, str], dict]:
+    """:func:`load_restored`'s records: the finished runs (``done``, ``superseded``) of the report
+    ``rep`` read from ``path``, each checked (:func:`_check_restored_record`), by (group, run name).
+
+    Raises:
+        KeelError: a record that is not an object, has another status, is malformed, or is listed
+            twice; the message names the record (``runs[i]``, and its run when it has a name) and the key.
+    """
     h1 = rep.get("unigram_entropy")
     out: dict[tuple[str, str], dict] = {}
     superseded = rep.get("superseded_runs") if isinstance(rep.get("superseded_runs"), list) else []
-    for r in rep["runs"] + superseded:
-        if isinstance(r, dict) and r.get("status") in ("done", "superseded"):
-            _check_restored_record(path, r)
+    for where, r in [*((f"runs[{i}]", r) for i, r in enumerate(rep["runs"])),
+                     *((f"superseded_runs[{i}]", r) for i, r in enumerate(superseded))]:
+        if not isinstance(r, dict):
+            raise KeelError(f"--restore {path}: {where} must be a run record (a JSON object), "
+                            f"got {json.dumps(r)[:80]}")
+        who = f"{where}, run {r['name']}" if isinstance(r.get("name"), str) else where
+        if r.get("status") not in _RUN_STATUSES:
+            raise KeelError(f"--restore {path}: {who}: status must be one of {', '.join(_RUN_STATUSES)}, "
+                            f"got {r.get('status')!r}")
+        if r["status"] in ("done", "superseded"):
+            _check_restored_record(path, r, who)
             if (r["group"], r["name"]) in out:
                 raise KeelError(f"--restore {path}: run {r['name']} of group {r['group']} is listed twice")
             out[(r["group"], r["name"])] = {**r, "status": "done", "unigram_entropy": h1 if is_number(h1) else None}
@@ -182,13 +204,14 @@ _RECORD_CHECKS = {"group": (lambda x: isinstance(x, str) and x, "a group name"),
                   "diverged": (lambda x: x is None or isinstance(x, bool), "true, false or null")}
 
 
-def _check_restored_record(path: Path, r: dict) -> None:
-    """Raise KeelError naming the run and the key if a finished run's record in a restored report
-    lacks a key the report reads or holds a value of the wrong type (e.g. a loss that is text)."""
+def _check_restored_record(path: Path, r: dict, who: str) -> None:
+    """Raise KeelError naming the run (``who``) and the key if a finished run's record in a restored
+    report lacks a key the report reads or holds a value of the wrong type (e.g. a loss that is text)."""
     for key, (ok, words) in _RECORD_CHECKS.items():
-        if not ok(r.get(key)):
-            who = f"run {r['name']}" if isinstance(r.get("name"), str) else "a run"
-            raise KeelError(f"--restore {path}: {who}: {key} must be {words}, got {r.get(key)!r}")
+        if key not in r:
+            raise KeelError(f"--restore {path}: {who}: {key} must be {words}; the record has no {key}")
+        if not ok(r[key]):
+            raise KeelError(f"--restore {path}: {who}: {key} must be {words}, got {r[key]!r}")
 
 
 def restored_record(group: Group, job: GridJob, old: dict) -> dict | None:

@@ -14,7 +14,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from keel.config import config_from_dict, load_config, override_text, resolve_config_path
-from keel.data import resolve_data
 from keel.data.stats import dataset_unigram_entropy
 from keel.errors import Interrupted, KeelError
 from keel.experiments import sensitivity as LS
@@ -23,6 +22,7 @@ from keel.experiments.executor import Executor
 from keel.experiments.grid import GridJob, cached_result, check_pool, check_started, run_grid
 from keel.experiments.study.report import claim_summary, report_markdown, superseded_words, write_plots
 from keel.experiments.study.claims import claim_kind, load_study
+from keel.experiments.study.dataset import NO_DATA, check_study_data, shares_data, study_dataset
 from keel.experiments.study.records import kept_restored, load_restored, restored_record, run_record
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.verdicts import LEVEL, baseline_margins, loss_floor
@@ -421,32 +421,33 @@ def execute(study: Study, out: str | Path, *, workers: int = 1, threads: int | N
     Raises:
         KeelError: bad study or scale (:func:`load_study`), bad config, ``out`` not usable
             (:func:`_claim_out`: a file, another study's folder, non-empty without ``resume``);
-            ``groups`` names a group the scale does not have; a bad ``restore``.
+            ``groups`` names a group the scale does not have; a bad ``restore``; the dataset cannot be
+            prepared, or a run's ``model.vocab_size`` is below its vocabulary (:func:`study_dataset`).
     """
     _check_groups(study, study.scale, groups)
     out = Path(out)
     plan = plan_rows(study, "<data>", out, mfu, peak_tflops)  # every group's configs: a bad set refused now
     check_pool(workers, threads)
     restored = load_restored(restore, study) if restore is not None else {}  # after the --set keys are checked
-    if dry_run:
+    base = load_config(resolve_config_path(study.base), study.all_sets())  # a bad --set: refused before out is claimed
+    if dry_run:  # what can be checked of the data without preparing it
+        check_study_data(study, base, planned_jobs(study, NO_DATA, out, restored))
         return _dry_run(study, plan, out, groups, restored, restore, mfu, peak_tflops)
     _check_no_restored_runs_lost(out, restore)
-    base = load_config(resolve_config_path(study.base), study.all_sets())  # a bad --set: refused before out is claimed
     from_report = report_only and restore is not None  # a report of restored runs needs no earlier folder
     fresh = not out.exists()
     first_command = _claim_out(out, study, command, resume=resume or from_report,
                                report_only=report_only and not from_report)
     if resume:  # another --set than the runs started with: refused now, not after the dataset is prepared
         _check_started_runs(study, out)
-    shared = not report_only and not all(g.kind == "grid" and any(k.startswith("data.") for k in g.grid)
-                                         for g in study.groups)  # a report needs no dataset; a grid over data.* its own
-    data_dir = str(resolve_data(base, progress=False)) if shared else "<data>"
     superseded: list[dict] = []
     with _stopped_hint(out), _unclaimed_if(fresh, out), contextlib.nullcontext() if report_only else study_lock(out):
+        data_dir = study_dataset(base, planned_jobs(study, NO_DATA, out, restored)) \
+            if shares_data(study, report_only) else NO_DATA  # prepared once; every run's vocab_size checked on it
         grid = functools.partial(run_grid, workers=workers, threads=threads, executor=executor)
         runs, waiting = collect(study, data_dir, out, train=False if report_only else (list(groups) or True),
                                 grid=grid, restored=restored, superseded=superseded)
-    h1 = dataset_unigram_entropy(data_dir) if shared else \
+    h1 = dataset_unigram_entropy(data_dir) if data_dir != NO_DATA else \
         next((r["result"]["unigram_entropy"] for r in runs if r["result"].get("unigram_entropy")), None)
     return write_report(study, runs, out, h1, first_command, restore, superseded, waiting)
 
@@ -465,7 +466,7 @@ def _stopped_hint(out: Path):
 
 @contextlib.contextmanager
 def _unclaimed_if(fresh: bool, out: Path):
-    """On a KeelError before any run began (e.g. the grid's check of every run refused one), take
+    """On a KeelError before any run began (the data, :func:`study_dataset`; the grid's check of every run), take
     back the marker :func:`_claim_out` wrote in a folder this invocation created, and the folder:
     nothing half-written is left behind."""
     try:
