@@ -62,15 +62,16 @@ def tiny_data(tmp_path_factory):
     return prepare_dataset("builtin:python-stdlib", "bpe:512", cache_dir=cache, max_bytes=300_000, progress=False)
 
 
-def tiny_overrides(data_dir, **train):
-    """``--set`` strings for a seconds-long run on ``data_dir``."""
+def tiny_overrides(data_dir, drop=(), **train):
+    """``--set`` strings for a seconds-long run on ``data_dir``, less those of the keys in ``drop``
+    (e.g. the keys a grid command sets per run, which it refuses in a ``--set``)."""
     t = dict(steps=12, lr=3e-3, warmup_steps=3, batch_size=4, seq_len=32, eval_every=4, eval_tokens=1024,
              checkpoint_every=4, progress=False, sample_tokens=8)
     t.update(train)
     sets = [f"data.path={data_dir}", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
             "model.n_kv_heads=1", "model.d_ff=64", "model.max_seq_len=64", "model.vocab_size=512"]
     sets += [f"train.{k}={v if not isinstance(v, bool) else str(v).lower()}" for k, v in t.items()]
-    return sets
+    return [s for s in sets if s.split("=", 1)[0] not in drop]
 
 
 @pytest.fixture(scope="session")

@@ -117,8 +117,8 @@ def _keel(*args, **kw):
 
 def test_sweep_through_submitit_local_keeps_a_ledger_and_never_submits_twice(tiny_data, tmp_path, keel_main):
     out = tmp_path / "sweep"
-    args = ["sweep", *_sets(tiny_data), "--grid", "train.lr=1e-3,3e-3", "--out", out, "--executor", "submitit-local",
-            "--workers", "2", "--threads", "1"]
+    args = ["sweep", *_sets(tiny_data, drop=("train.lr",)), "--grid", "train.lr=1e-3,3e-3", "--out", out,
+            "--executor", "submitit-local", "--workers", "2", "--threads", "1"]
     r = _keel(*args)
     assert r.returncode == 0, r.stderr
     ledger = json.loads((out / "jobs.json").read_text())
@@ -191,7 +191,7 @@ def test_a_preempted_job_checkpoints_requeues_itself_and_resumes_to_the_uninterr
     run continues from that step; its losses equal an uninterrupted run's."""
     train = dict(steps=60, eval_every=30, checkpoint_every=1000, seed=0)
     out = tmp_path / "sweep"
-    args = ["sweep", *_sets(tiny_data, **train), "--grid", "train.seed=0", "--out", out,
+    args = ["sweep", *_sets(tiny_data, drop=("train.seed",), **train), "--grid", "train.seed=0", "--out", out,
             "--executor", "submitit-local", "--threads", "1"]
     proc = subprocess.Popen([str(KEEL), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -13,7 +13,7 @@ from keel.experiments.sweep import load_sweep, parse_grid
 def sweep_dir(tiny_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("plots") / "sw"
     grid = parse_grid(["model.residual=keel,pre_ln", "model.n_layers=1,2", "train.lr=1e-3,1e-2"])
-    sets = tiny_overrides(tiny_data, steps=4, eval_every=2, checkpoint_every=4)
+    sets = tiny_overrides(tiny_data, ("model.n_layers", "train.lr"), steps=4, eval_every=2, checkpoint_every=4)
     run_sweep(str(REPO / "keel" / "configs" / "demo.toml"), grid, sets, out=out, workers=0, best="train.lr")
     return out
 

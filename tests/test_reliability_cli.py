@@ -8,6 +8,7 @@ import pytest
 from conftest import REPO, tiny_overrides
 from keel.cli import main
 from keel.config import load_config
+from keel.experiments.presets import STRESS_OWNED
 
 
 def sets(data, **train):
@@ -138,7 +139,7 @@ def test_resume_of_a_folder_that_does_not_exist_is_refused(argv, tmp_path, tiny_
     """`--resume --out <typo>` started the whole grid again in a new folder (at a study's cpu scale,
     hours) instead of saying there was nothing to continue."""
     out = tmp_path / "no-such-folder"
-    tiny = [] if argv[0] == "study" else sets(tiny_data, steps=1, eval_every=1)
+    tiny = [] if argv[0] == "study" else sets(tiny_data, drop=STRESS_OWNED, steps=1, eval_every=1)
     assert main([*argv, *tiny, "--out", str(out), "--resume"]) == 2
     err = capsys.readouterr().err
     assert f"--resume: {out} does not exist, nothing to continue" in err and "Traceback" not in err

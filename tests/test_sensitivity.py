@@ -9,6 +9,7 @@ from conftest import REPO, tiny_overrides
 
 from keel.data.stats import dataset_unigram_entropy, unigram_entropy
 from keel.errors import KeelError
+from keel.experiments.presets import SENSITIVITY_OWNED
 from keel.experiments.sensitivity import cell_summary, lr_sensitivity, seed_curve
 
 DEMO = str(REPO / "keel" / "configs" / "demo.toml")
@@ -79,7 +80,8 @@ def test_unigram_entropy_added_to_an_old_dataset(tiny_data, tmp_path):
 @pytest.mark.long
 def test_lr_sensitivity_cli_end_to_end(keel_cli, keel_main, tiny_data, tmp_path):
     out = tmp_path / "sens"
-    sets = tiny_overrides(tiny_data, steps=6, warmup_steps=2, eval_every=6, checkpoint_every=100, sample_tokens=0)
+    sets = tiny_overrides(tiny_data, SENSITIVITY_OWNED, steps=6, warmup_steps=2, eval_every=6, checkpoint_every=100,
+                          sample_tokens=0)
     args = ["lr-sensitivity", "--config", DEMO, "--residual", "pre_ln,keel", "--sublayers", "2,4", "--lrs", "1e-3,1e-2,10",
             "--seeds", "0", "--workers", "0", "--out", out]
     for s in sets:

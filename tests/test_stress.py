@@ -11,7 +11,7 @@ from keel.cli import main
 from keel.data.stats import dataset_unigram_entropy
 from keel.diagnostics.divergence import MODES, classify_metrics
 from keel.experiments.grid import RESULT_FILE
-from keel.experiments.presets import run_stress
+from keel.experiments.presets import STRESS_OWNED, run_stress
 from keel.experiments.stress import (
     REFERENCES,
     max_lr,
@@ -24,7 +24,7 @@ RAMP, PEAK = 30, 5.0
 
 
 def grid(tiny_data, out, workers=1, **kw):
-    sets = tiny_overrides(tiny_data, eval_every=1000, checkpoint_every=10)
+    sets = tiny_overrides(tiny_data, STRESS_OWNED, eval_every=1000, checkpoint_every=10)
     args = dict(config="demo", overrides=sets, schemes=SCHEMES, sublayers=[4], seeds=[0], peak_lr=PEAK,
                 ramp_steps=RAMP, out=out, workers=workers, threads=1)
     args.update(kw)
@@ -82,7 +82,7 @@ def test_two_workers_match_one(tiny_data, tmp_path, one_worker):
 
 def test_cli_json_on_cached_grid(one_worker, tiny_data, capsys):
     out, res = one_worker
-    sets = sum((["--set", s] for s in tiny_overrides(tiny_data, eval_every=1000, checkpoint_every=10)), [])
+    sets = sum((["--set", s] for s in tiny_overrides(tiny_data, STRESS_OWNED, eval_every=1000, checkpoint_every=10)), [])
     rc = main(["stress", "--residual", ",".join(SCHEMES), "--sublayers", "4", "--seeds", "0", "--peak-lr", str(PEAK),
                "--ramp-steps", str(RAMP), "--out", str(out), "--json", "--resume", *sets])
     assert rc == 0

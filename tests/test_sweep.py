@@ -65,10 +65,11 @@ def test_width_for_params_holds_parameters(scheme):
     assert width_for_params(base, target, 16).d_model < 128 < width_for_params(base, target, 1).d_model
 
 
-def _tiny_sets(tiny_data, **train):
+def _tiny_sets(tiny_data, drop=("train.lr",), **train):
+    """:func:`tiny_overrides` of 8 steps, less ``drop`` (the grid's keys: a --set of one is refused)."""
     t = dict(steps=8, checkpoint_every=4, eval_every=4)
     t.update(train)
-    return tiny_overrides(tiny_data, **t)
+    return tiny_overrides(tiny_data, drop, **t)
 
 
 def test_sweep_tables_best_lr_and_cache(tiny_data, tmp_path, caplog):
@@ -135,7 +136,7 @@ def test_stopped_run_is_a_result_and_excluded_from_best(tiny_data, tmp_path):
     records it and goes on (worker process). (Pre-LN no longer serves: its RMSNorm of an
     overflowing stream is 0, so it trains nothing but stays finite.)"""
     grid = parse_grid(["model.init_std=0.02,1e20"])
-    sets = _tiny_sets(tiny_data, max_bad_steps=2) + ["model.residual=post_ln"]
+    sets = _tiny_sets(tiny_data, (), max_bad_steps=2) + ["model.residual=post_ln"]
     s = run_sweep(DEMO, grid, sets, out=tmp_path / "sw", workers=1, threads=1, best="model.init_std")
     ok, bad = s["runs"]
     assert ok["verdict"] == "healthy" and ok["step"] == 8

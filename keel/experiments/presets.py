@@ -26,12 +26,27 @@ from keel.experiments import stress as ST
 from keel.experiments import sweep as S
 from keel.experiments.grid import cached_result, check_reportable
 from keel.experiments.study.run import execute
-from keel.experiments.study.spec import Group, Study
+from keel.experiments.study.spec import Group, Study, refuse_sets
 from keel.io import atomic_write_text
 
 _log = logging.getLogger(__name__)
 
 SCALE = "cli"  # a preset's study.json scale: the command line sized it
+
+
+def _owned(command: str, flags: dict[str, str]) -> dict[str, str]:
+    """The keys ``command`` sets per run, for :func:`refuse_sets`: ``{key: ": keel COMMAND sets
+    WHAT; use FLAG"}`` from ``flags`` = ``{key: "WHAT; use FLAG"}``."""
+    return {k: f": keel {command} sets {why}" for k, why in flags.items()}
+
+
+_RUN_KEYS = {"model.residual": "the scheme of each run; use --residual", "train.seed": "each run's seed; use --seeds",
+             "model.n_layers": "each run's depth; use --sublayers"}
+STRESS_OWNED = _owned("stress", {**_RUN_KEYS, "train.lr": "the LR (its ramp); use --peak-lr",
+                                 "train.steps": "the steps (its ramp); use --ramp-steps",
+                                 "train.warmup_steps": "the warmup (its ramp); use --ramp-steps",
+                                 "train.stop_on_divergence": "it to true (the ramp ends at divergence)"})
+SENSITIVITY_OWNED = _owned("lr-sensitivity", {**_RUN_KEYS, "train.lr": "each run's LR; use --lrs"})
 
 
 def preset_study(name: str, config: str | None, sets: Sequence[Override], group: Group) -> Study:
@@ -97,6 +112,7 @@ def run_stress(config: str | None = None, overrides: Sequence[Override] = (), sc
     """
     schemes, sublayers, seeds, out = list(schemes), list(sublayers), list(seeds), Path(out)
     ST.check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, reference_scheme)
+    refuse_sets(overrides, STRESS_OWNED)
     group = Group(name="stress", folder="", kind="ramp", schemes=schemes, sublayers=sublayers, seeds=seeds,
                   peak_lr=peak_lr, ramp_steps=ramp_steps, reference=reference_scheme)
     names = [ST.run_name(s, L, sd) for sd in seeds for L in sublayers for s in schemes]
@@ -140,6 +156,7 @@ def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Se
         KeelError: bad grid or config; ``out`` not usable; ``report_only`` where no run has finished.
     """
     grid = LS.build_grid(schemes, sublayers, lrs, seeds)
+    refuse_sets(sets, SENSITIVITY_OWNED)
     out = Path(out)
     group = Group(name="sensitivity", folder="", schemes=list(schemes), sublayers=list(sublayers), seeds=list(seeds),
                   lrs=grid["train.lr"], widen=0)
@@ -177,6 +194,9 @@ def run_sweep(config: str | None, grid: dict[str, list], sets: Sequence[Override
     """
     if best is not None and best not in grid:
         raise KeelError(f"--best-over {best} is not one of the grid keys ({', '.join(grid) or 'none'})")
+    # with --match-params auto the base config's model keys set the parameter target: a --set of one counts
+    refuse_sets(sets, _owned("sweep", {k: "it per run; it is a --grid key" for k in grid
+                                       if not (match_params == "auto" and k.startswith("model."))}))
     group = Group(name="sweep", folder="", kind="grid", schemes=[], sublayers=[], seeds=[], grid=grid,
                   match_params=match_params)
     report = execute(preset_study("sweep", config, sets, group), out, **engine)

@@ -66,7 +66,7 @@ from keel.diagnostics.divergence import HEALTHY, Verdict, run_verdict
 from keel.errors import KeelError
 from keel.experiments.grid import GridJob
 from keel.experiments.training import train_run
-from keel.model import SCHEMES, count_parameters
+from keel.model import SCHEMES, check_model_config, count_parameters
 from keel.train import TrainingStopped
 from keel.train.checkpoint import find_intact_checkpoint
 from keel.train.metrics import read_metrics
@@ -264,6 +264,7 @@ def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[Overrid
             cfg = load_config(cfg_path, base_sets + list(values.items())
                               + [("model.d_model", m.d_model), ("model.d_ff", m.d_ff)])
             shown["model.d_model"] = m.d_model
+        check_model_config(cfg.model)  # the trainer's check: an unknown scheme is one line, not a KeyError
         version = SCHEMES[cfg.model.residual].version
         if version > 1:  # a scheme changed since its first version: its runs are other runs, not cached ones
             shown["scheme_version"] = version

@@ -165,9 +165,7 @@ def read_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
         raise KeelError("a study needs groups, and its claims are [[claims]] entries (an array of tables; none: "
                         "a study of groups only, e.g. a bench with baselines_from)")
     min_effect, min_seeds, spread = _verdict_settings(d.get("verdict", {}))
-    controlled = [x.split("=", 1)[0].strip() for x in user_sets if x.split("=", 1)[0].strip() in GRID_KEYS]
-    if controlled:
-        raise KeelError(f"--set {controlled[0]} is set by the study's groups; change the study file instead")
+    refuse_sets(user_sets, dict.fromkeys(GRID_KEYS, " is set by the study's groups; change the study file instead"))
     scale_set = sc.get("set", {})
     if not isinstance(scale_set, dict):
         raise KeelError(f"study scale {scale!r}: set must be a table of config keys, got {scale_set!r}")
@@ -310,4 +308,11 @@ def _verdict_settings(v) -> tuple[float, int, bool]:
 GRID_KEYS = {"model.residual", "model.n_layers", "train.lr", "train.seed"}  # set per run by the groups
 
 
-
+def refuse_sets(user_sets: Sequence[Override], owned: dict[str, str]) -> None:
+    """Raise KeelError ``--set KEY<owned[KEY]>`` for the first of the user's ``--set`` strings whose
+    key is in ``owned``: a key the runs set themselves, which would silently win over the ``--set``.
+    Typed pairs (a sweep preset's ``[set]`` table, which may fix the base its grid varies) pass."""
+    for x in user_sets:
+        k = x.split("=", 1)[0].strip() if isinstance(x, str) else None
+        if k in owned:
+            raise KeelError(f"--set {k}{owned[k]}")
