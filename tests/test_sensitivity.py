@@ -143,3 +143,21 @@ def test_max_lr_below_and_paired_differences():
     assert "| 4 | keel | -0.500, -0.300 | -0.400 | -0.100, -0.400 | -0.250 |" in md
     assert "| keel | 0.01 [0.01, 0.01, 0.01]; none, none, none | 0.01 [0.01]; none |" in md
     assert "0.01 (edge)" in md
+
+
+def test_a_grid_whose_every_run_failed_names_no_plot(keel_main, tiny_data, tmp_path, monkeypatch):
+    """Every run failed: no sensitivity.png is drawn, and the command no longer says it wrote one."""
+    from keel.experiments import sweep
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("this run fails")
+
+    monkeypatch.setattr(sweep, "train_run", fail)
+    out = tmp_path / "sens"
+    sets = tiny_overrides(tiny_data, SENSITIVITY_OWNED, steps=2, sample_tokens=0)
+    r = keel_main("lr-sensitivity", "--config", DEMO, "--residual", "keel", "--sublayers", "2", "--lrs", "1e-3",
+                  "--seeds", "0", "--workers", "0", "--out", out, *[a for s in sets for a in ("--set", s)])
+    assert r.returncode == 1 and "this run fails" in r.stderr, r.stderr
+    assert (out / "sensitivity.json").is_file() and not (out / "sensitivity.png").exists()
+    wrote = [ln for ln in r.stdout.splitlines() if ln.startswith("wrote ")]
+    assert wrote == [f"wrote {out / 'sensitivity.json'}, sensitivity.md"]

@@ -246,7 +246,8 @@ def cmd_lr_sensitivity(args: argparse.Namespace) -> int:
         print(json.dumps({k: s[k] for k in ("lrs", "unigram_entropy", "cells")}, indent=1))
     else:
         print(LS.markdown(s))
-        print(f"wrote {Path(args.out) / LS.OUT_JSON}, {LS.OUT_MD}, {LS.OUT_PNG}")
+        png = f", {LS.OUT_PNG}" if (Path(args.out) / LS.OUT_PNG).is_file() else ""  # none when no run finished
+        print(f"wrote {Path(args.out) / LS.OUT_JSON}, {LS.OUT_MD}{png}")
     return 1 if any(r.get("status") != "done" for r in s["runs"]) else 0
 
 
