@@ -112,6 +112,12 @@ def test_lr_sensitivity_cli_end_to_end(keel_cli, keel_main, tiny_data, tmp_path)
     assert not empty.exists()
     bad = keel_main(*args)  # not empty without --resume
     assert bad.returncode == 2 and "--resume" in bad.stderr and "Traceback" not in bad.stderr
+    # --resume with a narrower --lrs: the LR-10 runs drop out of the tables, and the command says so
+    fewer = keel_main(*[("1e-3,1e-2" if a == "1e-3,1e-2,10" else a) for a in args], "--resume")
+    assert fewer.returncode == 0 and "8 finished already, 0 to run" in fewer.stderr, fewer.stderr
+    assert (f"lr-sensitivity: {out} holds run folders that are not runs of this grid, left out of its tables: "
+            "L2_seed0_keel_lr10, L2_seed0_pre_ln_lr10, L4_seed0_keel_lr10, ... (4 in all)") in fewer.stderr
+    assert "not runs of this grid" not in again.stderr
 
 
 def test_max_lr_below_and_paired_differences():

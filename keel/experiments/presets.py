@@ -89,6 +89,18 @@ def _log_finished(report: dict, what: str) -> None:
     _log.info(f"{what}: report only, {done}/{len(report['runs'])} runs finished")
 
 
+def _log_unplanned(out: Path, report: dict, what: str) -> None:
+    """One warning line naming the run folders in ``out`` (a ``job.json`` in them) that are not
+    runs of this grid, e.g. left by an earlier ``--lrs`` before a ``--resume`` with another: they
+    are in no table, which the user should hear rather than find out."""
+    planned = {r["name"] for r in report["runs"]}
+    stray = sorted(p.name for p in out.iterdir() if (p / "job.json").is_file() and p.name not in planned)
+    if stray:
+        more = f", ... ({len(stray)} in all)" if len(stray) > 3 else ""
+        _log.warning(f"{what}: {out} holds run folders that are not runs of this grid, left out of its tables: "
+                     f"{', '.join(stray[:3])}{more} (the grid flags changed? keep one grid per --out)")
+
+
 # ----------------------------------------------------------------------------- keel stress
 def run_stress(config: str | None = None, overrides: Sequence[Override] = (), schemes: Sequence[str] = ("pre_ln", "keel"),
                sublayers: Sequence[int] = (64,), seeds: Sequence[int] = (0,), peak_lr: float = 5e-2,
@@ -123,6 +135,7 @@ def run_stress(config: str | None = None, overrides: Sequence[Override] = (), sc
         return report
     if report_only:
         _log_finished(report, "stress")
+    _log_unplanned(out, report, "stress")
     results = _done(report)
     refs = [cached_result(out / ST.REFERENCES / ST.reference_name(reference_scheme, L, sd)) for sd in seeds
             for L in sublayers]
@@ -167,6 +180,7 @@ def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Se
         return report
     if report_only:
         _log_finished(report, "lr-sensitivity")
+    _log_unplanned(out, report, "lr-sensitivity")
     results, h1 = _done(report) + _errors(report), report["unigram_entropy"]
     summary = {"config": str(resolve_config_path(config)), "sets": list(sets), "schemes": list(schemes),
                "sublayers": list(sublayers), "lrs": grid["train.lr"], "seeds": list(seeds), "unigram_entropy": h1,
@@ -202,6 +216,7 @@ def run_sweep(config: str | None, grid: dict[str, list], sets: Sequence[Override
     report = execute(preset_study("sweep", config, sets, group), out, **engine)
     if engine.get("dry_run"):
         return report
+    _log_unplanned(Path(out), report, "sweep")
     order = {r["name"]: i for i, r in enumerate(report["runs"])}
     results = sorted(_done(report) + _errors(report), key=lambda r: order[r["name"]])
     summary: dict[str, Any] = {
