@@ -1323,3 +1323,23 @@ def test_restore_refuses_a_malformed_record_in_one_line(finished_study, tmp_path
                   "--out", tmp_path / "o")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and re.search(words, r.stderr), r.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_restored_ramp_run_does_not_train_its_reference_again(tmp_path, tiny_data):
+    """A ramp group with one run left to train trained every depth's and seed's reference run again
+    (three 2,000-step runs at the cpu scale for one seed's two runs), after each session's restore."""
+    p = tmp_path / "ramp.toml"
+    p.write_text('[groups.r]\nkind = "ramp"\nschemes = ["pre_ln", "keel"]\n'
+                 '[scales.x.groups.r]\nsublayers = [2]\nseeds = [0, 1]\npeak_lr = 0.05\nramp_steps = 10\n')
+    sets = [f"data.path={tiny_data}", "train.batch_size=2", "train.seq_len=16", "train.eval_every=5",
+            "train.eval_tokens=64", "train.sample_tokens=0", "model.d_model=16", "model.d_ff=32"]
+    SRun.run_study(str(p), "x", tmp_path / "a", sets, workers=0)
+    assert sorted(x.name for x in (tmp_path / "a" / "r" / "references").iterdir() if x.is_dir()) == \
+        ["pre_ln-2sl-seed0", "pre_ln-2sl-seed1"]
+    old = json.loads((tmp_path / "a" / "report.json").read_text())
+    old["runs"] = [r for r in old["runs"] if not (r["scheme"] == "keel" and r["seed"] == 1)]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    again = SRun.run_study(str(p), "x", tmp_path / "b", sets, workers=0, restore=tmp_path / "old.json")
+    assert [(x["scheme"], x["seed"], bool(x.get("restored"))) for x in again["runs"]] == [
+        ("pre_ln", 0, True), ("keel", 0, True), ("pre_ln", 1, True), ("keel", 1, False)]
+    assert [x.name for x in (tmp_path / "b" / "r" / "references").iterdir() if x.is_dir()] == ["pre_ln-2sl-seed1"]

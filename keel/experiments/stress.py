@@ -170,6 +170,11 @@ def stress_jobs(cfg_path, overrides: Sequence[Override], schemes: list[str], sub
     return refs, jobs
 
 
+def references_of(jobs: Sequence[GridJob]) -> set[str]:
+    """Folder names (under ``OUT/references``) of the reference runs that stress ``jobs`` name."""
+    return {Path(ref).name for j in jobs if (ref := j.config.get("train", {}).get("divergence_reference"))}
+
+
 def check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, reference_scheme) -> None:
     """Raise KeelError naming the first bad ``keel stress`` flag: an unknown scheme, an odd depth,
     a non-positive peak LR, a ramp under 2 steps, a repeated value (``--workers``: the engine's

@@ -220,7 +220,7 @@ def _train_and_read(g: Group, refs: list[GridJob], jobs: list[GridJob], out: Pat
     gdir = out / g.dir_name
     olds = {j.name: restored_record(g, j, restored[(g.name, j.name)]) for j in jobs if (g.name, j.name) in restored}
     todo = [j for j in jobs if olds.get(j.name) is None]
-    errors = {}
+    refs, errors = [r for r in refs if r.name in ST.references_of(todo)], {}  # only the references of runs to train
     stale = superseded_runs(g, jobs, restored, gdir)
     if trains and stale:
         _log.info(f"study: group {g.name}: {len(stale)} earlier runs of {', '.join(sorted(set(stale.values())))} "
