@@ -90,7 +90,7 @@ _UNKNOWN = "keel: error: unknown model.residual {!r} (choose from " + ", ".join(
     (["sweep", "--set", "model.residual=preln", "--grid", "train.lr=1e-3", "--dry-run"], _UNKNOWN.format("preln")),
     (["sweep", "--grid", "model.residual=preln"], _UNKNOWN.format("preln")),  # not only the plan: the run too
     (["lr-sensitivity", "--residual", "Keel", "--sublayers", "2", "--lrs", "1e-3", "--seeds", "0", "--dry-run"],
-     _UNKNOWN.format("Keel")),
+     "keel: error: --residual: unknown scheme 'Keel' (available: " + ", ".join(SCHEMES) + ")"),  # named model.residual
     (["stress", "--residual", "keel", "--sublayers", "4", "--seeds", "0", "--set", "train.lr=0.1", "--set",
       "train.seed=5", "--set", "model.residual=pre_ln", "--dry-run"],
      "keel: error: --set train.lr: keel stress sets the LR (its ramp); use --peak-lr"),

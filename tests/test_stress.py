@@ -166,7 +166,8 @@ def test_max_lr_transcription():
 @pytest.mark.parametrize("args,msg", [
     (["--sublayers", "63"], "must be even"),
     (["--sublayers", "64,x"], "--sublayers must be a comma-separated list"),
-    (["--residual", "pre_ln,nope"], "unknown scheme 'nope'"),
+    (["--residual", "pre_ln,nope"], "--residual: unknown scheme 'nope'"),
+    (["--reference-scheme", "preln"], "--reference-scheme: unknown scheme 'preln'"),
     (["--peak-lr", "0"], "--peak-lr must be > 0"),
     (["--ramp-steps", "1"], "--ramp-steps must be >= 2"),
     (["--seeds", "0,0"], "must not repeat"),

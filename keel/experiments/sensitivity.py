@@ -47,6 +47,7 @@ from pathlib import Path
 from keel.diagnostics.divergence import Thresholds
 from keel.errors import KeelError
 from keel.io import atomic_write_text
+from keel.model import SCHEMES
 from keel.train.plots import plt, save_figure
 
 OUT_JSON, OUT_MD, OUT_PNG = "sensitivity.json", "sensitivity.md", "sensitivity.png"
@@ -141,8 +142,11 @@ def cell_summary(curves: Sequence[dict], lrs: Sequence[float]) -> dict:
 def build_grid(schemes: Sequence[str], sublayers: Sequence[int], lrs: Sequence[float],
                seeds: Sequence[int]) -> dict[str, list]:
     """The ``keel sweep`` grid of the protocol, slowest key first: seeds, depths (blocks),
-    schemes, LRs. Raises KeelError on an odd or non-positive depth, a non-positive LR, or a
-    repeated value."""
+    schemes, LRs. Raises KeelError on an unknown scheme, an odd or non-positive depth, a
+    non-positive LR, or a repeated value."""
+    for s in schemes:
+        if s not in SCHEMES:
+            raise KeelError(f"--residual: unknown scheme {s!r} (available: {', '.join(SCHEMES)})")
     for L in sublayers:
         if L < 2 or L % 2:
             raise KeelError(f"--sublayers counts sub-layers (2 per block) and must be even and >= 2, got {L}")

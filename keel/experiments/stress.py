@@ -179,9 +179,9 @@ def check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, reference_scheme)
     """Raise KeelError naming the first bad ``keel stress`` flag: an unknown scheme, an odd depth,
     a non-positive peak LR, a ramp under 2 steps, a repeated value (``--workers``: the engine's
     :func:`keel.experiments.grid.check_pool`)."""
-    for s in list(schemes) + [reference_scheme]:
+    for flag, s in [("--residual", s) for s in schemes] + [("--reference-scheme", reference_scheme)]:
         if s not in SCHEMES:
-            raise KeelError(f"unknown scheme {s!r} (available: {', '.join(SCHEMES)})")
+            raise KeelError(f"{flag}: unknown scheme {s!r} (available: {', '.join(SCHEMES)})")
     for L in sublayers:
         if L < 2 or L % 2:
             raise KeelError(f"--sublayers counts sub-layers (2 per block) and must be even and >= 2, got {L}")
