@@ -17,6 +17,7 @@ cast (a gradient lost, a low-precision stream where fp32 is expected) fails.
 """
 
 import functools
+import math
 
 import pytest
 import torch
@@ -211,7 +212,9 @@ def test_pure_low_precision_trains_and_generates(scheme, dtype):
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    assert losses[-1] < losses[0] - 0.05, losses
+    # in pure fp16 AdamW's second moment underflows (g^2 < 6e-8 is 0), so its steps are about lr * sign(g) and the
+    # loss may bounce back up at one step (post_ln at step 5 on one CPU, not on another): the best of steps 3-5 counts
+    assert all(math.isfinite(x) for x in losses) and min(losses[2:]) < losses[0] - 0.5, losses
     model.eval()
     cached = model.generate(ids[:, :4], 6, temperature=0)
     plain = model.generate(ids[:, :4], 6, temperature=0, use_cache=False)
