@@ -28,15 +28,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["MKL_NUM_THREADS"] = "1"
 
-# The end-to-end tier: a test that starts a process (``keel_cli``, torch.multiprocessing, torchrun)
-# or trains on the real-text dataset. ``pytest -m "not e2e"`` is the fast unit tier for
-# development; ``make test`` and CI run both tiers.
+# The end-to-end tier: a test that starts a process (``keel_cli``, ``spawns``: a subprocess, torch.multiprocessing,
+# torchrun), runs torch.compile (``compiles``: graph capture takes seconds to minutes) or trains on the real-text
+# dataset. ``pytest -m "not e2e"`` is the fast unit tier for development; ``make test`` and CI run both tiers.
 E2E_FIXTURES = {"keel_cli", "tiny_data", "tiny_config", "tiny_reference_run"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if E2E_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("spawns"):
+        if E2E_FIXTURES & set(getattr(item, "fixturenames", ())) or any(
+                item.get_closest_marker(m) for m in ("spawns", "compiles")):
             item.add_marker(pytest.mark.e2e)
     # the longest tests first: under pytest-xdist no worker is then left running one alone at the end
     items.sort(key=lambda item: item.get_closest_marker("long") is None)

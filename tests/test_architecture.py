@@ -133,6 +133,7 @@ def test_no_module_longer_than_a_room():
     assert not long, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(long)
 
 
+@pytest.mark.spawns
 def test_ruff_complexity_and_lint_rules_pass():
     """ruff with the rules in pyproject.toml ([tool.ruff]): pyflakes, pycodestyle errors,
     McCabe complexity and pylint's too-many-branches / too-many-statements."""
@@ -237,6 +238,7 @@ def test_presets_are_listed_and_resolve(kind):
             load_config(resolve_config_path(n))
 
 
+@pytest.mark.spawns
 def test_wheel_ships_every_preset_and_works_without_the_source_tree(tmp_path):
     """A non-editable install (a built wheel) has the presets: ``--config demo`` resolves
     from any working directory."""

@@ -160,6 +160,7 @@ def test_keel_runs_table_and_json(tiny_data, tmp_path, capsys):
     assert main(["runs", str(tmp_path / "none")]) == 2
 
 
+@pytest.mark.spawns
 def test_help_loads_no_torch():
     """`keel --help` (building every command's parser) must not import torch: it stays fast."""
     import subprocess
@@ -186,6 +187,7 @@ def test_every_command_names_a_handler_that_exists():
         assert callable(getattr(importlib.import_module(module), function)), name
 
 
+@pytest.mark.spawns
 def test_keel_config_loads_no_torch():
     """`keel config` (its handler module included) stays as light as `keel --help`."""
     import subprocess

@@ -16,6 +16,7 @@ from keel import ModelConfig, Transformer
 from keel.model import SCHEMES
 from keel.train.parallelize import apply_activation_checkpointing, apply_compile
 
+pytestmark = pytest.mark.compiles
 ALL = sorted(SCHEMES)
 
 

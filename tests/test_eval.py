@@ -279,6 +279,7 @@ def test_generate_until_task_at_batch_size_8(run_dir, capfd):
     assert "task keel_python_generate: exact_match" in out
 
 
+@pytest.mark.spawns
 def test_shipped_tasks_load_with_plain_lm_eval_from_any_folder(tmp_path):
     """`lm_eval --include_path keel/eval/example_tasks` from another working directory: lm-eval's
     own TaskManager (no keel code) finds every shipped task and its data."""

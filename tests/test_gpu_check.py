@@ -17,6 +17,8 @@ import pytest
 
 from keel.model import SCHEMES
 
+pytestmark = pytest.mark.spawns  # every test runs the shell script (the e2e tier)
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 

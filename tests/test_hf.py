@@ -269,6 +269,7 @@ def test_readme_batched_generation_pads_on_the_left(trained_run, tmp_path, monke
         assert tok.decode(alone, skip_special_tokens=True) in printed
 
 
+@pytest.mark.spawns
 def test_tokenizer_loads_without_keel(trained_run, tmp_path):
     """AutoTokenizer needs no keel (import blocked) and no trust_remote_code. (On a terminal,
     transformers first asks whether to run the folder's config code: either answer works.)"""
@@ -359,6 +360,7 @@ def test_generated_code_has_no_keel_import_and_rejects_lazy_ones():
     assert body == "x = 1\n\nN = RMSNorm"
 
 
+@pytest.mark.spawns
 def test_export_loads_with_keel_import_blocked(trained_run, tmp_path):
     """trust_remote_code in a Python where `import keel` fails: same logits (1e-5), KV-cache
     generation equal to the native greedy decoding, the tokenizer."""

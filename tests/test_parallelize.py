@@ -172,6 +172,7 @@ def test_clip_grad_norm_is_the_total_l2_norm():
 # --------------------------------------------------------------------------- torch.compile
 
 
+@pytest.mark.compiles
 def test_compiled_model_checkpoints_load_both_ways(tmp_path):
     """Whole-model torch.compile names parameters `_orig_mod.*`; checkpoints never do."""
     torch.manual_seed(0)
@@ -224,6 +225,7 @@ def test_tied_embeddings_checkpoint_roundtrip(tmp_path):
     assert b.lm_head.weight is b.tok_emb.weight and torch.equal(b.tok_emb.weight, a.tok_emb.weight)
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("residual", sorted(SCHEMES))
 def test_compile_with_checkpointing_matches_eager(residual):
     """Dynamo + AOTAutograd (the graph capture and autograd of torch.compile) through the
