@@ -12,9 +12,9 @@ from keel.config import config_from_dict, load_config
 from keel.errors import KeelError
 from keel.experiments.grid import GridJob, run_grid
 from keel.experiments.presets import run_sweep
-from keel.experiments.sweep import (best_over, expand_grid, parse_grid, param_count, run_name,
+from keel.experiments.sweep import (best_over, expand_grid, parse_grid, run_name,
                                     width_for_params)
-from keel.model import SCHEMES, Transformer
+from keel.model import SCHEMES, Transformer, count_parameters
 from keel.train.metrics import read_metrics
 
 DEMO = str(REPO / "keel" / "configs" / "demo.toml")
@@ -43,24 +43,24 @@ def test_param_count_matches_model(scheme, n_layers, d_model):
     cfg = load_config(None, [f"model.residual={scheme}", f"model.n_layers={n_layers}", f"model.d_model={d_model}",
                              "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=96", "model.vocab_size=300"]).model
     model = Transformer(cfg)
-    assert param_count(cfg) == model.num_params()
-    assert param_count(cfg, non_embedding=True) == model.num_params(non_embedding=True)
+    assert count_parameters(cfg) == model.num_params()
+    assert count_parameters(cfg, non_embedding=True) == model.num_params(non_embedding=True)
 
 
 @pytest.mark.parametrize("scheme", ["keel", "pre_ln"])
 def test_width_for_params_holds_parameters(scheme):
     base = load_config(None, [f"model.residual={scheme}", "model.n_layers=4", "model.d_model=128", "model.n_heads=2",
                               "model.n_kv_heads=1", "model.d_ff=384", "model.vocab_size=1024"]).model
-    target = param_count(base, non_embedding=True)
+    target = count_parameters(base, non_embedding=True)
     assert width_for_params(base, target).d_model == 128  # the base shape is its own answer
     for n_layers, tol in ((1, 0.05), (12, 0.05)):
         m = width_for_params(base, target, n_layers)
-        got = param_count(m, non_embedding=True)
+        got = count_parameters(m, non_embedding=True)
         assert m.n_layers == n_layers and m.d_model % 4 == 0 and m.d_ff == round(3 * m.d_model)
         assert abs(got - target) / target < tol, (n_layers, m.d_model, got, target)
         for d in (m.d_model - 4, m.d_model + 4):  # no neighbouring width is closer
             if d > 0:
-                other = param_count(dataclasses.replace(m, d_model=d, d_ff=round(3 * d)), non_embedding=True)
+                other = count_parameters(dataclasses.replace(m, d_model=d, d_ff=round(3 * d)), non_embedding=True)
                 assert abs(other - target) >= abs(got - target)
     assert width_for_params(base, target, 16).d_model < 128 < width_for_params(base, target, 1).d_model
 
@@ -196,7 +196,7 @@ def test_presets_build(preset):
     jobs = build_jobs(p.get("base"), p["grid"], sets, match_params=p.get("match_params"))
     assert len(jobs) == math.prod(len(v) for v in p["grid"].values())
     if p.get("match_params"):
-        counts = [param_count(config_from_dict(j.config).model, non_embedding=True) for j in jobs]
+        counts = [count_parameters(config_from_dict(j.config).model, non_embedding=True) for j in jobs]
         # width moves in steps of 2 * n_heads: coarse at CPU widths (~40), fine at the paper's (~1024)
         assert max(counts) / min(counts) < (1.02 if preset.startswith("paper") else 1.10), counts
 

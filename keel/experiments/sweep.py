@@ -145,12 +145,6 @@ def run_name(values: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- params
-def param_count(model_cfg, non_embedding: bool = False) -> int:
-    """Parameters of ``Transformer(model_cfg)``: :func:`keel.model.count_parameters` (the one
-    implementation; imported here on first use so that ``keel --help`` loads no torch)."""
-    return count_parameters(model_cfg, non_embedding=non_embedding)
-
-
 def width_for_params(model_cfg, target: int, n_layers: int | None = None, *, multiple: int | None = None,
                      ffn_ratio: float | None = None, non_embedding: bool = True):
     """The width that brings a model of ``n_layers`` blocks closest to ``target`` parameters.
@@ -163,7 +157,7 @@ def width_for_params(model_cfg, target: int, n_layers: int | None = None, *, mul
 
     Args:
         model_cfg: a ``keel.config.ModelConfig`` (not modified).
-        target: parameter count to match (non-embedding by default; see :func:`param_count`).
+        target: parameter count to match (non-embedding by default; :func:`keel.model.count_parameters`).
         n_layers: blocks of the new model (default: ``model_cfg.n_layers``).
         multiple: step of the width search.
         ffn_ratio: ``d_ff / d_model`` (default: ``model_cfg``'s own ratio); ``d_ff`` is rounded.
@@ -183,7 +177,7 @@ def width_for_params(model_cfg, target: int, n_layers: int | None = None, *, mul
         return dataclasses.replace(model_cfg, n_layers=n_layers, d_model=d, d_ff=max(1, round(ratio * d)))
 
     def count(k: int) -> int:
-        return param_count(shape(k), non_embedding=non_embedding)
+        return count_parameters(shape(k), non_embedding=non_embedding)
 
     lo, hi = 1, max(2, 64 * model_cfg.d_model // multiple)
     if count(hi) < target:
@@ -247,7 +241,7 @@ def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[Overrid
         if "model.d_model" in grid or "model.d_ff" in grid:
             raise KeelError("--match-params sets model.d_model and model.d_ff; do not also sweep them")
         if match_params == "auto":
-            target = param_count(base.model, non_embedding=True)
+            target = count_parameters(base.model, non_embedding=True)
         else:
             try:
                 target = int(float(match_params))
@@ -317,7 +311,7 @@ def run_summary(run_dir: str | Path, stopped: str | None = None) -> dict:
         "planned_tokens": tc.steps * tc.batch_size * tc.seq_len * tc.grad_accum,
         "final_val_loss": final, "best_val_loss": min(finite_vals) if finite_vals else None,
         "first_val_loss": vals[0]["val_loss"] if vals else None,
-        "params": param_count(cfg.model), "non_embedding_params": param_count(cfg.model, non_embedding=True),
+        "params": count_parameters(cfg.model), "non_embedding_params": count_parameters(cfg.model, non_embedding=True),
         "elapsed_s": last.get("elapsed_s", 0.0),
         "verdict": div["mode"], "verdict_detail": Verdict.from_dict(div).summary() + (f"; {stopped}" if stopped else ""),
         "divergence": div, "diverged": div["mode"] != HEALTHY, "stopped": stopped, "reference": reference,
