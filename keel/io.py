@@ -286,6 +286,25 @@ class RunLock:
         self.release()
 
 
+def lock_holder(folder: str | os.PathLike) -> str | None:
+    """The pid (as written in ``FOLDER/.keel.lock``) of the process that holds :class:`RunLock` on
+    ``folder``, or None when no process holds it (no lock file, or its holder has exited). Probes
+    with a shared non-blocking ``flock``, held for an instant."""
+    import fcntl  # POSIX-only, as in RunLock.acquire
+
+    try:
+        fd = os.open(Path(folder) / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+    finally:
+        os.close(fd)  # closing drops the probe's shared lock
+    return None
+
+
 def die_with_parent(signum: int = signal.SIGKILL) -> None:
     """Ask Linux to send this process ``signum`` when the thread that started it ends, even by
     ``kill -9`` (``prctl(PR_SET_PDEATHSIG)``), so no child is left working for a dead parent;

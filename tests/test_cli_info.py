@@ -5,6 +5,7 @@ defaults and without reST markup."""
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 import pytest
@@ -122,15 +123,31 @@ def test_run_status_rules():
     from keel.experiments.overview import run_status
 
     ok = [{"step": 0, "val_loss": 6.0}, {"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0, "val_loss": 4.5}]
-    assert run_status([], 2, None, 0.0) == "new"
-    assert run_status(ok, 2, 0.0, 1e9) == "finished"
-    assert run_status(ok[:2], 2, 1000.0, 1010.0) == "running"
-    assert run_status(ok[:2], 2, 1000.0, 5000.0) == "stopped"
-    assert run_status(ok[:2] + [{"step": 2, "loss": None}], 2, 0.0, 0.0) == "diverged"
+    assert run_status([], 2, False) == "new" and run_status([], 2, True) == "running"
+    assert run_status(ok, 2, False) == "finished" and run_status(ok, 2, True) == "finished"
+    assert run_status(ok[:2], 2, True) == "running"
+    assert run_status(ok[:2], 2, False) == "stopped"
+    assert run_status(ok[:2] + [{"step": 2, "loss": None}], 2, False) == "diverged"
     verdict = {"mode": "instability", "step": 1, "evidence": {}}
-    assert run_status([ok[0], {"step": 1, "loss": 5.0, "divergence": verdict}] + ok[2:], 2, 0.0, 1e9) == "diverged"
+    assert run_status([ok[0], {"step": 1, "loss": 5.0, "divergence": verdict}] + ok[2:], 2, True) == "diverged"
     healthy = dict(verdict, mode="healthy")
-    assert run_status(ok[:2] + [dict(ok[2], divergence=healthy)], 2, 0.0, 1e9) == "finished"
+    assert run_status(ok[:2] + [dict(ok[2], divergence=healthy)], 2, False) == "finished"
+
+
+def test_a_run_is_running_while_a_process_holds_its_lock(tmp_path):
+    """`keel runs` called a run "running" for 5 minutes after its process was killed (metrics.jsonl
+    had changed within 300 s), and "stopped" while a step took longer than that: the lock tells."""
+    from keel.io import RunLock, lock_holder
+
+    assert lock_holder(tmp_path / "nothing") is None
+    with RunLock(tmp_path / "r"):
+        assert lock_holder(tmp_path / "r") == str(os.getpid())
+    assert lock_holder(tmp_path / "r") is None and (tmp_path / "r" / ".keel.lock").exists() is False
+    (tmp_path / "r").mkdir()
+    lock = RunLock(tmp_path / "r").acquire()
+    (tmp_path / "r" / "x").write_text("")
+    lock.release()
+    assert (tmp_path / "r" / ".keel.lock").exists() and lock_holder(tmp_path / "r") is None  # the file stays, unheld
 
 
 def test_keel_runs_table_and_json(tiny_data, tmp_path, capsys):

@@ -6,8 +6,9 @@ validation loss (nats/token), mean tokens/s, status. Status:
 * ``diverged`` -- the divergence classifier gave a verdict other than healthy, or the last
   loss / validation loss is not finite (null in metrics.jsonl);
 * ``finished`` -- the last logged step is ``train.steps``;
-* ``running`` -- metrics.jsonl changed within the last ``running_within_s`` seconds;
-* ``stopped`` -- none of these (interrupted; ``keel train --resume`` continues it);
+* ``running`` -- a process holds the run's lock (:func:`keel.io.lock_holder`: a ``keel train``
+  of it is alive, however long its steps take);
+* ``stopped`` -- none of these (interrupted or killed; ``keel train --resume`` continues it);
 * ``new`` -- no metrics yet.
 """
 
@@ -15,10 +16,10 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from pathlib import Path
 
 from keel.errors import KeelError
+from keel.io import lock_holder
 from keel.model import count_parameters
 from keel.run import Run
 
@@ -32,13 +33,12 @@ def _not_finite(value) -> bool:
     return value is None or (isinstance(value, float) and not math.isfinite(value))
 
 
-def run_status(records: list[dict], steps: int, modified: float | None, now: float,
-               running_within_s: float = 300.0) -> str:
+def run_status(records: list[dict], steps: int, held: bool) -> str:
     """``new`` / ``diverged`` / ``finished`` / ``running`` / ``stopped`` (see the module
-    docstring) of a run with metrics ``records``, ``train.steps = steps`` and metrics.jsonl
-    last modified at ``modified`` (seconds since the epoch)."""
+    docstring) of a run with metrics ``records`` and ``train.steps = steps``; ``held``: a process
+    holds the run's lock."""
     if not records:
-        return "new"
+        return "running" if held else "new"
     last = records[-1]
     verdicts = [r["divergence"] for r in records if isinstance(r.get("divergence"), dict)]
     if any(v.get("mode") not in (None, "healthy") for v in verdicts):
@@ -47,25 +47,21 @@ def run_status(records: list[dict], steps: int, modified: float | None, now: flo
         return "diverged"
     if last.get("step", 0) >= steps:
         return "finished"
-    if modified is not None and now - modified < running_within_s:
-        return "running"
-    return "stopped"
+    return "running" if held else "stopped"
 
 
-def run_row(run: Run, now: float | None = None) -> dict:
+def run_row(run: Run) -> dict:
     """One overview row (keys :data:`COLUMNS`) for ``run``; numbers are None when not logged yet."""
     cfg, records = run.config, run.metrics()
-    now = time.time() if now is None else now
     last = records[-1] if records else {}
     vals = [r["val_loss"] for r in records if "val_loss" in r]
     elapsed, tokens = last.get("elapsed_s"), last.get("tokens")
-    modified = run.metrics_path.stat().st_mtime if run.metrics_path.exists() else None
     return {"run": str(run.path), "scheme": cfg.model.residual, "blocks": cfg.model.n_layers,
             "sublayers": cfg.model.n_sublayers, "params": count_parameters(cfg.model),
             "step": last.get("step"), "steps": cfg.train.steps, "tokens": tokens,
             "val_loss": vals[-1] if vals else None,
             "tokens_per_s": tokens / elapsed if tokens and elapsed else None,
-            "status": run_status(records, cfg.train.steps, modified, now)}
+            "status": run_status(records, cfg.train.steps, lock_holder(run.path) is not None)}
 
 
 def find_runs(root: str | Path) -> list[Path]:
