@@ -18,7 +18,7 @@ from keel.config import Config, load_config
 from keel.data import resolve_data
 from keel.errors import KeelError
 from keel.model import Transformer
-from keel.train.checkpoint import latest_checkpoint, list_checkpoints, load_weights
+from keel.train.checkpoint import find_intact_checkpoint, latest_checkpoint, list_checkpoints, load_weights
 from keel.train.device import resolve_device
 from keel.train.metrics import read_metrics
 
@@ -85,11 +85,14 @@ class Run:
             device: "auto" | "cpu" | "cuda[:N]" or a torch.device.
             checkpoint: a checkpoint folder (default: the latest).
         Raises:
-            KeelError: no checkpoint yet, or weights that do not match the config.
+            KeelError: no checkpoint yet, none intact (the message says what is wrong with each), or
+                weights that do not match the config.
         """
         ckpt = Path(checkpoint) if checkpoint else self.latest_checkpoint()
         if ckpt is None:
-            raise KeelError(f"run {self.path} has no checkpoint yet")
+            _, damaged = find_intact_checkpoint(self.path)
+            raise KeelError(f"run {self.path} has no intact checkpoint ({'; '.join(damaged)})" if damaged
+                            else f"run {self.path} has no checkpoint yet")
         dev = device if isinstance(device, torch.device) else resolve_device(device, key="--device")
         model = Transformer(self.config.model)
         load_weights(model, ckpt)

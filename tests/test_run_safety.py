@@ -799,6 +799,34 @@ def test_run_dir_with_resume_is_refused(finished_run, tmp_path, capsys):
                                                f"stays in its folder ({finished_run})")
 
 
+def test_restart_without_a_run_is_refused(tmp_path, monkeypatch, capsys):
+    """`keel train --restart` alone started a new default run in runs/<time>-keel-8sl."""
+    from keel.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--restart"]) == 2
+    assert capsys.readouterr().err.strip() == ("keel: error: --restart goes with --resume DIR or --run-dir DIR: "
+                                               "the run to start again from step 0")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["export-hf", "--out", "hf"]])
+def test_a_run_whose_every_checkpoint_is_damaged_says_so(command, finished_run, tmp_path, monkeypatch, capsys):
+    """It said "has no checkpoint yet" (train --resume said what was wrong)."""
+    from keel.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    steps = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    for name in steps:
+        (run / "checkpoints" / name / "trainer.pt").write_bytes(b"cut")
+    monkeypatch.chdir(tmp_path)
+    assert main([command[0], "--run", str(run), *command[1:]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"keel: error: run {run} has no intact checkpoint ({steps[-1]}: ") and steps[0] in err
+    assert not (tmp_path / "hf").exists()
+
+
 def test_plot_loss_of_an_empty_metrics_file_writes_nothing(finished_run, tmp_path, capsys):
     from keel.cli import main
 

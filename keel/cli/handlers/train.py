@@ -164,6 +164,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise KeelError(f"--nproc must be >= 1, got {args.nproc}")
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             raise KeelError("--nproc starts torchrun itself; do not use it inside torchrun")
+    if args.restart and not (args.resume or args.run_dir):  # it started a new run in a fresh folder
+        raise KeelError("--restart goes with --resume DIR or --run-dir DIR: the run to start again from step 0")
     if args.resume and args.run_dir:
         raise KeelError(f"--run-dir does not go with --resume: a resumed run stays in its folder ({args.resume})")
     if args.resume:
