@@ -9,6 +9,9 @@ validation loss (nats/token), mean tokens/s, status. Status:
 * ``running`` -- metrics.jsonl changed within the last ``running_within_s`` seconds;
 * ``stopped`` -- none of these (interrupted; ``keel train --resume`` continues it);
 * ``new`` -- no metrics yet.
+
+A run without metrics but with a checkpoint past step 0 (``keel import-hf`` writes one) shows the
+step and tokens of its checkpoint, and its status as if that were its last record.
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ def run_row(run: Run, now: float | None = None) -> dict:
     """One overview row (keys :data:`COLUMNS`) for ``run``; numbers are None when not logged yet."""
     cfg, records = run.config, run.metrics()
     now = time.time() if now is None else now
+    progress = None if records else run.checkpoint_progress()
+    if progress is not None and progress[0] > 0:  # e.g. an imported run: its checkpoint's step
+        records = [{"step": progress[0], "tokens": progress[1]}]
     last = records[-1] if records else {}
     vals = [r["val_loss"] for r in records if "val_loss" in r]
     elapsed, tokens = last.get("elapsed_s"), last.get("tokens")
