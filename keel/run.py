@@ -18,7 +18,8 @@ from keel.config import Config, load_config
 from keel.data import resolve_data
 from keel.errors import KeelError
 from keel.model import Transformer
-from keel.train.checkpoint import find_intact_checkpoint, latest_checkpoint, list_checkpoints, load_weights
+from keel.train.checkpoint import find_intact_checkpoint, latest_checkpoint, list_checkpoints, load_trainer_state, \
+    load_weights
 from keel.train.device import resolve_device
 from keel.train.metrics import read_metrics
 
@@ -64,6 +65,16 @@ class Run:
     def latest_checkpoint(self) -> Path | None:
         """The checkpoint ``checkpoints/latest`` names, or None."""
         return latest_checkpoint(self.path)
+
+    def checkpoint_progress(self) -> tuple[int, int] | None:
+        """``(step, tokens)`` of the latest checkpoint's trainer state (tokens trained, as the
+        metrics count them), or None without a checkpoint or with an unreadable trainer state."""
+        ckpt = self.latest_checkpoint()
+        try:
+            state = load_trainer_state(ckpt) if ckpt is not None else None
+        except KeelError:
+            return None
+        return (int(state.get("step", 0)), int(state.get("tokens", 0))) if state is not None else None
 
     def tokenizer(self):
         """The run's ``tokenizers.Tokenizer`` (``tokenizer.json``). Raises KeelError if missing."""

@@ -115,6 +115,15 @@ def test_folder_without_supported_files_says_what_it_skipped(tmp_path):
     assert not (tmp_path / "ds").exists()
 
 
+def test_prepare_empty_folder_says_it_is_empty(tmp_path, keel_main):
+    """It said "(skipped the folder is empty; ...)"."""
+    (tmp_path / "empty").mkdir()
+    r = keel_main("prepare", "--source", tmp_path / "empty", "--out", tmp_path / "ds")
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"keel: error: no files with a supported extension in {tmp_path / 'empty'} "
+                               "(the folder is empty; supported: ")
+
+
 def test_nul_and_control_documents_are_skipped_with_a_note(tmp_path, caplog):
     """A file of NUL bytes became a 2-token dataset with exit 0."""
     c = tmp_path / "c"

@@ -177,6 +177,20 @@ def test_eval_user_errors(run_dir, tmp_path, capsys):
     assert e.value.code == 2
 
 
+def test_eval_checks_tasks_before_loading_the_model(run_dir, tmp_path, keel_main, monkeypatch):
+    """A bad --task-dir or a misspelt task was reported after the model loaded and the held-out
+    loss was computed (the misspelt one with exit 1): now one line, exit 2, nothing loaded."""
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the tasks were checked")
+
+    monkeypatch.setattr(Run, "load_model", no_load)
+    r = keel_main("eval", "--run", run_dir, "--task-dir", tmp_path / "nonexistent", "--tasks", MC_TASK)
+    assert (r.returncode, r.stderr) == (2, f"keel: error: --task-dir {tmp_path / 'nonexistent'} is not a folder\n")
+    r = keel_main("eval", "--run", run_dir, "--tasks", f"{MC_TASK},keel_python_completon")
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1
+    assert r.stderr.startswith("keel: error: task keel_python_completon: unknown task (not in ")
+
+
 def test_training_runs_example_task_every_two_steps(tiny_config, tmp_path):
     from keel.experiments.training import train_run
     from keel.train import train

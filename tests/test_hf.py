@@ -240,6 +240,28 @@ def test_export_auto_load_offline_generate_import(trained_run, tmp_path, monkeyp
     assert "already exists" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("residual", ["keel", "pre_ln"])  # a KeelConfig and a stock LlamaConfig
+def test_imported_run_keeps_step_and_tokens(trained_run, pre_ln_run, residual, tmp_path, keel_main):
+    """An imported run had step 4 but 0 tokens: `keel runs` showed it as `new` with `-` for step
+    and tokens, and a resume counted its tokens from 0 (step 5 logged 128 tokens, not 640)."""
+    from keel.train.metrics import read_metrics
+
+    run = trained_run if residual == "keel" else pre_ln_run
+    step, tokens = (read_metrics(run / "metrics.jsonl")[-1][k] for k in ("step", "tokens"))
+    assert step > 0 and tokens == step * 4 * 32  # tiny_overrides: batch 4 x 32 tokens
+    assert keel_main("export-hf", "--run", run, "--out", tmp_path / "hf").returncode == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["keel_step"], config["keel_tokens"]) == (step, tokens)
+    assert keel_main("import-hf", "--hf", tmp_path / "hf", "--out", tmp_path / "runs" / "back").returncode == 0
+    r = keel_main("runs", tmp_path / "runs", "--json")
+    (row,) = json.loads(r.stdout)
+    assert (row["step"], row["tokens"], row["status"]) == (step, tokens, "finished")
+    r = keel_main("train", "--resume", tmp_path / "runs" / "back", "--set", f"train.steps={step + 1}")
+    assert r.returncode == 0, r.stderr
+    last = read_metrics(tmp_path / "runs" / "back" / "metrics.jsonl")[-1]
+    assert (last["step"], last["tokens"]) == (step + 1, tokens + 4 * 32)
+
+
 def readme_snippet(marker: str) -> str:
     """The README's one ```python block that contains ``marker``."""
     blocks = (REPO / "README.md").read_text(encoding="utf-8").split("```python\n")[1:]

@@ -632,6 +632,16 @@ def test_study_command_is_the_one_that_trains_everything():
     assert study_command(argv) == "keel study claims --scale cpu --workers 2 --out 'runs/a b'"
 
 
+def test_report_says_its_command_trains_the_whole_study():
+    """report.md's `Command: keel study claims ... --out runs/st` of a folder started with
+    `--groups ramp` read as the command that was run; it says what it is now."""
+    from keel.experiments.study.report import report_markdown
+
+    md = report_markdown(SC.load_study("claims", "tiny"), [], [], "keel study claims --scale tiny --out runs/st")
+    assert ("\nCommand (it trains every run of the study; flags that pick what one call trains, such as `--groups` "
+            "and `--resume`, are left out): `keel study claims --scale tiny --out runs/st`\n") in md
+
+
 def test_a_folder_stopped_before_its_first_run_starts_again_without_resume(tmp_path):
     """Ctrl-C before the first grid left only study.json: the same command was then refused as
     "not empty; use --resume"."""

@@ -191,6 +191,8 @@ def test_bad_toml_file(tmp_path, capsys):
 @pytest.mark.parametrize("args,msg", [
     (("--max-new-tokens", "-3"), "--max-new-tokens must be >= 0"),
     (("--temperature", "-1"), "--temperature must be >= 0"),
+    (("--top-k", "-3"), "--top-k must be >= 0, got -3"),  # named only the bad flag
+    (("--num-samples", "0"), "--num-samples must be >= 1, got 0"),
 ])
 def test_generate_rejects_bad_sampling_args(args, msg, capsys):
     """Found by a new-user trial: these were silently accepted (exit 0)."""

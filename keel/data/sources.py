@@ -192,8 +192,9 @@ def _local_documents(path: Path, text_field: str) -> Iterator[tuple[str, bool]]:
             else:
                 skipped[Path(f).suffix.lower() or "(no extension)"] += 1
     if not files:
-        what = ", ".join(f"{n} {ext}" for ext, n in skipped.most_common(5)) or "the folder is empty"
-        raise KeelError(f"no files with a supported extension in {path} (skipped {what}; "
+        what = f"skipped {', '.join(f'{n} {ext}' for ext, n in skipped.most_common(5))}" if skipped \
+            else "the folder is empty"
+        raise KeelError(f"no files with a supported extension in {path} ({what}; "
                         f"supported: {', '.join(SUPPORTED_EXTENSIONS)})")
     for file in sorted(files, key=lambda p: p.relative_to(path).as_posix()):
         yield from _file_documents(file, text_field)

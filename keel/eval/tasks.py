@@ -176,12 +176,18 @@ def _keep_rng_state():
             torch.cuda.set_rng_state_all(cuda)
 
 
+def _needs_lm_eval(e: ImportError) -> KeelError:
+    return KeelError(f"keel eval needs lm-evaluation-harness: pip install -e .[eval] ({_first_line(e)})")
+
+
 class _Tasks:
     """Task index over the example folder + ``task_dir``; lm-eval's registry only when needed."""
 
     def __init__(self, task_dir: str | Path | None = None):
-        from lm_eval.tasks import TaskManager  # optional extra [eval]: keel train imports this module without it
-
+        try:
+            from lm_eval.tasks import TaskManager  # optional extra [eval]: keel train imports this module without it
+        except ImportError as e:
+            raise _needs_lm_eval(e) from None
         paths = [EXAMPLE_TASK_DIR]
         if task_dir is not None:
             task_dir = Path(task_dir)
@@ -200,6 +206,12 @@ class _Tasks:
 
             self._full = TaskManager(include_path=[str(p) for p in self.paths], include_defaults=True)
         return self._full
+
+    def unknown(self, name: str) -> str | None:
+        """Why task ``name`` is found nowhere (one line), or None when it is found."""
+        if name in self.manager_for(name).all_tasks:
+            return None
+        return f"unknown task (not in {', '.join(map(str, self.paths))} nor in lm-eval's registry)"
 
     @staticmethod
     def spec(manager, name: str) -> str | dict:
@@ -270,9 +282,27 @@ def _metrics_of(results: dict, task: str) -> dict[str, float]:
     return out
 
 
+def check_tasks(task_names: list[str], task_dir: str | Path | None = None, verbose: bool = False) -> _Tasks:
+    """Find each of ``task_names`` (as :func:`evaluate_tasks` does) before a model is loaded:
+    ``keel eval`` refuses a bad ``--task-dir`` or task name at once. Returns the task index,
+    for :func:`run_tasks` / :func:`evaluate_tasks` (``index=``: the registry is indexed once).
+
+    Raises:
+        KeelError: lm_eval is not installed, ``task_dir`` is not a folder, or a name is found
+            nowhere (the first such name, in one line).
+    """
+    with contextlib.nullcontext() if verbose else _quiet_lm_eval():
+        index = _Tasks(task_dir)
+        for name in task_names:
+            why = index.unknown(name)
+            if why is not None:
+                raise KeelError(f"task {name}: {why}")
+    return index
+
+
 def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float | None = None,
                    task_dir: str | Path | None = None, batch_size: int = 1,
-                   verbose: bool = False) -> dict[str, dict[str, Any]]:
+                   verbose: bool = False, index: _Tasks | None = None) -> dict[str, dict[str, Any]]:
     """Score a Hugging Face causal LM on lm-eval tasks, one task at a time.
 
     Args:
@@ -284,6 +314,7 @@ def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float |
         task_dir: extra folder of task YAMLs.
         batch_size: requests per forward pass (lm-eval's HFLM batch size).
         verbose: show lm-eval's and datasets' progress bars and info logs (default: silenced).
+        index: the task index :func:`check_tasks` returned (default: built here from ``task_dir``).
     Returns:
         ``{task: {metric: value}}`` (e.g. ``acc``, ``acc_norm``, ``word_perplexity``,
         ``bits_per_byte``; lm-eval's definitions); a task that could not run maps to
@@ -296,21 +327,21 @@ def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float |
         from lm_eval import simple_evaluate  # optional extra [eval]: keel train imports this module without it
         from lm_eval.models.huggingface import HFLM
     except ImportError as e:
-        raise KeelError(f"keel eval needs lm-evaluation-harness: pip install -e .[eval] ({_first_line(e)})") from None
+        raise _needs_lm_eval(e) from None
     out: dict[str, dict[str, Any]] = {}
     hub = _HubProbe()
     quiet_logs = contextlib.nullcontext() if verbose else _quiet_lm_eval()
     with quiet_logs, _no_progress_bars(not verbose), _no_env_probe(), _keep_rng_state():
-        index = _Tasks(task_dir)
+        index = index if index is not None else _Tasks(task_dir)
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
                   max_length=int(model.config.max_position_embeddings))
         for name in task_names:
-            manager = index.manager_for(name)
-            if name not in manager.all_tasks:
-                msg = f"unknown task (not in {', '.join(map(str, index.paths))} nor in lm-eval's registry)"
+            msg = index.unknown(name)
+            if msg is not None:
                 log.warning(f"task {name}: {msg}")
                 out[name] = {"error": msg}
                 continue
+            manager = index.manager_for(name)
             loaded = _load_task(manager, index.spec(manager, name), hub)
             if isinstance(loaded, str):
                 log.warning(f"task {name}: {loaded}")
@@ -331,7 +362,8 @@ def evaluate_tasks(model, tokenizer, task_names: list[str], limit: int | float |
 
 
 def run_tasks(model, tokenizer, task_names: list[str], limit: int | float | None = None,
-              task_dir: str | Path | None = None, batch_size: int = 1, verbose: bool = False) -> dict:
+              task_dir: str | Path | None = None, batch_size: int = 1, verbose: bool = False,
+              index: _Tasks | None = None) -> dict:
     """Score a native keel model on lm-eval tasks; the trainer's periodic evaluation.
 
     Args:
@@ -342,7 +374,7 @@ def run_tasks(model, tokenizer, task_names: list[str], limit: int | float | None
         task_names: task names; the shipped examples (``keel_python_completion``,
             ``keel_python_paragraphs``) need no ``task_dir``.
         limit: documents per task (None = all).
-        task_dir, batch_size, verbose: as in :func:`evaluate_tasks`.
+        task_dir, batch_size, verbose, index: as in :func:`evaluate_tasks`.
     Returns:
         ``{task: {metric: value}}``, ``{"error": ...}`` for a task that could not run
         (see :func:`evaluate_tasks`); metric values are finite floats or None (JSON-safe).
@@ -360,7 +392,7 @@ def run_tasks(model, tokenizer, task_names: list[str], limit: int | float | None
     try:
         hf, hf_tok = wrap_native(model, tokenizer)
         res = evaluate_tasks(hf, hf_tok, task_names, limit=limit, task_dir=task_dir, batch_size=batch_size,
-                             verbose=verbose)
+                             verbose=verbose, index=index)
     finally:
         model.train(was_training)
     return {t: {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in m.items()}

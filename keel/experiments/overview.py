@@ -10,6 +10,9 @@ validation loss (nats/token), mean tokens/s, status. Status:
   of it is alive, however long its steps take);
 * ``stopped`` -- none of these (interrupted or killed; ``keel train --resume`` continues it);
 * ``new`` -- no metrics yet.
+
+A run without metrics but with a checkpoint past step 0 (``keel import-hf`` writes one) shows the
+step and tokens of its checkpoint, and its status as if that were its last record.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ def run_status(records: list[dict], steps: int, held: bool) -> str:
 def run_row(run: Run) -> dict:
     """One overview row (keys :data:`COLUMNS`) for ``run``; numbers are None when not logged yet."""
     cfg, records = run.config, run.metrics()
+    progress = None if records else run.checkpoint_progress()
+    if progress is not None and progress[0] > 0:  # e.g. an imported run: its checkpoint's step
+        records = [{"step": progress[0], "tokens": progress[1]}]
     last = records[-1] if records else {}
     vals = [r["val_loss"] for r in records if "val_loss" in r]
     elapsed, tokens = last.get("elapsed_s"), last.get("tokens")

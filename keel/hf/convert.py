@@ -4,7 +4,8 @@ An exported folder holds::
 
     OUT/config.json               KeelConfig (model_type "keel": every ModelConfig field) with
                                   auto_map -> the two generated files below; for a pre_ln run:
-                                  a stock LlamaConfig (model_type "llama"), no custom code
+                                  a stock LlamaConfig (model_type "llama"), no custom code; both
+                                  with keel_step and keel_tokens (the checkpoint's step, tokens trained)
     OUT/configuration_keel_H.py   generated from keel's source (keel.hf.remote; not for pre_ln);
     OUT/modeling_keel_H.py        H = a hash of their content, so exports never share a module
     OUT/generation_config.json    eos/pad token ids
@@ -49,7 +50,7 @@ from keel.hf.remote import write_remote_code
 from keel.io import atomic_dir, atomic_write_text, chmod_default, make_dirs
 from keel.run import Run
 from keel.train import state_dict as SD
-from keel.train.checkpoint import load_trainer_state, save_checkpoint
+from keel.train.checkpoint import save_checkpoint
 from keel.train.device import resolve_device
 from keel.train.optim import build_optimizer
 from keel.train.progress import interactive
@@ -164,7 +165,8 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
         _set_generation_ids(hf, eos_id)
     else:
         hf, _ = wrap_native(model, tokenizer, eos)
-    hf.config.keel_step = _checkpoint_step(run)  # config.json keeps the step (import-hf restores it)
+    # config.json keeps the step and the tokens trained (import-hf restores them)
+    hf.config.keel_step, hf.config.keel_tokens = run.checkpoint_progress() or (0, 0)
     with _fresh_output(out) as tmp:
         with hf_progress_bars(interactive()):
             hf.save_pretrained(tmp, safe_serialization=True)
@@ -221,7 +223,8 @@ def load_hf(path: str | Path, device: str = "auto"):
         native = from_llama(config, read_safetensors(path))
         model = KeelForCausalLM.from_native(native, eos_token_id=config.eos_token_id,
                                             pad_token_id=config.pad_token_id,
-                                            keel_step=int(getattr(config, "keel_step", 0) or 0))
+                                            keel_step=int(getattr(config, "keel_step", 0) or 0),
+                                            keel_tokens=int(getattr(config, "keel_tokens", 0) or 0))
     else:
         with hf_progress_bars(interactive()):
             model = KeelForCausalLM.from_pretrained(path)
@@ -231,15 +234,6 @@ def load_hf(path: str | Path, device: str = "auto"):
     except (ValueError, OSError) as e:
         raise KeelError(f"cannot load the tokenizer of {path}: {e}") from None
     return model, tok, dev
-
-
-def _checkpoint_step(run) -> int:
-    """The step of the run's latest checkpoint (0 if its trainer state does not say)."""
-    ckpt = run.latest_checkpoint()
-    try:
-        return int(load_trainer_state(ckpt).get("step", 0)) if ckpt is not None else 0
-    except KeelError:
-        return 0
 
 
 def _write_tokenizer(hf_dir: Path, hf_tok, dest: Path) -> None:
@@ -255,14 +249,14 @@ def _write_tokenizer(hf_dir: Path, hf_tok, dest: Path) -> None:
         shutil.copyfile(hf_dir / "tokenizer_config.json", dest / "tokenizer_config.json")
 
 
-def fresh_trainer_state(model, cfg, step: int = 0) -> dict:
-    """A trainer state at optimiser step ``step`` for weights that come without one (an
+def fresh_trainer_state(model, cfg, step: int = 0, tokens: int = 0) -> dict:
+    """A trainer state at optimiser step ``step``, ``tokens`` trained, for weights that come without one (an
     import): a fresh AdamW (no moments; name-keyed,
     :func:`keel.train.state_dict.full_optimizer_state_dict`; the trainer sets the LR of
-    ``step``), data position 0, the RNG state of ``torch.manual_seed(train.seed)``, 0 tokens.
+    ``step``), data position 0, the RNG state of ``torch.manual_seed(train.seed)``.
     ``keel train --resume`` continues such a checkpoint from ``step`` to ``train.steps``."""
     optimizer = build_optimizer(model, cfg.train)
-    return {"step": step, "tokens": 0, "elapsed_s": 0.0, "optimizer": SD.full_optimizer_state_dict(model, optimizer),
+    return {"step": step, "tokens": tokens, "elapsed_s": 0.0, "optimizer": SD.full_optimizer_state_dict(model, optimizer),
             "loader": {"epoch": 0, "position": 0},
             "rng": torch.Generator().manual_seed(cfg.train.seed).get_state()}
 
@@ -273,9 +267,9 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     Writes ``out/config.toml`` (the exported ``keel_config.toml`` if present, with its
     model section replaced by ``config.json``'s fields; else default data/train sections
     whose ``data.tokenizer`` is ``out/tokenizer.json``), ``out/tokenizer.json`` and the
-    weights as a checkpoint of the step the export came from (``keel_step`` in
-    ``config.json``; 0 when absent, e.g. a stock Llama), with a fresh trainer state at that
-    step (:func:`fresh_trainer_state`): ``keel generate``/``keel eval`` use it, and ``keel
+    weights as a checkpoint of the step the export came from, with its tokens trained
+    (``keel_step``, ``keel_tokens`` in ``config.json``; 0 when absent, e.g. a stock Llama), with a
+    fresh trainer state at that step (:func:`fresh_trainer_state`): ``keel generate``/``keel eval`` use it, and ``keel
     train --resume out`` trains it on (set ``data.path`` to a dataset prepared with this
     tokenizer, or train on ``data.source``, which is tokenized with it). ``overrides``
     (``section.key=value``, data and train keys only) set the run's config: a resumed run
@@ -299,7 +293,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
         _write_tokenizer(hf_dir, hf_tok, tmp)
         dump_config(cfg, tmp / "config.toml")
         step = int(getattr(model.config, "keel_step", 0) or 0)
-        state = fresh_trainer_state(model.model, cfg, step)
+        state = fresh_trainer_state(model.model, cfg, step, int(getattr(model.config, "keel_tokens", 0) or 0))
         state["imported_from"] = str(hf_dir.resolve())
         state["config"] = cfg.to_dict()  # what a resume compares its config with
         save_checkpoint(tmp, step, model.model, state)

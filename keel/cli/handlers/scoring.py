@@ -20,7 +20,7 @@ from keel.data.prepare import EOS_TOKEN
 from keel.data.text import read_text_file
 from keel.errors import KeelError
 from keel.eval.perplexity import text_perplexity, validation_perplexity
-from keel.eval.tasks import run_tasks
+from keel.eval.tasks import check_tasks, run_tasks
 from keel.run import Run
 
 KEEL_CONFIG = "keel_config.toml"  # the run's config in an exported folder (keel.hf.convert.KEEL_CONFIG_NAME)
@@ -70,6 +70,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """``keel eval``: held-out perplexity / bits per byte, then lm-eval tasks; exit 1 if a task could not run."""
     task_names = [t.strip() for t in args.tasks.split(",") if t.strip()]
     _check_counts(args)
+    index = check_tasks(task_names, args.task_dir, args.verbose) if task_names else None  # before the model loads
     model, tokenizer, cfg, device, name = _load(args)
     mc = model.cfg
     default_seq = cfg.train.seq_len if cfg is not None else mc.max_seq_len
@@ -113,7 +114,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     failed = 0
     if task_names:
         results = run_tasks(model, tokenizer, task_names, limit=args.limit, task_dir=args.task_dir,
-                            batch_size=args.batch_size, verbose=args.verbose)  # a task that fails: logged
+                            batch_size=args.batch_size, verbose=args.verbose, index=index)  # a failure: logged
         report["tasks"] = results
         for task, metrics in results.items():
             if "error" in metrics:

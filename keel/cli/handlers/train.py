@@ -208,8 +208,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise KeelError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.temperature < 0:
         raise KeelError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if args.top_k < 0 or args.num_samples < 1:
-        raise KeelError("--top-k must be >= 0 and --num-samples >= 1")
+    if args.top_k < 0:
+        raise KeelError(f"--top-k must be >= 0, got {args.top_k}")
+    if args.num_samples < 1:
+        raise KeelError(f"--num-samples must be >= 1, got {args.num_samples}")
 
     # a prompt that is not valid UTF-8 reaches Python with lone surrogates (os.fsdecode):
     # its undecodable bytes become U+FFFD, as keel prepare reads such text

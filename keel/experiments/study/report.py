@@ -236,7 +236,8 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
              + (" The ramp groups' reference runs (the scale's `--dry-run` counts them) are not counted."
                 if any(g.kind == "ramp" for g in study.groups) else "")
              + (f" Not planned yet: {'; '.join(waiting)}." if waiting else "") + restored_words(runs, restore),
-             f"Command: `{command}`", ""]
+             f"Command (it trains every run of the study; flags that pick what one call trains, "
+             f"such as `--groups` and `--resume`, are left out): `{command}`", ""]
     if claims:  # a study of groups only (e.g. a bench) has no verdicts
         lines += ["## Summary", ""] + [f"- {c['summary']}" for _, c in claims] + [""]
         lines += ["## Verdicts", "", verdict_rule(study, [cl for cl, _ in claims], floor), "",
