@@ -191,6 +191,15 @@ def test_eval_checks_tasks_before_loading_the_model(run_dir, tmp_path, keel_main
     assert r.stderr.startswith("keel: error: task keel_python_completon: unknown task (not in ")
 
 
+def test_train_checks_its_tasks_before_anything_trains(tmp_path, keel_main):
+    """A misspelt train.eval_tasks trained on, with a warning at every evaluation."""
+    r = keel_main("train", "--set", "train.eval_tasks=keel_python_completon", "--set", "train.eval_tasks_every=2",
+                  "--run-dir", tmp_path / "run")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("keel: error: task keel_python_completon: unknown task (not in ")
+    assert not (tmp_path / "run").exists()
+
+
 def test_training_runs_example_task_every_two_steps(tiny_config, tmp_path):
     from keel.experiments.training import train_run
     from keel.train import train

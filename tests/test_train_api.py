@@ -115,7 +115,7 @@ def test_old_checkpoint_with_a_scheduler_entry_resumes_exactly(tiny_reference_ru
 @pytest.mark.parametrize("settings,key", [
     (["train.stop_on_divergence=true"], "train.stop_on_divergence"),
     (["train.gradflow_every=2"], "train.gradflow_every"),
-    (["train.eval_tasks='arc_easy'", "train.eval_tasks_every=2"], "train.eval_tasks"),
+    (["train.eval_tasks='keel_python_completion'", "train.eval_tasks_every=2"], "train.eval_tasks"),
     (["train.divergence_reference='runs/ref'"], "train.divergence_reference"),
 ])
 def test_low_level_train_refuses_keys_it_cannot_honour(settings, key, tiny_data, tmp_path):

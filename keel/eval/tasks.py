@@ -402,12 +402,16 @@ def run_tasks(model, tokenizer, task_names: list[str], limit: int | float | None
 class TaskEvalCallback(Callback):
     """Every ``every`` steps, scores the model on lm-eval ``tasks`` (at most ``limit``
     documents each) and writes ``eval_tasks`` ({task: {metric: value}}) into the step's
-    record. Collective under FSDP (the full model is gathered on rank 0)."""
+    record. Collective under FSDP (the full model is gathered on rank 0).
+
+    Raises (on construction, before anything trains): KeelError as :func:`check_tasks`: lm-eval is
+    missing or a task name is found nowhere (it was a warning at every evaluation)."""
 
     config_keys = ("train.eval_tasks",)
 
     def __init__(self, tasks: list[str], every: int, limit: int | None):
         self.tasks, self.every, self.limit = tasks, every, limit
+        self.index = check_tasks(tasks) if tasks and every else None
 
     def on_step_end(self, state: StepState) -> dict | None:
         if not (self.tasks and self.every and state.step % self.every == 0):
@@ -415,6 +419,6 @@ class TaskEvalCallback(Callback):
         plain = state.plain_model()
         out = None
         if plain is not None:
-            out = {"eval_tasks": run_tasks(plain, state.tokenizer, self.tasks, limit=self.limit)}
+            out = {"eval_tasks": run_tasks(plain, state.tokenizer, self.tasks, limit=self.limit, index=self.index)}
         barrier(state.dist)
         return out
