@@ -187,6 +187,23 @@ def test_cli_errors(keel_main, tmp_path, tiny_data):
     assert r.returncode == 2 and "unknown sweep preset" in r.stderr
 
 
+def test_resume_alone_continues_the_sweep_its_folder_holds(keel_main, tmp_path, tiny_data):
+    """`keel sweep --out DIR --resume` said "nothing to sweep: give --grid": every --grid and --set
+    had to be typed again. It takes them from the command that started DIR (study.json)."""
+    out = tmp_path / "sw"
+    sets = sum((["--set", s] for s in _tiny_sets(tiny_data, steps=2, eval_every=2)), [])
+    first = keel_main("sweep", "--grid", "train.lr=1e-3,2e-3", "--out", out, *sets)
+    assert first.returncode == 0, first.stderr
+    done = (out / "lr0.002" / "result.json").read_text()
+    shutil.rmtree(out / "lr0.001")  # as if stopped before its first run finished
+    again = keel_main("sweep", "--out", out, "--resume")
+    assert again.returncode == 0, again.stderr
+    assert (out / "lr0.001" / "result.json").is_file() and (out / "lr0.002" / "result.json").read_text() == done
+    assert json.loads((out / "sweep.json").read_text())["grid"] == {"train.lr": [0.001, 0.002]}
+    other = keel_main("sweep", "--out", tmp_path / "none", "--resume")
+    assert other.returncode == 2 and "nothing to sweep" in other.stderr
+
+
 @pytest.mark.parametrize("preset", ["cpu-depth", "deep-vs-wide", "paper-depth", "paper-deep-vs-wide"])
 def test_presets_build(preset):
     from keel.experiments.sweep import build_jobs, load_preset

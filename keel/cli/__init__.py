@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     by SIGINT / SIGTERM)."""
     setup_logging()  # first: parsing may log (a deprecated flag)
     args = build_parser().parse_args(argv)
+    args.cli_argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the command line reports record
     saved = signal.signal(signal.SIGTERM, _terminated) if _main_thread() else None
     try:
         status = run_handler(args)

@@ -91,7 +91,27 @@ def _parse_layers(text: str, flag: str = "--sublayers") -> list[int]:
     return out
 
 
+def _stored_sweep(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the ``--grid``, ``--preset``, ``--config``, ``--best-over``, ``--match-params``
+    and ``--set`` flags of the command that started ``--out`` (its ``study.json``; the ``--set``
+    given now follow), so that ``keel sweep --out DIR --resume`` alone continues a sweep.
+    Unchanged when ``--out`` holds no ``keel sweep`` command."""
+    try:
+        argv = shlex.split(json.loads((Path(args.out) / "study.json").read_text())["command"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return args
+    if argv[:2] != ["keel", "sweep"]:
+        return args
+    from keel.cli import build_parser  # lazy: keel.cli imports this module
+
+    old = build_parser().parse_args(argv[1:])
+    keys = ("grid", "preset", "config", "best_over", "match_params")
+    return argparse.Namespace(**{**vars(args), **{k: getattr(old, k) for k in keys}, "set": old.set + args.set})
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
+    if args.resume and args.out and not (args.grid or args.preset):
+        args = _stored_sweep(args)
     preset = S.load_preset(args.preset) if args.preset else {}
     grid = {k: list(v) for k, v in preset.get("grid", {}).items()}
     grid.update(S.parse_grid(args.grid))
@@ -179,7 +199,7 @@ def cmd_stress(args) -> int:
 def engine_options(args: argparse.Namespace, name: str) -> dict:
     """The engine options (:func:`keel.experiments.study.run.execute`) of a grid command's flags;
     ``name``: the command, for the command line the report shows."""
-    command = " ".join(["keel", name] + [shlex.quote(a) for a in sys.argv[2:] if a not in ("--resume", "--json")])
+    command = " ".join(["keel", name] + [shlex.quote(a) for a in args.cli_argv[1:] if a not in ("--resume", "--json")])
     return dict(workers=args.workers, threads=args.threads or None, resume=args.resume, dry_run=args.dry_run,
                 mfu=args.mfu, peak_tflops=args.peak_tflops, command=command, executor=executor_of(args))
 
@@ -285,7 +305,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         raise KeelError("--restore is empty: give an earlier report.json of this study")
     out = args.out or f"runs/study-{Path(args.name).stem}-{args.scale}"
     _check_engine_flags(argparse.Namespace(**{**vars(args), "out": out}))
-    command = study_command(sys.argv[2:]) if len(sys.argv) > 2 else f"keel study {args.name}"
+    command = study_command(args.cli_argv[1:]) if len(args.cli_argv) > 1 else f"keel study {args.name}"
     r = run_study(args.name, args.scale, out, args.set, workers=args.workers, threads=args.threads or None,
                   resume=args.resume, report_only=args.report_only, dry_run=args.dry_run, mfu=args.mfu,
                   peak_tflops=args.peak_tflops, command=command, groups=groups, restore=args.restore,
