@@ -67,6 +67,7 @@ def test_dry_run_exercises_every_section(tmp_path):
     assert len(losses) == 2 and all(math.isfinite(v) and v > 0 for v in losses)
 
 
+@pytest.mark.slow  # ~40 s of processes; tests/test_hf.py covers left padding and generation for every scheme
 def test_dry_run_hf_section(tmp_path):
     """The Hugging Face rows: every scheme's left-padded batch generates as one prompt at a time,
     and pre_ln / keel are timed against transformers' Llama of the same shape (same weights:
