@@ -218,6 +218,19 @@ def test_thinned_curve_keeps_a_redrawable_curve():
     assert c["val_step"] == [500, 1000] and c["val_loss"] == [4.0, 3.5]
 
 
+@pytest.mark.parametrize("final, capped", [(math.nan, 5.5), (math.inf, 5.5), (None, 5.5), (3.25, 3.25)])
+def test_a_run_without_a_finite_final_loss_is_judged_at_its_step_0_loss(tmp_path, final, capped):
+    """A diverged run of an LR grid whose last evaluation is NaN counts as its step-0 loss. Before the
+    fix its capped loss was NaN, and ``min`` over a seed's LRs then picked it whenever it came first."""
+    cfg = {"model": {"residual": "pre_ln", "n_layers": 8}, "train": {"seed": 0, "lr": 1e-3}}
+    job = GridJob("L16_seed0_pre_ln_lr0.001", cfg, {})
+    group = SS.Group(name="g", schemes=["pre_ln"], sublayers=[16], seeds=[0], lrs=[1e-3])
+    rec = SRec.run_record(group, job, tmp_path, {"status": "done", "final_val_loss": final, "first_val_loss": 5.5})
+    assert rec["capped_loss"] == capped
+    other = dict(rec, lr=3e-3, capped_loss=4.0)
+    assert SV.best_runs([rec, other], ["g"], "pre_ln", 16)[0]["lr"] == (1e-3 if capped < 4.0 else 3e-3)
+
+
 @pytest.mark.parametrize("divergence, words", [
     (None, "healthy"),
     ({"mode": "instability", "step": 875, "evidence": {"lr_at_step": 0.0437}}, "instability from step 875 (LR 0.0437)"),

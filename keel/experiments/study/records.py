@@ -57,7 +57,8 @@ def thinned_curve(records: Sequence[dict], points: int = CURVE_POINTS, window: i
 def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -> dict:
     """One run's row of the report: coordinates, ``status`` (done / error / pending), ``tokens``
     trained, final / step-0 validation loss, ``capped_loss`` (final, or the step-0 loss when the
-    run has no finite final loss), divergence verdict, max LR (ramp), plateau exit step."""
+    run has no finite final loss: a NaN would win or lose ``min`` by its position), divergence
+    verdict, max LR (ramp), plateau exit step."""
     model, train = job.config.get("model", {}), job.config.get("train", {})  # the run's own keys: one vocabulary
     rec = {"group": group.name, "name": job.name, "scheme": model.get("residual"),
            "sublayers": 2 * model.get("n_layers", 0), "seed": train.get("seed"), "lr": train.get("lr"),
@@ -70,7 +71,7 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
     metrics = run_dir / "metrics.jsonl"
     records = read_metrics(metrics) if metrics.is_file() else []
     rec.update(status=result.get("status", "done"), tokens=result.get("tokens"), final_val_loss=final,
-               first_val_loss=first, capped_loss=final if final is not None else first,
+               first_val_loss=first, capped_loss=final if is_number(final) and math.isfinite(final) else first,
                verdict=result.get("verdict"), divergence=result.get("divergence"),
                diverged=result.get("diverged"), max_lr=result.get("max_lr"),
                peak_lr=group.peak_lr if group.kind == "ramp" else None, wall_s=result.get("wall_s"),

@@ -116,8 +116,8 @@ def combine(verdicts: Sequence[str]) -> str:
 def best_runs(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayers: int) -> dict:
     """``{seed: run record}`` of ``scheme`` at ``sublayers`` over the runs of ``groups``: per seed,
     the run with the lowest capped final validation loss (each seed's best LR; a run without a
-    finite final loss counts as its step-0 loss, as in
-    :func:`keel.experiments.sensitivity.seed_curve`). Seeds with an unfinished LR are left out."""
+    finite final loss counts as its step-0 loss: ``capped_loss`` of
+    :func:`keel.experiments.study.records.run_record`). Seeds with an unfinished LR are left out."""
     out = {}
     for seed in sorted({r["seed"] for r in runs}):
         rs = [r for r in runs if r["group"] in groups and r["scheme"] == scheme and r["sublayers"] == sublayers
