@@ -459,10 +459,17 @@ def checked_copy(cfg: Config) -> Config:
 Override = Union[str, tuple[str, Any]]
 
 
+def parse_value(raw: str) -> Any:
+    """A TOML scalar (``1e-3`` -> float, ``16`` -> int, ``true``, ``"x"``, ``[1, 2]``) or, failing that, the string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
 def parse_override(item: str) -> tuple[str, Any]:
-    """``"section.key=value"`` (a ``--set`` string) as ``("section.key", value)``: the value is
-    parsed as a TOML scalar when possible (``1e-3``, ``true``, ``"x"``, ``[1, 2]``), else kept
-    as the plain string.
+    """``"section.key=value"`` (a ``--set`` string) as ``("section.key", value)``, the value read by
+    :func:`parse_value`.
 
     Raises:
         KeelError: no ``=`` or no section in the string.
@@ -470,11 +477,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item or "." not in item.split("=", 1)[0]:
         raise KeelError(f"--set expects section.key=value, got {item!r}")
     lhs, raw = item.split("=", 1)
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return lhs.strip(), value
+    return lhs.strip(), parse_value(raw)
 
 
 def apply_overrides(d: Mapping[str, Any], overrides: Iterable[Override] | Mapping[str, Any]) -> dict[str, Any]:

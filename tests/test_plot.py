@@ -7,6 +7,7 @@ from keel.errors import KeelError
 from keel.experiments.plot import depth_points, plot_depth, plot_loss_curves, plot_lr
 from keel.experiments.presets import run_sweep
 from keel.experiments.sweep import load_sweep, parse_grid
+from keel.train.metrics import trailing_mean
 
 
 @pytest.fixture(scope="module")
@@ -16,6 +17,19 @@ def sweep_dir(tiny_data, tmp_path_factory):
     sets = tiny_overrides(tiny_data, ("model.n_layers", "train.lr"), steps=4, eval_every=2, checkpoint_every=4)
     run_sweep(str(REPO / "keel" / "configs" / "demo.toml"), grid, sets, out=out, workers=0, best="train.lr")
     return out
+
+
+@pytest.mark.parametrize("window", [0, 1, 2, 3, 10])
+def test_smoothing_is_the_trailing_mean(window):
+    """``--smooth K`` and the study's curves: y_i -> mean(y_max(0, i-K+1) .. y_i), written out by hand."""
+    ys = [5.0, 4.0, 6.5, 3.0, 2.5, 2.0]
+    if window <= 1:
+        want = ys
+    else:
+        want = [sum(ys[j] for j in range(max(0, i - window + 1), i + 1)) / (i + 1 - max(0, i - window + 1))
+                for i in range(len(ys))]
+    assert trailing_mean(ys, window) == pytest.approx(want, rel=1e-15)
+    assert trailing_mean(ys, 3)[:4] == pytest.approx([5.0, 4.5, 15.5 / 3, 4.5])
 
 
 def _png(path):

@@ -107,12 +107,13 @@ def check_reportable(out_dir: str | Path) -> None:
         raise KeelError(f"{out_dir} holds no finished run: nothing to report; check --out")
 
 
-def _is_real(x) -> bool:
+def is_number(x) -> bool:
+    """True for an int or float that is not a bool (TOML/JSON ``true`` is not a number here)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _loss_or_null(x) -> bool:
-    return x is None or (_is_real(x) and not x < 0)  # NaN / inf: a diverged run's loss
+    return x is None or (is_number(x) and not x < 0)  # NaN / inf: a diverged run's loss
 
 
 def _count_or_null(x) -> bool:
@@ -130,7 +131,7 @@ RESULT_KEYS: dict[str, tuple[Callable[[object], bool], str]] = {
        for k in ("final_val_loss", "best_val_loss", "first_val_loss", "unigram_entropy")},
     **{k: (_count_or_null, "an integer >= 0 or null")
        for k in ("step", "steps", "tokens", "planned_tokens", "params", "non_embedding_params", "blocks", "sublayers")},
-    **{k: (lambda x: x is None or (_is_real(x) and x >= 0), "a number >= 0 or null")
+    **{k: (lambda x: x is None or (is_number(x) and x >= 0), "a number >= 0 or null")
        for k in ("elapsed_s", "wall_s", "max_lr")},
     "divergence": (lambda x: x is None or isinstance(x, dict), "a divergence verdict (a table) or null"),
     "diverged": (lambda x: x is None or isinstance(x, bool), "true, false or null"),

@@ -25,7 +25,7 @@ from typing import Sequence
 from keel.errors import KeelError
 from keel.experiments import sensitivity
 from keel.experiments.sweep import load_sweep
-from keel.train.metrics import read_metrics
+from keel.train.metrics import read_metrics, trailing_mean
 from keel.train.plots import plt, save_figure
 
 
@@ -42,19 +42,6 @@ def _run_dirs(paths: Sequence[str | Path]) -> list[tuple[str, Path]]:
             raise KeelError(f"not a run folder (no metrics.jsonl) or sweep folder (no sweep.json): {p}")
     if not out:
         raise KeelError("no runs to plot")
-    return out
-
-
-def _smooth(ys: list[float], k: int) -> list[float]:
-    """Trailing mean over the last ``k`` values (k <= 1: unchanged)."""
-    if k <= 1:
-        return ys
-    out, acc = [], 0.0
-    for i, y in enumerate(ys):
-        acc += y
-        if i >= k:
-            acc -= ys[i - k]
-        out.append(acc / min(i + 1, k))
     return out
 
 
@@ -91,7 +78,7 @@ def plot_loss_curves(paths: Sequence[str | Path], out: str | Path, *, val: bool 
         if not pts:
             continue
         xs, ys = zip(*pts)
-        ys = list(ys) if val else _smooth(list(ys), smooth)
+        ys = list(ys) if val else trailing_mean(list(ys), smooth)
         ax.plot(xs, ys, "o-" if val else "-", ms=3, lw=1.0 if val else 0.9, label=labels[i] if labels else name)
         n += 1
     if n == 0:
@@ -106,10 +93,6 @@ def plot_loss_curves(paths: Sequence[str | Path], out: str | Path, *, val: bool 
     ax.legend(fontsize=7, ncol=2 if n > 8 else 1)
     save_figure(fig, out)
     return n
-
-
-def _sweep(sweep_dir) -> dict:
-    return load_sweep(sweep_dir)
 
 
 def _series_key(values: dict, skip: Sequence[str]) -> str:
@@ -149,7 +132,7 @@ def plot_depth(sweep_dir: str | Path, out: str | Path, title: str = "") -> dict:
 
     Returns :func:`depth_points`. Raises KeelError (not a sweep, no depth axis, no usable run).
     """
-    sweep = _sweep(sweep_dir)
+    sweep = load_sweep(sweep_dir)
     pts = depth_points(sweep)
     if not pts:
         raise KeelError(f"no finished, non-diverged runs in {sweep_dir}")
@@ -187,7 +170,7 @@ def plot_lr(sweep_dir: str | Path, out: str | Path, title: str = "") -> int:
         summary = json.loads(summary_file.read_text())
         sensitivity.plot(summary, out)
         return sum(1 for cell in summary["cells"] if cell["n_seeds"])
-    sweep = _sweep(sweep_dir)
+    sweep = load_sweep(sweep_dir)
     if "train.lr" not in sweep["grid_keys"]:
         raise KeelError("this sweep does not vary train.lr: no LR axis")
     lines: dict[str, list] = {}

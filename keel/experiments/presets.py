@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from keel.config import Override, override_text, resolve_config_path
+from keel.diagnostics.divergence import Thresholds
 from keel.errors import KeelError
 from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
@@ -28,6 +30,7 @@ from keel.experiments.grid import cached_result, check_reportable
 from keel.experiments.study.run import execute
 from keel.experiments.study.spec import Group, Study, refuse_sets
 from keel.io import atomic_write_text
+from keel.model import SCHEMES
 
 _log = logging.getLogger(__name__)
 
@@ -47,6 +50,25 @@ STRESS_OWNED = _owned("stress", {**_RUN_KEYS, "train.lr": "the LR (its ramp); us
                                  "train.warmup_steps": "the warmup (its ramp); use --ramp-steps",
                                  "train.stop_on_divergence": "it to true (the ramp ends at divergence)"})
 SENSITIVITY_OWNED = _owned("lr-sensitivity", {**_RUN_KEYS, "train.lr": "each run's LR; use --lrs"})
+
+
+def check_flags(schemes: Sequence[str], sublayers: Sequence[int], seeds: Sequence[int], lrs: Sequence[float] = (),
+                reference: str | None = None) -> None:
+    """Raise KeelError naming the first bad grid flag of ``keel stress`` / ``keel lr-sensitivity``: an
+    unknown scheme (``--residual``, ``--reference-scheme``), a depth that is odd or under 2 sub-layers, a
+    non-positive LR, a repeated value (``--workers``: the engine's :func:`keel.experiments.grid.check_pool`)."""
+    for flag, s in [("--residual", s) for s in schemes] + ([("--reference-scheme", reference)] if reference else []):
+        if s not in SCHEMES:
+            raise KeelError(f"{flag}: unknown scheme {s!r} (available: {', '.join(SCHEMES)})")
+    for L in sublayers:
+        if L < 2 or L % 2:
+            raise KeelError(f"--sublayers counts sub-layers (2 per block) and must be even and >= 2, got {L}")
+    for lr in lrs:
+        if not (math.isfinite(lr) and lr > 0):
+            raise KeelError(f"--lrs must be positive numbers, got {lr}")
+    for what, xs in (("--residual", schemes), ("--sublayers", sublayers), ("--lrs", lrs), ("--seeds", seeds)):
+        if len(set(xs)) != len(xs):
+            raise KeelError(f"{what} must not repeat a value")
 
 
 def preset_study(name: str, config: str | None, sets: Sequence[Override], group: Group) -> Study:
@@ -83,10 +105,17 @@ def _require_finished(out: Path, names: Sequence[str], what: str) -> list[str]:
     return done
 
 
-def _log_finished(report: dict, what: str) -> None:
-    """One line: how many of the grid's runs have finished (``--report-only``)."""
-    done = sum(r["status"] == "done" for r in report["runs"])
-    _log.info(f"{what}: report only, {done}/{len(report['runs'])} runs finished")
+def _execute(what: str, config: str | None, sets: Sequence[Override], group: Group, out: Path, **engine) -> dict:
+    """The engine's report (or, with ``dry_run``, its plan) of the preset study of command ``what``;
+    after a run, one line on how many runs have finished (``report_only``) and a warning naming the
+    run folders in ``out`` that are not runs of this grid (:func:`_log_unplanned`)."""
+    report = execute(preset_study(what, config, sets, group), out, **engine)
+    if not engine.get("dry_run"):
+        if engine.get("report_only"):
+            done = sum(r["status"] == "done" for r in report["runs"])
+            _log.info(f"{what}: report only, {done}/{len(report['runs'])} runs finished")
+        _log_unplanned(out, report, what)
+    return report
 
 
 def _log_unplanned(out: Path, report: dict, what: str) -> None:
@@ -123,21 +152,22 @@ def run_stress(config: str | None = None, overrides: Sequence[Override] = (), sc
             config, ``out`` not usable, ``report_only`` where no run of the grid has finished.
     """
     schemes, sublayers, seeds, out = list(schemes), list(sublayers), list(seeds), Path(out)
-    ST.check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, reference_scheme)
+    check_flags(schemes, sublayers, seeds, reference=reference_scheme)
+    if not (math.isfinite(peak_lr) and peak_lr > 0):
+        raise KeelError(f"--peak-lr must be > 0, got {peak_lr}")
+    if ramp_steps < 2:
+        raise KeelError(f"--ramp-steps must be >= 2, got {ramp_steps}")
     refuse_sets(overrides, STRESS_OWNED)
     group = Group(name="stress", folder="", kind="ramp", schemes=schemes, sublayers=sublayers, seeds=seeds,
                   peak_lr=peak_lr, ramp_steps=ramp_steps, reference=reference_scheme)
     names = [ST.run_name(s, L, sd) for sd in seeds for L in sublayers for s in schemes]
     cached = _require_finished(out, names, "stress test") if report_only else \
         [n for n in names if cached_result(out / n) is not None]
-    report = execute(preset_study("stress", config, overrides, group), out, report_only=report_only, **engine)
+    report = _execute("stress", config, overrides, group, out, report_only=report_only, **engine)
     if engine.get("dry_run"):
         return report
-    if report_only:
-        _log_finished(report, "stress")
-    _log_unplanned(out, report, "stress")
     results = _done(report)
-    refs = [cached_result(out / ST.REFERENCES / ST.reference_name(reference_scheme, L, sd)) for sd in seeds
+    refs = [cached_result(out / ST.REFERENCES / ST.run_name(reference_scheme, L, sd)) for sd in seeds
             for L in sublayers]
     table = ST.stress_table(results, schemes, sublayers)
     summary = {"peak_lr": peak_lr, "ramp_steps": ramp_steps, "config": str(resolve_config_path(config)),
@@ -168,25 +198,24 @@ def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Se
     Raises:
         KeelError: bad grid or config; ``out`` not usable; ``report_only`` where no run has finished.
     """
-    grid = LS.build_grid(schemes, sublayers, lrs, seeds)
+    check_flags(schemes, sublayers, seeds, lrs)
+    lrs = sorted(lrs)
     refuse_sets(sets, SENSITIVITY_OWNED)
     out = Path(out)
     group = Group(name="sensitivity", folder="", schemes=list(schemes), sublayers=list(sublayers), seeds=list(seeds),
-                  lrs=grid["train.lr"], widen=0)
+                  lrs=lrs, widen=0)
     if report_only:
         _require_finished(out, (), "LR grid")
-    report = execute(preset_study("lr-sensitivity", config, sets, group), out, report_only=report_only, **engine)
+    report = _execute("lr-sensitivity", config, sets, group, out, report_only=report_only, **engine)
     if engine.get("dry_run"):
         return report
-    if report_only:
-        _log_finished(report, "lr-sensitivity")
-    _log_unplanned(out, report, "lr-sensitivity")
     results, h1 = _done(report) + _errors(report), report["unigram_entropy"]
     summary = {"config": str(resolve_config_path(config)), "sets": list(sets), "schemes": list(schemes),
-               "sublayers": list(sublayers), "lrs": grid["train.lr"], "seeds": list(seeds), "unigram_entropy": h1,
-               "plateau_level": LS.plateau_level(h1), "runs": results}
-    summary["cells"] = LS.summarise(results, schemes, sublayers, grid["train.lr"], seeds, summary["plateau_level"])
-    LS.write_outputs(summary, out)
+               "sublayers": list(sublayers), "lrs": lrs, "seeds": list(seeds), "unigram_entropy": h1,
+               "plateau_level": Thresholds().plateau_level(h1), "runs": results}
+    summary["cells"] = LS.summarise(results, schemes, sublayers, lrs, seeds, summary["plateau_level"])
+    atomic_write_text(out / LS.OUT_JSON, json.dumps(summary, indent=1, default=str))
+    atomic_write_text(out / LS.OUT_MD, LS.markdown(summary))  # sensitivity.png: the engine's plot (LS.plot)
     return summary
 
 
@@ -213,10 +242,9 @@ def run_sweep(config: str | None, grid: dict[str, list], sets: Sequence[Override
                                        if not (match_params == "auto" and k.startswith("model."))}))
     group = Group(name="sweep", folder="", kind="grid", schemes=[], sublayers=[], seeds=[], grid=grid,
                   match_params=match_params)
-    report = execute(preset_study("sweep", config, sets, group), out, **engine)
+    report = _execute("sweep", config, sets, group, Path(out), **engine)
     if engine.get("dry_run"):
         return report
-    _log_unplanned(Path(out), report, "sweep")
     order = {r["name"]: i for i, r in enumerate(report["runs"])}
     results = sorted(_done(report) + _errors(report), key=lambda r: order[r["name"]])
     summary: dict[str, Any] = {

@@ -38,16 +38,12 @@ and the unigram entropy of the training tokens as horizontal lines).
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from keel.diagnostics.divergence import Thresholds
 from keel.errors import KeelError
-from keel.io import atomic_write_text
-from keel.model import SCHEMES
 from keel.train.plots import plt, save_figure
 
 OUT_JSON, OUT_MD, OUT_PNG = "sensitivity.json", "sensitivity.md", "sensitivity.png"
@@ -139,27 +135,6 @@ def cell_summary(curves: Sequence[dict], lrs: Sequence[float]) -> dict:
 
 
 # ----------------------------------------------------------------------------- grid
-def build_grid(schemes: Sequence[str], sublayers: Sequence[int], lrs: Sequence[float],
-               seeds: Sequence[int]) -> dict[str, list]:
-    """The ``keel sweep`` grid of the protocol, slowest key first: seeds, depths (blocks),
-    schemes, LRs. Raises KeelError on an unknown scheme, an odd or non-positive depth, a
-    non-positive LR, or a repeated value."""
-    for s in schemes:
-        if s not in SCHEMES:
-            raise KeelError(f"--residual: unknown scheme {s!r} (available: {', '.join(SCHEMES)})")
-    for L in sublayers:
-        if L < 2 or L % 2:
-            raise KeelError(f"--sublayers counts sub-layers (2 per block) and must be even and >= 2, got {L}")
-    for lr in lrs:
-        if not (math.isfinite(lr) and lr > 0):
-            raise KeelError(f"--lrs must be positive numbers, got {lr}")
-    for what, xs in (("--residual", schemes), ("--sublayers", sublayers), ("--lrs", lrs), ("--seeds", seeds)):
-        if len(set(xs)) != len(xs):
-            raise KeelError(f"{what} repeats a value")
-    return {"train.seed": list(seeds), "model.n_layers": [L // 2 for L in sublayers],
-            "model.residual": list(schemes), "train.lr": sorted(lrs)}
-
-
 def summarise(results: Sequence[dict], schemes: Sequence[str], sublayers: Sequence[int],
               lrs: Sequence[float], seeds: Sequence[int], plateau_level: float | None = None) -> list[dict]:
     """One row per (depth, scheme), in the given order: ``sublayers``, ``scheme``,
@@ -308,16 +283,3 @@ def plot(summary: dict, out: str | Path) -> None:
         ax.legend(fontsize=7)
     save_figure(fig, out)
 
-
-def write_outputs(summary: dict, out: str | Path) -> None:
-    """Write ``sensitivity.json`` and ``sensitivity.md`` into ``out`` (atomically; ``sensitivity.png``
-    is the engine's plot of the group, :func:`plot` through :func:`keel.experiments.study.report.write_plots`)."""
-    out = Path(out)
-    atomic_write_text(out / OUT_JSON, json.dumps(summary, indent=1, default=str))
-    atomic_write_text(out / OUT_MD, markdown(summary))
-
-
-def plateau_level(h1: float | None) -> float | None:
-    """The divergence classifier's stagnation level for unigram entropy ``h1`` (nats):
-    :meth:`keel.diagnostics.divergence.Thresholds.plateau_level` at its default thresholds."""
-    return Thresholds().plateau_level(h1)

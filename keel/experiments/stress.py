@@ -53,7 +53,6 @@ from keel.config import Override, load_config
 from keel.errors import KeelError
 from keel.experiments.grid import GridJob
 from keel.experiments.sweep import train_task
-from keel.model import SCHEMES
 from keel.train.metrics import read_metrics
 
 REFERENCES = "references"
@@ -96,11 +95,6 @@ def stress_task(job: GridJob, run_dir: Path, resume: bool) -> dict:
     records = read_metrics(Path(run_dir) / "metrics.jsonl")
     out["max_lr"] = max_lr(records, out["divergence"]["step"]) if out["diverged"] else None
     return out
-
-
-def reference_name(scheme: str, sublayers: int, seed: int) -> str:
-    """Folder name of a reference run under ``OUT/references``."""
-    return run_name(scheme, sublayers, seed)
 
 
 def stress_table(results: list[dict], schemes: list[str], depths: list[int]) -> dict:
@@ -157,7 +151,7 @@ def stress_jobs(cfg_path, overrides: Sequence[Override], schemes: list[str], sub
     for seed in seeds:
         for L in sublayers:
             vals = {"sublayers": L, "blocks": L // 2, "seed": seed, "peak_lr": peak_lr, "ramp_steps": ramp_steps}
-            ref_name = reference_name(reference_scheme, L, seed)
+            ref_name = run_name(reference_scheme, L, seed)  # under OUT/references
             ref_dir = (out / REFERENCES / ref_name).resolve()
             sets = run_overrides(reference_scheme, L, seed, peak_lr, ramp_steps, overrides)
             cfg = load_config(cfg_path, sets + [("data.path", str(data_dir)), ("train.stop_on_divergence", False)])
@@ -173,21 +167,3 @@ def stress_jobs(cfg_path, overrides: Sequence[Override], schemes: list[str], sub
 def references_of(jobs: Sequence[GridJob]) -> set[str]:
     """Folder names (under ``OUT/references``) of the reference runs that stress ``jobs`` name."""
     return {Path(ref).name for j in jobs if (ref := j.config.get("train", {}).get("divergence_reference"))}
-
-
-def check_args(schemes, sublayers, seeds, peak_lr, ramp_steps, reference_scheme) -> None:
-    """Raise KeelError naming the first bad ``keel stress`` flag: an unknown scheme, an odd depth,
-    a non-positive peak LR, a ramp under 2 steps, a repeated value (``--workers``: the engine's
-    :func:`keel.experiments.grid.check_pool`)."""
-    for flag, s in [("--residual", s) for s in schemes] + [("--reference-scheme", reference_scheme)]:
-        if s not in SCHEMES:
-            raise KeelError(f"{flag}: unknown scheme {s!r} (available: {', '.join(SCHEMES)})")
-    for L in sublayers:
-        if L < 2 or L % 2:
-            raise KeelError(f"--sublayers counts sub-layers (2 per block) and must be even and >= 2, got {L}")
-    if not (math.isfinite(peak_lr) and peak_lr > 0):
-        raise KeelError(f"--peak-lr must be > 0, got {peak_lr}")
-    if ramp_steps < 2:
-        raise KeelError(f"--ramp-steps must be >= 2, got {ramp_steps}")
-    if len(set(schemes)) != len(schemes) or len(set(sublayers)) != len(sublayers) or len(set(seeds)) != len(seeds):
-        raise KeelError("--residual, --sublayers and --seeds must not repeat a value")

@@ -60,7 +60,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from keel.config import Override, config_from_dict, load_config, resolve_config_path, tomllib
+from keel.config import Override, config_from_dict, load_config, parse_value, resolve_config_path, tomllib
 from keel.data.stats import dataset_unigram_entropy
 from keel.diagnostics.divergence import HEALTHY, Verdict, run_verdict
 from keel.errors import KeelError
@@ -78,15 +78,6 @@ HELD_KEYS = ("tokens", "steps", "params")
 
 
 # ----------------------------------------------------------------------------- grid
-def parse_value(raw: str) -> Any:
-    """A TOML scalar (``1e-3`` -> float, ``16`` -> int, ``true``) or, failing that, the string."""
-    raw = raw.strip()
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
-
-
 def parse_grid(specs: Sequence[str]) -> dict[str, list]:
     """``["model.residual=keel,pre_ln", "train.lr=1e-3,3e-3"]`` -> ordered ``{key: [values]}``.
 
@@ -101,10 +92,10 @@ def parse_grid(specs: Sequence[str]) -> dict[str, list]:
         key = key.strip()
         if "." not in key:
             raise KeelError(f"--grid key must be section.key, got {key!r}")
-        parts = [p for p in raw.split(",")]
+        parts = raw.split(",")
         if not raw.strip() or any(not p.strip() for p in parts):
             raise KeelError(f"--grid {key} has an empty value in {raw!r}")
-        values = [parse_value(p) for p in parts]
+        values = [parse_value(p.strip()) for p in parts]
         if len({json.dumps(v) for v in values}) != len(values):
             raise KeelError(f"--grid {key} repeats a value: {raw!r}")
         grid[key] = values
@@ -298,7 +289,7 @@ def run_summary(run_dir: str | Path, stopped: str | None = None) -> dict:
     """
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.toml", stored=True)
-    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    records = read_metrics(run_dir / "metrics.jsonl")
     vals = [r for r in records if "val_loss" in r]
     last = records[-1] if records else {}
     tc = cfg.train

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +109,11 @@ class JsonlSink:
 
     def close(self) -> None:
         """Nothing to release (each write opens and closes the file)."""
+
+
+def trailing_mean(values: Sequence[float], window: int) -> list[float]:
+    """The mean of each value and the ``window - 1`` before it (fewer at the start), one per value;
+    ``window <= 1``: the values unchanged. E.g. a smoothed training-loss curve (nats/token)."""
+    if window <= 1:
+        return list(values)
+    return [statistics.fmean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]

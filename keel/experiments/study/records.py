@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
 from keel.config import load_config, resolve_config_path
 from keel.diagnostics.divergence import Thresholds
 from keel.errors import KeelError
-from keel.experiments.grid import GridJob
-from keel.experiments.study.spec import Group, Study, is_number
-from keel.train.metrics import read_metrics
+from keel.experiments.grid import GridJob, is_number
+from keel.experiments.study.spec import Group, Study
+from keel.train.metrics import read_metrics, trailing_mean
 
 
 PLATEAU_WINDOW = 10  # steps of the trailing mean of the training loss that must fall below the plateau level
@@ -33,10 +32,8 @@ def plateau_exit_step(records: Sequence[dict], level: float | None, window: int 
     if level is None:
         return None
     losses = [(r["step"], r["loss"]) for r in records if "loss" in r and math.isfinite(r["loss"])]
-    for i in range(window - 1, len(losses)):
-        if statistics.fmean(x for _, x in losses[i - window + 1:i + 1]) < level:
-            return losses[i][0]
-    return None
+    means = trailing_mean([x for _, x in losses], window)
+    return next((losses[i][0] for i in range(window - 1, len(losses)) if means[i] < level), None)
 
 
 def thinned_curve(records: Sequence[dict], points: int = CURVE_POINTS, window: int = PLATEAU_WINDOW) -> dict:
@@ -46,7 +43,7 @@ def thinned_curve(records: Sequence[dict], points: int = CURVE_POINTS, window: i
     ``loss``, ``lr``, ``val_step``, ``val_loss``; non-finite values are left out."""
     train = [(r["step"], r["loss"], r.get("lr")) for r in records
              if is_number(r.get("loss")) and math.isfinite(r["loss"]) and is_number(r.get("step"))]
-    means = [statistics.fmean(x for _, x, _ in train[max(0, i - window + 1):i + 1]) for i in range(len(train))]
+    means = trailing_mean([x for _, x, _ in train], window)
     keep = sorted({round(i * (len(train) - 1) / max(1, points - 1)) for i in range(points)}) if train else []
     val = [(r["step"], r["val_loss"]) for r in records
            if is_number(r.get("val_loss")) and math.isfinite(r["val_loss"]) and is_number(r.get("step"))]
@@ -68,8 +65,7 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
         return rec
     final, first = result.get("final_val_loss"), result.get("first_val_loss")
     h1 = result.get("unigram_entropy")
-    metrics = run_dir / "metrics.jsonl"
-    records = read_metrics(metrics) if metrics.is_file() else []
+    records = read_metrics(run_dir / "metrics.jsonl")
     rec.update(status=result.get("status", "done"), tokens=result.get("tokens"), final_val_loss=final,
                first_val_loss=first, capped_loss=final if is_number(final) and math.isfinite(final) else first,
                verdict=result.get("verdict"), divergence=result.get("divergence"),

@@ -13,8 +13,8 @@ from keel.experiments import sensitivity as LS
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.cells import CONDITION_WORDS, direction, lrs, pm, short
 from keel.experiments.study.claims import claim_kind
-from keel.experiments.study.verdicts import (LEVEL, MAX_LR_FLOOR, baseline_margins, best_losses, best_lrs, paired_verdict,
-                                             verdict_words)
+from keel.experiments.study.verdicts import (LEVEL, MAX_LR_FLOOR, baseline_margins, best_losses, best_lrs, best_runs,
+                                             paired_verdict, verdict_words)
 from keel.train.plots import plt, save_figure
 
 
@@ -125,14 +125,9 @@ def plateau_table(runs: list[dict]) -> list[str]:
     done = [r for r in runs if r["status"] == "done"]
     for key in dict.fromkeys((r["group"], r["scheme"], r["sublayers"]) for r in done):
         rs = [r for r in runs if (r["group"], r["scheme"], r["sublayers"]) == key]
-        cells = []
-        for sd in sorted({r["seed"] for r in rs}):
-            mine = [r for r in rs if r["seed"] == sd]
-            if any(r["status"] != "done" for r in mine):
-                cells.append("pending")
-                continue
-            step = min(mine, key=lambda r: r["capped_loss"]).get("plateau_exit_step")
-            cells.append("never" if step is None else str(step))
+        best = {sd: r.get("plateau_exit_step") for sd, r in best_runs(rs, [key[0]], key[1], key[2]).items()}
+        cells = ["pending" if sd not in best else "never" if best[sd] is None else str(best[sd])
+                 for sd in sorted({r["seed"] for r in rs})]
         fin = [r for r in rs if r["status"] == "done"]
         never = sum(r.get("plateau_exit_step") is None for r in fin)
         out.append(f"| {key[0]} | {key[1]} | {key[2]} | {', '.join(cells)} | {never} of {len(fin)} |")

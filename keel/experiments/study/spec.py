@@ -11,6 +11,7 @@ from typing import Literal
 
 from keel.config import Override, override_text, resolve_config_path, tomllib
 from keel.errors import KeelError
+from keel.experiments.grid import is_number
 from keel.keys import check_keys, did_you_mean, key, key_names, key_rule, unread_keys
 from keel.model import SCHEMES
 
@@ -87,11 +88,6 @@ class Study:
         """The config keys of a run of ``group`` (or of the study's base run): the scale's, the
         group's own ``set``, then the user's ``--set``, later ones winning."""
         return self.sets + (group.sets if group else []) + list(self.user_sets)
-
-
-def is_number(x) -> bool:
-    """True for an int or float that is not a bool (TOML/JSON ``true`` is not a number here)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _group(name: str, spec: dict, sized: dict) -> Group:
