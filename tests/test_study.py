@@ -113,6 +113,17 @@ def groups_study(**kw):
                          SS.Group("i", ["keel", "pre_ln"], [16, 64], [0, 1, 2], lrs=[1e-3, 3e-3, 1e-2])], **kw)
 
 
+def test_the_lr_window_is_named_after_the_group_that_trained_that_depth():
+    """The deepest depth is trained by the transfer group, not the LR grid: its window said "lr-grid" before."""
+    st = study(groups=[SS.Group("g", ["keel", "pre_ln"], [16], [0, 1, 2], lrs=[1e-3, 3e-3, 1e-2]),
+                       SS.Group("t", ["keel", "pre_ln"], [64], [0, 1, 2], lr_from="g")])
+    runs = [dict(r, group="t" if r["sublayers"] == 64 else "g")
+            for r in _margin_runs({16: {0: 0.1, 1: 0.1, 2: 0.1}, 64: {0: 0.5, 1: 0.5, 2: 0.5}})]
+    c = SV.claim_margin_grows(st, runs, {"groups": ["g", "t"], "scheme": "keel", "baseline": "pre_ln"})
+    rows = c["conditions"]["paper_init"]["rows"]
+    assert [r["window"]["keel"] for r in rows] == [{"g": [3e-3, 1e-2]}, {"t": [3e-3, 1e-2]}]
+
+
 def test_margin_grows_at_both_inits():
     claim = {"groups": ["g"], "init_groups": ["i"], "scheme": "keel", "baseline": "pre_ln"}
     paper = _margin_runs({16: {0: 0.10, 1: 0.12, 2: 0.08}, 64: {0: 0.50, 1: 0.45, 2: 0.55}})

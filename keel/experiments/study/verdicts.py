@@ -219,6 +219,13 @@ def lr_window(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayer
     return [lr for lr in lrs if mean[lr] <= best + margin]
 
 
+def _trained_in(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayers: int) -> str:
+    """The first of ``groups`` holding a run of ``scheme`` at ``sublayers`` (else the first group): the
+    name a table gives that init's LR window at that depth (e.g. ``transfer`` at 256, not ``lr-grid``)."""
+    return next((g for g in groups if any(r["group"] == g and r["scheme"] == scheme and r["sublayers"] == sublayers
+                                          for r in runs)), groups[0])
+
+
 def _margin_condition(study: Study, runs: list[dict], claim: dict, alts: list[list[str]]) -> dict:
     """One condition of a margin claim: the paired margin at every depth, each scheme at each
     seed's best run over ``alts`` (one group list per embedding init), the margin at the deepest
@@ -242,7 +249,7 @@ def _margin_condition(study: Study, runs: list[dict], claim: dict, alts: list[li
                      "bracketed": {x: {sd: bracketed(runs, r) for sd, r in best[x].items()} for x in (b, s)},
                      "plateau_exit": {x: {sd: r.get("plateau_exit_step") for sd, r in best[x].items()}
                                       for x in (b, s)},
-                     "window": {x: {a[0]: lr_window(runs, a, x, L) for a in alts} for x in (b, s)},
+                     "window": {x: {_trained_in(runs, a, x, L): lr_window(runs, a, x, L) for a in alts} for x in (b, s)},
                      "baseline_runs": len(finished), "baseline_diverged_runs": len(failed),
                      "baseline_recovered_runs": sum(left_plateau_later(r) for r in failed)})
     if len(rows) < 2:
