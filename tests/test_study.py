@@ -376,8 +376,8 @@ def test_report_counts_say_what_is_left_out(tmp_path):
     study = SC.load_study("claims", "cpu")
     runs, waiting = SRun.collect(study, "unused", tmp_path, train=False)
     assert len(runs) == 253 and all(r["status"] == "pending" for r in runs)
-    assert waiting == ["group transfer (33 runs) waits for group lr-grid at 64 sub-layers",
-                       "group transfer-init (27 runs) waits for group init at 64 sub-layers"]
+    assert [SR.waiting_words(w) for w in waiting] == ["group transfer (33 runs) waits for group lr-grid at 64 sub-layers",
+                                                      "group transfer-init (27 runs) waits for group init at 64 sub-layers"]
     md = SR.report_markdown(study, [], runs, "keel study claims --scale cpu", waiting)
     assert ("Runs finished: 0 of 253 planned so far. Unfinished: lr-grid 110 (keel, pre_ln, post_ln, deepnorm; "
             "read by (b), (c), (d)); ramp 12 (post_ln, deepnorm, pre_ln, keel; read by (a)); ") in md
@@ -389,6 +389,39 @@ def test_report_counts_say_what_is_left_out(tmp_path):
     assert SR.unfinished_words(study, done) == (" Unfinished: lr-grid 20 (deepnorm; read by no claim); ramp 3 (deepnorm; "
                                                 "read by (a)); bench 32 (peri_ln, hyper_connections, mhc, attn_res; "
                                                 "read by no claim).")
+
+
+def test_the_report_states_the_run_time_recorded_and_left():
+    """Recorded = the finished runs' wall times summed; left = sum over the runs to go (unfinished
+    records and the runs of groups not planned yet) of the median wall time of the finished runs
+    of the same group kind and depth, written out by hand for the cpu study's groups; a depth with
+    no finished run is counted apart."""
+    study = SC.load_study("claims", "cpu")
+
+    def rec(group, L, status, wall=None):
+        return {"group": group, "sublayers": L, "status": status, "wall_s": wall}
+    runs = [rec("lr-grid", 16, "done", w) for w in (300, 360, 600)] + [rec("init", 16, "done", 330)]
+    runs += [rec("ramp", 64, "done", 1200), rec("lr-grid", 64, "done", 500), rec("init", 64, "done", 700)]
+    runs += [rec("init", 16, "pending")] * 3 + [rec("init", 64, "pending")] * 2 + [rec("ramp", 64, "running", 90)]
+    waiting = [{"group": "transfer-init", "runs": 4, "sublayers": [256], "source": "init", "source_sublayers": 64}]
+    recorded = (300 + 360 + 600 + 330 + 1200 + 500 + 700) / 3600
+    # medians: train 16 -> 345 s (of 300, 330, 360, 600), train 64 -> 600 s, ramp 64 -> 1200 s; 256: none yet
+    left = (3 * 345 + 2 * 600 + 1 * 1200) / 3600
+    head = (f" Run time: {recorded:.1f} worker-hours recorded over the 7 finished runs that record one (each run's "
+            "wall time as trained: a machine's `--workers` share its cores); ")
+    assert SR.run_time_words(study, runs, waiting) == head + (
+        f"about {left:.1f} worker-hours left for 6 of the 10 runs to go (the other 4 at a depth with no finished run "
+        "yet), each at the median wall time of this study's finished runs of its kind and depth (16 sub-layers "
+        "5.8 min, 64 sub-layers 10.0 min, 64 sub-layers (ramp) 20.0 min).")
+    runs.append(rec("transfer", 256, "done", 2000))
+    assert f"; about {left + 4 * 2000 / 3600:.1f} worker-hours left for the 10 runs to go," in SR.run_time_words(
+        study, runs, waiting)
+    assert SR.run_time_words(study, runs[-1:]) == (" Run time: 0.6 worker-hours recorded over the 1 finished runs "
+                                                   "that record one (each run's wall time as trained: a machine's "
+                                                   "`--workers` share its cores).")
+    assert SR.run_time_words(study, [rec("init", 16, "pending")], waiting) == (
+        " Run time: the 5 runs to go are not estimated (no finished run yet of their kind and depth).")
+    assert SR.run_time_words(study, []) == ""
 
 
 @pytest.mark.parametrize("diffs, words", [({0: 0.3, 1: 0.2, 2: 0.25}, "keel better"),
@@ -831,7 +864,7 @@ def test_groups_flag_trains_only_the_named_groups(keel_main, tiny_data, tmp_path
     assert status == {"lr-grid": {"pending"}, "ramp": {"pending"}, "ramp-long": {"pending"}, "init": {"done"},
                       "showcase": {"done"}, "transfer-init": {"pending"},
                       "bench": {"pending"}}  # transfer: waits for the lr-grid, not planned
-    assert any("group transfer" in w and "waits for group lr-grid" in w for w in r["waiting"])
+    assert any(w["group"] == "transfer" and w["source"] == "lr-grid" for w in r["waiting"])
     bad = keel_main("study", "claims", "--scale", "tiny", "--out", tmp_path / "x", "--groups", "init,nope")
     assert bad.returncode == 2 and "has no group(s) nope (groups: lr-grid, transfer, ramp" in bad.stderr
     assert "Traceback" not in bad.stderr and not (tmp_path / "x").exists()

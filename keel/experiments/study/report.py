@@ -3,6 +3,8 @@ groups no claim reads, best losses, plateau exits and every run."""
 
 from __future__ import annotations
 
+import statistics
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -212,6 +214,47 @@ def tokens_words(study: Study, done: list[dict]) -> str:
     return f" (tokens per finished run: {'; '.join(parts)})" if parts else ""
 
 
+def waiting_words(w: dict) -> str:
+    """A group not planned yet (a dict of :func:`keel.experiments.study.run.collect`) in words:
+    ``group transfer (33 runs) waits for group lr-grid at 64 sub-layers``."""
+    return f"group {w['group']} ({w['runs']} runs) waits for group {w['source']} at {w['source_sublayers']} sub-layers"
+
+
+def run_time_words(study: Study, runs: Sequence[dict], waiting: Sequence[dict] = ()) -> str:
+    """" Run time: N worker-hours recorded ...; about M worker-hours left ..." for the report's
+    count line. Recorded: the sum of the finished runs' wall times (``wall_s``, seconds, as
+    trained: a machine's ``--workers`` share its cores). Left: each unfinished run, and each run
+    of a group not planned yet, at the median wall time of the finished runs of its group kind
+    (training or ramp) and depth; runs at a kind and depth with no finished run yet are counted
+    apart. Worker-hours divided by the workers that run at once give wall time."""
+    kind = {g.name: g.kind for g in study.groups}
+    walls: dict[tuple, list[float]] = {}
+    for r in runs:
+        if r["status"] == "done" and r.get("wall_s"):
+            walls.setdefault((kind.get(r["group"], "train"), r["sublayers"]), []).append(r["wall_s"])
+    todo = Counter((kind.get(r["group"], "train"), r["sublayers"]) for r in runs if r["status"] != "done")
+    for w in waiting:
+        for L in w["sublayers"]:
+            todo[(kind.get(w["group"], "train"), L)] += w["runs"] // len(w["sublayers"])
+    parts = []
+    if walls:
+        parts.append(f"{sum(map(sum, walls.values())) / 3600:.1f} worker-hours recorded over the "
+                     f"{sum(map(len, walls.values()))} finished runs that record one (each run's wall time as "
+                     "trained: a machine's `--workers` share its cores)")
+    n = sum(todo.values())
+    med = {k: statistics.median(walls[k]) for k in sorted(todo, key=lambda k: (k[1], k[0] == "ramp")) if k in walls}
+    known = sum(todo[k] for k in med)
+    if n and not med:
+        parts.append(f"the {n} runs to go are not estimated (no finished run yet of their kind and depth)")
+    elif n:
+        each = ", ".join(f"{L} sub-layers{' (ramp)' if k == 'ramp' else ''} {m / 60:.1f} min" for (k, L), m in med.items())
+        parts.append(f"about {sum(todo[k] * m for k, m in med.items()) / 3600:.1f} worker-hours left for "
+                     + (f"the {n} runs to go" if known == n else f"{known} of the {n} runs to go (the other "
+                        f"{n - known} at a depth with no finished run yet)")
+                     + f", each at the median wall time of this study's finished runs of its kind and depth ({each})")
+    return f" Run time: {'; '.join(parts)}." if parts else ""
+
+
 def restored_words(runs: list[dict], restore: str | Path | None) -> str:
     """The report's line on runs restored from an earlier report (``keel study --restore``)."""
     n = sum(1 for r in runs if r.get("restored"))
@@ -222,7 +265,7 @@ def restored_words(runs: list[dict], restore: str | Path | None) -> str:
 
 
 def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[dict], command: str,
-                    waiting: Sequence[str] = (), restore: str | Path | None = None, floor: dict | None = None) -> str:
+                    waiting: Sequence[dict] = (), restore: str | Path | None = None, floor: dict | None = None) -> str:
     """``report.md``: the verdict table, one section per claim, every run."""
     done = [r for r in runs if r["status"] == "done"]
     lines = [f"# Study `{study.name}`, scale `{study.scale}`", "", study.note, "",
@@ -230,7 +273,8 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
              + unfinished_words(study, runs)
              + (" The ramp groups' reference runs (the scale's `--dry-run` counts them) are not counted."
                 if any(g.kind == "ramp" for g in study.groups) else "")
-             + (f" Not planned yet: {'; '.join(waiting)}." if waiting else "") + restored_words(runs, restore),
+             + (f" Not planned yet: {'; '.join(map(waiting_words, waiting))}." if waiting else "")
+             + run_time_words(study, runs, waiting) + restored_words(runs, restore),
              f"Command (it trains every run of the study; flags that pick what one call trains, "
              f"such as `--groups` and `--resume`, are left out): `{command}`", ""]
     if claims:  # a study of groups only (e.g. a bench) has no verdicts

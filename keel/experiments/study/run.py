@@ -20,7 +20,7 @@ from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
 from keel.experiments.executor import Executor
 from keel.experiments.grid import GridJob, cached_result, check_pool, check_started, run_grid
-from keel.experiments.study.report import claim_summary, report_markdown, superseded_words, write_plots
+from keel.experiments.study.report import claim_summary, report_markdown, superseded_words, waiting_words, write_plots
 from keel.experiments.study.claims import claim_kind, load_study
 from keel.experiments.study.dataset import NO_DATA, check_study_data, shares_data, study_dataset
 from keel.experiments.study.records import kept_restored, load_restored, restored_record, run_record
@@ -162,10 +162,10 @@ def stepped_lrs(study: Study, g: Group, opt: dict[str, float]) -> dict[str, list
 
 def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[str], grid: Callable = run_grid,
             restored: dict[tuple[str, str], dict] | None = None,
-            superseded: list[dict] | None = None) -> tuple[list[dict], list[str]]:
+            superseded: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
     """Run or only read every group in order; return the run records (:func:`run_record`) of
-    every job, finished or not, and one line per group not planned yet: an ``lr_from`` group
-    whose source has not finished is skipped (logged), and runs on a later invocation.
+    every job, finished or not, and per group not planned yet (an ``lr_from`` group whose source has not
+    finished: skipped, logged, run on a later invocation) a dict for :func:`.report.waiting_words`.
     ``train``: True trains every group, False none, a list of group names only those (the other
     groups are read, so the report still covers them). ``grid``: :func:`keel.experiments.grid.run_grid`
     with the workers, threads and executor bound. ``restored``: :func:`load_restored`; a
@@ -187,10 +187,10 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[st
         got = group_records(study, g, runs, data_dir, out, read)
         if got is None:
             n = sum(len(g.scheme_seeds(s)) for s in g.schemes) * len(g.sublayers) * len(g.lr_from_steps)
-            waiting.append(f"group {g.name} ({n} runs) waits for group {g.lr_from} at {g.lr_from_sublayers} "
-                           "sub-layers")
+            waiting.append({"group": g.name, "runs": n, "sublayers": list(g.sublayers), "source": g.lr_from,
+                            "source_sublayers": g.lr_from_sublayers})
             if trains:
-                _log.info(f"study: {waiting[-1]}")
+                _log.info(f"study: {waiting_words(waiting[-1])}")
             runs += kept_restored(g, restored)  # measured runs stay in the report while their group waits
             continue
         runs += got[2]
@@ -481,7 +481,7 @@ def _unclaimed_if(fresh: bool, out: Path):
 
 
 def write_report(study: Study, runs: list[dict], out: Path, h1: float | None, command: str,
-                 restore: str | Path | None, superseded: list[dict], waiting: dict) -> dict:
+                 restore: str | Path | None, superseded: list[dict], waiting: list[dict]) -> dict:
     """Judge the claims (:func:`judge`) and write ``report.json``, ``report.md`` and the PNGs into
     ``out`` (each atomically); returns the report (``report.json``'s content plus ``waiting`` and
     ``records``, every run record with its result).
