@@ -124,6 +124,23 @@ def test_the_lr_window_is_named_after_the_group_that_trained_that_depth():
     assert [r["window"]["keel"] for r in rows] == [{"g": [3e-3, 1e-2]}, {"t": [3e-3, 1e-2]}]
 
 
+@pytest.mark.parametrize("m16, m64", [(0.1, 0.5), (0.5, 0.1)])
+def test_a_margin_claim_gives_no_verdict_while_its_deepest_depth_is_still_training(m16, m64):
+    """Judged over 16 and 64 sub-layers while 256 is planned, a margin that grows (or shrinks) gave
+    "reproduced" (or "not reproduced") though the 256-sub-layer runs could overturn either part;
+    now inconclusive until they are in, with the parts over the finished depths still reported."""
+    st = study(groups=[SS.Group("g", ["keel", "pre_ln"], [16, 64], [0, 1, 2], lrs=[1e-3, 3e-3, 1e-2]),
+                       SS.Group("t", ["keel", "pre_ln"], [256], [0, 1, 2], lr_from="g")])
+    runs = _margin_runs({16: {0: m16, 1: m16 + 0.01, 2: m16 - 0.01}, 64: {0: m64, 1: m64 + 0.02, 2: m64 - 0.01}})
+    claim = {"groups": ["g", "t"], "scheme": "keel", "baseline": "pre_ln"}
+    cond = SV.claim_margin_grows(st, runs, claim)["conditions"]["paper_init"]
+    words = [p["verdict"] for p in cond["parts"].values()]
+    assert words == ([R, R] if m64 > m16 else [R, NR]) and cond["verdict"] == INC
+    assert list(cond["parts"])[0] == "margin at 64 sub-layers (the deepest finished; 256 pending)"
+    done = runs + [dict(r, group="t", sublayers=256) for r in runs if r["sublayers"] == 64]
+    assert SV.claim_margin_grows(st, done, claim)["conditions"]["paper_init"]["verdict"] == (R if m64 > m16 else NR)
+
+
 def test_margin_grows_at_both_inits():
     claim = {"groups": ["g"], "init_groups": ["i"], "scheme": "keel", "baseline": "pre_ln"}
     paper = _margin_runs({16: {0: 0.10, 1: 0.12, 2: 0.08}, 64: {0: 0.50, 1: 0.45, 2: 0.55}})

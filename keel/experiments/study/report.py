@@ -182,7 +182,8 @@ def verdict_rule(study: Study, claims: Sequence[dict], floor: dict | None = None
             "when hi < f (the interval excludes an effect as large as the floor: no effect, or the opposite); "
             "inconclusive otherwise. Growth with depth is the slope of each seed's margin against log2(sub-layers) "
             "over every depth, judged the same way with the floor spread over the studied range "
-            "(f / log2(deepest / shallowest)). A claim with several parts is reproduced only when every part is. "
+            "(f / log2(deepest / shallowest)). A claim with several parts is reproduced only when every part is; "
+            "a margin condition stays inconclusive while a depth it plans has not finished. "
             "Margin claims are judged at the paper's init (N(0, 0.02²) everywhere) and with each scheme, per seed "
             "and depth, at the better of that and the init groups' embedding init; the summary says which."
             + why + (f" {ids(own)} has its own rule, stated in its section." if own else ""))

@@ -229,7 +229,8 @@ def _trained_in(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublay
 def _margin_condition(study: Study, runs: list[dict], claim: dict, alts: list[list[str]]) -> dict:
     """One condition of a margin claim: the paired margin at every depth, each scheme at each
     seed's best run over ``alts`` (one group list per embedding init), the margin at the deepest
-    depth and its trend with depth (:func:`trend_verdict`), combined by :func:`combine`."""
+    depth and its trend with depth (:func:`trend_verdict`), combined by :func:`combine`;
+    inconclusive while a depth the condition's groups plan has no paired result yet."""
     s, b = claim["scheme"], claim["baseline"]
     groups = [g for a in alts for g in a]
     depths = sorted({r["sublayers"] for r in runs if r["group"] in groups})
@@ -262,7 +263,9 @@ def _margin_condition(study: Study, runs: list[dict], claim: dict, alts: list[li
     trend = trend_verdict({r["sublayers"]: r["margin"]["diffs"] for r in rows}, study.min_effect, study.min_seeds)
     parts = {where: hi["margin"], f"trend over {', '.join(str(r['sublayers']) for r in rows)} sub-layers "
              "(slope per doubling)": trend}
-    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+    # a depth still training can overturn either part: no verdict on part of the planned range
+    verdict = combine([p["verdict"] for p in parts.values()]) if planned == hi["sublayers"] else INCONCLUSIVE
+    return {"verdict": verdict, "parts": parts, "rows": rows}
 
 
 def claim_margin_grows(study: Study, runs: list[dict], claim: dict) -> dict:
