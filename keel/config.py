@@ -27,22 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Literal, Mapping, Union
 
 import tomli_w
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
-
 from importlib.resources import files
 
 from keel.errors import KeelError
-from keel.io import atomic_write_text
+from keel.io import atomic_write_text, read_toml, tomllib
 from keel.keys import (ResumePolicy, check_key, check_keys, choices, choices_text, current_key, key, key_field, key_rule,
                        key_type, resume_policy)
 
@@ -525,10 +519,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[Override] | 
         p = Path(path)
         if not p.is_file():
             raise KeelError(f"config file not found: {p}")
-        try:
-            d = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise KeelError(f"cannot parse config {p}: {e}") from None
+        d = read_toml(p)
     # the overrides' renamed keys are said (and renamed) by apply_overrides; the file's by config_from_dict
     return config_from_dict(apply_overrides(d, overrides or ()), stored=stored)
 

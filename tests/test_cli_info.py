@@ -175,6 +175,12 @@ def test_keel_runs_table_and_json(tiny_data, tmp_path, capsys):
     assert table[1].split()[:5] == ["a", "keel", "2/4", f"{row['params'] / 1e6:.2f}M", "2/2"]
     assert table[1].split()[-1] == "finished" and f"{last['val_loss']:.4f}" in table[1]
     assert main(["runs", str(tmp_path / "none")]) == 2
+    # a run folder whose config is not TOML, or not UTF-8 (that aborted the whole table), is skipped
+    for name, text in (("b", b"[model\nd_model = 3"), ("c", b"\xff\xfe[train]\n")):
+        (root / name / "checkpoints").mkdir(parents=True)
+        (root / name / "config.toml").write_bytes(text)
+    assert main(["runs", str(root), "--json"]) == 0
+    assert [r["run"] for r in json.loads(capsys.readouterr().out)] == [str(root / "a")]
 
 
 @pytest.mark.spawns

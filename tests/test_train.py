@@ -179,13 +179,18 @@ def test_cli_user_errors_are_one_line(args, msg, tmp_path, monkeypatch, capsys):
     assert not any(tmp_path.iterdir())  # nothing half-written
 
 
-def test_bad_toml_file(tmp_path, capsys):
+@pytest.mark.parametrize("text, msg", [(b"[model\nd_model = 3", "cannot parse config"),
+                                       (b"\xff\xfe[train]\n", "cannot read config"),  # was a UnicodeDecodeError traceback
+                                       (b"[train]\nsteps = 3 # \xe9t\xe9\n", "cannot read config")])
+@pytest.mark.parametrize("command", [("train", "--config"), ("config", "--show")])
+def test_bad_toml_file(text, msg, command, tmp_path, capsys):
     from keel.cli import main
 
     bad = tmp_path / "bad.toml"
-    bad.write_text("[model\nd_model = 3")
-    assert main(["train", "--config", str(bad)]) == 2
-    assert "cannot parse config" in capsys.readouterr().err
+    bad.write_bytes(text)
+    assert main([*command, str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"keel: error: {msg} {bad}"), err
 
 
 @pytest.mark.parametrize("args,msg", [

@@ -60,11 +60,12 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from keel.config import Override, config_from_dict, load_config, parse_value, resolve_config_path, tomllib
+from keel.config import Override, config_from_dict, load_config, parse_value, resolve_config_path
 from keel.data.stats import dataset_unigram_entropy
 from keel.diagnostics.divergence import HEALTHY, Verdict, run_verdict
 from keel.errors import KeelError
 from keel.experiments.grid import GridJob
+from keel.io import read_toml
 from keel.experiments.training import train_run
 from keel.model import SCHEMES, check_model_config, count_parameters
 from keel.train import TrainingStopped
@@ -192,10 +193,7 @@ def load_preset(name: str) -> dict:
     Raises KeelError for an unknown name, unparsable TOML or unknown top-level keys.
     """
     p = resolve_config_path(name, kind="sweeps")
-    try:
-        d = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise KeelError(f"cannot parse sweep preset {p}: {e}") from None
+    d = read_toml(p, "sweep preset")
     unknown = set(d) - {"base", "grid", "set", "best_over", "match_params", "description"}
     if unknown:
         raise KeelError(f"unknown key(s) in sweep preset {p}: {', '.join(sorted(unknown))}")

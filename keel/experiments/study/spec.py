@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from keel.config import Override, override_text, resolve_config_path, tomllib
+from keel.config import Override, override_text, resolve_config_path
+from keel.io import read_toml
 from keel.errors import KeelError
 from keel.experiments.grid import is_number
 from keel.keys import check_keys, did_you_mean, key, key_names, key_rule, unread_keys
@@ -134,12 +135,7 @@ def read_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
             does not size, a ``--set`` of a key the groups set per run.
     """
     path = resolve_config_path(name, kind="studies")
-    try:
-        d = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise KeelError(f"cannot parse study {path}: {e}") from None
-    except UnicodeDecodeError:
-        raise KeelError(f"cannot read study {path}: not UTF-8 text (a TOML file is)") from None
+    d = read_toml(path, "study")
     unknown = set(d) - {"description", "base", "verdict", "groups", "claims", "scales"}
     if unknown:
         raise KeelError(f"study {path.stem!r}: unknown top-level key(s) {', '.join(sorted(unknown))}")
