@@ -187,6 +187,32 @@ def trained_run(tiny_data, tmp_path_factory):
     return run
 
 
+def test_ablate_hf_on_a_keel_export_is_the_runs_ablation(trained_run, tmp_path, capsys):
+    """`keel ablate --hf` on a keel export (not Llama) asked for trust_remote_code and crashed on
+    its prompt (found by a new-user trial). It now ablates the wrapped native model by sub-layer:
+    the same ΔPPL as `keel ablate --run` on the run's validation text, decoded and re-tokenized."""
+    from keel.cli import main
+    from keel.diagnostics.ablate import ablate_model, text_windows
+    from keel.run import Run
+
+    out = tmp_path / "hf"
+    assert main(["export-hf", "--run", str(trained_run), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["ablate", "--hf", str(out), "--run", str(trained_run), "--tokens", "256", "--seq-len", "32",
+                 "--out", str(tmp_path / "abl"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    run = Run(trained_run)
+    sub = 2 * run.config.model.n_layers
+    assert res["unit"] == "sub-layer" and len(res["units"]) == sub == res["sublayers"]
+    from keel.diagnostics.ablate import hf_text
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(out)
+    w = text_windows(tok(hf_text(None, str(trained_run), 256), add_special_tokens=False)["input_ids"], 32, 256)
+    want = ablate_model(run.load_model(device="cpu"), w, batch_size=16)
+    assert [u["delta_ppl"] for u in res["units"]] == pytest.approx([u["delta_ppl"] for u in want["units"]], rel=1e-4)
+
+
 def test_export_auto_load_offline_generate_import(trained_run, tmp_path, monkeypatch, capsys):
     import huggingface_hub.constants as hub_constants
 

@@ -265,9 +265,9 @@ def write_outputs(res: dict, out_dir: str | Path, title: str) -> None:
 
 
 # ----------------------------------------------------------------------------- sources
-def _text_windows(ids, seq_len: int, max_tokens: int):
-    """Whole windows of ``ids`` (:func:`keel.data.split_windows`) stacked [N, seq_len + 1];
-    KeelError if there is none."""
+def text_windows(ids, seq_len: int, max_tokens: int):
+    """Whole windows of token ids ``ids`` (:func:`keel.data.split_windows`, at most ``max_tokens``
+    tokens) stacked into an int64 tensor [N, seq_len + 1]. Raises KeelError if there is none."""
     rows = split_windows(ids, seq_len, max_tokens)
     if not rows:
         raise KeelError(f"text too short: {len(ids)} tokens, need at least {seq_len + 1}")
@@ -316,4 +316,4 @@ def ablate_hf_folder(path: str | Path, text: str, seq_len: int | None = None, to
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     seq = seq_len or min(512, getattr(model.config, "max_position_embeddings", 512))
-    return ablate_hf_model(model, _text_windows(ids, seq, tokens), batch_size=batch_size)
+    return ablate_hf_model(model, text_windows(ids, seq, tokens), batch_size=batch_size)

@@ -151,6 +151,25 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ablate_hf(args: argparse.Namespace, text: str, tokens: int) -> dict:
+    """``keel ablate --hf``: a keel export (``model_type`` keel, written by ``keel export-hf``) is
+    ablated as the native model it wraps, by sub-layer as ``--run`` does, on ``text`` in the
+    folder's tokenizer; any other Hugging Face causal LM by decoder layer (:func:`A.ablate_hf_folder`)."""
+    config = Path(args.hf) / "config.json"
+    try:
+        keel_export = json.loads(config.read_text(encoding="utf-8")).get("model_type") == "keel"
+    except (OSError, ValueError):
+        keel_export = False  # not a readable keel config: ablate_hf_folder names the problem
+    if not keel_export:
+        return A.ablate_hf_folder(args.hf, text, args.seq_len, tokens, args.batch_size)
+    from keel.hf.convert import load_hf
+
+    hf, tok, _ = load_hf(args.hf, device=args.device)
+    seq = args.seq_len or min(512, hf.model.cfg.max_seq_len)
+    windows = A.text_windows(tok(text, add_special_tokens=False)["input_ids"], seq, tokens)
+    return A.ablate_model(hf.model.float(), windows, batch_size=args.batch_size)
+
+
 def cmd_ablate(args: argparse.Namespace) -> int:
     if args.tokens is not None and args.tokens < 1:
         raise KeelError(f"--tokens must be >= 1, got {args.tokens}")
@@ -159,7 +178,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         logging.getLogger(A.__name__).setLevel(logging.DEBUG)
     if args.hf:
         text = A.hf_text(args.text, args.run, tokens)
-        res = A.ablate_hf_folder(args.hf, text, args.seq_len, tokens, args.batch_size)
+        res = _ablate_hf(args, text, tokens)
         title, default_out = str(args.hf), Path(args.hf) / "ablate"
     elif args.run:
         res = A.ablate_run(args.run, args.seq_len, tokens, args.batch_size, args.device)
