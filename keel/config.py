@@ -18,25 +18,30 @@ n_heads``, ``min_lr <= lr``) stay explicit code in the sections' ``validate``.
 A config is loaded with :func:`load_config`, overridden with ``--set section.key=value``
 strings or typed ``(key, value)`` pairs (:func:`apply_overrides`, the same coercion and
 checks for both) and written back as the resolved ``config.toml`` of a run
-(:func:`dump_config`). Unknown sections or keys, values of the wrong type and values out of
-range raise :class:`keel.errors.KeelError` naming the key. The residual scheme's name is
-checked by :func:`keel.model.residual.check_model_config`, where the list of schemes lives.
+(:func:`dump_config`). Unknown sections or keys, values of the wrong type or out of range raise
+:class:`keel.errors.KeelError` naming the key; the residual scheme's name is checked where the
+list of schemes lives (:func:`keel.model.residual.check_model_config`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Literal, Mapping, Union
 
 import tomli_w
 
-from importlib.resources import files
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 from keel.errors import KeelError
-from keel.io import atomic_write_text, read_toml, tomllib
+from keel.io import atomic_write_text
 from keel.keys import (ResumePolicy, check_key, check_keys, choices, choices_text, current_key, key, key_field, key_rule,
                        key_type, resume_policy)
 
@@ -500,6 +505,19 @@ def apply_overrides(d: Mapping[str, Any], overrides: Iterable[Override] | Mappin
     return out
 
 
+def read_toml(path: Path, what: str = "config") -> dict:
+    """The TOML file ``path`` as a dict. Raises KeelError, one line naming ``what`` (config, study,
+    sweep preset) and ``path``: no such file, not UTF-8 text, not TOML."""
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise KeelError(f"{what} file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise KeelError(f"cannot parse {what} {path}: {e}") from None
+    except UnicodeDecodeError:
+        raise KeelError(f"cannot read {what} {path}: not UTF-8 text (a TOML file is)") from None
+
+
 def load_config(path: str | Path | None = None, overrides: Iterable[Override] | Mapping[str, Any] = (),
                 stored: bool = False) -> Config:
     """Read a TOML config (default: the declared defaults) and apply ``overrides``.
@@ -514,13 +532,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[Override] | 
     Raises:
         KeelError: missing/unparsable file, unknown key, bad value.
     """
-    d: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise KeelError(f"config file not found: {p}")
-        d = read_toml(p)
-    # the overrides' renamed keys are said (and renamed) by apply_overrides; the file's by config_from_dict
+    d = read_toml(Path(path)) if path is not None else {}
     return config_from_dict(apply_overrides(d, overrides or ()), stored=stored)
 
 
@@ -529,8 +541,6 @@ def override_text(item: Override) -> str:
     if isinstance(item, str):
         return item
     return f"{item[0]}={tomli_w.dumps({'v': item[1]}).split('=', 1)[1].strip()}"
-
-
 
 
 def dump_config(cfg: Config, path: str | Path) -> None:
@@ -577,11 +587,10 @@ def resolve_config_path(name: str | None, kind: str = "") -> Path:
 def describe_config() -> list[dict[str, Any]]:
     """Every config key, from its one declaration (:func:`key`), in section and field order:
     ``[{"key": "model.d_model", "type": "int", "default": 128, "choices": None, "rule": ">= 1",
-    "help": "..."}]``. ``type`` is the annotation (a ``Literal[...]`` one as its values:
-    ``"'cosine' | 'wsd' | 'constant'"``, ``"list of 'jsonl' | ..."``), ``choices`` the allowed
-    values (None = any), ``rule`` the allowed range or values in words as the load-time check
-    says them (:func:`key_rule`; "" = any value of the type), ``default`` the declared default
-    (None = unset)."""
+    "help": "..."}]``. ``type`` is the annotation (a ``Literal[...]`` one as its values: ``"'cosine'
+    | 'wsd' | 'constant'"``, ``"list of 'jsonl' | ..."``), ``choices`` the allowed values (None =
+    any), ``rule`` the range or values in words as the load-time check says them (:func:`key_rule`;
+    "" = any value of the type), ``default`` the declared default (None = unset)."""
     out = []
     for section, cls in _SECTIONS.items():
         obj = cls()

@@ -24,11 +24,6 @@ from typing import Callable, Iterable, Iterator
 
 from keel.errors import KeelError
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
-
 
 # The signals that stop a run cleanly (finish the step, checkpoint, exit 128 + signal with a resume
 # hint): Ctrl-C, kill / a scheduler's stop, SIGUSR1, Slurm's pre-timeout warning by convention
@@ -78,21 +73,6 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
-
-
-def read_toml(path: str | os.PathLike, what: str = "config") -> dict:
-    """The TOML file at ``path`` as a dict. ``what`` names it in errors (``config``, ``study``).
-
-    Raises:
-        KeelError: the file is not UTF-8 text, or not valid TOML (one line, naming ``path``).
-    """
-    p = Path(path)
-    try:
-        return tomllib.loads(p.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise KeelError(f"cannot parse {what} {p}: {e}") from None
-    except UnicodeDecodeError:
-        raise KeelError(f"cannot read {what} {p}: not UTF-8 text (a TOML file is)") from None
 
 
 def make_temp_dir(parent: str | os.PathLike, name: str) -> Path:

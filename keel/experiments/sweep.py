@@ -60,12 +60,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from keel.config import Override, config_from_dict, load_config, parse_value, resolve_config_path
+from keel.config import Override, config_from_dict, load_config, parse_value, read_toml, resolve_config_path
 from keel.data.stats import dataset_unigram_entropy
 from keel.diagnostics.divergence import HEALTHY, Verdict, run_verdict
 from keel.errors import KeelError
 from keel.experiments.grid import GridJob
-from keel.io import read_toml
 from keel.experiments.training import train_run
 from keel.model import SCHEMES, check_model_config, count_parameters
 from keel.train import TrainingStopped

@@ -9,8 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from keel.config import Override, override_text, resolve_config_path
-from keel.io import read_toml
+from keel.config import Override, override_text, read_toml, resolve_config_path
 from keel.errors import KeelError
 from keel.experiments.grid import is_number
 from keel.keys import check_keys, did_you_mean, key, key_names, key_rule, unread_keys
