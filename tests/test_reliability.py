@@ -125,6 +125,23 @@ def _restate(ckpt, **changes):
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 
+@pytest.mark.parametrize("keep, left", [(2, [15, 19]), (1, [19]), (0, [8, 15, 19])])
+def test_retention_drops_the_checkpoints_of_an_abandoned_history(keep, left, tmp_path):
+    """Resumed at step 15 past a damaged step 21, the run saves step 19: retention kept step 21
+    (damaged, of the history the run left) and deleted the intact step 15 (a new-user trial)."""
+    model = torch.nn.Linear(4, 3)
+    for step in (8, 15, 21):
+        save_checkpoint(tmp_path, step, model, {"step": step}, keep=0)
+    (tmp_path / "checkpoints" / "step_00000021" / "model.safetensors").write_bytes(b"x" * 10)
+    ck = tmp_path / "checkpoints"
+    assert checkpoint_problem(ck / "step_00000021") and checkpoint_problem(ck / "step_00000015") is None
+    save_checkpoint(tmp_path, 19, model, {"step": 19}, keep=keep)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == [f"step_{s:08d}" for s in left]
+    assert (ck / "latest").read_text() == "step_00000019\n"
+    save_checkpoint(tmp_path, 23, model, {"step": 23}, keep=2)  # the plain rotation: the newest two
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000019", "step_00000023"]
+
+
 @pytest.mark.parametrize("case", list(DAMAGE))
 def test_resume_takes_newest_intact_checkpoint(case, copy_of, base_run, tiny_data, caplog, one_thread):
     """It used to restart from step 0 and rewrite metrics.jsonl, or crash with a traceback."""

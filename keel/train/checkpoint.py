@@ -146,9 +146,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module | dic
     with atomic_dir(final, replace=True) as tmp:
         _write_files(tmp, weights, state, step)
     atomic_write_text(ckpt_root / "latest", name + "\n")
-    old = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
-    for p in old[:-keep] if keep > 0 else []:
-        shutil.rmtree(p, ignore_errors=True)
+    _prune(run_dir, step, keep)
     return final
 
 
@@ -247,8 +245,21 @@ def _finish_sharded(tmp: Path, final: Path, per_rank: list[dict], state: dict, s
         shutil.rmtree(final)
     os.replace(tmp, final)
     atomic_write_text(final.parent / "latest", final.name + "\n")
-    old = sorted(p for p in final.parent.glob("step_*") if p.is_dir())
-    for p in old[:-keep] if keep > 0 else []:
+    _prune(final.parent.parent, step, keep)
+
+
+def _prune(run_dir: Path, step: int, keep: int) -> None:
+    """After checkpoint ``step`` of ``run_dir`` is written: remove the checkpoints past ``step``
+    (an abandoned history: the run resumed from an older checkpoint, e.g. past a damaged newer
+    one, and its metrics were truncated to that step), then all but the newest ``keep`` (0: all
+    are kept): a stale checkpoint never counts towards ``keep``."""
+    dirs = _step_dirs(run_dir)  # newest first
+    stale = [p for p in dirs if checkpoint_step(p) > step]
+    for p in stale:
+        log.warning("%s: removing %s, a checkpoint past step %d of the history this run resumed before it",
+                    run_dir, p.name, step)
+    kept = [p for p in dirs if checkpoint_step(p) <= step]
+    for p in stale + (kept[keep:] if keep > 0 else []):
         shutil.rmtree(p, ignore_errors=True)
 
 
