@@ -202,6 +202,14 @@ def test_resume_alone_continues_the_sweep_its_folder_holds(keel_main, tmp_path, 
     assert json.loads((out / "sweep.json").read_text())["grid"] == {"train.lr": [0.001, 0.002]}
     other = keel_main("sweep", "--out", tmp_path / "none", "--resume")
     assert other.returncode == 2 and "nothing to sweep" in other.stderr
+    # another grid in the same folder was trained on the demo preset, dropping the sweep's --set (a new-user trial)
+    before = sorted(p.name for p in out.iterdir())
+    for flags in (["--grid", "train.lr=1e-2"], ["--grid", "train.lr=1e-3,2e-3", "--best-over", "train.lr"]):
+        mixed = keel_main("sweep", "--out", out, "--resume", *flags)
+        assert mixed.returncode == 2 and "--resume continues the sweep" in mixed.stderr, mixed.stderr
+        assert "Traceback" not in mixed.stderr and sorted(p.name for p in out.iterdir()) == before
+    same = keel_main("sweep", "--out", out, "--resume", "--grid", "train.lr=1e-3,2e-3", *sets)
+    assert same.returncode == 0, same.stderr
 
 
 @pytest.mark.parametrize("preset", ["cpu-depth", "deep-vs-wide", "paper-depth", "paper-deep-vs-wide"])

@@ -95,10 +95,12 @@ def _stored_sweep(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` with the ``--grid``, ``--preset``, ``--config``, ``--best-over``, ``--match-params``
     and ``--set`` flags of the command that started ``--out`` (its ``study.json``; the ``--set``
     given now follow), so that ``keel sweep --out DIR --resume`` alone continues a sweep.
-    Unchanged when ``--out`` holds no ``keel sweep`` command."""
+    Unchanged when ``--out`` holds no ``keel sweep`` command. Raises KeelError when one of those
+    flags (but ``--set``) is given now with another value: another grid belongs in another folder."""
     try:
-        argv = shlex.split(json.loads((Path(args.out) / "study.json").read_text())["command"])
-    except (OSError, ValueError, KeyError, TypeError):
+        command = json.loads((Path(args.out) / "study.json").read_text())["command"]
+        argv = shlex.split(command)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return args
     if argv[:2] != ["keel", "sweep"]:
         return args
@@ -106,11 +108,15 @@ def _stored_sweep(args: argparse.Namespace) -> argparse.Namespace:
 
     old = build_parser().parse_args(argv[1:])
     keys = ("grid", "preset", "config", "best_over", "match_params")
+    for k in keys:
+        if getattr(args, k) not in (None, []) and getattr(args, k) != getattr(old, k):
+            raise KeelError(f"--resume continues the sweep {args.out} holds ({command}); --{k.replace('_', '-')} "
+                            "differs from it: drop it, or give another --out for another sweep")
     return argparse.Namespace(**{**vars(args), **{k: getattr(old, k) for k in keys}, "set": old.set + args.set})
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    if args.resume and args.out and not (args.grid or args.preset):
+    if args.resume and args.out:
         args = _stored_sweep(args)
     preset = S.load_preset(args.preset) if args.preset else {}
     grid = {k: list(v) for k, v in preset.get("grid", {}).items()}
@@ -162,7 +168,7 @@ def _ablate_hf(args: argparse.Namespace, text: str, tokens: int) -> dict:
         keel_export = False  # not a readable keel config: ablate_hf_folder names the problem
     if not keel_export:
         return A.ablate_hf_folder(args.hf, text, args.seq_len, tokens, args.batch_size)
-    from keel.hf.convert import load_hf
+    from keel.hf.convert import load_hf  # lazy: transformers takes ~2 s to import, only for a keel export
 
     hf, tok, _ = load_hf(args.hf, device=args.device)
     seq = args.seq_len or min(512, hf.model.cfg.max_seq_len)
