@@ -7,6 +7,7 @@ import json
 import math
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -360,6 +361,23 @@ def test_resume_refuses_changes_that_make_another_run(setting, key, copy_of, tin
         train(cfg_for(tiny_data, setting), run, resume=True)
     assert str(e.value).startswith(f"cannot resume {run} with {key} = ") and "\n" not in str(e.value)
     assert (run / "config.toml").read_text() == before
+
+
+@pytest.mark.parametrize("tokenizer", ["bpe:300", "bpe:1000"])
+def test_a_refused_data_change_is_refused_before_the_dataset_is_prepared(tokenizer, tiny_data, tmp_path, one_thread):
+    """A new tokenizer on resume trained it (minutes on a real corpus) before the refusal; a larger
+    one was refused as a model.vocab_size error, not by its own key (a new-user trial)."""
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_data, cache / Path(tiny_data).name)  # the run's dataset, found in its cache
+    sets = ["data.path=''", "data.max_bytes=300000", "data.tokenizer='bpe:512'", f"data.cache_dir='{cache}'"]
+    run = tmp_path / "run"
+    train(cfg_for(tiny_data, *sets, steps=2, eval_every=2, checkpoint_every=2), run)
+    assert len(list(cache.iterdir())) == 1  # the copy was used, nothing prepared
+    with pytest.raises(KeelError) as e:
+        train(cfg_for(tiny_data, *sets, f"data.tokenizer='{tokenizer}'", steps=4, eval_every=2, checkpoint_every=2),
+              run, resume=True)
+    assert str(e.value).startswith(f"cannot resume {run} with data.tokenizer = '{tokenizer}'"), str(e.value)
+    assert len(list(cache.iterdir())) == 1  # nothing was prepared
 
 
 def _files(run):

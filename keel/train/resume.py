@@ -83,6 +83,25 @@ def saved_config(state: dict, run_dir: Path, cfg: Config) -> dict:
     return load_config(path, stored=True).to_dict() if path.is_file() else cfg.to_dict()
 
 
+def check_refused_before_data(state: dict, cfg: Config, run_dir: Path) -> None:
+    """:func:`check_config_changes`'s refusal, run before the dataset is prepared (a refused
+    ``data.*`` change then costs no tokenizer training, and is named rather than the
+    ``model.vocab_size`` it would upset). ``model.vocab_size = "auto"`` is left to the full check:
+    it is resolved from the dataset. Raises KeelError: a refused key changed."""
+    skip = ("model.vocab_size",) if cfg.model.vocab_size == "auto" else ()
+    _refuse({k: c for k, c in config_changes(saved_config(state, run_dir, cfg), cfg).items() if k not in skip}, run_dir)
+
+
+def _refuse(changes: dict[str, dict], run_dir: Path) -> None:
+    """Raise KeelError (one line) naming the first key of ``changes`` a resume refuses, if any."""
+    refused = refused_changes(changes)
+    if refused:
+        k = refused[0]
+        raise KeelError(f"cannot resume {run_dir} with {k} = {changes[k]['new']!r} (it was "
+                        f"{changes[k]['old']!r}): changing {', '.join(refused)} would make it another run; "
+                        "start a new run instead")
+
+
 def check_config_changes(state: dict, cfg: Config, run_dir: Path) -> dict[str, dict]:
     """Compare ``cfg`` with the config of the checkpoint state ``state``: refuse the keys
     declared ``on_resume="refuse"`` and a ``train.steps`` below the checkpoint's step (one-line
@@ -97,12 +116,7 @@ def check_config_changes(state: dict, cfg: Config, run_dir: Path) -> dict[str, d
     """
     old = saved_config(state, run_dir, cfg)
     changes = config_changes(old, cfg)
-    refused = refused_changes(changes)
-    if refused:
-        k = refused[0]
-        raise KeelError(f"cannot resume {run_dir} with {k} = {changes[k]['new']!r} (it was "
-                        f"{changes[k]['old']!r}): changing {', '.join(refused)} would make it another run; "
-                        "start a new run instead")
+    _refuse(changes, run_dir)
     if cfg.train.steps < state["step"]:  # "step 10/5": a run cannot be cut back to fewer steps than it trained
         raise KeelError(f"cannot resume {run_dir}: train.steps={cfg.train.steps} is below the step this run reached "
                         f"({state['step']}); give train.steps >= {state['step']}")

@@ -80,7 +80,7 @@ from keel.train.optim import apply_config, build_optimizer, set_lr, without_sche
 from keel.train.parallelize import checkpointed_blocks, gradient_sync, parallelize
 from keel.train.plots import plot_loss
 from keel.train.progress import ProgressReporter, interactive
-from keel.train.resume import check_config_changes, checkpoint_to_resume
+from keel.train.resume import check_config_changes, check_refused_before_data, checkpoint_to_resume
 from keel.train.sampling import sample_text
 
 log = logging.getLogger(__name__)
@@ -217,6 +217,8 @@ class Trainer:
         self.changes: dict[str, dict] = {}  # applied from the resumed step, recorded in metrics.jsonl
         self.not_applied: dict[str, dict] = {}  # those of a resume with nothing left to train: said, never written
         self.nothing_left = saved is not None and saved["step"] >= self.tc.steps
+        if saved is not None:  # a refused change costs no dataset preparation
+            D.decide_on_rank0(lambda: check_refused_before_data(saved, self.cfg, self.run_dir), self.info)
         self._load_data()
         if saved is not None:
             self._check_config_changes(saved)  # before the weights are loaded: a clear refusal
