@@ -5,6 +5,7 @@ requeues itself and resumes to the uninterrupted run's losses."""
 from __future__ import annotations
 
 import json
+import shlex
 import os
 import re
 import signal
@@ -159,7 +160,8 @@ def test_resume_waits_for_a_job_still_running_and_resubmits_one_that_ended_witho
     args = ["sweep", *_sets(tiny_data), "--grid", "train.seed=0", "--out", out, "--executor", "submitit-local",
             "--threads", "1"]
     out.mkdir()
-    (out / "study.json").write_text(json.dumps({"study": "sweep", "scale": "cli", "command": "keel sweep"}))  # started
+    command = shlex.join(["keel", *map(str, args)])  # started by this very command
+    (out / "study.json").write_text(json.dumps({"study": "sweep", "scale": "cli", "command": command}))
     flag = tmp_path / "end"  # the stand-in runs until the driver has re-attached to it (then a zombie until reaped)
     stand_in = subprocess.Popen(["bash", "-c", f"while [ ! -e {flag} ]; do sleep 0.1; done"])
     (out / "jobs.json").write_text(json.dumps({"executor": "submitit-local", "jobs": {
