@@ -584,10 +584,63 @@ def test_a_worker_killed_under_nproc_ends_on_one_keel_line(tiny_data, tmp_path):
         for p in descendants(proc.pid):
             with contextlib.suppress(OSError):
                 os.kill(p, signal.SIGKILL)
-    # the killed worker is the younger of the two: rank 1 (torchrun starts them in rank order)
+    # the killed worker is the younger of the two: rank 1 (torchrun starts them in rank order); no checkpoint was
+    # written (checkpoint_every > steps): the line said "the last checkpoint is intact: keel train --resume", which
+    # refuses a run with history but no checkpoint
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
     assert last_line(err_file.read_text()) == (
         f"keel: worker rank 1 (killed by SIGKILL) of this 2-process run failed (torchrun exit status 1); "
-        f"the last checkpoint is intact: keel train --resume {run} --nproc 2")
+        f"no checkpoint was written; start it again with: keel train --resume {run} --restart --nproc 2")
+
+
+@pytest.mark.parametrize("mistake", ["data.path", "train.batch_size"])
+def test_a_user_mistake_under_nproc_is_one_error_line_and_exit_status_2(mistake, tiny_data, tmp_path):
+    """A bad input found by the workers of `keel train --nproc 2` (a missing dataset; a batch
+    size the world size does not divide) printed the error once per rank, run together on one line,
+    then torchrun's ChildFailedError traceback, exit status 1, and "the last checkpoint is intact:
+    keel train --resume RUN" for a folder never made. Now: the error once, exit status 2."""
+    run = tmp_path / "run"
+    bad = {"data.path": "data.path='/no/such/dataset'", "train.batch_size": "train.batch_size=3"}[mistake]
+    sets = [*tiny_overrides(tiny_data, steps=2, warmup_steps=1, drop=("data.path",) * (mistake == "data.path")), bad]
+    r = subprocess.run([str(KEEL), "train", "--nproc", "2", "--run-dir", str(run), *sum((["--set", s] for s in sets), [])],
+                       env=ENV, capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 2, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if "keel: error:" in ln]
+    assert len(errors) == 1 and errors[0].startswith("keel: error: ") and errors[0].count("keel:") == 1, r.stderr
+    assert ("/no/such/dataset" if mistake == "data.path" else "not divisible by the world size (2)") in errors[0]
+    assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr and "--resume" not in r.stderr
+
+
+def test_the_workers_error_lines_are_kept_back_once_and_torchrun_s_report_with_them():
+    """What torchrun's pipe carried for two ranks failing on one user error (a transcript of a real
+    run, PYTHONUNBUFFERED): both ranks' lines run together, a blank line, the agent's warning and
+    its report. Each message is kept once; nothing of the report reaches the terminal."""
+    import io
+
+    from keel.cli.handlers.train import _pass_on_and_read_failure
+
+    transcript = (
+        "*****************************************\n"
+        "keel: error: no such file or directory: /x.txtkeel: error: no such file or directory: /x.txt\n"
+        "\n"
+        "W1204 03:02:33.595000 18260 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 18267 "
+        "closing signal SIGTERM\n"
+        "E1204 03:00:42.856000 18015 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 2) "
+        "local_rank: 0 (pid: 18021) of binary: /usr/bin/python\n"
+        "Traceback (most recent call last):\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+        "Root Cause (first observed failure):\n"
+        "[0]:\n"
+        "  rank      : 0 (local_rank: 0)\n"
+        "  exitcode  : 2 (pid: 17986) \n")
+    failure, shown = {}, io.StringIO()
+    with contextlib.redirect_stderr(shown):
+        _pass_on_and_read_failure(io.StringIO(transcript), failure)
+    assert shown.getvalue() == "*****************************************\n"
+    assert failure["errors"] == ["no such file or directory: /x.txt"]
+    assert failure["rank"] == 0 and failure["exitcode"] == 2
+    assert failure["before"][0].startswith("W1204") and failure["report"][0].startswith("E1204")
+    assert len(failure["report"]) == 7
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

@@ -105,21 +105,70 @@ def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
         code = proc.wait()
     report.join(timeout=10)  # the rest of the report; a worker that outlived torchrun may hold the pipe open
     if received:
+        for message in failure["errors"]:
+            print(f"keel: error: {message}", file=sys.stderr)
         raise Interrupted(nproc_stop_message(signal.Signals(received[0]).name, run_dir), received[0])
-    if code:  # a worker died (killed, out of memory): torchrun's report is long; end on the one line that matters
-        print(f"keel: {_failed_worker(failure)} of this {args.nproc}-process run failed (torchrun exit status "
-              f"{code}); the last checkpoint is intact: keel train --resume {run_dir} --nproc {args.nproc}",
-              file=sys.stderr)
+    return _end_of_failure(code, failure, args.nproc, run_dir) if code else 0
+
+
+def _end_of_failure(code: int, failure: dict, nproc: int, run_dir: Path) -> int:
+    """Say once why the workers failed, from what :func:`_pass_on_and_read_failure` kept.
+    Every worker ended on a user error (``keel: error: ...``, exit status 2: a missing data
+    source, a run folder that holds a run): that line, once, and exit status 2 (torchrun's
+    report of its ChildFailedError is dropped). Otherwise (killed, out of memory): torchrun's
+    report, then one line naming the worker and what the run folder allows next. Returns the
+    exit status."""
+    errors = failure["errors"]
+    for message in errors:
+        print(f"keel: error: {message}", file=sys.stderr)
+    if errors and failure.get("exitcode") == 2:
+        return 2
+    sys.stderr.write("".join(failure.get("before", []) + failure["report"]))
+    print(f"keel: {_failed_worker(failure)} of this {nproc}-process run failed (torchrun exit status {code}); "
+          f"{_what_next(run_dir, nproc)}", file=sys.stderr)
     return code
 
 
+def _what_next(run_dir: Path, nproc: int) -> str:
+    """How to go on after the workers of ``keel train --nproc`` failed, from what ``run_dir`` holds."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None:
+        return (f"the last checkpoint (step {checkpoint_step(ckpt)}) is intact: "
+                f"keel train --resume {run_dir} --nproc {nproc}")
+    if (run_dir / "config.toml").is_file():
+        return f"no checkpoint was written; start it again with: keel train --resume {run_dir} --restart --nproc {nproc}"
+    return "nothing was written; run the same command again"
+
+
+_AGENT_REPORT = re.compile(r"[EW]\d{4} .*\] failed \(exitcode: -?\d+\)")  # torchrun's agent: its workers failed
+_AGENT_LOG = re.compile(r"[EW]\d{4} \S+ \d+ torch/distributed/elastic/")  # torchrun's own warnings and errors
+_ERROR = "keel: error: "
+
+
 def _pass_on_and_read_failure(stream, failure: dict) -> None:
-    """Copy torchrun's standard error (its workers' too) to ours, line by line, and keep the
-    first rank and exit code of its failure report ("Root Cause" ... ``rank : 1 (local_rank:
-    1)``, ``exitcode : -9 (pid: ...)``) in ``failure`` (keys ``rank``, ``exitcode``)."""
-    cause = False
+    """Copy torchrun's standard error (its workers' too) to ours, line by line, keeping back
+    (in ``failure``) the workers' ``keel: error: ...`` lines (key ``errors``: each message
+    once, as every rank prints it, maybe interleaved on one line) and torchrun's failure
+    report (key ``report``: from its agent's "failed (exitcode: N)" line on; its warnings before
+    that line under ``before``), and the first
+    rank and exit code the report names as its "Root Cause" (keys ``rank``, ``exitcode``)."""
+    cause, owed = False, 0  # owed: newlines of the error lines interleaved onto one line
+    errors, report = failure.setdefault("errors", []), failure.setdefault("report", [])
     for line in stream:
-        sys.stderr.write(line)
+        if report or _AGENT_REPORT.match(line):
+            report.append(line)
+        elif _AGENT_LOG.match(line):  # e.g. "Sending process P closing signal SIGTERM": part of its report
+            failure.setdefault("before", []).append(line)
+            continue
+        elif line.strip() == "" and owed:
+            owed -= 1
+            continue
+        parts = [line] if report else re.split(f"(?={_ERROR})", line)
+        messages = [p[len(_ERROR):].strip() for p in parts if p.startswith(_ERROR)]
+        errors += [m for m in dict.fromkeys(messages) if m and m not in errors]
+        owed += max(len(messages) - 1, 0)
+        if not report:
+            sys.stderr.write("".join(p for p in parts if not p.startswith(_ERROR)))
         cause = cause or "Root Cause" in line
         m = re.match(r"\s*(rank|exitcode)\s*:\s*(-?\d+)", line) if cause else None
         if m and m.group(1) not in failure:
