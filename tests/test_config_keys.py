@@ -173,6 +173,23 @@ def test_a_scheme_specific_key_the_scheme_ignores_is_named(sets, lines):
     assert ignored_keys(load_config(None, sets).model) == lines
 
 
+@pytest.mark.parametrize("n_layers,ratio,warned", [(3, 0.25, True), (4, 0.25, False), (1, 0.9, True),
+                                                     (2, 0.5, False), (2, 0.0, False), (2, 1.0, False)])
+def test_a_mix_ln_without_a_post_ln_block_is_named(n_layers, ratio, warned):
+    """Mix-LN's Post-LN blocks are floor(ratio * n_layers) (Li et al. 2024): with the default 0.25
+    and fewer than 4 blocks there are none, and the model trained as pre_ln without a word."""
+    import math
+
+    from keel.model import get_scheme
+
+    cfg = load_config(None, ["model.residual=mix_ln", f"model.n_layers={n_layers}",
+                             f"model.mix_ln_ratio={ratio}"]).model
+    notes = get_scheme("mix_ln").config_notes(cfg)
+    assert bool(notes) == warned == (math.floor(ratio * n_layers) == 0 and ratio > 0)
+    assert all("exactly pre_ln" in n for n in notes)
+    assert get_scheme("pre_ln").config_notes(cfg) == []
+
+
 def test_an_unknown_key_suggests_the_closest_one(tmp_path):
     """A typo gave "unknown config key train.lrr" alone; now the closest declared key is named,
     from --set, a TOML file or Python, in any section; nothing when no key is close."""

@@ -64,7 +64,7 @@ from keel.config import Config, checked_copy, dump_config, resolve_vocab_size
 from keel.data import TokenLoader, load_tokenizer, read_meta, resolve_data, validation_tokens
 from keel.errors import KeelError
 from keel.io import RunLock, atomic_path, atomic_write_text, disk_errors, write_failure
-from keel.model import Transformer, check_model_config, flops_per_token, ignored_keys
+from keel.model import Transformer, check_model_config, flops_per_token, get_scheme, ignored_keys
 from keel.train import dist as D, state_dict as SD
 from keel.train.callbacks import Callback, StepState, unhonoured_keys
 from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, is_sharded, latest_checkpoint,
@@ -333,7 +333,8 @@ class Trainer:
         if tc.warmup_steps > tc.steps:
             log.warning("warning: train.warmup_steps (%d) > train.steps (%d): the LR never reaches train.lr",
                         tc.warmup_steps, tc.steps)
-        for line in ignored_keys(cfg.model):  # e.g. model.alpha set for a pre_ln run
+        notes = get_scheme(cfg.model.residual).config_notes(cfg.model)  # e.g. a mix_ln that is pre_ln
+        for line in ignored_keys(cfg.model) + notes:  # e.g. model.alpha set for a pre_ln run
             log.warning(line)
         log.info("run directory: %s", self.run_dir)
         log.info(f"model: {cfg.model.residual}, {cfg.model.n_layers} blocks = {cfg.model.n_sublayers} sub-layers, "

@@ -88,6 +88,12 @@ class Residual(nn.Module):
         """Raise :class:`KeelError` naming the key if ``cfg`` is invalid for this scheme
         (called by :func:`check_model_config`); default: nothing scheme-specific."""
 
+    @classmethod
+    def config_notes(cls, cfg: ModelConfig) -> list[str]:
+        """Warnings about a valid ``cfg`` that builds something other than the scheme's name
+        promises (logged by the trainer); default: none."""
+        return []
+
     def init_sublayer(self, sublayer: nn.Module) -> None:
         """Re-initialise the wrapped sub-layer's weights; default: keep N(0, init_std)."""
 

@@ -210,6 +210,15 @@ class MixLN(Residual):
     def check_config(cls, cfg: ModelConfig) -> None:
         mix_ln_post_blocks(cfg)  # raises on a ratio outside [0, 1]
 
+    @classmethod
+    def config_notes(cls, cfg: ModelConfig) -> list[str]:
+        """A ratio above 0 that rounds down to no Post-LN block at this depth: the model is exactly
+        pre_ln (e.g. the default 0.25 with fewer than 4 blocks)."""
+        if cfg.mix_ln_ratio == 0 or mix_ln_post_blocks(cfg):
+            return []
+        return [f"warning: model.mix_ln_ratio={cfg.mix_ln_ratio:g} of {cfg.n_layers} blocks gives 0 Post-LN blocks: "
+                "this mix_ln model is exactly pre_ln"]
+
     def forward(self, x, f):
         if self.post:
             return scaled_sum_norm(self.norm, x, f(x))
