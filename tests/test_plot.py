@@ -81,3 +81,11 @@ def test_plot_errors(sweep_dir, tmp_path):
         plot_loss_curves([sweep_dir], tmp_path / "a.png", x="time")
     with pytest.raises(KeelError, match="sweep.json"):
         plot_depth(sweep_dir / "keel_L2_lr0.001", tmp_path / "b.png")
+
+
+def test_a_negative_smoothing_window_is_refused_and_one_curve_is_singular(sweep_dir, keel_main, tmp_path):
+    """`keel plot loss --smooth -3` drew unsmoothed curves without a word, and one run was "1 curves"."""
+    r = keel_main("plot", "loss", sweep_dir / "keel_L2_lr0.001", "--smooth", "-3", "--out", tmp_path / "a.png")
+    assert r.returncode == 2 and "--smooth must be >= 0" in r.stderr and not (tmp_path / "a.png").exists()
+    r = keel_main("plot", "loss", sweep_dir / "keel_L2_lr0.001", "--smooth", "2", "--out", tmp_path / "a.png")
+    assert r.returncode == 0 and r.stdout.strip() == f"{tmp_path / 'a.png'}: 1 curve"

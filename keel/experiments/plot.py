@@ -57,11 +57,14 @@ def plot_loss_curves(paths: Sequence[str | Path], out: str | Path, *, val: bool 
         smooth: trailing-mean window (steps) for the training loss.
         labels: one legend label per curve (default: run folder names).
     Raises:
-        KeelError: a path that is neither a run nor a sweep; bad ``x``; wrong number of labels; no loss
+        KeelError: a path that is neither a run nor a sweep; bad ``x``; a negative ``smooth``; wrong number
+            of labels; no loss
             values at all in the runs (nothing is written).
     """
     if x not in ("tokens", "steps"):
         raise KeelError(f"--x must be tokens or steps, got {x!r}")
+    if smooth < 0:
+        raise KeelError(f"--smooth must be >= 0 steps (0: no smoothing), got {smooth}")
     runs = _run_dirs(paths)
     if labels is not None and len(labels) != len(runs):
         raise KeelError(f"{len(labels)} labels for {len(runs)} runs")

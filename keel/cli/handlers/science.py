@@ -145,7 +145,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
         raise KeelError(f"folder of --out does not exist: {out.parent}")
     if args.kind == "loss":
         n = P.plot_loss_curves(args.paths, out, val=args.val, x=args.x, smooth=args.smooth, title=args.title)
-        print(f"{out}: {n} curves")
+        print(f"{out}: {n} curve{'s' * (n != 1)}")
     else:
         if len(args.paths) != 1:
             raise KeelError(f"keel plot {args.kind} takes one sweep folder, got {len(args.paths)}")
@@ -153,7 +153,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
             n = len(P.plot_depth(args.paths[0], out, title=args.title))
         else:
             n = P.plot_lr(args.paths[0], out, title=args.title)
-        print(f"{out}: {n} lines")
+        print(f"{out}: {n} line{'s' * (n != 1)}")
     return 0
 
 
