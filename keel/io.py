@@ -205,16 +205,21 @@ def _disk_error(where, why: str, note: str) -> KeelError:
     return err
 
 
-def make_dirs(path: str | os.PathLike) -> Path:
+def make_dirs(path: str | os.PathLike, name: str | os.PathLike | None = None) -> Path:
     """``mkdir -p path``; returns it as a Path.
 
     Raises:
-        KeelError: one line naming the path when it cannot be a folder (a file stands there or
-            in its parents) or cannot be written (:func:`disk_errors`).
+        KeelError: one line naming the path (or ``name``, the folder the user asked for when
+            ``path`` is a temporary one) when it cannot be a folder (a file stands there or in its
+            parents; a parent that holds no folders, as ``/proc``) or cannot be written
+            (:func:`disk_errors`).
     """
     path = Path(path)
-    with disk_errors(path):
-        path.mkdir(parents=True, exist_ok=True)
+    with disk_errors(name or path, own_path=name is not None):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except FileNotFoundError as e:  # a parent that refuses folders (/proc) or vanished meanwhile
+            raise KeelError(f"cannot make the folder {name or path}: {e.strerror}") from None
     return path
 
 
@@ -246,8 +251,8 @@ class RunLock:
         import fcntl  # POSIX-only: keel.io stays importable elsewhere
 
         self.created = [p for p in (self.folder, *self.folder.parents) if not p.exists()]  # deepest first
+        make_dirs(self.folder)
         with disk_errors(self.folder):
-            self.folder.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -25,3 +25,18 @@ def test_a_file_where_a_folder_must_be(tmp_path, capsys, argv, where):
     assert err[-1].startswith(f"keel: error: cannot write {where.format(f=f)}: ")
     assert not any("Traceback" in line for line in err)
     assert f.read_text() == "not a folder"
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs /proc, a folder that holds no new folders")
+@pytest.mark.parametrize("argv", [
+    ["train", *TINY, "--run-dir", "/proc/keel-run"],
+    ["sweep", "--grid", "train.seed=0,1", *TINY, "--out", "/proc/keel-run"],
+    ["prepare", "--out", "/proc/keel-run"],
+])
+def test_a_folder_that_cannot_be_made_is_one_line(capsys, argv):
+    """mkdir under /proc fails with ENOENT (not a disk error): a FileNotFoundError traceback from the
+    run lock, the sweep folder and the dataset's temporary folder (found by a new-user trial)."""
+    rc = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1] == "keel: error: cannot make the folder /proc/keel-run: No such file or directory"
+    assert not any("Traceback" in line for line in err)

@@ -52,7 +52,7 @@ from keel.data.sources import SourceStats, check_hub_reachable, check_source, hu
 from keel.data.stats import unigram_entropy
 from keel.data.text import encode_batch
 from keel.errors import KeelError
-from keel.io import disk_errors, remove_empty_dirs
+from keel.io import disk_errors, make_dirs, remove_empty_dirs
 
 FORMAT_VERSION = 1
 EOS_TOKEN = "<|endoftext|>"
@@ -119,7 +119,7 @@ def prepare_dataset(source: str, tokenizer: str = DataConfig.tokenizer, out: str
     created = [d for d in (out.parent, *out.parent.parents) if not d.exists()]  # deepest first
     with disk_errors(out, own_path=True):  # a full disk or a read-only folder: one line naming out (not its tmp)
         try:
-            tmp.mkdir(parents=True)
+            make_dirs(tmp, name=out)
             meta = _build(tmp, inputs, progress)
             _move_into_place(tmp, out, inputs)
         except BaseException:
