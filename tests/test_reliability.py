@@ -107,7 +107,20 @@ DAMAGE = {
                              "step_00000012: its trainer state must be a table of step, tokens"),
     "manifest of another step": (lambda r: _remanifest(r / "checkpoints" / "step_00000012", step="x"), 8,
                                  "step_00000012: manifest.json says step 'x', the folder step 12"),
+    # a checkpoint without a manifest (written before manifests) counted as intact while both files were
+    # non-empty: a cut model.safetensors was resumed from, past the intact step 8 (a new-user trial)
+    "model.safetensors truncated, no manifest": (lambda r: _unmanifest(r, _truncate), 8,
+                                                 "step_00000012: model.safetensors is damaged: its header does not read"),
+    "trainer.pt truncated, no manifest": (lambda r: _unmanifest(r, _truncate, "trainer.pt"), 8,
+                                          "step_00000012: trainer.pt cannot be read"),
 }
+
+
+def _unmanifest(run, damage, name="model.safetensors"):
+    """Drop every checkpoint's manifest (as before manifests), then damage step 12's ``name``."""
+    for m in (run / "checkpoints").glob("step_*/manifest.json"):
+        m.unlink()
+    damage(run / "checkpoints" / "step_00000012" / name)
 
 
 def _remanifest(ckpt, **changes):

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from keel.errors import KeelError
@@ -304,15 +305,14 @@ def checkpoint_problem(ckpt: str | Path) -> str | None:
 
     Intact means: ``manifest.json`` is readable and every file it lists has the recorded
     size and sha256. A checkpoint written before manifests existed is accepted when both
-    files are present and non-empty.
+    files are present and non-empty and the weights' safetensors header reads.
     """
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         return "the folder does not exist"
     manifest = ckpt / MANIFEST
     if not manifest.is_file():
-        missing = [f for f in FILES if not (ckpt / f).is_file() or (ckpt / f).stat().st_size == 0]
-        return f"{missing[0]} is missing or empty (and there is no manifest)" if missing else None
+        return _unlisted_problem(ckpt)
     try:
         declared = json.loads(manifest.read_text(encoding="utf-8"))
         files = declared["files"]
@@ -332,6 +332,21 @@ def checkpoint_problem(ckpt: str | Path) -> str | None:
             return f"{fname} has {size} bytes, the manifest says {want['bytes']}"
         if _sha256(path) != want["sha256"]:
             return f"{fname} does not match its sha256 in the manifest"
+    return None
+
+
+def _unlisted_problem(ckpt: Path) -> str | None:
+    """:func:`checkpoint_problem` of a checkpoint without a manifest (written before manifests
+    existed): both files present and non-empty and the safetensors header readable (whether
+    ``trainer.pt`` loads is :func:`_state_step_problem`'s check)."""
+    missing = [f for f in FILES if not (ckpt / f).is_file() or (ckpt / f).stat().st_size == 0]
+    if missing:
+        return f"{missing[0]} is missing or empty (and there is no manifest)"
+    try:
+        with safe_open(str(ckpt / FILES[0]), "pt"):
+            pass
+    except Exception:  # noqa: BLE001 -- safetensors raises its own SafetensorError on a damaged file
+        return f"{FILES[0]} is damaged: its header does not read (and there is no manifest)"
     return None
 
 
