@@ -1011,5 +1011,5 @@ def test_plot_lr_takes_an_lr_sensitivity_folder(tmp_path, capsys):
     (tmp_path / "sens").mkdir()
     (tmp_path / "sens" / "sensitivity.json").write_text(json.dumps(summary))
     assert main(["plot", "lr", str(tmp_path / "sens"), "--out", str(tmp_path / "lr.png")]) == 0
-    assert capsys.readouterr().out.strip() == f"{tmp_path / 'lr.png'}: 1 lines"
+    assert capsys.readouterr().out.strip() == f"{tmp_path / 'lr.png'}: 1 line"
     assert (tmp_path / "lr.png").stat().st_size > 1000
