@@ -40,3 +40,54 @@ def test_a_folder_that_cannot_be_made_is_one_line(capsys, argv):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1] == "keel: error: cannot make the folder /proc/keel-run: No such file or directory"
     assert not any("Traceback" in line for line in err)
+
+
+def test_a_run_with_relative_data_paths_is_scored_on_its_own_dataset_from_any_folder(tmp_path, keel_main, one_thread):
+    """A run trained with a relative ``data.source`` and ``data.cache_dir`` stores them absolute:
+    ``keel eval --run`` from another folder scores the run's own held-out text (before the fix it
+    read ``corpus`` and ``cache`` from the current folder: another dataset, or an error)."""
+    import shutil
+
+    from keel.config import load_config
+    from keel.data.sources import stdlib_files
+
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    for folder, files in ((here, stdlib_files()[:40]), (elsewhere, stdlib_files()[40:80])):
+        (folder / "corpus").mkdir(parents=True)
+        for f in files:  # "elsewhere" holds a corpus of the same name with other text
+            shutil.copyfile(f, folder / "corpus" / f"{f.stem}.txt")
+    sets = ["data.source=corpus", "data.cache_dir=cache", "data.tokenizer=bpe:512", "model.d_model=32",
+            "model.n_layers=1", "model.n_heads=2", "model.d_ff=64", "train.seq_len=32", "train.batch_size=2",
+            "train.steps=2", "train.eval_every=2", "train.eval_tokens=256", "train.sample_tokens=0", "train.progress=false"]
+    trained = keel_main("train", *[a for s in sets for a in ("--set", s)], "--run-dir", "run", cwd=here)
+    assert trained.returncode == 0, trained.stderr
+    data = load_config(here / "run" / "config.toml", stored=True).data
+    assert data.source == str((here / "corpus").resolve())
+    assert data.cache_dir == str(here / "cache")
+
+    scored = [keel_main("eval", "--run", here / "run", "--max-tokens", "256", cwd=cwd) for cwd in (here, elsewhere)]
+    assert [r.returncode for r in scored] == [0, 0], [r.stderr for r in scored]
+    lines = [next(ln for ln in r.stdout.splitlines() if ln.startswith("  loss")) for r in scored]
+    assert lines[0] == lines[1]
+    assert str(here / "cache") in scored[1].stdout
+    assert not (elsewhere / "cache").exists()  # nothing prepared from the other folder's corpus
+
+
+def test_a_run_that_stored_relative_data_paths_still_resumes(tmp_path, monkeypatch):
+    """A checkpoint from before data paths were stored absolute holds ``data.source = "corpus"``;
+    resumed from the folder it was started in, that is the same source as the absolute one the
+    trainer now uses: no refusal, no change recorded."""
+    from keel.config import Config
+    from keel.errors import KeelError
+    from keel.train.resume import check_config_changes
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    old = Config().to_dict()
+    old["data"].update(source="corpus", cache_dir="cache")
+    new = Config()
+    new.data.source, new.data.cache_dir = str(tmp_path / "corpus"), str(tmp_path / "cache")
+    assert check_config_changes({"step": 1, "config": old}, new, tmp_path / "run") == {}
+    new.data.source = str(tmp_path)  # another folder is still another source
+    with pytest.raises(KeelError, match="data.source"):
+        check_config_changes({"step": 1, "config": old}, new, tmp_path / "run")

@@ -125,8 +125,20 @@ def test_import_hf_keeps_the_step(cli_run, tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path / "back"), "--set", "train.steps=8"]) == 0
     from keel.train.metrics import read_metrics
 
-    steps = [r["step"] for r in read_metrics(tmp_path / "back" / "metrics.jsonl") if "loss" in r]
+    records = read_metrics(tmp_path / "back" / "metrics.jsonl")
+    steps = [r["step"] for r in records if "loss" in r]
     assert steps == [5, 6, 7, 8]
+    # the mean throughput counts the 4 steps this process timed, not the 4 imported ones too (was ~2x here,
+    # 13-20x for a longer import): the CLI's line and `keel runs` agree
+    from keel.experiments.overview import run_row
+    from keel.run import Run
+
+    last, per_step = records[-1], records[-1]["tokens"] // 8
+    assert last["tokens"] == 8 * per_step
+    expected = 4 * per_step / last["elapsed_s"]
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("tokens:"))
+    assert line == f"tokens: {last['tokens']:,}, mean {expected:,.0f} tokens/s"
+    assert run_row(Run(tmp_path / "back"))["tokens_per_s"] == pytest.approx(expected, rel=1e-9)
 
 
 @pytest.mark.parametrize("argv", [

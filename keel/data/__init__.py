@@ -3,7 +3,8 @@
 * :func:`prepare_dataset` builds a dataset directory (``tokenizer.json``, ``train.bin``,
   ``val.bin``, ``meta.json``) from a source string, with caching.
 * :func:`resolve_data` finds (or prepares) the dataset a config's ``[data]`` names;
-  :func:`find_data` only finds it, :func:`check_data` only checks what it names.
+  :func:`find_data` only finds it, :func:`check_data` only checks what it names;
+  :func:`absolute_data_paths` anchors its local paths (what a run stores).
 * :class:`TokenLoader` and :func:`validation_tokens` read it back as ``int64`` tensors;
   :func:`split_windows` is the one rule that cuts token sequences into windows.
 * :func:`iter_documents`, :func:`write_shard`/:func:`read_shard`, :func:`load_tokenizer` and
@@ -12,6 +13,7 @@
 
 from keel.data.loader import (
     TokenLoader,
+    absolute_data_paths,
     check_data,
     find_data,
     load_tokenizer,
@@ -27,6 +29,7 @@ from keel.data.sources import iter_documents
 __all__ = [
     "prepare_dataset",
     "resolve_data",
+    "absolute_data_paths",
     "check_data",
     "find_data",
     "split_windows",

@@ -244,6 +244,26 @@ def validation_tokens(data_dir: str | os.PathLike, seq_len: int, max_tokens: int
     return torch.stack(split_windows(tokens[:n * seq_len + 1], seq_len))
 
 
+def absolute_data_paths(data: dict) -> dict:
+    """A ``[data]`` section (a dict, as :meth:`keel.config.Config.to_dict` gives it) with its
+    local paths made absolute against the current folder: ``source`` and ``tokenizer`` when they
+    name an existing file or folder (as :func:`keel.data.prepare.prepare_dataset` reads them; its
+    cache key already uses the resolved paths, so the cached dataset is the same), ``path`` and
+    ``cache_dir`` when set. A run stores these, so that ``keel eval``/``ablate``/``export-hf --run``
+    started from another folder find the dataset the run trained on, not another one there.
+    Other keys and ``builtin:``/``hf:``/``bpe:`` values are returned as given."""
+    out = dict(data)
+    source, tokenizer = out.get("source"), out.get("tokenizer")
+    if isinstance(source, str) and os.path.exists(source):
+        out["source"] = str(Path(source).resolve())
+    if isinstance(tokenizer, str) and not tokenizer.startswith("bpe:") and os.path.exists(os.path.expanduser(tokenizer)):
+        out["tokenizer"] = str(Path(tokenizer).expanduser().resolve())
+    for key in ("path", "cache_dir"):
+        if isinstance(out.get(key), str) and out[key]:
+            out[key] = os.path.abspath(out[key])
+    return out
+
+
 def resolve_data(cfg, progress: bool = True) -> Path:
     """The prepared dataset folder a config's ``[data]`` section names: ``data.path`` if set
     (checked to be a prepared dataset), else prepared from ``data.source`` and

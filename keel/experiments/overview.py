@@ -25,6 +25,7 @@ from keel.errors import KeelError
 from keel.io import lock_holder
 from keel.model import count_parameters
 from keel.run import Run
+from keel.train.metrics import mean_tokens_per_s, untimed_tokens
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def run_row(run: Run) -> dict:
             "sublayers": cfg.model.n_sublayers, "params": count_parameters(cfg.model),
             "step": last.get("step"), "steps": cfg.train.steps, "tokens": tokens,
             "val_loss": vals[-1] if vals else None,
-            "tokens_per_s": tokens / elapsed if tokens and elapsed else None,
+            "tokens_per_s": mean_tokens_per_s(tokens, elapsed, untimed_tokens(records)) if tokens else None,
             "status": run_status(records, cfg.train.steps, lock_holder(run.path) is not None)}
 
 

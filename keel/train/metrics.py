@@ -111,6 +111,25 @@ class JsonlSink:
         """Nothing to release (each write opens and closes the file)."""
 
 
+def untimed_tokens(records: Sequence[dict], tokens: int = 0, elapsed_s: float = 0.0) -> int:
+    """Tokens a run had trained before keel timed its first step: 0 for a run trained from
+    scratch; the count imported with ``keel import-hf`` (a checkpoint with tokens but no training
+    time). Read from the first step record of ``records`` (only its own step was timed, so
+    ``tokens - tokens_per_s * elapsed_s`` is what came before); without one, from the trainer
+    state: ``tokens`` if nothing was timed yet (``elapsed_s == 0``), else 0."""
+    first = next((r for r in records if r.get("elapsed_s") and r.get("tokens_per_s") and "tokens" in r), None)
+    if first is None:
+        return tokens if elapsed_s <= 0 else 0
+    return max(0, round(first["tokens"] - first["tokens_per_s"] * first["elapsed_s"]))
+
+
+def mean_tokens_per_s(tokens: int, elapsed_s: float, untimed: int = 0) -> float | None:
+    """Mean training throughput: the tokens trained on keel's clock (``tokens - untimed``, see
+    :func:`untimed_tokens`) per second of it (``elapsed_s``, training steps only); None before
+    the first timed step."""
+    return (tokens - untimed) / elapsed_s if elapsed_s and elapsed_s > 0 else None
+
+
 def trailing_mean(values: Sequence[float], window: int) -> list[float]:
     """The mean of each value and the ``window - 1`` before it (fewer at the start), one per value;
     ``window <= 1``: the values unchanged. E.g. a smoothed training-loss curve (nats/token)."""

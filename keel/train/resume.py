@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 from keel.config import Config, config_from_dict, load_config, on_resume
+from keel.data import absolute_data_paths
 from keel.errors import KeelError
 from keel.keys import current_key
 from keel.train.checkpoint import find_intact_checkpoint
@@ -61,12 +62,19 @@ def _flat(d: dict) -> dict:
 def config_changes(old: dict, new: Config) -> dict[str, dict]:
     """``{"section.key": {"old": a, "new": b}}`` for every key that differs between the saved
     config dict ``old`` (as :meth:`Config.to_dict` gives; missing keys take their defaults)
-    and ``new``."""
-    before = _flat(Config().to_dict())
-    before.update(_flat(old))
-    after = _flat(new.to_dict())
+    and ``new``. Local data paths are compared absolute (:func:`keel.data.absolute_data_paths`, as
+    the trainer stores them; a run from before that stored them as given, relative to the folder
+    it was started from)."""
+    before = _flat(_anchored(Config().to_dict()))
+    before.update(_flat(_anchored(old)))
+    after = _flat(_anchored(new.to_dict()))
     return {k: {"old": before.get(k), "new": after.get(k)} for k in sorted(set(before) | set(after))
             if before.get(k) != after.get(k)}
+
+
+def _anchored(config: dict) -> dict:
+    """``config`` with its ``[data]`` section's local paths absolute."""
+    return {**config, "data": absolute_data_paths(config["data"])} if isinstance(config.get("data"), dict) else config
 
 
 def refused_changes(changes: dict[str, dict]) -> list[str]:

@@ -61,7 +61,7 @@ from typing import Sequence
 import torch
 
 from keel.config import Config, checked_copy, dump_config, resolve_vocab_size
-from keel.data import TokenLoader, load_tokenizer, read_meta, resolve_data, validation_tokens
+from keel.data import TokenLoader, absolute_data_paths, load_tokenizer, read_meta, resolve_data, validation_tokens
 from keel.errors import KeelError
 from keel.io import RunLock, atomic_path, atomic_write_text, disk_errors, write_failure
 from keel.model import Transformer, check_model_config, flops_per_token, get_scheme, ignored_keys
@@ -75,7 +75,7 @@ from keel.train.device import (autocast_context, peak_flops, check_activations_f
 from keel.train.nll import eval_batch_size, mean_nll, perplexity
 from keel.train.interrupt import StopSignals, TrainingInterrupted, agreed_stop_signal
 from keel.train.loggers import open_sinks
-from keel.train.metrics import truncate_metrics
+from keel.train.metrics import mean_tokens_per_s, truncate_metrics, untimed_tokens
 from keel.train.optim import apply_config, build_optimizer, set_lr, without_scheduler_marks
 from keel.train.parallelize import checkpointed_blocks, gradient_sync, parallelize
 from keel.train.plots import plot_loss
@@ -196,6 +196,7 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path, resume: bool, callbacks: list[Callback], info: D.DistInfo,
                  restart: bool = False):
         cfg = checked_copy(cfg)  # checked as the CLI checks; the run resolves keys: never the caller's object
+        cfg.data = replace(cfg.data, **absolute_data_paths(vars(cfg.data)))  # stored: found from any folder
         self.cfg, self.tc, self.info, self.callbacks = cfg, cfg.train, info, callbacks
         self.main = info.is_main
         self.ws = info.world_size if info.distributed else 1
@@ -231,6 +232,7 @@ class Trainer:
         self.resumed_from = self.state.step if self.ckpt is not None else None
         self.sink = None  # the train.loggers sinks (keel.train.loggers), opened by the first write
         self.history = self._prepare_run_dir()
+        self.untimed_tokens = untimed_tokens(self.history, self.state.tokens, self.state.elapsed)  # import-hf's
         self.tokens_per_step = self.tc.batch_size * self.tc.seq_len * self.tc.grad_accum  # global
         peak = peak_flops(self.device, self.tc.peak_tflops)  # one process's; None: MFU is not logged
         self.mfu_per_token_s = flops_per_token(self.cfg.model, self.tc.seq_len) / (peak * self.ws) if peak else None
@@ -560,7 +562,7 @@ class Trainer:
         sample_path = self.run_dir / "sample.txt"
         sample = sample_path.read_text().rstrip("\n") if sample_path.is_file() else ""
         st = self.state
-        tok_s = st.tokens / st.elapsed if st.elapsed > 0 else 0.0
+        tok_s = mean_tokens_per_s(st.tokens, st.elapsed, self.untimed_tokens) or 0.0
         return TrainResult(self.run_dir, st.step, st.tokens, None, val_loss, perplexity(val_loss), tok_s, sample,
                            resumed_from=st.step, steps_run=0)
 
@@ -587,6 +589,6 @@ class Trainer:
                 atomic_write_text(self.run_dir / "sample.txt", sample + "\n")
         D.barrier(self.info)
         st = self.state
-        tok_s = st.tokens / st.elapsed if st.elapsed > 0 else 0.0
+        tok_s = mean_tokens_per_s(st.tokens, st.elapsed, self.untimed_tokens) or 0.0
         return TrainResult(self.run_dir, st.step, st.tokens, first_val, val_loss, perplexity(val_loss), tok_s,
                            sample, resumed_from=self.resumed_from, steps_run=st.step - (self.resumed_from or 0))
