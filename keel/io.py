@@ -77,8 +77,15 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def make_temp_dir(parent: str | os.PathLike, name: str) -> Path:
     """A fresh folder ``parent/.name.XXXX.tmp`` with normal permissions (0777 minus umask),
-    to be filled and then renamed into place with ``os.replace``."""
-    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{name}.", suffix=".tmp"))
+    to be filled and then renamed into place with ``os.replace``.
+
+    Raises:
+        KeelError: ``parent`` holds no folders (``/proc``: ENOENT) or is gone; OSError otherwise.
+    """
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{name}.", suffix=".tmp"))
+    except FileNotFoundError as e:
+        raise KeelError(f"cannot make a folder in {parent}: {e.strerror}") from None
     os.chmod(tmp, 0o777 & ~_umask())
     return tmp
 

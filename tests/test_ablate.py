@@ -2,11 +2,13 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import keel
 from keel.config import load_config
 from keel.errors import KeelError
 from keel.diagnostics.ablate import ablate_hf_model, ablate_model, layer_importance, removed_sublayer
@@ -111,6 +113,29 @@ def test_ablate_cli_on_a_run(tiny_config, tmp_path, keel_cli, keel_main):
     assert res["units"][3]["delta_ppl"] == pytest.approx(want, rel=1e-4, abs=1e-6 * full)
     r = keel_main("ablate", "--run", tmp_path / "nowhere")
     assert r.returncode == 2 and "not a run directory" in r.stderr
+    # --text with --run: the run's model on that text, in the run's tokenizer (it was ignored: the validation split)
+    text = tmp_path / "t.txt"
+    text.write_text(Path(keel.__file__).read_text() * 4)
+    r = keel_main("ablate", "--run", run, "--text", text, "--tokens", 128, "--out", tmp_path / "t", "--json")
+    assert r.returncode == 0, r.stderr
+    ids = torch.tensor(Run(run).tokenizer().encode(text.read_text(), add_special_tokens=False).ids[:4 * 32 + 1])
+    w = torch.stack([ids[i * 32:(i + 1) * 32 + 1] for i in range(4)])
+    with torch.no_grad():
+        assert json.loads(r.stdout)["ppl_full"] == pytest.approx(ppl(model(w[:, :-1]), w[:, 1:]), rel=1e-5) != full
+
+
+@pytest.mark.parametrize("flags,error", [
+    (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+    (["--seq-len", "65"], "--seq-len must be between 1 and model.max_seq_len = 64, got 65"),
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--batch-size", "-1"], "--batch-size must be >= 1, got -1"),
+    (["--tokens", "0"], "--tokens must be >= 1, got 0"),
+])
+def test_ablate_refuses_a_count_below_one_in_one_line(flags, error, tiny_reference_run, tmp_path, keel_main):
+    """--seq-len 0 ablated at the run's seq_len; --batch-size 0 / -1 was a ZeroDivisionError traceback."""
+    r = keel_main("ablate", "--run", tiny_reference_run, *flags, "--out", tmp_path / "abl")
+    assert (r.returncode, r.stderr) == (2, f"keel: error: {error}\n")
+    assert not (tmp_path / "abl").exists()
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))

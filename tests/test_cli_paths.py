@@ -42,6 +42,33 @@ def test_a_folder_that_cannot_be_made_is_one_line(capsys, argv):
     assert not any("Traceback" in line for line in err)
 
 
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs /proc, a folder that holds no new folders")
+def test_export_hf_into_a_folder_that_holds_no_folders_is_one_line(tiny_reference_run, keel_main):
+    """export-hf's temporary folder beside --out: mkdtemp under /proc raised FileNotFoundError (a traceback)."""
+    r = keel_main("export-hf", "--run", tiny_reference_run, "--out", "/proc/keel-export")
+    assert (r.returncode, r.stderr) == (2, "keel: error: cannot make a folder in /proc: No such file or directory\n")
+
+
+SEED_RANGE = "must be between 0 and 2**32 - 1 (numpy's seed range), got"
+
+
+@pytest.mark.parametrize("argv,error", [
+    (["generate", "--seed", "99999999999999999999"], f"--seed {SEED_RANGE} 99999999999999999999"),
+    (["generate", "--seed", "-1"], f"--seed {SEED_RANGE} -1"),
+    (["generate", "--seed", str(2**32 - 1), "--num-samples", "2"],
+     f"--seed + --num-samples - 1 (the last sample's seed) {SEED_RANGE} {2**32}"),
+    (["generate", "--temperature", "nan"], "--temperature must be a finite number >= 0 (0 = greedy), got nan"),
+    (["generate", "--temperature", "inf"], "--temperature must be a finite number >= 0 (0 = greedy), got inf"),
+    (["gradflow", "--seed", "99999999999999999999"], f"--seed {SEED_RANGE} 99999999999999999999"),
+])
+def test_a_seed_or_temperature_out_of_range_is_one_line(argv, error, tiny_reference_run, keel_main):
+    """A seed beyond 2**64 was an OverflowError traceback (torch's manual_seed), -1 was taken although
+    keel train refuses it, and --temperature nan a RuntimeError traceback from sampling."""
+    run = ["--run", tiny_reference_run] if argv[0] == "generate" else []
+    r = keel_main(*argv, *run)
+    assert (r.returncode, r.stderr, r.stdout) == (2, f"keel: error: {error}\n", "")
+
+
 def test_a_run_with_relative_data_paths_is_scored_on_its_own_dataset_from_any_folder(tmp_path, keel_main, one_thread):
     """A run trained with a relative ``data.source`` and ``data.cache_dir`` stores them absolute:
     ``keel eval --run`` from another folder scores the run's own held-out text (before the fix it

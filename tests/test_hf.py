@@ -204,11 +204,11 @@ def test_ablate_hf_on_a_keel_export_is_the_runs_ablation(trained_run, tmp_path, 
     run = Run(trained_run)
     sub = 2 * run.config.model.n_layers
     assert res["unit"] == "sub-layer" and len(res["units"]) == sub == res["sublayers"]
-    from keel.diagnostics.ablate import hf_text
+    from keel.diagnostics.ablate import ablation_text
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast.from_pretrained(out)
-    w = text_windows(tok(hf_text(None, str(trained_run), 256), add_special_tokens=False)["input_ids"], 32, 256)
+    w = text_windows(tok(ablation_text(None, str(trained_run), 256), add_special_tokens=False)["input_ids"], 32, 256)
     want = ablate_model(run.load_model(device="cpu"), w, batch_size=16)
     assert [u["delta_ppl"] for u in res["units"]] == pytest.approx([u["delta_ppl"] for u in want["units"]], rel=1e-4)
 

@@ -155,7 +155,8 @@ def _register_ablate(subparsers) -> None:
     p.add_argument("--run", default=None, help="a keel run directory (model and validation split)")
     p.add_argument("--hf", default=None, metavar="MODEL_PATH",
                    help="a local Hugging Face causal LM folder instead (one decoder layer = one unit)")
-    p.add_argument("--text", default=None, help="with --hf: a text file to measure on (else --run's validation split)")
+    p.add_argument("--text", default=None, help="a text file to measure on (default: the run's validation split; "
+                   "with --hf, that of --run)")
     p.add_argument("--tokens", type=int, default=None, help="validation tokens to use (default 16384)")
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: the run's train.seq_len; HF 512)")
     p.add_argument("--batch-size", type=int, default=16)

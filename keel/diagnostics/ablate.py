@@ -275,19 +275,31 @@ def text_windows(ids, seq_len: int, max_tokens: int):
 
 
 def ablate_run(run_dir: str | Path, seq_len: int | None = None, tokens: int = 16384, batch_size: int = 16,
-               device: str = "auto") -> dict:
+               device: str = "auto", text: str | None = None) -> dict:
     """:func:`ablate_model` of a keel run's latest checkpoint on the first ``tokens`` tokens of
-    its validation split, in windows of ``seq_len`` (default: the run's ``train.seq_len``).
-    Raises KeelError: not a run, no checkpoint, too little validation data."""
+    its validation split (or of ``text``, in the run's tokenizer), in windows of ``seq_len``
+    (default: the run's ``train.seq_len``).
+
+    Raises:
+        KeelError: not a run, no checkpoint, ``seq_len`` outside [1, model.max_seq_len], too
+            little validation data or text.
+    """
     run = Run(run_dir)
     model = run.load_model(device=device)
-    windows = validation_tokens(run.data_dir(), seq_len or run.config.train.seq_len, tokens)
+    seq = seq_len if seq_len is not None else run.config.train.seq_len
+    if not 1 <= seq <= model.cfg.max_seq_len:
+        raise KeelError(f"--seq-len must be between 1 and model.max_seq_len = {model.cfg.max_seq_len}, got {seq}")
+    if text is not None:
+        windows = text_windows(run.tokenizer().encode(text, add_special_tokens=False).ids, seq, tokens)
+    else:
+        windows = validation_tokens(run.data_dir(), seq, tokens)
     return ablate_model(model, windows, batch_size=batch_size)
 
 
-def hf_text(text_file: str | None, run_dir: str | None, tokens: int) -> str:
-    """The text to ablate a Hugging Face model on: ``text_file``, else the start of a keel
-    run's validation split decoded to text (about ``4 * tokens`` of its tokens).
+def ablation_text(text_file: str | None, run_dir: str | None, tokens: int) -> str:
+    """The text to ablate on: ``text_file`` (invalid UTF-8 becomes U+FFFD), else the start of a
+    keel run's validation split decoded to text (about ``4 * tokens`` of its tokens; what
+    ``--hf`` measures on without ``--text``).
     Raises KeelError if neither is given or readable."""
     if text_file:
         if not Path(text_file).is_file():

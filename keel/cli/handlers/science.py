@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from keel.cli.handlers import check_counts, check_seed
 from keel.config import load_config, resolve_config_path
 from keel.diagnostics import gradflow as G
 from keel.errors import KeelError
@@ -43,6 +44,7 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.jacobian_iters < 1:
         raise KeelError("--jacobian-iters must be >= 1")
+    check_seed(args.seed)
     if args.run and (args.residual is not None or args.sublayers is not None):
         raise KeelError(f"--run takes the model from the run; drop --residual and {args.sublayers_flag}")
     common = dict(batch_size=args.batch_size, jacobian_iters=args.jacobian_iters, full_jacobian=args.full_jacobian,
@@ -177,17 +179,17 @@ def _ablate_hf(args: argparse.Namespace, text: str, tokens: int) -> dict:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    if args.tokens is not None and args.tokens < 1:
-        raise KeelError(f"--tokens must be >= 1, got {args.tokens}")
+    check_counts(args, "tokens", "seq_len", "batch_size")
     tokens = args.tokens or 16384
     if args.verbose:  # the library logs each unit's PPL at DEBUG level
         logging.getLogger(A.__name__).setLevel(logging.DEBUG)
     if args.hf:
-        text = A.hf_text(args.text, args.run, tokens)
+        text = A.ablation_text(args.text, args.run, tokens)
         res = _ablate_hf(args, text, tokens)
         title, default_out = str(args.hf), Path(args.hf) / "ablate"
     elif args.run:
-        res = A.ablate_run(args.run, args.seq_len, tokens, args.batch_size, args.device)
+        text = A.ablation_text(args.text, None, tokens) if args.text else None
+        res = A.ablate_run(args.run, args.seq_len, tokens, args.batch_size, args.device, text=text)
         title, default_out = str(args.run), Path(args.run) / "ablate"
     else:
         raise KeelError("give --run DIR (a keel run) or --hf MODEL_PATH")

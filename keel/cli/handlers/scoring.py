@@ -14,6 +14,7 @@ import math
 import sys
 from pathlib import Path
 
+from keel.cli.handlers import check_counts
 from keel.config import load_config
 from keel.data import find_data, resolve_data
 from keel.data.prepare import EOS_TOKEN
@@ -58,18 +59,10 @@ def _held_out_dataset(args, cfg):
     return found, f"the dataset {KEEL_CONFIG} names ({where}) is not prepared here"
 
 
-def _check_counts(args: argparse.Namespace) -> None:
-    """``--limit``, ``--batch-size``, ``--max-tokens`` and ``--seq-len``, when given, are >= 1 (KeelError)."""
-    for flag in ("limit", "batch_size", "max_tokens", "seq_len"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise KeelError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     """``keel eval``: held-out perplexity / bits per byte, then lm-eval tasks; exit 1 if a task could not run."""
     task_names = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    _check_counts(args)
+    check_counts(args, "limit", "batch_size", "max_tokens", "seq_len")
     index = check_tasks(task_names, args.task_dir, args.verbose) if task_names else None  # before the model loads
     model, tokenizer, cfg, device, name = _load(args)
     mc = model.cfg

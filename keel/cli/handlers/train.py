@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from keel.cli.handlers import check_seed
 from keel.config import TrainConfig, load_config, resolve_config_path
 from keel.data import prepare_dataset, read_meta
 from keel.errors import Interrupted, KeelError
@@ -255,12 +257,14 @@ def print_result(res) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         raise KeelError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise KeelError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise KeelError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.top_k < 0:
         raise KeelError(f"--top-k must be >= 0, got {args.top_k}")
     if args.num_samples < 1:
         raise KeelError(f"--num-samples must be >= 1, got {args.num_samples}")
+    check_seed(args.seed)
+    check_seed(args.seed + args.num_samples - 1, "--seed + --num-samples - 1 (the last sample's seed)")
 
     # a prompt that is not valid UTF-8 reaches Python with lone surrogates (os.fsdecode):
     # its undecodable bytes become U+FFFD, as keel prepare reads such text
