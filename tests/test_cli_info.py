@@ -62,6 +62,14 @@ def test_keel_config_show_prints_the_resolved_preset(capsys):
     assert "unknown config 'nope'" in capsys.readouterr().err
 
 
+def test_keel_config_show_takes_a_run_folder(tiny_reference_run, capsys):
+    """`keel config --show RUN_DIR` said "config file not found"; it shows the config the run trained with."""
+    assert main(["config", "--show", str(tiny_reference_run)]) == 0
+    shown = tomllib.loads(capsys.readouterr().out)
+    assert shown == tomllib.loads((tiny_reference_run / "config.toml").read_text())
+    assert shown["model"]["vocab_size"] == 512 and shown["train"]["steps"] == 12
+
+
 def test_keel_config_schemes_lists_every_scheme_with_its_paper(capsys):
     from keel.model import SCHEMES
 

@@ -137,16 +137,21 @@ def test_eval_example_tasks_end_to_end(run_dir, tmp_path, capsys):
         "task: keel_test_short\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: short.jsonl\n"
         "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
         "metric_list:\n  - metric: bits_per_byte\n  - metric: byte_perplexity\n")
+    (tmp_path / "missing.yaml").write_text(  # a local data file that is not there: no "(offline?)"
+        (tmp_path / "short.yaml").read_text().replace("keel_test_short", "keel_test_missing")
+        .replace("short.jsonl", "missing.jsonl"))
     hf_dir = tmp_path / "hf"
     assert main(["export-hf", "--run", str(run_dir), "--out", str(hf_dir)]) == 0
     capsys.readouterr()
-    tasks = f"keel_test_remote,{MC_TASK},{ROLLING_TASK},keel_test_short"
+    tasks = f"keel_test_remote,{MC_TASK},{ROLLING_TASK},keel_test_short,keel_test_missing"
     rc = main(["eval", "--hf", str(hf_dir), "--tasks", tasks, "--task-dir", str(tmp_path), "--limit", "6", "--json"])
     captured = capsys.readouterr()
     assert rc == 1  # one task could not run
-    err_lines = [ln for ln in captured.err.splitlines() if ln.startswith("task ")]
-    assert err_lines == [ln for ln in err_lines if ln.startswith("task keel_test_remote: dataset could not be "
-                                                                    "loaded (offline?): ")] and len(err_lines) == 1
+    err_lines = sorted(ln for ln in captured.err.splitlines() if ln.startswith("task "))
+    assert len(err_lines) == 2 and err_lines[1].startswith("task keel_test_remote: dataset could not be loaded "
+                                                             "(offline?): ")
+    assert err_lines[0].startswith("task keel_test_missing: dataset could not be loaded: ")
+    assert "missing.jsonl" in err_lines[0]
     rep = json.loads(captured.out)
     res = rep["tasks"]
     assert "error" in res["keel_test_remote"]

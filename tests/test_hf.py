@@ -623,3 +623,27 @@ def test_generated_code_left_padded_generate(tmp_path):
         for row, p in enumerate(prompts):
             single = remote.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=0)
             assert batched[row, ids.shape[1]:].tolist() == single[0, len(p):].tolist(), row
+
+
+@pytest.mark.parametrize("scheme", ["keel", "mhc"])
+def test_generate_past_max_seq_len_crops_the_window_as_keel_generate(scheme, tmp_path):
+    """The exported model (remote code) generating past max_seq_len (48): greedy tokens equal the
+    native generate's, which re-runs the last 48 tokens each step once the context outgrows them;
+    with a left-padded batch too. It raised KeelError at the 49th position."""
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    from keel.hf.remote import write_remote_code
+
+    native, hf = native_and_hf(tiny_cfg(scheme), seed=3)
+    hf.save_pretrained(tmp_path)
+    remote = get_class_from_dynamic_module(write_remote_code(tmp_path)["AutoModelForCausalLM"],
+                                           str(tmp_path)).from_pretrained(tmp_path).eval()
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (40, 33)]
+    ids, mask = left_padded(prompts)
+    with torch.no_grad():
+        want = native.generate(ids, 20, temperature=0, attention_mask=mask)
+        for use_cache in (True, False):
+            got = remote.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
+                                  use_cache=use_cache)
+            assert got.shape == (2, 60) and got.tolist() == want.tolist(), use_cache

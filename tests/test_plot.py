@@ -69,9 +69,9 @@ def test_plots_are_written(sweep_dir, tmp_path, keel_main):
     assert plot_lr(sweep_dir, tmp_path / "lr.png") == 4  # scheme x depth lines
     for f in ("loss.png", "v.png", "depth.png", "lr.png"):
         _png(tmp_path / f)
-    r = keel_main("plot", "depth", sweep_dir, "--out", tmp_path / "cli.png")
-    assert r.returncode == 0 and "2 lines" in r.stdout
-    _png(tmp_path / "cli.png")
+    r = keel_main("plot", "depth", sweep_dir, "--out", tmp_path / "new" / "cli.png")  # its folder is made
+    assert r.returncode == 0 and "2 lines" in r.stdout, r.stderr
+    _png(tmp_path / "new" / "cli.png")
     r = keel_main("plot", "loss", tmp_path, "--out", tmp_path / "x.png")
     assert r.returncode == 2 and "not a run folder" in r.stderr
 

@@ -150,9 +150,10 @@ def test_cli_train_generate_and_errors(keel_cli, keel_main, tiny_data, tmp_path)
     assert r.stdout.startswith("import os")
 
     # resume with more steps
-    r = keel_main("train", "--resume", run, "--set", "train.steps=6")
+    r = keel_main("train", "--resume", run, "--set", "train.steps=6", "--set", "train.sample_tokens=0")
     assert r.returncode == 0, r.stderr
     assert "validation loss at step 6" in r.stdout
+    assert "sample:" not in r.stdout  # no sample drawn: no empty "sample:" heading
 
 
 
@@ -195,7 +196,7 @@ def test_bad_toml_file(text, msg, command, tmp_path, capsys):
 
 @pytest.mark.parametrize("args,msg", [
     (("--max-new-tokens", "-3"), "--max-new-tokens must be >= 0"),
-    (("--temperature", "-1"), "--temperature must be >= 0"),
+    (("--temperature", "-1"), "--temperature must be a finite number >= 0"),
     (("--top-k", "-3"), "--top-k must be >= 0, got -3"),  # named only the bad flag
     (("--num-samples", "0"), "--num-samples must be >= 1, got 0"),
 ])

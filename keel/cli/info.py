@@ -19,10 +19,11 @@ def register(subparsers) -> None:
                                            "sweep presets (keel sweep --preset NAME) and every config key with its "
                                            "type, default, meaning and allowed values or range (set any with "
                                            "--set SECTION.KEY=VALUE). "
-                                           "With --show: the resolved preset or config file, as TOML. "
+                                           "With --show: the resolved preset, config file or run folder's config, as TOML. "
                                            "With --schemes: every residual scheme and its paper.")
     what = pc.add_mutually_exclusive_group()
-    what.add_argument("--show", default=None, metavar="PRESET", help="a preset name or TOML file to print resolved")
+    what.add_argument("--show", default=None, metavar="PRESET",
+                      help="a preset name, TOML file or run folder to print resolved")
     what.add_argument("--schemes", action="store_true",
                     help="list the residual schemes (the values of model.residual) with their papers")
     pc.set_defaults(handler="keel.cli.handlers.config.cmd_config")

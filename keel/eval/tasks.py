@@ -254,7 +254,8 @@ def _load_task(manager, spec, hub: _HubProbe):
             return manager.load([spec])
     except hub_errors() as e:  # datasets' and huggingface_hub's: not found, offline, bad config, ...
         reason = f"; {hub.reason}" if offline else ""
-        return f"dataset could not be loaded (offline?): {_first_line(e)}{reason}"
+        hint = " (offline?)" if _needs_hub(spec) else ""  # a local file that is missing: the error names it
+        return f"dataset could not be loaded{hint}: {_first_line(e)}{reason}"
 
 
 def _scoring_failure(e: BaseException, window: int) -> str:

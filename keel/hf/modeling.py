@@ -161,6 +161,25 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: torch.nn.Linear) -> None:
         self.model.lm_head = value
 
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:
+        """``GenerationMixin``'s inputs for the next step, cropped as ``keel generate`` crops them
+        (:meth:`keel.model.Transformer.generate`): once the context ``input_ids`` [B, T] outgrows
+        ``max_seq_len``, its last ``max_seq_len`` tokens (and attention mask columns) are run
+        again from an empty cache, every step from then on. Without this the step past
+        ``max_seq_len`` raised KeelError (a RoPE table of ``max_seq_len`` positions)."""
+        inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        window, key = self.model.cfg.max_seq_len, "cache" if "cache" in inputs else "past_key_values"
+        cache = inputs.get(key)
+        past = cache.get_seq_length() if cache is not None else 0
+        if past + inputs["input_ids"].shape[1] <= window:
+            return inputs
+        inputs[key] = None  # the window runs from an empty cache (forward makes one with use_cache)
+        inputs["input_ids"] = input_ids[:, -window:].contiguous()
+        if inputs.get("attention_mask") is not None:
+            inputs["attention_mask"] = inputs["attention_mask"][:, -window:]
+        inputs.pop("position_ids", None)  # derived again from the cropped mask
+        return inputs
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

@@ -17,6 +17,7 @@ import inspect
 import json
 import re
 import textwrap
+from pathlib import Path
 
 import tomli_w
 
@@ -64,7 +65,9 @@ def cmd_config(args: argparse.Namespace) -> int:
         if args.show in preset_names("sweeps") and args.show not in preset_names():
             print(resolve_config_path(args.show, kind="sweeps").read_text(), end="")
             return 0
-        print(tomli_w.dumps(load_config(resolve_config_path(args.show)).to_dict()), end="")
+        run_config = Path(args.show) / "config.toml"  # a run folder: the config it was trained with
+        cfg = load_config(run_config, stored=True) if run_config.is_file() else load_config(resolve_config_path(args.show))
+        print(tomli_w.dumps(cfg.to_dict()), end="")
         return 0
     print(f"presets (keel train --config NAME): {', '.join(preset_names())}")
     print(f"sweep presets (keel sweep --preset NAME): {', '.join(preset_names('sweeps'))}")

@@ -143,8 +143,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    if not out.parent.is_dir():
-        raise KeelError(f"folder of --out does not exist: {out.parent}")
+    make_dirs(out.parent)  # as export-hf and gradflow --plot create theirs
     if args.kind == "loss":
         n = P.plot_loss_curves(args.paths, out, val=args.val, x=args.x, smooth=args.smooth, title=args.title)
         print(f"{out}: {n} curve{'s' * (n != 1)}")

@@ -59,6 +59,19 @@ def _held_out_dataset(args, cfg):
     return found, f"the dataset {KEEL_CONFIG} names ({where}) is not prepared here"
 
 
+def _window(args: argparse.Namespace, cfg, max_seq_len: int) -> int:
+    """The scoring window in tokens: ``--seq-len``, else the run's ``train.seq_len`` (an export
+    without keel's config: ``max_seq_len``). Raises KeelError: outside [1, max_seq_len], or a
+    ``--max-tokens`` below one window (it scored one whole window without a word)."""
+    seq_len = args.seq_len if args.seq_len is not None else (cfg.train.seq_len if cfg is not None else max_seq_len)
+    if not 1 <= seq_len <= max_seq_len:
+        raise KeelError(f"--seq-len must be between 1 and model.max_seq_len = {max_seq_len}, got {seq_len}")
+    if args.max_tokens is not None and args.max_tokens < seq_len:
+        raise KeelError(f"--max-tokens {args.max_tokens} is less than one window of {seq_len} tokens (--seq-len); "
+                        f"give at least {seq_len}")
+    return seq_len
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     """``keel eval``: held-out perplexity / bits per byte, then lm-eval tasks; exit 1 if a task could not run."""
     task_names = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -66,10 +79,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     index = check_tasks(task_names, args.task_dir, args.verbose) if task_names else None  # before the model loads
     model, tokenizer, cfg, device, name = _load(args)
     mc = model.cfg
-    default_seq = cfg.train.seq_len if cfg is not None else mc.max_seq_len
-    seq_len = args.seq_len if args.seq_len is not None else default_seq
-    if not 1 <= seq_len <= mc.max_seq_len:
-        raise KeelError(f"--seq-len must be between 1 and model.max_seq_len = {mc.max_seq_len}, got {seq_len}")
+    seq_len = _window(args, cfg, mc.max_seq_len)
     report: dict = {"model": name, "residual": mc.residual, "blocks": mc.n_layers, "sublayers": mc.n_sublayers,
                     "d_model": mc.d_model, "parameters": model.num_params(), "perplexity": None, "tasks": {}}
     human = not args.json  # --json: stdout holds the JSON report only

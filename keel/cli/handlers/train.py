@@ -250,8 +250,9 @@ def print_result(res) -> None:
         print(f"validation loss at step 0: {res.first_val_loss:.4f} (perplexity {perplexity(res.first_val_loss):.1f})")
     print(f"validation loss at step {res.step}: {res.val_loss:.4f} (perplexity {perplexity(res.val_loss):.2f})")
     print(f"tokens: {res.tokens:,}, mean {res.tokens_per_s:,.0f} tokens/s")
-    print("sample:")
-    print(res.sample)
+    if res.sample:  # train.sample_tokens = 0: none was drawn
+        print("sample:")
+        print(res.sample)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
