@@ -486,7 +486,8 @@ def test_signal_to_keel_train_nproc_stops_every_worker(signame, tiny_data, tmp_p
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
     assert (run / "checkpoints" / "latest").is_file(), err  # the workers' own lines say how they ended
     assert last_line(err) == (f"keel: stopped by {signame} (passed to every worker: each finished its step, "
-                              f"the run is checkpointed at step {steps[-1]}); resume with: keel train --resume {run}")
+                              f"the run is checkpointed at step {steps[-1]}); resume with: "
+                              f"keel train --resume {run} --nproc 2")
     time.sleep(2)
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == steps  # nothing trains on
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps[-1]:08d}"
@@ -539,22 +540,23 @@ def test_nproc_stop_message_says_what_the_workers_left(tiny_config, tmp_path):
     from keel.cli.handlers.train import nproc_stop_message
 
     run = tmp_path / "run"
-    assert nproc_stop_message("SIGINT", run) == ("stopped by SIGINT, but the workers ended before writing a "
-                                                 "checkpoint (last step logged: 0); start the run again with: "
-                                                 "the same command")  # not even config.toml
+    assert nproc_stop_message("SIGINT", run, 2) == ("stopped by SIGINT, but the workers ended before writing a "
+                                                    "checkpoint (last step logged: 0); start the run again with: "
+                                                    "the same command")  # not even config.toml
     run.mkdir()
     (run / "config.toml").write_text("")
-    assert nproc_stop_message("SIGINT", run).endswith(f"start the run again with: keel train --resume {run} --restart")
+    assert nproc_stop_message("SIGINT", run, 2).endswith(
+        f"start the run again with: keel train --resume {run} --restart --nproc 2")
     (run / "config.toml").unlink()
     train(tiny_config(steps=4, eval_every=4, checkpoint_every=4), run)
-    assert nproc_stop_message("SIGTERM", run) == (
+    assert nproc_stop_message("SIGTERM", run, 2) == (  # the resume keeps the run's --nproc
         f"stopped by SIGTERM (passed to every worker: each finished its step, the run is checkpointed at step 4); "
-        f"resume with: keel train --resume {run}")
+        f"resume with: keel train --resume {run} --nproc 2")
     with open(run / "metrics.jsonl", "a") as f:  # a step logged after the last checkpoint
         f.write(json.dumps({"step": 5, "tokens": 640, "loss": 5.0}) + "\n")
-    assert nproc_stop_message("SIGINT", run) == (
+    assert nproc_stop_message("SIGINT", run, 3) == (
         f"stopped by SIGINT, but the workers ended before checkpointing step 5; "
-        f"keel train --resume {run} continues from step 4")
+        f"keel train --resume {run} --nproc 3 continues from step 4")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")

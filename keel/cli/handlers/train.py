@@ -109,7 +109,7 @@ def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
     if received:
         for message in failure["errors"]:
             print(f"keel: error: {message}", file=sys.stderr)
-        raise Interrupted(nproc_stop_message(signal.Signals(received[0]).name, run_dir), received[0])
+        raise Interrupted(nproc_stop_message(signal.Signals(received[0]).name, run_dir, args.nproc), received[0])
     return _end_of_failure(code, failure, args.nproc, run_dir) if code else 0
 
 
@@ -131,14 +131,25 @@ def _end_of_failure(code: int, failure: dict, nproc: int, run_dir: Path) -> int:
     return code
 
 
+def _continue_command(run_dir: Path, nproc: int) -> tuple[int | None, str]:
+    """``(step of the latest checkpoint or None, the command that goes on with run_dir)`` after a
+    ``keel train --nproc`` stopped or failed: a resume (from that checkpoint; with ``--restart``
+    when the workers wrote config.toml but no checkpoint), else "the same command"."""
+    ckpt = latest_checkpoint(run_dir)  # the workers may have died before writing config.toml: no Run()
+    if ckpt is not None:
+        return checkpoint_step(ckpt), f"keel train --resume {run_dir} --nproc {nproc}"
+    if (run_dir / "config.toml").is_file():
+        return None, f"keel train --resume {run_dir} --restart --nproc {nproc}"
+    return None, "the same command"
+
+
 def _what_next(run_dir: Path, nproc: int) -> str:
     """How to go on after the workers of ``keel train --nproc`` failed, from what ``run_dir`` holds."""
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is not None:
-        return (f"the last checkpoint (step {checkpoint_step(ckpt)}) is intact: "
-                f"keel train --resume {run_dir} --nproc {nproc}")
-    if (run_dir / "config.toml").is_file():
-        return f"no checkpoint was written; start it again with: keel train --resume {run_dir} --restart --nproc {nproc}"
+    step, command = _continue_command(run_dir, nproc)
+    if step is not None:
+        return f"the last checkpoint (step {step}) is intact: {command}"
+    if command.startswith("keel "):
+        return f"no checkpoint was written; start it again with: {command}"
     return "nothing was written; run the same command again"
 
 
@@ -190,23 +201,19 @@ def _failed_worker(failure: dict) -> str:
     return f"worker rank {failure['rank']} ({how or f'exit status {code}'})"
 
 
-def nproc_stop_message(name: str, run_dir: Path) -> str:
+def nproc_stop_message(name: str, run_dir: Path, nproc: int) -> str:
     """What ``keel train --nproc`` says after a stop signal, from what the workers left in
     ``run_dir``: the promised checkpoint of the last step, or (workers killed before they
     wrote it, e.g. by torchrun's 30 s grace) where a resume will really continue from."""
     last = max((r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "step" in r), default=0)
-    ckpt = latest_checkpoint(run_dir)  # the workers may have died before writing config.toml: no Run()
-    done = checkpoint_step(ckpt) if ckpt is not None else None
+    done, command = _continue_command(run_dir, nproc)
     if done is not None and done >= last:
         return (f"stopped by {name} (passed to every worker: each finished its step, the run is checkpointed at "
-                f"step {done}); resume with: keel train --resume {run_dir}")
+                f"step {done}); resume with: {command}")
     if done is None:
-        again = (f"keel train --resume {run_dir} --restart" if (run_dir / "config.toml").is_file()
-                 else "the same command")
         return (f"stopped by {name}, but the workers ended before writing a checkpoint (last step logged: {last}); "
-                f"start the run again with: {again}")
-    return (f"stopped by {name}, but the workers ended before checkpointing step {last}; "
-            f"keel train --resume {run_dir} continues from step {done}")
+                f"start the run again with: {command}")
+    return f"stopped by {name}, but the workers ended before checkpointing step {last}; {command} continues from step {done}"
 
 
 def cmd_train(args: argparse.Namespace) -> int:
