@@ -446,19 +446,26 @@ def test_apply_config_sets_new_hyperparameters_after_loading():
 
 
 def test_wsd_formula_transcription():
-    """MiniCPM (arXiv 2404.06395) Eq. 1: s/W*eta (warm-up), eta (stable), f(s-T)*eta (decay),
-    f exponential, here reaching min_lr at the end."""
+    """MiniCPM (arXiv 2404.06395) Eq. 1 over the 1-based steps s = 1..S: s/W*eta (s <= W),
+    eta (W < s <= T), f(s-T)*eta (T < s <= S), f exponential with f(S-T) = min_lr/eta."""
     c = TrainConfig(steps=100, lr=1e-2, min_lr=1e-4, warmup_steps=10, schedule="wsd", decay_fraction=0.2)
-    W, T, D, eta = 10, 80, 20, 1e-2
-    for s in range(0, 101):
-        if s < W:
-            want = (s + 1) / W * eta
-        elif s < T:
+    W, T, S, D, eta = 10, 80, 100, 20, 1e-2
+    for s in range(1, S + 1):
+        if s <= W:
+            want = s / W * eta
+        elif s <= T:
             want = eta
         else:
             want = eta * 0.5 ** ((s - T) / (D * math.log(2) / math.log(eta / 1e-4)))
-        assert lr_at(s, c) == pytest.approx(want, rel=1e-12), s
-    assert lr_at(100, c) == pytest.approx(1e-4)
+        assert lr_at(s - 1, c) == pytest.approx(want, rel=1e-12), s
+    assert lr_at(S - 1, c) == pytest.approx(1e-4)  # the run's last step is at min_lr
+
+
+@pytest.mark.parametrize("steps", [2, 5, 14])
+def test_a_short_wsd_run_decays_on_its_last_step(steps):
+    """round(0.1 * steps) <= 1: one decay step, at min_lr (it ran at lr: the run never decayed)."""
+    c = TrainConfig(steps=steps, lr=1e-2, min_lr=1e-5, warmup_steps=1, schedule="wsd", decay_fraction=0.1)
+    assert [lr_at(s, c) for s in range(steps)] == [1e-2] * (steps - 1) + [pytest.approx(1e-5, rel=1e-12)]
     const = TrainConfig(steps=100, lr=1e-2, warmup_steps=10, schedule="constant")
     assert [lr_at(s, const) for s in (9, 10, 99, 500)] == [1e-2] * 4
 

@@ -38,9 +38,10 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     * cosine: ``min_lr + (lr - min_lr) * 0.5 * (1 + cos(pi * p))`` with
       p = (step - warmup) / (steps - warmup), clipped to [0, 1];
     * wsd: ``lr`` for step < T = steps - D, D = max(1, round(decay_fraction * steps)), then
-      MiniCPM's ``f(s - T) * lr`` with the exponential ``f(s - T) = (min_lr / lr) ** q``,
-      q = min(1, (step - T) / D): a half-life of D * ln 2 / ln(lr / min_lr) steps, so the
-      LR reaches ``min_lr`` at ``step = steps``;
+      MiniCPM's ``f(s - T) * lr`` at the 1-based step s = step + 1 (as the warm-up counts),
+      with the exponential ``f(s - T) = (min_lr / lr) ** q``, q = min(1, (s - T) / D): a
+      half-life of D * ln 2 / ln(lr / min_lr) steps; the run's last step (step = steps - 1)
+      runs at ``min_lr``, so even a run with D = 1 decays;
     * constant: ``lr``.
     """
     if step < cfg.warmup_steps:
@@ -52,7 +53,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         stable_end = max(cfg.warmup_steps, cfg.steps - decay)
         if step < stable_end:
             return cfg.lr
-        q = min(1.0, (step - stable_end) / decay)
+        q = min(1.0, (step + 1 - stable_end) / max(1, cfg.steps - stable_end))
         return cfg.lr * (cfg.min_lr / cfg.lr) ** q
     decay_steps = max(1, cfg.steps - cfg.warmup_steps)
     p = min(1.0, (step - cfg.warmup_steps) / decay_steps)
