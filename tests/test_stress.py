@@ -113,6 +113,11 @@ def test_cached_runs_are_skipped_and_interrupted_ones_resumed(tiny_data, one_wor
     res = grid(tiny_data, out, report_only=True)
     assert res["trained"] == [] and [r["name"] for r in res["runs"]] == ["pre_ln-4sl-seed0"]
     assert res["table"]["rows"][0]["cells"]["post_ln"]["text"] == "–"
+    # report-only with another ramp than the runs had: refused, stress.json untouched (was written with the new flags)
+    before = (out / "stress.json").read_text()
+    with pytest.raises(KeelError, match=r"other settings \(train.lr, train.steps, train.warmup_steps\)"):
+        grid(tiny_data, out, ramp_steps=RAMP + 1, peak_lr=PEAK / 2, report_only=True)
+    assert (out / "stress.json").read_text() == before
     # report-only where no run has finished: refused, nothing written (was an empty report)
     empty = out.parent / "no-runs"
     with pytest.raises(KeelError, match="holds no finished run: nothing to report"):

@@ -27,7 +27,7 @@ from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
 from keel.experiments import sweep as S
 from keel.experiments.grid import cached_result, check_reportable
-from keel.experiments.study.run import execute
+from keel.experiments.study.run import check_started_runs, execute
 from keel.experiments.study.spec import Group, Study, refuse_sets
 from keel.io import atomic_write_text
 from keel.model import SCHEMES
@@ -108,8 +108,13 @@ def _require_finished(out: Path, names: Sequence[str], what: str) -> list[str]:
 def _execute(what: str, config: str | None, sets: Sequence[Override], group: Group, out: Path, **engine) -> dict:
     """The engine's report (or, with ``dry_run``, its plan) of the preset study of command ``what``;
     after a run, one line on how many runs have finished (``report_only``) and a warning naming the
-    run folders in ``out`` that are not runs of this grid (:func:`_log_unplanned`)."""
-    report = execute(preset_study(what, config, sets, group), out, **engine)
+    run folders in ``out`` that are not runs of this grid (:func:`_log_unplanned`). ``report_only``
+    with other flags than the runs were trained with is refused (KeelError naming the keys): the
+    report would state the new flags beside the old runs' numbers."""
+    study = preset_study(what, config, sets, group)
+    if engine.get("report_only"):
+        check_started_runs(study, out)
+    report = execute(study, out, **engine)
     if not engine.get("dry_run"):
         if engine.get("report_only"):
             done = sum(r["status"] == "done" for r in report["runs"])

@@ -439,7 +439,7 @@ def execute(study: Study, out: str | Path, *, workers: int = 1, threads: int | N
     first_command = _claim_out(out, study, command, resume=resume or from_report,
                                report_only=report_only and not from_report)
     if resume:  # another --set than the runs started with: refused now, not after the dataset is prepared
-        _check_started_runs(study, out)
+        check_started_runs(study, out)
     superseded: list[dict] = []
     with _stopped_hint(out), _unclaimed_if(fresh, out), contextlib.nullcontext() if report_only else study_lock(out):
         data_dir = study_dataset(base, planned_jobs(study, NO_DATA, out, restored)) \
@@ -536,9 +536,10 @@ def _dry_run(study: Study, plan: list[dict], out: Path, groups: Sequence[str], r
     return {**answer, "markdown": md}
 
 
-def _check_started_runs(study: Study, out: Path) -> None:
+def check_started_runs(study: Study, out: Path) -> None:
     """:func:`keel.experiments.grid.check_started` for every group's planned runs (and ramp
-    references) in ``out``, before the dataset is prepared. Raises KeelError naming the keys."""
+    references) in ``out``, before the dataset is prepared (``--resume``; a preset's
+    ``--report-only``, whose flags are the grid's). Raises KeelError naming the keys."""
     for g, refs, jobs in planned_jobs(study, "<data>", out):
         check_started(refs, out / g.dir_name / ST.REFERENCES)
         check_started(jobs, out / g.dir_name)
