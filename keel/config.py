@@ -1,26 +1,22 @@
 """Run configuration: three TOML sections, ``[model]``, ``[data]`` and ``[train]``.
 
-Presets are data: TOML files shipped inside the package, ``keel/configs/NAME.toml``
-(``demo`` is the default) and ``keel/configs/sweeps/NAME.toml`` for ``keel sweep``, read
-with ``importlib.resources`` so they exist after any install (:func:`resolve_config_path`,
-:func:`preset_names`).
+Presets are data: TOML files shipped inside the package, ``keel/configs/NAME.toml`` (``demo`` is the default) and
+``keel/configs/sweeps/NAME.toml`` for ``keel sweep``, read with ``importlib.resources`` so they exist after any
+install (:func:`resolve_config_path`, :func:`preset_names`).
 
-One declaration per key: each field of :class:`ModelConfig`, :class:`DataConfig` and
-:class:`TrainConfig` is made by :func:`key`, which holds its default, its help text and its
-allowed range (``ge``/``gt``/``le``/``lt``, ``nonempty``); its type, and for a
-``Literal[...]`` annotation its allowed values, are the annotation on the same line. From that
-one declaration come the load-time check (:func:`check_key`, run for every key by
-:func:`config_from_dict`), the help of ``keel config`` (:func:`describe_config`), the CLI
-flags that mirror a key (:func:`key_default`, :func:`key_help`) and the checks of other
-modules (:func:`check_value`, :func:`choices`). Checks that relate two keys (``d_model %
+One declaration per key: each field of :class:`ModelConfig`, :class:`DataConfig` and :class:`TrainConfig` is made by
+:func:`key`, which holds its default, its help text and its allowed range (``ge``/``gt``/``le``/``lt``, ``nonempty``);
+its type, and for a ``Literal[...]`` annotation its allowed values, are the annotation on the same line. From that one
+declaration come the load-time check (:func:`check_key`, run for every key by :func:`config_from_dict`), the help of
+``keel config`` (:func:`describe_config`), the CLI flags that mirror a key (:func:`key_default`, :func:`key_help`) and
+the checks of other modules (:func:`check_value`, :func:`choices`). Checks that relate two keys (``d_model %
 n_heads``, ``min_lr <= lr``) stay explicit code in the sections' ``validate``.
 
-A config is loaded with :func:`load_config`, overridden with ``--set section.key=value``
-strings or typed ``(key, value)`` pairs (:func:`apply_overrides`, the same coercion and
-checks for both) and written back as the resolved ``config.toml`` of a run
-(:func:`dump_config`). Unknown sections or keys, values of the wrong type or out of range raise
-:class:`keel.errors.KeelError` naming the key; the residual scheme's name is checked where the
-list of schemes lives (:func:`keel.model.residual.check_model_config`).
+A config is loaded with :func:`load_config`, overridden with ``--set section.key=value`` strings or typed ``(key,
+value)`` pairs (:func:`apply_overrides`, the same coercion and checks for both) and written back as the resolved
+``config.toml`` of a run (:func:`dump_config`). Unknown sections or keys, values of the wrong type or out of range
+raise :class:`keel.errors.KeelError` naming the key; the residual scheme's name is checked where the list of schemes
+lives (:func:`keel.model.residual.check_model_config`).
 """
 
 from __future__ import annotations
@@ -336,10 +332,8 @@ class Config:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Nested plain dicts; unset optional values (None) are left out, as TOML has no null."""
-        out = {}
-        for s in ("model", "data", "train"):
-            out[s] = {k: v for k, v in dataclasses.asdict(getattr(self, s)).items() if v is not None}
-        return out
+        return {s: {k: v for k, v in dataclasses.asdict(getattr(self, s)).items() if v is not None}
+                for s in ("model", "data", "train")}
 
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
@@ -468,7 +462,8 @@ def parse_value(raw: str) -> Any:
 
 def parse_override(item: str) -> tuple[str, Any]:
     """``"section.key=value"`` (a ``--set`` string) as ``("section.key", value)``, the value read by
-    :func:`parse_value`.
+    :func:`parse_value`; a text key (declared ``str``, no choices) keeps the text as typed
+    (``train.sample_prompt=3.10`` is "3.10", not the float's "3.1").
 
     Raises:
         KeelError: no ``=`` or no section in the string.
@@ -476,7 +471,12 @@ def parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item or "." not in item.split("=", 1)[0]:
         raise KeelError(f"--set expects section.key=value, got {item!r}")
     lhs, raw = item.split("=", 1)
-    return lhs.strip(), parse_value(raw)
+    value = parse_value(raw)
+    try:
+        t = key_type(*_section_field(current_key(lhs.strip()))[::2])  # (section class, name)
+    except KeelError:  # an unknown key: refused where it is applied, with its suggestion
+        return lhs.strip(), value
+    return lhs.strip(), raw.strip() if t.base is str and not t.values and not isinstance(value, str) else value
 
 
 def apply_overrides(d: Mapping[str, Any], overrides: Iterable[Override] | Mapping[str, Any]) -> dict[str, Any]:

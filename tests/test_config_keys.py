@@ -146,7 +146,7 @@ def test_typed_overrides_equal_the_strings_and_keep_their_type():
                "train.steps=12", "model.alpha=2.5"]
     assert load_config(None, typed) == load_config(None, strings) == load_config(None, list(typed.items()))
     assert load_config(None, {"data.tokenizer": "1e3"}).data.tokenizer == "1e3"  # no text round trip
-    assert load_config(None, ["data.tokenizer=1e3"]).data.tokenizer == "1000.0"  # what a k=v string would do
+    assert load_config(None, ["data.tokenizer=1e3"]).data.tokenizer == "1e3"  # a text key keeps the text typed
     d = {"train": {"lr": 0.5}}
     assert apply_overrides(d, [("train.lr", 0.1), "train.lr=0.2"]) == {"train": {"lr": 0.2}} and d["train"]["lr"] == 0.5
     with pytest.raises(KeelError, match="unknown config key train.lrr"):
@@ -412,3 +412,18 @@ def test_callback_keys_come_from_their_declarations():
     assert {k for k, test in CALLBACK_KEYS.items() if test(tc)} == {"train.gradflow_every"}
     tc.eval_tasks_every = 10
     assert {k for k, test in CALLBACK_KEYS.items() if test(tc)} == {"train.gradflow_every", "train.eval_tasks"}
+
+
+@pytest.mark.parametrize("raw", ["3.10", "1e3", "0x10", "1_000", "true", "[1, 2]"])
+@pytest.mark.parametrize("key", ["train.sample_prompt", "data.source", "train.wandb_project"])
+def test_a_text_key_keeps_the_text_as_typed(key, raw):
+    """`--set train.sample_prompt=3.10` was read as TOML first: the prompt became "3.1" (1e3
+    "1000.0", 0x10 "16", 1_000 "1000", true "True"); a text key takes the characters typed."""
+    section, name = key.split(".")
+    assert getattr(getattr(load_config(None, [f"{key}={raw}"]), section), name) == raw
+    assert getattr(getattr(load_config(None, [f'{key}="{raw}"']), section), name) == raw  # quoted: TOML's string
+
+
+def test_a_number_key_still_reads_toml_numbers():
+    cfg = load_config(None, ["train.lr=1e-3", "train.steps=1_000", "model.vocab_size=0x1000", "train.compile=true"])
+    assert (cfg.train.lr, cfg.train.steps, cfg.model.vocab_size, cfg.train.compile) == (1e-3, 1000, 4096, True)

@@ -537,9 +537,8 @@ def _dry_run(study: Study, plan: list[dict], out: Path, groups: Sequence[str], r
 
 
 def check_started_runs(study: Study, out: Path) -> None:
-    """:func:`keel.experiments.grid.check_started` for every group's planned runs (and ramp
-    references) in ``out``, before the dataset is prepared (``--resume``; a preset's
-    ``--report-only``, whose flags are the grid's). Raises KeelError naming the keys."""
+    """:func:`keel.experiments.grid.check_started` for every group's planned runs (and ramp references) in
+    ``out``, before the dataset is prepared (``--resume``; a preset's ``--report-only``). Raises KeelError naming keys."""
     for g, refs, jobs in planned_jobs(study, "<data>", out):
         check_started(refs, out / g.dir_name / ST.REFERENCES)
         check_started(jobs, out / g.dir_name)
