@@ -452,31 +452,28 @@ def checked_copy(cfg: Config) -> Config:
 Override = Union[str, tuple[str, Any]]
 
 
-def parse_value(raw: str) -> Any:
-    """A TOML scalar (``1e-3`` -> float, ``16`` -> int, ``true``, ``"x"``, ``[1, 2]``) or, failing that, the string."""
+def parse_value(raw: str, dotted: str = "") -> Any:
+    """A TOML scalar (``1e-3`` -> float, ``16`` -> int, ``true``, ``"x"``, ``[1, 2]``) or, failing that, the string;
+    for the text key ``dotted`` (declared ``str``, no choices) an unquoted value is the text as typed
+    (``train.sample_prompt=3.10`` is "3.10", not the float's "3.1")."""
     try:
-        return tomllib.loads(f"v = {raw}")["v"]
+        value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return raw
+    try:
+        t = key_type(*_section_field(current_key(dotted))[::2])  # (section class, name)
+    except KeelError:  # no key, or an unknown one: refused where it is applied, with its suggestion
+        return value
+    return raw.strip() if t.base is str and not t.values and not isinstance(value, str) else value
 
 
 def parse_override(item: str) -> tuple[str, Any]:
     """``"section.key=value"`` (a ``--set`` string) as ``("section.key", value)``, the value read by
-    :func:`parse_value`; a text key (declared ``str``, no choices) keeps the text as typed
-    (``train.sample_prompt=3.10`` is "3.10", not the float's "3.1").
-
-    Raises:
-        KeelError: no ``=`` or no section in the string.
-    """
+    :func:`parse_value`. Raises KeelError: no ``=`` or no section in the string."""
     if "=" not in item or "." not in item.split("=", 1)[0]:
         raise KeelError(f"--set expects section.key=value, got {item!r}")
     lhs, raw = item.split("=", 1)
-    value = parse_value(raw)
-    try:
-        t = key_type(*_section_field(current_key(lhs.strip()))[::2])  # (section class, name)
-    except KeelError:  # an unknown key: refused where it is applied, with its suggestion
-        return lhs.strip(), value
-    return lhs.strip(), raw.strip() if t.base is str and not t.values and not isinstance(value, str) else value
+    return lhs.strip(), parse_value(raw, lhs.strip())
 
 
 def apply_overrides(d: Mapping[str, Any], overrides: Iterable[Override] | Mapping[str, Any]) -> dict[str, Any]:

@@ -37,6 +37,15 @@ def test_parse_and_expand_grid():
             parse_grid(bad)
 
 
+def test_a_grid_key_given_twice_is_refused_and_a_text_key_keeps_its_text():
+    """`--grid model.n_layers=2 --grid model.n_layers=4` swept only 4 (the later list won, silently)."""
+    with pytest.raises(KeelError, match=r"^--grid model.n_layers is given twice; give all its values in one: "
+                                        r"--grid model.n_layers=v1,v2,...$"):
+        parse_grid(["model.n_layers=2", "train.lr=1e-3", "model.n_layers=4"])
+    assert parse_grid(["train.sample_prompt=3.10,1e3", "train.lr=1e-3,3.10"]) == {
+        "train.sample_prompt": ["3.10", "1e3"], "train.lr": [1e-3, 3.1]}
+
+
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 @pytest.mark.parametrize("n_layers,d_model", [(2, 32), (5, 48)])
 def test_param_count_matches_model(scheme, n_layers, d_model):

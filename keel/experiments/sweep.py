@@ -81,8 +81,9 @@ HELD_KEYS = ("tokens", "steps", "params")
 def parse_grid(specs: Sequence[str]) -> dict[str, list]:
     """``["model.residual=keel,pre_ln", "train.lr=1e-3,3e-3"]`` -> ordered ``{key: [values]}``.
 
-    A key given twice keeps the later list. Raises KeelError on a malformed spec, a key
-    without a section, an empty or repeated value.
+    Values are read as ``--set`` values (:func:`keel.config.parse_value`: a text key keeps the
+    text typed). Raises KeelError on a malformed spec, a key without a section, an empty or
+    repeated value, a key given twice (its values belong in one list).
     """
     grid: dict[str, list] = {}
     for spec in specs:
@@ -95,7 +96,9 @@ def parse_grid(specs: Sequence[str]) -> dict[str, list]:
         parts = raw.split(",")
         if not raw.strip() or any(not p.strip() for p in parts):
             raise KeelError(f"--grid {key} has an empty value in {raw!r}")
-        values = [parse_value(p.strip()) for p in parts]
+        if key in grid:
+            raise KeelError(f"--grid {key} is given twice; give all its values in one: --grid {key}=v1,v2,...")
+        values = [parse_value(p.strip(), key) for p in parts]
         if len({json.dumps(v) for v in values}) != len(values):
             raise KeelError(f"--grid {key} repeats a value: {raw!r}")
         grid[key] = values
