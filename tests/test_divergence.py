@@ -385,3 +385,15 @@ def test_no_unigram_stagnation_while_the_reference_is_on_the_plateau_too():
     late = classify(ISSUE_STEPS, PLATEAU, reference=(ISSUE_STEPS, LATE_EXIT), unigram_entropy=H1)
     assert late.mode == STAGNATION and late.step >= 150 and late.evidence["stagnation_level"] == pytest.approx(
         (1 - T.stagnation_margin) * H1)
+
+
+def test_a_bad_divergence_reference_is_refused_before_the_run_folder_is_made(tiny_data, tmp_path, one_thread):
+    """It was read at the training start, after the run folder, its config and the step-0
+    evaluation were written: a typo left a half-made run behind."""
+    sets = tiny_overrides(tiny_data, steps=2, eval_every=1000, checkpoint_every=1000, divergence_warnings=True)
+    run = tmp_path / "run"
+    missing = tmp_path / "no-such-run"
+    with pytest.raises(KeelError, match=f"^divergence reference {missing} is not a run directory"):
+        train_run(load_config(REPO / "keel" / "configs" / "demo.toml", sets + [f"train.divergence_reference={missing}"]),
+                  run)
+    assert not run.exists()

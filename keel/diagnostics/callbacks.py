@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from keel.data.stats import dataset_unigram_entropy
-from keel.diagnostics.divergence import HEALTHY, build_monitor
+from keel.diagnostics.divergence import HEALTHY, build_monitor, read_reference
 from keel.diagnostics.gradflow import sublayer_grad_norms
 from keel.train.callbacks import Callback, StepState
 from keel.train.trainer import TrainingStopped
@@ -29,12 +29,17 @@ class DivergenceCallback(Callback):
     Args:
         reference_dir: ``train.divergence_reference`` (a finished run), or "" for none.
         stop: stop the run at the verdict.
+    Raises:
+        KeelError: ``reference_dir`` is not a run with a finite training loss
+            (:func:`keel.diagnostics.divergence.read_reference`), here, before the run folder is made.
     """
 
     config_keys = ("train.stop_on_divergence", "train.divergence_warnings", "train.divergence_reference")
 
     def __init__(self, reference_dir: str = "", stop: bool = False):
         self.reference_dir, self.stop, self.monitor = reference_dir, stop, None
+        if reference_dir:  # a bad reference: refused now, not after the run's folder and step-0 eval
+            read_reference(reference_dir)
 
     def on_train_start(self, state: StepState) -> None:
         entropy = dataset_unigram_entropy(state.data_dir) if state.data_dir is not None else None
