@@ -277,13 +277,30 @@ def test_cli_from_run(capsys, gradflow_run, tmp_path):
     assert code == 0 and "sub-layers" in err and cfg.model.residual in err  # the table is logged (stderr)
 
 
+@pytest.mark.parametrize("flags,named", [
+    (["--d-model", "96"], "--d-model"), (["--config", "demo"], "--config"),
+    (["--set", "model.init_std=0.5"], "--set"), (["--residual", "keel", "--d-model", "32"], "--residual, --d-model")])
+def test_cli_from_run_refuses_the_flags_it_would_ignore(capsys, gradflow_run, flags, named):
+    """--d-model, --config and --set were ignored with --run (the profile was of the run's model)."""
+    code, out, err = cli(capsys, "--run", gradflow_run[0], *flags)
+    assert code == 2 and err == f"keel: error: --run takes the model and data from the run; drop {named}\n"
+
+
+def test_cli_from_run_refuses_a_window_longer_than_the_model_reads(capsys, gradflow_run):
+    """--seq-len above the run's max_seq_len was cut to it, silently."""
+    run, cfg = gradflow_run
+    n = cfg.model.max_seq_len + 1
+    code, out, err = cli(capsys, "--run", run, "--seq-len", n)
+    assert code == 2 and err == f"keel: error: --seq-len {n} is above model.max_seq_len = {n - 1} of {run}\n"
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--residual", "pre_ln,postln"], "unknown residual scheme 'postln'"),
     (["--sublayers", "16,15"], "--sublayers: 15 is not an even number"),
     (["--sublayers", "0"], "--sublayers: 0 is not an even number"),
     (["--sublayers", "sixteen"], "is not an integer number of sub-layers"),
     (["--sublayers", ","], "--sublayers needs at least one depth"),
-    (["--run", "somewhere", "--residual", "keel"], "--run takes the model from the run"),
+    (["--run", "somewhere", "--residual", "keel"], "--run takes the model and data from the run; drop --residual"),
     (["--run", "/nonexistent/run"], "not a run directory"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--d-model", "80"], "--d-model 80 is not a multiple of the head dimension 32 (e.g. 64 or 96; a width below 32 "

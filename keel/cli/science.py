@@ -94,11 +94,12 @@ def _register_gradflow(subparsers) -> None:
                    help="profile the latest checkpoint of a trained run instead (repeatable)")
     p.add_argument("--json", action="store_true", help='print {"results": [...]} as JSON on stdout')
     p.add_argument("--plot", default=None, metavar="FILE", help="write a PNG of the profiles")
-    p.add_argument("--d-model", type=int, default=64,
+    p.add_argument("--d-model", type=int, default=None,
                    help="width at init: a multiple of 32 (heads of head_dim 32), or below 32 for one head of that "
-                        "(even) width; d_ff = 3 x width (default 64)")
+                        "(even) width; d_ff = 3 x width (default 64; not with --run)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences in the batch")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (default 64; with --run at most the run's model.max_seq_len)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initialisation and of the Lanczos start vectors")
     p.add_argument("--config", default=None,
                    help="config file or preset for data and init (default: demo). The data is found as keel train "

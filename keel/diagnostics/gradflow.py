@@ -424,22 +424,26 @@ def plot_profiles(results: list[dict], out: str | Path) -> None:
     save_figure(fig, out)
 
 
-def profile_runs(run_paths: Sequence[str | Path], seq_len: int, batch_size: int, jacobian_iters: int = 32,
+def profile_runs(run_paths: Sequence[str | Path], seq_len: int | None, batch_size: int, jacobian_iters: int = 32,
                  full_jacobian: bool = False, seed: int = 0) -> list[dict]:
     """:func:`profile_model` of the latest checkpoint of each run, on ``batch_size`` windows
-    of ``min(seq_len, max_seq_len)`` tokens of the run's validation split.
+    of ``seq_len`` tokens of the run's validation split (None: ``min(64, max_seq_len)``).
 
     Each result adds ``residual``, ``sublayers``, ``blocks``, ``d_model``, ``run``, ``label``
     and ``seconds`` (wall time). Each result is logged as it is ready: one line of a table
     (:data:`SUMMARY_HEADER`, logged with the first) at INFO level, logger ``keel.diagnostics.gradflow``.
-    Raises KeelError for a path that is not a run with a checkpoint.
+    Raises KeelError for a path that is not a run with a checkpoint, or a ``seq_len`` above
+    the run's ``model.max_seq_len`` (RoPE's cache: the model cannot read a longer window).
     """
     results = []
     for path in run_paths:
         t0 = time.perf_counter()
         run = Run(path)
-        model, cfg = run.load_model(device="cpu"), run.config
-        batch = _val_batch(run.data_dir(), min(seq_len, cfg.model.max_seq_len), batch_size)
+        cfg = run.config
+        if seq_len is not None and seq_len > cfg.model.max_seq_len:
+            raise KeelError(f"--seq-len {seq_len} is above model.max_seq_len = {cfg.model.max_seq_len} of {run.path}")
+        model = run.load_model(device="cpu")
+        batch = _val_batch(run.data_dir(), seq_len or min(64, cfg.model.max_seq_len), batch_size)
         model.train()
         r = {"residual": cfg.model.residual, "sublayers": cfg.model.n_sublayers, "blocks": cfg.model.n_layers,
              "d_model": cfg.model.d_model, "run": str(run.path), "label": f"{cfg.model.residual} d{cfg.model.d_model}"}

@@ -34,9 +34,9 @@ from keel.model import SCHEMES
 
 
 def cmd_gradflow(args: argparse.Namespace) -> int:
-    if args.batch_size < 1 or args.seq_len < 2:
+    if args.batch_size < 1 or (args.seq_len is not None and args.seq_len < 2):
         raise KeelError("--batch-size must be >= 1 and --seq-len >= 2")
-    if args.d_model < 2:
+    if args.d_model is not None and args.d_model < 2:
         raise KeelError("--d-model must be >= 2")
     if args.threads < 0:
         raise KeelError("--threads must be >= 0 (0 = torch's default)")
@@ -45,8 +45,11 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
     if args.jacobian_iters < 1:
         raise KeelError("--jacobian-iters must be >= 1")
     check_seed(args.seed)
-    if args.run and (args.residual is not None or args.sublayers is not None):
-        raise KeelError(f"--run takes the model from the run; drop --residual and {args.sublayers_flag}")
+    model_flags = {"--residual": args.residual is not None, args.sublayers_flag: args.sublayers is not None,
+                   "--d-model": args.d_model is not None, "--config": args.config is not None, "--set": bool(args.set)}
+    if args.run and any(model_flags.values()):  # they were ignored: the profile was of the run's model
+        given = ", ".join(k for k, v in model_flags.items() if v)
+        raise KeelError(f"--run takes the model and data from the run; drop {given}")
     common = dict(batch_size=args.batch_size, jacobian_iters=args.jacobian_iters, full_jacobian=args.full_jacobian,
                   seed=args.seed)  # the library logs the summary table (stderr) as each profile finishes
     if args.run:
@@ -55,7 +58,7 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
         schemes = _parse_schemes(args.residual if args.residual is not None else ",".join(SCHEMES))
         depths = _parse_layers(args.sublayers if args.sublayers is not None else G.DEFAULT_LAYERS, args.sublayers_flag)
         base = load_config(resolve_config_path(args.config), args.set)
-        results = G.profile_schemes(base, schemes, depths, args.d_model, args.seq_len, **common)
+        results = G.profile_schemes(base, schemes, depths, args.d_model or 64, args.seq_len or 64, **common)
     if args.json:
         print(json.dumps({"results": results}))
     if args.plot:
