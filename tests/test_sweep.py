@@ -236,6 +236,26 @@ def test_presets_build(preset):
 
 
 
+def test_match_params_with_an_auto_vocab_uses_the_vocabulary_known_before_the_data(tiny_data):
+    """--match-params with model.vocab_size "auto" (the demo config's) failed with a message naming
+    a Python API: the LM head is in the count, so the vocabulary is taken from data.path's
+    meta.json or bpe:N; a hub tokenizer, sized only once prepared, is one line naming the keys."""
+    from keel.data import read_meta
+    from keel.experiments.sweep import build_jobs
+
+    grid = {"model.n_layers": [2, 4]}
+    bpe = build_jobs(None, grid, ["data.tokenizer=bpe:1000"], match_params="auto")
+    assert [j.config["model"]["vocab_size"] for j in bpe] == [1024, 1024]  # 1000 rounded up to a multiple of 64
+    want = count_parameters(load_config(None, ["model.vocab_size=1024"]).model, non_embedding=True)
+    counts = [count_parameters(config_from_dict(j.config).model, non_embedding=True) for j in bpe]
+    assert all(abs(c / want - 1) < 0.1 for c in counts), (counts, want)
+    prepared = build_jobs(None, grid, [], match_params="auto", data_path=str(tiny_data))
+    assert {j.config["model"]["vocab_size"] for j in prepared} == {read_meta(tiny_data)["vocab_size"]} == {512}
+    with pytest.raises(KeelError, match=r"^--match-params needs the vocabulary size .* data.tokenizer 'gpt2' is sized "
+                                        r"only once prepared; set model.vocab_size or data.path$"):
+        build_jobs(None, grid, ["data.tokenizer=gpt2"], match_params=1_000_000)
+
+
 def test_sweep_table_with_a_blown_up_loss():
     """A final validation loss above ~709 nats made math.exp overflow (OverflowError) in the
     sweep report; the perplexity is now the trainer's capped one (inf)."""

@@ -60,7 +60,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from keel.config import Override, config_from_dict, load_config, parse_value, read_toml, resolve_config_path
+from keel.config import (Config, Override, config_from_dict, load_config, parse_value, read_toml, resolve_config_path,
+                         resolve_vocab_size)
+from keel.data import read_meta
 from keel.data.stats import dataset_unigram_entropy
 from keel.diagnostics.divergence import HEALTHY, Verdict, run_verdict
 from keel.errors import KeelError
@@ -231,6 +233,8 @@ def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[Overrid
     if match_params not in (None, 0, "0", ""):
         if "model.d_model" in grid or "model.d_ff" in grid:
             raise KeelError("--match-params sets model.d_model and model.d_ff; do not also sweep them")
+        base_sets.append(("model.vocab_size", _matched_vocab(base, data_path)))
+        base = load_config(cfg_path, base_sets)
         if match_params == "auto":
             target = count_parameters(base.model, non_embedding=True)
         else:
@@ -255,6 +259,25 @@ def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[Overrid
             shown["scheme_version"] = version
         jobs.append(GridJob(run_name(values) + (f"_v{version}" if version > 1 else ""), cfg.to_dict(), shown))
     return jobs
+
+
+def _matched_vocab(base: Config, data_path: str | None) -> int:
+    """``model.vocab_size`` for ``--match-params`` (the LM head counts in the target and in each
+    width): the config's number, or for ``"auto"`` the vocabulary known before any data is
+    prepared, the dataset's (``data_path``, ``data.path``) or ``bpe:N``'s N, rounded up as
+    :func:`keel.config.resolve_vocab_size` does. Raises KeelError when neither is known."""
+    if base.model.vocab_size != "auto":
+        return base.model.vocab_size
+    folder = data_path or base.data.path
+    if folder and (Path(folder) / "meta.json").is_file():
+        n = read_meta(folder)["vocab_size"]
+    elif re.fullmatch(r"bpe:\d+", base.data.tokenizer):
+        n = int(base.data.tokenizer[4:])
+    else:
+        raise KeelError('--match-params needs the vocabulary size (the LM head counts): model.vocab_size is "auto" and '
+                        f"data.tokenizer {base.data.tokenizer!r} is sized only once prepared; "
+                        "set model.vocab_size or data.path")
+    return resolve_vocab_size("auto", n, base.model.vocab_multiple)
 
 
 # ----------------------------------------------------------------------------- one run
