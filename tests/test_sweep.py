@@ -12,7 +12,7 @@ from keel.config import config_from_dict, load_config
 from keel.errors import KeelError
 from keel.experiments.grid import GridJob, run_grid
 from keel.experiments.presets import run_sweep
-from keel.experiments.sweep import (best_over, expand_grid, parse_grid, run_name,
+from keel.experiments.sweep import (best_over, expand_grid, held_fixed, parse_grid, run_name,
                                     width_for_params)
 from keel.model import SCHEMES, Transformer, count_parameters
 from keel.train.metrics import read_metrics
@@ -96,6 +96,9 @@ def test_sweep_tables_best_lr_and_cache(tiny_data, tmp_path, caplog):
         assert r["params"] == Transformer(load_config(out / r["name"] / "config.toml").model).num_params()
     assert s["held_fixed"]["tokens"] == 8 * 4 * 32 and s["held_fixed"]["steps"] == 8
     assert s["held_fixed"]["params"] == "varies"  # Keel has two norms per sub-layer, Pre-LN one
+    assert held_fixed([]) == {}  # no finished run: nothing is known to vary (it said "varies" for each)
+    one = {"planned_tokens": 8, "steps": 2, "params": 10}
+    assert held_fixed([one, {**one, "params": 11}]) == {"tokens": 8, "steps": 2, "params": "varies"}
     for scheme in ("keel", "pre_ln"):
         mine = [r for r in runs if r["values"]["model.residual"] == scheme]
         want = min(mine, key=lambda r: r["final_val_loss"])
@@ -268,3 +271,14 @@ def test_sweep_table_with_a_blown_up_loss():
                "best_over": "train.lr"}
     md = sweep_markdown(summary)
     assert "| 800.0000 | 9.0000 | inf |" in md
+
+
+def test_a_sweep_plan_names_its_schemes_depths_seeds_and_lrs(tmp_path):
+    """`keel sweep --dry-run` printed a row with blank schemes, sub-layers, seeds and LRs (a
+    sweep group declares none: they are its runs' values)."""
+    plan = run_sweep(None, {"model.n_layers": [2, 4], "model.residual": ["keel", "pre_ln"], "train.lr": [1e-3, 3e-3]},
+                     ["train.seed=7"], out=tmp_path / "s", dry_run=True)
+    (row,) = plan["plan"]
+    assert (row["runs"], row["schemes"], row["sublayers"], row["seeds"], row["lr_plan"]) == (
+        8, ["keel", "pre_ln"], [4, 8], [7], "0.001, 0.003")
+    assert "| sweep | 8 | keel, pre_ln | 4, 8 | 7 | 0.001, 0.003 |" in plan["markdown"]

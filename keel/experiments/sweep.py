@@ -375,12 +375,14 @@ def train_task(job: GridJob, run_dir: Path, resume: bool) -> dict:
 # ----------------------------------------------------------------------------- tables
 def held_fixed(runs: list[dict]) -> dict[str, Any]:
     """For tokens (planned), steps (planned) and parameters: the common value if every run
-    has the same one, else ``"varies"``. Equal-compute comparisons hold tokens fixed."""
+    has the same one, else ``"varies"``; left out where no run has one (none finished).
+    Equal-compute comparisons hold tokens fixed."""
     key = {"tokens": "planned_tokens", "steps": "steps", "params": "params"}
     out = {}
     for name in HELD_KEYS:
         vals = {r[key[name]] for r in runs if key[name] in r}
-        out[name] = vals.pop() if len(vals) == 1 else "varies"
+        if vals:
+            out[name] = vals.pop() if len(vals) == 1 else "varies"
     return out
 
 

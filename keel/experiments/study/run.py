@@ -321,18 +321,17 @@ def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: f
     the middle of its source's LR grid."""
     rows = []
     for g, refs, jobs in planned_jobs(study, data_dir, out):
-        flops = tokens = 0.0
-        per_run = []
-        for j in refs + jobs:
-            cfg = config_from_dict(j.config)
-            t = cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum
-            per_run.append(t)
-            tokens += t
-            flops += t * flops_per_token(cfg.model, cfg.train.seq_len)
+        cfgs = [config_from_dict(j.config) for j in refs + jobs]
+        per_run = [c.train.steps * c.train.batch_size * c.train.seq_len * c.train.grad_accum for c in cfgs]
+        flops = sum(t * flops_per_token(c.model, c.train.seq_len) for t, c in zip(per_run, cfgs))
+        seen = {k: list(dict.fromkeys(get(c) for c in cfgs[len(refs):])) for k, get in (  # a sweep's: its runs' values
+            ("residual", lambda c: c.model.residual), ("n_sublayers", lambda c: c.model.n_sublayers),
+            ("seed", lambda c: c.train.seed), ("lr", lambda c: c.train.lr))}
         rows.append({"group": g.name, "kind": g.kind, "runs": len(jobs), "references": len(refs),
-                     "schemes": g.schemes, "sublayers": g.sublayers, "seeds": g.seeds,
-                     "lrs": list(g.lrs) if g.kind == "train" and not g.lr_from else [], "lr_plan": lr_plan_words(g),
-                     "tokens_per_run": sorted(set(per_run)), "tokens": tokens, "flops": flops,
+                     "schemes": g.schemes or seen["residual"], "sublayers": g.sublayers or seen["n_sublayers"],
+                     "seeds": g.seeds or seen["seed"], "lrs": list(g.lrs) if g.kind == "train" and not g.lr_from else [],
+                     "lr_plan": lr_plan_words(g) or ", ".join(f"{x:g}" for x in seen["lr"]),
+                     "tokens_per_run": sorted(set(per_run)), "tokens": sum(per_run), "flops": flops,
                      "gpu_hours": flops / (mfu * peak_tflops * 1e12) / 3600})
     return rows
 
