@@ -149,4 +149,19 @@ def test_export_hint_names_the_folder(run_dir, tmp_path, capsys):
     out = tmp_path / "exported"
     assert main(["export-hf", "--run", str(run_dir), "--out", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].startswith(f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
+    assert lines[1] == (f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True), or "
+                        "after `import keel.hf` without trust_remote_code")
+
+
+def test_export_hint_of_a_pre_ln_run_says_it_is_a_stock_llama(tiny_data, tmp_path, capsys):
+    """A pre_ln export is a LlamaForCausalLM: the hint said trust_remote_code=True was needed."""
+    from keel.train import train
+
+    run, out = tmp_path / "run", tmp_path / "exported"
+    train(load_config(REPO / "keel" / "configs" / "demo.toml",
+                      tiny_overrides(tiny_data, steps=2, eval_every=2) + ["model.residual=pre_ln"]), run)
+    assert main(["export-hf", "--run", str(run), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}): a stock Llama model, no keel or "
+        "trust_remote_code needed")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]

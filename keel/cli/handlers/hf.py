@@ -10,6 +10,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
 
 from keel.hf.convert import export_hf, import_hf
 
@@ -17,8 +18,12 @@ from keel.hf.convert import export_hf, import_hf
 def cmd_export_hf(args: argparse.Namespace) -> int:
     out = export_hf(args.run, args.out)
     print(f"exported {args.run} -> {out}")
-    print(f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True), or after "
-          "`import keel.hf` without trust_remote_code (a pre_ln export is a plain Llama model)")
+    if json.loads((out / "config.json").read_text())["model_type"] == "llama":  # a pre_ln run
+        print(f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}): a stock Llama model, "
+              "no keel or trust_remote_code needed")
+    else:
+        print(f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True), or after "
+              "`import keel.hf` without trust_remote_code")
     return 0
 
 
