@@ -189,6 +189,13 @@ def test_keel_runs_table_and_json(tiny_data, tmp_path, capsys):
         (root / name / "config.toml").write_bytes(text)
     assert main(["runs", str(root), "--json"]) == 0
     assert [r["run"] for r in json.loads(capsys.readouterr().out)] == [str(root / "a")]
+    # a run stopped before its first metrics (config.toml only) is listed as new (it was left out)
+    (root / "d").mkdir()
+    (root / "d" / "config.toml").write_text((root / "a" / "config.toml").read_text())
+    assert main(["runs", str(root), "--json"]) == 0
+    rows = {r["run"]: r for r in json.loads(capsys.readouterr().out)}
+    assert list(rows) == [str(root / "a"), str(root / "d")]
+    assert (rows[str(root / "d")]["status"], rows[str(root / "d")]["step"]) == ("new", None)
 
 
 @pytest.mark.spawns

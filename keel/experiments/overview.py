@@ -72,14 +72,13 @@ def run_row(run: Run) -> dict:
 
 
 def find_runs(root: str | Path) -> list[Path]:
-    """Run folders (holding ``config.toml`` and ``metrics.jsonl`` or ``checkpoints/``) at or
-    under ``root``, sorted by name. Raises KeelError if ``root`` is not a folder."""
+    """Run folders (holding a ``config.toml``; a run stopped before its first metrics, e.g. in
+    its step-0 evaluation, is one: status ``new``) at or under ``root``, sorted by name. Raises
+    KeelError if ``root`` is not a folder."""
     root = Path(root)
     if not root.is_dir():
         raise KeelError(f"not a folder: {root}")
-    found = [p.parent for p in root.rglob("config.toml")
-             if (p.parent / "metrics.jsonl").exists() or (p.parent / "checkpoints").is_dir()]
-    return sorted(set(found))
+    return sorted({p.parent for p in root.rglob("config.toml")})
 
 
 def runs_overview(root: str | Path = "runs") -> list[dict]:
