@@ -118,3 +118,26 @@ def test_a_run_that_stored_relative_data_paths_still_resumes(tmp_path, monkeypat
     new.data.source = str(tmp_path)  # another folder is still another source
     with pytest.raises(KeelError, match="data.source"):
         check_config_changes({"step": 1, "config": old}, new, tmp_path / "run")
+
+
+def test_a_run_given_a_prepared_dataset_records_how_it_was_made(tiny_data, tmp_path, one_thread):
+    """With data.path set, config.toml recorded the unread defaults (tokenizer = "bpe:8192" for a
+    512-token dataset); it now records the dataset's meta.json, and a run that stored the
+    defaults still resumes (how a given dataset was made is not compared)."""
+    from conftest import REPO, tiny_overrides
+    from keel.config import Config, load_config
+    from keel.data import read_meta
+    from keel.train import train
+    from keel.train.resume import check_config_changes
+
+    meta = read_meta(tiny_data)
+    run = tmp_path / "run"
+    train(load_config(REPO / "keel" / "configs" / "demo.toml", tiny_overrides(tiny_data, steps=2, eval_every=2)), run)
+    data = load_config(run / "config.toml", stored=True).data
+    assert (data.tokenizer, data.source, data.max_bytes, data.val_fraction, data.path) == (
+        meta["tokenizer"], meta["source"], meta["max_bytes"] or 0, meta["val_fraction"], str(tiny_data))
+    assert data.tokenizer != Config().data.tokenizer  # the fixture's is not the default: the test can fail
+    stored = load_config(run / "config.toml", stored=True)
+    old = stored.to_dict()  # an older run given the same dataset: the data defaults stored
+    old["data"] = {**Config().to_dict()["data"], "path": str(tiny_data)}
+    assert check_config_changes({"step": 1, "config": old}, stored, run) == {}

@@ -116,11 +116,13 @@ def test_old_checkpoint_with_a_scheduler_entry_resumes_exactly(tiny_reference_ru
     (["train.stop_on_divergence=true"], "train.stop_on_divergence"),
     (["train.gradflow_every=2"], "train.gradflow_every"),
     (["train.eval_tasks='keel_python_completion'", "train.eval_tasks_every=2"], "train.eval_tasks"),
-    (["train.divergence_reference='runs/ref'"], "train.divergence_reference"),
+    (["train.divergence_reference='{ref}'"], "train.divergence_reference"),
 ])
 def test_low_level_train_refuses_keys_it_cannot_honour(settings, key, tiny_data, tmp_path):
     """These keys were silently ignored by keel.train.train without the experiments layer."""
-    cfg = cfg_for(tiny_data, *settings)
+    (tmp_path / "ref").mkdir()  # a reference run's curve (its callback reads it when it is made)
+    (tmp_path / "ref" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0, "lr": 1e-3}) + "\n")
+    cfg = cfg_for(tiny_data, *[s.format(ref=tmp_path / "ref") for s in settings])
     with pytest.raises(KeelError) as e:
         train(cfg, tmp_path / "r")
     assert key in str(e.value) and "keel.train_run" in str(e.value) and "\n" not in str(e.value)

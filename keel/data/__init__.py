@@ -4,7 +4,8 @@
   ``val.bin``, ``meta.json``) from a source string, with caching.
 * :func:`resolve_data` finds (or prepares) the dataset a config's ``[data]`` names;
   :func:`find_data` only finds it, :func:`check_data` only checks what it names;
-  :func:`absolute_data_paths` anchors its local paths (what a run stores).
+  :func:`absolute_data_paths` anchors its local paths (what a run stores); :func:`prepared_from`
+  reads how a given dataset was made.
 * :class:`TokenLoader` and :func:`validation_tokens` read it back as ``int64`` tensors;
   :func:`split_windows` is the one rule that cuts token sequences into windows.
 * :func:`iter_documents`, :func:`write_shard`/:func:`read_shard`, :func:`load_tokenizer` and
@@ -17,6 +18,7 @@ from keel.data.loader import (
     check_data,
     find_data,
     load_tokenizer,
+    prepared_from,
     read_meta,
     resolve_data,
     split_windows,
@@ -30,6 +32,7 @@ __all__ = [
     "prepare_dataset",
     "resolve_data",
     "absolute_data_paths",
+    "prepared_from",
     "check_data",
     "find_data",
     "split_windows",

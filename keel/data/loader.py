@@ -264,6 +264,19 @@ def absolute_data_paths(data: dict) -> dict:
     return out
 
 
+def prepared_from(meta: dict) -> dict:
+    """The ``[data]`` keys a prepared dataset was made with, read from its ``meta.json``:
+    ``source``, ``tokenizer``, ``val_fraction``, ``max_bytes`` (None: 0, no limit) and
+    ``text_field``, each where the meta holds a usable value. A run given ``data.path`` stores
+    these in its config rather than the defaults of keys it never read."""
+    out = {k: meta[k] for k in ("source", "tokenizer", "text_field") if isinstance(meta.get(k), str) and meta[k]}
+    if isinstance(meta.get("val_fraction"), float) and 0 < meta["val_fraction"] < 1:
+        out["val_fraction"] = meta["val_fraction"]
+    if "max_bytes" in meta and (meta["max_bytes"] is None or isinstance(meta["max_bytes"], int)):
+        out["max_bytes"] = meta["max_bytes"] or 0
+    return out
+
+
 def resolve_data(cfg, progress: bool = True) -> Path:
     """The prepared dataset folder a config's ``[data]`` section names: ``data.path`` if set
     (checked to be a prepared dataset), else prepared from ``data.source`` and

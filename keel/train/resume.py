@@ -59,17 +59,24 @@ def _flat(d: dict) -> dict:
     return {current_key(f"{s}.{k}"): v for s, keys in d.items() for k, v in keys.items()}
 
 
+_WHERE = ("data.path", "data.cache_dir")  # where the dataset lies; the other data keys say how it is made
+
+
 def config_changes(old: dict, new: Config) -> dict[str, dict]:
     """``{"section.key": {"old": a, "new": b}}`` for every key that differs between the saved
     config dict ``old`` (as :meth:`Config.to_dict` gives; missing keys take their defaults)
     and ``new``. Local data paths are compared absolute (:func:`keel.data.absolute_data_paths`, as
     the trainer stores them; a run from before that stored them as given, relative to the folder
-    it was started from)."""
+    it was started from). With ``data.path`` on both sides the keys that say how a dataset is made
+    (``data.source``, ``data.tokenizer``, ...) are not compared: neither side read them (the run
+    stores the dataset's own, :func:`keel.data.prepared_from`; an older one stored the defaults),
+    and the data loader's state checks that the tokens are the same."""
     before = _flat(_anchored(Config().to_dict()))
     before.update(_flat(_anchored(old)))
     after = _flat(_anchored(new.to_dict()))
+    given = before.get("data.path") and after.get("data.path")  # how it was made: its meta's (older runs: defaults)
     return {k: {"old": before.get(k), "new": after.get(k)} for k in sorted(set(before) | set(after))
-            if before.get(k) != after.get(k)}
+            if before.get(k) != after.get(k) and not (given and k.startswith("data.") and k not in _WHERE)}
 
 
 def _anchored(config: dict) -> dict:

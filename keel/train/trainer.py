@@ -61,7 +61,8 @@ from typing import Sequence
 import torch
 
 from keel.config import Config, checked_copy, dump_config, resolve_vocab_size
-from keel.data import TokenLoader, absolute_data_paths, load_tokenizer, read_meta, resolve_data, validation_tokens
+from keel.data import (TokenLoader, absolute_data_paths, load_tokenizer, prepared_from, read_meta, resolve_data,
+                       validation_tokens)
 from keel.errors import KeelError
 from keel.io import RunLock, atomic_path, atomic_write_text, disk_errors, write_failure
 from keel.model import Transformer, check_model_config, flops_per_token, get_scheme, ignored_keys
@@ -264,6 +265,8 @@ class Trainer:
         self.data_dir = Path(D.decide_on_rank0(
             lambda: str(resolve_data(self.cfg, progress=self.tc.progress and interactive())), self.info))
         self.meta = read_meta(self.data_dir)
+        if self.cfg.data.path:  # the dataset is given: its config records how it was made, not unread defaults
+            self.cfg.data = replace(self.cfg.data, **absolute_data_paths(prepared_from(self.meta)))
         vocab = resolve_vocab_size(self.cfg.model.vocab_size, self.meta["vocab_size"], self.cfg.model.vocab_multiple)
         if self.cfg.model.vocab_size == "auto" and self.main:
             log.info("model.vocab_size = \"auto\": %d (tokenizer: %d ids, rounded up to a multiple of %d)",
