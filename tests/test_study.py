@@ -11,7 +11,7 @@ import pytest
 
 from keel.errors import KeelError
 from keel.experiments.study import claims as SC, records as SRec, report as SR, run as SRun, spec as SS, verdicts as SV
-from keel.experiments.study.cells import direction, lrs
+from keel.experiments.study.cells import direction, lrs, short
 from keel.experiments.grid import GridJob, _check_same_config
 from keel.config import Config, preset_names
 from keel.train.metrics import read_metrics
@@ -450,6 +450,14 @@ def test_a_depths_margin_is_said_in_words_not_as_a_verdict(diffs, words):
     """A depth's row said "not reproduced" where the shallow depth merely favoured the baseline;
     two tiny negative margins (inside the 0.02 floor) read "pre_ln better"."""
     assert direction(SV.paired_verdict(diffs, 0.02, 3), "keel", "pre_ln") == words
+
+
+@pytest.mark.parametrize("diffs, words", [
+    ({}, "no paired seed yet"), ({0: None, 1: None}, "no finite paired difference (2 seeds without a loss on a side)"),
+    ({0: None}, "no finite paired difference (1 seed without a loss on a side)"), ({0: 0.5}, "+0.500, 1 seed")])
+def test_a_margin_without_a_finite_difference_says_why(diffs, words):
+    """Both seeds finished but censored (no loss on a side) read "no paired seed yet"."""
+    assert short(SV.paired_verdict(diffs, 0.02, 3)) == words
 
 
 def test_the_report_states_which_rule_each_claim_follows():

@@ -29,9 +29,12 @@ def parts(c: dict) -> str:
 
 
 def short(v: dict) -> str:
-    """``+1.115 [90% CI +1.01, +1.22], 3 seeds`` of a :func:`paired_verdict` dict."""
+    """``+1.115 [90% CI +1.01, +1.22], 3 seeds`` of a :func:`paired_verdict` dict; without a
+    finite difference, why: no seed finished on both sides yet, or each paired seed lacks a loss."""
     if v.get("mean") is None:
-        return "no paired seed yet"
+        k = len(v.get("diffs") or {})
+        return f"no finite paired difference ({k} seed{'s' if k > 1 else ''} without a loss on a side)" if k \
+            else "no paired seed yet"
     if v.get("lo") is None:
         return f"{v['mean']:+.3f}, {v['n']} seed"
     ci = round(100 * (2 * v.get("level", 0.95) - 1))
