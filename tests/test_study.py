@@ -237,6 +237,30 @@ def test_a_cell_with_its_optimum_on_an_edge_is_widened():
     assert SRun.widened_lrs(st, g, [dict(r, status="pending") for r in recs], planned, planned) is None
 
 
+def test_an_lr_widened_from_runs_already_finished_trains_in_the_first_training_pass():
+    """The study trained a whole pass of the group before widening from runs it had on disk or
+    restored (the 256-sub-layer keel cell's 1e-3 waited behind 15 other runs): the first passes
+    only read, so the widened LR is in the first pass that trains, in the group's order."""
+    g = SS.Group("g", ["keel", "pre_ln"], [16], [0, 1], lrs=[1e-3, 3e-3, 1e-2])
+    st = study(groups=[g], claims=[{"id": "b", "test": "margin_grows", "groups": ["g"], "scheme": "keel",
+                                    "baseline": "pre_ln"}])
+    finished = {(r["scheme"], r["lr"], r["seed"]): r for r in _margin_runs({16: {0: 0.1, 1: 0.1}})}
+    calls = []
+
+    def read(refs, jobs, now):
+        calls.append((now, sorted({(j.values["model.residual"], f'{j.values["train.lr"]:.3g}') for j in jobs})))
+        key = [(j.values["model.residual"], j.values["train.lr"], j.values["train.seed"]) for j in jobs]
+        return [finished.get(k) or run("g", k[0], 16, k[2], k[1], 9.0, status="done" if now else "pending")
+                for k in key]
+
+    refs, jobs, recs = SRun.group_records(st, g, [], "<data>", Path("unused"), read)
+    lrs = [(s, lr) for s in ("keel", "pre_ln") for lr in ("0.001", "0.003", "0.01")]
+    wide = sorted(lrs + [("pre_ln", "0.000333")])  # pre_ln's best is its lowest LR: one step below it
+    assert [c[0] for c in calls] == [False, False, True]  # read, read again widened, then train once
+    assert calls[0][1] == sorted(lrs) and calls[1][1] == calls[2][1] == wide
+    assert len(jobs) == 14 and all(r["status"] == "done" for r in recs)
+
+
 def test_thinned_curve_keeps_a_redrawable_curve():
     recs = [{"step": i, "loss": 6.0 - i / 100, "lr": 1e-3} for i in range(1, 1001)]
     recs += [{"step": 500, "val_loss": 4.0}, {"step": 1000, "val_loss": 3.5}, {"step": 7, "loss": None}]

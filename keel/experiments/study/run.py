@@ -117,19 +117,21 @@ def widened_lrs(study: Study, g: Group, recs: list[dict], lr_for: dict[tuple[str
 def group_records(study: Study, g: Group, runs: list[dict], data_dir: str, out: Path, read
                   ) -> tuple[list[GridJob], list[GridJob], list[dict]] | None:
     """(reference jobs, jobs, run records) of group ``g``, its LRs widened until every optimum a
-    claim reads is bracketed (:func:`widened_lrs`): ``read(refs, jobs)`` trains or only reads the
-    jobs and returns their records. None: an ``lr_from`` group whose source has not finished."""
+    claim reads is bracketed (:func:`widened_lrs`): ``read(refs, jobs, train)`` trains (``train``)
+    or only reads the jobs and returns their records. The first passes only read, so that an LR
+    widened from runs already finished (restored, say) trains in the same pass as the rest, in the
+    group's order, not after it. None: an ``lr_from`` group whose source has not finished."""
     lr_for = initial_lrs(study, g, runs) if g.kind == "train" else None
     if g.kind == "train" and lr_for is None:
         return None
-    planned = dict(lr_for or {})
+    planned, trained = dict(lr_for or {}), False
     while True:
         refs, jobs = group_jobs(study, g, data_dir, out, lr_for)
-        recs = read(refs, jobs)
+        recs = read(refs, jobs, trained)
         wider = widened_lrs(study, g, recs, lr_for, planned) if lr_for is not None else None
-        if wider is None:
+        if wider is None and trained:
             return refs, jobs, recs
-        lr_for = wider
+        lr_for, trained = wider or lr_for, trained or wider is None
 
 
 def transferred_lrs(runs: list[dict], g: Group) -> dict[str, float] | None:
@@ -176,9 +178,9 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[st
     for g in study.groups:
         trains = train is True or (bool(train) and g.name in train)
 
-        def read(refs, jobs, g=g, trains=trains):
-            recs = _train_and_read(g, refs, jobs, out, restored, trains, grid)
-            if superseded is not None:  # kept in the report (out of every verdict), so that nothing measured is lost
+        def read(refs, jobs, now, g=g, trains=trains):
+            recs = _train_and_read(g, refs, jobs, out, restored, trains and now, grid)
+            if superseded is not None and now:  # kept in the report (out of every verdict): nothing measured is lost
                 stale = superseded_runs(g, jobs, restored, out / g.dir_name)
                 superseded.extend({**restored[(g.name, old)], "status": "superseded"} for old in stale
                                   if (g.name, old) in restored)
@@ -296,9 +298,8 @@ def planned_jobs(study: Study, data_dir: str, out: Path, restored: dict[tuple[st
     widened where the restored runs put an optimum on an edge. Raises KeelError on a bad config."""
     restored = restored or {}
     planned, runs = [], []
-
     for g in study.groups:
-        def read(refs, jobs, g=g):
+        def read(refs, jobs, now, g=g):  # nothing trains: every pass only reads
             olds = [restored_record(g, j, restored[(g.name, j.name)]) if (g.name, j.name) in restored else None
                     for j in jobs]
             return [o if o is not None else run_record(g, j, Path(), None) for j, o in zip(jobs, olds)]
