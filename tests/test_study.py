@@ -795,6 +795,13 @@ def test_interrupted_run_without_checkpoint_trains_again(tiny_config, tmp_path, 
     assert any("no intact checkpoint to resume from" in r.getMessage() for r in caplog.records)  # logged
     assert out["note"] == "trained again from step 0: it had no intact checkpoint"  # on the grid's progress line
     assert "note" not in train_task(GridJob("run", cfg.to_dict()), run_dir, True)  # finished: nothing restarted
+    fresh = tmp_path / "never-started"  # a resumed grid's job that never started: trained, not "trained again"
+    fresh.mkdir()
+    with caplog.at_level("INFO", logger="keel"):
+        caplog.clear()
+        out = train_task(GridJob("fresh", cfg.to_dict()), fresh, True)
+    assert out["step"] == 6 and "note" not in out
+    assert not any("no intact checkpoint" in r.getMessage() for r in caplog.records)
 
 
 def test_grid_worker_dies_with_its_parent(tmp_path):

@@ -356,12 +356,13 @@ def train_task(job: GridJob, run_dir: Path, resume: bool) -> dict:
     t0 = time.perf_counter()
     cfg = config_from_dict(job.config)
     stopped = None
+    started = resume and (run_dir / "metrics.jsonl").is_file()  # a grid's --resume also reaches runs never started
     # interrupted before its first intact checkpoint: nothing to continue, train it again from step 0
-    restart = resume and find_intact_checkpoint(run_dir)[0] is None
+    restart = started and find_intact_checkpoint(run_dir)[0] is None
     if restart:
         _log.info("no intact checkpoint to resume from: training this run again from step 0")
     try:
-        train_run(cfg, run_dir, resume=resume and not restart, restart=restart)
+        train_run(cfg, run_dir, resume=started and not restart, restart=restart)
     except TrainingStopped as e:
         stopped = str(e)
         _log.info(f"stopped: {e}")
