@@ -126,8 +126,15 @@ def test_cached_runs_are_skipped_and_interrupted_ones_resumed(tiny_data, one_wor
     other = out.parent / "other-grid" / "some-run"  # a folder with a finished run, none of this grid's
     other.mkdir(parents=True)
     (other / RESULT_FILE).write_text("{}")
-    with pytest.raises(KeelError, match="no finished run of this stress test"):
+    with pytest.raises(KeelError, match="no finished run of this stress test: nothing to report; check --out and"):
         grid(tiny_data, other.parent, report_only=True)
+    # other schemes than the folder's runs: the message gives the command that started it
+    marker = json.loads((out / "study.json").read_text())
+    (out / "study.json").write_text(json.dumps({**marker, "command": "keel stress --residual pre_ln,post_ln"}))
+    with pytest.raises(KeelError, match=r"no finished run of this stress test: nothing to report; its runs are of "
+                                        r"`keel stress --residual pre_ln,post_ln`: give those grid flags$"):
+        grid(tiny_data, out, schemes=["keel"], report_only=True)
+    (out / "study.json").write_text(json.dumps(marker))
 
 
 def _r(scheme, L, lr):

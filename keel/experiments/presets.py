@@ -101,7 +101,12 @@ def _require_finished(out: Path, names: Sequence[str], what: str) -> list[str]:
     check_reportable(out)
     done = [n for n in names if cached_result(out / n) is not None]
     if names and not done:
-        raise KeelError(f"{out} holds no finished run of this {what}: nothing to report; check --out and the grid flags")
+        try:  # the command that started out: its grid flags are the ones to give
+            started = json.loads((out / "study.json").read_text(encoding="utf-8"))["command"]
+        except (OSError, ValueError, KeyError, TypeError):
+            started = ""
+        hint = f"its runs are of `{started}`: give those grid flags" if started else "check --out and the grid flags"
+        raise KeelError(f"{out} holds no finished run of this {what}: nothing to report; {hint}")
     return done
 
 
