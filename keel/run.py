@@ -8,6 +8,7 @@ its trained model. The layout of a run directory is documented in
 
 from __future__ import annotations
 
+import hashlib
 from functools import cached_property
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 from keel.config import Config, load_config
-from keel.data import resolve_data
+from keel.data import read_meta, resolve_data
 from keel.errors import KeelError
 from keel.model import Transformer
 from keel.train.checkpoint import find_intact_checkpoint, latest_checkpoint, list_checkpoints, load_trainer_state, \
@@ -86,8 +87,16 @@ class Run:
     def data_dir(self) -> Path:
         """The prepared dataset the run was trained on (``data.path``, or the cached dataset
         of ``data.source`` + ``data.tokenizer``, prepared again if the cache was removed).
-        Raises KeelError if it cannot be found or prepared."""
-        return resolve_data(self.config, progress=False)
+        Raises KeelError if it cannot be found or prepared, or if it was prepared with another
+        tokenizer than the run's own ``tokenizer.json`` (``meta.json``'s ``tokenizer_sha256``: e.g.
+        ``keel prepare --out`` over the folder since), whose ids would mean other text to the model."""
+        data = resolve_data(self.config, progress=False)
+        own, want = self.path / "tokenizer.json", read_meta(data).get("tokenizer_sha256")
+        if want and own.is_file() and hashlib.sha256(own.read_bytes()).hexdigest() != want:
+            raise KeelError(f"dataset {data} was prepared with another tokenizer than run {self.path} trained with "
+                            "(tokenizer.json differs): its token ids are other text to this model; prepare the run's "
+                            "dataset again")
+        return data
 
     def load_model(self, device: str | torch.device = "cpu", checkpoint: str | Path | None = None):
         """The trained :class:`keel.model.Transformer`, in eval mode on ``device``.

@@ -141,3 +141,31 @@ def test_a_run_given_a_prepared_dataset_records_how_it_was_made(tiny_data, tmp_p
     old = stored.to_dict()  # an older run given the same dataset: the data defaults stored
     old["data"] = {**Config().to_dict()["data"], "path": str(tiny_data)}
     assert check_config_changes({"step": 1, "config": old}, stored, run) == {}
+
+
+def test_a_dataset_prepared_again_with_another_tokenizer_is_refused(tiny_data, tmp_path, keel_main, one_thread):
+    """`keel prepare --out` over a run's dataset with another tokenizer: `keel eval --run` scored the
+    new ids with the old model (6.76 nats against the run's 3.43), without a word. The dataset's
+    meta.json records its tokenizer's sha256; the run keeps its own tokenizer.json."""
+    import hashlib
+    import json
+    import shutil
+
+    from conftest import REPO, tiny_overrides
+    from keel.config import load_config
+    from keel.train import train
+
+    data, run = tmp_path / "data", tmp_path / "run"
+    shutil.copytree(tiny_data, data)
+    train(load_config(REPO / "keel" / "configs" / "demo.toml", tiny_overrides(data, steps=2, eval_every=2)), run)
+    assert keel_main("eval", "--run", run, "--max-tokens", "256").returncode == 0
+    tok = json.loads((data / "tokenizer.json").read_text())  # another tokenizer: one merge fewer
+    tok["model"]["merges"] = tok["model"]["merges"][:-1]
+    (data / "tokenizer.json").write_text(json.dumps(tok))
+    meta = json.loads((data / "meta.json").read_text())
+    meta["tokenizer_sha256"] = hashlib.sha256((data / "tokenizer.json").read_bytes()).hexdigest()
+    (data / "meta.json").write_text(json.dumps(meta))
+    r = keel_main("eval", "--run", run, "--max-tokens", "256")
+    assert r.returncode == 2 and r.stderr == (
+        f"keel: error: dataset {data} was prepared with another tokenizer than run {run} trained with (tokenizer.json "
+        "differs): its token ids are other text to this model; prepare the run's dataset again\n")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from keel.cli.handlers import check_counts
 from keel.config import load_config
-from keel.data import find_data, resolve_data
+from keel.data import find_data
 from keel.data.prepare import EOS_TOKEN
 from keel.data.text import read_text_file
 from keel.errors import KeelError
@@ -51,8 +51,8 @@ def _held_out_dataset(args, cfg):
     if cfg is None:
         return None, f"no {KEEL_CONFIG} in {args.hf}"
 
-    if args.run:
-        return resolve_data(cfg, progress=False), ""
+    if args.run:  # the run's loader: refuses a dataset prepared since with another tokenizer
+        return Run(args.run).data_dir(), ""
     found = find_data(cfg)
     d = cfg.data
     where = f"data.path {d.path}" if d.path else f"data.source {d.source} under data.cache_dir {d.cache_dir}"
