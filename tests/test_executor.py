@@ -8,6 +8,7 @@ import json
 import shlex
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -105,6 +106,19 @@ def test_bad_executor_flags_are_one_line_errors(args, match, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0 and re.search(match, err), err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.skipif(shutil.which("sbatch") is not None, reason="Slurm is installed here")
+def test_executor_slurm_without_slurm_is_one_line_and_writes_nothing(tmp_path, capsys):
+    """submitit's `Could not detect "srun"` traceback came after study.json and grid.json were written."""
+    from keel.cli import main
+
+    assert main(["sweep", "--grid", "train.lr=1e-3", "--out", str(tmp_path / "o"), "--executor", "slurm"]) == 2
+    assert capsys.readouterr().err == ("keel: error: --executor slurm needs Slurm (sbatch is not on PATH here); run on a "
+                                       "Slurm login node, or use --executor local or submitit-local\n")
+    assert not (tmp_path / "o").exists()
+    assert main(["sweep", "--grid", "train.lr=1e-3", "--out", str(tmp_path / "o"), "--executor", "slurm",
+                 "--dry-run"]) == 0  # planning needs no Slurm
 
 
 # ---------------------------------------------------------------- submitit's local executor

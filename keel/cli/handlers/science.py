@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -258,9 +259,15 @@ def executor_of(args: argparse.Namespace) -> Executor:
     """The grid commands' ``--executor``, ``--slurm``, ``--gpus-per-run`` and ``--share-gpus``.
 
     Raises:
-        KeelError: a bad ``--slurm`` item or value, ``--slurm`` without ``--executor slurm``, ``--gpus-per-run < 1``.
+        KeelError: a bad ``--slurm`` item or value, ``--slurm`` without ``--executor slurm``, ``--gpus-per-run < 1``;
+            ``--executor slurm`` (not ``--dry-run``) where Slurm's ``sbatch`` is not on PATH (submitit's
+            traceback came after the output folder was written).
     """
-    return Executor(args.executor, parse_slurm(args.slurm), args.gpus_per_run, args.share_gpus)
+    ex = Executor(args.executor, parse_slurm(args.slurm), args.gpus_per_run, args.share_gpus)
+    if ex.kind == "slurm" and not getattr(args, "dry_run", False) and shutil.which("sbatch") is None:
+        raise KeelError("--executor slurm needs Slurm (sbatch is not on PATH here); run on a Slurm login node, "
+                        "or use --executor local or submitit-local")
+    return ex
 
 
 def _check_resume_target(resume: bool, out) -> None:
