@@ -68,6 +68,19 @@ def test_restart_flag(cli_run, tmp_path, capsys):
     assert "validation loss at step 4" in out and "resumed" not in out
 
 
+def test_run_dir_restart_trains_the_run_there_with_its_own_config(cli_run, tmp_path, capsys):
+    """`keel train --run-dir DIR --restart` retrained DIR as the default demo (keel, width 128,
+    bpe:8192), not the run that was there; --config still picks another config on purpose."""
+    run = tmp_path / "r"
+    shutil.copytree(cli_run, run)
+    before = load_config(run / "config.toml", stored=True)
+    assert before.model.d_model != load_config(REPO / "keel" / "configs" / "demo.toml").model.d_model
+    assert main(["train", "--run-dir", str(run), "--restart", "--set", "train.steps=2"]) == 0
+    after = load_config(run / "config.toml", stored=True)
+    assert after.model == before.model and after.data == before.data and after.train.steps == 2
+    assert "validation loss at step 2" in capsys.readouterr().out
+
+
 def test_prepare_defaults_match_the_demo_config(tmp_path, monkeypatch, capsys):
     """`keel prepare --source builtin:python-stdlib` built a second dataset (val_fraction 0.01 vs 0.05)."""
     from keel.cli import build_parser

@@ -33,8 +33,9 @@ def register(sub) -> None:
     pt.add_argument("--resume", default=None, metavar="DIR",
                     help="continue the run in DIR from its newest intact checkpoint")
     pt.add_argument("--restart", action="store_true",
-                    help="with --resume DIR or --run-dir DIR: train the run there again from step 0, deleting its "
-                         "metrics and checkpoints (a run with history is otherwise never restarted)")
+                    help="with --resume DIR or --run-dir DIR: train the run there again from step 0 with its own "
+                         "config.toml (--run-dir with --config: that config), deleting its metrics and checkpoints "
+                         "(a run with history is otherwise never restarted)")
     pt.add_argument("--nproc", type=int, default=None, metavar="N",
                     help="train with N processes on this machine (launches torchrun; "
                          "train.parallelism picks ddp or fsdp; train.batch_size is the global batch)")

@@ -233,6 +233,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.config:
             raise KeelError("--resume takes the run's own config.toml; use --set to change keys")
         cfg = load_config(run_dir / "config.toml", args.set, stored=True)  # keel wrote it: no rename notes
+    elif args.restart and not args.config and (Path(args.run_dir) / "config.toml").is_file():
+        run_dir = Path(args.run_dir)  # the run there, again from step 0: its own config (it trained the demo)
+        cfg = load_config(run_dir / "config.toml", args.set, stored=True)
     else:
         cfg = load_config(resolve_config_path(args.config), args.set)
         run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
