@@ -79,6 +79,7 @@ from keel.train.progress import interactive
 _log = logging.getLogger(__name__)  # the summary table, one line per finished profile
 
 DEFAULT_LAYERS = "16,64"
+DEFAULT_WIDTH = DEFAULT_SEQ_LEN = 64  # --d-model of the init-mode models; --seq-len (a run: at most its max)
 # The head width of the init-mode models (``--d-model``): a multiple of it, or one head below it.
 HEAD_DIM = 32
 # From this depth on a profile takes minutes or more on a CPU: say what is running before it starts.
@@ -427,7 +428,7 @@ def plot_profiles(results: list[dict], out: str | Path) -> None:
 def profile_runs(run_paths: Sequence[str | Path], seq_len: int | None, batch_size: int, jacobian_iters: int = 32,
                  full_jacobian: bool = False, seed: int = 0) -> list[dict]:
     """:func:`profile_model` of the latest checkpoint of each run, on ``batch_size`` windows
-    of ``seq_len`` tokens of the run's validation split (None: ``min(64, max_seq_len)``).
+    of ``seq_len`` tokens of the run's validation split (None: ``min(DEFAULT_SEQ_LEN, max_seq_len)``).
 
     Each result adds ``residual``, ``sublayers``, ``blocks``, ``d_model``, ``run``, ``label``
     and ``seconds`` (wall time). Each result is logged as it is ready: one line of a table
@@ -443,7 +444,7 @@ def profile_runs(run_paths: Sequence[str | Path], seq_len: int | None, batch_siz
         if seq_len is not None and seq_len > cfg.model.max_seq_len:
             raise KeelError(f"--seq-len {seq_len} is above model.max_seq_len = {cfg.model.max_seq_len} of {run.path}")
         model = run.load_model(device="cpu")
-        batch = _val_batch(run.data_dir(), seq_len or min(64, cfg.model.max_seq_len), batch_size)
+        batch = _val_batch(run.data_dir(), seq_len or min(DEFAULT_SEQ_LEN, cfg.model.max_seq_len), batch_size)
         model.train()
         r = {"residual": cfg.model.residual, "sublayers": cfg.model.n_sublayers, "blocks": cfg.model.n_layers,
              "d_model": cfg.model.d_model, "run": str(run.path), "label": f"{cfg.model.residual} d{cfg.model.d_model}"}

@@ -59,7 +59,8 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
         schemes = _parse_schemes(args.residual if args.residual is not None else ",".join(SCHEMES))
         depths = _parse_layers(args.sublayers if args.sublayers is not None else G.DEFAULT_LAYERS, args.sublayers_flag)
         base = load_config(resolve_config_path(args.config), args.set)
-        results = G.profile_schemes(base, schemes, depths, args.d_model or 64, args.seq_len or 64, **common)
+        results = G.profile_schemes(base, schemes, depths, args.d_model or G.DEFAULT_WIDTH,
+                                    args.seq_len or G.DEFAULT_SEQ_LEN, **common)
     if args.json:
         print(json.dumps({"results": results}))
     if args.plot:
