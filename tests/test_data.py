@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 import sysconfig
@@ -25,7 +26,7 @@ from keel.data import (
     write_shard,
 )
 from keel.data.shards import ShardWriter
-from keel.data.sources import SourceStats, stdlib_files
+from keel.data.sources import SourceStats, source_fingerprint, stdlib_files
 from keel.errors import KeelError
 
 STDLIB_BYTES = 200_000
@@ -438,15 +439,65 @@ def test_prepare_default_dir_and_cache(stdlib_ds, monkeypatch):
     assert not [p for p in cache.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 
-def test_prepare_rebuilds_explicit_out_when_options_change(tmp_path):
+def test_prepare_replaces_explicit_out_of_other_options_only_with_force(tmp_path):
     corpus = write_files(tmp_path / "corpus", SMALL_CORPUS)
     out = tmp_path / "ds"
     prepare_dataset(str(corpus), "bpe:300", out, val_fraction=0.2, progress=False)
     first = read_meta(out)
     assert first["source"] == str(corpus.resolve())
-    prepare_dataset(str(corpus), "bpe:300", out, val_fraction=0.2, seed=1, progress=False)
+    with pytest.raises(KeelError, match=r"refusing to replace .*ds: .*other inputs \(seed 0 \(now 1\)\).*--force"):
+        prepare_dataset(str(corpus), "bpe:300", out, val_fraction=0.2, seed=1, progress=False)
+    assert read_meta(out) == first  # untouched: runs trained on it read it by path
+    prepare_dataset(str(corpus), "bpe:300", out, val_fraction=0.2, seed=1, progress=False, force=True)
     second = read_meta(out)
     assert second["seed"] == 1 and second["n_docs_train"] + second["n_docs_val"] == len(SMALL_CORPUS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "ds"]
+
+
+def test_prepare_again_after_the_local_corpus_changed(tmp_path, caplog):
+    corpus = write_files(tmp_path / "corpus", SMALL_CORPUS)
+    cache = tmp_path / "cache"
+    first = prepare_dataset(str(corpus), "bpe:300", cache_dir=cache, val_fraction=0.2, progress=False)
+    n_docs = read_meta(first)["n_docs_train"] + read_meta(first)["n_docs_val"]
+    assert prepare_dataset(str(corpus), "bpe:300", cache_dir=cache, val_fraction=0.2, progress=False) == first
+    (corpus / "new.txt").write_text("a document added after the first prepare\n" * 5)
+    with caplog.at_level("INFO", logger="keel.data.prepare"):
+        again = prepare_dataset(str(corpus), "bpe:300", cache_dir=cache, val_fraction=0.2, progress=False)
+    assert again == first and "changed since" in caplog.text  # same folder, rebuilt
+    meta = read_meta(again)
+    assert meta["n_docs_train"] + meta["n_docs_val"] == n_docs + 1
+    assert meta["source_fingerprint"] == source_fingerprint(str(corpus.resolve()))
+    assert prepare_mod.find_prepared(str(corpus), "bpe:300", val_fraction=0.2, cache_dir=cache) == again
+    (corpus / "new.txt").write_text("edited\n")  # an edit: size changes
+    assert prepare_mod.find_prepared(str(corpus), "bpe:300", val_fraction=0.2, cache_dir=cache) is None
+    assert sorted(p.name for p in cache.iterdir()) == [first.name]
+
+
+def test_source_fingerprint_follows_paths_sizes_and_mtimes(tmp_path):
+    corpus = write_files(tmp_path / "corpus", {"a.txt": "one", "sub/b.md": "two"})
+    fp = source_fingerprint(str(corpus))
+    assert fp == source_fingerprint(str(corpus)) and len(fp) == 64
+    (corpus / ".hidden").write_text("ignored as iter_documents ignores it")
+    assert source_fingerprint(str(corpus)) == fp
+    st = (corpus / "sub/b.md").stat()
+    os.utime(corpus / "sub/b.md", ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    touched = source_fingerprint(str(corpus))
+    assert touched != fp
+    (corpus / "sub/b.md").rename(corpus / "b.md")
+    assert source_fingerprint(str(corpus)) not in (fp, touched)
+    assert source_fingerprint(str(corpus / "a.txt")) != source_fingerprint(str(corpus))
+    assert source_fingerprint("builtin:python-stdlib") is None
+    assert source_fingerprint("hf:org/data") is None
+
+
+def test_prepare_force_builds_again(tmp_path):
+    corpus = write_files(tmp_path / "corpus", SMALL_CORPUS)
+    out = prepare_dataset(str(corpus), "bpe:300", tmp_path / "ds", val_fraction=0.2, progress=False)
+    before = (out / "meta.json").stat().st_ino
+    assert prepare_dataset(str(corpus), "bpe:300", out, val_fraction=0.2, progress=False) == out
+    assert (out / "meta.json").stat().st_ino == before
+    prepare_dataset(str(corpus), "bpe:300", out, val_fraction=0.2, progress=False, force=True)
+    assert (out / "meta.json").stat().st_ino != before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "ds"]
 
 

@@ -1,6 +1,7 @@
 """Issue 11 through the command line: --restart, resumed-run messages, prepare's defaults
 and output, folders created for --plot, the --device message, import-hf keeps the step."""
 
+import json
 import shutil
 
 import pytest
@@ -105,6 +106,25 @@ def test_prepare_output_has_no_blank_lines_and_says_it_reuses(tmp_path, capsys, 
     with caplog.at_level("INFO", logger="keel"):  # the CLI's log handler writes these to stderr
         assert main(args) == 0
     assert any(r.getMessage() == f"reusing cached dataset {tmp_path / 'ds'}" for r in caplog.records)
+
+
+def test_prepare_out_over_a_dataset_of_other_inputs_is_one_line_and_force_replaces_it(tmp_path, capsys):
+    """`keel prepare --out DIR` with another tokenizer replaced the dataset runs trained on, without a word."""
+    c = tmp_path / "c"
+    c.mkdir()
+    for i in range(3):
+        (c / f"{i}.txt").write_text(f"document {i}\n" * 200)
+    args = ["prepare", "--source", str(c), "--out", str(tmp_path / "ds")]
+    assert main([*args, "--tokenizer", "bpe:300"]) == 0
+    meta = (tmp_path / "ds" / "meta.json").read_text()
+    capsys.readouterr()
+    assert main([*args, "--tokenizer", "bpe:280"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"keel: error: refusing to replace {tmp_path / 'ds'}: it holds a dataset prepared from "
+                          "other inputs (tokenizer 'bpe:300' (now 'bpe:280'))") and len(err.strip().splitlines()) == 1
+    assert (tmp_path / "ds" / "meta.json").read_text() == meta
+    assert main([*args, "--tokenizer", "bpe:280", "--force"]) == 0
+    assert json.loads((tmp_path / "ds" / "meta.json").read_text())["tokenizer"] == "bpe:280"
 
 
 def test_generate_device_error_names_the_flag(cli_run, capsys):

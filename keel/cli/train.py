@@ -19,6 +19,9 @@ def register(sub) -> None:
                     help=key_help("data.val_fraction"))
     pp.add_argument("--max-bytes", type=int, default=key_default("data.max_bytes"), help=key_help("data.max_bytes"))
     pp.add_argument("--text-field", default=key_default("data.text_field"), help=key_help("data.text_field"))
+    pp.add_argument("--force", action="store_true",
+                    help="prepare again even if the cached dataset matches, and replace a dataset in --out that was "
+                         "prepared from other inputs (refused without it: runs trained on it read it by path)")
     pp.set_defaults(handler="keel.cli.handlers.train.cmd_prepare")
 
     pt = sub.add_parser("train", help="train a language model",

@@ -11,7 +11,7 @@ A prepared dataset directory holds::
 eos_id, dtype, n_docs_train, n_docs_val, train_tokens, val_tokens, unigram_entropy (nats,
 of the training tokens: :mod:`keel.data.stats`), bytes_train, bytes_val,
 docs_with_replacement_chars, docs_skipped_binary, docs_with_nul, long_docs_chunked,
-chunks_of_long_docs, val_fraction, max_bytes, max_docs, seed, text_field, created``.
+chunks_of_long_docs, val_fraction, max_bytes, max_docs, seed, text_field, source_fingerprint, created``.
 ``n_docs_*`` count documents and chunks; byte counts are UTF-8 bytes of document text; token
 counts include the EOS tokens. Local paths are recorded as absolute paths.
 
@@ -25,7 +25,8 @@ and chunks are spilled to disk, so memory stays bounded by the largest document 
 the tokenizer's work on one batch of chunks. The directory is built under a temporary
 name and renamed into place at the end, so an interrupted run leaves nothing behind (nor
 any folder it created on the way); a second run with the same inputs finds ``meta.json``
-and returns at once ("reusing cached dataset ...").
+and returns at once ("reusing cached dataset ..."), unless a local corpus's files changed
+since (their paths, sizes and modification times: ``source_fingerprint``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from tqdm.auto import tqdm
 
 from keel.config import DEFAULT_VAL_FRACTION, DataConfig, check_value
 from keel.data.shards import ShardWriter, read_shard
-from keel.data.sources import SourceStats, check_hub_reachable, check_source, hub_errors, iter_documents
+from keel.data.sources import SourceStats, check_hub_reachable, check_source, hub_errors, iter_documents, source_fingerprint
 from keel.data.stats import unigram_entropy
 from keel.data.text import encode_batch
 from keel.errors import KeelError
@@ -71,7 +72,8 @@ log = logging.getLogger(__name__)
 def prepare_dataset(source: str, tokenizer: str = DataConfig.tokenizer, out: str | os.PathLike | None = None, *,
                     val_fraction: float = DEFAULT_VAL_FRACTION, max_bytes: int | None = None,
                     max_docs: int | None = None, text_field: str = DataConfig.text_field, seed: int = 0,
-                    cache_dir: str | os.PathLike = DataConfig.cache_dir, progress: bool = True) -> Path:
+                    cache_dir: str | os.PathLike = DataConfig.cache_dir, progress: bool = True,
+                    force: bool = False) -> Path:
     """Tokenize ``source`` into a prepared dataset directory and return its path.
 
     Args:
@@ -81,11 +83,9 @@ def prepare_dataset(source: str, tokenizer: str = DataConfig.tokenizer, out: str
             including ``<|endoftext|>``) on the train split; or a path to a
             ``tokenizer.json`` (or a folder holding one); or a Hugging Face tokenizer name
             such as ``gpt2`` (needs the hub). The end-of-text token is ``<|endoftext|>`` if
-            the vocabulary has it, else the ``eos_token`` of an adjacent
-            ``tokenizer_config.json``.
-        out: output directory; default ``{cache_dir}/{slug}``, e.g.
-            ``data/python-stdlib-bpe8192-1a2b3c4d`` (slug = source, tokenizer and a hash
-            of all inputs).
+            the vocabulary has it, else the ``eos_token`` of an adjacent ``tokenizer_config.json``.
+        out: output directory; default ``{cache_dir}/{slug}``, e.g. ``data/python-stdlib-bpe8192-1a2b3c4d``
+            (slug = source, tokenizer and a hash of all inputs).
         val_fraction: expected fraction of documents (not tokens; chunks of long documents
             count as documents) put in ``val.bin``, ``0 < val_fraction < 1`` (default: the
             config's default ``data.val_fraction``, so ``keel prepare`` and ``keel train``
@@ -93,26 +93,26 @@ def prepare_dataset(source: str, tokenizer: str = DataConfig.tokenizer, out: str
             ``seed``; with 2 or more documents (or chunks) each split gets at least one.
         max_bytes / max_docs: stop after the document that brings the UTF-8 text to this many
             bytes / after this many documents (``None`` or ``0``: no limit).
-        text_field: the text field of ``.jsonl``/``.json``/``.parquet``/``hf:`` records; seed: seed
-            of the train/val split; cache_dir: parent of the default ``out``; progress: bars on stderr.
+        text_field: the text field of ``.jsonl``/``.json``/``.parquet``/``hf:`` records; seed: of the split;
+            cache_dir: parent of the default ``out``; progress: bars on stderr.
+        force: build again even if ``out`` holds these inputs' dataset; replace one of other inputs.
 
     ``meta.json`` records the inputs and what was built (the module docstring lists its keys).
-    If ``out/meta.json`` exists and records the same inputs, nothing is read and ``out`` is
-    returned (a changed local corpus is *not* detected: delete the directory to rebuild).
-    Otherwise the dataset is built in ``out.tmp-<pid>`` and renamed to ``out``, replacing
-    an older prepared dataset there.
+    If ``out/meta.json`` records the same inputs and -- for a local source -- the same
+    :func:`keel.data.sources.source_fingerprint`, ``out`` is returned unread. Otherwise the
+    dataset is built in ``out.tmp-<pid>`` and renamed to ``out`` (replacing it if only the corpus changed).
 
     Raises :class:`KeelError` for bad options, any source or tokenizer problem, an empty
-    corpus, an ``out`` that exists and is not a prepared dataset, or a full disk / read-only
-    folder (naming the path; nothing is left behind).
+    corpus, an ``out`` that exists and is not a prepared dataset, an ``out`` that holds a dataset
+    prepared from other inputs (without ``force``: runs trained on it read it by path), or a full
+    disk / read-only folder (naming the path; nothing is left behind).
     """
     inputs = _canonical_inputs(source, tokenizer, val_fraction, max_bytes, max_docs, text_field, seed)
     out = Path(out) if out is not None else Path(cache_dir) / dataset_slug(inputs)
-    if _cache_matches(out, inputs):
+    if not force and _cache_matches(out, inputs):
         log.info("reusing cached dataset %s", out)
         return out
-    if out.is_file() or (out.is_dir() and not (out / "meta.json").is_file() and any(out.iterdir())):
-        raise KeelError(f"refusing to overwrite {out}: it exists and is not a prepared dataset")
+    _check_replaceable(out, inputs, force)
 
     tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -121,7 +121,7 @@ def prepare_dataset(source: str, tokenizer: str = DataConfig.tokenizer, out: str
         try:
             make_dirs(tmp, name=out)
             meta = _build(tmp, inputs, progress)
-            _move_into_place(tmp, out, inputs)
+            _move_into_place(tmp, out, inputs, force)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             remove_empty_dirs(created)  # leave none of the folders this call created behind
@@ -151,8 +151,29 @@ def find_prepared(source: str, tokenizer: str = DataConfig.tokenizer, *, val_fra
     return out if _cache_matches(out, inputs) else None
 
 
+def _check_replaceable(out: Path, inputs: dict, force: bool) -> None:
+    """Refuse to build into ``out`` when it is a file or a non-empty folder other than a prepared
+    dataset, or (without ``force``) a dataset prepared from other :data:`CACHE_KEYS` inputs.
+    A dataset of the same inputs whose local corpus changed is replaced (logged)."""
+    if out.is_file() or (out.is_dir() and not (out / "meta.json").is_file() and any(out.iterdir())):
+        raise KeelError(f"refusing to overwrite {out}: it exists and is not a prepared dataset")
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+    except (OSError, ValueError):
+        return
+    changed = [k for k in CACHE_KEYS if meta.get(k) != inputs[k]]
+    if changed and not force:
+        what = ", ".join(f"{k} {meta.get(k)!r} (now {inputs[k]!r})" for k in changed)
+        raise KeelError(f"refusing to replace {out}: it holds a dataset prepared from other inputs ({what}); "
+                        "runs trained on it read it by path. Give another --out, or --force to replace it")
+    if not changed and meta.get("source_fingerprint") != inputs["source_fingerprint"]:
+        log.info("the corpus %s changed since %s was prepared from it: preparing it again", inputs["source"], out)
+
+
 def dataset_slug(inputs: dict) -> str:
-    """Directory name for canonical ``inputs``: ``{source}-{tokenizer}-{8 hex of a hash of all inputs}``."""
+    """Directory name for canonical ``inputs``: ``{source}-{tokenizer}-{8 hex of a hash of the
+    :data:`CACHE_KEYS` inputs}``."""
+    inputs = {k: inputs[k] for k in CACHE_KEYS}
     source, tok = inputs["source"], inputs["tokenizer"]
     if source.startswith("builtin:"):
         src = source[len("builtin:") :]
@@ -194,6 +215,7 @@ def _canonical_inputs(source, tokenizer, val_fraction, max_bytes, max_docs, text
         "max_docs": max_docs or None,
         "seed": int(seed),
         "text_field": text_field,
+        "source_fingerprint": source_fingerprint(source),  # not a CACHE_KEY: a changed corpus keeps its folder
     }
 
 
@@ -204,17 +226,18 @@ def _cache_matches(out: Path, inputs: dict) -> bool:
         return False
     files_ok = all((out / name).is_file() for name in ("tokenizer.json", "train.bin", "val.bin"))
     same_inputs = all(meta.get(k) == inputs[k] for k in CACHE_KEYS)
-    return files_ok and same_inputs and meta.get("format_version") == FORMAT_VERSION
+    same_corpus = meta.get("source_fingerprint") == inputs.get("source_fingerprint")
+    return files_ok and same_inputs and same_corpus and meta.get("format_version") == FORMAT_VERSION
 
 
-def _move_into_place(tmp: Path, out: Path, inputs: dict) -> None:
+def _move_into_place(tmp: Path, out: Path, inputs: dict, force: bool = False) -> None:
     try:
         os.rename(tmp, out)  # atomic; also replaces an empty directory on POSIX
         return
     except OSError:
         if not out.exists():
             raise
-    if _cache_matches(out, inputs):  # a concurrent prepare of the same inputs finished first
+    if not force and _cache_matches(out, inputs):  # a concurrent prepare of the same inputs finished first
         shutil.rmtree(tmp)
         return
     old = out.parent / f"{out.name}.old-{os.getpid()}"
@@ -267,6 +290,7 @@ def _build(tmp: Path, inputs: dict, progress: bool) -> dict:
         "max_docs": inputs["max_docs"],
         "seed": inputs["seed"],
         "text_field": inputs["text_field"],
+        "source_fingerprint": inputs["source_fingerprint"],
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -24,6 +24,7 @@ characters), counted in :class:`SourceStats` too.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import os
@@ -198,6 +199,25 @@ def _local_documents(path: Path, text_field: str) -> Iterator[tuple[str, bool]]:
                         f"supported: {', '.join(SUPPORTED_EXTENSIONS)})")
     for file in sorted(files, key=lambda p: p.relative_to(path).as_posix()):
         yield from _file_documents(file, text_field)
+
+
+def source_fingerprint(source: str) -> str | None:
+    """A hash of a local corpus's files as :func:`keel.data.sources.iter_documents` would walk
+    them (not hidden ones): each file's path relative to ``source``, size (bytes) and modification
+    time (ns), as ``make``/``rsync`` decide what changed. None for ``builtin:`` and ``hf:`` sources
+    (and a path that does not exist). A cached dataset is reused only while this is unchanged."""
+    path = Path(source)
+    if not path.exists():
+        return None
+    files = [path] if path.is_file() else [
+        Path(dirpath, f) for dirpath, dirnames, filenames in os.walk(path)
+        if not any(part.startswith(".") for part in Path(dirpath).relative_to(path).parts)
+        for f in filenames if not f.startswith(".")]
+    digest = hashlib.sha256()
+    for file in sorted(files):
+        st = file.stat()
+        digest.update(f"{file.relative_to(path) if file != path else file.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
 
 
 def _file_documents(path: Path, text_field: str) -> Iterator[tuple[str, bool]]:

@@ -31,7 +31,7 @@ from keel.train.trainer import perplexity
 def cmd_prepare(args: argparse.Namespace) -> int:
     out = prepare_dataset(args.source, args.tokenizer, args.out, val_fraction=args.val_fraction,
                           max_bytes=args.max_bytes, text_field=args.text_field, cache_dir=args.cache_dir,
-                          progress=interactive())  # no progress bars written into a log file
+                          progress=interactive(), force=args.force)  # no progress bars written into a log file
     meta = read_meta(out)
     print(f"dataset: {out}")
     asked = args.tokenizer.split(":", 1)[1] if args.tokenizer.startswith("bpe:") else ""
