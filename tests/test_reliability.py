@@ -156,6 +156,33 @@ def test_retention_drops_the_checkpoints_of_an_abandoned_history(keep, left, tmp
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000019", "step_00000023"]
 
 
+def test_a_damaged_checkpoint_past_the_resumed_step_never_counts_towards_keep(copy_of, tiny_data, one_thread):
+    """Resumed at step 12 past a damaged step 14, the run saved step 16 and kept 16 and the damaged
+    14, deleting the intact 12 (a new-user trial: pruning removed only checkpoints past the new step)."""
+    run = copy_of()
+    ck = run / "checkpoints"
+    shutil.copytree(ck / "step_00000012", ck / "step_00000014")
+    (ck / "step_00000014" / "model.safetensors").write_bytes(b"x" * 10)
+    res = train(cfg_for(tiny_data, steps=16), run, resume=True)
+    assert res.resumed_from == 12
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000012", "step_00000016"]
+
+
+def test_a_resume_drops_the_config_change_an_abandoned_resume_recorded_at_its_step(copy_of, base_run, tiny_data,
+                                                                                  one_thread):
+    """An earlier resume from step 12 (lr changed) whose continuation was lost left its config_change
+    record; resuming from 12 again with other changes gave two records at step 12."""
+    run = copy_of()
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 12, "config_change": {"train.lr": {"old": 3e-3, "new": 1e-2}}}) + "\n")
+        f.write(json.dumps({"step": 13, "loss": 5.0}) + "\n")
+    train(cfg_for(tiny_data, steps=16), run, resume=True)
+    changes = [r for r in recs(run) if "config_change" in r]
+    assert changes == [{"step": 12, "config_change": {"train.steps": {"old": 12, "new": 16}}}]
+    assert losses(run) == {**losses(base_run), **{k: v for k, v in losses(run).items() if k > 12}}
+    assert max(losses(run)) == 16
+
+
 @pytest.mark.parametrize("case", list(DAMAGE))
 def test_resume_takes_newest_intact_checkpoint(case, copy_of, base_run, tiny_data, caplog, one_thread):
     """It used to restart from step 0 and rewrite metrics.jsonl, or crash with a traceback."""

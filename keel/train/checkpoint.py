@@ -251,17 +251,24 @@ def _finish_sharded(tmp: Path, final: Path, per_rank: list[dict], state: dict, s
 
 def _prune(run_dir: Path, step: int, keep: int) -> None:
     """After checkpoint ``step`` of ``run_dir`` is written: remove the checkpoints past ``step``
-    (an abandoned history: the run resumed from an older checkpoint, e.g. past a damaged newer
-    one, and its metrics were truncated to that step), then all but the newest ``keep`` (0: all
-    are kept): a stale checkpoint never counts towards ``keep``."""
-    dirs = _step_dirs(run_dir)  # newest first
-    stale = [p for p in dirs if checkpoint_step(p) > step]
+    (:func:`remove_checkpoints_after`), then all but the newest ``keep`` (0: all are kept)."""
+    remove_checkpoints_after(run_dir, step)
+    kept = _step_dirs(run_dir)  # newest first
+    for p in kept[keep:] if keep > 0 else []:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def remove_checkpoints_after(run_dir: str | Path, step: int) -> list[Path]:
+    """Remove (logged as a warning) the checkpoints of ``run_dir`` past ``step``: an abandoned
+    history, when a run resumes from an older checkpoint (e.g. past a damaged newer one) and its
+    metrics are cut back to that step. A resume calls it once it has accepted its checkpoint, so
+    such a checkpoint never counts towards ``train.keep_checkpoints``. Returns the folders removed."""
+    stale = [p for p in _step_dirs(run_dir) if checkpoint_step(p) > step]
     for p in stale:
         log.warning("%s: removing %s, a checkpoint past step %d of the history this run resumed before it",
                     run_dir, p.name, step)
-    kept = [p for p in dirs if checkpoint_step(p) <= step]
-    for p in stale + (kept[keep:] if keep > 0 else []):
         shutil.rmtree(p, ignore_errors=True)
+    return stale
 
 
 def load_sharded_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ckpt: str | Path) -> None:

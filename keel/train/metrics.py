@@ -89,8 +89,11 @@ def _check_record(path: Path, line: int, record) -> None:
 
 def truncate_metrics(path: str | Path, keep_through_step: int) -> list[dict]:
     """Rewrite ``path`` (atomically) keeping only records with ``step <= keep_through_step``,
-    dropping a torn last line; returns the records kept. A resumed run re-logs the rest."""
-    records = [r for r in read_metrics(path) if r.get("step", 0) <= keep_through_step]
+    dropping a torn last line and any ``config_change`` record at ``keep_through_step`` (an earlier
+    resume's from that checkpoint: the resume that cuts the file compares and records its own);
+    returns the records kept. A resumed run re-logs the rest."""
+    records = [r for r in read_metrics(path) if r.get("step", 0) < keep_through_step
+               or (r.get("step", 0) == keep_through_step and "config_change" not in r)]
     if Path(path).exists():
         atomic_write_text(path, "".join(json.dumps(_strict(r), allow_nan=False) + "\n" for r in records))
     return records

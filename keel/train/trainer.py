@@ -69,8 +69,8 @@ from keel.model import Transformer, check_model_config, flops_per_token, get_sch
 from keel.train import dist as D, state_dict as SD
 from keel.train.callbacks import Callback, StepState, unhonoured_keys
 from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, is_sharded, latest_checkpoint,
-                                   load_sharded_checkpoint, load_trainer_state, load_weights, remove_stale_temporaries,
-                                   save_checkpoint, save_sharded_checkpoint, tied_aliases)
+                                   load_sharded_checkpoint, load_trainer_state, load_weights, remove_checkpoints_after,
+                                   remove_stale_temporaries, save_checkpoint, save_sharded_checkpoint, tied_aliases)
 from keel.train.device import (autocast_context, peak_flops, check_activations_fit, check_model_fits, flushing_denormals,
                                memory_errors, resolve_device)
 from keel.train.nll import eval_batch_size, mean_nll, perplexity
@@ -322,6 +322,8 @@ class Trainer:
                     with atomic_path(self.run_dir / "tokenizer.json") as tmp:  # a full disk: this path, not the source
                         shutil.copyfile(self.data_dir / "tokenizer.json", tmp)
                 history = truncate_metrics(self.metrics_path, self.state.step if self.ckpt is not None else -1)
+                if self.ckpt is not None:  # the history past it is gone: so are its checkpoints
+                    remove_checkpoints_after(self.run_dir, self.state.step)
             self.history = history  # what the sinks may replay (keel.train.loggers)
             if self.changes:
                 record = {"step": self.state.step, "config_change": self.changes}
