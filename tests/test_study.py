@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from keel.errors import KeelError
-from keel.experiments.study import claims as SC, records as SRec, report as SR, run as SRun, spec as SS, verdicts as SV
+from keel.experiments.study import claims as SC, plan as SPlan, records as SRec, report as SR, run as SRun, spec as SS
+from keel.experiments.study import verdicts as SV
 from keel.experiments.study.cells import direction, lrs, short
 from keel.experiments.grid import GridJob, _check_same_config
 from keel.config import Config, preset_names
@@ -981,6 +982,23 @@ def test_dry_run_prices_the_named_groups():
     assert "989 TFLOP/s dense bf16, an H100 SXM;" in full["markdown"]
 
 
+def test_dry_run_with_restore_plans_the_widened_lrs_and_prices_what_is_left():
+    """With the committed CPU report restored, the plan said 319 runs and "323 of these runs are
+    restored" (its table left out the LRs the restored runs widened), and priced all 319."""
+    report = Path(__file__).resolve().parents[1] / "docs" / "results" / "study-cpu" / "report.json"
+    rep = json.loads(report.read_text())
+    got = SRun.run_study("claims", "cpu", "unused", dry_run=True, restore=report)
+    tot, done = got["total"], sum(r["status"] == "done" for r in rep["runs"])
+    assert got["restored"] == tot["restored"] == done and done <= tot["runs"]
+    assert all(r["restored"] <= r["runs"] for r in got["plan"])
+    per_group = {g: sum(r["group"] == g for r in rep["runs"]) for g in {r["group"] for r in rep["runs"]}}
+    assert {r["group"]: r["runs"] for r in got["plan"]} == per_group  # the report's runs, LR widening included
+    left = [r for r in got["plan"] if r["restored"] < r["runs"]]
+    assert all(r["gpu_hours_left"] > 0 for r in left) and tot["gpu_hours_left"] < tot["gpu_hours"]
+    assert all(r["gpu_hours_left"] == 0 for r in got["plan"] if r not in left)  # references of restored runs too
+    assert f"{done} of these runs are restored from {report} and would not train: about " in got["markdown"]
+
+
 def test_dry_run_of_a_study_whose_vocab_size_is_auto(tmp_path):
     """model.vocab_size = "auto" (the demo base's default) is resolved only once the tokenizer
     exists; --dry-run used to refuse such a study with a Python hint."""
@@ -994,7 +1012,7 @@ def test_dry_run_of_a_study_whose_vocab_size_is_auto(tmp_path):
                                           (990_123.4, "990,123.4")])
 def test_plan_gpu_hours_words(hours, words):
     """The cpu-scale plan read "about 0.0 GPU-hours" for every group."""
-    assert SRun._hours(hours) == words
+    assert SPlan.hours_words(hours) == words
 
 
 def test_ctrl_c_says_how_to_continue_the_study(tiny_data, tmp_path):

@@ -31,6 +31,7 @@ its groups checked), :mod:`.verdicts` (the paired-difference rule, one verdict f
 of claim), :mod:`.cells` (numbers as markdown cells), :mod:`.claims` (one class per kind of
 claim: its keys, verdict, reads and tables, the registry :data:`claims.CLAIMS`, and
 :func:`claims.load_study`, which checks every claim), :mod:`.report` (``report.md`` and the
-PNGs), :mod:`.run` (jobs, run records, the dry-run estimate, :func:`run.run_study`).
+PNGs), :mod:`.plan` (the dry-run plan in words), :mod:`.run` (jobs, run records, the dry-run
+estimate, :func:`run.run_study`).
 """
 

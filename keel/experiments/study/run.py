@@ -23,6 +23,7 @@ from keel.experiments.grid import GridJob, cached_result, check_pool, check_star
 from keel.experiments.study.report import claim_summary, report_markdown, superseded_words, waiting_words, write_plots
 from keel.experiments.study.claims import claim_kind, load_study
 from keel.experiments.study.dataset import NO_DATA, check_study_data, shares_data, study_dataset
+from keel.experiments.study.plan import lr_plan_words, plan_markdown, plan_total
 from keel.experiments.study.records import kept_restored, load_restored, restored_record, run_record
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.verdicts import LEVEL, baseline_margins, loss_floor
@@ -315,67 +316,35 @@ def planned_jobs(study: Study, data_dir: str, out: Path, restored: dict[tuple[st
     return planned
 
 
-def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: float) -> list[dict]:
+def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: float,
+              restored: dict[tuple[str, str], dict] | None = None) -> list[dict]:
     """One row per group: runs (+ references), tokens per run (the planned budget; a ramp run
     stops earlier when it diverges), total tokens and estimated GPU-hours at ``mfu`` of a
-    ``peak_tflops`` (dense bf16 TFLOP/s) GPU. An ``lr_from`` group is planned as if the optimum were
-    the middle of its source's LR grid."""
-    rows = []
-    for g, refs, jobs in planned_jobs(study, data_dir, out):
+    ``peak_tflops`` (dense bf16 TFLOP/s) GPU; ``restored`` (:func:`load_restored`) plans as
+    :func:`planned_jobs` does and counts the runs it holds (``restored``) and the GPU-hours of the
+    others (``gpu_hours_left``). An ``lr_from`` group is planned as if the optimum were the middle
+    of its source's LR grid when ``restored`` does not give it."""
+    rows, restored = [], restored or {}
+    for g, refs, jobs in planned_jobs(study, data_dir, out, restored):
         cfgs = [config_from_dict(j.config) for j in refs + jobs]
         per_run = [c.train.steps * c.train.batch_size * c.train.seq_len * c.train.grad_accum for c in cfgs]
-        flops = sum(t * flops_per_token(c.model, c.train.seq_len) for t, c in zip(per_run, cfgs))
+        flops = [t * flops_per_token(c.model, c.train.seq_len) for t, c in zip(per_run, cfgs)]
+        held = [(g.name, j.name) in restored and restored_record(g, j, restored[(g.name, j.name)]) is not None
+                for j in jobs]
+        needed = ST.references_of([j for j, h in zip(jobs, held) if not h])  # as _train_and_read trains them
+        held = [r.name not in needed for r in refs] + held
         seen = {k: list(dict.fromkeys(get(c) for c in cfgs[len(refs):])) for k, get in (  # a sweep's: its runs' values
             ("residual", lambda c: c.model.residual), ("n_sublayers", lambda c: c.model.n_sublayers),
             ("seed", lambda c: c.train.seed), ("lr", lambda c: c.train.lr))}
+        hours = 1 / (mfu * peak_tflops * 1e12) / 3600
         rows.append({"group": g.name, "kind": g.kind, "runs": len(jobs), "references": len(refs),
                      "schemes": g.schemes or seen["residual"], "sublayers": g.sublayers or seen["n_sublayers"],
                      "seeds": g.seeds or seen["seed"], "lrs": list(g.lrs) if g.kind == "train" and not g.lr_from else [],
                      "lr_plan": lr_plan_words(g) or ", ".join(f"{x:g}" for x in seen["lr"]),
-                     "tokens_per_run": sorted(set(per_run)), "tokens": sum(per_run), "flops": flops,
-                     "gpu_hours": flops / (mfu * peak_tflops * 1e12) / 3600})
+                     "tokens_per_run": sorted(set(per_run)), "tokens": sum(per_run), "flops": sum(flops),
+                     "gpu_hours": sum(flops) * hours, "restored": sum(held[len(refs):]),
+                     "gpu_hours_left": sum(f for f, h in zip(flops, held) if not h) * hours})
     return rows
-
-
-def lr_plan_words(g: Group) -> str:
-    """A group's LRs in words: ``0.0003, 0.001``, ``from lr-grid at 64, grid steps [0, -1]`` (an
-    ``lr_from`` group: known once its source has finished) or ``ramp 0 -> 0.05 over 1000 steps``."""
-    if g.kind == "ramp":
-        return f"ramp 0 -> {g.peak_lr:g} over {g.ramp_steps} steps"
-    if g.lr_from:
-        return f"from {g.lr_from} at {g.lr_from_sublayers}, grid steps {g.lr_from_steps}"
-    return ", ".join(f"{x:g}" for x in g.lrs)
-
-
-def _hours(h: float) -> str:
-    """GPU-hours for the plan: one decimal, or two significant digits below 1 (a cpu-scale group
-    read "0.0")."""
-    return f"{h:,.1f}" if h >= 1 else f"{h:.2g}"
-
-
-def plan_total(rows: list[dict]) -> dict:
-    """The sums of :func:`plan_rows`' ``runs``, ``references``, ``tokens``, ``flops`` and ``gpu_hours``."""
-    return {k: sum(r[k] for r in rows) for k in ("runs", "references", "tokens", "flops", "gpu_hours")}
-
-
-def plan_markdown(study: Study, rows: list[dict], mfu: float, peak_tflops: float) -> str:
-    """The ``--dry-run`` table."""
-    lines = [f"Study {study.name}, scale {study.scale}: {study.note}".strip(), "",
-             "| group | runs | schemes | sub-layers | seeds | LRs | tokens per run | total tokens | est. GPU-hours |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        runs = f"{r['runs']}" + (f" + {r['references']} ref." if r["references"] else "")
-        lines.append(f"| {r['group']} | {runs} | {', '.join(r['schemes'])} | {', '.join(map(str, r['sublayers']))} | "
-                     f"{', '.join(map(str, r['seeds']))} | {r['lr_plan']} | "
-                     f"{', '.join(f'{t:,.0f}' for t in r['tokens_per_run'])} | {r['tokens']:.3g} | "
-                     f"{_hours(r['gpu_hours'])} |")
-    tot = plan_total(rows)
-    lines += ["", f"Total: {tot['runs'] + tot['references']} runs, "
-                  f"{tot['tokens']:.3g} tokens, about {_hours(tot['gpu_hours'])} GPU-hours "
-                  f"(training FLOPs 6N + 12 n_layers d T per token, PaLM App. B, at {mfu:.0%} MFU of "
-                  f"{peak_tflops:g} TFLOP/s dense bf16{', an H100 SXM' if peak_tflops == 989 else ''}; "
-                  "evaluation not counted)."]
-    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------- driver
@@ -426,13 +395,13 @@ def execute(study: Study, out: str | Path, *, workers: int = 1, threads: int | N
     """
     _check_groups(study, study.scale, groups)
     out = Path(out)
-    plan = plan_rows(study, "<data>", out, mfu, peak_tflops)  # every group's configs: a bad set refused now
+    plan_rows(study, "<data>", out, mfu, peak_tflops)  # every group's configs: a bad set refused now
     check_pool(workers, threads)
     restored = load_restored(restore, study) if restore is not None else {}  # after the --set keys are checked
     base = load_config(resolve_config_path(study.base), study.all_sets())  # a bad --set: refused before out is claimed
     if dry_run:  # what can be checked of the data without preparing it
         check_study_data(study, base, planned_jobs(study, NO_DATA, out, restored))
-        return _dry_run(study, plan, out, groups, restored, restore, mfu, peak_tflops)
+        return _dry_run(study, out, groups, restored, restore, mfu, peak_tflops)
     _check_no_restored_runs_lost(out, restore)
     from_report = report_only and restore is not None  # a report of restored runs needs no earlier folder
     fresh = not out.exists()
@@ -519,21 +488,17 @@ def study_lock(out: Path) -> RunLock:
     return lock
 
 
-def _dry_run(study: Study, plan: list[dict], out: Path, groups: Sequence[str], restored: dict, restore,
+def _dry_run(study: Study, out: Path, groups: Sequence[str], restored: dict, restore,
              mfu: float, peak_tflops: float) -> dict:
-    """:func:`run_study`'s ``dry_run`` answer: the plan of ``groups`` (all when empty), with the
-    number of its runs that ``restore`` holds (they would not train; an ``lr_from`` group is
-    planned at the optimum of its source's restored runs, :func:`planned_jobs`)."""
-    rows = [r for r in plan if not groups or r["group"] in groups]
-    md = plan_markdown(study, rows, mfu, peak_tflops)
+    """:func:`run_study`'s ``dry_run`` answer: the plan of ``groups`` (all when empty); with
+    ``restore``, planned as its runs give it (:func:`plan_rows`: LRs widened, an ``lr_from`` group
+    at its source's restored optimum), with the runs it holds (they would not train) and the
+    GPU-hours left."""
+    rows = [r for r in plan_rows(study, "<data>", out, mfu, peak_tflops, restored) if not groups or r["group"] in groups]
     answer = {"plan": rows, "total": plan_total(rows)}
     if restore is not None:
-        n = sum(restored_record(g, j, restored[(g.name, j.name)]) is not None
-                for g, _, jobs in planned_jobs(study, "<data>", out, restored) for j in jobs
-                if (g.name, j.name) in restored and (not groups or g.name in groups))
-        md += f"\n{n} of these runs are restored from {restore} and would not train.\n"
-        answer.update(restored=n, restored_from=str(restore))
-    return {**answer, "markdown": md}
+        answer.update(restored=answer["total"]["restored"], restored_from=str(restore))
+    return {**answer, "markdown": plan_markdown(study, rows, mfu, peak_tflops, None if restore is None else str(restore))}
 
 
 def check_started_runs(study: Study, out: Path) -> None:
