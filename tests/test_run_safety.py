@@ -488,6 +488,9 @@ def test_signal_to_keel_train_nproc_stops_every_worker(signame, tiny_data, tmp_p
     assert last_line(err) == (f"keel: stopped by {signame} (passed to every worker: each finished its step, "
                               f"the run is checkpointed at step {steps[-1]}); resume with: "
                               f"keel train --resume {run} --nproc 2")
+    # torchrun's SignalException traceback and the workers' stop lines (no --nproc in them) were shown too
+    assert "Traceback" not in err and "SignalException" not in err, err
+    assert [x for x in err.splitlines() if x.startswith("keel: stopped by")] == [last_line(err)], err
     time.sleep(2)
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == steps  # nothing trains on
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps[-1]:08d}"
@@ -643,6 +646,33 @@ def test_the_workers_error_lines_are_kept_back_once_and_torchrun_s_report_with_t
     assert failure["rank"] == 0 and failure["exitcode"] == 2
     assert failure["before"][0].startswith("W1204") and failure["report"][0].startswith("E1204")
     assert len(failure["report"]) == 7
+
+
+@pytest.mark.parametrize("stopping", [True, False])
+def test_after_a_stop_signal_torchrun_s_traceback_and_the_workers_stop_lines_are_not_shown(stopping):
+    """Ctrl-C on `keel train --nproc 2` showed torchrun's ~30-line SignalException traceback and each
+    worker's stop line (whose resume command lacks --nproc) above keel's own line (transcript of a real run)."""
+    import io
+    import threading
+
+    from keel.cli.handlers.train import _pass_on_and_read_failure
+
+    head = "SIGINT received: stopping after this step and saving a checkpoint\n"
+    stop = "keel: stopped by SIGINT after step 8: checkpoint run/checkpoints/step_00000008 written; resume with: x\n"
+    agent = ("W1204 15:13:30.606000 22881 .venv/lib/python3.11/site-packages/torch/distributed/elastic/agent/server/"
+             "api.py:753] Received 2 death signal, shutting down workers\n")
+    traceback = ('Traceback (most recent call last):\n  File "<frozen runpy>", line 198, in _run_module_as_main\n'
+                 '    time.sleep(monitor_interval)\n'
+                 "torch.distributed.elastic.multiprocessing.api.SignalException: Process 22881 got signal: 2\n")
+    other = 'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\nValueError: boom\n'
+    event = threading.Event()
+    if stopping:
+        event.set()
+    failure, shown = {}, io.StringIO()
+    with contextlib.redirect_stderr(shown):
+        _pass_on_and_read_failure(io.StringIO(head + agent + stop + stop + traceback + other), failure, event)
+    assert shown.getvalue() == (head + other if stopping else head + stop + stop + traceback + other)
+    assert failure["before"] == [agent]  # torchrun's warning under a venv's path: kept back, as under any path
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

@@ -98,12 +98,14 @@ def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
         cmd += ["--set", item]
     proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE, text=True, errors="replace",
                             preexec_fn=functools.partial(die_with_parent, signal.SIGTERM))
-    report = threading.Thread(target=_pass_on_and_read_failure, args=(proc.stderr, failure := {}), daemon=True)
+    stopping = threading.Event()  # set on a stop signal: torchrun's traceback and the workers' stop lines are ours to say
+    report = threading.Thread(target=_pass_on_and_read_failure, args=(proc.stderr, failure := {}, stopping), daemon=True)
     report.start()
     # torchrun passes SIGINT / SIGTERM to its workers but dies of SIGUSR1 / SIGUSR2 (Slurm's pre-timeout signals):
     # send it those as SIGTERM, which every worker checkpoints on
     usr = (signal.SIGUSR1, signal.SIGUSR2)
-    with passing_on_stop_signals(lambda s: proc.send_signal(signal.SIGTERM if s in usr else s)) as received:
+    with passing_on_stop_signals(lambda s: (stopping.set(), proc.send_signal(signal.SIGTERM if s in usr else s))
+                                 ) as received:
         code = proc.wait()
     report.join(timeout=10)  # the rest of the report; a worker that outlived torchrun may hold the pipe open
     if received:
@@ -154,20 +156,26 @@ def _what_next(run_dir: Path, nproc: int) -> str:
 
 
 _AGENT_REPORT = re.compile(r"[EW]\d{4} .*\] failed \(exitcode: -?\d+\)")  # torchrun's agent: its workers failed
-_AGENT_LOG = re.compile(r"[EW]\d{4} \S+ \d+ torch/distributed/elastic/")  # torchrun's own warnings and errors
+_AGENT_LOG = re.compile(r"[EW]\d{4} \S+ \d+ \S*torch/distributed/elastic/")  # torchrun's warnings (any install path)
 _ERROR = "keel: error: "
 
 
-def _pass_on_and_read_failure(stream, failure: dict) -> None:
+def _pass_on_and_read_failure(stream, failure: dict, stopping: threading.Event | None = None) -> None:
     """Copy torchrun's standard error (its workers' too) to ours, line by line, keeping back
     (in ``failure``) the workers' ``keel: error: ...`` lines (key ``errors``: each message
     once, as every rank prints it, maybe interleaved on one line) and torchrun's failure
     report (key ``report``: from its agent's "failed (exitcode: N)" line on; its warnings before
     that line under ``before``), and the first
-    rank and exit code the report names as its "Root Cause" (keys ``rank``, ``exitcode``)."""
+    rank and exit code the report names as its "Root Cause" (keys ``rank``, ``exitcode``).
+    Once ``stopping`` is set (``keel train`` got a stop signal and says how to resume), the
+    workers' own stop lines (``keel: stopped by ...``, without ``--nproc``) and torchrun's
+    traceback of the signal it got (``SignalException``) are dropped (:func:`_without_signal_traceback`)."""
     cause, owed = False, 0  # owed: newlines of the error lines interleaved onto one line
     errors, report = failure.setdefault("errors", []), failure.setdefault("report", [])
-    for line in stream:
+    stopping = stopping or threading.Event()
+    for line in _without_signal_traceback(stream, stopping):
+        if stopping.is_set() and line.startswith("keel: stopped by "):
+            continue
         if report or _AGENT_REPORT.match(line):
             report.append(line)
         elif _AGENT_LOG.match(line):  # e.g. "Sending process P closing signal SIGTERM": part of its report
@@ -187,6 +195,27 @@ def _pass_on_and_read_failure(stream, failure: dict) -> None:
         if m and m.group(1) not in failure:
             failure[m.group(1)] = int(m.group(2))
     sys.stderr.flush()
+
+
+def _without_signal_traceback(lines, stopping: threading.Event):
+    """``lines`` less, once ``stopping`` is set, each Python traceback that ends in torchrun's
+    ``SignalException`` (the signal it got and passed on: expected, not a failure). A traceback is
+    held back until its last line (the first after it that is not indented) shows what it is."""
+    held: list[str] = []
+    for line in lines:
+        if held and line[:1] in (" ", "\t"):
+            held.append(line)
+            continue
+        if held:
+            if not (stopping.is_set() and "SignalException" in line):
+                yield from held + [line]
+            held = []
+            continue
+        if line.startswith("Traceback (most recent call last):"):
+            held = [line]
+        else:
+            yield line
+    yield from held
 
 
 def _failed_worker(failure: dict) -> str:
