@@ -142,6 +142,24 @@ def test_a_margin_claim_gives_no_verdict_while_its_deepest_depth_is_still_traini
     assert SV.claim_margin_grows(st, done, claim)["conditions"]["paper_init"]["verdict"] == (R if m64 > m16 else NR)
 
 
+@pytest.mark.parametrize("widen, words", [
+    ((0, 0), "(this scale does not widen LR grids: widen = 0)."),
+    ((1, 1), "(the study widens such a cell by one LR beyond the edge, at most once per side)."),
+    ((2, 2), "(the study widens such a cell by one LR beyond the edge, at most twice per side)."),
+    ((1, 0), "(the study widens such a cell by one LR beyond the edge (at most widen times per side: g: 1, i: 0))."),
+])
+def test_the_margin_table_says_how_far_this_scale_widens(widen, words):
+    """At tiny scale (widen 1 and 0) the report said "at most twice per side", the cpu scale's setting."""
+    st = study(groups=[SS.Group("g", ["keel", "pre_ln"], [16, 64], [0, 1, 2], lrs=[1e-3, 3e-3, 1e-2], widen=widen[0]),
+                       SS.Group("i", ["keel", "pre_ln"], [16, 64], [0, 1, 2], lrs=[1e-3, 3e-3, 1e-2], widen=widen[1])])
+    claim = {"id": "b", "title": "t", "test": "margin_grows", "groups": ["g"], "init_groups": ["i"],
+             "scheme": "keel", "baseline": "pre_ln"}
+    runs = _margin_runs({16: {0: 0.1, 1: 0.1, 2: 0.1}, 64: {0: 0.5, 1: 0.5, 2: 0.5}})
+    c = SV.claim_margin_grows(st, runs + [dict(r, group="i") for r in runs], claim)
+    line = next(x for x in SC.claim_kind(claim).tables(claim, c) if x.startswith("A best LR marked"))
+    assert line.endswith(words), line
+
+
 def test_margin_grows_at_both_inits():
     claim = {"groups": ["g"], "init_groups": ["i"], "scheme": "keel", "baseline": "pre_ln"}
     paper = _margin_runs({16: {0: 0.10, 1: 0.12, 2: 0.08}, 64: {0: 0.50, 1: 0.45, 2: 0.55}})
@@ -1179,7 +1197,7 @@ def test_dry_run_restore_plans_a_transfer_group_at_the_restored_optimum(tmp_path
                  '[scales.x.groups.t]\nsublayers = [4]\nseeds = [0]\nlr_from_sublayers = 2\n')
     sets = [f"data.path={tiny_data}", "train.steps=2", "train.batch_size=2", "train.seq_len=16", "train.eval_every=2",
             "train.eval_tokens=64", "train.sample_tokens=0", "model.d_model=16", "model.d_ff=32"]
-    SRun.run_study(str(p), "x", tmp_path / "a", sets, workers=0)
+    SRun.run_study(str(p), "x", tmp_path / "a", sets, workers=0, command="keel study p.toml --scale x")
     rep = json.loads((tmp_path / "a" / "report.json").read_text())
     for r in rep["runs"]:  # as if the optimum at 2 sub-layers were 1e-2 (the grid's top, not its middle)
         if r["group"] == "g" and r["lr"] == 1e-2:
@@ -1192,7 +1210,11 @@ def test_dry_run_restore_plans_a_transfer_group_at_the_restored_optimum(tmp_path
     assert plan.returncode == 0, plan.stderr
     got = json.loads(plan.stdout)
     assert (got["restored"], got["total"]["runs"], got["restored_from"]) == (4, 4, str(tmp_path / "r.json"))
-    only = SRun.run_study(str(p), "x", tmp_path / "o", sets, report_only=True, restore=tmp_path / "r.json")
+    only = SRun.run_study(str(p), "x", tmp_path / "o", sets, report_only=True, restore=tmp_path / "r.json",
+                          command="keel study p.toml --scale x --report-only --restore r.json")
+    # the report names the command that trained its runs (it named this --report-only one)
+    md = (tmp_path / "o" / "report.md").read_text()
+    assert only["command"] == "keel study p.toml --scale x" in md and "--report-only" not in md
     assert [(x["group"], x["lr"], x["status"]) for x in only["runs"]][-1] == ("t", 1e-2, "done")
 
 

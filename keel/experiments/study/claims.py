@@ -125,7 +125,7 @@ class MarginGrows(Claim):
     def tables(cls, claim: dict, c: dict) -> list[str]:
         out = [line for cond, cc in c["conditions"].items() for line in _margin_table(claim, cond, cc)]
         out += ["A best LR marked with an asterisk is not bracketed: it is the lowest or highest LR that seed trained "
-                "(the study widens such a cell by one LR beyond the edge, at most twice per side).", "",
+                f"({widen_words(c.get('widen', {}))}).", "",
                 f"The classifier reports a run's first failure: a {claim['baseline']} run flagged as a stagnation (100 "
                 "steps on the unigram plateau) may leave the plateau later and still be that seed's best run (each "
                 "run's verdict and plateau exit step: the last table)."]
@@ -245,6 +245,18 @@ def _check_extended_ramp(c: dict, ramp: Group, ext: Group) -> None:
 
 # The one list of claim kinds: a claim's ``test`` names one.
 CLAIMS: dict[str, type[Claim]] = {c.kind: c for c in (MarginGrows, LrTransfer, MaxLrOrder)}
+
+
+def widen_words(widen: dict[str, int]) -> str:
+    """How far the study widens an edge optimum, from each read group's ``widen`` (spec.Group)."""
+    per = sorted(set(widen.values()))
+    if per == [0]:
+        return "this scale does not widen LR grids: widen = 0"
+    head = "the study widens such a cell by one LR beyond the edge"
+    if len(per) != 1:
+        return head + ("" if not per else " (at most widen times per side: "
+                       + ", ".join(f"{g}: {n}" for g, n in widen.items()) + ")")
+    return head + ", " + {1: "at most once", 2: "at most twice"}.get(per[0], f"at most {per[0]} times") + " per side"
 
 
 def claim_kind(claim: dict) -> type[Claim]:

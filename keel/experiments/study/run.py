@@ -405,7 +405,8 @@ def execute(study: Study, out: str | Path, *, workers: int = 1, threads: int | N
     _check_no_restored_runs_lost(out, restore)
     from_report = report_only and restore is not None  # a report of restored runs needs no earlier folder
     fresh = not out.exists()
-    first_command = _claim_out(out, study, command, resume=resume or from_report,
+    first = (_command_of(restore) or command) if from_report else command  # a report of restored runs: their command
+    first_command = _claim_out(out, study, first, resume=resume or from_report,
                                report_only=report_only and not from_report)
     if resume:  # another --set than the runs started with: refused now, not after the dataset is prepared
         check_started_runs(study, out)
@@ -475,6 +476,16 @@ def _check_groups(study: Study, scale: str, groups: Sequence[str]) -> None:
     if unknown:
         raise KeelError(f"study {study.name!r} at scale {scale!r} has no group(s) {', '.join(unknown)} "
                         f"(groups: {', '.join(x.name for x in study.groups)})")
+
+
+def _command_of(report: str | Path) -> str | None:
+    """The command a ``--restore`` report records (the study's first), or None if it records none:
+    a report made only of restored runs names the command that trained them, not its own."""
+    try:
+        command = json.loads(Path(report).read_text(encoding="utf-8")).get("command")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):  # load_restored has read it already
+        return None
+    return command if isinstance(command, str) else None
 
 
 def study_lock(out: Path) -> RunLock:

@@ -288,7 +288,9 @@ def claim_margin_grows(study: Study, runs: list[dict], claim: dict) -> dict:
     out = {k: _margin_condition(study, runs, claim, alts) for k, alts in conds.items()}
     equal = equal_lr_margins(runs, claim["groups"], claim["scheme"], claim["baseline"], study.min_effect,
                              study.min_seeds)
-    return {"verdict": combine([c["verdict"] for c in out.values()]), "conditions": out, "equal_lr": equal}
+    widen = {g.name: g.widen for g in study.groups if g.name in [*claim["groups"], *claim.get("init_groups", [])]}
+    return {"verdict": combine([c["verdict"] for c in out.values()]), "conditions": out, "equal_lr": equal,
+            "widen": widen}
 
 
 def _opt_lrs(runs: list[dict], group: str, scheme: str, L: int) -> dict:
