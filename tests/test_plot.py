@@ -89,3 +89,29 @@ def test_a_negative_smoothing_window_is_refused_and_one_curve_is_singular(sweep_
     assert r.returncode == 2 and "--smooth must be >= 0" in r.stderr and not (tmp_path / "a.png").exists()
     r = keel_main("plot", "loss", sweep_dir / "keel_L2_lr0.001", "--smooth", "2", "--out", tmp_path / "a.png")
     assert r.returncode == 0 and r.stdout.strip() == f"{tmp_path / 'a.png'}: 1 curve"
+
+
+@pytest.mark.parametrize("kind", ["depth", "lr"])
+def test_flags_of_loss_curves_are_refused_for_depth_and_lr(sweep_dir, keel_main, tmp_path, kind):
+    """`keel plot depth --val --smooth 5 --x steps` drew the same plot as without them, without a word."""
+    r = keel_main("plot", kind, sweep_dir, "--val", "--smooth", "5", "--x", "steps", "--out", tmp_path / "a.png")
+    assert r.returncode == 2 and not (tmp_path / "a.png").exists()
+    assert r.stderr.strip() == (f"keel: error: --val, --x, --smooth: only `keel plot loss` reads them; `keel plot {kind}` "
+                                "plots each run's final validation loss")
+
+
+@pytest.mark.parametrize("suffix, magic", [(".svg", b"<?xml"), (".pdf", b"%PDF"), (".jpg", b"\xff\xd8\xff"),
+                                           ("", b"\x89PNG")])
+def test_the_out_suffix_picks_the_image_format(sweep_dir, tmp_path, suffix, magic):
+    """`--out x.jpg` wrote PNG bytes into x.jpg."""
+    out = tmp_path / f"depth{suffix}"
+    plot_depth(sweep_dir, out)
+    assert out.read_bytes().startswith(magic) and [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
+def test_an_image_format_matplotlib_cannot_write_is_one_line(sweep_dir, keel_main, tmp_path):
+    r = keel_main("plot", "depth", sweep_dir, "--out", tmp_path / "depth.docx")
+    assert r.returncode == 2 and not list(tmp_path.iterdir())
+    assert r.stderr.startswith(f"keel: error: cannot write {tmp_path / 'depth.docx'}: matplotlib writes no .docx files; "
+                               "give --out one of ") and len(r.stderr.strip().splitlines()) == 1
+    assert {".pdf", ".png", ".svg"} <= set(r.stderr.strip().split("give --out one of ")[1].split(", "))

@@ -164,6 +164,8 @@ def test_table_format():
     assert "peak LR 0.05" in md[-1]
     one = stress_table([_r("keel", 8, 2.5e-2)], ["keel"], [8])
     assert one["rows"][0]["cells"]["keel"]["text"] == "2.50e-02"
+    two = table_markdown(stress_table([_r("keel", 2, 2.5e-2)], ["keel"], [2])).splitlines()
+    assert two[2] == "| 2 (1 block) | 2.50e-02 |"  # was "(1 blocks)"
 
 
 def test_max_lr_transcription():

@@ -141,7 +141,7 @@ def _register_plot(subparsers) -> None:
                               description=module_summary("keel.experiments.plot"))
     p.add_argument("kind", choices=("loss", "depth", "lr"))
     p.add_argument("paths", nargs="+", help="run folders / sweep folders (depth, lr: one sweep folder)")
-    p.add_argument("--out", required=True, help="PNG file to write")
+    p.add_argument("--out", required=True, help="image file to write: .png, or .pdf, .svg, .jpg ... (by its suffix)")
     p.add_argument("--val", action="store_true", help="loss: validation loss instead of training loss")
     p.add_argument("--x", default="tokens", choices=("tokens", "steps"), help="loss: x axis")
     p.add_argument("--smooth", type=int, default=0, help="loss: trailing mean of the training loss over K steps")

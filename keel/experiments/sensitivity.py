@@ -278,7 +278,7 @@ def plot(summary: dict, out: str | Path) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("peak learning rate")
         ax.set_ylabel("final validation loss (nats/token)")
-        ax.set_title(f"{L} sub-layers ({L // 2} blocks)")
+        ax.set_title(f"{L} sub-layers ({L // 2} block{'s' if L // 2 != 1 else ''})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     save_figure(fig, out)

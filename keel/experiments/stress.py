@@ -134,7 +134,7 @@ def table_markdown(table: dict, peak_lr: float | None = None) -> str:
     cols = table["columns"]
     lines = ["| depth: sub-layers (blocks) | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for row in table["rows"]:
-        lines.append(f"| {row['sublayers']} ({row['blocks']} blocks) | "
+        lines.append(f"| {row['sublayers']} ({row['blocks']} block{'s' if row['blocks'] != 1 else ''}) | "
                      + " | ".join(row["cells"][c]["text"] for c in cols) + " |")
     note = "Cells: median max LR over seeds (min–max); \"no div.\": no divergence"
     note += f" up to the peak LR {peak_lr:g}." if peak_lr else "."

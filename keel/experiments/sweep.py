@@ -177,7 +177,8 @@ def width_for_params(model_cfg, target: int, n_layers: int | None = None, *, mul
 
     lo, hi = 1, max(2, 64 * model_cfg.d_model // multiple)
     if count(hi) < target:
-        raise KeelError(f"{target:,} parameters need more than d_model {hi * multiple} at {n_layers} blocks")
+        raise KeelError(f"{target:,} parameters need more than d_model {hi * multiple} at {n_layers} "
+                        f"block{'s' * (n_layers != 1)}")
     if count(lo) >= target:
         return shape(lo)
     while hi - lo > 1:  # invariant: count(lo) < target <= count(hi)

@@ -9,15 +9,26 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from keel.errors import KeelError
 from keel.io import atomic_path
 from keel.train.metrics import read_metrics  # noqa: E402
 
 
 def save_figure(fig, out: str | Path) -> None:
-    """Save ``fig`` as PNG to ``out`` via a temp file and rename; closes the figure."""
+    """Save ``fig`` to ``out`` via a temp file and rename, in the format its suffix names (``.png``,
+    ``.pdf``, ``.svg``, ``.jpg``, ...; PNG without one); closes the figure.
+
+    Raises:
+        KeelError: a suffix matplotlib cannot write (the message lists those it can; nothing is written).
+    """
+    fmt = Path(out).suffix.lower().lstrip(".") or "png"
+    known = fig.canvas.get_supported_filetypes()
     try:
-        with atomic_path(out, suffix=".png") as tmp:
-            fig.savefig(tmp, dpi=120, bbox_inches="tight")
+        if fmt not in known:
+            raise KeelError(f"cannot write {out}: matplotlib writes no .{fmt} files; give --out one of "
+                            + ", ".join(f".{k}" for k in sorted(known)))
+        with atomic_path(out, suffix=f".{fmt}") as tmp:
+            fig.savefig(tmp, dpi=120, bbox_inches="tight", format=fmt)
     finally:
         plt.close(fig)
 

@@ -344,7 +344,8 @@ class Trainer:
         for line in ignored_keys(cfg.model) + notes:  # e.g. model.alpha set for a pre_ln run
             log.warning(line)
         log.info("run directory: %s", self.run_dir)
-        log.info(f"model: {cfg.model.residual}, {cfg.model.n_layers} blocks = {cfg.model.n_sublayers} sub-layers, "
+        n = cfg.model.n_layers
+        log.info(f"model: {cfg.model.residual}, {n} block{'s' * (n != 1)} = {cfg.model.n_sublayers} sub-layers, "
                  f"d_model {cfg.model.d_model}, {self.model.num_params() / 1e6:.2f}M parameters; "
                  f"data: {self.data_dir} ({self.meta['train_tokens']:,} train tokens)")
         log.info(f"global batch: {tc.batch_size} sequences x {tc.seq_len} tokens x grad_accum {tc.grad_accum} = "

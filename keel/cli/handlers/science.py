@@ -155,6 +155,11 @@ def cmd_plot(args: argparse.Namespace) -> int:
     else:
         if len(args.paths) != 1:
             raise KeelError(f"keel plot {args.kind} takes one sweep folder, got {len(args.paths)}")
+        loss_only = [flag for flag, given in (("--val", args.val), ("--x", args.x != "tokens"),
+                                              ("--smooth", args.smooth)) if given]
+        if loss_only:
+            raise KeelError(f"{', '.join(loss_only)}: only `keel plot loss` reads {'it' if len(loss_only) == 1 else 'them'}"
+                            f"; `keel plot {args.kind}` plots each run's final validation loss")
         if args.kind == "depth":
             n = len(P.plot_depth(args.paths[0], out, title=args.title))
         else:

@@ -84,7 +84,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                     "d_model": mc.d_model, "parameters": model.num_params(), "perplexity": None, "tasks": {}}
     human = not args.json  # --json: stdout holds the JSON report only
     if human:
-        print(f"model: {name} ({mc.residual}, {mc.n_layers} blocks = {mc.n_sublayers} sub-layers, "
+        print(f"model: {name} ({mc.residual}, {mc.n_layers} block{'s' * (mc.n_layers != 1)} = {mc.n_sublayers} sub-layers, "
               f"d_model {mc.d_model}, {model.num_params() / 1e6:.2f}M parameters)")
 
     res = None
