@@ -235,7 +235,7 @@ class TrainConfig:
 
     ON_RESUME: ClassVar[ResumePolicy] = "apply"
 
-    steps: int = key(1000, "optimiser steps to train for.", ge=1, on_resume="schedule")
+    steps: int = key(1000, "optimiser steps to train for.", ge=1, le=10**12, on_resume="schedule")
     lr: float = key(3e-3, "peak learning rate (after warm-up).", gt=0, on_resume="schedule")
     min_lr: float = key(1e-7, "learning rate at the end of the decay (<= lr; > 0 with schedule wsd).", ge=0,
                         on_resume="schedule")

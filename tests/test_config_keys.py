@@ -427,3 +427,10 @@ def test_a_text_key_keeps_the_text_as_typed(key, raw):
 def test_a_number_key_still_reads_toml_numbers():
     cfg = load_config(None, ["train.lr=1e-3", "train.steps=1_000", "model.vocab_size=0x1000", "train.compile=true"])
     assert (cfg.train.lr, cfg.train.steps, cfg.model.vocab_size, cfg.train.compile) == (1e-3, 1000, 4096, True)
+
+
+def test_a_step_count_no_run_could_reach_is_refused():
+    """train.steps=1e20 (a slip for 1e2, say) was accepted: a run that would never end."""
+    with pytest.raises(KeelError, match=r"^train.steps must be between 1 and 1e\+12, got 100000000000000000000$"):
+        load_config(KEEL / "configs" / "demo.toml", ["train.steps=1e20"])
+    assert load_config(KEEL / "configs" / "demo.toml", ["train.steps=1e6"]).train.steps == 10**6
