@@ -70,6 +70,21 @@ def test_keel_config_show_takes_a_run_folder(tiny_reference_run, capsys):
     assert shown["model"]["vocab_size"] == 512 and shown["train"]["steps"] == 12
 
 
+@pytest.mark.parametrize("marker, words", [("sweep.json", "a sweep folder: each of its runs is a run folder inside it"),
+                                           ("study.json", "a study folder: each of its runs is a run folder inside it"),
+                                           (None, "not a run folder (no config.toml)")])
+def test_keel_config_show_of_a_folder_that_is_not_a_run_says_what_it_is(tmp_path, capsys, marker, words):
+    """`keel config --show SWEEP_DIR` said "config file not found: SWEEP_DIR"."""
+    folder = tmp_path / "sw"
+    folder.mkdir()
+    if marker:
+        (folder / marker).write_text("{}")
+    assert main(["config", "--show", str(folder)]) == 2
+    assert capsys.readouterr().err == (f"keel: error: --show {folder}: {words}"
+                                       + (f" (`keel runs {folder}` lists them)" if marker else "")
+                                       + "; --show takes a preset, a TOML file or a run folder\n")
+
+
 def test_keel_config_schemes_lists_every_scheme_with_its_paper(capsys):
     from keel.model import SCHEMES
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import tomli_w
 
+from keel.errors import KeelError
 from keel.config import describe_config, load_config, preset_names, resolve_config_path
 
 
@@ -56,6 +57,14 @@ def print_schemes() -> None:
             print(f"      {line}")
 
 
+def _not_a_run_folder(folder: Path) -> str:
+    """Why ``keel config --show FOLDER`` cannot show a folder without a ``config.toml``."""
+    held = next((f"a {kind} folder: each of its runs is a run folder inside it (`keel runs {folder}` lists them)"
+                 for marker, kind in (("sweep.json", "sweep"), ("study.json", "study"), ("grid.json", "grid"))
+                 if (folder / marker).is_file()), "not a run folder (no config.toml)")
+    return f"--show {folder}: {held}; --show takes a preset, a TOML file or a run folder"
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     if args.schemes:
         print("residual schemes (keel train --set model.residual=NAME):")
@@ -66,6 +75,8 @@ def cmd_config(args: argparse.Namespace) -> int:
             print(resolve_config_path(args.show, kind="sweeps").read_text(), end="")
             return 0
         run_config = Path(args.show) / "config.toml"  # a run folder: the config it was trained with
+        if Path(args.show).is_dir() and not run_config.is_file():
+            raise KeelError(_not_a_run_folder(Path(args.show)))
         cfg = load_config(run_config, stored=True) if run_config.is_file() else load_config(resolve_config_path(args.show))
         print(tomli_w.dumps(cfg.to_dict()), end="")
         return 0
