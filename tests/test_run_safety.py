@@ -496,6 +496,21 @@ def test_signal_to_keel_train_nproc_stops_every_worker(signame, tiny_data, tmp_p
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps[-1]:08d}"
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_ctrl_c_on_a_submitit_local_sweep_says_its_job_stopped_not_failed(tiny_data, tmp_path):
+    """A SIGINT to `keel sweep --executor submitit-local`: the job checkpointed its run, but the
+    ledger and the status line said "failed"."""
+    pytest.importorskip("submitit")
+    out = tmp_path / "sw"
+    err, proc, left = signal_while_training(["sweep", "--grid", "train.seed=0", "--out", out, "--executor",
+                                             "submitit-local", "--threads", "1"], [out / "seed0"], "SIGINT",
+                                            tiny_data, tmp_path)
+    assert left == [] and proc.returncode == 128 + signal.SIGINT, err
+    job = json.loads((out / "jobs.json").read_text())["jobs"]["seed0"]
+    assert job["state"] == "stopped" and f"  seed0: stopped (job {job['job_id']})" in err, err
+    assert "failed" not in err and (out / "seed0" / "checkpoints" / "latest").is_file(), err
+
+
 class _LateSignal:
     """Stands in for StopSignals: its signal lands while the ranks all-reduce the stop flag
     (none at the first read of ``received``, SIGINT from the second on)."""

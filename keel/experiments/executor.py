@@ -412,7 +412,9 @@ def _submit(executor, execute: Callable, task: Callable, job, st: _Submitted, re
 
 
 def _collect(st: _Submitted, by_name: dict, report: Callable, read_result: Callable, stop_only: bool) -> None:
-    """Log state changes; report (and forget) the jobs that ended."""
+    """Log state changes; report (and forget) the jobs that ended. ``stop_only`` (the driver got a
+    stop signal and passed it on): a local job that ends without a result checkpointed its run and
+    is ``stopped``, not ``failed``."""
     for name, handle in list(st.handles.items()):
         state = _live_state(st.ex.kind, handle)
         if state is not None and not (st.ex.kind == "slurm" and stop_only):
@@ -423,6 +425,6 @@ def _collect(st: _Submitted, by_name: dict, report: Callable, read_result: Calla
             continue
         r = _outcome(st.out_dir / name, handle, read_result)
         del st.handles[name]
-        st.record(name, "done" if r.get("status") == "done" else "failed")
+        st.record(name, "done" if r.get("status") == "done" else "stopped" if stop_only else "failed")
         if not (stop_only and r.get("status") != "done"):
             report(by_name[name], r)
