@@ -259,6 +259,15 @@ def test_eval_hf_finds_the_cached_dataset_of_the_export(tiny_data, tmp_path, mon
     assert main(["eval", "--hf", str(tmp_path / "hf")]) == 0
     assert f"held-out text: none (the dataset keel_config.toml names (data.path {tmp_path / 'gone'}) is not prepared " \
            "here; pass --text FILE)" in capsys.readouterr().out
+    # a dataset prepared there since with another tokenizer: its ids were scored as the export's text
+    from keel.data import prepare_dataset
+
+    other = prepare_dataset("builtin:python-stdlib", "bpe:300", tmp_path / "gone", max_bytes=100_000, progress=False)
+    capsys.readouterr()
+    assert main(["eval", "--hf", str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err == (f"keel: error: {other} was prepared with another tokenizer than the model's "
+                                       "(their vocabularies differ): its token ids are other text to this model; "
+                                       "score it with --text, or prepare the model's dataset again\n")
 
 
 def test_unreachable_hub_task_fails_after_one_probe(run_dir, tmp_path, monkeypatch, caplog, connect_attempts):
