@@ -189,3 +189,29 @@ def test_resume_of_a_folder_that_does_not_exist_is_refused(argv, tmp_path, tiny_
     err = capsys.readouterr().err
     assert f"--resume: {out} does not exist, nothing to continue" in err and "Traceback" not in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("given, words", [
+    (["data.tokenizer=bpe:9999"], "data.tokenizer = 'bpe:9999' (it has 'bpe:512')"),
+    (["data.val_fraction=0.5", "data.source=/nonexistent"],
+     "data.val_fraction = 0.5 (it has 0.05), data.source = '/nonexistent' (it has 'builtin:python-stdlib')"),
+])
+def test_a_data_key_set_beside_data_path_is_refused_not_dropped(tiny_data, tiny_reference_run, tmp_path, capsys,
+                                                                given, words):
+    """`--set data.tokenizer=bpe:9999` with data.path trained on the dataset's own bpe:512 without a word,
+    on a new run and on a resume (where the README says data keys are refused)."""
+    sets = [a for s in [*tiny_overrides(tiny_data), *given] for a in ("--set", s)]
+    assert main(["train", *sets, "--run-dir", str(tmp_path / "new")]) == 2
+    assert not (tmp_path / "new").exists()
+    err = capsys.readouterr().err
+    assert err == (f"keel: error: {words}: not how data.path {tiny_data} was prepared, and with data.path the "
+                   f"dataset's own settings apply; drop {', '.join(g.split('=')[0] for g in given)}, or `keel "
+                   "prepare` a dataset with them and give its data.path\n")
+    run = tmp_path / "run"
+    shutil.copytree(tiny_reference_run, run)
+    before = (run / "metrics.jsonl").read_text()
+    assert main(["train", "--resume", str(run), *[a for g in given for a in ("--set", g)],
+                 "--set", "train.steps=14"]) == 2
+    assert words in capsys.readouterr().err and (run / "metrics.jsonl").read_text() == before
+    same = main(["train", "--resume", str(run), "--set", "data.tokenizer=bpe:512", "--set", "train.steps=12"])
+    assert same == 0  # the dataset's own value: nothing is dropped

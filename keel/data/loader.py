@@ -277,6 +277,24 @@ def prepared_from(meta: dict) -> dict:
     return out
 
 
+def check_given_dataset(data: dict, meta: dict, keys: list[str]) -> None:
+    """With ``data.path`` set the dataset is made already and its own settings replace the keys that
+    say how a dataset is made (:func:`prepared_from`). ``keys`` (``data.*`` names, e.g. those a user
+    gave with ``--set``) that hold another value than the dataset's (``meta.json``) would be dropped
+    without a word. Local paths are compared absolute; ``data`` is a ``[data]`` section as a dict.
+
+    Raises:
+        KeelError: naming each such key, its value and the dataset's.
+    """
+    given, own = absolute_data_paths(data), absolute_data_paths(prepared_from(meta))
+    wrong = [k for k in (key.removeprefix("data.") for key in keys) if k in own and given.get(k) != own[k]]
+    if wrong:
+        said = ", ".join(f"data.{k} = {given[k]!r} (it has {own[k]!r})" for k in wrong)
+        raise KeelError(f"{said}: not how data.path {data.get('path')} was prepared, and with data.path the "
+                        f"dataset's own settings apply; drop {', '.join('data.' + k for k in wrong)}, or `keel "
+                        "prepare` a dataset with them and give its data.path")
+
+
 def resolve_data(cfg, progress: bool = True) -> Path:
     """The prepared dataset folder a config's ``[data]`` section names: ``data.path`` if set
     (checked to be a prepared dataset), else prepared from ``data.source`` and

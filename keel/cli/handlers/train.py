@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from keel.cli.handlers import check_seed
-from keel.config import TrainConfig, load_config, resolve_config_path
-from keel.data import prepare_dataset, read_meta
+from keel.config import TrainConfig, load_config, parse_override, resolve_config_path
+from keel.data import check_given_dataset, prepare_dataset, read_meta
 from keel.errors import Interrupted, KeelError
 from keel.experiments.training import train_run
 from keel.io import die_with_parent, passing_on_stop_signals
@@ -268,6 +268,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(resolve_config_path(args.config), args.set)
         run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+    if cfg.data.path:  # a --set data.tokenizer (say) would be replaced by the dataset's own without a word
+        check_given_dataset(cfg.to_dict()["data"], read_meta(cfg.data.path), [parse_override(x)[0] for x in args.set])
     if args.nproc is not None:
         return launch_torchrun(args, run_dir)
     res = train_run(cfg, run_dir, resume=bool(args.resume), restart=args.restart)
