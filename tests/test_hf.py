@@ -489,6 +489,30 @@ def _stock_llama(folder, tokenizer_file, **config):
     return model
 
 
+def test_import_refuses_a_tokenizer_larger_than_the_vocabulary_and_steps_below_the_export(tiny_data, tmp_path,
+                                                                                          capsys):
+    """A Llama of vocab_size 300 with a 512-id tokenizer was imported; `keel generate` then died of an
+    IndexError traceback. `--set train.steps=10` on an export of step 30 was accepted, and every resume
+    refused it."""
+    llama_dir = tmp_path / "llama"
+    _stock_llama(llama_dir, tiny_data / "tokenizer.json", vocab_size=300)
+    capsys.readouterr()
+    assert main(["import-hf", "--hf", str(llama_dir), "--out", str(tmp_path / "a")]) == 2
+    assert capsys.readouterr().err == (f"keel: error: {llama_dir}: its tokenizer has 512 ids but config.json's "
+                                       "vocab_size is 300: ids from 300 on have no embedding row\n")
+    assert not (tmp_path / "a").exists()
+    llama_dir = tmp_path / "llama30"  # as an export of step 30 says
+    _stock_llama(llama_dir, tiny_data / "tokenizer.json")
+    config = json.loads((llama_dir / "config.json").read_text())
+    (llama_dir / "config.json").write_text(json.dumps({**config, "keel_step": 30}))
+    capsys.readouterr()
+    assert main(["import-hf", "--hf", str(llama_dir), "--out", str(tmp_path / "b"), "--set", "train.steps=10"]) == 2
+    assert capsys.readouterr().err == (f"keel: error: train.steps=10 is below the step {llama_dir} was exported at "
+                                       "(30); give train.steps >= 30\n")
+    assert not (tmp_path / "b").exists()
+    assert main(["import-hf", "--hf", str(llama_dir), "--out", str(tmp_path / "b"), "--set", "train.steps=30"]) == 0
+
+
 def test_import_stock_llama_then_resume_training_and_generate(tiny_data, tmp_path, capsys):
     from tokenizers import Tokenizer
 

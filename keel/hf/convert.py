@@ -261,6 +261,18 @@ def fresh_trainer_state(model, cfg, step: int = 0, tokens: int = 0) -> dict:
             "rng": torch.Generator().manual_seed(cfg.train.seed).get_state()}
 
 
+def _check_importable(hf_dir: Path, cfg, n_ids: int, step: int) -> None:
+    """Refuse what would fail only later (:func:`import_hf`): a tokenizer with ``n_ids`` ids, more than the
+    model's ``vocab_size`` (``keel generate`` met an id with no embedding row), or a ``train.steps``
+    below the export's ``step`` (every resume refused it)."""
+    if n_ids > cfg.model.vocab_size:
+        raise KeelError(f"{hf_dir}: its tokenizer has {n_ids} ids but config.json's vocab_size is "
+                        f"{cfg.model.vocab_size}: ids from {cfg.model.vocab_size} on have no embedding row")
+    if cfg.train.steps < step:
+        raise KeelError(f"train.steps={cfg.train.steps} is below the step {hf_dir} was exported at ({step}); "
+                        f"give train.steps >= {step}")
+
+
 def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None = None) -> Path:
     """Create a run directory ``out`` from a keel Hugging Face folder or a stock Llama folder.
 
@@ -276,7 +288,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     keeps ``train.batch_size`` and ``train.seq_len``, so choose them here.
 
     Returns ``out``. Raises KeelError: not a keel/Llama folder, a Llama feature keel lacks
-    (named), no tokenizer, or ``out`` exists and is not empty.
+    (named), no tokenizer, a tokenizer with more ids than ``vocab_size`` embedding rows, a
+    ``train.steps`` below the step the export reached, or ``out`` exists and is not empty.
     """
     hf_dir, out = Path(hf_dir), Path(out)
     _check_output(out)
@@ -289,10 +302,11 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     if not exported.is_file() and not any(o.strip().startswith("data.tokenizer=") for o in overrides):
         cfg.data.tokenizer = str((out / "tokenizer.json").resolve())
     cfg.model = dataclasses.replace(model.config.to_model_config())
+    step = int(getattr(model.config, "keel_step", 0) or 0)
+    _check_importable(hf_dir, cfg, len(hf_tok), step)
     with _fresh_output(out) as tmp:
         _write_tokenizer(hf_dir, hf_tok, tmp)
         dump_config(cfg, tmp / "config.toml")
-        step = int(getattr(model.config, "keel_step", 0) or 0)
         state = fresh_trainer_state(model.model, cfg, step, int(getattr(model.config, "keel_tokens", 0) or 0))
         state["imported_from"] = str(hf_dir.resolve())
         state["config"] = cfg.to_dict()  # what a resume compares its config with
