@@ -220,3 +220,22 @@ def test_layer_importance_of_a_blown_up_model_is_finite(full, unit):
     assert [u["ppl"] for u in res["units"]] == [math.exp(min(unit, 700.0))] * 2
     assert all(math.isfinite(u["delta_ppl"]) for u in res["units"])
     assert res["units"][0]["delta_ppl"] == math.exp(min(unit, 700.0)) - math.exp(min(full, 700.0))
+
+
+def test_hf_export_of_a_run_ablates_to_the_run_s_numbers(tiny_reference_run, tmp_path, keel_main):
+    """`keel ablate --hf EXPORT --run RUN` re-encoded the run's decoded validation split with the HF
+    tokenizer (EOS became text) in windows of 256, not train.seq_len: other ΔPPLs than `--run RUN`
+    (4148.7 vs 4072.5 in a new user's trial); without --run it refused though the export names its dataset."""
+    pytest.importorskip("transformers")
+    assert keel_main("export-hf", "--run", tiny_reference_run, "--out", tmp_path / "hf").returncode == 0
+    want = keel_main("ablate", "--run", tiny_reference_run, "--tokens", 256, "--out", tmp_path / "a", "--json")
+    assert want.returncode == 0, want.stderr
+    want = json.loads(want.stdout)
+    for extra in (["--run", tiny_reference_run], []):
+        got = keel_main("ablate", "--hf", tmp_path / "hf", *extra, "--tokens", 256, "--out", tmp_path / "b", "--json")
+        assert got.returncode == 0, got.stderr
+        got = json.loads(got.stdout)
+        assert (got["tokens"], got["seq_len"]) == (want["tokens"], want["seq_len"]) == (256, 32)
+        assert got["ppl_full"] == pytest.approx(want["ppl_full"], rel=1e-6)
+        assert [u["delta_ppl"] for u in got["units"]] == pytest.approx([u["delta_ppl"] for u in want["units"]],
+                                                                        rel=1e-5, abs=1e-6 * want["ppl_full"])

@@ -277,6 +277,17 @@ def prepared_from(meta: dict) -> dict:
     return out
 
 
+def check_tokenizer_matches(tokenizer: Tokenizer, data_dir: str | os.PathLike) -> None:
+    """Raise KeelError unless the prepared dataset ``data_dir`` was tokenized with ``tokenizer``'s
+    vocabulary (the same token -> id map, added tokens included): its ids are another text to a
+    model of another tokenizer (e.g. ``keel prepare --out`` again with another one since, or an
+    export scored on another run's data)."""
+    if tokenizer.get_vocab(with_added_tokens=True) != load_tokenizer(data_dir).get_vocab(with_added_tokens=True):
+        raise KeelError(f"{data_dir} was prepared with another tokenizer than the model's (their vocabularies "
+                        "differ): its token ids are other text to this model; score it with --text, or prepare the "
+                        "model's dataset again")
+
+
 def check_given_dataset(data: dict, meta: dict, keys: list[str]) -> None:
     """With ``data.path`` set the dataset is made already and its own settings replace the keys that
     say how a dataset is made (:func:`prepared_from`). ``keys`` (``data.*`` names, e.g. those a user

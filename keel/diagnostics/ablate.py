@@ -180,7 +180,7 @@ def ablate_model(model, windows, batch_size: int = 16) -> dict:
     for u in out["units"]:
         u["block"], u["kind"] = u["index"] // 2, ("attn" if u["index"] % 2 == 0 else "ffn")
     out.update(scheme=model.cfg.residual, blocks=L // 2, sublayers=L, unit="sub-layer",
-               tokens=int(windows[:, 1:].numel()))
+               tokens=int(windows[:, 1:].numel()), seq_len=int(windows.shape[1]) - 1)
     return out
 
 
@@ -215,16 +215,22 @@ def ablate_hf_model(model, windows, batch_size: int = 8) -> dict:
     for u in out["units"]:
         u["block"], u["kind"] = u["index"], "layer"
     out.update(scheme=f"hf:{type(model).__name__}", blocks=len(layers), sublayers=2 * len(layers),
-               unit="decoder layer", tokens=int(windows[:, 1:].numel()))
+               unit="decoder layer", tokens=int(windows[:, 1:].numel()), seq_len=int(windows.shape[1]) - 1)
     return out
 
 
 # ----------------------------------------------------------------------------- outputs
+def _in_windows(res: dict) -> str:
+    """" in windows of N tokens" (a result written before ``seq_len`` was recorded: "")."""
+    return f" in windows of {res['seq_len']} tokens" if res.get("seq_len") else ""
+
+
 def ablate_markdown(res: dict, title: str) -> str:
     """Markdown table of an ablation result."""
     lines = [f"# Layer importance: {title}", "",
-             f"{res['scheme']}, {res['blocks']} blocks = {res['sublayers']} sub-layers; unit removed = one "
-             f"{res['unit']}; {res['tokens']:,} validation tokens. Full model: PPL {res['ppl_full']:.3f} "
+             f"{res['scheme']}, {res['blocks']} block{'s' * (res['blocks'] != 1)} = {res['sublayers']} sub-layers; "
+             "unit removed = one "
+             f"{res['unit']}; {res['tokens']:,} validation tokens{_in_windows(res)}. Full model: PPL {res['ppl_full']:.3f} "
              f"(loss {res['nll_full']:.4f} nats/token). ΔPPL = PPL without the unit − PPL of the full model.", "",
              "| index | block | unit | PPL without | ΔPPL |", "|---|---|---|---|---|"]
     for u in res["units"]:

@@ -412,7 +412,7 @@ def plot_profiles(results: list[dict], out: str | Path) -> None:
             axes[0][col].plot(range(1, L, 2), p[1::2], lw=lw, color=c, ls=":")
             axes[1][col].plot(range(L), [max(v, 1e-300) for v in r["stream_grad_norm"]], lw=lw, color=c,
                               label=label)
-        axes[0][col].set_title(f"{L // 2} blocks = {L} sub-layers")
+        axes[0][col].set_title(f"{L // 2} block{'s' * (L // 2 != 1)} = {L} sub-layers")
         for row, name in enumerate(("parameter grad norm\n(solid: attention, dotted: FFN)",
                                     "residual-stream grad norm")):
             ax = axes[row][col]

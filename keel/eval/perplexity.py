@@ -25,7 +25,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from keel.data import load_tokenizer, split_windows, validation_tokens
+from keel.data import check_tokenizer_matches, split_windows, validation_tokens
 from keel.data.text import encode_text, utf8_bytes
 from keel.errors import KeelError
 from keel.train.nll import summed_nll
@@ -115,10 +115,7 @@ def validation_perplexity(model, tokenizer, data_dir: str | Path, seq_len: int, 
             another tokenizer, or an export scored on another run's data), or a validation split
             shorter than one window.
     """
-    if tokenizer.get_vocab(with_added_tokens=True) != load_tokenizer(data_dir).get_vocab(with_added_tokens=True):
-        raise KeelError(f"{data_dir} was prepared with another tokenizer than the model's (their vocabularies "
-                        "differ): its token ids are other text to this model; score it with --text, or prepare the "
-                        "model's dataset again")
+    check_tokenizer_matches(tokenizer, data_dir)
     windows = validation_tokens(data_dir, seq_len, max_tokens)
     nats, n = summed_nll(model, windows, batch_size, device)
     targets = windows[:, 1:].reshape(-1).tolist()  # contiguous: val[1 : N*seq_len + 1]

@@ -20,6 +20,7 @@ import torch
 
 from keel.cli.handlers import check_counts, check_seed
 from keel.config import load_config, resolve_config_path
+from keel.data import check_tokenizer_matches, find_data, validation_tokens
 from keel.diagnostics import gradflow as G
 from keel.errors import KeelError
 from keel.diagnostics import ablate as A
@@ -32,6 +33,7 @@ from keel.experiments.study.run import run_study
 from keel.experiments import sweep as S
 from keel.io import make_dirs
 from keel.model import SCHEMES
+from keel.run import Run
 
 
 def cmd_gradflow(args: argparse.Namespace) -> int:
@@ -168,22 +170,38 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ablate_hf(args: argparse.Namespace, text: str, tokens: int) -> dict:
+def _ablate_hf(args: argparse.Namespace, tokens: int) -> dict:
     """``keel ablate --hf``: a keel export (``model_type`` keel, written by ``keel export-hf``) is
-    ablated as the native model it wraps, by sub-layer as ``--run`` does, on ``text`` in the
-    folder's tokenizer; any other Hugging Face causal LM by decoder layer (:func:`A.ablate_hf_folder`)."""
+    ablated as the native model it wraps, by sub-layer as ``--run`` does and, without ``--text``, on
+    the same windows: the validation split of ``--run``'s dataset or of the one its
+    ``keel_config.toml`` names, ``--seq-len`` defaulting to its ``train.seq_len``. Any other Hugging
+    Face causal LM is ablated by decoder layer on text (:func:`A.ablate_hf_folder`): ``--text``, or
+    ``--run``'s validation split decoded."""
     config = Path(args.hf) / "config.json"
     try:
         keel_export = json.loads(config.read_text(encoding="utf-8")).get("model_type") == "keel"
     except (OSError, ValueError):
         keel_export = False  # not a readable keel config: ablate_hf_folder names the problem
     if not keel_export:
-        return A.ablate_hf_folder(args.hf, text, args.seq_len, tokens, args.batch_size)
-    from keel.hf.convert import load_hf  # lazy: transformers takes ~2 s to import, only for a keel export
+        return A.ablate_hf_folder(args.hf, A.ablation_text(args.text, args.run, tokens), args.seq_len, tokens,
+                                  args.batch_size)
+    from keel.hf.convert import KEEL_CONFIG_NAME, load_hf  # lazy: transformers takes ~2 s to import, only for --hf
 
     hf, tok, _ = load_hf(args.hf, device=args.device)
-    seq = args.seq_len or min(512, hf.model.cfg.max_seq_len)
-    windows = A.text_windows(tok(text, add_special_tokens=False)["input_ids"], seq, tokens)
+    exported = Path(args.hf) / KEEL_CONFIG_NAME
+    cfg = load_config(exported, stored=True) if exported.is_file() else None
+    seq = args.seq_len or (cfg.train.seq_len if cfg is not None else min(512, hf.model.cfg.max_seq_len))
+    if not 1 <= seq <= hf.model.cfg.max_seq_len:
+        raise KeelError(f"--seq-len must be between 1 and model.max_seq_len = {hf.model.cfg.max_seq_len}, got {seq}")
+    data_dir = None
+    if not args.text:  # the run's dataset (tokenizer checked by Run.data_dir), else the one the export names
+        data_dir = Run(args.run).data_dir() if args.run else find_data(cfg) if cfg is not None else None
+    if data_dir is None:
+        text = A.ablation_text(args.text, args.run, tokens)
+        windows = A.text_windows(tok(text, add_special_tokens=False)["input_ids"], seq, tokens)
+    else:  # the token ids --run ablates on, not their text encoded again (EOS would become text)
+        check_tokenizer_matches(tok.backend_tokenizer, data_dir)
+        windows = validation_tokens(data_dir, seq, tokens)
     return A.ablate_model(hf.model.float(), windows, batch_size=args.batch_size)
 
 
@@ -193,8 +211,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     if args.verbose:  # the library logs each unit's PPL at DEBUG level
         logging.getLogger(A.__name__).setLevel(logging.DEBUG)
     if args.hf:
-        text = A.ablation_text(args.text, args.run, tokens)
-        res = _ablate_hf(args, text, tokens)
+        res = _ablate_hf(args, tokens)
         title, default_out = str(args.hf), Path(args.hf) / "ablate"
     elif args.run:
         text = A.ablation_text(args.text, None, tokens) if args.text else None

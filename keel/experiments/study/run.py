@@ -405,9 +405,8 @@ def execute(study: Study, out: str | Path, *, workers: int = 1, threads: int | N
     _check_no_restored_runs_lost(out, restore)
     from_report = report_only and restore is not None  # a report of restored runs needs no earlier folder
     fresh = not out.exists()
-    first = (_command_of(restore) or command) if from_report else command  # a report of restored runs: their command
-    first_command = _claim_out(out, study, first, resume=resume or from_report,
-                               report_only=report_only and not from_report)
+    first_command = _claim_out(out, study, _command_of(restore) or command if from_report else command,
+                               resume=resume or from_report, report_only=report_only and not from_report)
     if resume:  # another --set than the runs started with: refused now, not after the dataset is prepared
         check_started_runs(study, out)
     superseded: list[dict] = []
