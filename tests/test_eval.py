@@ -336,3 +336,13 @@ def test_shipped_tasks_load_with_plain_lm_eval_from_any_folder(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     counts = json.loads(r.stdout.split("RESULT ")[-1])
     assert counts == {"keel_python_completion": 20, "keel_python_paragraphs": 6, "keel_python_generate": 20}
+
+
+@pytest.mark.parametrize("command", ["eval", "ablate"])
+def test_a_text_that_is_a_folder_is_named_as_one(run_dir, tmp_path, capsys, command):
+    """`keel eval --run R --text /tmp` said "--text file not found: /tmp"."""
+    assert main([command, "--run", str(run_dir), "--text", str(tmp_path), "--out" if command == "ablate" else "--json",
+                 *([str(tmp_path / "abl")] if command == "ablate" else [])]) == 2
+    assert capsys.readouterr().err == f"keel: error: --text {tmp_path} is a folder, not a text file\n"
+    assert main([command, "--run", str(run_dir), "--text", str(tmp_path / "no.txt")]) == 2
+    assert capsys.readouterr().err == f"keel: error: --text file not found: {tmp_path / 'no.txt'}\n"

@@ -115,3 +115,11 @@ def test_an_image_format_matplotlib_cannot_write_is_one_line(sweep_dir, keel_mai
     assert r.stderr.startswith(f"keel: error: cannot write {tmp_path / 'depth.docx'}: matplotlib writes no .docx files; "
                                "give --out one of ") and len(r.stderr.strip().splitlines()) == 1
     assert {".pdf", ".png", ".svg"} <= set(r.stderr.strip().split("give --out one of ")[1].split(", "))
+
+
+def test_gradflow_refuses_a_plot_it_cannot_write_before_it_profiles(keel_main, tmp_path):
+    """`keel gradflow --plot x.txt` profiled first, printed the table, then said "give --out one of ..."."""
+    r = keel_main("gradflow", "--residual", "keel", "--sublayers", "2", "--plot", tmp_path / "x.txt")
+    assert r.returncode == 2 and r.stdout == "" and not list(tmp_path.iterdir())
+    assert r.stderr.startswith(f"keel: error: cannot write {tmp_path / 'x.txt'}: matplotlib writes no .txt files; "
+                               "give --plot one of ")

@@ -160,6 +160,15 @@ def test_the_margin_table_says_how_far_this_scale_widens(widen, words):
     assert line.endswith(words), line
 
 
+def test_a_study_of_ramps_only_has_no_empty_best_loss_table():
+    """`keel stress`'s report showed "Best loss per scheme and depth" with a header and no row."""
+    st = study(groups=[SS.Group("ramp", ["post_ln", "keel"], [4], [0], kind="ramp")])
+    runs = [dict(run("ramp", s, 4, 0, 0.0, 5.0), max_lr=0.1) for s in ("post_ln", "keel")]
+    assert SR.best_loss_table(st, runs) == []
+    trained = study(groups=[SS.Group("g", ["keel"], [4], [0], lrs=[1e-3])])
+    assert SR.best_loss_table(trained, [run("g", "keel", 4, 0, 1e-3, 3.0)])[-2].startswith("| g | 4 | keel | 3.000")
+
+
 def test_margin_grows_at_both_inits():
     claim = {"groups": ["g"], "init_groups": ["i"], "scheme": "keel", "baseline": "pre_ln"}
     paper = _margin_runs({16: {0: 0.10, 1: 0.12, 2: 0.08}, 64: {0: 0.50, 1: 0.45, 2: 0.55}})

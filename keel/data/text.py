@@ -19,6 +19,8 @@ from collections.abc import Iterator, Sequence
 
 from tokenizers import Tokenizer
 
+from keel.errors import KeelError
+
 # A document whose characters are more than this fraction control characters (other than
 # tab, newline, carriage return, form feed, vertical tab) is not text: it is skipped.
 MAX_CONTROL_FRACTION = 0.1
@@ -35,8 +37,15 @@ def decode_utf8(data: bytes) -> tuple[str, bool]:
         return data.decode("utf-8", errors="replace"), True
 
 
-def read_text_file(path: str | os.PathLike) -> tuple[str, bool]:
-    """The text of a file as ``keel prepare`` reads it: ``(text, had_invalid_utf8)``."""
+def read_text_file(path: str | os.PathLike, flag: str = "--text") -> tuple[str, bool]:
+    """The text of a file as ``keel prepare`` reads it: ``(text, had_invalid_utf8)``.
+
+    Raises:
+        KeelError: ``path`` is a folder or does not exist (naming ``flag``, the option that gave it).
+    """
+    if not os.path.isfile(path):
+        raise KeelError(f"{flag} {path} is a folder, not a text file" if os.path.isdir(path)
+                        else f"{flag} file not found: {path}")
     with open(path, "rb") as f:
         return decode_utf8(f.read())
 

@@ -64,6 +64,7 @@ from matplotlib.patches import Patch
 
 from keel.data import load_tokenizer, split_windows, validation_tokens
 from keel.data.shards import read_shard
+from keel.data.text import read_text_file
 from keel.errors import KeelError
 from keel.io import atomic_files
 from keel.run import Run
@@ -308,9 +309,7 @@ def ablation_text(text_file: str | None, run_dir: str | None, tokens: int) -> st
     ``--hf`` measures on without ``--text``).
     Raises KeelError if neither is given or readable."""
     if text_file:
-        if not Path(text_file).is_file():
-            raise KeelError(f"--text file not found: {text_file}")
-        return Path(text_file).read_text(encoding="utf-8", errors="replace")
+        return read_text_file(text_file)[0]
     if run_dir is None:
         raise KeelError("--hf needs --text FILE or --run DIR (its validation split) for the text")
 

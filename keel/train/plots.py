@@ -8,25 +8,37 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 
 from keel.errors import KeelError
 from keel.io import atomic_path
 from keel.train.metrics import read_metrics  # noqa: E402
 
 
-def save_figure(fig, out: str | Path) -> None:
-    """Save ``fig`` to ``out`` via a temp file and rename, in the format its suffix names (``.png``,
-    ``.pdf``, ``.svg``, ``.jpg``, ...; PNG without one); closes the figure.
+def image_format(out: str | Path, flag: str = "--out") -> str:
+    """The image format the suffix of ``out`` names (``png`` without one), checked before any work.
 
     Raises:
-        KeelError: a suffix matplotlib cannot write (the message lists those it can; nothing is written).
+        KeelError: a suffix matplotlib cannot write (naming ``flag``, the option that gave ``out``,
+            and the suffixes it can).
     """
     fmt = Path(out).suffix.lower().lstrip(".") or "png"
-    known = fig.canvas.get_supported_filetypes()
+    known = FigureCanvasBase.get_supported_filetypes()
+    if fmt not in known:
+        raise KeelError(f"cannot write {out}: matplotlib writes no .{fmt} files; give {flag} one of "
+                        + ", ".join(f".{k}" for k in sorted(known)))
+    return fmt
+
+
+def save_figure(fig, out: str | Path) -> None:
+    """Save ``fig`` to ``out`` via a temp file and rename, in the format its suffix names (``.png``,
+    ``.pdf``, ``.svg``, ``.jpg``, ...; PNG without one: :func:`image_format`); closes the figure.
+
+    Raises:
+        KeelError: a suffix matplotlib cannot write (nothing is written).
+    """
     try:
-        if fmt not in known:
-            raise KeelError(f"cannot write {out}: matplotlib writes no .{fmt} files; give --out one of "
-                            + ", ".join(f".{k}" for k in sorted(known)))
+        fmt = image_format(out)
         with atomic_path(out, suffix=f".{fmt}") as tmp:
             fig.savefig(tmp, dpi=120, bbox_inches="tight", format=fmt)
     finally:

@@ -34,6 +34,7 @@ from keel.experiments import sweep as S
 from keel.io import make_dirs
 from keel.model import SCHEMES
 from keel.run import Run
+from keel.train.plots import image_format
 
 
 def cmd_gradflow(args: argparse.Namespace) -> int:
@@ -48,6 +49,8 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
     if args.jacobian_iters < 1:
         raise KeelError("--jacobian-iters must be >= 1")
     check_seed(args.seed)
+    if args.plot:
+        image_format(args.plot, "--plot")  # before the profiles are computed, not after
     model_flags = {"--residual": args.residual is not None, args.sublayers_flag: args.sublayers is not None,
                    "--d-model": args.d_model is not None, "--config": args.config is not None, "--set": bool(args.set)}
     if args.run and any(model_flags.values()):  # they were ignored: the profile was of the run's model
@@ -150,6 +153,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    image_format(out)
     make_dirs(out.parent)  # as export-hf and gradflow --plot create theirs
     if args.kind == "loss":
         n = P.plot_loss_curves(args.paths, out, val=args.val, x=args.x, smooth=args.smooth, title=args.title)

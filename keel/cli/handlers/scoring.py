@@ -90,8 +90,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     res = None
     if args.text:
         path = Path(args.text)
-        if not path.is_file():
-            raise KeelError(f"--text file not found: {path}")
 
         text, replaced = read_text_file(path)  # as `keel prepare` reads it: invalid UTF-8 -> U+FFFD
         if replaced:

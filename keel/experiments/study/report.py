@@ -44,9 +44,10 @@ def claim_section(claim: dict, c: dict) -> list[str]:
 def best_loss_table(study: Study, runs: list[dict]) -> list[str]:
     """Markdown: per train group, scheme and depth, the best final validation loss over the
     LR grid per seed (:func:`best_losses`), mean ± sd: every scheme of the study side by side."""
-    out = ["## Best loss per scheme and depth", "",
-           "Final validation loss (nats/token) at each seed's best LR; seeds with an unfinished LR are left out.", "",
-           "| group | sub-layers | scheme | best loss mean ± sd [per seed] | best LR [per seed] |", "|---|---|---|---|---|"]
+    head = ["## Best loss per scheme and depth", "",
+            "Final validation loss (nats/token) at each seed's best LR; seeds with an unfinished LR are left out.", "",
+            "| group | sub-layers | scheme | best loss mean ± sd [per seed] | best LR [per seed] |", "|---|---|---|---|---|"]
+    out = []
     for g in study.groups:
         if g.kind != "train":
             continue
@@ -57,7 +58,7 @@ def best_loss_table(study: Study, runs: list[dict]) -> list[str]:
                     v = paired_verdict(b, study.min_effect, 1)
                     out.append(f"| {g.name} | {L} | {scheme} | {pm(v, '{:.3f}')} | "
                                f"{lrs(best_lrs(runs, [g.name], scheme, L))} |")
-    return out + [""]
+    return head + out + [""] if out else []  # no finished run of a train group (a ramp-only study): no table
 
 
 def unclaimed_group_sections(study: Study, runs: list[dict]) -> list[str]:
