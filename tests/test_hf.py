@@ -513,6 +513,21 @@ def test_import_refuses_a_tokenizer_larger_than_the_vocabulary_and_steps_below_t
     assert main(["import-hf", "--hf", str(llama_dir), "--out", str(tmp_path / "b"), "--set", "train.steps=30"]) == 0
 
 
+def test_resuming_an_import_on_a_data_path_says_to_give_it_at_import(tiny_data, tmp_path, capsys):
+    """`keel train --resume IMPORTED --set data.path=D` was refused naming data.max_bytes and
+    data.tokenizer, keys the user never set, with no word on what to do."""
+    llama_dir, run = tmp_path / "llama", tmp_path / "run"
+    _stock_llama(llama_dir, tiny_data / "tokenizer.json")
+    assert main(["import-hf", "--hf", str(llama_dir), "--out", str(run), "--set", "train.seq_len=32"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--set", f"data.path={tiny_data}", "--set", "train.steps=5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"keel: error: cannot resume {run} with data.") and len(err.splitlines()) == 1
+    assert err.endswith(f"would make it another run (data.path {tiny_data} was prepared otherwise than the data this "
+                        "run was made with; a run imported with keel import-hf takes its data.path there: --set "
+                        "data.path=...); start a new run instead\n")
+
+
 def test_import_stock_llama_then_resume_training_and_generate(tiny_data, tmp_path, capsys):
     from tokenizers import Tokenizer
 

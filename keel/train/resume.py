@@ -112,8 +112,12 @@ def _refuse(changes: dict[str, dict], run_dir: Path) -> None:
     refused = refused_changes(changes)
     if refused:
         k = refused[0]
+        path = changes.get("data.path", {})
+        why = (f" (data.path {path['new']} was prepared otherwise than the data this run was made with; a run "
+               "imported with keel import-hf takes its data.path there: --set data.path=...)"
+               if not path.get("old") and path.get("new") and any(x.startswith("data.") for x in refused) else "")
         raise KeelError(f"cannot resume {run_dir} with {k} = {changes[k]['new']!r} (it was "
-                        f"{changes[k]['old']!r}): changing {', '.join(refused)} would make it another run; "
+                        f"{changes[k]['old']!r}): changing {', '.join(refused)} would make it another run{why}; "
                         "start a new run instead")
 
 
