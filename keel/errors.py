@@ -22,3 +22,9 @@ class Interrupted(KeelError):
 
     def __reduce__(self):  # pickles with both arguments: a grid worker returns it to the grid process
         return type(self), (str(self), self.signum)
+
+
+def plural(n: int, noun: str) -> str:
+    """A count with its noun for messages and titles: ``plural(1, "block")`` is ``"1 block"``,
+    ``plural(2, "block")`` is ``"2 blocks"`` (regular English plurals only)."""
+    return f"{n} {noun}{'s' * (n != 1)}"

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from keel.errors import KeelError
+from keel.errors import KeelError, plural
 from keel.experiments.study import claims as SC, plan as SPlan, records as SRec, report as SR, run as SRun, spec as SS
 from keel.experiments.study import verdicts as SV
-from keel.experiments.study.cells import direction, lrs, short
+from keel.experiments.study.cells import direction, lrs, short, window
 from keel.experiments.grid import GridJob, _check_same_config
 from keel.config import Config, preset_names
 from keel.train.metrics import read_metrics
@@ -123,6 +123,17 @@ def test_the_lr_window_is_named_after_the_group_that_trained_that_depth():
     c = SV.claim_margin_grows(st, runs, {"groups": ["g", "t"], "scheme": "keel", "baseline": "pre_ln"})
     rows = c["conditions"]["paper_init"]["rows"]
     assert [r["window"]["keel"] for r in rows] == [{"g": [3e-3, 1e-2]}, {"t": [3e-3, 1e-2]}]
+
+
+@pytest.mark.parametrize("n, noun, text", [(0, "run", "0 runs"), (1, "run", "1 run"), (2, "run", "2 runs"),
+                                           (1, "reference run", "1 reference run"), (3, "LR", "3 LRs")])
+def test_counts_read_in_english(n, noun, text):
+    """One plural rule for every message: the study log said "1 runs" for a group with one run left."""
+    assert plural(n, noun) == text
+
+
+def test_an_lr_window_counts_its_lrs():
+    assert window({"g": [1e-3], "t": [1e-3, 3e-3], "u": []}) == "g 0.001–0.001 (1 LR); t 0.001–0.003 (2 LRs); u pending"
 
 
 @pytest.mark.parametrize("m16, m64", [(0.1, 0.5), (0.5, 0.1)])

@@ -65,7 +65,7 @@ from matplotlib.patches import Patch
 from keel.data import load_tokenizer, split_windows, validation_tokens
 from keel.data.shards import read_shard
 from keel.data.text import read_text_file
-from keel.errors import KeelError
+from keel.errors import KeelError, plural
 from keel.io import atomic_files
 from keel.run import Run
 from keel.train.nll import mean_nll
@@ -229,7 +229,7 @@ def _in_windows(res: dict) -> str:
 def ablate_markdown(res: dict, title: str) -> str:
     """Markdown table of an ablation result."""
     lines = [f"# Layer importance: {title}", "",
-             f"{res['scheme']}, {res['blocks']} block{'s' * (res['blocks'] != 1)} = {res['sublayers']} sub-layers; "
+             f"{res['scheme']}, {plural(res['blocks'], 'block')} = {res['sublayers']} sub-layers; "
              "unit removed = one "
              f"{res['unit']}; {res['tokens']:,} validation tokens{_in_windows(res)}. Full model: PPL {res['ppl_full']:.3f} "
              f"(loss {res['nll_full']:.4f} nats/token). ΔPPL = PPL without the unit − PPL of the full model.", "",

@@ -68,7 +68,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from keel.config import resolve_vocab_size
 from keel.data import read_meta, resolve_data, validation_tokens
-from keel.errors import KeelError
+from keel.errors import KeelError, plural
 from keel.model import SCHEMES, Transformer
 from keel.run import Run
 from keel.train.device import check_model_fits
@@ -412,7 +412,7 @@ def plot_profiles(results: list[dict], out: str | Path) -> None:
             axes[0][col].plot(range(1, L, 2), p[1::2], lw=lw, color=c, ls=":")
             axes[1][col].plot(range(L), [max(v, 1e-300) for v in r["stream_grad_norm"]], lw=lw, color=c,
                               label=label)
-        axes[0][col].set_title(f"{L // 2} block{'s' * (L // 2 != 1)} = {L} sub-layers")
+        axes[0][col].set_title(f"{plural(L // 2, 'block')} = {L} sub-layers")
         for row, name in enumerate(("parameter grad norm\n(solid: attention, dotted: FFN)",
                                     "residual-stream grad norm")):
             ax = axes[row][col]

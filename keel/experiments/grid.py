@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 from keel.config import config_from_dict
-from keel.errors import Interrupted, KeelError
+from keel.errors import Interrupted, KeelError, plural
 from keel.experiments.executor import Executor, assign_devices, run_submitit
 from keel.io import STOP_SIGNALS, atomic_write_text, die_with_parent, make_dirs, passing_on_stop_signals
 
@@ -405,7 +405,7 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
     results: dict[str, dict] = {j.name: cached_result(out_dir / j.name) for j in done}
     n_workers = max(1, workers)
     threads = threads or max(1, (os.cpu_count() or 1) // n_workers)
-    _log.info(f"grid: {len(jobs)} run{'s' if len(jobs) != 1 else ''}, {len(done)} finished already, {len(todo)} to run "
+    _log.info(f"grid: {plural(len(jobs), 'run')}, {len(done)} finished already, {len(todo)} to run "
               f"({workers or 'no'} worker process(es), {threads} thread(s) each), out {out_dir}")
     count = [len(done)]
 

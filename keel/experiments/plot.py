@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-from keel.errors import KeelError
+from keel.errors import KeelError, plural
 from keel.experiments import sensitivity
 from keel.experiments.sweep import load_sweep
 from keel.train.metrics import read_metrics, trailing_mean
@@ -150,7 +150,7 @@ def plot_depth(sweep_dir: str | Path, out: str | Path, title: str = "") -> dict:
     ax.set_xscale("log", base=2)
     allx = sorted({p[0] for ps in pts.values() for p in ps})
     ax.set_xticks(allx)
-    ax.set_xticklabels([f"{L}\n({L // 2} block{'s' if L // 2 != 1 else ''})" for L in allx], fontsize=8)
+    ax.set_xticklabels([f"{L}\n({plural(L // 2, 'block')})" for L in allx], fontsize=8)
     ax.set_xlabel("depth (sub-layers)")
     ax.set_ylabel("final validation loss (nats/token)")
     ax.set_title(title or ("final validation loss vs depth" + (f" (best {best} per point, labelled)" if best else "")))

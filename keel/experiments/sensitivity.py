@@ -43,7 +43,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from keel.errors import KeelError
+from keel.errors import KeelError, plural
 from keel.train.plots import plt, save_figure
 
 OUT_JSON, OUT_MD, OUT_PNG = "sensitivity.json", "sensitivity.md", "sensitivity.png"
@@ -278,7 +278,7 @@ def plot(summary: dict, out: str | Path) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("peak learning rate")
         ax.set_ylabel("final validation loss (nats/token)")
-        ax.set_title(f"{L} sub-layers ({L // 2} block{'s' if L // 2 != 1 else ''})")
+        ax.set_title(f"{L} sub-layers ({plural(L // 2, 'block')})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     save_figure(fig, out)

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Sequence
 
 from keel.config import Override, load_config
-from keel.errors import KeelError
+from keel.errors import KeelError, plural
 from keel.experiments.grid import GridJob
 from keel.experiments.sweep import train_task
 from keel.train.metrics import read_metrics
@@ -134,7 +134,7 @@ def table_markdown(table: dict, peak_lr: float | None = None) -> str:
     cols = table["columns"]
     lines = ["| depth: sub-layers (blocks) | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for row in table["rows"]:
-        lines.append(f"| {row['sublayers']} ({row['blocks']} block{'s' if row['blocks'] != 1 else ''}) | "
+        lines.append(f"| {row['sublayers']} ({plural(row['blocks'], 'block')}) | "
                      + " | ".join(row["cells"][c]["text"] for c in cols) + " |")
     note = "Cells: median max LR over seeds (min–max); \"no div.\": no divergence"
     note += f" up to the peak LR {peak_lr:g}." if peak_lr else "."

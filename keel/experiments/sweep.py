@@ -65,7 +65,7 @@ from keel.config import (Config, Override, config_from_dict, load_config, parse_
 from keel.data import read_meta
 from keel.data.stats import dataset_unigram_entropy
 from keel.diagnostics.divergence import HEALTHY, Verdict, run_verdict
-from keel.errors import KeelError
+from keel.errors import KeelError, plural
 from keel.experiments.grid import GridJob
 from keel.experiments.training import train_run
 from keel.model import SCHEMES, check_model_config, count_parameters
@@ -177,8 +177,8 @@ def width_for_params(model_cfg, target: int, n_layers: int | None = None, *, mul
 
     lo, hi = 1, max(2, 64 * model_cfg.d_model // multiple)
     if count(hi) < target:
-        raise KeelError(f"{target:,} parameters need more than d_model {hi * multiple} at {n_layers} "
-                        f"block{'s' * (n_layers != 1)}")
+        raise KeelError(f"{target:,} parameters need more than d_model {hi * multiple} at "
+                        f"{plural(n_layers, 'block')}")
     if count(lo) >= target:
         return shape(lo)
     while hi - lo > 1:  # invariant: count(lo) < target <= count(hi)

@@ -63,7 +63,7 @@ import torch
 from keel.config import Config, checked_copy, dump_config, resolve_vocab_size
 from keel.data import (TokenLoader, absolute_data_paths, load_tokenizer, prepared_from, read_meta, resolve_data,
                        validation_tokens)
-from keel.errors import KeelError
+from keel.errors import KeelError, plural
 from keel.io import RunLock, atomic_path, atomic_write_text, disk_errors, write_failure
 from keel.model import Transformer, check_model_config, flops_per_token, get_scheme, ignored_keys
 from keel.train import dist as D, state_dict as SD
@@ -345,7 +345,7 @@ class Trainer:
             log.warning(line)
         log.info("run directory: %s", self.run_dir)
         n = cfg.model.n_layers
-        log.info(f"model: {cfg.model.residual}, {n} block{'s' * (n != 1)} = {cfg.model.n_sublayers} sub-layers, "
+        log.info(f"model: {cfg.model.residual}, {plural(n, 'block')} = {cfg.model.n_sublayers} sub-layers, "
                  f"d_model {cfg.model.d_model}, {self.model.num_params() / 1e6:.2f}M parameters; "
                  f"data: {self.data_dir} ({self.meta['train_tokens']:,} train tokens)")
         log.info(f"global batch: {tc.batch_size} sequences x {tc.seq_len} tokens x grad_accum {tc.grad_accum} = "

@@ -22,7 +22,7 @@ from keel.cli.handlers import check_counts, check_seed
 from keel.config import load_config, resolve_config_path
 from keel.data import check_tokenizer_matches, find_data, validation_tokens
 from keel.diagnostics import gradflow as G
-from keel.errors import KeelError
+from keel.errors import KeelError, plural
 from keel.diagnostics import ablate as A
 from keel.experiments import plot as P
 from keel.experiments import presets
@@ -157,7 +157,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     make_dirs(out.parent)  # as export-hf and gradflow --plot create theirs
     if args.kind == "loss":
         n = P.plot_loss_curves(args.paths, out, val=args.val, x=args.x, smooth=args.smooth, title=args.title)
-        print(f"{out}: {n} curve{'s' * (n != 1)}")
+        print(f"{out}: {plural(n, 'curve')}")
     else:
         if len(args.paths) != 1:
             raise KeelError(f"keel plot {args.kind} takes one sweep folder, got {len(args.paths)}")
@@ -170,7 +170,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
             n = len(P.plot_depth(args.paths[0], out, title=args.title))
         else:
             n = P.plot_lr(args.paths[0], out, title=args.title)
-        print(f"{out}: {n} line{'s' * (n != 1)}")
+        print(f"{out}: {plural(n, 'line')}")
     return 0
 
 

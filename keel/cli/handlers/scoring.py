@@ -19,7 +19,7 @@ from keel.config import load_config
 from keel.data import find_data
 from keel.data.prepare import EOS_TOKEN
 from keel.data.text import read_text_file
-from keel.errors import KeelError
+from keel.errors import KeelError, plural
 from keel.eval.perplexity import text_perplexity, validation_perplexity
 from keel.eval.tasks import check_tasks, run_tasks
 from keel.run import Run
@@ -84,7 +84,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                     "d_model": mc.d_model, "parameters": model.num_params(), "perplexity": None, "tasks": {}}
     human = not args.json  # --json: stdout holds the JSON report only
     if human:
-        print(f"model: {name} ({mc.residual}, {mc.n_layers} block{'s' * (mc.n_layers != 1)} = {mc.n_sublayers} sub-layers, "
+        print(f"model: {name} ({mc.residual}, {plural(mc.n_layers, 'block')} = {mc.n_sublayers} sub-layers, "
               f"d_model {mc.d_model}, {model.num_params() / 1e6:.2f}M parameters)")
 
     res = None

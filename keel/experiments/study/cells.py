@@ -4,6 +4,7 @@ report's other tables (:mod:`.report`)."""
 
 from __future__ import annotations
 
+from keel.errors import plural
 from keel.experiments.study.verdicts import CONDITIONS, NOT_REPRODUCED, REPRODUCED
 
 CONDITION_WORDS = {**CONDITIONS, "paper_ramp": "on the paper's ramp", "extended_ramp": "on the extended ramp"}
@@ -33,7 +34,7 @@ def short(v: dict) -> str:
     finite difference, why: no seed finished on both sides yet, or each paired seed lacks a loss."""
     if v.get("mean") is None:
         k = len(v.get("diffs") or {})
-        return f"no finite paired difference ({k} seed{'s' if k > 1 else ''} without a loss on a side)" if k \
+        return f"no finite paired difference ({plural(k, 'seed')} without a loss on a side)" if k \
             else "no paired seed yet"
     if v.get("lo") is None:
         return f"{v['mean']:+.3f}, {v['n']} seed"
@@ -55,7 +56,7 @@ def exits(d: dict) -> str:
 
 def window(w: dict) -> str:
     """A scheme's healthy-LR window per init group: ``lr-grid 0.001–0.01 (3 LRs)``."""
-    return "; ".join(f"{g} " + (f"{x[0]:g}–{x[-1]:g} ({len(x)} LR{'s' if len(x) > 1 else ''})" if x else "pending")
+    return "; ".join(f"{g} " + (f"{x[0]:g}–{x[-1]:g} ({plural(len(x), 'LR')})" if x else "pending")
                      for g, x in w.items())
 
 

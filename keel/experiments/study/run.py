@@ -15,7 +15,7 @@ from pathlib import Path
 
 from keel.config import config_from_dict, load_config, override_text, resolve_config_path
 from keel.data.stats import dataset_unigram_entropy
-from keel.errors import Interrupted, KeelError
+from keel.errors import Interrupted, KeelError, plural
 from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
 from keel.experiments.executor import Executor
@@ -229,9 +229,9 @@ def _train_and_read(g: Group, refs: list[GridJob], jobs: list[GridJob], out: Pat
         _log.info(f"study: group {g.name}: {len(stale)} earlier runs of {', '.join(sorted(set(stale.values())))} "
                   "were trained by an older implementation of the scheme; they train again")
     if trains and todo:
-        _log.info(f"study: group {g.name}: {len(todo)} runs"
+        _log.info(f"study: group {g.name}: {plural(len(todo), 'run')}"
                   + (f" ({len(jobs) - len(todo)} more restored)" if len(todo) < len(jobs) else "")
-                  + (f" + {len(refs)} reference run{'s' if len(refs) > 1 else ''}" if refs else ""))
+                  + (f" + {plural(len(refs), 'reference run')}" if refs else ""))
         if refs:
             grid(refs, gdir / ST.REFERENCES, train_task, resume=True, check=check_train_job)
         got = grid(todo, gdir, ST.stress_task if g.kind == "ramp" else train_task, resume=True, check=check_train_job)
