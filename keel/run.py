@@ -8,7 +8,6 @@ its trained model. The layout of a run directory is documented in
 
 from __future__ import annotations
 
-import hashlib
 from functools import cached_property
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 from tokenizers import Tokenizer
 
 from keel.config import Config, load_config
-from keel.data import read_meta, resolve_data
+from keel.data import check_tokenizer_matches, resolve_data
 from keel.errors import KeelError
 from keel.model import Transformer
 from keel.train.checkpoint import find_intact_checkpoint, latest_checkpoint, list_checkpoints, load_trainer_state, \
@@ -88,14 +87,12 @@ class Run:
         """The prepared dataset the run was trained on (``data.path``, or the cached dataset
         of ``data.source`` + ``data.tokenizer``, prepared again if the cache was removed).
         Raises KeelError if it cannot be found or prepared, or if it was prepared with another
-        tokenizer than the run's own ``tokenizer.json`` (``meta.json``'s ``tokenizer_sha256``: e.g.
+        tokenizer than the run's own ``tokenizer.json`` (:func:`keel.data.check_tokenizer_matches`: e.g.
         ``keel prepare --out`` over the folder since), whose ids would mean other text to the model."""
         data = resolve_data(self.config, progress=False)
-        own, want = self.path / "tokenizer.json", read_meta(data).get("tokenizer_sha256")
-        if want and own.is_file() and hashlib.sha256(own.read_bytes()).hexdigest() != want:
-            raise KeelError(f"dataset {data} was prepared with another tokenizer than run {self.path} trained with "
-                            "(tokenizer.json differs): its token ids are other text to this model; prepare the run's "
-                            "dataset again")
+        if (self.path / "tokenizer.json").is_file():
+            check_tokenizer_matches(self.tokenizer(), data, whose=f"run {self.path}'s",
+                                    fix="prepare the run's dataset again")
         return data
 
     def load_model(self, device: str | torch.device = "cpu", checkpoint: str | Path | None = None):

@@ -167,5 +167,5 @@ def test_a_dataset_prepared_again_with_another_tokenizer_is_refused(tiny_data, t
     (data / "meta.json").write_text(json.dumps(meta))
     r = keel_main("eval", "--run", run, "--max-tokens", "256")
     assert r.returncode == 2 and r.stderr == (
-        f"keel: error: dataset {data} was prepared with another tokenizer than run {run} trained with (tokenizer.json "
-        "differs): its token ids are other text to this model; prepare the run's dataset again\n")
+        f"keel: error: {data} was prepared with another tokenizer than run {run}'s (their vocabularies or merges "
+        "differ): its token ids are other text to this model; prepare the run's dataset again\n")

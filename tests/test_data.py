@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 import keel.data.prepare as prepare_mod
 from keel.data import (
     TokenLoader,
+    check_tokenizer_matches,
     iter_documents,
     load_tokenizer,
     prepare_dataset,
@@ -746,3 +747,24 @@ def test_split_windows_whole_windows_and_cap():
     assert [len(r) for r in tail] == [11, 11, 5] and tail[-1].tolist() == list(range(20, 25))
     with pytest.raises(KeelError, match="seq_len"):
         split_windows([1, 2, 3], 0)
+
+
+def test_a_tokenizer_one_merge_short_does_not_match_its_dataset(tiny_data):
+    """The vocabularies alone were compared: a tokenizer with the dataset's vocabulary but one BPE
+    merge fewer (which maps text to other ids) passed `keel eval --hf` / `ablate --hf` unnoticed."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    own = load_tokenizer(tiny_data)
+    check_tokenizer_matches(Tokenizer.from_str(own.to_str()), tiny_data)  # the same tokenizer passes
+    spec = json.loads(own.to_str())
+    spec["model"]["merges"] = spec["model"]["merges"][:-1]
+    short = Tokenizer.from_str(json.dumps(spec))
+    assert short.get_vocab(with_added_tokens=True) == own.get_vocab(with_added_tokens=True)
+    dropped = "".join(json.loads(own.to_str())["model"]["merges"][-1])  # the token the last merge makes
+    text = own.decode([own.token_to_id(dropped)])
+    assert own.encode(text).ids == [own.token_to_id(dropped)] and short.encode(text).ids != own.encode(text).ids
+    with pytest.raises(KeelError, match=rf"^{tiny_data} was prepared with another tokenizer than the model's "
+                                        r"\(their vocabularies or merges differ\)"):
+        check_tokenizer_matches(short, tiny_data)

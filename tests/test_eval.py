@@ -266,7 +266,7 @@ def test_eval_hf_finds_the_cached_dataset_of_the_export(tiny_data, tmp_path, mon
     capsys.readouterr()
     assert main(["eval", "--hf", str(tmp_path / "hf")]) == 2
     assert capsys.readouterr().err == (f"keel: error: {other} was prepared with another tokenizer than the model's "
-                                       "(their vocabularies differ): its token ids are other text to this model; "
+                                       "(their vocabularies or merges differ): its token ids are other text to this model; "
                                        "score it with --text, or prepare the model's dataset again\n")
 
 

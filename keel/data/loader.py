@@ -277,15 +277,25 @@ def prepared_from(meta: dict) -> dict:
     return out
 
 
-def check_tokenizer_matches(tokenizer: Tokenizer, data_dir: str | os.PathLike) -> None:
-    """Raise KeelError unless the prepared dataset ``data_dir`` was tokenized with ``tokenizer``'s
-    vocabulary (the same token -> id map, added tokens included): its ids are another text to a
-    model of another tokenizer (e.g. ``keel prepare --out`` again with another one since, or an
-    export scored on another run's data)."""
-    if tokenizer.get_vocab(with_added_tokens=True) != load_tokenizer(data_dir).get_vocab(with_added_tokens=True):
-        raise KeelError(f"{data_dir} was prepared with another tokenizer than the model's (their vocabularies "
-                        "differ): its token ids are other text to this model; score it with --text, or prepare the "
-                        "model's dataset again")
+def tokenizer_identity(tokenizer: Tokenizer) -> dict:
+    """What decides a text's token ids under ``tokenizer``: its normalizer, pre-tokenizer, model
+    (vocabulary and BPE merges) and the token -> id map with added tokens. Padding, truncation,
+    post-processor and decoder are left out: they do not change the ids of a prepared dataset."""
+    spec = json.loads(tokenizer.to_str())
+    return {"normalizer": spec.get("normalizer"), "pre_tokenizer": spec.get("pre_tokenizer"), "model": spec.get("model"),
+            "vocab": tokenizer.get_vocab(with_added_tokens=True)}
+
+
+def check_tokenizer_matches(tokenizer: Tokenizer, data_dir: str | os.PathLike, whose: str = "the model's",
+                            fix: str = "score it with --text, or prepare the model's dataset again") -> None:
+    """Raise KeelError unless the prepared dataset ``data_dir`` was tokenized the way ``tokenizer``
+    tokenizes (:func:`tokenizer_identity`: one BPE merge fewer already maps text to other ids): its
+    ids are another text to a model of another tokenizer (e.g. ``keel prepare --out`` again with
+    another one since, or an export scored on another run's data). ``whose`` names the model's side
+    in the message, ``fix`` says what to do."""
+    if tokenizer_identity(tokenizer) != tokenizer_identity(load_tokenizer(data_dir)):
+        raise KeelError(f"{data_dir} was prepared with another tokenizer than {whose} (their vocabularies or merges "
+                        f"differ): its token ids are other text to this model; {fix}")
 
 
 def check_given_dataset(data: dict, meta: dict, keys: list[str]) -> None:
