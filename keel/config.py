@@ -411,6 +411,9 @@ def config_from_dict(d: Mapping[str, Any], stored: bool = False) -> Config:
     """
     cfg = Config()
     for section, values in d.items():
+        owner = [s for s, cls in _SECTIONS.items() if section in {f.name for f in dataclasses.fields(cls)}]
+        if owner and not isinstance(values, dict):  # `steps = 5` above every [section]
+            raise KeelError(f"config key {section} is outside a section: put it under [{owner[0]}]")
         if section not in _SECTIONS:
             close = difflib.get_close_matches(section, _SECTIONS, n=1)
             hint = f"did you mean [{close[0]}]? " if close else ""

@@ -66,10 +66,11 @@ class Run:
         """The checkpoint ``checkpoints/latest`` names, or None."""
         return latest_checkpoint(self.path)
 
-    def checkpoint_progress(self) -> tuple[int, int] | None:
-        """``(step, tokens)`` of the latest checkpoint's trainer state (tokens trained, as the
-        metrics count them), or None without a checkpoint or with an unreadable trainer state."""
-        ckpt = self.latest_checkpoint()
+    def checkpoint_progress(self, checkpoint: str | Path | None = None) -> tuple[int, int] | None:
+        """``(step, tokens)`` of ``checkpoint``'s trainer state (default: the latest checkpoint's;
+        tokens trained, as the metrics count them), or None without a checkpoint or with an
+        unreadable trainer state."""
+        ckpt = Path(checkpoint) if checkpoint else self.latest_checkpoint()
         try:
             state = load_trainer_state(ckpt) if ckpt is not None else None
         except KeelError:

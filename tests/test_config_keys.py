@@ -213,6 +213,20 @@ def test_an_unknown_key_suggests_the_closest_one(tmp_path):
         checked_copy(cfg)
 
 
+@pytest.mark.parametrize("text, msg", [
+    ("steps = 5\n", "config key steps is outside a section: put it under [train]"),
+    ("residual = 'keel'\n[train]\nlr = 1e-3\n", "config key residual is outside a section: put it under [model]"),
+    ("stpes = 5\n", "unknown config section [stpes] (the sections are model, data, train)"),
+    ("train = 5\n", "config section [train] must be a table")])
+def test_a_key_above_every_section_is_named_as_a_key(tmp_path, text, msg):
+    """A TOML file with `steps = 5` above every [section] said "unknown config section [steps]"."""
+    toml = tmp_path / "c.toml"
+    toml.write_text(text)
+    with pytest.raises(KeelError) as e:
+        load_config(toml)
+    assert str(e.value) == msg
+
+
 def test_sweep_preset_set_table_is_applied_typed_in_order():
     jobs = build_jobs(None, {"train.lr": [0.01]}, [("train.steps", 7), "train.steps=9", ("model.residual", "post_ln")],
                       data_path="/d 1")

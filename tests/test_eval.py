@@ -14,6 +14,7 @@ from conftest import HANG_S, REPO, tiny_overrides  # noqa: E402
 from keel.cli import main  # noqa: E402
 from keel.config import load_config  # noqa: E402
 from keel.data import split_windows  # noqa: E402
+from keel.errors import KeelError  # noqa: E402
 from keel.eval.perplexity import bits_per_byte, text_perplexity  # noqa: E402
 from keel.eval.tasks import EXAMPLE_TASK_DIR  # noqa: E402
 from keel.run import Run  # noqa: E402
@@ -180,6 +181,18 @@ def test_eval_user_errors(run_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["eval"])  # --run or --hf is required
     assert e.value.code == 2
+
+
+def test_too_little_text_is_named_in_english(run_dir, tmp_path, capsys):
+    """An empty --text file said "too little text to evaluate (1 tokens)": the one token was the
+    end-of-text token keel puts in front."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert main(["eval", "--run", str(run_dir), "--text", str(empty)]) == 2
+    assert capsys.readouterr().err == f"keel: error: {empty}: empty, no text to evaluate\n"
+    run = Run(run_dir)
+    with pytest.raises(KeelError, match=r"^t: too little text to evaluate \(1 token, at least 2 needed\)$"):
+        text_perplexity(run.load_model(), run.tokenizer(), "a", seq_len=8, device="cpu", source="t")
 
 
 def test_eval_checks_tasks_before_loading_the_model(run_dir, tmp_path, keel_main, monkeypatch):

@@ -165,3 +165,22 @@ def test_export_hint_of_a_pre_ln_run_says_it_is_a_stock_llama(tiny_data, tmp_pat
         f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}): a stock Llama model, no keel or "
         "trust_remote_code needed")
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_export_of_a_run_with_a_damaged_latest_checkpoint_warns_once_and_names_its_step(tiny_data, tmp_path, capsys):
+    """The newest checkpoint damaged: export-hf fell back to the older one as it should, but said
+    "skipping step_00000004" twice (it looked for the latest checkpoint twice) and its success line
+    did not say which step it exported."""
+    from keel.train import train
+
+    run, out = tmp_path / "run", tmp_path / "exported"
+    train(load_config(REPO / "keel" / "configs" / "demo.toml",
+                      tiny_overrides(tiny_data, steps=4, eval_every=4, checkpoint_every=2)), run)
+    weights = run / "checkpoints" / "step_00000004" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    capsys.readouterr()
+    assert main(["export-hf", "--run", str(run), "--out", str(out)]) == 0
+    got = capsys.readouterr()
+    assert got.err.count("skipping step_00000004") == 1, got.err
+    assert got.out.splitlines()[0] == f"exported {run} (step 2) -> {out}"
+    assert json.loads((out / "config.json").read_text())["keel_step"] == 2

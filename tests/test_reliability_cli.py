@@ -31,8 +31,9 @@ def test_resume_of_a_finished_run_says_nothing_to_do(cli_run, tmp_path, capsys):
     shutil.copytree(cli_run, run)
     capsys.readouterr()
     assert main(["train", "--resume", str(run)]) == 0
-    out = capsys.readouterr().out
-    assert "already at step 4: nothing to do" in out and "sample:" not in out and "validation loss" not in out
+    out, err = capsys.readouterr()
+    assert out == f"run: {run}\n"  # the nothing-to-do line was printed here as well as logged
+    assert err.count("nothing to do") == 1 and f"{run} is already at step 4 (train.steps = 4): nothing to do" in err
 
 
 def test_resumed_run_says_where_it_resumed(cli_run, tmp_path, capsys):

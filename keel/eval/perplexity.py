@@ -27,7 +27,7 @@ from pathlib import Path
 
 from keel.data import check_tokenizer_matches, split_windows, validation_tokens
 from keel.data.text import encode_text, utf8_bytes
-from keel.errors import KeelError
+from keel.errors import KeelError, plural
 from keel.train.nll import summed_nll
 from keel.train.trainer import perplexity as _perplexity
 
@@ -95,7 +95,8 @@ def text_perplexity(model, tokenizer, text: str, seq_len: int, device, eos_id: i
     if eos_id is not None:
         ids = [eos_id] + ids
     if len(ids) < 2:
-        raise KeelError(f"{source}: too little text to evaluate ({len(ids)} tokens)")
+        raise KeelError(f"{source}: empty, no text to evaluate" if not text else
+                        f"{source}: too little text to evaluate ({plural(len(ids), 'token')}, at least 2 needed)")
     nats, n = summed_nll(model, split_windows(ids, seq_len, keep_tail=True), batch_size, device)
     n_bytes = utf8_bytes(text) if eos_id is not None else _decoded_bytes(tokenizer, ids[1:])
     return PerplexityResult(source, n, n_bytes, nats, seq_len)

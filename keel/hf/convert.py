@@ -156,7 +156,8 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
     run_dir, out = Path(run_dir), Path(out)
     _check_output(out)
     run = Run(run_dir)
-    model, tokenizer = run.load_model(device="cpu"), run.tokenizer()
+    ckpt = run.latest_checkpoint()  # once: each look warns again about a damaged newer checkpoint
+    model, tokenizer = run.load_model(device="cpu", checkpoint=ckpt), run.tokenizer()
     eos = eos_token_of(tokenizer, run_dir)
     llama = model.cfg.residual == "pre_ln"
     if llama:
@@ -166,7 +167,7 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
     else:
         hf, _ = wrap_native(model, tokenizer, eos)
     # config.json keeps the step and the tokens trained (import-hf restores them)
-    hf.config.keel_step, hf.config.keel_tokens = run.checkpoint_progress() or (0, 0)
+    hf.config.keel_step, hf.config.keel_tokens = run.checkpoint_progress(ckpt) or (0, 0)
     with _fresh_output(out) as tmp:
         with hf_progress_bars(interactive()):
             hf.save_pretrained(tmp, safe_serialization=True)

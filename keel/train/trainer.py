@@ -561,8 +561,8 @@ class Trainer:
                         "written: %s (raise train.steps with --set to train further)", self.run_dir, self.state.step,
                         self.tc.steps, keys)
         elif self.main:
-            log.info("%s is already at step %d (train.steps = %d): nothing to do", self.run_dir, self.state.step,
-                     self.tc.steps)
+            log.info("%s is already at step %d (train.steps = %d): nothing to do (raise train.steps with --set to "
+                     "train further)", self.run_dir, self.state.step, self.tc.steps)
         vals = [r["val_loss"] for r in self.history if r.get("val_loss") is not None]
         val_loss = vals[-1] if vals else self.validate()
         sample_path = self.run_dir / "sample.txt"

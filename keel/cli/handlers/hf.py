@@ -17,8 +17,9 @@ from keel.hf.convert import export_hf, import_hf
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
     out = export_hf(args.run, args.out)
-    print(f"exported {args.run} -> {out}")
-    if json.loads((out / "config.json").read_text())["model_type"] == "llama":  # a pre_ln run
+    config = json.loads((out / "config.json").read_text())
+    print(f"exported {args.run} (step {config.get('keel_step', 0)}) -> {out}")
+    if config["model_type"] == "llama":  # a pre_ln run
         print(f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}): a stock Llama model, "
               "no keel or trust_remote_code needed")
     else:

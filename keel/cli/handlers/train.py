@@ -282,8 +282,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def print_result(res) -> None:
     """The summary of a :class:`keel.train.TrainResult` on stdout."""
     print(f"run: {res.run_dir}")
-    if res.steps_run == 0 and res.resumed_from is not None:
-        print(f"already at step {res.step}: nothing to do (raise train.steps with --set to train further)")
+    if res.steps_run == 0 and res.resumed_from is not None:  # the trainer's log said so, once
         return
     if res.resumed_from is not None:
         print(f"resumed at step {res.resumed_from}, trained {res.steps_run} more step(s)")
