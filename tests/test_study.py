@@ -1375,6 +1375,32 @@ def test_runs_of_a_superseded_implementation_stay_on_record(tmp_path, tiny_data)
     assert again["superseded_runs"] == rep["superseded_runs"]
 
 
+def test_superseded_runs_are_announced_only_while_their_replacements_train(tmp_path, tiny_data, caplog):
+    """Every resume of a finished study said "N earlier runs of hyper_connections ... were trained by
+    an older implementation of the scheme; they train again" though the new runs were done and
+    nothing trained."""
+    import shutil
+
+    p = tmp_path / "s.toml"
+    p.write_text(GROUP.replace('["keel", "pre_ln"]', '["keel", "hyper_connections"]'))
+    sets = [f"data.path={tiny_data}", "train.steps=2", "train.batch_size=2", "train.seq_len=16", "train.eval_every=2",
+            "train.eval_tokens=64", "train.sample_tokens=0", "model.d_model=16", "model.d_ff=32"]
+    new = SRun.run_study(str(p), "x", tmp_path / "a", sets, workers=0)
+    assert new["runs"][1]["status"] == "done"
+    folder = next((tmp_path / "a").glob("*/L2_seed0_hyper_connections_lr0.001_v2"))
+    shutil.copytree(folder, folder.with_name("L2_seed0_hyper_connections_lr0.001"))  # a version-1 run beside it
+    with caplog.at_level("INFO", logger="keel"):
+        SRun.run_study(str(p), "x", tmp_path / "a", sets, workers=0, resume=True)
+    assert not [r for r in caplog.records if "older implementation" in r.getMessage()]
+    shutil.rmtree(folder)  # the new run gone: it trains again, and the log says why
+    caplog.clear()
+    with caplog.at_level("INFO", logger="keel"):
+        SRun.run_study(str(p), "x", tmp_path / "a", sets, workers=0, resume=True)
+    assert [r.getMessage() for r in caplog.records if "older implementation" in r.getMessage()] == [
+        "study: group g: 1 earlier run of hyper_connections was trained by an older implementation of the scheme; "
+        "it trains again"]
+
+
 @pytest.fixture(scope="module")
 def finished_study(tiny_data, tmp_path_factory):
     """A finished two-run study (GROUP + CLAIM at scale x): copy it, never change it."""

@@ -224,10 +224,13 @@ def _train_and_read(g: Group, refs: list[GridJob], jobs: list[GridJob], out: Pat
     olds = {j.name: restored_record(g, j, restored[(g.name, j.name)]) for j in jobs if (g.name, j.name) in restored}
     todo = [j for j in jobs if olds.get(j.name) is None]
     refs, errors = [r for r in refs if r.name in ST.references_of(todo)], {}  # only the references of runs to train
-    stale = superseded_runs(g, jobs, restored, gdir)
+    fresh = [j for j in todo if (cached_result(gdir / j.name) or {}).get("status") != "done"]
+    stale = superseded_runs(g, fresh, restored, gdir)  # announced while their replacements are still to train
     if trains and stale:
-        _log.info(f"study: group {g.name}: {len(stale)} earlier runs of {', '.join(sorted(set(stale.values())))} "
-                  "were trained by an older implementation of the scheme; they train again")
+        were, they = ("was", "it trains") if len(stale) == 1 else ("were", "they train")
+        _log.info(f"study: group {g.name}: {plural(len(stale), 'earlier run')} of "
+                  f"{', '.join(sorted(set(stale.values())))} {were} trained by an older implementation of the scheme; "
+                  f"{they} again")
     if trains and todo:
         _log.info(f"study: group {g.name}: {plural(len(todo), 'run')}"
                   + (f" ({len(jobs) - len(todo)} more restored)" if len(todo) < len(jobs) else "")
