@@ -230,9 +230,9 @@ def ablate_markdown(res: dict, title: str) -> str:
     """Markdown table of an ablation result."""
     lines = [f"# Layer importance: {title}", "",
              f"{res['scheme']}, {plural(res['blocks'], 'block')} = {res['sublayers']} sub-layers; "
-             "unit removed = one "
-             f"{res['unit']}; {res['tokens']:,} validation tokens{_in_windows(res)}. Full model: PPL {res['ppl_full']:.3f} "
-             f"(loss {res['nll_full']:.4f} nats/token). ΔPPL = PPL without the unit − PPL of the full model.", "",
+             f"unit removed = one {res['unit']}; {res['tokens']:,} validation tokens{_in_windows(res)}. "
+             f"Full model: PPL {res['ppl_full']:.3f} (loss {res['nll_full']:.4f} nats/token). "
+             "ΔPPL = PPL without the unit − PPL of the full model.", "",
              "| index | block | unit | PPL without | ΔPPL |", "|---|---|---|---|---|"]
     for u in res["units"]:
         lines.append(f"| {u['index']} | {u['block']} | {u['kind']} | {u['ppl']:.3f} | {u['delta_ppl']:+.3f} |")

@@ -90,7 +90,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     res = None
     if args.text:
         path = Path(args.text)
-
         text, replaced = read_text_file(path)  # as `keel prepare` reads it: invalid UTF-8 -> U+FFFD
         if replaced:
             print(f"note: {path} is not valid UTF-8; its undecodable bytes became U+FFFD", file=sys.stderr)
