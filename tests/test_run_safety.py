@@ -551,6 +551,26 @@ def test_a_signal_during_the_stop_all_reduce_counts_at_the_next_step(tmp_path):
         dist.destroy_process_group()
 
 
+def test_torchruns_signal_traceback_is_dropped_whole_with_a_blank_line_inside():
+    """torchrun's SignalException traceback, when the signal lands in a frame whose source line is
+    blank, holds an empty line: the traceback was cut there and its first half shown (seen once in
+    test_signal_to_keel_train_nproc_stops_every_worker[SIGINT]). Other tracebacks stay."""
+    import threading
+
+    from keel.cli.handlers.train import _without_signal_traceback
+
+    tb = ["Traceback (most recent call last):\n", '  File "enum.py", line 193, in __get__\n',
+          "    def __get__(self, instance, ownerclass=None):\n", "\n",
+          '  File "api.py", line 86, in _terminate_process_handler\n',
+          "torch.distributed.elastic.multiprocessing.api.SignalException: Process 1 got signal: 2\n"]
+    other = ["Traceback (most recent call last):\n", '  File "x.py", line 1, in f\n', "\n", "ValueError: no\n"]
+    stopping = threading.Event()
+    stopping.set()
+    lines = ["before\n", *tb, *other, "keel: stopped by SIGINT\n"]
+    assert list(_without_signal_traceback(iter(lines), stopping)) == ["before\n", *other, "keel: stopped by SIGINT\n"]
+    assert list(_without_signal_traceback(iter(lines), threading.Event())) == lines  # not stopping: all of it
+
+
 def test_nproc_stop_message_says_what_the_workers_left(tiny_config, tmp_path):
     """`keel train --nproc` said "the run is checkpointed" whatever the workers did; under load
     torchrun once killed them first (test above, seen twice in full runs beside the study grid),

@@ -200,10 +200,11 @@ def _pass_on_and_read_failure(stream, failure: dict, stopping: threading.Event |
 def _without_signal_traceback(lines, stopping: threading.Event):
     """``lines`` less, once ``stopping`` is set, each Python traceback that ends in torchrun's
     ``SignalException`` (the signal it got and passed on: expected, not a failure). A traceback is
-    held back until its last line (the first after it that is not indented) shows what it is."""
+    held back until its last line (the first after it that is neither indented nor blank: a frame
+    whose source line is blank prints one) shows what it is."""
     held: list[str] = []
     for line in lines:
-        if held and line[:1] in (" ", "\t"):
+        if held and (line[:1] in (" ", "\t") or not line.strip()):
             held.append(line)
             continue
         if held:
