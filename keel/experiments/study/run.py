@@ -25,7 +25,7 @@ from keel.experiments.study.claims import claim_kind, load_study
 from keel.experiments.study.dataset import NO_DATA, check_study_data, shares_data, study_dataset
 from keel.experiments.study.plan import lr_plan_words, plan_markdown, plan_total
 from keel.experiments.study.records import kept_restored, load_restored, restored_record, run_record
-from keel.experiments.study.spec import Group, Study
+from keel.experiments.study.spec import Group, Study, lr_ladder
 from keel.experiments.study.verdicts import LEVEL, baseline_margins, loss_floor
 from keel.experiments.sweep import build_jobs, check_train_job, train_task
 from keel.io import LOCK_NAME, RunLock, atomic_write_text, make_dirs, remove_empty_dirs
@@ -93,17 +93,17 @@ def lr_beyond(lrs: Sequence[float], ladder: Sequence[float], up: bool) -> float:
 
 def widened_lrs(study: Study, g: Group, recs: list[dict], lr_for: dict[tuple[str, int], list[float]],
                 planned: dict[tuple[str, int], list[float]]) -> dict[tuple[str, int], list[float]] | None:
-    """``lr_for`` with one more LR for every (scheme, depth) cell of train group ``g`` that a claim
-    reads, whose runs have all finished, and where some seed's best run (lowest capped loss) is at
-    the lowest or highest LR the cell trained: the next LR beyond that edge (:func:`lr_beyond`),
-    for every seed of the cell (the cells stay rectangular, as the paired equal-LR table needs). At
-    most ``g.widen`` LRs per side beyond ``planned`` (:func:`initial_lrs`). None: nothing to widen."""
-    reads = {s for c in study.claims for grp, s in claim_kind(c).reads(c) if grp == g.name}
-    ladder = next(x.lrs for x in study.groups if x.name == (g.lr_from or g.name))
+    """``lr_for`` with one more LR for every (scheme, depth) cell of train group ``g`` whose runs
+    have all finished and where some seed's best run (lowest capped loss) is at the lowest or
+    highest LR the cell trained: the next LR beyond that edge (:func:`lr_beyond`), for every seed
+    of the cell (the cells stay rectangular, as the paired equal-LR table needs). Every cell of
+    every table is bracketed this way, whether a claim reads it or not. At most ``g.widen`` LRs per
+    side beyond ``planned`` (:func:`initial_lrs`). None: nothing to widen."""
+    ladder = lr_ladder(study.groups, g)
     out, changed = dict(lr_for), False
     for (s, L), lrs in lr_for.items():
         cell = [r for r in recs if r["scheme"] == s and r["sublayers"] == L]
-        if s not in reads or len(lrs) < 2 or not cell or any(r["status"] != "done" for r in cell):
+        if len(lrs) < 2 or not cell or any(r["status"] != "done" for r in cell):
             continue
         best = {min((r for r in cell if r["seed"] == sd), key=lambda r: r["capped_loss"])["lr"]
                 for sd in {r["seed"] for r in cell}}
@@ -155,7 +155,7 @@ def stepped_lrs(study: Study, g: Group, opt: dict[str, float]) -> dict[str, list
     """``{scheme: [peak LR, ...]}`` of an ``lr_from`` group: the points of the source group's LR
     grid ``g.lr_from_steps`` grid steps from each scheme's transferred optimum ``opt[scheme]``
     (0 = the optimum, -1 = the next lower LR; a point off the grid is left out)."""
-    grid = sorted(next(x.lrs for x in study.groups if x.name == g.lr_from))
+    grid = lr_ladder(study.groups, g)
     out = {}
     for scheme, lr in opt.items():
         i = min(range(len(grid)), key=lambda k: abs(math.log(grid[k] / lr)))
@@ -310,7 +310,7 @@ def planned_jobs(study: Study, data_dir: str, out: Path, restored: dict[tuple[st
 
         got = group_records(study, g, runs, data_dir, out, read)
         if got is None:  # the source's optimum is unknown: plan at the middle of its grid
-            grid = sorted(next(x.lrs for x in study.groups if x.name == g.lr_from))
+            grid = lr_ladder(study.groups, g)
             lr_for = {(s, L): lrs for s, lrs in stepped_lrs(study, g, {s: grid[len(grid) // 2] for s in g.schemes}
                                                              ).items() for L in g.sublayers}
             got = (*group_jobs(study, g, data_dir, out, lr_for), [])

@@ -90,6 +90,18 @@ class Study:
         return self.sets + (group.sets if group else []) + list(self.user_sets)
 
 
+def lr_ladder(groups: Sequence[Group], g: Group) -> list[float]:
+    """The LR grid (absolute peak LRs, ascending) that train group ``g``'s LRs are points of: its
+    own ``lrs``, or for an ``lr_from`` group its source's ladder (followed through a chain of
+    ``lr_from`` groups, e.g. a token-budget group transferring from the deepest depth's group);
+    an empty list for a chain that ends nowhere (a cycle, or a group that is not in ``groups``)."""
+    seen: set[str] = set()
+    while g.lr_from and g.name not in seen:
+        seen.add(g.name)
+        g = next((x for x in groups if x.name == g.lr_from), g)
+    return [] if g.lr_from else sorted(g.lrs)
+
+
 def _group(name: str, spec: dict, sized: dict) -> Group:
     """The group ``name`` of a study file (its ``[groups.NAME]`` table ``spec``, the scale's ``sized``),
     checked against the declarations of :class:`Group`: one-line errors ``study group 'g': ...``."""
@@ -238,10 +250,14 @@ def _check_group_in_study(g: Group, groups: list[Group]) -> None:
     if src is None or g.lr_from_sublayers not in src.sublayers or set(g.schemes) - set(src.schemes):
         raise KeelError(f"study group {g.name!r}: lr_from must name another train group of this scale that "
                         f"has lr_from_sublayers ({g.lr_from_sublayers}) and every scheme of this group")
-    far = [k for k in g.lr_from_steps if abs(k) >= len(src.lrs)]
+    ladder = lr_ladder(groups, src)
+    if not ladder:
+        raise KeelError(f"study group {g.name!r}: lr_from {g.lr_from!r} leads to no group with its own lrs "
+                        "(a chain of lr_from groups must end in a group that gives lrs)")
+    far = [k for k in g.lr_from_steps if abs(k) >= len(ladder)]
     if far:
         raise KeelError(f"study group {g.name!r}: lr_from_steps {far} reach past group {src.name!r}'s "
-                        f"{len(src.lrs)}-point LR grid (at most {len(src.lrs) - 1} steps from its optimum)")
+                        f"{len(ladder)}-point LR grid (at most {len(ladder) - 1} steps from its optimum)")
 
 
 def _check_baselines(g: Group, groups: list[Group]) -> None:
