@@ -95,8 +95,8 @@ class MarginGrows(Claim):
                             note="group names")
     scheme: str = key(MISSING, "the scheme the paper says wins, e.g. \"keel\".", nonempty=True)
     baseline: str = key(MISSING, "the scheme it beats, e.g. \"pre_ln\".", nonempty=True)
-    init_groups: list[str] = key([], "the same depths at another embedding init: the claim is also judged at "
-                                     "each scheme's better init.", note="group names")
+    init_groups: list[str] = key([], "the same depths at another embedding init: the claim is also judged with "
+                                     "both schemes at that init.", note="group names")
     verdict = staticmethod(V.claim_margin_grows)
 
     @classmethod
@@ -113,13 +113,13 @@ class MarginGrows(Claim):
     def phrase(cls, conds: dict) -> str:
         if len(conds) != 2:
             return super().phrase(conds)
-        vp, vb = conds["paper_init"]["verdict"], conds["better_init"]["verdict"]
+        vp, vb = conds["paper_init"]["verdict"], conds["embed_init"]["verdict"]
         if vp == vb:
             return f"{vp} at both inits"
         if V.REPRODUCED in (vp, vb):
-            first, other = ("paper_init", "better_init") if vp == V.REPRODUCED else ("better_init", "paper_init")
+            first, other = ("paper_init", "embed_init") if vp == V.REPRODUCED else ("embed_init", "paper_init")
             return f"reproduced {CONDITION_WORDS[first]} only ({conds[other]['verdict']} {CONDITION_WORDS[other]})"
-        return f"{vp} {CONDITION_WORDS['paper_init']}, {vb} {CONDITION_WORDS['better_init']}"
+        return f"{vp} {CONDITION_WORDS['paper_init']}, {vb} {CONDITION_WORDS['embed_init']}"
 
     @classmethod
     def tables(cls, claim: dict, c: dict) -> list[str]:

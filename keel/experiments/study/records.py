@@ -22,6 +22,7 @@ PLATEAU_WINDOW = 10  # steps of the trailing mean of the training loss that must
 
 
 CURVE_POINTS = 100  # points of the thinned loss curve each run's record keeps in report.json
+SPIKE_STEPS = 1000  # the early phase whose loss spikes a record measures (paper Figure 1a/4: the first 1,000 steps)
 
 
 # ----------------------------------------------------------------------------- run records
@@ -34,6 +35,29 @@ def plateau_exit_step(records: Sequence[dict], level: float | None, window: int 
     losses = [(r["step"], r["loss"]) for r in records if "loss" in r and math.isfinite(r["loss"])]
     means = trailing_mean([x for _, x in losses], window)
     return next((losses[i][0] for i in range(window - 1, len(losses)) if means[i] < level), None)
+
+
+def early_spike(records: Sequence[dict], steps: int = SPIKE_STEPS, window: int = PLATEAU_WINDOW,
+                cap: float | None = None) -> float | None:
+    """The largest loss spike of a run's first ``steps`` steps (nats/token), from every step's
+    training loss (not the thinned curve): with ``m_i`` the ``window``-step trailing mean of the
+    training loss at step i, ``max_i (m_i - min_{j <= i - window} m_j)``, the largest rise of the
+    smoothed loss above its lowest value at least one window earlier (0 when it never rises; the
+    window keeps one noisy step from reading as a spike). A non-finite loss in the span gives
+    ``cap`` (e.g. the step-0 validation loss: the run lost everything it had learnt). None with
+    fewer than ``2 * window`` steps. The rule of claim (h) (paper Figure 1a/4: Pre-LN spikes in
+    the first 1,000 steps at an aggressive LR, Keel does not), fixed before any run was read."""
+    xs = [r["loss"] for r in records if is_number(r.get("loss")) and is_number(r.get("step")) and r["step"] <= steps]
+    if any(not math.isfinite(x) for x in xs):
+        return cap
+    if len(xs) < 2 * window:
+        return None
+    m = trailing_mean(xs, window)
+    best, rise = math.inf, 0.0
+    for i in range(2 * window - 1, len(xs)):
+        best = min(best, m[i - window])
+        rise = max(rise, m[i] - best)
+    return rise
 
 
 def thinned_curve(records: Sequence[dict], points: int = CURVE_POINTS, window: int = PLATEAU_WINDOW) -> dict:
@@ -72,12 +96,13 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
                diverged=result.get("diverged"), max_lr=result.get("max_lr"),
                peak_lr=group.peak_lr if group.kind == "ramp" else None, wall_s=result.get("wall_s"),
                plateau_exit_step=plateau_exit_step(records, Thresholds().plateau_level(h1 or None)),
-               curve=thinned_curve(records))
+               curve=thinned_curve(records), early_spike=early_spike(records, cap=first),
+               ablation=result.get("ablation"))
     return rec
 
 
 RESTORED_KEYS = ("status", "tokens", "final_val_loss", "first_val_loss", "capped_loss", "verdict", "divergence",
-                 "diverged", "max_lr", "peak_lr", "wall_s", "plateau_exit_step", "curve")
+                 "diverged", "max_lr", "peak_lr", "wall_s", "plateau_exit_step", "curve", "early_spike", "ablation")
 
 
 def load_restored(path: str | Path, study: Study) -> dict[tuple[str, str], dict]:
@@ -199,15 +224,20 @@ _RECORD_CHECKS = {"group": (lambda x: isinstance(x, str) and x, "a group name"),
                       isinstance(x.get(k), list) and all(v is None or is_number(v) for v in x[k])
                       for k in ("step", "loss", "lr", "val_step", "val_loss")), "a thinned loss curve or null"),
                   "diverged": (lambda x: x is None or isinstance(x, bool), "true, false or null")}
+# keys that reports before v5 lack: checked only when a record has them (a missing one restores as null)
+_OPTIONAL_CHECKS = {"early_spike": (lambda x: x is None or is_number(x) and x >= 0, "a rise >= 0 (nats/token) or null"),
+                    "ablation": (lambda x: x is None or isinstance(x, dict) and is_number(x.get("ppl_full"))
+                                 and isinstance(x.get("delta_ppl"), list) and all(map(is_number, x["delta_ppl"])),
+                                 "an ablation ({ppl_full, delta_ppl: [...]}) or null")}
 
 
 def _check_restored_record(path: Path, r: dict, who: str) -> None:
     """Raise KeelError naming the run (``who``) and the key if a finished run's record in a restored
     report lacks a key the report reads or holds a value of the wrong type (e.g. a loss that is text)."""
-    for key, (ok, words) in _RECORD_CHECKS.items():
-        if key not in r:
+    for key, (ok, words) in {**_RECORD_CHECKS, **_OPTIONAL_CHECKS}.items():
+        if key not in r and key not in _OPTIONAL_CHECKS:
             raise KeelError(f"--restore {path}: {who}: {key} must be {words}; the record has no {key}")
-        if not ok(r[key]):
+        if key in r and not ok(r[key]):
             raise KeelError(f"--restore {path}: {who}: {key} must be {words}, got {r[key]!r}")
 
 

@@ -185,8 +185,9 @@ def verdict_rule(study: Study, claims: Sequence[dict], floor: dict | None = None
             "over every depth, judged the same way with the floor spread over the studied range "
             "(f / log2(deepest / shallowest)). A claim with several parts is reproduced only when every part is; "
             "a margin condition stays inconclusive while a depth it plans has not finished. "
-            "Margin claims are judged at the paper's init (N(0, 0.02²) everywhere) and with each scheme, per seed "
-            "and depth, at the better of that and the init groups' embedding init; the summary says which."
+            "Margin claims are judged under two conditions fixed before any run: at the paper's init (N(0, 0.02²) "
+            "everywhere) and with both schemes at the init groups' embedding init (N(0, 1)); no condition picks an "
+            "init on the losses it judges, and the summary names the condition of every number."
             + why + (f" {ids(own)} has its own rule, stated in its section." if own else ""))
 
 
@@ -282,7 +283,7 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
     if claims:  # a study of groups only (e.g. a bench) has no verdicts
         lines += ["## Summary", ""] + [f"- {c['summary']}" for _, c in claims] + [""]
         lines += ["## Verdicts", "", verdict_rule(study, [cl for cl, _ in claims], floor), "",
-                  "| claim | at the paper's init | at each scheme's better init | unit |", "|---|---|---|---|"]
+                  "| claim | at the paper's init | at N(0, 1) embeddings | unit |", "|---|---|---|---|"]
         lines += [f"| ({cl['id']}) {cl['title']} | {_verdict_cell(c, first=True)} | {_verdict_cell(c, first=False)} | "
                   f"{claim_kind(cl).unit} |" for cl, c in claims] + [""]
     for cl, c in claims:
@@ -307,11 +308,11 @@ def superseded_words(recs: Sequence[dict]) -> str:
 
 def _verdict_cell(c: dict, first: bool) -> str:
     """A verdict-table cell: the paper's-init column holds every condition run at the paper's init
-    (both ramps of a max-LR claim), the other the better-init condition; ``—`` where none."""
+    (both ramps of a max-LR claim), the other the N(0, 1)-embedding condition; ``—`` where none."""
     conds = c.get("conditions")
     if conds is None:
         return f"**{c['verdict']}**" if first else "—"
-    keys = [k for k in conds if (k == "better_init") != first]
+    keys = [k for k in conds if (k == "embed_init") != first]
     if not keys:
         return "—"
     return "; ".join((f"{CONDITION_WORDS[k]}: " if len(keys) > 1 or k.endswith("ramp") else "")
@@ -320,7 +321,7 @@ def _verdict_cell(c: dict, first: bool) -> str:
 
 def plot_margins(claims: list[tuple[dict, dict]], out: Path) -> bool:
     """Margin (baseline − scheme, nats) against depth (log x) for every margin claim and condition
-    (solid: the paper's init; dashed: each scheme's better init): the seed mean as a line, every
+    (solid: the paper's init; dashed: both schemes at N(0, 1) embeddings): the seed mean as a line, every
     seed as a dot; False (nothing written) when no condition has two depths."""
     series = [(cl, k, cc) for cl, c in claims if claim_kind(cl).kind == "margin_grows"
               for k, cc in c["conditions"].items() if len(cc.get("rows", [])) >= 2]

@@ -21,6 +21,7 @@ from keel.experiments import stress as ST
 from keel.experiments.executor import Executor
 from keel.experiments.grid import GridJob, cached_result, check_pool, check_started, run_grid
 from keel.experiments.study.report import claim_summary, report_markdown, superseded_words, waiting_words, write_plots
+from keel.experiments.study.ablation import train_and_ablate
 from keel.experiments.study.claims import claim_kind, load_study
 from keel.experiments.study.dataset import NO_DATA, check_study_data, shares_data, study_dataset
 from keel.experiments.study.plan import lr_plan_words, plan_markdown, plan_total
@@ -237,7 +238,8 @@ def _train_and_read(g: Group, refs: list[GridJob], jobs: list[GridJob], out: Pat
                   + (f" + {plural(len(refs), 'reference run')}" if refs else ""))
         if refs:
             grid(refs, gdir / ST.REFERENCES, train_task, resume=True, check=check_train_job)
-        got = grid(todo, gdir, ST.stress_task if g.kind == "ramp" else train_task, resume=True, check=check_train_job)
+        task = ST.stress_task if g.kind == "ramp" else train_and_ablate if g.ablate else train_task
+        got = grid(todo, gdir, task, resume=True, check=check_train_job)
         errors = {j.name: r for j, r in zip(todo, got) if r.get("status") == "error"}
     recs = []
     for j in jobs:

@@ -46,6 +46,8 @@ class Group:
     seeds_for: dict[str, list[int]] = key({}, "a scheme's own seeds.", nonempty=True, unique=True, note="scheme = [seeds]")
     widen: int = key(2, "LRs a cell a claim reads may gain beyond the planned ones on each side (to bracket its "
                         "optimum).", ge=0, note="LRs added per side", read_if=_only("train"))
+    ablate: bool = key(False, "a train group: after each run, ΔPPL of removing each sub-layer (keel ablate, paper "
+                              "Appendix A) on its validation split, kept in its record.", read_if=_only("train"))
     reference: str = key("pre_ln", "a ramp group's reference scheme (the divergence classifier's baseline run).",
                          read_if=_only("ramp"))
     grid: dict[str, list] = field(default_factory=dict)  # a grid group's axes: {section.key: [values]} (keel sweep)
