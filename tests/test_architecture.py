@@ -28,7 +28,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("keel.experiments",),                                                      # 4: many runs
     ("keel.cli", "keel.__main__"),                                              # 5: the command line
 ]
-MAX_FUNCTION_LINES = 60  # one screen, docstring included
 
 
 def layer_of(module: str) -> int:
@@ -113,24 +112,9 @@ def test_the_layer_test_catches_an_upward_import(tmp_path):
     assert targets == {"keel.cli"} and layer_of("keel.cli") > layer_of("keel.train.x")
 
 
-def test_no_function_longer_than_a_screen():
-    long = []
-    for m, path in MODULES.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                n = node.end_lineno - node.lineno + 1
-                if n > MAX_FUNCTION_LINES:
-                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {n} lines")
-    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
-
-
-MAX_MODULE_LINES = 600  # a room a newcomer can hold
-
-
-def test_no_module_longer_than_a_room():
-    long = [f"{path.relative_to(REPO)}: {n} lines" for path in MODULES.values()
-            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
-    assert not long, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(long)
+# Line caps (a function within a screen, a module within 600 lines) were retired as goals (issue
+# "Code we want to live in, v4"): they rewarded packing code in. Complexity stays checked (ruff's
+# McCabe and pylint rules below); a module is split where its concerns part.
 
 
 @pytest.mark.spawns

@@ -23,6 +23,6 @@ def train_and_ablate(job: GridJob, run_dir: Path, resume: bool) -> dict:
     out = train_task(job, run_dir, resume)
     if out.get("final_val_loss") is not None:
         res = ablate_run(run_dir, tokens=ABLATE_TOKENS)
-        out["ablation"] = {"tokens": res.get("tokens", ABLATE_TOKENS), "seq_len": res.get("seq_len"), "ppl_full": res["ppl_full"],
-                           "delta_ppl": [u["delta_ppl"] for u in res["units"]]}
+        out["ablation"] = {"tokens": res.get("tokens", ABLATE_TOKENS), "seq_len": res.get("seq_len"),
+                           "ppl_full": res["ppl_full"], "delta_ppl": [u["delta_ppl"] for u in res["units"]]}
     return out

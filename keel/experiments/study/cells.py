@@ -10,6 +10,12 @@ from keel.experiments.study.verdicts import CONDITIONS, NOT_REPRODUCED, REPRODUC
 CONDITION_WORDS = {**CONDITIONS, "paper_ramp": "on the paper's ramp", "extended_ramp": "on the extended ramp"}
 
 
+def upper_first(text: str) -> str:
+    """``text`` with its first letter upper-cased and the rest as it is (``str.capitalize`` would
+    lower-case the rest: "At n(0, 1) embeddings")."""
+    return text[:1].upper() + text[1:]
+
+
 def pm(v: dict | None, fmt: str = "{:+.3f}") -> str:
     """``mean [90% CI lo, hi] (s0 x, s1 y, ...)`` of a :func:`paired_verdict` dict (the interval:
     its two one-sided bounds; ``mean (s0 x)`` for one seed)."""

@@ -17,7 +17,7 @@ from typing import ClassVar, Sequence
 
 from keel.errors import KeelError
 from keel.experiments.study import verdicts as V
-from keel.experiments.study.cells import CONDITION_WORDS, direction, exits, flagged, lrs, parts, pm, window
+from keel.experiments.study.cells import CONDITION_WORDS, direction, exits, flagged, lrs, parts, pm, upper_first, window
 from keel.experiments.study.spec import Group, Study, read_study
 from keel.keys import check_keys, key, key_type
 
@@ -73,6 +73,14 @@ class Claim:
     @classmethod
     def phrase(cls, conds: dict) -> str:
         """The summary's verdict words over the conditions ``conds`` (which init, which ramp)."""
+        if set(conds) == {"paper_init", "embed_init"}:
+            vp, vb = conds["paper_init"]["verdict"], conds["embed_init"]["verdict"]
+            if vp == vb:
+                return f"{vp} at both inits"
+            if V.REPRODUCED in (vp, vb):
+                first, other = ("paper_init", "embed_init") if vp == V.REPRODUCED else ("embed_init", "paper_init")
+                return f"reproduced {CONDITION_WORDS[first]} only ({conds[other]['verdict']} {CONDITION_WORDS[other]})"
+            return f"{vp} {CONDITION_WORDS['paper_init']}, {vb} {CONDITION_WORDS['embed_init']}"
         return "; ".join(f"{v['verdict']} {CONDITION_WORDS.get(k, k)}"
                          + (f" (to {v['peak_lr']:g})" if v.get("peak_lr") else "") for k, v in conds.items())
 
@@ -110,18 +118,6 @@ class MarginGrows(Claim):
                             "the margin is between two different schemes")
 
     @classmethod
-    def phrase(cls, conds: dict) -> str:
-        if len(conds) != 2:
-            return super().phrase(conds)
-        vp, vb = conds["paper_init"]["verdict"], conds["embed_init"]["verdict"]
-        if vp == vb:
-            return f"{vp} at both inits"
-        if V.REPRODUCED in (vp, vb):
-            first, other = ("paper_init", "embed_init") if vp == V.REPRODUCED else ("embed_init", "paper_init")
-            return f"reproduced {CONDITION_WORDS[first]} only ({conds[other]['verdict']} {CONDITION_WORDS[other]})"
-        return f"{vp} {CONDITION_WORDS['paper_init']}, {vb} {CONDITION_WORDS['embed_init']}"
-
-    @classmethod
     def tables(cls, claim: dict, c: dict) -> list[str]:
         out = [line for cond, cc in c["conditions"].items() for line in _margin_table(claim, cond, cc)]
         out += ["A best LR marked with an asterisk is not bracketed: it is the lowest or highest LR that seed trained "
@@ -140,7 +136,7 @@ class MarginGrows(Claim):
 def _margin_table(claim: dict, cond: str, c: dict) -> list[str]:
     """Markdown: one condition of a margin claim, a row per depth."""
     s, b = claim["scheme"], claim["baseline"]
-    out = [f"**{CONDITION_WORDS[cond].capitalize()}: {c['verdict']}.** {parts(c)}", "",
+    out = [f"**{upper_first(CONDITION_WORDS[cond])}: {c['verdict']}.** {parts(c)}", "",
            f"| sub-layers | margin ({b} − {s}, nats) mean [CI] (per seed) | at this depth | "
            f"best LR per seed: {b}; {s} | init of the best run: {b}; {s} | plateau exit step at that LR: {b}; {s} | "
            f"healthy-LR window (within {V.WINDOW:g} nats of the best seed-mean loss): {b}; {s} | "
@@ -215,7 +211,7 @@ class MaxLrOrder(Claim):
     def tables(cls, claim: dict, c: dict) -> list[str]:
         out = []
         for cond, cc in c["conditions"].items():
-            out += [f"**{CONDITION_WORDS[cond].capitalize()}" + (f" (to {cc['peak_lr']:g})" if cc.get("peak_lr") else "")
+            out += [f"**{upper_first(CONDITION_WORDS[cond])}" + (f" (to {cc['peak_lr']:g})" if cc.get("peak_lr") else "")
                     + f": {cc['verdict']}.** {parts(cc)}", ""]
         out += ["| ramp to | sub-layers | " + " | ".join(claim["order"]) + " |",
                 "|---" * (len(claim["order"]) + 2) + "|"]
@@ -243,8 +239,196 @@ def _check_extended_ramp(c: dict, ramp: Group, ext: Group) -> None:
                         f"got {ext.peak_lr:g} / {ext.ramp_steps} steps")
 
 
+def _cond_head(cond: str, c: dict) -> list[str]:
+    return [f"**{upper_first(CONDITION_WORDS[cond])}: {c['verdict']}.** {parts(c)}", ""]
+
+
+def _edge(bracketed: dict) -> dict:
+    return {sd: not ok for sd, ok in bracketed.items()}
+
+
+@dataclass(kw_only=True)
+class DataScaling(Claim):
+    kind: ClassVar[str] = "data_scaling"
+    unit: ClassVar[str] = "nats/token"
+
+    budgets: list[str] = key(MISSING, "train groups of one depth at growing token budgets, paper's init.",
+                             nonempty=True, unique=True, note="group names")
+    init_budgets: list[str] = key([], "the same budgets with both schemes at the other embedding init.",
+                                  unique=True, note="group names")
+    scheme: str = key(MISSING, "the scheme the paper says gains with data, e.g. \"keel\".", nonempty=True)
+    baseline: str = key(MISSING, "the scheme it is compared with, e.g. \"pre_ln\".", nonempty=True)
+    verdict = staticmethod(V.claim_data_scaling)
+
+    @classmethod
+    def groups_read(cls, claim: dict) -> list[str]:
+        return list(claim["budgets"]) + list(claim.get("init_budgets", []))
+
+    @classmethod
+    def check(cls, claim: dict, groups: dict[str, Group]) -> None:
+        depths = {g: groups[g].sublayers for g in cls.groups_read(claim) if g in groups}
+        if any(len(v) != 1 for v in depths.values()) or len({v[0] for v in depths.values()}) > 1:
+            raise KeelError(f"study claim {claim['id']!r}: every budget group trains the same one depth, got "
+                            + ", ".join(f"{g} {v}" for g, v in depths.items()))
+
+    @classmethod
+    def tables(cls, claim: dict, c: dict) -> list[str]:
+        s, b = claim["scheme"], claim["baseline"]
+        out = []
+        for cond, cc in c["conditions"].items():
+            out += _cond_head(cond, cc) + [
+                f"| group | tokens | tokens per non-embedding parameter ({b}; {s}) | margin ({b} − {s}, nats) "
+                f"mean [CI] (per seed) | best LR per seed: {b}; {s} |", "|---|---|---|---|---|"]
+            out += [f"| {r['group']} | {r['tokens']:,} | {r['tokens_per_param'][b]:.3f}; {r['tokens_per_param'][s]:.3f} | "
+                    f"{pm(r['margin'])} | {lrs(r['best_lr'][b], _edge(r['bracketed'][b]))}; "
+                    f"{lrs(r['best_lr'][s], _edge(r['bracketed'][s]))} |" for r in cc.get("rows", [])] + [""]
+        return out + ["A best LR marked with an asterisk is not bracketed (the study widens such a cell)."]
+
+
+@dataclass(kw_only=True)
+class DeepVsWide(Claim):
+    kind: ClassVar[str] = "deep_vs_wide"
+    unit: ClassVar[str] = "nats/token"
+
+    deep: str = key(MISSING, "the train group of the deep shape, paper's init.", nonempty=True)
+    wide: str = key(MISSING, "the train group of the wide shape (same parameters), paper's init.", nonempty=True)
+    init_deep: str = key("", "the deep shape at the other embedding init.")
+    init_wide: str = key("", "the wide shape at the other embedding init.")
+    scheme: str = key(MISSING, "the scheme whose deep model should win, e.g. \"keel\".", nonempty=True)
+    baseline: str = key(MISSING, "the scheme it beats at both shapes, e.g. \"pre_ln\".", nonempty=True)
+    verdict = staticmethod(V.claim_deep_vs_wide)
+
+    @classmethod
+    def groups_read(cls, claim: dict) -> list[str]:
+        return [claim[k] for k in ("deep", "wide", "init_deep", "init_wide") if claim.get(k)]
+
+    @classmethod
+    def check(cls, claim: dict, groups: dict[str, Group]) -> None:
+        if bool(claim.get("init_deep")) != bool(claim.get("init_wide")):
+            raise KeelError(f"study claim {claim['id']!r}: init_deep and init_wide come together")
+        for k in ("deep", "wide", "init_deep", "init_wide"):
+            g = groups.get(claim.get(k, ""))
+            if g is not None and len(g.sublayers) != 1:
+                raise KeelError(f"study claim {claim['id']!r}: group {g.name!r} ({k}) must train one depth, "
+                                f"got {g.sublayers}")
+
+    @classmethod
+    def tables(cls, claim: dict, c: dict) -> list[str]:
+        out = []
+        for cond, cc in c["conditions"].items():
+            out += _cond_head(cond, cc) + ["| model | non-embedding parameters | best loss per seed (nats) | "
+                                           "best LR per seed |", "|---|---|---|---|"]
+            out += [f"| {name} | {cc['params'][name]:,} | "
+                    + "[" + ", ".join(f"s{sd} {x:.3f}" for sd, x in v["loss"].items()) + "] | "
+                    + f"{lrs(v['lr'], _edge(v['bracketed']))} |" for name, v in cc["cells"].items()] + [""]
+        return out
+
+
+@dataclass(kw_only=True)
+class LayerImportance(Claim):
+    kind: ClassVar[str] = "layer_importance"
+    unit: ClassVar[str] = "share of sub-layers; log10 PPL ratio"
+
+    groups: list[str] = key(MISSING, "train groups with ablate = true, paper's init.", nonempty=True, note="group names")
+    optimum_groups: list[str] = key(MISSING, "the train groups whose seed-mean optimal LR picks the ablated run.",
+                                    nonempty=True, note="group names")
+    init_groups: list[str] = key([], "ablated groups at the other embedding init.", note="group names")
+    init_optimum_groups: list[str] = key([], "their LR source at the other init.", note="group names")
+    scheme: str = key(MISSING, "the scheme with less shallow redundancy, e.g. \"keel\".", nonempty=True)
+    baseline: str = key(MISSING, "the scheme with more, e.g. \"pre_ln\".", nonempty=True)
+    share_floor: float = key(0.05, "the floor of the redundant-share difference.", gt=0, le=1)
+    verdict = staticmethod(V.claim_layer_importance)
+
+    @classmethod
+    def groups_read(cls, claim: dict) -> list[str]:
+        return [g for k in ("groups", "optimum_groups", "init_groups", "init_optimum_groups") for g in claim.get(k, [])]
+
+    @classmethod
+    def check(cls, claim: dict, groups: dict[str, Group]) -> None:
+        plain = [g for g in [*claim["groups"], *claim.get("init_groups", [])] if g in groups and not groups[g].ablate]
+        if plain:
+            raise KeelError(f"study claim {claim['id']!r}: group(s) {', '.join(plain)} need ablate = true")
+        if bool(claim.get("init_groups")) != bool(claim.get("init_optimum_groups")):
+            raise KeelError(f"study claim {claim['id']!r}: init_groups and init_optimum_groups come together")
+
+    @classmethod
+    def tables(cls, claim: dict, c: dict) -> list[str]:
+        s, b = claim["scheme"], claim["baseline"]
+        out = []
+        for cond, cc in c["conditions"].items():
+            out += _cond_head(cond, cc) + [
+                f"| sub-layers | LR: {b}; {s} | redundant share of the shallow half per seed: {b}; {s} | "
+                f"first two over the median (log10) per seed: {b}; {s} |", "|---|---|---|---|"]
+            fmt = lambda d: "[" + ", ".join(f"s{sd} {x:.3f}" for sd, x in d.items()) + "]"
+            out += [f"| {r['sublayers']} | {r['lr'][b]}; {r['lr'][s]} | {fmt(r['share'][b])}; {fmt(r['share'][s])} | "
+                    f"{fmt(r['critical'][b])}; {fmt(r['critical'][s])} |" for r in cc.get("rows", [])] + [""]
+        return out + [f"Redundant: removing the sub-layer raises PPL by less than {V.REDUNDANT_BELOW:.0%}; the shallow "
+                      f"half: the first {V.SHALLOW:.0%} of sub-layers. ΔPPL per sub-layer of every ablated run: "
+                      "report.json (`ablation` of each run), drawn in importance.png."]
+
+
+@dataclass(kw_only=True)
+class EarlySpike(Claim):
+    kind: ClassVar[str] = "early_spike"
+    unit: ClassVar[str] = "nats/token"
+
+    group: str = key(MISSING, "a train group whose runs read every step's loss (trained by this version).",
+                     nonempty=True)
+    scheme: str = key(MISSING, "the scheme that converges smoothly, e.g. \"keel\".", nonempty=True)
+    baseline: str = key(MISSING, "the scheme that spikes, e.g. \"pre_ln\".", nonempty=True)
+    verdict = staticmethod(V.claim_early_spike)
+
+    @classmethod
+    def tables(cls, claim: dict, c: dict) -> list[str]:
+        s, b = claim["scheme"], claim["baseline"]
+        cell = lambda d: "[" + ", ".join(f"s{sd} {x:.2f}" + ("" if v == "healthy" else f" ({v})")
+                                         for sd, (x, v) in sorted(d.items())) + "]"
+        out = [f"| sub-layers | LR | largest early spike per seed (nats): {b} | {s} |", "|---|---|---|---|"]
+        return out + [f"| {r['sublayers']} | {r['lr']:g} | {cell(r[b])} | {cell(r[s])} |" for r in c.get("rows", [])]
+
+
+@dataclass(kw_only=True)
+class Bench(Claim):
+    kind: ClassVar[str] = "bench"
+    unit: ClassVar[str] = "nats/token"
+
+    group: str = key(MISSING, "the bench group (baselines_from a train group), paper's init.", nonempty=True)
+    init_group: str = key("", "the bench at the other embedding init.")
+    designs: list[str] = key(MISSING, "the residual designs judged (schemes the bench group trains).", nonempty=True,
+                             unique=True, note="scheme names")
+    baseline: str = key("pre_ln", "the scheme every design should beat.", nonempty=True)
+    verdict = staticmethod(V.claim_bench)
+
+    @classmethod
+    def groups_read(cls, claim: dict) -> list[str]:
+        return [claim["group"]] + ([claim["init_group"]] if claim.get("init_group") else [])
+
+    @classmethod
+    def schemes_read(cls, claim: dict) -> list[str]:
+        return list(claim["designs"])  # the baseline is trained by the bench's baselines_from group
+
+    @classmethod
+    def check(cls, claim: dict, groups: dict[str, Group]) -> None:
+        for name in cls.groups_read(claim):
+            g = groups.get(name)
+            if g is not None and claim.get("baseline", "pre_ln") not in g.baselines:
+                raise KeelError(f"study claim {claim['id']!r}: group {name!r} names no baseline "
+                                f"{claim.get('baseline', 'pre_ln')!r} (baselines)")
+
+    @classmethod
+    def tables(cls, claim: dict, c: dict) -> list[str]:
+        out = []
+        for cond, cc in c["conditions"].items():
+            out += _cond_head(cond, cc) + ["| sub-layers | design | against | margin (against − design, nats) mean "
+                                           "[CI] (per seed) | in words |", "|---|---|---|---|---|"]
+            out += [f"| {r['sublayers']} | {r['scheme']} | {r['baseline']} | {pm(r['margin'])} | "
+                    f"{direction(r['margin'], r['scheme'], r['baseline'])} |" for r in cc.get("rows", [])] + [""]
+        return out
+
+
 # The one list of claim kinds: a claim's ``test`` names one.
-CLAIMS: dict[str, type[Claim]] = {c.kind: c for c in (MarginGrows, LrTransfer, MaxLrOrder)}
+CLAIMS: dict[str, type[Claim]] = {c.kind: c for c in (MarginGrows, LrTransfer, MaxLrOrder, DataScaling, DeepVsWide,
+                                                      LayerImportance, EarlySpike, Bench)}
 
 
 def widen_words(widen: dict[str, int]) -> str:
@@ -301,7 +485,7 @@ def check_claim(c: object, groups: dict[str, Group]) -> None:
     check_keys(cls(**c), f"study claim {c['id']!r}", sep=": ")
     for g in cls.groups_read(c):
         if g not in groups and g != c.get("extended_group"):  # an extended ramp is optional per scale
-            raise KeelError(f"study claim {c['id']!r}: group {g!r} is not sized by this scale")
+            raise KeelError(f"study claim {c['id']!r}: group {g!r} is not a group of the study (declare it as [groups.{g}])")
         if g in groups and groups[g].kind != cls.group_kind:
             raise KeelError(f"study claim {c['id']!r}: {cls.kind} cannot read {groups[g].kind} group {g!r}")
     cls.check(c, groups)
@@ -316,13 +500,28 @@ def load_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
     every claim against its kind (:func:`check_claim`): the whole file is checked before anything
     trains.
 
+    A claim that reads a group the file declares but ``scale`` does not size is not judged at
+    that scale (moved to ``study.unjudged``; e.g. the test-suite scale sizes a few groups only).
+
     Raises:
-        KeelError: everything :func:`read_study` raises; a bad claim (naming it and the key).
+        KeelError: everything :func:`read_study` raises; a bad claim (naming it and the key),
+            including one naming a group the file does not declare.
     """
     study = read_study(name, scale, user_sets)
     groups = {g.name: g for g in study.groups}
+    judged = []
     for c in study.claims:
+        cls = CLAIMS.get(c.get("test")) if isinstance(c, dict) else None
+        names = cls.groups_read(c) if cls is not None and all(
+            k in c for k in (f.name for f in dataclasses.fields(cls) if f.default is MISSING)) else []
+        unsized = [g for g in names if isinstance(g, str) and g not in groups and g in study.declared
+                   and g != c.get("extended_group")]
+        if unsized:
+            study.unjudged.append({"id": c.get("id"), "groups": unsized})
+            continue
         check_claim(c, groups)
+        judged.append(c)
+    study.claims = judged
     ids = [c["id"] for c in study.claims]
     if len(set(ids)) != len(ids):
         raise KeelError(f"study claims repeat an id: {', '.join(ids)}")

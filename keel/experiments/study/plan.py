@@ -33,14 +33,17 @@ def plan_markdown(study: Study, rows: list[dict], mfu: float, peak_tflops: float
     """The ``--dry-run`` table; with ``restore`` (the ``--restore`` report), how many of each group's
     runs it holds and the GPU-hours left to train."""
     lines = [f"Study {study.name}, scale {study.scale}: {study.note}".strip(), "",
-             "| group | runs | schemes | sub-layers | seeds | LRs | tokens per run | total tokens | est. GPU-hours |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| group | runs | schemes | sub-layers | seeds | LRs | steps | tokens per run | tokens per non-embedding "
+             "parameter, by depth | total tokens | est. GPU-hours |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         runs = f"{r['runs']}" + (f" + {r['references']} ref." if r["references"] else "") \
             + (f" ({r['restored']} restored)" if restore is not None else "")
         lines.append(f"| {r['group']} | {runs} | {', '.join(r['schemes'])} | {', '.join(map(str, r['sublayers']))} | "
-                     f"{', '.join(map(str, r['seeds']))} | {r['lr_plan']} | "
-                     f"{', '.join(f'{t:,.0f}' for t in r['tokens_per_run'])} | {r['tokens']:.3g} | "
+                     f"{', '.join(map(str, r['seeds']))} | {r['lr_plan']} | {', '.join(map(str, r.get('steps', [])))} | "
+                     f"{', '.join(f'{t:,.0f}' for t in r['tokens_per_run'])} | "
+                     + (", ".join(f"{L}: {x:.3g}" for L, x in r.get("tokens_per_param", {}).items()) or "–")
+                     + f" | {r['tokens']:.3g} | "
                      f"{hours_words(r['gpu_hours'])} |")
     tot = plan_total(rows)
     lines += ["", f"Total: {tot['runs'] + tot['references']} runs, "

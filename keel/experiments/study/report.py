@@ -280,6 +280,9 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
              + run_time_words(study, runs, waiting) + restored_words(runs, restore),
              f"Command (it trains every run of the study; flags that pick what one call trains, "
              f"such as `--groups` and `--resume`, are left out): `{command}`", ""]
+    if study.unjudged:
+        lines += ["Not judged at this scale (it does not size the groups they read): " + "; ".join(
+            f"({u['id']}): {', '.join(u['groups'])}" for u in study.unjudged) + ".", ""]
     if claims:  # a study of groups only (e.g. a bench) has no verdicts
         lines += ["## Summary", ""] + [f"- {c['summary']}" for _, c in claims] + [""]
         lines += ["## Verdicts", "", verdict_rule(study, [cl for cl, _ in claims], floor), "",

@@ -30,7 +30,7 @@ from keel.experiments.study.spec import Group, Study, lr_ladder
 from keel.experiments.study.verdicts import LEVEL, baseline_margins, loss_floor
 from keel.experiments.sweep import build_jobs, check_train_job, train_task
 from keel.io import LOCK_NAME, RunLock, atomic_write_text, make_dirs, remove_empty_dirs
-from keel.model import flops_per_token
+from keel.model import count_parameters, flops_per_token
 
 
 _log = logging.getLogger(__name__)
@@ -323,8 +323,9 @@ def planned_jobs(study: Study, data_dir: str, out: Path, restored: dict[tuple[st
 
 def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: float,
               restored: dict[tuple[str, str], dict] | None = None) -> list[dict]:
-    """One row per group: runs (+ references), tokens per run (the planned budget; a ramp run
-    stops earlier when it diverges), total tokens and estimated GPU-hours at ``mfu`` of a
+    """One row per group: runs (+ references), optimizer steps and tokens per run (the planned
+    budget; a ramp run stops earlier when it diverges), tokens per non-embedding parameter per
+    depth (``tokens_per_param``: ``{sub-layers: ratio}``), total tokens and estimated GPU-hours at ``mfu`` of a
     ``peak_tflops`` (dense bf16 TFLOP/s) GPU; ``restored`` (:func:`load_restored`) plans as
     :func:`planned_jobs` does and counts the runs it holds (``restored``) and the GPU-hours of the
     others (``gpu_hours_left``). An ``lr_from`` group is planned as if the optimum were the middle
@@ -342,7 +343,12 @@ def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: f
             ("residual", lambda c: c.model.residual), ("n_sublayers", lambda c: c.model.n_sublayers),
             ("seed", lambda c: c.train.seed), ("lr", lambda c: c.train.lr))}
         hours = 1 / (mfu * peak_tflops * 1e12) / 3600
+        per_param = {}  # depth -> tokens per non-embedding parameter (of the first scheme at that depth)
+        for t, c in zip(per_run[len(refs):], cfgs[len(refs):]):
+            per_param.setdefault(c.model.n_sublayers, t / count_parameters(c.model, non_embedding=True))
         rows.append({"group": g.name, "kind": g.kind, "runs": len(jobs), "references": len(refs),
+                     "steps": sorted({c.train.steps for c in cfgs[len(refs):]}),
+                     "tokens_per_param": dict(sorted(per_param.items())),
                      "schemes": g.schemes or seen["residual"], "sublayers": g.sublayers or seen["n_sublayers"],
                      "seeds": g.seeds or seen["seed"], "lrs": list(g.lrs) if g.kind == "train" and not g.lr_from else [],
                      "lr_plan": lr_plan_words(g) or ", ".join(f"{x:g}" for x in seen["lr"]),

@@ -85,6 +85,8 @@ class Study:
     min_seeds: int = 3
     floor_from_spread: bool = False
     user_sets: list[str] = field(default_factory=list)
+    declared: list[str] = field(default_factory=list)  # every group the file declares, sized at this scale or not
+    unjudged: list[dict] = field(default_factory=list)  # claims whose groups this scale does not size (not judged)
 
     def all_sets(self, group: Group | None = None) -> list[Override]:
         """The config keys of a run of ``group`` (or of the study's base run): the scale's, the
@@ -181,7 +183,7 @@ def read_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
     return Study(name=path.stem, scale=scale, description=d.get("description", "").strip(), note=sc.get("note", ""),
                  base=d.get("base", "demo"), sets=list(sc.get("set", {}).items()), groups=groups, claims=claims,
                  min_effect=min_effect, min_seeds=min_seeds, floor_from_spread=spread,
-                 user_sets=list(user_sets))
+                 user_sets=list(user_sets), declared=list(d.get("groups", {})))
 
 
 def _check_tables(name: str, d: dict, scale: str) -> None:

@@ -8,7 +8,9 @@ import math
 import statistics
 from collections.abc import Sequence
 
+from keel.config import load_config, resolve_config_path
 from keel.experiments.study.spec import Group, Study
+from keel.model import count_parameters
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
 MAX_LR_FLOOR = math.log10(1.05)  # noise floor of a max-LR pair (log10 of the ratio): a 5% difference
@@ -439,3 +441,251 @@ def _ramp_rows(runs: list[dict], group: str, order: Sequence[str]) -> list[dict]
 
 
 
+
+
+# ----------------------------------------------------------------------------- claims (e)-(i) of study v5
+def _conditions(claim: dict, paper: str, init: str) -> dict[str, list[str]]:
+    """``{condition: groups}``: the claim's ``paper`` groups at the paper's init and, when it names
+    them, its ``init`` groups (both schemes at the other embedding init: :data:`CONDITIONS`)."""
+    conds = {"paper_init": list(claim[paper])}
+    if claim.get(init):
+        conds["embed_init"] = list(claim[init])
+    return conds
+
+
+def _judged(conds: dict[str, dict]) -> dict:
+    """A claim's verdict dict over its conditions: reproduced only where every condition is."""
+    return {"verdict": combine([c["verdict"] for c in conds.values()]), "conditions": conds}
+
+
+def _pending(why: str, **rest) -> dict:
+    return {"verdict": INCONCLUSIVE, "why": why, "parts": {}, **rest}
+
+
+def group_tokens(runs: Sequence[dict], group: str) -> int | None:
+    """Tokens per run of ``group`` (its finished runs' ``tokens``), None before one finished."""
+    return next((r["tokens"] for r in runs if r["group"] == group and r["status"] == "done" and r.get("tokens")), None)
+
+
+def non_embedding_params(study: Study, group: str, scheme: str, sublayers: int) -> int:
+    """Non-embedding parameters (:func:`keel.model.count_parameters`) of ``scheme`` at
+    ``sublayers`` with group ``group``'s config (the scale's keys, its own ``set``)."""
+    g = next(x for x in study.groups if x.name == group)
+    cfg = load_config(resolve_config_path(study.base),
+                      study.all_sets(g) + [("model.residual", scheme), ("model.n_layers", sublayers // 2)])
+    return count_parameters(cfg.model, non_embedding=True)
+
+
+def _budget_condition(study: Study, runs: list[dict], claim: dict, groups: list[str]) -> dict:
+    """One condition of claim (e): per budget group the paired margin at ``claim['sublayers']``,
+    the margin at the largest budget and its slope against log2(tokens)."""
+    s, b = claim["scheme"], claim["baseline"]
+    L = one_depth(study, groups[0])
+    rows = []
+    for g in groups:
+        tokens = group_tokens(runs, g)
+        best = {x: best_runs(runs, [g], x, L) for x in (b, s)}
+        m = _pair({sd: r["capped_loss"] for sd, r in best[b].items()}, {sd: r["capped_loss"] for sd, r in best[s].items()})
+        if tokens is None or not m:
+            continue
+        rows.append({"group": g, "tokens": tokens, "margin": paired_verdict(m, study.min_effect, study.min_seeds),
+                     "tokens_per_param": {x: tokens / non_embedding_params(study, g, x, L) for x in (b, s)},
+                     "best_lr": {x: {sd: r["lr"] for sd, r in best[x].items()} for x in (b, s)},
+                     "bracketed": {x: {sd: bracketed(runs, r) for sd, r in best[x].items()} for x in (b, s)}})
+    rows.sort(key=lambda r: r["tokens"])
+    if len(rows) < len(groups):
+        return _pending(f"{len(rows)} of {len(groups)} token budgets finished", rows=rows)
+    trend = trend_verdict({r["tokens"]: r["margin"]["diffs"] for r in rows}, study.min_effect, study.min_seeds)
+    parts = {f"margin at {rows[-1]['tokens']:,} tokens": rows[-1]["margin"],
+             "trend over " + ", ".join(f"{r['tokens']:,}" for r in rows) + " tokens (slope per doubling)": trend}
+    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+
+
+def one_depth(study: Study, group: str) -> int:
+    """The one depth (sub-layers) group ``group`` trains (claims (e) and (f) read one per group)."""
+    return next(g.sublayers[0] for g in study.groups if g.name == group)
+
+
+def claim_data_scaling(study: Study, runs: list[dict], claim: dict) -> dict:
+    """{scheme} beats {baseline} at the largest token budget and its margin grows with training
+    tokens (both parts must hold), at one depth, at the paper's init and with both schemes at
+    N(0, 1) embeddings.
+
+    Each budget is a group of the same model, depth and data trained for fewer or more steps at a
+    fixed batch (``budgets``, ``init_budgets``: groups of one depth each, the same for all); per budget and seed ``m = best(baseline) - best(scheme)``
+    (nats/token, best over the group's LRs, each bracketed by the study). Parts: the margin at the
+    largest budget (:func:`paired_verdict`) and the slope of each seed's margin against
+    log2(tokens) over every budget (:func:`trend_verdict`: nats per doubling of tokens, floor
+    spread over the range). Keel paper Table 4 / Figure 5: Keel's training-loss gain over Pre-LN
+    grows from 10B to 40B tokens at 512 sub-layers."""
+    return _judged({k: _budget_condition(study, runs, claim, gs)
+                    for k, gs in _conditions(claim, "budgets", "init_budgets").items()})
+
+
+def claim_deep_vs_wide(study: Study, runs: list[dict], claim: dict) -> dict:
+    """{scheme} at the deep shape beats {baseline} at the deep shape and {baseline} at the wide
+    shape of equal parameters (both parts must hold), at the paper's init and with both schemes
+    at N(0, 1) embeddings.
+
+    Per seed ``m = best(baseline, shape) - best(scheme, deep)`` (nats/token, each at its seed's
+    best LR over its group's LRs), :func:`paired_verdict` per part; groups ``deep``/``wide`` (and
+    ``init_deep``/``init_wide``), each at the one depth it trains. Keel paper Table 5:
+    at ~3B parameters Keel deep 55.5, Pre-LN deep 52.3, Pre-LN wide 52.2 (benchmark average)."""
+    s, b = claim["scheme"], claim["baseline"]
+    conds = {}
+    for k, (deep, wide) in {"paper_init": (claim["deep"], claim["wide"]),
+                            **({"embed_init": (claim["init_deep"], claim["init_wide"])}
+                               if claim.get("init_deep") else {})}.items():
+        Ld, Lw = one_depth(study, deep), one_depth(study, wide)
+        cells = {(x, shape): best_runs(runs, [g], x, L) for x in (s, b)
+                 for shape, g, L in (("deep", deep, Ld), ("wide", wide, Lw))}
+        loss = {c: {sd: r["capped_loss"] for sd, r in v.items()} for c, v in cells.items()}
+        parts = {f"{b} deep ({Ld}) − {s} deep": _pair(loss[(b, "deep")], loss[(s, "deep")]),
+                 f"{b} wide ({Lw}) − {s} deep": _pair(loss[(b, "wide")], loss[(s, "deep")])}
+        parts = {n: paired_verdict(m, study.min_effect, study.min_seeds) for n, m in parts.items()}
+        done = all(p["n"] >= study.min_seeds for p in parts.values())
+        conds[k] = {"verdict": combine([p["verdict"] for p in parts.values()]) if done else INCONCLUSIVE,
+                    "parts": parts, "groups": [deep, wide],
+                    "params": {f"{x} {shape}": non_embedding_params(study, g, x, L) for x in (s, b)
+                               for shape, g, L in (("deep", deep, Ld), ("wide", wide, Lw))},
+                    "cells": {f"{x} {shape}": {"loss": loss[(x, shape)],
+                                               "lr": {sd: r["lr"] for sd, r in cells[(x, shape)].items()},
+                                               "bracketed": {sd: bracketed(runs, r) for sd, r in cells[(x, shape)].items()}}
+                              for x, shape in cells}}
+    return _judged(conds)
+
+
+def seed_mean_optimum(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayers: int) -> float | None:
+    """The peak LR with the lowest seed-mean capped loss of ``scheme`` at ``sublayers`` over the
+    runs of ``groups`` (the seeds that finished every LR); None before one has."""
+    rs = [r for r in runs if r["group"] in groups and r["scheme"] == scheme and r["sublayers"] == sublayers]
+    lrs = sorted({r["lr"] for r in rs})
+    seeds = [sd for sd in sorted({r["seed"] for r in rs})
+             if sorted(r["lr"] for r in rs if r["seed"] == sd and r["status"] == "done") == lrs]
+    if not seeds:
+        return None
+    return min(lrs, key=lambda lr: statistics.fmean(r["capped_loss"] for r in rs if r["lr"] == lr and r["seed"] in seeds))
+
+
+def redundant_share(ablation: dict, below: float, share: float) -> float:
+    """The share of the first ``share`` fraction of sub-layers (the shallow ones) whose removal
+    raises the perplexity by less than ``below`` of the full model's: ``#{i < n·share : ΔPPL_i <
+    below · PPL_full} / ⌈n·share⌉`` (Keel paper Appendix A: shallow-layer redundancy)."""
+    d = ablation["delta_ppl"]
+    k = max(1, math.ceil(len(d) * share))
+    return sum(x < below * ablation["ppl_full"] for x in d[:k]) / k
+
+
+def first_critical(ablation: dict, first: int = 2) -> float:
+    """``log10(mean_{i < first} PPL_{-i} / median_i PPL_{-i})`` with ``PPL_{-i} = PPL_full + ΔPPL_i``
+    (perplexity without sub-layer i): how much more removing one of the first sub-layers costs
+    than removing the median sub-layer (Keel paper Appendix A: the first layers are critical)."""
+    ppl = [ablation["ppl_full"] + x for x in ablation["delta_ppl"]]
+    return math.log10(statistics.fmean(ppl[:first]) / statistics.median(ppl))
+
+
+def claim_layer_importance(study: Study, runs: list[dict], claim: dict) -> dict:
+    """{scheme}'s shallow sub-layers are less redundant than {baseline}'s, and the first two
+    sub-layers of both are critical (every part must hold), at every depth of the ablated groups,
+    at the paper's init and with both schemes at N(0, 1) embeddings.
+
+    Each scheme's run per seed at its seed-mean optimal LR (:func:`seed_mean_optimum` over
+    ``optimum_groups``, ``init_optimum_groups``), ablated (``groups``, ``init_groups``: groups
+    with ``ablate = true``; ΔPPL_i per sub-layer, Keel paper Appendix A). Metrics fixed before
+    any ablation was read: the redundant share of the shallow half (:func:`redundant_share`: ΔPPL
+    below 1% of the full PPL), paired ``d = share(baseline) - share(scheme)`` with floor
+    ``share_floor``; and per scheme the first-two-sub-layers ratio (:func:`first_critical`,
+    log10), one-sample with floor log10 1.05 (5%)."""
+    conds = {}
+    for k, (abl, opt) in {"paper_init": (claim["groups"], claim["optimum_groups"]),
+                          **({"embed_init": (claim["init_groups"], claim["init_optimum_groups"])}
+                             if claim.get("init_groups") else {})}.items():
+        depths = sorted({r["sublayers"] for r in runs if r["group"] in abl})
+        parts, rows = {}, []
+        for L in depths:
+            per = {}
+            for x in (claim["scheme"], claim["baseline"]):
+                lr = seed_mean_optimum(runs, opt, x, L)
+                per[x] = {r["seed"]: r for r in runs if r["group"] in abl and r["scheme"] == x and r["sublayers"] == L
+                          and lr is not None and math.isclose(r["lr"], lr) and r["status"] == "done"
+                          and r.get("ablation")}
+            share = {x: {sd: redundant_share(r["ablation"], REDUNDANT_BELOW, SHALLOW) for sd, r in v.items()}
+                     for x, v in per.items()}
+            crit = {x: {sd: first_critical(r["ablation"]) for sd, r in v.items()} for x, v in per.items()}
+            parts[f"redundant share of the shallow half at {L}: {claim['baseline']} − {claim['scheme']}"] = \
+                paired_verdict(_pair(share[claim["baseline"]], share[claim["scheme"]]), claim.get("share_floor", 0.05),
+                               study.min_seeds)
+            for x in (claim["scheme"], claim["baseline"]):
+                parts[f"first two sub-layers over the median, {x} at {L} (log10)"] = \
+                    paired_verdict(crit[x], MAX_LR_FLOOR, study.min_seeds)
+            rows.append({"sublayers": L, "lr": {x: next((r["lr"] for r in v.values()), None) for x, v in per.items()},
+                         "share": share, "critical": crit,
+                         "delta_ppl": {x: {sd: r["ablation"]["delta_ppl"] for sd, r in v.items()} for x, v in per.items()},
+                         "ppl_full": {x: {sd: r["ablation"]["ppl_full"] for sd, r in v.items()} for x, v in per.items()}})
+        planned = [L for g in study.groups if g.name in abl for L in g.sublayers]
+        if not rows or sorted(set(planned)) != depths or any(p["n"] < study.min_seeds for p in parts.values()):
+            conds[k] = {**_pending("ablations pending" if rows else "no ablated runs yet"), "parts": parts, "rows": rows}
+        else:
+            conds[k] = {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+    return _judged(conds)
+
+
+REDUNDANT_BELOW = 0.01  # a sub-layer is redundant when removing it raises the PPL by less than 1%
+SHALLOW = 0.5  # the shallow sub-layers: the first half
+
+
+def claim_early_spike(study: Study, runs: list[dict], claim: dict) -> dict:
+    """At the LRs where {scheme} trains healthily, {baseline} spikes early and {scheme} does not:
+    {baseline}'s largest early spike exceeds {scheme}'s.
+
+    Per run the largest rise of the 10-step trailing-mean training loss over its earlier minimum
+    in the first 1,000 steps (:func:`keel.experiments.study.records.early_spike`, nats/token;
+    the rule was fixed before any run was read). Per depth and seed ``d = mean over the LRs where
+    {scheme}'s run is healthy (divergence classifier) of spike(baseline) - spike(scheme)``;
+    :func:`paired_verdict` with the study's loss floor. Keel paper Figure 1a/4: Pre-LN spikes at
+    4.5e-3 in the first 1,000 steps at 1024 sub-layers, Keel converges smoothly."""
+    s, b, g = claim["scheme"], claim["baseline"], claim["group"]
+    rs = [r for r in runs if r["group"] == g and r["status"] == "done" and r.get("early_spike") is not None]
+    parts, rows = {}, []
+    for L in sorted({r["sublayers"] for r in runs if r["group"] == g}):
+        at = {(r["scheme"], r["seed"], r["lr"]): r for r in rs if r["sublayers"] == L}
+        diffs = {}
+        for sd in sorted({r["seed"] for r in runs if r["group"] == g}):
+            ok = [lr for (x, seed, lr), r in at.items() if x == s and seed == sd and r.get("verdict") == "healthy"
+                  and (b, sd, lr) in at]
+            if ok:
+                diffs[sd] = statistics.fmean(at[(b, sd, lr)]["early_spike"] - at[(s, sd, lr)]["early_spike"] for lr in ok)
+        parts[f"spike({b}) − spike({s}) at {L}, {s}'s healthy LRs"] = paired_verdict(diffs, study.min_effect,
+                                                                                     study.min_seeds)
+        for lr in sorted({k[2] for k in at}):
+            rows.append({"sublayers": L, "lr": lr, **{x: {k[1]: (r["early_spike"], r.get("verdict")) for k, r in at.items()
+                                                          if k[0] == x and k[2] == lr} for x in (s, b)}})
+    planned = sum(len(gr.scheme_seeds(x)) * len(gr.sublayers) * len(gr.lrs) for gr in study.groups if gr.name == g
+                  for x in (s, b))
+    if len([r for r in rs if r["scheme"] in (s, b)]) < planned:
+        return {**_pending(f"{len(rs)} of {planned} runs with every step's loss finished"), "parts": parts, "rows": rows}
+    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+
+
+def claim_bench(study: Study, runs: list[dict], claim: dict) -> dict:
+    """Each residual design of the bench beats {baseline} at the bench's depth (every part must
+    hold), at the paper's init and with every scheme at N(0, 1) embeddings; each is also
+    compared with Keel (reported, not part of the verdict).
+
+    Per design X and seed ``m = best(baseline) - best(X)`` (nats/token, each at its seed's best
+    LR over the bench group's LRs; the baseline trained by its ``baselines_from`` group at the
+    same LRs, seeds and tokens: :func:`baseline_margins`), :func:`paired_verdict` with the study's
+    loss floor. The claim of each design's own paper (Peri-LN, Hyper-Connections, mHC, AttnRes:
+    better than Pre-LN), not of the Keel paper."""
+    conds = {}
+    for k, gname in {"paper_init": claim["group"], **({"embed_init": claim["init_group"]}
+                                                       if claim.get("init_group") else {})}.items():
+        g = next(x for x in study.groups if x.name == gname)
+        rows = baseline_margins(study, g, runs)
+        rows = [r for r in rows if r["scheme"] in claim["designs"]]
+        parts = {f"{r['baseline']} − {r['scheme']} at {r['sublayers']}": r["margin"] for r in rows
+                 if r["baseline"] == claim["baseline"]}
+        done = parts and all(p["n"] >= study.min_seeds for p in parts.values())
+        conds[k] = {"verdict": combine([p["verdict"] for p in parts.values()]) if done else INCONCLUSIVE,
+                    "parts": parts, "rows": rows, **({} if done else {"why": "bench runs pending"})}
+    return _judged(conds)

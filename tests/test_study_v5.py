@@ -1,0 +1,246 @@
+"""The study's v5 claims (e)-(i) and the fixed init conditions, each rule checked against a direct
+transcription of its definition (written from the rule's text, not from keel's code)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from keel.experiments.study import records as SR
+from keel.experiments.study import spec as SS
+from keel.experiments.study import verdicts as SV
+
+
+def run(group, scheme, L, seed, lr, loss, **kw):
+    return {"group": group, "scheme": scheme, "sublayers": L, "seed": seed, "lr": lr, "status": "done",
+            "capped_loss": loss, **kw}
+
+
+def study(groups, **kw):
+    return SS.Study(**{"name": "t", "scale": "t", "description": "", "note": "", "base": "demo",
+                       "sets": [("model.vocab_size", 512)],
+                       "groups": groups, "claims": [], "min_effect": 0.05, "min_seeds": 3, **kw})
+
+
+def t_bounds_ref(xs, level=0.95):
+    """mean ± t_{level, n-1} · sd / sqrt(n), from scipy's two-sided interval at 2·level − 1."""
+    lo, hi = stats.t.interval(2 * level - 1, len(xs) - 1, loc=np.mean(xs), scale=stats.sem(xs))
+    return lo, hi
+
+
+# ----------------------------------------------------------------------------- the early spike (h)
+def spike_ref(losses, window=10):
+    """S = max_i (m_i − min_{j ≤ i − w} m_j), m the w-step trailing mean, 0 if it never rises."""
+    x = np.asarray(losses, float)
+    m = np.convolve(x, np.ones(window) / window, mode="valid")  # m[k] = mean of x[k .. k + w - 1]
+    best = 0.0
+    for k in range(window, len(m)):
+        best = max(best, m[k] - m[: k - window + 1].min())
+    return best
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_early_spike_is_the_largest_rise_of_the_trailing_mean(seed):
+    rng = np.random.default_rng(seed)
+    x = 6.0 - np.linspace(0, 2, 300) + rng.normal(0, 0.05, 300)
+    x[120 + 40 * seed: 140 + 40 * seed] += 0.8 * (seed + 1) / 4  # a spike of a few steps
+    recs = [{"step": i + 1, "loss": float(v)} for i, v in enumerate(x)]
+    assert SR.early_spike(recs) == pytest.approx(spike_ref(x), abs=1e-12)
+    assert SR.early_spike(recs, steps=100) == pytest.approx(spike_ref(x[:100]), abs=1e-12)
+
+
+def test_early_spike_of_a_falling_loss_is_zero_and_a_nan_is_the_cap():
+    recs = [{"step": i, "loss": 5.0 - 0.01 * i} for i in range(1, 60)]
+    assert SR.early_spike(recs) == 0.0
+    recs[30]["loss"] = float("nan")
+    assert SR.early_spike(recs, cap=6.2) == 6.2
+    assert SR.early_spike(recs[:15]) is None  # fewer than two windows
+
+
+def _spike_runs(spikes):
+    """spikes: {(scheme, seed, lr): (spike, verdict)}"""
+    return [run("s", x, 64, sd, lr, 3.0, early_spike=v, verdict=w) for (x, sd, lr), (v, w) in spikes.items()]
+
+
+def test_claim_h_reads_only_the_lrs_where_keel_is_healthy():
+    st = study([SS.Group("s", ["keel", "pre_ln"], [64], [0, 1, 2], lrs=[1e-3, 1e-2])])
+    sp = {}
+    for sd in range(3):
+        sp[("keel", sd, 1e-3)] = (0.02, "healthy")
+        sp[("pre_ln", sd, 1e-3)] = (0.30 + 0.05 * sd, "healthy")
+        sp[("keel", sd, 1e-2)] = (2.0, "instability")  # not a healthy Keel LR: left out
+        sp[("pre_ln", sd, 1e-2)] = (0.0, "healthy")
+    c = SV.claim_early_spike(st, _spike_runs(sp), {"group": "s", "scheme": "keel", "baseline": "pre_ln"})
+    part = next(iter(c["parts"].values()))
+    d = [0.30 - 0.02, 0.35 - 0.02, 0.40 - 0.02]
+    assert part["diffs"] == pytest.approx(dict(enumerate(d)))
+    lo, _ = t_bounds_ref(d)
+    assert part["lo"] == pytest.approx(lo) and c["verdict"] == ("reproduced" if lo >= 0.05 else "inconclusive")
+
+
+def test_claim_h_waits_for_every_run():
+    st = study([SS.Group("s", ["keel", "pre_ln"], [64], [0, 1, 2], lrs=[1e-3, 1e-2])])
+    sp = {("keel", 0, 1e-3): (0.0, "healthy"), ("pre_ln", 0, 1e-3): (1.0, "healthy")}
+    c = SV.claim_early_spike(st, _spike_runs(sp), {"group": "s", "scheme": "keel", "baseline": "pre_ln"})
+    assert c["verdict"] == "inconclusive" and "of 12 runs" in c["why"]
+
+
+# ----------------------------------------------------------------------------- layer importance (g)
+def test_redundant_share_and_first_critical_transcribe_their_definitions():
+    ab = {"ppl_full": 100.0, "delta_ppl": [50.0, 20.0, 0.5, 0.9, 3.0, -0.2, 0.1, 8.0]}
+    # shallow half = first 4: ΔPPL < 1% of 100 = 1.0 -> 0.5, 0.9 -> 2 of 4
+    assert SV.redundant_share(ab, 0.01, 0.5) == 2 / 4
+    ppl = [100 + d for d in ab["delta_ppl"]]
+    assert SV.first_critical(ab) == pytest.approx(math.log10(((150 + 120) / 2) / statistics.median(ppl)))
+
+
+def _ablated(group, scheme, L, seed, lr, loss, share_pattern):
+    return run(group, scheme, L, seed, lr, loss, ablation={"ppl_full": 10.0, "delta_ppl": share_pattern})
+
+
+def test_claim_g_takes_the_seed_mean_optimum_and_pairs_the_shares():
+    st = study([SS.Group("g", ["keel", "pre_ln"], [8], [0, 1, 2], lrs=[1e-3, 1e-2]),
+                SS.Group("a", ["keel", "pre_ln"], [8], [0, 1, 2], lrs=[1e-3, 1e-2], ablate=True)])
+    runs = []
+    keel = [5.0, 2.0, 1.0, 0.5, 0.01, 0.5, 0.5, 0.5]  # shallow half: no redundant sub-layer
+    pre = [5.0, 0.01, 0.02, 1.0, 0.5, 0.5, 0.5, 0.5]  # shallow half: 2 of 4 redundant (< 0.1)
+    for sd in range(3):
+        for x in ("keel", "pre_ln"):
+            runs += [run("g", x, 8, sd, 1e-3, 3.0), run("g", x, 8, sd, 1e-2, 2.9 if x == "keel" else 3.1)]
+            opt = 1e-2 if x == "keel" else 1e-3  # seed-mean optimum of the LR group
+            for lr in (1e-3, 1e-2):
+                pat = (keel if x == "keel" else pre) if lr == opt else [0.0] * 8  # the other LR must not be read
+                runs.append(_ablated("a", x, 8, sd, lr, 3.0, pat))
+    c = SV.claim_layer_importance(st, runs, {"groups": ["a"], "optimum_groups": ["g"], "scheme": "keel",
+                                             "baseline": "pre_ln"})
+    cond = c["conditions"]["paper_init"]
+    share = next(v for k, v in cond["parts"].items() if k.startswith("redundant"))
+    assert share["diffs"] == {0: 0.5, 1: 0.5, 2: 0.5}
+    assert cond["rows"][0]["lr"] == {"keel": 1e-2, "pre_ln": 1e-3}
+
+
+# ----------------------------------------------------------------------------- data scaling (e)
+def test_claim_e_slope_is_the_least_squares_fit_against_log2_tokens():
+    budgets = {"b1": 256_000, "b2": 512_000, "b3": 1_024_000}
+    st = study([SS.Group(g, ["keel", "pre_ln"], [256], [0, 1, 2], lrs=[1e-3, 3e-3, 1e-2]) for g in budgets])
+    margin = {("b1", 0): 0.05, ("b2", 0): 0.15, ("b3", 0): 0.30, ("b1", 1): 0.00, ("b2", 1): 0.20,
+              ("b3", 1): 0.35, ("b1", 2): 0.10, ("b2", 2): 0.18, ("b3", 2): 0.31}
+    runs = []
+    for (g, sd), m in margin.items():
+        for lr in (1e-3, 3e-3, 1e-2):
+            bump = 0.0 if lr == 3e-3 else 0.4  # each scheme's best at the middle LR
+            runs += [run(g, "keel", 256, sd, lr, 3.0 + bump, tokens=budgets[g]),
+                     run(g, "pre_ln", 256, sd, lr, 3.0 + m + bump, tokens=budgets[g])]
+    c = SV.claim_data_scaling(st, runs, {"budgets": list(budgets), "scheme": "keel",
+                                         "baseline": "pre_ln"})
+    cond = c["conditions"]["paper_init"]
+    x = np.log2(list(budgets.values()))
+    slopes = [np.polyfit(x, [margin[(g, sd)] for g in budgets], 1)[0] for sd in range(3)]
+    trend = next(v for k, v in cond["parts"].items() if k.startswith("trend"))
+    assert list(trend["diffs"].values()) == pytest.approx(slopes)
+    lo, hi = t_bounds_ref(slopes)
+    assert (trend["lo"], trend["hi"]) == pytest.approx((lo, hi))
+    assert trend["min_effect"] == pytest.approx(0.05 / 2)  # the floor spread over log2(4) doublings
+    top = next(v for k, v in cond["parts"].items() if k.startswith("margin"))
+    assert top["diffs"] == pytest.approx({0: 0.30, 1: 0.35, 2: 0.31})
+    assert cond["rows"][0]["tokens_per_param"]["keel"] == pytest.approx(
+        256_000 / SV.non_embedding_params(st, "b1", "keel", 256))
+
+
+def test_claim_e_waits_for_every_budget():
+    st = study([SS.Group(g, ["keel", "pre_ln"], [256], [0, 1, 2], lrs=[1e-3]) for g in ("b1", "b2")])
+    runs = [run("b1", x, 256, sd, 1e-3, 3.0, tokens=1000) for x in ("keel", "pre_ln") for sd in range(3)]
+    c = SV.claim_data_scaling(st, runs, {"budgets": ["b1", "b2"], "scheme": "keel",
+                                         "baseline": "pre_ln"})
+    assert c["verdict"] == "inconclusive" and c["conditions"]["paper_init"]["why"] == "1 of 2 token budgets finished"
+
+
+# ----------------------------------------------------------------------------- deeper vs wider (f)
+def test_claim_f_pairs_keel_deep_with_pre_ln_deep_and_wide():
+    st = study([SS.Group("d", ["keel", "pre_ln"], [256], [0, 1, 2], lrs=[1e-3, 3e-3],
+                         sets=[("model.d_model", 64), ("model.d_ff", 192)]),
+                SS.Group("w", ["keel", "pre_ln"], [64], [0, 1, 2], lrs=[1e-3, 3e-3],
+                         sets=[("model.d_model", 128), ("model.d_ff", 384)])],
+               sets=[("model.vocab_size", 512), ("model.n_heads", 4), ("model.n_kv_heads", 2)])
+    loss = {("keel", "d"): [3.0, 3.1, 3.05], ("pre_ln", "d"): [3.3, 3.35, 3.28],
+            ("keel", "w"): [3.2, 3.2, 3.2], ("pre_ln", "w"): [3.02, 3.2, 3.1]}
+    runs = [run(g, x, 256 if g == "d" else 64, sd, lr, v[sd] + (0.2 if lr == 1e-3 else 0.0))
+            for (x, g), v in loss.items() for sd in range(3) for lr in (1e-3, 3e-3)]
+    c = SV.claim_deep_vs_wide(st, runs, {"deep": "d", "wide": "w", "scheme": "keel",
+                                         "baseline": "pre_ln"})
+    p = c["conditions"]["paper_init"]["parts"]
+    deep, wide = p["pre_ln deep (256) − keel deep"], p["pre_ln wide (64) − keel deep"]
+    assert deep["diffs"] == pytest.approx({0: 0.3, 1: 0.25, 2: 0.23})
+    assert wide["diffs"] == pytest.approx({0: 0.02, 1: 0.1, 2: 0.05})
+    assert deep["verdict"] == "reproduced" and wide["verdict"] == "inconclusive" and c["verdict"] == "inconclusive"
+    params = c["conditions"]["paper_init"]["params"]
+    assert abs(params["pre_ln wide"] - params["pre_ln deep"]) / params["pre_ln deep"] < 0.01  # equal parameters
+
+
+# ----------------------------------------------------------------------------- no choice on the outcome (b, c)
+def test_the_n01_condition_reads_only_the_init_groups_never_the_better_of_two():
+    """Before v5 the second condition took per scheme, depth and seed the better of the two inits: a
+    Keel run of the paper's-init group that beat its N(0, 1) run was taken, on the losses then judged."""
+    st = study([SS.Group("g", ["keel", "pre_ln"], [16, 64], [0, 1, 2], lrs=[1e-3]),
+                SS.Group("i", ["keel", "pre_ln"], [16, 64], [0, 1, 2], lrs=[1e-3])])
+    runs = []
+    for L in (16, 64):
+        for sd in range(3):
+            runs += [run("g", "keel", L, sd, 1e-3, 2.0), run("g", "pre_ln", L, sd, 1e-3, 3.0),
+                     run("i", "keel", L, sd, 1e-3, 3.0), run("i", "pre_ln", L, sd, 1e-3, 2.9)]
+    c = SV.claim_margin_grows(st, runs, {"groups": ["g"], "init_groups": ["i"], "scheme": "keel",
+                                         "baseline": "pre_ln"})
+    assert set(c["conditions"]) == {"paper_init", "embed_init"}
+    rows = c["conditions"]["embed_init"]["rows"]
+    assert all(r["margin"]["diffs"] == pytest.approx({0: -0.1, 1: -0.1, 2: -0.1}) for r in rows)
+    assert all(set(g for v in r["best_group"]["keel"].values() for g in [v]) == {"i"} for r in rows)
+
+
+# ----------------------------------------------------------------------------- the bench (i)
+def test_claim_i_judges_each_design_against_pre_ln_and_reports_keel():
+    st = study([SS.Group("lr", ["keel", "pre_ln"], [64], [0, 1, 2], lrs=[1e-3, 1e-2]),
+                SS.Group("b", ["peri_ln"], [64], [0, 1, 2], lrs=[1e-3, 1e-2], baselines_from="lr",
+                         baselines=["keel", "pre_ln"])])
+    runs = []
+    for sd in range(3):
+        for lr in (1e-3, 1e-2):
+            runs += [run("lr", "pre_ln", 64, sd, lr, 3.5 + sd * 0.01), run("lr", "keel", 64, sd, lr, 3.0),
+                     run("b", "peri_ln", 64, sd, lr, 3.2)]
+    c = SV.claim_bench(st, runs, {"group": "b", "designs": ["peri_ln"], "baseline": "pre_ln"})
+    part = c["conditions"]["paper_init"]["parts"]["pre_ln − peri_ln at 64"]
+    assert part["diffs"] == pytest.approx({0: 0.3, 1: 0.31, 2: 0.32}) and part["verdict"] == "reproduced"
+    vs_keel = next(r for r in c["conditions"]["paper_init"]["rows"] if r["baseline"] == "keel")
+    assert vs_keel["margin"]["mean"] == pytest.approx(-0.2)
+
+
+# ----------------------------------------------------------------------------- the study file
+def test_every_table_is_widened_not_only_the_cells_a_claim_reads():
+    """DeepNorm at 256 sub-layers was best at its lowest LR in both seeds and was not widened: no
+    claim read it. Every cell of a train group is bracketed now."""
+    from keel.experiments.study.run import widened_lrs
+    g = SS.Group("g", ["deepnorm"], [256], [0, 1], lrs=[1e-3, 3e-3, 1e-2])
+    st = study([g])  # no claim reads anything
+    recs = [run("g", "deepnorm", 256, sd, lr, 3.0 + (lr > 1e-3)) for sd in (0, 1) for lr in (1e-3, 3e-3, 1e-2)]
+    lr_for = {("deepnorm", 256): [1e-3, 3e-3, 1e-2]}
+    assert widened_lrs(st, g, recs, lr_for, dict(lr_for)) == {("deepnorm", 256): [3.33e-4, 1e-3, 3e-3, 1e-2]}  # 1e-3 · 1e-3 / 3e-3
+
+
+def test_lr_from_follows_a_chain_to_a_group_with_lrs():
+    a = SS.Group("a", ["keel"], [64], [0], lrs=[1e-2, 1e-3, 3e-3])
+    b = SS.Group("b", ["keel"], [256], [0], lr_from="a", lr_from_sublayers=64)
+    c = SS.Group("c", ["keel"], [256], [0], lr_from="b", lr_from_sublayers=256)
+    assert SS.lr_ladder([a, b, c], c) == [1e-3, 3e-3, 1e-2]
+    loop = SS.Group("x", ["keel"], [8], [0], lr_from="x", lr_from_sublayers=8)
+    assert SS.lr_ladder([loop], loop) == []
+
+
+def test_the_cpu_scale_judges_every_claim_and_tiny_leaves_out_what_it_does_not_size():
+    from keel.experiments.study.claims import load_study
+    cpu = load_study("claims", "cpu")
+    assert [c["id"] for c in cpu.claims] == list("abcdefghi") and not cpu.unjudged
+    tiny = load_study("claims", "tiny")
+    assert "h" in [c["id"] for c in tiny.claims] and {u["id"] for u in tiny.unjudged} == set("efgi")
