@@ -35,10 +35,19 @@ OUT.md``); it prints one markdown table and writes it to ``OUT.md``. Sections (r
    ``hf-llama``: tokens/s of ``pre_ln`` and ``keel`` against ``transformers``'
    ``LlamaForCausalLM`` of the same shape (``benchmarks/throughput.py``, paired rounds, bf16
    autocast), passing at >= 0.5x the Llama's speed.
+9. ``fp16`` (``train.precision = "fp16-autocast"``, for GPUs without bf16 such as V100/T4): every
+   scheme at the ``bf16`` row's shape, fp16 autocast against fp32 (TF32 off): max relative logit
+   error of a forward, and one training backward with keel's loss scaler
+   (``keel.train.loss_scaling.LossScaling``: from 2**16, halved after an overflow as in training, at
+   most 8 times): the unscaled gradients finite and their norm within 5 % of fp32's.
+   ``fp16-train``: ``keel train --config paper-64`` in fp16-autocast for ``plan.fp16_steps`` steps
+   (checkpoint at half), then cut back to that checkpoint and resumed: the resumed steps repeat the
+   losses (CUDA: within 1 %) and the loss scales, and ``trainer.pt`` holds the scaler's state.
 
 Every row ends with ``pass``, ``FAIL`` or ``skip`` (column ``status``): bf16 error < 0.05;
 finite losses; no graph break; on the GPU a compiled speed row not slower than its eager
-row (> 5 %); memory within the prediction. The exit status is 1 when a row failed.
+row (> 5 %); memory within the prediction; fp16 logit error < 0.02. The exit status is 1 when a
+row failed.
 
 Budget: under 8 minutes on one H100/H200. ``--dry-run`` runs every code path on the CPU at
 tiny shapes (``torch.compile`` with Dynamo's ``eager`` backend, no C++ compiler needed);
@@ -52,6 +61,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import math
 import os
 import subprocess
 import sys
@@ -68,7 +78,7 @@ import levers  # (benchmarks/levers.py: fused QKV / gate-up / chunked-loss micro
 import mfu  # (benchmarks/mfu.py: FLOPs per token, GPU peaks, step function)
 
 
-SECTIONS = ("bf16", "compile", "speed", "memory", "levers", "train", "fsdp", "hf")
+SECTIONS = ("bf16", "compile", "speed", "memory", "levers", "train", "fsdp", "hf", "fp16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +105,7 @@ class Plan:
     compile_schemes: tuple[str, ...] = ()  # () = every scheme
     # timed (bf16 steps, MFU, peak memory) at the first of speed_sublayers beside pre_ln and keel: the bench
     bench_schemes: tuple[str, ...] = ("peri_ln", "hyper_connections", "mhc", "attn_res")
+    fp16_steps: int = 8  # steps of the fp16-autocast training row (checkpointed and resumed at half)
 
 
 GPU = Plan(width=1024, heads=16, kv_heads=8, d_ff=3072, vocab=32768, seq=2048, batch=2, forward_sublayers=64,
@@ -108,7 +119,7 @@ DRY = Plan(width=64, heads=2, kv_heads=1, d_ff=192, vocab=256, seq=32, batch=2, 
                        "train.seq_len=32", "train.grad_accum=1", "train.eval_tokens=256", "train.sample_tokens=4"),
            prepare_args=("--tokenizer", "bpe:512", "--max-bytes", "200000"),
            compile_kwargs=(("backend", "eager"),), compile_check=(64, 4), compile_schemes=("keel", "attn_res"),
-           bench_schemes=("mhc",))
+           bench_schemes=("mhc",), fp16_steps=4)
 
 
 def model_config(plan: Plan, scheme: str, sublayers: int):
@@ -152,6 +163,89 @@ def check_bf16(plan: Plan, device: torch.device) -> list[dict]:
         free(device)
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     return rows
+
+
+MAX_FP16_BACKOFFS = 8  # overflowed backwards allowed per scheme before its fp16 row fails (S down to 2**8)
+
+
+def check_fp16(plan: Plan, device: torch.device) -> list[dict]:
+    """Section 9: every scheme in fp16-autocast against fp32 (TF32 off): the max relative logit error
+    of a forward, and the gradient norm of one backward through keel's loss scaler (from 2**16,
+    halved after each overflow as in training, at most ``MAX_FP16_BACKOFFS`` times; unscaled before
+    the norm, as the trainer does) against the fp32 gradient norm."""
+    from keel.model import SCHEMES, Transformer
+    from keel.train.loss_scaling import LossScaling
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # a true fp32 reference
+    ids = torch.randint(0, plan.vocab, (1, plan.seq + 1), generator=torch.Generator().manual_seed(0)).to(device)
+    x, y = ids[:, :-1], ids[:, 1:]
+    rows = []
+    for scheme in sorted(SCHEMES):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Transformer(model_config(plan, scheme, plan.forward_sublayers))
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # only for the scaler's unscale_
+        norms = {}
+        for fp16 in (False, True):
+            scaling = LossScaling(device, "fp16-autocast" if fp16 else "fp32")
+            for overflows in range(MAX_FP16_BACKOFFS + 1):  # as the trainer's scaler: halve S until finite
+                with torch.autocast(device.type, dtype=torch.float16, enabled=fp16):
+                    with torch.no_grad():
+                        logits = model(x)
+                    loss = model(x, y)
+                scaling.scale(loss).backward()
+                scaling.unscale_(opt)
+                norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+                scale = scaling.update(math.isfinite(norm)).get("loss_scale", 1.0)
+                model.zero_grad(set_to_none=True)
+                if math.isfinite(norm):
+                    break
+            norms[fp16] = (norm, loss.item(), logits.float(), scale, overflows)
+        (ref_norm, ref_loss, ref, _, _), (norm, loss16, out, scale, overflows) = norms[False], norms[True]
+        rows.append({"section": "fp16", "scheme": scheme, "sublayers": plan.forward_sublayers,
+                     "max_rel_logit_err": ((out - ref).abs().max() / ref.abs().max()).item(), "grad_norm": norm,
+                     "grad_norm_fp32": ref_norm, "loss": loss16, "loss_fp32": ref_loss, "scale": scale,
+                     "overflows": overflows})
+        del model, opt, norms, ref, out
+        free(device)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    return rows
+
+
+def check_fp16_train(plan: Plan, work: Path) -> list[dict]:
+    """Section 9, the run: ``keel train --config paper-64`` in fp16-autocast for ``plan.fp16_steps``
+    steps with a checkpoint at half, then a copy cut back to that checkpoint and resumed."""
+    import shutil
+
+    env, half = _env(), plan.fp16_steps // 2
+    data = _prepare(plan, work, env)
+    sets = [f"data.path={data}", f"train.steps={plan.fp16_steps}", f"train.checkpoint_every={half}",
+            f"train.eval_every={half}", "train.keep_checkpoints=0", "train.precision=fp16-autocast",
+            "train.log_every=1", "train.progress=false", *plan.train_sets]
+    args = [a for s in sets for a in ("--set", s)]
+    full, cut = work / "fp16_full", work / "fp16_cut"
+    t0 = time.perf_counter()
+    _keel(["train", "--config", "paper-64", "--run-dir", str(full), *args], env, plan is DRY)
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoints" / f"step_{plan.fp16_steps:08d}")
+    (cut / "checkpoints" / "latest").write_text(f"step_{half:08d}\n")
+    _keel(["train", "--resume", str(cut), *args], env, plan is DRY)
+
+    def steps(run):
+        recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+        return {r["step"]: r for r in recs if "loss" in r}
+
+    a, b = steps(full), steps(cut)
+    state = torch.load(full / "checkpoints" / f"step_{half:08d}" / "trainer.pt", map_location="cpu", weights_only=True)
+    rtol = 1e-6 if plan is DRY else 1e-2  # the CPU repeats itself exactly; CUDA's atomics need not
+    later = range(half + 1, plan.fp16_steps + 1)
+    same = all(abs(a[k]["loss"] - b[k]["loss"]) <= rtol * abs(a[k]["loss"]) and
+               a[k]["loss_scale"] == b[k]["loss_scale"] for k in later)
+    return [{"section": "fp16-train", "scheme": "keel (paper-64)", "losses": [(k, a[k]["loss"]) for k in sorted(a)],
+             "resumed": [(k, b[k]["loss"]) for k in later], "scale": a[plan.fp16_steps]["loss_scale"],
+             "skipped_steps": a[plan.fp16_steps]["skipped_steps"], "scaler_state": "grad_scaler" in state, "same": same,
+             "train_s": time.perf_counter() - t0}]
 
 
 def fits(plan: Plan, cfg, checkpointing: str, device: torch.device, share: float) -> tuple[bool, float]:
@@ -439,6 +533,11 @@ def status(r: dict, rows: list[dict], dry: bool) -> str:
     sec = r["section"]
     if sec == "bf16":
         return "pass" if r["max_rel_logit_err"] < 0.05 else "FAIL"
+    if sec == "fp16":  # nan (an overflow) fails every comparison
+        ok = r["max_rel_logit_err"] < 0.02 and abs(r["grad_norm"] - r["grad_norm_fp32"]) <= 0.05 * r["grad_norm_fp32"]
+        return "pass" if ok else "FAIL"
+    if sec == "fp16-train":
+        return "pass" if r["same"] and r["scaler_state"] and all(math.isfinite(v) for _, v in r["losses"]) else "FAIL"
     if sec == "compile":
         return "pass" if r["graph_breaks"] == 0 and r["finite"] and math.isfinite(r["loss"]) else "FAIL"
     if sec == "train":
@@ -469,6 +568,15 @@ def _result(r: dict) -> str:
         return r["error"]
     if r["section"] == "bf16":
         return f"max rel. logit err {r['max_rel_logit_err']:.2e} (logit RMS {r['logit_rms']:.3g})"
+    if r["section"] == "fp16":
+        return (f"max rel. logit err {r['max_rel_logit_err']:.2e}; loss {r['loss']:.4f} (fp32 {r['loss_fp32']:.4f}); "
+                f"unscaled grad norm {r['grad_norm']:.4g} (fp32 {r['grad_norm_fp32']:.4g}) at loss scale "
+                f"{r['scale']:g} ({r['overflows']} overflow{'s' if r['overflows'] != 1 else ''} before)")
+    if r["section"] == "fp16-train":
+        return (f"loss {', '.join(f'{s}: {v:.4f}' for s, v in r['losses'])}; resumed from step "
+                f"{r['resumed'][0][0] - 1}: {', '.join(f'{s}: {v:.4f}' for s, v in r['resumed'])}; loss scale "
+                f"{r['scale']:g}, {r['skipped_steps']} skipped; scaler state "
+                f"{'checkpointed' if r['scaler_state'] else 'MISSING'} ({r['train_s']:.0f} s)")
     if r["section"] == "train":
         return (f"{r['steps']} steps, loss " + ", ".join(f"{s}: {v:.4f}" for s, v in r["losses"])
                 + f" (prepare {r['prepare_s']:.0f} s, train {r['train_s']:.0f} s)")
@@ -532,7 +640,8 @@ def main(argv: list[str] | None = None) -> int:
                         ("memory", lambda: check_memory(plan, device)), ("levers", lambda: check_levers(plan, device)),
                         ("train", lambda: check_train(plan, Path(work))),
                         ("fsdp", lambda: check_fsdp(plan, Path(work), a.dry_run)),
-                        ("hf", lambda: check_hf_left_padding(plan, device) + check_hf_llama(plan, device, Path(work)))):
+                        ("hf", lambda: check_hf_left_padding(plan, device) + check_hf_llama(plan, device, Path(work))),
+                        ("fp16", lambda: check_fp16(plan, device) + check_fp16_train(plan, Path(work)))):
             if sec in sections:
                 t0 = time.perf_counter()
                 rows += fn()

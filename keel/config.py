@@ -37,7 +37,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from keel.errors import KeelError
-from keel.io import atomic_write_text
+from keel.io import atomic_write_text, check_regular_file
 from keel.keys import (ResumePolicy, check_key, check_keys, choices, choices_text, current_key, key, key_field, key_rule,
                        key_type, resume_policy)
 
@@ -123,6 +123,8 @@ class ModelConfig:
 
     Depth: ``n_layers`` counts blocks; each block is an attention sub-layer plus an FFN
     sub-layer, so the paper's L (sub-layers) is ``2 * n_layers`` (:attr:`n_sublayers`).
+    A looped model (``loop_*``) has ``n_layers`` blocks of weights and the effective depth L = 2 (P + R C + Q)
+    (:attr:`n_sublayers`), which every depth-dependent formula takes.
 
     Raises:
         KeelError: from :meth:`validate` on an impossible shape.
@@ -165,11 +167,23 @@ class ModelConfig:
     attn_res_blocks: int = key(8, "Block AttnRes: N, the number of blocks the L sub-layers are cut into.", ge=1)
     attn_res_readout: Literal["attend", "sum"] = key(
         "attend", "Attention Residuals: the last hidden state, \"attend\" (depth attention) or \"sum\".")
+    loop_prelude: int = key(0, "looped model: P, the blocks applied once before the core.", ge=0)
+    loop_core: int = key(0, "looped model: C, the blocks after the prelude applied loop_repeats times with shared "
+                            "weights; the Q = n_layers - P - C blocks after them are the coda.", ge=0, note="0 = no loop")
+    loop_repeats: int = key(1, "looped model: R, the core's applications per forward pass.", ge=1)
+    loop_sampling: Literal["fixed", "uniform", "poisson_lognormal"] = key(
+        "fixed", "looped model: the core's applications per training step, of mean R: R, uniform on 1 .. 2R - 1, or "
+        "1 + Poisson(e^tau), tau ~ N(log(R - 1) - 1/8, 1/4) (Geiping et al. 2025; keel.model.loop_count).")
 
     @property
     def n_sublayers(self) -> int:
-        """L, the number of sub-layers (attention + FFN), as the paper counts depth."""
-        return 2 * self.n_layers
+        """L, the number of sub-layers (attention + FFN) a forward pass applies, as the paper counts depth."""
+        return 2 * self.effective_layers
+
+    @property
+    def effective_layers(self) -> int:
+        """Blocks a forward pass applies: ``P + R C + Q = n_layers + (R - 1) C`` (``n_layers`` without a loop)."""
+        return self.n_layers + (self.loop_repeats - 1) * self.loop_core
 
     @property
     def head_dim(self) -> int:
@@ -189,6 +203,12 @@ class ModelConfig:
             raise KeelError(f"model.n_heads ({self.n_heads}) is not divisible by model.n_kv_heads ({self.n_kv_heads})")
         if self.head_dim % 2:
             raise KeelError(f"head dimension d_model/n_heads = {self.head_dim} must be even for RoPE")
+        if self.loop_prelude + self.loop_core > self.n_layers:
+            raise KeelError(f"model.loop_prelude ({self.loop_prelude}) + model.loop_core ({self.loop_core}) exceeds "
+                            f"model.n_layers ({self.n_layers}), the blocks of prelude, core and coda together")
+        for name, off in (("loop_prelude", 0), ("loop_repeats", 1), ("loop_sampling", "fixed")):
+            if not self.loop_core and getattr(self, name) != off:
+                raise KeelError(f"model.{name} = {getattr(self, name)!r} needs a loop: set model.loop_core >= 1")
         return self
 
 
@@ -265,9 +285,9 @@ class TrainConfig:
                     note="numpy's seed range", on_resume="refuse")
     device: str = key("auto", "auto | cpu | cuda | cuda:N (checked where torch is, by keel.train.device.resolve_device).",
                       nonempty=True)
-    precision: Literal["auto", "fp32", "bf16-autocast", "bf16"] = key(
-        "auto", "auto = bf16-autocast on CUDA, fp32 elsewhere | fp32 | bf16-autocast (fp32 weights, bf16 autocast) | "
-        "bf16 (FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), as torchtitan; else bf16-autocast).")
+    precision: Literal["auto", "fp32", "bf16-autocast", "bf16", "fp16-autocast"] = key(
+        "auto", "auto = bf16-autocast on CUDA with bf16, else fp32 | fp32 | bf16-autocast (fp32 weights) | bf16 (FSDP2: "
+        "bf16 params, fp32 reduce; else bf16-autocast) | fp16-autocast (fp32 weights, loss scaling: V100, T4).")
     max_bad_steps: int = key(10, "stop after this many non-finite steps in a row.", ge=1)
     sample_tokens: int = key(64, "tokens sampled from the final model into sample.txt.", ge=0)
     sample_prompt: str = key("", "prompt of that sample; empty = a new document (the sample starts after "
@@ -496,6 +516,8 @@ def apply_overrides(d: Mapping[str, Any], overrides: Iterable[Override] | Mappin
     for item in items:
         dotted, value = parse_override(item) if isinstance(item, str) else item
         section, sep, name = current_key(dotted.strip(), warn=True).partition(".")
+        if not sep and isinstance(value, dict) and value:  # TOML read `train.lr = 1e-3` as a table {train: {lr: ..}}
+            raise KeelError(_unquoted_key_message(dotted, value))
         if not sep:
             raise KeelError(f"a config override needs section.key, got {dotted!r}")
         out.setdefault(section, {})
@@ -505,11 +527,22 @@ def apply_overrides(d: Mapping[str, Any], overrides: Iterable[Override] | Mappin
     return out
 
 
+def _unquoted_key_message(section: str, table: dict) -> str:
+    """Why an override ``section`` whose value is a table (TOML's reading of an unquoted dotted key,
+    ``train.lr = 1e-3`` in a study's ``set`` table) is refused, and how to write it."""
+    inner, value = next(iter(table.items()))
+    shown = "..." if isinstance(value, dict) else override_text((f"{section}.{inner}", value)).split("=", 1)[1]
+    return (f"a config override needs section.key, got {section!r} holding a table: quote the dotted key, "
+            f"\"{section}.{inner}\" = {shown} (unquoted, TOML reads {section}.{inner} = ... as a table [{section}])")
+
+
 def read_toml(path: Path, what: str = "config") -> dict:
-    """The TOML file ``path`` as a dict. Raises KeelError, one line naming ``what`` (config, study,
-    sweep preset) and ``path``: no such file, not UTF-8 text, not TOML."""
-    try:
-        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    """The TOML file ``path`` as a dict (a UTF-8 byte-order mark at its start is accepted). Raises
+    KeelError, one line naming ``what`` (config, study, sweep preset) and ``path``: no such file, not
+    a regular file, not UTF-8 text, not TOML."""
+    check_regular_file(path, f"{what} file")  # a FIFO blocked for ever
+    try:  # utf-8-sig: a byte-order mark (Windows editors write one) was "Invalid statement (line 1, column 1)"
+        return tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         raise KeelError(f"{what} file not found: {path}") from None
     except tomllib.TOMLDecodeError as e:
@@ -573,6 +606,7 @@ def resolve_config_path(name: str | None, kind: str = "") -> Path:
     name = name or DEFAULT_PRESET
     p = Path(name)
     if p.suffix == ".toml" or p.exists():
+        check_regular_file(p, "config file")  # a FIFO: "not found"
         if not p.is_file():
             raise KeelError(f"config file not found: {p}")
         return p

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -24,14 +25,41 @@ from typing import Callable, Iterable, Iterator
 
 from keel.errors import KeelError
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
 
 # The signals that stop a run cleanly (finish the step, checkpoint, exit 128 + signal with a resume
-# hint): Ctrl-C, kill / a scheduler's stop, SIGUSR1, Slurm's pre-timeout warning by convention
-# (``sbatch --signal=USR1@90``, as Lightning uses it), and SIGUSR2, the one submitit asks Slurm for
-# (``--signal=USR2@90``; in a submitit job keel checkpoints first, then submitit requeues the job:
-# :mod:`keel.experiments.executor`). One list for the trainer, the grid workers and the launchers
-# that pass signals on.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# hint): Ctrl-C, kill / a scheduler's stop, SIGHUP (the terminal went away: a closed SSH session;
+# exit 129), SIGUSR1, Slurm's pre-timeout warning by convention (``sbatch --signal=USR1@90``, as
+# Lightning uses it), and SIGUSR2, the one submitit asks Slurm for (``--signal=USR2@90``; in a
+# submitit job keel checkpoints first, then submitit requeues the job: :mod:`keel.experiments.executor`).
+# One list for the trainer, the grid workers and the launchers that pass signals on.
+# SIGQUIT (Ctrl-\) is deliberately not among them: it keeps its default, "quit now" (with a core
+# dump where enabled), the one way to stop at once without waiting for the step; the last checkpoint,
+# written atomically, stays intact and ``--resume`` continues from it.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def silence_hung_up_terminal(signum: int) -> None:
+    """After SIGHUP (the controlling terminal hung up: an SSH session closed), point this
+    process's standard output and error at ``/dev/null`` where they are a terminal, as ``nohup``
+    does: every write to a hung-up terminal fails (EIO), which would end a run on its next
+    progress line instead of at its checkpoint. Other signals, and output to a file or a pipe,
+    are left alone."""
+    if signum != signal.SIGHUP:
+        return
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            # a hung-up terminal is no longer a tty to os.isatty (tcgetattr fails with EIO): any
+            # character device but /dev/null itself is taken for one
+            mode, rdev = os.fstat(fd).st_mode, os.fstat(fd).st_rdev
+            if stat.S_ISCHR(mode) and rdev != os.stat(os.devnull).st_rdev:
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, fd)
+                os.close(null)
 
 
 def _umask() -> int:
@@ -63,6 +91,92 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]
             Path(tmp).unlink(missing_ok=True)
 
 
+def _name_max(path: Path) -> int:
+    """The longest file name (bytes) the file system of ``path``'s nearest existing folder takes (255 if unknown)."""
+    for folder in (path, *path.parents):
+        with contextlib.suppress(OSError, ValueError):
+            if folder.is_dir():
+                return os.pathconf(folder, "PC_NAME_MAX")
+    return 255
+
+
+def check_path_names(path: str | os.PathLike, flag: str, room: int = 0) -> None:
+    """Raise KeelError, one line, when a name in ``path`` is longer than its file system takes
+    (``NAME_MAX``, 255 bytes on most), counting ``room`` more bytes for the last one (a
+    temporary sibling keel writes first: ``.NAME.XXXXXXXX.tmp`` needs 14, ``NAME.tmp-PID`` 12),
+    or the whole path is longer than ``PATH_MAX``. The OS's "File name too long" (ENAMETOOLONG)
+    was a traceback, after the folders above the name had been made."""
+    path = Path(path)
+    limit = _name_max(path)
+    parts = [p for p in path.parts if p != path.anchor]
+    for i, part in enumerate(parts):
+        n = len(os.fsencode(part))
+        extra = room if i == len(parts) - 1 else 0
+        if n + extra > limit:
+            shown = part if len(part) <= 40 else f"{part[:20]}...{part[-8:]}"
+            why = (f"the file system takes at most {limit} per name" if n > limit else
+                   f"keel first writes a temporary name {extra} bytes longer beside it, and the file system takes "
+                   f"at most {limit} per name")
+            raise KeelError(f"{flag}: the name {shown!r} is {n} bytes long; {why}: choose a shorter one")
+    if len(os.fsencode(os.path.abspath(path))) >= 4096:  # Linux's PATH_MAX
+        raise KeelError(f"{flag}: the path is {len(os.fsencode(os.path.abspath(path)))} bytes long; the file system "
+                        "takes at most 4095: choose a shorter one")
+
+
+@contextlib.contextmanager
+def weights_load_errors(folder: str | os.PathLike) -> Iterator[None]:
+    """Turn a failure to read a Hugging Face folder's weights inside the block (transformers'
+    OSError for a missing ``model.safetensors``, safetensors' ``SafetensorError`` for a truncated or
+    overwritten one) into one line naming ``folder``: ``keel import-hf``, ``eval --hf`` and
+    ``ablate --hf`` printed their tracebacks.
+
+    Raises:
+        KeelError: as above; other errors pass through.
+    """
+    try:
+        yield
+    except KeelError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- OSError, SafetensorError (safetensors' own class, by name)
+        if not (isinstance(e, OSError) or type(e).__name__ == "SafetensorError"):
+            raise
+        folder = Path(folder)
+        if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
+            raise KeelError(f"{folder} holds no model weights (no model.safetensors): copy them there, or "
+                            "export the run again") from None
+        text = str(e).strip()
+        first = text.splitlines()[0][:200] if text else type(e).__name__
+        raise KeelError(f"cannot read the model weights in {folder} (truncated or damaged?): {first}") from None
+
+
+def special_file_kind(path: str | os.PathLike) -> str | None:
+    """What ``path`` is when it is there but is neither a regular file nor a folder (symbolic
+    links followed): ``"a FIFO (named pipe)"``, ``"a character device"`` (``/dev/zero``),
+    ``"a block device"``, ``"a socket"``, or ``"a broken symbolic link"``; None for a regular
+    file, a folder or nothing at all. Reading such a file blocks for ever (a FIFO with no writer)
+    or never ends (``/dev/zero``), so keel names it instead of opening it."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a broken symbolic link" if os.path.islink(path) else None
+    except OSError:
+        return None  # unreadable, a loop of links, a name too long: the caller's open() says so
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+            else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "not a regular file")
+
+
+def check_regular_file(path: str | os.PathLike, what: str) -> None:
+    """Raise KeelError ``"WHAT PATH is not a regular file (a FIFO (named pipe))"`` when ``path``
+    is a special file (:func:`special_file_kind`); anything else passes (a missing file is the
+    caller's to report)."""
+    kind = special_file_kind(path)
+    if kind is not None:
+        raise KeelError(f"{what} {path} is not a regular file ({kind})")
+
+
 def chmod_default(path: str | os.PathLike) -> None:
     """Give ``path`` the usual file permissions (0666 minus the umask): for files written by
     libraries that create them 0600 (safetensors' ``save_file``)."""
@@ -91,11 +205,12 @@ def make_temp_dir(parent: str | os.PathLike, name: str) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
+def atomic_dir(path: str | os.PathLike, replace: bool | Callable[[Path], object] = False) -> Iterator[Path]:
     """Yield a fresh temporary folder beside ``path`` (:func:`make_temp_dir`); when the block
     succeeds it is renamed to ``path``. An existing ``path`` is removed first when
-    ``replace``, else it must be an empty folder. On an exception the temporary folder is
-    removed and ``path`` is left as it was.
+    ``replace`` (a function: ``replace(path)`` removes it, e.g. only the files keel wrote there;
+    ``True``: the whole folder), else it must be an empty folder. On an exception the temporary
+    folder is removed and ``path`` is left as it was.
 
     Raises:
         OSError: ``path`` exists, is not empty and ``replace`` is False.
@@ -107,7 +222,9 @@ def atomic_dir(path: str | os.PathLike, replace: bool = False) -> Iterator[Path]
         tmp = make_temp_dir(path.parent, path.name)
         try:
             yield tmp
-            if path.exists() and replace:
+            if path.exists() and callable(replace):
+                replace(path)
+            elif path.exists() and replace:
                 shutil.rmtree(path)
             elif path.exists():
                 path.rmdir()  # only an empty folder may be replaced
@@ -232,6 +349,81 @@ def make_dirs(path: str | os.PathLike, name: str | os.PathLike | None = None) ->
 
 LOCK_NAME = ".keel.lock"
 
+# What keel itself may find in a run folder it did not yet write a run into: its lock file, a grid
+# job's job.json / run.log (the grid writes them before the run starts), and its own temporaries
+# (``.NAME.XXXXXXXX.tmp``: :func:`atomic_path`, :func:`make_temp_dir`, with tempfile's random part).
+_KEEL_SETUP_FILES = frozenset({LOCK_NAME, "job.json", "run.log"})
+KEEL_TEMPORARY = re.compile(r"^\..+\.[a-z0-9_]+\.tmp$")
+# The log files a job scheduler writes into the folder a job is started in, before keel runs:
+# Slurm's default ``slurm-%j.out`` (``slurm-%A_%a.out`` for an array job) and a ``slurm-%j.err``.
+SCHEDULER_LOG = re.compile(r"^slurm-[A-Za-z0-9_.%-]+\.(out|err)$")
+
+
+def _holds_keel_config(folder: Path) -> bool:
+    """Whether ``folder/config.toml`` is a config keel wrote (a TOML file with a ``[model]`` table)."""
+    try:
+        with open(folder / "config.toml", "rb") as f:
+            return isinstance(tomllib.load(f).get("model"), dict)
+    except (OSError, ValueError):  # missing, unreadable, not TOML (tomllib.TOMLDecodeError is a ValueError)
+        return False
+
+
+def foreign_entries(folder: str | os.PathLike) -> list[str] | None:
+    """What keel did not write among the entries of run folder ``folder``: None when ``folder`` is
+    a keel run (it holds a ``config.toml`` keel wrote); else the names of its entries other than
+    keel's lock file, a grid job's ``job.json`` / ``run.log``, keel's temporaries and a job
+    scheduler's log files (:data:`SCHEDULER_LOG`: Slurm writes ``slurm-%j.out`` into the folder a
+    job starts in), sorted ([] for a new or empty folder)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    if _holds_keel_config(folder):
+        return None
+    return sorted(p.name for p in folder.iterdir() if not (
+        p.name in _KEEL_SETUP_FILES or KEEL_TEMPORARY.match(p.name) or SCHEDULER_LOG.match(p.name)))
+
+
+def enclosing_run_checkpoints(path: str | os.PathLike) -> Path | None:
+    """The ``checkpoints`` folder of a keel run that ``path`` is (or lies inside), or None. Keel
+    deletes old checkpoints there, so no output of keel's may go there."""
+    path = Path(os.path.abspath(path))
+    for folder in (path, *path.parents):
+        if folder.name == "checkpoints" and (_holds_keel_config(folder.parent) or (folder.parent / LOCK_NAME).is_file()):
+            return folder
+    return None
+
+
+def check_output_not_in_checkpoints(path: str | os.PathLike, flag: str) -> None:
+    """Raise KeelError when ``path`` is or lies inside a keel run's ``checkpoints`` folder
+    (:func:`enclosing_run_checkpoints`): the run's checkpoint pruning would delete it later."""
+    inside = enclosing_run_checkpoints(path)
+    if inside is not None:
+        raise KeelError(f"{flag} {path} lies inside the checkpoints folder of the run {inside.parent}, where keel "
+                        "deletes old checkpoints; choose a folder outside it")
+
+
+def check_run_folder(folder: str | os.PathLike, flag: str = "--run-dir") -> None:
+    """Refuse to write a run into ``folder`` unless it is new, empty or a keel run (it holds the
+    ``config.toml`` keel writes first, :func:`foreign_entries`); a folder whose only other files
+    are a job scheduler's logs (Slurm's ``slurm-%j.out`` / ``.err``, written there before keel
+    starts) counts as empty. Keel deletes only what it wrote: a folder of another tool's files
+    (checkpoints, metrics.jsonl) or a home folder is never a run folder.
+
+    Raises:
+        KeelError: ``folder`` is a file, lies in a run's checkpoints folder, or holds files keel did not write.
+    """
+    folder = Path(folder)
+    check_path_names(folder, flag)
+    if folder.exists() and not folder.is_dir():
+        raise KeelError(f"cannot write {folder}: a file is there, not a folder")
+    check_output_not_in_checkpoints(folder, flag)
+    foreign = foreign_entries(folder)
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        raise KeelError(f"{flag} {folder} is not a keel run (no config.toml written by keel) and not empty "
+                        f"(it holds {shown}); keel writes a run only into a new or empty folder or a keel run: "
+                        f"give another {flag}")
+
 
 class RunLock:
     """An exclusive lock on a run directory: ``fcntl.flock`` on ``DIR/.keel.lock``, which
@@ -328,7 +520,7 @@ def die_with_parent(signum: int = signal.SIGKILL) -> None:
 
 @contextlib.contextmanager
 def passing_on_stop_signals(pass_on: Callable[[int], None]) -> Iterator[list[int]]:
-    """While the block runs, SIGINT and SIGTERM do not stop this process: each calls
+    """While the block runs, the :data:`STOP_SIGNALS` do not stop this process: each calls
     ``pass_on(signum)`` (e.g. send it to the child processes doing the work, which stop
     cleanly), and is appended to the list the block gets. The handlers are put back after.
     Signal handlers exist in the main thread only: elsewhere nothing is installed."""
@@ -336,6 +528,7 @@ def passing_on_stop_signals(pass_on: Callable[[int], None]) -> Iterator[list[int
 
     def handler(signum, frame) -> None:
         received.append(signum)
+        silence_hung_up_terminal(signum)
         pass_on(signum)
 
     saved = {}

@@ -1,7 +1,7 @@
 """CPU dry run of benchmarks/gpu_check.sh: every code path the GPU check uses (bf16-vs-fp32
 forward of every scheme, the zero-graph-break check, timed training steps eager and compiled,
 checkpointed memory rows, ``keel prepare`` + ``keel train --config paper-64``, and the
-2-process FSDP2 + sharded-checkpoint save/resume on gloo), at tiny shapes, through the shell
+2-process FSDP2 + sharded-checkpoint save/resume on gloo, the fp16-autocast rows), at tiny shapes, through the shell
 script itself, so that the first GPU run does not fail on a typo. The main dry run takes
 about 15 s of CPU (user + sys) on 2 cores; the FSDP section (two torchrun launches, ~80 s on
 2 busy cores) is marked slow."""
@@ -87,6 +87,24 @@ def test_dry_run_hf_section(tmp_path):
     assert dlogits < 1e-4, llama[0]  # fp32 on the CPU: the same function
 
 
+def test_dry_run_fp16_section(tmp_path):
+    """The fp16-autocast rows: every scheme's fp16 logits and loss-scaled, unscaled gradient norm
+    against fp32, and a paper-64 fp16 run cut back to its half-way checkpoint and resumed to the
+    same losses and loss scales, its scaler state checkpointed."""
+    out = tmp_path / "fp16.md"
+    proc = run_script(out, "--dry-run", "--sections", "fp16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = rows_of(out.read_text())
+    assert sorted(r[1] for r in rows if r[0] == "fp16") == sorted(SCHEMES)
+    assert [r[-1] for r in rows] == ["pass"] * len(rows)
+    for r in rows:
+        if r[0] == "fp16":
+            err = float(re.search(r"max rel\. logit err ([0-9.e+-]+)", r[-2]).group(1))
+            assert 0 < err < 0.01, r  # fp16 matmul inputs: ~2^-11 relative
+    (train,) = [r for r in rows if r[0] == "fp16-train"]
+    assert "resumed from step 2" in train[-2] and "scaler state checkpointed" in train[-2]
+
+
 @pytest.mark.slow  # two torchrun launches: ~80 s on 2 busy cores (tests/test_distributed.py covers the path)
 def test_dry_run_fsdp_save_resume(tmp_path):
     """The 2-process FSDP2 + DCP row on gloo: sharded checkpoint written, resumed losses equal."""
@@ -106,5 +124,7 @@ def test_failed_row_fails_the_script():
     rows = [{"section": "bf16", "scheme": "keel", "max_rel_logit_err": 0.2, "logit_rms": 1.0},
             {"section": "compile", "scheme": "keel", "compile": True, "ckpt": "none", "graph_breaks": 3,
              "graphs": 4, "loss": 5.0, "finite": True},
-            {"section": "fsdp", "scheme": "keel", "skipped": "needs 2 GPUs (1 visible)"}]
-    assert [gpu_check.status(r, rows, False) for r in rows] == ["FAIL", "FAIL", "skip"]
+            {"section": "fsdp", "scheme": "keel", "skipped": "needs 2 GPUs (1 visible)"},
+            {"section": "fp16", "scheme": "keel", "max_rel_logit_err": 1e-3, "grad_norm": float("nan"),
+             "grad_norm_fp32": 2.0}]  # gradients that overflowed at every scale tried
+    assert [gpu_check.status(r, rows, False) for r in rows] == ["FAIL", "FAIL", "skip", "FAIL"]

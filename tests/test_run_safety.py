@@ -366,7 +366,8 @@ def test_enospc_while_writing_metrics_is_one_line(tiny_data, tmp_path, monkeypat
     ("train.activation_checkpointing='all'",
      "train.activation_checkpointing must be 'none' | 'block' | 'every_k', got 'all'"),
     ("train.schedule='linear'", "train.schedule must be 'cosine' | 'wsd' | 'constant', got 'linear'"),
-    ("train.precision='fp16'", "train.precision must be 'auto' | 'fp32' | 'bf16-autocast' | 'bf16', got 'fp16'"),
+    ("train.precision='fp16'",
+     "train.precision must be 'auto' | 'fp32' | 'bf16-autocast' | 'bf16' | 'fp16-autocast', got 'fp16'"),
     ("train.seed=-1", "train.seed must be between 0 and 2**32 - 1 (numpy's seed range), got -1"),
     ("train.seed=4294967296", "train.seed must be between 0 and 2**32 - 1 (numpy's seed range), got 4294967296"),
 ])

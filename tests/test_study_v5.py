@@ -102,7 +102,7 @@ def _ablated(group, scheme, L, seed, lr, loss, share_pattern):
     return run(group, scheme, L, seed, lr, loss, ablation={"ppl_full": 10.0, "delta_ppl": share_pattern})
 
 
-def test_claim_g_takes_the_seed_mean_optimum_and_pairs_the_shares():
+def test_claim_g_takes_the_seed_mean_optimum_and_pairs_the_shares(tmp_path):
     st = study([SS.Group("g", ["keel", "pre_ln"], [8], [0, 1, 2], lrs=[1e-3, 1e-2]),
                 SS.Group("a", ["keel", "pre_ln"], [8], [0, 1, 2], lrs=[1e-3, 1e-2], ablate=True)])
     runs = []
@@ -121,6 +121,11 @@ def test_claim_g_takes_the_seed_mean_optimum_and_pairs_the_shares():
     share = next(v for k, v in cond["parts"].items() if k.startswith("redundant"))
     assert share["diffs"] == {0: 0.5, 1: 0.5, 2: 0.5}
     assert cond["rows"][0]["lr"] == {"keel": 1e-2, "pre_ln": 1e-3}
+    from keel.experiments.study.report import plot_importance
+    claim = {"id": "g", "test": "layer_importance"}
+    assert plot_importance([(claim, c)], tmp_path / "importance.png")
+    assert (tmp_path / "importance.png").stat().st_size > 1000
+    assert not plot_importance([(claim, {"conditions": {"paper_init": {"rows": []}}})], tmp_path / "none.png")
 
 
 # ----------------------------------------------------------------------------- data scaling (e)
@@ -226,7 +231,8 @@ def test_every_table_is_widened_not_only_the_cells_a_claim_reads():
     st = study([g])  # no claim reads anything
     recs = [run("g", "deepnorm", 256, sd, lr, 3.0 + (lr > 1e-3)) for sd in (0, 1) for lr in (1e-3, 3e-3, 1e-2)]
     lr_for = {("deepnorm", 256): [1e-3, 3e-3, 1e-2]}
-    assert widened_lrs(st, g, recs, lr_for, dict(lr_for)) == {("deepnorm", 256): [3.33e-4, 1e-3, 3e-3, 1e-2]}  # 1e-3 · 1e-3 / 3e-3
+    wider = widened_lrs(st, g, recs, lr_for, dict(lr_for))
+    assert wider == {("deepnorm", 256): [3.33e-4, 1e-3, 3e-3, 1e-2]}  # the mirrored step: 1e-3 · 1e-3 / 3e-3
 
 
 def test_lr_from_follows_a_chain_to_a_group_with_lrs():

@@ -13,8 +13,8 @@ Every ``--help`` shows the defaults and no reST markup (:mod:`keel.cli.formattin
 
 A user mistake (bad path, bad config value, too little data) prints one line
 ``keel: error: ...`` on stderr and exits with status 2; no traceback. A training run stopped
-by SIGINT / SIGTERM (after writing its checkpoint) prints one line ``keel: stopped by ...``
-saying how to resume and exits with 130 / 143; outside a training loop either signal unwinds (temporary files and
+by SIGINT / SIGTERM / SIGHUP (after writing its checkpoint) prints one line ``keel: stopped by ...``
+saying how to resume and exits with 130 / 143 / 129; outside a training loop each signal unwinds (temporary files and
 a new, still empty run folder are removed) and prints ``keel: stopped by SIGNAL``. Library code reports
 progress through the standard ``logging`` module (loggers under ``keel``); :func:`main`
 sends those records to stderr as plain lines. The handlers are in :mod:`keel.cli.handlers`,
@@ -25,6 +25,7 @@ command's, so that ``keel --help`` stays fast and loads no torch.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import os
@@ -87,14 +88,25 @@ def run_handler(args: argparse.Namespace) -> int:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM outside a training loop (which checkpoints on its own): unwinds like Ctrl-C, so
-    ``finally`` blocks and context managers clean up (temporary files, a new run's folder)."""
+    """SIGTERM or SIGHUP outside a training loop (which checkpoints on its own): unwinds like
+    Ctrl-C, so ``finally`` blocks and context managers clean up (temporary files, a new run's
+    folder). ``signum``: the signal."""
 
     signum = signal.SIGTERM
 
 
 def _terminated(signum, frame) -> None:
-    raise Terminated
+    from keel.io import silence_hung_up_terminal  # lazily, as in main: `keel --help` imports no keel.io
+
+    silence_hung_up_terminal(signum)  # SIGHUP: a closed terminal, whose writes would fail
+    err = Terminated()
+    err.signum = signum
+    raise err
+
+
+# Stopped outside a training loop, these unwind (Terminated) instead of killing the process at once:
+# SIGTERM (kill) and SIGHUP (a closed terminal or SSH session). SIGINT raises KeyboardInterrupt itself.
+_UNWINDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def _main_thread() -> bool:
@@ -102,12 +114,12 @@ def _main_thread() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``keel ARGS``; returns the exit status (2 for a user error, 130 / 143 when stopped
-    by SIGINT / SIGTERM)."""
+    """Run ``keel ARGS``; returns the exit status (2 for a user error, 130 / 143 / 129 when stopped
+    by SIGINT / SIGTERM / SIGHUP)."""
     setup_logging()  # first: parsing may log (a deprecated flag)
     args = build_parser().parse_args(argv)
     args.cli_argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the command line reports record
-    saved = signal.signal(signal.SIGTERM, _terminated) if _main_thread() else None
+    saved = {s: signal.signal(s, _terminated) for s in _UNWINDING_SIGNALS} if _main_thread() else {}
     try:
         status = run_handler(args)
         sys.stdout.flush()  # `keel ... > FILE` on a full disk fails here, if not before
@@ -128,14 +140,18 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # the standard output on a full or read-only disk (files are written by disk_errors)
         from keel.io import write_failure  # lazily: keel.io at the top would be imported by `keel --help`
 
+        if e.errno == errno.ENAMETOOLONG:  # a path no command checked first (keel.io.check_path_names)
+            print(f"keel: error: a file name is too long for the file system: {str(e.filename)[:120]}...",
+                  file=sys.stderr)
+            return 2
         if write_failure(e) is None:
             raise
         print(f"keel: error: cannot write {e.filename or 'the standard output'}: {e.strerror}", file=sys.stderr)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
         return 2
     finally:
-        if saved is not None:
-            signal.signal(signal.SIGTERM, saved)
+        for s, handler in saved.items():
+            signal.signal(s, handler)
 
 
 if __name__ == "__main__":

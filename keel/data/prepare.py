@@ -31,6 +31,7 @@ since (their paths, sizes and modification times: ``source_fingerprint``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -53,7 +54,8 @@ from keel.data.sources import SourceStats, check_hub_reachable, check_source, hu
 from keel.data.stats import unigram_entropy
 from keel.data.text import encode_batch
 from keel.errors import KeelError
-from keel.io import disk_errors, make_dirs, remove_empty_dirs
+from keel.io import (check_output_not_in_checkpoints, check_path_names, check_regular_file, disk_errors, make_dirs,
+                     remove_empty_dirs)
 
 FORMAT_VERSION = 1
 EOS_TOKEN = "<|endoftext|>"
@@ -63,6 +65,7 @@ ENCODE_BATCH_CHARS = 1 << 21  # 2 Mi characters of text per encode_batch call
 # for the train/val split (no file of the built-in corpus is that long).
 LONG_DOC_CHARS = 256 * 1024
 CHUNK_CHARS = 64 * 1024
+DATASET_FILES = ("meta.json", "tokenizer.json", "train.bin", "val.bin")  # what a prepared dataset holds
 # The inputs that decide a dataset's content; meta.json must match them for a cache hit.
 CACHE_KEYS = ("source", "tokenizer", "val_fraction", "max_bytes", "max_docs", "seed", "text_field")
 
@@ -108,6 +111,10 @@ def prepare_dataset(source: str, tokenizer: str = DataConfig.tokenizer, out: str
     disk / read-only folder (naming the path; nothing is left behind).
     """
     inputs = _canonical_inputs(source, tokenizer, val_fraction, max_bytes, max_docs, text_field, seed)
+    if out is not None:
+        check_path_names(out, "--out", room=12)  # OUT.tmp-PID is built beside it
+    else:
+        check_path_names(cache_dir, "data.cache_dir (--cache-dir)")
     out = Path(out) if out is not None else Path(cache_dir) / dataset_slug(inputs)
     if not force and _cache_matches(out, inputs):
         log.info("reusing cached dataset %s", out)
@@ -155,12 +162,17 @@ def _check_replaceable(out: Path, inputs: dict, force: bool) -> None:
     """Refuse to build into ``out`` when it is a file or a non-empty folder other than a prepared
     dataset, or (without ``force``) a dataset prepared from other :data:`CACHE_KEYS` inputs.
     A dataset of the same inputs whose local corpus changed is replaced (logged)."""
+    check_output_not_in_checkpoints(out, "--out")
     if out.is_file() or (out.is_dir() and not (out / "meta.json").is_file() and any(out.iterdir())):
         raise KeelError(f"refusing to overwrite {out}: it exists and is not a prepared dataset")
     try:
         meta = json.loads((out / "meta.json").read_text())
     except (OSError, ValueError):
         return
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in DATASET_FILES)
+    if foreign:  # replacing the dataset would delete them with it
+        raise KeelError(f"refusing to replace {out}: besides its dataset it holds files keel did not write "
+                        f"({', '.join(foreign[:3])}); move them away or give another --out")
     changed = [k for k in CACHE_KEYS if meta.get(k) != inputs[k]]
     if changed and not force:
         what = ", ".join(f"{k} {meta.get(k)!r} (now {inputs[k]!r})" for k in changed)
@@ -243,7 +255,10 @@ def _move_into_place(tmp: Path, out: Path, inputs: dict, force: bool = False) ->
     old = out.parent / f"{out.name}.old-{os.getpid()}"
     os.rename(out, old)
     os.rename(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    for name in DATASET_FILES:  # the files keel wrote (_check_replaceable refused a dataset with others)
+        (old / name).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        old.rmdir()
 
 
 def _build(tmp: Path, inputs: dict, progress: bool) -> dict:
@@ -483,6 +498,7 @@ def _load_existing_tokenizer(spec: str, dest: Path) -> tuple[Tokenizer, int]:
     path = Path(spec).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"
+    check_regular_file(path, "--tokenizer")  # a FIFO blocked, a device was read for ever
     config = None
     if path.is_file():
         try:

@@ -15,6 +15,10 @@
 * ``hf:NAME[:CONFIG]`` -- the ``train`` split of a Hugging Face dataset, streamed with
   ``datasets`` (needs network; fails within a few seconds when the hub is unreachable).
 
+Files that are not regular files (a FIFO, a device such as ``/dev/zero`` behind a symbolic link, a
+socket, a broken link) are never opened: in a folder each is skipped with a warning naming it; given
+as the source itself, it is refused in one line.
+
 Text is decoded as UTF-8 (:func:`keel.data.text.read_text_file`); bytes that are not valid
 UTF-8 become U+FFFD (``errors="replace"``) and such documents are counted in
 :class:`SourceStats`. Empty and whitespace-only documents are skipped, and so are documents
@@ -27,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import logging
 import os
 import re
 import socket
@@ -41,6 +46,9 @@ from urllib.parse import urlparse
 
 from keel.data.text import decode_utf8, looks_binary
 from keel.errors import KeelError
+from keel.io import check_regular_file, special_file_kind
+
+log = logging.getLogger(__name__)
 
 TEXT_EXTENSIONS = (".txt", ".md", ".rst")
 HTML_EXTENSIONS = (".html", ".htm")
@@ -177,6 +185,7 @@ def _stdlib_documents() -> Iterator[tuple[str, bool]]:
 
 
 def _local_documents(path: Path, text_field: str) -> Iterator[tuple[str, bool]]:
+    check_regular_file(path, "data source")  # a FIFO blocked for ever, /dev/zero was read until MemoryError
     if path.is_file():
         if path.suffix.lower() not in SUPPORTED_EXTENSIONS:
             raise KeelError(f"unsupported data file {path} (expected one of {', '.join(SUPPORTED_EXTENSIONS)})")
@@ -188,7 +197,11 @@ def _local_documents(path: Path, text_field: str) -> Iterator[tuple[str, bool]]:
         for f in filenames:
             if f.startswith("."):
                 continue
-            if Path(f).suffix.lower() in SUPPORTED_EXTENSIONS:
+            kind = special_file_kind(Path(dirpath, f))
+            if kind is not None:
+                log.warning("skipping %s: not a regular file (%s)", Path(dirpath, f), kind)
+                skipped["(not a regular file)"] += 1
+            elif Path(f).suffix.lower() in SUPPORTED_EXTENSIONS:
                 files.append(Path(dirpath, f))
             else:
                 skipped[Path(f).suffix.lower() or "(no extension)"] += 1
@@ -212,7 +225,7 @@ def source_fingerprint(source: str) -> str | None:
     files = [path] if path.is_file() else [
         Path(dirpath, f) for dirpath, dirnames, filenames in os.walk(path)
         if not any(part.startswith(".") for part in Path(dirpath).relative_to(path).parts)
-        for f in filenames if not f.startswith(".")]
+        for f in filenames if not f.startswith(".") and special_file_kind(Path(dirpath, f)) is None]  # as read
     digest = hashlib.sha256()
     for file in sorted(files):
         st = file.stat()

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from tokenizers import Tokenizer
 
 from keel.errors import KeelError
+from keel.io import check_regular_file
 
 # A document whose characters are more than this fraction control characters (other than
 # tab, newline, carriage return, form feed, vertical tab) is not text: it is skipped.
@@ -41,8 +42,10 @@ def read_text_file(path: str | os.PathLike, flag: str = "--text") -> tuple[str, 
     """The text of a file as ``keel prepare`` reads it: ``(text, had_invalid_utf8)``.
 
     Raises:
-        KeelError: ``path`` is a folder or does not exist (naming ``flag``, the option that gave it).
+        KeelError: ``path`` is a folder, not a regular file (a FIFO, ``/dev/zero``: it was read for
+            ever) or does not exist (naming ``flag``, the option that gave it).
     """
+    check_regular_file(path, flag)
     if not os.path.isfile(path):
         raise KeelError(f"{flag} {path} is a folder, not a text file" if os.path.isdir(path)
                         else f"{flag} file not found: {path}")

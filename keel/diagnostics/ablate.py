@@ -66,7 +66,7 @@ from keel.data import load_tokenizer, split_windows, validation_tokens
 from keel.data.shards import read_shard
 from keel.data.text import read_text_file
 from keel.errors import KeelError, plural
-from keel.io import atomic_files
+from keel.io import atomic_files, weights_load_errors
 from keel.run import Run
 from keel.train.nll import mean_nll
 from keel.train.plots import plt, save_figure
@@ -330,7 +330,8 @@ def ablate_hf_folder(path: str | Path, text: str, seq_len: int | None = None, to
     if not path.is_dir():
         raise KeelError(f"--hf expects a local model folder (save_pretrained), got {path}")
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with weights_load_errors(path):  # a missing or truncated model.safetensors: one line
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     seq = seq_len or min(512, getattr(model.config, "max_position_embeddings", 512))
     return ablate_hf_model(model, text_windows(ids, seq, tokens), batch_size=batch_size)

@@ -52,6 +52,7 @@ inside the functions.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -74,7 +75,7 @@ from keel.run import Run
 from keel.train.device import check_model_fits
 from keel.train.parallelize import unwrap
 from keel.train.plots import save_figure
-from keel.train.progress import interactive
+from keel.train.progress import heartbeat, interactive
 
 _log = logging.getLogger(__name__)  # the summary table, one line per finished profile
 
@@ -84,6 +85,7 @@ DEFAULT_WIDTH = DEFAULT_SEQ_LEN = 64  # --d-model of the init-mode models; --seq
 HEAD_DIM = 32
 # From this depth on a profile takes minutes or more on a CPU: say what is running before it starts.
 LONG_SUBLAYERS = 1024
+HEARTBEAT_S = 15.0  # at LONG_SUBLAYERS and deeper: a "still working" line this often while a model is built or run
 
 
 # ---- the model's sub-layers ------------------------------------------------------------
@@ -259,6 +261,12 @@ class _Eta:
                       left)
 
 
+def _beating(long: bool, what: str):
+    """:func:`keel.train.progress.heartbeat` every :data:`HEARTBEAT_S` for a deep model's long
+    silent steps (``long``), else nothing."""
+    return heartbeat(_log, what, HEARTBEAT_S) if long else contextlib.nullcontext()
+
+
 def _log10_product(logs_e: list[float]) -> float:
     return sum(logs_e) / math.log(10)
 
@@ -292,9 +300,11 @@ def profile_model(model, batch, jacobian_iters: int = 32, full_jacobian: bool = 
     """
     plain = _plain(model)
     plain.zero_grad(set_to_none=True)
-    with _Recorder(plain) as rec:
-        loss = plain(batch[:, :-1], batch[:, 1:])
-    loss.backward()
+    depth = getattr(getattr(plain, "cfg", None), "n_sublayers", 0)
+    with _beating(depth >= LONG_SUBLAYERS, f"gradflow: forward and backward pass through {depth:,} sub-layers"):
+        with _Recorder(plain) as rec:
+            loss = plain(batch[:, :-1], batch[:, 1:])
+        loss.backward()
     out: dict[str, Any] = {"loss": float(loss.detach())}
     out["param_grad_norm"] = sublayer_grad_norms(plain)
     out["stream_grad_norm"] = [g if g is not None else 0.0 for g in rec.stream_grad]
@@ -479,7 +489,9 @@ def profile_schemes(base, schemes: Sequence[str], depths: Sequence[int], d_model
                 _log.info("profiling %s at %s sub-layers: building the model, then one forward and backward pass "
                           "and %s Jacobian products through every sub-layer (time grows with the depth; Ctrl-C "
                           "stops)", scheme, f"{L:,}", "the full" if full_jacobian else jacobian_iters)
-            r.update(profile_model(Transformer(mcfg), batch, jacobian_iters, full_jacobian, seed))
+            with _beating(L >= LONG_SUBLAYERS, f"gradflow: building the {scheme} model of {L:,} sub-layers"):
+                model = Transformer(mcfg)  # minutes at 100,000 sub-layers: a line every HEARTBEAT_S meanwhile
+            r.update(profile_model(model, batch, jacobian_iters, full_jacobian, seed))
             results.append(_finished(r, t0, first=not results))
     return results
 

@@ -9,7 +9,9 @@ Task names are looked up first in the shipped example folder (:data:`EXAMPLE_TAS
 ``keel_python_completion``, 20-item multiple choice; ``keel_python_paragraphs``, rolling
 log-likelihood over six paragraphs; ``keel_python_generate``, 20 greedy line completions,
 a ``generate_until`` task) and in ``task_dir``; only names found in neither
-load lm-eval's own registry (indexing it takes tens of seconds). Task YAMLs in those
+load lm-eval's own registry (indexing it takes tens of seconds), and only when some file of
+lm-eval's task folder mentions them: a mistyped name is refused in about a second, with the
+nearest known names. Task YAMLs in those
 folders may name local files: ``dataset_path: json`` with ``dataset_kwargs: {data_files:
 ...}``; relative ``data_files`` paths are resolved against the YAML's folder. The shipped
 tasks read their data with a ``custom_dataset`` function beside them, so they also work
@@ -25,9 +27,11 @@ score (``task X: could not be scored: ...``, e.g. a continuation longer than the
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
 import logging
 import math
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -208,10 +212,18 @@ class _Tasks:
         return self._full
 
     def unknown(self, name: str) -> str | None:
-        """Why task ``name`` is found nowhere (one line), or None when it is found."""
-        if name in self.manager_for(name).all_tasks:
+        """Why task ``name`` is found nowhere (one line, with the nearest known names), or None
+        when it is found. A name that no file of lm-eval's task folder mentions is not in its
+        registry (built from those files: :func:`_mentioned_by_lm_eval`), so a typo is refused
+        without indexing the registry (seconds to tens of seconds)."""
+        if name in self.local.all_tasks:
             return None
-        return f"unknown task (not in {', '.join(map(str, self.paths))} nor in lm-eval's registry)"
+        if _mentioned_by_lm_eval(name) and name in self.manager_for(name).all_tasks:
+            return None
+        known = list(self.local.all_tasks) + (list(self._full.all_tasks) if self._full is not None else [])
+        near = difflib.get_close_matches(name, known, n=3, cutoff=0.75)
+        hint = f"; did you mean {' or '.join(near)}?" if near else ""
+        return f"unknown task (not in {', '.join(map(str, self.paths))} nor in lm-eval's registry){hint}"
 
     @staticmethod
     def spec(manager, name: str) -> str | dict:
@@ -242,6 +254,27 @@ class _Tasks:
         cfg = dict(cfg)
         cfg["dataset_kwargs"] = dict(cfg["dataset_kwargs"], data_files=fix(files))
         return cfg
+
+
+def _mentioned_by_lm_eval(name: str) -> bool:
+    """Whether any file of lm-eval's task folder (``lm_eval/tasks``: its YAMLs, templates and
+    helpers; bytecode caches left out) holds the text ``name``. lm-eval builds its registry from
+    those files, so a task name none of them mentions is unknown: a raw scan (about 0.3 s) instead
+    of the index (4 s on an idle machine; ``tests/test_reliability_v5.py`` checks that every name
+    the installed registry holds is mentioned)."""
+    import lm_eval.tasks  # optional extra [eval]; _Tasks has imported it already
+
+    needle = name.encode("utf-8")
+    for folder, dirs, files in os.walk(Path(lm_eval.tasks.__file__).parent):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for f in files:
+            try:
+                with open(Path(folder, f), "rb") as fh:
+                    if needle in fh.read():
+                        return True
+            except OSError:
+                return True  # unreadable: let the registry decide
+    return False
 
 
 def _load_task(manager, spec, hub: _HubProbe):

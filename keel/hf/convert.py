@@ -47,7 +47,8 @@ from keel.errors import KeelError
 from keel.hf.llama import from_llama, read_safetensors, to_llama
 from keel.hf.modeling import KeelForCausalLM
 from keel.hf.remote import write_remote_code
-from keel.io import atomic_dir, atomic_write_text, chmod_default, make_dirs
+from keel.io import (atomic_dir, atomic_write_text, check_output_not_in_checkpoints, check_path_names, chmod_default,
+                     make_dirs, weights_load_errors)
 from keel.run import Run
 from keel.train import state_dict as SD
 from keel.train.checkpoint import save_checkpoint
@@ -71,7 +72,10 @@ def hf_progress_bars(enabled: bool):
 
 
 def _check_output(out: Path) -> None:
-    """Raise KeelError if ``out`` exists and is not an empty folder."""
+    """Raise KeelError if ``out`` exists and is not an empty folder, or lies inside a run's
+    ``checkpoints`` folder (whose pruning would delete it later: :func:`keel.io.check_output_not_in_checkpoints`)."""
+    check_path_names(out, "--out", room=14)  # atomic_dir's .NAME.XXXXXXXX.tmp beside it
+    check_output_not_in_checkpoints(out, "--out")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise KeelError(f"output {out} already exists and is not empty; choose another --out")
 
@@ -147,7 +151,7 @@ def _copy_tokenizer(tokenizer):
 def export_hf(run_dir: str | Path, out: str | Path) -> Path:
     """Write the latest checkpoint of run ``run_dir`` as a Hugging Face folder ``out`` (see module doc).
 
-    A ``pre_ln`` run becomes a stock ``LlamaForCausalLM``; any other scheme a KeelForCausalLM
+    A ``pre_ln`` run (not looped) becomes a stock ``LlamaForCausalLM``; any other a KeelForCausalLM
     with its generated modeling code (:mod:`keel.hf.remote`) and ``auto_map``.
 
     Returns ``out``. Raises KeelError: not a run directory, no checkpoint, no end-of-text
@@ -159,7 +163,7 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
     ckpt = run.latest_checkpoint()  # once: each look warns again about a damaged newer checkpoint
     model, tokenizer = run.load_model(device="cpu", checkpoint=ckpt), run.tokenizer()
     eos = eos_token_of(tokenizer, run_dir)
-    llama = model.cfg.residual == "pre_ln"
+    llama = model.cfg.residual == "pre_ln" and not model.cfg.loop_core  # a stock Llama does not loop
     if llama:
         eos_id = tokenizer.token_to_id(eos)
         hf = to_llama(model, eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=None)
@@ -210,8 +214,8 @@ def load_hf(path: str | Path, device: str = "auto"):
     device, PreTrainedTokenizerFast, device)``. A Llama folder becomes a ``pre_ln`` keel model
     (:func:`keel.hf.llama.from_llama`); keel's installed code is used, never the folder's.
 
-    Raises KeelError: not a folder with a keel or Llama ``config.json`` and a tokenizer, or
-    a Llama feature keel lacks (named).
+    Raises KeelError: not a folder with a keel or Llama ``config.json`` and a tokenizer, missing or
+    unreadable weights (:func:`keel.io.weights_load_errors`), or a Llama feature keel lacks (named).
     """
     path = Path(path)
     model_type = _read_config_json(path).get("model_type")
@@ -221,13 +225,14 @@ def load_hf(path: str | Path, device: str = "auto"):
     dev = resolve_device(device, key="--device")
     if model_type == "llama":
         config = LlamaConfig.from_pretrained(path)
-        native = from_llama(config, read_safetensors(path))
+        with weights_load_errors(path):  # missing or truncated model.safetensors: one line
+            native = from_llama(config, read_safetensors(path))
         model = KeelForCausalLM.from_native(native, eos_token_id=config.eos_token_id,
                                             pad_token_id=config.pad_token_id,
                                             keel_step=int(getattr(config, "keel_step", 0) or 0),
                                             keel_tokens=int(getattr(config, "keel_tokens", 0) or 0))
     else:
-        with hf_progress_bars(interactive()):
+        with hf_progress_bars(interactive()), weights_load_errors(path):
             model = KeelForCausalLM.from_pretrained(path)
     model = model.to(dev).eval()
     try:

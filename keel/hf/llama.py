@@ -159,7 +159,9 @@ def llama_to_keel_state(state: dict[str, torch.Tensor], n_layers: int, tied: boo
 def to_llama(model, **config_kwargs):
     """A ``transformers.LlamaForCausalLM`` (fp32, eval mode, CPU) with a copy of the weights of
     a ``pre_ln`` :class:`keel.model.Transformer` (it shares no memory with ``model``: training
-    one leaves the other as it was); ``config_kwargs`` go to LlamaConfig."""
+    one leaves the other as it was); ``config_kwargs`` go to LlamaConfig. Raises KeelError: a looped model."""
+    if model.cfg.loop_core:
+        raise KeelError("a looped model (model.loop_core >= 1) is not a stock Llama: export it as a keel model")
     config = llama_config_from_keel(model.cfg, **config_kwargs)
     with torch.device("meta"):
         llama = LlamaForCausalLM(config)

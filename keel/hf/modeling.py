@@ -171,6 +171,8 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
         window, key = self.model.cfg.max_seq_len, "cache" if "cache" in inputs else "past_key_values"
         cache = inputs.get(key)
         past = cache.get_seq_length() if cache is not None else 0
+        if past == 0 and self.model.cfg.loop_core:  # generate's cache has a layer per block of weights, a looped
+            inputs[key] = None  # model needs one per applied block (keel.model.CacheSlot): forward makes a growing one
         if past + inputs["input_ids"].shape[1] <= window:
             return inputs
         inputs[key] = None  # the window runs from an empty cache (forward makes one with use_cache)

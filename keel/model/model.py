@@ -2,6 +2,9 @@
 
 Token embedding -> (the scheme's stream start, if any) -> n_layers blocks -> (the scheme's
 stream end, if any) -> (final RMSNorm if the scheme asks for one) -> LM head.
+A looped model (``cfg.loop_core >= 1``) applies its blocks as prelude, core x R, coda: blocks
+0 .. P-1 once, blocks P .. P+C-1 R times with the same weights, then the rest once
+(:meth:`Transformer.depth_order`; R = ``cfg.loop_repeats``, or a count given at run time).
 Each block is two sub-layers: grouped-query attention with RoPE, then a SwiGLU FFN; the
 residual scheme (``cfg.residual``, see :mod:`keel.model.residual`) decides how each
 sub-layer joins the residual stream. No biases, no dropout. Every weight starts as
@@ -16,6 +19,8 @@ dtype (fp32, also under bf16 autocast, where only the matmuls run in bf16).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
 from typing import Iterator
 
 import torch
@@ -159,6 +164,23 @@ class KVCache:
         return self.keys[layer_idx].shape[2] if layer_idx < len(self.keys) else 0
 
 
+class CacheSlot:
+    """A KV cache (:class:`KVCache` or ``transformers.DynamicCache``) seen through one slot: every
+    ``update(k, v, layer_idx)`` is filed under ``slot`` instead of the block's own index. A looped
+    model's core block applied for the r-th time has its own keys and values at each position, so it
+    stores them under its place in the effective order, ``P + r C + c`` (:meth:`Transformer.depth_order`),
+    not under its block index, which every application shares."""
+
+    def __init__(self, cache, slot: int):
+        self.cache, self.slot = cache, slot
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.update(k, v, self.slot)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.cache.get_seq_length(self.slot)
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention (Ainslie et al. 2023) with RoPE.
 
@@ -290,13 +312,15 @@ class Transformer(nn.Module):
             e.g. left padding of a batch of prompts), RoPE positions count each row's real
             tokens and padded keys are masked out (:func:`padding_attention_mask`), so a
             row's real tokens get the logits they would get alone. All ones = no mask.
+        loops: a looped model's core applications in this pass, an int >= 1 (default :attr:`loops`,
+            ``cfg.loop_repeats`` until :meth:`set_loops`); a cache filled at one count serves only it.
     Returns:
         logits FloatTensor [B, T, V] (fp32) when targets is None, else the mean
         next-token cross-entropy (scalar fp32 tensor, nats per token), computed by
         :func:`linear_cross_entropy` (LM head and loss in chunks of rows: the [B, T, V]
         logits are never materialised).
     Raises:
-        KeelError: invalid config (see :meth:`ModelConfig.validate`) or T too long.
+        KeelError: invalid config (see :meth:`ModelConfig.validate`), T too long, or a bad ``loops``.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -316,6 +340,7 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.loops = cfg.loop_repeats  # the core's applications per forward pass (set_loops)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -338,13 +363,37 @@ class Transformer(nn.Module):
 
     def sublayers(self) -> Iterator[tuple[int, Residual, nn.Module]]:
         """``(index, residual unit, F)`` for every sub-layer, in the paper's order: block b's
-        attention is sub-layer 2b, its FFN 2b + 1 (index 0 .. L-1, L = 2 * n_layers)."""
+        attention is sub-layer 2b, its FFN 2b + 1 (index 0 .. 2 n_layers - 1). A looped model's core
+        sub-layers appear once: one unit and one F serve every application."""
         for b, block in enumerate(self.blocks):
             yield 2 * b, block.attn_residual, block.attn
             yield 2 * b + 1, block.ffn_residual, block.ffn
 
+    def set_loops(self, loops: int) -> None:
+        """Apply a looped model's core ``loops`` times per forward pass from now on (test-time depth;
+        the weights, and every constant fixed at construction such as Keel's alpha, stay those of
+        ``cfg.loop_repeats``). Raises KeelError: not looped, or loops < 1."""
+        self.loops = self._checked_loops(loops)
+
+    def _checked_loops(self, loops: int) -> int:
+        if not self.cfg.loop_core:
+            raise KeelError("a loop count needs a looped model (model.loop_core >= 1)")
+        if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
+            raise KeelError(f"the loop count must be an integer >= 1, got {loops!r}")
+        return loops
+
+    def depth_order(self, loops: int | None = None) -> list[int]:
+        """The block indices one forward pass applies, in order: the prelude ``0 .. P-1``, the core
+        ``P .. P+C-1`` repeated ``loops`` times (default :attr:`loops`), the coda ``P+C .. n_layers-1``.
+        Position i in this list is the block's place in the effective (unrolled) model and its
+        KV-cache slot; without a loop it is ``[0 .. n_layers-1]``."""
+        P, C = self.cfg.loop_prelude, self.cfg.loop_core
+        repeats = self.loops if loops is None else self._checked_loops(loops)
+        return [*range(P), *list(range(P, P + C)) * repeats, *range(P + C, self.cfg.n_layers)]
+
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
+                loops: int | None = None) -> torch.Tensor:
         start = cache.get_seq_length() if cache is not None else 0
         T = start + input_ids.shape[1]
         if T > self.cfg.max_seq_len:
@@ -356,8 +405,9 @@ class Transformer(nn.Module):
         x = self.tok_emb(input_ids)
         if self.stream is not None:  # e.g. n copies of the embedding [n, B, T, d]
             x = self.stream.begin(x)
-        for block in self.blocks:
-            x = block(x, cos, sin, cache) if mask is None else block(x, cos, sin, cache, mask)
+        for slot, b in enumerate(self.depth_order(loops)):
+            block, kv = self.blocks[b], cache if cache is None or slot == b else CacheSlot(cache, slot)
+            x = block(x, cos, sin, kv) if mask is None else block(x, cos, sin, kv, mask)
         if self.stream is not None:  # back to [B, T, d]
             x = self.stream.end(x)
         if self.norm is not None:
@@ -374,8 +424,11 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,
-                 use_cache: bool = True, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                 use_cache: bool = True, attention_mask: torch.Tensor | None = None,
+                 loops: int | None = None, on_token=None) -> torch.Tensor:
         """Sample ``max_new_tokens`` tokens after ``input_ids`` [B, T0]; returns [B, T0 + n].
+        ``on_token``, if given, is called with each step's new tokens [B, 1] as they are drawn
+        (``keel generate`` prints the text as it comes).
 
         Prompts of different lengths go in one batch left-padded, with ``attention_mask`` 0/1
         [B, T0] marking the padding (0): each row then generates what it would alone.
@@ -384,7 +437,8 @@ class Transformer(nn.Module):
         any small positive temperature is safe (a tiny one samples the argmax). With
         ``use_cache`` the keys/values of earlier positions are kept (:class:`KVCache`); without
         it, or once the context outgrows max_seq_len, the context is re-run every step,
-        cropped to its last max_seq_len tokens.
+        cropped to its last max_seq_len tokens. ``loops``: a looped model's core applications per
+        token (default :attr:`loops`); the cache keeps one slot per applied block (:class:`CacheSlot`).
         """
         ids = input_ids
         cache = KVCache() if use_cache else None
@@ -395,9 +449,9 @@ class Transformer(nn.Module):
                 cache = None  # the context outgrew max_seq_len: re-run a cropped window from now on
             if cache is None:
                 window = -self.cfg.max_seq_len
-                logits = self(ids[:, window:], attention_mask=mask[:, window:])[:, -1, :]
+                logits = self(ids[:, window:], attention_mask=mask[:, window:], loops=loops)[:, -1, :]
             else:
-                logits = self(step_input, cache=cache, attention_mask=mask)[:, -1, :]
+                logits = self(step_input, cache=cache, attention_mask=mask, loops=loops)[:, -1, :]
             if temperature < torch.finfo(logits.dtype).tiny:  # 0, or too small to divide by: greedy
                 nxt = logits.argmax(dim=-1, keepdim=True)
             else:  # shifted so that the largest is 0: x / T never overflows to inf - inf = nan
@@ -409,7 +463,41 @@ class Transformer(nn.Module):
             ids = torch.cat([ids, nxt], dim=1)
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
             step_input = nxt
+            if on_token is not None:
+                on_token(nxt)
         return ids
+
+
+def loop_count(cfg: ModelConfig, seed: int, step: int) -> int | None:
+    """The core's applications in training step ``step`` of a run seeded ``seed`` (a looped model,
+    ``cfg.loop_sampling``), of mean R = ``cfg.loop_repeats``:
+
+    * ``fixed``: None, nothing drawn (the model applies its R every step);
+    * ``uniform``: uniform on the integers 1 .. 2R - 1;
+    * ``poisson_lognormal`` (Geiping et al. 2025, arXiv 2502.05171, Sec. 3.3, the log-normal Poisson
+      draw of the recurrence): ``tau ~ N(log(R - 1) - sigma^2 / 2, sigma^2)``, ``r = 1 + Poisson(e^tau)``
+      with sigma = 1/2; ``E[e^tau] = R - 1``, so ``E[r] = R`` (their mean r_bar + 1 with r_bar = R - 1),
+      with a long right tail (at R = 8, r > 3R in about 0.7% of the steps, r > 5R in about 1 in 3000).
+
+    A pure function of (seed, step): a resumed run draws what the uninterrupted one drew, and every
+    process of a distributed run draws the same count. Returns an int >= 1 (1 when R = 1), or None.
+    """
+    R = cfg.loop_repeats
+    if cfg.loop_sampling == "fixed":
+        return None
+    if R == 1:
+        return 1
+    digest = hashlib.sha256(f"keel.loop_count:{seed}:{step}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") % 2**63)
+    if cfg.loop_sampling == "uniform":
+        return 1 + int(torch.randint(0, 2 * R - 1, (), generator=g))
+    sigma = 0.5
+    tau = torch.normal(math.log(R - 1) - sigma**2 / 2, sigma, (1,), generator=g, dtype=torch.float64)
+    return 1 + int(torch.poisson(tau.exp(), generator=g))
+
+
+# the loop keys at their defaults: a model of the same blocks, unlooped
+_NO_LOOP = {name: getattr(ModelConfig(), name) for name in ("loop_prelude", "loop_core", "loop_repeats", "loop_sampling")}
 
 
 # (repr(config), non_embedding) -> parameters: a study's plan prices hundreds of runs of a few shapes,
@@ -421,14 +509,15 @@ def count_parameters(model_cfg: ModelConfig, non_embedding: bool = False) -> int
     """Parameters of ``Transformer(model_cfg)`` (tied weights once), as
     :meth:`Transformer.num_params` counts them, without allocating: the model is built on
     the ``meta`` device. ``non_embedding`` leaves out the token embedding (the LM head
-    still counts). The one parameter count of keel (``keel overview``, sweeps, studies).
+    still counts). The one parameter count of keel (``keel overview``, sweeps, studies). A looped
+    model's shared core counts once: its ``n_layers`` blocks of weights.
 
     Raises:
         KeelError: an invalid shape (:func:`keel.model.check_model_config`).
     """
 
     def count(n_layers: int) -> int:
-        cfg = dataclasses.replace(model_cfg, n_layers=n_layers)
+        cfg = dataclasses.replace(model_cfg, n_layers=n_layers, **_NO_LOOP)
         memo = (repr(cfg), non_embedding)  # every field is in a config's repr
         if memo not in _PARAMETER_COUNTS:
             with torch.device("meta"):
@@ -448,7 +537,10 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     ``seq_len`` tokens, PaLM (Chowdhery et al. 2022, App. B): ``6 N + 12 n_layers d_model seq_len``,
     N = non-embedding parameters (:func:`count_parameters`; the LM head counts). A
     ``vocab_size = "auto"`` (known only once the tokenizer exists) is priced at 256 ids. The
-    numerator of MFU (the trainer's per-step ``mfu``, ``benchmarks/mfu.py``, a study's dry run)."""
+    numerator of MFU (the trainer's per-step ``mfu``, ``benchmarks/mfu.py``, a study's dry run). A looped
+    model is priced as its unrolled equivalent of ``cfg.effective_layers`` blocks (the core's weights
+    work R = ``loop_repeats`` times per token; R is also the mean of a sampled count, :func:`loop_count`)."""
     if model_cfg.vocab_size == "auto":
         model_cfg = dataclasses.replace(model_cfg, vocab_size=256)
-    return 6.0 * count_parameters(model_cfg, non_embedding=True) + 12.0 * model_cfg.n_layers * model_cfg.d_model * seq_len
+    unrolled = dataclasses.replace(model_cfg, n_layers=model_cfg.effective_layers, **_NO_LOOP)
+    return 6.0 * count_parameters(unrolled, non_embedding=True) + 12.0 * unrolled.n_layers * model_cfg.d_model * seq_len

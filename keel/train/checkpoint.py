@@ -3,7 +3,7 @@
 Layout of a run directory::
 
     RUN/checkpoints/step_00000100/model.safetensors   # weights (tied tensors stored once)
-    RUN/checkpoints/step_00000100/trainer.pt          # optimizer, data position, RNG
+    RUN/checkpoints/step_00000100/trainer.pt          # optimizer, data position, RNG (and an fp16 run's loss scaler)
     RUN/checkpoints/step_00000100/manifest.json       # size and sha256 of the two files above
     RUN/checkpoints/latest                            # name of the newest complete checkpoint
 
@@ -56,9 +56,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from keel.errors import KeelError
-from keel.io import atomic_dir, atomic_write_text, chmod_default, make_temp_dir
+from keel.io import KEEL_TEMPORARY, atomic_dir, atomic_write_text, chmod_default, make_temp_dir
 from keel.keys import current_param_name
 from keel.train.dist import barrier, broadcast_object
+from keel.train.loss_scaling import is_scaler_state
 from keel.train.parallelize import unwrap
 from keel.train.state_dict import load_sharded_state_dict, renamed_optimizer_state, sharded_state_dict
 
@@ -144,7 +145,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module | dic
     ckpt_root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}"
     final = ckpt_root / name
-    with atomic_dir(final, replace=True) as tmp:
+    _check_replaceable(final)
+    with atomic_dir(final, replace=remove_checkpoint) as tmp:
         _write_files(tmp, weights, state, step)
     atomic_write_text(ckpt_root / "latest", name + "\n")
     _prune(run_dir, step, keep)
@@ -216,6 +218,7 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Modu
     tmp = None
     if info.is_main:
         ckpt_root.mkdir(parents=True, exist_ok=True)
+        _check_replaceable(ckpt_root / name)
         tmp = str(make_temp_dir(ckpt_root, name))
     tmp = Path(broadcast_object(tmp, info))
     dcp.save(sd, checkpoint_id=tmp / SHARDED_DIR)
@@ -243,7 +246,7 @@ def _finish_sharded(tmp: Path, final: Path, per_rank: list[dict], state: dict, s
         f.flush()
         os.fsync(f.fileno())
     if final.exists():
-        shutil.rmtree(final)
+        remove_checkpoint(final)
     os.replace(tmp, final)
     atomic_write_text(final.parent / "latest", final.name + "\n")
     _prune(final.parent.parent, step, keep)
@@ -253,9 +256,82 @@ def _prune(run_dir: Path, step: int, keep: int) -> None:
     """After checkpoint ``step`` of ``run_dir`` is written: remove the checkpoints past ``step``
     (:func:`remove_checkpoints_after`), then all but the newest ``keep`` (0: all are kept)."""
     remove_checkpoints_after(run_dir, step)
-    kept = _step_dirs(run_dir)  # newest first
+    kept = [p for p in _step_dirs(run_dir) if _own_files(p)]  # newest first; a folder of others' files is no checkpoint
     for p in kept[keep:] if keep > 0 else []:
-        shutil.rmtree(p, ignore_errors=True)
+        remove_checkpoint(p)
+
+
+def _own_files(ckpt: Path) -> list[Path]:
+    """The files keel wrote into checkpoint folder ``ckpt`` (those present): ``model.safetensors``,
+    ``trainer.pt``, ``manifest.json``, every file the manifest lists, and a sharded checkpoint's
+    ``dcp/__R_I.distcp`` shards and ``dcp/.metadata``."""
+    names = {*FILES, MANIFEST, f"{SHARDED_DIR}/.metadata"}
+    try:
+        listed = json.loads((ckpt / MANIFEST).read_text(encoding="utf-8")).get("files")
+        if isinstance(listed, dict):
+            names |= {n for n in listed if isinstance(n, str) and ".." not in Path(n).parts}
+    except (OSError, ValueError, AttributeError):
+        pass
+    names |= {f"{SHARDED_DIR}/{p.name}" for p in (ckpt / SHARDED_DIR).glob("__*_*.distcp")}
+    return [ckpt / n for n in sorted(names) if (ckpt / n).is_file() and not (ckpt / n).is_symlink()]
+
+
+def _foreign_files(ckpt: Path) -> list[str]:
+    """The entries of checkpoint folder ``ckpt`` keel did not write (relative names, sorted)."""
+    own = set(_own_files(ckpt)) | {ckpt / SHARDED_DIR}
+    others = [p for p in ckpt.rglob("*") if p not in own]
+    # files, and folders with nothing below them (a folder's files already name it)
+    return sorted(str(p.relative_to(ckpt)) for p in others if p.is_symlink() or not p.is_dir() or not any(p.iterdir()))
+
+
+def _check_replaceable(ckpt: Path) -> None:
+    """Raise KeelError when checkpoint folder ``ckpt`` exists and holds files keel did not write:
+    writing the checkpoint of its step again would have to delete them."""
+    foreign = _foreign_files(ckpt) if ckpt.is_dir() else []
+    if foreign:
+        raise KeelError(f"cannot write the checkpoint {ckpt}: it holds files keel did not write "
+                        f"({', '.join(foreign[:3])}); move them out of the run's checkpoints folder")
+
+
+def remove_checkpoint(ckpt: str | Path) -> bool:
+    """Delete the files keel wrote into checkpoint folder ``ckpt`` (:func:`_own_files`), then the
+    folder if that left it empty: never a folder wholesale. Files keel did not write (something
+    saved into the run's checkpoints by hand) stay, and a warning names them. Returns whether the
+    folder is gone."""
+    ckpt = Path(ckpt)
+    for p in _own_files(ckpt):
+        p.unlink(missing_ok=True)
+    for folder in (ckpt / SHARDED_DIR, ckpt):
+        try:
+            folder.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError:  # not empty: files keel did not write
+            if folder == ckpt:
+                left = _foreign_files(ckpt)
+                log.warning("%s: kept %s as it holds files keel did not write (%s); only the checkpoint's own "
+                            "files were deleted", ckpt.parent.parent, ckpt.name, ", ".join(left[:3]) or "?")
+                return False
+    return True
+
+
+def remove_all_checkpoints(run_dir: str | Path) -> None:
+    """Delete every checkpoint of ``run_dir`` (:func:`remove_checkpoint`: keel's files only), its
+    ``latest`` pointer and keel's temporaries there, then ``checkpoints/`` if that left it empty
+    (what ``keel train --restart`` does)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return
+    for p in _step_dirs(run_dir):
+        remove_checkpoint(p)
+    (root / "latest").unlink(missing_ok=True)
+    remove_stale_temporaries(run_dir)
+    try:
+        root.rmdir()
+    except OSError:  # files keel did not write: kept (remove_checkpoint named those in its folders)
+        left = sorted(p.name for p in root.iterdir() if not _STEP_DIR.match(p.name))
+        if left:
+            log.warning("%s: kept %s in its checkpoints folder (files keel did not write)", run_dir, ", ".join(left[:3]))
 
 
 def remove_checkpoints_after(run_dir: str | Path, step: int) -> list[Path]:
@@ -263,11 +339,11 @@ def remove_checkpoints_after(run_dir: str | Path, step: int) -> list[Path]:
     history, when a run resumes from an older checkpoint (e.g. past a damaged newer one) and its
     metrics are cut back to that step. A resume calls it once it has accepted its checkpoint, so
     such a checkpoint never counts towards ``train.keep_checkpoints``. Returns the folders removed."""
-    stale = [p for p in _step_dirs(run_dir) if checkpoint_step(p) > step]
+    stale = [p for p in _step_dirs(run_dir) if checkpoint_step(p) > step and _own_files(p)]
     for p in stale:
         log.warning("%s: removing %s, a checkpoint past step %d of the history this run resumed before it",
                     run_dir, p.name, step)
-        shutil.rmtree(p, ignore_errors=True)
+        remove_checkpoint(p)
     return stale
 
 
@@ -372,8 +448,9 @@ def _is_loader_state(x: Any) -> bool:
 # trainer.pt, declared: key -> (check, what is expected). Every key a resume reads is checked
 # before the checkpoint is chosen, so a state of the wrong shape is skipped for the previous
 # intact checkpoint, as a damaged file is (it used to be a TypeError deep in the resume).
-# ``optimizer`` and ``config`` are optional (a multi-process checkpoint keeps the optimiser
-# with its shards; the checkpoint of an import has no config).
+# ``optimizer``, ``config`` and ``grad_scaler`` are optional (a multi-process checkpoint keeps the
+# optimiser with its shards; the checkpoint of an import has no config; only an fp16-autocast run
+# has a loss scaler, keel.train.loss_scaling).
 TRAINER_STATE: dict[str, tuple[Callable[[Any], bool], str]] = {
     "step": (_is_count, "its folder's step"),
     "tokens": (_is_count, "a token count >= 0"),
@@ -385,8 +462,9 @@ TRAINER_STATE: dict[str, tuple[Callable[[Any], bool], str]] = {
                   and isinstance(x.get("param_groups"), list), "an optimizer state (state and param_groups)"),
     "config": (lambda x: isinstance(x, dict) and all(isinstance(v, dict) for v in x.values()),
                "a config (a table per section)"),
+    "grad_scaler": (is_scaler_state, "a loss-scaler state (scale, growth tracker, skipped_steps)"),
 }
-_OPTIONAL_STATE = ("optimizer", "config")
+_OPTIONAL_STATE = ("optimizer", "config", "grad_scaler")
 
 
 def trainer_state_problem(state: Any, step: int) -> str | None:
@@ -471,6 +549,8 @@ def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
     removed = []
     for folder in (run_dir, run_dir / "checkpoints"):
         for p in folder.glob(".*.tmp") if folder.is_dir() else []:
+            if not KEEL_TEMPORARY.match(p.name):  # keel's own names only (keel.io): never another tool's file
+                continue
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
             else:

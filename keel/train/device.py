@@ -104,7 +104,7 @@ def activation_floor_bytes(model_cfg: ModelConfig, train_cfg: TrainConfig, world
     m = get_scheme(model_cfg.residual).stream_copies(model_cfg)
     per_block = m * model_cfg.d_model if train_cfg.activation_checkpointing != "none" else \
         4 * model_cfg.d_model + 2 * model_cfg.d_ff + (2 * m * model_cfg.d_model if m > 1 else 0)
-    return rope + tokens * model_cfg.n_layers * per_block * 4
+    return rope + tokens * model_cfg.effective_layers * per_block * 4  # a looped core keeps its inputs per application
 
 
 def check_activations_fit(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int = 1) -> None:
@@ -184,11 +184,14 @@ def memory_errors(train_cfg: TrainConfig):
 
 
 def resolve_precision(device: torch.device, precision: str) -> str:
-    """The precision a run uses on ``device``: ``fp32``, ``bf16-autocast`` or ``bf16``.
+    """The precision a run uses on ``device``: ``fp32``, ``bf16-autocast``, ``bf16`` or ``fp16-autocast``.
 
     ``auto`` is ``bf16-autocast`` on a CUDA device with native bf16 (compute capability >= 8.0,
-    Ampere or newer), ``fp32`` on an older GPU (logged: emulated bf16 would be slower) and
-    on the CPU. An explicit bf16 precision on a GPU without native bf16 is refused.
+    Ampere or newer), ``fp32`` on an older GPU (logged, with the hint that ``fp16-autocast``
+    trains in half precision there: emulated bf16 would be slower) and on the CPU; ``auto``
+    never picks fp16 (it needs loss scaling and can overflow). An explicit bf16 precision on a
+    GPU without native bf16 is refused; ``fp16-autocast`` runs on every CUDA GPU and on the CPU
+    (CPU autocast supports float16; slow, for tests).
 
     Raises:
         KeelError: ``precision`` not one of ``train.precision``'s declared values (:data:`PRECISIONS`),
@@ -198,12 +201,12 @@ def resolve_precision(device: torch.device, precision: str) -> str:
     native = device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
     if precision == "auto":
         if device.type == "cuda" and not native:
-            log.warning("train.precision = auto: %s has no native bf16 (compute capability < 8.0): training in fp32",
-                        device)
+            log.warning("train.precision = auto: %s has no native bf16 (compute capability < 8.0): training in fp32 "
+                        "(train.precision = \"fp16-autocast\" trains in half precision with loss scaling)", device)
         return "bf16-autocast" if device.type == "cuda" and native else "fp32"
-    if precision != "fp32" and not native:
+    if precision.startswith("bf16") and not native:
         raise KeelError(f"train.precision = {precision!r} needs a GPU with native bf16 (compute capability >= 8.0, "
-                        f"Ampere or newer); {device} has none: use train.precision = \"fp32\"")
+                        f"Ampere or newer); {device} has none: use train.precision = \"fp16-autocast\" or \"fp32\"")
     return precision
 
 
@@ -232,8 +235,10 @@ def flushing_denormals(enabled: bool):
 def autocast_context(device: torch.device, precision: str, sharded: bool = False):
     """The context a training forward runs in: bf16 autocast for ``bf16-autocast``, and for
     ``bf16`` unless the model is ``sharded`` by FSDP2 (whose MixedPrecisionPolicy then casts
-    the parameters, :func:`keel.train.parallelize.apply_fsdp`); none for ``fp32``.
-    ``precision`` is resolved first (:func:`resolve_precision`).
+    the parameters, :func:`keel.train.parallelize.apply_fsdp`); fp16 autocast for
+    ``fp16-autocast`` (the weights stay fp32; the backward needs a loss scaler,
+    :class:`keel.train.loss_scaling.LossScaling`); none for ``fp32``. ``precision`` is resolved
+    first (:func:`resolve_precision`).
 
     Raises:
         KeelError: as :func:`resolve_precision`.
@@ -241,4 +246,5 @@ def autocast_context(device: torch.device, precision: str, sharded: bool = False
     precision = resolve_precision(device, precision)
     if precision == "fp32" or (precision == "bf16" and sharded):
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    dtype = torch.float16 if precision == "fp16-autocast" else torch.bfloat16
+    return torch.autocast(device_type=device.type, dtype=dtype)

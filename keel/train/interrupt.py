@@ -1,4 +1,5 @@
-"""Stopping a run cleanly on SIGINT (Ctrl-C), SIGTERM, SIGUSR1 or SIGUSR2 (Slurm's pre-timeout signals).
+"""Stopping a run cleanly on SIGINT (Ctrl-C), SIGTERM, SIGHUP (a closed terminal or SSH session),
+SIGUSR1 or SIGUSR2 (Slurm's pre-timeout signals): :data:`keel.io.STOP_SIGNALS`.
 
 While :class:`StopSignals` is active, the first of these signals does not kill the process:
 it is recorded (:attr:`StopSignals.received`), and the training loop finishes its current
@@ -7,6 +8,12 @@ stops on the same step (:func:`agreed_stop_signal`). The
 original handlers are put back at once, so a second signal stops the process the usual way
 (Ctrl-C twice: ``KeyboardInterrupt`` at once). Handlers can only be installed in the main
 thread; elsewhere (a thread running a run) the class does nothing.
+
+SIGHUP is a stop request like the others (checkpoint, exit 129): a run started in an SSH session
+that closes is saved, not lost; its standard output and error, where they were that terminal, go to
+``/dev/null`` from then on (:func:`keel.io.silence_hung_up_terminal`). SIGQUIT (Ctrl-\\) is
+deliberately left at its default: it quits at once, without the checkpoint (with a core dump where
+enabled), the way to stop now; the last checkpoint is intact and ``--resume`` continues from it.
 """
 
 from __future__ import annotations
@@ -18,12 +25,12 @@ import threading
 import torch
 
 from keel.errors import Interrupted
-from keel.io import STOP_SIGNALS
+from keel.io import STOP_SIGNALS, silence_hung_up_terminal
 from keel.train import dist as D
 
 log = logging.getLogger(__name__)
 
-SIGNALS = STOP_SIGNALS  # SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 (keel.io.STOP_SIGNALS)
+SIGNALS = STOP_SIGNALS  # SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 (keel.io.STOP_SIGNALS)
 
 
 class StopSignals:
@@ -41,6 +48,7 @@ class StopSignals:
     def _handler(self, signum, frame) -> None:
         self.received = signum
         self._restore()
+        silence_hung_up_terminal(signum)  # SIGHUP: the terminal is gone; a write to it would end the run
         if self.announce:
             log.warning("%s received: stopping after this step and saving a checkpoint (send it again to stop "
                         "at once, losing the steps since the last checkpoint)", signal.Signals(signum).name)

@@ -2,7 +2,10 @@
 
 Records (see :mod:`keel.train.trainer`): ``step`` (optimiser steps done; 0 = the freshly
 initialised model), ``tokens``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``,
-``elapsed_s``; ``val_loss``/``val_ppl`` on evaluation steps; fields added by callbacks
+``elapsed_s``; ``skipped: true`` on a step whose update was skipped (not finite); with
+``train.precision = "fp16-autocast"`` also ``loss_scale`` (the scale of the step's backward,
+dimensionless) and ``skipped_steps`` (updates skipped since it trains in fp16, carried over a resume;
+:mod:`keel.train.loss_scaling`); ``val_loss``/``val_ppl`` on evaluation steps; fields added by callbacks
 (``divergence``, ``sublayer_grad_norm``, ``eval_tasks``). A resume that changed config
 keys writes ``{"step": k, "config_change": {"section.key": {"old": a, "new": b}}}`` (no
 ``loss``) at the step it resumed from. Files are strict JSON: a non-finite number (NaN,
@@ -27,7 +30,8 @@ from keel.io import atomic_write_text
 log = logging.getLogger(__name__)
 
 # Fields that hold a number; null in the file means "not finite" (read back as NaN).
-NUMERIC_FIELDS = frozenset({"loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "val_loss", "val_ppl"})
+NUMERIC_FIELDS = frozenset({"loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "val_loss", "val_ppl",
+                            "loss_scale"})
 
 
 def _strict(value: Any) -> Any:

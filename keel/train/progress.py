@@ -16,14 +16,18 @@ warm-up) is never counted. ETA = remaining steps x the wall time per step over t
 window (a run that sped up or slowed down is not estimated from its whole-run average). A line
 of that first step itself has no window yet: it says how long the step took (``first step
 12s``) instead of tokens/s and an ETA. MFU is the step's own (``mfu`` of the record, see
-:mod:`keel.train.trainer`), with 2 significant digits (``MFU 0.011%``, ``MFU 42%``).
+:mod:`keel.train.trainer`), with 2 significant digits (``MFU 0.011%``, ``MFU 42%``). A run with
+loss scaling (``train.precision = "fp16-autocast"``) also says how many updates were skipped so
+far (``skipped 3``, the record's ``skipped_steps``; the bar's ``skipped=3``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
+import threading
 import time
 
 from tqdm.auto import tqdm
@@ -92,8 +96,9 @@ class ProgressReporter:
         step = int(record["step"])
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
+            extra = {"skipped": record["skipped_steps"]} if record.get("skipped_steps") is not None else {}
             self.bar.set_postfix(loss=f"{record.get('loss', float('nan')):.3f}",
-                                 tok_s=f"{record.get('tokens_per_s', 0.0):,.0f}", refresh=False)
+                                 tok_s=f"{record.get('tokens_per_s', 0.0):,.0f}", **extra, refresh=False)
             return None
         now = self.clock()
         due = step % self.every_steps == 0 or now - self.last_t >= self.every_s or step >= self.total
@@ -114,6 +119,8 @@ class ProgressReporter:
             parts.append(f"val_loss {record['val_loss']:.4f}")
         if record.get("lr") is not None:
             parts.append(f"lr {record['lr']:.2e}")
+        if record.get("skipped_steps") is not None:  # fp16 loss scaling: updates skipped so far
+            parts.append(f"skipped {record['skipped_steps']}")
         if self.last_step is None:  # the first step: start-up and warm-up, no training throughput yet
             return " | ".join(parts + [f"first step {format_duration(now - self.start_t)}"])
         steps, dt = max(1, step - self.last_step), max(now - self.last_t, 1e-9)
@@ -126,3 +133,25 @@ class ProgressReporter:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+@contextlib.contextmanager
+def heartbeat(logger: logging.Logger, what: str, every_s: float = 15.0):
+    """While the block runs, log ``"{what}: still working, N s so far"`` every ``every_s`` seconds
+    (from a thread): a long step that reports nothing itself (building a model of 100,000
+    sub-layers, its first forward pass) does not look like a hang. Nothing is logged for a block
+    that ends sooner."""
+    done = threading.Event()
+    t0 = time.perf_counter()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            logger.info("%s: still working, %s so far", what, format_duration(time.perf_counter() - t0))
+
+    thread = threading.Thread(target=beat, daemon=True, name="keel-heartbeat")
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()

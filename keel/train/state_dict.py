@@ -158,8 +158,9 @@ class TrainState:
     """The trainer's resumable state beside the weights and the optimiser, checkpointed through
     its own ``state_dict`` / ``load_state_dict`` (``torch.distributed.checkpoint.stateful.Stateful``,
     as torchtitan's components): the optimiser ``step`` (0 = nothing trained), ``tokens`` trained
-    (global, all ranks), ``elapsed`` training seconds, the data ``loader``'s position, the CPU RNG
-    and ``config`` (the run's config as a dict, saved so that a resume can compare it).
+    (global, all ranks), ``elapsed`` training seconds, the data ``loader``'s position, the CPU RNG,
+    ``config`` (the run's config as a dict, saved so that a resume can compare it) and, for an fp16
+    run, the loss ``scaling`` (:class:`keel.train.loss_scaling.LossScaling`: scale and skipped steps).
     """
 
     loader: Any  # a keel.data.TokenLoader (its own state_dict / load_state_dict)
@@ -167,15 +168,26 @@ class TrainState:
     step: int = 0
     tokens: int = 0
     elapsed: float = 0.0
+    scaling: Any = None  # a keel.train.loss_scaling.LossScaling, or None
 
     def state_dict(self) -> dict:
-        """``{"step", "tokens", "elapsed_s", "loader", "rng", "config"}`` (the checkpoint's keys)."""
-        return {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed,
-                "loader": self.loader.state_dict(), "rng": torch.get_rng_state(), "config": self.config}
+        """``{"step", "tokens", "elapsed_s", "loader", "rng", "config"}`` (the checkpoint's keys), and
+        ``"grad_scaler"`` (floats and ints) when the run scales its loss (``train.precision =
+        "fp16-autocast"``)."""
+        out = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed,
+               "loader": self.loader.state_dict(), "rng": torch.get_rng_state(), "config": self.config}
+        scaler = self.scaling.state_dict() if self.scaling is not None else None
+        if scaler is not None:
+            out["grad_scaler"] = scaler
+        return out
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the counters, the loader's position and the CPU RNG (not the config: a resume
-        compares it, :func:`keel.train.resume.check_config_changes`, and keeps the new one)."""
+        """Restore the counters, the loader's position, the CPU RNG and the loss scaler's state (not
+        the config: a resume compares it, :func:`keel.train.resume.check_config_changes`, and keeps
+        the new one). A checkpoint without ``"grad_scaler"`` (an fp32/bf16 run, an older one) leaves
+        a scaler at its initial scale; a run without a scaler ignores the entry."""
         self.loader.load_state_dict(state["loader"])
         torch.set_rng_state(state["rng"])
         self.step, self.tokens, self.elapsed = state["step"], state["tokens"], state["elapsed_s"]
+        if self.scaling is not None and state.get("grad_scaler") is not None:
+            self.scaling.load_state_dict(state["grad_scaler"])

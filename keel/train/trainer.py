@@ -39,8 +39,11 @@ rank 0 writes files and logs; every rank evaluates its share of the validation w
 writes its own shards of the weights and optimizer state into a sharded checkpoint
 (``torch.distributed.checkpoint``, :func:`keel.train.checkpoint.save_sharded_checkpoint`). Resuming from the
 checkpoint at step k reproduces the uninterrupted run's losses exactly on CPU: weights,
-AdamW state, data position and RNG state are all restored (the LR is a pure function of the
-step, :func:`keel.train.optim.set_lr`: nothing of it is saved).
+AdamW state, data position, RNG state and an fp16 run's loss scaler are all restored (the LR is
+a pure function of the step, :func:`keel.train.optim.set_lr`: nothing of it is saved).
+
+``train.precision = "fp16-autocast"``: loss scaling, overflowed steps (skipped, counted) and the
+scaler in checkpoints are :mod:`keel.train.loss_scaling`'s; a resume into fp16 starts a fresh scale.
 
 The loop knows nothing of diagnostics, evaluation tasks or experiment tracking: those come
 in as :class:`keel.train.callbacks.Callback` objects.
@@ -64,18 +67,20 @@ from keel.config import Config, checked_copy, dump_config, resolve_vocab_size
 from keel.data import (TokenLoader, absolute_data_paths, load_tokenizer, prepared_from, read_meta, resolve_data,
                        validation_tokens)
 from keel.errors import KeelError, plural
-from keel.io import RunLock, atomic_path, atomic_write_text, disk_errors, write_failure
-from keel.model import Transformer, check_model_config, flops_per_token, get_scheme, ignored_keys
+from keel.io import RunLock, atomic_path, atomic_write_text, check_run_folder, disk_errors, write_failure
+from keel.model import Transformer, check_model_config, flops_per_token, get_scheme, ignored_keys, loop_count
 from keel.train import dist as D, state_dict as SD
 from keel.train.callbacks import Callback, StepState, unhonoured_keys
 from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, is_sharded, latest_checkpoint,
-                                   load_sharded_checkpoint, load_trainer_state, load_weights, remove_checkpoints_after,
+                                   load_sharded_checkpoint, load_trainer_state, load_weights, remove_all_checkpoints,
+                                   remove_checkpoints_after,
                                    remove_stale_temporaries, save_checkpoint, save_sharded_checkpoint, tied_aliases)
 from keel.train.device import (autocast_context, peak_flops, check_activations_fit, check_model_fits, flushing_denormals,
                                memory_errors, resolve_device)
 from keel.train.nll import eval_batch_size, mean_nll, perplexity
 from keel.train.interrupt import StopSignals, TrainingInterrupted, agreed_stop_signal
 from keel.train.loggers import open_sinks
+from keel.train.loss_scaling import LossScaling
 from keel.train.metrics import mean_tokens_per_s, truncate_metrics, untimed_tokens
 from keel.train.optim import apply_config, build_optimizer, set_lr, without_scheduler_marks
 from keel.train.parallelize import checkpointed_blocks, gradient_sync, parallelize
@@ -152,7 +157,9 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, callbacks: Seq
             never started again.
     Raises:
         KeelError: bad config, data problems, a run directory that already holds a run
-            (without ``resume``), a resume of a run with history but no intact checkpoint
+            (without ``resume``), a run directory that is not new, empty or a keel run (another
+            tool's files; only a job scheduler's ``slurm-*.out`` / ``.err`` logs may be there:
+            :func:`keel.io.check_run_folder`), a resume of a run with history but no intact checkpoint
             (without ``restart``), a refused config change on resume, a key of
             :data:`keel.train.callbacks.CALLBACK_KEYS` no callback implements, ``train.batch_size``
             not divisible by the world size, or ``TrainingStopped`` (the last good
@@ -181,10 +188,12 @@ def run_lock(run_dir: Path, info: D.DistInfo):
     learns whether it got it.
 
     Raises:
-        KeelError: another process holds the lock (naming its pid), or the folder cannot be made.
+        KeelError: another process holds the lock (naming its pid), the folder cannot be made, or it
+            is neither new, empty nor a keel run (:func:`keel.io.check_run_folder`).
     """
     lock = RunLock(run_dir)
-    D.decide_on_rank0(lambda: lock.acquire() and None, info)  # the lock object stays on rank 0
+    # a folder of another tool's files is refused before the lock file goes into it (keel.io.check_run_folder)
+    D.decide_on_rank0(lambda: check_run_folder(run_dir) or lock.acquire() and None, info)  # the lock stays on rank 0
     try:
         yield
     finally:
@@ -225,7 +234,8 @@ class Trainer:
         if saved is not None:
             self._check_config_changes(saved)  # before the weights are loaded: a clear refusal
         self._build_model()
-        self.state = SD.TrainState(self.loader, self.cfg.to_dict())
+        self.scaling = LossScaling(self.device, self.tc.precision, sharded=self.fsdp)  # fp16 only; else a no-op
+        self.state = SD.TrainState(self.loader, self.cfg.to_dict(), scaling=self.scaling)
         if saved is not None:
             self._restore(saved)
         elif resume and not restart and self.main:
@@ -246,7 +256,7 @@ class Trainer:
             if restart and (self.metrics_path.exists() or (self.run_dir / "checkpoints").exists()):
                 log.warning("restarting %s from step 0: deleting its metrics and checkpoints", self.run_dir)
                 self.metrics_path.unlink(missing_ok=True)
-                shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
+                remove_all_checkpoints(self.run_dir)  # keel's files only: anything else stays, with a warning
         D.barrier(self.info)
 
     def _find_checkpoint(self) -> Path | None:
@@ -300,6 +310,8 @@ class Trainer:
             SD.load_optimizer_state_dict(self.model, self.optimizer, without_scheduler_marks(state["optimizer"]))
         apply_config(self.optimizer, self.tc)  # an older checkpoint's "scheduler" entry is not needed: set_lr
         self.state.load_state_dict(state)
+        if self.scaling.enabled and "grad_scaler" not in state and self.main:  # trained in fp32/bf16 until now
+            log.info("resume: %s has no loss-scaler state: fp16 loss scale %g", self.ckpt.name, self.scaling.scale_value)
         if self.main:
             log.info("resuming %s from step %d (%s)", self.run_dir, self.state.step, self.ckpt.name)
 
@@ -445,15 +457,15 @@ class Trainer:
             fields.update(getattr(cb, name)(state) or {})
         return fields
 
-    def forward_backward(self) -> float:
-        """Forward and backward over ``grad_accum`` micro-batches; the global mean loss."""
+    def forward_backward(self, loops: int | None = None) -> float:
+        """Forward and backward over ``grad_accum`` micro-batches (``loops``: see Transformer); the global mean loss."""
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for micro in range(self.tc.grad_accum):
             batch = self.loader.next_batch().to(self.device, non_blocking=True)
             with gradient_sync(self.train_module, micro == self.tc.grad_accum - 1):
                 with self.amp:
-                    loss = self.train_module(batch[:, :-1], batch[:, 1:])
-                (loss / self.tc.grad_accum).backward()
+                    loss = self.train_module(batch[:, :-1], batch[:, 1:], **({"loops": loops} if loops else {}))
+                self.scaling.scale(loss / self.tc.grad_accum).backward()  # times the loss scale (fp16 only)
             loss_sum += loss.detach().float()
         return D.all_reduce_mean(loss_sum / self.tc.grad_accum, self.info).item()
 
@@ -461,7 +473,9 @@ class Trainer:
         """One optimiser step (skipped when the loss or gradient is not finite); returns its record."""
         t0 = time.perf_counter()
         state.lr = set_lr(self.optimizer, self.state.step, self.tc)
-        state.loss, state.grad_norm = self.forward_backward(), None
+        loops = loop_count(self.cfg.model, self.tc.seed, self.state.step)  # a looped core's depth drawn this step
+        state.loss, state.grad_norm = self.forward_backward(loops), None
+        self.scaling.unscale_(self.optimizer)  # fp16: hooks, clipping and the logged norm see true gradients
         fields = self._hooks("on_gradients", state)  # raw gradients, before clipping
         max_norm = self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf")
         state.grad_norm = SD.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -469,6 +483,7 @@ class Trainer:
         state.finite = math.isfinite(state.loss) and math.isfinite(state.grad_norm) and math.isfinite(state.lr)
         if state.finite:
             self.optimizer.step()
+        scaled = self.scaling.update(state.finite)  # fp16: {"loss_scale", "skipped_steps"}; else {}
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step, self.state.tokens = self.state.step + 1, self.state.tokens + self.tokens_per_step
         state.step, state.tokens = self.state.step, self.state.tokens
@@ -478,7 +493,7 @@ class Trainer:
                   "grad_norm": state.grad_norm, "tokens_per_s": self.tokens_per_step / dt, "elapsed_s": self.state.elapsed}
         if self.mfu_per_token_s is not None:  # model FLOPs / s over the peak of every process (PaLM App. B)
             record["mfu"] = record["tokens_per_s"] * self.mfu_per_token_s
-        return {**record, **fields}
+        return {**record, **scaled, **fields, **({"loops": loops} if loops is not None else {})}
 
     def _skip_policy(self, record: dict, finite: bool, bad_in_row: int) -> int:
         """Count a non-finite step (``finite`` False: its update was skipped); raise
@@ -486,7 +501,10 @@ class Trainer:
         if not finite:
             bad_in_row += 1
             record["skipped"] = True
-            if self.main:
+            overflow = self.scaling.overflow_line(record, bad_in_row)  # fp16: an info line, not a warning
+            if self.main and overflow:
+                log.info(overflow)
+            elif self.main:
                 log.warning("step %d: non-finite loss %s, grad norm %s or LR %s; update skipped (%d in a row)",
                             self.state.step, record["loss"], record["grad_norm"], record["lr"], bad_in_row)
             if bad_in_row >= self.tc.max_bad_steps:

@@ -31,7 +31,7 @@ from keel.experiments import stress as ST
 from keel.experiments.executor import Executor, parse_slurm
 from keel.experiments.study.run import run_study
 from keel.experiments import sweep as S
-from keel.io import make_dirs
+from keel.io import check_path_names, make_dirs
 from keel.model import SCHEMES
 from keel.run import Run
 from keel.train.plots import image_format
@@ -143,6 +143,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise KeelError("--resume needs --out (the sweep folder to continue)")
     _check_engine_flags(args)
     out = Path(args.out) if args.out else Path("runs") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    check_path_names(out, "--out")
     s = presets.run_sweep(config, grid, sets, out=out, best=best, match_params=match, **engine_options(args, "sweep"))
     if args.dry_run:
         return _print_plan(s, False)
@@ -367,6 +368,7 @@ def cmd_study(args: argparse.Namespace) -> int:
     if args.restore is not None and not args.restore.strip():
         raise KeelError("--restore is empty: give an earlier report.json of this study")
     out = args.out or f"runs/study-{Path(args.name).stem}-{args.scale}"
+    check_path_names(out, "--out")  # "File name too long" was a traceback
     _check_engine_flags(argparse.Namespace(**{**vars(args), "out": out}))
     command = study_command(args.cli_argv[1:]) if len(args.cli_argv) > 1 else f"keel study {args.name}"
     r = run_study(args.name, args.scale, out, args.set, workers=args.workers, threads=args.threads or None,

@@ -19,7 +19,7 @@ from keel.config import TrainConfig, load_config, parse_override, resolve_config
 from keel.data import check_given_dataset, prepare_dataset, read_meta
 from keel.errors import Interrupted, KeelError
 from keel.experiments.training import train_run
-from keel.io import die_with_parent, passing_on_stop_signals
+from keel.io import check_path_names, die_with_parent, passing_on_stop_signals
 from keel.run import Run
 from keel.train.checkpoint import checkpoint_step, latest_checkpoint
 from keel.train.metrics import read_metrics
@@ -74,7 +74,7 @@ def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
     that every rank agrees on it).
 
     torchrun starts each worker in a session of its own, so a signal to ``keel train`` (or
-    to its process group) never reaches them directly. SIGINT and SIGTERM received here are
+    to its process group) never reaches them directly. SIGINT, SIGTERM and SIGHUP received here are
     passed to torchrun (started in its own session, so a terminal's Ctrl-C reaches it once,
     from here), which passes them to every worker: each finishes its step, the run is
     checkpointed, and all stop. If ``keel train`` itself dies, torchrun gets SIGTERM
@@ -256,6 +256,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise KeelError("--restart goes with --resume DIR or --run-dir DIR: the run to start again from step 0")
     if args.resume and args.run_dir:
         raise KeelError(f"--run-dir does not go with --resume: a resumed run stays in its folder ({args.resume})")
+    for flag, given in (("--resume", args.resume), ("--run-dir", args.run_dir)):
+        if given:
+            check_path_names(given, flag)  # "File name too long" was a traceback
     if args.resume:
         run_dir = Path(args.resume)
         if not (run_dir / "config.toml").is_file():
@@ -315,10 +318,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model, tokenizer = run.load_model(device=args.device), run.tokenizer()
     device = next(model.parameters()).device
 
+    def show(piece: str) -> None:  # the text as it is generated: a long sample is not minutes of silence
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
     for i in range(args.num_samples):
-        text = sample_text(model, tokenizer, prompt, args.max_new_tokens, device,
-                           temperature=args.temperature, top_k=args.top_k or None, seed=args.seed + i)
-        print(text)
+        sample_text(model, tokenizer, prompt, args.max_new_tokens, device,
+                    temperature=args.temperature, top_k=args.top_k or None, seed=args.seed + i, stream=show)
+        print()
         if i + 1 < args.num_samples:
             print("-" * 40)
     return 0

@@ -404,4 +404,34 @@ def write_plots(study: Study, runs: list[dict], claims: list[tuple[dict, dict]],
         files.append(name)
     if plot_margins(claims, out / "margins.png"):
         files.append("margins.png")
+    if plot_importance(claims, out / "importance.png"):
+        files.append("importance.png")
     return files
+
+
+def plot_importance(claims: list[tuple[dict, dict]], out: Path) -> bool:
+    """ΔPPL / PPL_full of removing each sub-layer against its relative depth (i + 0.5) / L, one
+    panel per condition and depth of every layer-importance claim, each scheme's seed mean as a
+    line (log y, values below 1e-4 drawn at 1e-4); False (nothing written) before any ablation."""
+    panels = [(cond, row) for cl, c in claims if claim_kind(cl).kind == "layer_importance"
+              for cond, cc in c["conditions"].items() for row in cc.get("rows", [])
+              if any(row["delta_ppl"][x] for x in row["delta_ppl"])]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
+    for ax, (cond, row) in zip(axes[0], panels):
+        for scheme, per_seed in row["delta_ppl"].items():
+            if not per_seed:
+                continue
+            rel = [[d / row["ppl_full"][scheme][sd] for d in v] for sd, v in per_seed.items()]
+            L = len(rel[0])
+            mean = [max(1e-4, sum(r[i] for r in rel) / len(rel)) for i in range(L)]
+            ax.plot([(i + 0.5) / L for i in range(L)], mean, label=f"{scheme} ({len(rel)} seeds)")
+        ax.set_yscale("log")
+        ax.set_xlabel("relative depth of the removed sub-layer")
+        ax.set_title(f"{row['sublayers']} sub-layers, {CONDITION_WORDS[cond]}", fontsize=9)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("ΔPPL / PPL of the full model")
+    fig.tight_layout()
+    save_figure(fig, out)
+    return True

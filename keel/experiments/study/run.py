@@ -345,7 +345,8 @@ def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: f
         hours = 1 / (mfu * peak_tflops * 1e12) / 3600
         per_param = {}  # depth -> tokens per non-embedding parameter (of the first scheme at that depth)
         for t, c in zip(per_run[len(refs):], cfgs[len(refs):]):
-            per_param.setdefault(c.model.n_sublayers, t / count_parameters(c.model, non_embedding=True))
+            m = replace(c.model, vocab_size=256) if c.model.vocab_size == "auto" else c.model  # as flops_per_token
+            per_param.setdefault(c.model.n_sublayers, t / count_parameters(m, non_embedding=True))
         rows.append({"group": g.name, "kind": g.kind, "runs": len(jobs), "references": len(refs),
                      "steps": sorted({c.train.steps for c in cfgs[len(refs):]}),
                      "tokens_per_param": dict(sorted(per_param.items())),

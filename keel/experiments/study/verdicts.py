@@ -512,7 +512,8 @@ def claim_data_scaling(study: Study, runs: list[dict], claim: dict) -> dict:
     N(0, 1) embeddings.
 
     Each budget is a group of the same model, depth and data trained for fewer or more steps at a
-    fixed batch (``budgets``, ``init_budgets``: groups of one depth each, the same for all); per budget and seed ``m = best(baseline) - best(scheme)``
+    fixed batch (``budgets``, ``init_budgets``: groups of one depth each, the same for all); per
+    budget and seed ``m = best(baseline) - best(scheme)``
     (nats/token, best over the group's LRs, each bracketed by the study). Parts: the margin at the
     largest budget (:func:`paired_verdict`) and the slope of each seed's margin against
     log2(tokens) over every budget (:func:`trend_verdict`: nats per doubling of tokens, floor

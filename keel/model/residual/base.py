@@ -7,7 +7,10 @@ Every scheme is one small ``nn.Module`` with the same interface::
     x = unit(x, F)                               # x: [B, T, d_model], F: callable on [B, T, d_model]
 
 ``index`` counts sub-layers as the paper does: block ``b`` holds attention sub-layer
-``2b`` and FFN sub-layer ``2b + 1``; L = 2 * n_layers. A unit may also
+``2b`` and FFN sub-layer ``2b + 1``; L = 2 * n_layers. In a looped model (``cfg.loop_core``) a core
+unit serves every application of its block and keeps its block's index, while a depth in a formula
+is the effective ``cfg.n_sublayers`` = 2 (P + R C + Q); a scheme that cannot share a unit across
+applications refuses a loop in ``check_config``. A unit may also
 
 * set ``final_norm = True`` when the model needs a final RMSNorm before the LM head (or
   override the classmethod ``uses_final_norm(cfg)`` when that depends on the config);

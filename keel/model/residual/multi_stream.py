@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from keel.config import ModelConfig
+from keel.errors import KeelError
 from keel.keys import check_key
 from keel.model.norm import RMSNorm, rms_reciprocal
 from keel.model.residual.base import Residual
@@ -506,6 +507,15 @@ class AttnRes(Residual):
     @classmethod
     def make_stream(cls, cfg: ModelConfig) -> nn.Module | None:
         return DepthAttentionReadout(cfg)
+
+    @classmethod
+    def check_config(cls, cfg: ModelConfig) -> None:
+        """A looped model is refused: the sources, the block boundaries (S = ceil(L / N)) and the
+        pseudo-query w_l belong to one effective sub-layer l, so one unit shared by R applications
+        would open blocks and attend over a different set of sources at each."""
+        if cfg.loop_core:
+            raise KeelError("model.residual = attn_res cannot loop (model.loop_core >= 1): its pseudo-queries and block "
+                            "boundaries belong to one effective sub-layer each, which shared core weights cannot be")
 
     @classmethod
     def stream_copies(cls, cfg: ModelConfig) -> int:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from keel.config import ModelConfig
+from keel.errors import KeelError
 from keel.keys import check_key
 from keel.model.norm import RMSNorm, scaled_sum_norm
 from keel.model.residual.base import Residual, add_to_stream
@@ -49,6 +50,8 @@ class DeepNorm(Residual):
     Constants for a decoder-only model with M blocks (DeepNet Fig. 2 / Table 1):
     ``alpha = (2M)^(1/4) = L^(1/4)`` and ``beta = (8M)^(-1/4) = (4L)^(-1/4)``, L = 2M
     sub-layers. (The Keel paper's summary writes beta = L^(-1/4); we follow DeepNet.)
+    L is ``cfg.n_sublayers``, the effective depth: a looped model's ``2 (P + R C + Q)`` sub-layers
+    (the unrolled network the derivation bounds), not its ``2 n_layers`` blocks of weights.
 
     Init (DeepNet Fig. 2): Xavier-normal with gain ``beta`` for the FFN weights and the
     attention value and output projections; q and k Xavier-normal with gain 1.
@@ -75,11 +78,16 @@ class DeepNorm(Residual):
 class Keel(Residual):
     """Keel (Chen & Wei 2026, arXiv 2601.19895, Sec. 3, Fig. 2):
     ``x <- Norm_out(alpha * x + F(Norm_in(x)))``, two RMSNorms per sub-layer,
-    ``alpha = cfg.alpha``, unset: L = ``cfg.n_sublayers`` (constant, not learned).
+    ``alpha = cfg.alpha``, unset: L = ``cfg.n_sublayers`` (constant, not learned). L is the
+    effective depth, the sub-layers one forward pass applies: a looped model's ``2 (P + R C + Q)``
+    with R = ``cfg.loop_repeats`` (the paper's alpha = L is the product bound over the unrolled path,
+    Sec. 3; a count set at test time, ``Transformer.set_loops``, keeps the trained alpha).
 
     First-layer rule (paper v2), when ``cfg.keel_first_layer_rule``: sub-layer 0 (first
     attention) is plain Pre-LN, ``x + F(Norm_in(x))`` with no outer norm and alpha = 1;
-    sub-layer 1 (first FFN) uses alpha = 1 and keeps its outer norm.
+    sub-layer 1 (first FFN) uses alpha = 1 and keeps its outer norm. A looped model keeps the
+    rule on the very first sub-layers by placing block 0 in the prelude: with ``loop_prelude = 0``
+    block 0 would be repeated, so the rule would hold at every application (refused, :meth:`check_config`).
     """
 
     activation_constants = (9, 4)  # two RMSNorms per sub-layer
@@ -91,6 +99,13 @@ class Keel(Residual):
         self.alpha = 1.0 if first_rule else float(cfg.alpha if cfg.alpha is not None else cfg.n_sublayers)
         self.norm_in = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.norm_out = None if (first_rule and index == 0) else RMSNorm(cfg.d_model, cfg.norm_eps)
+
+    @classmethod
+    def check_config(cls, cfg: ModelConfig) -> None:
+        """Refuse a loop whose core holds block 0 while the first-layer rule is on (KeelError)."""
+        if cfg.loop_core and not cfg.loop_prelude and cfg.keel_first_layer_rule:
+            raise KeelError("model.loop_prelude = 0 puts Keel's first sub-layers (model.keel_first_layer_rule) in the "
+                            "repeated core: set model.loop_prelude >= 1 or model.keel_first_layer_rule = false")
 
     def forward(self, x, f):
         h = f(self.norm_in(x))
@@ -186,6 +201,8 @@ class MixLN(Residual):
 
     The split is by block, as in the reference code (``LlamaDecoderLayer`` with
     ``NORM_TYPE=post_pre``: ``layer_index < POST_NUM`` is Post-LN for attention and MLP).
+    A looped model splits its ``n_layers`` blocks of weights (so a shared core block is the same
+    kind at every application), not its effective depth.
 
     Final norm: the reference model (HF ``LlamaModel``) always applies its final RMSNorm.
     We keep it whenever a Pre-LN block exists, since a Pre-LN stream is un-normalised and

@@ -1,0 +1,467 @@
+"""Looped models (``model.loop_prelude`` / ``loop_core`` / ``loop_repeats`` / ``loop_sampling``): a
+prelude of P blocks, a core of C blocks applied R times with shared weights, a coda of Q blocks.
+Each property against its definition, parametrized over residual schemes and loop shapes."""
+
+import copy
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import math
+import statistics
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+
+from conftest import REPO, tiny_overrides
+from keel import KeelError, ModelConfig, Transformer
+from keel.config import load_config
+from keel.data import TokenLoader
+from keel.model import SCHEMES, KVCache, RMSNorm, Residual, count_parameters, flops_per_token, loop_count
+from keel.run import Run
+from keel.train import train
+from keel.train.checkpoint import latest_checkpoint, load_weights, save_checkpoint
+from keel.train.parallelize import apply_activation_checkpointing
+
+ALL = sorted(SCHEMES)
+LOOPING = [s for s in ALL if s != "attn_res"]  # attn_res refuses a loop (test_bad_loop_configs)
+SHAPES = [(1, 2, 3, 1), (2, 1, 4, 0), (0, 2, 2, 1), (1, 1, 1, 1), (1, 3, 2, 0)]  # (P, C, R, Q)
+NO_LOOP = dict(loop_prelude=0, loop_core=0, loop_repeats=1, loop_sampling="fixed")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def looped_cfg(scheme, P, C, R, Q, **kw):
+    """A small looped model; Keel with P = 0 needs its first-layer rule off (test_bad_loop_configs)."""
+    base = dict(vocab_size=61, d_model=16, n_heads=2, n_kv_heads=1, d_ff=24, max_seq_len=24, residual=scheme,
+                n_layers=P + C + Q, loop_prelude=P, loop_core=C, loop_repeats=R, mix_ln_ratio=0.5)
+    if scheme == "keel" and P == 0:
+        base["keel_first_layer_rule"] = False
+    return ModelConfig(**{**base, **kw})
+
+
+def order_from_definition(P, C, R, Q):
+    """Blocks of the unrolled model, by the definition: prelude once, the core R times, the coda once."""
+    return list(range(P)) + [P + c for _ in range(R) for c in range(C)] + [P + C + q for q in range(Q)]
+
+
+def perturbed(model):
+    """Gains off 1 and the schemes' own maps off their init (some start where they change nothing)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.copy_(torch.rand_like(m.weight) + 0.5)
+            if isinstance(m, Residual) or m is model.stream:
+                for p in m.parameters(recurse=False):
+                    p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def unrolled_copies(model, order):
+    """The unrolled model: ``len(order)`` blocks, block i a copy of the looped model's block order[i]
+    (copies of one core block hold one state dict), the rest of the model copied as it is."""
+    flat = Transformer(dataclasses.replace(model.cfg, n_layers=len(order), **NO_LOOP)).to(torch.float64)
+    flat.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("blocks.")}, strict=False)
+    flat.blocks = nn.ModuleList(copy.deepcopy(model.blocks[b]) for b in order)
+    return flat
+
+
+# ---- the definition: R applications of one shared core = the unrolled model of copies (float64) ----
+
+@pytest.mark.parametrize("scheme", LOOPING)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "P{}C{}R{}Q{}".format(*s))
+def test_loop_equals_unrolled_copies(scheme, shape):
+    """Logits at R and at another count, and gradients: the gradient of a shared core weight is the
+    sum of the gradients of its R copies in the unrolled model."""
+    P, C, R, Q = shape
+    torch.manual_seed(0)
+    model = perturbed(Transformer(looped_cfg(scheme, *shape)).to(torch.float64))
+    ids = torch.randint(0, 61, (2, 9))
+    targets = torch.roll(ids, -1, 1)
+    for r in (R, R + 2):
+        flat = unrolled_copies(model, order_from_definition(P, C, r, Q))
+        torch.testing.assert_close(model(ids, loops=r), flat(ids), rtol=1e-12, atol=1e-12)
+    flat = unrolled_copies(model, order_from_definition(P, C, R, Q))
+    model.zero_grad()
+    model(ids, targets).backward()
+    flat(ids, targets).backward()
+    order = order_from_definition(P, C, R, Q)
+    for b, block in enumerate(model.blocks):
+        copies = [flat.blocks[i] for i, src in enumerate(order) if src == b]
+        assert len(copies) == (R if P <= b < P + C else 1)
+        for name, p in block.named_parameters():
+            want = sum(dict(c.named_parameters())[name].grad for c in copies)
+            torch.testing.assert_close(p.grad, want, rtol=1e-10, atol=1e-12, msg=f"blocks.{b}.{name}")
+
+
+@pytest.mark.parametrize("scheme", LOOPING)
+def test_one_repeat_is_the_plain_model(scheme):
+    """R = 1 (the core once) is the model of the same blocks without a loop, bit for bit."""
+    cfg = looped_cfg(scheme, 1, 2, 1, 1)
+    torch.manual_seed(3)
+    looped = Transformer(cfg)
+    torch.manual_seed(3)
+    plain = Transformer(dataclasses.replace(cfg, **NO_LOOP))
+    ids = torch.randint(0, 61, (2, 7))
+    assert torch.equal(looped(ids), plain(ids))
+
+
+# ---- the effective depth feeds every depth-dependent formula ------------------------------------
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "P{}C{}R{}Q{}".format(*s))
+def test_keel_alpha_is_the_effective_depth(shape):
+    """Keel (arXiv 2601.19895, Sec. 3): x <- Norm_out(alpha x + F(Norm_in(x))), alpha = L, L the
+    sub-layers the network applies: 2 (P + R C + Q); the first-layer rule (alpha = 1) on block 0."""
+    P, C, R, Q = shape
+    cfg = looped_cfg("keel", *shape)
+    L = 2 * (P + R * C + Q)
+    assert cfg.n_sublayers == L and cfg.effective_layers == P + R * C + Q
+    model = Transformer(cfg)
+    for b, block in enumerate(model.blocks):
+        first = cfg.keel_first_layer_rule and b == 0
+        assert block.attn_residual.alpha == (1.0 if first else L)
+        assert block.ffn_residual.alpha == (1.0 if first else L)
+    assert Transformer(looped_cfg("keel", *shape, alpha=3.5)).blocks[-1].ffn_residual.alpha == 3.5
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "P{}C{}R{}Q{}".format(*s))
+def test_deepnorm_constants_and_init_take_the_effective_depth(shape):
+    """DeepNet (arXiv 2203.00555, Fig. 2), decoder-only, L sub-layers: alpha = L^(1/4), beta = (4L)^(-1/4),
+    the value/output/FFN weights Xavier-normal with gain beta; L = 2 (P + R C + Q)."""
+    P, C, R, Q = shape
+    L = 2 * (P + R * C + Q)
+    cfg = looped_cfg("deepnorm", *shape, d_model=256, n_heads=4, n_kv_heads=4, d_ff=512)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    for block in model.blocks:
+        for unit in (block.attn_residual, block.ffn_residual):
+            assert unit.alpha == pytest.approx(L ** 0.25) and unit.beta == pytest.approx((4 * L) ** -0.25)
+    w = model.blocks[-1].ffn.w2.weight
+    assert w.std().item() == pytest.approx((4 * L) ** -0.25 * math.sqrt(2 / sum(w.shape)), rel=0.03)
+
+
+def test_parameters_and_flops_of_a_looped_model():
+    """Shared weights count once; the FLOPs per token are the unrolled model's (PaLM App. B)."""
+    cfg = looped_cfg("pre_ln", 1, 2, 3, 1)
+    model = Transformer(cfg)
+    assert count_parameters(cfg) == model.num_params() == Transformer(dataclasses.replace(cfg, **NO_LOOP)).num_params()
+    unrolled = dataclasses.replace(cfg, n_layers=1 + 3 * 2 + 1, **NO_LOOP)
+    assert flops_per_token(cfg, 16) == flops_per_token(unrolled, 16)
+    assert flops_per_token(unrolled, 16) == 6 * count_parameters(unrolled, non_embedding=True) + 12 * 8 * 16 * 16
+
+
+# ---- the default model is the model before loops, bit for bit ------------------------------------
+
+# Recorded with the code before loops existed (torch 2.13 CPU): per scheme and shape, the first 16 hex
+# digits of sha256 over the state dict (names, shapes, dtypes, bytes, in order), the next N(0, 1) draw
+# after building (the init's RNG consumption), and the sum and absolute sum of the logits. A torch whose
+# CPU generator draws other numbers changes them all: regenerate them from the commit before the loop.
+REFERENCE = {
+    "attn_res/plain": ("50405debb371c526", 2.1108837127685547, -0.871553137056253, 113.12710610448084),
+    "attn_res/tied": ("66e867a129eb37bf", 0.14251293241977692, 7.254884371319349, 105.03439832247022),
+    "deepnorm/plain": ("f5fe052b6c17cbf4", -0.06983988732099533, -0.8082587451972358, 158.32307463368124),
+    "deepnorm/tied": ("85058e95889edcf0", -0.24215790629386902, 16.618764352002472, 163.2158592144333),
+    "hybridnorm/plain": ("8ef1685b54b27110", 2.1108837127685547, -11.683262362603273, 162.75333425196732),
+    "hybridnorm/tied": ("9d6ed4527387261b", 0.14251293241977692, 6.730519229366109, 157.27167068491144),
+    "hyper_connections/plain": ("bd6b0c535e9936a0", 2.1108837127685547, -2.7213557279064844, 159.33691183788687),
+    "hyper_connections/tied": ("20b3cbb6513dd758", 0.14251293241977692, 14.96803921918763, 162.16688511813845),
+    "keel/plain": ("a58617e6becb3c87", 2.1108837127685547, -8.141664661714458, 158.36737283215916),
+    "keel/tied": ("30e9f5ac695c8272", 0.14251293241977692, 16.481905124674086, 160.83588002293254),
+    "mhc/plain": ("e2d600dbced76910", 2.1108837127685547, -1.7134689607628388, 162.14151850556664),
+    "mhc/tied": ("b8ef4727987d1f89", 0.14251293241977692, 7.565575645741774, 161.5288530831749),
+    "mix_ln/plain": ("52ef8f0575730373", 2.1108837127685547, -1.6866680884795642, 160.48380558100507),
+    "mix_ln/tied": ("81b701f4e7fa8769", 0.14251293241977692, 17.84919445568812, 164.20452524445136),
+    "peri_ln/plain": ("2a8dc8efee5ed350", 2.1108837127685547, -8.801837145092577, 169.94565496618816),
+    "peri_ln/tied": ("6bea7d097a888b51", 0.14251293241977692, 5.101717795681907, 155.57495001304778),
+    "post_ln/plain": ("bc8dbaa5195266f1", 2.1108837127685547, -2.371758148408844, 158.5621724299417),
+    "post_ln/tied": ("5f03371e42845b77", 0.14251293241977692, 17.84926373414055, 164.20445802000177),
+    "pre_ln/plain": ("52ef8f0575730373", 2.1108837127685547, -1.6866680884795642, 160.48380558100507),
+    "pre_ln/tied": ("81b701f4e7fa8769", 0.14251293241977692, 7.595923644053983, 160.41065491261543),
+}
+REFERENCE_SHAPES = {"plain": {}, "tied": dict(n_kv_heads=1, tie_embeddings=True, n_layers=4)}
+
+
+def state_hash(model):
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("scheme", ALL)
+@pytest.mark.parametrize("shape", sorted(REFERENCE_SHAPES))
+def test_default_model_is_unchanged(scheme, shape):
+    """Without a loop: the state dict (names, order, values), the init's RNG consumption and the logits
+    of the model before loops existed; and the logits equal, bit for bit, the forward pass as it was
+    written then (embedding, stream start, every block in order, stream end, final norm, LM head)."""
+    base = dict(vocab_size=97, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=32)
+    cfg = ModelConfig(**{**base, **REFERENCE_SHAPES[shape]}, residual=scheme)
+    assert cfg.n_sublayers == 2 * cfg.n_layers and cfg.effective_layers == cfg.n_layers
+    torch.manual_seed(1234)
+    model = Transformer(cfg)
+    next_draw = torch.randn(()).item()
+    ids = torch.arange(2 * 9).reshape(2, 9) * 7 % 97
+    with torch.no_grad():
+        logits = model(ids)
+        T = ids.shape[1]
+        x = model.tok_emb(ids)
+        x = model.stream.begin(x) if model.stream is not None else x
+        for block in model.blocks:
+            x = block(x, model.rope_cos[:T], model.rope_sin[:T], None)
+        x = model.stream.end(x) if model.stream is not None else x
+        x = model.norm(x) if model.norm is not None else x
+        before = model.lm_head(x).float()
+    want_hash, want_draw, want_sum, want_abs = REFERENCE[f"{scheme}/{shape}"]
+    assert state_hash(model) == want_hash
+    assert next_draw == want_draw
+    assert torch.equal(logits, before)
+    assert logits.double().sum().item() == pytest.approx(want_sum, rel=1e-6, abs=1e-4)
+    assert logits.double().abs().sum().item() == pytest.approx(want_abs, rel=1e-6)
+
+
+# ---- refusals: one line each ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(n_layers=4, loop_prelude=2, loop_core=3), r"model.loop_prelude \(2\) \+ model.loop_core \(3\) exceeds "
+                                                    r"model.n_layers \(4\)"),
+    (dict(loop_repeats=3), "model.loop_repeats = 3 needs a loop: set model.loop_core >= 1"),
+    (dict(loop_prelude=1), "model.loop_prelude = 1 needs a loop"),
+    (dict(loop_sampling="uniform"), "model.loop_sampling = 'uniform' needs a loop"),
+    (dict(loop_core=1, loop_repeats=0), "model.loop_repeats must be >= 1, got 0"),
+    (dict(loop_core=-1), "model.loop_core must be >= 0"),
+    (dict(loop_core=1, loop_sampling="geometric"), "model.loop_sampling must be"),
+    (dict(residual="keel", loop_core=2), "model.loop_prelude = 0 puts Keel's first sub-layers"),
+    (dict(residual="attn_res", loop_prelude=1, loop_core=2), "model.residual = attn_res cannot loop"),
+])
+def test_bad_loop_configs(kw, msg):
+    cfg = ModelConfig(**{**dict(vocab_size=61, d_model=16, n_heads=2, n_kv_heads=1, d_ff=24, n_layers=4), **kw})
+    with pytest.raises(KeelError, match=msg) as e:
+        Transformer(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_loop_counts():
+    looped = Transformer(looped_cfg("pre_ln", 1, 2, 2, 1))
+    plain = Transformer(dataclasses.replace(looped.cfg, **NO_LOOP))
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(KeelError, match="the loop count must be an integer >= 1"):
+            looped(ids, loops=bad)
+        with pytest.raises(KeelError, match="the loop count must be an integer >= 1"):
+            looped.set_loops(bad)
+    with pytest.raises(KeelError, match=r"needs a looped model \(model.loop_core >= 1\)"):
+        plain.set_loops(2)
+    with pytest.raises(KeelError, match="needs a looped model"):
+        plain(ids, loops=2)
+    assert looped.loops == 2
+
+
+# ---- test-time depth and the KV cache ------------------------------------------------------------
+
+@pytest.mark.parametrize("scheme", LOOPING)
+@pytest.mark.parametrize("shape", [(1, 2, 2, 1), (0, 1, 3, 0)], ids=lambda s: "P{}C{}R{}Q{}".format(*s))
+def test_kv_cache_at_any_loop_count(scheme, shape):
+    """Each core application at a position has its own keys and values: incremental decoding at a
+    loop count equals the full forward pass at that count, and cached greedy generation equals
+    uncached, at the trained count and at another, by argument or by set_loops."""
+    torch.manual_seed(0)
+    model = Transformer(looped_cfg(scheme, *shape)).eval()
+    P, C, R, Q = shape
+    ids = torch.randint(0, 61, (2, 12))
+    assert not torch.allclose(model(ids, loops=1), model(ids, loops=R + 2))
+    for r in (1, R + 2):
+        full = model(ids, loops=r)
+        cache = KVCache()
+        parts = [model(ids[:, :5], cache=cache, loops=r), model(ids[:, 5:6], cache=cache, loops=r),
+                 model(ids[:, 6:], cache=cache, loops=r)]
+        assert len(cache.keys) == P + r * C + Q and cache.get_seq_length() == 12
+        torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
+        cached = model.generate(ids[:, :4], 6, temperature=0, use_cache=True, loops=r)
+        assert torch.equal(cached, model.generate(ids[:, :4], 6, temperature=0, use_cache=False, loops=r))
+    model.set_loops(R + 2)
+    assert torch.equal(model.generate(ids[:, :4], 6, temperature=0), cached)
+    assert torch.equal(model(ids), model(ids, loops=R + 2))
+
+
+def test_left_padded_generation_of_a_looped_model():
+    """A padded batch of prompts (the mask path of the cache) generates what each row does alone."""
+    torch.manual_seed(0)
+    model = Transformer(looped_cfg("keel", 1, 2, 3, 1)).eval()
+    a, b = torch.randint(0, 61, (1, 6)), torch.randint(0, 61, (1, 3))
+    batch = torch.cat([a, torch.cat([torch.zeros(1, 3, dtype=torch.long), b], 1)])
+    mask = torch.tensor([[1] * 6, [0] * 3 + [1] * 3])
+    out = model.generate(batch, 5, temperature=0, attention_mask=mask, loops=4)
+    assert torch.equal(out[0, 6:], model.generate(a, 5, temperature=0, loops=4)[0, 6:])
+    assert torch.equal(out[1, 6:], model.generate(b, 5, temperature=0, loops=4)[0, 3:])
+
+
+# ---- training-time depth ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("R", [1, 2, 5])
+def test_loop_count_distributions(R):
+    """fixed: nothing drawn (None: the model's R); uniform: 1 .. 2R - 1; poisson_lognormal (Geiping et al.
+    2025, Sec. 3.3): 1 + Poisson(e^tau), tau ~ N(log(R - 1) - 1/8, 1/4); both of mean R, and a pure function
+    of (seed, step)."""
+    def draws(sampling, seed=7, n=4000):
+        cfg = ModelConfig(n_layers=2, loop_core=1, loop_repeats=R, loop_sampling=sampling)
+        return [loop_count(cfg, seed, step) for step in range(n)]
+
+    assert set(draws("fixed", n=50)) == {None}
+    uniform = draws("uniform")
+    assert set(uniform) == set(range(1, 2 * R))
+    lognormal = draws("poisson_lognormal")
+    assert min(lognormal) >= 1 and (R == 1) == (set(lognormal) == {1})
+    for xs in (uniform, lognormal):
+        sd = statistics.pstdev(xs)
+        assert abs(statistics.mean(xs) - R) <= 4 * sd / math.sqrt(len(xs)) + 1e-9
+    assert draws("poisson_lognormal", n=100) == draws("poisson_lognormal", n=100)
+    if R > 1:
+        assert draws("uniform", seed=8, n=100) != draws("uniform", seed=7, n=100)
+
+
+def test_activation_checkpointing_per_application():
+    """Per-block activation checkpointing recomputes each application of a core block on its own
+    (one forward plus one recomputation per application), with the gradients of the plain model."""
+    cfg = looped_cfg("keel", 1, 2, 3, 1)
+    torch.manual_seed(0)
+    plain = Transformer(cfg)
+    ckpt = copy.deepcopy(plain)
+    assert apply_activation_checkpointing(ckpt, "block") == [0, 1, 2, 3]
+    calls = []
+    ckpt.blocks[1].attn.register_forward_pre_hook(lambda *_: calls.append(1))
+    ids = torch.randint(0, 61, (2, 8))
+    plain(ids, torch.roll(ids, -1, 1)).backward()
+    ckpt(ids, torch.roll(ids, -1, 1)).backward()
+    assert len(calls) == 2 * 3
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+# ---- checkpoints: shared weights once ----------------------------------------------------------------
+
+@pytest.mark.parametrize("scheme", ["keel", "mhc"])
+def test_save_load_round_trip(scheme, tmp_path):
+    cfg = looped_cfg(scheme, 1, 2, 3, 1)
+    torch.manual_seed(0)
+    model = perturbed(Transformer(cfg)).eval()
+    ckpt = save_checkpoint(tmp_path, 1, model, {"step": 1})
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        stored = set(f.keys())
+    assert stored == set(model.state_dict()) == set(Transformer(dataclasses.replace(cfg, **NO_LOOP)).state_dict())
+    assert not any(k.startswith(f"blocks.{cfg.n_layers}.") for k in stored)  # n_layers blocks, not P + R C + Q
+    torch.manual_seed(1)
+    loaded = Transformer(cfg).eval()
+    load_weights(loaded, ckpt)
+    ids = torch.randint(0, 61, (2, 9))
+    for r in (None, 5):
+        assert torch.equal(loaded(ids, loops=r), model(ids, loops=r))
+
+
+# ---- end to end: keel train, resume ------------------------------------------------------------------
+
+LOOP_SETS = ["model.n_layers=3", "model.loop_prelude=1", "model.loop_core=1", "model.loop_repeats=3"]
+
+
+def test_keel_train_and_generate_looped(keel_main, tiny_data, tmp_path):
+    run = tmp_path / "looped"
+    sets = tiny_overrides(tiny_data, steps=4, eval_every=2, checkpoint_every=2) + LOOP_SETS + \
+        ["model.loop_sampling=uniform"]
+    r = keel_main("train", "--run-dir", run, *[a for s in sets for a in ("--set", s)])
+    assert r.returncode == 0, r.stderr
+    assert "validation loss at step 4" in r.stdout
+    cfg = Run(run).config
+    assert (cfg.model.loop_core, cfg.model.loop_repeats, cfg.model.n_sublayers) == (1, 3, 10)
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [rec for rec in recs if rec["step"] > 0]
+    assert [rec["loops"] for rec in steps] == [loop_count(cfg.model, cfg.train.seed, s) for s in range(4)]
+    assert all(1 <= rec["loops"] <= 5 and math.isfinite(rec["loss"]) for rec in steps)
+    model = Run(run).load_model()
+    assert model.loops == 3 and len(model.blocks) == 3
+    r = keel_main("generate", "--run", run, "--prompt", "import os", "--max-new-tokens", "5", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("import os")
+
+
+def test_exact_resume_of_a_looped_run(tiny_data, tmp_path, monkeypatch):
+    """A run at a random loop count per step, interrupted and resumed, draws the same counts and
+    logs the same losses as the uninterrupted run, and ends with the same weights."""
+    def config():
+        sets = tiny_overrides(tiny_data) + LOOP_SETS + ["model.loop_sampling=poisson_lognormal", "model.residual=pre_ln"]
+        return load_config(REPO / "keel" / "configs" / "demo.toml", sets)
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(config(), full)
+    calls, original = {"n": 0}, TokenLoader.next_batch
+
+    def crash_at_step_10(self):
+        calls["n"] += 1
+        if calls["n"] == 10:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(TokenLoader, "next_batch", crash_at_step_10)
+    with pytest.raises(KeyboardInterrupt):
+        train(config(), part)
+    monkeypatch.setattr(TokenLoader, "next_batch", original)
+    assert latest_checkpoint(part).name == "step_00000008"
+    train(config(), part, resume=True)
+
+    def metrics(run):
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = metrics(full), metrics(part)
+    assert [r["step"] for r in b] == [r["step"] for r in a]
+    assert len({r["loops"] for r in a if "loops" in r}) > 1
+    for ra, rb in zip(a, b):
+        for key in ("loss", "grad_norm", "lr", "val_loss", "tokens", "loops"):
+            assert ra.get(key) == rb.get(key), (ra["step"], key)
+    wa, wb = Run(full).load_model().state_dict(), Run(part).load_model().state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    if importlib.util.find_spec("transformers"):  # a looped pre_ln run exports as keel, not as a stock Llama
+        from transformers import AutoModelForCausalLM
+
+        from keel.hf.convert import export_hf
+
+        out = export_hf(full, tmp_path / "hf")
+        assert json.loads((out / "config.json").read_text())["model_type"] == "keel"
+        ids = torch.randint(0, 512, (1, 20))
+        with torch.no_grad():
+            torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out)(ids).logits,
+                                       Run(full).load_model()(ids), atol=1e-5, rtol=0)
+
+
+@pytest.mark.usefixtures("offline_one_thread")
+@pytest.mark.parametrize("scheme", ["keel", "mhc", "pre_ln"])
+def test_hugging_face_wrapper_of_a_looped_model(scheme, tmp_path):
+    """keel.hf: the logits and greedy generation (transformers' own cache, made for n_layers blocks)
+    of the native model at two loop counts, through the generated code too; no stock Llama."""
+    pytest.importorskip("transformers")
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    from keel.hf import KeelForCausalLM
+    from keel.hf.llama import to_llama
+    from keel.hf.remote import write_remote_code
+
+    torch.manual_seed(0)
+    native = perturbed(Transformer(looped_cfg(scheme, 1, 2, 3, 1, max_seq_len=14))).eval()
+    hf = KeelForCausalLM.from_native(native).eval()
+    ids = torch.randint(0, 61, (2, 10))
+    for r in (3, 5):
+        native.set_loops(r)
+        with torch.no_grad():
+            assert torch.equal(hf(ids).logits, native(ids))
+        cached = hf.generate(ids[:, :4], max_new_tokens=12, do_sample=False, use_cache=True)  # past max_seq_len
+        assert torch.equal(cached, hf.generate(ids[:, :4], max_new_tokens=12, do_sample=False, use_cache=False))
+        assert torch.equal(cached, native.generate(ids[:, :4], 12, temperature=0))
+    native.set_loops(3)
+    hf.save_pretrained(tmp_path)
+    cls = get_class_from_dynamic_module(write_remote_code(tmp_path)["AutoModelForCausalLM"], str(tmp_path))
+    with torch.no_grad():
+        torch.testing.assert_close(cls.from_pretrained(tmp_path).eval()(ids).logits, native(ids), atol=1e-5, rtol=0)
+    with pytest.raises(KeelError, match="a looped model .* is not a stock Llama"):
+        to_llama(native)
