@@ -11,6 +11,7 @@ The command-line way is ``keel train --nproc N`` (torchrun underneath).
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -55,3 +56,14 @@ job gets its own rendezvous port (``MASTER_PORT``).
             ports.append(port)
     mp.start_processes(_worker, args=(world_size, ports, jobs, threads_per_process), nprocs=world_size,
                        join=True, start_method="spawn")
+
+
+def truncate_to(src: Path, dst: Path, step: int) -> Path:
+    """A copy of run ``src`` as if it had been interrupted right after checkpoint ``step``."""
+    shutil.copytree(src, dst)
+    name = f"step_{step:08d}"
+    for p in (dst / "checkpoints").glob("step_*"):
+        if p.name > name:
+            shutil.rmtree(p)
+    (dst / "checkpoints" / "latest").write_text(name + "\n")
+    return dst

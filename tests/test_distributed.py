@@ -33,7 +33,7 @@ from keel.train.checkpoint import (checkpoint_problem, find_intact_checkpoint, i
                                    load_weights)
 from keel.train.optim import build_optimizer
 from keel.train.state_dict import full_optimizer_state_dict
-from spawn import spawn_training
+from spawn import spawn_training, truncate_to
 
 pytestmark = pytest.mark.spawns  # starts processes: the e2e tier (tests/conftest.py)
 
@@ -45,15 +45,6 @@ def metrics(run):
     return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
 
 
-def truncate_to(src: Path, dst: Path, step: int) -> Path:
-    """A copy of run ``src`` as if it had been interrupted right after checkpoint ``step``."""
-    shutil.copytree(src, dst)
-    name = f"step_{step:08d}"
-    for p in (dst / "checkpoints").glob("step_*"):
-        if p.name > name:
-            shutil.rmtree(p)
-    (dst / "checkpoints" / "latest").write_text(name + "\n")
-    return dst
 
 
 @pytest.fixture(scope="module")

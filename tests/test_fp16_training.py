@@ -14,13 +14,13 @@ without scaler state (fp32 runs, older ones) resume into fp16 and back; and the 
 import json
 import logging
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import REPO, tiny_overrides
+from spawn import truncate_to
 from keel import KeelError
 from keel.config import load_config
 from keel.model import SCHEMES, Transformer
@@ -54,17 +54,6 @@ def steps_of(run) -> dict[int, dict]:
 def trainer_state(run, step) -> dict:
     return torch.load(Path(run) / "checkpoints" / f"step_{step:08d}" / "trainer.pt", map_location="cpu",
                       weights_only=True)
-
-
-def cut_back(src: Path, dst: Path, step: int) -> Path:
-    """A copy of run ``src`` as if it had been interrupted right after checkpoint ``step``."""
-    shutil.copytree(src, dst)
-    name = f"step_{step:08d}"
-    for p in (dst / "checkpoints").glob("step_*"):
-        if p.name > name:
-            shutil.rmtree(p)
-    (dst / "checkpoints" / "latest").write_text(name + "\n")
-    return dst
 
 
 # ---------------------------------------------------------------- the key
@@ -162,7 +151,7 @@ def fp16_runs(tiny_data, tmp_path_factory):
         fp16 = config(tiny_data, precision=FP16, keep_checkpoints=0, checkpoint_every=3)
         train(fp16, root / "fp16")
         for k in RESUMED_AT:
-            train(fp16, cut_back(root / "fp16", root / f"resumed_{k}", k), resume=True)
+            train(fp16, truncate_to(root / "fp16", root / f"resumed_{k}", k), resume=True)
         mp.undo()
         train(config(tiny_data, precision="fp32", keep_checkpoints=0), root / "fp32")
     finally:
@@ -254,7 +243,7 @@ def test_precision_switches_on_resume(fp16_runs, tiny_data, tmp_path, caplog):
     """An fp32 checkpoint (no scaler state, as any checkpoint from before fp16) resumes in fp16: the
     scale starts at 2**16 (said in one line), the change is recorded; an fp16 checkpoint resumes in
     fp32: no scaler, no scaler fields."""
-    into = cut_back(fp16_runs / "fp32", tmp_path / "into", 4)
+    into = truncate_to(fp16_runs / "fp32", tmp_path / "into", 4)
     with caplog.at_level(logging.INFO, logger="keel"):
         train(config(tiny_data, precision=FP16, keep_checkpoints=0), into, resume=True)
     assert "step_00000004 has no loss-scaler state: fp16 loss scale 65536" in caplog.text
@@ -263,7 +252,7 @@ def test_precision_switches_on_resume(fp16_runs, tiny_data, tmp_path, caplog):
     after = steps_of(into)
     assert after[5]["loss_scale"] == 2.0 ** 16 and after[12]["skipped_steps"] == 0
     assert trainer_state(into, 12)["grad_scaler"]["scale"] == 2.0 ** 16
-    out = cut_back(fp16_runs / "fp16", tmp_path / "out", 9)
+    out = truncate_to(fp16_runs / "fp16", tmp_path / "out", 9)
     train(config(tiny_data, precision="fp32", keep_checkpoints=0), out, resume=True)
     assert not any("loss_scale" in r for s, r in steps_of(out).items() if s > 9)
     assert "grad_scaler" not in trainer_state(out, 12)
@@ -291,7 +280,7 @@ def test_fp16_ddp_and_fsdp_match_one_process(tiny_data, tmp_path):
             assert got[s]["grad_norm"] == pytest.approx(one[s]["grad_norm"], rel=1e-3), (p, s)
             assert (got[s]["loss_scale"], got[s]["skipped_steps"]) == (one[s]["loss_scale"], one[s]["skipped_steps"])
     assert trainer_state(tmp_path / "fsdp", 6)["grad_scaler"] == trainer_state(tmp_path / "single", 6)["grad_scaler"]
-    resumed = cut_back(tmp_path / "fsdp", tmp_path / "fsdp_to_one", 3)
+    resumed = truncate_to(tmp_path / "fsdp", tmp_path / "fsdp_to_one", 3)
     train(config(tiny_data, parallelism="fsdp", **sets), resumed, resume=True)
     full, again = steps_of(tmp_path / "fsdp"), steps_of(resumed)
     for s in (4, 5, 6):
