@@ -288,15 +288,15 @@ def test_imported_run_keeps_step_and_tokens(trained_run, pre_ln_run, residual, t
     assert (last["step"], last["tokens"]) == (step + 1, tokens + 4 * 32)
 
 
-def readme_snippet(marker: str) -> str:
-    """The README's one ```python block that contains ``marker``."""
-    blocks = (REPO / "README.md").read_text(encoding="utf-8").split("```python\n")[1:]
+def docs_snippet(marker: str) -> str:
+    """The one ```python block of docs/hf.md (the Hugging Face page) that contains ``marker``."""
+    blocks = (REPO / "docs" / "hf.md").read_text(encoding="utf-8").split("```python\n")[1:]
     (code,) = [b.split("```")[0] for b in blocks if marker in b.split("```")[0]]
     return code
 
 
-def test_readme_batched_generation_pads_on_the_left(trained_run, tmp_path, monkeypatch, capsys):
-    """The README's batched-generation snippet, run on an export in hf/keel: its tokenizer pads on
+def test_docs_batched_generation_pads_on_the_left(trained_run, tmp_path, monkeypatch, capsys):
+    """docs/hf.md's batched-generation snippet, run on an export in hf/keel: its tokenizer pads on
     the left (transformers' default is the right, which a decoder-only model continues from the
     padding), and each row generates what its prompt generates alone."""
     from keel.hf.convert import export_hf
@@ -304,7 +304,7 @@ def test_readme_batched_generation_pads_on_the_left(trained_run, tmp_path, monke
     export_hf(trained_run, tmp_path / "hf" / "keel")
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
-    exec(readme_snippet('padding_side="left"'), scope)
+    exec(docs_snippet('padding_side="left"'), scope)
     tok, model, batch, out = scope["tok"], scope["model"], scope["batch"], scope["out"]
     assert tok.padding_side == "left" and batch["attention_mask"][1, 0] == 1 and batch["attention_mask"][0, 0] == 0
     width = batch["input_ids"].shape[1]
