@@ -7,9 +7,11 @@ checkpointing (``--ac block``). It times one full training step -- forward, the 
 LM-head loss, backward, AdamW (``keel.train.optim.build_optimizer``) -- on the same random
 batches, interleaved: ``--rounds`` rounds of ``--steps`` steps of each model, the order
 swapped every round, after ``--warmup`` untimed steps (the first compiles). Reported per
-row: eager and compiled tokens/s (median round), their ratio (> 1 = compiled faster), the
-same ratio in process CPU time (less sensitive to other jobs on a shared machine), the
-compile time, and the number of graph breaks and graphs Dynamo made (0 breaks expected).
+row: eager and compiled tokens/s (median round), their ratio (> 1 = compiled faster), each
+one's process CPU time per step and their ratio (less sensitive to other jobs on a shared
+machine), the compile time (wall seconds of the first compiled step) beside the speed-up it
+buys: the steps after which it has paid for itself (compile time / wall time a compiled step
+saves), and the number of graph breaks and graphs Dynamo made (0 breaks expected).
 
 Shapes default to ``benchmarks/throughput.py``'s (128x4, 256x4, 128x16, 256x16: width x
 blocks, seq 128, batch 16, vocab 8192, head dim 32, GQA 2, d_ff 3d) plus 64x32 (width 64,
@@ -92,19 +94,25 @@ def bench(shape, scheme: str, args) -> dict:
     tokens = args.batch_size * shape.seq_len
     tok_s = {k: tokens / statistics.median(v) for k, v in wall.items()}
     cpu_ms = {k: 1e3 * statistics.median(v) for k, v in cpu.items()}
+    saved_s = (tokens / tok_s["eager"] - tokens / tok_s["compiled"])  # wall seconds a compiled step saves
     return {"shape": shape.label, "scheme": scheme, "ac": args.ac, "eager_tok_s": tok_s["eager"],
             "compiled_tok_s": tok_s["compiled"], "ratio": tok_s["compiled"] / tok_s["eager"],
+            "eager_cpu_ms": cpu_ms["eager"], "compiled_cpu_ms": cpu_ms["compiled"],
             "cpu_ratio": cpu_ms["eager"] / cpu_ms["compiled"], "compile_s": compile_s,
+            "pays_after_steps": compile_s / saved_s if saved_s > 0 else None,
             "graph_breaks": sum(counters["graph_break"].values()),
             "graphs": counters["stats"]["unique_graphs"], "first_loss_diff": abs(loss_c - loss_e)}
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| shape | scheme | AC | eager tok/s | compiled tok/s | compiled ÷ eager | ÷ by CPU time | "
-           "compile s | graph breaks | graphs |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| shape | scheme | AC | eager tok/s | compiled tok/s | compiled ÷ eager | eager CPU ms/step | "
+           "compiled CPU ms/step | ÷ by CPU time | compile s | pays after steps | graph breaks | graphs |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        pays = "never" if r.get("pays_after_steps") is None else f"{r['pays_after_steps']:,.0f}"
         out.append(f"| {r['shape']} | {r['scheme']} | {r['ac']} | {r['eager_tok_s']:,.0f} | "
-                   f"{r['compiled_tok_s']:,.0f} | {r['ratio']:.2f} | {r['cpu_ratio']:.2f} | {r['compile_s']:.0f} | "
+                   f"{r['compiled_tok_s']:,.0f} | {r['ratio']:.2f} | {r.get('eager_cpu_ms', 0):,.0f} | "
+                   f"{r.get('compiled_cpu_ms', 0):,.0f} | {r['cpu_ratio']:.2f} | {r['compile_s']:.0f} | {pays} | "
                    f"{r['graph_breaks']} | {r['graphs']} |")
     return "\n".join(out)
 

@@ -71,8 +71,10 @@ def measure_activation_bytes_per_block(cfg, batch: int, seq_len: int, block_inde
             x = model.stream.begin(x.detach())
             for b in model.blocks[:block_index % len(model.blocks)]:
                 x = b(x, model.rope_cos[:seq_len], model.rope_sin[:seq_len])
-        x = x.contiguous().requires_grad_()
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+        # AttnRes' stream is a tuple of sources [B, T, d]; HC/mHC's one tensor [n, B, T, d]
+        x = tuple(t.contiguous().requires_grad_() for t in x) if isinstance(x, tuple) else x.contiguous().requires_grad_()
+    inputs = x if isinstance(x, tuple) else (x,)
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {t.untyped_storage().data_ptr() for t in inputs}
     sizes: dict[int, int] = {}
 
     def pack(t):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import logging
 import os
 import re
 import shutil
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from keel.errors import KeelError
+
+_log = logging.getLogger(__name__)
 
 try:
     import tomllib
@@ -432,33 +435,40 @@ class RunLock:
     itself may stay. A folder the lock created and nothing else wrote into (a run that failed
     or was stopped before writing anything) is removed again by :meth:`release`.
 
+    ``name``: the lock file's name in ``folder``. ``transient``: the lock file goes again on
+    release (a lock beside an output rather than in it, e.g. ``keel prepare``'s on
+    ``PARENT/.OUT.keel.lock``: the dataset folder itself is replaced by a rename); a process that
+    then locked the removed file sees it is gone and locks the new one. ``wait``: another holder is
+    waited for (logged: :attr:`waiting`) instead of refused.
+
     Raises (from :meth:`acquire`):
-        KeelError: another process holds the lock (the message names its pid), or the
-            folder cannot be created or written (:func:`disk_errors`).
+        KeelError: another process holds the lock (the message names its pid; not with ``wait``),
+            or the folder cannot be created or written (:func:`disk_errors`), or takes no new file
+            (:attr:`unmakeable`, e.g. under /proc).
     """
 
-    def __init__(self, folder: str | os.PathLike):
+    def __init__(self, folder: str | os.PathLike, name: str = LOCK_NAME, transient: bool = False,
+                 wait: bool = False):
         self.folder = Path(folder)
-        self.path = self.folder / LOCK_NAME
+        self.path = self.folder / name
+        self.transient, self.wait = transient, wait
         self.fd: int | None = None
         self.created: list[Path] = []  # the folders acquire() made, deepest first
         # the refusal when another process holds it ({pid}: the holder's)
         self.busy = (f"run directory {self.folder} is in use by another keel process (pid {{pid}}); "
                      "wait for it to finish or stop it first")
+        self.waiting = f"waiting for keel process {{pid}}, which holds {self.path}"  # logged with wait=True
+        # the refusal when the folder exists but takes no new file (/proc, sysfs: ENOENT); {why}: the OS's words
+        self.unmakeable = f"cannot make a file in {self.folder}: {{why}}"
 
     def acquire(self) -> "RunLock":
-        import fcntl  # POSIX-only: keel.io stays importable elsewhere
-
+        """Take the lock (see the class); returns self."""
         self.created = [p for p in (self.folder, *self.folder.parents) if not p.exists()]  # deepest first
         make_dirs(self.folder)
-        with disk_errors(self.folder):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+        fd = self._locked_fd()
+        while self.transient and not _same_file(fd, self.path):  # its holder removed it: lock the new file
             os.close(fd)
-            raise KeelError(self.busy.format(pid=holder)) from None
+            fd = self._locked_fd()
         self.fd = fd
         try:
             with disk_errors(self.path):  # a full disk: was "cannot write the standard output" (no file named)
@@ -469,15 +479,42 @@ class RunLock:
             raise
         return self
 
+    def _locked_fd(self) -> int:
+        """The lock file, open and locked by this process (waited for with :attr:`wait`)."""
+        import fcntl  # POSIX-only: keel.io stays importable elsewhere
+
+        with disk_errors(self.folder):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())
+            except FileNotFoundError as e:  # the folder is there (acquire made it), yet no file can be made in it
+                raise KeelError(self.unmakeable.format(why=e.strerror)) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            if not self.wait:
+                os.close(fd)
+                raise KeelError(self.busy.format(pid=holder)) from None
+            _log.info(self.waiting.format(pid=holder))
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except BaseException:  # Ctrl-C while waiting
+                os.close(fd)
+                raise
+        return fd
+
     def release(self) -> None:
-        """Drop the lock (closing the file releases it); the lock file stays, unless the lock
-        created the folder and nothing else is in it: then the folder (and the parents the lock
-        created) is removed, so a failed first start leaves nothing behind."""
+        """Drop the lock (closing the file releases it); the lock file stays (a transient one
+        goes, removed while still held), unless the lock created the folder and nothing else is
+        in it: then the folder (and the parents the lock created) is removed, so a failed first
+        start leaves nothing behind."""
         if self.fd is None:
             return
         with contextlib.suppress(OSError):
-            if self.created and [p.name for p in self.folder.iterdir()] == [LOCK_NAME]:
+            if self.transient:
                 self.path.unlink()
+            if self.created and [p.name for p in self.folder.iterdir()] in ([self.path.name], []):
+                self.path.unlink(missing_ok=True)
                 for folder in self.created:  # rmdir: only ever an empty folder
                     folder.rmdir()
         os.close(self.fd)
@@ -488,6 +525,14 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether open file ``fd`` is still the file at ``path`` (not removed or replaced)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
 
 
 def lock_holder(folder: str | os.PathLike) -> str | None:

@@ -177,7 +177,10 @@ def test_resume_waits_for_a_job_still_running_and_resubmits_one_that_ended_witho
     command = shlex.join(["keel", *map(str, args)])  # started by this very command
     (out / "study.json").write_text(json.dumps({"study": "sweep", "scale": "cli", "command": command}))
     flag = tmp_path / "end"  # the stand-in runs until the driver has re-attached to it (then a zombie until reaped)
-    stand_in = subprocess.Popen(["bash", "-c", f"while [ ! -e {flag} ]; do sleep 0.1; done"])
+    # it runs as a controller of this grid's jobs does (submitit's module on the grid's submitit/ folder): keel
+    # waits only on a process that is its job (test_a_pid_that_is_not_this_grids_job_...)
+    stand_in = subprocess.Popen([sys.executable, "-c", "import os, sys, time\nwhile not os.path.exists(sys.argv[1]): "
+                                 "time.sleep(0.1)", str(flag), "submitit.local._local", str((out / "submitit").absolute())])
     (out / "jobs.json").write_text(json.dumps({"executor": "submitit-local", "jobs": {
         "seed0": {"job_id": str(stand_in.pid), "attempts": 1, "state": "running"}}}))
     driver = subprocess.Popen([str(KEEL), *map(str, args), "--resume"], stdout=subprocess.PIPE,
@@ -230,6 +233,9 @@ def test_a_preempted_job_checkpoints_requeues_itself_and_resumes_to_the_uninterr
     assert "Calling checkpoint method" in sub and f"Requeued job {controller}" in sub
     plain = _losses(_plain_run(tiny_overrides(tiny_data, **train), tmp_path / "plain"))
     assert _losses(out / "seed0") == plain and len(plain) == 60
+    entry = json.loads((out / "jobs.json").read_text())["jobs"]["seed0"]  # one job id, started twice
+    assert entry["job_id"] == controller and entry["attempts"] == 2 and entry["requeued"] == 1
+    assert f"  seed0: running (job {controller}): requeued (attempt 2)" in err
 
 
 def test_a_tiny_study_completes_through_submitit_local(tiny_data, tmp_path, keel_main):
@@ -263,3 +269,217 @@ def test_a_run_on_two_processes_is_one_job_of_two_tasks(tiny_data, tmp_path):
     got = _losses(out / "seed0")
     assert [s for s, _ in got] == [s for s, _ in plain] == list(range(1, 9))
     assert [v for _, v in got] == pytest.approx([v for _, v in plain], rel=1e-5)
+
+
+# ---------------------------------------------------------------- Slurm: one job array, capped (a fake Slurm)
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch):
+    """Slurm's commands on PATH (tests/fake_slurm.py): sbatch runs each array task, at most the array's cap at
+    a time; the jobs import the grid task from tests/ (PYTHONPATH)."""
+    import fake_slurm
+
+    for k, v in fake_slurm.install(tmp_path / "bin", tmp_path / "slurm").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    return tmp_path / "slurm"
+
+
+def test_a_slurm_grid_is_one_job_array_with_a_cap_a_name_setup_lines_and_the_jobs_own_cpus(fake_slurm, tmp_path,
+                                                                                            caplog):
+    """--executor slurm used to submit one sbatch job per run, all at once (a cluster's submit limit), each
+    named "submitit", with threads from the login node's cores. Now: one sbatch (a job array, --workers as
+    its cap), named after the study and grid, the setup lines before the job, each job's threads from its
+    allocation; one ledger line per run."""
+    import fake_slurm as F
+
+    jobs = [G.GridJob(f"r{i}", {"i": i}) for i in range(2)]
+    ex = E.Executor("slurm", E.parse_slurm(["partition=debug", "gpus=0", "cpus=1", "setup=export FAKE_SETUP=yes"]),
+                    poll_s=0.1, label="claims")
+    caplog.set_level("INFO", logger="keel")
+    res = G.run_grid(jobs, tmp_path / "showcase", F.job_env, workers=1, executor=ex)
+    [script] = [p.read_text() for p in (fake_slurm / "submissions").iterdir()]  # one submission for the grid
+    for line in ("#SBATCH --array=0-1%1", "#SBATCH --job-name=keel-claims-showcase", "#SBATCH --cpus-per-task=1",
+                 "#SBATCH --partition=debug"):
+        assert line in script.splitlines(), script
+    assert script.index("export FAKE_SETUP=yes") < script.index("submitit.core._submit")
+    assert (fake_slurm / "max_running").read_text() == "1"
+    assert [r["status"] for r in res] == ["done", "done"]
+    assert [(r["array_task"], r["job_name"], r["setup"]) for r in res] == [
+        ("0", "keel-claims-showcase", "yes"), ("1", "keel-claims-showcase", "yes")]
+    assert [r["threads"] for r in res] == [1, 1]  # the allocation's one CPU, not this machine's cores / workers
+    ledger = json.loads((tmp_path / "showcase" / "jobs.json").read_text())
+    assert ledger["executor"] == "slurm"
+    assert {k: (v["job_id"], v["state"], v["attempts"]) for k, v in ledger["jobs"].items()} == {
+        "r0": ("1000_0", "done", 1), "r1": ("1000_1", "done", 1)}
+    assert "(Slurm job array, at most 1 run(s) at a time, threads: each job's CPUs)" in caplog.text
+    assert "submitted job array 1000 (2 runs, at most 1 at a time, job name keel-claims-showcase)" in caplog.text
+    # --threads N asks Slurm for N CPUs per run (unless --slurm cpus= says otherwise); a name is settable
+    params = E._make_executor(E.Executor("slurm", E.parse_slurm(["job-name=mine"])), tmp_path / "s", 3, 4
+                              )._executor.parameters
+    assert (params["cpus_per_task"], params["array_parallelism"], params["job_name"]) == (3, 4, "mine")
+    assert E.job_name(E.Executor("slurm", E.parse_slurm(["job-name=mine"])), tmp_path / "g") == "mine"
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--slurm", "array=0-9"], "--slurm array= is keel's to set: a grid is one job array; its cap is --workers N"),
+    (["--slurm", "name="], "--slurm name= is empty"),
+    (["--slurm", "signal_delay_s=0"], "--slurm signal_delay_s= must be a whole number >= 1"),
+    (["--slurm", "max_num_timeout=x"], "--slurm max_num_timeout= must be a whole number, got 'x'"),
+])
+def test_slurm_keys_keel_sets_or_checks_are_one_line_errors(args, match, tmp_path, keel_main):
+    r = keel_main("sweep", "--grid", "train.lr=1e-3", "--out", tmp_path / "o", "--executor", "slurm", "--dry-run", *args)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and match in r.stderr, r.stderr
+
+
+def test_slurm_setup_lines_signal_delay_and_requeue_limit_reach_submitit(fake_slurm, tmp_path):
+    ex = E.Executor("slurm", E.parse_slurm(["setup=module load cuda", "setup=source .venv/bin/activate",
+                                            "signal_delay_s=300", "max_num_timeout=7"]))
+    sub = E._make_executor(ex, tmp_path / "s", None, 1)._executor
+    assert sub.parameters["setup"] == ["module load cuda", "source .venv/bin/activate"]
+    assert sub.parameters["signal_delay_s"] == 300 and sub.max_num_timeout == 7
+
+
+# ---------------------------------------------------------------- a job id is not trusted as a PID
+def test_a_pid_that_is_not_this_grids_job_is_neither_waited_on_nor_signalled_and_jobs_keep_to_visible_gpus(
+        tmp_path, monkeypatch, caplog):
+    """A stale submitit-local ledger (the driver killed, the machine rebooted) named PIDs that other programs
+    hold now: --resume waited on them and signalled them on Ctrl-C (PID 1 too). Now a PID counts as the job
+    only while it is this grid's controller; the runs are submitted again. With an inherited
+    CUDA_VISIBLE_DEVICES=5,7 (2 faked GPUs), the two job slots get 5 and 7 (submitit-local used to hide every
+    GPU: CUDA_VISIBLE_DEVICES empty)."""
+    import fake_slurm as F
+
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    monkeypatch.setattr(G, "gpu_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    other = subprocess.Popen(["sleep", "600"])  # a program that took a PID the ledger names
+    out = tmp_path / "grid"
+    out.mkdir()
+    (out / "jobs.json").write_text(json.dumps({"executor": "submitit-local", "jobs": {
+        "a": {"job_id": str(other.pid), "attempts": 1, "state": "running"},
+        "b": {"job_id": "1", "attempts": 1, "state": "running"}}}))
+    caplog.set_level("INFO", logger="keel")
+    try:
+        res = G.run_grid([G.GridJob("a", {"i": 0}), G.GridJob("b", {"i": 1})], out, F.job_env, workers=2, threads=1,
+                         resume=True, executor=E.Executor("submitit-local", poll_s=0.1))
+        E._signal_job(E._job_handle("submitit-local", out / "submitit", str(other.pid)), {"job_id": str(other.pid)})
+        time.sleep(0.2)
+        assert other.poll() is None  # never signalled
+    finally:
+        other.kill()
+        other.wait()
+    assert [r["status"] for r in res] == ["done", "done"]
+    assert f"a: job {other.pid}'s process id belongs to another program now" in caplog.text
+    ledger = json.loads((out / "jobs.json").read_text())["jobs"]
+    assert all(e["attempts"] == 2 and e["job_id"] not in (str(other.pid), "1") and e["process"] for e in ledger.values())
+    assert sorted(e["devices"] for e in ledger.values()) == ["5", "7"]
+    assert sorted(r["devices"] for r in res) == ["5", "7"]
+
+
+def test_local_workers_get_gpus_within_an_inherited_cuda_visible_devices(monkeypatch):
+    """CUDA_VISIBLE_DEVICES=8,9,10,11 set by the user (or a scheduler): workers got 0..3, outside it."""
+    monkeypatch.setattr(G, "gpu_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "8,9,10,11")
+    assert G.worker_devices(2, E.Executor(gpus_per_run=2)) == ["8,9", "10,11"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a,GPU-b")
+    monkeypatch.setattr(G, "gpu_count", lambda: 2)
+    assert G.worker_devices(3, E.Executor(share_gpus=True)) == ["GPU-a", "GPU-b", "GPU-a"]
+
+
+# ---------------------------------------------------------------- one Ctrl-C: one stop request per job
+@pytest.mark.skipif(sys.platform != "linux", reason="a terminal's Ctrl-C: SIGINT to the process group")
+def test_one_ctrl_c_stops_each_submitit_local_job_once_after_its_step_and_says_so(tiny_data, tmp_path):
+    """Ctrl-C in a terminal signals the whole foreground process group: the jobs got the terminal's SIGINT and
+    the driver's SIGTERM (a second signal: stop at once, steps since the checkpoint lost), submitit's
+    controllers printed KeyboardInterrupt tracebacks, and the driver said every job checkpointed. Now each
+    job gets one stop request, checkpoints its last step, and the driver repeats what the job said."""
+    train = dict(steps=5000, eval_every=5000, checkpoint_every=5000, seed=0)
+    out = tmp_path / "sweep"
+    args = ["sweep", *_sets(tiny_data, drop=("train.seed",), **train), "--grid", "train.seed=0", "--out", out,
+            "--executor", "submitit-local", "--threads", "1"]
+    proc = subprocess.Popen([str(KEEL), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group, as a shell's foreground job
+    try:
+        metrics, deadline = out / "seed0" / "metrics.jsonl", time.monotonic() + HANG_S
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 10):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C
+        _, err = proc.communicate(timeout=HANG_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    log = (out / "seed0" / "run.log").read_text()
+    assert log.count("received: stopping after this step") == 1, log  # one stop request reached the job
+    last = max(r["step"] for r in read_metrics(out / "seed0" / "metrics.jsonl"))
+    ckpt = out / "seed0" / "checkpoints" / f"step_{last:08d}"
+    assert ckpt.is_dir()  # every step it trained is in the checkpoint: none lost
+    assert "seed0: stopped (job " in err and f"stopped by SIGTERM after step {last}: checkpoint {ckpt} written" in err
+    assert "stopped by SIGINT (the running job finished its step and checkpointed;" in err
+
+
+def test_a_failed_jobs_words_are_keels_own_line_and_its_error_log():
+    """After a scancel the driver showed submitit's last line (the path of the job's .out log) instead of
+    keel's "stopped by SIGTERM after step 186: checkpoint ... written"."""
+    text = ("Job (task=0) failed during processing with trace:\n----------------------\nTraceback (most recent call "
+            "last):\n  File \"x.py\", line 1, in f\n    raise TrainingInterrupted(...)\n"
+            "keel.train.interrupt.TrainingInterrupted: stopped by SIGTERM after step 186: checkpoint /r/checkpoints/"
+            "step_00000186 written; resume with: keel train --resume /r\n----------------------\nYou can check full "
+            "logs with 'job.stderr(0)' and 'job.stdout(0)'or at paths:\n  - /g/submitit/7_0_log.err\n"
+            "  - /g/submitit/7_0_log.out")
+    assert E.failure_words(text) == "stopped by SIGTERM after step 186: checkpoint /r/checkpoints/step_00000186 written"
+    assert E.failure_words(text.replace("keel.train.interrupt.TrainingInterrupted: stopped by SIGTERM after step 186: "
+                                        "checkpoint /r/checkpoints/step_00000186 written; resume with: keel train "
+                                        "--resume /r", "torch.OutOfMemoryError: CUDA out of memory")) == \
+        "OutOfMemoryError: CUDA out of memory"
+
+
+# ---------------------------------------------------------------- a grid folder resumes with its executor
+def test_a_bare_resume_takes_the_folders_executor_and_another_is_refused(tiny_data, tmp_path, keel_main, fake_slurm):
+    """`keel sweep --out D --resume` dropped --executor slurm and trained the run here, beside its Slurm job."""
+    from keel.experiments.study.run import engine_executor
+
+    out = tmp_path / "sweep"
+    out.mkdir()
+    started = E.Executor("slurm", E.parse_slurm(["partition=debug", "time=30"]), gpus_per_run=2)
+    command = shlex.join(["keel", "sweep", *_sets(tiny_data), "--grid", "train.seed=0", "--out", str(out)])
+    (out / "study.json").write_text(json.dumps({"study": "sweep", "scale": "cli", "command": command,
+                                                "executor": {**started.record(), "workers": 3, "threads": 2}}))
+    (out / "jobs.json").write_text(json.dumps({"executor": "slurm", "jobs": {}}))  # its jobs were submitted
+    ex, workers, threads = engine_executor(out, None, None, None, "sweep")
+    assert (ex.kind, dict(ex.slurm), ex.gpus_per_run, ex.label, workers, threads) == (
+        "slurm", {"partition": "debug", "time": "30"}, 2, "sweep", 3, 2)
+    r = keel_main("sweep", *_sets(tiny_data), "--grid", "train.seed=0", "--out", out, "--resume",
+                  "--executor", "submitit-local")
+    assert r.returncode == 2 and r.stderr == (
+        f"keel: error: {out} was started with --executor slurm, not submitit-local; continue it with --executor "
+        f"slurm (or leave --executor out: {out / 'study.json'} holds its settings), or use another --out\n")
+    assert not (out / "seed0").exists()
+    fresh = tmp_path / "fresh"  # a new folder records what it was started with
+    engine_executor(_claimed(fresh), E.Executor("submitit-local"), 2, None, "sweep")
+    assert json.loads((fresh / "study.json").read_text())["executor"] == {
+        "kind": "submitit-local", "slurm": {}, "gpus_per_run": 1, "share_gpus": False, "workers": 2, "threads": None}
+
+
+def _claimed(out: Path) -> Path:
+    out.mkdir()
+    (out / "study.json").write_text(json.dumps({"study": "sweep", "scale": "cli", "command": "keel sweep"}))
+    return out
+
+
+def test_local_slurm_sh_refuses_a_non_empty_folder_it_did_not_make(tmp_path):
+    """examples/slurm/local_slurm.sh ran `rm -rf` on whatever folder it was given. (Should the check ever go,
+    the daemons it would start are shell functions here that stop the script at once.)"""
+    (tmp_path / "mine.txt").write_text("keep")
+    stubs = "stop_here() { exit 99; }; munged() { stop_here; }; slurmctld() { stop_here; }; slurmd() { stop_here; }"
+    r = subprocess.run(["bash", "-c", f"{stubs}; export -f stop_here munged slurmctld slurmd; "
+                        f"exec bash {REPO / 'examples' / 'slurm' / 'local_slurm.sh'} {tmp_path}"],
+                       capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == f"local_slurm.sh: {tmp_path} is not empty and was not made by this script; give a new or " \
+                       "empty folder\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"] and (tmp_path / "mine.txt").read_text() == "keep"

@@ -16,14 +16,19 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from conftest import REPO, tiny_overrides
+from spawn import spawn_training
 from keel import KeelError, ModelConfig, Transformer
 from keel.config import load_config
-from keel.data import TokenLoader
+from keel.diagnostics.ablate import ablate_model
+from keel.diagnostics.gradflow import profile_model
+from keel.data import TokenLoader, validation_tokens
 from keel.model import SCHEMES, KVCache, RMSNorm, Residual, count_parameters, flops_per_token, loop_count
 from keel.run import Run
 from keel.train import train
 from keel.train.checkpoint import latest_checkpoint, load_weights, save_checkpoint
+from keel.train.nll import mean_nll
 from keel.train.parallelize import apply_activation_checkpointing
+from keel.train.sampling import sample_text
 
 ALL = sorted(SCHEMES)
 LOOPING = [s for s in ALL if s != "attn_res"]  # attn_res refuses a loop (test_bad_loop_configs)
@@ -273,8 +278,8 @@ def test_kv_cache_at_any_loop_count(scheme, shape):
     model = Transformer(looped_cfg(scheme, *shape)).eval()
     P, C, R, Q = shape
     ids = torch.randint(0, 61, (2, 12))
-    assert not torch.allclose(model(ids, loops=1), model(ids, loops=R + 2))
-    for r in (1, R + 2):
+    assert not torch.allclose(model(ids, loops=1), model(ids, loops=2 * R))
+    for r in (max(1, R // 2), 2 * R):  # R/2 and 2R
         full = model(ids, loops=r)
         cache = KVCache()
         parts = [model(ids[:, :5], cache=cache, loops=r), model(ids[:, 5:6], cache=cache, loops=r),
@@ -283,9 +288,9 @@ def test_kv_cache_at_any_loop_count(scheme, shape):
         torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
         cached = model.generate(ids[:, :4], 6, temperature=0, use_cache=True, loops=r)
         assert torch.equal(cached, model.generate(ids[:, :4], 6, temperature=0, use_cache=False, loops=r))
-    model.set_loops(R + 2)
+    model.set_loops(2 * R)
     assert torch.equal(model.generate(ids[:, :4], 6, temperature=0), cached)
-    assert torch.equal(model(ids), model(ids, loops=R + 2))
+    assert torch.equal(model(ids), model(ids, loops=2 * R))
 
 
 def test_left_padded_generation_of_a_looped_model():
@@ -342,6 +347,109 @@ def test_activation_checkpointing_per_application():
         assert torch.equal(p.grad, q.grad), name
 
 
+# ---- diagnostics per applied sub-layer: gradflow, ablate -----------------------------------------------
+
+@pytest.mark.parametrize("share_weights", [True, False])
+def test_unrolled_model_is_the_looped_one(share_weights):
+    """Transformer.unrolled: the unlooped model of the applied blocks, logits equal at R and at another count;
+    sharing the weights (no new parameter) or with copies of them (a parameter set per application)."""
+    torch.manual_seed(0)
+    model = perturbed(Transformer(looped_cfg("keel", 1, 2, 3, 1)))
+    ids = torch.randint(0, 61, (2, 9))
+    for r in (3, 5):
+        flat = model.unrolled(r, share_weights=share_weights)
+        assert len(flat.blocks) == 1 + 2 * r + 1 and not flat.cfg.loop_core and flat.cfg.n_sublayers == 2 * (2 + 2 * r)
+        assert torch.equal(flat(ids), model(ids, loops=r))
+        ids_of = {id(p) for p in model.parameters()}
+        assert all((id(p) in ids_of) == share_weights for p in flat.blocks.parameters())
+    with pytest.raises(KeelError, match="the loop count must be an integer >= 1"):
+        model.unrolled(0)
+
+
+@pytest.mark.parametrize("scheme", ["keel", "pre_ln", "mhc"])
+def test_gradflow_per_applied_sublayer(scheme):
+    """keel gradflow of a looped model: one entry per applied sub-layer, 2 (P + R C + Q); the stream gradient
+    after each application (hooks on the looped model's shared units, in call order), the parameter gradient
+    of each application (its copy in the unrolled model of copies), J* of each application's own input."""
+    P, C, R, Q = 1, 2, 3, 1
+    torch.manual_seed(0)
+    model = perturbed(Transformer(looped_cfg(scheme, P, C, R, Q)).to(torch.float64))
+    batch = torch.randint(0, 61, (2, 10))
+    prof = profile_model(model, batch, jacobian_iters=4)
+    order = order_from_definition(P, C, R, Q)
+    assert prof["weight_sublayer"] == [2 * b + k for b in order for k in (0, 1)]
+    assert prof["loop"] == {"prelude": 1, "core": 2, "coda": 1, "repeats": 3, "trained_repeats": 3}
+    outs = []  # the definition of the stream gradient: after each call of a unit, in order
+    hooks = [unit.register_forward_hook(lambda m, a, out: (out.retain_grad(), outs.append(out))[-1] and None)
+             for _, unit, _ in model.sublayers()]
+    loss = model(batch[:, :-1], batch[:, 1:])
+    loss.backward()
+    for h in hooks:
+        h.remove()
+    assert len(outs) == 2 * len(order) == len(prof["jacobian_star"]) == len(prof["param_grad_norm"])
+    assert prof["loss"] == pytest.approx(loss.item(), rel=1e-12)
+    assert prof["stream_grad_norm"] == pytest.approx([o.grad.norm().item() for o in outs], rel=1e-9)
+    flat = unrolled_copies(model, order)
+    flat(batch[:, :-1], batch[:, 1:]).backward()
+    per_application = [math.sqrt(sum(p.grad.pow(2).sum().item() for m in (f, unit) for p in m.parameters()))
+                       for _, unit, f in flat.sublayers()]
+    assert prof["param_grad_norm"] == pytest.approx(per_application, rel=1e-9)
+    if scheme == "pre_ln":  # x + F(Norm(x)): the identity on the residual path
+        assert prof["jacobian_star"] == pytest.approx([1.0] * len(outs), rel=1e-9)
+    else:  # each application has its own input: the J* of a core sub-layer differ between applications
+        core = [j for j, w in zip(prof["jacobian_star"], prof["weight_sublayer"]) if w == 2 * P]
+        assert len(core) == R and len(set(core)) == R
+
+
+def test_ablate_removes_one_application_at_a_time():
+    """keel ablate of a looped model: unit i is the i-th applied sub-layer; removing it equals bypassing that
+    application only (the shared unit's call number a mod R in each pass) and keeping the others."""
+    P, C, R, Q = 1, 2, 3, 1
+    torch.manual_seed(0)
+    model = perturbed(Transformer(looped_cfg("keel", P, C, R, Q)))
+    windows = torch.randint(0, 61, (3, 9))
+    res = ablate_model(model, windows, batch_size=2)
+    order = order_from_definition(P, C, R, Q)
+    assert [u["weight_sublayer"] for u in res["units"]] == [2 * b + k for b in order for k in (0, 1)]
+    assert [u["application"] for u in res["units"][::2]] == [None] + [a for a in range(R) for _ in range(C)] + [None]
+    assert (res["sublayers"], res["loop"]["repeats"]) == (2 * len(order), R)
+    cpu = torch.device("cpu")
+    assert res["nll_full"] == pytest.approx(mean_nll(model, windows, 2, cpu), rel=1e-6)
+    units = [unit for _, unit, _ in model.sublayers()]
+    for u in res["units"]:
+        unit, calls = units[u["weight_sublayer"]], iter(range(10**6))
+        original = unit.forward
+
+        def bypass_one(x, f, unit=unit, calls=calls, original=original, a=u["application"]):
+            return unit.removed(x) if a is None or next(calls) % R == a else original(x, f)
+
+        unit.forward = bypass_one
+        try:
+            assert u["nll"] == pytest.approx(mean_nll(model, windows, 2, cpu), rel=1e-6), u
+        finally:
+            del unit.forward
+    core = [u["nll"] for u in res["units"] if u["weight_sublayer"] == 2 * P]
+    assert len(core) == R and len(set(core)) == R
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--loop", "1,2,1", "--sublayers", "8,10"], "--loop 1,2,1: 10 sub-layers is not 2 (P + R C + Q) = 2 (1 + R x 2 + 1) "
+                                                 "for an integer R >= 1 (e.g. 8, 12)"),
+    (["--loop", "1,2,1", "--sublayers", "4"], "--loop 1,2,1: 4 sub-layers is not 2 (P + R C + Q)"),
+    (["--loop", "1,0,1"], "--loop 1,0,1: the prelude and coda need >= 0 blocks and the core >= 1"),
+    (["--loop", "1,8"], "--loop takes P,C,Q: the blocks of prelude, core and coda (e.g. 1,8,1), got '1,8'"),
+    (["--residual", "keel", "--loop", "0,2,0", "--sublayers", "8"], "model.loop_prelude = 0 puts Keel's first"),
+    (["--residual", "attn_res", "--loop", "1,2,1", "--sublayers", "8"], "model.residual = attn_res cannot loop"),
+    (["--loops", "2"], "--loops goes with --run (a looped run's count); at init, --loop P,C,Q and --sublayers set it"),
+    (["--run", "x", "--loop", "1,1,1"], "--run takes the model and data from the run; drop --residual, --loop"),
+])
+def test_gradflow_loop_flags_are_checked_first(keel_main, args, msg):
+    """Refused in one line before any data is prepared or model built."""
+    r = keel_main("gradflow", "--residual", "pre_ln", *args)
+    assert r.returncode == 2 and r.stderr.startswith("keel: error: ") and r.stderr.count("\n") == 1, r.stderr
+    assert msg in r.stderr
+
+
 # ---- checkpoints: shared weights once ----------------------------------------------------------------
 
 @pytest.mark.parametrize("scheme", ["keel", "mhc"])
@@ -385,6 +493,50 @@ def test_keel_train_and_generate_looped(keel_main, tiny_data, tmp_path):
     r = keel_main("generate", "--run", run, "--prompt", "import os", "--max-new-tokens", "5", "--temperature", "0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("import os")
+    # test-time depth: --loops at 2R and below R, as the model set to that count computes it
+    tokenizer, windows = Run(run).tokenizer(), validation_tokens(Run(run).data_dir(), 32, 1024)
+    for loops in (6, 1):
+        model.set_loops(loops)
+        r = keel_main("generate", "--run", run, "--prompt", "import os", "--max-new-tokens", "5", "--temperature", "0",
+                      "--loops", loops)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == sample_text(model, tokenizer, "import os", 5, torch.device("cpu"), temperature=0) + "\n"
+        r = keel_main("eval", "--run", run, "--loops", loops, "--json")
+        assert r.returncode == 0, r.stderr
+        report = json.loads(r.stdout)
+        assert report["sublayers"] == 2 * (1 + loops + 1) and report["loops"]["repeats"] == loops
+        assert report["loops"]["trained_repeats"] == 3
+        assert report["perplexity"]["loss"] == pytest.approx(mean_nll(model, windows, 8, torch.device("cpu")), rel=1e-6)
+    r = keel_main("eval", "--run", run, "--loops", 6)
+    assert "3 blocks, looped: 1 + 1 x 6 + 1, trained at 3 = 16 sub-layers" in r.stdout
+    for command in ("eval", "generate", "ablate"):
+        r = keel_main(command, "--run", run, "--loops", 0)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == ["keel: error: --loops must be >= 1, got 0"]
+    # the diagnostics per applied sub-layer, at another count
+    r = keel_main("ablate", "--run", run, "--loops", 2, "--tokens", 256, "--json", "--out", tmp_path / "ablate")
+    assert r.returncode == 0, r.stderr
+    units = json.loads(r.stdout)["units"]
+    assert [u["application"] for u in units] == [None, None, 0, 0, 1, 1, None, None]
+    assert "| index | block | unit | weights | application |" in (tmp_path / "ablate" / "ablate.md").read_text()
+    gradflow = ("--json", "--seq-len", 16, "--batch-size", 1, "--jacobian-iters", 2)
+    r = keel_main("gradflow", "--run", run, "--loops", 5, *gradflow)
+    assert r.returncode == 0, r.stderr
+    (res,) = json.loads(r.stdout)["results"]
+    assert res["sublayers"] == 2 * (1 + 5 + 1) == len(res["jacobian_star"]) and res["loop"]["repeats"] == 5
+    r = keel_main("gradflow", "--residual", "keel,pre_ln", "--loop", "1,1,1", "--sublayers", "6,10", "--d-model", 16,
+                  "--set", f"data.path={tiny_data}", "--set", "model.vocab_size=512", *gradflow)
+    assert r.returncode == 0, r.stderr
+    results = json.loads(r.stdout)["results"]
+    assert [(x["residual"], x["sublayers"], x["loop"]["repeats"], len(x["stream_grad_norm"])) for x in results] == \
+        [("keel", 6, 1, 6), ("pre_ln", 6, 1, 6), ("keel", 10, 3, 10), ("pre_ln", 10, 3, 10)]
+
+
+@pytest.mark.parametrize("command", ["eval", "generate", "ablate"])
+def test_loops_flag_refuses_a_model_that_does_not_loop(keel_main, tiny_reference_run, command):
+    r = keel_main(command, "--run", tiny_reference_run, "--loops", 2)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == \
+        [f"keel: error: --loops needs a looped model (model.loop_core >= 1); {tiny_reference_run} does not loop"]
 
 
 def test_exact_resume_of_a_looped_run(tiny_data, tmp_path, monkeypatch):
@@ -428,11 +580,46 @@ def test_exact_resume_of_a_looped_run(tiny_data, tmp_path, monkeypatch):
         from keel.hf.convert import export_hf
 
         out = export_hf(full, tmp_path / "hf")
-        assert json.loads((out / "config.json").read_text())["model_type"] == "keel"
-        ids = torch.randint(0, 512, (1, 20))
-        with torch.no_grad():
-            torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out)(ids).logits,
-                                       Run(full).load_model()(ids), atol=1e-5, rtol=0)
+        exported = json.loads((out / "config.json").read_text())
+        assert exported["model_type"] == "keel" and exported["loops"] is None
+        assert [exported[k] for k in ("loop_prelude", "loop_core", "loop_repeats", "loop_sampling")] == \
+            [1, 1, 3, "poisson_lognormal"]
+        ids, native = torch.randint(0, 512, (1, 20)), Run(full).load_model()
+        with torch.no_grad():  # the export round trip at the trained count and at 2R
+            for r in (None, 6):
+                torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out, loops=r)(ids).logits,
+                                           native(ids, loops=r), atol=1e-5, rtol=0)
+
+
+@pytest.mark.spawns
+def test_fsdp_and_ddp_of_a_looped_run_match_one_process(tiny_data, tmp_path):
+    """Two processes (gloo) with a random loop count per step: FSDP2 (each block sharded once, the core's
+    gathered at each application) and DDP follow the one-process run's counts, losses and gradient norms,
+    and checkpoint the shared weights once."""
+    def config(**train_keys):
+        sets = tiny_overrides(tiny_data, steps=4, eval_every=4, checkpoint_every=4, **train_keys) + LOOP_SETS + \
+            ["model.loop_sampling=uniform"]
+        return load_config(REPO / "keel" / "configs" / "demo.toml", sets)
+
+    spawn_training([(config(parallelism=p), tmp_path / p, False) for p in ("fsdp", "ddp")], world_size=2)
+    train(config(), tmp_path / "single")
+
+    def metrics(run):
+        return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    one, weights = metrics("single"), Run(tmp_path / "single").load_model().state_dict()
+    assert len({r["loops"] for r in one if "loops" in r}) > 1
+    for name in ("fsdp", "ddp"):
+        two = metrics(name)
+        assert [r.get("loops") for r in two] == [r.get("loops") for r in one]
+        for a, b in zip(one, two):
+            for key in ("loss", "grad_norm", "val_loss"):
+                if key in a:
+                    assert b[key] == pytest.approx(a[key], rel=1e-5), (name, a["step"], key)
+        got = Run(tmp_path / name).load_model().state_dict()  # a strict load: the n_layers blocks of weights
+        assert set(got) == set(weights)
+        for k in weights:
+            torch.testing.assert_close(got[k], weights[k], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.usefixtures("offline_one_thread")
@@ -443,7 +630,7 @@ def test_hugging_face_wrapper_of_a_looped_model(scheme, tmp_path):
     pytest.importorskip("transformers")
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-    from keel.hf import KeelForCausalLM
+    from keel.hf import KeelConfig, KeelForCausalLM
     from keel.hf.llama import to_llama
     from keel.hf.remote import write_remote_code
 
@@ -460,8 +647,23 @@ def test_hugging_face_wrapper_of_a_looped_model(scheme, tmp_path):
         assert torch.equal(cached, native.generate(ids[:, :4], 12, temperature=0))
     native.set_loops(3)
     hf.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["loops"] is None
     cls = get_class_from_dynamic_module(write_remote_code(tmp_path)["AutoModelForCausalLM"], str(tmp_path))
     with torch.no_grad():
         torch.testing.assert_close(cls.from_pretrained(tmp_path).eval()(ids).logits, native(ids), atol=1e-5, rtol=0)
+        for r in (6, 1):  # the config key `loops`: 2R and below R, through keel's code and the generated code
+            for loaded in (KeelForCausalLM.from_pretrained(tmp_path, loops=r), cls.from_pretrained(tmp_path, loops=r)):
+                assert loaded.config.loops == r and loaded.config.loop_repeats == 3
+                torch.testing.assert_close(loaded.eval()(ids).logits, native(ids, loops=r), atol=1e-5, rtol=0)
+        loaded = KeelForCausalLM.from_pretrained(tmp_path).eval()
+        loaded.config.loops = 6  # set after loading: the next forward runs at it
+        torch.testing.assert_close(loaded(ids).logits, native(ids, loops=6), atol=1e-5, rtol=0)
+        cached = loaded.generate(ids[:, :4], max_new_tokens=6, do_sample=False, use_cache=True)
+        assert torch.equal(cached, native.generate(ids[:, :4], 6, temperature=0, loops=6))
+    for bad in (0, 2.5):
+        with pytest.raises(KeelError, match="the loop count must be an integer >= 1"):
+            KeelForCausalLM.from_pretrained(tmp_path, loops=bad)
+    with pytest.raises(KeelError, match=r"a loop count needs a looped model \(model.loop_core >= 1\)"):
+        KeelForCausalLM(KeelConfig.from_model_config(dataclasses.replace(native.cfg, **NO_LOOP), loops=2))
     with pytest.raises(KeelError, match="a looped model .* is not a stock Llama"):
         to_llama(native)

@@ -496,3 +496,161 @@ def test_every_task_of_lm_evals_registry_is_mentioned_in_its_task_folder():
                       if p.is_file() and "__pycache__" not in p.parts)
     names = TaskManager(include_defaults=True).all_tasks
     assert names and [n for n in names if n.encode() not in blob] == []
+
+
+# --- 3. a crash is a failed run, never a result; 6. the local worker pool survives its workers --------
+
+def test_a_full_disk_in_a_grid_is_a_failed_run_that_resume_trains_again(tiny_data, tmp_path, keel_main):
+    """A grid run whose checkpoint could not be written ("No space left on device") was recorded as
+    `done` with verdict "instability", exit 0, and `--resume` said "0 to run". Here the fault is the
+    kernel's own: a file-size limit (`ulimit -f`, EFBIG) below a checkpoint's size, above every other file."""
+    import json
+    import resource
+
+    from test_run_safety import ENV, KEEL
+
+    out = tmp_path / "sweep"
+    sets_ = sum((["--set", s] for s in tiny_overrides(tiny_data, drop=("train.lr",), steps=4, checkpoint_every=2,
+                                                      eval_every=2)), [])
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, resource.RLIM_INFINITY))
+
+    res = subprocess.run([str(KEEL), "sweep", "--grid", "train.lr=1e-3", "--workers", "0", "--out", str(out), *sets_],
+                         capture_output=True, text=True, env=ENV, timeout=HANG_S, preexec_fn=small_files)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    run = out / "lr0.001"
+    assert (f"[1/1] lr0.001: error: cannot write the checkpoint of step 2 in {run / 'checkpoints'}: File too large; "
+            "last good checkpoint (intact): none") in res.stderr, res.stderr
+    assert ("study: 1 run failed, with no result: lr0.001 (the reasons: the lines above, each run's run.log); the "
+            "same command with --resume trains them again") in res.stderr, res.stderr
+    assert not (run / "result.json").exists()
+    assert [r["status"] for r in json.loads((out / "sweep.json").read_text())["runs"]] == ["error"]
+    again = keel_main("sweep", "--out", out, "--resume")  # the disk has room again
+    assert again.returncode == 0 and "0 finished already, 1 to run" in again.stderr, again.stderr
+    runs = json.loads((out / "sweep.json").read_text())["runs"]
+    assert [(r["status"], r["verdict"], r["step"]) for r in runs] == [("done", "healthy", 4)]
+
+
+def _dies_once(job, run_dir, resume) -> dict:
+    """Grid task (in a spawned worker): the job "oom" kills its own worker with SIGKILL, as the
+    kernel's out-of-memory killer does, the first time it runs."""
+    marker = Path(run_dir) / "killed-once"
+    if job.name == "oom" and not marker.exists():
+        marker.write_text("")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"square": job.values["x"] ** 2}
+
+
+@pytest.mark.spawns
+def test_a_worker_killed_by_sigkill_fails_its_job_only_and_resume_runs_it(tmp_path, caplog):
+    """A grid worker killed by SIGKILL gave a BrokenProcessPool traceback and abandoned the rest of the
+    grid (the other workers' running jobs included). Now its job is an error naming the signal, a new
+    worker takes its place (one worker here: it runs the jobs after it), and `--resume` runs the failed job alone."""
+    from keel.experiments.grid import GridJob, run_grid
+
+    jobs = [GridJob(n, {"x": x}, {"x": x}) for x, n in enumerate(["a", "oom", "b", "c", "d"])]
+    with caplog.at_level(logging.INFO, logger="keel"):
+        res = run_grid(jobs, tmp_path / "g", _dies_once, workers=1, threads=1)
+    assert [r["status"] for r in res] == ["done", "error", "done", "done", "done"]
+    assert [r.get("square") for r in res] == [0, None, 4, 9, 16]
+    why = "its worker process was killed by SIGKILL (as the kernel's out-of-memory killer does); --resume runs it again"
+    assert res[1]["message"] == why and any(m.startswith(f"[2/5] oom: error: {why} (") for m in caplog.messages)
+    assert not (tmp_path / "g" / "oom" / "result.json").exists()
+    assert (tmp_path / "g" / "oom" / "run.log").read_text().splitlines()[-1].endswith(f"oom failed: {why}")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="keel"):
+        again = run_grid(jobs, tmp_path / "g", _dies_once, workers=1, threads=1, resume=True)
+    assert [r["status"] for r in again] == ["done"] * 5 and again[1]["square"] == 1
+    assert any("4 finished already, 1 to run" in m for m in caplog.messages)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/fd")
+def test_no_file_descriptor_left_for_a_worker_is_one_line_and_leaves_nothing(tmp_path):
+    """`ulimit -n 12`: an EMFILE traceback from the pool's spawn and a half-written grid folder. Here every
+    descriptor but one is taken (a real EMFILE: a worker's pipe needs two)."""
+    import resource
+
+    from keel.experiments.grid import GridJob, run_grid
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = max(int(fd) for fd in os.listdir("/proc/self/fd")) + 8
+    taken = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        with pytest.raises(KeelError) as e:
+            while True:
+                try:
+                    taken.append(os.open(os.devnull, os.O_RDONLY))
+                except OSError:
+                    os.close(taken.pop())  # one left: enough for grid.json, not for a worker's pipe
+                    run_grid([GridJob("a", {"x": 1})], tmp_path / "g", _dies_once, workers=1, threads=1)
+    finally:
+        for fd in taken:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert str(e.value) == (f"cannot start a worker process for the grid: Too many open files (the limit on open "
+                            f"files, ulimit -n, is {limit}); raise the limit, or use fewer --workers (0 runs the "
+                            "jobs in this process)")
+    assert not (tmp_path / "g").exists()  # nothing half-written: its grid.json and folder went again
+
+
+# --- 9. silent wrongs: two prepares of one folder; an import whose seq_len the model cannot hold --------
+
+def test_two_prepares_of_one_folder_at_once_do_not_both_say_prepared(tmp_path):
+    """Two `keel prepare --out O` at once with other tokenizers both said "prepared O" (O held the
+    second). Each now waits for the lock of O (held here by the test until both wait); then one
+    prepares O and the other refuses O's dataset of other inputs in one line."""
+    import json
+
+    from test_run_safety import ENV, KEEL
+    from keel.data.prepare import prepare_lock
+
+    out = tmp_path / "O"
+    procs, logs = [], []
+    with prepare_lock(out):
+        for bpe in (300, 400):
+            logs.append(tmp_path / f"bpe{bpe}.err")
+            with open(logs[-1], "w") as err:
+                procs.append(subprocess.Popen([str(KEEL), "prepare", "--source", "builtin:python-stdlib", "--tokenizer",
+                                               f"bpe:{bpe}", "--max-bytes", "20000", "--out", str(out)],
+                                              stdout=subprocess.DEVNULL, stderr=err, env=ENV))
+        deadline = time.monotonic() + HANG_S
+        while not all("waiting for keel process" in p.read_text() for p in logs):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, [p.read_text() for p in logs]
+            time.sleep(0.1)
+        assert not out.exists()
+    codes = [p.wait(timeout=HANG_S) for p in procs]
+    errs = [p.read_text() for p in logs]
+    assert sorted(codes) == [0, 2] and all("Traceback" not in e for e in errs), errs
+    won = codes.index(0)
+    assert f"prepared {out}" in errs[won] and f"prepared {out}" not in errs[1 - won]
+    assert errs[1 - won].strip().splitlines()[-1].startswith(f"keel: error: refusing to replace {out}: it holds a "
+                                                             "dataset prepared from other inputs (tokenizer 'bpe:")
+    assert json.loads((out / "meta.json").read_text())["tokenizer"] == f"bpe:{(300, 400)[won]}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["O", "bpe300.err", "bpe400.err"]  # no lock file left
+
+
+@pytest.mark.usefixtures("offline_one_thread")
+def test_import_of_a_model_with_fewer_positions_than_seq_len_fits_seq_len(cli_run, tiny_data, tmp_path, capsys):
+    """A stock Llama of 64 positions imported with keel's default train.seq_len (128): import said
+    "continue with --resume", then the resume refused (seq_len cannot change on resume) and eval blamed
+    a --seq-len never given. The import sets seq_len to the model's 64 (said), or refuses one given."""
+    from keel.run import load_run
+
+    export = tmp_path / "hf"
+    assert main(["export-hf", "--run", str(cli_run), "--out", str(export)]) == 0
+    llama = _llama_folder(export, tmp_path / "llama")
+    capsys.readouterr()
+    run = tmp_path / "imported"
+    common = ["import-hf", "--hf", str(llama), "--out", str(run), "--set", f"data.path={tiny_data}"]
+    assert main([*common, "--set", "train.seq_len=128"]) == 2
+    err = error_lines(capsys)
+    assert err == [f"keel: error: train.seq_len=128 exceeds the 64 positions of the model in {llama} "
+                   "(max_position_embeddings in its config.json); give train.seq_len <= 64"] and not run.exists()
+    assert main([*common, "--set", "train.steps=2", "--set", "train.progress=false"]) == 0
+    assert f"train.seq_len: 64, the model's positions (max_position_embeddings in {llama / 'config.json'})" \
+        in capsys.readouterr().err
+    assert load_run(run).config.train.seq_len == 64
+    assert main(["train", "--resume", str(run)]) == 0
+    assert main(["eval", "--run", str(run)]) == 0

@@ -397,6 +397,46 @@ def test_block_attn_res_with_one_sub_layer_per_block_is_full(n_layers):
     assert torch.equal(hidden(block, ids), hidden(full, ids))
 
 
+def attn_res_v1_hidden(model, ids):
+    """The final norm's input as AttnRes version 1 computed it (commit cd706e3): the stream one stacked
+    tensor [m, B, T, d], concatenated anew at every sub-layer, the depth attention batched over it."""
+    def attend(v, query, key_norm):
+        w = query * key_norm.weight
+        r = torch.rsqrt(v.square().mean(-1, keepdim=True) + key_norm.eps).squeeze(-1)
+        return (torch.softmax((v @ w) * r, dim=0).unsqueeze(-1) * v).sum(0)
+
+    x = model.tok_emb(ids).unsqueeze(0)
+    for unit, f in sub_fns(model, ids.shape[1]):
+        h = x[0] if unit.index == 0 else attend(x, unit.query, unit.key_norm)
+        out = f(unit.norm(h))
+        x = torch.cat([x, out[None]]) if unit.opens_block else torch.cat([x[:-1], (x[-1] + out)[None]])
+    return attend(x, model.stream.query, model.stream.key_norm) if model.stream.attend else x.sum(0)
+
+
+@pytest.mark.parametrize("kw", [{}, {"attn_res_variant": "full"}, {"attn_res_blocks": 3, "attn_res_readout": "sum"}])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_attn_res_sources_as_a_tuple_compute_what_the_stacked_stream_did(kw, dtype):
+    """Version 2 keeps the sources as a tuple (no [m, B, T, d] stack per sub-layer): the same forward
+    values as version 1's stacked stream, and gradients that differ only by the order autograd sums a
+    source's contributions (float64: within 1e-12 relative; float32: ~1e-6, hence the new version)."""
+    cfg = cfg64("attn_res", 4, **kw)
+    model, ids = model64(cfg).to(dtype), ids_for(cfg)
+    probe = torch.randn(2, 7, cfg.d_model, dtype=dtype, generator=torch.Generator().manual_seed(5))
+    grads = []
+    for fn in (hidden, attn_res_v1_hidden):
+        model.zero_grad()
+        h = fn(model, ids)
+        (h * probe).sum().backward()
+        grads.append((h.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (h2, g2), (h1, g1) = grads
+    tol = 1e-12 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(h2, h1, rtol=tol, atol=0)
+    assert len(g2) == len(g1) > 20
+    for a, b in zip(g2, g1, strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
+    assert AttnRes.version == 2
+
+
 def test_attn_res_init_and_readout_sum():
     """Pseudo-queries start at 0 (uniform weights); readout "sum" = embedding + every output."""
     model = Transformer(cfg64("attn_res", 2))
@@ -444,6 +484,8 @@ def test_shortcut_jacobian_of_a_multi_stream_unit(scheme):
     unit = model.blocks[1].attn_residual  # sub-layer 2: AttnRes has 3 sources there
     m = 3 if scheme == "attn_res" else cfg.hc_streams
     x = torch.randn(m, 2, 3, cfg.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    if scheme == "attn_res":  # its stream: a tuple of m sources [B, T, d]
+        x = tuple(x.unbind(0))
     f_fixed = torch.randn(2, 3, cfg.d_model, dtype=torch.float64)
     from keel.diagnostics.gradflow import _per_token
     fn, z = _per_token(unit, x, lambda _h: f_fixed)
@@ -529,11 +571,11 @@ def test_removed_attn_res_sub_layer_adds_nothing():
     except that an opening sub-layer starts an empty (zero) partial sum."""
     cfg = cfg64("attn_res", 2, attn_res_blocks=2)
     unit = AttnRes(cfg, 1).double()
-    x = torch.randn(2, 2, 3, cfg.d_model, dtype=torch.float64)
-    assert not unit.opens_block and torch.equal(unit.removed(x), x)
+    x = tuple(torch.randn(2, 2, 3, cfg.d_model, dtype=torch.float64).unbind(0))
+    assert not unit.opens_block and all(torch.equal(a, b) for a, b in zip(unit.removed(x), x, strict=True))
     opener = AttnRes(cfg, 2).double()
     out = opener.removed(x)
-    assert torch.equal(out[:2], x) and not out[2].any()
+    assert len(out) == 3 and out[:2] == x and not out[2].any()  # the completed blocks: the same tensors
 
 
 def test_hc_units_reject_single_stream_misuse():

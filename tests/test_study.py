@@ -14,7 +14,9 @@ from keel.experiments.study import claims as SC, plan as SPlan, records as SRec,
 from keel.experiments.study import verdicts as SV
 from keel.experiments.study.cells import direction, lrs, short, window
 from keel.experiments.grid import GridJob, _check_same_config
+from keel.experiments.record import RunRecord
 from keel.config import Config, preset_names
+from keel.model import SCHEMES
 from keel.train.metrics import read_metrics
 
 R, NR, INC = SV.REPRODUCED, SV.NOT_REPRODUCED, SV.INCONCLUSIVE
@@ -41,8 +43,9 @@ def verdict_ref(diffs, f, k):
 
 
 def run(group, scheme, L, seed, lr, loss, **kw):
-    return {"group": group, "scheme": scheme, "sublayers": L, "seed": seed, "lr": lr, "status": "done",
-            "capped_loss": loss, **kw}
+    """A finished run's record, named as a study names it."""
+    return RunRecord(**{"group": group, "name": f"L{L}_seed{seed}_{scheme}_lr{lr:g}", "scheme": scheme, "sublayers": L,
+                        "seed": seed, "lr": lr, "status": "done", "capped_loss": loss, **kw})
 
 
 def study(**kw):
@@ -118,7 +121,7 @@ def test_the_lr_window_is_named_after_the_group_that_trained_that_depth():
     """The deepest depth is trained by the transfer group, not the LR grid: its window said "lr-grid" before."""
     st = study(groups=[SS.Group("g", ["keel", "pre_ln"], [16], [0, 1, 2], lrs=[1e-3, 3e-3, 1e-2]),
                        SS.Group("t", ["keel", "pre_ln"], [64], [0, 1, 2], lr_from="g")])
-    runs = [dict(r, group="t" if r["sublayers"] == 64 else "g")
+    runs = [replace(r, group="t" if r.sublayers == 64 else "g")
             for r in _margin_runs({16: {0: 0.1, 1: 0.1, 2: 0.1}, 64: {0: 0.5, 1: 0.5, 2: 0.5}})]
     c = SV.claim_margin_grows(st, runs, {"groups": ["g", "t"], "scheme": "keel", "baseline": "pre_ln"})
     rows = c["conditions"]["paper_init"]["rows"]
@@ -149,7 +152,7 @@ def test_a_margin_claim_gives_no_verdict_while_its_deepest_depth_is_still_traini
     words = [p["verdict"] for p in cond["parts"].values()]
     assert words == ([R, R] if m64 > m16 else [R, NR]) and cond["verdict"] == INC
     assert list(cond["parts"])[0] == "margin at 64 sub-layers (the deepest finished; 256 pending)"
-    done = runs + [dict(r, group="t", sublayers=256) for r in runs if r["sublayers"] == 64]
+    done = runs + [replace(r, group="t", sublayers=256) for r in runs if r.sublayers == 64]
     assert SV.claim_margin_grows(st, done, claim)["conditions"]["paper_init"]["verdict"] == (R if m64 > m16 else NR)
 
 
@@ -166,7 +169,7 @@ def test_the_margin_table_says_how_far_this_scale_widens(widen, words):
     claim = {"id": "b", "title": "t", "test": "margin_grows", "groups": ["g"], "init_groups": ["i"],
              "scheme": "keel", "baseline": "pre_ln"}
     runs = _margin_runs({16: {0: 0.1, 1: 0.1, 2: 0.1}, 64: {0: 0.5, 1: 0.5, 2: 0.5}})
-    c = SV.claim_margin_grows(st, runs + [dict(r, group="i") for r in runs], claim)
+    c = SV.claim_margin_grows(st, runs + [replace(r, group="i") for r in runs], claim)
     line = next(x for x in SC.claim_kind(claim).tables(claim, c) if x.startswith("A best LR marked"))
     assert line.endswith(words), line
 
@@ -174,7 +177,7 @@ def test_the_margin_table_says_how_far_this_scale_widens(widen, words):
 def test_a_study_of_ramps_only_has_no_empty_best_loss_table():
     """`keel stress`'s report showed "Best loss per scheme and depth" with a header and no row."""
     st = study(groups=[SS.Group("ramp", ["post_ln", "keel"], [4], [0], kind="ramp")])
-    runs = [dict(run("ramp", s, 4, 0, 0.0, 5.0), max_lr=0.1) for s in ("post_ln", "keel")]
+    runs = [replace(run("ramp", s, 4, 0, 0.0, 5.0), max_lr=0.1) for s in ("post_ln", "keel")]
     assert SR.best_loss_table(st, runs) == []
     trained = study(groups=[SS.Group("g", ["keel"], [4], [0], lrs=[1e-3])])
     assert SR.best_loss_table(trained, [run("g", "keel", 4, 0, 1e-3, 3.0)])[-2].startswith("| g | 4 | keel | 3.000")
@@ -185,7 +188,7 @@ def test_margin_grows_at_both_inits():
     paper = _margin_runs({16: {0: 0.10, 1: 0.12, 2: 0.08}, 64: {0: 0.50, 1: 0.45, 2: 0.55}})
     # at the other init pre_ln is 0.45 nats better at every cell, keel 0.01 worse; that condition reads only the
     # init group (keel's paper-init runs are better, and are not taken: no choice between inits on the outcome)
-    other = [dict(r, group="i", capped_loss=r["capped_loss"] - (0.45 if r["scheme"] == "pre_ln" else -0.01))
+    other = [replace(r, group="i", capped_loss=r.capped_loss - (0.45 if r.scheme == "pre_ln" else -0.01))
              for r in paper]
     c = SV.claim_margin_grows(groups_study(), paper + other, claim)
     pi, bi = c["conditions"]["paper_init"], c["conditions"]["embed_init"]
@@ -205,7 +208,7 @@ def test_margin_grows_at_both_inits():
     assert "| 64 | +0.500 [90% CI +0.416, +0.584] (s0 +0.500, s1 +0.450, s2 +0.550) | keel better | " \
            "[s0 0.001*, s1 0.001*, s2 0.001*]; [s0 0.003, s1 0.003, s2 0.003] |" in md
     # the init group unfinished at a depth it is sized for: that seed has no N(0, 1) margin there
-    part = [dict(r, status="pending") if (r["group"], r["seed"], r["sublayers"]) == ("i", 2, 64) else r
+    part = [replace(r, status="pending") if (r.group, r.seed, r.sublayers) == ("i", 2, 64) else r
             for r in paper + other]
     bi = SV.claim_margin_grows(groups_study(), part, claim)["conditions"]["embed_init"]
     assert list(bi["rows"][1]["margin"]["diffs"]) == [0, 1]
@@ -238,7 +241,7 @@ def test_max_lr_order_judges_the_papers_ramp_and_reports_the_extended_one():
     assert "| 0.1 (long) | 64 | — | [s0 0.044, s1 0.046, s2 0.045] | [s0 0.08, s1 none, s2 0.07] |" in md
     assert "- ramp to 0.1, 64 sub-layers, keel s1: no verdict" in md
     # neither diverged in any seed: censored, no evidence
-    both = [dict(r, max_lr=None) if r["scheme"] != "post_ln" else r for r in rr]
+    both = [replace(r, max_lr=None) if r.scheme != "post_ln" else r for r in rr]
     c = SV.claim_max_lr_order(replace(st, groups=st.groups[:1]), both, claim)
     assert c["conditions"]["paper_ramp"]["parts"]["pre_ln < keel at 64"]["n"] == 0 and c["verdict"] == INC
 
@@ -272,9 +275,9 @@ def test_a_cell_with_its_optimum_on_an_edge_is_widened():
     assert wider == {("keel", 16): [1e-3, 3e-3, 1e-2], ("pre_ln", 16): pytest.approx([3.33e-4, 1e-3, 3e-3, 1e-2])}
     # two steps beyond the plan at most; an unfinished cell waits
     far = {("keel", 16): planned[("keel", 16)], ("pre_ln", 16): [9e-5, 3e-4, 1e-3, 3e-3, 1e-2]}
-    low = [dict(r, lr={1e-3: 9e-5}.get(r["lr"], r["lr"])) for r in recs]
+    low = [replace(r, lr={1e-3: 9e-5}.get(r.lr, r.lr)) for r in recs]
     assert SRun.widened_lrs(st, g, low, far, planned) is None
-    assert SRun.widened_lrs(st, g, [dict(r, status="pending") for r in recs], planned, planned) is None
+    assert SRun.widened_lrs(st, g, [replace(r, status="pending") for r in recs], planned, planned) is None
 
 
 def test_an_lr_widened_from_runs_already_finished_trains_in_the_first_training_pass():
@@ -284,7 +287,7 @@ def test_an_lr_widened_from_runs_already_finished_trains_in_the_first_training_p
     g = SS.Group("g", ["keel", "pre_ln"], [16], [0, 1], lrs=[1e-3, 3e-3, 1e-2])
     st = study(groups=[g], claims=[{"id": "b", "test": "margin_grows", "groups": ["g"], "scheme": "keel",
                                     "baseline": "pre_ln"}])
-    finished = {(r["scheme"], r["lr"], r["seed"]): r for r in _margin_runs({16: {0: 0.1, 1: 0.1}})}
+    finished = {(r.scheme, r.lr, r.seed): r for r in _margin_runs({16: {0: 0.1, 1: 0.1}})}
     calls = []
 
     def read(refs, jobs, now):
@@ -319,7 +322,7 @@ def test_a_run_without_a_finite_final_loss_is_judged_at_its_step_0_loss(tmp_path
     group = SS.Group(name="g", schemes=["pre_ln"], sublayers=[16], seeds=[0], lrs=[1e-3])
     rec = SRec.run_record(group, job, tmp_path, {"status": "done", "final_val_loss": final, "first_val_loss": 5.5})
     assert rec["capped_loss"] == capped
-    other = dict(rec, lr=3e-3, capped_loss=4.0)
+    other = replace(rec, lr=3e-3, capped_loss=4.0)
     assert SV.best_runs([rec, other], ["g"], "pre_ln", 16)[0]["lr"] == (1e-3 if capped < 4.0 else 3e-3)
 
 
@@ -369,7 +372,7 @@ def test_groups_no_claim_reads_get_their_own_section():
                 plateau_exit_step=41, verdict="healthy"),
             run("showcase", "post_ln", 1024, 0, 3e-3, 6.2, tokens=153_600, first_val_loss=6.24, final_val_loss=6.2,
                 plateau_exit_step=None, verdict="stagnation"),
-            dict(run("showcase", "pre_ln", 1024, 0, 3e-3, 0), status="pending"),
+            replace(run("showcase", "pre_ln", 1024, 0, 3e-3, 0), status="pending"),
             run("lr-grid", "keel", 16, 0, 1e-2, 3.0)]
     md = SR.unclaimed_group_sections(st, runs)
     assert [x for x in md if x.startswith("## ")] == ["## Group showcase (no claim reads it)"]  # (i) reads the bench
@@ -391,17 +394,20 @@ def test_plateau_exit_step():
 @pytest.mark.parametrize("name", preset_names("studies"))
 @pytest.mark.parametrize("scale", ["tiny", "cpu", "gpu-1", "paper"])
 def test_shipped_studies_plan(name, scale):
+    from keel.config import read_toml, resolve_config_path
+    if scale not in read_toml(resolve_config_path(name, kind="studies"), "study")["scales"]:
+        pytest.skip(f"study {name} has no scale {scale} (the looped study ships tiny, cpu and gpu-1)")
     plan = SRun.run_study(name, scale, "unused", dry_run=True)
     rows = {r["group"]: r for r in plan["plan"]}
     assert rows and all(r["runs"] > 0 and r["tokens"] > 0 for r in rows.values())
-    if scale == "cpu":
+    if name == "claims" and scale == "cpu":  # the looped study's own plan: tests/test_study_looped.py
         # 1,024,000 tokens per run but the showcase and claim (e)'s smaller budgets (a quarter and half of it)
         assert all(t >= 1_000_000 for g, r in rows.items() if g != "showcase" and not g.startswith("tokens-")
                    for t in r["tokens_per_run"])
         assert rows["tokens-quarter"]["tokens_per_run"] == [256_000] and rows["tokens-half"]["tokens_per_run"] == [512_000]
         assert rows["transfer"]["tokens_per_param"] == {256: pytest.approx(0.161, abs=5e-4)}
         assert all(len(r["seeds"]) >= 2 for g, r in rows.items() if g != "showcase")
-    if scale in ("cpu", "gpu-1"):  # optima fell on 1e-3 .. 1e-2 at the cpu scale: the grid reaches past both
+    if name == "claims" and scale in ("cpu", "gpu-1"):  # optima fell on 1e-3 .. 1e-2 at cpu: the grid reaches past both
         assert min(rows["lr-grid"]["lrs"]) <= 3e-4 and max(rows["lr-grid"]["lrs"]) >= 3e-2
     if scale == "paper":  # the paper's own settings: Table 1 ramp, Table 3 depths at width 1024
         assert rows["ramp"]["lr_plan"] == "ramp 0 -> 0.05 over 5000 steps" and rows["ramp"]["sublayers"] == [64, 512]
@@ -479,7 +485,7 @@ def test_report_counts_say_what_is_left_out(tmp_path):
             "(the scale's `--dry-run` counts them) are not counted. Not planned yet: group transfer (33 runs) waits "
             "for group lr-grid") in md
     # DeepNorm's lr-grid runs and the groups of the v5 claims still to run
-    done = [dict(r, status="done") if r["group"] not in ("bench", "bench-init", "spike") and r["scheme"] != "deepnorm"
+    done = [replace(r, status="done") if r.group not in ("bench", "bench-init", "spike") and r.scheme != "deepnorm"
             else r for r in runs]
     assert SR.unfinished_words(study, done) == (
         " Unfinished: lr-grid 20 (deepnorm; read by no claim); ramp 3 (deepnorm; read by (a)); spike 24 (keel, pre_ln; "
@@ -495,7 +501,7 @@ def test_the_report_states_the_run_time_recorded_and_left():
     study = SC.load_study("claims", "cpu")
 
     def rec(group, L, status, wall=None):
-        return {"group": group, "sublayers": L, "status": status, "wall_s": wall}
+        return RunRecord(group=group, name="r", sublayers=L, status=status, wall_s=wall)
     runs = [rec("lr-grid", 16, "done", w) for w in (300, 360, 600)] + [rec("init", 16, "done", 330)]
     runs += [rec("ramp", 64, "done", 1200), rec("lr-grid", 64, "done", 500), rec("init", 64, "done", 700)]
     runs += [rec("init", 16, "pending")] * 3 + [rec("init", 64, "pending")] * 2 + [rec("ramp", 64, "running", 90)]
@@ -1045,17 +1051,34 @@ def test_dry_run_prices_the_named_groups():
     assert "989 TFLOP/s dense bf16, an H100 SXM;" in full["markdown"]
 
 
+def test_dry_run_says_what_compile_adds_per_run():
+    """A grid that compiles (train.compile) says in its plan what compile adds per run and in all; one that
+    does not says nothing of it (the plan used to be silent either way)."""
+    from keel.experiments.study.plan import COMPILE_CPU_S
+
+    eager = SRun.run_study("claims", "cpu", "unused", dry_run=True, groups=["transfer"])
+    assert "train.compile" not in eager["markdown"] and eager["plan"][0]["compiled"] == 0
+    got = SRun.run_study("claims", "cpu", "unused", ["train.compile=true"], dry_run=True, groups=["transfer"])
+    n = got["plan"][0]["compiled"]
+    assert n == got["total"]["runs"] + got["total"]["references"] > 0
+    assert (f"train.compile is on for {n} of these runs: each compiles its blocks when it starts, about "
+            f"{COMPILE_CPU_S['cold']:.0f} s of CPU on a cold cache") in got["markdown"]
+    assert f"at most {n * COMPILE_CPU_S['cold'] / 3600:.2g} CPU-hours in all" in got["markdown"]
+
+
 def test_dry_run_with_restore_plans_the_widened_lrs_and_prices_what_is_left():
     """With the committed CPU report restored, the plan said 319 runs and "323 of these runs are
     restored" (its table left out the LRs the restored runs widened), and priced all 319."""
     report = Path(__file__).resolve().parents[1] / "docs" / "results" / "study-cpu" / "report.json"
     rep = json.loads(report.read_text())
     got = SRun.run_study("claims", "cpu", "unused", dry_run=True, restore=report)
-    tot, done = got["total"], sum(r["status"] == "done" for r in rep["runs"])
+    # a run of an older implementation of its scheme (its `version` has risen since: AttnRes 2) is not restored
+    current = [r for r in rep["runs"]
+               if r["status"] == "done" and r.get("scheme_version", 1) == SCHEMES[r["scheme"]].version]
+    tot, done = got["total"], len(current)
     assert got["restored"] == tot["restored"] == done and done <= tot["runs"]
     assert all(r["restored"] <= r["runs"] for r in got["plan"])
-    per_group = {g: sum(r["group"] == g and r["status"] == "done" for r in rep["runs"])
-                 for g in {r["group"] for r in rep["runs"] if r["status"] == "done"}}
+    per_group = {g: sum(r["group"] == g for r in current) for g in {r["group"] for r in current}}
     # every run of the report is planned and restored (LR widening included); the plan may add runs the report
     # lacks (groups and seeds added since, cells widened by the restored runs' optima)
     assert {r["group"]: r["restored"] for r in got["plan"] if r["group"] in per_group} == per_group
@@ -1124,7 +1147,7 @@ def test_baseline_margins_pair_each_seed_over_the_benchs_lrs(tmp_path):
         runs += [run("g", "keel", 2, seed, 3e-4, 2.0), run("g", "keel", 2, seed, 1e-3, k3),
                  run("g", "keel", 2, seed, 1e-2, k2), run("b", "peri_ln", 2, seed, 1e-3, p3),
                  run("b", "peri_ln", 2, seed, 1e-2, p2)]
-    runs[-1]["status"] = "running"  # seed 2 of peri_ln unfinished
+    runs[-1].status = "running"  # seed 2 of peri_ln unfinished
     rows = SV.baseline_margins(st, bench, runs)
     assert [(r["sublayers"], r["scheme"], r["baseline"]) for r in rows] == [(2, "peri_ln", "keel")]
     m = rows[0]["margin"]
@@ -1141,7 +1164,7 @@ def test_a_best_lr_at_an_edge_of_the_lrs_trained_is_marked():
     best is always an edge (Pre-LN the top, Keel the bottom), and the report did not say so."""
     runs = [run("g", "keel", 64, 0, lr, loss) for lr, loss in ((1e-3, 3.3), (3e-3, 3.1), (1e-2, 3.2))]
     runs += [run("g", "keel", 64, 1, lr, loss) for lr, loss in ((1e-3, 3.3), (3e-3, 3.4), (1e-2, 3.2))]
-    assert [SV.bracketed(runs, min((r for r in runs if r["seed"] == sd), key=lambda r: r["capped_loss"]))
+    assert [SV.bracketed(runs, min((r for r in runs if r.seed == sd), key=lambda r: r.capped_loss))
             for sd in (0, 1)] == [True, False]
     assert lrs({0: 3e-3, 1: 1e-2}, {0: False, 1: True}) == "[s0 0.003, s1 0.01*]"
 
@@ -1168,7 +1191,7 @@ def test_the_bench_table_says_why_a_pair_is_missing():
     assert "| 64 | peri_ln | – | – | – |" in table  # against keel, pre_ln, post_ln
     assert table[-2] == ("–: no seed has both sides finished yet (all of this group's LRs for the scheme and all of "
                          "group lr-grid's for the baseline, at that depth).")
-    assert SR._exit_words(runs[0]) == "never" and SR._exit_words(dict(runs[0], status="pending")) == "–"
+    assert SR._exit_words(runs[0]) == "never" and SR._exit_words(replace(runs[0], status="pending")) == "–"
 
 
 def test_a_study_of_groups_only_reports_its_bench(tmp_path, tiny_data):
@@ -1215,11 +1238,14 @@ def test_restore_reports_an_earlier_reports_runs_without_training_them(tmp_path,
     assert [m["margin"]["n"] for m in only["baseline_margins"]] == [0]  # peri_ln has not run there
     # the restored records carry their thinned loss curves: group g's loss-curve plot is redrawn from them
     assert sorted(x.name for x in (tmp_path / "r").iterdir()) == ["g.png", "report.json", "report.md", "study.json"]
-    # the numbers stay with a run's coordinates: a record of another LR is not taken for it
+    # the numbers stay with a run's coordinates: a record whose LR contradicts its own name was dropped silently
+    # (and its run trained again); it is refused, naming the record and the field
     old["runs"][0]["lr"] = 3e-3
     (tmp_path / "old.json").write_text(json.dumps(old))
-    moved = SRun.run_study(str(p), "x", tmp_path / "c", sets, workers=0, restore=tmp_path / "old.json")
-    assert [bool(x.get("restored")) for x in moved["runs"]] == [False, True, False]
+    with pytest.raises(KeelError, match=r"runs\[0\], run L2_seed0_keel_lr0.001: lr must be the one its name spells "
+                                        r"\(0.001\), got 0.003$"):
+        SRun.run_study(str(p), "x", tmp_path / "c", sets, workers=0, restore=tmp_path / "old.json")
+    assert not (tmp_path / "c").exists()
     cases = [(tmp_path / "nope.json", "no such file"), (p, "cannot read it as JSON"),
              (tmp_path / "a" / "study.json", "not a study report")]
     for bad, message in cases:
@@ -1315,6 +1341,18 @@ def test_restore_refuses_malformed_or_mismatched_reports(tmp_path, tiny_data, ke
     bad = json.loads(json.dumps(rep))
     bad["runs"][1]["divergence"] = "abc"
     refused(bad, "divergence must be a divergence verdict")
+    # accepted before: a scheme or LR that contradicts the run's name (the record was dropped silently), a
+    # negative wall time, a curve whose lists differ in length (issue 50)
+    curve = rep["runs"][0]["curve"]
+    for key, value, words in (
+            ("scheme", "pre_ln", r"run L2_seed0_keel_lr0.001: scheme must be the one its name spells \(keel\), "
+                                 "got 'pre_ln'$"),
+            ("lr", 0.01, r"run L2_seed0_keel_lr0.001: lr must be the one its name spells \(0.001\), got 0.01$"),
+            ("wall_s", -1, r"run L2_seed0_keel_lr0.001: wall_s must be seconds >= 0 or null, got -1$"),
+            ("curve", {**curve, "loss": curve["loss"][:-1]}, r"run L2_seed0_keel_lr0.001: curve must be a thinned "
+                                                             r"loss curve or null \(step, loss and lr lists of one"),
+            ("curve", {**curve, "val_loss": [*curve["val_loss"], 1.0]}, "curve must be a thinned loss curve")):
+        refused({**rep, "runs": [{**rep["runs"][0], key: value}, *rep["runs"][1:]]}, words)
     bad = json.loads(json.dumps(rep))
     del bad["runs"][0]["capped_loss"]
     refused(bad, "capped_loss must be a finite loss >= 0")
@@ -1351,6 +1389,26 @@ def test_restore_refuses_malformed_or_mismatched_reports(tmp_path, tiny_data, ke
                  *[a for s in sets for a in ("--set", s)], "--restore", tmp_path / "a" / "report.json")
     assert r.returncode == 2 and "holds no study (no study.json) but is not empty; check --out" in r.stderr
     assert "resume" not in r.stderr and not (tmp_path / "d" / "study.json").exists()
+
+
+def test_the_committed_report_regenerates_from_its_own_records():
+    """The committed CPU report's run records read back (:meth:`RunRecord.from_dict`) and written again are
+    the same JSON, key order included, and judged again give its floor, verdicts, numbers and margins, and
+    its report.md byte for byte: a change of the record, the statistics or the tables that moves one digit
+    fails here (issue 49; `keel study claims --scale cpu --report-only --restore` of that report plans the
+    same records, unless a scheme's version has risen since, which supersedes its runs)."""
+    root = Path(__file__).resolve().parents[1]
+    rep = json.loads((root / "docs/results/study-cpu/report.json").read_text(encoding="utf-8"))
+    runs = [RunRecord.from_dict(r, f"runs[{i}]") for i, r in enumerate(rep["runs"])]
+    assert json.dumps([r.to_dict() for r in runs]) == json.dumps(rep["runs"])
+    study, floor, claims = SRun.judge(SC.load_study("claims", "cpu"), runs)
+    assert floor == rep["floor"] and [c["summary"] for _, c in claims] == rep["summary"]
+    assert json.loads(json.dumps([{"id": cl["id"], "title": cl["title"], **c} for cl, c in claims])) == rep["claims"]
+    margins = [{"group": g.name, **r} for g in study.groups for r in SV.baseline_margins(study, g, runs)]
+    assert json.loads(json.dumps(margins)) == rep["baseline_margins"]
+    md = SR.report_markdown(study, claims, runs, rep["command"], [], rep["restored_from"], floor)
+    assert md + SR.superseded_words(rep["superseded_runs"]) == \
+        (root / "docs/results/study-cpu/report.md").read_text(encoding="utf-8")
 
 
 def test_readme_quotes_the_committed_reports_summary_lines():
@@ -1550,7 +1608,9 @@ def _no_final_loss(runs: list) -> list:
      r"runs\[0\], run L2_seed0_keel_lr0.001: status must be one of done, superseded, error, pending, got 'weird'"),
     (_no_final_loss, r"runs\[0\], run L2_seed0_keel_lr0.001: final_val_loss must be a loss >= 0 or null; "
                      "the record has no final_val_loss"),
-], ids=["not an object", "unknown status", "no final_val_loss"])
+    (lambda runs: [{**runs[0], "scheme": "pre_ln"}, *runs[1:]],
+     r"runs\[0\], run L2_seed0_keel_lr0.001: scheme must be the one its name spells \(keel\), got 'pre_ln'"),
+], ids=["not an object", "unknown status", "no final_val_loss", "scheme contradicts the name"])
 def test_restore_refuses_a_malformed_record_in_one_line(finished_study, tmp_path, keel_main, change, words):
     """`--report-only --restore` dropped a record that is not an object or has an unknown status
     (exit 0, "15 of the finished runs were restored", the run pending), and restored a finished

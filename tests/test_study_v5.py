@@ -10,14 +10,16 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from keel.experiments.record import RunRecord
 from keel.experiments.study import records as SR
 from keel.experiments.study import spec as SS
 from keel.experiments.study import verdicts as SV
 
 
 def run(group, scheme, L, seed, lr, loss, **kw):
-    return {"group": group, "scheme": scheme, "sublayers": L, "seed": seed, "lr": lr, "status": "done",
-            "capped_loss": loss, **kw}
+    """A finished run's record, named as a study names it."""
+    return RunRecord(**{"group": group, "name": f"L{L}_seed{seed}_{scheme}_lr{lr:g}", "scheme": scheme, "sublayers": L,
+                        "seed": seed, "lr": lr, "status": "done", "capped_loss": loss, **kw})
 
 
 def study(groups, **kw):

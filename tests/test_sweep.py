@@ -282,3 +282,21 @@ def test_a_sweep_plan_names_its_schemes_depths_seeds_and_lrs(tmp_path):
     assert (row["runs"], row["schemes"], row["sublayers"], row["seeds"], row["lr_plan"]) == (
         8, ["keel", "pre_ln"], [4, 8], [7], "0.001, 0.003")
     assert "| sweep | 8 | keel, pre_ln | 4, 8 | 7 | 0.001, 0.003 |" in plan["markdown"]
+
+
+def test_a_resume_with_the_full_flags_lists_each_set_once(tmp_path):
+    """`keel sweep ... --resume` with the flags it started with: every --set was listed twice (the stored
+    command's, then the same again), in the report's overrides line too."""
+    import shlex
+
+    from keel.cli import build_parser
+    from keel.cli.handlers.science import _stored_sweep
+
+    argv = ["sweep", "--set", "train.steps=5", "--grid", "train.seed=0", "--out", str(tmp_path)]
+    (tmp_path / "study.json").write_text(json.dumps({"study": "sweep", "scale": "cli",
+                                                     "command": shlex.join(["keel", *argv])}))
+    assert _stored_sweep(build_parser().parse_args([*argv, "--resume"])).set == ["train.steps=5"]
+    assert _stored_sweep(build_parser().parse_args(["sweep", "--out", str(tmp_path), "--resume"])).set == \
+        ["train.steps=5"]
+    assert _stored_sweep(build_parser().parse_args([*argv, "--resume", "--set", "train.steps=6"])).set == \
+        ["train.steps=5", "train.steps=6"]

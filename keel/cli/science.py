@@ -9,6 +9,7 @@ import argparse
 import logging
 
 from keel.cli.formatting import module_summary
+from keel.cli.trained import add_loops_flag
 from keel.config import key_default, key_help, preset_names
 from keel.experiments.executor import EXECUTORS
 
@@ -33,16 +34,26 @@ def _add_grid_flags(p, report_only: bool = True,
     if config_help is not None:
         p.add_argument("--config", default=None, help=config_help)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=set_help)
-    p.add_argument("--workers", type=int, default=1, help="worker processes (0 = in this process)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = cores / workers)")
-    p.add_argument("--resume", action="store_true", help="continue --out: skip finished runs, resume interrupted ones")
-    p.add_argument("--executor", default="local", choices=EXECUTORS,
+    p.add_argument("--workers", type=int, default=None,
+                   help="runs at once: worker processes (0 = in this process), or submitit jobs (Slurm: the job "
+                        "array's cap) (default 1; with --resume: the folder's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per run (0 = cores / workers; on Slurm: each job's CPUs, and given, the CPUs "
+                        "each job asks for) (default 0; with --resume: the folder's)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue --out: skip finished runs, resume interrupted ones, with the executor, workers "
+                        "and threads it was started with unless given")
+    p.add_argument("--executor", default=None, choices=EXECUTORS,
                    help="where runs go: local worker processes (default), submitit-local (submitit jobs on this "
-                        "machine, at most --workers at a time) or slurm (an sbatch job per run, through submitit)")
+                        "machine, at most --workers at a time) or slurm (one sbatch job array per grid, at most "
+                        "--workers runs at a time, through submitit); docs/cluster.md")
     p.add_argument("--slurm", action="append", default=[], metavar="KEY=VALUE",
                    help="a Slurm parameter of every job (repeatable): partition, account, time (minutes), gpus "
-                        "(per node), nodes, cpus, mem_gb, qos, constraint, or any other sbatch option")
-    p.add_argument("--gpus-per-run", type=int, default=1,
+                        "(per node), nodes, cpus, mem_gb, qos, constraint, name (default keel-STUDY-GROUP), setup "
+                        "(a shell line run before keel, e.g. 'module load cuda'; repeatable), signal_delay_s "
+                        "(default 90), max_num_timeout (requeues after a time limit, default 3), array_parallelism, "
+                        "or any other sbatch option")
+    p.add_argument("--gpus-per-run", type=int, default=None,
                    help="GPUs each run gets where there are GPUs; with a submitit executor also its processes "
                         "(one job task each, joined as torchrun's workers) (default 1)")
     p.add_argument("--share-gpus", action="store_true",
@@ -114,6 +125,11 @@ def _register_gradflow(subparsers) -> None:
                    help="CPU threads for torch (0 = torch's default; 1 is fastest for small models on a busy machine)")
     p.add_argument("--full-jacobian", action="store_true",
                    help="also estimate each sub-layer's full Jacobian spectral norm (slower)")
+    p.add_argument("--loop", default=None, metavar="P,C,Q",
+                   help="at init: looped models of P prelude, C core and Q coda blocks, the core applied R times so "
+                        "that each --sublayers depth is the effective one, 2 (P + R C + Q); profiled per applied "
+                        "sub-layer")
+    add_loops_flag(p, "run (--run)")
     p.set_defaults(handler="keel.cli.handlers.science.cmd_gradflow")
 
 
@@ -165,6 +181,7 @@ def _register_ablate(subparsers) -> None:
     p.add_argument("--out", default=None, help="output folder (default: RUN/ablate or MODEL_PATH/ablate)")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     p.add_argument("--verbose", action="store_true", help="log each unit's PPL on stderr")
+    add_loops_flag(p, "run or keel export")
     p.set_defaults(handler="keel.cli.handlers.science.cmd_ablate")
 
 

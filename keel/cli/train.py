@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from keel.cli.trained import add_loops_flag
 from keel.config import DEFAULT_PRESET, key_default, key_help
 
 
@@ -54,4 +55,5 @@ def register(sub) -> None:
     pg.add_argument("--num-samples", type=int, default=1)
     pg.add_argument("--seed", type=int, default=0)
     pg.add_argument("--device", default=key_default("train.device"), help=key_help("train.device"))
+    add_loops_flag(pg)
     pg.set_defaults(handler="keel.cli.handlers.train.cmd_generate")

@@ -6,12 +6,21 @@ Usage::
     keel export-hf --run runs/x --out hf/x
     keel import-hf --hf hf/x --out runs/x-back
     keel eval --run runs/x | --hf hf/x [--tasks t1,t2] [--task-dir DIR] [--limit N] [--json]
-              [--text FILE] [--device auto]
+              [--text FILE] [--device auto] [--loops R]
 """
 
 from __future__ import annotations
 
 from keel.config import key_default, key_help
+
+
+def add_loops_flag(p, what: str = "run") -> None:
+    """``--loops R'``: run a looped model's core R' times instead of its trained ``model.loop_repeats``
+    (test-time depth; ``keel eval``, ``generate``, ``ablate``, ``gradflow``). Checked by
+    :func:`keel.cli.handlers.check_loops`."""
+    p.add_argument("--loops", type=int, default=None, metavar="R",
+                   help=f"a looped {what} (model.loop_core >= 1): apply its core R times per token instead of "
+                        "model.loop_repeats (test-time depth; the weights and depth constants stay the trained ones)")
 
 
 def _register_hf(subparsers) -> None:
@@ -65,5 +74,6 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--verbose", action="store_true", help="show lm-evaluation-harness' own progress bars and logs")
     p.add_argument("--device", default=key_default("train.device"), help=key_help("train.device"))
+    add_loops_flag(p, "model")
     p.set_defaults(handler="keel.cli.handlers.scoring.cmd_eval")
     _register_hf(subparsers)

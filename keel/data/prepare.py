@@ -54,8 +54,8 @@ from keel.data.sources import SourceStats, check_hub_reachable, check_source, hu
 from keel.data.stats import unigram_entropy
 from keel.data.text import encode_batch
 from keel.errors import KeelError
-from keel.io import (check_output_not_in_checkpoints, check_path_names, check_regular_file, disk_errors, make_dirs,
-                     remove_empty_dirs)
+from keel.io import (RunLock, check_output_not_in_checkpoints, check_path_names, check_regular_file, disk_errors,
+                     make_dirs, remove_empty_dirs)
 
 FORMAT_VERSION = 1
 EOS_TOKEN = "<|endoftext|>"
@@ -120,11 +120,14 @@ def prepare_dataset(source: str, tokenizer: str = DataConfig.tokenizer, out: str
         log.info("reusing cached dataset %s", out)
         return out
     _check_replaceable(out, inputs, force)
-
-    tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     created = [d for d in (out.parent, *out.parent.parents) if not d.exists()]  # deepest first
-    with disk_errors(out, own_path=True):  # a full disk or a read-only folder: one line naming out (not its tmp)
+    with disk_errors(out, own_path=True), prepare_lock(out):  # one line naming out (not its tmp or lock)
+        if not force and _cache_matches(out, inputs):  # prepared by the process this one waited for
+            log.info("reusing cached dataset %s", out)
+            return out
+        _check_replaceable(out, inputs, force)  # again: that process may have prepared other inputs there
+        tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
         try:
             make_dirs(tmp, name=out)
             meta = _build(tmp, inputs, progress)
@@ -135,6 +138,21 @@ def prepare_dataset(source: str, tokenizer: str = DataConfig.tokenizer, out: str
             raise
     _log_prepared(out, meta)
     return out
+
+
+def prepare_lock(out: Path) -> RunLock:
+    """The lock (:class:`keel.io.RunLock`) a preparation holds on its output ``out`` from its checks
+    to its rename: ``PARENT/.OUT.keel.lock``, beside ``out`` (which a rename replaces) and removed
+    after. A second ``keel prepare --out OUT`` waits for the first (logged), then reuses its dataset or
+    refuses one of other inputs: both said "prepared OUT", and OUT held the second's dataset.
+
+    Raises (on entry):
+        KeelError: the parent folder cannot be made or written (:func:`keel.io.disk_errors`).
+    """
+    lock = RunLock(out.parent, f".{out.name}.keel.lock", transient=True, wait=True)
+    lock.waiting = f"waiting for keel process {{pid}}, which is preparing {out}"
+    lock.unmakeable = f"cannot make the folder {out}: {{why}}"  # e.g. under /proc: its parent takes no new file
+    return lock
 
 
 def _log_prepared(out: Path, meta: dict) -> None:

@@ -162,15 +162,35 @@ def layer_importance(n_units: int, nll_with: Callable[[int | None], float]) -> d
     return {"nll_full": nll_full, "ppl_full": ppl_full, "units": units}
 
 
+def _applications(model) -> list[tuple[int, int | None]]:
+    """Per sub-layer a looped ``model`` applies (at :attr:`~keel.model.Transformer.loops`), in order:
+    ``(its sub-layer of weights, 2b or 2b + 1 of block b; the core application 0 .. R-1, None in the
+    prelude and coda)`` (:meth:`keel.model.Transformer.depth_order`)."""
+    P, C = model.cfg.loop_prelude, model.cfg.loop_core
+    out = []
+    for slot, b in enumerate(model.depth_order()):
+        application = (slot - P) // C if P <= b < P + C else None
+        out += [(2 * b, application), (2 * b + 1, application)]
+    return out
+
+
 def ablate_model(model, windows, batch_size: int = 16) -> dict:
     """:func:`layer_importance` of a keel ``Transformer`` over ``windows`` [N, T+1] (its device).
 
     Units are sub-layers: index 2b = attention of block b, 2b+1 = FFN of block b.
     Adds ``scheme``, ``blocks``, ``sublayers`` and per unit ``block`` and ``kind`` (attn/ffn).
+    A looped model (at its :attr:`~keel.model.Transformer.loops`) is ablated per applied sub-layer: unit i
+    is the i-th sub-layer the pass applies, one application of a core sub-layer removed while its
+    other applications stay (on :meth:`keel.model.Transformer.unrolled`, which shares the weights);
+    each unit adds ``weight_sublayer`` (its sub-layer of weights) and ``application`` (its core
+    application 0 .. R-1, None in the prelude and coda), the result ``loop``.
     """
     device = next(model.parameters()).device
     windows = windows.to(device)
     model.eval()
+    looped = model if model.cfg.loop_core else None
+    if looped is not None:
+        model = looped.unrolled()  # a module per application: removing one leaves the others
 
     def nll_with(i):
         with removed_sublayer(model, i):
@@ -182,6 +202,12 @@ def ablate_model(model, windows, batch_size: int = 16) -> dict:
         u["block"], u["kind"] = u["index"] // 2, ("attn" if u["index"] % 2 == 0 else "ffn")
     out.update(scheme=model.cfg.residual, blocks=L // 2, sublayers=L, unit="sub-layer",
                tokens=int(windows[:, 1:].numel()), seq_len=int(windows.shape[1]) - 1)
+    if looped is not None:
+        for u, (weights, application) in zip(out["units"], _applications(looped)):
+            u["weight_sublayer"], u["application"] = weights, application
+        mc = looped.cfg
+        out["loop"] = {"prelude": mc.loop_prelude, "core": mc.loop_core, "coda": mc.n_layers - mc.loop_prelude -
+                       mc.loop_core, "repeats": looped.loops, "trained_repeats": mc.loop_repeats}
     return out
 
 
@@ -234,8 +260,14 @@ def ablate_markdown(res: dict, title: str) -> str:
              f"Full model: PPL {res['ppl_full']:.3f} (loss {res['nll_full']:.4f} nats/token). "
              "ΔPPL = PPL without the unit − PPL of the full model.", "",
              "| index | block | unit | PPL without | ΔPPL |", "|---|---|---|---|---|"]
+    loop = res.get("loop")
+    if loop:  # a looped model: the applied sub-layers, each with its sub-layer of weights and core application
+        lines[2] += (f" Looped: {loop['prelude']} + {loop['core']} x {loop['repeats']} + {loop['coda']} blocks (trained "
+                     f"at {loop['trained_repeats']}); one application of a core sub-layer is removed at a time.")
+        lines[4:6] = ["| index | block | unit | weights | application | PPL without | ΔPPL |", "|---" * 7 + "|"]
     for u in res["units"]:
-        lines.append(f"| {u['index']} | {u['block']} | {u['kind']} | {u['ppl']:.3f} | {u['delta_ppl']:+.3f} |")
+        looped = f" {u['weight_sublayer']} | {'-' if u['application'] is None else u['application']} |" if loop else ""
+        lines.append(f"| {u['index']} | {u['block']} | {u['kind']} |{looped} {u['ppl']:.3f} | {u['delta_ppl']:+.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -282,17 +314,20 @@ def text_windows(ids, seq_len: int, max_tokens: int):
 
 
 def ablate_run(run_dir: str | Path, seq_len: int | None = None, tokens: int = 16384, batch_size: int = 16,
-               device: str = "auto", text: str | None = None) -> dict:
+               device: str = "auto", text: str | None = None, loops: int | None = None) -> dict:
     """:func:`ablate_model` of a keel run's latest checkpoint on the first ``tokens`` tokens of
     its validation split (or of ``text``, in the run's tokenizer), in windows of ``seq_len``
-    (default: the run's ``train.seq_len``).
+    (default: the run's ``train.seq_len``); a looped run's core applied ``loops`` times (None: its
+    ``model.loop_repeats``).
 
     Raises:
         KeelError: not a run, no checkpoint, ``seq_len`` outside [1, model.max_seq_len], too
-            little validation data or text.
+            little validation data or text, a ``loops`` below 1 or for a run that does not loop.
     """
     run = Run(run_dir)
     model = run.load_model(device=device)
+    if loops is not None:
+        model.set_loops(loops)
     seq = seq_len if seq_len is not None else run.config.train.seq_len
     if not 1 <= seq <= model.cfg.max_seq_len:
         raise KeelError(f"--seq-len must be between 1 and model.max_seq_len = {model.cfg.max_seq_len}, got {seq}")

@@ -40,7 +40,17 @@ Usage::
 
     keel gradflow --residual pre_ln,post_ln,keel --sublayers 16,64,256,1024 [--d-model 64]
                   [--batch-size 4] [--seq-len 64] [--seed 0] [--json] [--plot FILE]
-    keel gradflow --run runs/a --run runs/b [--json] [--plot FILE]
+    keel gradflow --residual keel,pre_ln --loop 1,8,1 --sublayers 64,256,1024   # looped, effective depths
+    keel gradflow --run runs/a --run runs/b [--loops R] [--json] [--plot FILE]
+
+A looped model (prelude, core x R, coda: ``model.loop_*``) is profiled per *applied* sub-layer: i runs
+over the L = 2 (P + R C + Q) sub-layers one pass applies, each application of a core sub-layer with its own
+input, stream gradient and J*, and as ``param_grad_norm[i]`` its own part of the shared weights' gradient
+(which is the sum of those parts): :func:`profile_model` profiles
+:meth:`keel.model.Transformer.unrolled` (copies of the shared blocks, ``share_weights=False``), whose
+logits equal the looped model's. ``keel gradflow --loop P,C,Q`` profiles fresh looped models whose
+``--sublayers`` are these effective depths (R = (L/2 - P - Q) / C); ``--run`` profiles a looped run at its
+``model.loop_repeats``, or at ``--loops R``.
 
 A summary table (one line per profile, as it finishes) is logged on stderr; ``--json``
 prints the full results on stdout.
@@ -70,7 +80,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from keel.config import resolve_vocab_size
 from keel.data import read_meta, resolve_data, validation_tokens
 from keel.errors import KeelError, plural
-from keel.model import SCHEMES, Transformer
+from keel.model import SCHEMES, Transformer, check_model_config
 from keel.run import Run
 from keel.train.device import check_model_fits
 from keel.train.parallelize import unwrap
@@ -212,7 +222,7 @@ class _Recorder:
     def _pre_hook(self, i):
         def hook(module, args):
             x, f = args
-            self.inputs[i] = x.detach()
+            self.inputs[i] = tuple(t.detach() for t in x) if isinstance(x, tuple) else x.detach()
             self.branch_fn[i] = f
 
             def recorded(h):
@@ -224,16 +234,33 @@ class _Recorder:
 
     def _post_hook(self, i):
         def hook(module, args, output):
+            if isinstance(output, tuple):  # AttnRes' sources: the norm over all of them, each source's
+                # gradient through this output only (aliases: a source is also read by the sub-layers before it)
+                output = tuple(t.view_as(t) for t in output)
+                for t in output:
+                    if t.requires_grad:
+                        t.register_hook(lambda g: self._add_stream_grad(i, g))
+                return output
             if output.requires_grad:
                 def grad_hook(g):
                     self.stream_grad[i] = float(g.detach().double().norm())
                 output.register_hook(grad_hook)
+            return None
         return hook
+
+    def _add_stream_grad(self, i: int, g: torch.Tensor) -> None:
+        self.stream_grad[i] = math.hypot(self.stream_grad[i] or 0.0, float(g.detach().double().norm()))
 
 
 def _streams(x) -> int:
-    """1 for a multi-stream input [m, B, T, d] (HC, mHC, AttnRes), 0 for [B, T, d]."""
-    return int(x.dim() == 4)
+    """1 for a multi-stream input ([m, B, T, d]: HC, mHC; a tuple of m [B, T, d] sources: AttnRes),
+    0 for [B, T, d]."""
+    return int(isinstance(x, tuple) or x.dim() == 4)
+
+
+def _cast(x, dtype: torch.dtype):
+    """A unit's recorded input (a tensor, or AttnRes' tuple of sources) in ``dtype``."""
+    return tuple(t.to(dtype) for t in x) if isinstance(x, tuple) else x.to(dtype)
 
 
 def _per_token(unit, x, f):
@@ -241,7 +268,10 @@ def _per_token(unit, x, f):
     with the token axes first. A multi-stream input [m, B, T, d] becomes [B, T, m, d] (one
     token's group is its m x d stream entries, which the unit mixes), and the output goes
     back the same way (AttnRes' output may have more streams than its input: only J^T J,
-    input-shaped, is used)."""
+    input-shaped, is used); AttnRes' tuple of m sources is stacked so, and unstacked for the unit."""
+    if isinstance(x, tuple):
+        return ((lambda z: torch.stack(unit(tuple(z.movedim(-2, 0).unbind(0)), f)).movedim(0, -2)),
+                torch.stack(x).movedim(0, -2))
     if not _streams(x):
         return (lambda z: unit(z, f)), x
     return (lambda z: unit(z.movedim(-2, 0), f).movedim(0, -2)), x.movedim(0, -2)
@@ -296,9 +326,13 @@ def profile_model(model, batch, jacobian_iters: int = 32, full_jacobian: bool = 
         2 .. L-1 only), ``stream_ratio_first_last`` (stream grad norm after sub-layer 0 over
         that after sub-layer L-1), ``stream_ratio_block1_last`` (after sub-layer 2 over
         after L-1) and, with ``full_jacobian``, ``full_jacobian``,
-        ``log10_full_jacobian_product``.
+        ``log10_full_jacobian_product``. A looped model (at its ``loops``): per applied sub-layer
+        (module docstring), plus ``loop`` and ``weight_sublayer`` (each one's sub-layer of weights).
     """
     plain = _plain(model)
+    if plain.cfg.loop_core:  # its own copy of each application (model's gradients stay as they were)
+        out = profile_model(plain.unrolled(share_weights=False), batch, jacobian_iters, full_jacobian, seed)
+        return {**out, **loop_layout(plain)}
     plain.zero_grad(set_to_none=True)
     depth = getattr(getattr(plain, "cfg", None), "n_sublayers", 0)
     with _beating(depth >= LONG_SUBLAYERS, f"gradflow: forward and backward pass through {depth:,} sub-layers"):
@@ -315,13 +349,13 @@ def profile_model(model, batch, jacobian_iters: int = 32, full_jacobian: bool = 
         if eta is not None:
             eta.step(i)
         f_fixed = rec.branch_out[i].double()
-        sigma = jacobian_spectral_norms(*_per_token(unit, rec.inputs[i].double(), lambda _h, f=f_fixed: f),
+        sigma = jacobian_spectral_norms(*_per_token(unit, _cast(rec.inputs[i], torch.float64), lambda _h, f=f_fixed: f),
                                         group_dims=_streams(rec.inputs[i]) + 1, iters=jacobian_iters, seed=seed + i)
         log_js.append(float(sigma.clamp_min(torch.finfo(sigma.dtype).tiny).log().mean()))
         if full_jacobian:
             # the math SDPA kernel is composite, so forward-mode AD (jvp) runs through it
             with sdpa_kernel(SDPBackend.MATH):
-                s_full = jacobian_spectral_norms(*_per_token(unit, rec.inputs[i].float(), rec.branch_fn[i]),
+                s_full = jacobian_spectral_norms(*_per_token(unit, _cast(rec.inputs[i], torch.float32), rec.branch_fn[i]),
                                                  group_dims=_streams(rec.inputs[i]) + 2, iters=jacobian_iters,
                                                  seed=seed + i)
             log_full.append(float(s_full.double().clamp_min(1e-300).log().mean()))
@@ -342,11 +376,33 @@ def profile_model(model, batch, jacobian_iters: int = 32, full_jacobian: bool = 
 
 # ---- profiles of runs and of fresh models -----------------------------------------------
 
-def _init_config(base, scheme: str, sublayers: int, d_model: int, seq_len: int, vocab: int):
+def loop_layout(model) -> dict:
+    """A looped ``model``'s shape at its current count: ``{"loop": {prelude, core, coda, repeats,
+    trained_repeats} (blocks), "weight_sublayer": [the sub-layer of weights of each applied sub-layer]}``."""
+    mc = model.cfg
+    return {"loop": {"prelude": mc.loop_prelude, "core": mc.loop_core, "coda": mc.n_layers - mc.loop_prelude - mc.loop_core,
+                     "repeats": model.loops, "trained_repeats": mc.loop_repeats},
+            "weight_sublayer": [2 * b + k for b in model.depth_order() for k in (0, 1)]}
+
+
+def loop_repeats_for(sublayers: int, loop: tuple[int, int, int]) -> int:
+    """R such that a loop of P prelude, C core and Q coda blocks (``loop``) applies ``sublayers`` =
+    2 (P + R C + Q) sub-layers. Raises KeelError (naming ``--loop``) when no integer R >= 1 does."""
+    P, C, Q = loop
+    R, rest = divmod(sublayers // 2 - P - Q, C)
+    if R < 1 or rest or sublayers % 2:
+        raise KeelError(f"--loop {P},{C},{Q}: {sublayers} sub-layers is not 2 (P + R C + Q) = 2 ({P} + R x {C} + {Q}) "
+                        f"for an integer R >= 1 (e.g. {2 * (P + C + Q)}, {2 * (P + 2 * C + Q)})")
+    return R
+
+
+def _init_config(base, scheme: str, sublayers: int, d_model: int, seq_len: int, vocab: int,
+                 loop: tuple[int, int, int] | None = None):
     """The model config for the init-mode profile: the base config's model section with the
     residual scheme, n_layers = sublayers / 2, width d_model, head_dim :data:`HEAD_DIM` (32;
     a width below it is one head of that width), n_kv_heads = n_heads / 2 (GQA) when n_heads
-    is even, d_ff = 3 * d_model.
+    is even, d_ff = 3 * d_model. With ``loop`` = (P, C, Q): P + C + Q blocks, the core of C looped
+    R times (:func:`loop_repeats_for`), so that ``sublayers`` is the effective depth.
 
     Raises:
         KeelError: a width above 32 that is not a multiple of it (it used to get wider heads
@@ -359,6 +415,9 @@ def _init_config(base, scheme: str, sublayers: int, d_model: int, seq_len: int, 
     m = copy.deepcopy(base.model)
     m.residual = scheme
     m.n_layers = sublayers // 2
+    if loop is not None:
+        m.loop_repeats = loop_repeats_for(sublayers, loop)
+        m.n_layers, m.loop_prelude, m.loop_core = sum(loop), loop[0], loop[1]
     m.d_model = d_model
     m.n_heads = max(1, d_model // HEAD_DIM)
     m.n_kv_heads = m.n_heads // 2 if m.n_heads % 2 == 0 else m.n_heads
@@ -436,9 +495,11 @@ def plot_profiles(results: list[dict], out: str | Path) -> None:
 
 
 def profile_runs(run_paths: Sequence[str | Path], seq_len: int | None, batch_size: int, jacobian_iters: int = 32,
-                 full_jacobian: bool = False, seed: int = 0) -> list[dict]:
+                 full_jacobian: bool = False, seed: int = 0, loops: int | None = None) -> list[dict]:
     """:func:`profile_model` of the latest checkpoint of each run, on ``batch_size`` windows
-    of ``seq_len`` tokens of the run's validation split (None: ``min(DEFAULT_SEQ_LEN, max_seq_len)``).
+    of ``seq_len`` tokens of the run's validation split (None: ``min(DEFAULT_SEQ_LEN, max_seq_len)``);
+    a looped run at ``loops`` core applications (None: its ``model.loop_repeats``; KeelError for a run
+    that does not loop).
 
     Each result adds ``residual``, ``sublayers``, ``blocks``, ``d_model``, ``run``, ``label``
     and ``seconds`` (wall time). Each result is logged as it is ready: one line of a table
@@ -454,9 +515,12 @@ def profile_runs(run_paths: Sequence[str | Path], seq_len: int | None, batch_siz
         if seq_len is not None and seq_len > cfg.model.max_seq_len:
             raise KeelError(f"--seq-len {seq_len} is above model.max_seq_len = {cfg.model.max_seq_len} of {run.path}")
         model = run.load_model(device="cpu")
+        if loops is not None:
+            model.set_loops(loops)
         batch = _val_batch(run.data_dir(), seq_len or min(DEFAULT_SEQ_LEN, cfg.model.max_seq_len), batch_size)
         model.train()
-        r = {"residual": cfg.model.residual, "sublayers": cfg.model.n_sublayers, "blocks": cfg.model.n_layers,
+        applied = len(model.depth_order())  # blocks one pass applies (a looped run: P + R C + Q)
+        r = {"residual": cfg.model.residual, "sublayers": 2 * applied, "blocks": applied,
              "d_model": cfg.model.d_model, "run": str(run.path), "label": f"{cfg.model.residual} d{cfg.model.d_model}"}
         r.update(profile_model(model, batch, jacobian_iters, full_jacobian, seed))
         results.append(_finished(r, t0, first=not results))
@@ -464,15 +528,18 @@ def profile_runs(run_paths: Sequence[str | Path], seq_len: int | None, batch_siz
 
 
 def profile_schemes(base, schemes: Sequence[str], depths: Sequence[int], d_model: int, seq_len: int,
-                    batch_size: int, jacobian_iters: int = 32, full_jacobian: bool = False, seed: int = 0
-                    ) -> list[dict]:
+                    batch_size: int, jacobian_iters: int = 32, full_jacobian: bool = False, seed: int = 0,
+                    loop: tuple[int, int, int] | None = None) -> list[dict]:
     """:func:`profile_model` of freshly initialised models: every scheme at every depth
     (sub-layers), width ``d_model`` (:func:`_init_config`), on ``batch_size`` validation
     windows of ``seq_len`` tokens of the dataset ``base`` (a :class:`keel.config.Config`)
     names. The init is seeded with ``seed`` for every model. Results as in
-    :func:`profile_runs`, plus ``init_std``."""
+    :func:`profile_runs`, plus ``init_std``. With ``loop`` = (P, C, Q), looped models of those blocks
+    whose effective depth is each of ``depths`` (:func:`loop_repeats_for`; KeelError if one is not)."""
     for L in depths:  # a mistyped depth is refused before any data is prepared (vocabulary: its floor, 1)
         for scheme in schemes:
+            check_model_config(_init_config(base, scheme, L, d_model, seq_len, 1, loop))  # e.g. a loop that misses L
+            # the unlooped model of L sub-layers: the size of a looped one's unrolled copies (profile_model)
             check_model_fits(_init_config(base, scheme, L, d_model, seq_len, 1), 4, "their fp32 weights")
     data_dir = resolve_data(base, progress=interactive())  # as keel train: data.path, or cached under data.cache_dir
     vocab = read_meta(data_dir)["vocab_size"]
@@ -481,10 +548,10 @@ def profile_schemes(base, schemes: Sequence[str], depths: Sequence[int], d_model
     for L in depths:
         for scheme in schemes:
             t0 = time.perf_counter()
-            mcfg = _init_config(base, scheme, L, d_model, seq_len, vocab)
+            mcfg = _init_config(base, scheme, L, d_model, seq_len, vocab, loop)
             torch.manual_seed(seed)
             r = {"residual": scheme, "sublayers": L, "blocks": L // 2, "d_model": d_model,
-                 "init_std": mcfg.init_std, "label": scheme}
+                 "init_std": mcfg.init_std, "label": scheme if loop is None else f"{scheme} looped"}
             if L >= LONG_SUBLAYERS:  # a silent wait of minutes looked like a hang (issue 32)
                 _log.info("profiling %s at %s sub-layers: building the model, then one forward and backward pass "
                           "and %s Jacobian products through every sub-layer (time grows with the depth; Ctrl-C "

@@ -1,46 +1,56 @@
 """Where a grid's runs go: local worker processes (the default), submitit's ``LocalExecutor``, or
-Slurm through submitit (https://github.com/facebookincubator/submitit).
+Slurm through submitit (https://github.com/facebookincubator/submitit). The user's guide: docs/cluster.md.
 
 :func:`keel.experiments.grid.run_grid` does the planning (finished runs are skipped, changed ones
 refused) and hands the runs to start to one of:
 
 - ``local``: a pool of ``--workers`` spawned processes (:mod:`keel.experiments.grid`). On a machine
-  with GPUs each worker gets its own ``gpus_per_run`` devices (``CUDA_VISIBLE_DEVICES``,
-  :func:`assign_devices`).
-- ``submitit-local``: each run is a submitit job on this machine, at most ``--workers`` at a time:
-  the code path of Slurm without Slurm (what CI and a laptop run).
-- ``slurm``: each run is an ``sbatch`` job through submitit's ``AutoExecutor``; ``--slurm KEY=VALUE``
-  sets its parameters (:func:`slurm_parameters`: partition, account, time in minutes, gpus per
-  node, nodes, and any other ``sbatch`` option).
+  with GPUs each worker gets its own ``gpus_per_run`` devices (``CUDA_VISIBLE_DEVICES``, within the one
+  this process inherited: :func:`assign_devices`, :func:`visible_devices`).
+- ``submitit-local``: each run is a submitit job on this machine, at most ``--workers`` at a time, job
+  slot i with the devices worker i would have: the code path of Slurm without Slurm (what CI and a
+  laptop run). Each job's controller runs in a session of its own (:func:`_own_sessions`): a
+  terminal's Ctrl-C reaches the driver only, which passes one SIGTERM to each job.
+- ``slurm``: the runs to start are one ``sbatch`` job array through submitit's ``AutoExecutor``
+  (``batch()``), at most :func:`array_cap` running at once, named by :func:`job_name`; ``--slurm
+  KEY=VALUE`` sets its parameters (:func:`slurm_parameters`: partition, account, time in minutes, gpus
+  per node, nodes, setup lines, the signal delay, the requeue limit, and any other ``sbatch`` option).
+  A job's torch threads come from its own allocation (:func:`job_cpus`), not the login node's cores.
 
-Ledger: a grid folder that submitit ran keeps ``jobs.json`` (run name → job id, state, attempts),
+Ledger: a grid folder that submitit ran keeps ``jobs.json`` (run name → job id, state, attempts:
+every start, requeues included; for submitit-local the controller's process identity and devices),
 written after every submission and state change. ``--resume`` waits for the jobs it lists that
-are still queued or running instead of submitting them twice, takes the finished ones, and submits
-again (with a note) the ones that ended without a result. ``--report-only`` reads ``result.json``
+are still queued or running instead of submitting them twice (a submitit-local job id is a PID: only
+while that process is still this grid's controller, :func:`_our_controller`), takes the finished ones,
+and submits again (with a note) the ones that ended without a result. A folder's ledger is run by the
+executor that wrote it only (:func:`check_ledger`). ``--report-only`` reads ``result.json``
 files only, so it works while jobs are queued.
 
 Preemption and time limits lose nothing (submitit's checkpointing protocol): submitit asks Slurm
-for SIGUSR2 ``time`` minus 90 s before the end (``--signal=USR2@90``). In the job, keel's trainer
+for SIGUSR2 ``time`` minus ``signal_delay_s`` (90 s) before the end. In the job, keel's trainer
 takes it as a stop signal (:data:`keel.io.STOP_SIGNALS`): it finishes its step and checkpoints.
 Then :meth:`GridCall.checkpoint` gives submitit the same call with ``resume=True``, and submitit
-requeues the job (``scontrol requeue``; the local executor restarts it), which continues from that
-checkpoint. A run with no checkpoint yet starts again from step 0.
+requeues the job (``scontrol requeue``; the local executor restarts it; at most ``max_num_timeout``
+times), which continues from that checkpoint. A run with no checkpoint yet starts again from step 0.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from keel.errors import Interrupted, KeelError
+from keel.errors import Interrupted, KeelError, plural
 from keel.io import atomic_write_text, passing_on_stop_signals
 
 _log = logging.getLogger(__name__)
@@ -55,10 +65,19 @@ DEFAULT_TIME_MIN = 24 * 60  # a job's time limit when --slurm time=... is not gi
 # sbatch as --KEY=VALUE (slurm_additional_parameters)
 SLURM_KEYS = {"partition": "slurm_partition", "account": "slurm_account", "time": "timeout_min",
               "gpus": "gpus_per_node", "nodes": "nodes", "cpus": "cpus_per_task", "mem_gb": "mem_gb",
-              "qos": "slurm_qos", "constraint": "slurm_constraint", "array_parallelism": "slurm_array_parallelism"}
-_INT_KEYS = {"time", "gpus", "nodes", "cpus", "mem_gb", "array_parallelism"}
+              "qos": "slurm_qos", "constraint": "slurm_constraint", "array_parallelism": "slurm_array_parallelism",
+              "name": "name", "setup": "slurm_setup", "signal_delay_s": "slurm_signal_delay_s",
+              "max_num_timeout": "slurm_max_num_timeout"}
+_SLURM_ALIASES = {"job-name": "name", "job_name": "name", "cpus-per-task": "cpus", "cpus_per_task": "cpus"}
+_INT_KEYS = {"time", "gpus", "nodes", "cpus", "mem_gb", "array_parallelism", "signal_delay_s", "max_num_timeout"}
+_ZERO_OK = {"gpus", "max_num_timeout"}  # the numeric keys that may be 0 (a CPU partition; no requeue after a timeout)
+_KEEL_OWNS = {"array": "a grid is one job array; its cap is --workers N or --slurm array_parallelism=N",
+              "output": "each job's log is GRID/submitit/<job>_<task>_log.out (and .err)",
+              "error": "each job's log is GRID/submitit/<job>_<task>_log.out (and .err)",
+              "signal": "set the warning before the time limit with --slurm signal_delay_s=SECONDS"}
 _ALIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "UNKNOWN",
           "REQUEUE_HOLD", "REQUEUE_FED", "STAGE_OUT", "SIGNALING"}
+_CONTROLLER = "submitit.local._local"  # the module a submitit-local job's controller runs (its command line)
 
 
 @dataclass(frozen=True)
@@ -68,12 +87,16 @@ class Executor:
 
     Attributes:
         kind: ``local``, ``submitit-local`` or ``slurm`` (:data:`EXECUTORS`).
-        slurm: ``--slurm KEY=VALUE`` pairs (strings), read by :func:`slurm_parameters`.
+        slurm: ``--slurm KEY=VALUE`` pairs (strings; ``setup`` lines joined by newlines), read by
+            :func:`slurm_parameters`.
         gpus_per_run: devices each run gets where there are GPUs; with a submitit executor also the
             processes of a run (tasks per node of its job, each one rank: :func:`_join_as_torchrun_would`),
             on the CPU too; a local worker runs each run in one process.
         share_gpus: let more local workers than GPUs share them (round robin) instead of refusing.
         poll_s: seconds between two looks at the submitted jobs' states.
+        label: what Slurm jobs are named after (the engine sets the study's name): ``keel-LABEL-GROUP``
+            for a grid's job array, ``keel-LABEL-GROUP-RUN`` for a job of one run; ``--slurm name=X``
+            names them ``X``.
     """
 
     kind: str = "local"
@@ -81,6 +104,7 @@ class Executor:
     gpus_per_run: int = 1
     share_gpus: bool = False
     poll_s: float = 5.0
+    label: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in EXECUTORS:
@@ -91,33 +115,70 @@ class Executor:
             raise KeelError("--slurm sets Slurm's parameters; use it with --executor slurm")
         slurm_parameters(self)  # bad --slurm values fail here, before anything runs
 
+    def record(self) -> dict:
+        """The settings a grid folder keeps (``study.json``), read back by :meth:`from_record`."""
+        return {"kind": self.kind, "slurm": dict(self.slurm), "gpus_per_run": self.gpus_per_run,
+                "share_gpus": self.share_gpus}
+
+    @classmethod
+    def from_record(cls, rec: Mapping, label: str = "") -> "Executor":
+        """The executor of a :meth:`record` (a grid folder's; one of an older keel: ``local``).
+
+        Raises:
+            KeelError: a record that is not one (edited by hand): naming the file is the caller's.
+        """
+        try:
+            return cls(str(rec.get("kind", "local")), {str(k): str(v) for k, v in dict(rec.get("slurm") or {}).items()},
+                       int(rec.get("gpus_per_run", 1)), bool(rec.get("share_gpus", False)), label=label)
+        except (TypeError, ValueError, AttributeError):
+            raise KeelError(f"an executor record must be a table of kind, slurm, gpus_per_run, share_gpus; "
+                            f"got {json.dumps(rec, default=str)[:80]}") from None
+
+
+def check_slurm_here(ex: Executor | None) -> None:
+    """Raise KeelError where ``ex`` is Slurm's and ``sbatch`` is not on PATH (submitit's traceback said
+    ``Could not detect "srun"``, after the output folder was written)."""
+    if ex is not None and ex.kind == "slurm" and shutil.which("sbatch") is None:
+        raise KeelError("--executor slurm needs Slurm (sbatch is not on PATH here); run on a Slurm login node, "
+                        "or use --executor local or submitit-local")
+
 
 def parse_slurm(items: Sequence[str]) -> dict[str, str]:
-    """``["partition=gpu", "time=120"]`` → ``{"partition": "gpu", "time": "120"}``.
+    """``["partition=gpu", "time=120"]`` → ``{"partition": "gpu", "time": "120"}``; ``job-name`` and
+    ``job_name`` are ``name``, ``cpus-per-task`` is ``cpus``; ``setup`` may repeat (one shell line each, run
+    in the job before keel starts: ``module load ...``, ``source .venv/bin/activate``), kept joined by newlines.
 
     Raises:
-        KeelError: an item without ``=``, an empty key, or a key given twice.
+        KeelError: an item without ``=``, an empty key, a key given twice, or a key keel sets itself
+            (``array``, ``output``, ``error``, ``signal``: the message names the keel setting instead).
     """
     out: dict[str, str] = {}
     for item in items:
         k, sep, v = item.partition("=")
-        if not sep or not k.strip():
+        k = _SLURM_ALIASES.get(k.strip(), k.strip())
+        if not sep or not k:
             raise KeelError(f"--slurm takes KEY=VALUE (e.g. partition=gpu, time=120), got {item!r}")
-        if k.strip() in out:
-            raise KeelError(f"--slurm {k.strip()} is given twice")
-        out[k.strip()] = v.strip()
+        if k in _KEEL_OWNS:
+            raise KeelError(f"--slurm {k}= is keel's to set: {_KEEL_OWNS[k]}")
+        if k == "setup" and v.strip():
+            out[k] = "\n".join(filter(None, [out.get(k, ""), v.strip()]))
+            continue
+        if k in out:
+            raise KeelError(f"--slurm {k} is given twice")
+        out[k] = v.strip()
     return out
 
 
 def slurm_parameters(ex: Executor) -> dict:
     """The submitit parameters of ``ex``: ``timeout_min`` (``time``, default :data:`DEFAULT_TIME_MIN`),
     ``gpus_per_node`` (``gpus``, default ``gpus_per_run`` on Slurm), ``tasks_per_node`` (``gpus_per_run``
-    processes per run when it is above 1), the :data:`SLURM_KEYS`, and
+    processes per run when it is above 1), the :data:`SLURM_KEYS` (``slurm_setup``: a list of lines;
+    ``slurm_max_num_timeout``: an argument of the executor, not a parameter: :func:`_make_executor`), and
     every other key in ``slurm_additional_parameters`` (sbatch ``--KEY=VALUE``).
 
     Raises:
-        KeelError: a numeric key (time, gpus, nodes, cpus, mem_gb, array_parallelism) that is not a
-            whole number >= 1 (gpus: >= 0).
+        KeelError: a numeric key (time, gpus, nodes, cpus, mem_gb, array_parallelism, signal_delay_s,
+            max_num_timeout) that is not a whole number >= 1 (gpus, max_num_timeout: >= 0); an empty ``name``.
     """
     params: dict = {"timeout_min": DEFAULT_TIME_MIN}
     if ex.gpus_per_run > 1:  # one process per GPU, each a task of the job (GridCall gives it its rank)
@@ -127,9 +188,13 @@ def slurm_parameters(ex: Executor) -> dict:
     extra = {}
     for k, v in ex.slurm.items():
         if k in _INT_KEYS:
-            if not v.isdigit() or (int(v) < 1 and k != "gpus"):
-                raise KeelError(f"--slurm {k}= must be a whole number{' >= 1' if k != 'gpus' else ''}, got {v!r}")
+            if not v.isdigit() or (int(v) < 1 and k not in _ZERO_OK):
+                raise KeelError(f"--slurm {k}= must be a whole number{'' if k in _ZERO_OK else ' >= 1'}, got {v!r}")
             params[SLURM_KEYS[k]] = int(v)
+        elif k == "setup":
+            params[SLURM_KEYS[k]] = [line for line in v.split("\n") if line.strip()]
+        elif k == "name" and not v:
+            raise KeelError("--slurm name= is empty; give the jobs' name, or leave it out (keel-STUDY-GROUP)")
         elif k in SLURM_KEYS:
             params[SLURM_KEYS[k]] = v
         else:
@@ -141,10 +206,44 @@ def slurm_parameters(ex: Executor) -> dict:
     return params
 
 
-def assign_devices(workers: int, per_run: int, count: int, share: bool = False) -> list[str | None]:
-    """The ``CUDA_VISIBLE_DEVICES`` of each of ``workers`` local workers on a machine with ``count``
-    GPUs, ``per_run`` each: worker i gets devices ``i*per_run .. i*per_run + per_run - 1``, or with
-    ``share`` (more workers than devices) the same ones round robin. No GPU: ``None`` each (CPU).
+def array_cap(ex: Executor, workers: int) -> int:
+    """How many runs of a grid run at once through submitit: ``--slurm array_parallelism=N`` where given,
+    else ``--workers`` (at least 1). On Slurm it is the job array's ``%N`` (Slurm holds the others queued)."""
+    given = ex.slurm.get("array_parallelism")
+    return int(given) if given else max(1, workers)
+
+
+def pool_words(ex: Executor, workers: int, threads: int | None) -> str:
+    """How a grid's runs go, for its first line: local worker processes, or submitit jobs at most
+    :func:`array_cap` at a time (Slurm: a job array), with their torch threads (None: each Slurm job's CPUs)."""
+    each = f"{threads} thread(s) each" if threads else "threads: each job's CPUs"
+    if ex.kind == "slurm":
+        return f"Slurm job array, at most {array_cap(ex, workers)} run(s) at a time, {each}"
+    if ex.kind == "submitit-local":
+        return f"submitit jobs on this machine, at most {array_cap(ex, workers)} at a time, {each}"
+    return f"{workers or 'no'} worker process(es), {each}"
+
+
+def job_cpus() -> int:
+    """CPUs this process may use: its affinity mask (``os.sched_getaffinity``; inside a Slurm job the
+    allocation's CPUs), at most ``SLURM_CPUS_PER_TASK`` where Slurm set it (a job's own request, read from
+    the allocation, not a keel setting), else ``os.cpu_count()``."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call (macOS)
+        n = os.cpu_count() or 1
+    per_task = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    return max(1, min(n, int(per_task)) if per_task.isdigit() and int(per_task) > 0 else n)
+
+
+def assign_devices(workers: int, per_run: int, count: int, share: bool = False,
+                   names: Sequence[str] | None = None) -> list[str | None]:
+    """The ``CUDA_VISIBLE_DEVICES`` of each of ``workers`` local workers (or submitit-local job slots) on a
+    machine where this process sees ``count`` GPUs, ``per_run`` each: worker i gets devices
+    ``i*per_run .. i*per_run + per_run - 1``, or with ``share`` (more workers than devices) the same ones
+    round robin. The devices are named as this process sees them, ``names`` (:func:`visible_devices`: an
+    inherited ``CUDA_VISIBLE_DEVICES=8,9,...`` gives the workers 8, 9, ..., never a GPU outside it); None:
+    ``0 .. count-1``. No GPU: ``None`` each (CPU).
 
     Raises:
         KeelError: ``workers * per_run > count`` without ``share``, or ``per_run > count``.
@@ -156,13 +255,23 @@ def assign_devices(workers: int, per_run: int, count: int, share: bool = False) 
     if workers * per_run > count and not share:
         raise KeelError(f"{workers} workers x {per_run} GPU(s) each need {workers * per_run} GPUs but this machine "
                         f"has {count}; lower --workers, or add --share-gpus to let workers share devices")
+    names = list(names)[:count] if names and len(names) >= count else [str(i) for i in range(count)]
     slots = count // per_run
-    return [",".join(str((i % slots) * per_run + d) for d in range(per_run)) for i in range(workers)]
+    return [",".join(names[(i % slots) * per_run + d] for d in range(per_run)) for i in range(workers)]
+
+
+def visible_devices() -> list[str] | None:
+    """The GPUs this process may use as a child's ``CUDA_VISIBLE_DEVICES`` names them: the entries of the
+    one it inherited (indices, or ``GPU-<uuid>`` / ``MIG-...`` names), in order; None where it inherited none
+    (every device, ``0 .. count-1``). The variable is CUDA's own selection, which keel keeps to."""
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if given is None else [d.strip() for d in given.split(",") if d.strip()]
 
 
 class GridCall:
     """The function a submitit job runs: one grid job (``execute(task, job, run_dir, resume)``, i.e.
-    :func:`keel.experiments.grid._execute`), with ``threads`` torch threads, under submitit's
+    :func:`keel.experiments.grid._execute`), with ``threads`` torch threads (None: the CPUs of the job's
+    own allocation, :func:`job_cpus`, not the login node's), under submitit's
     checkpointing protocol: stopped by :data:`PREEMPT_SIGNAL` (after the trainer checkpointed), it
     hands the signal to submitit's own handler, which calls :meth:`checkpoint` and requeues the job."""
 
@@ -172,8 +281,7 @@ class GridCall:
     def __call__(self, task: Callable, job, run_dir: str, resume: bool, threads: int | None) -> dict | None:
         import torch  # noqa: PLC0415 - in the job's own process
 
-        if threads:
-            torch.set_num_threads(threads)
+        torch.set_num_threads(threads or job_cpus())
         submitit_handler = signal.getsignal(PREEMPT_SIGNAL)
         rank = _join_as_torchrun_would()
         try:
@@ -210,18 +318,42 @@ def _join_as_torchrun_would() -> int:
     return env.global_rank
 
 
-def _make_executor(ex: Executor, folder: Path):
-    """A submitit executor writing into ``folder``."""
+def _make_executor(ex: Executor, folder: Path, threads: int | None, cap: int):
+    """A submitit executor writing into ``folder``: submitit-local's controllers each in a session of their
+    own (:func:`_own_sessions`); on Slurm a grid's runs go as one job array of at most ``cap`` at a time
+    (``slurm_array_parallelism``), each run asking for ``threads`` CPUs where ``--threads`` was given and
+    ``--slurm cpus=`` was not."""
     import submitit  # noqa: PLC0415 - only the submitit executors need it
 
     params = slurm_parameters(ex)
+    requeues = params.pop("slurm_max_num_timeout", 3)  # submitit's limit on requeues after a time limit
     if ex.kind == "submitit-local":
         params = {k: params[k] for k in ("timeout_min", "tasks_per_node") if k in params}
-        out = submitit.LocalExecutor(folder=folder)
+        out = submitit.LocalExecutor(folder=folder, max_num_timeout=requeues)
     else:
-        out = submitit.AutoExecutor(folder=folder, cluster="slurm")
+        if threads and "cpus_per_task" not in params:
+            params["cpus_per_task"] = threads
+        params.setdefault("slurm_array_parallelism", cap)
+        out = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=requeues)
     out.update_parameters(**params)
     return out
+
+
+@contextlib.contextmanager
+def _own_sessions():
+    """While submitit-local starts a job's controller, start it in a session of its own
+    (``start_new_session``): the terminal's Ctrl-C reaches the driver only, which passes one SIGTERM to
+    each job (the controller forwards it), instead of the job getting the terminal's SIGINT and then the
+    driver's SIGTERM (its second signal: stop at once, steps lost) and each controller printing a
+    ``KeyboardInterrupt`` traceback. Only the name ``subprocess`` in submitit's module is rebound."""
+    from submitit.local import local  # noqa: PLC0415
+
+    real = local.subprocess
+    local.subprocess = types.SimpleNamespace(Popen=functools.partial(subprocess.Popen, start_new_session=True))
+    try:
+        yield
+    finally:
+        local.subprocess = real
 
 
 def _load_ledger(out_dir: Path) -> dict:
@@ -240,6 +372,23 @@ def _save_ledger(out_dir: Path, kind: str, ledger: dict) -> None:
     atomic_write_text(out_dir / LEDGER_FILE, json.dumps({"executor": kind, "jobs": ledger}, indent=1))
 
 
+def check_ledger(out_dir: str | Path, kind: str) -> None:
+    """Refuse to run a grid folder's jobs with another executor than the one its job ledger names: a
+    ledger's job ids are Slurm's or (submitit-local) process ids, and a Slurm job still running would be
+    trained a second time here.
+
+    Raises:
+        KeelError: ``out_dir/jobs.json`` names another executor than ``kind``.
+    """
+    try:
+        was = json.loads((Path(out_dir) / LEDGER_FILE).read_text()).get("executor")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(was, str) and was != kind:
+        raise KeelError(f"{out_dir} was run with --executor {was} (its {LEDGER_FILE}), not {kind}; continue it "
+                        f"with --executor {was} (or leave --executor out), or use another --out")
+
+
 def _job_handle(kind: str, folder: Path, job_id: str):
     """A submitit job object for a job submitted earlier (by this process or another)."""
     import submitit  # noqa: PLC0415
@@ -253,34 +402,48 @@ def _task0(handle):
     return subs[0] if subs else handle
 
 
-def _live_state(kind: str, handle) -> str | None:
-    """The state of a job still queued or running (``queued``, ``running``, ...; Slurm: from its
-    state, local: its controller process runs), or None once it has ended. One look per call (Slurm:
-    one ``squeue``)."""
+def _live_state(kind: str, handle, entry: Mapping | None = None, listed: Mapping[str, str] | None = None) -> str | None:
+    """The state of a job still queued or running (``queued``, ``running``, ...; Slurm: from ``listed``, one
+    ``squeue`` for every job, :func:`_squeue`; local: its controller process runs and is still the one this
+    grid started, :func:`_our_controller`), or None once it has ended."""
     if _task0(handle).paths.result_pickle.exists():
         return None
     if kind == "slurm":
-        state = _slurm_state(handle)
+        state = _slurm_state(handle, listed)
         if state not in _ALIVE:
             return None
         return {"PENDING": "queued", "REQUEUED": "queued", "CONFIGURING": "queued"}.get(state, state.lower())
     if getattr(handle, "_process", None) is not None:  # submitted by this process
         return "running" if handle._process.poll() is None else None
     # submitted by an earlier invocation: its controller's pid is the job id
-    return "running" if _pid_runs(handle.job_id) else None
+    return "running" if _our_controller(handle.job_id, handle.paths.folder, (entry or {}).get("process")) else None
 
 
-def _slurm_state(handle) -> str:
+def _squeue(job_ids: Sequence[str]) -> dict[str, str]:
+    """``{job id: state}`` of the jobs of ``job_ids`` that ``squeue`` lists (queued, running, requeued), in
+    one call for every array (``-r``: an array's tasks one a line, ``A_i``); a job it does not list has left
+    the queue. Where one call for several arrays fails, each is asked on its own."""
+    mains = sorted({str(j).split("_")[0] for j in job_ids})
+    out: dict[str, str] = {}
+    for group in [mains] if len(mains) < 2 else [mains, *([m] for m in mains)]:
+        try:
+            r = subprocess.run(["squeue", "-h", "-r", "-j", ",".join(group), "-o", "%i|%T"], capture_output=True,
+                               text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if r.returncode == 0:
+            out.update(line.split("|", 1) for line in r.stdout.splitlines() if line.count("|") == 1)
+            if group is mains:
+                break
+    return out
+
+
+def _slurm_state(handle, listed: Mapping[str, str] | None = None) -> str:
     """A Slurm job's state: ``squeue``'s while the job is listed there (queued, running, requeued), else
     submitit's from ``sacct`` (COMPLETED, FAILED, ...), else ``GONE`` (no accounting database here)."""
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", str(handle.job_id), "-o", "%T"], capture_output=True,
-                             text=True, timeout=60)
-        listed = out.stdout.split() if out.returncode == 0 else []
-    except (OSError, subprocess.TimeoutExpired):
-        listed = []
-    if listed:
-        return listed[0]
+    listed = _squeue([handle.job_id]) if listed is None else listed
+    if str(handle.job_id) in listed:
+        return listed[str(handle.job_id)]
     state = str(handle.state).split()[0]
     return "GONE" if state == "UNKNOWN" else state
 
@@ -296,16 +459,70 @@ def _pid_runs(pid: str) -> bool:
     return True
 
 
-def _signal_job(handle) -> None:
-    """Pass a stop signal to a local job: its controller forwards SIGTERM to the job's process, which
-    finishes its step and checkpoints (the controller dies of the others)."""
-    with contextlib.suppress(OSError, ValueError):
-        os.kill(int(handle.job_id), signal.SIGTERM)
+def _process_identity(pid: int | str) -> str | None:
+    """``BOOT_ID:START`` of process ``pid``: this boot's id and the process's start time (clock ticks
+    after boot, field 22 of ``/proc/PID/stat``), which a reused PID or a reboot changes; None where
+    ``/proc`` cannot tell (the process is gone; not Linux)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{Path(f'/proc/{int(pid)}/stat').read_text().rsplit(')', 1)[1].split()[19]}"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _our_controller(job_id: str, folder: str | Path, identity: str | None) -> bool:
+    """Is process ``job_id`` (a submitit-local job's id is its controller's PID) still the controller this
+    grid started: running, its command line submitit's controller on ``folder`` (this grid's
+    ``submitit/``), and the process ``identity`` the ledger recorded (:func:`_process_identity`; an older
+    ledger has none)? A PID another program took since (the driver was killed, the machine rebooted;
+    a hand-edited ``1``) is not, and keel neither waits on it nor signals it."""
+    if not str(job_id).isdigit() or int(job_id) < 2 or not _pid_runs(job_id):
+        return False
+    try:
+        argv = Path(f"/proc/{int(job_id)}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return not Path("/proc/self").exists()  # no /proc (not Linux): the PID is all there is to go on
+    folders = {str(Path(folder).absolute()), str(Path(folder).resolve())}
+    if _CONTROLLER not in argv or not folders & set(argv):
+        return False
+    return identity is None or _process_identity(job_id) == identity
+
+
+def _signal_job(handle, entry: Mapping | None = None) -> None:
+    """Pass a stop request to a local job: SIGTERM to its controller, which forwards it to the job's
+    process (it finishes its step and checkpoints) -- only while the controller is still this grid's
+    (:func:`_our_controller`), never to a process that took its PID since."""
+    proc = getattr(handle, "_process", None)
+    if proc is not None:  # started by this process: Popen knows whether it has ended
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    elif _our_controller(handle.job_id, handle.paths.folder, (entry or {}).get("process")):
+        with contextlib.suppress(OSError):
+            os.kill(int(handle.job_id), signal.SIGTERM)
+
+
+def failure_words(text: str) -> str:
+    """What a job's failure says, from submitit's error text (the job's traceback between two lines of
+    dashes, then the paths of its logs): the exception's line, keel's own without the exception's class
+    and without a single run's resume hint (e.g. ``stopped by SIGTERM after step 186: checkpoint …
+    written``), another exception's as ``Class: message``."""
+    parts = text.split("-" * 22)
+    trace = parts[1] if len(parts) >= 3 else text
+    lines = [s for s in trace.strip().splitlines() if s.strip() and not s[0].isspace()]
+    if not lines:
+        return "no error message"
+    cls, sep, words = lines[-1].partition(": ")
+    if not sep or " " in cls:
+        return lines[-1]
+    if cls.startswith("keel."):
+        return words.split("; resume with:")[0]
+    return f"{cls.rsplit('.', 1)[-1]}: {words}"
 
 
 def _outcome(run_dir: Path, handle, read_result: Callable[[Path], dict | None]) -> dict:
     """The result of a job that ended: its ``result.json``, the dict the job returned (a task error),
-    or ``{"status": "error", ...}`` with what submitit says (an exception, a killed job)."""
+    or ``{"status": "error", ...}`` with what the job said (:func:`failure_words`; an exception, a stop
+    signal) and where its error log is, or that it left nothing (killed)."""
     r = read_result(run_dir)
     if r is not None:
         return r
@@ -320,9 +537,18 @@ def _outcome(run_dir: Path, handle, read_result: Callable[[Path], dict | None]) 
             return out
         message = f"the job returned {out!r}, not a result"
     except Exception as e:  # noqa: BLE001 - submitit's UncompletedJobError / FailedJobError: recorded
-        lines = [s for s in str(e).strip().splitlines() if s.strip()]
-        message = f"job {handle.job_id} ended without a result: {lines[-1] if lines else type(e).__name__}"
+        message = f"job {handle.job_id} ended without a result: {failure_words(str(e))} (log: {first.paths.stderr})"
     return {"name": run_dir.name, "status": "error", "message": message, "wall_s": 0.0}
+
+
+def _starts(handle) -> int:
+    """How many times a job started: submitit's ``Starting with JobEnvironment`` lines in its first task's
+    log (the log is appended to across a requeue, on Slurm and on this machine alike)."""
+    try:
+        with open(_task0(handle).paths.stdout, errors="replace") as f:
+            return sum("Starting with JobEnvironment" in line for line in f)
+    except OSError:
+        return 0
 
 
 @dataclass
@@ -334,97 +560,228 @@ class _Submitted:
     ledger: dict
     handles: dict = field(default_factory=dict)  # run name -> submitit job, while it is queued or running
     shown: dict = field(default_factory=dict)  # run name -> the state last logged
+    stopped: list = field(default_factory=list)  # after a stop request: what each running job said as it ended
+    cap: int = 1  # runs at once (array_cap)
 
-    def record(self, name: str, state: str, job_id: str | None = None) -> None:
-        """Note ``state`` of run ``name`` (a new submission when ``job_id`` is given) in the ledger
-        and log it when it changed."""
+    def record(self, name: str, state: str, job_id: str | None = None, detail: str = "", **fields) -> None:
+        """Note ``state`` of run ``name`` (a new submission when ``job_id`` is given; ``fields``: more of its
+        ledger entry) in the ledger and log it (with ``detail``) when it changed."""
         if job_id is not None:
             attempts = self.ledger.get(name, {}).get("attempts", 0)
             self.ledger[name] = {"job_id": job_id, "attempts": attempts + 1 if isinstance(attempts, int) else 1}
         entry = self.ledger[name]
-        entry.update(state=state, updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        entry.update(state=state, updated=time.strftime("%Y-%m-%dT%H:%M:%S"), **fields)
         _save_ledger(self.out_dir, self.ex.kind, self.ledger)
-        if self.shown.get(name) != state:
+        if self.shown.get(name) != state or detail:
             self.shown[name] = state
-            _log.info(f"  {name}: {state} (job {entry['job_id']})")
+            _log.info(f"  {name}: {state} (job {entry['job_id']})" + (f": {detail}" if detail else ""))
+
+    def note_requeues(self, name: str, handle) -> None:
+        """Count a requeue of a running job (submitit requeued it: a time limit, a preemption) in its ledger
+        entry's ``attempts`` (and ``requeued``), with a line."""
+        entry = self.ledger[name]
+        requeued = max(0, _starts(handle) - 1)
+        if requeued > entry.get("requeued", 0) and isinstance(entry.get("attempts"), int):
+            entry["attempts"] += requeued - entry.get("requeued", 0)
+            self.record(name, entry.get("state", "running"), detail=f"requeued (attempt {entry['attempts']})",
+                        requeued=requeued)
 
 
 def run_submitit(execute: Callable, task: Callable, todo: list, out_dir: Path, ex: Executor, workers: int,
                  threads: int | None, report: Callable[[object, dict], None], resumed: Callable[[object], bool],
-                 read_result: Callable[[Path], dict | None]) -> None:
+                 read_result: Callable[[Path], dict | None], devices: Sequence[str | None] = ()) -> None:
     """Run the grid jobs ``todo`` as submitit jobs of ``ex`` (see the module docstring), calling
-    ``report(job, result)`` as each ends; with ``submitit-local`` at most ``max(1, workers)`` at a time.
+    ``report(job, result)`` as each ends, at most :func:`array_cap` at a time: on Slurm one job array
+    (``%cap``) per submission, with ``submitit-local`` that many jobs, job slot i seeing the GPUs
+    ``devices[i]`` (:func:`assign_devices`; None: the CPU).
 
     Args:
         execute: :func:`keel.experiments.grid._execute` (taken as an argument: this module is below
             the grid).
+        threads: torch threads of each run; None (Slurm only): each job's allocation (:func:`job_cpus`).
         read_result: the ``result.json`` of a run folder, or None (:func:`keel.experiments.grid.cached_result`).
     Raises:
+        KeelError: the folder's ledger names another executor (:func:`check_ledger`).
         Interrupted: SIGINT / SIGTERM to this process. Slurm jobs keep running (``--resume`` waits for
-            them); local jobs get the signal, finish their step and checkpoint.
+            them); each local job gets one SIGTERM and says how it stopped (its checkpoint), one line each.
     """
-    folder = out_dir / SUBMITIT_DIR
-    executor = _make_executor(ex, folder)
-    st = _Submitted(ex, out_dir, _load_ledger(out_dir))
-    waiting = list(todo)
-    for job in list(waiting):  # submitted by an earlier invocation and still queued or running: wait for it
-        entry = st.ledger.get(job.name)
-        if entry is not None:
-            handle = _job_handle(ex.kind, folder, entry["job_id"])
-            state = _live_state(ex.kind, handle)
-            if state is not None:
-                st.handles[job.name] = handle
-                waiting.remove(job)
-                st.record(job.name, state)
-    limit = max(1, workers) if ex.kind == "submitit-local" else len(todo)
+    check_ledger(out_dir, ex.kind)
+    cap = array_cap(ex, workers)
+    executor = _make_executor(ex, out_dir / SUBMITIT_DIR, threads, cap)
+    st = _Submitted(ex, out_dir, _load_ledger(out_dir), cap=cap)
+    waiting = _reattach(st, todo)
+    slots = _Slots(list(devices) or [None] * cap, {n: st.ledger[n].get("devices") for n in st.handles})
     by_name = {j.name: j for j in todo}
 
     def stop(signum: int) -> None:
         waiting.clear()  # nothing new starts
         if ex.kind != "slurm":  # local jobs stop cleanly (they checkpoint); Slurm ones keep running
-            for h in st.handles.values():
-                _signal_job(h)
+            for name, h in list(st.handles.items()):
+                _signal_job(h, st.ledger.get(name))
 
     with passing_on_stop_signals(stop) as received:
         while waiting or st.handles:
-            while waiting and len(st.handles) < limit:
-                _submit(executor, execute, task, waiting.pop(0), st, resumed, threads)
-            _collect(st, by_name, report, read_result, stop_only=bool(received))
+            if waiting and ex.kind == "slurm":
+                _submit_array(executor, execute, task, waiting, st, resumed, threads)
+                waiting.clear()
+            while waiting and len(st.handles) < cap:
+                _submit(executor, execute, task, waiting.pop(0), st, resumed, threads, slots)
+            _collect(st, by_name, report, read_result, stop_only=bool(received), slots=slots)
             if waiting or st.handles:
                 time.sleep(ex.poll_s)
     if received:
-        left = ("the Slurm jobs keep running; the same command with --resume waits for them"
-                if ex.kind == "slurm" else "each running job finished its step and checkpointed its run")
-        raise Interrupted(f"stopped by {signal.Signals(received[0]).name} ({left}; jobs list: {out_dir / LEDGER_FILE}); "
-                          f"continue: the same command with --resume (out {out_dir})", received[0])
+        raise Interrupted(f"stopped by {signal.Signals(received[0]).name} ({_stop_words(ex, st, received)}; jobs "
+                          f"list: {out_dir / LEDGER_FILE}); continue: the same command with --resume (out {out_dir})",
+                          received[0])
 
 
-def _submit(executor, execute: Callable, task: Callable, job, st: _Submitted, resumed: Callable, threads) -> None:
-    """Submit one grid job, noting a resubmission of a job that ended without a result."""
+def _reattach(st: _Submitted, todo: list) -> list:
+    """Wait for the jobs of ``todo`` that an earlier invocation submitted and that are still queued or
+    running (into ``st.handles``, one status line each); return the rest, to submit. A ledger's
+    submitit-local job id whose process is not this grid's controller any more is not waited for (a
+    line says so): the run is submitted again."""
+    folder = st.out_dir / SUBMITIT_DIR
+    known = [j for j in todo if j.name in st.ledger]
+    listed = _squeue([st.ledger[j.name]["job_id"] for j in known]) if st.ex.kind == "slurm" and known else {}
+    waiting = list(todo)
+    for job in known:
+        entry = st.ledger[job.name]
+        handle = _job_handle(st.ex.kind, folder, entry["job_id"])
+        state = _live_state(st.ex.kind, handle, entry, listed)
+        if state is not None:
+            st.handles[job.name] = handle
+            waiting.remove(job)
+            st.record(job.name, state)
+        elif st.ex.kind != "slurm" and _pid_runs(entry["job_id"]) and not _task0(handle).paths.result_pickle.exists():
+            entry["state"] = "gone"
+            _log.info(f"  {job.name}: job {entry['job_id']}'s process id belongs to another program now (the job "
+                      "ended with its driver, or the machine restarted): not waiting on it, nor signalling it")
+    return waiting
+
+
+@dataclass
+class _Slots:
+    """The devices of submitit-local's job slots (``devices[i]``, or None: the CPU) and which run holds each."""
+
+    devices: list
+    held: dict  # run name -> the devices the ledger recorded for it (a job an earlier invocation started)
+    taken: dict = field(default_factory=dict)  # run name -> slot index
+
+    def __post_init__(self) -> None:
+        for name, dev in self.held.items():
+            self.take(name, dev)
+
+    def take(self, name: str, prefer: str | None = None) -> str | None:
+        """A free slot for run ``name`` (the one with devices ``prefer`` where free); its devices."""
+        free = [i for i in range(len(self.devices)) if i not in self.taken.values()] or [0]
+        i = next((i for i in free if self.devices[i] == prefer), free[0])
+        self.taken[name] = i
+        return self.devices[i]
+
+    def free(self, name: str) -> None:
+        self.taken.pop(name, None)
+
+
+def job_name(ex: Executor, out_dir: Path, run: str | None = None) -> str:
+    """The Slurm job name of a grid's submission: ``--slurm name=`` where given, else ``keel-LABEL-GROUP``
+    (the study and the grid folder) for a job array, ``keel-LABEL-GROUP-RUN`` for a job of one run."""
+    given = ex.slurm.get("name")
+    if given:
+        return given
+    return "-".join(filter(None, ["keel", ex.label, out_dir.absolute().name, run]))
+
+
+def _note_resubmission(st: _Submitted, job) -> None:
     old = st.ledger.get(job.name)
     if old is not None:
         _log.info(f"  {job.name}: job {old['job_id']} ended ({old.get('state', '?')}) without a result: "
                   "submitting it again (it resumes from its last checkpoint)")
-    run_dir = str(st.out_dir / job.name)
-    handle = executor.submit(GridCall(execute), task, job, run_dir, resumed(job), threads)
+
+
+def _submit(executor, execute: Callable, task: Callable, job, st: _Submitted, resumed: Callable, threads,
+            slots: _Slots) -> None:
+    """Submit one grid job to submitit-local in a free job slot (its GPUs: ``visible_gpus``), noting a
+    resubmission of a job that ended without a result; the ledger keeps the controller's process identity."""
+    _note_resubmission(st, job)
+    devices = slots.take(job.name)
+    if devices is not None:
+        executor.update_parameters(gpus_per_node=len(devices.split(",")), visible_gpus=_indices(devices))
+    with _own_sessions():
+        handle = executor.submit(GridCall(execute), task, job, str(st.out_dir / job.name), resumed(job), threads)
     st.handles[job.name] = handle
-    st.record(job.name, "queued", str(handle.job_id))
+    st.record(job.name, "queued", str(handle.job_id), process=_process_identity(handle.job_id), devices=devices)
 
 
-def _collect(st: _Submitted, by_name: dict, report: Callable, read_result: Callable, stop_only: bool) -> None:
-    """Log state changes; report (and forget) the jobs that ended. ``stop_only`` (the driver got a
-    stop signal and passed it on): a local job that ends without a result checkpointed its run and
-    is ``stopped``, not ``failed``."""
+def _indices(devices: str) -> list[int]:
+    """``"8,9"`` → ``[8, 9]``: submitit-local sets its jobs' ``CUDA_VISIBLE_DEVICES`` from indices.
+
+    Raises:
+        KeelError: devices named otherwise (an inherited ``CUDA_VISIBLE_DEVICES`` of ``GPU-<uuid>`` names).
+    """
+    try:
+        return [int(d) for d in devices.split(",")]
+    except ValueError:
+        raise KeelError(f"submitit-local gives its jobs GPUs by index, but CUDA_VISIBLE_DEVICES names them "
+                        f"({devices}); set it to indices, or use --executor local") from None
+
+
+def _submit_array(executor, execute: Callable, task: Callable, jobs: list, st: _Submitted, resumed: Callable,
+                  threads) -> None:
+    """Submit grid jobs to Slurm as one job array (Slurm runs at most the executor's
+    ``slurm_array_parallelism`` of its tasks at once), named by :func:`job_name`; one ledger line per run
+    (job id ``ARRAY_TASK``)."""
+    for job in jobs:
+        _note_resubmission(st, job)
+    executor.update_parameters(name=job_name(st.ex, st.out_dir, jobs[0].name if len(jobs) == 1 else None))
+    with executor.batch():
+        handles = [executor.submit(GridCall(execute), task, job, str(st.out_dir / job.name), resumed(job), threads)
+                   for job in jobs]
+    if len(jobs) > 1:
+        _log.info(f"  submitted job array {str(handles[0].job_id).split('_')[0]} ({len(jobs)} runs, at most "
+                  f"{min(st.cap, len(jobs))} at a time, job name {job_name(st.ex, st.out_dir)})")
+    for job, handle in zip(jobs, handles):
+        st.handles[job.name] = handle
+        st.record(job.name, "queued", str(handle.job_id))
+
+
+def _collect(st: _Submitted, by_name: dict, report: Callable, read_result: Callable, stop_only: bool,
+             slots: _Slots | None = None) -> None:
+    """Log state changes and requeues; report (and forget) the jobs that ended. ``stop_only`` (the driver
+    got a stop signal and passed it on): a local job that ends without a result is ``stopped``, not
+    ``failed``, with its own words (its checkpoint, or that it had none)."""
+    listed = _squeue([h.job_id for h in st.handles.values()]) if st.ex.kind == "slurm" and st.handles else {}
     for name, handle in list(st.handles.items()):
-        state = _live_state(st.ex.kind, handle)
+        state = _live_state(st.ex.kind, handle, st.ledger.get(name), listed)
         if state is not None and not (st.ex.kind == "slurm" and stop_only):
             st.record(name, state)
+            st.note_requeues(name, handle)
             continue
+        del st.handles[name]
+        if slots is not None:
+            slots.free(name)
         if state is not None:  # stopped: Slurm jobs are left running, in the ledger
-            del st.handles[name]
             continue
         r = _outcome(st.out_dir / name, handle, read_result)
-        del st.handles[name]
-        st.record(name, "done" if r.get("status") == "done" else "stopped" if stop_only else "failed")
-        if not (stop_only and r.get("status") != "done"):
-            report(by_name[name], r)
+        if stop_only and r.get("status") != "done":
+            words = r.get("message", "").split(" ended without a result: ", 1)[-1].split(" (log: ")[0]
+            st.stopped.append(words)
+            st.record(name, "stopped", detail=words)
+            continue
+        st.record(name, "done" if r.get("status") == "done" else "failed")
+        report(by_name[name], r)
+
+
+def _stop_words(ex: Executor, st: _Submitted, received: list[int]) -> str:
+    """What a stop request did to the grid's jobs, as it happened: Slurm's keep running; local ones,
+    how many checkpointed after their step (each said how it stopped, one line each above)."""
+    if ex.kind == "slurm":
+        return "the Slurm jobs keep running; the same command with --resume waits for them"
+    n = len(st.stopped)
+    saved = sum("checkpoint" in w and "written" in w for w in st.stopped)
+    if n == 0:
+        return "no job was running"
+    if saved == n:
+        return f"{'the running job' if n == 1 else f'each of the {n} running jobs'} finished its step and checkpointed"
+    more = f"; a second {signal.Signals(received[-1]).name} stops jobs at once" if len(received) > 1 else ""
+    return (f"{saved} of {plural(n, 'running job')} checkpointed after its step, the others stopped without a new "
+            f"checkpoint (see above; each resumes from its last one){more}")

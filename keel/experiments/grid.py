@@ -27,7 +27,9 @@ job's ``run.log``; a ``note`` in its result is shown on the grid's progress line
 returns a JSON-serialisable dict, stored as ``result.json`` together with
 ``name``, ``values``, ``status = "done"`` and ``wall_s`` (seconds in the task). A task
 that raises is recorded as ``status = "error"`` with the message, is *not* cached (it
-runs again on ``--resume``), and does not stop the other jobs. A task that should
+runs again on ``--resume``), and does not stop the other jobs; so is a job whose worker process
+died (killed by SIGKILL, e.g. by the out-of-memory killer: :mod:`keel.experiments.pool`). An error
+that stops a run (a full disk, no memory) is such an error, never a result. A task that should
 treat an expected failure (e.g. ``keel.train.TrainingStopped``) as a result catches it
 itself and returns it.
 
@@ -43,13 +45,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import multiprocessing
 import os
 import signal
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -57,8 +57,10 @@ import torch
 
 from keel.config import config_from_dict
 from keel.errors import Interrupted, KeelError, plural
-from keel.experiments.executor import Executor, assign_devices, run_submitit
-from keel.io import STOP_SIGNALS, atomic_write_text, die_with_parent, make_dirs, passing_on_stop_signals
+from keel.experiments.executor import (Executor, assign_devices, check_ledger, pool_words, run_submitit,
+                                       visible_devices)
+from keel.experiments.pool import LocalPool
+from keel.io import STOP_SIGNALS, atomic_write_text, die_with_parent, make_dirs, remove_empty_dirs
 
 _log = logging.getLogger(__name__)  # progress lines ("[3/12] name: done in 41 s")
 
@@ -185,23 +187,22 @@ def _worker_signal(signum, frame) -> None:
         raise KeyboardInterrupt
 
 
-def _init_worker(threads: int, devices=None) -> None:
-    """Process-pool initializer: limit intra-op threads so workers x threads ~ cores; the
-    worker dies with the grid process. It runs in its own process group, so a terminal's
+def _init_worker(threads: int, device: str | None = None) -> None:
+    """A grid worker's initializer (:class:`keel.experiments.pool.LocalPool`): limit intra-op threads
+    so workers x threads ~ cores; the worker dies with the grid process. It runs in its own process group, so a terminal's
     Ctrl-C reaches only the grid process, which passes the signal on to each worker
     (:func:`_run_in_workers`). In the training loop the trainer's handler takes it (the run
     finishes its step and is checkpointed); outside it (a job starting up: data, model) the
     job stops at once, as there is nothing to checkpoint yet; between jobs it is recorded and
-    no further job starts. ``devices``: a queue of ``CUDA_VISIBLE_DEVICES`` values, one per worker
+    no further job starts. ``device``: this worker's ``CUDA_VISIBLE_DEVICES``
     (:func:`keel.experiments.executor.assign_devices`; None on a machine without GPUs)."""
-    dev = devices.get() if devices is not None else None
-    if dev is not None:  # before anything touches CUDA in this process
-        os.environ["CUDA_VISIBLE_DEVICES"] = dev
+    if device is not None:  # before anything touches CUDA in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = device
     die_with_parent(signal.SIGKILL)  # a kill -9 of the grid: no worker left behind (it would hang)
     os.setpgrp()
     for s in STOP_SIGNALS:
         signal.signal(s, _worker_signal)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked since spawn (_run_in_workers)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked since spawn (keel.experiments.pool)
     _WORKER.append(os.getpid())
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MKL_NUM_THREADS"] = str(threads)
@@ -366,7 +367,7 @@ def worker_devices(workers: int, executor: Executor) -> list[str | None]:
     Raises:
         KeelError: more workers x GPUs per run than GPUs, without ``share_gpus``.
     """
-    return assign_devices(max(1, workers), executor.gpus_per_run, gpu_count(), executor.share_gpus)
+    return assign_devices(max(1, workers), executor.gpus_per_run, gpu_count(), executor.share_gpus, visible_devices())
 
 
 def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, workers: int = 1,
@@ -379,11 +380,13 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
         out_dir: parent folder of the job folders.
         task: ``task(job, run_dir, resume) -> dict``, a module-level function; it reports
             progress through ``logging`` (the ``keel`` loggers go to the job's ``run.log`` meanwhile).
-        workers: worker processes (``ProcessPoolExecutor`` with the ``spawn`` start method);
-            0 runs the jobs one after another in this process (debugging, tests).
+        workers: worker processes (:class:`keel.experiments.pool.LocalPool`, ``spawn`` start method);
+            0 runs the jobs one after another in this process (debugging, tests). With a submitit
+            executor: runs at once (:func:`keel.experiments.executor.array_cap`; Slurm: the job array's cap).
         resume: continue a non-empty ``out_dir`` (finished jobs are skipped, interrupted
             ones are resumed); without it a non-empty ``out_dir`` is an error.
-        threads: torch intra-op threads per worker; default ``max(1, cores // workers)``.
+        threads: torch intra-op threads per worker; default ``max(1, cores // workers)``, on Slurm the CPUs
+            of each job's allocation (and given, the CPUs each job asks for).
         check: ``check(job)`` raises KeelError for a job that must not start (e.g.
             :func:`keel.experiments.sweep.check_train_job`); every job to run is checked before
             the first starts, so one bad job stops the grid before anything is written.
@@ -397,16 +400,19 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
     """
     check_pool(workers, threads)
     executor = executor or Executor()
-    devices = worker_devices(workers, executor) if executor.kind == "local" else []
+    devices = worker_devices(workers, executor) if executor.kind != "slurm" else []
     out_dir = Path(out_dir)
     done, todo = plan_grid(jobs, out_dir, resume, check)
+    if todo:  # a ledger's job ids are another executor's: refused before anything is written
+        check_ledger(out_dir, executor.kind)
     make_dirs(out_dir)
     atomic_write_text(out_dir / GRID_FILE, json.dumps([asdict(j) for j in jobs], indent=1))
     results: dict[str, dict] = {j.name: cached_result(out_dir / j.name) for j in done}
     n_workers = max(1, workers)
-    threads = threads or max(1, (os.cpu_count() or 1) // n_workers)
+    if executor.kind != "slurm":  # a Slurm job takes its own allocation's CPUs (executor.job_cpus)
+        threads = threads or max(1, (os.cpu_count() or 1) // n_workers)
     _log.info(f"grid: {plural(len(jobs), 'run')}, {len(done)} finished already, {len(todo)} to run "
-              f"({workers or 'no'} worker process(es), {threads} thread(s) each), out {out_dir}")
+              f"({pool_words(executor, workers, threads)}), out {out_dir}")
     count = [len(done)]
 
     def report(job: GridJob, r: dict) -> None:
@@ -420,7 +426,8 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
         return (out_dir / job.name).exists()
 
     if todo and executor.kind != "local":
-        run_submitit(_execute, task, todo, out_dir, executor, workers, threads, report, resumed, cached_result)
+        run_submitit(_execute, task, todo, out_dir, executor, workers, threads, report, resumed, cached_result,
+                     devices)
     elif todo and workers == 0:
         for job in todo:
             report(job, _execute(task, job, str(out_dir / job.name), resumed(job)))
@@ -432,8 +439,14 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
 def _run_in_workers(task: Task, todo: list[GridJob], out_dir: Path, workers: int, threads: int,
                     report: Callable[[GridJob, dict], None], resumed: Callable[[GridJob], bool],
                     devices: Sequence[str | None] = ()) -> None:
-    """Run ``todo`` in ``workers`` spawned processes, calling ``report(job, result)`` as each ends;
-    worker i sees the GPUs ``devices[i]`` (``CUDA_VISIBLE_DEVICES``) where that is not None.
+    """Run ``todo`` in ``workers`` spawned processes (:class:`keel.experiments.pool.LocalPool`),
+    calling ``report(job, result)`` as each ends; worker i sees the GPUs ``devices[i]``
+    (``CUDA_VISIBLE_DEVICES``) where that is not None.
+
+    A worker that dies (killed by SIGKILL, as the out-of-memory killer does) fails its job only:
+    it is reported as an error naming the signal (not cached: ``--resume`` runs it again), a
+    new worker takes its place and the other jobs go on (it was a ``BrokenProcessPool``
+    traceback that abandoned the rest of the grid).
 
     The first SIGINT or SIGTERM to the grid process stops the grid cleanly: jobs not started
     are cancelled, and each worker gets the same signal, so a running job finishes its step
@@ -442,41 +455,25 @@ def _run_in_workers(task: Task, todo: list[GridJob], out_dir: Path, workers: int
 
     Raises:
         Interrupted: stopped by SIGINT / SIGTERM (``--resume`` continues every run).
+        KeelError: no worker process can be started (e.g. ``ulimit -n``), in one line.
     """
-    ctx = multiprocessing.get_context("spawn")
-    futures: dict = {}
-    queue = None
-    if any(d is not None for d in devices):
-        queue = ctx.SimpleQueue()
-        for d in devices:
-            queue.put(d)
+    devices = list(devices) or [None]
+    pool = LocalPool(workers, _init_worker, [(threads, devices[i % len(devices)]) for i in range(workers)])
 
-    def stop(signum: int) -> None:  # each signal is passed on: a second one stops the jobs at once
-        for fut in futures:
-            fut.cancel()
-        for proc in multiprocessing.active_children():  # this pool's workers
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signum)
+    def died(job: GridJob, why: str, wall_s: float) -> None:
+        message = f"{why}; --resume runs it again"
+        with contextlib.suppress(OSError), open(out_dir / job.name / LOG_FILE, "a") as logf:
+            logf.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {job.name} failed: {message}\n")
+        report(job, {"name": job.name, "values": job.values, "status": "error", "message": message, "wall_s": wall_s})
 
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(threads, queue)) as ex, passing_on_stop_signals(stop) as received:
-        # The workers are spawned by submit() with SIGINT / SIGTERM blocked (the mask is inherited):
-        # a Ctrl-C to the process group while a worker imports torch stays pending until
-        # _init_worker has its handler in place (it was a KeyboardInterrupt there: a broken pool).
-        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-        try:
-            futures.update({ex.submit(_execute, task, job, str(out_dir / job.name), resumed(job)): job for job in todo})
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-        try:
-            for fut in as_completed(futures):
-                if received and (fut.cancelled() or isinstance(fut.exception(), (Interrupted, KeyboardInterrupt))):
-                    continue  # stopped on purpose: checkpointed (or never started), resumed by --resume
-                report(futures[fut], fut.result())
-        except BaseException:
-            for fut in futures:
-                fut.cancel()
-            raise
+    try:
+        received = pool.run([(job, _execute, (task, job, str(out_dir / job.name), resumed(job))) for job in todo],
+                            report, died)
+    except KeelError:  # no worker could start: where no run of the grid exists, its grid.json is all it wrote
+        if not any(p.is_dir() for p in out_dir.iterdir()):
+            (out_dir / GRID_FILE).unlink(missing_ok=True)
+            remove_empty_dirs([out_dir])
+        raise
     if received:
         name = signal.Signals(received[0]).name
         how = ("each running job finished its step and checkpointed its run" if len(received) == 1 else

@@ -81,13 +81,13 @@ def preset_study(name: str, config: str | None, sets: Sequence[Override], group:
 
 def _done(report: dict) -> list[dict]:
     """The finished runs' grid results (``result.json``) of an engine report, in run order."""
-    return [r["result"] for r in report["records"] if r["status"] == "done"]
+    return [r.result for r in report["records"] if r.status == "done"]
 
 
 def _errors(report: dict) -> list[dict]:
     """The failed runs of an engine report, as grid results (``status``, ``message``)."""
-    return [{"name": r["name"], "values": r["values"], "status": "error", "message": r.get("message")}
-            for r in report["runs"] if r["status"] == "error"]
+    return [{"name": r.name, "values": r.values, "status": "error", "message": r.message}
+            for r in report["records"] if r.status == "error"]
 
 
 def _require_finished(out: Path, names: Sequence[str], what: str) -> list[str]:
@@ -223,7 +223,7 @@ def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Se
     summary = {"config": str(resolve_config_path(config)), "sets": list(sets), "schemes": list(schemes),
                "sublayers": list(sublayers), "lrs": lrs, "seeds": list(seeds), "unigram_entropy": h1,
                "plateau_level": Thresholds().plateau_level(h1), "runs": results}
-    summary["cells"] = LS.summarise(results, schemes, sublayers, lrs, seeds, summary["plateau_level"])
+    summary["cells"] = LS.summarise(report["records"], schemes, sublayers, lrs, seeds, summary["plateau_level"])
     atomic_write_text(out / LS.OUT_JSON, json.dumps(summary, indent=1, default=str))
     atomic_write_text(out / LS.OUT_MD, LS.markdown(summary))  # sensitivity.png: the engine's plot (LS.plot)
     return summary

@@ -44,6 +44,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from keel.errors import KeelError, plural
+from keel.experiments.analysis import lowest, mean_sd, pair
+from keel.experiments.record import RunRecord
+from keel.experiments.table import markdown_table
 from keel.train.plots import plt, save_figure
 
 OUT_JSON, OUT_MD, OUT_PNG = "sensitivity.json", "sensitivity.md", "sensitivity.png"
@@ -72,38 +75,38 @@ def lr_sensitivity(losses: Sequence[float | None], init_loss: float) -> float:
     return sum(c - best for c in capped) / len(capped)
 
 
-def _mean_sd(xs: Sequence[float]) -> tuple[float | None, float | None]:
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return None, None
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
-
-
-def _final_loss(run: dict) -> float | None:
-    v = run.get("final_val_loss") if run.get("status") == "done" else None
+def _final_loss(run: RunRecord) -> float | None:
+    v = run.final_val_loss if run.status == "done" else None
     return v if v is not None and math.isfinite(v) else None
 
 
-def seed_curve(runs: Sequence[dict], lrs: Sequence[float]) -> dict | None:
+def as_records(runs: Sequence[RunRecord | dict]) -> list[RunRecord]:
+    """``runs`` as run records: a grid job's ``result.json`` content (a dict, as
+    :func:`keel.experiments.study.run.transferred_lrs` still passes) is read by
+    :meth:`RunRecord.from_result`."""
+    return [r if isinstance(r, RunRecord) else RunRecord.from_result(r) for r in runs]
+
+
+def seed_curve(runs: Sequence[RunRecord | dict], lrs: Sequence[float]) -> dict | None:
     """Numbers of one (scheme, depth, seed) over the LR grid, or None until every LR finished.
 
-    ``runs`` are grid results (sweep run summaries) of that curve. Returns ``losses`` (per
-    LR; None = no finite final loss), ``capped`` (``min(l, l0)``, diverged = ``l0``),
-    ``init_loss`` (mean step-0 validation loss of the runs), ``opt_lr``, ``best_loss``,
+    ``runs`` are the run records of that curve (or grid results: :func:`as_records`). Returns
+    ``losses`` (per LR; None = no finite final loss), ``capped`` (``min(l, l0)``, diverged =
+    ``l0``), ``init_loss`` (mean step-0 validation loss of the runs), ``opt_lr``, ``best_loss``,
     ``sensitivity`` (:func:`lr_sensitivity`).
     """
-    by_lr = {r["values"]["train.lr"]: r for r in runs if r.get("status") == "done"}
+    by_lr = {r.lr: r for r in as_records(runs) if r.status == "done"}
     lrs = sorted(lrs)
     if any(lr not in by_lr for lr in lrs):
         return None
-    inits = [by_lr[lr].get("first_val_loss") for lr in lrs]
+    inits = [by_lr[lr].first_val_loss for lr in lrs]
     inits = [x for x in inits if x is not None and math.isfinite(x)]
     if not inits:
         return None
     l0 = statistics.fmean(inits)
     losses = [_final_loss(by_lr[lr]) for lr in lrs]
     capped = [min(x, l0) if x is not None else l0 for x in losses]
-    i = min(range(len(lrs)), key=capped.__getitem__)
+    i = lowest(capped, float)
     return {"losses": losses, "capped": capped, "init_loss": l0, "opt_lr": lrs[i], "best_loss": capped[i],
             "sensitivity": lr_sensitivity(losses, l0)}
 
@@ -123,33 +126,32 @@ def cell_summary(curves: Sequence[dict], lrs: Sequence[float]) -> dict:
     if not curves:
         return out
     for key in ("best_loss", "sensitivity", "init_loss"):
-        out[key], out[f"{key}_sd"] = _mean_sd([c[key] for c in curves])
+        out[key], out[f"{key}_sd"] = mean_sd([c[key] for c in curves])
     log_opt = [math.log10(c["opt_lr"]) for c in curves]
-    out["log10_opt_lr"], out["log10_opt_lr_sd"] = _mean_sd(log_opt)
+    out["log10_opt_lr"], out["log10_opt_lr_sd"] = mean_sd(log_opt)
     out["seed_opt_lrs"] = [c["opt_lr"] for c in curves]
     out["seed_max_lr_past_plateau"] = [c.get("max_lr_past_plateau") for c in curves]
     mean_curve = [statistics.fmean(c["capped"][i] for c in curves) for i in range(len(lrs))]
-    i = min(range(len(lrs)), key=mean_curve.__getitem__)
+    i = lowest(mean_curve, float)
     out.update(mean_curve=mean_curve, opt_lr=lrs[i], at_edge=i in (0, len(lrs) - 1) and len(lrs) > 1)
     return out
 
 
 # ----------------------------------------------------------------------------- grid
-def summarise(results: Sequence[dict], schemes: Sequence[str], sublayers: Sequence[int],
+def summarise(runs: Sequence[RunRecord | dict], schemes: Sequence[str], sublayers: Sequence[int],
               lrs: Sequence[float], seeds: Sequence[int], plateau_level: float | None = None) -> list[dict]:
-    """One row per (depth, scheme), in the given order: ``sublayers``, ``scheme``,
+    """One row per (depth, scheme) of the run records ``runs`` (or grid results: :func:`as_records`),
+    in the given order: ``sublayers``, ``scheme``,
     ``seeds`` (``{seed: seed_curve}`` for the seeds whose curve is complete, each with
     ``max_lr_past_plateau`` = :func:`max_lr_below` ``plateau_level`` when that is given) and
     the :func:`cell_summary` fields."""
-    lrs = sorted(lrs)
+    lrs, runs = sorted(lrs), as_records(runs)
     rows = []
     for L in sublayers:
         for s in schemes:
             per_seed = {}
             for seed in seeds:
-                runs = [r for r in results if r.get("values", {}).get("model.residual") == s
-                        and r["values"].get("model.n_layers") == L // 2 and r["values"].get("train.seed") == seed]
-                c = seed_curve(runs, lrs)
+                c = seed_curve([r for r in runs if (r.scheme, r.sublayers, r.seed) == (s, L, seed)], lrs)
                 if c is not None:
                     if plateau_level is not None:
                         c["max_lr_past_plateau"] = max_lr_below(c["losses"], lrs, plateau_level)
@@ -171,16 +173,14 @@ def markdown(summary: dict) -> str:
     lrs = summary["lrs"]
     lines = [(f"LR grid: {', '.join(f'{x:g}' for x in lrs)}; unigram entropy of the training tokens "
               f"{summary['unigram_entropy']:.3f} nats (plateau level 95% of it: "
-              f"{(summary.get('plateau_level') or 0):.3f})."), "",
-             ("| sub-layers | scheme | seeds | optimal LR (seed mean curve) | optimal LR per seed | best loss | "
-              "LR sensitivity | init loss |"), "|---|---|---|---|---|---|---|---|"]
-    for r in summary["cells"]:
-        if not r["n_seeds"]:  # not run (or not finished) at this depth
-            continue
-        opt = f"{r['opt_lr']:g}" + (" (edge)" if r["at_edge"] else "")
-        lines.append(f"| {r['sublayers']} | {r['scheme']} | {r['n_seeds']} | {opt} | "
-                     f"{', '.join(f'{x:g}' for x in r['seed_opt_lrs'])} | {_pm(r['best_loss'], r['best_loss_sd'])} | "
-                     f"{_pm(r['sensitivity'], r['sensitivity_sd'])} | {_pm(r['init_loss'], r['init_loss_sd'])} |")
+              f"{(summary.get('plateau_level') or 0):.3f})."), ""]
+    lines += markdown_table(  # a cell not run (or not finished) at its depth has no row
+        ["sub-layers", "scheme", "seeds", "optimal LR (seed mean curve)", "optimal LR per seed", "best loss",
+         "LR sensitivity", "init loss"],
+        [[r["sublayers"], r["scheme"], r["n_seeds"], f"{r['opt_lr']:g}" + (" (edge)" if r["at_edge"] else ""),
+          ", ".join(f"{x:g}" for x in r["seed_opt_lrs"]), _pm(r["best_loss"], r["best_loss_sd"]),
+          _pm(r["sensitivity"], r["sensitivity_sd"]), _pm(r["init_loss"], r["init_loss_sd"])]
+         for r in summary["cells"] if r["n_seeds"]])
     lines += ["", ("Losses: final validation loss, nats/token, mean ± sd over seeds. LR sensitivity: Wortsman et al. "
                    "2023 (arXiv 2309.14322), mean over the LR grid of min(loss, init loss) − best loss. "
                    "(edge): the optimum is at an end of the LR grid.")]
@@ -201,8 +201,8 @@ def transfer_lines(summary: dict) -> list[str]:
     out = ["", "## Optimal LR against depth (LR transfer)", "",
            ("Cell: optimal LR of the seed-mean curve [per seed]; the largest LR whose final loss is below "
             f"the unigram plateau ({summary.get('plateau_level') or 0:.3f} nats = 95% of the unigram entropy), "
-            "per seed."), "",
-           "| scheme | " + " | ".join(f"{L} sub-layers" for L in depths) + " |", "|---" * (len(depths) + 1) + "|"]
+            "per seed."), ""]
+    rows = []
     for s in summary["schemes"]:
         cells = []
         for L in depths:
@@ -210,8 +210,8 @@ def transfer_lines(summary: dict) -> list[str]:
             cells.append("–" if not r or not r["n_seeds"] else
                          f"{r['opt_lr']:g} [{_fmt_lrs(r['seed_opt_lrs'])}]; {_fmt_lrs(r['seed_max_lr_past_plateau'])}")
         if any(c != "–" for c in cells):
-            out.append(f"| {s} | " + " | ".join(cells) + " |")
-    return out
+            rows.append([s, *cells])
+    return out + markdown_table(["scheme", *(f"{L} sub-layers" for L in depths)], rows)
 
 
 def paired_differences(summary: dict, scheme: str, baseline: str, key: str) -> list[dict]:
@@ -224,11 +224,10 @@ def paired_differences(summary: dict, scheme: str, baseline: str, key: str) -> l
         b = next((r for r in summary["cells"] if r["sublayers"] == L and r["scheme"] == baseline), None)
         if not a or not b:
             continue
-        common = sorted(set(a["seeds"]) & set(b["seeds"]), key=str)
-        if not common:
+        diffs = pair({sd: c[key] for sd, c in a["seeds"].items()}, {sd: c[key] for sd, c in b["seeds"].items()})
+        if not diffs:
             continue
-        diffs = {sd: a["seeds"][sd][key] - b["seeds"][sd][key] for sd in common}
-        m, sdv = _mean_sd(list(diffs.values()))
+        m, sdv = mean_sd(list(diffs.values()))
         rows.append({"sublayers": L, "diffs": diffs, "mean": m, "sd": sdv})
     return rows
 
@@ -237,10 +236,6 @@ def paired_lines(summary: dict, baseline: str = "pre_ln") -> list[str]:
     """Markdown: paired (per-seed) differences of best loss and LR sensitivity, scheme − baseline."""
     if baseline not in summary["schemes"]:
         return []
-    head = ["", f"## Paired differences against {baseline} (same seed)", "",
-            "| sub-layers | scheme | Δ best loss per seed | mean Δ best loss | Δ sensitivity per seed "
-            "| mean Δ sensitivity |",
-            "|---|---|---|---|---|---|"]
     out = []
     for s in summary["schemes"]:
         if s == baseline:
@@ -248,10 +243,13 @@ def paired_lines(summary: dict, baseline: str = "pre_ln") -> list[str]:
         best = {r["sublayers"]: r for r in paired_differences(summary, s, baseline, "best_loss")}
         sens = {r["sublayers"]: r for r in paired_differences(summary, s, baseline, "sensitivity")}
         for L, r in best.items():
-            per = ", ".join(f"{d:+.3f}" for d in r["diffs"].values())
-            per_s = ", ".join(f"{d:+.3f}" for d in sens[L]["diffs"].values())
-            out.append(f"| {L} | {s} | {per} | {r['mean']:+.3f} | {per_s} | {sens[L]['mean']:+.3f} |")
-    return head + out if out else []
+            out.append([L, s, ", ".join(f"{d:+.3f}" for d in r["diffs"].values()), f"{r['mean']:+.3f}",
+                        ", ".join(f"{d:+.3f}" for d in sens[L]["diffs"].values()), f"{sens[L]['mean']:+.3f}"])
+    if not out:
+        return []
+    return ["", f"## Paired differences against {baseline} (same seed)", ""] + markdown_table(
+        ["sub-layers", "scheme", "Δ best loss per seed", "mean Δ best loss", "Δ sensitivity per seed",
+         "mean Δ sensitivity"], out)
 
 
 def plot(summary: dict, out: str | Path) -> None:

@@ -47,11 +47,12 @@ from __future__ import annotations
 import math
 import statistics
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from keel.config import Override, load_config
 from keel.errors import KeelError, plural
 from keel.experiments.grid import GridJob
+from keel.experiments.table import markdown_table
 from keel.experiments.sweep import train_task
 from keel.train.metrics import read_metrics
 
@@ -132,32 +133,33 @@ def stress_table(results: list[dict], schemes: list[str], depths: list[int]) -> 
 def table_markdown(table: dict, peak_lr: float | None = None) -> str:
     """The table as markdown: rows = depths ("64 (32 blocks)"), columns = schemes."""
     cols = table["columns"]
-    lines = ["| depth: sub-layers (blocks) | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for row in table["rows"]:
-        lines.append(f"| {row['sublayers']} ({plural(row['blocks'], 'block')}) | "
-                     + " | ".join(row["cells"][c]["text"] for c in cols) + " |")
+    lines = markdown_table(["depth: sub-layers (blocks)", *cols],
+                           [[f"{row['sublayers']} ({plural(row['blocks'], 'block')})",
+                             *(row["cells"][c]["text"] for c in cols)] for row in table["rows"]])
     note = "Cells: median max LR over seeds (min–max); \"no div.\": no divergence"
     note += f" up to the peak LR {peak_lr:g}." if peak_lr else "."
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
 def stress_jobs(cfg_path, overrides: Sequence[Override], schemes: list[str], sublayers: list[int], seeds: list[int],
-                peak_lr: float, ramp_steps: int, data_dir: Path, out: Path,
-                reference_scheme: str = "pre_ln") -> tuple[list[GridJob], list[GridJob]]:
+                peak_lr: float, ramp_steps: int, data_dir: Path, out: Path, reference_scheme: str = "pre_ln",
+                depth_sets: Callable[[int], list[Override]] = lambda L: []) -> tuple[list[GridJob], list[GridJob]]:
     """(reference jobs, stress jobs), seed-major (a partial grid covers every scheme and depth
     first). Each stress job's config names its reference run (``train.divergence_reference``,
-    an absolute path under ``out/references``). Raises KeelError on a bad config."""
+    an absolute path under ``out/references``). ``depth_sets(L)``: keys applied last at depth ``L``
+    (a looped study group's :meth:`keel.experiments.study.spec.Group.loop_sets`: ``L`` is then the
+    effective depth and names the run). Raises KeelError on a bad config."""
     refs, jobs = [], []
     for seed in seeds:
         for L in sublayers:
             vals = {"sublayers": L, "blocks": L // 2, "seed": seed, "peak_lr": peak_lr, "ramp_steps": ramp_steps}
             ref_name = run_name(reference_scheme, L, seed)  # under OUT/references
             ref_dir = (out / REFERENCES / ref_name).resolve()
-            sets = run_overrides(reference_scheme, L, seed, peak_lr, ramp_steps, overrides)
+            sets = run_overrides(reference_scheme, L, seed, peak_lr, ramp_steps, overrides) + depth_sets(L)
             cfg = load_config(cfg_path, sets + [("data.path", str(data_dir)), ("train.stop_on_divergence", False)])
             refs.append(GridJob(ref_name, cfg.to_dict(), {"scheme": reference_scheme, **vals}))
             for s in schemes:
-                sets = run_overrides(s, L, seed, peak_lr, ramp_steps, overrides)
+                sets = run_overrides(s, L, seed, peak_lr, ramp_steps, overrides) + depth_sets(L)
                 cfg = load_config(cfg_path, sets + [("data.path", str(data_dir)),
                                                     ("train.divergence_reference", str(ref_dir))])
                 jobs.append(GridJob(run_name(s, L, seed), cfg.to_dict(), {"scheme": s, **vals}))

@@ -67,6 +67,7 @@ from keel.data.stats import dataset_unigram_entropy
 from keel.diagnostics.divergence import HEALTHY, Verdict, run_verdict
 from keel.errors import KeelError, plural
 from keel.experiments.grid import GridJob
+from keel.experiments.table import markdown_table
 from keel.experiments.training import train_run
 from keel.model import SCHEMES, check_model_config, count_parameters
 from keel.train import TrainingStopped
@@ -444,7 +445,7 @@ def sweep_markdown(summary: dict) -> str:
              "included); depth is blocks (sub-layers).", ""]
     head = [_col(k) for k in keys] + ["final val", "best val", "final ppl", "tokens", "steps", "params (M)",
                                        "non-emb (M)", "wall s", "verdict"]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for r in summary["runs"]:
         vals = r.get("values", {})
         if r.get("status") != "done":
@@ -455,20 +456,18 @@ def sweep_markdown(summary: dict) -> str:
                 _num(fv), _num(r.get("best_val_loss")), _num(perplexity(fv) if fv is not None else None, "{:.2f}"),
                 f"{r['tokens']:,}", str(r["step"]), f"{r['params'] / 1e6:.3f}", f"{r['non_embedding_params'] / 1e6:.3f}",
                 f"{r.get('wall_s', 0):.0f}", r["verdict"]]
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    lines += markdown_table(head, rows)
     if summary.get("best"):
         key = summary["best_over"]
         others = [k for k in summary["grid_keys"] if k != key]
         lines += ["", f"## Best {key} per {', '.join(_col(k) for k in others) or 'sweep'}", "",
                   "Chosen among runs that did not diverge, by final validation loss.", ""]
         head = [_col(k) for k in others] + [f"best {key}", "final val", "final ppl", "usable runs"]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for g in summary["best"]:
-            fv = g["final_val_loss"]
-            cells = [_cell(k, g["values"].get(k)) for k in others] + [
-                _cell(key, g["best"]) if g["best"] is not None else "all diverged", _num(fv),
-                _num(perplexity(fv) if fv is not None else None, "{:.2f}"), f"{g['n_ok']}/{g['n']}"]
-            lines.append("| " + " | ".join(cells) + " |")
+        lines += markdown_table(head, [[_cell(k, g["values"].get(k)) for k in others] + [
+            _cell(key, g["best"]) if g["best"] is not None else "all diverged", _num(g["final_val_loss"]),
+            _num(perplexity(g["final_val_loss"]) if g["final_val_loss"] is not None else None, "{:.2f}"),
+            f"{g['n_ok']}/{g['n']}"] for g in summary["best"]])
     return "\n".join(lines) + "\n"
 
 

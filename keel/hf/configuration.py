@@ -9,6 +9,12 @@ aliases of keel's (``attribute_map``): ``hidden_size`` = ``d_model``,
 ``n_kv_heads``, ``intermediate_size`` = ``d_ff``, ``max_position_embeddings`` =
 ``max_seq_len`` (tokens), ``rms_norm_eps`` = ``norm_eps``, ``initializer_range`` =
 ``init_std`` and ``tie_word_embeddings`` = ``tie_embeddings``.
+
+A looped model (keel's ``loop_prelude``, ``loop_core``, ``loop_repeats``, ``loop_sampling``) has one
+more key, ``loops``: the core's applications per forward pass (test-time depth), ``None`` (the default,
+so written by ``keel export-hf``) = ``loop_repeats``. ``loop_repeats`` is the count the model was trained
+at, and it fixes depth constants (Keel's alpha, DeepNorm's alpha and beta): leave it as exported and run
+at another count with ``from_pretrained(folder, loops=R)`` or ``model.config.loops = R``.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ class KeelConfig(PretrainedConfig):
     """Hugging Face config holding every :class:`keel.config.ModelConfig` field.
 
     ``KeelConfig(**kwargs)``: any ModelConfig field by keel's name (or by its Hugging Face
-    alias, see the module docstring), other keys go to ``PretrainedConfig``. Missing fields
-    take ModelConfig's defaults. :meth:`to_model_config` gives the validated ModelConfig
-    (raises :class:`keel.errors.KeelError` on an impossible shape).
+    alias, see the module docstring), and ``loops`` (a looped model's core applications per
+    forward pass, int >= 1; None = ``loop_repeats``; checked when the model is built); other keys
+    go to ``PretrainedConfig``. Missing fields take ModelConfig's defaults.
+    :meth:`to_model_config` gives the validated ModelConfig (raises :class:`keel.errors.KeelError` on an impossible shape).
     """
 
     model_type = "keel"
@@ -58,6 +65,7 @@ class KeelConfig(PretrainedConfig):
                 if name not in values and value == default:
                     value = alias_value
             values[name] = value
+        values["loops"] = kwargs.pop("loops", None)  # test-time depth (module docstring)
         super().__init__(**kwargs)
         # Set after PretrainedConfig.__init__, which may assign defaults to aliased names
         # (e.g. tie_word_embeddings) in some transformers versions.

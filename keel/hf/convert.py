@@ -31,6 +31,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -57,6 +58,8 @@ from keel.train.optim import build_optimizer
 from keel.train.progress import interactive
 
 KEEL_CONFIG_NAME = "keel_config.toml"
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -279,6 +282,26 @@ def _check_importable(hf_dir: Path, cfg, n_ids: int, step: int) -> None:
                         f"give train.steps >= {step}")
 
 
+def _fit_seq_len(hf_dir: Path, cfg, overrides: list[str]) -> None:
+    """Keep ``train.seq_len`` within the imported model's positions (``model.max_seq_len``, from
+    ``max_position_embeddings``): a longer one (keel's default 128 for a stock Llama of 64 positions)
+    is set to ``max_seq_len`` (logged), since a resumed run keeps ``train.seq_len`` and every resume and
+    ``keel eval`` of the run refused it (blaming a ``--seq-len`` never given).
+
+    Raises:
+        KeelError: ``overrides`` set ``train.seq_len`` above the model's positions.
+    """
+    limit, seq_len = cfg.model.max_seq_len, cfg.train.seq_len
+    if seq_len <= limit:
+        return
+    if any(o.split("=", 1)[0].strip() == "train.seq_len" for o in overrides):
+        raise KeelError(f"train.seq_len={seq_len} exceeds the {limit} positions of the model in {hf_dir} "
+                        f"(max_position_embeddings in its config.json); give train.seq_len <= {limit}")
+    log.info(f"train.seq_len: {limit}, the model's positions (max_position_embeddings in {hf_dir / 'config.json'}), "
+             f"not {seq_len}; a resumed run keeps it (set another with --set train.seq_len=N, N <= {limit})")
+    cfg.train.seq_len = limit
+
+
 def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None = None) -> Path:
     """Create a run directory ``out`` from a keel Hugging Face folder or a stock Llama folder.
 
@@ -291,11 +314,13 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     train --resume out`` trains it on (set ``data.path`` to a dataset prepared with this
     tokenizer, or train on ``data.source``, which is tokenized with it). ``overrides``
     (``section.key=value``, data and train keys only) set the run's config: a resumed run
-    keeps ``train.batch_size`` and ``train.seq_len``, so choose them here.
+    keeps ``train.batch_size`` and ``train.seq_len``, so choose them here (a ``train.seq_len`` longer
+    than the model's positions is set to them, :func:`_fit_seq_len`).
 
     Returns ``out``. Raises KeelError: not a keel/Llama folder, a Llama feature keel lacks
     (named), no tokenizer, a tokenizer with more ids than ``vocab_size`` embedding rows, a
-    ``train.steps`` below the step the export reached, or ``out`` exists and is not empty.
+    ``train.steps`` below the step the export reached, a ``train.seq_len`` given above the model's
+    positions, or ``out`` exists and is not empty.
     """
     hf_dir, out = Path(hf_dir), Path(out)
     _check_output(out)
@@ -310,6 +335,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     cfg.model = dataclasses.replace(model.config.to_model_config())
     step = int(getattr(model.config, "keel_step", 0) or 0)
     _check_importable(hf_dir, cfg, len(hf_tok), step)
+    _fit_seq_len(hf_dir, cfg, overrides)
     with _fresh_output(out) as tmp:
         _write_tokenizer(hf_dir, hf_tok, tmp)
         dump_config(cfg, tmp / "config.toml")

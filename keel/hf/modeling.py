@@ -126,8 +126,13 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
     (:class:`KeelConfig`); :meth:`from_native` wraps an existing
     :class:`keel.model.Transformer` without copying its weights.
 
+    A looped model runs its core ``config.loops`` times per forward pass (None: the native model's
+    :attr:`keel.model.Transformer.loops`, ``loop_repeats`` unless set); the cache then holds a layer
+    per applied block (:class:`keel.model.CacheSlot`).
+
     Raises:
-        KeelError: an impossible config (from :meth:`KeelConfig.to_model_config`).
+        KeelError: an impossible config (from :meth:`KeelConfig.to_model_config`), or a ``config.loops``
+            that is not an int >= 1 or is set for a model that does not loop.
     """
 
     _tied_weights_keys = {"model.lm_head.weight": "model.tok_emb.weight"}
@@ -135,6 +140,8 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
     def __init__(self, config: KeelConfig, model: Transformer | None = None):
         super().__init__(config)
         self.model = model if model is not None else Transformer(config.to_model_config())
+        if config.loops is not None:  # test-time depth (KeelConfig): checked now, not at the first forward
+            self.model.set_loops(config.loops)
         self.vocab_size = config.vocab_size
         self.post_init()
 
@@ -232,7 +239,7 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
         check_attention_mask(attention_mask, past, past + T)
         if position_ids is not None:
             _check_position_ids(position_ids, attention_mask, past, T)
-        logits = self.model(input_ids, cache=cache, attention_mask=attention_mask)
+        logits = self.model(input_ids, cache=cache, attention_mask=attention_mask, loops=self.config.loops)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),

@@ -18,6 +18,7 @@ dtype (fp32, also under bf16 autocast, where only the matmuls run in bf16).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import math
@@ -390,6 +391,31 @@ class Transformer(nn.Module):
         P, C = self.cfg.loop_prelude, self.cfg.loop_core
         repeats = self.loops if loops is None else self._checked_loops(loops)
         return [*range(P), *list(range(P, P + C)) * repeats, *range(P + C, self.cfg.n_layers)]
+
+    def unrolled(self, loops: int | None = None, share_weights: bool = True) -> "Transformer":
+        """This model as an unlooped one that applies the same blocks: block i of the result is a copy of
+        block ``depth_order(loops)[i]`` (its residual units keep their constants, e.g. Keel's alpha of
+        ``cfg.loop_repeats``), so its logits equal this model's at ``loops``, and each application of a
+        core sub-layer is a module of its own (what per-application diagnostics hook or bypass: ``keel
+        gradflow``, ``keel ablate``). Its config is this one with ``n_layers = P + loops C + Q`` and no loop.
+
+        ``share_weights``: the copies are new modules over this model's parameters (no new memory;
+        a core weight's gradient is still the sum over its applications); else every copy has
+        parameters of its own, whose gradients are each application's part of that sum. A model without
+        a loop gives a copy of itself. Raises KeelError: a bad ``loops`` (:meth:`set_loops`), or blocks
+        whose forward was replaced (compiled or checkpointed: copies would run the original's forward)."""
+        if any("forward" in vars(block) for block in self.blocks):
+            raise KeelError("unroll the plain model: its blocks' forward was replaced (torch.compile or "
+                            "activation checkpointing, keel.train.parallelize)")
+        order = self.depth_order(loops)
+        memo = {id(t): t for t in (*self.parameters(), *self.buffers())} if share_weights else {}
+        flat = copy.deepcopy(self, dict(memo))
+        flat.blocks = nn.ModuleList(copy.deepcopy(self.blocks[b], dict(memo)) for b in order)
+        for i, block in enumerate(flat.blocks):
+            block.attn.layer_idx = i  # its own KV-cache slot
+        flat.cfg = dataclasses.replace(self.cfg, n_layers=len(order), **_NO_LOOP)
+        flat.loops = flat.cfg.loop_repeats
+        return flat
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
                 cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,

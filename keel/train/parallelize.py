@@ -125,7 +125,9 @@ def apply_compile(model: nn.Module, **compile_kwargs) -> None:
     (Attention Residuals reads the outputs of every earlier block: one graph per depth; Keel's first
     block, Mix-LN's Post-LN blocks, HC's stream index) needs a graph per distinct block and per
     input-shape class (training, no-grad evaluation, sampling), and hit the limit at step 1 from 5
-    blocks on (``FailOnRecompileLimitHit``). Raising a limit never lowers it.
+    blocks on (``FailOnRecompileLimitHit``). Raising a limit never lowers it. A looped model's core
+    blocks are the same modules at every application: their graphs serve every application and every
+    loop count (no recompile as R changes, ``tests/test_compile.py``).
     """
     compile_kwargs.setdefault("fullgraph", True)
     blocks = _blocks(model)

@@ -404,7 +404,10 @@ class Trainer:
 
         Raises:
             TrainingStopped: the weights are not all finite (nothing is written; the last
-                good checkpoint stays ``latest``).
+                good checkpoint stays ``latest``): a training outcome.
+            KeelError: the checkpoint cannot be written (a full disk, a read-only folder): a
+                fault, not an outcome of training (a grid records the run as failed and
+                ``--resume`` trains it again), naming the last good checkpoint.
         """
         if self.info.distributed:
             try:
@@ -415,24 +418,24 @@ class Trainer:
             return
         weights = SD.full_model_state_dict(self.model)
         optim_state = SD.full_optimizer_state_dict(self.model, self.optimizer)
-        error = None
+        error = None  # (message, a training outcome?) on rank 0
         if self.main:
             state = {**self.state.state_dict(), "optimizer": optim_state}
             try:
                 save_checkpoint(self.run_dir, self.state.step, weights, state, keep=self.tc.keep_checkpoints,
                                 aliases=self.aliases)
             except NonFiniteWeights as e:
-                error = f"stopped at step {self.state.step}: {e}; last good checkpoint: {self._last_good()}"
+                error = (f"stopped at step {self.state.step}: {e}; last good checkpoint: {self._last_good()}", True)
             except Exception as e:  # noqa: BLE001 -- a full disk / read-only folder: one line, the last good step
                 cause = write_failure(e)
                 if cause is None:
                     raise
                 error = (f"cannot write the checkpoint of step {self.state.step} in {self.run_dir / 'checkpoints'}: "
                          f"{cause.strerror}{' (' + str(cause.filename) + ')' if cause.filename else ''}; "
-                         f"last good checkpoint (intact): {self._last_good()}")
+                         f"last good checkpoint (intact): {self._last_good()}", False)
         error = D.broadcast_object(error, self.info)
-        if error is not None:
-            raise TrainingStopped(error)
+        if error is not None:  # a full disk was TrainingStopped: a grid recorded it as an "instability" result
+            raise (TrainingStopped if error[1] else KeelError)(error[0])
         D.barrier(self.info)
 
     def _last_good(self) -> str:

@@ -32,3 +32,18 @@ def check_seed(value: int, flag: str = "--seed") -> None:
         check_value("train.seed", value)
     except KeelError as e:
         raise KeelError(str(e).replace("train.seed", flag, 1)) from None
+
+
+def check_loops(loops: int | None, model_cfg, source: str) -> None:
+    """``--loops`` (None: not given) suits the model of ``source`` (a run or folder, as the user named it):
+    an integer >= 1, for a looped model (``model_cfg.loop_core >= 1``, a :class:`keel.config.ModelConfig`).
+
+    Raises:
+        KeelError: one line naming the flag and the problem.
+    """
+    if loops is None:
+        return
+    if loops < 1:
+        raise KeelError(f"--loops must be >= 1, got {loops}")
+    if not model_cfg.loop_core:
+        raise KeelError(f"--loops needs a looped model (model.loop_core >= 1); {source} does not loop")

@@ -11,14 +11,13 @@ import json
 import logging
 import math
 import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from keel.cli.handlers import check_counts, check_seed
+from keel.cli.handlers import check_counts, check_loops, check_seed
 from keel.config import load_config, resolve_config_path
 from keel.data import check_tokenizer_matches, find_data, validation_tokens
 from keel.diagnostics import gradflow as G
@@ -28,7 +27,7 @@ from keel.experiments import plot as P
 from keel.experiments import presets
 from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
-from keel.experiments.executor import Executor, parse_slurm
+from keel.experiments.executor import Executor, check_slurm_here, parse_slurm
 from keel.experiments.study.run import run_study
 from keel.experiments import sweep as S
 from keel.io import check_path_names, make_dirs
@@ -52,20 +51,25 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
     if args.plot:
         image_format(args.plot, "--plot")  # before the profiles are computed, not after
     model_flags = {"--residual": args.residual is not None, args.sublayers_flag: args.sublayers is not None,
-                   "--d-model": args.d_model is not None, "--config": args.config is not None, "--set": bool(args.set)}
+                   "--d-model": args.d_model is not None, "--config": args.config is not None, "--set": bool(args.set),
+                   "--loop": args.loop is not None}
     if args.run and any(model_flags.values()):  # they were ignored: the profile was of the run's model
         given = ", ".join(k for k, v in model_flags.items() if v)
         raise KeelError(f"--run takes the model and data from the run; drop {given}")
+    if args.loops is not None and not args.run:
+        raise KeelError("--loops goes with --run (a looped run's count); at init, --loop P,C,Q and --sublayers set it")
     common = dict(batch_size=args.batch_size, jacobian_iters=args.jacobian_iters, full_jacobian=args.full_jacobian,
                   seed=args.seed)  # the library logs the summary table (stderr) as each profile finishes
     if args.run:
-        results = G.profile_runs(args.run, args.seq_len, **common)
+        for run in args.run:
+            check_loops(args.loops, Run(run).config.model, run)
+        results = G.profile_runs(args.run, args.seq_len, loops=args.loops, **common)
     else:
         schemes = _parse_schemes(args.residual if args.residual is not None else ",".join(SCHEMES))
         depths = _parse_layers(args.sublayers if args.sublayers is not None else G.DEFAULT_LAYERS, args.sublayers_flag)
         base = load_config(resolve_config_path(args.config), args.set)
         results = G.profile_schemes(base, schemes, depths, args.d_model or G.DEFAULT_WIDTH,
-                                    args.seq_len or G.DEFAULT_SEQ_LEN, **common)
+                                    args.seq_len or G.DEFAULT_SEQ_LEN, loop=_parse_loop(args.loop), **common)
     if args.json:
         print(json.dumps({"results": results}))
     if args.plot:
@@ -73,6 +77,20 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
         G.plot_profiles(results, args.plot)
         print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _parse_loop(text: str | None) -> tuple[int, int, int] | None:
+    """``--loop P,C,Q``: blocks of prelude (>= 0), core (>= 1) and coda (>= 0); None when not given.
+    Raises KeelError: anything else."""
+    if text is None:
+        return None
+    try:
+        P, C, Q = (int(x) for x in text.split(","))
+    except ValueError:
+        raise KeelError(f"--loop takes P,C,Q: the blocks of prelude, core and coda (e.g. 1,8,1), got {text!r}") from None
+    if P < 0 or C < 1 or Q < 0:
+        raise KeelError(f"--loop {text}: the prelude and coda need >= 0 blocks and the core >= 1")
+    return P, C, Q
 
 
 def _parse_schemes(text: str) -> list[str]:
@@ -124,7 +142,8 @@ def _stored_sweep(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, k) not in (None, []) and getattr(args, k) != getattr(old, k):
             raise KeelError(f"--resume continues the sweep {args.out} holds ({command}); --{k.replace('_', '-')} "
                             "differs from it: drop it, or give another --out for another sweep")
-    return argparse.Namespace(**{**vars(args), **{k: getattr(old, k) for k in keys}, "set": old.set + args.set})
+    again = [s for s in args.set if s not in old.set]  # a resume with the full flags: each --set once
+    return argparse.Namespace(**{**vars(args), **{k: getattr(old, k) for k in keys}, "set": old.set + again})
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -188,11 +207,16 @@ def _ablate_hf(args: argparse.Namespace, tokens: int) -> dict:
     except (OSError, ValueError):
         keel_export = False  # not a readable keel config: ablate_hf_folder names the problem
     if not keel_export:
+        if args.loops is not None:
+            raise KeelError(f"--loops needs a looped keel model; {args.hf} is not a keel export (model_type keel)")
         return A.ablate_hf_folder(args.hf, A.ablation_text(args.text, args.run, tokens), args.seq_len, tokens,
                                   args.batch_size)
     from keel.hf.convert import KEEL_CONFIG_NAME, load_hf  # lazy: transformers takes ~2 s to import, only for --hf
 
     hf, tok, _ = load_hf(args.hf, device=args.device)
+    check_loops(args.loops, hf.model.cfg, args.hf)
+    if args.loops is not None:
+        hf.model.set_loops(args.loops)
     exported = Path(args.hf) / KEEL_CONFIG_NAME
     cfg = load_config(exported, stored=True) if exported.is_file() else None
     seq = args.seq_len or (cfg.train.seq_len if cfg is not None else min(512, hf.model.cfg.max_seq_len))
@@ -211,7 +235,7 @@ def _ablate_hf(args: argparse.Namespace, tokens: int) -> dict:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    check_counts(args, "tokens", "seq_len", "batch_size")
+    check_counts(args, "tokens", "seq_len", "batch_size", "loops")
     tokens = args.tokens or 16384
     if args.verbose:  # the library logs each unit's PPL at DEBUG level
         logging.getLogger(A.__name__).setLevel(logging.DEBUG)
@@ -219,8 +243,9 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         res = _ablate_hf(args, tokens)
         title, default_out = str(args.hf), Path(args.hf) / "ablate"
     elif args.run:
+        check_loops(args.loops, Run(args.run).config.model, args.run)
         text = A.ablation_text(args.text, None, tokens) if args.text else None
-        res = A.ablate_run(args.run, args.seq_len, tokens, args.batch_size, args.device, text=text)
+        res = A.ablate_run(args.run, args.seq_len, tokens, args.batch_size, args.device, text=text, loops=args.loops)
         title, default_out = str(args.run), Path(args.run) / "ablate"
     else:
         raise KeelError("give --run DIR (a keel run) or --hf MODEL_PATH")
@@ -258,7 +283,7 @@ def engine_options(args: argparse.Namespace, name: str) -> dict:
     """The engine options (:func:`keel.experiments.study.run.execute`) of a grid command's flags;
     ``name``: the command, for the command line the report shows."""
     command = " ".join(["keel", name] + [shlex.quote(a) for a in args.cli_argv[1:] if a not in ("--resume", "--json")])
-    return dict(workers=args.workers, threads=args.threads or None, resume=args.resume, dry_run=args.dry_run,
+    return dict(workers=args.workers, threads=args.threads, resume=args.resume, dry_run=args.dry_run,
                 mfu=args.mfu, peak_tflops=args.peak_tflops, command=command, executor=executor_of(args))
 
 
@@ -283,18 +308,21 @@ def _print_plan(r: dict, as_json: bool) -> int:
     return 0
 
 
-def executor_of(args: argparse.Namespace) -> Executor:
-    """The grid commands' ``--executor``, ``--slurm``, ``--gpus-per-run`` and ``--share-gpus``.
+def executor_of(args: argparse.Namespace) -> Executor | None:
+    """The grid commands' ``--executor``, ``--slurm``, ``--gpus-per-run`` and ``--share-gpus``; None where
+    none is given (the engine takes the folder's on ``--resume``, else the local executor).
 
     Raises:
         KeelError: a bad ``--slurm`` item or value, ``--slurm`` without ``--executor slurm``, ``--gpus-per-run < 1``;
-            ``--executor slurm`` (not ``--dry-run``) where Slurm's ``sbatch`` is not on PATH (submitit's
-            traceback came after the output folder was written).
+            ``--executor slurm`` (not ``--dry-run``) where Slurm's ``sbatch`` is not on PATH
+            (:func:`keel.experiments.executor.check_slurm_here`).
     """
-    ex = Executor(args.executor, parse_slurm(args.slurm), args.gpus_per_run, args.share_gpus)
-    if ex.kind == "slurm" and not getattr(args, "dry_run", False) and shutil.which("sbatch") is None:
-        raise KeelError("--executor slurm needs Slurm (sbatch is not on PATH here); run on a Slurm login node, "
-                        "or use --executor local or submitit-local")
+    if args.executor is None and not args.slurm and args.gpus_per_run is None and not args.share_gpus:
+        return None
+    ex = Executor(args.executor or "local", parse_slurm(args.slurm), 1 if args.gpus_per_run is None else args.gpus_per_run,
+                  args.share_gpus)
+    if not getattr(args, "dry_run", False):
+        check_slurm_here(ex)
     return ex
 
 
@@ -371,7 +399,7 @@ def cmd_study(args: argparse.Namespace) -> int:
     check_path_names(out, "--out")  # "File name too long" was a traceback
     _check_engine_flags(argparse.Namespace(**{**vars(args), "out": out}))
     command = study_command(args.cli_argv[1:]) if len(args.cli_argv) > 1 else f"keel study {args.name}"
-    r = run_study(args.name, args.scale, out, args.set, workers=args.workers, threads=args.threads or None,
+    r = run_study(args.name, args.scale, out, args.set, workers=args.workers, threads=args.threads,
                   resume=args.resume, report_only=args.report_only, dry_run=args.dry_run, mfu=args.mfu,
                   peak_tflops=args.peak_tflops, command=command, groups=groups, restore=args.restore,
                   executor=executor_of(args))

@@ -3,7 +3,7 @@
 Usage::
 
     keel eval --run runs/x | --hf hf/x [--tasks t1,t2] [--task-dir DIR] [--limit N] [--json]
-              [--text FILE] [--device auto]
+              [--text FILE] [--device auto] [--loops R]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import sys
 from pathlib import Path
 
-from keel.cli.handlers import check_counts
+from keel.cli.handlers import check_counts, check_loops
 from keel.config import load_config
 from keel.data import find_data
 from keel.data.prepare import EOS_TOKEN
@@ -72,20 +72,37 @@ def _window(args: argparse.Namespace, cfg, max_seq_len: int) -> int:
     return seq_len
 
 
+def _looped(model) -> str:
+    """", looped: 1 + 2 x 6 + 1" (prelude + core x count + coda, in blocks) for a looped model, else ""."""
+    mc = model.cfg
+    if not mc.loop_core:
+        return ""
+    trained = "" if model.loops == mc.loop_repeats else f", trained at {mc.loop_repeats}"
+    return (f", looped: {mc.loop_prelude} + {mc.loop_core} x {model.loops} + "
+            f"{mc.n_layers - mc.loop_prelude - mc.loop_core}{trained}")
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     """``keel eval``: held-out perplexity / bits per byte, then lm-eval tasks; exit 1 if a task could not run."""
     task_names = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    check_counts(args, "limit", "batch_size", "max_tokens", "seq_len")
+    check_counts(args, "limit", "batch_size", "max_tokens", "seq_len", "loops")
     index = check_tasks(task_names, args.task_dir, args.verbose) if task_names else None  # before the model loads
     model, tokenizer, cfg, device, name = _load(args)
     mc = model.cfg
+    check_loops(args.loops, mc, name)
+    if args.loops is not None:
+        model.set_loops(args.loops)
     seq_len = _window(args, cfg, mc.max_seq_len)
-    report: dict = {"model": name, "residual": mc.residual, "blocks": mc.n_layers, "sublayers": mc.n_sublayers,
+    applied = len(model.depth_order())  # blocks one pass applies: n_layers, or P + R C + Q of a looped model
+    report: dict = {"model": name, "residual": mc.residual, "blocks": mc.n_layers, "sublayers": 2 * applied,
                     "d_model": mc.d_model, "parameters": model.num_params(), "perplexity": None, "tasks": {}}
+    if mc.loop_core:
+        report["loops"] = {"prelude": mc.loop_prelude, "core": mc.loop_core, "coda": mc.n_layers - mc.loop_prelude -
+                           mc.loop_core, "repeats": model.loops, "trained_repeats": mc.loop_repeats}
     human = not args.json  # --json: stdout holds the JSON report only
     if human:
-        print(f"model: {name} ({mc.residual}, {plural(mc.n_layers, 'block')} = {mc.n_sublayers} sub-layers, "
-              f"d_model {mc.d_model}, {model.num_params() / 1e6:.2f}M parameters)")
+        print(f"model: {name} ({mc.residual}, {plural(mc.n_layers, 'block')}{_looped(model)} = {2 * applied} "
+              f"sub-layers, d_model {mc.d_model}, {model.num_params() / 1e6:.2f}M parameters)")
 
     res = None
     if args.text:

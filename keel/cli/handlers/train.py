@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from keel.cli.handlers import check_seed
+from keel.cli.handlers import check_loops, check_seed
 from keel.config import TrainConfig, load_config, parse_override, resolve_config_path
 from keel.data import check_given_dataset, prepare_dataset, read_meta
 from keel.errors import Interrupted, KeelError
@@ -310,12 +310,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise KeelError(f"--num-samples must be >= 1, got {args.num_samples}")
     check_seed(args.seed)
     check_seed(args.seed + args.num_samples - 1, "--seed + --num-samples - 1 (the last sample's seed)")
+    run = Run(args.run)
+    check_loops(args.loops, run.config.model, str(args.run))  # before the weights load
 
     # a prompt that is not valid UTF-8 reaches Python with lone surrogates (os.fsdecode):
     # its undecodable bytes become U+FFFD, as keel prepare reads such text
     prompt = os.fsencode(args.prompt).decode("utf-8", errors="replace")
-    run = Run(args.run)
     model, tokenizer = run.load_model(device=args.device), run.tokenizer()
+    if args.loops is not None:
+        model.set_loops(args.loops)  # the KV cache keeps a slot per applied block at any count
     device = next(model.parameters()).device
 
     def show(piece: str) -> None:  # the text as it is generated: a long sample is not minutes of silence

@@ -16,9 +16,12 @@ from dataclasses import MISSING, dataclass
 from typing import ClassVar, Sequence
 
 from keel.errors import KeelError
+from keel.experiments.record import RunRecord
 from keel.experiments.study import verdicts as V
-from keel.experiments.study.cells import CONDITION_WORDS, direction, exits, flagged, lrs, parts, pm, upper_first, window
+from keel.experiments.study.cells import (CONDITION_WORDS, direction, exits, flagged, lrs, max_lr_cell, parts, pm,
+                                          upper_first, window)
 from keel.experiments.study.spec import Group, Study, read_study
+from keel.experiments.table import markdown_table
 from keel.keys import check_keys, key, key_type
 
 
@@ -38,7 +41,7 @@ class Claim:
     note: str = key("", "text printed under the claim's rule in the report.")
 
     @staticmethod
-    def verdict(study: Study, runs: list[dict], claim: dict) -> dict:  # pragma: no cover
+    def verdict(study: Study, runs: list[RunRecord], claim: dict) -> dict:  # pragma: no cover
         """``{"verdict": ..., ...}`` of the claim over the study's run records."""
         raise NotImplementedError
 
@@ -127,28 +130,29 @@ class MarginGrows(Claim):
                 "run's verdict and plateau exit step: the last table)."]
         if c.get("equal_lr"):
             out += ["", "The same margin at equal peak LR at the paper's init (both schemes at that LR; not part of "
-                    "the verdict):", "", "| sub-layers | LR | margin (baseline − scheme, nats) mean [CI] (per seed) |",
-                    "|---|---|---|"]
-            out += [f"| {r['sublayers']} | {r['lr']:g} | {pm(r['margin'])} |" for r in c["equal_lr"]]
+                    "the verdict):", ""] + markdown_table(
+                ["sub-layers", "LR", "margin (baseline − scheme, nats) mean [CI] (per seed)"],
+                [[r["sublayers"], f"{r['lr']:g}", pm(r["margin"])] for r in c["equal_lr"]])
         return out
 
 
 def _margin_table(claim: dict, cond: str, c: dict) -> list[str]:
     """Markdown: one condition of a margin claim, a row per depth."""
     s, b = claim["scheme"], claim["baseline"]
-    out = [f"**{upper_first(CONDITION_WORDS[cond])}: {c['verdict']}.** {parts(c)}", "",
-           f"| sub-layers | margin ({b} − {s}, nats) mean [CI] (per seed) | at this depth | "
-           f"best LR per seed: {b}; {s} | init of the best run: {b}; {s} | plateau exit step at that LR: {b}; {s} | "
-           f"healthy-LR window (within {V.WINDOW:g} nats of the best seed-mean loss): {b}; {s} | "
-           f"{b} runs flagged by the divergence classifier |", "|---|---|---|---|---|---|---|---|"]
+    head = ["sub-layers", f"margin ({b} − {s}, nats) mean [CI] (per seed)", "at this depth", f"best LR per seed: {b}; {s}",
+            f"init of the best run: {b}; {s}", f"plateau exit step at that LR: {b}; {s}",
+            f"healthy-LR window (within {V.WINDOW:g} nats of the best seed-mean loss): {b}; {s}",
+            f"{b} runs flagged by the divergence classifier"]
+    rows = []
     for r in c["rows"]:
         edge = {x: {sd: not ok for sd, ok in r["bracketed"][x].items()} for x in (b, s)}
-        out.append(f"| {r['sublayers']} | {pm(r['margin'])} | {direction(r['margin'], s, b)} | "
-                   f"{lrs(r['best_lr'][b], edge[b])}; {lrs(r['best_lr'][s], edge[s])} | "
-                   + "; ".join("[" + ", ".join(f"s{sd} {g}" for sd, g in r["best_group"][x].items()) + "]" for x in (b, s))
-                   + f" | {exits(r['plateau_exit'][b])}; {exits(r['plateau_exit'][s])} | "
-                   f"{window(r['window'][b])} / {window(r['window'][s])} | {flagged(r)} |")
-    return out + [""]
+        rows.append([r["sublayers"], pm(r["margin"]), direction(r["margin"], s, b),
+                     f"{lrs(r['best_lr'][b], edge[b])}; {lrs(r['best_lr'][s], edge[s])}",
+                     "; ".join("[" + ", ".join(f"s{sd} {g}" for sd, g in r["best_group"][x].items()) + "]"
+                               for x in (b, s)),
+                     f"{exits(r['plateau_exit'][b])}; {exits(r['plateau_exit'][s])}",
+                     f"{window(r['window'][b])} / {window(r['window'][s])}", flagged(r)])
+    return [f"**{upper_first(CONDITION_WORDS[cond])}: {c['verdict']}.** {parts(c)}", ""] + markdown_table(head, rows) + [""]
 
 
 @dataclass(kw_only=True)
@@ -176,9 +180,9 @@ class LrTransfer(Claim):
 
     @classmethod
     def tables(cls, claim: dict, c: dict) -> list[str]:
-        return ["| scheme | optimal LR per seed, by depth | optimum at a grid edge |", "|---|---|---|"] + [
-            f"| {r['scheme']} | " + "; ".join(f"{L}: {lrs(v)}" for L, v in r["opt_lr"].items())
-            + f" | {'yes' if r['at_edge'] else 'no'} |" for r in c["rows"]]
+        return markdown_table(["scheme", "optimal LR per seed, by depth", "optimum at a grid edge"],
+                              [[r["scheme"], "; ".join(f"{L}: {lrs(v)}" for L, v in r["opt_lr"].items()),
+                                "yes" if r["at_edge"] else "no"] for r in c["rows"]])
 
 
 @dataclass(kw_only=True)
@@ -213,11 +217,10 @@ class MaxLrOrder(Claim):
         for cond, cc in c["conditions"].items():
             out += [f"**{upper_first(CONDITION_WORDS[cond])}" + (f" (to {cc['peak_lr']:g})" if cc.get("peak_lr") else "")
                     + f": {cc['verdict']}.** {parts(cc)}", ""]
-        out += ["| ramp to | sub-layers | " + " | ".join(claim["order"]) + " |",
-                "|---" * (len(claim["order"]) + 2) + "|"]
-        out += [f"| {r['peak_lr']:g} ({r['group']}) | {r['sublayers']} | "
-                + " | ".join(lrs(r["max_lr"][s]) if r["max_lr"][s] else "—" for s in claim["order"]) + " |"
-                for r in c["rows"]]
+        out += markdown_table(["ramp to", "sub-layers", *claim["order"]],
+                              [[f"{r['peak_lr']:g} ({r['group']})", r["sublayers"],
+                                *(lrs(r["max_lr"][s]) if r["max_lr"][s] else "—" for s in claim["order"])]
+                               for r in c["rows"]])
         out += ["", "Max LR per seed; none = no divergence up to the ramp's peak LR; — = not run on that ramp. "
                 "A none counts as the peak LR (censored: the pair's difference is then a lower bound); a seed where "
                 "both schemes of a pair are none is left out. The verdict is the paper's ramp's; the extended ramp "
@@ -276,12 +279,12 @@ class DataScaling(Claim):
         s, b = claim["scheme"], claim["baseline"]
         out = []
         for cond, cc in c["conditions"].items():
-            out += _cond_head(cond, cc) + [
-                f"| group | tokens | tokens per non-embedding parameter ({b}; {s}) | margin ({b} − {s}, nats) "
-                f"mean [CI] (per seed) | best LR per seed: {b}; {s} |", "|---|---|---|---|---|"]
-            out += [f"| {r['group']} | {r['tokens']:,} | {r['tokens_per_param'][b]:.3f}; {r['tokens_per_param'][s]:.3f} | "
-                    f"{pm(r['margin'])} | {lrs(r['best_lr'][b], _edge(r['bracketed'][b]))}; "
-                    f"{lrs(r['best_lr'][s], _edge(r['bracketed'][s]))} |" for r in cc.get("rows", [])] + [""]
+            out += _cond_head(cond, cc) + markdown_table(
+                ["group", "tokens", f"tokens per non-embedding parameter ({b}; {s})",
+                 f"margin ({b} − {s}, nats) mean [CI] (per seed)", f"best LR per seed: {b}; {s}"],
+                [[r["group"], f"{r['tokens']:,}", f"{r['tokens_per_param'][b]:.3f}; {r['tokens_per_param'][s]:.3f}",
+                  pm(r["margin"]), f"{lrs(r['best_lr'][b], _edge(r['bracketed'][b]))}; "
+                  f"{lrs(r['best_lr'][s], _edge(r['bracketed'][s]))}"] for r in cc.get("rows", [])]) + [""]
         return out + ["A best LR marked with an asterisk is not bracketed (the study widens such a cell)."]
 
 
@@ -316,11 +319,10 @@ class DeepVsWide(Claim):
     def tables(cls, claim: dict, c: dict) -> list[str]:
         out = []
         for cond, cc in c["conditions"].items():
-            out += _cond_head(cond, cc) + ["| model | non-embedding parameters | best loss per seed (nats) | "
-                                           "best LR per seed |", "|---|---|---|---|"]
-            out += [f"| {name} | {cc['params'][name]:,} | "
-                    + "[" + ", ".join(f"s{sd} {x:.3f}" for sd, x in v["loss"].items()) + "] | "
-                    + f"{lrs(v['lr'], _edge(v['bracketed']))} |" for name, v in cc["cells"].items()] + [""]
+            out += _cond_head(cond, cc) + markdown_table(
+                ["model", "non-embedding parameters", "best loss per seed (nats)", "best LR per seed"],
+                [[name, f"{cc['params'][name]:,}", "[" + ", ".join(f"s{sd} {x:.3f}" for sd, x in v["loss"].items()) + "]",
+                  lrs(v["lr"], _edge(v["bracketed"]))] for name, v in cc["cells"].items()]) + [""]
         return out
 
 
@@ -356,12 +358,12 @@ class LayerImportance(Claim):
         s, b = claim["scheme"], claim["baseline"]
         out = []
         for cond, cc in c["conditions"].items():
-            out += _cond_head(cond, cc) + [
-                f"| sub-layers | LR: {b}; {s} | redundant share of the shallow half per seed: {b}; {s} | "
-                f"first two over the median (log10) per seed: {b}; {s} |", "|---|---|---|---|"]
             fmt = lambda d: "[" + ", ".join(f"s{sd} {x:.3f}" for sd, x in d.items()) + "]"
-            out += [f"| {r['sublayers']} | {r['lr'][b]}; {r['lr'][s]} | {fmt(r['share'][b])}; {fmt(r['share'][s])} | "
-                    f"{fmt(r['critical'][b])}; {fmt(r['critical'][s])} |" for r in cc.get("rows", [])] + [""]
+            out += _cond_head(cond, cc) + markdown_table(
+                ["sub-layers", f"LR: {b}; {s}", f"redundant share of the shallow half per seed: {b}; {s}",
+                 f"first two over the median (log10) per seed: {b}; {s}"],
+                [[r["sublayers"], f"{r['lr'][b]}; {r['lr'][s]}", f"{fmt(r['share'][b])}; {fmt(r['share'][s])}",
+                  f"{fmt(r['critical'][b])}; {fmt(r['critical'][s])}"] for r in cc.get("rows", [])]) + [""]
         return out + [f"Redundant: removing the sub-layer raises PPL by less than {V.REDUNDANT_BELOW:.0%}; the shallow "
                       f"half: the first {V.SHALLOW:.0%} of sub-layers. ΔPPL per sub-layer of every ablated run: "
                       "report.json (`ablation` of each run), drawn in importance.png."]
@@ -383,8 +385,8 @@ class EarlySpike(Claim):
         s, b = claim["scheme"], claim["baseline"]
         cell = lambda d: "[" + ", ".join(f"s{sd} {x:.2f}" + ("" if v == "healthy" else f" ({v})")
                                          for sd, (x, v) in sorted(d.items())) + "]"
-        out = [f"| sub-layers | LR | largest early spike per seed (nats): {b} | {s} |", "|---|---|---|---|"]
-        return out + [f"| {r['sublayers']} | {r['lr']:g} | {cell(r[b])} | {cell(r[s])} |" for r in c.get("rows", [])]
+        return markdown_table(["sub-layers", "LR", f"largest early spike per seed (nats): {b}", s],
+                              [[r["sublayers"], f"{r['lr']:g}", cell(r[b]), cell(r[s])] for r in c.get("rows", [])])
 
 
 @dataclass(kw_only=True)
@@ -419,16 +421,81 @@ class Bench(Claim):
     def tables(cls, claim: dict, c: dict) -> list[str]:
         out = []
         for cond, cc in c["conditions"].items():
-            out += _cond_head(cond, cc) + ["| sub-layers | design | against | margin (against − design, nats) mean "
-                                           "[CI] (per seed) | in words |", "|---|---|---|---|---|"]
-            out += [f"| {r['sublayers']} | {r['scheme']} | {r['baseline']} | {pm(r['margin'])} | "
-                    f"{direction(r['margin'], r['scheme'], r['baseline'])} |" for r in cc.get("rows", [])] + [""]
+            out += _cond_head(cond, cc) + markdown_table(
+                ["sub-layers", "design", "against", "margin (against − design, nats) mean [CI] (per seed)", "in words"],
+                [[r["sublayers"], r["scheme"], r["baseline"], pm(r["margin"]), direction(r["margin"], r["scheme"],
+                                                                                    r["baseline"])]
+                 for r in cc.get("rows", [])]) + [""]
         return out
+
+
+@dataclass(kw_only=True)
+class LoopMaxLr(Claim):
+    kind: ClassVar[str] = "loop_max_lr"
+    unit: ClassVar[str] = "log10 of the max-LR ratio"
+
+    groups: list[str] = key(MISSING, "looped train groups at the paper's init, the effective depths.", nonempty=True,
+                            note="group names")
+    init_groups: list[str] = key([], "the same looped groups at the other embedding init.", note="group names")
+    scheme: str = key(MISSING, "the scheme that should train at a higher max LR, e.g. \"keel\".", nonempty=True)
+    baseline: str = key(MISSING, "the scheme it is compared with, e.g. \"pre_ln\".", nonempty=True)
+    verdict = staticmethod(V.claim_loop_max_lr)
+
+    @classmethod
+    def groups_read(cls, claim: dict) -> list[str]:
+        return list(claim["groups"]) + list(claim.get("init_groups", []))
+
+    @classmethod
+    def check(cls, claim: dict, groups: dict[str, Group]) -> None:
+        """Every group read is looped, all with one loop geometry; a test_depth claim's also test loop counts
+        (``test_loops``), its ``factor`` among them."""
+        gs, tests = [groups[g] for g in cls.groups_read(claim) if g in groups], cls.kind == "test_depth"
+        bad = [g.name for g in gs if not g.loop or (tests and not g.test_loops)]
+        if bad or len({(tuple(g.loop), tuple(g.test_loops)) for g in gs}) > 1:
+            raise KeelError(f"study claim {claim['id']!r}: its groups must be looped, with one loop = [P, C, Q]"
+                            + (" and test_loops" if tests else "") + f" (check {', '.join(bad or [gs[0].name])})")
+        if tests and gs and claim.get("factor", 2.0) not in gs[0].test_loops:
+            raise KeelError(f"study claim {claim['id']!r}: factor {claim.get('factor', 2.0):g} is not one of the "
+                            f"groups' test_loops {gs[0].test_loops}")
+
+    @classmethod
+    def tables(cls, claim: dict, c: dict) -> list[str]:
+        s, b = claim["scheme"], claim["baseline"]
+        out = []
+        for cond, cc in c["conditions"].items():
+            out += _cond_head(cond, cc) + markdown_table(
+                ["sub-layers", f"max LR per seed: {b}", s, f"log10 ratio ({s} / {b}) mean [CI] (per seed)"],
+                [[r["sublayers"], max_lr_cell(r["max_lr"][b]), max_lr_cell(r["max_lr"][s]),
+                  "neither trains" if r["neither"] else pm(r["d"])] for r in cc.get("rows", [])]) + [""]
+        return out + ["Max LR: the largest grid LR whose run left the unigram plateau and ended finite below it (+: "
+                      "at the highest LR run; <: at none). A seed bounded alike on both sides is left out."]
+
+
+@dataclass(kw_only=True)
+class TestDepth(LoopMaxLr):  # the same keys (groups: looped groups with test_loops), and the factor judged
+    kind: ClassVar[str] = "test_depth"
+    unit: ClassVar[str] = "nats/token"
+
+    factor: float = key(2.0, "the test-loop factor judged: R' = round(factor R), one of the groups' test_loops.", gt=0)
+    verdict = staticmethod(V.claim_test_depth)
+
+    @classmethod
+    def tables(cls, claim: dict, c: dict) -> list[str]:
+        s, b = claim["scheme"], claim["baseline"]
+        out = []
+        for cond, cc in c["conditions"].items():
+            out += _cond_head(cond, cc) + markdown_table(
+                ["sub-layers", "R", "R'", f"loss(R') − loss(R), {s}: mean [CI] (per seed)", b,
+                 f"{s} − {b} in that difference"],
+                [[r["sublayers"], r["loops"], n, pm(r["d"][s][n]), pm(r["d"][b][n]), pm(r["vs"][n])]
+                 for r in cc.get("rows", []) for n in r["d"][s]]) + [""]
+        return out + ["Each seed's run at its best LR, evaluated with its core applied R' times on the validation "
+                      "windows of its final loss (nats/token); > 0: the loss rises at R'."]
 
 
 # The one list of claim kinds: a claim's ``test`` names one.
 CLAIMS: dict[str, type[Claim]] = {c.kind: c for c in (MarginGrows, LrTransfer, MaxLrOrder, DataScaling, DeepVsWide,
-                                                      LayerImportance, EarlySpike, Bench)}
+                                                      LayerImportance, EarlySpike, Bench, LoopMaxLr, TestDepth)}
 
 
 def widen_words(widen: dict[str, int]) -> str:

@@ -1,19 +1,21 @@
 """A study's run records: one per planned run, read from its run folder (:func:`run_record`:
 status, losses, the divergence verdict, the plateau exit step, a thinned loss curve) or
 restored from an earlier ``report.json`` (``keel study --restore``: :func:`load_restored`,
-every record checked against :data:`RESTORED_KEYS` before a verdict reads it)."""
+every record checked by :meth:`keel.experiments.record.RunRecord.from_dict` before a verdict reads it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from keel.config import load_config, resolve_config_path
+from keel.config import ModelConfig, load_config, resolve_config_path
 from keel.diagnostics.divergence import Thresholds
 from keel.errors import KeelError
 from keel.experiments.grid import GridJob, is_number
+from keel.experiments.record import MEASURE_KEYS, OPTIONAL_KEYS, PENDING_KEYS, RunRecord
 from keel.experiments.study.spec import Group, Study
 from keel.train.metrics import read_metrics, trailing_mean
 
@@ -75,16 +77,27 @@ def thinned_curve(records: Sequence[dict], points: int = CURVE_POINTS, window: i
             "lr": [train[i][2] for i in keep], "val_step": [s for s, _ in val], "val_loss": [round(x, 5) for _, x in val]}
 
 
-def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -> dict:
-    """One run's row of the report: coordinates, ``status`` (done / error / pending), ``tokens``
-    trained, final / step-0 validation loss, ``capped_loss`` (final, or the step-0 loss when the
-    run has no finite final loss: a NaN would win or lose ``min`` by its position), divergence
-    verdict, max LR (ramp), plateau exit step."""
+def sublayers_of(model: dict) -> int:
+    """The effective depth of a run's ``[model]`` keys (a dict; 0 without ``n_layers``): sub-layers a
+    forward pass applies, :attr:`keel.config.ModelConfig.n_sublayers` (2 (P + R C + Q) when looped)."""
+    if "n_layers" not in model:
+        return 0
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in model.items() if k in names}).n_sublayers
+
+
+def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -> RunRecord:
+    """One run's record (:class:`keel.experiments.record.RunRecord`), the run's row of the
+    report: coordinates from the job's config, ``status`` pending without a ``result``; with one
+    (the run's ``result.json``, finished), ``tokens`` trained, final / step-0 validation loss,
+    ``capped_loss`` (final, or the step-0 loss when the run has no finite final loss: a NaN would
+    win or lose ``min`` by its position), divergence verdict, max LR (ramp), plateau exit step,
+    thinned loss curve and early spike (from ``run_dir``'s ``metrics.jsonl``)."""
     model, train = job.config.get("model", {}), job.config.get("train", {})  # the run's own keys: one vocabulary
-    rec = {"group": group.name, "name": job.name, "scheme": model.get("residual"),
-           "sublayers": 2 * model.get("n_layers", 0), "seed": train.get("seed"), "lr": train.get("lr"),
-           "scheme_version": job.values.get("scheme_version", 1), "values": job.values,
-           "status": "pending", "result": result or {}}
+    rec = RunRecord(group=group.name, name=job.name, scheme=model.get("residual"),
+                    sublayers=sublayers_of(model), seed=train.get("seed"), lr=train.get("lr"),
+                    scheme_version=job.values.get("scheme_version", 1), values=job.values, result=result or {},
+                    stored=PENDING_KEYS)
     if result is None:
         return rec
     final, first = result.get("final_val_loss"), result.get("first_val_loss")
@@ -98,18 +111,17 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
                plateau_exit_step=plateau_exit_step(records, Thresholds().plateau_level(h1 or None)),
                curve=thinned_curve(records), early_spike=early_spike(records, cap=first),
                ablation=result.get("ablation"))
+    if result.get("test_loops") is not None:
+        rec.update(test_loops=result["test_loops"])
     return rec
 
 
-RESTORED_KEYS = ("status", "tokens", "final_val_loss", "first_val_loss", "capped_loss", "verdict", "divergence",
-                 "diverged", "max_lr", "peak_lr", "wall_s", "plateau_exit_step", "curve", "early_spike", "ablation")
-
-
-def load_restored(path: str | Path, study: Study) -> dict[tuple[str, str], dict]:
+def load_restored(path: str | Path, study: Study) -> dict[tuple[str, str], RunRecord]:
     """The finished runs of an earlier ``report.json`` of the same study, scale and settings,
     ``{(group, run name): record}``: what stands in for run folders that are gone (``runs/`` is
     not kept between machines; the committed report is). A record keeps the numbers the
-    verdicts and tables read (:data:`RESTORED_KEYS`), not the loss curves.
+    verdicts and tables read (:class:`keel.experiments.record.RunRecord`, checked by its
+    :meth:`~keel.experiments.record.RunRecord.from_dict`), with their thinned loss curves.
 
     Settings are compared by value (:func:`_restore_settings_diff`): the config the scale's and
     the user's keys give, and each group's with its own ``set`` when the report records it
@@ -118,7 +130,8 @@ def load_restored(path: str | Path, study: Study) -> dict[tuple[str, str], dict]
     Raises:
         KeelError: the file is missing or not a study report; it is another study or scale; its
             runs were trained with other settings; a finished run's record is malformed
-            (:func:`_check_restored_record`) or repeated.
+            (:meth:`RunRecord.from_dict`: a field of the wrong type, a scheme or LR its name
+            contradicts, a negative wall time, curves of mismatched lengths) or repeated.
     """
     path = Path(path)
     try:
@@ -150,34 +163,27 @@ def load_restored(path: str | Path, study: Study) -> dict[tuple[str, str], dict]
     return _restored_runs(path, rep)
 
 
-_RUN_STATUSES = ("done", "superseded", "error", "pending")  # a report's run statuses; the first two are restored
-
-
-def _restored_runs(path: Path, rep: dict) -> dict[tuple[str, str], dict]:
+def _restored_runs(path: Path, rep: dict) -> dict[tuple[str, str], RunRecord]:
     """:func:`load_restored`'s records: the finished runs (``done``, ``superseded``) of the report
-    ``rep`` read from ``path``, each checked (:func:`_check_restored_record`), by (group, run name).
+    ``rep`` read from ``path``, each checked (:meth:`RunRecord.from_dict`), by (group, run name),
+    marked ``done`` and carrying the report's ``unigram_entropy``.
 
     Raises:
         KeelError: a record that is not an object, has another status, is malformed, or is listed
             twice; the message names the record (``runs[i]``, and its run when it has a name) and the key.
     """
     h1 = rep.get("unigram_entropy")
-    out: dict[tuple[str, str], dict] = {}
+    out: dict[tuple[str, str], RunRecord] = {}
     superseded = rep.get("superseded_runs") if isinstance(rep.get("superseded_runs"), list) else []
     for where, r in [*((f"runs[{i}]", r) for i, r in enumerate(rep["runs"])),
                      *((f"superseded_runs[{i}]", r) for i, r in enumerate(superseded))]:
-        if not isinstance(r, dict):
-            raise KeelError(f"--restore {path}: {where} must be a run record (a JSON object), "
-                            f"got {json.dumps(r)[:80]}")
-        who = f"{where}, run {r['name']}" if isinstance(r.get("name"), str) else where
-        if r.get("status") not in _RUN_STATUSES:
-            raise KeelError(f"--restore {path}: {who}: status must be one of {', '.join(_RUN_STATUSES)}, "
-                            f"got {r.get('status')!r}")
-        if r["status"] in ("done", "superseded"):
-            _check_restored_record(path, r, who)
-            if (r["group"], r["name"]) in out:
-                raise KeelError(f"--restore {path}: run {r['name']} of group {r['group']} is listed twice")
-            out[(r["group"], r["name"])] = {**r, "status": "done", "unigram_entropy": h1 if is_number(h1) else None}
+        if isinstance(r, dict) and r.get("status") in ("error", "pending"):
+            continue  # not restored: trained again
+        rec = RunRecord.from_dict(r, f"--restore {path}: {where}")
+        if (rec.group, rec.name) in out:
+            raise KeelError(f"--restore {path}: run {rec.name} of group {rec.group} is listed twice")
+        rec.update(status="done", unigram_entropy=h1 if is_number(h1) else None)
+        out[(rec.group, rec.name)] = rec
     return out
 
 
@@ -200,61 +206,22 @@ def _restore_settings_diff(study: Study, theirs: list, group: Group | None) -> s
                              for sec, k in keys)
 
 
-# restored record key -> (check, words); None passes for every key but the run's coordinates and capped_loss
-_RECORD_CHECKS = {"group": (lambda x: isinstance(x, str) and x, "a group name"),
-                  "name": (lambda x: isinstance(x, str) and x, "a run name"),
-                  "scheme": (lambda x: isinstance(x, str), "a scheme name"),
-                  "sublayers": (lambda x: isinstance(x, int) and not isinstance(x, bool), "an integer"),
-                  "seed": (lambda x: isinstance(x, int) and not isinstance(x, bool), "an integer"),
-                  "lr": (is_number, "a number"),
-                  "capped_loss": (lambda x: is_number(x) and 0 <= x < math.inf, "a finite loss >= 0 (nats/token)"),
-                  "final_val_loss": (lambda x: x is None or is_number(x) and x >= 0, "a loss >= 0 or null"),
-                  "first_val_loss": (lambda x: x is None or is_number(x) and x >= 0, "a loss >= 0 or null"),
-                  "tokens": (lambda x: x is None or isinstance(x, int) and not isinstance(x, bool) and x >= 0,
-                             "a token count or null"),
-                  "max_lr": (lambda x: x is None or is_number(x), "a number or null"),
-                  "peak_lr": (lambda x: x is None or is_number(x), "a number or null"),
-                  "wall_s": (lambda x: x is None or is_number(x), "seconds or null"),
-                  "plateau_exit_step": (lambda x: x is None or isinstance(x, int) and not isinstance(x, bool),
-                                        "a step or null"),
-                  "divergence": (lambda x: x is None or isinstance(x, dict) and isinstance(x.get("mode"), str),
-                                 "a divergence verdict ({mode, step, evidence}) or null"),
-                  "verdict": (lambda x: x is None or isinstance(x, str), "a string or null"),
-                  "curve": (lambda x: x is None or isinstance(x, dict) and all(
-                      isinstance(x.get(k), list) and all(v is None or is_number(v) for v in x[k])
-                      for k in ("step", "loss", "lr", "val_step", "val_loss")), "a thinned loss curve or null"),
-                  "diverged": (lambda x: x is None or isinstance(x, bool), "true, false or null")}
-# keys that reports before v5 lack: checked only when a record has them (a missing one restores as null)
-_OPTIONAL_CHECKS = {"early_spike": (lambda x: x is None or is_number(x) and x >= 0, "a rise >= 0 (nats/token) or null"),
-                    "ablation": (lambda x: x is None or isinstance(x, dict) and is_number(x.get("ppl_full"))
-                                 and isinstance(x.get("delta_ppl"), list) and all(map(is_number, x["delta_ppl"])),
-                                 "an ablation ({ppl_full, delta_ppl: [...]}) or null")}
-
-
-def _check_restored_record(path: Path, r: dict, who: str) -> None:
-    """Raise KeelError naming the run (``who``) and the key if a finished run's record in a restored
-    report lacks a key the report reads or holds a value of the wrong type (e.g. a loss that is text)."""
-    for key, (ok, words) in {**_RECORD_CHECKS, **_OPTIONAL_CHECKS}.items():
-        if key not in r and key not in _OPTIONAL_CHECKS:
-            raise KeelError(f"--restore {path}: {who}: {key} must be {words}; the record has no {key}")
-        if key in r and not ok(r[key]):
-            raise KeelError(f"--restore {path}: {who}: {key} must be {words}, got {r[key]!r}")
-
-
-def restored_record(group: Group, job: GridJob, old: dict) -> dict | None:
-    """A run's record (:func:`run_record`) from its record in an earlier report (``old``), marked
-    ``restored``; ``result`` holds what the LR-grid summaries read. None when ``old`` is for
-    other coordinates (scheme, depth, seed, LR) than ``job``: then the run is trained."""
+def restored_record(group: Group, job: GridJob, old: RunRecord) -> RunRecord | None:
+    """A run's record (:func:`run_record`) from its record in an earlier report (``old``, of
+    :func:`load_restored`), marked ``restored``; ``result`` holds what the LR-grid summaries read.
+    None when ``old`` is for other coordinates (scheme, depth, seed, LR) than ``job``: then the
+    run is trained."""
     rec = run_record(group, job, Path(), None)
-    if any(old.get(k) != rec[k] for k in ("scheme", "sublayers", "seed", "lr")):
+    if any(getattr(old, k) != getattr(rec, k) for k in ("scheme", "sublayers", "seed", "lr")):
         return None
-    rec.update({k: old.get(k) for k in RESTORED_KEYS}, restored=True)
-    rec["result"] = {"values": job.values, "unigram_entropy": old.get("unigram_entropy"),
-                     **{k: rec[k] for k in RESTORED_KEYS if k != "capped_loss"}}
+    rec.update({k: getattr(old, k) for k in ("status", *MEASURE_KEYS, *(k for k in OPTIONAL_KEYS if k in old))},
+               restored=True)
+    rec.result = {"values": job.values, "unigram_entropy": old.unigram_entropy,
+                  **{k: getattr(rec, k) for k in ("status", *MEASURE_KEYS) if k != "capped_loss"}}
     return rec
 
 
-def kept_restored(g: Group, restored: dict[tuple[str, str], dict]) -> list[dict]:
+def kept_restored(g: Group, restored: dict[tuple[str, str], RunRecord]) -> list[RunRecord]:
     """The restored records (:func:`load_restored`) of group ``g``, as run records marked
     ``restored``, for a group that is not planned yet (an ``lr_from`` group waiting for its
     source): a report written meanwhile keeps them, so that restoring from it loses nothing."""
@@ -262,9 +229,9 @@ def kept_restored(g: Group, restored: dict[tuple[str, str], dict]) -> list[dict]
     for (name, run_name), old in restored.items():
         if name != g.name:
             continue
-        config = {"model": {"residual": old["scheme"], "n_layers": old["sublayers"] // 2},
-                  "train": {"seed": old["seed"], "lr": old["lr"]}}
-        rec = restored_record(g, GridJob(run_name, config, old.get("values", {})), old)
+        config = {"model": {"residual": old.scheme, "n_layers": old.sublayers // 2},
+                  "train": {"seed": old.seed, "lr": old.lr}}
+        rec = restored_record(g, GridJob(run_name, config, old.values), old)
         if rec is not None:
             out.append(rec)
     return out

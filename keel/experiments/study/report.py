@@ -12,9 +12,11 @@ import matplotlib.ticker
 
 from keel.config import override_text
 from keel.experiments import sensitivity as LS
+from keel.experiments.record import RunRecord
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.cells import CONDITION_WORDS, direction, lrs, pm, short
 from keel.experiments.study.claims import claim_kind
+from keel.experiments.table import markdown_table
 from keel.experiments.study.verdicts import (LEVEL, MAX_LR_FLOOR, baseline_margins, best_losses, best_lrs, best_runs,
                                              paired_verdict, verdict_words)
 from keel.train.plots import plt, save_figure
@@ -41,13 +43,10 @@ def claim_section(claim: dict, c: dict) -> list[str]:
     return out + kind.tables(claim, c) + [""]
 
 
-def best_loss_table(study: Study, runs: list[dict]) -> list[str]:
+def best_loss_table(study: Study, runs: list[RunRecord]) -> list[str]:
     """Markdown: per train group, scheme and depth, the best final validation loss over the
     LR grid per seed (:func:`best_losses`), mean ± sd: every scheme of the study side by side."""
-    head = ["## Best loss per scheme and depth", "",
-            "Final validation loss (nats/token) at each seed's best LR; seeds with an unfinished LR are left out.", "",
-            "| group | sub-layers | scheme | best loss mean ± sd [per seed] | best LR [per seed] |", "|---|---|---|---|---|"]
-    out = []
+    rows = []
     for g in study.groups:
         if g.kind != "train":
             continue
@@ -55,13 +54,17 @@ def best_loss_table(study: Study, runs: list[dict]) -> list[str]:
             for scheme in g.schemes:
                 b = best_losses(runs, [g.name], scheme, L)
                 if b:
-                    v = paired_verdict(b, study.min_effect, 1)
-                    out.append(f"| {g.name} | {L} | {scheme} | {pm(v, '{:.3f}')} | "
-                               f"{lrs(best_lrs(runs, [g.name], scheme, L))} |")
-    return head + out + [""] if out else []  # no finished run of a train group (a ramp-only study): no table
+                    rows.append([g.name, L, scheme, pm(paired_verdict(b, study.min_effect, 1), "{:.3f}"),
+                                 lrs(best_lrs(runs, [g.name], scheme, L))])
+    if not rows:  # no finished run of a train group (a ramp-only study): no table
+        return []
+    return ["## Best loss per scheme and depth", "",
+            "Final validation loss (nats/token) at each seed's best LR; seeds with an unfinished LR are left out.",
+            ""] + markdown_table(["group", "sub-layers", "scheme", "best loss mean ± sd [per seed]",
+                                  "best LR [per seed]"], rows) + [""]
 
 
-def unclaimed_group_sections(study: Study, runs: list[dict]) -> list[str]:
+def unclaimed_group_sections(study: Study, runs: list[RunRecord]) -> list[str]:
     """Markdown: one section per group that no claim reads (e.g. the 1024-sub-layer showcase, the
     residual bench): its ``note``, its settings beyond the scale's, and its finished runs (first
     and final validation loss, nats/token; plateau exit step; divergence verdict). No verdict."""
@@ -70,24 +73,23 @@ def unclaimed_group_sections(study: Study, runs: list[dict]) -> list[str]:
     for g in study.groups:
         if g.name in read:
             continue
-        done = [r for r in runs if r["group"] == g.name and r["status"] == "done"]
-        planned = sum(r["group"] == g.name for r in runs)
+        done = [r for r in runs if r.group == g.name and r.status == "done"]
+        planned = sum(r.group == g.name for r in runs)
         out += [f"## Group {g.name} (no claim reads it)", ""] + ([g.note.strip(), ""] if g.note else [])
         if g.sets:
             out += [f"Settings beyond the scale's: {', '.join(override_text(x) for x in g.sets)}.", ""]
         out += [f"Runs finished: {len(done)} of {planned}.", ""] + baseline_table(study, g, runs)
         if done:
-            out += ["| scheme | sub-layers | LR | seed | tokens | val loss: first → final | plateau exit step | verdict |",
-                    "|---|---|---|---|---|---|---|---|"]
-            out += [f"| {r['scheme']} | {r['sublayers']} | {r['lr']:g} | {r['seed']} | {r.get('tokens') or 0:,} | "
-                    f"{_loss(r.get('first_val_loss'))} → {_loss(r.get('final_val_loss'))} | "
-                    f"{_exit_words(r)} | "
-                    f"{verdict_words(r)} |" for r in done]
+            out += markdown_table(
+                ["scheme", "sub-layers", "LR", "seed", "tokens", "val loss: first → final", "plateau exit step", "verdict"],
+                [[r.scheme, r.sublayers, f"{r.lr:g}", r.seed, f"{r.tokens or 0:,}",
+                  f"{_loss(r.first_val_loss)} → {_loss(r.final_val_loss)}", _exit_words(r), verdict_words(r)]
+                 for r in done])
             out.append("")
     return out
 
 
-def baseline_table(study: Study, g: Group, runs: list[dict]) -> list[str]:
+def baseline_table(study: Study, g: Group, runs: list[RunRecord]) -> list[str]:
     """Markdown: ``g``'s schemes against its baselines (:func:`baseline_margins`), one row per
     depth and scheme, one column per baseline; empty when ``g`` names none."""
     rows = baseline_margins(study, g, runs)
@@ -97,14 +99,12 @@ def baseline_table(study: Study, g: Group, runs: list[dict]) -> list[str]:
            f"margin = loss(baseline) − loss(scheme), nats/token, each side at its seed's best LR of this group's grid "
            f"({', '.join(f'{x:g}' for x in sorted(g.lrs))}); > 0: the scheme is better. In brackets, as the claims' "
            f"rule reads a margin: X better when every seed (≥ {study.min_seeds}) favours X by ≥ {study.min_effect:g}, "
-           f"no difference when every seed is within {study.min_effect:g}, else mixed. No claim of the paper.", "",
-           "| sub-layers | scheme | " + " | ".join(f"vs {b}" for b in g.baselines) + " |",
-           "|---|---|" + "---|" * len(g.baselines)]
-    for L in g.sublayers:
-        for s in g.schemes:
-            cells = [r["margin"] for r in rows if (r["sublayers"], r["scheme"]) == (L, s)]
-            out.append(f"| {L} | {s} | " + " | ".join(
-                f"{pm(v)} ({direction(v, s, b)})" if v["n"] else "–" for v, b in zip(cells, g.baselines)) + " |")
+           f"no difference when every seed is within {study.min_effect:g}, else mixed. No claim of the paper.", ""]
+    cells = {(L, s): [r["margin"] for r in rows if (r["sublayers"], r["scheme"]) == (L, s)]
+             for L in g.sublayers for s in g.schemes}
+    out += markdown_table(["sub-layers", "scheme", *(f"vs {b}" for b in g.baselines)],
+                          [[L, s, *(f"{pm(v)} ({direction(v, s, b)})" if v["n"] else "–"
+                                    for v, b in zip(cells[(L, s)], g.baselines))] for (L, s) in cells])
     if any(not r["margin"]["n"] for r in rows):
         out += ["", f"–: no seed has both sides finished yet (all of this group's LRs for the scheme and all of group "
                 f"{g.baselines_from}'s for the baseline, at that depth)."]
@@ -115,48 +115,44 @@ def _loss(x: float | None) -> str:
     return "–" if x is None else f"{x:.3f}"
 
 
-def plateau_table(runs: list[dict]) -> list[str]:
+def plateau_table(runs: list[RunRecord]) -> list[str]:
     """Markdown: per group, scheme and depth, the plateau exit step of each seed's best run
     (lowest capped loss over its LRs) and how many of the finished runs never left the plateau."""
     out = ["## When each scheme leaves the unigram plateau", "",
            "Plateau exit: the first step whose 10-step trailing mean training loss is below 95% of the unigram "
            "entropy. Per seed, the run at that seed's best LR (a ramp group: its one run per seed); pending: a run "
            "of that seed is unfinished, so its best LR is not known yet (the finished runs' exit steps are in the "
-           "last table).", "",
-           "| group | scheme | sub-layers | exit step at the best LR, per seed | finished runs that never left |",
-           "|---|---|---|---|---|"]
-    done = [r for r in runs if r["status"] == "done"]
-    for key in dict.fromkeys((r["group"], r["scheme"], r["sublayers"]) for r in done):
-        rs = [r for r in runs if (r["group"], r["scheme"], r["sublayers"]) == key]
-        best = {sd: r.get("plateau_exit_step") for sd, r in best_runs(rs, [key[0]], key[1], key[2]).items()}
+           "last table).", ""]
+    rows = []
+    done = [r for r in runs if r.status == "done"]
+    for key in dict.fromkeys((r.group, r.scheme, r.sublayers) for r in done):
+        rs = [r for r in runs if (r.group, r.scheme, r.sublayers) == key]
+        best = {sd: r.plateau_exit_step for sd, r in best_runs(rs, [key[0]], key[1], key[2]).items()}
         cells = ["pending" if sd not in best else "never" if best[sd] is None else str(best[sd])
-                 for sd in sorted({r["seed"] for r in rs})]
-        fin = [r for r in rs if r["status"] == "done"]
-        never = sum(r.get("plateau_exit_step") is None for r in fin)
-        out.append(f"| {key[0]} | {key[1]} | {key[2]} | {', '.join(cells)} | {never} of {len(fin)} |")
-    return out + [""]
+                 for sd in sorted({r.seed for r in rs})]
+        fin = [r for r in rs if r.status == "done"]
+        never = sum(r.plateau_exit_step is None for r in fin)
+        rows.append([*key, ", ".join(cells), f"{never} of {len(fin)}"])
+    return out + markdown_table(["group", "scheme", "sub-layers", "exit step at the best LR, per seed",
+                                 "finished runs that never left"], rows) + [""]
 
 
-def _exit_words(r: dict) -> str:
+def _exit_words(r: RunRecord) -> str:
     """A run's plateau exit step for the tables: the step, ``never`` (finished on the plateau),
     ``–`` (not finished)."""
-    if r["status"] != "done":
+    if r.status != "done":
         return "–"
-    return "never" if r.get("plateau_exit_step") is None else str(r["plateau_exit_step"])
+    return "never" if r.plateau_exit_step is None else str(r.plateau_exit_step)
 
 
-def runs_table(runs: list[dict]) -> list[str]:
+def runs_table(runs: list[RunRecord]) -> list[str]:
     """Markdown: every run with its tokens, losses, plateau exit step and divergence verdict."""
-    out = ["## Every run", "", "| group | scheme | sub-layers | LR | seed | status | tokens | final val loss | "
-           "plateau exit step | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in runs:
-        f = r.get("final_val_loss")
-        status = r["status"] + (" (restored)" if r.get("restored") else "")
-        out.append(f"| {r['group']} | {r['scheme']} | {r['sublayers']} | {r['lr']:g} | {r['seed']} | {status} | "
-                   f"{r.get('tokens') or 0:,} | {'–' if f is None else f'{f:.4f}'} | "
-                   f"{_exit_words(r)} | "
-                   f"{verdict_words(r) if r['status'] == 'done' else '–'} |")
-    return out
+    return ["## Every run", ""] + markdown_table(
+        ["group", "scheme", "sub-layers", "LR", "seed", "status", "tokens", "final val loss", "plateau exit step",
+         "verdict"],
+        [[r.group, r.scheme, r.sublayers, f"{r.lr:g}", r.seed, r.status + (" (restored)" if r.restored else ""),
+          f"{r.tokens or 0:,}", "–" if r.final_val_loss is None else f"{r.final_val_loss:.4f}", _exit_words(r),
+          verdict_words(r) if r.status == "done" else "–"] for r in runs])
 
 
 def verdict_rule(study: Study, claims: Sequence[dict], floor: dict | None = None) -> str:
@@ -191,26 +187,26 @@ def verdict_rule(study: Study, claims: Sequence[dict], floor: dict | None = None
             + why + (f" {ids(own)} has its own rule, stated in its section." if own else ""))
 
 
-def unfinished_words(study: Study, runs: list[dict]) -> str:
+def unfinished_words(study: Study, runs: list[RunRecord]) -> str:
     """" Unfinished: transfer 4 (deepnorm; read by no claim); ..." for the report's count line:
     per group its planned runs not finished yet, their schemes, and the claims whose verdicts
     they can still change."""
-    pending = [r for r in runs if r["status"] != "done"]
+    pending = [r for r in runs if r.status != "done"]
     parts = []
-    for g in dict.fromkeys(r["group"] for r in pending):
-        schemes = list(dict.fromkeys(r["scheme"] for r in pending if r["group"] == g))
+    for g in dict.fromkeys(r.group for r in pending):
+        schemes = list(dict.fromkeys(r.scheme for r in pending if r.group == g))
         readers = [f"({c['id']})" for c in study.claims if any((g, x) in claim_kind(c).reads(c) for x in schemes)]
-        parts.append(f"{g} {sum(r['group'] == g for r in pending)} ({', '.join(schemes)}; read by "
+        parts.append(f"{g} {sum(r.group == g for r in pending)} ({', '.join(schemes)}; read by "
                      f"{', '.join(readers) if readers else 'no claim'})")
     return f" Unfinished: {'; '.join(parts)}." if parts else ""
 
 
-def tokens_words(study: Study, done: list[dict]) -> str:
+def tokens_words(study: Study, done: list[RunRecord]) -> str:
     """" (tokens per finished run: ...)" for the report's count line: the distinct budgets of the
     training runs, and the range of the ramp runs, which stop at their divergence."""
     ramp = {g.name for g in study.groups if g.kind == "ramp"}
-    train = sorted({r["tokens"] for r in done if r.get("tokens") and r["group"] not in ramp})
-    stopped = sorted(r["tokens"] for r in done if r.get("tokens") and r["group"] in ramp)
+    train = sorted({r.tokens for r in done if r.tokens and r.group not in ramp})
+    stopped = sorted(r.tokens for r in done if r.tokens and r.group in ramp)
     parts = ([f"training runs {', '.join(f'{t:,}' for t in train)}"] if train else []) + (
         [f"ramp runs {stopped[0]:,}" + (f"–{stopped[-1]:,}" if stopped[-1] != stopped[0] else "")
          + " (a ramp run stops at its divergence)"] if stopped else [])
@@ -223,7 +219,7 @@ def waiting_words(w: dict) -> str:
     return f"group {w['group']} ({w['runs']} runs) waits for group {w['source']} at {w['source_sublayers']} sub-layers"
 
 
-def run_time_words(study: Study, runs: Sequence[dict], waiting: Sequence[dict] = ()) -> str:
+def run_time_words(study: Study, runs: Sequence[RunRecord], waiting: Sequence[dict] = ()) -> str:
     """" Run time: N worker-hours recorded ...; about M worker-hours left ..." for the report's
     count line. Recorded: the sum of the finished runs' wall times (``wall_s``, seconds, as
     trained: a machine's ``--workers`` share its cores). Left: each unfinished run, and each run
@@ -233,9 +229,9 @@ def run_time_words(study: Study, runs: Sequence[dict], waiting: Sequence[dict] =
     kind = {g.name: g.kind for g in study.groups}
     walls: dict[tuple, list[float]] = {}
     for r in runs:
-        if r["status"] == "done" and r.get("wall_s"):
-            walls.setdefault((kind.get(r["group"], "train"), r["sublayers"]), []).append(r["wall_s"])
-    todo = Counter((kind.get(r["group"], "train"), r["sublayers"]) for r in runs if r["status"] != "done")
+        if r.status == "done" and r.wall_s:
+            walls.setdefault((kind.get(r.group, "train"), r.sublayers), []).append(r.wall_s)
+    todo = Counter((kind.get(r.group, "train"), r.sublayers) for r in runs if r.status != "done")
     for w in waiting:
         for L in w["sublayers"]:
             todo[(kind.get(w["group"], "train"), L)] += w["runs"] // len(w["sublayers"])
@@ -258,19 +254,19 @@ def run_time_words(study: Study, runs: Sequence[dict], waiting: Sequence[dict] =
     return f" Run time: {'; '.join(parts)}." if parts else ""
 
 
-def restored_words(runs: list[dict], restore: str | Path | None) -> str:
+def restored_words(runs: list[RunRecord], restore: str | Path | None) -> str:
     """The report's line on runs restored from an earlier report (``keel study --restore``)."""
-    n = sum(1 for r in runs if r.get("restored"))
+    n = sum(1 for r in runs if r.restored)
     if not n:
         return ""
     return (f" {n} of the finished runs were restored from `{restore}` (an earlier report of this study: their "
             "numbers and thinned loss curves, not their run folders; a record without a curve is not redrawn).")
 
 
-def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[dict], command: str,
+def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[RunRecord], command: str,
                     waiting: Sequence[dict] = (), restore: str | Path | None = None, floor: dict | None = None) -> str:
     """``report.md``: the verdict table, one section per claim, every run."""
-    done = [r for r in runs if r["status"] == "done"]
+    done = [r for r in runs if r.status == "done"]
     lines = [f"# Study `{study.name}`, scale `{study.scale}`", "", study.note, "",
              f"Runs finished: {len(done)} of {len(runs)} planned so far{tokens_words(study, done)}."
              + unfinished_words(study, runs)
@@ -285,27 +281,27 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[di
             f"({u['id']}): {', '.join(u['groups'])}" for u in study.unjudged) + ".", ""]
     if claims:  # a study of groups only (e.g. a bench) has no verdicts
         lines += ["## Summary", ""] + [f"- {c['summary']}" for _, c in claims] + [""]
-        lines += ["## Verdicts", "", verdict_rule(study, [cl for cl, _ in claims], floor), "",
-                  "| claim | at the paper's init | at N(0, 1) embeddings | unit |", "|---|---|---|---|"]
-        lines += [f"| ({cl['id']}) {cl['title']} | {_verdict_cell(c, first=True)} | {_verdict_cell(c, first=False)} | "
-                  f"{claim_kind(cl).unit} |" for cl, c in claims] + [""]
+        lines += ["## Verdicts", "", verdict_rule(study, [cl for cl, _ in claims], floor), ""] + markdown_table(
+            ["claim", "at the paper's init", "at N(0, 1) embeddings", "unit"],
+            [[f"({cl['id']}) {cl['title']}", _verdict_cell(c, first=True), _verdict_cell(c, first=False),
+              claim_kind(cl).unit] for cl, c in claims]) + [""]
     for cl, c in claims:
         lines += claim_section(cl, c)
     return "\n".join(lines + unclaimed_group_sections(study, runs) + best_loss_table(study, runs)
                      + plateau_table(runs) + runs_table(runs)) + "\n"
 
 
-def superseded_words(recs: Sequence[dict]) -> str:
+def superseded_words(recs: Sequence[RunRecord | dict]) -> str:
     """Markdown: the runs of a scheme's older implementation that a newer one replaced (kept in
     ``report.json``'s ``superseded_runs``, read by no verdict or table above); empty if none."""
     if not recs:
         return ""
+    recs = [r if isinstance(r, RunRecord) else RunRecord.from_dict(r, "superseded run") for r in recs]
     out = ["", "## Superseded runs", "",
            f"{len(recs)} runs of an older implementation of their scheme (its `version` has since risen; "
-           "the study trains them again under the new one). Their numbers, for the record only:", "",
-           "| group | scheme | sub-layers | LR | seed | final val loss |", "|---|---|---|---|---|---|"]
-    out += [f"| {r['group']} | {r['scheme']} | {r['sublayers']} | {r['lr']:g} | {r['seed']} | "
-            f"{_loss(r.get('final_val_loss'))} |" for r in recs]
+           "the study trains them again under the new one). Their numbers, for the record only:", ""]
+    out += markdown_table(["group", "scheme", "sub-layers", "LR", "seed", "final val loss"],
+                          [[r.group, r.scheme, r.sublayers, f"{r.lr:g}", r.seed, _loss(r.final_val_loss)] for r in recs])
     return "\n".join(out) + "\n"
 
 
@@ -355,20 +351,20 @@ def plot_margins(claims: list[tuple[dict, dict]], out: Path) -> bool:
     return True
 
 
-def plot_record_curves(recs: Sequence[dict], out: Path, *, x: str, title: str) -> bool:
+def plot_record_curves(recs: Sequence[RunRecord], out: Path, *, x: str, title: str) -> bool:
     """Loss curves (the thinned 10-step trailing mean kept in each run's record, nats/token) of
     runs ``recs`` against ``x`` (``step``, or ``lr`` on a log axis for a ramp), one line each,
     from their records alone (restored runs included); False (nothing written) when no record
     has a curve."""
-    recs = [r for r in recs if (r.get("curve") or {}).get("step")]
+    recs = [r for r in recs if (r.curve or {}).get("step")]
     if not recs:
         return False
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for r in recs:
-        c = r["curve"]
+        c = r.curve
         pts = [(a, y) for a, y in zip(c[x], c["loss"]) if a is not None and y is not None and (x != "lr" or a > 0)]
         ax.plot([a for a, _ in pts], [y for _, y in pts], lw=1,
-                label=f"{r['scheme']} L{r['sublayers']}" + (f" LR {r['lr']:g}" if x != "lr" else "") + f" s{r['seed']}")
+                label=f"{r.scheme} L{r.sublayers}" + (f" LR {r.lr:g}" if x != "lr" else "") + f" s{r.seed}")
     if x == "lr":
         ax.set_xscale("log")
     ax.set_xlabel("peak LR of the ramp at that step" if x == "lr" else "step")
@@ -380,13 +376,14 @@ def plot_record_curves(recs: Sequence[dict], out: Path, *, x: str, title: str) -
     return True
 
 
-def write_plots(study: Study, runs: list[dict], claims: list[tuple[dict, dict]], out: Path, h1: float | None) -> list[str]:
+def write_plots(study: Study, runs: list[RunRecord], claims: list[tuple[dict, dict]], out: Path,
+                h1: float | None) -> list[str]:
     """The report's PNGs: loss against LR per train group with an LR grid, loss curves of the ramp
     groups (against the ramp's LR) and of single-LR groups (drawn from the runs' records, so a
     restored report redraws them), margins against depth. Returns the file names."""
     files = []
     for g in study.groups:
-        done = [r for r in runs if r["group"] == g.name and r["status"] == "done"]
+        done = [r for r in runs if r.group == g.name and r.status == "done"]
         if not done:
             continue
         name = f"{g.name}.png"
@@ -395,10 +392,10 @@ def write_plots(study: Study, runs: list[dict], claims: list[tuple[dict, dict]],
                                       title=f"group {g.name}"):
                 continue
         else:  # with the baselines' runs of the group they are compared with, if any
-            refs = [r for r in runs if r["group"] == g.baselines_from and r["scheme"] in g.baselines
-                    and r["status"] == "done"]
+            refs = [r for r in runs if r.group == g.baselines_from and r.scheme in g.baselines
+                    and r.status == "done"]
             schemes = g.schemes + [b for b in g.baselines if b not in g.schemes]
-            cells = LS.summarise([r["result"] for r in done + refs], schemes, g.sublayers, g.lrs, g.seeds)
+            cells = LS.summarise(done + refs, schemes, g.sublayers, g.lrs, g.seeds)
             LS.plot({"sublayers": g.sublayers, "cells": cells, "lrs": sorted(g.lrs), "schemes": schemes,
                      "unigram_entropy": h1 or float("nan")}, out / name)
         files.append(name)

@@ -13,18 +13,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from keel.config import config_from_dict, load_config, override_text, resolve_config_path
+from keel.config import ModelConfig, config_from_dict, load_config, override_text, resolve_config_path
 from keel.data.stats import dataset_unigram_entropy
 from keel.errors import Interrupted, KeelError, plural
 from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
-from keel.experiments.executor import Executor
+from keel.experiments.executor import Executor, check_slurm_here
 from keel.experiments.grid import GridJob, cached_result, check_pool, check_started, run_grid
 from keel.experiments.study.report import claim_summary, report_markdown, superseded_words, waiting_words, write_plots
-from keel.experiments.study.ablation import train_and_ablate
+from keel.experiments.study.ablation import train_and_ablate, train_and_test_loops
 from keel.experiments.study.claims import claim_kind, load_study
 from keel.experiments.study.dataset import NO_DATA, check_study_data, shares_data, study_dataset
-from keel.experiments.study.plan import lr_plan_words, plan_markdown, plan_total
+from keel.experiments.study.plan import cpu_hours, lr_plan_words, plan_markdown, plan_total
 from keel.experiments.study.records import kept_restored, load_restored, restored_record, run_record
 from keel.experiments.study.spec import Group, Study, lr_ladder
 from keel.experiments.study.verdicts import LEVEL, baseline_margins, loss_floor
@@ -48,7 +48,7 @@ def group_jobs(study: Study, g: Group, data_dir: str, out: Path,
     sets = study.all_sets(g)
     if g.kind == "ramp":
         return ST.stress_jobs(resolve_config_path(study.base), sets, g.schemes, g.sublayers, g.seeds, g.peak_lr,
-                              g.ramp_steps, Path(data_dir), out / g.dir_name, g.reference)
+                              g.ramp_steps, Path(data_dir), out / g.dir_name, g.reference, g.loop_sets)
     if g.kind == "grid":  # keel sweep: any keys; a grid over data.* keys prepares each run's data in its worker
         own_data = any(k.startswith("data.") for k in g.grid)
         return [], build_jobs(study.base, g.grid, sets, match_params=g.match_params,
@@ -57,12 +57,15 @@ def group_jobs(study: Study, g: Group, data_dir: str, out: Path,
     for scheme in g.schemes:
         for L in g.sublayers:
             lrs = lr_for[(scheme, L)] if lr_for is not None else g.lrs
-            grid = {"model.n_layers": [L // 2], "train.seed": g.scheme_seeds(scheme),
+            blocks = sum(g.loop) if g.loop else L // 2  # a looped group's blocks of weights: P + C + Q
+            grid = {"model.n_layers": [blocks], "train.seed": g.scheme_seeds(scheme),
                     "model.residual": [scheme], "train.lr": sorted(lrs)}
-            jobs += build_jobs(study.base, grid, sets, data_path=data_dir)
+            # a looped run keeps the name of its effective depth (L68_...), as run_name spells n_layers first
+            jobs += [replace(j, name=f"L{L}" + j.name[len(f"L{2 * blocks}"):])
+                     for j in build_jobs(study.base, grid, sets + g.loop_sets(L), data_path=data_dir)]
     order = {s: i for i, s in enumerate(g.schemes)}
-    jobs.sort(key=lambda j: (j.values["model.n_layers"], order[j.values["model.residual"]], j.values["train.lr"],
-                             j.values["train.seed"]))
+    jobs.sort(key=lambda j: (ModelConfig(**j.config["model"]).n_sublayers, order[j.values["model.residual"]],
+                             j.values["train.lr"], j.values["train.seed"]))
     return [], jobs
 
 
@@ -238,7 +241,8 @@ def _train_and_read(g: Group, refs: list[GridJob], jobs: list[GridJob], out: Pat
                   + (f" + {plural(len(refs), 'reference run')}" if refs else ""))
         if refs:
             grid(refs, gdir / ST.REFERENCES, train_task, resume=True, check=check_train_job)
-        task = ST.stress_task if g.kind == "ramp" else train_and_ablate if g.ablate else train_task
+        task = ST.stress_task if g.kind == "ramp" else train_and_ablate if g.ablate else \
+            functools.partial(train_and_test_loops, factors=g.test_loops) if g.test_loops else train_task
         got = grid(todo, gdir, task, resume=True, check=check_train_job)
         errors = {j.name: r for j, r in zip(todo, got) if r.get("status") == "error"}
     recs = []
@@ -326,7 +330,8 @@ def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: f
     """One row per group: runs (+ references), optimizer steps and tokens per run (the planned
     budget; a ramp run stops earlier when it diverges), tokens per non-embedding parameter per
     depth (``tokens_per_param``: ``{sub-layers: ratio}``), total tokens and estimated GPU-hours at ``mfu`` of a
-    ``peak_tflops`` (dense bf16 TFLOP/s) GPU; ``restored`` (:func:`load_restored`) plans as
+    ``peak_tflops`` (dense bf16 TFLOP/s) GPU, the runs that compile (``compiled``: ``train.compile``);
+    ``restored`` (:func:`load_restored`) plans as
     :func:`planned_jobs` does and counts the runs it holds (``restored``) and the GPU-hours of the
     others (``gpu_hours_left``). An ``lr_from`` group is planned as if the optimum were the middle
     of its source's LR grid when ``restored`` does not give it."""
@@ -354,8 +359,10 @@ def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: f
                      "seeds": g.seeds or seen["seed"], "lrs": list(g.lrs) if g.kind == "train" and not g.lr_from else [],
                      "lr_plan": lr_plan_words(g) or ", ".join(f"{x:g}" for x in seen["lr"]),
                      "tokens_per_run": sorted(set(per_run)), "tokens": sum(per_run), "flops": sum(flops),
-                     "gpu_hours": sum(flops) * hours, "restored": sum(held[len(refs):]),
-                     "gpu_hours_left": sum(f for f, h in zip(flops, held) if not h) * hours})
+                     "gpu_hours": sum(flops) * hours, "cpu_hours": cpu_hours(sum(per_run), sum(flops)),
+                     "restored": sum(held[len(refs):]),
+                     "gpu_hours_left": sum(f for f, h in zip(flops, held) if not h) * hours,
+                     "compiled": sum(1 for c in cfgs if c.train.compile)})  # runs that torch.compile (plan.compile_words)
     return rows
 
 
@@ -371,7 +378,7 @@ def run_study(name: str, scale: str, out: str | Path, sets: Sequence[str] = (), 
     return execute(load_study(name, scale, sets), out, **options)
 
 
-def execute(study: Study, out: str | Path, *, workers: int = 1, threads: int | None = None, resume: bool = False,
+def execute(study: Study, out: str | Path, *, workers: int | None = None, threads: int | None = None, resume: bool = False,
             report_only: bool = False, dry_run: bool = False, mfu: float = 0.35, peak_tflops: float = 989.0,
             command: str = "", groups: Sequence[str] = (), restore: str | Path | None = None,
             executor: Executor | None = None) -> dict:
@@ -383,7 +390,9 @@ def execute(study: Study, out: str | Path, *, workers: int = 1, threads: int | N
     Args:
         study: the study (:func:`load_study`, or built in code).
         out: output folder (run folders, ``report.md``, ``report.json``, PNGs).
-        workers, threads, executor: as :func:`keel.experiments.grid.run_grid`.
+        workers, threads, executor: as :func:`keel.experiments.grid.run_grid`; None (not given): what ``out``
+            recorded when it started (``study.json``: a bare ``--resume`` continues as it began), else 1
+            worker, cores / workers threads, the local executor (:func:`engine_executor`).
         resume: continue a non-empty ``out``; report_only: train nothing, report the finished runs.
         dry_run: prepare nothing and train nothing; return the plan (runs, tokens, estimated
             GPU-hours at ``mfu`` of ``peak_tflops`` dense bf16 TFLOP/s) as ``{"plan": rows per group,
@@ -403,12 +412,13 @@ def execute(study: Study, out: str | Path, *, workers: int = 1, threads: int | N
         KeelError: bad study or scale (:func:`load_study`), bad config, ``out`` not usable
             (:func:`_claim_out`: a file, another study's folder, non-empty without ``resume``);
             ``groups`` names a group the scale does not have; a bad ``restore``; the dataset cannot be
-            prepared, or a run's ``model.vocab_size`` is below its vocabulary (:func:`study_dataset`).
+            prepared, or a run's ``model.vocab_size`` is below its vocabulary (:func:`study_dataset`); another
+            executor than ``out`` was started with (:func:`engine_executor`).
     """
     _check_groups(study, study.scale, groups)
     out = Path(out)
     plan_rows(study, "<data>", out, mfu, peak_tflops)  # every group's configs: a bad set refused now
-    check_pool(workers, threads)
+    check_pool(workers or 0, threads)
     restored = load_restored(restore, study) if restore is not None else {}  # after the --set keys are checked
     base = load_config(resolve_config_path(study.base), study.all_sets())  # a bad --set: refused before out is claimed
     if dry_run:  # what can be checked of the data without preparing it
@@ -423,14 +433,56 @@ def execute(study: Study, out: str | Path, *, workers: int = 1, threads: int | N
         check_started_runs(study, out)
     superseded: list[dict] = []
     with _stopped_hint(out), _unclaimed_if(fresh, out), contextlib.nullcontext() if report_only else study_lock(out):
+        if not report_only:  # the folder's executor, or the one it is started with (recorded)
+            executor, workers, threads = engine_executor(out, executor, workers, threads, study.name)
         data_dir = study_dataset(base, planned_jobs(study, NO_DATA, out, restored)) \
             if shares_data(study, report_only) else NO_DATA  # prepared once; every run's vocab_size checked on it
-        grid = functools.partial(run_grid, workers=workers, threads=threads, executor=executor)
+        grid = functools.partial(run_grid, workers=workers or 0, threads=threads or None, executor=executor)
         runs, waiting = collect(study, data_dir, out, train=False if report_only else (list(groups) or True),
                                 grid=grid, restored=restored, superseded=superseded)
     h1 = dataset_unigram_entropy(data_dir) if data_dir != NO_DATA else \
         next((r["result"]["unigram_entropy"] for r in runs if r["result"].get("unigram_entropy")), None)
-    return write_report(study, runs, out, h1, first_command, restore, superseded, waiting)
+    report = write_report(study, runs, out, h1, first_command, restore, superseded, waiting)
+    failed = [r["name"] for r in runs if r["status"] == "error"]
+    if failed:  # each has its line above; a grid that ends with failed runs says which (and the CLI exits 1)
+        names = ", ".join(failed[:10]) + (f" and {len(failed) - 10} more" if len(failed) > 10 else "")
+        _log.warning(f"study: {plural(len(failed), 'run')} failed, with no result: {names} (the reasons: the lines "
+                     f"above, each run's run.log); the same command with --resume trains them again (out {out})")
+    return report
+
+
+def engine_executor(out: Path, given: Executor | None, workers: int | None, threads: int | None,
+                    label: str) -> tuple[Executor, int, int | None]:
+    """The executor, workers and threads this training invocation of study folder ``out`` uses, recorded in
+    its ``study.json`` (``executor``): what is given, else (a ``--resume`` without the flags) what the folder
+    recorded, else the local executor with 1 worker; ``label`` (the study's name) names Slurm jobs.
+
+    Raises:
+        KeelError: ``given`` is another executor than the one ``out`` was started with (its Slurm job ids
+            would be waited on here as process ids, or its runs trained a second time beside the jobs).
+    """
+    marker = out / "study.json"
+    held = json.loads(marker.read_text(encoding="utf-8"))  # _claim_out wrote or checked it
+    rec = held.get("executor")
+    if isinstance(rec, dict):
+        try:
+            was = Executor.from_record(rec)
+        except KeelError as e:
+            raise KeelError(f"{marker}: {e}") from None
+        if given is not None and given.kind != was.kind:
+            raise KeelError(f"{out} was started with --executor {was.kind}, not {given.kind}; continue it with "
+                            f"--executor {was.kind} (or leave --executor out: {marker} holds its settings), or use "
+                            "another --out")
+        given = given or was
+        workers = rec.get("workers") if workers is None else workers
+        threads = rec.get("threads") if threads is None else threads
+    ex = replace(given or Executor(), label=label)
+    workers = workers if isinstance(workers, int) else 1
+    threads = threads if isinstance(threads, int) else None
+    check_slurm_here(ex)
+    atomic_write_text(marker, json.dumps({**held, "executor": {**ex.record(), "workers": workers, "threads": threads}},
+                                         indent=1))
+    return ex, workers, threads
 
 
 @contextlib.contextmanager

@@ -50,6 +50,12 @@ class Group:
                               "Appendix A) on its validation split, kept in its record.", read_if=_only("train"))
     reference: str = key("pre_ln", "a ramp group's reference scheme (the divergence classifier's baseline run).",
                          read_if=_only("ramp"))
+    loop: list[int] = key([], "a looped model of P prelude, C core and Q coda blocks (docs/looped.md): sublayers are "
+                              "then effective depths, 2 (P + R C + Q), R = (L/2 - P - Q) / C per depth.", ge=0,
+                          note="[P, C, Q], C >= 1; empty = no loop")
+    test_loops: list[float] = key([], "a looped train group: after each run, its final validation loss with the core "
+                                      "applied round(f R) times for each factor f, kept in its record.", gt=0,
+                                  unique=True, note="factors of R, e.g. [0.5, 2.0]", read_if=_only("train"))
     grid: dict[str, list] = field(default_factory=dict)  # a grid group's axes: {section.key: [values]} (keel sweep)
     match_params: int | str | None = None  # a grid group's parameter target (keel sweep --match-params)
     folder: str | None = None  # its runs' folder under the study's out: the name by default, "" = out itself
@@ -59,6 +65,26 @@ class Group:
         """The folder of this group's runs under the study's ``--out`` (``""``: ``--out`` itself, as
         ``keel sweep``, ``stress`` and ``lr-sensitivity`` lay out their runs)."""
         return self.name if self.folder is None else self.folder
+
+    def loop_repeats(self, sublayers: int) -> int:
+        """R of a looped group (``loop = [P, C, Q]``) at effective depth ``sublayers`` = 2 (P + R C + Q):
+        ``(sublayers / 2 - P - Q) / C`` (checked at load to be a whole number >= 1)."""
+        p, c, q = self.loop
+        return (sublayers // 2 - p - q) // c
+
+    def loop_sets(self, sublayers: int) -> list[Override]:
+        """The config keys of a looped group's run at effective depth ``sublayers`` (after the study's
+        and group's ``set``): ``n_layers`` = P + C + Q blocks of weights, ``loop_prelude`` P, ``loop_core`` C,
+        ``loop_repeats`` R (:meth:`loop_repeats`); [] for a group without ``loop``."""
+        if not self.loop:
+            return []
+        p, c, q = self.loop
+        return [("model.n_layers", p + c + q), ("model.loop_prelude", p), ("model.loop_core", c),
+                ("model.loop_repeats", self.loop_repeats(sublayers))]
+
+    def test_counts(self, sublayers: int) -> list[int]:
+        """The loop counts R' = round(f R) a ``test_loops`` group evaluates its runs at, at ``sublayers``."""
+        return [round(f * self.loop_repeats(sublayers)) for f in self.test_loops]
 
     def scheme_seeds(self, scheme: str) -> list[int]:
         """The seeds ``scheme`` trains in this group: its ``seeds_for`` entry, else ``seeds`` (e.g. a
@@ -137,7 +163,37 @@ def _group(name: str, spec: dict, sized: dict) -> Group:
     stray = [k for k in ("lr_from_sublayers", "lr_from_steps") if k in d and not g.lr_from]
     if stray:
         raise KeelError(f"{where}: {', '.join(stray)} need(s) lr_from (the train group whose optimal LR it trains)")
+    _check_loop(g, where)
     return g
+
+
+LOOP_KEYS = ("model.n_layers", "model.loop_prelude", "model.loop_core", "model.loop_repeats")  # a loop group's own
+
+
+def _check_loop(g: Group, where: str) -> None:
+    """Raise KeelError (one line) for a group's ``loop`` that is not ``[P, C, Q]`` with C >= 1, an
+    effective depth it does not reach with a whole R >= 1, a ``set`` of the keys the loop sets per run,
+    ``test_loops`` without ``loop``, a factor giving R' < 1, or ``test_loops`` beside ``ablate``."""
+    if g.test_loops and not g.loop:
+        raise KeelError(f"{where}: test_loops needs loop = [P, C, Q] (a looped model)")
+    if g.test_loops and g.ablate:
+        raise KeelError(f"{where}: ablate and test_loops are two tasks after training; give one per group")
+    if not g.loop:
+        return
+    if len(g.loop) != 3 or g.loop[1] < 1:
+        raise KeelError(f"{where}: loop must be [P, C, Q] (prelude, core, coda blocks) with C >= 1, got {g.loop}")
+    p, c, q = g.loop
+    for L in g.sublayers:
+        if L // 2 - p - q < c or (L // 2 - p - q) % c:
+            raise KeelError(f"{where}: sublayers {L} is not an effective depth of loop {g.loop}: 2 (P + R C + Q) "
+                            f"with a whole R >= 1 (R = (L/2 - P - Q) / C = {(L / 2 - p - q) / c:g})")
+        low = [f for f, n in zip(g.test_loops, g.test_counts(L)) if n < 1]
+        if low:
+            raise KeelError(f"{where}: test_loops {low[0]:g} x R = {low[0] * g.loop_repeats(L):g} at {L} sub-layers "
+                            "rounds below 1 loop")
+    owned = sorted(k for k, _ in g.sets if k in LOOP_KEYS)
+    if owned:
+        raise KeelError(f"{where}: set {', '.join(owned)}: loop = {g.loop} sets it per run; change loop or sublayers")
 
 
 def read_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:

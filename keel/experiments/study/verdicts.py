@@ -1,6 +1,7 @@
-"""The verdicts of a study's claims, computed from the finished runs' records with
-paired per-seed differences (:func:`paired_verdict`), one function per kind of claim (the kinds,
-with their keys and tables: :mod:`keel.experiments.study.claims`)."""
+"""The verdicts of a study's claims, computed from the finished runs' records
+(:class:`keel.experiments.record.RunRecord`) with paired per-seed differences
+(:func:`keel.experiments.analysis.paired_verdict`, where the statistics live), one function per
+kind of claim (the kinds, with their keys and tables: :mod:`keel.experiments.study.claims`)."""
 
 from __future__ import annotations
 
@@ -9,103 +10,15 @@ import statistics
 from collections.abc import Sequence
 
 from keel.config import load_config, resolve_config_path
+from keel.diagnostics.divergence import Thresholds
+from keel.experiments.analysis import (INCONCLUSIVE, LEVEL, NOT_REPRODUCED, REPRODUCED, Runs, best_losses,  # noqa: F401
+                                       best_lrs, best_run, best_runs, bracketed, cell, loss_floor, lr_window, opt_lrs,
+                                       pair, paired_verdict, seed_mean_optimum, t_bounds, trend_verdict)
+from keel.experiments.record import RunRecord
 from keel.experiments.study.spec import Group, Study
 from keel.model import count_parameters
 
-REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
 MAX_LR_FLOOR = math.log10(1.05)  # noise floor of a max-LR pair (log10 of the ratio): a 5% difference
-LEVEL = 0.95  # confidence of each one-sided bound of a paired interval (together: a two-sided 90% interval)
-
-
-def t_bounds(xs: Sequence[float], level: float = LEVEL) -> tuple[float, float] | None:
-    """One-sided Student-t bounds of the mean of ``xs``: ``(lo, hi)`` with
-    ``lo = mean - t_{level, n-1} * sd / sqrt(n)`` and ``hi = mean + t_{level, n-1} * sd / sqrt(n)``
-    (``sd`` with ddof 1; Student 1908, the paired t interval): each bound holds with probability
-    ``level`` when the ``xs`` are independent draws of a normal difference. None for fewer than two."""
-    n = len(xs)
-    if n < 2:
-        return None
-    from scipy.stats import t  # the t quantile; imported here, where the study needs it
-    half = float(t.ppf(level, n - 1)) * statistics.stdev(xs) / math.sqrt(n)
-    mean = statistics.fmean(xs)
-    return mean - half, mean + half
-
-
-def paired_verdict(diffs: dict, min_effect: float, min_seeds: int = 3, level: float = LEVEL) -> dict:
-    """The verdict of one paired comparison, oriented so that the claim predicts ``d > 0``.
-
-    ``diffs``: ``{seed: d_seed}`` (nats/token, or any unit ``min_effect`` is in), one per seed
-    that both sides finished (paired: same seed = same init draws and data order). With
-    ``(lo, hi)`` the one-sided ``level`` t bounds of the mean difference (:func:`t_bounds`):
-
-    * ``reproduced``: at least ``min_seeds`` seeds and ``lo >= min_effect`` (the effect clears
-      the floor);
-    * ``not reproduced``: at least ``min_seeds`` seeds and ``hi < min_effect`` (the interval
-      excludes an effect as large as the floor: the opposite, or no effect);
-    * ``inconclusive``: anything else (the interval straddles the floor, or too few seeds).
-
-    Returns ``{verdict, n, mean, sd, lo, hi, level, diffs, min_effect}`` (``sd`` the sample
-    standard deviation, ddof 1; 0 for one seed; ``mean``/``sd`` None without seeds; ``lo``/``hi``
-    None below two seeds).
-    """
-    xs = [float(x) for x in diffs.values() if x is not None and math.isfinite(x)]
-    n = len(xs)
-    mean = statistics.fmean(xs) if xs else None
-    sd = (statistics.stdev(xs) if n > 1 else 0.0) if xs else None
-    lo, hi = t_bounds(xs, level) or (None, None)
-    if n < max(2, min_seeds):
-        verdict = INCONCLUSIVE
-    elif lo >= min_effect:
-        verdict = REPRODUCED
-    elif hi < min_effect:
-        verdict = NOT_REPRODUCED
-    else:
-        verdict = INCONCLUSIVE
-    return {"verdict": verdict, "n": n, "mean": mean, "sd": sd, "lo": lo, "hi": hi, "level": level,
-            "diffs": dict(diffs), "min_effect": min_effect}
-
-
-def trend_verdict(margins: dict[int, dict], min_effect: float, min_seeds: int = 3) -> dict:
-    """Whether a paired margin grows with depth, from every depth (not two endpoints).
-
-    ``margins``: ``{sub-layers: {seed: margin}}``. Per seed that has a margin at every depth, the
-    least-squares slope of its margin against ``log2(sub-layers)`` (nats per doubling of depth);
-    the verdict is :func:`paired_verdict` of those slopes with the floor spread over the studied
-    range, ``min_effect / log2(L_max / L_min)`` (the fitted growth from the shallowest to the
-    deepest depth must clear ``min_effect``). Fewer than two depths: inconclusive, no seeds.
-    Returns the :func:`paired_verdict` dict plus ``depths``.
-    """
-    depths = sorted(margins)
-    seeds = sorted(set.intersection(*(set(m) for m in margins.values()))) if depths else []
-    slopes = {}
-    if len(depths) >= 2:
-        xs = [math.log2(L) for L in depths]
-        mx = statistics.fmean(xs)
-        for sd in seeds:
-            ys = [margins[L][sd] for L in depths]
-            my = statistics.fmean(ys)
-            slopes[sd] = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    floor = min_effect / math.log2(depths[-1] / depths[0]) if len(depths) >= 2 else min_effect
-    return {**paired_verdict(slopes, floor, min_seeds), "depths": depths}
-
-
-def loss_floor(runs: Sequence[dict], cells: Sequence[tuple[Sequence[str], str, int]], minimum: float) -> dict:
-    """The noise floor of the loss claims, from the measured seed-to-seed spread.
-
-    ``cells``: ``(groups, scheme, sub-layers)`` whose best loss a verdict reads. Per cell with at
-    least two finished seeds, the sample sd of the best loss over seeds (:func:`best_losses`);
-    the floor is their median, and at least ``minimum`` (nats/token): a difference smaller than
-    the typical seed-to-seed spread of one configuration's best loss is not counted as an effect.
-    Returns ``{floor, median_sd, cells, min_sd, max_sd, minimum}``.
-    """
-    sds = []
-    for groups, scheme, L in cells:
-        b = list(best_losses(runs, groups, scheme, L).values())
-        if len(b) >= 2:
-            sds.append(statistics.stdev(b))
-    med = statistics.median(sds) if sds else None
-    return {"floor": max(minimum, med or 0.0), "median_sd": med, "cells": len(sds),
-            "min_sd": min(sds, default=None), "max_sd": max(sds, default=None), "minimum": minimum}
 
 
 def combine(verdicts: Sequence[str]) -> str:
@@ -115,50 +28,25 @@ def combine(verdicts: Sequence[str]) -> str:
     return NOT_REPRODUCED if NOT_REPRODUCED in verdicts else INCONCLUSIVE
 
 
-def best_runs(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayers: int) -> dict:
-    """``{seed: run record}`` of ``scheme`` at ``sublayers`` over the runs of ``groups``: per seed,
-    the run with the lowest capped final validation loss (each seed's best LR; a run without a
-    finite final loss counts as its step-0 loss: ``capped_loss`` of
-    :func:`keel.experiments.study.records.run_record`). Seeds with an unfinished LR are left out."""
-    out = {}
-    for seed in sorted({r["seed"] for r in runs}):
-        rs = [r for r in runs if r["group"] in groups and r["scheme"] == scheme and r["sublayers"] == sublayers
-              and r["seed"] == seed]
-        if rs and all(r["status"] == "done" for r in rs):
-            out[seed] = min(rs, key=lambda r: r["capped_loss"])
-    return out
-
-
-def best_losses(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayers: int) -> dict:
-    """``{seed: best capped final validation loss}`` (nats/token) of :func:`best_runs`."""
-    return {seed: r["capped_loss"] for seed, r in best_runs(runs, groups, scheme, sublayers).items()}
-
-
-def best_lrs(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayers: int) -> dict:
-    """``{seed: peak LR}`` of :func:`best_runs`: where each seed's best loss came from."""
-    return {seed: r["lr"] for seed, r in best_runs(runs, groups, scheme, sublayers).items()}
-
-
-def equal_lr_margins(runs: Sequence[dict], groups: Sequence[str], scheme: str, baseline: str,
+def equal_lr_margins(runs: Runs, groups: Sequence[str], scheme: str, baseline: str,
                      min_effect: float, min_seeds: int) -> list[dict]:
     """Per depth and peak LR that both schemes ran, the paired per-seed margin
     ``loss(baseline) - loss(scheme)`` (capped final validation loss, nats/token) at that same
     LR, as a :func:`paired_verdict` dict: how the margin depends on the LR, beside the
     best-LR margin of :func:`claim_margin_grows`. Rows ``{"sublayers", "lr", "margin"}``."""
     def losses(name: str, L: int, lr: float) -> dict:
-        return {r["seed"]: r["capped_loss"] for r in runs if r["group"] in groups and r["scheme"] == name
-                and r["sublayers"] == L and r["lr"] == lr and r["status"] == "done"}
+        return {r.seed: r.capped_loss for r in cell(runs, groups, name, L) if r.lr == lr and r.status == "done"}
 
     rows = []
-    for L in sorted({r["sublayers"] for r in runs if r["group"] in groups}):
-        for lr in sorted({r["lr"] for r in runs if r["group"] in groups and r["sublayers"] == L}):
-            m = _pair(losses(baseline, L, lr), losses(scheme, L, lr))
+    for L in sorted({r.sublayers for r in runs if r.group in groups}):
+        for lr in sorted({r.lr for r in runs if r.group in groups and r.sublayers == L}):
+            m = pair(losses(baseline, L, lr), losses(scheme, L, lr))
             if m:
                 rows.append({"sublayers": L, "lr": lr, "margin": paired_verdict(m, min_effect, min_seeds)})
     return rows
 
 
-def baseline_margins(study: Study, g: Group, runs: Sequence[dict]) -> list[dict]:
+def baseline_margins(study: Study, g: Group, runs: Runs) -> list[dict]:
     """Per depth of group ``g``, scheme of ``g`` and baseline scheme (``g.baselines``, trained by
     group ``g.baselines_from``), the paired per-seed margin ``loss(baseline) - loss(scheme)``
     (nats/token; > 0: ``g``'s scheme is better), each side at its seed's best LR over ``g``'s LR
@@ -167,23 +55,18 @@ def baseline_margins(study: Study, g: Group, runs: Sequence[dict]) -> list[dict]
     when ``g`` names no baselines."""
     if not g.baselines_from:
         return []
-    on_grid = [r for r in runs if any(math.isclose(r["lr"], lr) for lr in g.lrs)]
+    on_grid = [r for r in runs if any(math.isclose(r.lr, lr) for lr in g.lrs)]
     return [{"sublayers": L, "scheme": s, "baseline": b,
-             "margin": paired_verdict(_pair(best_losses(on_grid, [g.baselines_from], b, L),
+             "margin": paired_verdict(pair(best_losses(on_grid, [g.baselines_from], b, L),
                                             best_losses(on_grid, [g.name], s, L)), study.min_effect, study.min_seeds)}
             for L in g.sublayers for s in g.schemes for b in g.baselines]
-
-
-def _pair(a: dict, b: dict) -> dict:
-    """``{seed: a - b}`` over the seeds both have."""
-    return {s: a[s] - b[s] for s in sorted(set(a) & set(b))}
 
 
 WINDOW = 0.1  # nats/token: an LR is in a scheme's healthy window when its seed-mean loss is this close to the best
 CONDITIONS = {"paper_init": "at the paper's init", "embed_init": "at N(0, 1) embeddings"}
 
 
-def best_over_inits(study: Study, runs: Sequence[dict], alts: Sequence[Sequence[str]], scheme: str,
+def best_over_inits(study: Study, runs: Runs, alts: Sequence[Sequence[str]], scheme: str,
                     sublayers: int) -> dict:
     """``{seed: run record}``: per seed, the best run (lowest capped loss) of ``scheme`` at
     ``sublayers`` over alternatives ``alts`` (each a list of groups: one embedding init). An
@@ -193,66 +76,39 @@ def best_over_inits(study: Study, runs: Sequence[dict], alts: Sequence[Sequence[
                                    for g in study.groups)]
     per = [best_runs(runs, a, scheme, sublayers) for a in need]
     seeds = set.intersection(*(set(p) for p in per)) if per else set()
-    return {sd: min((p[sd] for p in per), key=lambda r: r["capped_loss"]) for sd in sorted(seeds)}
+    return {sd: best_run([p[sd] for p in per]) for sd in sorted(seeds)}
 
 
-def bracketed(runs: Sequence[dict], rec: dict) -> bool:
-    """Whether run ``rec`` (a seed's best) lies strictly inside the LRs its scheme trained at its
-    depth, seed and group: its optimum is bracketed (a lower and a higher LR were trained and
-    ended worse, diverged or stagnated)."""
-    lrs = [x["lr"] for x in runs if (x["group"], x["scheme"], x["sublayers"], x["seed"])
-           == (rec["group"], rec["scheme"], rec["sublayers"], rec["seed"])]
-    return min(lrs) < rec["lr"] < max(lrs)
-
-
-def lr_window(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayers: int,
-              margin: float = WINDOW) -> list[float]:
-    """The healthy-LR window of ``scheme`` at ``sublayers`` in ``groups``: the peak LRs whose
-    seed-mean capped loss (over the seeds that finished every LR) is within ``margin`` nats/token
-    of the best seed-mean loss, ascending. Empty while no seed has every LR finished."""
-    rs = [r for r in runs if r["group"] in groups and r["scheme"] == scheme and r["sublayers"] == sublayers]
-    lrs = sorted({r["lr"] for r in rs})
-    seeds = [sd for sd in sorted({r["seed"] for r in rs})
-             if sorted(r["lr"] for r in rs if r["seed"] == sd and r["status"] == "done") == lrs]
-    if not seeds:
-        return []
-    mean = {lr: statistics.fmean(r["capped_loss"] for r in rs if r["lr"] == lr and r["seed"] in seeds) for lr in lrs}
-    best = min(mean.values())
-    return [lr for lr in lrs if mean[lr] <= best + margin]
-
-
-def _trained_in(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayers: int) -> str:
+def _trained_in(runs: Runs, groups: Sequence[str], scheme: str, sublayers: int) -> str:
     """The first of ``groups`` holding a run of ``scheme`` at ``sublayers`` (else the first group): the
     name a table gives that init's LR window at that depth (e.g. ``transfer`` at 256, not ``lr-grid``)."""
-    return next((g for g in groups if any(r["group"] == g and r["scheme"] == scheme and r["sublayers"] == sublayers
-                                          for r in runs)), groups[0])
+    return next((g for g in groups if cell(runs, [g], scheme, sublayers)), groups[0])
 
 
-def _margin_condition(study: Study, runs: list[dict], claim: dict, alts: list[list[str]]) -> dict:
+def _margin_condition(study: Study, runs: Runs, claim: dict, alts: list[list[str]]) -> dict:
     """One condition of a margin claim: the paired margin at every depth, each scheme at each
     seed's best run over ``alts`` (one group list per embedding init), the margin at the deepest
     depth and its trend with depth (:func:`trend_verdict`), combined by :func:`combine`;
     inconclusive while a depth the condition's groups plan has no paired result yet."""
     s, b = claim["scheme"], claim["baseline"]
     groups = [g for a in alts for g in a]
-    depths = sorted({r["sublayers"] for r in runs if r["group"] in groups})
+    depths = sorted({r.sublayers for r in runs if r.group in groups})
     rows = []
     for L in depths:
         best = {x: best_over_inits(study, runs, alts, x, L) for x in (b, s)}
-        m = _pair({sd: r["capped_loss"] for sd, r in best[b].items()},
-                  {sd: r["capped_loss"] for sd, r in best[s].items()})
+        m = pair({sd: r.capped_loss for sd, r in best[b].items()}, {sd: r.capped_loss for sd, r in best[s].items()})
         if not m:
             continue
-        finished = [r for r in runs if r["group"] in groups and r["scheme"] == b and r["sublayers"] == L
-                    and r["status"] == "done"]
-        failed = [r for r in finished if r.get("diverged")]
+        finished = [r for r in cell(runs, groups, b, L) if r.status == "done"]
+        failed = [r for r in finished if r.diverged]
         rows.append({"sublayers": L, "margin": paired_verdict(m, study.min_effect, study.min_seeds),
-                     "best_lr": {x: {sd: r["lr"] for sd, r in best[x].items()} for x in (b, s)},
-                     "best_group": {x: {sd: r["group"] for sd, r in best[x].items()} for x in (b, s)},
+                     "best_lr": {x: {sd: r.lr for sd, r in best[x].items()} for x in (b, s)},
+                     "best_group": {x: {sd: r.group for sd, r in best[x].items()} for x in (b, s)},
                      "bracketed": {x: {sd: bracketed(runs, r) for sd, r in best[x].items()} for x in (b, s)},
-                     "plateau_exit": {x: {sd: r.get("plateau_exit_step") for sd, r in best[x].items()}
+                     "plateau_exit": {x: {sd: r.plateau_exit_step for sd, r in best[x].items()}
                                       for x in (b, s)},
-                     "window": {x: {_trained_in(runs, a, x, L): lr_window(runs, a, x, L) for a in alts} for x in (b, s)},
+                     "window": {x: {_trained_in(runs, a, x, L): lr_window(runs, a, x, L, WINDOW) for a in alts}
+                                for x in (b, s)},
                      "baseline_runs": len(finished), "baseline_diverged_runs": len(failed),
                      "baseline_recovered_runs": sum(left_plateau_later(r) for r in failed)})
     if len(rows) < 2:
@@ -270,7 +126,7 @@ def _margin_condition(study: Study, runs: list[dict], claim: dict, alts: list[li
     return {"verdict": verdict, "parts": parts, "rows": rows}
 
 
-def claim_margin_grows(study: Study, runs: list[dict], claim: dict) -> dict:
+def claim_margin_grows(study: Study, runs: Runs, claim: dict) -> dict:
     """{scheme} beats {baseline} at the deepest depth and its margin grows with depth (both parts
     must hold), at the paper's init and with both schemes at N(0, 1) embeddings.
 
@@ -296,20 +152,7 @@ def claim_margin_grows(study: Study, runs: list[dict], claim: dict) -> dict:
             "widen": widen}
 
 
-def _opt_lrs(runs: list[dict], group: str, scheme: str, L: int) -> dict:
-    """``{seed: (optimal LR, at an edge of the LR grid)}`` of one scheme and depth of a train group."""
-    out = {}
-    rs = [r for r in runs if r["group"] == group and r["scheme"] == scheme and r["sublayers"] == L]
-    lrs = sorted({r["lr"] for r in rs})
-    for seed in sorted({r["seed"] for r in rs}):
-        mine = [r for r in rs if r["seed"] == seed]
-        if len(mine) == len(lrs) and all(r["status"] == "done" for r in mine):
-            best = min(mine, key=lambda r: r["capped_loss"])
-            out[seed] = (best["lr"], len(lrs) > 1 and best["lr"] in (lrs[0], lrs[-1]))
-    return out
-
-
-def claim_lr_transfer(study: Study, runs: list[dict], claim: dict) -> dict:
+def claim_lr_transfer(study: Study, runs: Runs, claim: dict) -> dict:
     """The optimal peak LR of {scheme} (the grid point of its lowest final loss) is the same at
     the shallowest and the deepest depth of group {group}, which trains its whole LR grid at each
     depth (a group trained at transferred LRs has too few LRs to locate an optimum). This claim has its own rule, not the
@@ -323,10 +166,10 @@ def claim_lr_transfer(study: Study, runs: list[dict], claim: dict) -> dict:
     Rows: every scheme's per-seed optima, for comparison.
     """
     g = claim["group"]
-    depths = sorted({r["sublayers"] for r in runs if r["group"] == g})
+    depths = sorted({r.sublayers for r in runs if r.group == g})
     rows = []
-    for scheme in dict.fromkeys(r["scheme"] for r in runs if r["group"] == g):
-        per = {L: _opt_lrs(runs, g, scheme, L) for L in depths}
+    for scheme in dict.fromkeys(r.scheme for r in runs if r.group == g):
+        per = {L: opt_lrs(runs, g, scheme, L) for L in depths}
         rows.append({"scheme": scheme, "opt_lr": {L: {s: v[0] for s, v in p.items()} for L, p in per.items()},
                      "at_edge": any(e for p in per.values() for _, e in p.values())})
     subject = claim.get("scheme", "keel")
@@ -362,34 +205,34 @@ def _log_ratio(hi: float | None, lo: float | None, peak: float) -> float | None:
     return math.log10(a / b)
 
 
-def left_plateau_later(rec: dict) -> bool:
+def left_plateau_later(rec: RunRecord) -> bool:
     """Whether the divergence classifier flagged ``rec`` as a stagnation and the run then left
     the unigram plateau (its :func:`plateau_exit_step` is after the flagged step): a first
     failure the run recovered from, e.g. Pre-LN at 256 sub-layers, flagged at step 221, below
     the plateau from step 617."""
-    d = rec.get("divergence") or {}
-    left = rec.get("plateau_exit_step")
+    d = rec.divergence or {}
+    left = rec.plateau_exit_step
     return d.get("mode") == "stagnation" and left is not None and left > d.get("step", math.inf)
 
 
-def verdict_words(rec: dict) -> str:
+def verdict_words(rec: RunRecord) -> str:
     """A run's divergence verdict, e.g. "instability from step 875 (LR 0.0437)", "healthy",
     "instability from step 994 (LR 0.0497), a spike still open when the curve ended" (the
     classifier's end-of-curve rule: a weaker verdict than a spike that did not recover within its
     recovery window), or "stagnation from step 221 (LR 0.000905), left the plateau at step 617":
     the classifier reports a run's first failure (here 100 steps on the unigram plateau), and
     :func:`plateau_exit_step` says when the run got below it afterwards."""
-    d = rec.get("divergence") or {}
+    d = rec.divergence or {}
     if not d or d.get("mode") == "healthy":
-        return rec.get("verdict") or "no verdict"
+        return rec.verdict or "no verdict"
     lr = d.get("evidence", {}).get("lr_at_step")
     words = f"{d['mode']} from step {d['step']}" + (f" (LR {lr:.3g})" if lr is not None else "")
     if left_plateau_later(rec):
-        words += f", left the plateau at step {rec['plateau_exit_step']}"
+        words += f", left the plateau at step {rec.plateau_exit_step}"
     return words + (", a spike still open when the curve ended" if d.get("evidence", {}).get("open_at_end") else "")
 
 
-def claim_max_lr_order(study: Study, runs: list[dict], claim: dict) -> dict:
+def claim_max_lr_order(study: Study, runs: Runs, claim: dict) -> dict:
     """Max LR (the stress ramp's LR just before divergence) increases along {order}, on the
     paper's ramp.
 
@@ -426,16 +269,16 @@ def claim_max_lr_order(study: Study, runs: list[dict], claim: dict) -> dict:
     return {"verdict": conds["paper_ramp"]["verdict"], "conditions": conds, "rows": rows}
 
 
-def _ramp_rows(runs: list[dict], group: str, order: Sequence[str]) -> list[dict]:
+def _ramp_rows(runs: Runs, group: str, order: Sequence[str]) -> list[dict]:
     """One row per depth of ramp ``group``'s finished runs: its peak LR, each scheme's max LR per
     seed, each run's verdict in words."""
-    rr = [r for r in runs if r["group"] == group and r["status"] == "done"]
-    peak = max([r["peak_lr"] for r in rr] or [0.0])
+    rr = [r for r in runs if r.group == group and r.status == "done"]
+    peak = max([r.peak_lr for r in rr] or [0.0])
     rows = []
-    for L in sorted({r["sublayers"] for r in rr}):
-        at = [r for r in rr if r["sublayers"] == L]
-        lr = {s: {r["seed"]: r.get("max_lr") for r in at if r["scheme"] == s} for s in order}
-        detail = {f"{r['scheme']} s{r['seed']}": verdict_words(r) for s in order for r in at if r["scheme"] == s}
+    for L in sorted({r.sublayers for r in rr}):
+        at = [r for r in rr if r.sublayers == L]
+        lr = {s: {r.seed: r.max_lr for r in at if r.scheme == s} for s in order}
+        detail = {f"{r.scheme} s{r.seed}": verdict_words(r) for s in order for r in at if r.scheme == s}
         rows.append({"group": group, "peak_lr": peak, "sublayers": L, "max_lr": lr, "verdicts": detail})
     return rows
 
@@ -462,9 +305,9 @@ def _pending(why: str, **rest) -> dict:
     return {"verdict": INCONCLUSIVE, "why": why, "parts": {}, **rest}
 
 
-def group_tokens(runs: Sequence[dict], group: str) -> int | None:
+def group_tokens(runs: Runs, group: str) -> int | None:
     """Tokens per run of ``group`` (its finished runs' ``tokens``), None before one finished."""
-    return next((r["tokens"] for r in runs if r["group"] == group and r["status"] == "done" and r.get("tokens")), None)
+    return next((r.tokens for r in runs if r.group == group and r.status == "done" and r.tokens), None)
 
 
 def non_embedding_params(study: Study, group: str, scheme: str, sublayers: int) -> int:
@@ -476,7 +319,7 @@ def non_embedding_params(study: Study, group: str, scheme: str, sublayers: int) 
     return count_parameters(cfg.model, non_embedding=True)
 
 
-def _budget_condition(study: Study, runs: list[dict], claim: dict, groups: list[str]) -> dict:
+def _budget_condition(study: Study, runs: Runs, claim: dict, groups: list[str]) -> dict:
     """One condition of claim (e): per budget group the paired margin at ``claim['sublayers']``,
     the margin at the largest budget and its slope against log2(tokens)."""
     s, b = claim["scheme"], claim["baseline"]
@@ -485,12 +328,12 @@ def _budget_condition(study: Study, runs: list[dict], claim: dict, groups: list[
     for g in groups:
         tokens = group_tokens(runs, g)
         best = {x: best_runs(runs, [g], x, L) for x in (b, s)}
-        m = _pair({sd: r["capped_loss"] for sd, r in best[b].items()}, {sd: r["capped_loss"] for sd, r in best[s].items()})
+        m = pair({sd: r.capped_loss for sd, r in best[b].items()}, {sd: r.capped_loss for sd, r in best[s].items()})
         if tokens is None or not m:
             continue
         rows.append({"group": g, "tokens": tokens, "margin": paired_verdict(m, study.min_effect, study.min_seeds),
                      "tokens_per_param": {x: tokens / non_embedding_params(study, g, x, L) for x in (b, s)},
-                     "best_lr": {x: {sd: r["lr"] for sd, r in best[x].items()} for x in (b, s)},
+                     "best_lr": {x: {sd: r.lr for sd, r in best[x].items()} for x in (b, s)},
                      "bracketed": {x: {sd: bracketed(runs, r) for sd, r in best[x].items()} for x in (b, s)}})
     rows.sort(key=lambda r: r["tokens"])
     if len(rows) < len(groups):
@@ -506,7 +349,7 @@ def one_depth(study: Study, group: str) -> int:
     return next(g.sublayers[0] for g in study.groups if g.name == group)
 
 
-def claim_data_scaling(study: Study, runs: list[dict], claim: dict) -> dict:
+def claim_data_scaling(study: Study, runs: Runs, claim: dict) -> dict:
     """{scheme} beats {baseline} at the largest token budget and its margin grows with training
     tokens (both parts must hold), at one depth, at the paper's init and with both schemes at
     N(0, 1) embeddings.
@@ -523,7 +366,7 @@ def claim_data_scaling(study: Study, runs: list[dict], claim: dict) -> dict:
                     for k, gs in _conditions(claim, "budgets", "init_budgets").items()})
 
 
-def claim_deep_vs_wide(study: Study, runs: list[dict], claim: dict) -> dict:
+def claim_deep_vs_wide(study: Study, runs: Runs, claim: dict) -> dict:
     """{scheme} at the deep shape beats {baseline} at the deep shape and {baseline} at the wide
     shape of equal parameters (both parts must hold), at the paper's init and with both schemes
     at N(0, 1) embeddings.
@@ -540,9 +383,9 @@ def claim_deep_vs_wide(study: Study, runs: list[dict], claim: dict) -> dict:
         Ld, Lw = one_depth(study, deep), one_depth(study, wide)
         cells = {(x, shape): best_runs(runs, [g], x, L) for x in (s, b)
                  for shape, g, L in (("deep", deep, Ld), ("wide", wide, Lw))}
-        loss = {c: {sd: r["capped_loss"] for sd, r in v.items()} for c, v in cells.items()}
-        parts = {f"{b} deep ({Ld}) − {s} deep": _pair(loss[(b, "deep")], loss[(s, "deep")]),
-                 f"{b} wide ({Lw}) − {s} deep": _pair(loss[(b, "wide")], loss[(s, "deep")])}
+        loss = {c: {sd: r.capped_loss for sd, r in v.items()} for c, v in cells.items()}
+        parts = {f"{b} deep ({Ld}) − {s} deep": pair(loss[(b, "deep")], loss[(s, "deep")]),
+                 f"{b} wide ({Lw}) − {s} deep": pair(loss[(b, "wide")], loss[(s, "deep")])}
         parts = {n: paired_verdict(m, study.min_effect, study.min_seeds) for n, m in parts.items()}
         done = all(p["n"] >= study.min_seeds for p in parts.values())
         conds[k] = {"verdict": combine([p["verdict"] for p in parts.values()]) if done else INCONCLUSIVE,
@@ -550,22 +393,10 @@ def claim_deep_vs_wide(study: Study, runs: list[dict], claim: dict) -> dict:
                     "params": {f"{x} {shape}": non_embedding_params(study, g, x, L) for x in (s, b)
                                for shape, g, L in (("deep", deep, Ld), ("wide", wide, Lw))},
                     "cells": {f"{x} {shape}": {"loss": loss[(x, shape)],
-                                               "lr": {sd: r["lr"] for sd, r in cells[(x, shape)].items()},
+                                               "lr": {sd: r.lr for sd, r in cells[(x, shape)].items()},
                                                "bracketed": {sd: bracketed(runs, r) for sd, r in cells[(x, shape)].items()}}
                               for x, shape in cells}}
     return _judged(conds)
-
-
-def seed_mean_optimum(runs: Sequence[dict], groups: Sequence[str], scheme: str, sublayers: int) -> float | None:
-    """The peak LR with the lowest seed-mean capped loss of ``scheme`` at ``sublayers`` over the
-    runs of ``groups`` (the seeds that finished every LR); None before one has."""
-    rs = [r for r in runs if r["group"] in groups and r["scheme"] == scheme and r["sublayers"] == sublayers]
-    lrs = sorted({r["lr"] for r in rs})
-    seeds = [sd for sd in sorted({r["seed"] for r in rs})
-             if sorted(r["lr"] for r in rs if r["seed"] == sd and r["status"] == "done") == lrs]
-    if not seeds:
-        return None
-    return min(lrs, key=lambda lr: statistics.fmean(r["capped_loss"] for r in rs if r["lr"] == lr and r["seed"] in seeds))
 
 
 def redundant_share(ablation: dict, below: float, share: float) -> float:
@@ -585,7 +416,7 @@ def first_critical(ablation: dict, first: int = 2) -> float:
     return math.log10(statistics.fmean(ppl[:first]) / statistics.median(ppl))
 
 
-def claim_layer_importance(study: Study, runs: list[dict], claim: dict) -> dict:
+def claim_layer_importance(study: Study, runs: Runs, claim: dict) -> dict:
     """{scheme}'s shallow sub-layers are less redundant than {baseline}'s, and the first two
     sub-layers of both are critical (every part must hold), at every depth of the ablated groups,
     at the paper's init and with both schemes at N(0, 1) embeddings.
@@ -601,28 +432,28 @@ def claim_layer_importance(study: Study, runs: list[dict], claim: dict) -> dict:
     for k, (abl, opt) in {"paper_init": (claim["groups"], claim["optimum_groups"]),
                           **({"embed_init": (claim["init_groups"], claim["init_optimum_groups"])}
                              if claim.get("init_groups") else {})}.items():
-        depths = sorted({r["sublayers"] for r in runs if r["group"] in abl})
+        depths = sorted({r.sublayers for r in runs if r.group in abl})
         parts, rows = {}, []
         for L in depths:
             per = {}
             for x in (claim["scheme"], claim["baseline"]):
                 lr = seed_mean_optimum(runs, opt, x, L)
-                per[x] = {r["seed"]: r for r in runs if r["group"] in abl and r["scheme"] == x and r["sublayers"] == L
-                          and lr is not None and math.isclose(r["lr"], lr) and r["status"] == "done"
-                          and r.get("ablation")}
-            share = {x: {sd: redundant_share(r["ablation"], REDUNDANT_BELOW, SHALLOW) for sd, r in v.items()}
+                per[x] = {r.seed: r for r in runs if r.group in abl and r.scheme == x and r.sublayers == L
+                          and lr is not None and math.isclose(r.lr, lr) and r.status == "done"
+                          and r.ablation}
+            share = {x: {sd: redundant_share(r.ablation, REDUNDANT_BELOW, SHALLOW) for sd, r in v.items()}
                      for x, v in per.items()}
-            crit = {x: {sd: first_critical(r["ablation"]) for sd, r in v.items()} for x, v in per.items()}
+            crit = {x: {sd: first_critical(r.ablation) for sd, r in v.items()} for x, v in per.items()}
             parts[f"redundant share of the shallow half at {L}: {claim['baseline']} − {claim['scheme']}"] = \
-                paired_verdict(_pair(share[claim["baseline"]], share[claim["scheme"]]), claim.get("share_floor", 0.05),
+                paired_verdict(pair(share[claim["baseline"]], share[claim["scheme"]]), claim.get("share_floor", 0.05),
                                study.min_seeds)
             for x in (claim["scheme"], claim["baseline"]):
                 parts[f"first two sub-layers over the median, {x} at {L} (log10)"] = \
                     paired_verdict(crit[x], MAX_LR_FLOOR, study.min_seeds)
-            rows.append({"sublayers": L, "lr": {x: next((r["lr"] for r in v.values()), None) for x, v in per.items()},
+            rows.append({"sublayers": L, "lr": {x: next((r.lr for r in v.values()), None) for x, v in per.items()},
                          "share": share, "critical": crit,
-                         "delta_ppl": {x: {sd: r["ablation"]["delta_ppl"] for sd, r in v.items()} for x, v in per.items()},
-                         "ppl_full": {x: {sd: r["ablation"]["ppl_full"] for sd, r in v.items()} for x, v in per.items()}})
+                         "delta_ppl": {x: {sd: r.ablation["delta_ppl"] for sd, r in v.items()} for x, v in per.items()},
+                         "ppl_full": {x: {sd: r.ablation["ppl_full"] for sd, r in v.items()} for x, v in per.items()}})
         planned = [L for g in study.groups if g.name in abl for L in g.sublayers]
         if not rows or sorted(set(planned)) != depths or any(p["n"] < study.min_seeds for p in parts.values()):
             conds[k] = {**_pending("ablations pending" if rows else "no ablated runs yet"), "parts": parts, "rows": rows}
@@ -635,7 +466,7 @@ REDUNDANT_BELOW = 0.01  # a sub-layer is redundant when removing it raises the P
 SHALLOW = 0.5  # the shallow sub-layers: the first half
 
 
-def claim_early_spike(study: Study, runs: list[dict], claim: dict) -> dict:
+def claim_early_spike(study: Study, runs: Runs, claim: dict) -> dict:
     """At the LRs where {scheme} trains healthily, {baseline} spikes early and {scheme} does not:
     {baseline}'s largest early spike exceeds {scheme}'s.
 
@@ -646,29 +477,29 @@ def claim_early_spike(study: Study, runs: list[dict], claim: dict) -> dict:
     :func:`paired_verdict` with the study's loss floor. Keel paper Figure 1a/4: Pre-LN spikes at
     4.5e-3 in the first 1,000 steps at 1024 sub-layers, Keel converges smoothly."""
     s, b, g = claim["scheme"], claim["baseline"], claim["group"]
-    rs = [r for r in runs if r["group"] == g and r["status"] == "done" and r.get("early_spike") is not None]
+    rs = [r for r in runs if r.group == g and r.status == "done" and r.early_spike is not None]
     parts, rows = {}, []
-    for L in sorted({r["sublayers"] for r in runs if r["group"] == g}):
-        at = {(r["scheme"], r["seed"], r["lr"]): r for r in rs if r["sublayers"] == L}
+    for L in sorted({r.sublayers for r in runs if r.group == g}):
+        at = {(r.scheme, r.seed, r.lr): r for r in rs if r.sublayers == L}
         diffs = {}
-        for sd in sorted({r["seed"] for r in runs if r["group"] == g}):
-            ok = [lr for (x, seed, lr), r in at.items() if x == s and seed == sd and r.get("verdict") == "healthy"
+        for sd in sorted({r.seed for r in runs if r.group == g}):
+            ok = [lr for (x, seed, lr), r in at.items() if x == s and seed == sd and r.verdict == "healthy"
                   and (b, sd, lr) in at]
             if ok:
-                diffs[sd] = statistics.fmean(at[(b, sd, lr)]["early_spike"] - at[(s, sd, lr)]["early_spike"] for lr in ok)
+                diffs[sd] = statistics.fmean(at[(b, sd, lr)].early_spike - at[(s, sd, lr)].early_spike for lr in ok)
         parts[f"spike({b}) − spike({s}) at {L}, {s}'s healthy LRs"] = paired_verdict(diffs, study.min_effect,
                                                                                      study.min_seeds)
         for lr in sorted({k[2] for k in at}):
-            rows.append({"sublayers": L, "lr": lr, **{x: {k[1]: (r["early_spike"], r.get("verdict")) for k, r in at.items()
+            rows.append({"sublayers": L, "lr": lr, **{x: {k[1]: (r.early_spike, r.verdict) for k, r in at.items()
                                                           if k[0] == x and k[2] == lr} for x in (s, b)}})
     planned = sum(len(gr.scheme_seeds(x)) * len(gr.sublayers) * len(gr.lrs) for gr in study.groups if gr.name == g
                   for x in (s, b))
-    if len([r for r in rs if r["scheme"] in (s, b)]) < planned:
+    if len([r for r in rs if r.scheme in (s, b)]) < planned:
         return {**_pending(f"{len(rs)} of {planned} runs with every step's loss finished"), "parts": parts, "rows": rows}
     return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
 
 
-def claim_bench(study: Study, runs: list[dict], claim: dict) -> dict:
+def claim_bench(study: Study, runs: Runs, claim: dict) -> dict:
     """Each residual design of the bench beats {baseline} at the bench's depth (every part must
     hold), at the paper's init and with every scheme at N(0, 1) embeddings; each is also
     compared with Keel (reported, not part of the verdict).
@@ -690,3 +521,126 @@ def claim_bench(study: Study, runs: list[dict], claim: dict) -> dict:
         conds[k] = {"verdict": combine([p["verdict"] for p in parts.values()]) if done else INCONCLUSIVE,
                     "parts": parts, "rows": rows, **({} if done else {"why": "bench runs pending"})}
     return _judged(conds)
+
+
+# ----------------------------------------------------------------------------- the looped family (study looped)
+def trains(rec: RunRecord) -> bool:
+    """Whether run ``rec`` trained: finished, left the unigram plateau (``plateau_exit_step``) and ended at
+    a finite validation loss below the plateau level (:meth:`Thresholds.plateau_level` of its unigram
+    entropy, when the record knows it)."""
+    level = Thresholds().plateau_level(rec.unigram_entropy or rec.result.get("unigram_entropy"))
+    final = rec.final_val_loss
+    return rec.status == "done" and rec.plateau_exit_step is not None and final is not None \
+        and math.isfinite(final) and (level is None or final < level)
+
+
+def max_trained_lr(recs: Runs) -> tuple[float, str]:
+    """``(max LR, how)`` of one seed's runs of a cell (its LR grid): the largest LR whose run
+    :func:`trains`, ``how`` "exact" (a higher LR was run and did not train) or "top" (the highest LR run:
+    a lower bound); when none trains, one grid step below the lowest LR (``lowest^2 / next``, or
+    ``lowest / 3`` for a one-LR grid) with ``how`` "none" (an upper bound)."""
+    lrs = sorted(r.lr for r in recs)
+    ok = [r.lr for r in recs if trains(r)]
+    if not ok:
+        return (lrs[0] ** 2 / lrs[1] if len(lrs) > 1 else lrs[0] / 3), "none"
+    return max(ok), "top" if max(ok) == lrs[-1] else "exact"
+
+
+def _max_lrs(runs: Runs, groups: list[str], scheme: str, sublayers: int) -> dict[int, tuple[float, str]]:
+    """``{seed: max_trained_lr}`` of a cell, over the seeds whose every LR has finished."""
+    rs = cell(runs, groups, scheme, sublayers)
+    out = {}
+    for sd in sorted({r.seed for r in rs}):
+        mine = [r for r in rs if r.seed == sd]
+        if all(r.status == "done" for r in mine):
+            out[sd] = max_trained_lr(mine)
+    return out
+
+
+def _max_lr_condition(study: Study, runs: Runs, claim: dict, groups: list[str]) -> dict:
+    """One condition of :func:`claim_loop_max_lr`: a part per judged depth, a row per depth."""
+    s, b = claim["scheme"], claim["baseline"]
+    parts, rows = {}, []
+    for L in sorted({r.sublayers for r in runs if r.group in groups}):
+        per = {x: _max_lrs(runs, groups, x, L) for x in (s, b)}
+        seeds = sorted(set(per[s]) & set(per[b]))
+        kept = [sd for sd in seeds if per[s][sd][1] == "exact" or per[s][sd][1] != per[b][sd][1]]  # alike: out
+        d = {sd: math.log10(per[s][sd][0] / per[b][sd][0]) for sd in kept}
+        neither = bool(seeds) and all(per[s][sd][1] == per[b][sd][1] == "none" for sd in seeds)
+        rows.append({"sublayers": L, "max_lr": per, "neither": neither, "seeds": len(seeds),
+                     "d": paired_verdict(d, MAX_LR_FLOOR, study.min_seeds)})
+        if not neither:
+            parts[f"log10 max LR, {s} over {b} at {L}"] = rows[-1]["d"]
+    gs = [g for g in study.groups if g.name in groups]
+    planned = sorted({L for g in gs for L in g.sublayers})
+    both = set.intersection(*({sd for g in gs for sd in g.scheme_seeds(x)} for x in (s, b))) if gs else set()
+    finished = [r["sublayers"] for r in rows if r["seeds"] >= len(both)]  # every seed of both schemes
+    if finished != planned or not parts:
+        return _pending("neither scheme trains at any depth" if finished == planned
+                        else "a depth of the LR grid is not finished", parts=parts, rows=rows)
+    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+
+
+def claim_loop_max_lr(study: Study, runs: Runs, claim: dict) -> dict:
+    """{scheme} trains at every effective depth where {baseline} does, at a higher max LR (every depth
+    must hold), at the paper's init and with both schemes at N(0, 1) embeddings.
+
+    Max LR of a scheme at a depth and seed: the largest LR of its grid (the group's LRs, widened) whose
+    run trains (:func:`trains`: it left the unigram plateau and ended finite, below it). Per depth and seed
+    ``d = log10(maxLR({scheme}) / maxLR({baseline}))``: a scheme that trains at none of its LRs counts as
+    one grid step below its lowest (an upper bound), one that trains at its highest LR as that LR (a lower
+    bound: censored, as on the ramp); a seed where both are censored alike (both train at their highest
+    LR, or neither trains) is left out. :func:`paired_verdict` with floor log10 1.05 per depth (the grid
+    resolves max LR to its step, x3); a depth where neither scheme trains in any seed is reported, not
+    judged."""
+    return _judged({k: _max_lr_condition(study, runs, claim, gs)
+                    for k, gs in _conditions(claim, "groups", "init_groups").items()})
+
+
+def loop_losses(rec: RunRecord, repeats: int) -> dict[int, float]:
+    """``{R': validation loss}`` of a looped run (nats/token): its ``test_loops`` and, at its trained
+    ``repeats`` R, its capped final loss; a non-finite loss counts as the step-0 loss (as ``capped_loss``)."""
+    out = {int(n): x if x is not None else rec.first_val_loss for n, x in (rec.test_loops or {}).items()}
+    return {**out, repeats: rec.capped_loss}
+
+
+NON_INFERIOR = {REPRODUCED: NOT_REPRODUCED, NOT_REPRODUCED: REPRODUCED}  # a paired verdict read the other way
+
+
+def _test_depth_condition(study: Study, runs: Runs, claim: dict, groups: list[str]) -> dict:
+    """One condition of :func:`claim_test_depth`: per depth, d per R' of both schemes at each seed's best LR."""
+    s, b, f = claim["scheme"], claim["baseline"], claim.get("factor", 2.0)
+    gs = [g for g in study.groups if g.name in groups]
+    parts, rows = {}, []
+    for L in sorted({L for g in gs for L in g.sublayers}):
+        R, counts = gs[0].loop_repeats(L), gs[0].test_counts(L)
+        loss = {x: {sd: loop_losses(r, R) for sd, r in best_runs(runs, groups, x, L).items()} for x in (s, b)}
+        d = {x: {n: {sd: v[n] - v[R] for sd, v in loss[x].items() if n in v} for n in counts} for x in (s, b)}
+        rows.append({"sublayers": L, "loops": R,
+                     "d": {x: {n: paired_verdict(v, study.min_effect, study.min_seeds) for n, v in d[x].items()}
+                           for x in (s, b)},
+                     "vs": {n: paired_verdict(pair(d[s][n], d[b][n]), study.min_effect, study.min_seeds)
+                            for n in counts}})
+        v = rows[-1]["d"][s].get(round(f * R))
+        if v is not None:
+            parts[f"loss({round(f * R)}) − loss({R}), {s} at {L}"] = {**v, "verdict": NON_INFERIOR.get(
+                v["verdict"], INCONCLUSIVE)}
+    if not parts or any(p["n"] < study.min_seeds for p in parts.values()):
+        return _pending("runs with test loops pending", parts=parts, rows=rows)
+    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+
+
+def claim_test_depth(study: Study, runs: Runs, claim: dict) -> dict:
+    """More loops at test time do not hurt {scheme} (reported beside {baseline}): at every effective depth,
+    its validation loss with the core applied 2R times is not worse than at the trained R by the floor or
+    more (every depth must hold), at the paper's init and with both schemes at N(0, 1) embeddings.
+
+    Per depth and seed, the run at that seed's best LR (:func:`best_runs`; groups with ``test_loops``) and
+    ``d = loss(R') − loss(R)`` (nats/token; R' = round(f R) on the windows of its final validation loss, a
+    non-finite loss counted as the step-0 loss). Per depth the part is :func:`paired_verdict` of d at
+    R' = 2R (the claim's ``factor``) with the study's floor f, read as non-inferiority: reproduced when its
+    upper bound hi < f, not reproduced when its lower bound lo >= f (more loops cost at least f),
+    inconclusive otherwise. Reported, not judged: d at every R' the groups test (R/2 too) for {scheme}
+    and {baseline}, and d({scheme}) − d({baseline}) paired per seed."""
+    return _judged({k: _test_depth_condition(study, runs, claim, gs)
+                    for k, gs in _conditions(claim, "groups", "init_groups").items()})

@@ -20,9 +20,9 @@ applications refuses a loop in ``check_config``. A unit may also
   mHC, Attention Residuals), or normalise the embedding (Peri-LN): the classmethod
   ``make_stream(cfg)`` returns a module with ``begin(emb) -> stream`` (run once on the
   token embedding [B, T, d]) and ``end(stream) -> [B, T, d]`` (run once after the last
-  block, before the final norm); every unit then maps that stream to the next one. A
-  multi-stream stream is one tensor ``[m, B, T, d]`` with an extra *leading* axis (m = n
-  streams for HC/mHC; earlier block representations for AttnRes, m may grow with depth).
+  block, before the final norm); every unit then maps that stream to the next one. HC/mHC's
+  stream is one tensor ``[n, B, T, d]`` with an extra *leading* axis (n streams); AttnRes' a
+  tuple of m ``[B, T, d]`` sources (earlier block representations, m grows with depth).
   The default ``make_stream`` returns None: the stream is the embedding itself and the six
   single-stream schemes run exactly as before (same parameters, same code path).
 

@@ -1,12 +1,13 @@
-"""The multi-stream schemes of the 2026 residual bench: Hyper-Connections, mHC and Attention
-Residuals carry a stream with an extra leading axis, [m, B, T, d]; their small mixing maps run
-in the stream's dtype with autocast off (a bf16 einsum would turn the fp32 stream into bf16), F
-itself runs under autocast as in every other scheme. (Peri-LN, the bench's fourth design, is a
+"""The multi-stream schemes of the 2026 residual bench: Hyper-Connections and mHC carry a stream
+with an extra leading axis, [n, B, T, d], Attention Residuals a tuple of m [B, T, d] sources; their
+small mixing maps run in the stream's dtype with autocast off (a bf16 einsum would turn the fp32
+stream into bf16), F itself runs under autocast as in every other scheme. (Peri-LN, the bench's fourth design, is a
 single-stream scheme: :mod:`keel.model.residual.single_stream`.)"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -387,34 +388,41 @@ class ManifoldHyperConnections(ExpandedStreamScheme):
             return torch.addcmul(mixed, h_post.unsqueeze(-1).to(x.dtype), out.unsqueeze(-2).to(x.dtype)).movedim(-2, 0)
 
 
-def depth_attention(v: torch.Tensor, query: torch.Tensor, key_norm: RMSNorm) -> torch.Tensor:
+def depth_attention(v: Sequence[torch.Tensor], query: torch.Tensor, key_norm: RMSNorm) -> torch.Tensor:
     """Attention over depth (Attention Residuals, Kimi Team 2026, arXiv 2603.15031, Eq. for
     h_l; official pseudo-code ``block_attn_res``): ``h = sum_i softmax_i(w . Norm(v_i)) v_i``.
 
     The keys ``Norm(v_i)`` are never formed: ``w . (v_i / rms(v_i) * g) = (v_i . (w * g)) /
     rms(v_i)`` with ``rms(v) = sqrt(mean_d v^2 + eps)`` (an identity), so only v is kept for
     the backward pass. No 1/sqrt(d) scale on the logits (the official pseudo-code has none).
+    Each source is read where it lies (no stacked copy): autograd keeps the sources themselves,
+    which every later sub-layer shares, and per call only [m, B, T] logits and weights.
 
     Args:
-        v: the sources [m, B, T, d].
+        v: the sources, m >= 1 tensors [B, T, d] of one dtype.
         query: the pseudo-query w [d].
         key_norm: the RMSNorm of the keys (gain g [d], its eps).
     Returns:
-        [B, T, d] in v's dtype (the logits, the RMS and the softmax run in fp32 at least).
+        [B, T, d] in v's dtype (the logits, the RMS and the softmax run in fp32 at least); the
+        weighted sum runs over the sources in order, ``((w_0 v_0 + w_1 v_1) + w_2 v_2) + ...``.
     """
-    w = query.to(v.dtype) * key_norm.weight.to(v.dtype)
+    dtype = v[0].dtype
+    w = query.to(dtype) * key_norm.weight.to(dtype)
     # the mean square, rsqrt and softmax in fp32 at least: in fp16 the backward of rsqrt overflows
-    f32 = torch.promote_types(v.dtype, torch.float32)
-    r = rms_reciprocal(v, key_norm.eps, f32).squeeze(-1)  # [m, B, T]
-    weights = torch.softmax((v @ w).to(f32) * r, dim=0).to(v.dtype)
-    # a broadcast product summed over the sources, not an einsum: that is a batched product of
-    # B T [1, m] x [m, d] matrices, which CPU runs one small matrix at a time
-    return (weights.unsqueeze(-1) * v).sum(0)
+    f32 = torch.promote_types(dtype, torch.float32)
+    logits = torch.stack([(s @ w).to(f32) * rms_reciprocal(s, key_norm.eps, f32).squeeze(-1) for s in v])  # [m, B, T]
+    weights = torch.softmax(logits, dim=0).to(dtype).unsqueeze(-1)  # [m, B, T, 1]
+    # indexed, not unbind: unbind's backward is a stack, which autocast refuses for a bf16/fp16 pair
+    h = weights[0] * v[0]
+    for i in range(1, len(v)):
+        h = h + weights[i] * v[i]
+    return h
 
 
 class DepthAttentionReadout(nn.Module):
-    """AttnRes stream module: ``begin(emb) = emb[None]`` (the embedding is the first source,
-    b_0 = h_1 in the paper) [1, B, T, d]; ``end(S)`` = :func:`depth_attention` over every
+    """AttnRes stream module: ``begin(emb) = (emb,)`` (the embedding is the first source,
+    b_0 = h_1 in the paper; the stream is a tuple of m sources [B, T, d], see :class:`AttnRes`);
+    ``end(S)`` = :func:`depth_attention` over every
     block representation and the last partial sum, with its own pseudo-query (init 0) and
     key norm, before the model's final norm (``cfg.attn_res_readout = "attend"``, default).
     The official pseudo-code shows one layer only, not how the last hidden state is formed:
@@ -434,13 +442,16 @@ class DepthAttentionReadout(nn.Module):
         if self.attend:
             self.query.zero_()
 
-    def begin(self, x: torch.Tensor) -> torch.Tensor:
-        return x.unsqueeze(0)
+    def begin(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (x,)
 
-    def end(self, s: torch.Tensor) -> torch.Tensor:
-        if not self.attend:
-            return s.sum(0)
-        with _no_autocast(s):
+    def end(self, s: Sequence[torch.Tensor]) -> torch.Tensor:
+        if not self.attend:  # in order, as depth_attention sums (equal to a stacked tensor's sum(0))
+            out = s[0]
+            for v in s[1:]:
+                out = out + v
+            return out
+        with _no_autocast(s[0]):
             return depth_attention(s, self.query, self.key_norm)
 
 
@@ -476,10 +487,14 @@ class AttnRes(Residual):
     index is a multiple of S (that sub-layer still attends over the closed block, then
     starts a new partial sum). With S = 1 Block equals Full.
 
-    The stream is S [m, B, T, d]: the completed blocks and, last, the partial sum (begun as
-    [embedding] by :class:`DepthAttentionReadout`, which also forms the model's output by a
-    last depth attention). The official pseudo-code counts blocks in layers (attention +
-    MLP); we count in sub-layers, so S may be odd (e.g. 1).
+    The stream is a tuple of m sources [B, T, d] (the official code's list ``blocks`` plus its
+    ``partial_block``): the completed blocks and, last, the partial sum (begun as (embedding,)
+    by :class:`DepthAttentionReadout`, which also forms the model's output by a last depth
+    attention). A sub-layer passes the completed blocks on as they are (the same tensors) and
+    appends or replaces only the partial sum, so autograd keeps each source once however many
+    sub-layers read it (version 1 re-stacked an [m, B, T, d] tensor at every sub-layer, and
+    kept each stack). The official pseudo-code counts blocks in layers (attention + MLP); we
+    count in sub-layers, so S may be odd (e.g. 1).
 
     Init: w_l = 0 (the paper: zero-initialised pseudo-queries, uniform weights at start);
     norms' gains 1. Sub-layer 0 has a single source (the embedding, weight 1), hence no
@@ -494,6 +509,7 @@ class AttnRes(Residual):
     """
 
     final_norm = True
+    version = 2  # the sources as a tuple: the forward's values are v1's, the gradients' summation order is not
     config_keys = ("attn_res_variant", "attn_res_blocks", "attn_res_readout")
 
     def __init__(self, cfg: ModelConfig, index: int):
@@ -530,13 +546,14 @@ class AttnRes(Residual):
         return AttnRes.forward(self, x, torch.zeros_like)
 
     def forward(self, x, f):
+        """x: the sources, a tuple of m tensors [B, T, d]; returns the next tuple (m + 1 sources when
+        this sub-layer opens a block, else m, the last one the new partial sum)."""
         if self.index == 0:
             h = x[0]
         else:
-            with _no_autocast(x):
+            with _no_autocast(x[0]):
                 h = depth_attention(x, self.query, self.key_norm)
-        out = f(self.norm(h)).to(x.dtype)
-        with _no_autocast(x):  # autocast's cat rejects a bf16 stream under fp16 autocast (and the reverse)
-            if self.opens_block:  # the partial sum becomes a block; out starts the next one
-                return torch.cat([x, out.unsqueeze(0)])
-            return torch.cat([x[:-1], (x[-1] + out).unsqueeze(0)])
+        out = f(self.norm(h)).to(x[0].dtype)
+        if self.opens_block:  # the partial sum becomes a block; out starts the next one
+            return (*x, out)
+        return (*x[:-1], x[-1] + out)

@@ -1,0 +1,224 @@
+"""The looped study (keel/configs/studies/looped.toml): its group keys (loop, test_loops), its claims'
+rules checked against direct transcriptions of their text (written from the rule, not from keel's
+code), its cpu plan, and the tiny scale end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from keel.errors import KeelError
+from keel.experiments.record import RunRecord
+from keel.experiments.study import claims as SC
+from keel.experiments.study import run as SRun
+from keel.experiments.study import spec as SS
+from keel.experiments.study import verdicts as SV
+
+H1 = 5.0  # a unigram entropy (nats): the plateau level is 0.95 x 5.0 = 4.75
+LRS = (1e-3, 3e-3, 1e-2)
+DEPTHS = (68, 260, 1028)  # the cpu scale's: loop [1, 8, 1], R = 4, 16, 64
+
+
+def run(group, scheme, L, seed, lr, final, exit_step=50, **kw):
+    """A finished looped run's record, named as the study names it."""
+    return RunRecord(group=group, name=f"L{L}_seed{seed}_{scheme}_lr{lr:g}", scheme=scheme, sublayers=L, seed=seed,
+                     lr=lr, status="done", final_val_loss=final, first_val_loss=6.2,
+                     capped_loss=final if final is not None and math.isfinite(final) else 6.2,
+                     plateau_exit_step=exit_step, unigram_entropy=H1, **kw)
+
+
+def cpu_study():
+    return SC.load_study("looped", "cpu")
+
+
+def t_interval(xs):
+    """(lo, hi): the one-sided 95% Student-t bounds of the mean, from scipy's two-sided 90% interval."""
+    return stats.t.interval(0.9, len(xs) - 1, loc=np.mean(xs), scale=stats.sem(xs))
+
+
+# ----------------------------------------------------------------------------- the group keys
+def test_a_loop_group_trains_effective_depths_named_by_them():
+    g = next(x for x in cpu_study().groups if x.name == "looped")
+    assert [g.loop_repeats(L) for L in DEPTHS] == [4, 16, 64]  # (L/2 - P - Q) / C
+    assert g.loop_sets(260) == [("model.n_layers", 10), ("model.loop_prelude", 1), ("model.loop_core", 8),
+                                ("model.loop_repeats", 16)]
+    assert [g.test_counts(L) for L in DEPTHS] == [[2, 8], [8, 32], [32, 128]]  # R/2 and 2R
+    jobs = SRun.planned_jobs(cpu_study(), "<data>", SRun.Path("unused"))[0][2]
+    j = next(j for j in jobs if j.name == "L1028_seed2_pre_ln_lr0.01")
+    m = j.config["model"]
+    assert (m["n_layers"], m["loop_prelude"], m["loop_core"], m["loop_repeats"], m["loop_sampling"]) == \
+        (10, 1, 8, 64, "poisson_lognormal")
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"loop": [1, 8, 1], "sublayers": [70]}, "sublayers 70 is not an effective depth of loop [1, 8, 1]"),
+    ({"loop": [1, 8, 1], "sublayers": [2]}, "sublayers 2 is not an effective depth"),
+    ({"loop": [1, 0, 1], "sublayers": [68]}, "loop must be [P, C, Q] (prelude, core, coda blocks) with C >= 1"),
+    ({"loop": [1, 8], "sublayers": [68]}, "loop must be [P, C, Q]"),
+    ({"test_loops": [2.0], "sublayers": [68]}, "test_loops needs loop = [P, C, Q]"),
+    ({"loop": [1, 1, 1], "sublayers": [6], "test_loops": [0.2]}, "test_loops 0.2 x R = 0.2 at 6 sub-layers rounds below 1"),
+    ({"loop": [1, 8, 1], "sublayers": [68], "set": {"model.loop_repeats": 3}}, "set model.loop_repeats: loop = [1, 8, 1]"),
+])
+def test_a_bad_loop_is_refused_in_one_line(spec, words):
+    with pytest.raises(KeelError) as e:
+        SS._group("g", {"schemes": ["keel"], "seeds": [0], "lrs": [1e-3], **spec}, {})
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_test_loops_is_kept_in_the_record_and_optional_in_a_report():
+    d = {"group": "looped", "name": "L68_seed0_keel_lr0.001", "scheme": "keel", "sublayers": 68, "seed": 0,
+         "lr": 1e-3, "status": "done", "tokens": 8, "final_val_loss": 4.0, "first_val_loss": 6.2, "capped_loss": 4.0,
+         "verdict": "healthy", "divergence": None, "diverged": False, "max_lr": None, "peak_lr": None, "wall_s": 1.0,
+         "plateau_exit_step": 50, "curve": None}
+    rec = RunRecord.from_dict({**d, "test_loops": {"2": 4.3, "8": None}})
+    assert rec.test_loops == {"2": 4.3, "8": None} and rec.to_dict()["test_loops"] == {"2": 4.3, "8": None}
+    old = RunRecord.from_dict(d)  # a report written before test_loops: it loads, and is written back as it was
+    assert old.test_loops is None and old.to_dict() == d
+    for bad in ({"0": 4.0}, {"x": 4.0}, {"2": -1.0}, [4.0]):
+        with pytest.raises(KeelError, match="test_loops must be"):
+            RunRecord.from_dict({**d, "test_loops": bad})
+
+
+# ----------------------------------------------------------------------------- (a) max LR over the grid
+def test_trains_follows_its_rule():
+    """Trains: finished, left the plateau, final validation loss finite and below 0.95 H1."""
+    assert SV.trains(run("g", "keel", 68, 0, 1e-3, 4.0))
+    assert not SV.trains(run("g", "keel", 68, 0, 1e-3, 4.0, exit_step=None))  # never left the plateau
+    assert not SV.trains(run("g", "keel", 68, 0, 1e-3, math.nan))  # not finite
+    assert not SV.trains(run("g", "keel", 68, 0, 1e-3, 4.8))  # left it, but ended above 4.75
+
+
+def test_max_trained_lr_follows_its_rule():
+    runs = lambda ok: [run("g", "keel", 68, 0, lr, 4.0 if t else 5.5) for lr, t in zip(LRS, ok)]
+    assert SV.max_trained_lr(runs([True, True, False])) == (3e-3, "exact")
+    assert SV.max_trained_lr(runs([True, True, True])) == (1e-2, "top")  # a lower bound
+    lr, how = SV.max_trained_lr(runs([False, False, False]))  # one grid step below the lowest: 1e-3 / 3
+    assert how == "none" and lr == pytest.approx(1e-3 ** 2 / 3e-3)
+
+
+def grid(group, scheme, L, seed, top):
+    """Three LR runs of one cell: those up to ``top`` (an LR, or None) train, the others end on the plateau."""
+    return [run(group, scheme, L, seed, lr, 4.0 if top is not None and lr <= top else 5.5) for lr in LRS]
+
+
+def test_loop_max_lr_transcription():
+    """d = log10(maxLR(keel) / maxLR(pre_ln)) per seed; reproduced when the lower t bound clears log10 1.05; a
+    seed where both train at their highest LR is left out; a depth where neither trains is not judged."""
+    st, runs = cpu_study(), []
+    pre = {0: 3e-3, 1: 1e-3, 2: 3e-3}
+    for g in ("looped", "looped-init"):
+        for L in DEPTHS:
+            for sd in (0, 1, 2):
+                if L == 1028:  # neither trains at any LR: reported, not judged
+                    runs += grid(g, "keel", L, sd, None) + grid(g, "pre_ln", L, sd, None)
+                elif g == "looped":
+                    runs += grid(g, "keel", L, sd, 1e-2) + grid(g, "pre_ln", L, sd, pre[sd])
+                else:  # seed 0: both at their highest LR (censored alike: left out)
+                    runs += grid(g, "keel", L, sd, 1e-2) + grid(g, "pre_ln", L, sd, 1e-2 if sd == 0 else 3e-3)
+    claim = next(c for c in st.claims if c["id"] == "a")
+    v = SV.claim_loop_max_lr(st, runs, claim)
+    paper = v["conditions"]["paper_init"]
+    d = [math.log10(1e-2 / pre[sd]) for sd in (0, 1, 2)]
+    lo, hi = t_interval(d)
+    part = paper["parts"]["log10 max LR, keel over pre_ln at 68"]
+    assert part["lo"] == pytest.approx(lo) and part["hi"] == pytest.approx(hi) and lo >= math.log10(1.05)
+    assert sorted(paper["parts"]) == ["log10 max LR, keel over pre_ln at 260", "log10 max LR, keel over pre_ln at 68"]
+    assert paper["verdict"] == SV.REPRODUCED and paper["rows"][-1]["neither"]
+    embed = v["conditions"]["embed_init"]
+    assert embed["parts"]["log10 max LR, keel over pre_ln at 68"]["n"] == 2 and embed["verdict"] == SV.INCONCLUSIVE
+    assert v["verdict"] == SV.INCONCLUSIVE
+    table = "\n".join(SC.claim_kind(claim).tables(claim, v))
+    assert "[s0 0.003, s1 0.001, s2 0.003]" in table and "[s0 0.01+, s1 0.01+, s2 0.01+]" in table
+    assert "neither trains" in table
+
+
+# ----------------------------------------------------------------------------- (c, d) test-time depth
+def loops_run(group, scheme, L, seed, lr, final, at_half, at_double, R):
+    return run(group, scheme, L, seed, lr, final, test_loops={str(R // 2): at_half, str(2 * R): at_double})
+
+
+def test_test_depth_transcription():
+    """Per depth and seed, at the seed's best LR, d = loss(2R) − loss(R); reproduced ("more loops do not hurt")
+    when the upper t bound is below the floor, not reproduced when the lower bound reaches it."""
+    st, runs = cpu_study(), []
+    keel_d = {0: 0.001, 1: -0.004, 2: 0.003}
+    pre_d = {0: 0.30, 1: 0.42, 2: 0.35}
+    for g in ("looped", "looped-init"):
+        for L, R in zip(DEPTHS, (4, 16, 64)):
+            for sd in (0, 1, 2):
+                base = 4.0 + 0.01 * sd
+                # the best LR (lowest final loss) is 3e-3; the other LRs' test loops must not be read
+                for lr, off in zip(LRS, (0.2, 0.0, 0.1)):
+                    runs.append(loops_run(g, "keel", L, sd, lr, base + off, base + off + 0.5,
+                                          base + off + keel_d[sd] + (9.0 if off else 0.0), R))
+                    runs.append(loops_run(g, "pre_ln", L, sd, lr, base + 0.3 + off, None,
+                                          base + 0.3 + off + pre_d[sd], R))
+    keel_claim, pre_claim = (next(c for c in st.claims if c["id"] == i) for i in ("c", "d"))
+    v = SV.claim_test_depth(st, runs, keel_claim)
+    part = v["conditions"]["paper_init"]["parts"]["loss(128) − loss(64), keel at 1028"]
+    lo, hi = t_interval(list(keel_d.values()))
+    assert part["hi"] == pytest.approx(hi) and part["lo"] == pytest.approx(lo) and hi < 0.02
+    assert part["verdict"] == SV.REPRODUCED and v["verdict"] == SV.REPRODUCED
+    row = v["conditions"]["paper_init"]["rows"][0]
+    assert row["loops"] == 4 and row["d"]["keel"][2]["mean"] == pytest.approx(0.5)  # R/2, reported
+    # pre_ln's R/2 loss is not finite: it counts as the step-0 loss (6.2)
+    assert row["d"]["pre_ln"][2]["diffs"][1] == pytest.approx(6.2 - 4.31)
+    assert row["vs"][8]["diffs"] == pytest.approx({sd: keel_d[sd] - pre_d[sd] for sd in (0, 1, 2)})
+    w = SV.claim_test_depth(st, runs, pre_claim)
+    assert w["conditions"]["embed_init"]["parts"]["loss(32) − loss(16), pre_ln at 260"]["verdict"] == SV.NOT_REPRODUCED
+    assert w["verdict"] == SV.NOT_REPRODUCED
+    assert "| 1028 | 64 | 128 |" in "\n".join(SC.claim_kind(keel_claim).tables(keel_claim, v))
+
+
+def test_test_depth_claims_need_looped_groups_with_the_factor(tmp_path):
+    text = (SS.resolve_config_path("looped", kind="studies")).read_text()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace("factor = 2.0\nnote", "factor = 3.0\nnote", 1))
+    with pytest.raises(KeelError, match="factor 3 is not one of the groups' test_loops"):
+        SC.load_study(str(bad), "cpu")
+
+
+# ----------------------------------------------------------------------------- the plan and the tiny scale
+def test_the_cpu_plan_fits_its_budget(keel_main, tmp_path):
+    r = keel_main("study", "looped", "--scale", "cpu", "--dry-run", "--json", "--out", tmp_path / "x")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["total"]["runs"] == 108 and 14 <= plan["total"]["cpu_hours"] <= 20
+    rows = {x["group"]: x for x in plan["groups"]}
+    assert rows["looped"]["sublayers"] == [68, 260, 1028] and rows["looped"]["tokens_per_run"] == [204_800]
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.long  # 16 tiny runs, each evaluated at two more loop counts: about 20 s on an idle core
+def test_looped_study_tiny_end_to_end(tiny_data, tmp_path):
+    """Trains the tiny scale, evaluates each run at its test loop counts and judges every claim."""
+    import torch
+
+    from keel.data import validation_tokens
+    from keel.run import Run
+    from keel.train.nll import mean_nll
+
+    out = tmp_path / "st"
+    report = SRun.run_study("looped", "tiny", out, [f"data.path={tiny_data}"], workers=0)
+    recs = report["records"]
+    assert len(recs) == 16 and all(r.status == "done" for r in recs)
+    assert sorted({r.sublayers for r in recs}) == [8, 12]  # effective depths, from 3 blocks of weights
+    assert all(set(r.test_loops) == ({"1", "4"} if r.sublayers == 8 else {"2", "8"}) for r in recs)
+    # the test loops are scored like the run's own val_loss: at R the same evaluation gives its final loss
+    r = next(r for r in recs if r.sublayers == 12 and r.scheme == "keel")
+    run_dir = out / r.group / r.name
+    model = Run(run_dir).load_model()
+    windows = validation_tokens(Run(run_dir).data_dir(), 32, 512)
+    torch.manual_seed(0)
+    assert mean_nll(model, windows, 2, "cpu") == pytest.approx(r.final_val_loss, abs=1e-6)
+    model.set_loops(8)
+    assert mean_nll(model, windows, 2, "cpu") == pytest.approx(r.test_loops["8"], abs=1e-6)
+    got = {c["id"]: c for c in json.loads((out / "report.json").read_text())["claims"]}
+    assert sorted(got) == ["a", "b", "c", "d"]
+    assert got["c"]["conditions"]["paper_init"]["rows"][1]["loops"] == 4  # judged (2 seeds: inconclusive)
+    assert "test_loops" in json.loads((out / "report.json").read_text())["runs"][0]
+    assert "Test-time depth" in (out / "report.md").read_text()
