@@ -52,7 +52,7 @@ def key(default: Any, help: str, *, ge: float | None = None, gt: float | None = 
             object asks for it (e.g. ``lambda t: t.gradflow_every > 0``); a trainer without that
             callback refuses such a config (:func:`keel.train.callbacks.unhonoured_keys`).
         read_if: for a key only some objects read, the test of whether one does (a ramp group's
-            ``peak_lr``: ``lambda g: g.kind == "ramp"``); see :func:`unread_keys`.
+            ``peak_lr``: is it one of its kind's keys); see :func:`unread_keys`.
     Returns:
         a ``dataclasses.Field`` to assign to the key's annotated name.
     """

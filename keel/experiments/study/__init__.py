@@ -26,8 +26,9 @@ by :func:`verdicts.paired_verdict` on paired per-seed differences for every
 claim test but :func:`verdicts.claim_lr_transfer`, whose rule (same optimal grid point in every
 seed) is its own.
 
-Modules, each importing only those before it: :mod:`.spec` (the TOML as :class:`spec.Study`,
-its groups checked), :mod:`.verdicts` (the paired-difference rule, one verdict function per kind
+Modules, each importing only those before it: :mod:`.kinds` (one class per kind of group:
+train, ramp, grid; its jobs, task, LR plan words, record and plot), :mod:`.spec` (the TOML as
+:class:`spec.Study`, its groups checked), :mod:`.verdicts` (the paired-difference rule, one verdict function per kind
 of claim), :mod:`.cells` (numbers as markdown cells), :mod:`.claims` (one class per kind of
 claim: its keys, verdict, reads and tables, the registry :data:`claims.CLAIMS`, and
 :func:`claims.load_study`, which checks every claim), :mod:`.report` (``report.md`` and the

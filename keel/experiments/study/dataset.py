@@ -21,8 +21,7 @@ Planned = Sequence[tuple[Group, list[GridJob], list[GridJob]]]  # (group, refere
 def shares_data(study: Study, report_only: bool) -> bool:
     """Whether the runs of ``study`` need the one dataset its config names: not for a report
     (it trains nothing), nor when every group is a grid over ``data.*`` keys (each run prepares its own)."""
-    return not report_only and not all(g.kind == "grid" and any(k.startswith("data.") for k in g.grid)
-                                       for g in study.groups)
+    return not report_only and not all(g.kind_class.own_data(g) for g in study.groups)
 
 
 def study_dataset(base: Config, planned: Planned) -> str:

@@ -1,20 +1,10 @@
-"""The ``keel study --dry-run`` plan in words: a group's LRs, GPU-hours, the totals and the
+"""The ``keel study --dry-run`` plan in words: GPU-hours, the totals and the
 markdown table (the rows come from :func:`keel.experiments.study.run.plan_rows`)."""
 
 from __future__ import annotations
 
-from keel.experiments.study.spec import Group, Study
+from keel.experiments.study.spec import Study
 from keel.experiments.table import markdown_table
-
-
-def lr_plan_words(g: Group) -> str:
-    """A group's LRs in words: ``0.0003, 0.001``, ``from lr-grid at 64, grid steps [0, -1]`` (an
-    ``lr_from`` group: known once its source has finished) or ``ramp 0 -> 0.05 over 1000 steps``."""
-    if g.kind == "ramp":
-        return f"ramp 0 -> {g.peak_lr:g} over {g.ramp_steps} steps"
-    if g.lr_from:
-        return f"from {g.lr_from} at {g.lr_from_sublayers}, grid steps {g.lr_from_steps}"
-    return ", ".join(f"{x:g}" for x in g.lrs)
 
 
 def hours_words(h: float) -> str:

@@ -107,7 +107,7 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
                first_val_loss=first, capped_loss=final if is_number(final) and math.isfinite(final) else first,
                verdict=result.get("verdict"), divergence=result.get("divergence"),
                diverged=result.get("diverged"), max_lr=result.get("max_lr"),
-               peak_lr=group.peak_lr if group.kind == "ramp" else None, wall_s=result.get("wall_s"),
+               **group.kind_class.record(group), wall_s=result.get("wall_s"),
                plateau_exit_step=plateau_exit_step(records, Thresholds().plateau_level(h1 or None)),
                curve=thinned_curve(records), early_spike=early_spike(records, cap=first),
                ablation=result.get("ablation"))

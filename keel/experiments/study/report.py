@@ -48,7 +48,7 @@ def best_loss_table(study: Study, runs: list[RunRecord]) -> list[str]:
     LR grid per seed (:func:`best_losses`), mean ± sd: every scheme of the study side by side."""
     rows = []
     for g in study.groups:
-        if g.kind != "train":
+        if not g.kind_class.lr_grid:
             continue
         for L in g.sublayers:
             for scheme in g.schemes:
@@ -204,7 +204,7 @@ def unfinished_words(study: Study, runs: list[RunRecord]) -> str:
 def tokens_words(study: Study, done: list[RunRecord]) -> str:
     """" (tokens per finished run: ...)" for the report's count line: the distinct budgets of the
     training runs, and the range of the ramp runs, which stop at their divergence."""
-    ramp = {g.name for g in study.groups if g.kind == "ramp"}
+    ramp = {g.name for g in study.groups if g.kind_class.ramps}
     train = sorted({r.tokens for r in done if r.tokens and r.group not in ramp})
     stopped = sorted(r.tokens for r in done if r.tokens and r.group in ramp)
     parts = ([f"training runs {', '.join(f'{t:,}' for t in train)}"] if train else []) + (
@@ -226,27 +226,27 @@ def run_time_words(study: Study, runs: Sequence[RunRecord], waiting: Sequence[di
     of a group not planned yet, at the median wall time of the finished runs of its group kind
     (training or ramp) and depth; runs at a kind and depth with no finished run yet are counted
     apart. Worker-hours divided by the workers that run at once give wall time."""
-    kind = {g.name: g.kind for g in study.groups}
+    ramps = {g.name: g.kind_class.ramps for g in study.groups}  # the kinds told apart: ramp runs or not
     walls: dict[tuple, list[float]] = {}
     for r in runs:
         if r.status == "done" and r.wall_s:
-            walls.setdefault((kind.get(r.group, "train"), r.sublayers), []).append(r.wall_s)
-    todo = Counter((kind.get(r.group, "train"), r.sublayers) for r in runs if r.status != "done")
+            walls.setdefault((ramps.get(r.group, False), r.sublayers), []).append(r.wall_s)
+    todo = Counter((ramps.get(r.group, False), r.sublayers) for r in runs if r.status != "done")
     for w in waiting:
         for L in w["sublayers"]:
-            todo[(kind.get(w["group"], "train"), L)] += w["runs"] // len(w["sublayers"])
+            todo[(ramps.get(w["group"], False), L)] += w["runs"] // len(w["sublayers"])
     parts = []
     if walls:
         parts.append(f"{sum(map(sum, walls.values())) / 3600:.1f} worker-hours recorded over the "
                      f"{sum(map(len, walls.values()))} finished runs that record one (each run's wall time as "
                      "trained: a machine's `--workers` share its cores)")
     n = sum(todo.values())
-    med = {k: statistics.median(walls[k]) for k in sorted(todo, key=lambda k: (k[1], k[0] == "ramp")) if k in walls}
+    med = {k: statistics.median(walls[k]) for k in sorted(todo, key=lambda k: (k[1], k[0])) if k in walls}
     known = sum(todo[k] for k in med)
     if n and not med:
         parts.append(f"the {n} runs to go are not estimated (no finished run yet of their kind and depth)")
     elif n:
-        each = ", ".join(f"{L} sub-layers{' (ramp)' if k == 'ramp' else ''} {m / 60:.1f} min" for (k, L), m in med.items())
+        each = ", ".join(f"{L} sub-layers{' (ramp)' if ramp else ''} {m / 60:.1f} min" for (ramp, L), m in med.items())
         parts.append(f"about {sum(todo[k] * m for k, m in med.items()) / 3600:.1f} worker-hours left for "
                      + (f"the {n} runs to go" if known == n else f"{known} of the {n} runs to go (the other "
                         f"{n - known} at a depth with no finished run yet)")
@@ -271,7 +271,7 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[Ru
              f"Runs finished: {len(done)} of {len(runs)} planned so far{tokens_words(study, done)}."
              + unfinished_words(study, runs)
              + (" The ramp groups' reference runs (the scale's `--dry-run` counts them) are not counted."
-                if any(g.kind == "ramp" for g in study.groups) else "")
+                if any(g.kind_class.ramps for g in study.groups) else "")
              + (f" Not planned yet: {'; '.join(map(waiting_words, waiting))}." if waiting else "")
              + run_time_words(study, runs, waiting) + restored_words(runs, restore),
              f"Command (it trains every run of the study; flags that pick what one call trains, "
@@ -387,9 +387,9 @@ def write_plots(study: Study, runs: list[RunRecord], claims: list[tuple[dict, di
         if not done:
             continue
         name = f"{g.name}.png"
-        if g.kind == "ramp" or len(g.lrs) <= 1:
-            if not plot_record_curves(done, out / name, x="lr" if g.kind == "ramp" else "step",
-                                      title=f"group {g.name}"):
+        x = g.kind_class.curve_axis(g)
+        if x is not None:
+            if not plot_record_curves(done, out / name, x=x, title=f"group {g.name}"):
                 continue
         else:  # with the baselines' runs of the group they are compared with, if any
             refs = [r for r in runs if r.group == g.baselines_from and r.scheme in g.baselines

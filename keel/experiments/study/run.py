@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from keel.config import ModelConfig, config_from_dict, load_config, override_text, resolve_config_path
+from keel.config import config_from_dict, load_config, override_text, resolve_config_path
 from keel.data.stats import dataset_unigram_entropy
 from keel.errors import Interrupted, KeelError, plural
 from keel.experiments import sensitivity as LS
@@ -21,14 +21,13 @@ from keel.experiments import stress as ST
 from keel.experiments.executor import Executor, check_slurm_here
 from keel.experiments.grid import GridJob, cached_result, check_pool, check_started, run_grid
 from keel.experiments.study.report import claim_summary, report_markdown, superseded_words, waiting_words, write_plots
-from keel.experiments.study.ablation import train_and_ablate, train_and_test_loops
 from keel.experiments.study.claims import claim_kind, load_study
 from keel.experiments.study.dataset import NO_DATA, check_study_data, shares_data, study_dataset
-from keel.experiments.study.plan import cpu_hours, lr_plan_words, plan_markdown, plan_total
+from keel.experiments.study.plan import cpu_hours, plan_markdown, plan_total
 from keel.experiments.study.records import kept_restored, load_restored, restored_record, run_record
 from keel.experiments.study.spec import Group, Study, lr_ladder
 from keel.experiments.study.verdicts import LEVEL, baseline_margins, loss_floor
-from keel.experiments.sweep import build_jobs, check_train_job, train_task
+from keel.experiments.sweep import check_train_job, train_task
 from keel.io import LOCK_NAME, RunLock, atomic_write_text, make_dirs, remove_empty_dirs
 from keel.model import count_parameters, flops_per_token
 
@@ -39,34 +38,10 @@ _log = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------- jobs
 def group_jobs(study: Study, g: Group, data_dir: str, out: Path,
                lr_for: dict[tuple[str, int], list[float]] | None = None) -> tuple[list[GridJob], list[GridJob]]:
-    """(reference jobs, jobs) of one group: the stress test's for a ramp group, else one
-    :func:`keel.experiments.sweep.build_jobs` grid per (scheme, depth) in the order depth, scheme
-    (as the group lists them), LR, seed: the seeds of one cell run side by side, so a partial
-    group already holds paired cells for its first schemes, instead of one seed of every scheme.
-    ``lr_for``: ``{(scheme, sub-layers): [LR, ...]}`` (:func:`initial_lrs`, widened by
-    :func:`widened_lrs`); None: the group's ``lrs`` everywhere. Raises KeelError on a bad config."""
-    sets = study.all_sets(g)
-    if g.kind == "ramp":
-        return ST.stress_jobs(resolve_config_path(study.base), sets, g.schemes, g.sublayers, g.seeds, g.peak_lr,
-                              g.ramp_steps, Path(data_dir), out / g.dir_name, g.reference, g.loop_sets)
-    if g.kind == "grid":  # keel sweep: any keys; a grid over data.* keys prepares each run's data in its worker
-        own_data = any(k.startswith("data.") for k in g.grid)
-        return [], build_jobs(study.base, g.grid, sets, match_params=g.match_params,
-                              data_path=None if own_data else data_dir)
-    jobs = []
-    for scheme in g.schemes:
-        for L in g.sublayers:
-            lrs = lr_for[(scheme, L)] if lr_for is not None else g.lrs
-            blocks = sum(g.loop) if g.loop else L // 2  # a looped group's blocks of weights: P + C + Q
-            grid = {"model.n_layers": [blocks], "train.seed": g.scheme_seeds(scheme),
-                    "model.residual": [scheme], "train.lr": sorted(lrs)}
-            # a looped run keeps the name of its effective depth (L68_...), as run_name spells n_layers first
-            jobs += [replace(j, name=f"L{L}" + j.name[len(f"L{2 * blocks}"):])
-                     for j in build_jobs(study.base, grid, sets + g.loop_sets(L), data_path=data_dir)]
-    order = {s: i for i, s in enumerate(g.schemes)}
-    jobs.sort(key=lambda j: (ModelConfig(**j.config["model"]).n_sublayers, order[j.values["model.residual"]],
-                             j.values["train.lr"], j.values["train.seed"]))
-    return [], jobs
+    """(reference jobs, jobs) of one group, as its kind makes them (:mod:`keel.experiments.study.kinds`:
+    a train group's ``lr_for``, ``{(scheme, sub-layers): [LR, ...]}`` of :func:`initial_lrs` widened by
+    :func:`widened_lrs`, or None: its ``lrs`` everywhere). Raises KeelError on a bad config."""
+    return g.kind_class.jobs(study, g, data_dir, out, lr_for)
 
 
 def initial_lrs(study: Study, g: Group, runs: list[dict]) -> dict[tuple[str, int], list[float]] | None:
@@ -126,8 +101,8 @@ def group_records(study: Study, g: Group, runs: list[dict], data_dir: str, out: 
     or only reads the jobs and returns their records. The first passes only read, so that an LR
     widened from runs already finished (restored, say) trains in the same pass as the rest, in the
     group's order, not after it. None: an ``lr_from`` group whose source has not finished."""
-    lr_for = initial_lrs(study, g, runs) if g.kind == "train" else None
-    if g.kind == "train" and lr_for is None:
+    lr_for = initial_lrs(study, g, runs) if g.kind_class.lr_grid else None
+    if g.kind_class.lr_grid and lr_for is None:
         return None
     planned, trained = dict(lr_for or {}), False
     while True:
@@ -241,9 +216,7 @@ def _train_and_read(g: Group, refs: list[GridJob], jobs: list[GridJob], out: Pat
                   + (f" + {plural(len(refs), 'reference run')}" if refs else ""))
         if refs:
             grid(refs, gdir / ST.REFERENCES, train_task, resume=True, check=check_train_job)
-        task = ST.stress_task if g.kind == "ramp" else train_and_ablate if g.ablate else \
-            functools.partial(train_and_test_loops, factors=g.test_loops) if g.test_loops else train_task
-        got = grid(todo, gdir, task, resume=True, check=check_train_job)
+        got = grid(todo, gdir, g.kind_class.task(g), resume=True, check=check_train_job)
         errors = {j.name: r for j, r in zip(todo, got) if r.get("status") == "error"}
     recs = []
     for j in jobs:
@@ -356,8 +329,8 @@ def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: f
                      "steps": sorted({c.train.steps for c in cfgs[len(refs):]}),
                      "tokens_per_param": dict(sorted(per_param.items())),
                      "schemes": g.schemes or seen["residual"], "sublayers": g.sublayers or seen["n_sublayers"],
-                     "seeds": g.seeds or seen["seed"], "lrs": list(g.lrs) if g.kind == "train" and not g.lr_from else [],
-                     "lr_plan": lr_plan_words(g) or ", ".join(f"{x:g}" for x in seen["lr"]),
+                     "seeds": g.seeds or seen["seed"], "lrs": list(g.lrs) if g.kind_class.lr_grid and not g.lr_from else [],
+                     "lr_plan": g.kind_class.lr_words(g) or ", ".join(f"{x:g}" for x in seen["lr"]),
                      "tokens_per_run": sorted(set(per_run)), "tokens": sum(per_run), "flops": sum(flops),
                      "gpu_hours": sum(flops) * hours, "cpu_hours": cpu_hours(sum(per_run), sum(flops)),
                      "restored": sum(held[len(refs):]),

@@ -12,12 +12,13 @@ from typing import Literal
 from keel.config import Override, override_text, read_toml, resolve_config_path
 from keel.errors import KeelError
 from keel.experiments.grid import is_number
+from keel.experiments.study.kinds import GROUP_KINDS, TrainKind
 from keel.keys import check_keys, did_you_mean, key, key_names, key_rule, unread_keys
 from keel.model import SCHEMES
 
 
-def _only(kind: str):
-    return lambda g: g.kind == kind  # the read_if of a key only a group of this kind reads
+def _own(name: str):
+    return lambda g: name in g.kind_class.keys  # the read_if of a key only some kinds of group read (their keys)
 
 
 # ----------------------------------------------------------------------------- the study as data
@@ -31,34 +32,42 @@ class Group:
     schemes: list[str] = key([], "the residual schemes it trains (keel.model.SCHEMES).", nonempty=True, unique=True)
     sublayers: list[int] = key([], "its depths, in sub-layers.", ge=2, nonempty=True, unique=True, note="even")
     seeds: list[int] = key([], "the seeds each scheme trains (but those of seeds_for).", nonempty=True, unique=True)
-    lrs: list[float] = key([], "a train group's peak LRs (absolute), or lr_from.", gt=0, unique=True, read_if=_only("train"))
+    lrs: list[float] = key([], "a train group's peak LRs (absolute), or lr_from.", gt=0, unique=True, read_if=_own("lrs"))
     kind: Literal["train", "ramp"] = key("train", "an LR grid or an LR ramp (keel sweep's group, made in Python: grid).")
     sets: list[Override] = field(default_factory=list)
-    peak_lr: float = key(5e-2, "a ramp group's last LR.", gt=0, read_if=_only("ramp"))
-    ramp_steps: int = key(1000, "a ramp group's steps to peak_lr.", ge=1, read_if=_only("ramp"))
-    lr_from: str = key("", "a train group whose optimal LR per scheme it trains.", read_if=_only("train"))
-    lr_from_sublayers: int = key(0, "the depth of lr_from's optimum.", read_if=_only("train"))
+    peak_lr: float = key(5e-2, "a ramp group's last LR.", gt=0, read_if=_own("peak_lr"))
+    ramp_steps: int = key(1000, "a ramp group's steps to peak_lr.", ge=1, read_if=_own("ramp_steps"))
+    lr_from: str = key("", "a train group whose optimal LR per scheme it trains.", read_if=_own("lr_from"))
+    lr_from_sublayers: int = key(0, "the depth of lr_from's optimum.", read_if=_own("lr_from_sublayers"))
     lr_from_steps: list[int] = key([0], "the LRs it trains, in grid steps from lr_from's optimum.", nonempty=True,
-                                   unique=True, note="from the transferred optimum, e.g. [0, -1]", read_if=_only("train"))
+                                   unique=True, note="from the transferred optimum, e.g. [0, -1]",
+                                   read_if=_own("lr_from_steps"))
     note: str = key("", "text printed with the group in the report.")
-    baselines_from: str = key("", "a train group whose baselines runs pair with this group's.", read_if=_only("train"))
-    baselines: list[str] = key([], "the schemes of baselines_from that pair.", unique=True, read_if=_only("train"))
+    baselines_from: str = key("", "a train group whose baselines runs pair with this group's.",
+                              read_if=_own("baselines_from"))
+    baselines: list[str] = key([], "the schemes of baselines_from that pair.", unique=True, read_if=_own("baselines"))
     seeds_for: dict[str, list[int]] = key({}, "a scheme's own seeds.", nonempty=True, unique=True, note="scheme = [seeds]")
     widen: int = key(2, "LRs a cell a claim reads may gain beyond the planned ones on each side (to bracket its "
-                        "optimum).", ge=0, note="LRs added per side", read_if=_only("train"))
+                        "optimum).", ge=0, note="LRs added per side", read_if=_own("widen"))
     ablate: bool = key(False, "a train group: after each run, ΔPPL of removing each sub-layer (keel ablate, paper "
-                              "Appendix A) on its validation split, kept in its record.", read_if=_only("train"))
+                              "Appendix A) on its validation split, kept in its record.", read_if=_own("ablate"))
     reference: str = key("pre_ln", "a ramp group's reference scheme (the divergence classifier's baseline run).",
-                         read_if=_only("ramp"))
+                         read_if=_own("reference"))
     loop: list[int] = key([], "a looped model of P prelude, C core and Q coda blocks (docs/looped.md): sublayers are "
                               "then effective depths, 2 (P + R C + Q), R = (L/2 - P - Q) / C per depth.", ge=0,
                           note="[P, C, Q], C >= 1; empty = no loop")
     test_loops: list[float] = key([], "a looped train group: after each run, its final validation loss with the core "
                                       "applied round(f R) times for each factor f, kept in its record.", gt=0,
-                                  unique=True, note="factors of R, e.g. [0.5, 2.0]", read_if=_only("train"))
+                                  unique=True, note="factors of R, e.g. [0.5, 2.0]", read_if=_own("test_loops"))
     grid: dict[str, list] = field(default_factory=dict)  # a grid group's axes: {section.key: [values]} (keel sweep)
     match_params: int | str | None = None  # a grid group's parameter target (keel sweep --match-params)
     folder: str | None = None  # its runs' folder under the study's out: the name by default, "" = out itself
+
+    @property
+    def kind_class(self) -> type[TrainKind]:
+        """The class of this group's ``kind`` (:data:`keel.experiments.study.kinds.GROUP_KINDS`): its jobs,
+        task, LR plan words, record, plot and the keys only it reads."""
+        return GROUP_KINDS[self.kind]
 
     @property
     def dir_name(self) -> str:
@@ -150,13 +159,12 @@ def _group(name: str, spec: dict, sized: dict) -> Group:
     check_keys(g, where, sep=": ")
     other = unread_keys(g, d)
     if other:
-        raise KeelError(f"{where}: {', '.join(other)} belong(s) to a {'train' if g.kind == 'ramp' else 'ramp'} group, "
-                        f"not to this {g.kind} group")
+        owner = next(k for k, c in GROUP_KINDS.items() if other[0] in c.keys)
+        raise KeelError(f"{where}: {', '.join(other)} belong(s) to a {owner} group, not to this {g.kind} group")
     odd = [L for L in g.sublayers if L % 2]
     if odd:
         raise KeelError(f"{where}: sublayers must be {key_rule(Group, 'sublayers')}, got {odd[0]}")
-    if g.kind == "train" and not (g.lrs or g.lr_from):
-        raise KeelError(f"{where} has neither lrs nor lr_from")
+    g.kind_class.check(g, where)
     if g.lr_from and "lrs" in d:
         raise KeelError(f"{where}: lrs is ignored with lr_from (the group trains lr_from's optimum and its "
                         "lr_from_steps); give one")
@@ -297,7 +305,7 @@ def _check_names(name: str, d: dict) -> None:
 def _check_group_in_study(g: Group, groups: list[Group]) -> None:
     """Raise KeelError for a group's unknown scheme, or an ``lr_from`` that names no fitting train
     group or steps past its LR grid."""
-    bad = [s for s in g.schemes + ([g.reference] if g.kind == "ramp" else []) if s not in SCHEMES]
+    bad = [s for s in g.kind_class.schemes_named(g) if s not in SCHEMES]
     if bad:
         raise KeelError(f"study group {g.name!r}: unknown scheme(s) {', '.join(bad)} (available: {', '.join(SCHEMES)})")
     if set(g.seeds_for) - set(g.schemes):
@@ -306,7 +314,7 @@ def _check_group_in_study(g: Group, groups: list[Group]) -> None:
     _check_baselines(g, groups)
     if not g.lr_from:
         return
-    src = next((x for x in groups if x.name == g.lr_from and x is not g and x.kind == "train"), None)
+    src = next((x for x in groups if x.name == g.lr_from and x is not g and x.kind_class.lr_grid), None)
     if src is None or g.lr_from_sublayers not in src.sublayers or set(g.schemes) - set(src.schemes):
         raise KeelError(f"study group {g.name!r}: lr_from must name another train group of this scale that "
                         f"has lr_from_sublayers ({g.lr_from_sublayers}) and every scheme of this group")
@@ -331,7 +339,7 @@ def _check_baselines(g: Group, groups: list[Group]) -> None:
     if not (g.baselines_from and g.baselines):
         raise KeelError(f"{where}: baselines_from (a train group) and baselines (its schemes) come together, "
                         f"e.g. baselines_from = \"lr-grid\", baselines = [\"keel\", \"pre_ln\"]")
-    trains = [x.name for x in groups if x.kind == "train" and x is not g and not x.lr_from]
+    trains = [x.name for x in groups if x.kind_class.lr_grid and x is not g and not x.lr_from]
     src = next((x for x in groups if x.name == g.baselines_from and x.name in trains), None)
     if src is None or g.lr_from:
         raise KeelError(f"{where}: baselines_from {g.baselines_from!r} must name another train group of this scale "
