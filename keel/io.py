@@ -388,11 +388,19 @@ def foreign_entries(folder: str | os.PathLike) -> list[str] | None:
 
 def enclosing_run_checkpoints(path: str | os.PathLike) -> Path | None:
     """The ``checkpoints`` folder of a keel run that ``path`` is (or lies inside), or None. Keel
-    deletes old checkpoints there, so no output of keel's may go there."""
+    deletes old checkpoints there, so no output of keel's may go there. Symbolic links are
+    followed: ``path`` is checked as written and with its nearest existing ancestor resolved
+    (``L/new`` after ``ln -s RUN/checkpoints L`` lies inside ``RUN/checkpoints``)."""
     path = Path(os.path.abspath(path))
-    for folder in (path, *path.parents):
-        if folder.name == "checkpoints" and (_holds_keel_config(folder.parent) or (folder.parent / LOCK_NAME).is_file()):
-            return folder
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    candidates = [path]
+    with contextlib.suppress(OSError, RuntimeError):  # a symlink loop: checked as written
+        if existing is not None and (resolved := existing.resolve() / path.relative_to(existing)) != path:
+            candidates.append(resolved)
+    for candidate in candidates:
+        for folder in (candidate, *candidate.parents):
+            if folder.name == "checkpoints" and (_holds_keel_config(folder.parent) or (folder.parent / LOCK_NAME).is_file()):
+                return folder
     return None
 
 

@@ -1,6 +1,7 @@
 """Issue "Reliability and cluster v5": keel writes and deletes only what is its own, SIGHUP stops a
 run cleanly, files that are not regular files, tracebacks left, silent waits, misleading messages."""
 
+import json
 import logging
 import os
 import shutil
@@ -654,3 +655,98 @@ def test_import_of_a_model_with_fewer_positions_than_seq_len_fits_seq_len(cli_ru
     assert load_run(run).config.train.seq_len == 64
     assert main(["train", "--resume", str(run)]) == 0
     assert main(["eval", "--run", str(run)]) == 0
+
+
+# --- issue 50: break-trial cases ---------------------------------------------------------------------
+
+@pytest.mark.usefixtures("offline_one_thread")
+def test_outputs_inside_a_runs_checkpoints_are_refused_through_a_symlink_too(cli_run, tiny_data, tmp_path, capsys):
+    """After `ln -s RUN/checkpoints L`, train --run-dir L/new, prepare / export-hf / import-hf /
+    sweep --out L/x all wrote inside RUN/checkpoints; sweep --out RUN/checkpoints/sw wrote grid.json,
+    study.json and its reports there before each run failed; plot --out RUN/checkpoints/x.png was written."""
+    run = tmp_path / "r"
+    shutil.copytree(cli_run, run)
+    link = tmp_path / "L"
+    link.symlink_to(run / "checkpoints")
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "a.txt").write_text("hello world\n" * 50)
+    before = _files(run / "checkpoints")
+    sweep = ["sweep", "--grid", "model.residual=keel,pre_ln", *sets(tiny_data, steps=2)]
+    for argv, out in ((["train", "--run-dir", str(link / "new"), *sets(tiny_data, steps=2)], link / "new"),
+                      (["prepare", "--source", str(src), "--tokenizer", "bpe:300", "--out", str(link / "data")],
+                       link / "data"),
+                      (["export-hf", "--run", str(run), "--out", str(link / "hf")], link / "hf"),
+                      (["import-hf", "--hf", str(tiny_data), "--out", str(link / "imp")], link / "imp"),
+                      ([*sweep, "--out", str(link / "sw")], link / "sw"),
+                      ([*sweep, "--out", str(run / "checkpoints" / "sw")], run / "checkpoints" / "sw"),
+                      (["plot", "loss", str(run), "--out", str(run / "checkpoints" / "x.png")],
+                       run / "checkpoints" / "x.png")):
+        assert main(argv) == 2, argv
+        err = error_lines(capsys)
+        assert len(err) == 1 and "inside the checkpoints folder of the run" in err[0], (argv, err)
+        assert not out.exists(), argv
+    assert _files(run / "checkpoints") == before
+
+
+def test_resume_at_the_last_step_writes_the_final_files_a_stop_left_out(cli_run, tmp_path, capsys, caplog):
+    """SIGTERM (or a full disk) after the last step, before loss.png / sample.txt: --resume said
+    "already at step N ... nothing to do" and never wrote them, while `keel runs` listed it finished."""
+    run = tmp_path / "r"
+    shutil.copytree(cli_run, run)
+    (run / "loss.png").unlink()
+    (run / "sample.txt").unlink()
+    with caplog.at_level(logging.INFO, logger="keel"):
+        assert main(["train", "--resume", str(run)]) == 0
+    said = [r.getMessage() for r in caplog.records if "already at step 4" in r.getMessage()]
+    assert said == [f"{run} is already at step 4 (train.steps = 4): wrote the final files it lacked (loss.png, "
+                    "sample.txt); nothing left to train"], said
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run / "sample.txt").read_text() == (cli_run / "sample.txt").read_text()  # same seed, same model
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="keel"):
+        assert main(["train", "--resume", str(run)]) == 0  # nothing lacking now: nothing to do
+    assert any("nothing to do" in r.getMessage() for r in caplog.records)
+
+
+def test_a_run_whose_metrics_jsonl_is_a_fifo_is_refused_not_waited_on(cli_run, tmp_path):
+    """metrics.jsonl a FIFO (named pipe): `keel train --resume` and `keel runs DIR` waited for ever."""
+    from test_run_safety import ENV, KEEL
+
+    run = tmp_path / "r"
+    shutil.copytree(cli_run, run)
+    (run / "metrics.jsonl").unlink()
+    os.mkfifo(run / "metrics.jsonl")
+    said = f"metrics file {run / 'metrics.jsonl'} is not a regular file (a FIFO (named pipe))"
+    res = subprocess.run([str(KEEL), "train", "--resume", str(run)], capture_output=True, text=True, env=ENV,
+                         timeout=60)
+    err = [ln for ln in res.stderr.splitlines() if ln.strip() and not ln.startswith("resuming ")]
+    assert res.returncode == 2 and err == [f"keel: error: {said}"], res.stderr
+    res = subprocess.run([str(KEEL), "runs", str(run)], capture_output=True, text=True, env=ENV, timeout=60)
+    assert res.returncode == 0 and res.stderr.splitlines() == [f"skipping {run}: {said}"], res.stderr
+    assert res.stdout == f"no runs under {run}\n"
+
+
+@pytest.mark.usefixtures("offline_one_thread")
+def test_an_export_whose_config_json_disagrees_with_its_weights_is_one_line(cli_run, tmp_path, capsys):
+    """config.json's n_layers raised over fewer layers' weights: import-hf and eval --hf built the extra
+    block at random (exit 0); d_model changed: transformers' RuntimeError traceback."""
+    export = tmp_path / "hf"
+    assert main(["export-hf", "--run", str(cli_run), "--out", str(export)]) == 0
+    text = tmp_path / "t.txt"
+    text.write_text("def parse(x):\n    return x\n" * 100)
+    config = json.loads((export / "config.json").read_text())
+    capsys.readouterr()
+    layers, width = config["n_layers"], config["d_model"]
+    for key, value, said in (("n_layers", layers + 1, f"config.json says {layers + 1} layers; model.safetensors "
+                                                      f"holds weights for {layers}"),
+                             ("d_model", width * 2, "model.tok_emb.weight the shape [")):
+        folder = tmp_path / f"hf-{key}"
+        shutil.copytree(export, folder)
+        (folder / "config.json").write_text(json.dumps({**config, key: value}))
+        for argv in (["import-hf", "--hf", str(folder), "--out", str(tmp_path / "imported")],
+                     ["eval", "--hf", str(folder), "--text", str(text)]):
+            assert main(argv) == 2, argv
+            err = error_lines(capsys)
+            assert len(err) == 1 and said in err[0] and str(folder) in err[0], (argv, err)
+            assert not (tmp_path / "imported").exists()

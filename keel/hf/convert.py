@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import transformers.utils.logging as hf_logging
 from tokenizers import Tokenizer
+from safetensors import safe_open
 from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
 import keel.hf  # noqa: F401  (registers model_type "keel")
@@ -45,11 +46,13 @@ from keel.config import dump_config, load_config
 from keel.data import find_data, read_meta
 from keel.data.prepare import EOS_TOKEN
 from keel.errors import KeelError
+from keel.hf.configuration import KeelConfig
 from keel.hf.llama import from_llama, read_safetensors, to_llama
 from keel.hf.modeling import KeelForCausalLM
 from keel.hf.remote import write_remote_code
 from keel.io import (atomic_dir, atomic_write_text, check_output_not_in_checkpoints, check_path_names, chmod_default,
                      make_dirs, weights_load_errors)
+from keel.model import Transformer
 from keel.run import Run
 from keel.train import state_dict as SD
 from keel.train.checkpoint import save_checkpoint
@@ -58,6 +61,7 @@ from keel.train.optim import build_optimizer
 from keel.train.progress import interactive
 
 KEEL_CONFIG_NAME = "keel_config.toml"
+KEEL_TIED = frozenset(KeelForCausalLM._tied_weights_keys)  # stored once, as the embedding
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +216,45 @@ def _read_config_json(path: Path) -> dict:
         raise KeelError(f"cannot read {path / 'config.json'}: {e}") from None
 
 
+def _check_weights_match_config(path: Path, config: KeelConfig) -> None:
+    """Compare the tensors named in the headers of ``path/*.safetensors`` (no weights read) with
+    those the model of ``config`` (config.json) has: ``transformers`` initialised blocks beyond the
+    file's at random (exit 0) and raised a traceback on a changed ``d_model``.
+
+    Raises:
+        KeelError: one line: the block counts differ ("config.json says N layers; model.safetensors
+            holds weights for M"), a tensor's shape differs (named, both shapes), or tensors are missing
+            (the tied ``lm_head`` of a model with ``tie_embeddings`` excepted); unreadable weights
+            (:func:`keel.io.weights_load_errors`). A folder without ``*.safetensors`` passes (the
+            loader reports it).
+    """
+    files = sorted(path.glob("*.safetensors"))
+    stored: dict[str, tuple] = {}
+    with weights_load_errors(path):
+        for f in files:
+            with safe_open(str(f), "pt") as st:
+                stored.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    if not files:
+        return
+    with torch.device("meta"):
+        wanted = {f"model.{k}": tuple(v.shape) for k, v in Transformer(config.to_model_config()).state_dict().items()}
+    name = files[0].name if len(files) == 1 else f"the {len(files)} *.safetensors files"
+
+    def blocks(keys) -> int:
+        return len({k.split(".")[2] for k in keys if k.startswith("model.blocks.")})
+
+    if blocks(wanted) != blocks(stored):
+        raise KeelError(f"{path}: config.json says {blocks(wanted)} layers; {name} holds weights for {blocks(stored)}")
+    for key, shape in wanted.items():
+        if key in stored and stored[key] != shape:
+            raise KeelError(f"{path}: config.json gives {key} the shape {list(shape)} (d_model {config.d_model}, "
+                            f"d_ff {config.d_ff}, vocab_size {config.vocab_size}); {name} holds {list(stored[key])}")
+    missing = [k for k in wanted if k not in stored and not (config.tie_embeddings and k in KEEL_TIED)]
+    if missing:
+        raise KeelError(f"{path}: {name} lacks weights the model of its config.json has: {', '.join(missing[:3])}"
+                        + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+
+
 def load_hf(path: str | Path, device: str = "auto"):
     """Load a keel or stock Llama Hugging Face folder: ``(KeelForCausalLM in eval mode on
     device, PreTrainedTokenizerFast, device)``. A Llama folder becomes a ``pre_ln`` keel model
@@ -235,6 +278,7 @@ def load_hf(path: str | Path, device: str = "auto"):
                                             keel_step=int(getattr(config, "keel_step", 0) or 0),
                                             keel_tokens=int(getattr(config, "keel_tokens", 0) or 0))
     else:
+        _check_weights_match_config(path, KeelConfig.from_pretrained(path))
         with hf_progress_bars(interactive()), weights_load_errors(path):
             model = KeelForCausalLM.from_pretrained(path)
     model = model.to(dev).eval()

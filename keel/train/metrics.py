@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.errors import KeelError
-from keel.io import atomic_write_text
+from keel.io import atomic_write_text, check_regular_file
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +55,12 @@ def read_metrics(path: str | Path) -> list[dict]:
 
     Raises:
         KeelError: a corrupt line before the last one; a record of the wrong shape
-            (:func:`_check_record`).
+            (:func:`_check_record`); ``path`` is not a regular file (a FIFO, a device).
     """
     path = Path(path)
     if not path.exists():
         return []
+    check_regular_file(path, "metrics file")  # reading a FIFO would wait forever
     lines = [ln for ln in path.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
     records = []
     for i, line in enumerate(lines):

@@ -574,14 +574,23 @@ class Trainer:
                                   f"keel train --resume {self.run_dir}", signum)
 
     def _nothing_to_do(self) -> TrainResult:
-        """A resumed run already at ``train.steps``: report, train nothing, write nothing (a changed key
-        is not applied, so not recorded either: one line says so)."""
+        """A resumed run already at ``train.steps``: report and train nothing (a changed key is not
+        applied, so not recorded either: one line says so). The final files a stop or a full disk during
+        finalisation left out (``loss.png``, ``sample.txt``) are written, and one line says so."""
+        missing = D.decide_on_rank0(lambda: [name for name in ("loss.png", "sample.txt")
+                                             if not (self.run_dir / name).is_file()
+                                             and (name == "loss.png" or self.tc.sample_tokens > 0)], self.info)
+        if missing:
+            self._write_final_files(plot="loss.png" in missing, sample="sample.txt" in missing)
+        if self.main and missing:
+            log.info("%s is already at step %d (train.steps = %d): wrote the final files it lacked (%s); nothing "
+                     "left to train", self.run_dir, self.state.step, self.tc.steps, ", ".join(missing))
         if self.main and self.not_applied:
             keys = ", ".join(f"{k} = {c['new']!r}" for k, c in self.not_applied.items())
             log.warning("%s is already at step %d (train.steps = %d): nothing left to train; not applied and not "
                         "written: %s (raise train.steps with --set to train further)", self.run_dir, self.state.step,
                         self.tc.steps, keys)
-        elif self.main:
+        elif self.main and not missing:
             log.info("%s is already at step %d (train.steps = %d): nothing to do (raise train.steps with --set to "
                      "train further)", self.run_dir, self.state.step, self.tc.steps)
         vals = [r["val_loss"] for r in self.history if r.get("val_loss") is not None]
@@ -601,20 +610,28 @@ class Trainer:
             return first
         return self.history[0].get("val_loss") if self.history else None
 
+    def _write_final_files(self, plot: bool = True, sample: bool = True) -> str:
+        """Write ``RUN/loss.png`` (``plot``) and ``RUN/sample.txt`` (``sample``, when
+        ``train.sample_tokens`` > 0) from rank 0; return the sample text ("" when none written).
+        Collective: every rank calls it (the plain model is gathered under FSDP)."""
+        plain = self.plain_model() if sample and self.tc.sample_tokens > 0 else None  # collective under FSDP
+        text = ""
+        if self.main:
+            if plot:
+                plot_loss(self.metrics_path, self.run_dir / "loss.png",
+                          title=f"{self.cfg.model.residual}, {self.cfg.model.n_sublayers} sub-layers")
+            if plain is not None:
+                text = sample_text(plain, self.tokenizer, self.tc.sample_prompt, self.tc.sample_tokens,
+                                   next(plain.parameters()).device, seed=self.tc.seed)
+                atomic_write_text(self.run_dir / "sample.txt", text + "\n")
+        D.barrier(self.info)
+        return text
+
     def _finish(self, first_val: float | None, val_loss: float | None) -> TrainResult:
         """Plot, sample, and the final numbers."""
         if val_loss is None:  # resumed at the end: nothing ran
             val_loss = self.validate()
-        plain = self.plain_model() if self.tc.sample_tokens > 0 else None  # collective under FSDP
-        sample = ""
-        if self.main:
-            plot_loss(self.metrics_path, self.run_dir / "loss.png",
-                      title=f"{self.cfg.model.residual}, {self.cfg.model.n_sublayers} sub-layers")
-            if self.tc.sample_tokens > 0:
-                sample = sample_text(plain, self.tokenizer, self.tc.sample_prompt, self.tc.sample_tokens,
-                                     next(plain.parameters()).device, seed=self.tc.seed)
-                atomic_write_text(self.run_dir / "sample.txt", sample + "\n")
-        D.barrier(self.info)
+        sample = self._write_final_files()
         st = self.state
         tok_s = mean_tokens_per_s(st.tokens, st.elapsed, self.untimed_tokens) or 0.0
         return TrainResult(self.run_dir, st.step, st.tokens, first_val, val_loss, perplexity(val_loss), tok_s,

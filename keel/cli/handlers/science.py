@@ -30,7 +30,7 @@ from keel.experiments import stress as ST
 from keel.experiments.executor import Executor, check_slurm_here, parse_slurm
 from keel.experiments.study.run import run_study
 from keel.experiments import sweep as S
-from keel.io import check_path_names, make_dirs
+from keel.io import check_output_not_in_checkpoints, check_path_names, make_dirs
 from keel.model import SCHEMES
 from keel.run import Run
 from keel.train.plots import image_format
@@ -163,6 +163,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     _check_engine_flags(args)
     out = Path(args.out) if args.out else Path("runs") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     check_path_names(out, "--out")
+    check_output_not_in_checkpoints(out, "--out")  # before grid.json / study.json go in
     s = presets.run_sweep(config, grid, sets, out=out, best=best, match_params=match, **engine_options(args, "sweep"))
     if args.dry_run:
         return _print_plan(s, False)
@@ -174,6 +175,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     out = Path(args.out)
     image_format(out)
+    check_output_not_in_checkpoints(out, "--out")
     make_dirs(out.parent)  # as export-hf and gradflow --plot create theirs
     if args.kind == "loss":
         n = P.plot_loss_curves(args.paths, out, val=args.val, x=args.x, smooth=args.smooth, title=args.title)
