@@ -719,10 +719,10 @@ def test_a_run_whose_metrics_jsonl_is_a_fifo_is_refused_not_waited_on(cli_run, t
     os.mkfifo(run / "metrics.jsonl")
     said = f"metrics file {run / 'metrics.jsonl'} is not a regular file (a FIFO (named pipe))"
     res = subprocess.run([str(KEEL), "train", "--resume", str(run)], capture_output=True, text=True, env=ENV,
-                         timeout=60)
+                         timeout=HANG_S)
     err = [ln for ln in res.stderr.splitlines() if ln.strip() and not ln.startswith("resuming ")]
     assert res.returncode == 2 and err == [f"keel: error: {said}"], res.stderr
-    res = subprocess.run([str(KEEL), "runs", str(run)], capture_output=True, text=True, env=ENV, timeout=60)
+    res = subprocess.run([str(KEEL), "runs", str(run)], capture_output=True, text=True, env=ENV, timeout=HANG_S)
     assert res.returncode == 0 and res.stderr.splitlines() == [f"skipping {run}: {said}"], res.stderr
     assert res.stdout == f"no runs under {run}\n"
 

@@ -756,6 +756,7 @@ def _collect(st: _Submitted, by_name: dict, report: Callable, read_result: Calla
             st.record(name, state)
             st.note_requeues(name, handle)
             continue
+        st.note_requeues(name, handle)  # also a job requeued and finished between two polls (a short run)
         del st.handles[name]
         if slots is not None:
             slots.free(name)
