@@ -172,11 +172,8 @@ def _in_bounds(m: Mapping[str, Any], x: Any) -> bool:
 
 def _ok(m: Mapping[str, Any], base: Any, value: Any, values: tuple = ()) -> bool:
     """Whether one (already typed) value of type ``base`` (a list or table: and its items) meets the declaration ``m``."""
-    if get_origin(base) is dict:
-        return isinstance(value, dict) and all(_ok(m, get_args(base)[1], v) for v in value.values())
-    if get_origin(base) is list:
-        return (isinstance(value, list) and bool(value or not m["nonempty"])
-                and all(_ok(m, get_args(base)[0], x) for x in value) and (not m["unique"] or len(set(value)) == len(value)))
+    if get_origin(base) in (dict, list):
+        return _ok_container(m, base, value)
     if get_origin(base) is Literal:
         return value in get_args(base)
     if values and value in values:
@@ -189,6 +186,15 @@ def _ok(m: Mapping[str, Any], base: Any, value: Any, values: tuple = ()) -> bool
     if base is str and not isinstance(value, str):
         return False
     return not (m["nonempty"] and not value)
+
+
+def _ok_container(m: Mapping[str, Any], base: Any, value: Any) -> bool:
+    """:func:`_ok` of a table (``dict[str, T]``: each value meets ``m`` as a ``T``) or a list (``list[T]``: each
+    item meets ``m`` as a ``T``, and the list is non-empty and its items unique where ``m`` asks)."""
+    if get_origin(base) is dict:
+        return isinstance(value, dict) and all(_ok(m, get_args(base)[1], v) for v in value.values())
+    return (isinstance(value, list) and bool(value or not m["nonempty"])
+            and all(_ok(m, get_args(base)[0], x) for x in value) and (not m["unique"] or len(set(value)) == len(value)))
 
 
 def check_key(obj: Any, section: str, name: str, sep: str = ".") -> None:

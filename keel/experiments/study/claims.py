@@ -530,6 +530,29 @@ def _check_types(cls: type[Claim], c: dict) -> None:
                             f"got {v!r}")
 
 
+def _check_key_names(c: dict, cls: type[Claim]) -> None:
+    """Raise KeelError naming the missing keys of claim ``c`` (the fields of its kind ``cls`` without a
+    default), else its unknown ones (keys ``cls`` does not declare)."""
+    declared = {f.name: f for f in dataclasses.fields(cls)}
+    missing = sorted(k for k, f in declared.items() if k not in c and f.default is MISSING and
+                     f.default_factory is MISSING)
+    unknown = sorted(set(c) - set(declared))
+    if missing or unknown:
+        raise KeelError(f"study claim {c['id']!r} ({cls.kind}): " + (f"missing {', '.join(missing)}" if missing
+                                                                      else f"unknown key(s) {', '.join(unknown)}"))
+
+
+def _check_groups_read(c: dict, cls: type[Claim], groups: dict[str, Group]) -> None:
+    """Raise KeelError for the first group claim ``c`` reads that is not a group of the study at this
+    scale (an ``extended_group`` may be missing: an extended ramp is optional per scale) or is of
+    another kind than its kind ``cls`` reads (train / ramp)."""
+    for g in cls.groups_read(c):
+        if g not in groups and g != c.get("extended_group"):  # an extended ramp is optional per scale
+            raise KeelError(f"study claim {c['id']!r}: group {g!r} is not a group of the study (declare it as [groups.{g}])")
+        if g in groups and groups[g].kind != cls.group_kind:
+            raise KeelError(f"study claim {c['id']!r}: {cls.kind} cannot read {groups[g].kind} group {g!r}")
+
+
 def check_claim(c: object, groups: dict[str, Group]) -> None:
     """Raise KeelError naming the first problem of one ``[[claims]]`` entry: not a table, no id /
     title / known test, a key of the wrong type, missing or unknown, a group this scale does not
@@ -542,19 +565,9 @@ def check_claim(c: object, groups: dict[str, Group]) -> None:
     if cls is None:
         raise KeelError(f"study claim {c['id']!r}: test must be one of {', '.join(CLAIMS)}, got {c.get('test')!r}")
     _check_types(cls, c)
-    declared = {f.name: f for f in dataclasses.fields(cls)}
-    missing = sorted(k for k, f in declared.items() if k not in c and f.default is MISSING and
-                     f.default_factory is MISSING)
-    unknown = sorted(set(c) - set(declared))
-    if missing or unknown:
-        raise KeelError(f"study claim {c['id']!r} ({cls.kind}): " + (f"missing {', '.join(missing)}" if missing
-                                                                      else f"unknown key(s) {', '.join(unknown)}"))
+    _check_key_names(c, cls)
     check_keys(cls(**c), f"study claim {c['id']!r}", sep=": ")
-    for g in cls.groups_read(c):
-        if g not in groups and g != c.get("extended_group"):  # an extended ramp is optional per scale
-            raise KeelError(f"study claim {c['id']!r}: group {g!r} is not a group of the study (declare it as [groups.{g}])")
-        if g in groups and groups[g].kind != cls.group_kind:
-            raise KeelError(f"study claim {c['id']!r}: {cls.kind} cannot read {groups[g].kind} group {g!r}")
+    _check_groups_read(c, cls, groups)
     cls.check(c, groups)
     schemes = set().union(*(groups[g].schemes for g in cls.groups_read(c) if g in groups))
     if set(cls.schemes_read(c)) - schemes:

@@ -240,18 +240,25 @@ def run_time_words(study: Study, runs: Sequence[RunRecord], waiting: Sequence[di
         parts.append(f"{sum(map(sum, walls.values())) / 3600:.1f} worker-hours recorded over the "
                      f"{sum(map(len, walls.values()))} finished runs that record one (each run's wall time as "
                      "trained: a machine's `--workers` share its cores)")
+    if sum(todo.values()):
+        parts.append(_time_left_words(walls, todo))
+    return f" Run time: {'; '.join(parts)}." if parts else ""
+
+
+def _time_left_words(walls: dict[tuple, list[float]], todo: Counter) -> str:
+    """The part of :func:`run_time_words` on the runs to go (``todo``: their count per ``(ramp, depth)``,
+    at least one): about how many worker-hours they take at the median wall time of the finished runs
+    ``walls`` (seconds per ``(ramp, depth)``) of their kind and depth, or that none can be estimated."""
     n = sum(todo.values())
     med = {k: statistics.median(walls[k]) for k in sorted(todo, key=lambda k: (k[1], k[0])) if k in walls}
     known = sum(todo[k] for k in med)
-    if n and not med:
-        parts.append(f"the {n} runs to go are not estimated (no finished run yet of their kind and depth)")
-    elif n:
-        each = ", ".join(f"{L} sub-layers{' (ramp)' if ramp else ''} {m / 60:.1f} min" for (ramp, L), m in med.items())
-        parts.append(f"about {sum(todo[k] * m for k, m in med.items()) / 3600:.1f} worker-hours left for "
-                     + (f"the {n} runs to go" if known == n else f"{known} of the {n} runs to go (the other "
-                        f"{n - known} at a depth with no finished run yet)")
-                     + f", each at the median wall time of this study's finished runs of its kind and depth ({each})")
-    return f" Run time: {'; '.join(parts)}." if parts else ""
+    if not med:
+        return f"the {n} runs to go are not estimated (no finished run yet of their kind and depth)"
+    each = ", ".join(f"{L} sub-layers{' (ramp)' if ramp else ''} {m / 60:.1f} min" for (ramp, L), m in med.items())
+    return (f"about {sum(todo[k] * m for k, m in med.items()) / 3600:.1f} worker-hours left for "
+            + (f"the {n} runs to go" if known == n else f"{known} of the {n} runs to go (the other "
+               f"{n - known} at a depth with no finished run yet)")
+            + f", each at the median wall time of this study's finished runs of its kind and depth ({each})")
 
 
 def restored_words(runs: list[RunRecord], restore: str | Path | None) -> str:

@@ -339,26 +339,45 @@ def _check_baselines(g: Group, groups: list[Group]) -> None:
     if not (g.baselines_from and g.baselines):
         raise KeelError(f"{where}: baselines_from (a train group) and baselines (its schemes) come together, "
                         f"e.g. baselines_from = \"lr-grid\", baselines = [\"keel\", \"pre_ln\"]")
+    src = _baselines_source(g, groups, where)
+    unknown = [s for s in g.baselines if s not in SCHEMES]
+    if unknown:
+        raise KeelError(f"{where}: baselines name an unknown scheme ({', '.join(unknown)}; available: {', '.join(SCHEMES)})")
+    for what, xs in _baselines_lacking(g, src).items():
+        if xs:
+            raise KeelError(f"{where}: group {src.name!r} (baselines_from) trains no {what} "
+                            f"{', '.join(map(str, xs))}; the pairs need them")
+    if dict(g.sets) != dict(src.sets):
+        raise KeelError(f"{where}: its set ({_sets_text(g)}) differs from group {src.name!r}'s ({_sets_text(src)}); "
+                        "paired runs must train the same model, data and tokens")
+
+
+def _baselines_source(g: Group, groups: list[Group], where: str) -> Group:
+    """The group ``g.baselines_from`` names: another train group of this scale with its own ``lrs``.
+
+    Raises:
+        KeelError: no such group, or ``g`` takes its LRs from another group (``lr_from``).
+    """
     trains = [x.name for x in groups if x.kind_class.lr_grid and x is not g and not x.lr_from]
     src = next((x for x in groups if x.name == g.baselines_from and x.name in trains), None)
     if src is None or g.lr_from:
         raise KeelError(f"{where}: baselines_from {g.baselines_from!r} must name another train group of this scale "
                         f"with its own lrs ({', '.join(trains) or 'none'}), and this group needs lrs, not lr_from")
-    unknown = [s for s in g.baselines if s not in SCHEMES]
-    if unknown:
-        raise KeelError(f"{where}: baselines name an unknown scheme ({', '.join(unknown)}; available: {', '.join(SCHEMES)})")
-    lacking = {"schemes": [x for x in g.baselines if x not in src.schemes],
-               "sub-layers": [L for L in g.sublayers if L not in src.sublayers],
-               "LRs": [f"{lr:g}" for lr in g.lrs if not any(math.isclose(lr, x) for x in src.lrs)],
-               "seeds": sorted({sd for b in g.baselines for sd in g.seeds if sd not in src.scheme_seeds(b)})}
-    for what, xs in lacking.items():
-        if xs:
-            raise KeelError(f"{where}: group {src.name!r} (baselines_from) trains no {what} "
-                            f"{', '.join(map(str, xs))}; the pairs need them")
-    if dict(g.sets) != dict(src.sets):
-        raise KeelError(f"{where}: its set ({', '.join(override_text(x) for x in g.sets) or 'none'}) differs from "
-                        f"group {src.name!r}'s ({', '.join(override_text(x) for x in src.sets) or 'none'}); "
-                        "paired runs must train the same model, data and tokens")
+    return src
+
+
+def _baselines_lacking(g: Group, src: Group) -> dict[str, list]:
+    """``{what: [items]}``: the baseline schemes, depths, LRs (``%g``) and seeds of ``g`` that its
+    ``baselines_from`` group ``src`` does not train (each list empty when it trains them all)."""
+    return {"schemes": [x for x in g.baselines if x not in src.schemes],
+            "sub-layers": [L for L in g.sublayers if L not in src.sublayers],
+            "LRs": [f"{lr:g}" for lr in g.lrs if not any(math.isclose(lr, x) for x in src.lrs)],
+            "seeds": sorted({sd for b in g.baselines for sd in g.seeds if sd not in src.scheme_seeds(b)})}
+
+
+def _sets_text(g: Group) -> str:
+    """A group's ``set`` pairs as ``KEY=VALUE`` words for a message (``none`` when it sets nothing)."""
+    return ", ".join(override_text(x) for x in g.sets) or "none"
 
 
 def _verdict_settings(v) -> tuple[float, int, bool]:

@@ -85,32 +85,44 @@ def _trained_in(runs: Runs, groups: Sequence[str], scheme: str, sublayers: int) 
     return next((g for g in groups if cell(runs, [g], scheme, sublayers)), groups[0])
 
 
+def _margin_row(study: Study, runs: Runs, claim: dict, alts: list[list[str]], L: int) -> dict | None:
+    """The row of one depth ``L`` of :func:`_margin_condition` (None without a paired result): the
+    paired margin of each seed's best runs over ``alts``, their LR, group, bracketing and plateau exit
+    per scheme, each init's healthy-LR window per scheme (:func:`lr_window`), the baseline's flagged
+    runs (:func:`_baseline_failures`)."""
+    s, b = claim["scheme"], claim["baseline"]
+    best = {x: best_over_inits(study, runs, alts, x, L) for x in (b, s)}
+    m = pair({sd: r.capped_loss for sd, r in best[b].items()}, {sd: r.capped_loss for sd, r in best[s].items()})
+    if not m:
+        return None
+    return {"sublayers": L, "margin": paired_verdict(m, study.min_effect, study.min_seeds),
+            "best_lr": {x: {sd: r.lr for sd, r in best[x].items()} for x in (b, s)},
+            "best_group": {x: {sd: r.group for sd, r in best[x].items()} for x in (b, s)},
+            "bracketed": {x: {sd: bracketed(runs, r) for sd, r in best[x].items()} for x in (b, s)},
+            "plateau_exit": {x: {sd: r.plateau_exit_step for sd, r in best[x].items()} for x in (b, s)},
+            "window": {x: {_trained_in(runs, a, x, L): lr_window(runs, a, x, L, WINDOW) for a in alts}
+                       for x in (b, s)},
+            **_baseline_failures(runs, [g for a in alts for g in a], b, L)}
+
+
+def _baseline_failures(runs: Runs, groups: list[str], baseline: str, L: int) -> dict:
+    """The baseline's finished runs of ``groups`` at ``L`` sub-layers, those the divergence classifier
+    flagged, and of these the ones that left the plateau later (:func:`left_plateau_later`), counted:
+    ``{"baseline_runs", "baseline_diverged_runs", "baseline_recovered_runs"}``."""
+    finished = [r for r in cell(runs, groups, baseline, L) if r.status == "done"]
+    failed = [r for r in finished if r.diverged]
+    return {"baseline_runs": len(finished), "baseline_diverged_runs": len(failed),
+            "baseline_recovered_runs": sum(left_plateau_later(r) for r in failed)}
+
+
 def _margin_condition(study: Study, runs: Runs, claim: dict, alts: list[list[str]]) -> dict:
     """One condition of a margin claim: the paired margin at every depth, each scheme at each
     seed's best run over ``alts`` (one group list per embedding init), the margin at the deepest
     depth and its trend with depth (:func:`trend_verdict`), combined by :func:`combine`;
     inconclusive while a depth the condition's groups plan has no paired result yet."""
-    s, b = claim["scheme"], claim["baseline"]
     groups = [g for a in alts for g in a]
     depths = sorted({r.sublayers for r in runs if r.group in groups})
-    rows = []
-    for L in depths:
-        best = {x: best_over_inits(study, runs, alts, x, L) for x in (b, s)}
-        m = pair({sd: r.capped_loss for sd, r in best[b].items()}, {sd: r.capped_loss for sd, r in best[s].items()})
-        if not m:
-            continue
-        finished = [r for r in cell(runs, groups, b, L) if r.status == "done"]
-        failed = [r for r in finished if r.diverged]
-        rows.append({"sublayers": L, "margin": paired_verdict(m, study.min_effect, study.min_seeds),
-                     "best_lr": {x: {sd: r.lr for sd, r in best[x].items()} for x in (b, s)},
-                     "best_group": {x: {sd: r.group for sd, r in best[x].items()} for x in (b, s)},
-                     "bracketed": {x: {sd: bracketed(runs, r) for sd, r in best[x].items()} for x in (b, s)},
-                     "plateau_exit": {x: {sd: r.plateau_exit_step for sd, r in best[x].items()}
-                                      for x in (b, s)},
-                     "window": {x: {_trained_in(runs, a, x, L): lr_window(runs, a, x, L, WINDOW) for a in alts}
-                                for x in (b, s)},
-                     "baseline_runs": len(finished), "baseline_diverged_runs": len(failed),
-                     "baseline_recovered_runs": sum(left_plateau_later(r) for r in failed)})
+    rows = [row for row in (_margin_row(study, runs, claim, alts, L) for L in depths) if row is not None]
     if len(rows) < 2:
         return {"verdict": INCONCLUSIVE, "why": "needs paired results at two depths at least", "rows": rows,
                 "parts": {}}
@@ -167,11 +179,7 @@ def claim_lr_transfer(study: Study, runs: Runs, claim: dict) -> dict:
     """
     g = claim["group"]
     depths = sorted({r.sublayers for r in runs if r.group == g})
-    rows = []
-    for scheme in dict.fromkeys(r.scheme for r in runs if r.group == g):
-        per = {L: opt_lrs(runs, g, scheme, L) for L in depths}
-        rows.append({"scheme": scheme, "opt_lr": {L: {s: v[0] for s, v in p.items()} for L, p in per.items()},
-                     "at_edge": any(e for p in per.values() for _, e in p.values())})
+    rows = _opt_lr_rows(runs, g, depths)
     subject = claim.get("scheme", "keel")
     row = next((r for r in rows if r["scheme"] == subject), None)
     if row is None or len(depths) < 2:
@@ -181,17 +189,33 @@ def claim_lr_transfer(study: Study, runs: Runs, claim: dict) -> dict:
     if not shift:
         return {"verdict": INCONCLUSIVE, "rows": rows, "why": f"no seed has {subject}'s LR grid finished at both "
                 f"{depths[0]} and {depths[-1]} sub-layers"}
-    n_ok = len(shift) >= study.min_seeds
-    if not n_ok or row["at_edge"]:
-        verdict = INCONCLUSIVE
-    elif all(x < 1e-9 for x in shift.values()):
-        verdict = REPRODUCED
-    elif all(x > 1e-9 for x in shift.values()):
-        verdict = NOT_REPRODUCED
-    else:
-        verdict = INCONCLUSIVE
-    return {"verdict": verdict, "scheme": subject, "depths": [depths[0], depths[-1]], "log10_shift": shift,
-            "rows": rows}
+    return {"verdict": _transfer_verdict(shift, row["at_edge"], study.min_seeds), "scheme": subject,
+            "depths": [depths[0], depths[-1]], "log10_shift": shift, "rows": rows}
+
+
+def _opt_lr_rows(runs: Runs, group: str, depths: Sequence[int]) -> list[dict]:
+    """One row per scheme of ``group`` (in the order of its runs): its per-seed optimal LR at each of
+    ``depths`` (:func:`opt_lrs`) and whether any optimum lies on an edge of the LR grid. Rows
+    ``{"scheme", "opt_lr": {L: {seed: lr}}, "at_edge"}``."""
+    rows = []
+    for scheme in dict.fromkeys(r.scheme for r in runs if r.group == group):
+        per = {L: opt_lrs(runs, group, scheme, L) for L in depths}
+        rows.append({"scheme": scheme, "opt_lr": {L: {s: v[0] for s, v in p.items()} for L, p in per.items()},
+                     "at_edge": any(e for p in per.values() for _, e in p.values())})
+    return rows
+
+
+def _transfer_verdict(shift: dict[int, float], at_edge: bool, min_seeds: int) -> str:
+    """The rule of :func:`claim_lr_transfer` on the per-seed shifts ``|log10(eta*_deep / eta*_shallow)|``:
+    inconclusive with fewer than ``min_seeds`` seeds or an optimum on an edge of the grid; reproduced when
+    no seed's optimum moves, not reproduced when every seed's moves; inconclusive otherwise."""
+    if len(shift) < min_seeds or at_edge:
+        return INCONCLUSIVE
+    if all(x < 1e-9 for x in shift.values()):
+        return REPRODUCED
+    if all(x > 1e-9 for x in shift.values()):
+        return NOT_REPRODUCED
+    return INCONCLUSIVE
 
 
 def _log_ratio(hi: float | None, lo: float | None, peak: float) -> float | None:
@@ -428,38 +452,57 @@ def claim_layer_importance(study: Study, runs: Runs, claim: dict) -> dict:
     below 1% of the full PPL), paired ``d = share(baseline) - share(scheme)`` with floor
     ``share_floor``; and per scheme the first-two-sub-layers ratio (:func:`first_critical`,
     log10), one-sample with floor log10 1.05 (5%)."""
-    conds = {}
-    for k, (abl, opt) in {"paper_init": (claim["groups"], claim["optimum_groups"]),
-                          **({"embed_init": (claim["init_groups"], claim["init_optimum_groups"])}
-                             if claim.get("init_groups") else {})}.items():
-        depths = sorted({r.sublayers for r in runs if r.group in abl})
-        parts, rows = {}, []
-        for L in depths:
-            per = {}
-            for x in (claim["scheme"], claim["baseline"]):
-                lr = seed_mean_optimum(runs, opt, x, L)
-                per[x] = {r.seed: r for r in runs if r.group in abl and r.scheme == x and r.sublayers == L
-                          and lr is not None and math.isclose(r.lr, lr) and r.status == "done"
-                          and r.ablation}
-            share = {x: {sd: redundant_share(r.ablation, REDUNDANT_BELOW, SHALLOW) for sd, r in v.items()}
-                     for x, v in per.items()}
-            crit = {x: {sd: first_critical(r.ablation) for sd, r in v.items()} for x, v in per.items()}
-            parts[f"redundant share of the shallow half at {L}: {claim['baseline']} − {claim['scheme']}"] = \
-                paired_verdict(pair(share[claim["baseline"]], share[claim["scheme"]]), claim.get("share_floor", 0.05),
-                               study.min_seeds)
-            for x in (claim["scheme"], claim["baseline"]):
-                parts[f"first two sub-layers over the median, {x} at {L} (log10)"] = \
-                    paired_verdict(crit[x], MAX_LR_FLOOR, study.min_seeds)
-            rows.append({"sublayers": L, "lr": {x: next((r.lr for r in v.values()), None) for x, v in per.items()},
-                         "share": share, "critical": crit,
-                         "delta_ppl": {x: {sd: r.ablation["delta_ppl"] for sd, r in v.items()} for x, v in per.items()},
-                         "ppl_full": {x: {sd: r.ablation["ppl_full"] for sd, r in v.items()} for x, v in per.items()}})
-        planned = [L for g in study.groups if g.name in abl for L in g.sublayers]
-        if not rows or sorted(set(planned)) != depths or any(p["n"] < study.min_seeds for p in parts.values()):
-            conds[k] = {**_pending("ablations pending" if rows else "no ablated runs yet"), "parts": parts, "rows": rows}
-        else:
-            conds[k] = {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
-    return _judged(conds)
+    conds = {"paper_init": (claim["groups"], claim["optimum_groups"]),
+             **({"embed_init": (claim["init_groups"], claim["init_optimum_groups"])} if claim.get("init_groups") else {})}
+    return _judged({k: _importance_condition(study, runs, claim, abl, opt) for k, (abl, opt) in conds.items()})
+
+
+def _importance_condition(study: Study, runs: Runs, claim: dict, abl: Sequence[str], opt: Sequence[str]) -> dict:
+    """One condition of :func:`claim_layer_importance`: the parts and row of every depth of the ablated
+    groups ``abl`` (:func:`_importance_depth`), each scheme at its seed-mean optimum over ``opt``;
+    inconclusive while a planned depth has no ablated run or a part has fewer seeds than the study's
+    minimum."""
+    depths = sorted({r.sublayers for r in runs if r.group in abl})
+    parts, rows = {}, []
+    for L in depths:
+        per = {x: _ablated_at_optimum(runs, abl, opt, x, L) for x in (claim["scheme"], claim["baseline"])}
+        depth_parts, row = _importance_depth(study, claim, per, L)
+        parts.update(depth_parts)
+        rows.append(row)
+    planned = [L for g in study.groups if g.name in abl for L in g.sublayers]
+    if not rows or sorted(set(planned)) != depths or any(p["n"] < study.min_seeds for p in parts.values()):
+        return {**_pending("ablations pending" if rows else "no ablated runs yet"), "parts": parts, "rows": rows}
+    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+
+
+def _ablated_at_optimum(runs: Runs, abl: Sequence[str], opt: Sequence[str], scheme: str, L: int) -> dict[int, RunRecord]:
+    """``{seed: run record}``: the finished, ablated runs of ``scheme`` at ``L`` sub-layers in groups
+    ``abl`` at its seed-mean optimal LR over groups ``opt`` (:func:`seed_mean_optimum`); empty while
+    that optimum is unknown."""
+    lr = seed_mean_optimum(runs, opt, scheme, L)
+    return {r.seed: r for r in runs if r.group in abl and r.scheme == scheme and r.sublayers == L
+            and lr is not None and math.isclose(r.lr, lr) and r.status == "done" and r.ablation}
+
+
+def _importance_depth(study: Study, claim: dict, per: dict[str, dict[int, RunRecord]], L: int) -> tuple[dict, dict]:
+    """``(parts, row)`` of one depth ``L`` of :func:`claim_layer_importance` from each scheme's ablated
+    runs ``per`` (``{scheme: {seed: run record}}``): the paired redundant-share part
+    (:func:`redundant_share`, floor ``share_floor``), each scheme's first-two-sub-layers part
+    (:func:`first_critical`, floor log10 1.05), and the row of LRs, shares, ratios, ΔPPL and full PPL."""
+    share = {x: {sd: redundant_share(r.ablation, REDUNDANT_BELOW, SHALLOW) for sd, r in v.items()}
+             for x, v in per.items()}
+    crit = {x: {sd: first_critical(r.ablation) for sd, r in v.items()} for x, v in per.items()}
+    parts = {f"redundant share of the shallow half at {L}: {claim['baseline']} − {claim['scheme']}":
+             paired_verdict(pair(share[claim["baseline"]], share[claim["scheme"]]), claim.get("share_floor", 0.05),
+                            study.min_seeds)}
+    for x in (claim["scheme"], claim["baseline"]):
+        parts[f"first two sub-layers over the median, {x} at {L} (log10)"] = \
+            paired_verdict(crit[x], MAX_LR_FLOOR, study.min_seeds)
+    row = {"sublayers": L, "lr": {x: next((r.lr for r in v.values()), None) for x, v in per.items()},
+           "share": share, "critical": crit,
+           "delta_ppl": {x: {sd: r.ablation["delta_ppl"] for sd, r in v.items()} for x, v in per.items()},
+           "ppl_full": {x: {sd: r.ablation["ppl_full"] for sd, r in v.items()} for x, v in per.items()}}
+    return parts, row
 
 
 REDUNDANT_BELOW = 0.01  # a sub-layer is redundant when removing it raises the PPL by less than 1%
@@ -478,25 +521,40 @@ def claim_early_spike(study: Study, runs: Runs, claim: dict) -> dict:
     4.5e-3 in the first 1,000 steps at 1024 sub-layers, Keel converges smoothly."""
     s, b, g = claim["scheme"], claim["baseline"], claim["group"]
     rs = [r for r in runs if r.group == g and r.status == "done" and r.early_spike is not None]
+    seeds = sorted({r.seed for r in runs if r.group == g})
     parts, rows = {}, []
     for L in sorted({r.sublayers for r in runs if r.group == g}):
         at = {(r.scheme, r.seed, r.lr): r for r in rs if r.sublayers == L}
-        diffs = {}
-        for sd in sorted({r.seed for r in runs if r.group == g}):
-            ok = [lr for (x, seed, lr), r in at.items() if x == s and seed == sd and r.verdict == "healthy"
-                  and (b, sd, lr) in at]
-            if ok:
-                diffs[sd] = statistics.fmean(at[(b, sd, lr)].early_spike - at[(s, sd, lr)].early_spike for lr in ok)
-        parts[f"spike({b}) − spike({s}) at {L}, {s}'s healthy LRs"] = paired_verdict(diffs, study.min_effect,
-                                                                                     study.min_seeds)
-        for lr in sorted({k[2] for k in at}):
-            rows.append({"sublayers": L, "lr": lr, **{x: {k[1]: (r.early_spike, r.verdict) for k, r in at.items()
-                                                          if k[0] == x and k[2] == lr} for x in (s, b)}})
+        parts[f"spike({b}) − spike({s}) at {L}, {s}'s healthy LRs"] = paired_verdict(
+            _spike_diffs(at, seeds, s, b), study.min_effect, study.min_seeds)
+        rows += _spike_rows(at, L, s, b)
     planned = sum(len(gr.scheme_seeds(x)) * len(gr.sublayers) * len(gr.lrs) for gr in study.groups if gr.name == g
                   for x in (s, b))
     if len([r for r in rs if r.scheme in (s, b)]) < planned:
         return {**_pending(f"{len(rs)} of {planned} runs with every step's loss finished"), "parts": parts, "rows": rows}
     return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+
+
+def _spike_diffs(at: dict[tuple, RunRecord], seeds: Sequence[int], scheme: str, baseline: str) -> dict[int, float]:
+    """``{seed: d}`` of one depth of :func:`claim_early_spike` from its runs ``at`` (keyed ``(scheme, seed,
+    lr)``): ``d`` the mean over the LRs where ``scheme``'s run is healthy and ``baseline`` ran too of
+    spike(baseline) - spike(scheme); a seed with no such LR is left out."""
+    diffs = {}
+    for sd in seeds:
+        ok = [lr for (x, seed, lr), r in at.items() if x == scheme and seed == sd and r.verdict == "healthy"
+              and (baseline, sd, lr) in at]
+        if ok:
+            diffs[sd] = statistics.fmean(at[(baseline, sd, lr)].early_spike - at[(scheme, sd, lr)].early_spike
+                                         for lr in ok)
+    return diffs
+
+
+def _spike_rows(at: dict[tuple, RunRecord], L: int, scheme: str, baseline: str) -> list[dict]:
+    """The rows of one depth ``L`` of :func:`claim_early_spike`, one per LR of its runs ``at`` (keyed
+    ``(scheme, seed, lr)``): per scheme ``{seed: (early spike, divergence verdict)}``."""
+    return [{"sublayers": L, "lr": lr, **{x: {k[1]: (r.early_spike, r.verdict) for k, r in at.items()
+                                              if k[0] == x and k[2] == lr} for x in (scheme, baseline)}}
+            for lr in sorted({k[2] for k in at})]
 
 
 def claim_bench(study: Study, runs: Runs, claim: dict) -> dict:
@@ -557,19 +615,28 @@ def _max_lrs(runs: Runs, groups: list[str], scheme: str, sublayers: int) -> dict
     return out
 
 
+def _max_lr_row(study: Study, runs: Runs, groups: list[str], scheme: str, baseline: str, L: int) -> dict:
+    """The row of one depth ``L`` of :func:`_max_lr_condition`: each scheme's max LR per seed
+    (:func:`_max_lrs`), the seeds both finished, whether neither scheme trains in any of them, and
+    ``d = log10(maxLR(scheme) / maxLR(baseline))`` as a :func:`paired_verdict` over the seeds not
+    censored alike."""
+    s, b = scheme, baseline
+    per = {x: _max_lrs(runs, groups, x, L) for x in (s, b)}
+    seeds = sorted(set(per[s]) & set(per[b]))
+    kept = [sd for sd in seeds if per[s][sd][1] == "exact" or per[s][sd][1] != per[b][sd][1]]  # alike: out
+    d = {sd: math.log10(per[s][sd][0] / per[b][sd][0]) for sd in kept}
+    neither = bool(seeds) and all(per[s][sd][1] == per[b][sd][1] == "none" for sd in seeds)
+    return {"sublayers": L, "max_lr": per, "neither": neither, "seeds": len(seeds),
+            "d": paired_verdict(d, MAX_LR_FLOOR, study.min_seeds)}
+
+
 def _max_lr_condition(study: Study, runs: Runs, claim: dict, groups: list[str]) -> dict:
     """One condition of :func:`claim_loop_max_lr`: a part per judged depth, a row per depth."""
     s, b = claim["scheme"], claim["baseline"]
     parts, rows = {}, []
     for L in sorted({r.sublayers for r in runs if r.group in groups}):
-        per = {x: _max_lrs(runs, groups, x, L) for x in (s, b)}
-        seeds = sorted(set(per[s]) & set(per[b]))
-        kept = [sd for sd in seeds if per[s][sd][1] == "exact" or per[s][sd][1] != per[b][sd][1]]  # alike: out
-        d = {sd: math.log10(per[s][sd][0] / per[b][sd][0]) for sd in kept}
-        neither = bool(seeds) and all(per[s][sd][1] == per[b][sd][1] == "none" for sd in seeds)
-        rows.append({"sublayers": L, "max_lr": per, "neither": neither, "seeds": len(seeds),
-                     "d": paired_verdict(d, MAX_LR_FLOOR, study.min_seeds)})
-        if not neither:
+        rows.append(_max_lr_row(study, runs, groups, s, b, L))
+        if not rows[-1]["neither"]:
             parts[f"log10 max LR, {s} over {b} at {L}"] = rows[-1]["d"]
     gs = [g for g in study.groups if g.name in groups]
     planned = sorted({L for g in gs for L in g.sublayers})
