@@ -750,3 +750,34 @@ def test_an_export_whose_config_json_disagrees_with_its_weights_is_one_line(cli_
             err = error_lines(capsys)
             assert len(err) == 1 and said in err[0] and str(folder) in err[0], (argv, err)
             assert not (tmp_path / "imported").exists()
+
+
+# --- issue 51: new-user trial -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("item,said", [
+    ("partition=", "--slurm partition= is empty"),
+    ("setup=", "--slurm setup= is empty"),
+    ("time=99999999", "--slurm time= is in minutes and at most 527040"),
+])
+def test_empty_or_absurd_slurm_values_are_refused_in_one_line(item, said, tmp_path, keel_main):
+    """--slurm partition= (sbatch got --partition=), setup= (dropped without a word) and time=99999999 passed."""
+    r = keel_main("sweep", "--grid", "train.lr=1e-3", "--out", tmp_path / "o", "--executor", "slurm", "--dry-run",
+                  "--slurm", item)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and said in r.stderr, r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_ablate_stress_and_study_outputs_inside_a_runs_checkpoints_are_refused(cli_run, tmp_path, capsys):
+    """`keel ablate / stress / study --out RUN/checkpoints/x` lacked the check train, sweep and plot make."""
+    run = tmp_path / "r"
+    shutil.copytree(cli_run, run)
+    before = _files(run / "checkpoints")
+    out = run / "checkpoints" / "x"
+    for argv in (["ablate", "--run", str(run), "--tokens", "64", "--out", str(out)],
+                 ["stress", "--residual", "keel", "--sublayers", "4", "--seeds", "0", "--dry-run", "--out", str(out)],
+                 ["study", "claims", "--scale", "tiny", "--dry-run", "--out", str(out)]):
+        assert main(argv) == 2, argv
+        err = error_lines(capsys)
+        assert len(err) == 1 and "inside the checkpoints folder of the run" in err[0], (argv, err)
+        assert not out.exists(), argv
+    assert _files(run / "checkpoints") == before

@@ -238,6 +238,8 @@ def _ablate_hf(args: argparse.Namespace, tokens: int) -> dict:
 
 def cmd_ablate(args: argparse.Namespace) -> int:
     check_counts(args, "tokens", "seq_len", "batch_size", "loops")
+    if args.out:  # before the ablation's minutes, not after
+        check_output_not_in_checkpoints(args.out, "--out")
     tokens = args.tokens or 16384
     if args.verbose:  # the library logs each unit's PPL at DEBUG level
         logging.getLogger(A.__name__).setLevel(logging.DEBUG)
@@ -265,6 +267,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 def cmd_stress(args) -> int:
     """``keel stress``: see :mod:`keel.experiments.stress`."""
     _check_engine_flags(args)
+    check_output_not_in_checkpoints(args.out, "--out")
     schemes = _parse_list(args.residual, str, "--residual") if args.residual is not None else list(SCHEMES)
     layers = _parse_list(args.sublayers, int, args.sublayers_flag)
     seeds = _parse_list(args.seeds, int, "--seeds")
@@ -399,6 +402,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         raise KeelError("--restore is empty: give an earlier report.json of this study")
     out = args.out or f"runs/study-{Path(args.name).stem}-{args.scale}"
     check_path_names(out, "--out")  # "File name too long" was a traceback
+    check_output_not_in_checkpoints(out, "--out")
     _check_engine_flags(argparse.Namespace(**{**vars(args), "out": out}))
     command = study_command(args.cli_argv[1:]) if len(args.cli_argv) > 1 else f"keel study {args.name}"
     r = run_study(args.name, args.scale, out, args.set, workers=args.workers, threads=args.threads,
