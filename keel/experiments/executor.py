@@ -182,8 +182,8 @@ def slurm_parameters(ex: Executor) -> dict:
     Raises:
         KeelError: a numeric key (time, gpus, nodes, cpus, mem_gb, array_parallelism, signal_delay_s,
             max_num_timeout) that is not a whole number >= 1 (gpus, max_num_timeout: >= 0); a ``time`` above
-            :data:`MAX_TIME_MIN`; an empty value (``partition=``, ``setup=``, ``name=``: sbatch would get
-            ``--partition=`` or a job without its setup).
+            :data:`MAX_TIME_MIN`; an empty value of a :data:`SLURM_KEYS` key (``partition=``, ``setup=``,
+            ``name=``: sbatch would get ``--partition=`` or a job without its setup; ``exclusive=`` is a flag).
     """
     params: dict = {"timeout_min": DEFAULT_TIME_MIN}
     if ex.gpus_per_run > 1:  # one process per GPU, each a task of the job (GridCall gives it its rank)
@@ -192,7 +192,7 @@ def slurm_parameters(ex: Executor) -> dict:
         params["gpus_per_node"] = ex.gpus_per_run
     extra = {}
     for k, v in ex.slurm.items():
-        if not v.strip():
+        if not v.strip() and k in SLURM_KEYS:  # another key passes a flag of sbatch's (exclusive=: --exclusive)
             raise KeelError(f"--slurm {k}= is empty; give its value, or leave it out"
                             + (" (keel-STUDY-GROUP)" if k == "name" else ""))
         if k in _INT_KEYS:
