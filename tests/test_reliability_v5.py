@@ -793,3 +793,25 @@ def test_a_grid_value_repeated_in_another_spelling_or_in_a_preset_is_refused(tmp
         r = keel_main("sweep", *flags, "--out", tmp_path / "o", "--dry-run")
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and said in r.stderr, r.stderr
         assert not (tmp_path / "o").exists()
+
+
+def _looped_copy(cli_run, tmp_path) -> Path:
+    """A copy of ``cli_run`` whose config says it loops its last block once (loop_repeats 1, prelude 1)."""
+    run = tmp_path / "looped"
+    shutil.copytree(cli_run, run)
+    text = (run / "config.toml").read_text()
+    assert "\nloop_core = 0\n" in text
+    text = text.replace("\nloop_core = 0\n", "\nloop_core = 1\n", 1).replace("\nloop_prelude = 0\n", "\nloop_prelude = 1\n")
+    (run / "config.toml").write_text(text)
+    return run
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_an_absurd_loops_count_is_refused_in_one_line(command, cli_run, tmp_path, keel_main):
+    """`keel eval / generate --loops 100000000` ran silently for hours: at most max(64, 16 x loop_repeats)."""
+    run = _looped_copy(cli_run, tmp_path)
+    r = keel_main(command, "--run", run, "--loops", 65, *(["--max-new-tokens", 1] if command == "generate" else []))
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"keel: error: --loops must be at most 64 (max(64, 16 x model.loop_repeats = 1) for {run}), got 65: each "
+        "token would apply the core 65 times"], r.stderr
+    assert "at most max(64, 16 x model.loop_repeats)" in " ".join(keel_main(command, "--help").stdout.split())
