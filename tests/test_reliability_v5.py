@@ -815,3 +815,25 @@ def test_an_absurd_loops_count_is_refused_in_one_line(command, cli_run, tmp_path
         f"keel: error: --loops must be at most 64 (max(64, 16 x model.loop_repeats = 1) for {run}), got 65: each "
         "token would apply the core 65 times"], r.stderr
     assert "at most max(64, 16 x model.loop_repeats)" in " ".join(keel_main(command, "--help").stdout.split())
+
+
+def test_plot_out_overwrites_only_a_plot_keel_wrote(cli_run, tmp_path, capsys):
+    """`keel plot loss RUN --out photo.png` replaced someone's photo.png (and gradflow --plot the same)."""
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(b"\\x89PNG\\r\\n\\x1a\\n my holiday")
+    for argv in (["plot", "loss", str(cli_run), "--out", str(photo)],
+                 ["gradflow", "--residual", "keel", "--sublayers", "4", "--plot", str(photo)]):
+        assert main(argv) == 2, argv
+        err = error_lines(capsys)
+        assert len(err) == 1 and "exists and is not a plot keel wrote" in err[0] and str(photo) in err[0], err
+        assert photo.read_bytes() == b"\\x89PNG\\r\\n\\x1a\\n my holiday"
+    for name in ("mine.png", "mine.svgz", "mine.pdf"):  # keel's own plot: overwritten, as before
+        out = tmp_path / name
+        for _ in range(2):
+            assert main(["plot", "loss", str(cli_run), "--out", str(out)]) == 0
+        assert out.is_file()
+    jpg = tmp_path / "mine.jpg"
+    assert main(["plot", "loss", str(cli_run), "--out", str(jpg)]) == 0
+    before = jpg.read_bytes()
+    assert main(["plot", "loss", str(cli_run), "--out", str(jpg)]) == 2  # a .jpg carries no mark: not overwritten
+    assert "a .jpg file carries no mark of keel's" in error_lines(capsys)[-1] and jpg.read_bytes() == before

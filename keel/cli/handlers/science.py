@@ -33,7 +33,7 @@ from keel.experiments import sweep as S
 from keel.io import check_output_not_in_checkpoints, check_path_names, make_dirs
 from keel.model import SCHEMES
 from keel.run import Run
-from keel.train.plots import image_format
+from keel.train.plots import check_plot_out, image_format
 
 
 def cmd_gradflow(args: argparse.Namespace) -> int:
@@ -50,6 +50,7 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
     check_seed(args.seed)
     if args.plot:
         image_format(args.plot, "--plot")  # before the profiles are computed, not after
+        check_plot_out(args.plot, "--plot")
     model_flags = {"--residual": args.residual is not None, args.sublayers_flag: args.sublayers is not None,
                    "--d-model": args.d_model is not None, "--config": args.config is not None, "--set": bool(args.set),
                    "--loop": args.loop is not None}
@@ -176,6 +177,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     out = Path(args.out)
     image_format(out)
     check_output_not_in_checkpoints(out, "--out")
+    check_plot_out(out, "--out")
     make_dirs(out.parent)  # as export-hf and gradflow --plot create theirs
     if args.kind == "loss":
         n = P.plot_loss_curves(args.paths, out, val=args.val, x=args.x, smooth=args.smooth, title=args.title)
