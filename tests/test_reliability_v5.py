@@ -837,3 +837,20 @@ def test_plot_out_overwrites_only_a_plot_keel_wrote(cli_run, tmp_path, capsys):
     before = jpg.read_bytes()
     assert main(["plot", "loss", str(cli_run), "--out", str(jpg)]) == 2  # a .jpg carries no mark: not overwritten
     assert "a .jpg file carries no mark of keel's" in error_lines(capsys)[-1] and jpg.read_bytes() == before
+
+
+def test_study_resume_keeps_the_sets_it_was_started_with(tmp_path, tiny_data, keel_main):
+    """`keel study S --out D --resume` dropped the --set flags the study started with (keel sweep kept
+    them): it was refused as "started with other settings" or would train with other keys."""
+    study = tmp_path / "s.toml"
+    study.write_text('[groups.g]\nschemes = ["keel"]\n[scales.x.groups.g]\nsublayers = [2]\nseeds = [0]\nlrs = [1e-3]\n')
+    sets = [a for s in (f"data.path={tiny_data}", "train.steps=2", "train.batch_size=2", "train.seq_len=16",
+                        "train.eval_every=2", "train.eval_tokens=64", "train.sample_tokens=0", "model.d_model=16",
+                        "model.d_ff=32") for a in ("--set", s)]
+    out = tmp_path / "o"
+    assert keel_main("study", study, "--scale", "x", "--out", out, "--workers", 0, *sets).returncode == 0
+    r = keel_main("study", study, "--scale", "x", "--out", out, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "report.json").read_text())["runs"][0]["status"] == "done"
+    r = keel_main("study", study, "--scale", "x", "--out", out, "--resume", "--set", "train.steps=3")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "other settings (train.steps)" in r.stderr, r.stderr
