@@ -592,3 +592,15 @@ def passing_on_stop_signals(pass_on: Callable[[int], None]) -> Iterator[list[int
     finally:
         for s, old in saved.items():
             signal.signal(s, old)
+
+
+def pid_runs(pid: int | str) -> bool:
+    """Does process ``pid`` (a number, or its text) exist and run? A zombie (ended but not yet waited
+    for), a PID that is not a number, and one of another user's (no permission to signal it) do not."""
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, ValueError, OverflowError):
+        return False
+    with contextlib.suppress(OSError):  # Linux: the state is the field after the command name
+        return Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return True

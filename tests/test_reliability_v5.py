@@ -854,3 +854,32 @@ def test_study_resume_keeps_the_sets_it_was_started_with(tmp_path, tiny_data, ke
     assert json.loads((out / "report.json").read_text())["runs"][0]["status"] == "done"
     r = keel_main("study", study, "--scale", "x", "--out", out, "--resume", "--set", "train.steps=3")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "other settings (train.steps)" in r.stderr, r.stderr
+
+
+def test_prepare_removes_the_build_folders_of_killed_preparations_only(tmp_path, caplog):
+    """`keel prepare` killed by SIGKILL left OUT.tmp-PID behind, and no later prepare removed it."""
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "a.txt").write_text("hello world, a small corpus\n" * 40)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "data"
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    stale, live, foreign = (tmp_path / f"data.tmp-{dead.pid}", tmp_path / f"data.tmp-{alive.pid}",
+                            tmp_path / "other.tmp-7")
+    for folder in (stale, live, foreign):
+        folder.mkdir()
+        (folder / "train.docs").write_bytes(b"half")
+    mine = tmp_path / f"data.tmp-{dead.pid + 1000000}"  # a dead PID, but a file keel does not write there
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    try:
+        with caplog.at_level(logging.INFO, logger="keel"):
+            assert main(["prepare", "--source", str(src), "--tokenizer", "bpe:300", "--out", str(out)]) == 0
+    finally:
+        alive.kill()
+        alive.wait()
+    assert (out / "meta.json").is_file() and not stale.exists()
+    assert live.is_dir() and foreign.is_dir() and (mine / "notes.txt").read_text() == "mine\n"
+    said = [r.getMessage() for r in caplog.records if "removed" in r.getMessage()]
+    assert said == [f"removed {stale}, left by keel prepare process {dead.pid}, which was killed before it finished"]

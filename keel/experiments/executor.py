@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keel.errors import Interrupted, KeelError, plural
-from keel.io import atomic_write_text, passing_on_stop_signals
+from keel.io import atomic_write_text, passing_on_stop_signals, pid_runs
 
 _log = logging.getLogger(__name__)
 
@@ -456,17 +456,6 @@ def _slurm_state(handle, listed: Mapping[str, str] | None = None) -> str:
     return "GONE" if state == "UNKNOWN" else state
 
 
-def _pid_runs(pid: str) -> bool:
-    """Does process ``pid`` exist and run (a zombie, ended but not yet waited for, does not)?"""
-    try:
-        os.kill(int(pid), 0)
-    except (OSError, ValueError):
-        return False
-    with contextlib.suppress(OSError):  # Linux: the state is the field after the command name
-        return Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    return True
-
-
 def _process_identity(pid: int | str) -> str | None:
     """``BOOT_ID:START`` of process ``pid``: this boot's id and the process's start time (clock ticks
     after boot, field 22 of ``/proc/PID/stat``), which a reused PID or a reboot changes; None where
@@ -484,7 +473,7 @@ def _our_controller(job_id: str, folder: str | Path, identity: str | None) -> bo
     ``submitit/``), and the process ``identity`` the ledger recorded (:func:`_process_identity`; an older
     ledger has none)? A PID another program took since (the driver was killed, the machine rebooted;
     a hand-edited ``1``) is not, and keel neither waits on it nor signals it."""
-    if not str(job_id).isdigit() or int(job_id) < 2 or not _pid_runs(job_id):
+    if not str(job_id).isdigit() or int(job_id) < 2 or not pid_runs(job_id):
         return False
     try:
         argv = Path(f"/proc/{int(job_id)}/cmdline").read_bytes().decode(errors="replace").split("\0")
@@ -660,7 +649,7 @@ def _reattach(st: _Submitted, todo: list) -> list:
             st.handles[job.name] = handle
             waiting.remove(job)
             st.record(job.name, state)
-        elif st.ex.kind != "slurm" and _pid_runs(entry["job_id"]) and not _task0(handle).paths.result_pickle.exists():
+        elif st.ex.kind != "slurm" and pid_runs(entry["job_id"]) and not _task0(handle).paths.result_pickle.exists():
             entry["state"] = "gone"
             _log.info(f"  {job.name}: job {entry['job_id']}'s process id belongs to another program now (the job "
                       "ended with its driver, or the machine restarted): not waiting on it, nor signalling it")
