@@ -883,3 +883,20 @@ def test_prepare_removes_the_build_folders_of_killed_preparations_only(tmp_path,
     assert live.is_dir() and foreign.is_dir() and (mine / "notes.txt").read_text() == "mine\n"
     said = [r.getMessage() for r in caplog.records if "removed" in r.getMessage()]
     assert said == [f"removed {stale}, left by keel prepare process {dead.pid}, which was killed before it finished"]
+
+
+def test_too_many_open_files_in_the_data_loader_is_one_line(tiny_data, tmp_path, monkeypatch, capsys):
+    """`ulimit -n 5; keel train`: the EMFILE of np.memmap in keel/data/loader.py was a traceback."""
+    import errno
+
+    import keel.data.loader as loader
+
+    def emfile(path):
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), str(path))
+
+    monkeypatch.setattr(loader, "read_shard", emfile)
+    assert main(["train", "--run-dir", str(tmp_path / "run"), *sets(tiny_data, steps=2)]) == 2
+    err = error_lines(capsys)
+    assert len(err) == 1 and err[0].startswith("keel: error: Too many open files (the limit on open files, ulimit -n, "
+                                               "is "), err
+    assert "train.bin" in err[0] and err[0].endswith("raise it (e.g. ulimit -n 4096) and run it again"), err

@@ -138,8 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except OSError as e:  # the standard output on a full or read-only disk (files are written by disk_errors)
-        from keel.io import write_failure  # lazily: keel.io at the top would be imported by `keel --help`
+        from keel.io import limit_failure, write_failure  # lazily: keel.io at the top would be imported by `keel --help`
 
+        if (limit := limit_failure(e)) is not None:  # `ulimit -n 5`: the dataset's memmap, a checkpoint, ...
+            where = f" ({e.filename})" if e.filename else ""
+            raise_it = "; raise it (e.g. ulimit -n 4096) and run it again" if e.errno == errno.EMFILE else ""
+            print(f"keel: error: {limit}{where}{raise_it}", file=sys.stderr)
+            return 2
         if e.errno == errno.ENAMETOOLONG:  # a path no command checked first (keel.io.check_path_names)
             print(f"keel: error: a file name is too long for the file system: {str(e.filename)[:120]}...",
                   file=sys.stderr)
