@@ -820,13 +820,13 @@ def test_an_absurd_loops_count_is_refused_in_one_line(command, cli_run, tmp_path
 def test_plot_out_overwrites_only_a_plot_keel_wrote(cli_run, tmp_path, capsys):
     """`keel plot loss RUN --out photo.png` replaced someone's photo.png (and gradflow --plot the same)."""
     photo = tmp_path / "photo.png"
-    photo.write_bytes(b"\\x89PNG\\r\\n\\x1a\\n my holiday")
+    photo.write_bytes(b"\x89PNG\r\n\x1a\n my holiday")
     for argv in (["plot", "loss", str(cli_run), "--out", str(photo)],
                  ["gradflow", "--residual", "keel", "--sublayers", "4", "--plot", str(photo)]):
         assert main(argv) == 2, argv
         err = error_lines(capsys)
         assert len(err) == 1 and "exists and is not a plot keel wrote" in err[0] and str(photo) in err[0], err
-        assert photo.read_bytes() == b"\\x89PNG\\r\\n\\x1a\\n my holiday"
+        assert photo.read_bytes() == b"\x89PNG\r\n\x1a\n my holiday"
     for name in ("mine.png", "mine.svgz", "mine.pdf"):  # keel's own plot: overwritten, as before
         out = tmp_path / name
         for _ in range(2):
@@ -900,3 +900,17 @@ def test_too_many_open_files_in_the_data_loader_is_one_line(tiny_data, tmp_path,
     assert len(err) == 1 and err[0].startswith("keel: error: Too many open files (the limit on open files, ulimit -n, "
                                                "is "), err
     assert "train.bin" in err[0] and err[0].endswith("raise it (e.g. ulimit -n 4096) and run it again"), err
+
+
+def test_ctrl_c_during_the_interpreters_exit_is_no_traceback(tmp_path):
+    """Ctrl-C while `keel export-hf` ran its exit handlers (torch's, transformers') printed
+    "Exception ignored in atexit callback" and a KeyboardInterrupt traceback. Here an exit handler
+    of the process's own stands in for them: it is interrupted as they were."""
+    code = ("import atexit, os, signal, sys, time\n"
+            "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(5)))\n"
+            "from keel.cli import main\n"
+            "sys.exit(main())\n")
+    res = subprocess.run([sys.executable, "-c", code, "runs", str(tmp_path)], capture_output=True, text=True,
+                         timeout=HANG_S, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert "Traceback" not in res.stderr and "KeyboardInterrupt" not in res.stderr, res.stderr
+    assert res.returncode == -signal.SIGINT and res.stdout == f"no runs under {tmp_path}\n", res

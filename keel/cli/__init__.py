@@ -15,7 +15,8 @@ A user mistake (bad path, bad config value, too little data) prints one line
 ``keel: error: ...`` on stderr and exits with status 2; no traceback. A training run stopped
 by SIGINT / SIGTERM / SIGHUP (after writing its checkpoint) prints one line ``keel: stopped by ...``
 saying how to resume and exits with 130 / 143 / 129; outside a training loop each signal unwinds (temporary files and
-a new, still empty run folder are removed) and prints ``keel: stopped by SIGNAL``. Library code reports
+a new, still empty run folder are removed) and prints ``keel: stopped by SIGNAL``; once the command has
+finished, a Ctrl-C during the interpreter's exit ends the process at once (no traceback). Library code reports
 progress through the standard ``logging`` module (loggers under ``keel``); :func:`main`
 sends those records to stderr as plain lines. The handlers are in :mod:`keel.cli.handlers`,
 which import torch and the library at their top: :func:`main` imports only the chosen
@@ -115,7 +116,9 @@ def _main_thread() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``keel ARGS``; returns the exit status (2 for a user error, 130 / 143 / 129 when stopped
-    by SIGINT / SIGTERM / SIGHUP)."""
+    by SIGINT / SIGTERM / SIGHUP). ``argv`` None (the process's command line, ``sys.argv``): the
+    command is all the process does, so once it has finished SIGINT takes its default action (the
+    process ends at once, status 128 + 2, no traceback from an exit handler it interrupted)."""
     setup_logging()  # first: parsing may log (a deprecated flag)
     args = build_parser().parse_args(argv)
     args.cli_argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the command line reports record
@@ -157,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
+        if argv is None and _main_thread():  # the process's own command line: only the interpreter's exit is left
+            # (atexit callbacks: torch's, transformers', seconds of them): a Ctrl-C now ends the process at once,
+            # as SIGTERM does, not with a KeyboardInterrupt traceback from whichever callback it interrupted
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 if __name__ == "__main__":
