@@ -914,3 +914,29 @@ def test_ctrl_c_during_the_interpreters_exit_is_no_traceback(tmp_path):
                          timeout=HANG_S, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert "Traceback" not in res.stderr and "KeyboardInterrupt" not in res.stderr, res.stderr
     assert res.returncode == -signal.SIGINT and res.stdout == f"no runs under {tmp_path}\n", res
+
+
+def test_non_utf8_paths_and_values_are_refused_in_one_line_and_corpus_file_names_are_read(tiny_data, tmp_path,
+                                                                                           capsys):
+    """A path or --set value with byte 0xff (not UTF-8): UnicodeEncodeError tracebacks in prepare, in
+    config.toml's writer and in keel sweep, and a run folder that trained but could not be resumed.
+    A corpus file so named (not a path keel records) is read: its fingerprint was the traceback."""
+    ff = os.fsdecode(b"\xff")
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / f"{ff}.txt").write_text("hello world, a small corpus\n" * 40)
+    for argv, made in ((["train", "--run-dir", str(tmp_path / f"run{ff}"), *sets(tiny_data, steps=2)], f"run{ff}"),
+                       (["train", "--run-dir", str(tmp_path / "r"), *sets(tiny_data, steps=2), "--set",
+                         f"data.text_field={ff}"], "r"),
+                       (["prepare", "--source", str(src), "--tokenizer", "bpe:300", "--out", str(tmp_path / f"d{ff}")],
+                        f"d{ff}"),
+                       (["sweep", "--grid", "train.lr=1e-3", "--out", str(tmp_path / f"sw{ff}"), *sets(tiny_data, steps=2)],
+                        f"sw{ff}")):
+        assert main(argv) == 2, argv
+        err = error_lines(capsys)
+        assert len(err) == 1 and err[0].startswith("keel: error: the argument ") and "b'" in err[0] and \
+            "\\xff" in err[0] and "is not UTF-8 text" in err[0], err
+        assert not (tmp_path / made).exists()
+    assert main(["prepare", "--source", str(src), "--tokenizer", "bpe:300", "--out", str(tmp_path / "d")]) == 0
+    assert main(["prepare", "--source", str(src), "--tokenizer", "bpe:300", "--out", str(tmp_path / "d")]) == 0
+    assert "reusing cached dataset" in capsys.readouterr().err
