@@ -15,6 +15,7 @@ import errno
 import logging
 import os
 import re
+import resource
 import shutil
 import signal
 import stat
@@ -592,3 +593,37 @@ def passing_on_stop_signals(pass_on: Callable[[int], None]) -> Iterator[list[int
     finally:
         for s, old in saved.items():
             signal.signal(s, old)
+
+
+def pid_runs(pid: int | str) -> bool:
+    """Does process ``pid`` (a number, or its text) exist and run? A zombie (ended but not yet waited
+    for), a PID that is not a number, and one of another user's (no permission to signal it) do not."""
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, ValueError, OverflowError):
+        return False
+    with contextlib.suppress(OSError):  # Linux: the state is the field after the command name
+        return Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def limit_failure(e: BaseException | None) -> str | None:
+    """What a process limit that stopped an operation was, as words with the limit to raise, e.g.
+    "Too many open files (the limit on open files, ulimit -n, is 12)", for ``e`` or an error it was
+    raised from (EMFILE, ENFILE, EAGAIN, ENOMEM); None for any other error."""
+    seen = 0
+    while e is not None and seen < 10 and not (isinstance(e, OSError) and e.errno in _LIMIT_ERRNOS):
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    if not isinstance(e, OSError) or e.errno not in _LIMIT_ERRNOS:
+        return None
+    why = e.strerror or os.strerror(e.errno)
+    if e.errno == errno.EMFILE:
+        why += f" (the limit on open files, ulimit -n, is {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
+    elif e.errno == errno.ENFILE:
+        why += " (system-wide)"
+    else:
+        why += " (a limit on processes or memory: ulimit -u, ulimit -v)"
+    return why
+
+
+_LIMIT_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM)

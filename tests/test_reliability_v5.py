@@ -750,3 +750,193 @@ def test_an_export_whose_config_json_disagrees_with_its_weights_is_one_line(cli_
             err = error_lines(capsys)
             assert len(err) == 1 and said in err[0] and str(folder) in err[0], (argv, err)
             assert not (tmp_path / "imported").exists()
+
+
+# --- issue 51: new-user trial -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("item,said", [
+    ("partition=", "--slurm partition= is empty"),
+    ("setup=", "--slurm setup= is empty"),
+    ("time=99999999", "--slurm time= is in minutes and at most 527040"),
+])
+def test_empty_or_absurd_slurm_values_are_refused_in_one_line(item, said, tmp_path, keel_main):
+    """--slurm partition= (sbatch got --partition=), setup= (dropped without a word) and time=99999999 passed."""
+    r = keel_main("sweep", "--grid", "train.lr=1e-3", "--out", tmp_path / "o", "--executor", "slurm", "--dry-run",
+                  "--slurm", item)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and said in r.stderr, r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_ablate_stress_and_study_outputs_inside_a_runs_checkpoints_are_refused(cli_run, tmp_path, capsys):
+    """`keel ablate / stress / study --out RUN/checkpoints/x` lacked the check train, sweep and plot make."""
+    run = tmp_path / "r"
+    shutil.copytree(cli_run, run)
+    before = _files(run / "checkpoints")
+    out = run / "checkpoints" / "x"
+    for argv in (["ablate", "--run", str(run), "--tokens", "64", "--out", str(out)],
+                 ["stress", "--residual", "keel", "--sublayers", "4", "--seeds", "0", "--dry-run", "--out", str(out)],
+                 ["study", "claims", "--scale", "tiny", "--dry-run", "--out", str(out)]):
+        assert main(argv) == 2, argv
+        err = error_lines(capsys)
+        assert len(err) == 1 and "inside the checkpoints folder of the run" in err[0], (argv, err)
+        assert not out.exists(), argv
+    assert _files(run / "checkpoints") == before
+
+
+def test_a_grid_value_repeated_in_another_spelling_or_in_a_preset_is_refused(tmp_path, keel_main):
+    """--grid model.n_layers=2,2.0 and a preset's grid = {"train.lr" = [1e-3, 1e-3]}: --dry-run counted
+    each repeat as one more run (of the same config)."""
+    preset = tmp_path / "p.toml"
+    preset.write_text('grid = {"train.lr" = [1e-3, 0.001]}\n')
+    for flags, said in ((["--grid", "model.n_layers=2,2.0"], "--grid model.n_layers repeats a value: '2,2.0'"),
+                        (["--preset", str(preset)], f"sweep preset {preset}: grid 'train.lr' repeats a value")):
+        r = keel_main("sweep", *flags, "--out", tmp_path / "o", "--dry-run")
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and said in r.stderr, r.stderr
+        assert not (tmp_path / "o").exists()
+
+
+def _looped_copy(cli_run, tmp_path) -> Path:
+    """A copy of ``cli_run`` whose config says it loops its last block once (loop_repeats 1, prelude 1)."""
+    run = tmp_path / "looped"
+    shutil.copytree(cli_run, run)
+    text = (run / "config.toml").read_text()
+    assert "\nloop_core = 0\n" in text
+    text = text.replace("\nloop_core = 0\n", "\nloop_core = 1\n", 1).replace("\nloop_prelude = 0\n", "\nloop_prelude = 1\n")
+    (run / "config.toml").write_text(text)
+    return run
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_an_absurd_loops_count_is_refused_in_one_line(command, cli_run, tmp_path, keel_main):
+    """`keel eval / generate --loops 100000000` ran silently for hours: at most max(64, 16 x loop_repeats)."""
+    run = _looped_copy(cli_run, tmp_path)
+    r = keel_main(command, "--run", run, "--loops", 65, *(["--max-new-tokens", 1] if command == "generate" else []))
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"keel: error: --loops must be at most 64 (max(64, 16 x model.loop_repeats = 1) for {run}), got 65: each "
+        "token would apply the core 65 times"], r.stderr
+    assert "at most max(64, 16 x model.loop_repeats)" in " ".join(keel_main(command, "--help").stdout.split())
+
+
+def test_plot_out_overwrites_only_a_plot_keel_wrote(cli_run, tmp_path, capsys):
+    """`keel plot loss RUN --out photo.png` replaced someone's photo.png (and gradflow --plot the same)."""
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(b"\x89PNG\r\n\x1a\n my holiday")
+    for argv in (["plot", "loss", str(cli_run), "--out", str(photo)],
+                 ["gradflow", "--residual", "keel", "--sublayers", "4", "--plot", str(photo)]):
+        assert main(argv) == 2, argv
+        err = error_lines(capsys)
+        assert len(err) == 1 and "exists and is not a plot keel wrote" in err[0] and str(photo) in err[0], err
+        assert photo.read_bytes() == b"\x89PNG\r\n\x1a\n my holiday"
+    for name in ("mine.png", "mine.svgz", "mine.pdf"):  # keel's own plot: overwritten, as before
+        out = tmp_path / name
+        for _ in range(2):
+            assert main(["plot", "loss", str(cli_run), "--out", str(out)]) == 0
+        assert out.is_file()
+    jpg = tmp_path / "mine.jpg"
+    assert main(["plot", "loss", str(cli_run), "--out", str(jpg)]) == 0
+    before = jpg.read_bytes()
+    assert main(["plot", "loss", str(cli_run), "--out", str(jpg)]) == 2  # a .jpg carries no mark: not overwritten
+    assert "a .jpg file carries no mark of keel's" in error_lines(capsys)[-1] and jpg.read_bytes() == before
+
+
+def test_study_resume_keeps_the_sets_it_was_started_with(tmp_path, tiny_data, keel_main):
+    """`keel study S --out D --resume` dropped the --set flags the study started with (keel sweep kept
+    them): it was refused as "started with other settings" or would train with other keys."""
+    study = tmp_path / "s.toml"
+    study.write_text('[groups.g]\nschemes = ["keel"]\n[scales.x.groups.g]\nsublayers = [2]\nseeds = [0]\nlrs = [1e-3]\n')
+    sets = [a for s in (f"data.path={tiny_data}", "train.steps=2", "train.batch_size=2", "train.seq_len=16",
+                        "train.eval_every=2", "train.eval_tokens=64", "train.sample_tokens=0", "model.d_model=16",
+                        "model.d_ff=32") for a in ("--set", s)]
+    out = tmp_path / "o"
+    assert keel_main("study", study, "--scale", "x", "--out", out, "--workers", 0, *sets).returncode == 0
+    r = keel_main("study", study, "--scale", "x", "--out", out, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "report.json").read_text())["runs"][0]["status"] == "done"
+    r = keel_main("study", study, "--scale", "x", "--out", out, "--resume", "--set", "train.steps=3")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "other settings (train.steps)" in r.stderr, r.stderr
+
+
+def test_prepare_removes_the_build_folders_of_killed_preparations_only(tmp_path, caplog):
+    """`keel prepare` killed by SIGKILL left OUT.tmp-PID behind, and no later prepare removed it."""
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "a.txt").write_text("hello world, a small corpus\n" * 40)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "data"
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    stale, live, foreign = (tmp_path / f"data.tmp-{dead.pid}", tmp_path / f"data.tmp-{alive.pid}",
+                            tmp_path / "other.tmp-7")
+    for folder in (stale, live, foreign):
+        folder.mkdir()
+        (folder / "train.docs").write_bytes(b"half")
+    mine = tmp_path / f"data.tmp-{dead.pid + 1000000}"  # a dead PID, but a file keel does not write there
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    try:
+        with caplog.at_level(logging.INFO, logger="keel"):
+            assert main(["prepare", "--source", str(src), "--tokenizer", "bpe:300", "--out", str(out)]) == 0
+    finally:
+        alive.kill()
+        alive.wait()
+    assert (out / "meta.json").is_file() and not stale.exists()
+    assert live.is_dir() and foreign.is_dir() and (mine / "notes.txt").read_text() == "mine\n"
+    said = [r.getMessage() for r in caplog.records if "removed" in r.getMessage()]
+    assert said == [f"removed {stale}, left by keel prepare process {dead.pid}, which was killed before it finished"]
+
+
+def test_too_many_open_files_in_the_data_loader_is_one_line(tiny_data, tmp_path, monkeypatch, capsys):
+    """`ulimit -n 5; keel train`: the EMFILE of np.memmap in keel/data/loader.py was a traceback."""
+    import errno
+
+    import keel.data.loader as loader
+
+    def emfile(path):
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), str(path))
+
+    monkeypatch.setattr(loader, "read_shard", emfile)
+    assert main(["train", "--run-dir", str(tmp_path / "run"), *sets(tiny_data, steps=2)]) == 2
+    err = error_lines(capsys)
+    assert len(err) == 1 and err[0].startswith("keel: error: Too many open files (the limit on open files, ulimit -n, "
+                                               "is "), err
+    assert "train.bin" in err[0] and err[0].endswith("raise it (e.g. ulimit -n 4096) and run it again"), err
+
+
+def test_ctrl_c_during_the_interpreters_exit_is_no_traceback(tmp_path):
+    """Ctrl-C while `keel export-hf` ran its exit handlers (torch's, transformers') printed
+    "Exception ignored in atexit callback" and a KeyboardInterrupt traceback. Here an exit handler
+    of the process's own stands in for them: it is interrupted as they were."""
+    code = ("import atexit, os, signal, sys, time\n"
+            "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(5)))\n"
+            "from keel.cli import main\n"
+            "sys.exit(main())\n")
+    res = subprocess.run([sys.executable, "-c", code, "runs", str(tmp_path)], capture_output=True, text=True,
+                         timeout=HANG_S, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert "Traceback" not in res.stderr and "KeyboardInterrupt" not in res.stderr, res.stderr
+    assert res.returncode == -signal.SIGINT and res.stdout == f"no runs under {tmp_path}\n", res
+
+
+def test_non_utf8_paths_and_values_are_refused_in_one_line_and_corpus_file_names_are_read(tiny_data, tmp_path,
+                                                                                           capsys):
+    """A path or --set value with byte 0xff (not UTF-8): UnicodeEncodeError tracebacks in prepare, in
+    config.toml's writer and in keel sweep, and a run folder that trained but could not be resumed.
+    A corpus file so named (not a path keel records) is read: its fingerprint was the traceback."""
+    ff = os.fsdecode(b"\xff")
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / f"{ff}.txt").write_text("hello world, a small corpus\n" * 40)
+    for argv, made in ((["train", "--run-dir", str(tmp_path / f"run{ff}"), *sets(tiny_data, steps=2)], f"run{ff}"),
+                       (["train", "--run-dir", str(tmp_path / "r"), *sets(tiny_data, steps=2), "--set",
+                         f"data.text_field={ff}"], "r"),
+                       (["prepare", "--source", str(src), "--tokenizer", "bpe:300", "--out", str(tmp_path / f"d{ff}")],
+                        f"d{ff}"),
+                       (["sweep", "--grid", "train.lr=1e-3", "--out", str(tmp_path / f"sw{ff}"), *sets(tiny_data, steps=2)],
+                        f"sw{ff}")):
+        assert main(argv) == 2, argv
+        err = error_lines(capsys)
+        assert len(err) == 1 and err[0].startswith("keel: error: the argument ") and "b'" in err[0] and \
+            "\\xff" in err[0] and "is not UTF-8 text" in err[0], err
+        assert not (tmp_path / made).exists()
+    assert main(["prepare", "--source", str(src), "--tokenizer", "bpe:300", "--out", str(tmp_path / "d")]) == 0
+    assert main(["prepare", "--source", str(src), "--tokenizer", "bpe:300", "--out", str(tmp_path / "d")]) == 0
+    assert "reusing cached dataset" in capsys.readouterr().err

@@ -12,10 +12,13 @@ commands' flags and names each one's handler, ``"keel.cli.handlers.MODULE.FUNCTI
 Every ``--help`` shows the defaults and no reST markup (:mod:`keel.cli.formatting`).
 
 A user mistake (bad path, bad config value, too little data) prints one line
-``keel: error: ...`` on stderr and exits with status 2; no traceback. A training run stopped
+``keel: error: ...`` on stderr and exits with status 2; no traceback. An argument that is not UTF-8
+text (a path named with byte 0xff; ``--prompt`` aside) is such a mistake: keel records paths and values
+in UTF-8 files. A training run stopped
 by SIGINT / SIGTERM / SIGHUP (after writing its checkpoint) prints one line ``keel: stopped by ...``
 saying how to resume and exits with 130 / 143 / 129; outside a training loop each signal unwinds (temporary files and
-a new, still empty run folder are removed) and prints ``keel: stopped by SIGNAL``. Library code reports
+a new, still empty run folder are removed) and prints ``keel: stopped by SIGNAL``; once the command has
+finished, a Ctrl-C during the interpreter's exit ends the process at once (no traceback). Library code reports
 progress through the standard ``logging`` module (loggers under ``keel``); :func:`main`
 sends those records to stderr as plain lines. The handlers are in :mod:`keel.cli.handlers`,
 which import torch and the library at their top: :func:`main` imports only the chosen
@@ -113,12 +116,38 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()  # signal handlers: main thread only
 
 
+_TEXT_FLAGS = ("--prompt",)  # text keel reads as text (invalid UTF-8 -> U+FFFD) and records nowhere
+
+
+def _not_utf8(argv: list[str]) -> str | None:
+    """The first argument of ``argv`` that is not UTF-8 text (bytes the OS passed that Python kept as
+    surrogates, e.g. a path named with byte 0xff), as its bytes' repr; None when all are (the values of
+    :data:`_TEXT_FLAGS` aside). A run folder or value of that kind could not be recorded in config.toml
+    / JSON (UTF-8): refused before any work, rather than trained and then not resumable."""
+    text_value = False
+    for a in argv:
+        skip, text_value = text_value, a in _TEXT_FLAGS
+        if skip or a.startswith(tuple(f + "=" for f in _TEXT_FLAGS)):
+            continue
+        try:
+            a.encode("utf-8")
+        except UnicodeEncodeError:
+            return repr(os.fsencode(a))
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``keel ARGS``; returns the exit status (2 for a user error, 130 / 143 / 129 when stopped
-    by SIGINT / SIGTERM / SIGHUP)."""
+    by SIGINT / SIGTERM / SIGHUP). ``argv`` None (the process's command line, ``sys.argv``): the
+    command is all the process does, so once it has finished SIGINT takes its default action (the
+    process ends at once, status 128 + 2, no traceback from an exit handler it interrupted)."""
     setup_logging()  # first: parsing may log (a deprecated flag)
     args = build_parser().parse_args(argv)
     args.cli_argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the command line reports record
+    if (bad := _not_utf8(args.cli_argv)) is not None:
+        print(f"keel: error: the argument {bad} is not UTF-8 text; keel records its paths and values in UTF-8 "
+              "files (config.toml, JSON): rename the path, or give the value in UTF-8", file=sys.stderr)
+        return 2
     saved = {s: signal.signal(s, _terminated) for s in _UNWINDING_SIGNALS} if _main_thread() else {}
     try:
         status = run_handler(args)
@@ -138,8 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except OSError as e:  # the standard output on a full or read-only disk (files are written by disk_errors)
-        from keel.io import write_failure  # lazily: keel.io at the top would be imported by `keel --help`
+        from keel.io import limit_failure, write_failure  # lazily: keel.io at the top would be imported by `keel --help`
 
+        if (limit := limit_failure(e)) is not None:  # `ulimit -n 5`: the dataset's memmap, a checkpoint, ...
+            where = f" ({e.filename})" if e.filename else ""
+            raise_it = "; raise it (e.g. ulimit -n 4096) and run it again" if e.errno == errno.EMFILE else ""
+            print(f"keel: error: {limit}{where}{raise_it}", file=sys.stderr)
+            return 2
         if e.errno == errno.ENAMETOOLONG:  # a path no command checked first (keel.io.check_path_names)
             print(f"keel: error: a file name is too long for the file system: {str(e.filename)[:120]}...",
                   file=sys.stderr)
@@ -152,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
+        if argv is None and _main_thread():  # the process's own command line: only the interpreter's exit is left
+            # (atexit callbacks: torch's, transformers', seconds of them): a Ctrl-C now ends the process at once,
+            # as SIGTERM does, not with a KeyboardInterrupt traceback from whichever callback it interrupted
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 if __name__ == "__main__":

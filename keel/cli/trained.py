@@ -14,13 +14,24 @@ from __future__ import annotations
 from keel.config import key_default, key_help
 
 
+MAX_LOOPS_MIN, MAX_LOOPS_FACTOR = 64, 16  # --loops R' <= max(64, 16 x model.loop_repeats): more is a typo, not a study
+
+
+def max_loops(trained_repeats: int) -> int:
+    """The largest ``--loops`` keel takes for a model trained with ``model.loop_repeats`` =
+    ``trained_repeats``: ``max(MAX_LOOPS_MIN, MAX_LOOPS_FACTOR * trained_repeats)`` (64, or 16 times the
+    trained count: test-time depth past that runs for hours on a typo, e.g. ``--loops 100000000``)."""
+    return max(MAX_LOOPS_MIN, MAX_LOOPS_FACTOR * trained_repeats)
+
+
 def add_loops_flag(p, what: str = "run") -> None:
     """``--loops R'``: run a looped model's core R' times instead of its trained ``model.loop_repeats``
     (test-time depth; ``keel eval``, ``generate``, ``ablate``, ``gradflow``). Checked by
     :func:`keel.cli.handlers.check_loops`."""
     p.add_argument("--loops", type=int, default=None, metavar="R",
                    help=f"a looped {what} (model.loop_core >= 1): apply its core R times per token instead of "
-                        "model.loop_repeats (test-time depth; the weights and depth constants stay the trained ones)")
+                        "model.loop_repeats (test-time depth; the weights and depth constants stay the trained ones); "
+                        f"at most max({MAX_LOOPS_MIN}, {MAX_LOOPS_FACTOR} x model.loop_repeats)")
 
 
 def _register_hf(subparsers) -> None:

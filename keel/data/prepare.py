@@ -55,7 +55,7 @@ from keel.data.stats import unigram_entropy
 from keel.data.text import encode_batch
 from keel.errors import KeelError
 from keel.io import (RunLock, check_output_not_in_checkpoints, check_path_names, check_regular_file, disk_errors,
-                     make_dirs, remove_empty_dirs)
+                     make_dirs, pid_runs, remove_empty_dirs)
 
 FORMAT_VERSION = 1
 EOS_TOKEN = "<|endoftext|>"
@@ -103,7 +103,8 @@ def prepare_dataset(source: str, tokenizer: str = DataConfig.tokenizer, out: str
     ``meta.json`` records the inputs and what was built (the module docstring lists its keys).
     If ``out/meta.json`` records the same inputs and -- for a local source -- the same
     :func:`keel.data.sources.source_fingerprint`, ``out`` is returned unread. Otherwise the
-    dataset is built in ``out.tmp-<pid>`` and renamed to ``out`` (replacing it if only the corpus changed).
+    dataset is built in ``out.tmp-<pid>`` and renamed to ``out`` (replacing it if only the corpus changed);
+    such folders of processes that were killed before they could remove theirs are removed first (one line each).
 
     Raises :class:`KeelError` for bad options, any source or tokenizer problem, an empty
     corpus, an ``out`` that exists and is not a prepared dataset, an ``out`` that holds a dataset
@@ -126,6 +127,7 @@ def prepare_dataset(source: str, tokenizer: str = DataConfig.tokenizer, out: str
             log.info("reusing cached dataset %s", out)
             return out
         _check_replaceable(out, inputs, force)  # again: that process may have prepared other inputs there
+        _remove_stale_builds(out)  # left by a preparation killed (SIGKILL) before it could clean up
         tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
@@ -153,6 +155,31 @@ def prepare_lock(out: Path) -> RunLock:
     lock.waiting = f"waiting for keel process {{pid}}, which is preparing {out}"
     lock.unmakeable = f"cannot make the folder {out}: {{why}}"  # e.g. under /proc: its parent takes no new file
     return lock
+
+
+_BUILD_FILES = frozenset(DATASET_FILES) | {"train.docs", "val.docs"}  # what a build folder OUT.tmp-PID holds
+
+
+def _remove_stale_builds(out: Path) -> list[Path]:
+    """Remove the build folders ``OUT.tmp-PID`` beside ``out`` (keel's own name for them, :func:`prepare`)
+    whose process is gone (killed by SIGKILL or the OOM killer, which leave no chance to clean up) and
+    that hold only files a build writes; one line each. Called under :func:`prepare_lock`, so no other
+    preparation of ``out`` is running. Returns the folders removed."""
+    pattern = re.compile(re.escape(out.name) + r"\.tmp-(\d+)")
+    removed = []
+    with contextlib.suppress(OSError):
+        for p in sorted(out.parent.iterdir()):
+            m = pattern.fullmatch(p.name)
+            if not m or int(m.group(1)) == os.getpid() or not p.is_dir() or p.is_symlink() or pid_runs(m.group(1)):
+                continue
+            entries = list(p.iterdir())
+            if any(e.name not in _BUILD_FILES or e.is_symlink() or not e.is_file() for e in entries):
+                continue  # not only a build's files: not ours to delete
+            shutil.rmtree(p, ignore_errors=True)
+            log.info("removed %s, left by keel prepare process %s, which was killed before it finished", p,
+                     m.group(1))
+            removed.append(p)
+    return removed
 
 
 def _log_prepared(out: Path, meta: dict) -> None:

@@ -229,7 +229,8 @@ def source_fingerprint(source: str) -> str | None:
     digest = hashlib.sha256()
     for file in sorted(files):
         st = file.stat()
-        digest.update(f"{file.relative_to(path) if file != path else file.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        name = os.fsencode(file.relative_to(path) if file != path else file.name)  # the bytes: a name need not be UTF-8
+        digest.update(name + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return digest.hexdigest()
 
 

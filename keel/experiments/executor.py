@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keel.errors import Interrupted, KeelError, plural
-from keel.io import atomic_write_text, passing_on_stop_signals
+from keel.io import atomic_write_text, passing_on_stop_signals, pid_runs
 
 _log = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ SLURM_KEYS = {"partition": "slurm_partition", "account": "slurm_account", "time"
 _SLURM_ALIASES = {"job-name": "name", "job_name": "name", "cpus-per-task": "cpus", "cpus_per_task": "cpus"}
 _INT_KEYS = {"time", "gpus", "nodes", "cpus", "mem_gb", "array_parallelism", "signal_delay_s", "max_num_timeout"}
 _ZERO_OK = {"gpus", "max_num_timeout"}  # the numeric keys that may be 0 (a CPU partition; no requeue after a timeout)
+MAX_TIME_MIN = 366 * 24 * 60  # the longest --slurm time= keel passes on (minutes: a year; more is a typo)
 _KEEL_OWNS = {"array": "a grid is one job array; its cap is --workers N or --slurm array_parallelism=N",
               "output": "each job's log is GRID/submitit/<job>_<task>_log.out (and .err)",
               "error": "each job's log is GRID/submitit/<job>_<task>_log.out (and .err)",
@@ -149,7 +150,7 @@ def parse_slurm(items: Sequence[str]) -> dict[str, str]:
     in the job before keel starts: ``module load ...``, ``source .venv/bin/activate``), kept joined by newlines.
 
     Raises:
-        KeelError: an item without ``=``, an empty key, a key given twice, or a key keel sets itself
+        KeelError: an item without ``=``, an empty key, an empty ``setup=``, a key given twice, or a key keel sets itself
             (``array``, ``output``, ``error``, ``signal``: the message names the keel setting instead).
     """
     out: dict[str, str] = {}
@@ -160,7 +161,9 @@ def parse_slurm(items: Sequence[str]) -> dict[str, str]:
             raise KeelError(f"--slurm takes KEY=VALUE (e.g. partition=gpu, time=120), got {item!r}")
         if k in _KEEL_OWNS:
             raise KeelError(f"--slurm {k}= is keel's to set: {_KEEL_OWNS[k]}")
-        if k == "setup" and v.strip():
+        if k == "setup" and not v.strip():
+            raise KeelError("--slurm setup= is empty; give a shell line to run in the job, or leave it out")
+        if k == "setup":
             out[k] = "\n".join(filter(None, [out.get(k, ""), v.strip()]))
             continue
         if k in out:
@@ -178,7 +181,9 @@ def slurm_parameters(ex: Executor) -> dict:
 
     Raises:
         KeelError: a numeric key (time, gpus, nodes, cpus, mem_gb, array_parallelism, signal_delay_s,
-            max_num_timeout) that is not a whole number >= 1 (gpus, max_num_timeout: >= 0); an empty ``name``.
+            max_num_timeout) that is not a whole number >= 1 (gpus, max_num_timeout: >= 0); a ``time`` above
+            :data:`MAX_TIME_MIN`; an empty value of a :data:`SLURM_KEYS` key (``partition=``, ``setup=``,
+            ``name=``: sbatch would get ``--partition=`` or a job without its setup; ``exclusive=`` is a flag).
     """
     params: dict = {"timeout_min": DEFAULT_TIME_MIN}
     if ex.gpus_per_run > 1:  # one process per GPU, each a task of the job (GridCall gives it its rank)
@@ -187,14 +192,17 @@ def slurm_parameters(ex: Executor) -> dict:
         params["gpus_per_node"] = ex.gpus_per_run
     extra = {}
     for k, v in ex.slurm.items():
+        if not v.strip() and k in SLURM_KEYS:  # another key passes a flag of sbatch's (exclusive=: --exclusive)
+            raise KeelError(f"--slurm {k}= is empty; give its value, or leave it out"
+                            + (" (keel-STUDY-GROUP)" if k == "name" else ""))
         if k in _INT_KEYS:
             if not v.isdigit() or (int(v) < 1 and k not in _ZERO_OK):
                 raise KeelError(f"--slurm {k}= must be a whole number{'' if k in _ZERO_OK else ' >= 1'}, got {v!r}")
+            if k == "time" and int(v) > MAX_TIME_MIN:
+                raise KeelError(f"--slurm time= is in minutes and at most {MAX_TIME_MIN} (a year), got {v}")
             params[SLURM_KEYS[k]] = int(v)
         elif k == "setup":
             params[SLURM_KEYS[k]] = [line for line in v.split("\n") if line.strip()]
-        elif k == "name" and not v:
-            raise KeelError("--slurm name= is empty; give the jobs' name, or leave it out (keel-STUDY-GROUP)")
         elif k in SLURM_KEYS:
             params[SLURM_KEYS[k]] = v
         else:
@@ -448,17 +456,6 @@ def _slurm_state(handle, listed: Mapping[str, str] | None = None) -> str:
     return "GONE" if state == "UNKNOWN" else state
 
 
-def _pid_runs(pid: str) -> bool:
-    """Does process ``pid`` exist and run (a zombie, ended but not yet waited for, does not)?"""
-    try:
-        os.kill(int(pid), 0)
-    except (OSError, ValueError):
-        return False
-    with contextlib.suppress(OSError):  # Linux: the state is the field after the command name
-        return Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    return True
-
-
 def _process_identity(pid: int | str) -> str | None:
     """``BOOT_ID:START`` of process ``pid``: this boot's id and the process's start time (clock ticks
     after boot, field 22 of ``/proc/PID/stat``), which a reused PID or a reboot changes; None where
@@ -476,7 +473,7 @@ def _our_controller(job_id: str, folder: str | Path, identity: str | None) -> bo
     ``submitit/``), and the process ``identity`` the ledger recorded (:func:`_process_identity`; an older
     ledger has none)? A PID another program took since (the driver was killed, the machine rebooted;
     a hand-edited ``1``) is not, and keel neither waits on it nor signals it."""
-    if not str(job_id).isdigit() or int(job_id) < 2 or not _pid_runs(job_id):
+    if not str(job_id).isdigit() or int(job_id) < 2 or not pid_runs(job_id):
         return False
     try:
         argv = Path(f"/proc/{int(job_id)}/cmdline").read_bytes().decode(errors="replace").split("\0")
@@ -652,7 +649,7 @@ def _reattach(st: _Submitted, todo: list) -> list:
             st.handles[job.name] = handle
             waiting.remove(job)
             st.record(job.name, state)
-        elif st.ex.kind != "slurm" and _pid_runs(entry["job_id"]) and not _task0(handle).paths.result_pickle.exists():
+        elif st.ex.kind != "slurm" and pid_runs(entry["job_id"]) and not _task0(handle).paths.result_pickle.exists():
             entry["state"] = "gone"
             _log.info(f"  {job.name}: job {entry['job_id']}'s process id belongs to another program now (the job "
                       "ended with its driver, or the machine restarted): not waiting on it, nor signalling it")

@@ -23,19 +23,17 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.resource_tracker
 import os
-import resource
 import signal
 import time
 from collections.abc import Callable, Sequence
 
 from keel.errors import Interrupted, KeelError
-from keel.io import STOP_SIGNALS, passing_on_stop_signals
+from keel.io import STOP_SIGNALS, limit_failure, passing_on_stop_signals
 
 _log = logging.getLogger(__name__)
 _STOP_SIGNALS = set(STOP_SIGNALS)
@@ -77,14 +75,8 @@ def death_words(exitcode: int | None) -> str:
 
 def start_failure(e: OSError) -> str:
     """What stopped a worker process from starting, as words with the limit to raise, e.g.
-    "Too many open files (the limit on open files, ulimit -n, is 12)"."""
-    why = e.strerror or str(e)
-    if e.errno in (errno.EMFILE, errno.ENFILE):
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        why += f" (the limit on open files, ulimit -n, is {soft})" if e.errno == errno.EMFILE else " (system-wide)"
-    elif e.errno in (errno.EAGAIN, errno.ENOMEM):
-        why += " (a limit on processes or memory: ulimit -u, ulimit -v)"
-    return why
+    "Too many open files (the limit on open files, ulimit -n, is 12)" (:func:`keel.io.limit_failure`)."""
+    return limit_failure(e) or e.strerror or str(e)
 
 
 class _Worker:

@@ -60,8 +60,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from keel.config import (Config, Override, config_from_dict, load_config, parse_value, read_toml, resolve_config_path,
-                         resolve_vocab_size)
+from keel.config import (Config, Override, coerce_key, config_from_dict, load_config, parse_value, read_toml,
+                         resolve_config_path, resolve_vocab_size)
+from keel.keys import current_key
 from keel.data import read_meta
 from keel.data.stats import dataset_unigram_entropy
 from keel.diagnostics.divergence import HEALTHY, Verdict, run_verdict
@@ -102,10 +103,26 @@ def parse_grid(specs: Sequence[str]) -> dict[str, list]:
         if key in grid:
             raise KeelError(f"--grid {key} is given twice; give all its values in one: --grid {key}=v1,v2,...")
         values = [parse_value(p.strip(), key) for p in parts]
-        if len({json.dumps(v) for v in values}) != len(values):
+        if repeats_a_value(key, values):
             raise KeelError(f"--grid {key} repeats a value: {raw!r}")
         grid[key] = values
     return grid
+
+
+def repeats_a_value(key: str, values: Sequence[Any]) -> bool:
+    """Whether two of a grid key's ``values`` are one value of the key once read as its declared type
+    (:func:`keel.config.coerce_key`: ``model.n_layers`` 2 and 2.0, ``train.lr`` 1e-3 and 0.001): the
+    plan counted them as two runs of one config. A key or value keel would refuse is compared as given
+    (its error comes where the config is built)."""
+    typed = []
+    for v in values:
+        try:
+            section, name = current_key(key).split(".", 1)
+            v = coerce_key(section, name, v)
+        except (KeelError, KeyError, ValueError, TypeError, AttributeError):
+            pass
+        typed.append(json.dumps(v, sort_keys=True, default=str))
+    return len(set(typed)) != len(typed)
 
 
 def expand_grid(grid: dict[str, list]) -> list[dict]:
@@ -196,7 +213,8 @@ def width_for_params(model_cfg, target: int, n_layers: int | None = None, *, mul
 def load_preset(name: str) -> dict:
     """A sweep preset: the packaged ``keel/configs/sweeps/NAME.toml`` or a TOML file path, as a dict.
 
-    Raises KeelError for an unknown name, unparsable TOML or unknown top-level keys.
+    Raises KeelError for an unknown name, unparsable TOML, unknown top-level keys or a grid key whose
+    list is empty or repeats a value (:func:`repeats_a_value`).
     """
     p = resolve_config_path(name, kind="sweeps")
     d = read_toml(p, "sweep preset")
@@ -206,6 +224,8 @@ def load_preset(name: str) -> dict:
     for k, v in d.get("grid", {}).items():
         if not isinstance(v, list) or not v:
             raise KeelError(f"sweep preset {p}: grid {k!r} must be a non-empty list")
+        if repeats_a_value(k, v):
+            raise KeelError(f"sweep preset {p}: grid {k!r} repeats a value: {v}")
     return d
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import gzip
+import os
 from pathlib import Path
 
 import matplotlib
@@ -30,17 +33,54 @@ def image_format(out: str | Path, flag: str = "--out") -> str:
     return fmt
 
 
+PLOT_MARK = "keel plot"  # the metadata value that marks an image file as keel's (check_plot_out)
+# the formats whose metadata can carry the mark, and the field that does (matplotlib's savefig(metadata=))
+_MARK_FIELD = {"png": "Software", "pdf": "Creator", "svg": "Creator", "svgz": "Creator", "eps": "Creator",
+               "ps": "Creator"}
+_MARK_READ_MAX = 64 << 20  # bytes: a bigger file is no plot of keel's
+
+
+def written_by_keel(path: str | Path) -> bool:
+    """Whether ``path`` is a regular file that :func:`save_figure` wrote: a ``.png``, ``.pdf``, ``.svg``,
+    ``.svgz``, ``.eps`` or ``.ps`` file whose metadata holds :data:`PLOT_MARK` (other formats carry no
+    metadata, so no file of theirs is known to be keel's). Unreadable: False."""
+    fmt = Path(path).suffix.lower().lstrip(".") or "png"
+    if fmt not in _MARK_FIELD:
+        return False
+    with contextlib.suppress(OSError, EOFError, gzip.BadGzipFile):
+        if os.path.isfile(path) and os.path.getsize(path) <= _MARK_READ_MAX:
+            data = Path(path).read_bytes()
+            return PLOT_MARK.encode() in (gzip.decompress(data) if fmt == "svgz" else data)
+    return False
+
+
+def check_plot_out(out: str | Path, flag: str = "--out") -> None:
+    """Refuse an image path the user named (``keel plot --out``, ``keel gradflow --plot``) that exists
+    and is not a plot keel wrote (:func:`written_by_keel`): keel overwrites only its own plots.
+
+    Raises:
+        KeelError: one line naming ``flag`` and ``out``.
+    """
+    if os.path.lexists(out) and not written_by_keel(out):
+        fmt = Path(out).suffix.lower().lstrip(".") or "png"
+        why = "" if fmt in _MARK_FIELD else f" (a .{fmt} file carries no mark of keel's)"
+        raise KeelError(f"{flag} {out} exists and is not a plot keel wrote{why}; keel overwrites only its own "
+                        f"plots: remove it, or give another {flag}")
+
+
 def save_figure(fig, out: str | Path) -> None:
     """Save ``fig`` to ``out`` via a temp file and rename, in the format its suffix names (``.png``,
-    ``.pdf``, ``.svg``, ``.jpg``, ...; PNG without one: :func:`image_format`); closes the figure.
+    ``.pdf``, ``.svg``, ``.jpg``, ...; PNG without one: :func:`image_format`); closes the figure. Where
+    the format has metadata, :data:`PLOT_MARK` marks the file as keel's (:func:`check_plot_out`).
 
     Raises:
         KeelError: a suffix matplotlib cannot write (nothing is written).
     """
     try:
         fmt = image_format(out)
+        mark = {"metadata": {_MARK_FIELD[fmt]: PLOT_MARK}} if fmt in _MARK_FIELD else {}
         with atomic_path(out, suffix=f".{fmt}") as tmp:
-            fig.savefig(tmp, dpi=120, bbox_inches="tight", format=fmt)
+            fig.savefig(tmp, dpi=120, bbox_inches="tight", format=fmt, **mark)
     finally:
         plt.close(fig)
 

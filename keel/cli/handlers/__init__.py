@@ -5,6 +5,7 @@ that ``keel --help`` and every parser stay light. Shared here: the checks of fla
 commands take (:func:`check_counts`, :func:`check_seed`).
 """
 
+from keel.cli.trained import MAX_LOOPS_FACTOR, MAX_LOOPS_MIN, max_loops
 from keel.config import check_value
 from keel.errors import KeelError
 
@@ -36,7 +37,8 @@ def check_seed(value: int, flag: str = "--seed") -> None:
 
 def check_loops(loops: int | None, model_cfg, source: str) -> None:
     """``--loops`` (None: not given) suits the model of ``source`` (a run or folder, as the user named it):
-    an integer >= 1, for a looped model (``model_cfg.loop_core >= 1``, a :class:`keel.config.ModelConfig`).
+    an integer >= 1, for a looped model (``model_cfg.loop_core >= 1``, a :class:`keel.config.ModelConfig`), at
+    most :func:`keel.cli.trained.max_loops` of its ``loop_repeats``.
 
     Raises:
         KeelError: one line naming the flag and the problem.
@@ -47,3 +49,7 @@ def check_loops(loops: int | None, model_cfg, source: str) -> None:
         raise KeelError(f"--loops must be >= 1, got {loops}")
     if not model_cfg.loop_core:
         raise KeelError(f"--loops needs a looped model (model.loop_core >= 1); {source} does not loop")
+    if loops > (cap := max_loops(model_cfg.loop_repeats)):
+        raise KeelError(f"--loops must be at most {cap} (max({MAX_LOOPS_MIN}, {MAX_LOOPS_FACTOR} x "
+                        f"model.loop_repeats = {model_cfg.loop_repeats})"
+                        f" for {source}), got {loops}: each token would apply the core {loops} times")

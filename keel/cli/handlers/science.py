@@ -33,7 +33,7 @@ from keel.experiments import sweep as S
 from keel.io import check_output_not_in_checkpoints, check_path_names, make_dirs
 from keel.model import SCHEMES
 from keel.run import Run
-from keel.train.plots import image_format
+from keel.train.plots import check_plot_out, image_format
 
 
 def cmd_gradflow(args: argparse.Namespace) -> int:
@@ -50,6 +50,7 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
     check_seed(args.seed)
     if args.plot:
         image_format(args.plot, "--plot")  # before the profiles are computed, not after
+        check_plot_out(args.plot, "--plot")
     model_flags = {"--residual": args.residual is not None, args.sublayers_flag: args.sublayers is not None,
                    "--d-model": args.d_model is not None, "--config": args.config is not None, "--set": bool(args.set),
                    "--loop": args.loop is not None}
@@ -121,34 +122,41 @@ def _parse_layers(text: str, flag: str = "--sublayers") -> list[int]:
     return out
 
 
-def _stored_sweep(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` with the ``--grid``, ``--preset``, ``--config``, ``--best-over``, ``--match-params``
-    and ``--set`` flags of the command that started ``--out`` (its ``study.json``; the ``--set``
-    given now follow), so that ``keel sweep --out DIR --resume`` alone continues a sweep.
-    Unchanged when ``--out`` holds no ``keel sweep`` command. Raises KeelError when one of those
-    flags (but ``--set``) is given now with another value: another grid belongs in another folder."""
+def stored_flags(args: argparse.Namespace, out: str | Path, command: str, keys: tuple[str, ...] = ()) -> argparse.Namespace:
+    """``args`` with the flags ``keys`` (argparse dests) and the ``--set`` flags of the ``keel COMMAND``
+    that started the grid folder ``out`` (its ``study.json``; the ``--set`` given now follow, each once),
+    so that ``keel sweep --out DIR --resume`` or ``keel study NAME --out DIR --resume`` alone continues
+    as it began. A ``--set`` given now that contradicts a recorded one is refused by the engine
+    (:func:`keel.experiments.study.run.check_started_runs`), naming the key. Unchanged when ``out``
+    holds no ``keel COMMAND`` command.
+
+    Raises:
+        KeelError: one of ``keys`` given now with another value: another grid belongs in another folder.
+    """
     try:
-        command = json.loads((Path(args.out) / "study.json").read_text())["command"]
-        argv = shlex.split(command)
+        recorded = json.loads((Path(out) / "study.json").read_text(encoding="utf-8"))["command"]
+        argv = shlex.split(recorded)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return args
-    if argv[:2] != ["keel", "sweep"]:
+    if argv[:2] != ["keel", command]:
         return args
     from keel.cli import build_parser  # lazy: keel.cli imports this module
 
-    old = build_parser().parse_args(argv[1:])
-    keys = ("grid", "preset", "config", "best_over", "match_params")
+    try:
+        old = build_parser().parse_args(argv[1:])
+    except SystemExit:  # a command an older keel recorded, with flags this one no longer has
+        return args
     for k in keys:
         if getattr(args, k) not in (None, []) and getattr(args, k) != getattr(old, k):
-            raise KeelError(f"--resume continues the sweep {args.out} holds ({command}); --{k.replace('_', '-')} "
-                            "differs from it: drop it, or give another --out for another sweep")
+            raise KeelError(f"--resume continues the {command} {out} holds ({recorded}); --{k.replace('_', '-')} "
+                            f"differs from it: drop it, or give another --out for another {command}")
     again = [s for s in args.set if s not in old.set]  # a resume with the full flags: each --set once
     return argparse.Namespace(**{**vars(args), **{k: getattr(old, k) for k in keys}, "set": old.set + again})
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     if args.resume and args.out:
-        args = _stored_sweep(args)
+        args = stored_flags(args, args.out, "sweep", ("grid", "preset", "config", "best_over", "match_params"))
     preset = S.load_preset(args.preset) if args.preset else {}
     grid = {k: list(v) for k, v in preset.get("grid", {}).items()}
     grid.update(S.parse_grid(args.grid))
@@ -176,6 +184,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     out = Path(args.out)
     image_format(out)
     check_output_not_in_checkpoints(out, "--out")
+    check_plot_out(out, "--out")
     make_dirs(out.parent)  # as export-hf and gradflow --plot create theirs
     if args.kind == "loss":
         n = P.plot_loss_curves(args.paths, out, val=args.val, x=args.x, smooth=args.smooth, title=args.title)
@@ -238,6 +247,8 @@ def _ablate_hf(args: argparse.Namespace, tokens: int) -> dict:
 
 def cmd_ablate(args: argparse.Namespace) -> int:
     check_counts(args, "tokens", "seq_len", "batch_size", "loops")
+    if args.out:  # before the ablation's minutes, not after
+        check_output_not_in_checkpoints(args.out, "--out")
     tokens = args.tokens or 16384
     if args.verbose:  # the library logs each unit's PPL at DEBUG level
         logging.getLogger(A.__name__).setLevel(logging.DEBUG)
@@ -265,6 +276,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 def cmd_stress(args) -> int:
     """``keel stress``: see :mod:`keel.experiments.stress`."""
     _check_engine_flags(args)
+    check_output_not_in_checkpoints(args.out, "--out")
     schemes = _parse_list(args.residual, str, "--residual") if args.residual is not None else list(SCHEMES)
     layers = _parse_list(args.sublayers, int, args.sublayers_flag)
     seeds = _parse_list(args.seeds, int, "--seeds")
@@ -398,7 +410,10 @@ def cmd_study(args: argparse.Namespace) -> int:
     if args.restore is not None and not args.restore.strip():
         raise KeelError("--restore is empty: give an earlier report.json of this study")
     out = args.out or f"runs/study-{Path(args.name).stem}-{args.scale}"
+    if args.resume:  # the --set flags the study started with (as keel sweep --resume)
+        args = stored_flags(args, out, "study")
     check_path_names(out, "--out")  # "File name too long" was a traceback
+    check_output_not_in_checkpoints(out, "--out")
     _check_engine_flags(argparse.Namespace(**{**vars(args), "out": out}))
     command = study_command(args.cli_argv[1:]) if len(args.cli_argv) > 1 else f"keel study {args.name}"
     r = run_study(args.name, args.scale, out, args.set, workers=args.workers, threads=args.threads,
