@@ -752,7 +752,7 @@ def test_an_export_whose_config_json_disagrees_with_its_weights_is_one_line(cli_
             assert not (tmp_path / "imported").exists()
 
 
-# --- issue 51: new-user trial -------------------------------------------------------------------------
+# --- issue 50: the second new-user trial's open cases -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("item,said", [
     ("partition=", "--slurm partition= is empty"),
