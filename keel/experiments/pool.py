@@ -115,7 +115,11 @@ class LocalPool:
         self.queue.extend(calls)
         # Started on the first spawn, the resource tracker unblocks SIGINT / SIGTERM after starting itself: a
         # worker spawned next did not inherit them blocked (a Ctrl-C during its imports went unnoticed)
-        multiprocessing.resource_tracker.ensure_running()
+        try:
+            multiprocessing.resource_tracker.ensure_running()
+        except OSError as e:  # its pipe needs two descriptors: EMFILE as for a worker's own start
+            self.start_error = start_failure(e)
+            raise KeelError(self._no_worker_words()) from None
         with passing_on_stop_signals(self._stop) as received:
             self.received = received
             try:
@@ -173,8 +177,12 @@ class LocalPool:
             busy = any(w is not None and w.key is not None for w in self.slots)
             if busy or not self.queue or self.received:
                 return busy
-        raise KeelError(f"cannot start a worker process for the grid: {self.start_error or 'each one died at once'}; "
-                        "raise the limit, or use fewer --workers (0 runs the jobs in this process)")
+        raise KeelError(self._no_worker_words())
+
+    def _no_worker_words(self) -> str:
+        """The one line that says no worker process can be started, and why (:attr:`start_error`)."""
+        return (f"cannot start a worker process for the grid: {self.start_error or 'each one died at once'}; "
+                "raise the limit, or use fewer --workers (0 runs the jobs in this process)")
 
     def _hand_out(self) -> None:
         """Give the next calls to the idle workers (started where a slot has none)."""
