@@ -26,14 +26,9 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from keel.errors import KeelError
+from keel.rundir import RunDir
 
 _log = logging.getLogger(__name__)
-
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib
-
 
 # The signals that stop a run cleanly (finish the step, checkpoint, exit 128 + signal with a resume
 # hint): Ctrl-C, kill / a scheduler's stop, SIGHUP (the terminal went away: a closed SSH session;
@@ -351,25 +346,15 @@ def make_dirs(path: str | os.PathLike, name: str | os.PathLike | None = None) ->
     return path
 
 
-LOCK_NAME = ".keel.lock"
+LOCK_NAME = RunDir.LOCK
 
 # What keel itself may find in a run folder it did not yet write a run into: its lock file, a grid
-# job's job.json / run.log (the grid writes them before the run starts), and its own temporaries
-# (``.NAME.XXXXXXXX.tmp``: :func:`atomic_path`, :func:`make_temp_dir`, with tempfile's random part).
-_KEEL_SETUP_FILES = frozenset({LOCK_NAME, "job.json", "run.log"})
+# job's job.json / run.log (the grid writes them before the run starts: RunDir.SETUP_FILES), and its
+# own temporaries (``.NAME.XXXXXXXX.tmp``: :func:`atomic_path`, :func:`make_temp_dir`, with tempfile's random part).
 KEEL_TEMPORARY = re.compile(r"^\..+\.[a-z0-9_]+\.tmp$")
 # The log files a job scheduler writes into the folder a job is started in, before keel runs:
 # Slurm's default ``slurm-%j.out`` (``slurm-%A_%a.out`` for an array job) and a ``slurm-%j.err``.
 SCHEDULER_LOG = re.compile(r"^slurm-[A-Za-z0-9_.%-]+\.(out|err)$")
-
-
-def _holds_keel_config(folder: Path) -> bool:
-    """Whether ``folder/config.toml`` is a config keel wrote (a TOML file with a ``[model]`` table)."""
-    try:
-        with open(folder / "config.toml", "rb") as f:
-            return isinstance(tomllib.load(f).get("model"), dict)
-    except (OSError, ValueError):  # missing, unreadable, not TOML (tomllib.TOMLDecodeError is a ValueError)
-        return False
 
 
 def foreign_entries(folder: str | os.PathLike) -> list[str] | None:
@@ -381,10 +366,10 @@ def foreign_entries(folder: str | os.PathLike) -> list[str] | None:
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    if _holds_keel_config(folder):
+    if RunDir(folder).is_run():
         return None
     return sorted(p.name for p in folder.iterdir() if not (
-        p.name in _KEEL_SETUP_FILES or KEEL_TEMPORARY.match(p.name) or SCHEDULER_LOG.match(p.name)))
+        p.name in RunDir.SETUP_FILES or KEEL_TEMPORARY.match(p.name) or SCHEDULER_LOG.match(p.name)))
 
 
 def enclosing_run_checkpoints(path: str | os.PathLike) -> Path | None:
@@ -400,7 +385,8 @@ def enclosing_run_checkpoints(path: str | os.PathLike) -> Path | None:
             candidates.append(resolved)
     for candidate in candidates:
         for folder in (candidate, *candidate.parents):
-            if folder.name == "checkpoints" and (_holds_keel_config(folder.parent) or (folder.parent / LOCK_NAME).is_file()):
+            run = RunDir(folder.parent)
+            if folder.name == RunDir.CHECKPOINTS and (run.is_run() or run.lock.is_file()):
                 return folder
     return None
 

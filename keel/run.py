@@ -2,8 +2,8 @@
 
 Every command that takes ``--run`` reads the run through this one class: its resolved
 config, its metrics (one reader), its checkpoints, its tokenizer, its dataset folder and
-its trained model. The layout of a run directory is documented in
-:mod:`keel.train.trainer`.
+its trained model. The layout of a run directory is :class:`keel.rundir.RunDir`'s
+(``Run(path).dir``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from keel.config import Config, load_config
 from keel.data import check_tokenizer_matches, resolve_data
 from keel.errors import KeelError
 from keel.model import Transformer
+from keel.rundir import RunDir
 from keel.train.checkpoint import find_intact_checkpoint, latest_checkpoint, list_checkpoints, load_trainer_state, \
     load_weights
 from keel.train.device import resolve_device
@@ -39,8 +40,9 @@ class Run:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        if not (self.path / "config.toml").is_file():
-            raise KeelError(f"not a run directory (no config.toml): {self.path}")
+        self.dir = RunDir(self.path)  # the run folder's files
+        if not self.dir.config.is_file():
+            raise KeelError(f"not a run directory (no {RunDir.CONFIG}): {self.path}")
 
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r})"
@@ -48,11 +50,12 @@ class Run:
     @cached_property
     def config(self) -> Config:
         """The resolved config the run was trained with (``config.toml``)."""
-        return load_config(self.path / "config.toml", stored=True)
+        return load_config(self.dir.config, stored=True)
 
     @property
     def metrics_path(self) -> Path:
-        return self.path / "metrics.jsonl"
+        """``RUN/metrics.jsonl`` (:attr:`RunDir.metrics`)."""
+        return self.dir.metrics
 
     def metrics(self) -> list[dict]:
         """The records of ``metrics.jsonl`` ([] before the first one; see :mod:`keel.train.metrics`)."""
@@ -79,9 +82,9 @@ class Run:
 
     def tokenizer(self):
         """The run's ``tokenizers.Tokenizer`` (``tokenizer.json``). Raises KeelError if missing."""
-        path = self.path / "tokenizer.json"
+        path = self.dir.tokenizer
         if not path.is_file():
-            raise KeelError(f"run {self.path} has no tokenizer.json")
+            raise KeelError(f"run {self.path} has no {RunDir.TOKENIZER}")
         return Tokenizer.from_file(str(path))
 
     def data_dir(self) -> Path:
@@ -91,7 +94,7 @@ class Run:
         tokenizer than the run's own ``tokenizer.json`` (:func:`keel.data.check_tokenizer_matches`: e.g.
         ``keel prepare --out`` over the folder since), whose ids would mean other text to the model."""
         data = resolve_data(self.config, progress=False)
-        if (self.path / "tokenizer.json").is_file():
+        if self.dir.tokenizer.is_file():
             check_tokenizer_matches(self.tokenizer(), data, whose=f"run {self.path}'s",
                                     fix="prepare the run's dataset again")
         return data

@@ -21,7 +21,7 @@ PKG = REPO / "keel"
 
 # Bottom to top. The first prefix that matches a module's name gives its layer.
 LAYERS: list[tuple[str, ...]] = [
-    ("keel.errors", "keel.io", "keel.keys", "keel.config", "keel.configs"),    # 0: foundations
+    ("keel.errors", "keel.rundir", "keel.io", "keel.keys", "keel.config", "keel.configs"),  # 0: foundations
     ("keel.model", "keel.data"),                                                # 1: the model, the data
     ("keel.train", "keel.run"),                                                 # 2: training, a run on disk
     ("keel.diagnostics", "keel.eval", "keel.hf"),                               # 3: built on trained models

@@ -10,7 +10,6 @@ from keel import KeelError
 from keel.cli import main
 from keel.data.stats import dataset_unigram_entropy
 from keel.diagnostics.divergence import MODES, classify_metrics
-from keel.experiments.grid import RESULT_FILE
 from keel.experiments.presets import STRESS_OWNED, run_stress
 from keel.experiments.stress import (
     REFERENCES,
@@ -18,6 +17,7 @@ from keel.experiments.stress import (
     stress_table,
     table_markdown,
 )
+from keel.rundir import RunDir
 
 SCHEMES = ["pre_ln", "post_ln"]
 RAMP, PEAK = 30, 5.0
@@ -104,12 +104,12 @@ def test_cached_runs_are_skipped_and_interrupted_ones_resumed(tiny_data, one_wor
     with pytest.raises(KeelError, match=r"other settings \(train.lr, train.steps, train.warmup_steps\)"):
         grid(tiny_data, out, ramp_steps=RAMP + 1, peak_lr=PEAK / 2, resume=True)
     # an interrupted run (no result file) is resumed, the other stays cached
-    (out / "pre_ln-4sl-seed0" / RESULT_FILE).unlink()
+    (out / "pre_ln-4sl-seed0" / RunDir.RESULT).unlink()
     res = grid(tiny_data, out, resume=True)
     assert res["trained"] == ["pre_ln-4sl-seed0"] and res["cached"] == ["post_ln-4sl-seed0"]
     assert [r["divergence"] for r in res["runs"]] == [r["divergence"] for r in res1["runs"]]
     # report-only tabulates finished runs and trains nothing
-    (out / "post_ln-4sl-seed0" / RESULT_FILE).unlink()
+    (out / "post_ln-4sl-seed0" / RunDir.RESULT).unlink()
     res = grid(tiny_data, out, report_only=True)
     assert res["trained"] == [] and [r["name"] for r in res["runs"]] == ["pre_ln-4sl-seed0"]
     assert res["table"]["rows"][0]["cells"]["post_ln"]["text"] == "–"
@@ -125,7 +125,7 @@ def test_cached_runs_are_skipped_and_interrupted_ones_resumed(tiny_data, one_wor
     assert not empty.exists()
     other = out.parent / "other-grid" / "some-run"  # a folder with a finished run, none of this grid's
     other.mkdir(parents=True)
-    (other / RESULT_FILE).write_text("{}")
+    (other / RunDir.RESULT).write_text("{}")
     with pytest.raises(KeelError, match="no finished run of this stress test: nothing to report; check --out and"):
         grid(tiny_data, other.parent, report_only=True)
     # other schemes than the folder's runs: the message gives the command that started it

@@ -54,8 +54,8 @@ from keel.data.sources import SourceStats, check_hub_reachable, check_source, hu
 from keel.data.stats import unigram_entropy
 from keel.data.text import encode_batch
 from keel.errors import KeelError
-from keel.io import (RunLock, check_output_not_in_checkpoints, check_path_names, check_regular_file, disk_errors,
-                     make_dirs, pid_runs, remove_empty_dirs)
+from keel.io import (LOCK_NAME, RunLock, check_output_not_in_checkpoints, check_path_names, check_regular_file,
+                     disk_errors, make_dirs, pid_runs, remove_empty_dirs)
 
 FORMAT_VERSION = 1
 EOS_TOKEN = "<|endoftext|>"
@@ -151,7 +151,7 @@ def prepare_lock(out: Path) -> RunLock:
     Raises (on entry):
         KeelError: the parent folder cannot be made or written (:func:`keel.io.disk_errors`).
     """
-    lock = RunLock(out.parent, f".{out.name}.keel.lock", transient=True, wait=True)
+    lock = RunLock(out.parent, f".{out.name}{LOCK_NAME}", transient=True, wait=True)
     lock.waiting = f"waiting for keel process {{pid}}, which is preparing {out}"
     lock.unmakeable = f"cannot make the folder {out}: {{why}}"  # e.g. under /proc: its parent takes no new file
     return lock

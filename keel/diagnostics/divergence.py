@@ -89,8 +89,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keel.errors import KeelError
-
-METRICS_FILE = "metrics.jsonl"
+from keel.rundir import RunDir
 
 HEALTHY, STAGNATION, INSTABILITY, DEGRADATION = "healthy", "stagnation", "instability", "degradation"
 MODES = (HEALTHY, STAGNATION, INSTABILITY, DEGRADATION)
@@ -419,9 +418,9 @@ def read_reference(run_dir: str | Path) -> tuple[list[int], list[float]]:
     Raises:
         KeelError: no ``metrics.jsonl`` there, or no finite training loss in it.
     """
-    path = Path(run_dir) / METRICS_FILE
+    path = RunDir(run_dir).metrics
     if not path.is_file():
-        raise KeelError(f"divergence reference {run_dir} is not a run directory (no {METRICS_FILE})")
+        raise KeelError(f"divergence reference {run_dir} is not a run directory (no {RunDir.METRICS})")
     try:
         records = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
     except ValueError as e:

@@ -61,12 +61,10 @@ from keel.experiments.executor import (Executor, assign_devices, check_ledger, p
                                        visible_devices)
 from keel.experiments.pool import LocalPool
 from keel.io import STOP_SIGNALS, atomic_write_text, die_with_parent, make_dirs, remove_empty_dirs
+from keel.rundir import RunDir
 
 _log = logging.getLogger(__name__)  # progress lines ("[3/12] name: done in 41 s")
 
-RESULT_FILE = "result.json"
-JOB_FILE = "job.json"
-LOG_FILE = "run.log"
 GRID_FILE = "grid.json"
 
 Task = Callable[["GridJob", Path, bool], dict]  # task(job, run_dir, resume); it logs through `logging`
@@ -105,7 +103,7 @@ def check_reportable(out_dir: str | Path) -> None:
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise KeelError(f"cannot write {out_dir}: a file is there, not a folder")  # as keel.io.make_dirs says
-    if not out_dir.is_dir() or not any((d / RESULT_FILE).is_file() for d in out_dir.iterdir()):
+    if not out_dir.is_dir() or not any(RunDir(d).result.is_file() for d in out_dir.iterdir()):
         raise KeelError(f"{out_dir} holds no finished run: nothing to report; check --out")
 
 
@@ -164,7 +162,7 @@ def cached_result(run_dir: str | Path) -> dict | None:
     Raises:
         KeelError: the file is JSON of the wrong shape (:func:`check_result`).
     """
-    p = Path(run_dir) / RESULT_FILE
+    p = RunDir(run_dir).result
     if not p.is_file():
         return None
     try:
@@ -237,9 +235,9 @@ def _execute(task: Task, job: GridJob, run_dir: str, resume: bool) -> dict:
         raise Interrupted("not started: the grid was stopped", _STOP[0])
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / JOB_FILE, json.dumps(asdict(job), indent=1))
+    atomic_write_text(RunDir(run_dir).job, json.dumps(asdict(job), indent=1))
     t0 = time.perf_counter()
-    with open(run_dir / LOG_FILE, "a") as logf, _logging_to(logf):
+    with open(RunDir(run_dir).log, "a") as logf, _logging_to(logf):
         _log.info(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {'resume' if resume else 'start'} {job.name}")
         try:
             _RUNNING.append(job.name)
@@ -259,7 +257,7 @@ def _execute(task: Task, job: GridJob, run_dir: str, resume: bool) -> dict:
             _RUNNING.clear()
     result = {"name": job.name, "values": job.values, "status": "done", **out,
               "wall_s": out.get("wall_s", time.perf_counter() - t0)}
-    atomic_write_text(run_dir / RESULT_FILE, json.dumps(result, indent=1, default=str))
+    atomic_write_text(RunDir(run_dir).result, json.dumps(result, indent=1, default=str))
     return result
 
 
@@ -315,7 +313,7 @@ def _with_defaults(config: dict) -> dict:
 def _check_same_config(run_dir: Path, job: GridJob, ignore: Sequence[str] = ()) -> None:
     """Raise KeelError if ``run_dir/job.json`` holds another config than ``job`` (naming the keys),
     leaving out the ``section.key`` names in ``ignore``."""
-    stored = run_dir / JOB_FILE
+    stored = RunDir(run_dir).job
     if not stored.is_file():
         return
     old, new = json.loads(stored.read_text()).get("config") or {}, json.loads(json.dumps(job.config))
@@ -335,7 +333,7 @@ def _check_same_config(run_dir: Path, job: GridJob, ignore: Sequence[str] = ()) 
         elif a != b:
             keys.append(sec)
     raise KeelError(f"run {run_dir} was started with other settings ({', '.join(keys)}); continue it with the "
-                    f"settings in its {JOB_FILE} (e.g. the same --set flags), or use another --out")
+                    f"settings in its {RunDir.JOB} (e.g. the same --set flags), or use another --out")
 
 
 def check_started(jobs: Sequence[GridJob], out_dir: str | Path, ignore: Sequence[str] = ("data.path",)) -> None:
@@ -462,7 +460,7 @@ def _run_in_workers(task: Task, todo: list[GridJob], out_dir: Path, workers: int
 
     def died(job: GridJob, why: str, wall_s: float) -> None:
         message = f"{why}; --resume runs it again"
-        with contextlib.suppress(OSError), open(out_dir / job.name / LOG_FILE, "a") as logf:
+        with contextlib.suppress(OSError), open(RunDir(out_dir / job.name).log, "a") as logf:
             logf.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {job.name} failed: {message}\n")
         report(job, {"name": job.name, "values": job.values, "status": "error", "message": message, "wall_s": wall_s})
 

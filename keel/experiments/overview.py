@@ -25,6 +25,7 @@ from keel.errors import KeelError
 from keel.io import lock_holder
 from keel.model import count_parameters
 from keel.run import Run
+from keel.rundir import RunDir
 from keel.train.metrics import mean_tokens_per_s, untimed_tokens
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def find_runs(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         raise KeelError(f"not a folder: {root}")
-    return sorted({p.parent for p in root.rglob("config.toml")})
+    return sorted({p.parent for p in root.rglob(RunDir.CONFIG)})
 
 
 def runs_overview(root: str | Path = "runs") -> list[dict]:

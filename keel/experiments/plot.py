@@ -25,6 +25,7 @@ from typing import Sequence
 from keel.errors import KeelError, plural
 from keel.experiments import sensitivity
 from keel.experiments.sweep import load_sweep
+from keel.rundir import RunDir
 from keel.train.metrics import read_metrics, trailing_mean
 from keel.train.plots import plt, save_figure
 
@@ -35,11 +36,11 @@ def _run_dirs(paths: Sequence[str | Path]) -> list[tuple[str, Path]]:
     for p in map(Path, paths):
         if (p / "sweep.json").is_file():
             s = json.loads((p / "sweep.json").read_text())
-            out += [(r["name"], p / r["name"]) for r in s["runs"] if (p / r["name"] / "metrics.jsonl").is_file()]
-        elif (p / "metrics.jsonl").is_file():
+            out += [(r["name"], p / r["name"]) for r in s["runs"] if RunDir(p / r["name"]).metrics.is_file()]
+        elif RunDir(p).metrics.is_file():
             out.append((p.name, p))
         else:
-            raise KeelError(f"not a run folder (no metrics.jsonl) or sweep folder (no sweep.json): {p}")
+            raise KeelError(f"not a run folder (no {RunDir.METRICS}) or sweep folder (no sweep.json): {p}")
     if not out:
         raise KeelError("no runs to plot")
     return out
@@ -72,7 +73,7 @@ def plot_loss_curves(paths: Sequence[str | Path], out: str | Path, *, val: bool 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     n = 0
     for i, (name, run) in enumerate(runs):
-        recs = read_metrics(run / "metrics.jsonl")
+        recs = read_metrics(RunDir(run).metrics)
         if val:
             pts = [(r[xkey], r["val_loss"]) for r in recs if "val_loss" in r and math.isfinite(r["val_loss"])]
         else:
@@ -203,9 +204,10 @@ def plot_lr(sweep_dir: str | Path, out: str | Path, title: str = "") -> int:
 
 
 def _last_val(run_dir: Path) -> float | None:
-    if not (run_dir / "metrics.jsonl").is_file():
+    metrics = RunDir(run_dir).metrics
+    if not metrics.is_file():
         return None
-    vals = [r["val_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r]
+    vals = [r["val_loss"] for r in read_metrics(metrics) if "val_loss" in r]
     return vals[-1] if vals else None
 
 

@@ -31,6 +31,7 @@ from keel.experiments.study.run import check_started_runs, execute
 from keel.experiments.study.spec import Group, Study, refuse_sets
 from keel.io import atomic_write_text
 from keel.model import SCHEMES
+from keel.rundir import RunDir
 
 _log = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ def _log_unplanned(out: Path, report: dict, what: str) -> None:
     runs of this grid, e.g. left by an earlier ``--lrs`` before a ``--resume`` with another: they
     are in no table, which the user should hear rather than find out."""
     planned = {r["name"] for r in report["runs"]}
-    stray = sorted(p.name for p in out.iterdir() if (p / "job.json").is_file() and p.name not in planned)
+    stray = sorted(p.name for p in out.iterdir() if RunDir(p).job.is_file() and p.name not in planned)
     if stray:
         more = f", ... ({len(stray)} in all)" if len(stray) > 3 else ""
         _log.warning(f"{what}: {out} holds run folders that are not runs of this grid, left out of its tables: "

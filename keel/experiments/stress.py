@@ -54,6 +54,7 @@ from keel.errors import KeelError, plural
 from keel.experiments.grid import GridJob
 from keel.experiments.table import markdown_table
 from keel.experiments.sweep import train_task
+from keel.rundir import RunDir
 from keel.train.metrics import read_metrics
 
 REFERENCES = "references"
@@ -93,7 +94,7 @@ def stress_task(job: GridJob, run_dir: Path, resume: bool) -> dict:
     out.update(job.values)
     out["name"] = job.name
     out["run_dir"] = str(run_dir)
-    records = read_metrics(Path(run_dir) / "metrics.jsonl")
+    records = read_metrics(RunDir(run_dir).metrics)
     out["max_lr"] = max_lr(records, out["divergence"]["step"]) if out["diverged"] else None
     return out
 

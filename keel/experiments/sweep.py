@@ -71,6 +71,7 @@ from keel.experiments.grid import GridJob
 from keel.experiments.table import markdown_table
 from keel.experiments.training import train_run
 from keel.model import SCHEMES, check_model_config, count_parameters
+from keel.rundir import RunDir
 from keel.train import TrainingStopped
 from keel.train.checkpoint import find_intact_checkpoint
 from keel.train.metrics import read_metrics
@@ -310,9 +311,10 @@ def _verdict(records: list[dict], stopped: str | None, reference_dir: str,
     ``train.divergence_reference`` (if set) and its dataset's unigram entropy (if known)."""
     ref = None
     if reference_dir:
-        if not (Path(reference_dir) / "metrics.jsonl").is_file():
-            raise KeelError(f"divergence reference {reference_dir} has no metrics.jsonl (not a finished run)")
-        ref = read_metrics(Path(reference_dir) / "metrics.jsonl")
+        ref_metrics = RunDir(reference_dir).metrics
+        if not ref_metrics.is_file():
+            raise KeelError(f"divergence reference {reference_dir} has no {RunDir.METRICS} (not a finished run)")
+        ref = read_metrics(ref_metrics)
     h1 = dataset_unigram_entropy(data_dir) if data_dir and (Path(data_dir) / "meta.json").is_file() else None
     v = run_verdict(records, ref, h1, stopped)
     return v.to_dict(), (str(reference_dir) if reference_dir else None), h1
@@ -333,8 +335,8 @@ def run_summary(run_dir: str | Path, stopped: str | None = None) -> dict:
     ``unigram_entropy`` (nats, of the run's dataset, or None). Losses are nats/token.
     """
     run_dir = Path(run_dir)
-    cfg = load_config(run_dir / "config.toml", stored=True)
-    records = read_metrics(run_dir / "metrics.jsonl")
+    cfg = load_config(RunDir(run_dir).config, stored=True)
+    records = read_metrics(RunDir(run_dir).metrics)
     vals = [r for r in records if "val_loss" in r]
     last = records[-1] if records else {}
     tc = cfg.train
@@ -378,7 +380,7 @@ def train_task(job: GridJob, run_dir: Path, resume: bool) -> dict:
     t0 = time.perf_counter()
     cfg = config_from_dict(job.config)
     stopped = None
-    started = resume and (run_dir / "metrics.jsonl").is_file()  # a grid's --resume also reaches runs never started
+    started = resume and RunDir(run_dir).metrics.is_file()  # a grid's --resume also reaches runs never started
     # interrupted before its first intact checkpoint: nothing to continue, train it again from step 0
     restart = started and find_intact_checkpoint(run_dir)[0] is None
     if restart:

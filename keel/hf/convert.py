@@ -54,6 +54,7 @@ from keel.io import (atomic_dir, atomic_write_text, check_output_not_in_checkpoi
                      make_dirs, weights_load_errors)
 from keel.model import Transformer
 from keel.run import Run
+from keel.rundir import RunDir
 from keel.train import state_dict as SD
 from keel.train.checkpoint import save_checkpoint
 from keel.train.device import resolve_device
@@ -61,6 +62,7 @@ from keel.train.optim import build_optimizer
 from keel.train.progress import interactive
 
 KEEL_CONFIG_NAME = "keel_config.toml"
+HF_TOKENIZER = "tokenizer.json"  # an HF model folder's tokenizer (transformers' name; a keel run's: RunDir.tokenizer)
 KEEL_TIED = frozenset(KeelForCausalLM._tied_weights_keys)  # stored once, as the embedding
 
 log = logging.getLogger(__name__)
@@ -102,7 +104,7 @@ def eos_token_of(tokenizer, run_dir: Path | None = None) -> str:
         return EOS_TOKEN
     if run_dir is not None:
         try:
-            cfg = load_config(run_dir / "config.toml", stored=True)
+            cfg = load_config(RunDir(run_dir).config, stored=True)
             if cfg.data.path:
                 token = tokenizer.id_to_token(int(read_meta(cfg.data.path)["eos_id"]))
                 if token is not None:
@@ -186,7 +188,7 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
             chmod_default(weights)  # safetensors writes 0600; every other file follows the umask
         if not llama:
             write_remote_code(tmp)
-        save_hf_tokenizer(hf_tokenizer(run_dir / "tokenizer.json", eos, model.cfg.max_seq_len), tmp)
+        save_hf_tokenizer(hf_tokenizer(RunDir(run_dir).tokenizer, eos, model.cfg.max_seq_len), tmp)
         _write_keel_config(run.config, tmp / KEEL_CONFIG_NAME)
     return out
 
@@ -292,10 +294,10 @@ def load_hf(path: str | Path, device: str = "auto"):
 def _write_tokenizer(hf_dir: Path, hf_tok, dest: Path) -> None:
     """Copy ``tokenizer.json`` (and ``tokenizer_config.json``, where keel's data preparation
     finds the eos token) into ``dest``; a folder without tokenizer.json needs a fast tokenizer."""
-    if (hf_dir / "tokenizer.json").is_file():
-        shutil.copyfile(hf_dir / "tokenizer.json", dest / "tokenizer.json")
+    if (hf_dir / HF_TOKENIZER).is_file():
+        shutil.copyfile(hf_dir / HF_TOKENIZER, RunDir(dest).tokenizer)
     elif getattr(hf_tok, "is_fast", False):
-        hf_tok.backend_tokenizer.save(str(dest / "tokenizer.json"))
+        hf_tok.backend_tokenizer.save(str(RunDir(dest).tokenizer))
     else:
         raise KeelError(f"{hf_dir} has no tokenizer.json and no fast tokenizer (keel runs need one)")
     if (hf_dir / "tokenizer_config.json").is_file():
@@ -375,14 +377,14 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     exported = hf_dir / KEEL_CONFIG_NAME
     cfg = load_config(exported if exported.is_file() else None, overrides, stored=True)
     if not exported.is_file() and not any(o.strip().startswith("data.tokenizer=") for o in overrides):
-        cfg.data.tokenizer = str((out / "tokenizer.json").resolve())
+        cfg.data.tokenizer = str(RunDir(out).tokenizer.resolve())
     cfg.model = dataclasses.replace(model.config.to_model_config())
     step = int(getattr(model.config, "keel_step", 0) or 0)
     _check_importable(hf_dir, cfg, len(hf_tok), step)
     _fit_seq_len(hf_dir, cfg, overrides)
     with _fresh_output(out) as tmp:
         _write_tokenizer(hf_dir, hf_tok, tmp)
-        dump_config(cfg, tmp / "config.toml")
+        dump_config(cfg, RunDir(tmp).config)
         state = fresh_trainer_state(model.model, cfg, step, int(getattr(model.config, "keel_tokens", 0) or 0))
         state["imported_from"] = str(hf_dir.resolve())
         state["config"] = cfg.to_dict()  # what a resume compares its config with

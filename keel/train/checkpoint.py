@@ -58,6 +58,7 @@ from safetensors.torch import load_file, save_file
 from keel.errors import KeelError
 from keel.io import KEEL_TEMPORARY, atomic_dir, atomic_write_text, chmod_default, make_temp_dir
 from keel.keys import current_param_name
+from keel.rundir import RunDir
 from keel.train.dist import barrier, broadcast_object
 from keel.train.loss_scaling import is_scaler_state
 from keel.train.parallelize import unwrap
@@ -68,6 +69,15 @@ MANIFEST = "manifest.json"
 FILES = ("model.safetensors", "trainer.pt")
 SHARDED_DIR = "dcp"  # torch.distributed.checkpoint files of a multi-process run
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# The names inside RUN/checkpoints/ (RunDir.checkpoints) are this module's: a checkpoint folder per
+# step (step_name) and the pointer file that names the newest one (LATEST).
+LATEST = "latest"
+STEP_GLOB = "step_*"  # every checkpoint folder's name matches it (and the temporaries' .step_*.tmp do not)
+
+
+def step_name(step: int) -> str:
+    """The folder name of the checkpoint of optimiser step ``step`` in ``RUN/checkpoints/``: ``step_NNNNNNNN``."""
+    return f"step_{step:08d}"
 
 log = logging.getLogger(__name__)
 
@@ -141,14 +151,14 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module | dic
     if bad:
         raise NonFiniteWeights(f"refusing to checkpoint step {step}: non-finite values in {', '.join(bad[:3])}"
                                + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
-    ckpt_root = Path(run_dir) / "checkpoints"
+    ckpt_root = RunDir(run_dir).checkpoints
     ckpt_root.mkdir(parents=True, exist_ok=True)
-    name = f"step_{step:08d}"
+    name = step_name(step)
     final = ckpt_root / name
     _check_replaceable(final)
     with atomic_dir(final, replace=remove_checkpoint) as tmp:
         _write_files(tmp, weights, state, step)
-    atomic_write_text(ckpt_root / "latest", name + "\n")
+    atomic_write_text(ckpt_root / LATEST, name + "\n")
     _prune(run_dir, step, keep)
     return final
 
@@ -213,8 +223,8 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Modu
     if bad_names:
         raise NonFiniteWeights(f"refusing to checkpoint step {step}: non-finite values in {', '.join(bad_names[:3])}"
                                + (f" and {len(bad_names) - 3} more" if len(bad_names) > 3 else ""))
-    ckpt_root = Path(run_dir) / "checkpoints"
-    name = f"step_{step:08d}"
+    ckpt_root = RunDir(run_dir).checkpoints
+    name = step_name(step)
     tmp = None
     if info.is_main:
         ckpt_root.mkdir(parents=True, exist_ok=True)
@@ -248,7 +258,7 @@ def _finish_sharded(tmp: Path, final: Path, per_rank: list[dict], state: dict, s
     if final.exists():
         remove_checkpoint(final)
     os.replace(tmp, final)
-    atomic_write_text(final.parent / "latest", final.name + "\n")
+    atomic_write_text(final.parent / LATEST, final.name + "\n")
     _prune(final.parent.parent, step, keep)
 
 
@@ -319,12 +329,12 @@ def remove_all_checkpoints(run_dir: str | Path) -> None:
     """Delete every checkpoint of ``run_dir`` (:func:`remove_checkpoint`: keel's files only), its
     ``latest`` pointer and keel's temporaries there, then ``checkpoints/`` if that left it empty
     (what ``keel train --restart`` does)."""
-    root = Path(run_dir) / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     if not root.is_dir():
         return
     for p in _step_dirs(run_dir):
         remove_checkpoint(p)
-    (root / "latest").unlink(missing_ok=True)
+    (root / LATEST).unlink(missing_ok=True)
     remove_stale_temporaries(run_dir)
     try:
         root.rmdir()
@@ -505,8 +515,8 @@ def checkpoint_step(ckpt: str | Path) -> int:
 
 def _step_dirs(run_dir: str | Path) -> list[Path]:
     """The ``step_*`` folders of a run, newest (highest step) first."""
-    root = Path(run_dir) / "checkpoints"
-    dirs = [p for p in root.glob("step_*") if p.is_dir() and _STEP_DIR.match(p.name)]
+    root = RunDir(run_dir).checkpoints
+    dirs = [p for p in root.glob(STEP_GLOB) if p.is_dir() and _STEP_DIR.match(p.name)]
     return sorted(dirs, key=checkpoint_step, reverse=True)
 
 
@@ -522,9 +532,9 @@ def find_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]
     Returns:
         ``(folder or None, reasons)``.
     """
-    root = Path(run_dir) / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     reasons: list[str] = []
-    pointer = root / "latest"
+    pointer = root / LATEST
     named = pointer.read_text(encoding="utf-8", errors="replace").strip() if pointer.is_file() else None
     chosen = None
     for folder in _step_dirs(run_dir):
@@ -534,9 +544,9 @@ def find_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]
             break
         reasons.append(f"{folder.name}: {problem}")
     if named is None and root.is_dir() and (chosen is not None or reasons):
-        reasons.insert(0, "checkpoints/latest (the file is missing)")
+        reasons.insert(0, f"{RunDir.CHECKPOINTS}/{LATEST} (the file is missing)")
     elif named is not None and (chosen is None or named != chosen.name) and not (root / named).is_dir():
-        reasons.insert(0, f"checkpoints/latest (it names {named}, which does not exist)")
+        reasons.insert(0, f"{RunDir.CHECKPOINTS}/{LATEST} (it names {named}, which does not exist)")
     return chosen, reasons
 
 
@@ -547,7 +557,7 @@ def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
     was removed."""
     run_dir = Path(run_dir)
     removed = []
-    for folder in (run_dir, run_dir / "checkpoints"):
+    for folder in (run_dir, RunDir(run_dir).checkpoints):
         for p in folder.glob(".*.tmp") if folder.is_dir() else []:
             if not KEEL_TEMPORARY.match(p.name):  # keel's own names only (keel.io): never another tool's file
                 continue

@@ -39,6 +39,7 @@ from keel.config import TrainConfig, check_value
 from keel.keys import choices
 from keel.errors import KeelError
 from keel.io import atomic_write_text
+from keel.rundir import RunDir
 from keel.train.metrics import JsonlSink
 
 LOGGERS = choices(TrainConfig, "loggers")  # declared once, in keel.config.TrainConfig
@@ -190,7 +191,7 @@ class WandbSink:
         check_value("train.wandb_mode", mode)
         wandb = _require("wandb", "wandb")
         run_dir = Path(run_dir)
-        id_file = run_dir / "wandb_id"
+        id_file = RunDir(run_dir).wandb_id
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
         if not id_file.is_file():
             atomic_write_text(id_file, run_id + "\n")
@@ -198,7 +199,7 @@ class WandbSink:
                               name=run_dir.name, config=config, settings=wandb.Settings(silent=True))
         # read after init: an earlier session's service may still be closing its log (finish()
         # returns first); this session's own log holds no history row yet
-        self.held = {_wandb_key(row) for row in wandb_history(run_dir / "wandb", run_id)}
+        self.held = {_wandb_key(row) for row in wandb_history(RunDir(run_dir).wandb, run_id)}
         self.run.define_metric("*", step_metric="step")
         for record in history or []:
             self.write(record)
@@ -259,9 +260,9 @@ def open_sinks(cfg, run_dir: str | Path, resume_step: int | None = None, history
     sinks: list = []
     for name in check_loggers(getattr(tc, "loggers", ["jsonl"])):
         if name == "jsonl":
-            sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+            sinks.append(JsonlSink(RunDir(run_dir).metrics))
         elif name == "tensorboard":
-            sinks.append(TensorBoardSink(run_dir / "tensorboard", cfg.to_dict(), resume_step))
+            sinks.append(TensorBoardSink(RunDir(run_dir).tensorboard, cfg.to_dict(), resume_step))
         else:
             sinks.append(WandbSink(run_dir, cfg.to_dict(), getattr(tc, "wandb_mode", "offline"),
                                    getattr(tc, "wandb_project", "keel"), history=history))

@@ -20,7 +20,8 @@ from keel.config import Config, config_from_dict, load_config, on_resume
 from keel.data import absolute_data_paths
 from keel.errors import KeelError
 from keel.keys import current_key
-from keel.train.checkpoint import find_intact_checkpoint
+from keel.rundir import RunDir
+from keel.train.checkpoint import STEP_GLOB, find_intact_checkpoint
 from keel.train.metrics import read_metrics
 from keel.train.optim import lr_at
 
@@ -29,9 +30,10 @@ log = logging.getLogger(__name__)
 
 def has_history(run_dir: Path) -> bool:
     """Whether the run in ``run_dir`` went past step 0: a metrics record of step >= 1 or a checkpoint folder."""
-    if any(p.is_dir() for p in (run_dir / "checkpoints").glob("step_*")):
+    rd = RunDir(run_dir)
+    if any(p.is_dir() for p in rd.checkpoints.glob(STEP_GLOB)):
         return True
-    return any(r.get("step", 0) >= 1 for r in read_metrics(run_dir / "metrics.jsonl"))
+    return any(r.get("step", 0) >= 1 for r in read_metrics(rd.metrics))
 
 
 def checkpoint_to_resume(run_dir: Path) -> str | None:
@@ -94,7 +96,7 @@ def saved_config(state: dict, run_dir: Path, cfg: Config) -> dict:
     run's config.toml; else ``cfg``)."""
     if "config" in state:
         return state["config"]
-    path = run_dir / "config.toml"
+    path = RunDir(run_dir).config
     return load_config(path, stored=True).to_dict() if path.is_file() else cfg.to_dict()
 
 

@@ -1,13 +1,8 @@
 """The training loop behind ``keel train``.
 
-One run directory holds everything about a run (:class:`keel.run.Run` reads it back)::
-
-    RUN/config.toml     resolved config (every key, after --set)
-    RUN/metrics.jsonl   one JSON object per optimiser step (keel.train.metrics)
-    RUN/checkpoints/    atomic checkpoints (keel.train.checkpoint)
-    RUN/tokenizer.json  the dataset's tokenizer
-    RUN/loss.png        train and validation loss against tokens
-    RUN/sample.txt      a sample from the final model
+One run directory holds everything about a run (:class:`keel.run.Run` reads it back); its
+layout (config, metrics, checkpoints, tokenizer, loss plot, sample, ...) is
+:class:`keel.rundir.RunDir`'s.
 
 ``step`` in metrics counts optimiser steps done (1-based); step 0 is the evaluation of the
 freshly initialised model.
@@ -69,12 +64,14 @@ from keel.data import (TokenLoader, absolute_data_paths, load_tokenizer, prepare
 from keel.errors import KeelError, plural
 from keel.io import RunLock, atomic_path, atomic_write_text, check_run_folder, disk_errors, write_failure
 from keel.model import Transformer, check_model_config, flops_per_token, get_scheme, ignored_keys, loop_count
+from keel.rundir import RunDir
 from keel.train import dist as D, state_dict as SD
 from keel.train.callbacks import Callback, StepState, unhonoured_keys
 from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, is_sharded, latest_checkpoint,
                                    load_sharded_checkpoint, load_trainer_state, load_weights, remove_all_checkpoints,
                                    remove_checkpoints_after,
-                                   remove_stale_temporaries, save_checkpoint, save_sharded_checkpoint, tied_aliases)
+                                   remove_stale_temporaries, save_checkpoint, save_sharded_checkpoint, step_name,
+                                   tied_aliases)
 from keel.train.device import (autocast_context, peak_flops, check_activations_fit, check_model_fits, flushing_denormals,
                                memory_errors, resolve_device)
 from keel.train.nll import eval_batch_size, mean_nll, perplexity
@@ -215,7 +212,8 @@ class Trainer:
                             f"micro-batch) is not divisible by the world size ({self.ws})")
         self.local_bs = self.tc.batch_size // self.ws
         self.run_dir = Path(run_dir)
-        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.rd = RunDir(self.run_dir)  # the run folder's files
+        self.metrics_path = self.rd.metrics
         if not (resume or restart) and self.metrics_path.exists():
             raise KeelError(f"run directory {self.run_dir} already holds a run; "
                             f"use --resume {self.run_dir}, --restart, or another --run-dir")
@@ -253,7 +251,7 @@ class Trainer:
         if self.main:
             for path in remove_stale_temporaries(self.run_dir):
                 log.info("removed %s (left by an interrupted write)", path)
-            if restart and (self.metrics_path.exists() or (self.run_dir / "checkpoints").exists()):
+            if restart and (self.metrics_path.exists() or self.rd.checkpoints.exists()):
                 log.warning("restarting %s from step 0: deleting its metrics and checkpoints", self.run_dir)
                 self.metrics_path.unlink(missing_ok=True)
                 remove_all_checkpoints(self.run_dir)  # keel's files only: anything else stays, with a warning
@@ -329,9 +327,9 @@ class Trainer:
         if self.main:
             with disk_errors(self.run_dir):
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-                if not (self.nothing_left and (self.run_dir / "config.toml").is_file()):  # a no-op resume: as it was
-                    dump_config(self.cfg, self.run_dir / "config.toml")
-                    with atomic_path(self.run_dir / "tokenizer.json") as tmp:  # a full disk: this path, not the source
+                if not (self.nothing_left and self.rd.config.is_file()):  # a no-op resume: as it was
+                    dump_config(self.cfg, self.rd.config)
+                    with atomic_path(self.rd.tokenizer) as tmp:  # a full disk: this path, not the source
                         shutil.copyfile(self.data_dir / "tokenizer.json", tmp)
                 history = truncate_metrics(self.metrics_path, self.state.step if self.ckpt is not None else -1)
                 if self.ckpt is not None:  # the history past it is gone: so are its checkpoints
@@ -430,7 +428,7 @@ class Trainer:
                 cause = write_failure(e)
                 if cause is None:
                     raise
-                error = (f"cannot write the checkpoint of step {self.state.step} in {self.run_dir / 'checkpoints'}: "
+                error = (f"cannot write the checkpoint of step {self.state.step} in {self.rd.checkpoints}: "
                          f"{cause.strerror}{' (' + str(cause.filename) + ')' if cause.filename else ''}; "
                          f"last good checkpoint (intact): {self._last_good()}", False)
         error = D.broadcast_object(error, self.info)
@@ -570,18 +568,18 @@ class Trainer:
             self.checkpoint()
         name = signal.Signals(signum).name
         raise TrainingInterrupted(f"stopped by {name} after step {self.state.step}: checkpoint "
-                                  f"{self.run_dir / 'checkpoints' / f'step_{self.state.step:08d}'} written; resume with: "
+                                  f"{RunDir(self.run_dir).checkpoints / step_name(self.state.step)} written; resume with: "
                                   f"keel train --resume {self.run_dir}", signum)
 
     def _nothing_to_do(self) -> TrainResult:
         """A resumed run already at ``train.steps``: report and train nothing (a changed key is not
         applied, so not recorded either: one line says so). The final files a stop or a full disk during
         finalisation left out (``loss.png``, ``sample.txt``) are written, and one line says so."""
-        missing = D.decide_on_rank0(lambda: [name for name in ("loss.png", "sample.txt")
+        missing = D.decide_on_rank0(lambda: [name for name in (RunDir.LOSS_PLOT, RunDir.SAMPLE)
                                              if not (self.run_dir / name).is_file()
-                                             and (name == "loss.png" or self.tc.sample_tokens > 0)], self.info)
+                                             and (name == RunDir.LOSS_PLOT or self.tc.sample_tokens > 0)], self.info)
         if missing:
-            self._write_final_files(plot="loss.png" in missing, sample="sample.txt" in missing)
+            self._write_final_files(plot=RunDir.LOSS_PLOT in missing, sample=RunDir.SAMPLE in missing)
         if self.main and missing:
             log.info("%s is already at step %d (train.steps = %d): wrote the final files it lacked (%s); nothing "
                      "left to train", self.run_dir, self.state.step, self.tc.steps, ", ".join(missing))
@@ -595,7 +593,7 @@ class Trainer:
                      "train further)", self.run_dir, self.state.step, self.tc.steps)
         vals = [r["val_loss"] for r in self.history if r.get("val_loss") is not None]
         val_loss = vals[-1] if vals else self.validate()
-        sample_path = self.run_dir / "sample.txt"
+        sample_path = self.rd.sample
         sample = sample_path.read_text().rstrip("\n") if sample_path.is_file() else ""
         st = self.state
         tok_s = mean_tokens_per_s(st.tokens, st.elapsed, self.untimed_tokens) or 0.0
@@ -618,12 +616,12 @@ class Trainer:
         text = ""
         if self.main:
             if plot:
-                plot_loss(self.metrics_path, self.run_dir / "loss.png",
+                plot_loss(self.metrics_path, self.rd.loss_plot,
                           title=f"{self.cfg.model.residual}, {self.cfg.model.n_sublayers} sub-layers")
             if plain is not None:
                 text = sample_text(plain, self.tokenizer, self.tc.sample_prompt, self.tc.sample_tokens,
                                    next(plain.parameters()).device, seed=self.tc.seed)
-                atomic_write_text(self.run_dir / "sample.txt", text + "\n")
+                atomic_write_text(self.rd.sample, text + "\n")
         D.barrier(self.info)
         return text
 

@@ -23,6 +23,7 @@ import tomli_w
 
 from keel.errors import KeelError
 from keel.config import describe_config, load_config, preset_names, resolve_config_path
+from keel.rundir import RunDir
 
 
 def _value(v) -> str:
@@ -74,7 +75,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         if args.show in preset_names("sweeps") and args.show not in preset_names():
             print(resolve_config_path(args.show, kind="sweeps").read_text(), end="")
             return 0
-        run_config = Path(args.show) / "config.toml"  # a run folder: the config it was trained with
+        run_config = RunDir(args.show).config  # a run folder: the config it was trained with
         if Path(args.show).is_dir() and not run_config.is_file():
             raise KeelError(_not_a_run_folder(Path(args.show)))
         cfg = load_config(run_config, stored=True) if run_config.is_file() else load_config(resolve_config_path(args.show))

@@ -21,6 +21,7 @@ from keel.errors import Interrupted, KeelError
 from keel.experiments.training import train_run
 from keel.io import check_path_names, die_with_parent, passing_on_stop_signals
 from keel.run import Run
+from keel.rundir import RunDir
 from keel.train.checkpoint import checkpoint_step, latest_checkpoint
 from keel.train.metrics import read_metrics
 from keel.train.progress import interactive
@@ -140,7 +141,7 @@ def _continue_command(run_dir: Path, nproc: int) -> tuple[int | None, str]:
     ckpt = latest_checkpoint(run_dir)  # the workers may have died before writing config.toml: no Run()
     if ckpt is not None:
         return checkpoint_step(ckpt), f"keel train --resume {run_dir} --nproc {nproc}"
-    if (run_dir / "config.toml").is_file():
+    if RunDir(run_dir).config.is_file():
         return None, f"keel train --resume {run_dir} --restart --nproc {nproc}"
     return None, "the same command"
 
@@ -235,7 +236,7 @@ def nproc_stop_message(name: str, run_dir: Path, nproc: int) -> str:
     """What ``keel train --nproc`` says after a stop signal, from what the workers left in
     ``run_dir``: the promised checkpoint of the last step, or (workers killed before they
     wrote it, e.g. by torchrun's 30 s grace) where a resume will really continue from."""
-    last = max((r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "step" in r), default=0)
+    last = max((r["step"] for r in read_metrics(RunDir(run_dir).metrics) if "step" in r), default=0)
     done, command = _continue_command(run_dir, nproc)
     if done is not None and done >= last:
         return (f"stopped by {name} (passed to every worker: each finished its step, the run is checkpointed at "
@@ -261,14 +262,14 @@ def cmd_train(args: argparse.Namespace) -> int:
             check_path_names(given, flag)  # "File name too long" was a traceback
     if args.resume:
         run_dir = Path(args.resume)
-        if not (run_dir / "config.toml").is_file():
-            raise KeelError(f"cannot resume {run_dir}: no config.toml there (not a run directory)")
+        if not RunDir(run_dir).config.is_file():
+            raise KeelError(f"cannot resume {run_dir}: no {RunDir.CONFIG} there (not a run directory)")
         if args.config:
             raise KeelError("--resume takes the run's own config.toml; use --set to change keys")
-        cfg = load_config(run_dir / "config.toml", args.set, stored=True)  # keel wrote it: no rename notes
-    elif args.restart and not args.config and (Path(args.run_dir) / "config.toml").is_file():
+        cfg = load_config(RunDir(run_dir).config, args.set, stored=True)  # keel wrote it: no rename notes
+    elif args.restart and not args.config and RunDir(args.run_dir).config.is_file():
         run_dir = Path(args.run_dir)  # the run there, again from step 0: its own config (it trained the demo)
-        cfg = load_config(run_dir / "config.toml", args.set, stored=True)
+        cfg = load_config(RunDir(run_dir).config, args.set, stored=True)
     else:
         cfg = load_config(resolve_config_path(args.config), args.set)
         run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)

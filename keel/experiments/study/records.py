@@ -17,6 +17,7 @@ from keel.errors import KeelError
 from keel.experiments.grid import GridJob, is_number
 from keel.experiments.record import MEASURE_KEYS, OPTIONAL_KEYS, PENDING_KEYS, RunRecord
 from keel.experiments.study.spec import Group, Study
+from keel.rundir import RunDir
 from keel.train.metrics import read_metrics, trailing_mean
 
 
@@ -102,7 +103,7 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
         return rec
     final, first = result.get("final_val_loss"), result.get("first_val_loss")
     h1 = result.get("unigram_entropy")
-    records = read_metrics(run_dir / "metrics.jsonl")
+    records = read_metrics(RunDir(run_dir).metrics)
     rec.update(status=result.get("status", "done"), tokens=result.get("tokens"), final_val_loss=final,
                first_val_loss=first, capped_loss=final if is_number(final) and math.isfinite(final) else first,
                verdict=result.get("verdict"), divergence=result.get("divergence"),
