@@ -290,7 +290,7 @@ def test_a_resume_with_the_full_flags_lists_each_set_once(tmp_path):
     import shlex
 
     from keel.cli import build_parser
-    from keel.cli.handlers.science import _stored_sweep
+    from keel.cli.commands.science import _stored_sweep
 
     argv = ["sweep", "--set", "train.steps=5", "--grid", "train.seed=0", "--out", str(tmp_path)]
     (tmp_path / "study.json").write_text(json.dumps({"study": "sweep", "scale": "cli",

@@ -1,12 +1,25 @@
-"""The ``keel`` commands' handlers, one module per group of commands (their flags are declared in
-the modules of :mod:`keel.cli`). A handler module imports what its commands need (torch, the
-library) at its top; :func:`keel.cli.main` imports only the module of the command that runs, so
-that ``keel --help`` and every parser stay light. Shared here: the checks of flags several
-commands take (:func:`check_counts`, :func:`check_seed`).
+"""The ``keel`` commands, one module per group of commands (the list: ``keel.cli.COMMAND_GROUPS``).
+A command is one place: its parser's flags (``_register_NAME`` or ``register``, which names the
+handler) beside its handler (``cmd_NAME``). Building the parser must stay light (``keel --help``
+loads no torch), so a module imports at its top only what its flags need and light modules
+(the standard library, :mod:`keel.config`, :mod:`keel.errors`, :mod:`keel.io`); the library its
+handlers call (torch, :mod:`keel.train`, :mod:`keel.experiments` ...) it imports in its
+``import_library()``, which :func:`keel.cli.run_handler` calls before the handler. Shared here:
+the flags and checks several commands take (:func:`add_loops_flag`, :func:`check_counts`,
+:func:`check_seed`, :func:`check_loops`).
 """
 
 from keel.config import check_value
 from keel.errors import KeelError
+
+
+def add_loops_flag(p, what: str = "run") -> None:
+    """``--loops R'``: run a looped model's core R' times instead of its trained ``model.loop_repeats``
+    (test-time depth; ``keel eval``, ``generate``, ``ablate``, ``gradflow``). Checked by
+    :func:`check_loops`."""
+    p.add_argument("--loops", type=int, default=None, metavar="R",
+                   help=f"a looped {what} (model.loop_core >= 1): apply its core R times per token instead of "
+                        "model.loop_repeats (test-time depth; the weights and depth constants stay the trained ones)")
 
 
 def check_counts(args, *flags: str) -> None:
