@@ -227,17 +227,64 @@ def test_help_loads_no_torch():
     assert r.stdout.strip() == "False"
 
 
-def test_every_command_names_a_handler_that_exists():
-    """Each parser names its handler as ``"keel.cli.handlers.MODULE.FUNCTION"`` (imported only
-    when the command runs): every such name resolves to a function."""
-    import argparse
-    import importlib
+@pytest.mark.spawns
+def test_help_of_keel_and_of_every_command_loads_no_torch():
+    """`python -m keel --help` and `python -m keel CMD --help` for every command (each command's
+    flags and handler in one module of keel.cli.commands, its library imported only when it runs)
+    import neither torch nor the library above keel.config."""
+    import subprocess
 
+    from conftest import HANG_S
+
+    code = ("import contextlib, io, runpy, sys\n"
+            "from keel.cli import COMMAND_GROUPS, build_parser\n"
+            "sub = next(a for a in build_parser()._actions if a.__class__.__name__ == '_SubParsersAction')\n"
+            "for argv in [['--help']] + [[name, '--help'] for name in sub.choices]:\n"
+            "    sys.argv = ['keel', *argv]\n"
+            "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+            "        runpy.run_module('keel', run_name='__main__', alter_sys=True)\n"
+            "print(len(sub.choices), 'torch' in sys.modules, sorted(m for m in sys.modules"
+            " if m.startswith(('keel.train', 'keel.model', 'keel.data', 'keel.run', 'keel.hf'))))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == f"{len(_commands())} False []"
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    for name, parser in sub.choices.items():
-        module, _, function = parser.get_default("handler").rpartition(".")
-        assert module.startswith("keel.cli.handlers."), name
-        assert callable(getattr(importlib.import_module(module), function)), name
+    return sub.choices
+
+
+def test_every_command_has_its_handler_beside_its_flags():
+    """Each command's parser sets ``handler`` to a function ``cmd_NAME`` of the module of
+    ``keel.cli.COMMAND_GROUPS`` that declares its flags (no handler named by a string), and that
+    module's ``import_library()`` (where it has one) binds every name its handlers use."""
+    import sys as _sys
+
+    from keel.cli import COMMAND_GROUPS
+
+    groups = {g.__name__ for g in COMMAND_GROUPS}
+    assert all(name.startswith("keel.cli.commands.") for name in groups)
+    for name, parser in _commands().items():
+        handler = parser.get_default("handler")
+        assert callable(handler) and handler.__name__ == "cmd_" + name.replace("-", "_"), name
+        assert handler.__module__ in groups, name
+        library = getattr(_sys.modules[handler.__module__], "import_library", None)
+        if library is not None:
+            library()
+
+
+def test_the_cli_docstring_names_every_command_and_its_module():
+    """The package docstring of keel.cli lists every registered command (``NAME``), on the line
+    of the module that registers it."""
+    import keel.cli
+
+    doc = keel.cli.__doc__
+    for name, parser in _commands().items():
+        module = parser.get_default("handler").__module__
+        entry = doc[doc.index(f":mod:`{module}` --"):]
+        entry = entry[:entry.index("\n* ") if "\n* " in entry else entry.index("\n\n")]
+        assert f"``{name}``" in entry, f"{name} is not listed under {module} in keel.cli's docstring"
 
 
 @pytest.mark.spawns

@@ -558,7 +558,7 @@ def test_torchruns_signal_traceback_is_dropped_whole_with_a_blank_line_inside():
     test_signal_to_keel_train_nproc_stops_every_worker[SIGINT]). Other tracebacks stay."""
     import threading
 
-    from keel.cli.handlers.train import _without_signal_traceback
+    from keel.cli.commands.train import _without_signal_traceback
 
     tb = ["Traceback (most recent call last):\n", '  File "enum.py", line 193, in __get__\n',
           "    def __get__(self, instance, ownerclass=None):\n", "\n",
@@ -576,8 +576,9 @@ def test_nproc_stop_message_says_what_the_workers_left(tiny_config, tmp_path):
     """`keel train --nproc` said "the run is checkpointed" whatever the workers did; under load
     torchrun once killed them first (test above, seen twice in full runs beside the study grid),
     and the line promised a checkpoint that did not exist. It now reads the run folder."""
-    from keel.cli.handlers.train import nproc_stop_message
+    from keel.cli.commands.train import import_library, nproc_stop_message
 
+    import_library()  # the library its handlers call (keel.train.metrics ...), as keel.cli.run_handler does
     run = tmp_path / "run"
     assert nproc_stop_message("SIGINT", run, 2) == ("stopped by SIGINT, but the workers ended before writing a "
                                                     "checkpoint (last step logged: 0); start the run again with: "
@@ -658,7 +659,7 @@ def test_the_workers_error_lines_are_kept_back_once_and_torchrun_s_report_with_t
     its report. Each message is kept once; nothing of the report reaches the terminal."""
     import io
 
-    from keel.cli.handlers.train import _pass_on_and_read_failure
+    from keel.cli.commands.train import _pass_on_and_read_failure
 
     transcript = (
         "*****************************************\n"
@@ -691,7 +692,7 @@ def test_after_a_stop_signal_torchrun_s_traceback_and_the_workers_stop_lines_are
     import io
     import threading
 
-    from keel.cli.handlers.train import _pass_on_and_read_failure
+    from keel.cli.commands.train import _pass_on_and_read_failure
 
     head = "SIGINT received: stopping after this step and saving a checkpoint\n"
     stop = "keel: stopped by SIGINT after step 8: checkpoint run/checkpoints/step_00000008 written; resume with: x\n"

@@ -792,7 +792,7 @@ def test_set_wins_over_a_groups_own_keys(tmp_path):
 
 def test_study_command_is_the_one_that_trains_everything():
     """The report's Command line was the first invocation, e.g. with `--groups ramp`."""
-    from keel.cli.handlers.science import study_command
+    from keel.cli.commands.science import study_command
 
     argv = ["claims", "--scale", "cpu", "--workers", "2", "--out", "runs/a b", "--resume", "--groups", "ramp,init",
             "--json", "--groups=init"]

@@ -290,7 +290,7 @@ def test_a_resume_with_the_full_flags_lists_each_set_once(tmp_path):
     import shlex
 
     from keel.cli import build_parser
-    from keel.cli.handlers.science import stored_flags
+    from keel.cli.commands.science import stored_flags
 
     def _stored_sweep(args):
         return stored_flags(args, args.out, "sweep", ("grid", "preset", "config", "best_over", "match_params"))

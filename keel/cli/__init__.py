@@ -1,13 +1,18 @@
 """The ``keel`` command line. Every command's argparse code and handler lives in this package;
 handlers are thin: they check flags, call library functions with plain arguments and print.
 
-Modules, one per group of commands (each has ``register(subparsers)``, which declares the
-commands' flags and names each one's handler, ``"keel.cli.handlers.MODULE.FUNCTION"``):
+A command is one place: its flags and its handler side by side in one module of
+:mod:`keel.cli.commands` (one per group of commands, each with ``register(subparsers)``; the
+handler is ``cmd_NAME``), and :data:`COMMAND_GROUPS` lists the modules, in the order of
+``keel --help``:
 
-* :mod:`keel.cli.train` -- ``prepare``, ``train``, ``generate``;
-* :mod:`keel.cli.trained` -- ``eval``, ``export-hf``, ``import-hf``;
-* :mod:`keel.cli.science` -- ``gradflow``, ``stress``, ``sweep``, ``plot``, ``ablate``;
-* :mod:`keel.cli.info` -- ``config``, ``runs``.
+* :mod:`keel.cli.commands.train` -- ``prepare``, ``train``, ``generate``;
+* :mod:`keel.cli.commands.scoring` -- ``eval``;
+* :mod:`keel.cli.commands.hf` -- ``export-hf``, ``import-hf``;
+* :mod:`keel.cli.commands.science` -- ``gradflow``, ``stress``, ``lr-sensitivity``, ``sweep``, ``plot``,
+  ``ablate``, ``study``;
+* :mod:`keel.cli.commands.config` -- ``config``;
+* :mod:`keel.cli.commands.runs` -- ``runs``.
 
 Every ``--help`` shows the defaults and no reST markup (:mod:`keel.cli.formatting`).
 
@@ -20,16 +25,16 @@ saying how to resume and exits with 130 / 143 / 129; outside a training loop eac
 a new, still empty run folder are removed) and prints ``keel: stopped by SIGNAL``; once the command has
 finished, a Ctrl-C during the interpreter's exit ends the process at once (no traceback). Library code reports
 progress through the standard ``logging`` module (loggers under ``keel``); :func:`main`
-sends those records to stderr as plain lines. The handlers are in :mod:`keel.cli.handlers`,
-which import torch and the library at their top: :func:`main` imports only the chosen
-command's, so that ``keel --help`` stays fast and loads no torch.
+sends those records to stderr as plain lines. A command module imports at its top only what
+its flags need; the library its handlers call (torch ...) it imports in its ``import_library()``,
+which :func:`run_handler` calls for the chosen command only, so that ``keel --help`` stays fast
+and loads no torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
-import importlib
 import logging
 import os
 import signal
@@ -37,11 +42,11 @@ import sys
 import threading
 
 from keel import __version__
-from keel.cli import info, science, trained, train
+from keel.cli.commands import config, hf, runs, science, scoring, train
 from keel.cli.formatting import apply_help_format
 from keel.errors import Interrupted, KeelError
 
-COMMAND_GROUPS = (train, trained, science, info)
+COMMAND_GROUPS = (train, scoring, hf, science, config, runs)  # the modules of every command, in `keel --help`'s order
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,13 +86,14 @@ def setup_logging(level: int = logging.INFO) -> None:
 
 
 def run_handler(args: argparse.Namespace) -> int:
-    """Call the handler that the command's parser named in ``args.handler``
-    (``"keel.cli.handlers.MODULE.FUNCTION"``) and return its exit status."""
-    module, _, function = args.handler.rpartition(".")
-    # The one place the command line imports keel code by name, lazily: a handler module imports
-    # torch and the library at its top (~5 s on a busy 2-core machine); importing only the chosen
-    # command's keeps `keel --help` at ~0.2 s without torch (tests/test_cli_info.py).
-    return getattr(importlib.import_module(module), function)(args)
+    """Call the handler that the command's parser set as ``args.handler`` and return its exit status;
+    first its module's ``import_library()``, where it has one: a command module imports torch and
+    the library there (~5 s on a busy 2-core machine), not at its top, which keeps building the
+    parser (`keel --help`) at ~0.2 s without torch (tests/test_cli_info.py)."""
+    import_library = getattr(sys.modules[args.handler.__module__], "import_library", None)
+    if import_library is not None:
+        import_library()
+    return args.handler(args)
 
 
 class Terminated(KeyboardInterrupt):

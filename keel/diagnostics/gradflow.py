@@ -55,7 +55,7 @@ logits equal the looped model's. ``keel gradflow --loop P,C,Q`` profiles fresh l
 A summary table (one line per profile, as it finishes) is logged on stderr; ``--json``
 prints the full results on stdout.
 
-The command itself is in :mod:`keel.cli.science`; :func:`profile_runs` and
+The command itself is in :mod:`keel.cli.commands.science`; :func:`profile_runs` and
 :func:`profile_schemes` are what it calls. Heavy modules (torch, matplotlib) are imported
 inside the functions.
 """

@@ -1,6 +1,6 @@
-"""The handler of ``keel config`` (presets and every config key; its flags: :mod:`keel.cli.info`).
-It imports no torch (``keel config`` stays as fast as ``keel --help``), except for ``--schemes``,
-whose list lives in the model layer.
+"""``keel config`` (presets and every config key): its flags beside its handler
+(:mod:`keel.cli.commands`). It imports no torch (``keel config`` stays as fast as ``keel --help``),
+except for ``--schemes``, whose list lives in the model layer.
 
 Usage::
 
@@ -64,6 +64,23 @@ def _not_a_run_folder(folder: Path) -> str:
                  for marker, kind in (("sweep.json", "sweep"), ("study.json", "study"), ("grid.json", "grid"))
                  if (folder / marker).is_file()), "not a run folder (no config.toml)")
     return f"--show {folder}: {held}; --show takes a preset, a TOML file or a run folder"
+
+
+def register(subparsers) -> None:
+    """Add ``config`` to the ``keel`` sub-parsers."""
+    pc = subparsers.add_parser("config", help="list presets and every config key; show a resolved preset",
+                               description="Without --show: the shipped presets (keel train --config NAME), the "
+                                           "sweep presets (keel sweep --preset NAME) and every config key with its "
+                                           "type, default, meaning and allowed values or range (set any with "
+                                           "--set SECTION.KEY=VALUE). "
+                                           "With --show: the resolved preset, config file or run folder's config, as TOML. "
+                                           "With --schemes: every residual scheme and its paper.")
+    what = pc.add_mutually_exclusive_group()
+    what.add_argument("--show", default=None, metavar="PRESET",
+                      help="a preset name, TOML file or run folder to print resolved")
+    what.add_argument("--schemes", action="store_true",
+                    help="list the residual schemes (the values of model.residual) with their papers")
+    pc.set_defaults(handler=cmd_config)
 
 
 def cmd_config(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""The handlers of ``keel prepare``, ``keel train`` and ``keel generate`` (flags: :mod:`keel.cli.train`)."""
+"""``keel prepare``, ``keel train`` and ``keel generate``: each command's flags beside its handler
+(:mod:`keel.cli.commands`)."""
 
 from __future__ import annotations
 
@@ -14,19 +15,54 @@ import threading
 import time
 from pathlib import Path
 
-from keel.cli.handlers import check_loops, check_seed
-from keel.config import TrainConfig, load_config, parse_override, resolve_config_path
-from keel.data import check_given_dataset, prepare_dataset, read_meta
+from keel.cli.commands import add_loops_flag, check_loops, check_seed
+from keel.config import DEFAULT_PRESET, TrainConfig, key_default, key_help, load_config, parse_override, resolve_config_path
 from keel.errors import Interrupted, KeelError
-from keel.experiments.training import train_run
 from keel.io import check_path_names, die_with_parent, passing_on_stop_signals
-from keel.run import Run
 from keel.rundir import RunDir
-from keel.train.checkpoint import checkpoint_step, latest_checkpoint
-from keel.train.metrics import read_metrics
-from keel.train.progress import interactive
-from keel.train.sampling import sample_text
-from keel.train.trainer import perplexity
+
+
+def import_library() -> None:
+    """The library the handlers below call, imported into this module (:mod:`keel.cli.commands`)."""
+    global check_given_dataset, prepare_dataset, read_meta, train_run, Run, checkpoint_step, latest_checkpoint
+    global read_metrics, interactive, sample_text, perplexity
+    # torch and the library (seconds of import), imported when one of these commands runs, not when the
+    # parser is built: `keel --help` loads no torch
+    from keel.data import check_given_dataset, prepare_dataset, read_meta
+    from keel.experiments.training import train_run
+    from keel.run import Run
+    from keel.train.checkpoint import checkpoint_step, latest_checkpoint
+    from keel.train.metrics import read_metrics
+    from keel.train.progress import interactive
+    from keel.train.sampling import sample_text
+    from keel.train.trainer import perplexity
+
+
+def register(sub) -> None:
+    """Add ``prepare``, ``train`` and ``generate`` to the ``keel`` sub-parsers."""
+    _register_prepare(sub)
+    _register_train(sub)
+    _register_generate(sub)
+
+
+def _register_prepare(sub) -> None:
+    """Add ``keel prepare``."""
+    pp = sub.add_parser("prepare", help="tokenize a corpus into binary shards (cached)",
+                        description="Read a corpus (the built-in one, a file or folder of text, or a Hugging Face "
+                                    "dataset), train or load a tokenizer, and write train/val token shards; "
+                                    "`keel train` does this itself when its data is not prepared yet.")
+    for flag in ("source", "tokenizer"):  # defaults and help: the data.* keys' declarations (keel.config)
+        pp.add_argument(f"--{flag}", default=key_default(f"data.{flag}"), help=key_help(f"data.{flag}"))
+    pp.add_argument("--out", default=None, help="output folder (default: derived from the inputs under --cache-dir)")
+    pp.add_argument("--cache-dir", default=key_default("data.cache_dir"), help=key_help("data.cache_dir"))
+    pp.add_argument("--val-fraction", type=float, default=key_default("data.val_fraction"),
+                    help=key_help("data.val_fraction"))
+    pp.add_argument("--max-bytes", type=int, default=key_default("data.max_bytes"), help=key_help("data.max_bytes"))
+    pp.add_argument("--text-field", default=key_default("data.text_field"), help=key_help("data.text_field"))
+    pp.add_argument("--force", action="store_true",
+                    help="prepare again even if the cached dataset matches, and replace a dataset in --out that was "
+                         "prepared from other inputs (refused without it: runs trained on it read it by path)")
+    pp.set_defaults(handler=cmd_prepare)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -247,6 +283,29 @@ def nproc_stop_message(name: str, run_dir: Path, nproc: int) -> str:
     return f"stopped by {name}, but the workers ended before checkpointing step {last}; {command} continues from step {done}"
 
 
+def _register_train(sub) -> None:
+    """Add ``keel train``."""
+    pt = sub.add_parser("train", help="train a language model",
+                        description="Train a language model from a config (a preset or a TOML file, with --set "
+                                    "overrides) into a run directory: metrics, checkpoints, plots and a sample. "
+                                    "Continue an interrupted run with --resume DIR.")
+    pt.add_argument("--config", default=None,
+                    help=f"TOML file or preset name (see `keel config`; default: {DEFAULT_PRESET})")
+    pt.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a config key (repeatable)")
+    pt.add_argument("--run-dir", default=None, help="where the run goes (default: runs/<time>-<scheme>-<L>sl)")
+    pt.add_argument("--resume", default=None, metavar="DIR",
+                    help="continue the run in DIR from its newest intact checkpoint")
+    pt.add_argument("--restart", action="store_true",
+                    help="with --resume DIR or --run-dir DIR: train the run there again from step 0 with its own "
+                         "config.toml (--run-dir with --config: that config), deleting its metrics and checkpoints "
+                         "(a run with history is otherwise never restarted)")
+    pt.add_argument("--nproc", type=int, default=None, metavar="N",
+                    help="train with N processes on this machine (launches torchrun; "
+                         "train.parallelism picks ddp or fsdp; train.batch_size is the global batch)")
+    pt.set_defaults(handler=cmd_train)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         if args.nproc < 1:
@@ -298,6 +357,22 @@ def print_result(res) -> None:
     if res.sample:  # train.sample_tokens = 0: none was drawn
         print("sample:")
         print(res.sample)
+
+
+def _register_generate(sub) -> None:
+    """Add ``keel generate``."""
+    pg = sub.add_parser("generate", help="sample text from a trained run",
+                        description="Sample a continuation of --prompt from a run's newest checkpoint.")
+    pg.add_argument("--run", required=True, help="run directory")
+    pg.add_argument("--prompt", default="", help="text to continue")
+    pg.add_argument("--max-new-tokens", type=int, default=100)
+    pg.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    pg.add_argument("--top-k", type=int, default=50, help="0 = no top-k filtering")
+    pg.add_argument("--num-samples", type=int, default=1)
+    pg.add_argument("--seed", type=int, default=0)
+    pg.add_argument("--device", default=key_default("train.device"), help=key_help("train.device"))
+    add_loops_flag(pg)
+    pg.set_defaults(handler=cmd_generate)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""The handler of ``keel eval`` (its flags: :mod:`keel.cli.trained`).
+"""``keel eval``: its flags beside its handler (:mod:`keel.cli.commands`).
 
 Usage::
 
@@ -14,15 +14,23 @@ import math
 import sys
 from pathlib import Path
 
-from keel.cli.handlers import check_counts, check_loops
-from keel.config import load_config
-from keel.data import find_data
-from keel.data.prepare import EOS_TOKEN
-from keel.data.text import read_text_file
+from keel.cli.commands import add_loops_flag, check_counts, check_loops
+from keel.config import key_default, key_help, load_config
 from keel.errors import KeelError, plural
-from keel.eval.perplexity import text_perplexity, validation_perplexity
-from keel.eval.tasks import check_tasks, run_tasks
-from keel.run import Run
+
+
+def import_library() -> None:
+    """The library the handler below calls, imported into this module (:mod:`keel.cli.commands`)."""
+    global find_data, EOS_TOKEN, read_text_file, text_perplexity, validation_perplexity, check_tasks, run_tasks, Run
+    # torch and the library (seconds of import), imported when one of these commands runs, not when the
+    # parser is built: `keel --help` loads no torch
+    from keel.data import find_data
+    from keel.data.prepare import EOS_TOKEN
+    from keel.data.text import read_text_file
+    from keel.eval.perplexity import text_perplexity, validation_perplexity
+    from keel.eval.tasks import check_tasks, run_tasks
+    from keel.run import Run
+
 
 KEEL_CONFIG = "keel_config.toml"  # the run's config in an exported folder (keel.hf.convert.KEEL_CONFIG_NAME)
 
@@ -80,6 +88,35 @@ def _looped(model) -> str:
     trained = "" if model.loops == mc.loop_repeats else f", trained at {mc.loop_repeats}"
     return (f", looped: {mc.loop_prelude} + {mc.loop_core} x {model.loops} + "
             f"{mc.n_layers - mc.loop_prelude - mc.loop_core}{trained}")
+
+
+def register(subparsers) -> None:
+    """Add ``eval`` to the ``keel`` sub-parsers."""
+    p = subparsers.add_parser(
+        "eval", help="perplexity, bits per byte and lm-evaluation-harness tasks",
+        description="Report loss, perplexity and bits per byte on held-out text (the run's validation split, "
+                    "or --text FILE), then score lm-evaluation-harness tasks (--tasks), one by one: a task "
+                    "whose data cannot be loaded is reported in one line and the others still run.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", help="run directory")
+    src.add_argument("--hf", help="Hugging Face folder of a keel model (from `keel export-hf`)")
+    p.add_argument("--tasks", default="", help="comma-separated lm-eval task names "
+                                               "(shipped: keel_python_completion, keel_python_paragraphs, "
+                                               "keel_python_generate)")
+    p.add_argument("--task-dir", default=None, help="extra folder of task YAMLs (local JSONL data allowed)")
+    p.add_argument("--limit", type=int, default=None, help="at most N documents per task")
+    p.add_argument("--text", default=None, metavar="FILE", help="held-out text file instead of the validation split")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per window for perplexity (default: train.seq_len of the run, else max_seq_len)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="validation tokens to score (default: the run's train.eval_tokens)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="windows (perplexity) or requests (tasks) per forward pass")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--verbose", action="store_true", help="show lm-evaluation-harness' own progress bars and logs")
+    p.add_argument("--device", default=key_default("train.device"), help=key_help("train.device"))
+    add_loops_flag(p, "model")
+    p.set_defaults(handler=cmd_eval)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

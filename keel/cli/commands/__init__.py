@@ -1,0 +1,78 @@
+"""The ``keel`` commands, one module per group of commands (the list: ``keel.cli.COMMAND_GROUPS``).
+A command is one place: its parser's flags (``_register_NAME`` or ``register``, which names the
+handler) beside its handler (``cmd_NAME``). Building the parser must stay light (``keel --help``
+loads no torch), so a module imports at its top only what its flags need and light modules
+(the standard library, :mod:`keel.config`, :mod:`keel.errors`, :mod:`keel.io`); the library its
+handlers call (torch, :mod:`keel.train`, :mod:`keel.experiments` ...) it imports in its
+``import_library()``, which :func:`keel.cli.run_handler` calls before the handler. Shared here:
+the flags and checks several commands take (:func:`add_loops_flag`, :func:`check_counts`,
+:func:`check_seed`, :func:`check_loops`).
+"""
+
+from keel.config import check_value
+from keel.errors import KeelError
+
+
+MAX_LOOPS_MIN, MAX_LOOPS_FACTOR = 64, 16  # --loops R' <= max(64, 16 x model.loop_repeats): more is a typo, not a study
+
+
+def max_loops(trained_repeats: int) -> int:
+    """The largest ``--loops`` keel takes for a model trained with ``model.loop_repeats`` =
+    ``trained_repeats``: ``max(MAX_LOOPS_MIN, MAX_LOOPS_FACTOR * trained_repeats)`` (64, or 16 times the
+    trained count: test-time depth past that runs for hours on a typo, e.g. ``--loops 100000000``)."""
+    return max(MAX_LOOPS_MIN, MAX_LOOPS_FACTOR * trained_repeats)
+
+
+def add_loops_flag(p, what: str = "run") -> None:
+    """``--loops R'``: run a looped model's core R' times instead of its trained ``model.loop_repeats``
+    (test-time depth; ``keel eval``, ``generate``, ``ablate``, ``gradflow``). Checked by
+    :func:`check_loops`."""
+    p.add_argument("--loops", type=int, default=None, metavar="R",
+                   help=f"a looped {what} (model.loop_core >= 1): apply its core R times per token instead of "
+                        "model.loop_repeats (test-time depth; the weights and depth constants stay the trained ones); "
+                        f"at most max({MAX_LOOPS_MIN}, {MAX_LOOPS_FACTOR} x model.loop_repeats)")
+
+
+def check_counts(args, *flags: str) -> None:
+    """Each of ``flags`` (argparse dests, e.g. ``"batch_size"``) that was given is >= 1.
+
+    Raises:
+        KeelError: ``--flag must be >= 1, got N`` for the first that is not.
+    """
+    for flag in flags:
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise KeelError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+
+
+def check_seed(value: int, flag: str = "--seed") -> None:
+    """``value`` is in ``train.seed``'s range (numpy's: 0 to 2**32 - 1): a seed outside it was an
+    OverflowError traceback (above 2**64) or a seed keel train would refuse (below 0).
+
+    Raises:
+        KeelError: ``FLAG must be between 0 and 2**32 - 1 (numpy's seed range), got N``.
+    """
+    try:
+        check_value("train.seed", value)
+    except KeelError as e:
+        raise KeelError(str(e).replace("train.seed", flag, 1)) from None
+
+
+def check_loops(loops: int | None, model_cfg, source: str) -> None:
+    """``--loops`` (None: not given) suits the model of ``source`` (a run or folder, as the user named it):
+    an integer >= 1, for a looped model (``model_cfg.loop_core >= 1``, a :class:`keel.config.ModelConfig`), at
+    most :func:`max_loops` of its ``loop_repeats``.
+
+    Raises:
+        KeelError: one line naming the flag and the problem.
+    """
+    if loops is None:
+        return
+    if loops < 1:
+        raise KeelError(f"--loops must be >= 1, got {loops}")
+    if not model_cfg.loop_core:
+        raise KeelError(f"--loops needs a looped model (model.loop_core >= 1); {source} does not loop")
+    if loops > (cap := max_loops(model_cfg.loop_repeats)):
+        raise KeelError(f"--loops must be at most {cap} (max({MAX_LOOPS_MIN}, {MAX_LOOPS_FACTOR} x "
+                        f"model.loop_repeats = {model_cfg.loop_repeats})"
+                        f" for {source}), got {loops}: each token would apply the core {loops} times")
