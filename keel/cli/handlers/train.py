@@ -22,7 +22,7 @@ from keel.experiments.training import train_run
 from keel.io import check_path_names, die_with_parent, passing_on_stop_signals
 from keel.run import Run
 from keel.rundir import RunDir
-from keel.train.checkpoint import checkpoint_step, latest_checkpoint
+from keel.train.checkpoint import CheckpointManager, checkpoint_step
 from keel.train.metrics import read_metrics
 from keel.train.progress import interactive
 from keel.train.sampling import sample_text
@@ -138,7 +138,7 @@ def _continue_command(run_dir: Path, nproc: int) -> tuple[int | None, str]:
     """``(step of the latest checkpoint or None, the command that goes on with run_dir)`` after a
     ``keel train --nproc`` stopped or failed: a resume (from that checkpoint; with ``--restart``
     when the workers wrote config.toml but no checkpoint), else "the same command"."""
-    ckpt = latest_checkpoint(run_dir)  # the workers may have died before writing config.toml: no Run()
+    ckpt = CheckpointManager(run_dir).latest()  # the workers may have died before writing config.toml: no Run()
     if ckpt is not None:
         return checkpoint_step(ckpt), f"keel train --resume {run_dir} --nproc {nproc}"
     if RunDir(run_dir).config.is_file():
