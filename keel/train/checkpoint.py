@@ -142,10 +142,7 @@ def _save_full(ckpt_root: Path, step: int, model: torch.nn.Module | dict[str, to
     weights = _strip_compile_prefix(weights)
     aliases = aliases or {}
     weights = {k: v.detach().to("cpu").contiguous() for k, v in weights.items() if k not in aliases}
-    bad = non_finite_weights(weights)
-    if bad:
-        raise NonFiniteWeights(f"refusing to checkpoint step {step}: non-finite values in {', '.join(bad[:3])}"
-                               + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
+    _refuse_non_finite(step, non_finite_weights(weights))
     ckpt_root.mkdir(parents=True, exist_ok=True)
     name = step_name(step)
     final = ckpt_root / name
@@ -162,15 +159,25 @@ def _write_files(folder: Path, weights: dict[str, torch.Tensor], state: dict[str
     chmod_default(folder / FILES[0])  # safetensors creates it 0600
     with open(folder / FILES[1], "wb") as f:  # a file object: a full disk surfaces as OSError (keel.io.write_failure)
         torch.save(state, f)
-    files = {}
     for fname in FILES:
         with open(folder / fname, "rb") as f:
             os.fsync(f.fileno())
-        files[fname] = {"bytes": (folder / fname).stat().st_size, "sha256": _sha256(folder / fname)}
+    _write_manifest(folder, {"step": step, "files": _hash_files(folder, list(FILES))})
+
+
+def _write_manifest(folder: Path, manifest: dict) -> None:
+    """``folder/manifest.json``, flushed to disk (written last: before the folder's rename)."""
     with open(folder / MANIFEST, "w", encoding="utf-8") as f:
-        json.dump({"step": step, "files": files}, f, indent=1)
+        json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _refuse_non_finite(step: int, bad: list[str]) -> None:
+    """Raise NonFiniteWeights naming (the first three of) ``bad``, the non-finite weights, if any."""
+    if bad:
+        raise NonFiniteWeights(f"refusing to checkpoint step {step}: non-finite values in {', '.join(bad[:3])}"
+                               + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
 
 
 def is_sharded(ckpt: str | Path) -> bool:
@@ -191,25 +198,17 @@ def _hash_files(folder: Path, names: list[str]) -> dict[str, dict]:
 
 def _save_sharded(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                   state: dict[str, Any], info) -> Path:
-    """:meth:`CheckpointManager.save` of a multi-process run (collective: every rank calls it).
-
-    Every rank checks its own shards for non-finite values (any rank's finding stops all),
-    then ``torch.distributed.checkpoint.save`` writes each rank's shards of the weights and
-    AdamW state (:func:`keel.train.state_dict.sharded_state_dict`) into ``dcp/`` of a
-    temporary folder beside the final one; each rank hashes the files it wrote, and rank 0
-    writes ``trainer.pt`` (``state``: plain values, no optimizer), the manifest (every file,
-    with the rank that wrote it) and renames the folder into place. The run folder must be on
-    a file system every rank sees. Returns the checkpoint folder (on every rank; no barrier).
-    """
+    """:meth:`CheckpointManager.save` of a multi-process run (collective): every rank checks its shards
+    for non-finite values (any rank's finding stops all) and writes them (``dcp.save``) into ``dcp/``
+    of a temporary folder, then hashes the files it wrote; rank 0 writes ``trainer.pt`` (no optimizer),
+    the manifest (every file, with its rank) and renames the folder. The run folder must be on a file
+    system every rank sees. Returns the checkpoint folder (on every rank; no barrier)."""
     import torch.distributed.checkpoint as dcp  # lazy: +2-3 s of import; only sharded (FSDP) checkpoints need it
 
     sd = sharded_state_dict(model, optimizer)
     bad: list[list[str]] = [[] for _ in range(info.world_size)]
     dist.all_gather_object(bad, non_finite_weights(_local_tensors(sd["model"])))
-    bad_names = sorted({n for names in bad for n in names})
-    if bad_names:
-        raise NonFiniteWeights(f"refusing to checkpoint step {step}: non-finite values in {', '.join(bad_names[:3])}"
-                               + (f" and {len(bad_names) - 3} more" if len(bad_names) > 3 else ""))
+    _refuse_non_finite(step, sorted({n for names in bad for n in names}))
     name = step_name(step)
     tmp = None
     if info.is_main:
@@ -236,10 +235,7 @@ def _finish_sharded(tmp: Path, final: Path, per_rank: list[dict], state: dict, s
     files = _hash_files(tmp, [FILES[1]])
     for rank, hashed in enumerate(per_rank):
         files.update({f"{SHARDED_DIR}/{n}": {**v, "rank": rank} for n, v in hashed.items()})
-    with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
-        json.dump({"step": step, "files": files, "world_size": len(per_rank)}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_manifest(tmp, {"step": step, "files": files, "world_size": len(per_rank)})
     if final.exists():
         _remove_checkpoint(final)
     os.replace(tmp, final)
