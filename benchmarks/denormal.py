@@ -40,7 +40,7 @@ import torch
 
 from keel.config import load_config
 from keel.model import Transformer
-from keel.train.checkpoint import latest_checkpoint, load_weights
+from keel.train.checkpoint import CheckpointManager
 
 SHAPE = {"model.d_model": 64, "model.n_layers": 32, "model.n_heads": 4, "model.n_kv_heads": 2,
          "model.d_ff": 192, "model.vocab_size": 512, "model.max_seq_len": 128, "model.residual": "post_ln"}
@@ -56,10 +56,10 @@ def fresh_model(seed: int = 0) -> Transformer:
 def run_model(run_dir: Path) -> Transformer:
     """The model of ``run_dir/config.toml`` with the weights of its latest checkpoint."""
     model = Transformer(load_config(run_dir / "config.toml").model)
-    ckpt = latest_checkpoint(run_dir)
+    ckpt = CheckpointManager(run_dir).latest()
     if ckpt is None:
         raise SystemExit(f"denormal.py: {run_dir} has no checkpoint")
-    load_weights(model, ckpt)
+    CheckpointManager.load_weights(model, ckpt)
     return model
 
 

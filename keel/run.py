@@ -19,8 +19,7 @@ from keel.data import check_tokenizer_matches, resolve_data
 from keel.errors import KeelError
 from keel.model import Transformer
 from keel.rundir import RunDir
-from keel.train.checkpoint import find_intact_checkpoint, latest_checkpoint, list_checkpoints, load_trainer_state, \
-    load_weights
+from keel.train.checkpoint import CheckpointManager
 from keel.train.device import resolve_device
 from keel.train.metrics import read_metrics
 
@@ -41,6 +40,7 @@ class Run:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.dir = RunDir(self.path)  # the run folder's files
+        self.checkpoint_manager = CheckpointManager(self.path)  # its checkpoints (reading; a run writes its own)
         if not self.dir.config.is_file():
             raise KeelError(f"not a run directory (no {RunDir.CONFIG}): {self.path}")
 
@@ -63,11 +63,11 @@ class Run:
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoint folders, oldest first."""
-        return list_checkpoints(self.path)
+        return self.checkpoint_manager.complete()
 
     def latest_checkpoint(self) -> Path | None:
         """The checkpoint ``checkpoints/latest`` names, or None."""
-        return latest_checkpoint(self.path)
+        return self.checkpoint_manager.latest()
 
     def checkpoint_progress(self, checkpoint: str | Path | None = None) -> tuple[int, int] | None:
         """``(step, tokens)`` of ``checkpoint``'s trainer state (default: the latest checkpoint's;
@@ -75,7 +75,7 @@ class Run:
         unreadable trainer state."""
         ckpt = Path(checkpoint) if checkpoint else self.latest_checkpoint()
         try:
-            state = load_trainer_state(ckpt) if ckpt is not None else None
+            state = self.checkpoint_manager.load_trainer_state(ckpt) if ckpt is not None else None
         except KeelError:
             return None
         return (int(state.get("step", 0)), int(state.get("tokens", 0))) if state is not None else None
@@ -111,12 +111,12 @@ class Run:
         """
         ckpt = Path(checkpoint) if checkpoint else self.latest_checkpoint()
         if ckpt is None:
-            _, damaged = find_intact_checkpoint(self.path)
+            _, damaged = self.checkpoint_manager.find_intact()
             raise KeelError(f"run {self.path} has no intact checkpoint ({'; '.join(damaged)})" if damaged
                             else f"run {self.path} has no checkpoint yet")
         dev = device if isinstance(device, torch.device) else resolve_device(device, key="--device")
         model = Transformer(self.config.model)
-        load_weights(model, ckpt)
+        self.checkpoint_manager.load_weights(model, ckpt)
         return model.to(dev).eval()
 
 

@@ -29,8 +29,7 @@ from keel.config import load_config
 from keel.data import TokenLoader
 from keel.model import Transformer
 from keel.train import train
-from keel.train.checkpoint import (checkpoint_problem, find_intact_checkpoint, is_sharded, load_sharded_checkpoint,
-                                   load_weights)
+from keel.train.checkpoint import CheckpointManager, checkpoint_problem, is_sharded
 from keel.train.optim import build_optimizer
 from keel.train.state_dict import full_optimizer_state_dict
 from spawn import spawn_training, truncate_to
@@ -138,7 +137,7 @@ def test_resume_across_world_sizes(runs, name, source):
 def weights(ckpt: Path) -> dict:
     """The weights of a checkpoint of either format, as one process reads them (export, eval)."""
     model = Transformer(load_config(ckpt.parent.parent / "config.toml").model)
-    load_weights(model, ckpt)
+    CheckpointManager.load_weights(model, ckpt)
     return model.state_dict()
 
 
@@ -149,7 +148,7 @@ def optimizer_state(ckpt: Path) -> dict:
     cfg = load_config(ckpt.parent.parent / "config.toml")
     model = Transformer(cfg.model)
     opt = build_optimizer(model, cfg.train)
-    load_sharded_checkpoint(model, opt, ckpt)
+    CheckpointManager.restore(ckpt, model, opt)
     return full_optimizer_state_dict(model, opt)["state"]
 
 
@@ -196,7 +195,7 @@ def test_multi_process_checkpoints_are_sharded_and_verified(runs, name, tmp_path
     with open(copy / "checkpoints" / "step_00000008" / shard, "r+b") as f:
         f.seek(8)
         f.write(b"\x00\xff")
-    found, reasons = find_intact_checkpoint(copy)
+    found, reasons = CheckpointManager(copy).find_intact()
     assert found.name == "step_00000004" and "does not match its sha256" in reasons[0]
 
 
@@ -287,7 +286,7 @@ def test_a_damaged_sharded_checkpoint_is_skipped_for_the_previous_intact_one(run
     else:
         manifest = json.loads((ckpt / "manifest.json").read_text())
         (ckpt / "manifest.json").write_text(json.dumps({**manifest, "files": "dcp"}))
-    found, reasons = find_intact_checkpoint(run)
+    found, reasons = CheckpointManager(run).find_intact()
     assert found == run / "checkpoints" / "step_00000004"
     want = {"garbled dcp/.metadata": "dcp/.metadata", "missing shard": ".distcp is missing",
             "manifest files a string": "manifest.json lists no files"}[damage]

@@ -83,7 +83,7 @@ def test_kill_during_checkpoint_write(point, reference, tiny_data, tmp_path, mon
     with pytest.raises(Killed):
         train(cfg(tiny_data), run)
     monkeypatch.undo()
-    ckpt, _ = C.find_intact_checkpoint(run)
+    ckpt, _ = C.CheckpointManager(run).find_intact()
     # "before latest": step 8 was complete (renamed, manifest verified) but latest still said step 4
     assert ckpt.name == ("step_00000008" if point == "before latest" else "step_00000004")
     res = train(cfg(tiny_data), run, resume=True)

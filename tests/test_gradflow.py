@@ -22,7 +22,7 @@ from keel.diagnostics import gradflow
 from keel.diagnostics.gradflow import jacobian_spectral_norms, profile_model, sublayer_grad_norms
 from keel.model import SCHEMES, RMSNorm
 from keel.experiments.training import train_run
-from keel.train.checkpoint import latest_checkpoint, load_trainer_state, load_weights
+from keel.train.checkpoint import CheckpointManager
 
 ALL = sorted(SCHEMES)
 
@@ -204,13 +204,13 @@ def test_trainer_logs_sublayer_grad_norms(gradflow_run, tiny_data):
     # Reproduce step 4's entry: the weights after step 3 (checkpoint) and the 4th training batch.
     ckpt = run / "checkpoints" / "step_00000003"
     model = Transformer(cfg.model)
-    load_weights(model, ckpt)
+    CheckpointManager.load_weights(model, ckpt)
     loader = TokenLoader(tiny_data, "train", batch_size=4, seq_len=32, seed=cfg.train.seed)
-    loader.load_state_dict(load_trainer_state(ckpt)["loader"])
+    loader.load_state_dict(CheckpointManager.load_trainer_state(ckpt)["loader"])
     batch = loader.next_batch()
     model(batch[:, :-1], batch[:, 1:]).backward()
     assert sublayer_grad_norms(model) == pytest.approx(logged[4], rel=1e-4)
-    assert latest_checkpoint(run).name == "step_00000004"
+    assert CheckpointManager(run).latest().name == "step_00000004"
 
 
 # ---- the command ---------------------------------------------------------------------------

@@ -217,7 +217,7 @@ def test_export_auto_load_offline_generate_import(trained_run, tmp_path, monkeyp
     import huggingface_hub.constants as hub_constants
 
     from keel.run import Run
-    from keel.train.checkpoint import latest_checkpoint
+    from keel.train.checkpoint import CheckpointManager
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
@@ -244,13 +244,13 @@ def test_export_auto_load_offline_generate_import(trained_run, tmp_path, monkeyp
     # the inverse: a run directory keel generate / keel eval accept, with the same weights
     back = tmp_path / "run-back"
     assert main(["import-hf", "--hf", str(out), "--out", str(back)]) == 0
-    a = load_file(latest_checkpoint(trained_run) / "model.safetensors")
-    b = load_file(latest_checkpoint(back) / "model.safetensors")
+    a = load_file(CheckpointManager(trained_run).latest() / "model.safetensors")
+    b = load_file(CheckpointManager(back).latest() / "model.safetensors")
     # the step of the export is kept (resumable; the LR is a function of it: no schedule state)
-    from keel.train.checkpoint import load_trainer_state
+    from keel.train.checkpoint import CheckpointManager
 
-    assert latest_checkpoint(back).name == latest_checkpoint(trained_run).name == "step_00000004"
-    state = load_trainer_state(latest_checkpoint(back))
+    assert CheckpointManager(back).latest().name == CheckpointManager(trained_run).latest().name == "step_00000004"
+    state = CheckpointManager.load_trainer_state(CheckpointManager(back).latest())
     assert state["step"] == 4 and "scheduler" not in state
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert load_config(back / "config.toml").model == load_config(trained_run / "config.toml").model

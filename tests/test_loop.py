@@ -25,7 +25,7 @@ from keel.data import TokenLoader, validation_tokens
 from keel.model import SCHEMES, KVCache, RMSNorm, Residual, count_parameters, flops_per_token, loop_count
 from keel.run import Run
 from keel.train import train
-from keel.train.checkpoint import latest_checkpoint, load_weights, save_checkpoint
+from keel.train.checkpoint import CheckpointManager
 from keel.train.nll import mean_nll
 from keel.train.parallelize import apply_activation_checkpointing
 from keel.train.sampling import sample_text
@@ -457,14 +457,14 @@ def test_save_load_round_trip(scheme, tmp_path):
     cfg = looped_cfg(scheme, 1, 2, 3, 1)
     torch.manual_seed(0)
     model = perturbed(Transformer(cfg)).eval()
-    ckpt = save_checkpoint(tmp_path, 1, model, {"step": 1})
+    ckpt = CheckpointManager(tmp_path).save(1, model, {"step": 1})
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
         stored = set(f.keys())
     assert stored == set(model.state_dict()) == set(Transformer(dataclasses.replace(cfg, **NO_LOOP)).state_dict())
     assert not any(k.startswith(f"blocks.{cfg.n_layers}.") for k in stored)  # n_layers blocks, not P + R C + Q
     torch.manual_seed(1)
     loaded = Transformer(cfg).eval()
-    load_weights(loaded, ckpt)
+    CheckpointManager.load_weights(loaded, ckpt)
     ids = torch.randint(0, 61, (2, 9))
     for r in (None, 5):
         assert torch.equal(loaded(ids, loops=r), model(ids, loops=r))
@@ -560,7 +560,7 @@ def test_exact_resume_of_a_looped_run(tiny_data, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         train(config(), part)
     monkeypatch.setattr(TokenLoader, "next_batch", original)
-    assert latest_checkpoint(part).name == "step_00000008"
+    assert CheckpointManager(part).latest().name == "step_00000008"
     train(config(), part, resume=True)
 
     def metrics(run):

@@ -14,7 +14,7 @@ from keel.model import SCHEMES, Transformer
 from benchmarks import memory_model as MM
 from keel.train import parallelize as par
 from keel.train import state_dict as SD
-from keel.train.checkpoint import load_weights, save_checkpoint
+from keel.train.checkpoint import CheckpointManager
 from keel.train.optim import build_optimizer
 
 
@@ -180,15 +180,15 @@ def test_compiled_model_checkpoints_load_both_ways(tmp_path):
     compiled = torch.compile(Transformer(tiny()), backend="eager")
     assert all(k.startswith("_orig_mod.") for k in compiled.state_dict())
 
-    ck = save_checkpoint(tmp_path / "a", 1, compiled, {"step": 1})
+    ck = CheckpointManager(tmp_path / "a").save(1, compiled, {"step": 1})
     assert all(not k.startswith("_orig_mod.") for k in load_file(ck / "model.safetensors"))
-    load_weights(plain, ck)  # compiled -> uncompiled
+    CheckpointManager.load_weights(plain, ck)  # compiled -> uncompiled
     assert all(torch.equal(plain.state_dict()[k], v) for k, v in par.unwrap(compiled).state_dict().items())
 
     torch.manual_seed(1)
     other = Transformer(tiny())
-    ck2 = save_checkpoint(tmp_path / "b", 1, other, {"step": 1})
-    load_weights(compiled, ck2)  # uncompiled -> compiled
+    ck2 = CheckpointManager(tmp_path / "b").save(1, other, {"step": 1})
+    CheckpointManager.load_weights(compiled, ck2)  # uncompiled -> compiled
     ids = torch.randint(0, 64, (1, 8))
     # same weights; under compile the norms run as their composite form (fp32 rounding apart)
     torch.testing.assert_close(compiled(ids), other(ids), rtol=1e-5, atol=1e-6)
@@ -198,7 +198,7 @@ def test_compiled_model_checkpoints_load_both_ways(tmp_path):
     raw.mkdir()
     save_file({k: v.contiguous() for k, v in compiled.state_dict().items()}, str(raw / "model.safetensors"))
     fresh = Transformer(tiny())
-    load_weights(fresh, raw)
+    CheckpointManager.load_weights(fresh, raw)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in other.state_dict().items())
 
     # per-block compile (what train.compile does) keeps the plain names
@@ -208,20 +208,20 @@ def test_compiled_model_checkpoints_load_both_ways(tmp_path):
 
 
 def test_load_weights_mismatch_is_a_keel_error(tmp_path):
-    ck = save_checkpoint(tmp_path, 1, Transformer(tiny(n_layers=2)), {"step": 1})
+    ck = CheckpointManager(tmp_path).save(1, Transformer(tiny(n_layers=2)), {"step": 1})
     with pytest.raises(KeelError, match="does not match the model"):
-        load_weights(Transformer(tiny(n_layers=3)), ck)
+        CheckpointManager.load_weights(Transformer(tiny(n_layers=3)), ck)
     with pytest.raises(KeelError, match="does not match the model"):
-        load_weights(Transformer(tiny(n_layers=2, d_ff=96)), ck)
+        CheckpointManager.load_weights(Transformer(tiny(n_layers=2, d_ff=96)), ck)
 
 
 def test_tied_embeddings_checkpoint_roundtrip(tmp_path):
     torch.manual_seed(0)
     a = Transformer(tiny(tie_embeddings=True))
-    ck = save_checkpoint(tmp_path, 1, dict(a.state_dict()), {"step": 1}, aliases={"tok_emb.weight": "lm_head.weight"})
+    ck = CheckpointManager(tmp_path).save(1, dict(a.state_dict()), {"step": 1}, aliases={"tok_emb.weight": "lm_head.weight"})
     assert set(load_file(ck / "model.safetensors")) == set(a.state_dict()) - {"tok_emb.weight"}
     b = Transformer(tiny(tie_embeddings=True, init_std=0.5))
-    load_weights(b, ck)
+    CheckpointManager.load_weights(b, ck)
     assert b.lm_head.weight is b.tok_emb.weight and torch.equal(b.tok_emb.weight, a.tok_emb.weight)
 
 

@@ -17,8 +17,7 @@ from keel import KeelError
 from keel.config import Config, ModelConfig, TrainConfig, load_config, resolve_vocab_size
 from keel.run import Run
 from keel.train import TrainingStopped, train
-from keel.train.checkpoint import (NonFiniteWeights, checkpoint_problem, find_intact_checkpoint, latest_checkpoint,
-                                   remove_stale_temporaries, save_checkpoint)
+from keel.train.checkpoint import CheckpointManager, NonFiniteWeights, checkpoint_problem
 from keel.train.metrics import JsonlSink, read_metrics
 from keel.train.optim import apply_config, build_optimizer, lr_at, set_lr
 from keel.train.trainer import perplexity
@@ -57,7 +56,7 @@ def copy_of(base_run, tmp_path):
 # ---------------------------------------------------------------- 1. history is never lost
 def test_manifest_sizes_and_checksums(tmp_path):
     model = torch.nn.Linear(4, 3)
-    ck = save_checkpoint(tmp_path, 5, model, {"step": 5})
+    ck = CheckpointManager(tmp_path).save(5, model, {"step": 5})
     manifest = json.loads((ck / "manifest.json").read_text())
     assert manifest["step"] == 5
     assert manifest["files"]["model.safetensors"]["bytes"] == (ck / "model.safetensors").stat().st_size
@@ -145,14 +144,14 @@ def test_retention_drops_the_checkpoints_of_an_abandoned_history(keep, left, tmp
     (damaged, of the history the run left) and deleted the intact step 15 (a new-user trial)."""
     model = torch.nn.Linear(4, 3)
     for step in (8, 15, 21):
-        save_checkpoint(tmp_path, step, model, {"step": step}, keep=0)
+        CheckpointManager(tmp_path, keep=0).save(step, model, {"step": step})
     (tmp_path / "checkpoints" / "step_00000021" / "model.safetensors").write_bytes(b"x" * 10)
     ck = tmp_path / "checkpoints"
     assert checkpoint_problem(ck / "step_00000021") and checkpoint_problem(ck / "step_00000015") is None
-    save_checkpoint(tmp_path, 19, model, {"step": 19}, keep=keep)
+    CheckpointManager(tmp_path, keep=keep).save(19, model, {"step": 19})
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == [f"step_{s:08d}" for s in left]
     assert (ck / "latest").read_text() == "step_00000019\n"
-    save_checkpoint(tmp_path, 23, model, {"step": 23}, keep=2)  # the plain rotation: the newest two
+    CheckpointManager(tmp_path, keep=2).save(23, model, {"step": 23})  # the plain rotation: the newest two
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000019", "step_00000023"]
 
 
@@ -189,7 +188,7 @@ def test_resume_takes_newest_intact_checkpoint(case, copy_of, base_run, tiny_dat
     damage, expect_step, reason = DAMAGE[case]
     run = copy_of()
     damage(run)
-    ckpt, reasons = find_intact_checkpoint(run)
+    ckpt, reasons = CheckpointManager(run).find_intact()
     assert ckpt.name == f"step_{expect_step:08d}"
     assert any(reason in r for r in reasons), reasons
     with caplog.at_level("INFO", logger="keel"):
@@ -275,7 +274,7 @@ def test_stale_temporaries_are_removed_at_resume(copy_of, tiny_data, one_thread)
     (run / ".config.toml.q1.tmp").write_text("")
     train(cfg_for(tiny_data, steps=13), run, resume=True)
     assert not list(run.glob(".*.tmp")) and not list((run / "checkpoints").glob(".*.tmp"))
-    assert remove_stale_temporaries(run) == []
+    assert CheckpointManager(run).clean_temporaries() == []
 
 
 def test_metrics_are_strict_json_nan_is_null(tmp_path):
@@ -343,10 +342,10 @@ def test_non_finite_weights_are_never_checkpointed(tiny_data, tmp_path, one_thre
 
     with pytest.raises(TrainingStopped, match="stopped at step 8: refusing to checkpoint step 8: non-finite"):
         train(cfg_for(tiny_data), tmp_path / "r", callbacks=[Poison()])
-    assert latest_checkpoint(tmp_path / "r").name == "step_00000004"
+    assert CheckpointManager(tmp_path / "r").latest().name == "step_00000004"
     assert not (tmp_path / "r" / "checkpoints" / "step_00000008").exists()
     with pytest.raises(NonFiniteWeights):
-        save_checkpoint(tmp_path / "x", 1, {"w": torch.tensor([1.0, float("nan")])}, {"step": 1})
+        CheckpointManager(tmp_path / "x").save(1, {"w": torch.tensor([1.0, float("nan")])}, {"step": 1})
     assert not (tmp_path / "x" / "checkpoints" / "latest").exists()
 
 

@@ -109,17 +109,17 @@ def _tiny_model():
 
 def test_pruning_deletes_only_the_checkpoints_own_files(tmp_path, caplog):
     """Checkpoint pruning deleted a folder saved into RUN/checkpoints/step_N without a word."""
-    from keel.train.checkpoint import save_checkpoint
+    from keel.train.checkpoint import CheckpointManager
 
     model, run = _tiny_model(), tmp_path / "run"
-    first = save_checkpoint(run, 1, model, {"step": 1}, keep=1)
+    first = CheckpointManager(run, keep=1).save(1, model, {"step": 1})
     (first / "hf").mkdir()
     (first / "hf" / "config.json").write_text("{}")
     with caplog.at_level(logging.WARNING, logger="keel"):
-        save_checkpoint(run, 2, model, {"step": 2}, keep=1)
+        CheckpointManager(run, keep=1).save(2, model, {"step": 2})
     assert sorted(p.relative_to(first).as_posix() for p in first.rglob("*")) == ["hf", "hf/config.json"]
     assert "kept step_00000001" in caplog.text and "hf" in caplog.text
-    save_checkpoint(run, 3, model, {"step": 3}, keep=1)  # the folder left is no checkpoint: not pruned again
+    CheckpointManager(run, keep=1).save(3, model, {"step": 3})  # the folder left is no checkpoint: not pruned again
     assert (first / "hf" / "config.json").is_file() and not (run / "checkpoints" / "step_00000002").exists()
 
 
@@ -139,13 +139,13 @@ def test_restart_deletes_only_the_checkpoints_own_files(cli_run, tmp_path, capsy
 
 
 def test_checkpoint_of_a_step_holding_foreign_files_is_refused_not_deleted(tmp_path):
-    from keel.train.checkpoint import save_checkpoint
+    from keel.train.checkpoint import CheckpointManager
 
     model, run = _tiny_model(), tmp_path / "run"
-    ckpt = save_checkpoint(run, 1, model, {"step": 1})
+    ckpt = CheckpointManager(run).save(1, model, {"step": 1})
     (ckpt / "notes.txt").write_text("mine")
     with pytest.raises(KeelError, match="holds files keel did not write"):
-        save_checkpoint(run, 1, model, {"step": 1})
+        CheckpointManager(run).save(1, model, {"step": 1})
     assert (ckpt / "notes.txt").read_text() == "mine" and (ckpt / "model.safetensors").is_file()
 
 

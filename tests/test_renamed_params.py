@@ -72,9 +72,9 @@ def assert_resumes_like_the_reference(run, reference):
 def checkpoint_of(ckpt, cfg):
     """The model and AdamW of checkpoint folder ``ckpt`` (single-process format), loaded by keel."""
     model = Transformer(cfg.model)
-    C.load_weights(model, ckpt)
+    C.CheckpointManager.load_weights(model, ckpt)
     opt = build_optimizer(model, cfg.train)
-    SD.load_optimizer_state_dict(model, opt, C.load_trainer_state(ckpt)["optimizer"])
+    SD.load_optimizer_state_dict(model, opt, C.CheckpointManager.load_trainer_state(ckpt)["optimizer"])
     return model, opt
 
 
@@ -101,22 +101,22 @@ def test_single_process_checkpoint_with_old_names_loads_and_resumes(tiny_referen
     ref_ckpt = tiny_reference_run / "checkpoints" / f"step_{STEP:08d}"
     cfg = load_config(tiny_reference_run / "config.toml")
     run = copy_without_checkpoints(tiny_reference_run, tmp_path)
-    state = C.load_trainer_state(ref_ckpt)
+    state = C.CheckpointManager.load_trainer_state(ref_ckpt)
     state["optimizer"] = old_optimizer_state(state["optimizer"])
-    ckpt = C.save_checkpoint(run, STEP, old_names(load_file(ref_ckpt / "model.safetensors")), state, keep=0)
+    ckpt = C.CheckpointManager(run, keep=0).save(STEP, old_names(load_file(ref_ckpt / "model.safetensors")), state)
     assert any(".attn_res." in k for k in load_file(ckpt / "model.safetensors"))
     assert_same_model_and_moments(*checkpoint_of(ckpt, cfg), *checkpoint_of(ref_ckpt, cfg))
     assert_resumes_like_the_reference(run, tiny_reference_run)
 
 
 def test_sharded_checkpoint_with_old_names_loads_and_resumes(tiny_reference_run, tmp_path, monkeypatch, one_thread):
-    """A dcp/ checkpoint (weights and AdamW state, as save_sharded_checkpoint writes them in a
+    """A dcp/ checkpoint (weights and AdamW state, as CheckpointManager.save writes them in a
     process group) keyed by the old names: read in one process, as export, eval and a resume do."""
     ref_ckpt = tiny_reference_run / "checkpoints" / f"step_{STEP:08d}"
     cfg = load_config(tiny_reference_run / "config.toml")
     run = copy_without_checkpoints(tiny_reference_run, tmp_path)
     model, opt = checkpoint_of(ref_ckpt, cfg)
-    state = {k: v for k, v in C.load_trainer_state(ref_ckpt).items() if k != "optimizer"}
+    state = {k: v for k, v in C.CheckpointManager.load_trainer_state(ref_ckpt).items() if k != "optimizer"}
     current = C.sharded_state_dict
 
     def as_an_older_keel_saved(model, opt):
@@ -127,7 +127,7 @@ def test_sharded_checkpoint_with_old_names_loads_and_resumes(tiny_reference_run,
         m.setattr(C, "sharded_state_dict", as_an_older_keel_saved)
         dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
         try:
-            ckpt = C.save_sharded_checkpoint(run, STEP, model, opt, state, DistInfo())
+            ckpt = C.CheckpointManager(run, DistInfo()).save(STEP, model, state, optimizer=opt)
         finally:
             dist.destroy_process_group()
     stored = FileSystemReader(ckpt / C.SHARDED_DIR).read_metadata().state_dict_metadata
@@ -135,10 +135,10 @@ def test_sharded_checkpoint_with_old_names_loads_and_resumes(tiny_reference_run,
     assert C.checkpoint_problem(ckpt) is None
     fresh = Transformer(cfg.model)
     fresh_opt = build_optimizer(fresh, cfg.train)
-    C.load_sharded_checkpoint(fresh, fresh_opt, ckpt)
+    C.CheckpointManager.restore(ckpt, fresh, fresh_opt)
     assert_same_model_and_moments(fresh, fresh_opt, model, opt)
     weights_only = Transformer(cfg.model)
-    C.load_weights(weights_only, ckpt)  # keel export-hf / eval / generate
+    C.CheckpointManager.load_weights(weights_only, ckpt)  # keel export-hf / eval / generate
     assert all(torch.equal(weights_only.state_dict()[k], v) for k, v in model.state_dict().items())
     assert_resumes_like_the_reference(run, tiny_reference_run)
 

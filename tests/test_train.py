@@ -14,7 +14,7 @@ from keel.model import Transformer
 from keel.train import TrainingStopped, train
 from keel.train.callbacks import Callback
 from keel.run import Run
-from keel.train.checkpoint import latest_checkpoint, load_trainer_state
+from keel.train.checkpoint import CheckpointManager
 from keel.train.optim import build_optimizer, lr_at
 
 
@@ -58,10 +58,10 @@ def test_run_directory_contents(tiny_config, tmp_path):
     assert (run / "config.toml").is_file() and (run / "loss.png").stat().st_size > 1000
     assert (run / "sample.txt").read_text().strip()
     assert (run / "tokenizer.json").is_file()
-    ckpt = latest_checkpoint(run)
+    ckpt = CheckpointManager(run).latest()
     assert ckpt.name == "step_00000012"
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000008", "step_00000012"]
-    state = load_trainer_state(ckpt)  # weights_only=True
+    state = CheckpointManager.load_trainer_state(ckpt)  # weights_only=True
     assert state["step"] == 12 and state["loader"]
     # the resolved config reproduces the model
     assert load_config(run / "config.toml").model == tiny_config().model
@@ -86,7 +86,7 @@ def test_exact_resume_after_interruption(tiny_config, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         train(tiny_config(), part)
     monkeypatch.setattr(TokenLoader, "next_batch", original)
-    assert latest_checkpoint(part).name == "step_00000008"
+    assert CheckpointManager(part).latest().name == "step_00000008"
     train(tiny_config(), part, resume=True)
 
     a, b = metrics(full), metrics(part)
@@ -126,7 +126,7 @@ def test_non_finite_steps_are_skipped_then_stop(tiny_config, tmp_path, monkeypat
     recs = [r for r in metrics(run) if r["step"] > 0]
     assert [r["step"] for r in recs if r.get("skipped")] == [6, 7, 8]
     # step 8's checkpoint was never written: the last good one (step 4) is intact and finite
-    assert latest_checkpoint(run).name == "step_00000004"
+    assert CheckpointManager(run).latest().name == "step_00000004"
     model = Run(run).load_model()
     assert all(torch.isfinite(p).all() for p in model.parameters())
 

@@ -30,7 +30,7 @@ from keel.model import SCHEMES, Transformer, count_parameters
 from keel.run import Run
 from keel.train import Callback, TrainingStopped, train
 from keel.train import dist as D
-from keel.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from keel.train.checkpoint import CheckpointManager
 from keel.train.optim import lr_at
 from keel.train.trainer import Trainer
 
@@ -64,7 +64,7 @@ def test_no_lr_scheduler_object_in_checkpoints(tiny_data, tmp_path, one_thread):
     trainer.fit()
     assert not any(isinstance(o, torch.optim.lr_scheduler.LRScheduler) for o in reachable(trainer))
     for ckpt in (tmp_path / "r" / "checkpoints").glob("step_*"):
-        state = load_trainer_state(ckpt)
+        state = CheckpointManager.load_trainer_state(ckpt)
         assert "scheduler" not in state
         assert all("initial_lr" not in g for g in state["optimizer"]["param_groups"])  # LambdaLR's mark
     # the LR of every step is lr_at(step) itself, written into both param groups
@@ -78,7 +78,7 @@ def old_format(run, step, cfg):
     function: a ``scheduler`` entry (the state of ``LambdaLR(opt, lr_at / lr)`` after
     ``step`` steps) and ``initial_lr`` in every param group of the optimizer state."""
     ckpt = run / "checkpoints" / f"step_{step:08d}"
-    weights, state = load_file(ckpt / "model.safetensors"), load_trainer_state(ckpt)
+    weights, state = load_file(ckpt / "model.safetensors"), CheckpointManager.load_trainer_state(ckpt)
     opt = torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.zeros(2, 2))]},
                              {"params": [torch.nn.Parameter(torch.zeros(2))]}], lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, cfg) / cfg.lr)
@@ -90,7 +90,7 @@ def old_format(run, step, cfg):
         group["initial_lr"] = cfg.lr
     for p in (run / "checkpoints").glob("step_*"):
         shutil.rmtree(p)
-    save_checkpoint(run, step, weights, state, keep=0)
+    CheckpointManager(run, keep=0).save(step, weights, state)
 
 
 def test_old_checkpoint_with_a_scheduler_entry_resumes_exactly(tiny_reference_run, tmp_path, one_thread):
@@ -100,7 +100,7 @@ def test_old_checkpoint_with_a_scheduler_entry_resumes_exactly(tiny_reference_ru
     shutil.copytree(tiny_reference_run, run)
     cfg = load_config(run / "config.toml")
     old_format(run, 8, cfg.train)
-    assert load_trainer_state(latest_checkpoint(run))["scheduler"]["last_epoch"] == 8
+    assert CheckpointManager.load_trainer_state(CheckpointManager(run).latest())["scheduler"]["last_epoch"] == 8
     train(cfg, run, resume=True)
     a, b = records(tiny_reference_run), records(run)
     assert [r["step"] for r in a] == [r["step"] for r in b]

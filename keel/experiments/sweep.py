@@ -73,7 +73,7 @@ from keel.experiments.training import train_run
 from keel.model import SCHEMES, check_model_config, count_parameters
 from keel.rundir import RunDir
 from keel.train import TrainingStopped
-from keel.train.checkpoint import find_intact_checkpoint
+from keel.train.checkpoint import CheckpointManager
 from keel.train.metrics import read_metrics
 from keel.train.trainer import check_train_config, perplexity
 
@@ -382,7 +382,7 @@ def train_task(job: GridJob, run_dir: Path, resume: bool) -> dict:
     stopped = None
     started = resume and RunDir(run_dir).metrics.is_file()  # a grid's --resume also reaches runs never started
     # interrupted before its first intact checkpoint: nothing to continue, train it again from step 0
-    restart = started and find_intact_checkpoint(run_dir)[0] is None
+    restart = started and CheckpointManager(run_dir).find_intact()[0] is None
     if restart:
         _log.info("no intact checkpoint to resume from: training this run again from step 0")
     try:

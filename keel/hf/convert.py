@@ -56,7 +56,7 @@ from keel.model import Transformer
 from keel.run import Run
 from keel.rundir import RunDir
 from keel.train import state_dict as SD
-from keel.train.checkpoint import save_checkpoint
+from keel.train.checkpoint import CheckpointManager
 from keel.train.device import resolve_device
 from keel.train.optim import build_optimizer
 from keel.train.progress import interactive
@@ -388,5 +388,5 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
         state = fresh_trainer_state(model.model, cfg, step, int(getattr(model.config, "keel_tokens", 0) or 0))
         state["imported_from"] = str(hf_dir.resolve())
         state["config"] = cfg.to_dict()  # what a resume compares its config with
-        save_checkpoint(tmp, step, model.model, state)
+        CheckpointManager(tmp).save(step, model.model, state)
     return out

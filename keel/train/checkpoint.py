@@ -11,9 +11,9 @@ A checkpoint is written into a temporary folder ``.step_*.tmp``; ``manifest.json
 written last, then the folder is renamed into place and ``latest`` is replaced atomically.
 A crash never leaves a half-written checkpoint under a ``step_*`` name, and a checkpoint
 damaged later (a truncated or overwritten file, a deleted file) no longer matches its
-manifest: :func:`find_intact_checkpoint` skips it, saying why, and takes the newest intact
-one. Temporaries left by a crash are removed by :func:`remove_stale_temporaries` when a
-run starts or resumes. Weights that are not all finite are never written
+manifest: :meth:`CheckpointManager.find_intact` skips it, saying why, and takes the newest
+intact one. Temporaries left by a crash are removed by :meth:`CheckpointManager.clean_temporaries`
+when a run starts or resumes. Weights that are not all finite are never written
 (:class:`NonFiniteWeights`).
 
 Checkpoints do not depend on how the model was run: the weights are the full, gathered
@@ -24,7 +24,8 @@ with N processes resumes with M, compiled or not. Weights and optimizer states s
 parameter names renamed since (:data:`keel.keys.RENAMED_PARAMS`) load under the current ones,
 in both formats.
 
-Multi-process runs write a *sharded* checkpoint instead (:func:`save_sharded_checkpoint`)::
+Multi-process runs write a *sharded* checkpoint instead (:meth:`CheckpointManager.save` with a
+process group)::
 
     RUN/checkpoints/step_00000100/dcp/__R_0.distcp    # the shards rank R holds: weights + AdamW state
     RUN/checkpoints/step_00000100/dcp/.metadata       # torch.distributed.checkpoint's index
@@ -34,7 +35,12 @@ Multi-process runs write a *sharded* checkpoint instead (:func:`save_sharded_che
 Each rank writes and hashes its own shards (``torch.distributed.checkpoint.save``), so no
 rank ever holds the full weights or optimizer state; the same folder loads at any world
 size, also in one process (``torch.distributed.checkpoint.load`` reshards), and
-:func:`load_weights` reads both formats (``keel export-hf``, ``eval``, ``generate``).
+:meth:`CheckpointManager.load_weights` reads both formats (``keel export-hf``, ``eval``, ``generate``).
+
+:class:`CheckpointManager` is the one way in: it saves, finds, loads, prunes and removes a run's
+checkpoints, in both formats. The free functions here read one checkpoint folder
+(:func:`checkpoint_problem`, :func:`trainer_state_problem`, :func:`is_sharded`,
+:func:`checkpoint_step`) or name one (:func:`step_name`, :data:`LATEST`).
 """
 
 from __future__ import annotations
@@ -59,10 +65,12 @@ from keel.errors import KeelError
 from keel.io import KEEL_TEMPORARY, atomic_dir, atomic_write_text, chmod_default, make_temp_dir
 from keel.keys import current_param_name
 from keel.rundir import RunDir
-from keel.train.dist import barrier, broadcast_object
+from keel.train.dist import DistInfo, barrier, broadcast_object
 from keel.train.loss_scaling import is_scaler_state
+from keel.train.optim import without_scheduler_marks
 from keel.train.parallelize import unwrap
-from keel.train.state_dict import load_sharded_state_dict, renamed_optimizer_state, sharded_state_dict
+from keel.train.state_dict import (full_model_state_dict, full_optimizer_state_dict, load_optimizer_state_dict,
+                                   load_sharded_state_dict, renamed_optimizer_state, sharded_state_dict)
 
 COMPILE_PREFIX = "_orig_mod."
 MANIFEST = "manifest.json"
@@ -121,24 +129,11 @@ def non_finite_weights(weights: dict[str, torch.Tensor]) -> list[str]:
     return [k for k, v in weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module | dict[str, torch.Tensor],
-                    state: dict[str, Any], keep: int = 2, aliases: dict[str, str] | None = None) -> Path:
-    """Write checkpoint ``step`` and point ``latest`` to it; keep the newest ``keep`` (0: keep all).
-
-    The files go to a temporary folder; ``manifest.json`` (size and sha256 of each file,
-    and the step) is written last, then the folder is renamed to ``step_{step:08d}``.
-
-    Args:
-        model: the model (a compiled ``OptimizedModule`` or a DDP wrapper is unwrapped: the
-            plain module's names are saved), or a full state dict {name: tensor} such as
-            :func:`keel.train.state_dict.full_model_state_dict` returns under FSDP.
-        state: plain Python values and tensors only (it is loaded with weights_only=True).
-        aliases: names to leave out because they alias another (tied weights), as
-            :func:`tied_aliases` gives; computed from ``model`` when it is a module.
-    Returns the checkpoint folder.
-    Raises:
-        NonFiniteWeights: a weight holds NaN or inf (nothing is written; ``latest`` is unchanged).
-    """
+def _save_full(ckpt_root: Path, step: int, model: torch.nn.Module | dict[str, torch.Tensor],
+               state: dict[str, Any], aliases: dict[str, str] | None = None) -> Path:
+    """:meth:`CheckpointManager.save` of one process: ``step_NNNNNNNN`` in ``ckpt_root`` (the
+    files in a temporary folder, ``manifest.json`` last, then the rename) and ``latest``.
+    ``model``: a module (unwrapped; ``aliases`` computed from it) or a full state dict."""
     if isinstance(model, torch.nn.Module):
         aliases = tied_aliases(model)
         weights = unwrap(model).state_dict()
@@ -147,19 +142,14 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module | dic
     weights = _strip_compile_prefix(weights)
     aliases = aliases or {}
     weights = {k: v.detach().to("cpu").contiguous() for k, v in weights.items() if k not in aliases}
-    bad = non_finite_weights(weights)
-    if bad:
-        raise NonFiniteWeights(f"refusing to checkpoint step {step}: non-finite values in {', '.join(bad[:3])}"
-                               + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
-    ckpt_root = RunDir(run_dir).checkpoints
+    _refuse_non_finite(step, non_finite_weights(weights))
     ckpt_root.mkdir(parents=True, exist_ok=True)
     name = step_name(step)
     final = ckpt_root / name
     _check_replaceable(final)
-    with atomic_dir(final, replace=remove_checkpoint) as tmp:
+    with atomic_dir(final, replace=_remove_checkpoint) as tmp:
         _write_files(tmp, weights, state, step)
     atomic_write_text(ckpt_root / LATEST, name + "\n")
-    _prune(run_dir, step, keep)
     return final
 
 
@@ -169,15 +159,25 @@ def _write_files(folder: Path, weights: dict[str, torch.Tensor], state: dict[str
     chmod_default(folder / FILES[0])  # safetensors creates it 0600
     with open(folder / FILES[1], "wb") as f:  # a file object: a full disk surfaces as OSError (keel.io.write_failure)
         torch.save(state, f)
-    files = {}
     for fname in FILES:
         with open(folder / fname, "rb") as f:
             os.fsync(f.fileno())
-        files[fname] = {"bytes": (folder / fname).stat().st_size, "sha256": _sha256(folder / fname)}
+    _write_manifest(folder, {"step": step, "files": _hash_files(folder, list(FILES))})
+
+
+def _write_manifest(folder: Path, manifest: dict) -> None:
+    """``folder/manifest.json``, flushed to disk (written last: before the folder's rename)."""
     with open(folder / MANIFEST, "w", encoding="utf-8") as f:
-        json.dump({"step": step, "files": files}, f, indent=1)
+        json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _refuse_non_finite(step: int, bad: list[str]) -> None:
+    """Raise NonFiniteWeights naming (the first three of) ``bad``, the non-finite weights, if any."""
+    if bad:
+        raise NonFiniteWeights(f"refusing to checkpoint step {step}: non-finite values in {', '.join(bad[:3])}"
+                               + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
 
 
 def is_sharded(ckpt: str | Path) -> bool:
@@ -196,34 +196,19 @@ def _hash_files(folder: Path, names: list[str]) -> dict[str, dict]:
     return {n: {"bytes": (folder / n).stat().st_size, "sha256": _sha256(folder / n)} for n in names}
 
 
-def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                            state: dict[str, Any], info, keep: int = 2) -> Path:  # keep 0: keep all
-    """Write sharded checkpoint ``step`` of a multi-process run (collective: every rank calls it).
-
-    Every rank checks its own shards for non-finite values (any rank's finding stops all),
-    then ``torch.distributed.checkpoint.save`` writes each rank's shards of the weights and
-    AdamW state (:func:`keel.train.state_dict.sharded_state_dict`) into ``dcp/`` of a
-    temporary folder beside the final one; each rank hashes the files it wrote, and rank 0
-    writes ``trainer.pt`` (``state``: plain values, no optimizer), the manifest (every file,
-    with the rank that wrote it) and renames the folder into place, as :func:`save_checkpoint`
-    does. The run folder must be on a file system every rank sees.
-
-    Args:
-        info: the :class:`keel.train.dist.DistInfo` of this process.
-    Returns the checkpoint folder (on every rank).
-    Raises:
-        NonFiniteWeights: a weight holds NaN or inf on some rank (nothing is written).
-    """
+def _save_sharded(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  state: dict[str, Any], info) -> Path:
+    """:meth:`CheckpointManager.save` of a multi-process run (collective): every rank checks its shards
+    for non-finite values (any rank's finding stops all) and writes them (``dcp.save``) into ``dcp/``
+    of a temporary folder, then hashes the files it wrote; rank 0 writes ``trainer.pt`` (no optimizer),
+    the manifest (every file, with its rank) and renames the folder. The run folder must be on a file
+    system every rank sees. Returns the checkpoint folder (on every rank; no barrier)."""
     import torch.distributed.checkpoint as dcp  # lazy: +2-3 s of import; only sharded (FSDP) checkpoints need it
 
     sd = sharded_state_dict(model, optimizer)
     bad: list[list[str]] = [[] for _ in range(info.world_size)]
     dist.all_gather_object(bad, non_finite_weights(_local_tensors(sd["model"])))
-    bad_names = sorted({n for names in bad for n in names})
-    if bad_names:
-        raise NonFiniteWeights(f"refusing to checkpoint step {step}: non-finite values in {', '.join(bad_names[:3])}"
-                               + (f" and {len(bad_names) - 3} more" if len(bad_names) > 3 else ""))
-    ckpt_root = RunDir(run_dir).checkpoints
+    _refuse_non_finite(step, sorted({n for names in bad for n in names}))
     name = step_name(step)
     tmp = None
     if info.is_main:
@@ -238,37 +223,23 @@ def save_sharded_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Modu
     files: list[dict] = [{} for _ in range(info.world_size)]
     dist.all_gather_object(files, _hash_files(tmp / SHARDED_DIR, mine))
     if info.is_main:
-        _finish_sharded(tmp, ckpt_root / name, files, state, step, keep)
-    barrier(info)
+        _finish_sharded(tmp, ckpt_root / name, files, state, step)
     return ckpt_root / name
 
 
-def _finish_sharded(tmp: Path, final: Path, per_rank: list[dict], state: dict, step: int, keep: int) -> None:
-    """Rank 0's part: trainer.pt, the manifest, the rename, ``latest`` and old checkpoints."""
+def _finish_sharded(tmp: Path, final: Path, per_rank: list[dict], state: dict, step: int) -> None:
+    """Rank 0's part: trainer.pt, the manifest, the rename and ``latest``."""
     torch.save(state, tmp / FILES[1])
     with open(tmp / FILES[1], "rb") as f:
         os.fsync(f.fileno())
     files = _hash_files(tmp, [FILES[1]])
     for rank, hashed in enumerate(per_rank):
         files.update({f"{SHARDED_DIR}/{n}": {**v, "rank": rank} for n, v in hashed.items()})
-    with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
-        json.dump({"step": step, "files": files, "world_size": len(per_rank)}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_manifest(tmp, {"step": step, "files": files, "world_size": len(per_rank)})
     if final.exists():
-        remove_checkpoint(final)
+        _remove_checkpoint(final)
     os.replace(tmp, final)
     atomic_write_text(final.parent / LATEST, final.name + "\n")
-    _prune(final.parent.parent, step, keep)
-
-
-def _prune(run_dir: Path, step: int, keep: int) -> None:
-    """After checkpoint ``step`` of ``run_dir`` is written: remove the checkpoints past ``step``
-    (:func:`remove_checkpoints_after`), then all but the newest ``keep`` (0: all are kept)."""
-    remove_checkpoints_after(run_dir, step)
-    kept = [p for p in _step_dirs(run_dir) if _own_files(p)]  # newest first; a folder of others' files is no checkpoint
-    for p in kept[keep:] if keep > 0 else []:
-        remove_checkpoint(p)
 
 
 def _own_files(ckpt: Path) -> list[Path]:
@@ -303,7 +274,7 @@ def _check_replaceable(ckpt: Path) -> None:
                         f"({', '.join(foreign[:3])}); move them out of the run's checkpoints folder")
 
 
-def remove_checkpoint(ckpt: str | Path) -> bool:
+def _remove_checkpoint(ckpt: str | Path) -> bool:
     """Delete the files keel wrote into checkpoint folder ``ckpt`` (:func:`_own_files`), then the
     folder if that left it empty: never a folder wholesale. Files keel did not write (something
     saved into the run's checkpoints by hand) stay, and a warning names them. Returns whether the
@@ -325,39 +296,7 @@ def remove_checkpoint(ckpt: str | Path) -> bool:
     return True
 
 
-def remove_all_checkpoints(run_dir: str | Path) -> None:
-    """Delete every checkpoint of ``run_dir`` (:func:`remove_checkpoint`: keel's files only), its
-    ``latest`` pointer and keel's temporaries there, then ``checkpoints/`` if that left it empty
-    (what ``keel train --restart`` does)."""
-    root = RunDir(run_dir).checkpoints
-    if not root.is_dir():
-        return
-    for p in _step_dirs(run_dir):
-        remove_checkpoint(p)
-    (root / LATEST).unlink(missing_ok=True)
-    remove_stale_temporaries(run_dir)
-    try:
-        root.rmdir()
-    except OSError:  # files keel did not write: kept (remove_checkpoint named those in its folders)
-        left = sorted(p.name for p in root.iterdir() if not _STEP_DIR.match(p.name))
-        if left:
-            log.warning("%s: kept %s in its checkpoints folder (files keel did not write)", run_dir, ", ".join(left[:3]))
-
-
-def remove_checkpoints_after(run_dir: str | Path, step: int) -> list[Path]:
-    """Remove (logged as a warning) the checkpoints of ``run_dir`` past ``step``: an abandoned
-    history, when a run resumes from an older checkpoint (e.g. past a damaged newer one) and its
-    metrics are cut back to that step. A resume calls it once it has accepted its checkpoint, so
-    such a checkpoint never counts towards ``train.keep_checkpoints``. Returns the folders removed."""
-    stale = [p for p in _step_dirs(run_dir) if checkpoint_step(p) > step and _own_files(p)]
-    for p in stale:
-        log.warning("%s: removing %s, a checkpoint past step %d of the history this run resumed before it",
-                    run_dir, p.name, step)
-        remove_checkpoint(p)
-    return stale
-
-
-def load_sharded_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ckpt: str | Path) -> None:
+def _load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ckpt: str | Path) -> None:
     """Load a sharded checkpoint into ``model`` (and ``optimizer``) at this run's world size:
     collective in a process group (every rank reads its part, resharded to the current
     layout), or in one process without one (full tensors). ``model`` is the plain, compiled
@@ -503,7 +442,7 @@ def _state_step_problem(ckpt: Path) -> str | None:
         return None  # a checkpoint before manifests lacking it: checkpoint_problem says so
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # noqa: BLE001 -- a damaged pickle: the same words as load_trainer_state
+    except Exception as e:  # noqa: BLE001 -- a damaged pickle: the same words as CheckpointManager.load_trainer_state
         return f"trainer.pt cannot be read ({_first_line(e)})"
     return trainer_state_problem(state, checkpoint_step(ckpt))
 
@@ -513,136 +452,281 @@ def checkpoint_step(ckpt: str | Path) -> int:
     return int(Path(ckpt).name[5:])
 
 
-def _step_dirs(run_dir: str | Path) -> list[Path]:
-    """The ``step_*`` folders of a run, newest (highest step) first."""
-    root = RunDir(run_dir).checkpoints
+def _step_dirs(root: Path) -> list[Path]:
+    """The ``step_*`` folders of a run's ``checkpoints/`` folder ``root``, newest (highest step) first."""
     dirs = [p for p in root.glob(STEP_GLOB) if p.is_dir() and _STEP_DIR.match(p.name)]
     return sorted(dirs, key=checkpoint_step, reverse=True)
-
-
-def find_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:
-    """The newest intact checkpoint of a run, and a reason for each newer one it passed over.
-
-    Candidates are the folder ``checkpoints/latest`` names and every ``step_*`` folder; the
-    one with the highest step that passes :func:`checkpoint_problem` wins. The reasons
-    (one line each, e.g. ``"step_00000012: model.safetensors is missing"`` or
-    ``"checkpoints/latest (the file is missing)"``) explain what was skipped; they are empty when
-    ``latest`` names the winner.
-
-    Returns:
-        ``(folder or None, reasons)``.
-    """
-    root = RunDir(run_dir).checkpoints
-    reasons: list[str] = []
-    pointer = root / LATEST
-    named = pointer.read_text(encoding="utf-8", errors="replace").strip() if pointer.is_file() else None
-    chosen = None
-    for folder in _step_dirs(run_dir):
-        problem = checkpoint_problem(folder) or _state_step_problem(folder)
-        if problem is None:
-            chosen = folder
-            break
-        reasons.append(f"{folder.name}: {problem}")
-    if named is None and root.is_dir() and (chosen is not None or reasons):
-        reasons.insert(0, f"{RunDir.CHECKPOINTS}/{LATEST} (the file is missing)")
-    elif named is not None and (chosen is None or named != chosen.name) and not (root / named).is_dir():
-        reasons.insert(0, f"{RunDir.CHECKPOINTS}/{LATEST} (it names {named}, which does not exist)")
-    return chosen, reasons
-
-
-def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
-    """Delete what an interrupted writer left in a run directory: ``checkpoints/.step_*.tmp``
-    folders and ``.NAME.*.tmp`` files (from :mod:`keel.io`) in the run folder and in
-    ``checkpoints/``. Call it only while no other process writes to the run. Returns what
-    was removed."""
-    run_dir = Path(run_dir)
-    removed = []
-    for folder in (run_dir, RunDir(run_dir).checkpoints):
-        for p in folder.glob(".*.tmp") if folder.is_dir() else []:
-            if not KEEL_TEMPORARY.match(p.name):  # keel's own names only (keel.io): never another tool's file
-                continue
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
-            removed.append(p)
-    return removed
-
-
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """The checkpoint folders of a run that have their files (``step_*`` with weights and a
-    manifest, or with both files for older checkpoints), oldest first. Not verified against
-    the checksums: use :func:`checkpoint_problem` for that."""
-    def complete(p: Path) -> bool:
-        single = (p / FILES[0]).is_file() and ((p / MANIFEST).is_file() or (p / FILES[1]).is_file())
-        return single or (is_sharded(p) and (p / MANIFEST).is_file())
-
-    return [p for p in reversed(_step_dirs(run_dir)) if complete(p)]
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest intact checkpoint of a run (:func:`find_intact_checkpoint`), or None.
-
-    Normally the folder ``RUN/checkpoints/latest`` names; when that one is missing or
-    damaged, the newest older intact one, with a warning that says why.
-    """
-    chosen, reasons = find_intact_checkpoint(run_dir)
-    for reason in reasons:
-        log.warning("%s: skipping %s", run_dir, reason)
-    return chosen
-
-
-def load_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
-    """Load ``ckpt/model.safetensors`` into ``model`` (strict: same names and shapes), or the
-    weights of a sharded checkpoint (:func:`load_sharded_checkpoint`).
-
-    ``model`` may be plain, compiled (``torch.compile``'s ``OptimizedModule``, or blocks
-    compiled in place) or DDP-wrapped: the plain module is loaded. Names saved with an
-    ``_orig_mod.`` prefix (a compiled module's own ``state_dict()``) are accepted too, and a
-    tied weight stored once fills every name it has. Load before FSDP sharding.
-
-    Raises:
-        KeelError: no weights file, an unreadable one, or names/shapes that do not match the model.
-    """
-    if is_sharded(ckpt):
-        load_sharded_checkpoint(model, None, ckpt)
-        return
-    path = Path(ckpt) / "model.safetensors"
-    if not path.is_file():
-        raise KeelError(f"no model weights at {path}")
-    try:
-        sd = _strip_compile_prefix(load_file(str(path)))
-    except Exception as e:  # noqa: BLE001 -- SafetensorError, OSError ...: a truncated or overwritten file
-        raise KeelError(f"cannot read {path} (damaged?): {_first_line(e)}") from None
-    plain = unwrap(model)
-    for alias, kept in tied_aliases(plain).items():
-        if kept in sd and alias not in sd:
-            sd[alias] = sd[kept]
-    try:
-        missing, unexpected = plain.load_state_dict(sd, strict=False)
-    except RuntimeError as e:  # shape mismatch
-        raise KeelError(f"checkpoint {path} does not match the model: {str(e).splitlines()[-1].strip()}") from None
-    if missing or unexpected:
-        raise KeelError(f"checkpoint {path} does not match the model: missing {sorted(missing)[:3]}, "
-                        f"unexpected {sorted(unexpected)[:3]}")
-
-
-def load_trainer_state(ckpt: str | Path) -> dict[str, Any]:
-    """Load ``ckpt/trainer.pt`` with ``torch.load(weights_only=True)``.
-
-    Raises:
-        KeelError: the file is missing or cannot be read (truncated, overwritten).
-    """
-    path = Path(ckpt) / "trainer.pt"
-    if not path.is_file():
-        raise KeelError(f"no trainer state at {path}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 -- PytorchStreamReader failed, UnicodeDecodeError, UnpicklingError ...
-        raise KeelError(f"cannot read {path} (damaged?): {_first_line(e)}") from None
 
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:200] if text else type(e).__name__
 
+
+
+class CheckpointManager:
+    """The checkpoints of one run: the one path that writes, finds, loads and removes them.
+
+    It owns ``RUN/checkpoints/`` (:attr:`keel.rundir.RunDir.checkpoints`): the ``step_NNNNNNNN``
+    folders (:func:`step_name`), the ``latest`` pointer, both formats (one process: full tensors,
+    ``model.safetensors`` + ``trainer.pt``; several: ``torch.distributed.checkpoint`` shards in
+    ``dcp/`` + ``trainer.pt``), the atomic writes and manifests, listing and pruning. What it saves
+    exposes ``state_dict()`` (a :class:`keel.train.state_dict.TrainState`, the model and optimiser
+    through :mod:`keel.train.state_dict`), as torchtitan's checkpointer; a resume puts it back with
+    :meth:`restore`. Steps are optimiser steps (0 = nothing trained).
+
+    Args:
+        run_dir: the run folder (``RUN``; ``RUN/checkpoints`` need not exist yet). Log lines name it
+            as given.
+        info: this process's :class:`keel.train.dist.DistInfo` (default: a single process); with
+            ``info.distributed`` :meth:`save` writes the sharded format, collectively.
+        keep: how many of the newest checkpoints :meth:`save` keeps (0: all).
+    """
+
+    def __init__(self, run_dir: str | Path, info: DistInfo | None = None, keep: int = 2):
+        self.run_dir = run_dir  # as given: the log lines name it so
+        self.root = RunDir(run_dir).checkpoints
+        self.info = info if info is not None else DistInfo()
+        self.keep = keep
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({str(self.run_dir)!r}, keep={self.keep})"
+
+    # ------------------------------------------------------------------ writing
+    def save(self, step: int, model: torch.nn.Module | dict[str, torch.Tensor], state: Any,
+             optimizer: torch.optim.Optimizer | None = None, aliases: dict[str, str] | None = None) -> Path:
+        """Write checkpoint ``step`` (``RUN/checkpoints/step_NNNNNNNN``), point ``latest`` to it, remove
+        the checkpoints past ``step`` (:meth:`remove_after`) and all but the newest ``keep`` (:meth:`prune`).
+
+        The files go to a temporary folder ``.step_*.tmp``; ``manifest.json`` (size and sha256 of each
+        file, and the step) is written last, then the folder is renamed into place. In a process group
+        (``info.distributed``) it is collective and writes the sharded format (every rank its own shards
+        of the weights and AdamW state, rank 0 ``trainer.pt``, the manifest, the rename, ``latest``);
+        otherwise the full format.
+
+        Args:
+            model: the model (a compiled ``OptimizedModule``, DDP or FSDP wrapper is looked through: the
+                plain module's names are saved), or a full state dict {name: tensor} (one process only).
+            state: the trainer state, a ``Stateful`` (its ``state_dict()`` is saved) or a dict of plain
+                Python values and tensors (it is loaded with ``weights_only=True``).
+            optimizer: the optimiser, saved with it (one process: its full state, keyed by parameter
+                name, under ``"optimizer"`` in ``trainer.pt``; several: with the shards). Without it
+                (``keel import-hf``), the weights and ``state`` only.
+            aliases: names to leave out because they alias another (tied weights), as
+                :func:`tied_aliases` gives; computed from ``model`` when it is a module.
+        Returns the checkpoint folder (on every rank).
+        Raises:
+            NonFiniteWeights: a weight holds NaN or inf (on any rank): nothing is written, ``latest``
+                is unchanged.
+            KeelError: the folder of ``step`` holds files keel did not write.
+            OSError: the checkpoint cannot be written (a full disk, a read-only folder).
+        """
+        state = state.state_dict() if hasattr(state, "state_dict") else state
+        if self.info.distributed:
+            final = _save_sharded(self.root, step, model, optimizer, state, self.info)
+            if self.info.is_main:
+                self._after_save(step)
+            barrier(self.info)
+            return final
+        if optimizer is not None:  # the trainer's: gathered weights, name-keyed optimiser state
+            weights = full_model_state_dict(model)
+            state = {**state, "optimizer": full_optimizer_state_dict(model, optimizer)}
+            model, aliases = weights, aliases if aliases is not None else tied_aliases(model)
+        final = _save_full(self.root, step, model, state, aliases)
+        self._after_save(step)
+        return final
+
+    def _after_save(self, step: int) -> None:
+        self.remove_after(step)
+        self.prune()
+
+    def prune(self, keep: int | None = None) -> list[Path]:
+        """Remove all but the newest ``keep`` checkpoints (default: this manager's ``keep``; 0 keeps
+        all). A ``step_*`` folder with no file keel wrote is no checkpoint: neither counted nor
+        touched. Returns the folders removed (a folder holding others' files keeps them)."""
+        keep = self.keep if keep is None else keep
+        kept = [p for p in _step_dirs(self.root) if _own_files(p)]  # newest first
+        gone = kept[keep:] if keep > 0 else []
+        for p in gone:
+            _remove_checkpoint(p)
+        return gone
+
+    def remove_after(self, step: int) -> list[Path]:
+        """Remove (logged as a warning) the checkpoints past ``step``: an abandoned history, when a run
+        resumes from an older checkpoint (e.g. past a damaged newer one) and its metrics are cut back
+        to that step. A resume calls it once it has accepted its checkpoint, so such a checkpoint
+        never counts towards ``keep``. Returns the folders removed."""
+        stale = [p for p in _step_dirs(self.root) if checkpoint_step(p) > step and _own_files(p)]
+        for p in stale:
+            log.warning("%s: removing %s, a checkpoint past step %d of the history this run resumed before it",
+                        self.run_dir, p.name, step)
+            _remove_checkpoint(p)
+        return stale
+
+    def remove_all(self) -> None:
+        """Delete every checkpoint (keel's files only: a file keel did not write stays, with a warning),
+        ``latest`` and keel's temporaries in ``RUN/checkpoints``, then that folder if that left it empty
+        (what ``keel train --restart`` does)."""
+        if not self.root.is_dir():
+            return
+        for p in _step_dirs(self.root):
+            _remove_checkpoint(p)
+        (self.root / LATEST).unlink(missing_ok=True)
+        self.clean_temporaries()
+        try:
+            self.root.rmdir()
+        except OSError:  # files keel did not write: kept (_remove_checkpoint named those in its folders)
+            left = sorted(p.name for p in self.root.iterdir() if not _STEP_DIR.match(p.name))
+            if left:
+                log.warning("%s: kept %s in its checkpoints folder (files keel did not write)",
+                            self.run_dir, ", ".join(left[:3]))
+
+    def clean_temporaries(self) -> list[Path]:
+        """Delete what an interrupted writer left: ``RUN/checkpoints/.step_*.tmp`` folders and
+        ``.NAME.*.tmp`` files (:mod:`keel.io`'s names only) in ``RUN`` and ``RUN/checkpoints``. Call
+        it only while no other process writes to the run. Returns what was removed."""
+        removed = []
+        for folder in (Path(self.run_dir), self.root):
+            for p in folder.glob(".*.tmp") if folder.is_dir() else []:
+                if not KEEL_TEMPORARY.match(p.name):  # keel's own names only (keel.io): never another tool's file
+                    continue
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+                removed.append(p)
+        return removed
+
+    # ------------------------------------------------------------------ finding
+    def has_folders(self) -> bool:
+        """Whether ``RUN/checkpoints`` holds any ``step_*`` folder (intact or not)."""
+        return any(p.is_dir() for p in self.root.glob(STEP_GLOB))
+
+    def complete(self) -> list[Path]:
+        """The checkpoint folders that have their files (``step_*`` with weights and a manifest, or with
+        both files for older checkpoints, or a sharded one with its manifest), oldest first. Not
+        verified against the checksums: :meth:`find_intact` does that."""
+        def has_files(p: Path) -> bool:
+            single = (p / FILES[0]).is_file() and ((p / MANIFEST).is_file() or (p / FILES[1]).is_file())
+            return single or (is_sharded(p) and (p / MANIFEST).is_file())
+
+        return [p for p in reversed(_step_dirs(self.root)) if has_files(p)]
+
+    def steps(self) -> list[int]:
+        """The steps of :meth:`complete`'s checkpoints, ascending."""
+        return [checkpoint_step(p) for p in self.complete()]
+
+    def find_intact(self) -> tuple[Path | None, list[str]]:
+        """The newest intact checkpoint, and a reason for each newer one it passed over.
+
+        Candidates are the folder ``latest`` names and every ``step_*`` folder; the one with the
+        highest step that passes :func:`checkpoint_problem` (and whose ``trainer.pt`` belongs to it,
+        :func:`trainer_state_problem`) wins. The reasons (one line each, e.g. ``"step_00000012:
+        model.safetensors is missing"`` or ``"checkpoints/latest (the file is missing)"``) are empty
+        when ``latest`` names the winner. Nothing is logged.
+
+        Returns:
+            ``(folder or None, reasons)``.
+        """
+        root = self.root
+        reasons: list[str] = []
+        pointer = root / LATEST
+        named = pointer.read_text(encoding="utf-8", errors="replace").strip() if pointer.is_file() else None
+        chosen = None
+        for folder in _step_dirs(root):
+            problem = checkpoint_problem(folder) or _state_step_problem(folder)
+            if problem is None:
+                chosen = folder
+                break
+            reasons.append(f"{folder.name}: {problem}")
+        if named is None and root.is_dir() and (chosen is not None or reasons):
+            reasons.insert(0, f"{RunDir.CHECKPOINTS}/{LATEST} (the file is missing)")
+        elif named is not None and (chosen is None or named != chosen.name) and not (root / named).is_dir():
+            reasons.insert(0, f"{RunDir.CHECKPOINTS}/{LATEST} (it names {named}, which does not exist)")
+        return chosen, reasons
+
+    def latest(self) -> Path | None:
+        """The newest intact checkpoint (:meth:`find_intact`), or None: normally the one ``latest``
+        names; when that one is missing or damaged, the newest older intact one, with a warning per
+        checkpoint skipped that says why."""
+        chosen, reasons = self.find_intact()
+        for reason in reasons:
+            log.warning("%s: skipping %s", self.run_dir, reason)
+        return chosen
+
+    # ------------------------------------------------------------------ loading
+    @staticmethod
+    def load_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
+        """Load the weights of checkpoint folder ``ckpt`` (either format) into ``model``, strictly (same
+        names and shapes): ``model.safetensors``, or the shards of ``dcp/`` (resharded, model only).
+
+        ``model`` may be plain, compiled (``torch.compile``'s ``OptimizedModule``, or blocks compiled
+        in place) or DDP-wrapped: the plain module is loaded. Names saved with an ``_orig_mod.``
+        prefix are accepted, a tied weight stored once fills every name it has, and names renamed
+        since (:data:`keel.keys.RENAMED_PARAMS`) load under the current ones. Load a full checkpoint
+        before FSDP sharding.
+
+        Raises:
+            KeelError: no weights file, an unreadable one, or names/shapes that do not match the model.
+        """
+        if is_sharded(ckpt):
+            _load_sharded(model, None, ckpt)
+            return
+        path = Path(ckpt) / FILES[0]
+        if not path.is_file():
+            raise KeelError(f"no model weights at {path}")
+        try:
+            sd = _strip_compile_prefix(load_file(str(path)))
+        except Exception as e:  # noqa: BLE001 -- SafetensorError, OSError ...: a truncated or overwritten file
+            raise KeelError(f"cannot read {path} (damaged?): {_first_line(e)}") from None
+        plain = unwrap(model)
+        for alias, kept in tied_aliases(plain).items():
+            if kept in sd and alias not in sd:
+                sd[alias] = sd[kept]
+        try:
+            missing, unexpected = plain.load_state_dict(sd, strict=False)
+        except RuntimeError as e:  # shape mismatch
+            raise KeelError(f"checkpoint {path} does not match the model: {str(e).splitlines()[-1].strip()}") from None
+        if missing or unexpected:
+            raise KeelError(f"checkpoint {path} does not match the model: missing {sorted(missing)[:3]}, "
+                            f"unexpected {sorted(unexpected)[:3]}")
+
+    @staticmethod
+    def load_trainer_state(ckpt: str | Path) -> dict[str, Any]:
+        """The trainer state of checkpoint folder ``ckpt``: ``trainer.pt`` read with
+        ``torch.load(weights_only=True)`` onto the CPU (its keys: :data:`TRAINER_STATE`).
+
+        Raises:
+            KeelError: the file is missing or cannot be read (truncated, overwritten).
+        """
+        path = Path(ckpt) / FILES[1]
+        if not path.is_file():
+            raise KeelError(f"no trainer state at {path}")
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 -- PytorchStreamReader failed, UnicodeDecodeError, UnpicklingError ...
+            raise KeelError(f"cannot read {path} (damaged?): {_first_line(e)}") from None
+
+    @staticmethod
+    def restore(ckpt: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                train_state: Any = None, state: dict[str, Any] | None = None) -> None:
+        """Put the training state of checkpoint folder ``ckpt`` back (collective in a process group):
+        the optimiser (a full checkpoint's name-keyed or old index-keyed ``"optimizer"`` entry; a
+        sharded one's weights and AdamW state, resharded to this world size) and, given a
+        ``train_state`` (a ``Stateful`` such as :class:`keel.train.state_dict.TrainState`), its
+        ``load_state_dict(state)``. ``state``: :meth:`load_trainer_state`'s dict (read from ``ckpt``
+        when not given). A full checkpoint's weights are loaded before sharding, with :meth:`load_weights`.
+
+        Raises:
+            KeelError: an unreadable ``trainer.pt``, a sharded checkpoint that does not match the
+                model, or an index-keyed optimiser state with an FSDP model.
+        """
+        sharded = is_sharded(ckpt)
+        if state is None and (train_state is not None or not sharded):
+            state = CheckpointManager.load_trainer_state(ckpt)
+        if sharded:
+            _load_sharded(model, optimizer, ckpt)
+        else:
+            load_optimizer_state_dict(model, optimizer, without_scheduler_marks(state["optimizer"]))
+        if train_state is not None:
+            train_state.load_state_dict(state)

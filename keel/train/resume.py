@@ -21,33 +21,33 @@ from keel.data import absolute_data_paths
 from keel.errors import KeelError
 from keel.keys import current_key
 from keel.rundir import RunDir
-from keel.train.checkpoint import STEP_GLOB, find_intact_checkpoint
+from keel.train.checkpoint import CheckpointManager
 from keel.train.metrics import read_metrics
 from keel.train.optim import lr_at
 
 log = logging.getLogger(__name__)
 
 
-def has_history(run_dir: Path) -> bool:
-    """Whether the run in ``run_dir`` went past step 0: a metrics record of step >= 1 or a checkpoint folder."""
-    rd = RunDir(run_dir)
-    if any(p.is_dir() for p in rd.checkpoints.glob(STEP_GLOB)):
+def has_history(checkpoints: CheckpointManager) -> bool:
+    """Whether the run of ``checkpoints`` went past step 0: a checkpoint folder or a metrics record of step >= 1."""
+    if checkpoints.has_folders():
         return True
-    return any(r.get("step", 0) >= 1 for r in read_metrics(rd.metrics))
+    return any(r.get("step", 0) >= 1 for r in read_metrics(RunDir(checkpoints.run_dir).metrics))
 
 
-def checkpoint_to_resume(run_dir: Path) -> str | None:
-    """The newest intact checkpoint of ``run_dir`` (:func:`keel.train.checkpoint.find_intact_checkpoint`),
+def checkpoint_to_resume(checkpoints: CheckpointManager) -> str | None:
+    """The newest intact checkpoint of a run (:meth:`keel.train.checkpoint.CheckpointManager.find_intact`),
     as a string, or None for a run that has none and no history; each newer damaged one is
     skipped with a warning saying why.
 
     Raises:
         KeelError: the run has history but no intact checkpoint.
     """
-    ckpt, reasons = find_intact_checkpoint(run_dir)
+    run_dir = checkpoints.run_dir
+    ckpt, reasons = checkpoints.find_intact()
     for reason in reasons:
         log.warning("skipping %s", reason)
-    if ckpt is None and has_history(run_dir):
+    if ckpt is None and has_history(checkpoints):
         raise KeelError(f"cannot resume {run_dir}: it has history but no intact checkpoint"
                         f" ({'; '.join(reasons) or 'no checkpoint was saved'}); pass --restart to train it "
                         "again from step 0 (its metrics and checkpoints are deleted)")

@@ -48,8 +48,6 @@ def clip_grad_norm_(parameters, max_norm: float) -> float:
 
 def _full_options():
     # lazy: +1-2 s of import; keel eval / generate / runs never need it
-    # lazy: +1-2 s of import; keel eval / generate / runs never need it
-    # lazy: +1-2 s of import; keel eval / generate / runs never need it
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -65,8 +63,6 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     ranks get ``{}``. Tied weights appear under every name.
     """
     # lazy: +1-2 s of import; keel eval / generate / runs never need it
-    # lazy: +1-2 s of import; keel eval / generate / runs never need it
-    # lazy: +1-2 s of import; keel eval / generate / runs never need it
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return get_model_state_dict(unwrap(model), options=_full_options())
@@ -77,8 +73,6 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     at any world size and with or without FSDP. Collective under FSDP; only rank 0 receives
     it in a process group (``{}`` elsewhere). Format: ``{"state": {name: {"step", "exp_avg",
     "exp_avg_sq"}}, "param_groups": [{..., "params": [names]}]}`` for AdamW."""
-    # lazy: +1-2 s of import; keel eval / generate / runs never need it
-    # lazy: +1-2 s of import; keel eval / generate / runs never need it
     # lazy: +1-2 s of import; keel eval / generate / runs never need it
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -93,8 +87,6 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     Raises:
         KeelError: an index-keyed state with a sharded (FSDP) model.
     """
-    # lazy: +1-2 s of import; keel eval / generate / runs never need it
-    # lazy: +1-2 s of import; keel eval / generate / runs never need it
     # lazy: +1-2 s of import; keel eval / generate / runs never need it
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     from torch.distributed.fsdp import FSDPModule
@@ -130,8 +122,6 @@ def sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None
     at any world size (it reshards). A fresh optimizer's state is materialised first (zeros),
     so that it can be loaded into. Without ``optimizer``: the model only."""
     # lazy: +1-2 s of import; keel eval / generate / runs never need it
-    # lazy: +1-2 s of import; keel eval / generate / runs never need it
-    # lazy: +1-2 s of import; keel eval / generate / runs never need it
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     out = {"model": get_model_state_dict(unwrap(model))}
@@ -143,8 +133,6 @@ def sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None
 def load_sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
     """Put a :func:`sharded_state_dict` (filled by ``torch.distributed.checkpoint.load``) back
     into ``model`` (strict) and ``optimizer``."""
-    # lazy: +1-2 s of import; keel eval / generate / runs never need it
-    # lazy: +1-2 s of import; keel eval / generate / runs never need it
     # lazy: +1-2 s of import; keel eval / generate / runs never need it
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 

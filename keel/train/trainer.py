@@ -8,7 +8,7 @@ layout (config, metrics, checkpoints, tokenizer, loss plot, sample, ...) is
 freshly initialised model.
 
 Resuming (``resume=True``) never loses a run's history: it continues from the newest
-*intact* checkpoint (:func:`keel.train.checkpoint.find_intact_checkpoint`; a newer damaged
+*intact* checkpoint (:meth:`keel.train.checkpoint.CheckpointManager.find_intact`; a newer damaged
 one is skipped with a warning naming the problem), and refuses with a one-line
 :class:`KeelError` when the run has history (metrics past step 0, or checkpoint folders)
 but no intact checkpoint, unless ``restart=True`` (which starts the run again from step 0,
@@ -32,7 +32,7 @@ optimiser step always sees ``batch_size * seq_len * grad_accum`` tokens (``token
 metrics counts them over all ranks) and the same windows whatever the world size. Only
 rank 0 writes files and logs; every rank evaluates its share of the validation windows and
 writes its own shards of the weights and optimizer state into a sharded checkpoint
-(``torch.distributed.checkpoint``, :func:`keel.train.checkpoint.save_sharded_checkpoint`). Resuming from the
+(``torch.distributed.checkpoint``, :class:`keel.train.checkpoint.CheckpointManager`). Resuming from the
 checkpoint at step k reproduces the uninterrupted run's losses exactly on CPU: weights,
 AdamW state, data position, RNG state and an fp16 run's loss scaler are all restored (the LR is
 a pure function of the step, :func:`keel.train.optim.set_lr`: nothing of it is saved).
@@ -67,11 +67,7 @@ from keel.model import Transformer, check_model_config, flops_per_token, get_sch
 from keel.rundir import RunDir
 from keel.train import dist as D, state_dict as SD
 from keel.train.callbacks import Callback, StepState, unhonoured_keys
-from keel.train.checkpoint import (NonFiniteWeights, find_intact_checkpoint, is_sharded, latest_checkpoint,
-                                   load_sharded_checkpoint, load_trainer_state, load_weights, remove_all_checkpoints,
-                                   remove_checkpoints_after,
-                                   remove_stale_temporaries, save_checkpoint, save_sharded_checkpoint, step_name,
-                                   tied_aliases)
+from keel.train.checkpoint import CheckpointManager, NonFiniteWeights, is_sharded, step_name, tied_aliases
 from keel.train.device import (autocast_context, peak_flops, check_activations_fit, check_model_fits, flushing_denormals,
                                memory_errors, resolve_device)
 from keel.train.nll import eval_batch_size, mean_nll, perplexity
@@ -79,7 +75,7 @@ from keel.train.interrupt import StopSignals, TrainingInterrupted, agreed_stop_s
 from keel.train.loggers import open_sinks
 from keel.train.loss_scaling import LossScaling
 from keel.train.metrics import mean_tokens_per_s, truncate_metrics, untimed_tokens
-from keel.train.optim import apply_config, build_optimizer, set_lr, without_scheduler_marks
+from keel.train.optim import apply_config, build_optimizer, set_lr
 from keel.train.parallelize import checkpointed_blocks, gradient_sync, parallelize
 from keel.train.plots import plot_loss
 from keel.train.progress import ProgressReporter, interactive
@@ -214,6 +210,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.rd = RunDir(self.run_dir)  # the run folder's files
         self.metrics_path = self.rd.metrics
+        self.checkpoints = CheckpointManager(self.run_dir, info, keep=self.tc.keep_checkpoints)  # RUN/checkpoints
         if not (resume or restart) and self.metrics_path.exists():
             raise KeelError(f"run directory {self.run_dir} already holds a run; "
                             f"use --resume {self.run_dir}, --restart, or another --run-dir")
@@ -222,7 +219,7 @@ class Trainer:
         self.device = info.device
         self.amp = autocast_context(self.device, self.tc.precision,
                                     sharded=info.distributed and self.tc.parallelism == "fsdp")
-        saved = load_trainer_state(self.ckpt) if self.ckpt is not None else None
+        saved = self.checkpoints.load_trainer_state(self.ckpt) if self.ckpt is not None else None
         self.changes: dict[str, dict] = {}  # applied from the resumed step, recorded in metrics.jsonl
         self.not_applied: dict[str, dict] = {}  # those of a resume with nothing left to train: said, never written
         self.nothing_left = saved is not None and saved["step"] >= self.tc.steps
@@ -249,12 +246,12 @@ class Trainer:
     def _clean_run_dir(self, restart: bool) -> None:
         """Rank 0 removes stale temporaries (and, for a restart, the old history)."""
         if self.main:
-            for path in remove_stale_temporaries(self.run_dir):
+            for path in self.checkpoints.clean_temporaries():
                 log.info("removed %s (left by an interrupted write)", path)
             if restart and (self.metrics_path.exists() or self.rd.checkpoints.exists()):
                 log.warning("restarting %s from step 0: deleting its metrics and checkpoints", self.run_dir)
                 self.metrics_path.unlink(missing_ok=True)
-                remove_all_checkpoints(self.run_dir)  # keel's files only: anything else stays, with a warning
+                self.checkpoints.remove_all()  # keel's files only: anything else stays, with a warning
         D.barrier(self.info)
 
     def _find_checkpoint(self) -> Path | None:
@@ -264,7 +261,7 @@ class Trainer:
         Raises:
             KeelError: the run has history but no intact checkpoint.
         """
-        found = D.decide_on_rank0(lambda: checkpoint_to_resume(self.run_dir), self.info)
+        found = D.decide_on_rank0(lambda: checkpoint_to_resume(self.checkpoints), self.info)
         return Path(found) if found is not None else None
 
     def _load_data(self) -> None:
@@ -292,22 +289,19 @@ class Trainer:
         self.aliases = tied_aliases(self.model)
         self.sharded_ckpt = self.ckpt is not None and is_sharded(self.ckpt)
         if self.ckpt is not None and not self.sharded_ckpt:
-            load_weights(self.model, self.ckpt)  # full weights, before any sharding
+            self.checkpoints.load_weights(self.model, self.ckpt)  # full weights, before any sharding
         self.model.to(self.device)
         self.train_module = parallelize(self.model, self.tc, self.info)  # DDP wrapper, or the model (FSDP2)
         self.fsdp = self.info.distributed and self.tc.parallelism == "fsdp"
-        self.optimizer = build_optimizer(self.model, self.tc)
-        if self.sharded_ckpt:  # weights + AdamW state, resharded to this world size
-            load_sharded_checkpoint(self.model, self.optimizer, self.ckpt)
+        self.optimizer = build_optimizer(self.model, self.tc)  # a sharded checkpoint's weights: _restore
 
     def _restore(self, state: dict) -> None:
         if ("optimizer" not in state and not self.sharded_ckpt) or "loader" not in state:
             raise KeelError(f"cannot resume from {self.ckpt}: it holds weights only (no optimiser or data state; "
                             "made by keel import-hf?); start a new run from it instead")
-        if not self.sharded_ckpt:  # a sharded checkpoint's optimizer state was loaded with the weights
-            SD.load_optimizer_state_dict(self.model, self.optimizer, without_scheduler_marks(state["optimizer"]))
+        # the optimiser (sharded: with the weights, resharded to this world size), data position, RNG, counters
+        self.checkpoints.restore(self.ckpt, self.model, self.optimizer, self.state, state)
         apply_config(self.optimizer, self.tc)  # an older checkpoint's "scheduler" entry is not needed: set_lr
-        self.state.load_state_dict(state)
         if self.scaling.enabled and "grad_scaler" not in state and self.main:  # trained in fp32/bf16 until now
             log.info("resume: %s has no loss-scaler state: fp16 loss scale %g", self.ckpt.name, self.scaling.scale_value)
         if self.main:
@@ -333,7 +327,7 @@ class Trainer:
                         shutil.copyfile(self.data_dir / "tokenizer.json", tmp)
                 history = truncate_metrics(self.metrics_path, self.state.step if self.ckpt is not None else -1)
                 if self.ckpt is not None:  # the history past it is gone: so are its checkpoints
-                    remove_checkpoints_after(self.run_dir, self.state.step)
+                    self.checkpoints.remove_after(self.state.step)
             self.history = history  # what the sinks may replay (keel.train.loggers)
             if self.changes:
                 record = {"step": self.state.step, "config_change": self.changes}
@@ -407,37 +401,21 @@ class Trainer:
                 fault, not an outcome of training (a grid records the run as failed and
                 ``--resume`` trains it again), naming the last good checkpoint.
         """
-        if self.info.distributed:
-            try:
-                save_sharded_checkpoint(self.run_dir, self.state.step, self.model, self.optimizer,
-                                        self.state.state_dict(), self.info, keep=self.tc.keep_checkpoints)
-            except NonFiniteWeights as e:
-                raise TrainingStopped(f"stopped at step {self.state.step}: {e}; last good checkpoint: {self._last_good()}")
-            return
-        weights = SD.full_model_state_dict(self.model)
-        optim_state = SD.full_optimizer_state_dict(self.model, self.optimizer)
-        error = None  # (message, a training outcome?) on rank 0
-        if self.main:
-            state = {**self.state.state_dict(), "optimizer": optim_state}
-            try:
-                save_checkpoint(self.run_dir, self.state.step, weights, state, keep=self.tc.keep_checkpoints,
-                                aliases=self.aliases)
-            except NonFiniteWeights as e:
-                error = (f"stopped at step {self.state.step}: {e}; last good checkpoint: {self._last_good()}", True)
-            except Exception as e:  # noqa: BLE001 -- a full disk / read-only folder: one line, the last good step
-                cause = write_failure(e)
-                if cause is None:
-                    raise
-                error = (f"cannot write the checkpoint of step {self.state.step} in {self.rd.checkpoints}: "
-                         f"{cause.strerror}{' (' + str(cause.filename) + ')' if cause.filename else ''}; "
-                         f"last good checkpoint (intact): {self._last_good()}", False)
-        error = D.broadcast_object(error, self.info)
-        if error is not None:  # a full disk was TrainingStopped: a grid recorded it as an "instability" result
-            raise (TrainingStopped if error[1] else KeelError)(error[0])
-        D.barrier(self.info)
+        step = self.state.step
+        try:
+            self.checkpoints.save(step, self.model, self.state, optimizer=self.optimizer, aliases=self.aliases)
+        except NonFiniteWeights as e:
+            raise TrainingStopped(f"stopped at step {step}: {e}; last good checkpoint: {self._last_good()}") from None
+        except Exception as e:  # noqa: BLE001 -- a full disk / read-only folder: one line, the last good step
+            cause = write_failure(e)
+            if cause is None or self.info.distributed:
+                raise
+            raise KeelError(f"cannot write the checkpoint of step {step} in {self.rd.checkpoints}: "
+                            f"{cause.strerror}{' (' + str(cause.filename) + ')' if cause.filename else ''}; "
+                            f"last good checkpoint (intact): {self._last_good()}") from None
 
     def _last_good(self) -> str:
-        ckpt, _ = find_intact_checkpoint(self.run_dir)
+        ckpt, _ = self.checkpoints.find_intact()
         return str(ckpt) if ckpt is not None else "none"
 
     def plain_model(self) -> torch.nn.Module | None:
@@ -510,7 +488,7 @@ class Trainer:
                             self.state.step, record["loss"], record["grad_norm"], record["lr"], bad_in_row)
             if bad_in_row >= self.tc.max_bad_steps:
                 self.write(record)
-                last = latest_checkpoint(self.run_dir)
+                last = self.checkpoints.latest()
                 raise TrainingStopped(f"stopped at step {self.state.step}: {bad_in_row} non-finite steps in a row "
                                       f"(train.max_bad_steps); last good checkpoint: {last if last else 'none'}")
             return bad_in_row

@@ -24,14 +24,14 @@ from keel.rundir import RunDir
 
 def import_library() -> None:
     """The library the handlers below call, imported into this module (:mod:`keel.cli.commands`)."""
-    global check_given_dataset, prepare_dataset, read_meta, train_run, Run, checkpoint_step, latest_checkpoint
+    global check_given_dataset, prepare_dataset, read_meta, train_run, Run, CheckpointManager, checkpoint_step
     global read_metrics, interactive, sample_text, perplexity
     # torch and the library (seconds of import), imported when one of these commands runs, not when the
     # parser is built: `keel --help` loads no torch
     from keel.data import check_given_dataset, prepare_dataset, read_meta
     from keel.experiments.training import train_run
     from keel.run import Run
-    from keel.train.checkpoint import checkpoint_step, latest_checkpoint
+    from keel.train.checkpoint import CheckpointManager, checkpoint_step
     from keel.train.metrics import read_metrics
     from keel.train.progress import interactive
     from keel.train.sampling import sample_text
@@ -174,7 +174,7 @@ def _continue_command(run_dir: Path, nproc: int) -> tuple[int | None, str]:
     """``(step of the latest checkpoint or None, the command that goes on with run_dir)`` after a
     ``keel train --nproc`` stopped or failed: a resume (from that checkpoint; with ``--restart``
     when the workers wrote config.toml but no checkpoint), else "the same command"."""
-    ckpt = latest_checkpoint(run_dir)  # the workers may have died before writing config.toml: no Run()
+    ckpt = CheckpointManager(run_dir).latest()  # the workers may have died before writing config.toml: no Run()
     if ckpt is not None:
         return checkpoint_step(ckpt), f"keel train --resume {run_dir} --nproc {nproc}"
     if RunDir(run_dir).config.is_file():
