@@ -62,10 +62,7 @@ def plot_loss_curves(paths: Sequence[str | Path], out: str | Path, *, val: bool 
             of labels; no loss
             values at all in the runs (nothing is written).
     """
-    if x not in ("tokens", "steps"):
-        raise KeelError(f"--x must be tokens or steps, got {x!r}")
-    if smooth < 0:
-        raise KeelError(f"--smooth must be >= 0 steps (0: no smoothing), got {smooth}")
+    _check_loss_args(x, smooth)
     runs = _run_dirs(paths)
     if labels is not None and len(labels) != len(runs):
         raise KeelError(f"{len(labels)} labels for {len(runs)} runs")
@@ -73,12 +70,7 @@ def plot_loss_curves(paths: Sequence[str | Path], out: str | Path, *, val: bool 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     n = 0
     for i, (name, run) in enumerate(runs):
-        recs = read_metrics(RunDir(run).metrics)
-        if val:
-            pts = [(r[xkey], r["val_loss"]) for r in recs if "val_loss" in r and math.isfinite(r["val_loss"])]
-        else:
-            pts = [(r[xkey], r["loss"]) for r in recs if "loss" in r and not r.get("skipped")
-                   and math.isfinite(r["loss"])]
+        pts = _loss_points(run, xkey, val)
         if not pts:
             continue
         xs, ys = zip(*pts)
@@ -89,14 +81,37 @@ def plot_loss_curves(paths: Sequence[str | Path], out: str | Path, *, val: bool 
         plt.close(fig)
         what = "validation" if val else "training"
         raise KeelError(f"nothing to plot: no {what} loss in the metrics.jsonl of {', '.join(str(r) for _, r in runs)}")
+    _label_loss_axes(ax, x, val, smooth, title, n)
+    save_figure(fig, out)
+    return n
+
+
+def _check_loss_args(x: str, smooth: int) -> None:
+    """Raise KeelError for :func:`plot_loss_curves`' ``x`` other than tokens or steps, or a negative ``smooth``."""
+    if x not in ("tokens", "steps"):
+        raise KeelError(f"--x must be tokens or steps, got {x!r}")
+    if smooth < 0:
+        raise KeelError(f"--smooth must be >= 0 steps (0: no smoothing), got {smooth}")
+
+
+def _loss_points(run: Path, xkey: str, val: bool) -> list[tuple]:
+    """``(x, loss)`` of one run's ``metrics.jsonl`` (x: the record's ``xkey``): its finite validation losses
+    (``val``), else its finite training losses of the steps not skipped."""
+    recs = read_metrics(RunDir(run).metrics)
+    if val:
+        return [(r[xkey], r["val_loss"]) for r in recs if "val_loss" in r and math.isfinite(r["val_loss"])]
+    return [(r[xkey], r["loss"]) for r in recs if "loss" in r and not r.get("skipped")
+            and math.isfinite(r["loss"])]
+
+
+def _label_loss_axes(ax, x: str, val: bool, smooth: int, title: str, n: int) -> None:
+    """The axis labels, title, grid and legend (``n`` curves) of :func:`plot_loss_curves`' figure."""
     ax.set_xlabel("tokens" if x == "tokens" else "optimiser steps")
     what = "validation" if val else "training" + (f" (mean of {smooth} steps)" if smooth > 1 else "")
     ax.set_ylabel(f"{what} loss (nats/token)")
     ax.set_title(title or f"{what} loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2 if n > 8 else 1)
-    save_figure(fig, out)
-    return n
 
 
 def _series_key(values: dict, skip: Sequence[str]) -> str:
@@ -177,14 +192,7 @@ def plot_lr(sweep_dir: str | Path, out: str | Path, title: str = "") -> int:
     sweep = load_sweep(sweep_dir)
     if "train.lr" not in sweep["grid_keys"]:
         raise KeelError("this sweep does not vary train.lr: no LR axis")
-    lines: dict[str, list] = {}
-    for r in sweep["runs"]:
-        if r.get("status") != "done":
-            continue
-        label = _series_key(r["values"], ["train.lr"]) or "runs"
-        ok = not r.get("diverged") and r.get("final_val_loss") is not None
-        y = r.get("final_val_loss") if ok else _last_val(Path(sweep_dir) / r["name"])
-        lines.setdefault(label, []).append((r["values"]["train.lr"], y, ok))
+    lines = _lr_lines(sweep, Path(sweep_dir))
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for label, ps in lines.items():
         ps.sort()
@@ -201,6 +209,21 @@ def plot_lr(sweep_dir: str | Path, out: str | Path, title: str = "") -> int:
     ax.legend(fontsize=7, ncol=2 if len(lines) > 8 else 1)
     save_figure(fig, out)
     return len(lines)
+
+
+def _lr_lines(sweep: dict, sweep_dir: Path) -> dict[str, list[tuple[float, float | None, bool]]]:
+    """Per line label of :func:`plot_lr` (the grid values but the LR): ``(LR, loss, ok)`` of each finished run;
+    ``ok``: it did not diverge and has a final validation loss (its loss), else the loss is its last
+    validation loss (None: none)."""
+    lines: dict[str, list] = {}
+    for r in sweep["runs"]:
+        if r.get("status") != "done":
+            continue
+        label = _series_key(r["values"], ["train.lr"]) or "runs"
+        ok = not r.get("diverged") and r.get("final_val_loss") is not None
+        y = r.get("final_val_loss") if ok else _last_val(sweep_dir / r["name"])
+        lines.setdefault(label, []).append((r["values"]["train.lr"], y, ok))
+    return lines
 
 
 def _last_val(run_dir: Path) -> float | None:

@@ -456,41 +456,54 @@ def _num(v, fmt="{:.4f}") -> str:
 def sweep_markdown(summary: dict) -> str:
     """The ``sweep.md`` text: header (what was held fixed), all runs, and the best-over table."""
     keys = summary["grid_keys"] + [k for k in summary.get("derived_keys", [])]
+    lines = _sweep_header(summary)
+    head = [_col(k) for k in keys] + ["final val", "best val", "final ppl", "tokens", "steps", "params (M)",
+                                       "non-emb (M)", "wall s", "verdict"]
+    lines += markdown_table(head, [_run_cells(r, keys) for r in summary["runs"]])
+    if summary.get("best"):
+        lines += _best_over_table(summary)
+    return "\n".join(lines) + "\n"
+
+
+def _sweep_header(summary: dict) -> list[str]:
+    """The lines of ``sweep.md`` above its table of runs: the sweep, its base config and overrides, what
+    was held fixed and what varies, the units."""
     held = summary["held_fixed"]
     fixed = [f"{k} = {v:,}" for k, v in held.items() if v != "varies"]
     varies = [k for k, v in held.items() if v == "varies"]
-    lines = [f"# Sweep {summary['out']}", "",
-             f"Base config: `{summary['config']}`; overrides: `{' '.join(summary['sets']) or 'none'}`.", "",
-             f"**Held fixed:** {', '.join(fixed) or 'nothing'}. **Varies:** {', '.join(varies) or 'nothing'}"
-             f" (tokens and steps are the planned ones; params include the embedding).", "",
-             "Losses are validation cross-entropy in nats/token; wall s = seconds in the worker (evaluations "
-             "included); depth is blocks (sub-layers).", ""]
-    head = [_col(k) for k in keys] + ["final val", "best val", "final ppl", "tokens", "steps", "params (M)",
-                                       "non-emb (M)", "wall s", "verdict"]
-    rows = []
-    for r in summary["runs"]:
-        vals = r.get("values", {})
-        if r.get("status") != "done":
-            cells = [_cell(k, vals.get(k)) for k in keys] + ["—"] * 8 + [f"error: {r.get('message', '')}"]
-        else:
-            fv = r.get("final_val_loss")
-            cells = [_cell(k, vals.get(k)) for k in keys] + [
-                _num(fv), _num(r.get("best_val_loss")), _num(perplexity(fv) if fv is not None else None, "{:.2f}"),
-                f"{r['tokens']:,}", str(r["step"]), f"{r['params'] / 1e6:.3f}", f"{r['non_embedding_params'] / 1e6:.3f}",
-                f"{r.get('wall_s', 0):.0f}", r["verdict"]]
-        rows.append(cells)
-    lines += markdown_table(head, rows)
-    if summary.get("best"):
-        key = summary["best_over"]
-        others = [k for k in summary["grid_keys"] if k != key]
-        lines += ["", f"## Best {key} per {', '.join(_col(k) for k in others) or 'sweep'}", "",
-                  "Chosen among runs that did not diverge, by final validation loss.", ""]
-        head = [_col(k) for k in others] + [f"best {key}", "final val", "final ppl", "usable runs"]
-        lines += markdown_table(head, [[_cell(k, g["values"].get(k)) for k in others] + [
-            _cell(key, g["best"]) if g["best"] is not None else "all diverged", _num(g["final_val_loss"]),
-            _num(perplexity(g["final_val_loss"]) if g["final_val_loss"] is not None else None, "{:.2f}"),
-            f"{g['n_ok']}/{g['n']}"] for g in summary["best"]])
-    return "\n".join(lines) + "\n"
+    return [f"# Sweep {summary['out']}", "",
+            f"Base config: `{summary['config']}`; overrides: `{' '.join(summary['sets']) or 'none'}`.", "",
+            f"**Held fixed:** {', '.join(fixed) or 'nothing'}. **Varies:** {', '.join(varies) or 'nothing'}"
+            f" (tokens and steps are the planned ones; params include the embedding).", "",
+            "Losses are validation cross-entropy in nats/token; wall s = seconds in the worker (evaluations "
+            "included); depth is blocks (sub-layers).", ""]
+
+
+def _run_cells(r: dict, keys: list[str]) -> list[str]:
+    """The row of run ``r`` in ``sweep.md``'s table of runs: its values of ``keys``, then its losses, size and
+    verdict (a run not done: dashes and its error)."""
+    vals = r.get("values", {})
+    if r.get("status") != "done":
+        return [_cell(k, vals.get(k)) for k in keys] + ["—"] * 8 + [f"error: {r.get('message', '')}"]
+    fv = r.get("final_val_loss")
+    return [_cell(k, vals.get(k)) for k in keys] + [
+        _num(fv), _num(r.get("best_val_loss")), _num(perplexity(fv) if fv is not None else None, "{:.2f}"),
+        f"{r['tokens']:,}", str(r["step"]), f"{r['params'] / 1e6:.3f}", f"{r['non_embedding_params'] / 1e6:.3f}",
+        f"{r.get('wall_s', 0):.0f}", r["verdict"]]
+
+
+def _best_over_table(summary: dict) -> list[str]:
+    """The lines of ``sweep.md``'s best-over section: the best value of the ``best_over`` key per value of
+    the other grid keys, among the runs that did not diverge."""
+    key = summary["best_over"]
+    others = [k for k in summary["grid_keys"] if k != key]
+    lines = ["", f"## Best {key} per {', '.join(_col(k) for k in others) or 'sweep'}", "",
+             "Chosen among runs that did not diverge, by final validation loss.", ""]
+    head = [_col(k) for k in others] + [f"best {key}", "final val", "final ppl", "usable runs"]
+    return lines + markdown_table(head, [[_cell(k, g["values"].get(k)) for k in others] + [
+        _cell(key, g["best"]) if g["best"] is not None else "all diverged", _num(g["final_val_loss"]),
+        _num(perplexity(g["final_val_loss"]) if g["final_val_loss"] is not None else None, "{:.2f}"),
+        f"{g['n_ok']}/{g['n']}"] for g in summary["best"]])
 
 
 def load_sweep(sweep_dir: str | Path) -> dict:

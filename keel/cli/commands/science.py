@@ -164,6 +164,24 @@ def _register_gradflow(subparsers) -> None:
 
 
 def cmd_gradflow(args: argparse.Namespace) -> int:
+    _check_gradflow_numbers(args)
+    if args.plot:
+        image_format(args.plot, "--plot")  # before the profiles are computed, not after
+        check_plot_out(args.plot, "--plot")
+    _check_gradflow_model_flags(args)
+    results = _gradflow_profiles(args)
+    if args.json:
+        print(json.dumps({"results": results}))
+    if args.plot:
+        make_dirs(Path(args.plot).parent)  # as other commands create their folders
+        G.plot_profiles(results, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _check_gradflow_numbers(args: argparse.Namespace) -> None:
+    """Raise KeelError for ``keel gradflow``'s counts out of range (``--batch-size``, ``--seq-len``,
+    ``--d-model``, ``--threads``, ``--jacobian-iters``, ``--seed``); set torch's threads (``--threads``)."""
     if args.batch_size < 1 or (args.seq_len is not None and args.seq_len < 2):
         raise KeelError("--batch-size must be >= 1 and --seq-len >= 2")
     if args.d_model is not None and args.d_model < 2:
@@ -175,9 +193,11 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
     if args.jacobian_iters < 1:
         raise KeelError("--jacobian-iters must be >= 1")
     check_seed(args.seed)
-    if args.plot:
-        image_format(args.plot, "--plot")  # before the profiles are computed, not after
-        check_plot_out(args.plot, "--plot")
+
+
+def _check_gradflow_model_flags(args: argparse.Namespace) -> None:
+    """Raise KeelError for ``keel gradflow --run`` with flags that build a model at init (the run gives the
+    model and data), or ``--loops`` without ``--run``."""
     model_flags = {"--residual": args.residual is not None, args.sublayers_flag: args.sublayers is not None,
                    "--d-model": args.d_model is not None, "--config": args.config is not None, "--set": bool(args.set),
                    "--loop": args.loop is not None}
@@ -186,25 +206,22 @@ def cmd_gradflow(args: argparse.Namespace) -> int:
         raise KeelError(f"--run takes the model and data from the run; drop {given}")
     if args.loops is not None and not args.run:
         raise KeelError("--loops goes with --run (a looped run's count); at init, --loop P,C,Q and --sublayers set it")
+
+
+def _gradflow_profiles(args: argparse.Namespace) -> list[dict]:
+    """``keel gradflow``'s profiles: of each ``--run`` (its model and data; ``--loops`` checked against it), else
+    of each scheme (``--residual``) and depth (``--sublayers``) at init."""
     common = dict(batch_size=args.batch_size, jacobian_iters=args.jacobian_iters, full_jacobian=args.full_jacobian,
                   seed=args.seed)  # the library logs the summary table (stderr) as each profile finishes
     if args.run:
         for run in args.run:
             check_loops(args.loops, Run(run).config.model, run)
-        results = G.profile_runs(args.run, args.seq_len, loops=args.loops, **common)
-    else:
-        schemes = _parse_schemes(args.residual if args.residual is not None else ",".join(SCHEMES))
-        depths = _parse_layers(args.sublayers if args.sublayers is not None else G.DEFAULT_LAYERS, args.sublayers_flag)
-        base = load_config(resolve_config_path(args.config), args.set)
-        results = G.profile_schemes(base, schemes, depths, args.d_model or G.DEFAULT_WIDTH,
-                                    args.seq_len or G.DEFAULT_SEQ_LEN, loop=_parse_loop(args.loop), **common)
-    if args.json:
-        print(json.dumps({"results": results}))
-    if args.plot:
-        make_dirs(Path(args.plot).parent)  # as other commands create their folders
-        G.plot_profiles(results, args.plot)
-        print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
-    return 0
+        return G.profile_runs(args.run, args.seq_len, loops=args.loops, **common)
+    schemes = _parse_schemes(args.residual if args.residual is not None else ",".join(SCHEMES))
+    depths = _parse_layers(args.sublayers if args.sublayers is not None else G.DEFAULT_LAYERS, args.sublayers_flag)
+    base = load_config(resolve_config_path(args.config), args.set)
+    return G.profile_schemes(base, schemes, depths, args.d_model or G.DEFAULT_WIDTH,
+                             args.seq_len or G.DEFAULT_SEQ_LEN, loop=_parse_loop(args.loop), **common)
 
 
 def _parse_loop(text: str | None) -> tuple[int, int, int] | None:
@@ -629,19 +646,7 @@ def _register_study(subparsers) -> None:
 
 def cmd_study(args: argparse.Namespace) -> int:
     """``keel study``: see :mod:`keel.experiments.study`."""
-    groups = [g.strip() for g in (args.groups or "").split(",") if g.strip()]
-    if args.groups is not None and not groups:
-        raise KeelError("--groups needs group names, e.g. --groups ramp,init (leave it out to train every group)")
-    if groups and args.report_only:
-        raise KeelError("--groups picks the groups to train; do not combine it with --report-only")
-    if not args.name.strip():
-        raise KeelError("the study name is empty: give a shipped study (e.g. claims) or a study TOML file")
-    if args.out is not None and not args.out.strip():
-        raise KeelError("--out is empty: give an output folder (or leave --out out: runs/study-NAME-SCALE)")
-    if args.set and args.report_only and args.restore is None:  # with --restore they must match the report's
-        raise KeelError("--report-only reads the finished runs as they were trained; do not combine it with --set")
-    if args.restore is not None and not args.restore.strip():
-        raise KeelError("--restore is empty: give an earlier report.json of this study")
+    groups = _study_groups(args)
     out = args.out or f"runs/study-{Path(args.name).stem}-{args.scale}"
     if args.resume:  # the --set flags the study started with (as keel sweep --resume)
         args = stored_flags(args, out, "study")
@@ -655,10 +660,39 @@ def cmd_study(args: argparse.Namespace) -> int:
                   executor=executor_of(args))
     if args.dry_run:
         return _print_plan(r, args.json)
-    if args.json:
-        print(json.dumps({"claims": r["claims"]}, indent=1, default=str))
-    else:
-        for c in r["claims"]:
-            print(f"({c['id']}) {c['verdict']:<15} {c['title']}")
-        print(f"wrote {Path(out) / 'report.md'}, report.json, {', '.join(r['plots']) or 'no plots yet'}")
+    _print_verdicts(r, out, args.json)
     return 1 if any(x["status"] == "error" for x in r["runs"]) else 0
+
+
+def _study_groups(args: argparse.Namespace) -> list[str]:
+    """``keel study``'s ``--groups`` as a list (empty: every group), after its flags are checked.
+
+    Raises:
+        KeelError: ``--groups`` with no name, or with ``--report-only``; an empty study name, ``--out`` or
+            ``--restore``; ``--set`` with ``--report-only`` and no ``--restore``.
+    """
+    groups = [g.strip() for g in (args.groups or "").split(",") if g.strip()]
+    if args.groups is not None and not groups:
+        raise KeelError("--groups needs group names, e.g. --groups ramp,init (leave it out to train every group)")
+    if groups and args.report_only:
+        raise KeelError("--groups picks the groups to train; do not combine it with --report-only")
+    if not args.name.strip():
+        raise KeelError("the study name is empty: give a shipped study (e.g. claims) or a study TOML file")
+    if args.out is not None and not args.out.strip():
+        raise KeelError("--out is empty: give an output folder (or leave --out out: runs/study-NAME-SCALE)")
+    if args.set and args.report_only and args.restore is None:  # with --restore they must match the report's
+        raise KeelError("--report-only reads the finished runs as they were trained; do not combine it with --set")
+    if args.restore is not None and not args.restore.strip():
+        raise KeelError("--restore is empty: give an earlier report.json of this study")
+    return groups
+
+
+def _print_verdicts(r: dict, out: str, as_json: bool) -> None:
+    """Print a study's verdicts (:func:`keel.experiments.study.run.execute`'s report ``r``): JSON, or a line per
+    claim and the files written into ``out``."""
+    if as_json:
+        print(json.dumps({"claims": r["claims"]}, indent=1, default=str))
+        return
+    for c in r["claims"]:
+        print(f"({c['id']}) {c['verdict']:<15} {c['title']}")
+    print(f"wrote {Path(out) / 'report.md'}, report.json, {', '.join(r['plots']) or 'no plots yet'}")

@@ -130,53 +130,81 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.loops is not None:
         model.set_loops(args.loops)
     seq_len = _window(args, cfg, mc.max_seq_len)
-    applied = len(model.depth_order())  # blocks one pass applies: n_layers, or P + R C + Q of a looped model
-    report: dict = {"model": name, "residual": mc.residual, "blocks": mc.n_layers, "sublayers": 2 * applied,
-                    "d_model": mc.d_model, "parameters": model.num_params(), "perplexity": None, "tasks": {}}
-    if mc.loop_core:
-        report["loops"] = {"prelude": mc.loop_prelude, "core": mc.loop_core, "coda": mc.n_layers - mc.loop_prelude -
-                           mc.loop_core, "repeats": model.loops, "trained_repeats": mc.loop_repeats}
+    report = _model_report(model, name)
     human = not args.json  # --json: stdout holds the JSON report only
     if human:
-        print(f"model: {name} ({mc.residual}, {plural(mc.n_layers, 'block')}{_looped(model)} = {2 * applied} "
+        print(f"model: {name} ({mc.residual}, {plural(mc.n_layers, 'block')}{_looped(model)} = {report['sublayers']} "
               f"sub-layers, d_model {mc.d_model}, {model.num_params() / 1e6:.2f}M parameters)")
 
-    res = None
-    if args.text:
-        path = Path(args.text)
-        text, replaced = read_text_file(path)  # as `keel prepare` reads it: invalid UTF-8 -> U+FFFD
-        if replaced:
-            print(f"note: {path} is not valid UTF-8; its undecodable bytes became U+FFFD", file=sys.stderr)
-
-        res = text_perplexity(model, tokenizer, text, seq_len, device, eos_id=tokenizer.token_to_id(EOS_TOKEN),
-                              source=str(path), batch_size=args.batch_size)
-    else:
-        data_dir, why_none = _held_out_dataset(args, cfg)
-        if data_dir is not None:
-            max_tokens = args.max_tokens if args.max_tokens is not None else cfg.train.eval_tokens
-            res = validation_perplexity(model, tokenizer, data_dir, seq_len, max_tokens, device,
-                                        batch_size=args.batch_size)
+    res, why_none = _held_out_perplexity(args, model, tokenizer, cfg, seq_len, device)
     if res is not None:
         report["perplexity"] = {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
                                 for k, v in res.to_dict().items()}
-    if human and res is not None:
-        print(f"held-out text: {res.source} ({res.tokens:,} tokens, {res.bytes:,} bytes, windows of {seq_len} tokens)")
-        print(f"  loss {res.loss:.4f} nats/token, perplexity {res.perplexity:.2f}, bits per byte {res.bits_per_byte:.4f}")
-    elif human:
-        print(f"held-out text: none ({why_none}; pass --text FILE)")
+    if human:
+        _print_held_out(res, seq_len, why_none)
 
     failed = 0
     if task_names:
         results = run_tasks(model, tokenizer, task_names, limit=args.limit, task_dir=args.task_dir,
                             batch_size=args.batch_size, verbose=args.verbose, index=index)  # a failure: logged
         report["tasks"] = results
-        for task, metrics in results.items():
-            if "error" in metrics:
-                failed += 1
-                continue
-            vals = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
-            if human:
-                print(f"task {task}: {vals}")
+        failed = _task_lines(results, human)
     if args.json:
         print(json.dumps(report, indent=2))
     return 1 if failed else 0
+
+
+def _model_report(model, name: str) -> dict:
+    """The start of ``keel eval``'s JSON report: the model ``name`` (its scheme, blocks, sub-layers one pass
+    applies, width, parameters; a looped model's loop), no perplexity or tasks yet."""
+    mc = model.cfg
+    applied = len(model.depth_order())  # blocks one pass applies: n_layers, or P + R C + Q of a looped model
+    report: dict = {"model": name, "residual": mc.residual, "blocks": mc.n_layers, "sublayers": 2 * applied,
+                    "d_model": mc.d_model, "parameters": model.num_params(), "perplexity": None, "tasks": {}}
+    if mc.loop_core:
+        report["loops"] = {"prelude": mc.loop_prelude, "core": mc.loop_core, "coda": mc.n_layers - mc.loop_prelude -
+                           mc.loop_core, "repeats": model.loops, "trained_repeats": mc.loop_repeats}
+    return report
+
+
+def _held_out_perplexity(args, model, tokenizer, cfg, seq_len: int, device):
+    """(perplexity result or None, why none): of ``--text FILE`` (as ``keel prepare`` reads it; a note on
+    stderr where it is not valid UTF-8), else of the run's held-out data where there is some
+    (:func:`_held_out_dataset`)."""
+    if args.text:
+        path = Path(args.text)
+        text, replaced = read_text_file(path)  # as `keel prepare` reads it: invalid UTF-8 -> U+FFFD
+        if replaced:
+            print(f"note: {path} is not valid UTF-8; its undecodable bytes became U+FFFD", file=sys.stderr)
+
+        return text_perplexity(model, tokenizer, text, seq_len, device, eos_id=tokenizer.token_to_id(EOS_TOKEN),
+                               source=str(path), batch_size=args.batch_size), None
+    data_dir, why_none = _held_out_dataset(args, cfg)
+    if data_dir is None:
+        return None, why_none
+    max_tokens = args.max_tokens if args.max_tokens is not None else cfg.train.eval_tokens
+    return validation_perplexity(model, tokenizer, data_dir, seq_len, max_tokens, device,
+                                 batch_size=args.batch_size), why_none
+
+
+def _print_held_out(res, seq_len: int, why_none: str | None) -> None:
+    """Print the held-out perplexity ``res`` (windows of ``seq_len`` tokens), or why there is none."""
+    if res is not None:
+        print(f"held-out text: {res.source} ({res.tokens:,} tokens, {res.bytes:,} bytes, windows of {seq_len} tokens)")
+        print(f"  loss {res.loss:.4f} nats/token, perplexity {res.perplexity:.2f}, bits per byte {res.bits_per_byte:.4f}")
+    else:
+        print(f"held-out text: none ({why_none}; pass --text FILE)")
+
+
+def _task_lines(results: dict, human: bool) -> int:
+    """Print (``human``) one line per lm-eval task of ``results`` that ran, its metrics; returns the number
+    of tasks that could not run (each logged already)."""
+    failed = 0
+    for task, metrics in results.items():
+        if "error" in metrics:
+            failed += 1
+            continue
+        vals = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+        if human:
+            print(f"task {task}: {vals}")
+    return failed

@@ -206,28 +206,44 @@ def _train_and_read(g: Group, refs: list[GridJob], jobs: list[GridJob], out: Pat
     fresh = [j for j in todo if (cached_result(gdir / j.name) or {}).get("status") != "done"]
     stale = superseded_runs(g, fresh, restored, gdir)  # announced while their replacements are still to train
     if trains and stale:
-        were, they = ("was", "it trains") if len(stale) == 1 else ("were", "they train")
-        _log.info(f"study: group {g.name}: {plural(len(stale), 'earlier run')} of "
-                  f"{', '.join(sorted(set(stale.values())))} {were} trained by an older implementation of the scheme; "
-                  f"{they} again")
+        _announce_superseded(g, stale)
     if trains and todo:
-        _log.info(f"study: group {g.name}: {plural(len(todo), 'run')}"
-                  + (f" ({len(jobs) - len(todo)} more restored)" if len(todo) < len(jobs) else "")
-                  + (f" + {plural(len(refs), 'reference run')}" if refs else ""))
-        if refs:
-            grid(refs, gdir / ST.REFERENCES, train_task, resume=True, check=check_train_job)
-        got = grid(todo, gdir, g.kind_class.task(g), resume=True, check=check_train_job)
-        errors = {j.name: r for j, r in zip(todo, got) if r.get("status") == "error"}
-    recs = []
-    for j in jobs:
-        res = cached_result(gdir / j.name)
-        rec = run_record(g, j, gdir / j.name, res if res and res.get("status") == "done" else None)
-        if rec["status"] == "pending" and olds.get(j.name) is not None:
-            rec = olds[j.name]
-        if j.name in errors:
-            rec.update(status="error", message=errors[j.name].get("message"))
-        recs.append(rec)
-    return recs
+        errors = _train_jobs(g, refs, todo, len(jobs), gdir, grid)
+    return [_job_record(g, j, gdir, olds.get(j.name), errors.get(j.name)) for j in jobs]
+
+
+def _announce_superseded(g: Group, stale: dict[str, str]) -> None:
+    """Log that the runs ``stale`` of group ``g`` (:func:`superseded_runs`) train again: an older implementation
+    of their scheme trained them."""
+    were, they = ("was", "it trains") if len(stale) == 1 else ("were", "they train")
+    _log.info(f"study: group {g.name}: {plural(len(stale), 'earlier run')} of "
+              f"{', '.join(sorted(set(stale.values())))} {were} trained by an older implementation of the scheme; "
+              f"{they} again")
+
+
+def _train_jobs(g: Group, refs: list[GridJob], todo: list[GridJob], n_jobs: int, gdir: Path,
+                grid: Callable) -> dict[str, dict]:
+    """Train the runs ``todo`` of group ``g`` (of its ``n_jobs``; the others restored) in ``gdir``, after the
+    reference runs ``refs`` they need; returns ``{name: grid result}`` of the runs that failed."""
+    _log.info(f"study: group {g.name}: {plural(len(todo), 'run')}"
+              + (f" ({n_jobs - len(todo)} more restored)" if len(todo) < n_jobs else "")
+              + (f" + {plural(len(refs), 'reference run')}" if refs else ""))
+    if refs:
+        grid(refs, gdir / ST.REFERENCES, train_task, resume=True, check=check_train_job)
+    got = grid(todo, gdir, g.kind_class.task(g), resume=True, check=check_train_job)
+    return {j.name: r for j, r in zip(todo, got) if r.get("status") == "error"}
+
+
+def _job_record(g: Group, j: GridJob, gdir: Path, old: dict | None, error: dict | None) -> dict:
+    """The record of job ``j`` of group ``g``: its folder's result (:func:`run_record`), else its restored
+    record ``old``, else pending; ``error`` (a grid result): the run failed now, with its message."""
+    res = cached_result(gdir / j.name)
+    rec = run_record(g, j, gdir / j.name, res if res and res.get("status") == "done" else None)
+    if rec["status"] == "pending" and old is not None:
+        rec = old
+    if error is not None:
+        rec.update(status="error", message=error.get("message"))
+    return rec
 
 
 def report_json(study: Study, runs: list[dict], claims: list[tuple[dict, dict]], floor: dict, h1: float | None,
@@ -313,30 +329,50 @@ def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: f
         cfgs = [config_from_dict(j.config) for j in refs + jobs]
         per_run = [c.train.steps * c.train.batch_size * c.train.seq_len * c.train.grad_accum for c in cfgs]
         flops = [t * flops_per_token(c.model, c.train.seq_len) for t, c in zip(per_run, cfgs)]
-        held = [(g.name, j.name) in restored and restored_record(g, j, restored[(g.name, j.name)]) is not None
-                for j in jobs]
-        needed = ST.references_of([j for j, h in zip(jobs, held) if not h])  # as _train_and_read trains them
-        held = [r.name not in needed for r in refs] + held
-        seen = {k: list(dict.fromkeys(get(c) for c in cfgs[len(refs):])) for k, get in (  # a sweep's: its runs' values
-            ("residual", lambda c: c.model.residual), ("n_sublayers", lambda c: c.model.n_sublayers),
-            ("seed", lambda c: c.train.seed), ("lr", lambda c: c.train.lr))}
+        held = _held_runs(g, refs, jobs, restored)
         hours = 1 / (mfu * peak_tflops * 1e12) / 3600
-        per_param = {}  # depth -> tokens per non-embedding parameter (of the first scheme at that depth)
-        for t, c in zip(per_run[len(refs):], cfgs[len(refs):]):
-            m = replace(c.model, vocab_size=256) if c.model.vocab_size == "auto" else c.model  # as flops_per_token
-            per_param.setdefault(c.model.n_sublayers, t / count_parameters(m, non_embedding=True))
         rows.append({"group": g.name, "kind": g.kind, "runs": len(jobs), "references": len(refs),
                      "steps": sorted({c.train.steps for c in cfgs[len(refs):]}),
-                     "tokens_per_param": dict(sorted(per_param.items())),
-                     "schemes": g.schemes or seen["residual"], "sublayers": g.sublayers or seen["n_sublayers"],
-                     "seeds": g.seeds or seen["seed"], "lrs": list(g.lrs) if g.kind_class.lr_grid and not g.lr_from else [],
-                     "lr_plan": g.kind_class.lr_words(g) or ", ".join(f"{x:g}" for x in seen["lr"]),
+                     "tokens_per_param": _tokens_per_param(per_run[len(refs):], cfgs[len(refs):]),
+                     **_plan_axes(g, cfgs[len(refs):]),
                      "tokens_per_run": sorted(set(per_run)), "tokens": sum(per_run), "flops": sum(flops),
                      "gpu_hours": sum(flops) * hours, "cpu_hours": cpu_hours(sum(per_run), sum(flops)),
                      "restored": sum(held[len(refs):]),
                      "gpu_hours_left": sum(f for f, h in zip(flops, held) if not h) * hours,
                      "compiled": sum(1 for c in cfgs if c.train.compile)})  # runs that torch.compile (plan.compile_words)
     return rows
+
+
+def _held_runs(g: Group, refs: list[GridJob], jobs: list[GridJob], restored: dict[tuple[str, str], dict]
+               ) -> list[bool]:
+    """Per reference job and job of group ``g`` (in that order): whether it would not train, its record in
+    ``restored`` (a reference: no job that trains needs it, as :func:`_train_and_read` trains them)."""
+    held = [(g.name, j.name) in restored and restored_record(g, j, restored[(g.name, j.name)]) is not None
+            for j in jobs]
+    needed = ST.references_of([j for j, h in zip(jobs, held) if not h])  # as _train_and_read trains them
+    return [r.name not in needed for r in refs] + held
+
+
+def _tokens_per_param(per_run: list[int], cfgs: list) -> dict[int, float]:
+    """``{sub-layers: tokens per non-embedding parameter}`` of a group's runs (``per_run``: their tokens,
+    ``cfgs``: their configs), of the first scheme at each depth, by depth."""
+    per_param = {}
+    for t, c in zip(per_run, cfgs):
+        m = replace(c.model, vocab_size=256) if c.model.vocab_size == "auto" else c.model  # as flops_per_token
+        per_param.setdefault(c.model.n_sublayers, t / count_parameters(m, non_embedding=True))
+    return dict(sorted(per_param.items()))
+
+
+def _plan_axes(g: Group, cfgs: list) -> dict:
+    """What a plan row says group ``g`` varies (``cfgs``: its runs' configs): ``schemes``, ``sublayers``,
+    ``seeds``, ``lrs`` (an LR grid's) and ``lr_plan`` (words); a group that does not list them (a sweep's)
+    gives its runs' values."""
+    seen = {k: list(dict.fromkeys(get(c) for c in cfgs)) for k, get in (  # a sweep's: its runs' values
+        ("residual", lambda c: c.model.residual), ("n_sublayers", lambda c: c.model.n_sublayers),
+        ("seed", lambda c: c.train.seed), ("lr", lambda c: c.train.lr))}
+    return {"schemes": g.schemes or seen["residual"], "sublayers": g.sublayers or seen["n_sublayers"],
+            "seeds": g.seeds or seen["seed"], "lrs": list(g.lrs) if g.kind_class.lr_grid and not g.lr_from else [],
+            "lr_plan": g.kind_class.lr_words(g) or ", ".join(f"{x:g}" for x in seen["lr"])}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -413,15 +449,28 @@ def execute(study: Study, out: str | Path, *, workers: int | None = None, thread
         grid = functools.partial(run_grid, workers=workers or 0, threads=threads or None, executor=executor)
         runs, waiting = collect(study, data_dir, out, train=False if report_only else (list(groups) or True),
                                 grid=grid, restored=restored, superseded=superseded)
-    h1 = dataset_unigram_entropy(data_dir) if data_dir != NO_DATA else \
-        next((r["result"]["unigram_entropy"] for r in runs if r["result"].get("unigram_entropy")), None)
-    report = write_report(study, runs, out, h1, first_command, restore, superseded, waiting)
+    report = write_report(study, runs, out, _unigram_entropy(data_dir, runs), first_command, restore, superseded,
+                          waiting)
+    _warn_failed(runs, out)
+    return report
+
+
+def _unigram_entropy(data_dir: str, runs: list[dict]) -> float | None:
+    """The training tokens' unigram entropy (nats) for the report: of the prepared dataset ``data_dir``, else
+    (no dataset: a report of restored runs) as the first run that records it; None where none does."""
+    if data_dir != NO_DATA:
+        return dataset_unigram_entropy(data_dir)
+    return next((r["result"]["unigram_entropy"] for r in runs if r["result"].get("unigram_entropy")), None)
+
+
+def _warn_failed(runs: list[dict], out: Path) -> None:
+    """Log which ``runs`` failed with no result (each has its line above; the CLI then exits 1), and how to
+    train them again."""
     failed = [r["name"] for r in runs if r["status"] == "error"]
-    if failed:  # each has its line above; a grid that ends with failed runs says which (and the CLI exits 1)
+    if failed:
         names = ", ".join(failed[:10]) + (f" and {len(failed) - 10} more" if len(failed) > 10 else "")
         _log.warning(f"study: {plural(len(failed), 'run')} failed, with no result: {names} (the reasons: the lines "
                      f"above, each run's run.log); the same command with --resume trains them again (out {out})")
-    return report
 
 
 def engine_executor(out: Path, given: Executor | None, workers: int | None, threads: int | None,
@@ -583,6 +632,28 @@ def _claim_out(out: Path, study: Study, command: str, *, resume: bool, report_on
             empty); holds another study or scale; ``report_only`` on a folder that holds no study.
     """
     marker = out / "study.json"
+    held = _held_study(out, study, report_only=report_only)
+    fresh = held is not None and [p.name for p in out.iterdir() if p.name != LOCK_NAME] == [marker.name]  # no run began
+    if not (resume or report_only or fresh) and out.is_dir() and any(out.iterdir()):
+        raise KeelError(f"output folder {out} is not empty; use --resume to continue it, or another --out")
+    if resume and held is None and out.is_dir() and any(out.iterdir()):
+        raise KeelError(f"{out} holds no study (no study.json) but is not empty; check --out (a study's folder, "
+                        "not one of its groups), or give an empty or new one")
+    if held is None or fresh:
+        make_dirs(out)
+        held = {"study": study.name, "scale": study.scale, "command": command}
+        atomic_write_text(marker, json.dumps(held, indent=1))
+    return held.get("command", command)
+
+
+def _held_study(out: Path, study: Study, *, report_only: bool) -> dict | None:
+    """The marker ``study.json`` in ``out`` (:func:`_claim_out`), None where there is none.
+
+    Raises:
+        KeelError: ``out`` is a file; the marker is not a JSON object; ``report_only`` and no marker; the
+            marker names another study or scale.
+    """
+    marker = out / "study.json"
     if out.exists() and not out.is_dir():
         raise KeelError(f"--out {out} exists and is not a folder")
     held = None
@@ -599,14 +670,4 @@ def _claim_out(out: Path, study: Study, command: str, *, resume: bool, report_on
     if held is not None and (held.get("study"), held.get("scale")) != (study.name, study.scale):
         raise KeelError(f"{out} holds study {held.get('study')!r} at scale {held.get('scale')!r}, "
                         f"not {study.name!r} at {study.scale!r}; use another --out")
-    fresh = held is not None and [p.name for p in out.iterdir() if p.name != LOCK_NAME] == [marker.name]  # no run began
-    if not (resume or report_only or fresh) and out.is_dir() and any(out.iterdir()):
-        raise KeelError(f"output folder {out} is not empty; use --resume to continue it, or another --out")
-    if resume and held is None and out.is_dir() and any(out.iterdir()):
-        raise KeelError(f"{out} holds no study (no study.json) but is not empty; check --out (a study's folder, "
-                        "not one of its groups), or give an empty or new one")
-    if held is None or fresh:
-        make_dirs(out)
-        held = {"study": study.name, "scale": study.scale, "command": command}
-        atomic_write_text(marker, json.dumps(held, indent=1))
-    return held.get("command", command)
+    return held
