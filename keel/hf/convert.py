@@ -218,6 +218,22 @@ def _read_config_json(path: Path) -> dict:
         raise KeelError(f"cannot read {path / 'config.json'}: {e}") from None
 
 
+def _stored_shapes(path: Path) -> tuple[list[Path], dict[str, tuple]]:
+    """The ``*.safetensors`` files of ``path`` (sorted) and the shape of each tensor their headers name
+    (no weights read).
+
+    Raises:
+        KeelError: an unreadable or damaged file (:func:`keel.io.weights_load_errors`).
+    """
+    files = sorted(path.glob("*.safetensors"))
+    stored: dict[str, tuple] = {}
+    with weights_load_errors(path):
+        for f in files:
+            with safe_open(str(f), "pt") as st:
+                stored.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    return files, stored
+
+
 def _check_weights_match_config(path: Path, config: KeelConfig) -> None:
     """Compare the tensors named in the headers of ``path/*.safetensors`` (no weights read) with
     those the model of ``config`` (config.json) has: ``transformers`` initialised blocks beyond the
@@ -230,12 +246,7 @@ def _check_weights_match_config(path: Path, config: KeelConfig) -> None:
             (:func:`keel.io.weights_load_errors`). A folder without ``*.safetensors`` passes (the
             loader reports it).
     """
-    files = sorted(path.glob("*.safetensors"))
-    stored: dict[str, tuple] = {}
-    with weights_load_errors(path):
-        for f in files:
-            with safe_open(str(f), "pt") as st:
-                stored.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    files, stored = _stored_shapes(path)
     if not files:
         return
     with torch.device("meta"):

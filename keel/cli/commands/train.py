@@ -222,16 +222,29 @@ def _pass_on_and_read_failure(stream, failure: dict, stopping: threading.Event |
             owed -= 1
             continue
         parts = [line] if report else re.split(f"(?={_ERROR})", line)
-        messages = [p[len(_ERROR):].strip() for p in parts if p.startswith(_ERROR)]
-        errors += [m for m in dict.fromkeys(messages) if m and m not in errors]
-        owed += max(len(messages) - 1, 0)
+        owed += max(_keep_errors(parts, errors) - 1, 0)
         if not report:
             sys.stderr.write("".join(p for p in parts if not p.startswith(_ERROR)))
-        cause = cause or "Root Cause" in line
-        m = re.match(r"\s*(rank|exitcode)\s*:\s*(-?\d+)", line) if cause else None
-        if m and m.group(1) not in failure:
-            failure[m.group(1)] = int(m.group(2))
+        cause = _read_root_cause(line, cause, failure)
     sys.stderr.flush()
+
+
+def _keep_errors(parts: list[str], errors: list[str]) -> int:
+    """Append to ``errors`` each new message of the ``keel: error: ...`` lines among ``parts`` (a line of
+    torchrun's standard error split before each such line); returns how many error lines ``parts`` held."""
+    messages = [p[len(_ERROR):].strip() for p in parts if p.startswith(_ERROR)]
+    errors += [m for m in dict.fromkeys(messages) if m and m not in errors]
+    return len(messages)
+
+
+def _read_root_cause(line: str, cause: bool, failure: dict) -> bool:
+    """Whether torchrun's report has reached its "Root Cause" section (``cause``: it had before ``line``);
+    in it, the first ``rank : R`` and ``exitcode : N`` lines go into ``failure`` (as ints)."""
+    cause = cause or "Root Cause" in line
+    m = re.match(r"\s*(rank|exitcode)\s*:\s*(-?\d+)", line) if cause else None
+    if m and m.group(1) not in failure:
+        failure[m.group(1)] = int(m.group(2))
+    return cause
 
 
 def _without_signal_traceback(lines, stopping: threading.Event):
@@ -307,6 +320,26 @@ def _register_train(sub) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    _check_train_flags(args)
+    cfg, run_dir = _train_config(args)
+    if cfg.data.path:  # a --set data.tokenizer (say) would be replaced by the dataset's own without a word
+        check_given_dataset(cfg.to_dict()["data"], read_meta(cfg.data.path), [parse_override(x)[0] for x in args.set])
+    if args.nproc is not None:
+        return launch_torchrun(args, run_dir)
+    res = train_run(cfg, run_dir, resume=bool(args.resume), restart=args.restart)
+
+    if int(os.environ.get("RANK", "0")) == 0:  # only rank 0 reports
+        print_result(res)
+    return 0
+
+
+def _check_train_flags(args: argparse.Namespace) -> None:
+    """The flags of ``keel train`` that rule each other out (--nproc inside torchrun, --restart without a
+    run, --resume with --run-dir) and its path names.
+
+    Raises:
+        KeelError: a flag combination keel refuses, or a path name the OS cannot hold.
+    """
     if args.nproc is not None:
         if args.nproc < 1:
             raise KeelError(f"--nproc must be >= 1, got {args.nproc}")
@@ -319,28 +352,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     for flag, given in (("--resume", args.resume), ("--run-dir", args.run_dir)):
         if given:
             check_path_names(given, flag)  # "File name too long" was a traceback
+
+
+def _train_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
+    """The config ``keel train`` trains and its run folder: a resumed run's own config.toml (with --set),
+    the run's own again for ``--restart`` without --config, else --config (a preset or file) and --run-dir
+    (default: :func:`default_run_dir`).
+
+    Raises:
+        KeelError: --resume of a folder that is not a run, --resume with --config, or a bad config.
+    """
     if args.resume:
         run_dir = Path(args.resume)
         if not RunDir(run_dir).config.is_file():
             raise KeelError(f"cannot resume {run_dir}: no {RunDir.CONFIG} there (not a run directory)")
         if args.config:
             raise KeelError("--resume takes the run's own config.toml; use --set to change keys")
-        cfg = load_config(RunDir(run_dir).config, args.set, stored=True)  # keel wrote it: no rename notes
-    elif args.restart and not args.config and RunDir(args.run_dir).config.is_file():
+        return load_config(RunDir(run_dir).config, args.set, stored=True), run_dir  # keel wrote it: no rename notes
+    if args.restart and not args.config and RunDir(args.run_dir).config.is_file():
         run_dir = Path(args.run_dir)  # the run there, again from step 0: its own config (it trained the demo)
-        cfg = load_config(RunDir(run_dir).config, args.set, stored=True)
-    else:
-        cfg = load_config(resolve_config_path(args.config), args.set)
-        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
-    if cfg.data.path:  # a --set data.tokenizer (say) would be replaced by the dataset's own without a word
-        check_given_dataset(cfg.to_dict()["data"], read_meta(cfg.data.path), [parse_override(x)[0] for x in args.set])
-    if args.nproc is not None:
-        return launch_torchrun(args, run_dir)
-    res = train_run(cfg, run_dir, resume=bool(args.resume), restart=args.restart)
-
-    if int(os.environ.get("RANK", "0")) == 0:  # only rank 0 reports
-        print_result(res)
-    return 0
+        return load_config(RunDir(run_dir).config, args.set, stored=True), run_dir
+    cfg = load_config(resolve_config_path(args.config), args.set)
+    return cfg, Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
 
 
 def print_result(res) -> None:
