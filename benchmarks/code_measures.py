@@ -191,4 +191,9 @@ def main(root: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1]).resolve())
+    if len(sys.argv) > 2 or sys.argv[1:] and sys.argv[1].startswith("-"):
+        sys.exit(__doc__.split("\n\n")[1])  # usage: one optional ROOT
+    tree = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1]).resolve()
+    if not (tree / "keel" / "experiments").is_dir():
+        sys.exit(f"code_measures: {tree} is not a checkout of keel (no keel/experiments there)")
+    main(tree)
