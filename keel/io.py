@@ -417,10 +417,37 @@ def check_run_folder(folder: str | os.PathLike, flag: str = "--run-dir") -> None
     check_output_not_in_checkpoints(folder, flag)
     foreign = foreign_entries(folder)
     if foreign:
-        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
         raise KeelError(f"{flag} {folder} is not a keel run (no config.toml written by keel) and not empty "
-                        f"(it holds {shown}); keel writes a run only into a new or empty folder or a keel run: "
+                        f"(it holds {_shown(foreign)}); keel writes a run only into a new or empty folder or a keel run: "
                         f"give another {flag}")
+
+
+def _shown(names: list[str]) -> str:
+    """``"a, b, c, d and 3 more"``: the first four of ``names``."""
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def check_output_folder(folder: str | os.PathLike, flag: str, own: Callable[[Path], bool], what: str) -> None:
+    """Refuse to write ``what`` (e.g. "an ablation") into output folder ``folder`` unless it is new,
+    empty, or holds only entries ``own(path)`` recognises as what keel wrote there before (and keel's
+    temporaries, :data:`KEEL_TEMPORARY`): keel overwrites only its own outputs, never the user's
+    files of the same names, and mixes none into a folder of other files. Checked before the work.
+
+    Raises:
+        KeelError: one line naming ``flag``, ``folder`` and the foreign entries; ``folder`` is a file
+            or lies in a run's checkpoints folder (:func:`check_output_not_in_checkpoints`).
+    """
+    folder = Path(folder)
+    check_path_names(folder, flag)
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise KeelError(f"cannot write {folder}: a file is there, not a folder")
+    check_output_not_in_checkpoints(folder, flag)
+    foreign = sorted(p.name for p in folder.iterdir()
+                     if not (KEEL_TEMPORARY.match(p.name) or own(p))) if folder.is_dir() else []
+    if foreign:
+        raise KeelError(f"{flag} {folder} holds {_shown(foreign)}, which keel did not write; keel writes {what} only "
+                        f"into a new or empty folder or one holding only {what} keel wrote: move them, or give "
+                        f"another {flag}")
 
 
 class RunLock:

@@ -65,6 +65,14 @@ class Run:
         """Complete checkpoint folders, oldest first."""
         return self.checkpoint_manager.complete()
 
+    def saved_step(self) -> int | None:
+        """The step of the newest checkpoint that has its files (:meth:`checkpoints`; not verified against
+        its checksums, which reads every byte: :meth:`latest_checkpoint` does), or None without one: the
+        step a resume continues from. A run whose metrics reached ``train.steps`` but whose final checkpoint
+        is missing (its write failed) is not finished: ``keel train --resume`` trains from this step."""
+        steps = self.checkpoint_manager.steps()
+        return steps[-1] if steps else None
+
     def latest_checkpoint(self) -> Path | None:
         """The checkpoint ``checkpoints/latest`` names, or None."""
         return self.checkpoint_manager.latest()

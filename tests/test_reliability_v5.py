@@ -940,3 +940,80 @@ def test_non_utf8_paths_and_values_are_refused_in_one_line_and_corpus_file_names
     assert main(["prepare", "--source", str(src), "--tokenizer", "bpe:300", "--out", str(tmp_path / "d")]) == 0
     assert main(["prepare", "--source", str(src), "--tokenizer", "bpe:300", "--out", str(tmp_path / "d")]) == 0
     assert "reusing cached dataset" in capsys.readouterr().err
+
+
+# --- issue 50: the third new-user trial ----------------------------------------------------------------------------
+
+def test_ablate_writes_only_into_a_new_or_empty_folder_or_its_own_ablation(cli_run, tmp_path, capsys):
+    """`keel ablate --out DIR` overwrote the user's DIR/ablate.md, ablate.json and ablate.png (a text file),
+    wrote into a folder of unrelated files (an HF export), and the default RUN/ablate/ablate.md (the
+    user's notes) was overwritten: each is refused before the ablation, in one line naming the file."""
+    run = tmp_path / "r"
+    shutil.copytree(cli_run, run)
+    cases = {"mine": {"ablate.md": "MY OWN DATA\n", "ablate.json": '{"mine": 1}\n'},
+             "fa": {"ablate.png": "my text, not a plot\n"},
+             "export": {"config.json": "{}\n", "model.safetensors": "x"}}
+    for name, files in cases.items():
+        (tmp_path / name).mkdir()
+        for f, text in files.items():
+            (tmp_path / name / f).write_text(text)
+    (run / "ablate").mkdir()
+    (run / "ablate" / "ablate.md").write_text("my notes\n")
+    for out, foreign in ((tmp_path / "mine", "ablate.json, ablate.md"), (tmp_path / "fa", "ablate.png"),
+                         (tmp_path / "export", "config.json, model.safetensors"), (None, "ablate.md")):
+        argv = ["ablate", "--run", str(run), "--tokens", "64", *(["--out", str(out)] if out else [])]
+        assert main(argv) == 2, argv
+        err = error_lines(capsys)
+        assert len(err) == 1 and f"holds {foreign}, which keel did not write" in err[0], err
+    for name, files in cases.items():
+        assert {f.name: f.read_text() for f in (tmp_path / name).iterdir()} == files
+    assert [f.name for f in (run / "ablate").iterdir()] == ["ablate.md"]
+    assert (run / "ablate" / "ablate.md").read_text() == "my notes\n"
+    (run / "ablate" / "ablate.md").unlink()
+    for _ in range(2):  # keel's own ablation (the default folder, then --out): written again
+        assert main(["ablate", "--run", str(run), "--tokens", "64"]) == 0
+        assert sorted(f.name for f in (run / "ablate").iterdir()) == ["ablate.json", "ablate.md", "ablate.png"]
+
+
+def _files_and_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_checkpoint_folder_holding_foreign_files_is_refused_before_training(cli_run, tmp_path, capsys):
+    """`keel train --resume RUN --restart` with the user's my.txt in RUN/checkpoints/step_N (N = train.steps)
+    warned, trained every step, then exited 2 unable to write the final checkpoint: now one line first,
+    nothing deleted, nothing trained. A resume whose later checkpoint folder holds such a file: the same."""
+    run = tmp_path / "r"
+    shutil.copytree(cli_run, run)
+    final = run / "checkpoints" / "step_00000004"
+    (final / "my.txt").write_text("mine\n")
+    before = _files_and_bytes(run)
+    assert main(["train", "--resume", str(run), "--restart"]) == 2
+    err = error_lines(capsys)
+    assert len(err) == 1 and f"its checkpoint folder {final} holds files keel did not write (my.txt)" in err[0], err
+    assert _files_and_bytes(run) == before  # metrics and checkpoints as they were
+    for f in final.iterdir():  # the final checkpoint's own files gone (its write failed): a resume from step 2
+        if f.name != "my.txt":
+            f.unlink()
+    assert main(["train", "--resume", str(run)]) == 2
+    err = error_lines(capsys)
+    assert err[-1].startswith("keel: error: cannot train") and "holds files keel did not write (my.txt)" in err[-1], err
+    assert not any(ln.startswith("step ") for ln in err)  # nothing trained
+    (final / "my.txt").unlink()
+    assert main(["train", "--resume", str(run)]) == 0
+    assert (final / "model.safetensors").is_file()
+
+
+def test_runs_calls_a_run_finished_only_with_its_final_checkpoint(cli_run, tmp_path, capsys):
+    """`keel runs` listed a run as `4/4 finished` whose step-4 checkpoint was missing (its write had
+    failed; `keel train --resume` retrains from step 2): it is stopped."""
+    run = tmp_path / "r"
+    shutil.copytree(cli_run, run)
+    capsys.readouterr()
+    assert main(["runs", str(run), "--json"]) == 0
+    assert [(r["step"], r["status"]) for r in json.loads(capsys.readouterr().out)] == [(4, "finished")]
+    shutil.rmtree(run / "checkpoints" / "step_00000004")
+    assert main(["runs", str(run), "--json"]) == 0
+    assert [(r["step"], r["status"]) for r in json.loads(capsys.readouterr().out)] == [(4, "stopped")]
+    from keel.run import Run
+    assert Run(run).saved_step() == 2

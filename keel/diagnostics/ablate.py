@@ -47,7 +47,9 @@ the layer's own convention (a tensor in transformers >= 4.54, a 1-tuple before; 
 by running the full model once). The final norm stays.
 
 Outputs (``--out``, default ``RUN/ablate``): ``ablate.json``, ``ablate.md`` and
-``ablate.png`` (bar chart of ΔPPL per sub-layer, log y when the range calls for it).
+``ablate.png`` (bar chart of ΔPPL per sub-layer, log y when the range calls for it), each marked as
+keel's (:data:`MARK`; the plot: :data:`keel.train.plots.PLOT_MARK`). The folder must be new, empty
+or hold only such an ablation (:func:`check_out`): keel overwrites no file of the user's.
 """
 
 from __future__ import annotations
@@ -66,10 +68,10 @@ from keel.data import load_tokenizer, split_windows, validation_tokens
 from keel.data.shards import read_shard
 from keel.data.text import read_text_file
 from keel.errors import KeelError, plural
-from keel.io import atomic_files, weights_load_errors
+from keel.io import atomic_files, check_output_folder, weights_load_errors
 from keel.run import Run
 from keel.train.nll import mean_nll
-from keel.train.plots import plt, save_figure
+from keel.train.plots import plt, save_figure, written_by_keel
 
 _log = logging.getLogger(__name__)  # one DEBUG line per unit removed (keel ablate --verbose)
 
@@ -292,12 +294,55 @@ def plot_ablation(res: dict, out: str | Path, title: str = "") -> None:
     save_figure(fig, out)
 
 
-def write_outputs(res: dict, out_dir: str | Path, title: str) -> None:
-    """``ablate.json``, ``ablate.md`` and ``ablate.png`` in ``out_dir`` (created), atomically."""
+OUTPUTS = ("ablate.json", "ablate.md", "ablate.png")
+MARK = "keel ablate"  # ablate.json's "written_by"; ablate.md's last line is MD_MARK: the files keel may overwrite
+MD_MARK = f"<!-- written by {MARK} -->"
+_MARK_READ_MAX = 16 << 20  # bytes: a bigger ablate.json / ablate.md is none of keel's
+
+
+def written_by_ablate(path: Path) -> bool:
+    """Whether ``path`` is one of the files :func:`write_outputs` wrote: ``ablate.json`` with
+    ``"written_by": MARK``, ``ablate.md`` ending in :data:`MD_MARK`, ``ablate.png`` with the mark of
+    keel's plots (:func:`keel.train.plots.written_by_keel`). Unreadable: False."""
+    if path.name == "ablate.png":
+        return written_by_keel(path)
+    if path.name not in OUTPUTS or path.is_symlink() or not path.is_file():
+        return False
+    with contextlib.suppress(OSError, ValueError):
+        if path.stat().st_size <= _MARK_READ_MAX:
+            text = path.read_text(encoding="utf-8")
+            if path.name == "ablate.md":
+                return text.rstrip().endswith(MD_MARK)
+            data = json.loads(text)
+            return isinstance(data, dict) and data.get("written_by") == MARK
+    return False
+
+
+def check_out(out_dir: str | Path, flag: str = "--out") -> None:
+    """Refuse an output folder that is not new, empty or an ablation keel wrote (:func:`written_by_ablate`),
+    before the ablation's minutes (:func:`keel.io.check_output_folder`).
+
+    Raises:
+        KeelError: one line naming ``flag`` and the first entries keel did not write.
+    """
+    check_output_folder(out_dir, flag, written_by_ablate, "an ablation")
+
+
+def write_outputs(res: dict, out_dir: str | Path, title: str) -> dict:
+    """``ablate.json``, ``ablate.md`` and ``ablate.png`` in ``out_dir`` (created), atomically, each
+    marked as keel's; ``out_dir`` must pass :func:`check_out`. Returns what ``ablate.json`` holds
+    (``res`` and its mark).
+
+    Raises:
+        KeelError: ``out_dir`` holds files keel did not write (:func:`check_out`), or a write failed.
+    """
+    check_out(out_dir)
+    marked = {**res, "written_by": MARK}
     with atomic_files(out_dir) as tmp:  # all three or none (a full disk)
-        (tmp / "ablate.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
-        (tmp / "ablate.md").write_text(ablate_markdown(res, title), encoding="utf-8")
+        (tmp / "ablate.json").write_text(json.dumps(marked, indent=1), encoding="utf-8")
+        (tmp / "ablate.md").write_text(ablate_markdown(res, title) + f"\n{MD_MARK}\n", encoding="utf-8")
         plot_ablation(res, tmp / "ablate.png")
+    return marked
 
 
 # ----------------------------------------------------------------------------- command

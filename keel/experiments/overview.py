@@ -5,7 +5,9 @@ validation loss (nats/token), mean tokens/s, status. Status:
 
 * ``diverged`` -- the divergence classifier gave a verdict other than healthy, or the last
   loss / validation loss is not finite (null in metrics.jsonl);
-* ``finished`` -- the last logged step is ``train.steps``;
+* ``finished`` -- the last logged step is ``train.steps`` and so is the newest checkpoint's
+  (:meth:`keel.run.Run.saved_step`; a run whose final checkpoint is missing, e.g. its write failed, is
+  ``stopped``: ``keel train --resume`` trains it from its newest checkpoint);
 * ``running`` -- a process holds the run's lock (:func:`keel.io.lock_holder`: a ``keel train``
   of it is alive, however long its steps take);
 * ``stopped`` -- none of these (interrupted or killed; ``keel train --resume`` continues it);
@@ -38,10 +40,11 @@ def _not_finite(value) -> bool:
     return value is None or (isinstance(value, float) and not math.isfinite(value))
 
 
-def run_status(records: list[dict], steps: int, held: bool) -> str:
+def run_status(records: list[dict], steps: int, held: bool, saved: int | None = None) -> str:
     """``new`` / ``diverged`` / ``finished`` / ``running`` / ``stopped`` (see the module
     docstring) of a run with metrics ``records`` and ``train.steps = steps``; ``held``: a process
-    holds the run's lock."""
+    holds the run's lock; ``saved``: the step of its newest checkpoint (None: not known, taken as the
+    last logged step)."""
     if not records:
         return "running" if held else "new"
     last = records[-1]
@@ -50,7 +53,7 @@ def run_status(records: list[dict], steps: int, held: bool) -> str:
         return "diverged"
     if ("loss" in last and _not_finite(last["loss"])) or ("val_loss" in last and _not_finite(last["val_loss"])):
         return "diverged"
-    if last.get("step", 0) >= steps:
+    if last.get("step", 0) >= steps and (saved is None or saved >= steps):
         return "finished"
     return "running" if held else "stopped"
 
@@ -69,7 +72,7 @@ def run_row(run: Run) -> dict:
             "step": last.get("step"), "steps": cfg.train.steps, "tokens": tokens,
             "val_loss": vals[-1] if vals else None,
             "tokens_per_s": mean_tokens_per_s(tokens, elapsed, untimed_tokens(records)) if tokens else None,
-            "status": run_status(records, cfg.train.steps, lock_holder(run.path) is not None)}
+            "status": run_status(records, cfg.train.steps, lock_holder(run.path) is not None, run.saved_step() or 0)}
 
 
 def find_runs(root: str | Path) -> list[Path]:

@@ -540,6 +540,22 @@ class CheckpointManager:
         self.remove_after(step)
         self.prune()
 
+    def check_writable(self, after: int, upto: int) -> None:
+        """Refuse a run from step ``after`` to ``upto`` whose checkpoint folder of a step in between (one it
+        may write: on its schedule, at the end, on a stop) holds files keel did not write: :meth:`save`
+        would refuse that folder when its step comes, after the training since the previous checkpoint
+        (``--restart`` used to train to the end, then lose its final checkpoint). Checked before training.
+
+        Raises:
+            KeelError: one line naming the folder and its first foreign files.
+        """
+        for p in reversed(_step_dirs(self.root)):  # oldest first
+            foreign = _foreign_files(p) if after < checkpoint_step(p) <= upto else []
+            if foreign:
+                raise KeelError(f"cannot train {self.run_dir} to step {upto}: its checkpoint folder {p} holds files "
+                                f"keel did not write ({', '.join(foreign[:3])}) where the checkpoint of step "
+                                f"{checkpoint_step(p)} goes; move them out of the run's checkpoints folder")
+
     def prune(self, keep: int | None = None) -> list[Path]:
         """Remove all but the newest ``keep`` checkpoints (default: this manager's ``keep``; 0 keeps
         all). A ``step_*`` folder with no file keel wrote is no checkpoint: neither counted nor

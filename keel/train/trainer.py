@@ -67,7 +67,7 @@ from keel.model import Transformer, check_model_config, flops_per_token, get_sch
 from keel.rundir import RunDir
 from keel.train import dist as D, state_dict as SD
 from keel.train.callbacks import Callback, StepState, unhonoured_keys
-from keel.train.checkpoint import CheckpointManager, NonFiniteWeights, is_sharded, step_name, tied_aliases
+from keel.train.checkpoint import CheckpointManager, NonFiniteWeights, checkpoint_step, is_sharded, step_name, tied_aliases
 from keel.train.device import (autocast_context, peak_flops, check_activations_fit, check_model_fits, flushing_denormals,
                                memory_errors, resolve_device)
 from keel.train.nll import eval_batch_size, mean_nll, perplexity
@@ -214,8 +214,12 @@ class Trainer:
         if not (resume or restart) and self.metrics_path.exists():
             raise KeelError(f"run directory {self.run_dir} already holds a run; "
                             f"use --resume {self.run_dir}, --restart, or another --run-dir")
+        if restart:  # before its checkpoints are deleted: a checkpoint folder it could not write again
+            self._check_checkpoint_folders(0)
         self._clean_run_dir(restart)
         self.ckpt = self._find_checkpoint() if resume and not restart else None
+        if not restart:
+            self._check_checkpoint_folders(checkpoint_step(self.ckpt) if self.ckpt is not None else 0)
         self.device = info.device
         self.amp = autocast_context(self.device, self.tc.precision,
                                     sharded=info.distributed and self.tc.parallelism == "fsdp")
@@ -253,6 +257,11 @@ class Trainer:
                 self.metrics_path.unlink(missing_ok=True)
                 self.checkpoints.remove_all()  # keel's files only: anything else stays, with a warning
         D.barrier(self.info)
+
+    def _check_checkpoint_folders(self, start: int) -> None:
+        """Refuse, before any training, a run from step ``start`` that would meet a checkpoint folder
+        holding files keel did not write (:meth:`CheckpointManager.check_writable`; rank 0 decides)."""
+        D.decide_on_rank0(lambda: self.checkpoints.check_writable(start, self.tc.steps), self.info)
 
     def _find_checkpoint(self) -> Path | None:
         """The newest intact checkpoint to resume from (rank 0 decides,

@@ -443,24 +443,22 @@ def _register_ablate(subparsers) -> None:
 
 def cmd_ablate(args: argparse.Namespace) -> int:
     check_counts(args, "tokens", "seq_len", "batch_size", "loops")
-    if args.out:  # before the ablation's minutes, not after
-        check_output_not_in_checkpoints(args.out, "--out")
+    if not (args.hf or args.run):
+        raise KeelError("give --run DIR (a keel run) or --hf MODEL_PATH")
+    title = str(args.hf or args.run)
+    out = Path(args.out) if args.out else Path(title) / "ablate"
+    A.check_out(out, "--out")  # before the ablation's minutes, not after
     tokens = args.tokens or 16384
     if args.verbose:  # the library logs each unit's PPL at DEBUG level
         logging.getLogger(A.__name__).setLevel(logging.DEBUG)
     if args.hf:
         res = _ablate_hf(args, tokens)
-        title, default_out = str(args.hf), Path(args.hf) / "ablate"
-    elif args.run:
+    else:
         check_loops(args.loops, Run(args.run).config.model, args.run)
         text = A.ablation_text(args.text, None, tokens) if args.text else None
         res = A.ablate_run(args.run, args.seq_len, tokens, args.batch_size, args.device, text=text, loops=args.loops)
-        title, default_out = str(args.run), Path(args.run) / "ablate"
-    else:
-        raise KeelError("give --run DIR (a keel run) or --hf MODEL_PATH")
     res["source"] = title
-    out = Path(args.out) if args.out else default_out
-    A.write_outputs(res, out, title)
+    res = A.write_outputs(res, out, title)  # --json prints what ablate.json holds
     if args.json:
         print(json.dumps(res, indent=1))
     else:
