@@ -368,7 +368,7 @@ def _coerce_names(where: str, value: Any) -> list[str]:
 
 
 def _coerce_int(where: str, value: Any) -> int:
-    if isinstance(value, str):
+    if isinstance(value, str) and value.isascii():  # int() and float() also read other scripts' digits ("١")
         try:
             value = float(value)
         except ValueError:
@@ -410,6 +410,8 @@ def coerce_key(section: str, name: str, value: Any) -> Any:
         return _coerce_int(where, value)
     if t.base is float:
         try:
+            if isinstance(value, str) and not value.isascii():  # float("١") is 1.0: a number is ASCII text
+                raise ValueError(value)
             return float(value)
         except (TypeError, ValueError):
             raise KeelError(f"{where} must be a number, got {value!r}") from None

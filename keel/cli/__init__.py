@@ -108,6 +108,7 @@ def _terminated(signum, frame) -> None:
     from keel.io import silence_hung_up_terminal  # lazily, as in main: `keel --help` imports no keel.io
 
     silence_hung_up_terminal(signum)  # SIGHUP: a closed terminal, whose writes would fail
+    _received.append(signum)  # kept: a library's bare `except:` may swallow the exception raised here
     err = Terminated()
     err.signum = signum
     raise err
@@ -116,6 +117,7 @@ def _terminated(signum, frame) -> None:
 # Stopped outside a training loop, these unwind (Terminated) instead of killing the process at once:
 # SIGTERM (kill) and SIGHUP (a closed terminal or SSH session). SIGINT raises KeyboardInterrupt itself.
 _UNWINDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+_received: list[int] = []  # the unwinding signals this process got while a command ran (:func:`_terminated`)
 
 
 def _main_thread() -> bool:
@@ -155,9 +157,16 @@ def main(argv: list[str] | None = None) -> int:
               "files (config.toml, JSON): rename the path, or give the value in UTF-8", file=sys.stderr)
         return 2
     saved = {s: signal.signal(s, _terminated) for s in _UNWINDING_SIGNALS} if _main_thread() else {}
+    _received.clear()
     try:
         status = run_handler(args)
         sys.stdout.flush()  # `keel ... > FILE` on a full disk fails here, if not before
+        if _received:  # the Terminated it raised was caught and dropped by a library (lm_eval's imports): the
+            # command went on to its end, but a script that sent SIGTERM must not read success
+            signum = _received[0]
+            print(f"keel: stopped by {signal.Signals(signum).name} (a library caught the signal and went on: "
+                  "the output above is complete)", file=sys.stderr)
+            return 128 + signum
         return status
     except Interrupted as e:  # stopped on purpose (Ctrl-C, kill): not an error; 130 / 143
         print(f"keel: {e}", file=sys.stderr)
