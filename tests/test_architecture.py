@@ -117,6 +117,19 @@ def test_the_layer_test_catches_an_upward_import(tmp_path):
 # McCabe and pylint rules below); a module is split where its concerns part.
 
 
+def test_no_function_above_radon_complexity_20():
+    """Issue 49's measure: no function of keel/ above cyclomatic complexity 20 as radon counts it
+    (rank C; boolean operators and comprehensions count, unlike ruff's C901 above), by
+    benchmarks/code_measures.py's counter."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("code_measures", REPO / "benchmarks" / "code_measures.py")
+    measures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(measures)
+    assert measures.complex_functions(REPO) == []
+    assert measures.complex_functions(REPO, above=1)  # the counter sees functions at all
+
+
 @pytest.mark.spawns
 def test_ruff_complexity_and_lint_rules_pass():
     """ruff with the rules in pyproject.toml ([tool.ruff]): pyflakes, pycodestyle errors,

@@ -144,6 +144,28 @@ def _not_utf8(argv: list[str]) -> str | None:
     return None
 
 
+def _os_error_status(e: OSError) -> int:
+    """The exit status of a command that an OSError ended, its one line printed: a limit (``ulimit -n``),
+    a file name too long, or the standard output on a full or read-only disk (2; the output is then
+    closed). Raises ``e`` again for any other OSError (a bug, with its traceback)."""
+    from keel.io import limit_failure, write_failure  # lazily: keel.io at the top would be imported by `keel --help`
+
+    if (limit := limit_failure(e)) is not None:  # `ulimit -n 5`: the dataset's memmap, a checkpoint, ...
+        where = f" ({e.filename})" if e.filename else ""
+        raise_it = "; raise it (e.g. ulimit -n 4096) and run it again" if e.errno == errno.EMFILE else ""
+        print(f"keel: error: {limit}{where}{raise_it}", file=sys.stderr)
+        return 2
+    if e.errno == errno.ENAMETOOLONG:  # a path no command checked first (keel.io.check_path_names)
+        print(f"keel: error: a file name is too long for the file system: {str(e.filename)[:120]}...",
+              file=sys.stderr)
+        return 2
+    if write_failure(e) is None:
+        raise e
+    print(f"keel: error: cannot write {e.filename or 'the standard output'}: {e.strerror}", file=sys.stderr)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``keel ARGS``; returns the exit status (2 for a user error, 130 / 143 / 129 when stopped
     by SIGINT / SIGTERM / SIGHUP). ``argv`` None (the process's command line, ``sys.argv``): the
@@ -182,22 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except OSError as e:  # the standard output on a full or read-only disk (files are written by disk_errors)
-        from keel.io import limit_failure, write_failure  # lazily: keel.io at the top would be imported by `keel --help`
-
-        if (limit := limit_failure(e)) is not None:  # `ulimit -n 5`: the dataset's memmap, a checkpoint, ...
-            where = f" ({e.filename})" if e.filename else ""
-            raise_it = "; raise it (e.g. ulimit -n 4096) and run it again" if e.errno == errno.EMFILE else ""
-            print(f"keel: error: {limit}{where}{raise_it}", file=sys.stderr)
-            return 2
-        if e.errno == errno.ENAMETOOLONG:  # a path no command checked first (keel.io.check_path_names)
-            print(f"keel: error: a file name is too long for the file system: {str(e.filename)[:120]}...",
-                  file=sys.stderr)
-            return 2
-        if write_failure(e) is None:
-            raise
-        print(f"keel: error: cannot write {e.filename or 'the standard output'}: {e.strerror}", file=sys.stderr)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
-        return 2
+        return _os_error_status(e)
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)

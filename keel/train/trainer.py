@@ -211,15 +211,7 @@ class Trainer:
         self.rd = RunDir(self.run_dir)  # the run folder's files
         self.metrics_path = self.rd.metrics
         self.checkpoints = CheckpointManager(self.run_dir, info, keep=self.tc.keep_checkpoints)  # RUN/checkpoints
-        if not (resume or restart) and self.metrics_path.exists():
-            raise KeelError(f"run directory {self.run_dir} already holds a run; "
-                            f"use --resume {self.run_dir}, --restart, or another --run-dir")
-        if restart:  # before its checkpoints are deleted: a checkpoint folder it could not write again
-            self._check_checkpoint_folders(0)
-        self._clean_run_dir(restart)
-        self.ckpt = self._find_checkpoint() if resume and not restart else None
-        if not restart:
-            self._check_checkpoint_folders(checkpoint_step(self.ckpt) if self.ckpt is not None else 0)
+        self.ckpt = self._open_run_folder(resume, restart)
         self.device = info.device
         self.amp = autocast_context(self.device, self.tc.precision,
                                     sharded=info.distributed and self.tc.parallelism == "fsdp")
@@ -246,6 +238,27 @@ class Trainer:
         self.tokens_per_step = self.tc.batch_size * self.tc.seq_len * self.tc.grad_accum  # global
         peak = peak_flops(self.device, self.tc.peak_tflops)  # one process's; None: MFU is not logged
         self.mfu_per_token_s = flops_per_token(self.cfg.model, self.tc.seq_len) / (peak * self.ws) if peak else None
+
+    def _open_run_folder(self, resume: bool, restart: bool) -> Path | None:
+        """Check and tidy the run folder before anything is built: refuse a new run in a folder that holds
+        one and a run that would meet a checkpoint folder it cannot write; remove stale temporaries (and, for
+        a restart, the old history). Returns the checkpoint to resume from (None: from step 0).
+
+        Raises:
+            KeelError: the folder holds a run and neither ``resume`` nor ``restart`` is set; a checkpoint
+                folder from the start step on holds files keel did not write; a resume finds history but no
+                intact checkpoint.
+        """
+        if not (resume or restart) and self.metrics_path.exists():
+            raise KeelError(f"run directory {self.run_dir} already holds a run; "
+                            f"use --resume {self.run_dir}, --restart, or another --run-dir")
+        if restart:  # before its checkpoints are deleted: a checkpoint folder it could not write again
+            self._check_checkpoint_folders(0)
+        self._clean_run_dir(restart)
+        ckpt = self._find_checkpoint() if resume and not restart else None
+        if not restart:
+            self._check_checkpoint_folders(checkpoint_step(ckpt) if ckpt is not None else 0)
+        return ckpt
 
     def _clean_run_dir(self, restart: bool) -> None:
         """Rank 0 removes stale temporaries (and, for a restart, the old history)."""
