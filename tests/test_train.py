@@ -243,6 +243,18 @@ def test_resume_before_any_step_starts_at_zero(tiny_config, tmp_path, caplog):
     assert [r["step"] for r in metrics(run)] == [0, 1, 2]
 
 
+def test_eval_tokens_below_seq_len_is_one_warning(tiny_config, tmp_path, caplog):
+    """train.eval_tokens < train.seq_len evaluated one whole window (seq_len tokens) without a word
+    (issue 49: the warning a line cap kept out)."""
+    cfg = tiny_config(steps=1, warmup_steps=0, eval_every=1, checkpoint_every=1, sample_tokens=0)
+    cfg.train.eval_tokens = cfg.train.seq_len - 1
+    with caplog.at_level("INFO", logger="keel"):
+        train(cfg, tmp_path / "run")
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [f"warning: train.eval_tokens ({cfg.train.seq_len - 1}) < train.seq_len ({cfg.train.seq_len}): "
+                      f"each evaluation reads one window of {cfg.train.seq_len} tokens"]
+
+
 def test_a_key_the_scheme_ignores_is_one_warning(tiny_config, tmp_path, caplog):
     """`--set model.alpha=4` on a pre_ln run was accepted silently (only keel reads it): one
     warning line naming the key and its reader; a key at its default (hc_streams) and a key the

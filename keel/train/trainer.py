@@ -366,6 +366,9 @@ class Trainer:
         if tc.warmup_steps > tc.steps:
             log.warning("warning: train.warmup_steps (%d) > train.steps (%d): the LR never reaches train.lr",
                         tc.warmup_steps, tc.steps)
+        if tc.eval_tokens < tc.seq_len:  # validation_tokens takes one whole window: more than asked for
+            log.warning("warning: train.eval_tokens (%d) < train.seq_len (%d): each evaluation reads one window "
+                        "of %d tokens", tc.eval_tokens, tc.seq_len, tc.seq_len)
         notes = get_scheme(cfg.model.residual).config_notes(cfg.model)  # e.g. a mix_ln that is pre_ln
         for line in ignored_keys(cfg.model) + notes:  # e.g. model.alpha set for a pre_ln run
             log.warning(line)
