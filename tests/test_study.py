@@ -1514,7 +1514,7 @@ def test_report_only_over_a_result_of_the_wrong_shape_is_one_line(finished_study
     """`--report-only` over a run whose result.json is a list, or whose final_val_loss or
     unigram_entropy is text, ended in a TypeError / AttributeError inside the report (a
     negative loss entered the verdicts); result.json is checked by its declaration
-    (keel.experiments.grid.RESULT_KEYS), naming the file and the key."""
+    (keel.experiments.job_result.RESULT_KEYS), naming the file and the key."""
     import shutil
 
     p, finished = finished_study

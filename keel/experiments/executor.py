@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keel.errors import Interrupted, KeelError, plural
+from keel.experiments.job_result import JobResult
 from keel.io import atomic_write_text, passing_on_stop_signals, pid_runs
 
 _log = logging.getLogger(__name__)
@@ -760,12 +761,13 @@ def _collect(st: _Submitted, by_name: dict, report: Callable, read_result: Calla
         if state is not None:  # stopped: Slurm jobs are left running, in the ledger
             continue
         r = _outcome(st.out_dir / name, handle, read_result)
-        if stop_only and r.get("status") != "done":
-            words = r.get("message", "").split(" ended without a result: ", 1)[-1].split(" (log: ")[0]
+        res = JobResult.from_dict(r)
+        if stop_only and not res.done:
+            words = res.message.split(" ended without a result: ", 1)[-1].split(" (log: ")[0]
             st.stopped.append(words)
             st.record(name, "stopped", detail=words)
             continue
-        st.record(name, "done" if r.get("status") == "done" else "failed")
+        st.record(name, "done" if res.done else "failed")
         report(by_name[name], r)
 
 

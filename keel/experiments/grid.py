@@ -59,6 +59,7 @@ from keel.config import config_from_dict
 from keel.errors import Interrupted, KeelError, plural
 from keel.experiments.executor import (Executor, assign_devices, check_ledger, pool_words, run_submitit,
                                        visible_devices)
+from keel.experiments.job_result import JobResult, check_result
 from keel.experiments.pool import LocalPool
 from keel.io import STOP_SIGNALS, atomic_write_text, die_with_parent, make_dirs, remove_empty_dirs
 from keel.rundir import RunDir
@@ -105,54 +106,6 @@ def check_reportable(out_dir: str | Path) -> None:
         raise KeelError(f"cannot write {out_dir}: a file is there, not a folder")  # as keel.io.make_dirs says
     if not out_dir.is_dir() or not any(RunDir(d).result.is_file() for d in out_dir.iterdir()):
         raise KeelError(f"{out_dir} holds no finished run: nothing to report; check --out")
-
-
-def is_number(x) -> bool:
-    """True for an int or float that is not a bool (TOML/JSON ``true`` is not a number here)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _loss_or_null(x) -> bool:
-    return x is None or (is_number(x) and not x < 0)  # NaN / inf: a diverged run's loss
-
-
-def _count_or_null(x) -> bool:
-    return x is None or (isinstance(x, int) and not isinstance(x, bool) and x >= 0)
-
-
-# result.json, declared: key -> (check, what is expected). A key present is checked (a task may
-# add keys of its own); these are the ones the reports of sweep, stress, lr-sensitivity and study
-# compute with, where a wrong shape was a TypeError deep in a report.
-RESULT_KEYS: dict[str, tuple[Callable[[object], bool], str]] = {
-    "name": (lambda x: isinstance(x, str), "text"),
-    "status": (lambda x: x in ("done", "error"), '"done" or "error"'),
-    "values": (lambda x: isinstance(x, dict), "a table of the job's config values"),
-    **{k: (_loss_or_null, "a loss >= 0 (nats/token) or null")
-       for k in ("final_val_loss", "best_val_loss", "first_val_loss", "unigram_entropy")},
-    **{k: (_count_or_null, "an integer >= 0 or null")
-       for k in ("step", "steps", "tokens", "planned_tokens", "params", "non_embedding_params", "blocks", "sublayers")},
-    **{k: (lambda x: x is None or (is_number(x) and x >= 0), "a number >= 0 or null")
-       for k in ("elapsed_s", "wall_s", "max_lr")},
-    "divergence": (lambda x: x is None or isinstance(x, dict), "a divergence verdict (a table) or null"),
-    "diverged": (lambda x: x is None or isinstance(x, bool), "true, false or null"),
-    "verdict": (lambda x: x is None or isinstance(x, str), "text or null"),
-}
-
-
-def check_result(path: str | Path, result) -> dict:
-    """``result`` (the content of ``path``, a ``result.json``) if it has the declared shape
-    (:data:`RESULT_KEYS`).
-
-    Raises:
-        KeelError: one line naming the file, the key and what was expected.
-    """
-    fix = "; delete the file to run the job again"
-    if not isinstance(result, dict):
-        raise KeelError(f"{path}: a job's result must be a JSON object, got {json.dumps(result)[:60]}{fix}")
-    for key, (ok, expected) in RESULT_KEYS.items():
-        if key in result and not ok(result[key]):
-            raise KeelError(f"{path}: {key} must be {expected}, got {json.dumps(result[key])[:60]}{fix}")
-    return result
 
 
 def cached_result(run_dir: str | Path) -> dict | None:
@@ -255,8 +208,9 @@ def _execute(task: Task, job: GridJob, run_dir: str, resume: bool) -> dict:
                     "wall_s": time.perf_counter() - t0}
         finally:
             _RUNNING.clear()
+    own = JobResult.from_dict(out).wall_s  # a task may time itself (the training task does)
     result = {"name": job.name, "values": job.values, "status": "done", **out,
-              "wall_s": out.get("wall_s", time.perf_counter() - t0)}
+              "wall_s": own if own is not None else time.perf_counter() - t0}
     atomic_write_text(RunDir(run_dir).result, json.dumps(result, indent=1, default=str))
     return result
 
@@ -416,9 +370,10 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
     def report(job: GridJob, r: dict) -> None:
         results[job.name] = r
         count[0] += 1
-        what = "done" if r["status"] == "done" else f"error: {r['message']}"
-        what += f"; {r['note']}" if r.get("note") else ""
-        _log.info(f"[{count[0]}/{len(jobs)}] {job.name}: {what} ({r['wall_s']:.0f} s)")
+        res = JobResult.from_dict(r)
+        what = "done" if res.done else f"error: {res.message}"
+        what += f"; {res.note}" if res.note else ""
+        _log.info(f"[{count[0]}/{len(jobs)}] {job.name}: {what} ({res.wall_s:.0f} s)")
 
     def resumed(job: GridJob) -> bool:
         return (out_dir / job.name).exists()

@@ -24,7 +24,8 @@ from typing import Sequence
 
 from keel.errors import KeelError, plural
 from keel.experiments import sensitivity
-from keel.experiments.sweep import load_sweep
+from keel.experiments.job_result import JobResult
+from keel.experiments.sweep import load_sweep, usable
 from keel.rundir import RunDir
 from keel.train.metrics import read_metrics, trailing_mean
 from keel.train.plots import plt, save_figure
@@ -36,7 +37,8 @@ def _run_dirs(paths: Sequence[str | Path]) -> list[tuple[str, Path]]:
     for p in map(Path, paths):
         if (p / "sweep.json").is_file():
             s = json.loads((p / "sweep.json").read_text())
-            out += [(r["name"], p / r["name"]) for r in s["runs"] if RunDir(p / r["name"]).metrics.is_file()]
+            names = [JobResult.from_dict(r).name for r in s["runs"]]
+            out += [(name, p / name) for name in names if RunDir(p / name).metrics.is_file()]
         elif RunDir(p).metrics.is_file():
             out.append((p.name, p))
         else:
@@ -135,14 +137,14 @@ def depth_points(sweep: dict) -> dict[str, list[tuple[int, float, dict]]]:
     best = sweep.get("best_over") or ("train.lr" if "train.lr" in keys else None)
     skip = ["model.n_layers"] + ([best] if best else [])
     lines: dict[str, dict[int, tuple[float, dict]]] = {}
-    for r in sweep["runs"]:
-        if r.get("status") != "done" or r.get("diverged") or r.get("final_val_loss") is None:
+    for r in map(JobResult.from_dict, sweep["runs"]):
+        if not usable(r):
             continue
-        label = _series_key(r["values"], skip) or "runs"
-        L = 2 * int(r["values"]["model.n_layers"])
+        label = _series_key(r.values, skip) or "runs"
+        L = 2 * int(r.values["model.n_layers"])
         cur = lines.setdefault(label, {}).get(L)
-        if cur is None or r["final_val_loss"] < cur[0]:
-            lines[label][L] = (r["final_val_loss"], r)
+        if cur is None or r.final_val_loss < cur[0]:
+            lines[label][L] = (r.final_val_loss, r.to_dict())
     return {k: sorted((L, v, run) for L, (v, run) in d.items()) for k, d in lines.items()}
 
 
@@ -216,13 +218,13 @@ def _lr_lines(sweep: dict, sweep_dir: Path) -> dict[str, list[tuple[float, float
     ``ok``: it did not diverge and has a final validation loss (its loss), else the loss is its last
     validation loss (None: none)."""
     lines: dict[str, list] = {}
-    for r in sweep["runs"]:
-        if r.get("status") != "done":
+    for r in map(JobResult.from_dict, sweep["runs"]):
+        if not r.done:
             continue
-        label = _series_key(r["values"], ["train.lr"]) or "runs"
-        ok = not r.get("diverged") and r.get("final_val_loss") is not None
-        y = r.get("final_val_loss") if ok else _last_val(sweep_dir / r["name"])
-        lines.setdefault(label, []).append((r["values"]["train.lr"], y, ok))
+        label = _series_key(r.values, ["train.lr"]) or "runs"
+        ok = usable(r)
+        y = r.final_val_loss if ok else _last_val(sweep_dir / r.name)
+        lines.setdefault(label, []).append((r.values["train.lr"], y, ok))
     return lines
 
 

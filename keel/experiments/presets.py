@@ -27,6 +27,7 @@ from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
 from keel.experiments import sweep as S
 from keel.experiments.grid import cached_result, check_reportable
+from keel.experiments.job_result import JobResult
 from keel.experiments.study.run import check_started_runs, execute
 from keel.experiments.study.spec import Group, Study, refuse_sets
 from keel.io import atomic_write_text
@@ -123,7 +124,7 @@ def _execute(what: str, config: str | None, sets: Sequence[Override], group: Gro
     report = execute(study, out, **engine)
     if not engine.get("dry_run"):
         if engine.get("report_only"):
-            done = sum(r["status"] == "done" for r in report["runs"])
+            done = sum(r.status == "done" for r in report["records"])
             _log.info(f"{what}: report only, {done}/{len(report['runs'])} runs finished")
         _log_unplanned(out, report, what)
     return report
@@ -133,7 +134,7 @@ def _log_unplanned(out: Path, report: dict, what: str) -> None:
     """One warning line naming the run folders in ``out`` (a ``job.json`` in them) that are not
     runs of this grid, e.g. left by an earlier ``--lrs`` before a ``--resume`` with another: they
     are in no table, which the user should hear rather than find out."""
-    planned = {r["name"] for r in report["runs"]}
+    planned = {r.name for r in report["records"]}
     stray = sorted(p.name for p in out.iterdir() if RunDir(p).job.is_file() and p.name not in planned)
     if stray:
         more = f", ... ({len(stray)} in all)" if len(stray) > 3 else ""
@@ -256,13 +257,13 @@ def run_sweep(config: str | None, grid: dict[str, list], sets: Sequence[Override
     report = _execute("sweep", config, sets, group, Path(out), **engine)
     if engine.get("dry_run"):
         return report
-    order = {r["name"]: i for i, r in enumerate(report["runs"])}
-    results = sorted(_done(report) + _errors(report), key=lambda r: order[r["name"]])
+    order = {r.name: i for i, r in enumerate(report["records"])}
+    results = sorted(_done(report) + _errors(report), key=lambda r: order[JobResult.from_dict(r).name])
     summary: dict[str, Any] = {
         "out": str(out), "config": str(resolve_config_path(config)), "sets": [override_text(x) for x in sets],
         "grid": grid, "grid_keys": list(grid), "derived_keys": ["model.d_model"] if match_params not in (None, 0, "0", "")
         else [], "match_params": match_params, "runs": results,
-        "held_fixed": S.held_fixed([r for r in results if r.get("status") == "done"]), "best_over": best, "best": None}
+        "held_fixed": S.held_fixed([r for r in results if JobResult.from_dict(r).done]), "best_over": best, "best": None}
     if best:
         summary["best"] = [{"values": g["values"], "best": g["best"], "name": g["run"]["name"] if g["run"] else None,
                             "final_val_loss": g["run"]["final_val_loss"] if g["run"] else None,

@@ -5,7 +5,8 @@ with the check of each field, read and written in ``report.json``'s ``runs`` by
 
 Where a record comes from: a run folder (:func:`keel.experiments.study.records.run_record`),
 an earlier ``report.json`` (``keel study --restore``: :meth:`RunRecord.from_dict`), or a grid
-job's ``result.json`` (:meth:`RunRecord.from_result`).
+job's ``result.json`` (:meth:`RunRecord.from_result`). A grid job's result itself, which keeps every
+key its task returned, is :class:`keel.experiments.job_result.JobResult`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from keel.errors import KeelError
-from keel.experiments.grid import is_number
+from keel.experiments.job_result import is_number
 
 RUN_STATUSES = ("done", "superseded", "error", "pending")  # a report's run statuses; the first two are restored
 CURVE_KEYS = ("step", "loss", "lr", "val_step", "val_loss")
@@ -87,7 +88,7 @@ class RunRecord:
     again is the same bytes (records of older reports lack ``scheme_version``, ``values``,
     ``early_spike``, ``ablation``, ``test_loops``). The read-only mapping view (``rec["lr"]``, ``rec.get``,
     ``rec.items()``, ``{**rec}``, ``rec.update``) serves modules that have not moved to attribute
-    access yet (:mod:`keel.experiments.study.run`).
+    access yet.
     """
 
     group: str = _field(check=lambda x: isinstance(x, str) and bool(x), words="a group name", finished=True)
@@ -168,6 +169,17 @@ class RunRecord:
         if wrong:
             raise KeelError(f"{who}: {wrong}")
         return rec
+
+    @staticmethod
+    def trains_again(d: object) -> bool:
+        """``d``, a ``report.json`` entry not checked yet, is a run that did not finish (``error``,
+        ``pending``): ``--restore`` leaves it out and the study trains it again."""
+        return isinstance(d, dict) and d.get("status") in ("error", "pending")
+
+    @staticmethod
+    def was_restored(d: object) -> bool:
+        """``d``, a ``report.json`` entry not checked yet, is a run restored from an earlier report."""
+        return isinstance(d, dict) and bool(d.get("restored"))
 
     @classmethod
     def from_result(cls, result: Mapping, group: str = "") -> RunRecord:

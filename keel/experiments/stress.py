@@ -52,6 +52,7 @@ from typing import Callable, Sequence
 from keel.config import Override, load_config
 from keel.errors import KeelError, plural
 from keel.experiments.grid import GridJob
+from keel.experiments.job_result import JobResult
 from keel.experiments.table import markdown_table
 from keel.experiments.sweep import train_task
 from keel.rundir import RunDir
@@ -95,7 +96,8 @@ def stress_task(job: GridJob, run_dir: Path, resume: bool) -> dict:
     out["name"] = job.name
     out["run_dir"] = str(run_dir)
     records = read_metrics(RunDir(run_dir).metrics)
-    out["max_lr"] = max_lr(records, out["divergence"]["step"]) if out["diverged"] else None
+    run = JobResult.from_dict(out)
+    out["max_lr"] = max_lr(records, run.divergence["step"]) if run.diverged else None
     return out
 
 
@@ -111,9 +113,9 @@ def stress_table(results: list[dict], schemes: list[str], depths: list[int]) -> 
     for L in depths:
         cells = {}
         for s in schemes:
-            rs = [r for r in results if r["scheme"] == s and r["sublayers"] == L]
-            vals = [r["max_lr"] if r["diverged"] else math.inf for r in rs]
-            n, nd = len(rs), sum(r["diverged"] for r in rs)
+            rs = [r for r in map(JobResult.from_dict, results) if r.scheme == s and r.sublayers == L]
+            vals = [r.max_lr if r.diverged else math.inf for r in rs]
+            n, nd = len(rs), sum(r.diverged for r in rs)
             cell = {"n": n, "n_diverged": nd, "median": None, "min": None, "max": None}
             if n == 0:
                 cell["text"] = "–"

@@ -68,6 +68,7 @@ from keel.data.stats import dataset_unigram_entropy
 from keel.diagnostics.divergence import HEALTHY, Verdict, run_verdict
 from keel.errors import KeelError, plural
 from keel.experiments.grid import GridJob
+from keel.experiments.job_result import JobResult
 from keel.experiments.table import markdown_table
 from keel.experiments.training import train_run
 from keel.model import SCHEMES, check_model_config, count_parameters
@@ -423,18 +424,26 @@ def best_over(runs: list[dict], grid_keys: Sequence[str], key: str) -> list[dict
         raise KeelError(f"--best-over {key} is not one of the grid keys ({', '.join(grid_keys) or 'none'})")
     others = [k for k in grid_keys if k != key]
     groups: dict[str, dict] = {}
-    for r in runs:
-        vals = r.get("values", {})
+    best: dict[str, JobResult] = {}
+    for r in map(JobResult.from_dict, runs):
+        vals = r.values
         gk = json.dumps([vals.get(k) for k in others])
         g = groups.setdefault(gk, {"values": {k: vals.get(k) for k in others}, "best": None, "run": None,
                                    "n_ok": 0, "n": 0})
         g["n"] += 1
-        if r.get("status") != "done" or r.get("diverged") or r.get("final_val_loss") is None:
+        if not usable(r):
             continue
         g["n_ok"] += 1
-        if g["run"] is None or r["final_val_loss"] < g["run"]["final_val_loss"]:
-            g["run"], g["best"] = r, vals.get(key)
+        if gk not in best or r.final_val_loss < best[gk].final_val_loss:
+            best[gk] = r
+            g["run"], g["best"] = r.to_dict(), vals.get(key)
     return list(groups.values())
+
+
+def usable(r: JobResult) -> bool:
+    """Run ``r`` finished, did not diverge and has a final validation loss (a best-over run, a point of a
+    plot against depth)."""
+    return r.done and not r.diverged and r.final_val_loss is not None
 
 
 def _col(key: str) -> str:
@@ -479,17 +488,19 @@ def _sweep_header(summary: dict) -> list[str]:
             "included); depth is blocks (sub-layers).", ""]
 
 
-def _run_cells(r: dict, keys: list[str]) -> list[str]:
-    """The row of run ``r`` in ``sweep.md``'s table of runs: its values of ``keys``, then its losses, size and
-    verdict (a run not done: dashes and its error)."""
-    vals = r.get("values", {})
-    if r.get("status") != "done":
-        return [_cell(k, vals.get(k)) for k in keys] + ["—"] * 8 + [f"error: {r.get('message', '')}"]
-    fv = r.get("final_val_loss")
+def _run_cells(run: dict, keys: list[str]) -> list[str]:
+    """The row of ``run`` (a grid result's content: :class:`~keel.experiments.job_result.JobResult`) in
+    ``sweep.md``'s table of runs: its values of ``keys``, then its losses, size and verdict (a run not done:
+    dashes and its error)."""
+    r = JobResult.from_dict(run)
+    vals = r.values
+    if not r.done:
+        return [_cell(k, vals.get(k)) for k in keys] + ["—"] * 8 + [f"error: {r.message}"]
+    fv = r.final_val_loss
     return [_cell(k, vals.get(k)) for k in keys] + [
-        _num(fv), _num(r.get("best_val_loss")), _num(perplexity(fv) if fv is not None else None, "{:.2f}"),
-        f"{r['tokens']:,}", str(r["step"]), f"{r['params'] / 1e6:.3f}", f"{r['non_embedding_params'] / 1e6:.3f}",
-        f"{r.get('wall_s', 0):.0f}", r["verdict"]]
+        _num(fv), _num(r.best_val_loss), _num(perplexity(fv) if fv is not None else None, "{:.2f}"),
+        f"{r.tokens:,}", str(r.step), f"{r.params / 1e6:.3f}", f"{r.non_embedding_params / 1e6:.3f}",
+        f"{0 if r.wall_s is None else r.wall_s:.0f}", r.verdict]
 
 
 def _best_over_table(summary: dict) -> list[str]:

@@ -12,6 +12,7 @@ from keel.config import config_from_dict
 from keel.data import validation_tokens
 from keel.diagnostics.ablate import ablate_run
 from keel.experiments.grid import GridJob
+from keel.experiments.job_result import JobResult
 from keel.experiments.sweep import train_task
 from keel.run import Run
 from keel.train.device import autocast_context
@@ -27,7 +28,7 @@ def train_and_ablate(job: GridJob, run_dir: Path, resume: bool) -> dict:
     says what removing a sub-layer means for each scheme). A run stopped early (diverged) has no
     ablation. Raises what ``train_task`` and ``ablate_run`` raise."""
     out = train_task(job, run_dir, resume)
-    if out.get("final_val_loss") is not None:
+    if JobResult.from_dict(out).final_val_loss is not None:
         tokens = config_from_dict(job.config).train.eval_tokens
         res = ablate_run(run_dir, tokens=tokens)
         out["ablation"] = {"tokens": res.get("tokens", tokens), "seq_len": res.get("seq_len"),
@@ -46,7 +47,7 @@ def train_and_test_loops(job: GridJob, run_dir: Path, resume: bool, factors: Seq
     alone. A non-finite loss is kept as null. A run stopped early (diverged) has none.
     Raises what ``train_task`` and :meth:`keel.run.Run.load_model` raise."""
     out = train_task(job, run_dir, resume)
-    if out.get("final_val_loss") is None:
+    if JobResult.from_dict(out).final_val_loss is None:
         return out
     cfg = config_from_dict(job.config)
     tc, model = cfg.train, Run(run_dir).load_model(device=cfg.train.device)

@@ -14,7 +14,8 @@ from pathlib import Path
 from keel.config import ModelConfig, load_config, resolve_config_path
 from keel.diagnostics.divergence import Thresholds
 from keel.errors import KeelError
-from keel.experiments.grid import GridJob, is_number
+from keel.experiments.grid import GridJob
+from keel.experiments.job_result import JobResult, is_number
 from keel.experiments.record import MEASURE_KEYS, OPTIONAL_KEYS, PENDING_KEYS, RunRecord
 from keel.experiments.study.spec import Group, Study
 from keel.rundir import RunDir
@@ -101,19 +102,17 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
                     stored=PENDING_KEYS)
     if result is None:
         return rec
-    final, first = result.get("final_val_loss"), result.get("first_val_loss")
-    h1 = result.get("unigram_entropy")
+    res = JobResult.from_dict(result)
+    final, first = res.final_val_loss, res.first_val_loss
     records = read_metrics(RunDir(run_dir).metrics)
-    rec.update(status=result.get("status", "done"), tokens=result.get("tokens"), final_val_loss=final,
+    rec.update(status="done" if res.status is None else res.status, tokens=res.tokens, final_val_loss=final,
                first_val_loss=first, capped_loss=final if is_number(final) and math.isfinite(final) else first,
-               verdict=result.get("verdict"), divergence=result.get("divergence"),
-               diverged=result.get("diverged"), max_lr=result.get("max_lr"),
-               **group.kind_class.record(group), wall_s=result.get("wall_s"),
-               plateau_exit_step=plateau_exit_step(records, Thresholds().plateau_level(h1 or None)),
-               curve=thinned_curve(records), early_spike=early_spike(records, cap=first),
-               ablation=result.get("ablation"))
-    if result.get("test_loops") is not None:
-        rec.update(test_loops=result["test_loops"])
+               verdict=res.verdict, divergence=res.divergence, diverged=res.diverged, max_lr=res.max_lr,
+               **group.kind_class.record(group), wall_s=res.wall_s,
+               plateau_exit_step=plateau_exit_step(records, Thresholds().plateau_level(res.unigram_entropy or None)),
+               curve=thinned_curve(records), early_spike=early_spike(records, cap=first), ablation=res.ablation)
+    if res.test_loops is not None:
+        rec.update(test_loops=res.test_loops)
     return rec
 
 
@@ -178,7 +177,7 @@ def _restored_runs(path: Path, rep: dict) -> dict[tuple[str, str], RunRecord]:
     superseded = rep.get("superseded_runs") if isinstance(rep.get("superseded_runs"), list) else []
     for where, r in [*((f"runs[{i}]", r) for i, r in enumerate(rep["runs"])),
                      *((f"superseded_runs[{i}]", r) for i, r in enumerate(superseded))]:
-        if isinstance(r, dict) and r.get("status") in ("error", "pending"):
+        if RunRecord.trains_again(r):
             continue  # not restored: trained again
         rec = RunRecord.from_dict(r, f"--restore {path}: {where}")
         if (rec.group, rec.name) in out:

@@ -20,6 +20,8 @@ from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
 from keel.experiments.executor import Executor, check_slurm_here
 from keel.experiments.grid import GridJob, cached_result, check_pool, check_started, run_grid
+from keel.experiments.job_result import JobResult
+from keel.experiments.record import RunRecord
 from keel.experiments.study.report import claim_summary, report_markdown, superseded_words, waiting_words, write_plots
 from keel.experiments.study.claims import claim_kind, load_study
 from keel.experiments.study.dataset import NO_DATA, check_study_data, shares_data, study_dataset
@@ -70,7 +72,7 @@ def lr_beyond(lrs: Sequence[float], ladder: Sequence[float], up: bool) -> float:
     return float(f"{edge * edge / nb:.3g}")
 
 
-def widened_lrs(study: Study, g: Group, recs: list[dict], lr_for: dict[tuple[str, int], list[float]],
+def widened_lrs(study: Study, g: Group, recs: list[RunRecord], lr_for: dict[tuple[str, int], list[float]],
                 planned: dict[tuple[str, int], list[float]]) -> dict[tuple[str, int], list[float]] | None:
     """``lr_for`` with one more LR for every (scheme, depth) cell of train group ``g`` whose runs
     have all finished and where some seed's best run (lowest capped loss) is at the lowest or
@@ -81,11 +83,11 @@ def widened_lrs(study: Study, g: Group, recs: list[dict], lr_for: dict[tuple[str
     ladder = lr_ladder(study.groups, g)
     out, changed = dict(lr_for), False
     for (s, L), lrs in lr_for.items():
-        cell = [r for r in recs if r["scheme"] == s and r["sublayers"] == L]
-        if len(lrs) < 2 or not cell or any(r["status"] != "done" for r in cell):
+        cell = [r for r in recs if r.scheme == s and r.sublayers == L]
+        if len(lrs) < 2 or not cell or any(r.status != "done" for r in cell):
             continue
-        best = {min((r for r in cell if r["seed"] == sd), key=lambda r: r["capped_loss"])["lr"]
-                for sd in {r["seed"] for r in cell}}
+        best = {min((r for r in cell if r.seed == sd), key=lambda r: r.capped_loss).lr
+                for sd in {r.seed for r in cell}}
         for up, edge in ((True, max(lrs)), (False, min(lrs))):
             past = [x for x in lrs if (x > max(planned[(s, L)]) if up else x < min(planned[(s, L)]))]
             if edge in best and len(past) < g.widen:
@@ -94,8 +96,8 @@ def widened_lrs(study: Study, g: Group, recs: list[dict], lr_for: dict[tuple[str
     return out if changed else None
 
 
-def group_records(study: Study, g: Group, runs: list[dict], data_dir: str, out: Path, read
-                  ) -> tuple[list[GridJob], list[GridJob], list[dict]] | None:
+def group_records(study: Study, g: Group, runs: list[RunRecord], data_dir: str, out: Path, read
+                  ) -> tuple[list[GridJob], list[GridJob], list[RunRecord]] | None:
     """(reference jobs, jobs, run records) of group ``g``, its LRs widened until every optimum a
     claim reads is bracketed (:func:`widened_lrs`): ``read(refs, jobs, train)`` trains (``train``)
     or only reads the jobs and returns their records. The first passes only read, so that an LR
@@ -114,16 +116,15 @@ def group_records(study: Study, g: Group, runs: list[dict], data_dir: str, out: 
         lr_for, trained = wider or lr_for, trained or wider is None
 
 
-def transferred_lrs(runs: list[dict], g: Group) -> dict[str, float] | None:
+def transferred_lrs(runs: list[RunRecord], g: Group) -> dict[str, float] | None:
     """``{scheme: optimal LR}`` of group ``g.lr_from`` at ``g.lr_from_sublayers``: the argmin of
     the seed-mean capped loss over its LR grid (:func:`keel.experiments.sensitivity.cell_summary`);
     None until every scheme has every seed finished there."""
     out = {}
     for scheme in g.schemes:
-        rs = [r for r in runs if r["group"] == g.lr_from and r["scheme"] == scheme
-              and r["sublayers"] == g.lr_from_sublayers]
-        lrs = sorted({r["lr"] for r in rs})
-        curves = [LS.seed_curve([r["result"] for r in rs if r["seed"] == s], lrs) for s in g.scheme_seeds(scheme)]
+        rs = [r for r in runs if r.group == g.lr_from and r.scheme == scheme and r.sublayers == g.lr_from_sublayers]
+        lrs = sorted({r.lr for r in rs})
+        curves = [LS.seed_curve([r.result for r in rs if r.seed == s], lrs) for s in g.scheme_seeds(scheme)]
         if not rs or any(c is None for c in curves):
             return None
         out[scheme] = LS.cell_summary(curves, lrs)["opt_lr"]
@@ -144,7 +145,7 @@ def stepped_lrs(study: Study, g: Group, opt: dict[str, float]) -> dict[str, list
 
 def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[str], grid: Callable = run_grid,
             restored: dict[tuple[str, str], dict] | None = None,
-            superseded: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
+            superseded: list[RunRecord] | None = None) -> tuple[list[RunRecord], list[dict]]:
     """Run or only read every group in order; return the run records (:func:`run_record`) of
     every job, finished or not, and per group not planned yet (an ``lr_from`` group whose source has not
     finished: skipped, logged, run on a later invocation) a dict for :func:`.report.waiting_words`.
@@ -162,7 +163,7 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[st
             recs = _train_and_read(g, refs, jobs, out, restored, trains and now, grid)
             if superseded is not None and now:  # kept in the report (out of every verdict): nothing measured is lost
                 stale = superseded_runs(g, jobs, restored, out / g.dir_name)
-                superseded.extend({**restored[(g.name, old)], "status": "superseded"} for old in stale
+                superseded.extend(replace(restored[(g.name, old)], status="superseded") for old in stale
                                   if (g.name, old) in restored)
             return recs
 
@@ -222,7 +223,7 @@ def _announce_superseded(g: Group, stale: dict[str, str]) -> None:
 
 
 def _train_jobs(g: Group, refs: list[GridJob], todo: list[GridJob], n_jobs: int, gdir: Path,
-                grid: Callable) -> dict[str, dict]:
+                grid: Callable) -> dict[str, JobResult]:
     """Train the runs ``todo`` of group ``g`` (of its ``n_jobs``; the others restored) in ``gdir``, after the
     reference runs ``refs`` they need; returns ``{name: grid result}`` of the runs that failed."""
     _log.info(f"study: group {g.name}: {plural(len(todo), 'run')}"
@@ -231,22 +232,22 @@ def _train_jobs(g: Group, refs: list[GridJob], todo: list[GridJob], n_jobs: int,
     if refs:
         grid(refs, gdir / ST.REFERENCES, train_task, resume=True, check=check_train_job)
     got = grid(todo, gdir, g.kind_class.task(g), resume=True, check=check_train_job)
-    return {j.name: r for j, r in zip(todo, got) if r.get("status") == "error"}
+    return {j.name: r for j, r in zip(todo, map(JobResult.from_dict, got)) if r.status == "error"}
 
 
-def _job_record(g: Group, j: GridJob, gdir: Path, old: dict | None, error: dict | None) -> dict:
+def _job_record(g: Group, j: GridJob, gdir: Path, old: RunRecord | None, error: JobResult | None) -> RunRecord:
     """The record of job ``j`` of group ``g``: its folder's result (:func:`run_record`), else its restored
     record ``old``, else pending; ``error`` (a grid result): the run failed now, with its message."""
     res = cached_result(gdir / j.name)
-    rec = run_record(g, j, gdir / j.name, res if res and res.get("status") == "done" else None)
-    if rec["status"] == "pending" and old is not None:
+    rec = run_record(g, j, gdir / j.name, res if res and JobResult.from_dict(res).done else None)
+    if rec.status == "pending" and old is not None:
         rec = old
     if error is not None:
-        rec.update(status="error", message=error.get("message"))
+        rec.update(status="error", message=error.message)
     return rec
 
 
-def report_json(study: Study, runs: list[dict], claims: list[tuple[dict, dict]], floor: dict, h1: float | None,
+def report_json(study: Study, runs: list[RunRecord], claims: list[tuple[dict, dict]], floor: dict, h1: float | None,
                 command: str, restore, plots: list[str]) -> dict:
     """The content of ``report.json`` (see :func:`run_study`'s Returns)."""
     return {"study": study.name, "scale": study.scale, "note": study.note, "command": command,
@@ -256,8 +257,8 @@ def report_json(study: Study, runs: list[dict], claims: list[tuple[dict, dict]],
             "claims": [{"id": cl["id"], "title": cl["title"], **c} for cl, c in claims],
             "baseline_margins": [{"group": g.name, **r} for g in study.groups for r in baseline_margins(study, g, runs)],
             "group_sets": {g.name: [override_text(x) for x in g.sets] for g in study.groups},
-            "restored_from": str(restore) if any(r.get("restored") for r in runs) else None,
-            "runs": [{k: v for k, v in r.items() if k != "result"} for r in runs], "plots": plots}
+            "restored_from": str(restore) if any(r.restored for r in runs) else None,
+            "runs": [r.to_dict() for r in runs], "plots": plots}
 
 
 def judge(study: Study, runs: list[dict]) -> tuple[Study, dict, list[tuple[dict, dict]]]:
@@ -309,7 +310,7 @@ def planned_jobs(study: Study, data_dir: str, out: Path, restored: dict[tuple[st
             lr_for = {(s, L): lrs for s, lrs in stepped_lrs(study, g, {s: grid[len(grid) // 2] for s in g.schemes}
                                                              ).items() for L in g.sublayers}
             got = (*group_jobs(study, g, data_dir, out, lr_for), [])
-        runs += [r for r in got[2] if r["status"] == "done"]
+        runs += [r for r in got[2] if r.status == "done"]
         planned.append((g, got[0], got[1]))
     return planned
 
@@ -440,7 +441,7 @@ def execute(study: Study, out: str | Path, *, workers: int | None = None, thread
                                resume=resume or from_report, report_only=report_only and not from_report)
     if resume:  # another --set than the runs started with: refused now, not after the dataset is prepared
         check_started_runs(study, out)
-    superseded: list[dict] = []
+    superseded: list[RunRecord] = []
     with _stopped_hint(out), _unclaimed_if(fresh, out), contextlib.nullcontext() if report_only else study_lock(out):
         if not report_only:  # the folder's executor, or the one it is started with (recorded)
             executor, workers, threads = engine_executor(out, executor, workers, threads, study.name)
@@ -455,18 +456,18 @@ def execute(study: Study, out: str | Path, *, workers: int | None = None, thread
     return report
 
 
-def _unigram_entropy(data_dir: str, runs: list[dict]) -> float | None:
+def _unigram_entropy(data_dir: str, runs: list[RunRecord]) -> float | None:
     """The training tokens' unigram entropy (nats) for the report: of the prepared dataset ``data_dir``, else
     (no dataset: a report of restored runs) as the first run that records it; None where none does."""
     if data_dir != NO_DATA:
         return dataset_unigram_entropy(data_dir)
-    return next((r["result"]["unigram_entropy"] for r in runs if r["result"].get("unigram_entropy")), None)
+    return next((h1 for h1 in (JobResult.from_dict(r.result).unigram_entropy for r in runs) if h1), None)
 
 
-def _warn_failed(runs: list[dict], out: Path) -> None:
+def _warn_failed(runs: list[RunRecord], out: Path) -> None:
     """Log which ``runs`` failed with no result (each has its line above; the CLI then exits 1), and how to
     train them again."""
-    failed = [r["name"] for r in runs if r["status"] == "error"]
+    failed = [r.name for r in runs if r.status == "error"]
     if failed:
         names = ", ".join(failed[:10]) + (f" and {len(failed) - 10} more" if len(failed) > 10 else "")
         _log.warning(f"study: {plural(len(failed), 'run')} failed, with no result: {names} (the reasons: the lines "
@@ -536,7 +537,7 @@ def _unclaimed_if(fresh: bool, out: Path):
 
 
 def write_report(study: Study, runs: list[dict], out: Path, h1: float | None, command: str,
-                 restore: str | Path | None, superseded: list[dict], waiting: list[dict]) -> dict:
+                 restore: str | Path | None, superseded: list[RunRecord], waiting: list[dict]) -> dict:
     """Judge the claims (:func:`judge`) and write ``report.json``, ``report.md`` and the PNGs into
     ``out`` (each atomically); returns the report (``report.json``'s content plus ``waiting`` and
     ``records``, every run record with its result).
@@ -545,8 +546,7 @@ def write_report(study: Study, runs: list[dict], out: Path, h1: float | None, co
     make_dirs(out)
     plots = write_plots(study, runs, claims, out, h1)
     report = report_json(study, runs, claims, floor, h1, command, restore, plots)
-    report["superseded_runs"] = list({(r["group"], r["name"]): {k: v for k, v in r.items() if k != "result"}
-                                      for r in superseded}.values())
+    report["superseded_runs"] = list({(r.group, r.name): r.to_dict() for r in superseded}.values())
     atomic_write_text(out / "report.json", json.dumps(report, indent=1, default=str))
     report["waiting"] = waiting
     report["records"] = runs  # with each run's result (report.json leaves those out): a preset's tables read them
@@ -613,7 +613,7 @@ def _check_no_restored_runs_lost(out: Path, restore: str | Path | None) -> None:
         return
     try:
         rep = json.loads(prior.read_text(encoding="utf-8"))
-        n = sum(1 for r in rep.get("runs", []) if isinstance(r, dict) and r.get("restored"))
+        n = sum(1 for r in rep.get("runs", []) if RunRecord.was_restored(r))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError, TypeError):
         return
     if n:

@@ -11,7 +11,7 @@ from typing import Literal
 
 from keel.config import Override, override_text, read_toml, resolve_config_path
 from keel.errors import KeelError
-from keel.experiments.grid import is_number
+from keel.experiments.job_result import is_number
 from keel.experiments.study.kinds import GROUP_KINDS, TrainKind
 from keel.keys import check_keys, did_you_mean, key, key_names, key_rule, unread_keys
 from keel.model import SCHEMES
