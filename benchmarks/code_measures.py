@@ -7,7 +7,7 @@ What it counts (all from the AST, nothing imported from ROOT):
 * **string-key reads of run records**: ``x["key"]`` and ``x.get("key")`` in ``keel/experiments``
   where ``key`` is a run record's field (``keel.experiments.record.RunRecord``: group, name,
   scheme, sublayers, seed, lr, status, capped_loss, ...) and ``x`` is a plain name (``r``,
-  ``rec``, ``old`` ...), outside the modules that read and write records (``record.py``).
+  ``rec``, ``old`` ...), outside the modules that read and write records (``record.py``, ``job_result.py``).
   A proxy: a row dict with a ``"sublayers"`` key counts too. Also: every string-key read in
   ``keel/experiments`` and how many distinct keys (the issue's "890 reads, 173 keys").
 * **record shapes**: the places that spell a run record's keys: a module-level tuple, list or
@@ -39,7 +39,7 @@ RECORD_FIELDS = {"group", "name", "scheme", "sublayers", "seed", "lr", "scheme_v
 # "lr", "group", "tokens", "max_lr", "verdict" ...): reads of these are reads of run records (or of result.json)
 RECORD_ONLY = {"status", "capped_loss", "final_val_loss", "first_val_loss", "plateau_exit_step", "wall_s", "divergence",
                "diverged", "early_spike", "ablation", "restored", "curve", "result", "scheme_version"}
-SERIALISATION = {"record.py"}  # the module that reads and writes a record's dict form
+SERIALISATION = {"record.py", "job_result.py"}  # the modules that read and write the typed records' dict forms
 RUN_FILES = {"config.toml", "metrics.jsonl", "result.json", "job.json", "run.log", "sample.txt", "trainer.pt",
              "manifest.json", ".keel.lock", "checkpoints"}
 

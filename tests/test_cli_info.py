@@ -300,3 +300,48 @@ def test_keel_config_loads_no_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "False" and "model.residual" in r.stdout
+
+
+def _documented_commands() -> list[tuple[str, str]]:
+    """``(file, command line)`` of every ``keel ...`` (or ``... -m keel ...``) line in a code block of
+    README.md and the guides in docs/ (continuation lines joined; the results pages left out)."""
+    import re
+
+    from conftest import REPO
+
+    found = []
+    for f in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for block in re.findall(r"```[a-z]*\n(.*?)```", f.read_text(encoding="utf-8"), flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                s = line.strip().removeprefix("$ ")
+                if s.startswith("keel ") or re.match(r"^\S*(python|torchrun)\S* .*-m keel ", s):
+                    found.append((f.name, s))
+    return found
+
+
+def test_every_command_in_the_readme_and_the_guides_parses():
+    """Issue 49: each command the README and docs/ guides show still parses (its command and flags exist,
+    its values fit their types), so a renamed flag cannot leave a guide behind."""
+    import shlex
+
+    from keel.cli import build_parser
+
+    commands = _documented_commands()
+    assert len(commands) >= 30 and {f for f, _ in commands} >= {"README.md", "usage.md", "cluster.md"}
+    for where, line in commands:
+        argv = shlex.split(line.split("-m keel ", 1)[-1] if "-m keel " in line else line[len("keel "):],
+                           comments=True)
+        argv = argv[:next((i for i, a in enumerate(argv) if a in ("&&", "||", "|", ";", ">", "2>", "&")), len(argv))]
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit as e:
+            pytest.fail(f"{where}: `{line}` does not parse (exit {e.code})")
+
+
+def test_the_guide_command_check_catches_a_renamed_flag():
+    """The check above fails on a flag that does not exist (argparse exits 2)."""
+    from keel.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["train", "--run-folder", "runs/x"])
+    assert e.value.code == 2
