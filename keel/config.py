@@ -609,6 +609,8 @@ def resolve_config_path(name: str | None, kind: str = "") -> Path:
     p = Path(name)
     if p.suffix == ".toml" or p.exists():
         check_regular_file(p, "config file")  # a FIFO: "not found"
+        if p.is_dir():
+            raise KeelError(f"{p} is a folder, not a config file (give a TOML file or a preset name)")
         if not p.is_file():
             raise KeelError(f"config file not found: {p}")
         return p

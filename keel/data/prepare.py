@@ -515,7 +515,8 @@ def _parse_bpe(spec: str) -> int | None:
     except ValueError:
         raise KeelError(f"bad tokenizer spec {spec!r} (expected bpe:N with an integer N, e.g. bpe:8192)") from None
     if not 257 <= size <= 2**31 - 1:
-        raise KeelError(f"bad tokenizer spec {spec!r}: N must be at least 257 (256 bytes + <|endoftext|>)")
+        raise KeelError(f"bad tokenizer spec {spec!r}: N must be from 257 (256 bytes + <|endoftext|>) to "
+                        f"{2**31 - 1:,} (token ids are int32)")
     return size
 
 
