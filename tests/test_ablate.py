@@ -207,7 +207,7 @@ def test_hf_cli_with_text(tiny_llama, tmp_path, keel_cli, keel_main):
     assert len(res["units"]) == 3 and res["tokens"] == 128 and res["scheme"] == "hf:LlamaForCausalLM"
     assert "unit 0: PPL" not in r.stderr  # the per-unit lines only with --verbose
     assert (tmp_path / "o" / "ablate.png").is_file()
-    r = keel_main("ablate", "--hf", tiny_llama)
+    r = keel_main("ablate", "--hf", tiny_llama, "--out", tmp_path / "o2")
     assert r.returncode == 2 and "--text" in r.stderr
 
 

@@ -1041,3 +1041,53 @@ def test_a_sigterm_a_library_swallowed_still_ends_the_command_as_stopped(monkeyp
     assert out.err.strip().splitlines() == [
         "keel: stopped by SIGTERM (a library caught the signal and went on: the output above is complete)"]
     assert signal.getsignal(signal.SIGTERM) is not cli._terminated  # restored after the command
+
+
+# --- issue 50: the fourth new-user trial ---
+
+def test_a_plot_never_replaces_a_runs_own_loss_plot(cli_run, tmp_path, capsys):
+    """`keel gradflow --run R --plot R/loss.png` and `keel plot loss OTHER --out R/loss.png` replaced
+    run R's own loss curve (a keel plot, so the mark check passed): R then showed another run's curve."""
+    run = tmp_path / "r"
+    shutil.copytree(cli_run, run)
+    own = run / "loss.png"
+    before = own.read_bytes()
+    for argv, flag in ((["plot", "loss", str(cli_run), "--out", str(own)], "--out"),
+                       (["gradflow", "--run", str(run), "--plot", str(own)], "--plot")):
+        assert main(argv) == 2, argv
+        assert error_lines(capsys) == [f"keel: error: {own} is run {run}'s own loss plot; choose another {flag}"]
+    assert own.read_bytes() == before
+    from keel.train.plots import check_plot_out
+    with pytest.raises(KeelError, match=r"is run .*'s own config; choose another --out"):
+        check_plot_out(run / "config.toml")  # any file of the run's layout
+    free = tmp_path / "not-a-run" / "loss.png"  # the same name outside a run: written, and overwritten
+    for _ in range(2):
+        assert main(["plot", "loss", str(run), "--out", str(free)]) == 0
+    assert free.is_file()
+
+
+def test_ablate_hf_needs_out(tmp_path, capsys):
+    """`keel ablate --hf MODEL_DIR` wrote MODEL_DIR/ablate, inside a (maybe downloaded) folder keel did not create."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    before = sorted(p.name for p in model.iterdir())
+    assert main(["ablate", "--hf", str(model), "--tokens", "8"]) == 2
+    assert error_lines(capsys) == ["keel: error: ablate --hf needs --out: keel writes only into new folders or its own runs"]
+    assert sorted(p.name for p in model.iterdir()) == before
+    with pytest.raises(SystemExit):
+        main(["ablate", "--help"])
+    assert "required with --hf" in " ".join(capsys.readouterr().out.split())
+
+
+def test_plot_loss_of_a_folder_keel_did_not_write_reads_nothing(tmp_path, capsys, caplog):
+    """`keel plot loss DIR` with a foreign DIR/metrics.jsonl ("x") first logged "dropping a partial last
+    line (a write was interrupted)" about a file keel never wrote, then refused."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text("x")
+    with caplog.at_level(logging.DEBUG):
+        assert main(["plot", "loss", str(d), "--out", str(tmp_path / "o.png")]) == 2
+    assert error_lines(capsys) == [f"keel: error: {d} is not a keel run (no config.toml)"]
+    assert "partial" not in caplog.text
+    assert not (tmp_path / "o.png").exists()

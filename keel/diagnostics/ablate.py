@@ -46,10 +46,10 @@ layer (attention + MLP with their norms and residuals) is one unit; removing it 
 the layer's own convention (a tensor in transformers >= 4.54, a 1-tuple before; detected
 by running the full model once). The final norm stays.
 
-Outputs (``--out``, default ``RUN/ablate``): ``ablate.json``, ``ablate.md`` and
-``ablate.png`` (bar chart of ΔPPL per sub-layer, log y when the range calls for it), each marked as
-keel's (:data:`MARK`; the plot: :data:`keel.train.plots.PLOT_MARK`). The folder must be new, empty
-or hold only such an ablation (:func:`check_out`): keel overwrites no file of the user's.
+Outputs (``--out``, default ``RUN/ablate``; required with ``--hf``, a folder keel did not write):
+``ablate.json``, ``ablate.md`` and ``ablate.png`` (bar chart of ΔPPL per sub-layer, log y when the
+range calls for it), each marked as keel's (:data:`MARK`; the plot: :data:`keel.train.plots.PLOT_MARK`).
+The folder must be new, empty or hold only such an ablation (:func:`check_out`): keel overwrites no file of the user's.
 """
 
 from __future__ import annotations

@@ -40,6 +40,9 @@ def _run_dirs(paths: Sequence[str | Path]) -> list[tuple[str, Path]]:
             names = [JobResult.from_dict(r).name for r in s["runs"]]
             out += [(name, p / name) for name in names if RunDir(p / name).metrics.is_file()]
         elif RunDir(p).metrics.is_file():
+            if not RunDir(p).is_run():  # before reading a metrics.jsonl keel may never have written
+                why = f"no {RunDir.CONFIG}" if not RunDir(p).config.exists() else f"its {RunDir.CONFIG} is not keel's"
+                raise KeelError(f"{p} is not a keel run ({why})")
             out.append((p.name, p))
         else:
             raise KeelError(f"not a run folder (no {RunDir.METRICS}) or sweep folder (no sweep.json): {p}")

@@ -15,6 +15,7 @@ from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 
 from keel.errors import KeelError
 from keel.io import atomic_path
+from keel.rundir import RunDir
 from keel.train.metrics import read_metrics  # noqa: E402
 
 
@@ -59,13 +60,28 @@ def check_plot_out(out: str | Path, flag: str = "--out") -> None:
     and is not a plot keel wrote (:func:`written_by_keel`): keel overwrites only its own plots.
 
     Raises:
-        KeelError: one line naming ``flag`` and ``out``.
+        KeelError: one line naming ``flag`` and ``out``; also for a file of a keel run's own layout
+            (``RUN/loss.png``, any name :class:`keel.rundir.RunDir` declares, in a folder that
+            :meth:`RunDir.is_run`), which another plot would silently replace.
     """
+    _check_not_run_file(out, flag)
     if os.path.lexists(out) and not written_by_keel(out):
         fmt = Path(out).suffix.lower().lstrip(".") or "png"
         why = "" if fmt in _MARK_FIELD else f" (a .{fmt} file carries no mark of keel's)"
         raise KeelError(f"{flag} {out} exists and is not a plot keel wrote{why}; keel overwrites only its own "
                         f"plots: remove it, or give another {flag}")
+
+
+def _check_not_run_file(out: str | Path, flag: str) -> None:
+    """Refuse ``out`` when it names a file of a keel run's own layout (:class:`RunDir`'s names) in a
+    folder that is a keel run: ``RUN/loss.png`` is the run's own loss curve, not a place for another."""
+    out = Path(out)
+    names = {n.rstrip("/") for n in RunDir.TRAINING_FILES + RunDir.GRID_FILES}
+    if out.name not in names or not RunDir(out.parent).is_run():
+        return
+    what = {RunDir.LOSS_PLOT: "loss plot", RunDir.CONFIG: "config", RunDir.METRICS: "metrics",
+            RunDir.TOKENIZER: "tokenizer", RunDir.SAMPLE: "sample"}.get(out.name, out.name)
+    raise KeelError(f"{out} is run {out.parent}'s own {what}; choose another {flag}")
 
 
 def save_figure(fig, out: str | Path) -> None:

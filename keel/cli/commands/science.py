@@ -434,7 +434,8 @@ def _register_ablate(subparsers) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: the run's train.seq_len; HF 512)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--device", default=key_default("train.device"), help=key_help("train.device"))
-    p.add_argument("--out", default=None, help="output folder (default: RUN/ablate or MODEL_PATH/ablate)")
+    p.add_argument("--out", default=None, help="output folder: new, empty or an earlier ablation (default: RUN/ablate; "
+                   "required with --hf, whose folder keel did not write)")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     p.add_argument("--verbose", action="store_true", help="log each unit's PPL on stderr")
     add_loops_flag(p, "run or keel export")
@@ -445,6 +446,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     check_counts(args, "tokens", "seq_len", "batch_size", "loops")
     if not (args.hf or args.run):
         raise KeelError("give --run DIR (a keel run) or --hf MODEL_PATH")
+    if args.hf and not args.out:  # MODEL_PATH/ablate would write into a folder keel did not create
+        raise KeelError("ablate --hf needs --out: keel writes only into new folders or its own runs")
     title = str(args.hf or args.run)
     out = Path(args.out) if args.out else Path(title) / "ablate"
     A.check_out(out, "--out")  # before the ablation's minutes, not after
