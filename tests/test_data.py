@@ -594,7 +594,7 @@ def test_prepare_option_errors(tmp_path, monkeypatch, connect_attempts):
     corpus = write_files(tmp_path / "corpus", SMALL_CORPUS)
     cases = [
         ({"tokenizer": "bpe:abc"}, "bad tokenizer spec 'bpe:abc'"),
-        ({"tokenizer": "bpe:100"}, "at least 257"),
+        ({"tokenizer": "bpe:100"}, "N must be from 257 "),
         ({"tokenizer": "foo:bar"}, "unknown tokenizer 'foo:bar'"),
         ({"tokenizer": str(tmp_path / "missing.json")}, "no such tokenizer file"),
         ({"val_fraction": 0.0}, "val_fraction must be between 0 and 1"),

@@ -82,7 +82,7 @@ def prepare_dataset(source: str, tokenizer: str = DataConfig.tokenizer, out: str
     Args:
         source: ``builtin:python-stdlib``, ``hf:NAME[:CONFIG]`` or a local file/folder
             (see :func:`keel.data.sources.iter_documents`).
-        tokenizer: ``bpe:N`` to train a byte-level BPE with ``N`` tokens (at least 257,
+        tokenizer: ``bpe:N`` to train a byte-level BPE with ``N`` tokens (257 to 2**31 - 1,
             including ``<|endoftext|>``) on the train split; or a path to a
             ``tokenizer.json`` (or a folder holding one); or a Hugging Face tokenizer name
             such as ``gpt2`` (needs the hub). The end-of-text token is ``<|endoftext|>`` if
