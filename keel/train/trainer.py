@@ -166,12 +166,15 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, callbacks: Seq
                         "train with keel.train_run (what `keel train` does), or pass "
                         "callbacks=keel.experiments.training.run_callbacks(cfg)")
     info = D.init_distributed(resolve_device(cfg.train.device))
+    finished = False
     try:
         run_dir = Path(D.broadcast_object(str(run_dir), info))
         with run_lock(run_dir, info), flushing_denormals(cfg.train.flush_denormal), memory_errors(cfg.train):
-            return Trainer(cfg, run_dir, resume, list(callbacks), info, restart=restart).fit()
+            result = Trainer(cfg, run_dir, resume, list(callbacks), info, restart=restart).fit()
+        finished = True
+        return result
     finally:
-        D.destroy_distributed(info)
+        D.destroy_distributed(info, finished)
 
 
 @contextlib.contextmanager
