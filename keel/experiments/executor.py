@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keel.errors import Interrupted, KeelError, plural
-from keel.experiments.job_result import JobResult
+from keel.experiments.job_result import JobResult, failed_result
 from keel.io import atomic_write_text, passing_on_stop_signals, pid_runs
 
 _log = logging.getLogger(__name__)
@@ -526,9 +526,8 @@ def _outcome(run_dir: Path, handle, read_result: Callable[[Path], dict | None]) 
         return r
     first = _task0(handle)
     if not first.paths.result_pickle.exists():
-        return {"name": run_dir.name, "status": "error", "wall_s": 0.0,
-                "message": f"job {handle.job_id} ended without a result (killed, or out of time): see "
-                           f"{first.paths.stderr}"}
+        return failed_result(run_dir.name, f"job {handle.job_id} ended without a result (killed, or out of time): "
+                                           f"see {first.paths.stderr}")
     try:
         out = first.result()
         if isinstance(out, dict):
@@ -536,7 +535,7 @@ def _outcome(run_dir: Path, handle, read_result: Callable[[Path], dict | None]) 
         message = f"the job returned {out!r}, not a result"
     except Exception as e:  # noqa: BLE001 - submitit's UncompletedJobError / FailedJobError: recorded
         message = f"job {handle.job_id} ended without a result: {failure_words(str(e))} (log: {first.paths.stderr})"
-    return {"name": run_dir.name, "status": "error", "message": message, "wall_s": 0.0}
+    return failed_result(run_dir.name, message)
 
 
 def _starts(handle) -> int:

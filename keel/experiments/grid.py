@@ -59,7 +59,7 @@ from keel.config import config_from_dict
 from keel.errors import Interrupted, KeelError, plural
 from keel.experiments.executor import (Executor, assign_devices, check_ledger, pool_words, run_submitit,
                                        visible_devices)
-from keel.experiments.job_result import JobResult, check_result
+from keel.experiments.job_result import JobResult, check_result, failed_result
 from keel.experiments.pool import LocalPool
 from keel.io import STOP_SIGNALS, atomic_write_text, die_with_parent, make_dirs, remove_empty_dirs
 from keel.rundir import RunDir
@@ -204,8 +204,7 @@ def _execute(task: Task, job: GridJob, run_dir: str, resume: bool) -> dict:
         except BaseException as e:  # noqa: BLE001 - recorded, the grid goes on
             _log.info(traceback.format_exc().rstrip("\n"))
             kind = "" if isinstance(e, KeelError) else f"{type(e).__name__}: "
-            return {"name": job.name, "values": job.values, "status": "error", "message": f"{kind}{e}",
-                    "wall_s": time.perf_counter() - t0}
+            return failed_result(job.name, f"{kind}{e}", time.perf_counter() - t0, job.values)
         finally:
             _RUNNING.clear()
     own = JobResult.from_dict(out).wall_s  # a task may time itself (the training task does)
@@ -417,7 +416,7 @@ def _run_in_workers(task: Task, todo: list[GridJob], out_dir: Path, workers: int
         message = f"{why}; --resume runs it again"
         with contextlib.suppress(OSError), open(RunDir(out_dir / job.name).log, "a") as logf:
             logf.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {job.name} failed: {message}\n")
-        report(job, {"name": job.name, "values": job.values, "status": "error", "message": message, "wall_s": wall_s})
+        report(job, failed_result(job.name, message, wall_s, job.values))
 
     try:
         received = pool.run([(job, _execute, (task, job, str(out_dir / job.name), resumed(job))) for job in todo],

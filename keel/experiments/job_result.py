@@ -71,6 +71,15 @@ def check_result(path: str | Path, result) -> dict:
     return result
 
 
+def failed_result(name: str, message: str, wall_s: float = 0.0, values: dict | None = None) -> dict:
+    """The result of a job that failed: ``{"name", "values" (where given), "status": "error",
+    "message", "wall_s"}`` (``message``: one line on why; ``wall_s``: seconds it ran). The one
+    place a failed job's result is spelled (the grid's task error and lost worker, the executor's
+    killed or failed job)."""
+    return {"name": name, **({} if values is None else {"values": values}), "status": "error", "message": message,
+            "wall_s": wall_s}
+
+
 @dataclass(frozen=True, eq=False)
 class JobResult:
     """One grid job's result, read: the keys its readers use as attributes (the default where the
