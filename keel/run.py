@@ -74,7 +74,10 @@ class Run:
         return steps[-1] if steps else None
 
     def latest_checkpoint(self) -> Path | None:
-        """The checkpoint ``checkpoints/latest`` names, or None."""
+        """The newest intact checkpoint folder, or None
+        (:meth:`keel.train.checkpoint.CheckpointManager.latest`): normally the one
+        ``checkpoints/latest`` names; when that one is missing or damaged, the newest older intact
+        one, with a warning per checkpoint skipped."""
         return self.checkpoint_manager.latest()
 
     def checkpoint_progress(self, checkpoint: str | Path | None = None) -> tuple[int, int] | None:
