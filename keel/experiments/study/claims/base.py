@@ -6,12 +6,13 @@ declaration per key) and the table helpers the kinds' sections share."""
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 from keel.experiments.analysis import Runs
 from keel.experiments.study import verdicts as V
 from keel.experiments.study.cells import CONDITION_WORDS, parts, upper_first
 from keel.experiments.study.spec import Group, Study
+from keel.experiments.table import markdown_table
 from keel.keys import key
 
 # The one list of claim kinds, ``{kind: class}``: a claim's ``test`` names one. Each subclass of
@@ -138,6 +139,13 @@ class InitGroups(Claim):
 def cond_head(cond: str, c: dict) -> list[str]:
     """Markdown: the bold verdict line of one condition ``cond`` of a verdict, then a blank line."""
     return [f"**{upper_first(CONDITION_WORDS[cond])}: {c['verdict']}.** {parts(c)}", ""]
+
+
+def condition_tables(c: dict, head: list[str], rows: Callable[[dict], list[list]]) -> list[str]:
+    """Markdown: per condition of verdict ``c`` its verdict line (:func:`cond_head`), a table of
+    header ``head`` and rows ``rows(the condition's verdict)``, and a blank line."""
+    return [line for cond, cc in c["conditions"].items()
+            for line in cond_head(cond, cc) + markdown_table(head, rows(cc)) + [""]]
 
 
 def edge(bracketed: dict) -> dict:

@@ -8,10 +8,9 @@ from typing import ClassVar
 from keel.errors import KeelError
 from keel.experiments.analysis import INCONCLUSIVE, Runs
 from keel.experiments.study.cells import direction, pm
-from keel.experiments.study.claims.base import OneGroup, cond_head
+from keel.experiments.study.claims.base import OneGroup, condition_tables
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.verdicts import baseline_margins, combine, judged
-from keel.experiments.table import markdown_table
 from keel.keys import key
 
 
@@ -65,14 +64,10 @@ class Bench(OneGroup):
                                 f"{self.baseline!r} (baselines)")
 
     def tables(self, c: dict) -> list[str]:
-        out = []
-        for cond, cc in c["conditions"].items():
-            out += cond_head(cond, cc) + markdown_table(
-                ["sub-layers", "design", "against", "margin (against − design, nats) mean [CI] (per seed)", "in words"],
-                [[r["sublayers"], r["scheme"], r["baseline"], pm(r["margin"]), direction(r["margin"], r["scheme"],
-                                                                                    r["baseline"])]
-                 for r in cc.get("rows", [])]) + [""]
-        return out
+        return condition_tables(
+            c, ["sub-layers", "design", "against", "margin (against − design, nats) mean [CI] (per seed)", "in words"],
+            lambda cc: [[r["sublayers"], r["scheme"], r["baseline"], pm(r["margin"]),
+                         direction(r["margin"], r["scheme"], r["baseline"])] for r in cc.get("rows", [])])
 
 
 

@@ -9,10 +9,9 @@ from typing import ClassVar
 from keel.errors import KeelError
 from keel.experiments.analysis import Runs, best_runs, bracketed, pair, paired_verdict, trend_verdict
 from keel.experiments.study.cells import lrs, pm
-from keel.experiments.study.claims.base import Paired, cond_head, edge
+from keel.experiments.study.claims.base import Paired, condition_tables, edge
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.verdicts import combine, condition_groups, judged, non_embedding_params, one_depth, pending
-from keel.experiments.table import markdown_table
 from keel.keys import key
 
 
@@ -56,15 +55,14 @@ class DataScaling(Paired):
 
     def tables(self, c: dict) -> list[str]:
         s, b = self.scheme, self.baseline
-        out = []
-        for cond, cc in c["conditions"].items():
-            out += cond_head(cond, cc) + markdown_table(
-                ["group", "tokens", f"tokens per non-embedding parameter ({b}; {s})",
-                 f"margin ({b} − {s}, nats) mean [CI] (per seed)", f"best LR per seed: {b}; {s}"],
-                [[r["group"], f"{r['tokens']:,}", f"{r['tokens_per_param'][b]:.3f}; {r['tokens_per_param'][s]:.3f}",
-                  pm(r["margin"]), f"{lrs(r['best_lr'][b], edge(r['bracketed'][b]))}; "
-                  f"{lrs(r['best_lr'][s], edge(r['bracketed'][s]))}"] for r in cc.get("rows", [])]) + [""]
-        return out + ["A best LR marked with an asterisk is not bracketed (the study widens such a cell)."]
+        return condition_tables(
+            c, ["group", "tokens", f"tokens per non-embedding parameter ({b}; {s})",
+                f"margin ({b} − {s}, nats) mean [CI] (per seed)", f"best LR per seed: {b}; {s}"],
+            lambda cc: [[r["group"], f"{r['tokens']:,}",
+                         f"{r['tokens_per_param'][b]:.3f}; {r['tokens_per_param'][s]:.3f}", pm(r["margin"]),
+                         f"{lrs(r['best_lr'][b], edge(r['bracketed'][b]))}; "
+                         f"{lrs(r['best_lr'][s], edge(r['bracketed'][s]))}"] for r in cc.get("rows", [])]) + [
+            "A best LR marked with an asterisk is not bracketed (the study widens such a cell)."]
 
 
 def group_tokens(runs: Runs, group: str) -> int | None:

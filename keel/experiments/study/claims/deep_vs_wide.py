@@ -9,10 +9,9 @@ from typing import ClassVar
 from keel.errors import KeelError
 from keel.experiments.analysis import INCONCLUSIVE, Runs, best_runs, bracketed, pair, paired_verdict
 from keel.experiments.study.cells import lrs
-from keel.experiments.study.claims.base import Paired, cond_head, edge
+from keel.experiments.study.claims.base import Paired, condition_tables, edge
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.verdicts import combine, judged, non_embedding_params, one_depth
-from keel.experiments.table import markdown_table
 from keel.keys import key
 
 
@@ -79,13 +78,10 @@ class DeepVsWide(Paired):
                                 f"got {g.sublayers}")
 
     def tables(self, c: dict) -> list[str]:
-        out = []
-        for cond, cc in c["conditions"].items():
-            out += cond_head(cond, cc) + markdown_table(
-                ["model", "non-embedding parameters", "best loss per seed (nats)", "best LR per seed"],
-                [[name, f"{cc['params'][name]:,}", "[" + ", ".join(f"s{sd} {x:.3f}" for sd, x in v["loss"].items()) + "]",
-                  lrs(v["lr"], edge(v["bracketed"]))] for name, v in cc["cells"].items()]) + [""]
-        return out
+        return condition_tables(
+            c, ["model", "non-embedding parameters", "best loss per seed (nats)", "best LR per seed"],
+            lambda cc: [[name, f"{cc['params'][name]:,}", "[" + ", ".join(f"s{sd} {x:.3f}" for sd, x in v["loss"].items())
+                         + "]", lrs(v["lr"], edge(v["bracketed"]))] for name, v in cc["cells"].items()])
 
 
 

@@ -12,10 +12,9 @@ from typing import ClassVar
 from keel.errors import KeelError
 from keel.experiments.analysis import Runs, pair, paired_verdict, seed_mean_optimum
 from keel.experiments.record import RunRecord
-from keel.experiments.study.claims.base import InitGroups, Paired, cond_head
+from keel.experiments.study.claims.base import InitGroups, Paired, condition_tables
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.verdicts import MAX_LR_FLOOR, combine, judged, pending
-from keel.experiments.table import markdown_table
 from keel.keys import key
 
 REDUNDANT_BELOW = 0.01  # a sub-layer is redundant when removing it raises the PPL by less than 1%
@@ -64,17 +63,15 @@ class LayerImportance(Paired, InitGroups):
 
     def tables(self, c: dict) -> list[str]:
         s, b = self.scheme, self.baseline
-        out = []
-        for cond, cc in c["conditions"].items():
-            fmt = lambda d: "[" + ", ".join(f"s{sd} {x:.3f}" for sd, x in d.items()) + "]"
-            out += cond_head(cond, cc) + markdown_table(
-                ["sub-layers", f"LR: {b}; {s}", f"redundant share of the shallow half per seed: {b}; {s}",
-                 f"first two over the median (log10) per seed: {b}; {s}"],
-                [[r["sublayers"], f"{r['lr'][b]}; {r['lr'][s]}", f"{fmt(r['share'][b])}; {fmt(r['share'][s])}",
-                  f"{fmt(r['critical'][b])}; {fmt(r['critical'][s])}"] for r in cc.get("rows", [])]) + [""]
-        return out + [f"Redundant: removing the sub-layer raises PPL by less than {REDUNDANT_BELOW:.0%}; the shallow "
-                      f"half: the first {SHALLOW:.0%} of sub-layers. ΔPPL per sub-layer of every ablated run: "
-                      "report.json (`ablation` of each run), drawn in importance.png."]
+        fmt = lambda d: "[" + ", ".join(f"s{sd} {x:.3f}" for sd, x in d.items()) + "]"
+        return condition_tables(
+            c, ["sub-layers", f"LR: {b}; {s}", f"redundant share of the shallow half per seed: {b}; {s}",
+                f"first two over the median (log10) per seed: {b}; {s}"],
+            lambda cc: [[r["sublayers"], f"{r['lr'][b]}; {r['lr'][s]}", f"{fmt(r['share'][b])}; {fmt(r['share'][s])}",
+                         f"{fmt(r['critical'][b])}; {fmt(r['critical'][s])}"] for r in cc.get("rows", [])]) + [
+            f"Redundant: removing the sub-layer raises PPL by less than {REDUNDANT_BELOW:.0%}; the shallow "
+            f"half: the first {SHALLOW:.0%} of sub-layers. ΔPPL per sub-layer of every ablated run: "
+            "report.json (`ablation` of each run), drawn in importance.png."]
 
 
 def redundant_share(ablation: dict, below: float, share: float) -> float:

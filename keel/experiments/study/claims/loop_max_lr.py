@@ -12,10 +12,9 @@ from keel.errors import KeelError
 from keel.experiments.analysis import Runs, cell, paired_verdict
 from keel.experiments.record import RunRecord
 from keel.experiments.study.cells import max_lr_cell, pm
-from keel.experiments.study.claims.base import InitGroups, Paired, cond_head
+from keel.experiments.study.claims.base import InitGroups, Paired, condition_tables
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.verdicts import MAX_LR_FLOOR, combine, condition_groups, judged, pending
-from keel.experiments.table import markdown_table
 
 
 @dataclass(kw_only=True)
@@ -53,14 +52,12 @@ class LoopMaxLr(Paired, InitGroups):
 
     def tables(self, c: dict) -> list[str]:
         s, b = self.scheme, self.baseline
-        out = []
-        for cond, cc in c["conditions"].items():
-            out += cond_head(cond, cc) + markdown_table(
-                ["sub-layers", f"max LR per seed: {b}", s, f"log10 ratio ({s} / {b}) mean [CI] (per seed)"],
-                [[r["sublayers"], max_lr_cell(r["max_lr"][b]), max_lr_cell(r["max_lr"][s]),
-                  "neither trains" if r["neither"] else pm(r["d"])] for r in cc.get("rows", [])]) + [""]
-        return out + ["Max LR: the largest grid LR whose run left the unigram plateau and ended finite below it (+: "
-                      "at the highest LR run; <: at none). A seed bounded alike on both sides is left out."]
+        return condition_tables(
+            c, ["sub-layers", f"max LR per seed: {b}", s, f"log10 ratio ({s} / {b}) mean [CI] (per seed)"],
+            lambda cc: [[r["sublayers"], max_lr_cell(r["max_lr"][b]), max_lr_cell(r["max_lr"][s]),
+                         "neither trains" if r["neither"] else pm(r["d"])] for r in cc.get("rows", [])]) + [
+            "Max LR: the largest grid LR whose run left the unigram plateau and ended finite below it (+: "
+            "at the highest LR run; <: at none). A seed bounded alike on both sides is left out."]
 
 
 def trains(rec: RunRecord) -> bool:

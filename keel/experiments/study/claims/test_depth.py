@@ -9,11 +9,10 @@ from keel.errors import KeelError
 from keel.experiments.analysis import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, Runs, best_runs, pair, paired_verdict
 from keel.experiments.record import RunRecord
 from keel.experiments.study.cells import pm
-from keel.experiments.study.claims.base import cond_head
+from keel.experiments.study.claims.base import condition_tables
 from keel.experiments.study.claims.loop_max_lr import LoopMaxLr
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.verdicts import combine, condition_groups, judged, pending
-from keel.experiments.table import markdown_table
 from keel.keys import key
 
 
@@ -54,15 +53,13 @@ class TestDepth(LoopMaxLr):
 
     def tables(self, c: dict) -> list[str]:
         s, b = self.scheme, self.baseline
-        out = []
-        for cond, cc in c["conditions"].items():
-            out += cond_head(cond, cc) + markdown_table(
-                ["sub-layers", "R", "R'", f"loss(R') − loss(R), {s}: mean [CI] (per seed)", b,
-                 f"{s} − {b} in that difference"],
-                [[r["sublayers"], r["loops"], n, pm(r["d"][s][n]), pm(r["d"][b][n]), pm(r["vs"][n])]
-                 for r in cc.get("rows", []) for n in r["d"][s]]) + [""]
-        return out + ["Each seed's run at its best LR, evaluated with its core applied R' times on the validation "
-                      "windows of its final loss (nats/token); > 0: the loss rises at R'."]
+        return condition_tables(
+            c, ["sub-layers", "R", "R'", f"loss(R') − loss(R), {s}: mean [CI] (per seed)", b,
+                f"{s} − {b} in that difference"],
+            lambda cc: [[r["sublayers"], r["loops"], n, pm(r["d"][s][n]), pm(r["d"][b][n]), pm(r["vs"][n])]
+                        for r in cc.get("rows", []) for n in r["d"][s]]) + [
+            "Each seed's run at its best LR, evaluated with its core applied R' times on the validation "
+            "windows of its final loss (nats/token); > 0: the loss rises at R'."]
 
 
 def loop_losses(rec: RunRecord, repeats: int) -> dict[int, float]:
