@@ -20,6 +20,10 @@ What it counts (all from the AST, nothing imported from ROOT):
   (+ its ifs) + boolean operators (values - 1) + conditional expressions; nested functions
   counted on their own).
 * **code lines of keel/experiments**: lines that are not blank, not comment-only, not docstring.
+* **files of a claim kind**: per kind of claim (a class of ``keel/experiments/study`` assigning
+  ``kind = "NAME"``), the files of ``keel/`` holding one of its pieces: its class, a verdict
+  function ``claim_NAME``, a registry literal (a tuple, list or dict) naming its class; the
+  most over the kinds is what adding a kind touches besides its ``[[claims]]`` block.
 """
 
 from __future__ import annotations
@@ -167,12 +171,42 @@ def code_lines(root: Path) -> tuple[int, int]:
     return code, total
 
 
+def claim_kind_files(root: Path) -> dict[str, list[str]]:
+    """``{kind: [files]}``: per kind of claim the files of keel/ holding its class, its ``claim_KIND``
+    verdict function or a registry literal naming its class."""
+    trees = {path.relative_to(root).as_posix(): ast.parse(path.read_text(encoding="utf-8"))
+             for path in sorted((root / "keel").rglob("*.py"))}
+    kinds = {}  # class name -> (kind, file)
+    for f, tree in trees.items():
+        if not f.startswith("keel/experiments/study/"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for stmt in node.body:
+                    target = stmt.target if isinstance(stmt, ast.AnnAssign) else (
+                        stmt.targets[0] if isinstance(stmt, ast.Assign) else None)
+                    if isinstance(target, ast.Name) and target.id == "kind" and isinstance(stmt.value, ast.Constant) \
+                            and stmt.value.value:
+                        kinds[node.name] = (stmt.value.value, f)
+    out = {kind: {f} for kind, f in kinds.values()}
+    for f, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("claim_") and node.name[6:] in out:
+                out[node.name[6:]].add(f)
+            if isinstance(node, (ast.Tuple, ast.List, ast.Dict)):
+                for elt in (node.values if isinstance(node, ast.Dict) else node.elts):
+                    if isinstance(elt, ast.Name) and elt.id in kinds:
+                        out[kinds[elt.id][0]].add(f)
+    return {kind: sorted(files) for kind, files in out.items()}
+
+
 def main(root: Path) -> None:
     reads = key_reads(root)
     shapes = record_shapes(root)
     files = run_file_names(root)
     cc = complex_functions(root)
     code, total = code_lines(root)
+    kinds = claim_kind_files(root)
     print(f"measures of {root}")
     print(f"string-key reads in keel/experiments: {reads['all']} ({reads['keys']} keys); of run-record fields on a "
           f"plain name outside (de)serialisation: {reads['record']}")
@@ -188,6 +222,10 @@ def main(root: Path) -> None:
     for n, f in cc:
         print(f"    {n:3d}  {f}")
     print(f"code lines of keel/experiments outside docstrings: {code} ({total} lines in all)")
+    print(f"files touched to add a claim kind (most over the {len(kinds)} kinds, besides its [[claims]] block): "
+          f"{max((len(f) for f in kinds.values()), default=0)}")
+    for kind, names in kinds.items():
+        print(f"    {kind}: {', '.join(names)}")
 
 
 if __name__ == "__main__":

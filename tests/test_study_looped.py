@@ -17,6 +17,7 @@ from keel.experiments.study import claims as SC
 from keel.experiments.study import run as SRun
 from keel.experiments.study import spec as SS
 from keel.experiments.study import verdicts as SV
+from keel.experiments.study.claims import loop_max_lr as LM
 
 H1 = 5.0  # a unigram entropy (nats): the plateau level is 0.95 x 5.0 = 4.75
 LRS = (1e-3, 3e-3, 1e-2)
@@ -86,17 +87,17 @@ def test_test_loops_is_kept_in_the_record_and_optional_in_a_report():
 # ----------------------------------------------------------------------------- (a) max LR over the grid
 def test_trains_follows_its_rule():
     """Trains: finished, left the plateau, final validation loss finite and below 0.95 H1."""
-    assert SV.trains(run("g", "keel", 68, 0, 1e-3, 4.0))
-    assert not SV.trains(run("g", "keel", 68, 0, 1e-3, 4.0, exit_step=None))  # never left the plateau
-    assert not SV.trains(run("g", "keel", 68, 0, 1e-3, math.nan))  # not finite
-    assert not SV.trains(run("g", "keel", 68, 0, 1e-3, 4.8))  # left it, but ended above 4.75
+    assert LM.trains(run("g", "keel", 68, 0, 1e-3, 4.0))
+    assert not LM.trains(run("g", "keel", 68, 0, 1e-3, 4.0, exit_step=None))  # never left the plateau
+    assert not LM.trains(run("g", "keel", 68, 0, 1e-3, math.nan))  # not finite
+    assert not LM.trains(run("g", "keel", 68, 0, 1e-3, 4.8))  # left it, but ended above 4.75
 
 
 def test_max_trained_lr_follows_its_rule():
     runs = lambda ok: [run("g", "keel", 68, 0, lr, 4.0 if t else 5.5) for lr, t in zip(LRS, ok)]
-    assert SV.max_trained_lr(runs([True, True, False])) == (3e-3, "exact")
-    assert SV.max_trained_lr(runs([True, True, True])) == (1e-2, "top")  # a lower bound
-    lr, how = SV.max_trained_lr(runs([False, False, False]))  # one grid step below the lowest: 1e-3 / 3
+    assert LM.max_trained_lr(runs([True, True, False])) == (3e-3, "exact")
+    assert LM.max_trained_lr(runs([True, True, True])) == (1e-2, "top")  # a lower bound
+    lr, how = LM.max_trained_lr(runs([False, False, False]))  # one grid step below the lowest: 1e-3 / 3
     assert how == "none" and lr == pytest.approx(1e-3 ** 2 / 3e-3)
 
 
@@ -119,8 +120,8 @@ def test_loop_max_lr_transcription():
                     runs += grid(g, "keel", L, sd, 1e-2) + grid(g, "pre_ln", L, sd, pre[sd])
                 else:  # seed 0: both at their highest LR (censored alike: left out)
                     runs += grid(g, "keel", L, sd, 1e-2) + grid(g, "pre_ln", L, sd, 1e-2 if sd == 0 else 3e-3)
-    claim = next(c for c in st.claims if c["id"] == "a")
-    v = SV.claim_loop_max_lr(st, runs, claim)
+    claim = next(c for c in st.claims if c.id == "a")
+    v = claim.verdict(st, runs)
     paper = v["conditions"]["paper_init"]
     d = [math.log10(1e-2 / pre[sd]) for sd in (0, 1, 2)]
     lo, hi = t_interval(d)
@@ -131,7 +132,7 @@ def test_loop_max_lr_transcription():
     embed = v["conditions"]["embed_init"]
     assert embed["parts"]["log10 max LR, keel over pre_ln at 68"]["n"] == 2 and embed["verdict"] == SV.INCONCLUSIVE
     assert v["verdict"] == SV.INCONCLUSIVE
-    table = "\n".join(SC.claim_kind(claim).tables(claim, v))
+    table = "\n".join(claim.tables(v))
     assert "[s0 0.003, s1 0.001, s2 0.003]" in table and "[s0 0.01+, s1 0.01+, s2 0.01+]" in table
     assert "neither trains" in table
 
@@ -157,8 +158,8 @@ def test_test_depth_transcription():
                                           base + off + keel_d[sd] + (9.0 if off else 0.0), R))
                     runs.append(loops_run(g, "pre_ln", L, sd, lr, base + 0.3 + off, None,
                                           base + 0.3 + off + pre_d[sd], R))
-    keel_claim, pre_claim = (next(c for c in st.claims if c["id"] == i) for i in ("c", "d"))
-    v = SV.claim_test_depth(st, runs, keel_claim)
+    keel_claim, pre_claim = (next(c for c in st.claims if c.id == i) for i in ("c", "d"))
+    v = keel_claim.verdict(st, runs)
     part = v["conditions"]["paper_init"]["parts"]["loss(128) − loss(64), keel at 1028"]
     lo, hi = t_interval(list(keel_d.values()))
     assert part["hi"] == pytest.approx(hi) and part["lo"] == pytest.approx(lo) and hi < 0.02
@@ -168,10 +169,10 @@ def test_test_depth_transcription():
     # pre_ln's R/2 loss is not finite: it counts as the step-0 loss (6.2)
     assert row["d"]["pre_ln"][2]["diffs"][1] == pytest.approx(6.2 - 4.31)
     assert row["vs"][8]["diffs"] == pytest.approx({sd: keel_d[sd] - pre_d[sd] for sd in (0, 1, 2)})
-    w = SV.claim_test_depth(st, runs, pre_claim)
+    w = pre_claim.verdict(st, runs)
     assert w["conditions"]["embed_init"]["parts"]["loss(32) − loss(16), pre_ln at 260"]["verdict"] == SV.NOT_REPRODUCED
     assert w["verdict"] == SV.NOT_REPRODUCED
-    assert "| 1028 | 64 | 128 |" in "\n".join(SC.claim_kind(keel_claim).tables(keel_claim, v))
+    assert "| 1028 | 64 | 128 |" in "\n".join(keel_claim.tables(v))
 
 
 def test_test_depth_claims_need_looped_groups_with_the_factor(tmp_path):

@@ -11,15 +11,22 @@ import pytest
 from scipy import stats
 
 from keel.experiments.record import RunRecord
+from keel.experiments.study import claims as SC
 from keel.experiments.study import records as SR
 from keel.experiments.study import spec as SS
 from keel.experiments.study import verdicts as SV
+from keel.experiments.study.claims import layer_importance as LI
 
 
 def run(group, scheme, L, seed, lr, loss, **kw):
     """A finished run's record, named as a study names it."""
     return RunRecord(**{"group": group, "name": f"L{L}_seed{seed}_{scheme}_lr{lr:g}", "scheme": scheme, "sublayers": L,
                         "seed": seed, "lr": lr, "status": "done", "capped_loss": loss, **kw})
+
+
+def claim_of(test, **keys):
+    """A claim of kind ``test`` with ``keys`` (id "x" and title "t" unless given), typed as load_study types it."""
+    return SC.CLAIMS[test](**{"id": "x", "title": "t", "test": test, **keys})
 
 
 def study(groups, **kw):
@@ -76,7 +83,7 @@ def test_claim_h_reads_only_the_lrs_where_keel_is_healthy():
         sp[("pre_ln", sd, 1e-3)] = (0.30 + 0.05 * sd, "healthy")
         sp[("keel", sd, 1e-2)] = (2.0, "instability")  # not a healthy Keel LR: left out
         sp[("pre_ln", sd, 1e-2)] = (0.0, "healthy")
-    c = SV.claim_early_spike(st, _spike_runs(sp), {"group": "s", "scheme": "keel", "baseline": "pre_ln"})
+    c = claim_of("early_spike", group="s", scheme="keel", baseline="pre_ln").verdict(st, _spike_runs(sp))
     part = next(iter(c["parts"].values()))
     d = [0.30 - 0.02, 0.35 - 0.02, 0.40 - 0.02]
     assert part["diffs"] == pytest.approx(dict(enumerate(d)))
@@ -87,7 +94,7 @@ def test_claim_h_reads_only_the_lrs_where_keel_is_healthy():
 def test_claim_h_waits_for_every_run():
     st = study([SS.Group("s", ["keel", "pre_ln"], [64], [0, 1, 2], lrs=[1e-3, 1e-2])])
     sp = {("keel", 0, 1e-3): (0.0, "healthy"), ("pre_ln", 0, 1e-3): (1.0, "healthy")}
-    c = SV.claim_early_spike(st, _spike_runs(sp), {"group": "s", "scheme": "keel", "baseline": "pre_ln"})
+    c = claim_of("early_spike", group="s", scheme="keel", baseline="pre_ln").verdict(st, _spike_runs(sp))
     assert c["verdict"] == "inconclusive" and "of 12 runs" in c["why"]
 
 
@@ -95,9 +102,9 @@ def test_claim_h_waits_for_every_run():
 def test_redundant_share_and_first_critical_transcribe_their_definitions():
     ab = {"ppl_full": 100.0, "delta_ppl": [50.0, 20.0, 0.5, 0.9, 3.0, -0.2, 0.1, 8.0]}
     # shallow half = first 4: ΔPPL < 1% of 100 = 1.0 -> 0.5, 0.9 -> 2 of 4
-    assert SV.redundant_share(ab, 0.01, 0.5) == 2 / 4
+    assert LI.redundant_share(ab, 0.01, 0.5) == 2 / 4
     ppl = [100 + d for d in ab["delta_ppl"]]
-    assert SV.first_critical(ab) == pytest.approx(math.log10(((150 + 120) / 2) / statistics.median(ppl)))
+    assert LI.first_critical(ab) == pytest.approx(math.log10(((150 + 120) / 2) / statistics.median(ppl)))
 
 
 def _ablated(group, scheme, L, seed, lr, loss, share_pattern):
@@ -117,14 +124,13 @@ def test_claim_g_takes_the_seed_mean_optimum_and_pairs_the_shares(tmp_path):
             for lr in (1e-3, 1e-2):
                 pat = (keel if x == "keel" else pre) if lr == opt else [0.0] * 8  # the other LR must not be read
                 runs.append(_ablated("a", x, 8, sd, lr, 3.0, pat))
-    c = SV.claim_layer_importance(st, runs, {"groups": ["a"], "optimum_groups": ["g"], "scheme": "keel",
-                                             "baseline": "pre_ln"})
+    claim = claim_of("layer_importance", groups=["a"], optimum_groups=["g"], scheme="keel", baseline="pre_ln")
+    c = claim.verdict(st, runs)
     cond = c["conditions"]["paper_init"]
     share = next(v for k, v in cond["parts"].items() if k.startswith("redundant"))
     assert share["diffs"] == {0: 0.5, 1: 0.5, 2: 0.5}
     assert cond["rows"][0]["lr"] == {"keel": 1e-2, "pre_ln": 1e-3}
     from keel.experiments.study.report import plot_importance
-    claim = {"id": "g", "test": "layer_importance"}
     assert plot_importance([(claim, c)], tmp_path / "importance.png")
     assert (tmp_path / "importance.png").stat().st_size > 1000
     assert not plot_importance([(claim, {"conditions": {"paper_init": {"rows": []}}})], tmp_path / "none.png")
@@ -142,8 +148,7 @@ def test_claim_e_slope_is_the_least_squares_fit_against_log2_tokens():
             bump = 0.0 if lr == 3e-3 else 0.4  # each scheme's best at the middle LR
             runs += [run(g, "keel", 256, sd, lr, 3.0 + bump, tokens=budgets[g]),
                      run(g, "pre_ln", 256, sd, lr, 3.0 + m + bump, tokens=budgets[g])]
-    c = SV.claim_data_scaling(st, runs, {"budgets": list(budgets), "scheme": "keel",
-                                         "baseline": "pre_ln"})
+    c = claim_of("data_scaling", budgets=list(budgets), scheme="keel", baseline="pre_ln").verdict(st, runs)
     cond = c["conditions"]["paper_init"]
     x = np.log2(list(budgets.values()))
     slopes = [np.polyfit(x, [margin[(g, sd)] for g in budgets], 1)[0] for sd in range(3)]
@@ -161,8 +166,7 @@ def test_claim_e_slope_is_the_least_squares_fit_against_log2_tokens():
 def test_claim_e_waits_for_every_budget():
     st = study([SS.Group(g, ["keel", "pre_ln"], [256], [0, 1, 2], lrs=[1e-3]) for g in ("b1", "b2")])
     runs = [run("b1", x, 256, sd, 1e-3, 3.0, tokens=1000) for x in ("keel", "pre_ln") for sd in range(3)]
-    c = SV.claim_data_scaling(st, runs, {"budgets": ["b1", "b2"], "scheme": "keel",
-                                         "baseline": "pre_ln"})
+    c = claim_of("data_scaling", budgets=["b1", "b2"], scheme="keel", baseline="pre_ln").verdict(st, runs)
     assert c["verdict"] == "inconclusive" and c["conditions"]["paper_init"]["why"] == "1 of 2 token budgets finished"
 
 
@@ -177,8 +181,7 @@ def test_claim_f_pairs_keel_deep_with_pre_ln_deep_and_wide():
             ("keel", "w"): [3.2, 3.2, 3.2], ("pre_ln", "w"): [3.02, 3.2, 3.1]}
     runs = [run(g, x, 256 if g == "d" else 64, sd, lr, v[sd] + (0.2 if lr == 1e-3 else 0.0))
             for (x, g), v in loss.items() for sd in range(3) for lr in (1e-3, 3e-3)]
-    c = SV.claim_deep_vs_wide(st, runs, {"deep": "d", "wide": "w", "scheme": "keel",
-                                         "baseline": "pre_ln"})
+    c = claim_of("deep_vs_wide", deep="d", wide="w", scheme="keel", baseline="pre_ln").verdict(st, runs)
     p = c["conditions"]["paper_init"]["parts"]
     deep, wide = p["pre_ln deep (256) − keel deep"], p["pre_ln wide (64) − keel deep"]
     assert deep["diffs"] == pytest.approx({0: 0.3, 1: 0.25, 2: 0.23})
@@ -199,8 +202,8 @@ def test_the_n01_condition_reads_only_the_init_groups_never_the_better_of_two():
         for sd in range(3):
             runs += [run("g", "keel", L, sd, 1e-3, 2.0), run("g", "pre_ln", L, sd, 1e-3, 3.0),
                      run("i", "keel", L, sd, 1e-3, 3.0), run("i", "pre_ln", L, sd, 1e-3, 2.9)]
-    c = SV.claim_margin_grows(st, runs, {"groups": ["g"], "init_groups": ["i"], "scheme": "keel",
-                                         "baseline": "pre_ln"})
+    claim = claim_of("margin_grows", groups=["g"], init_groups=["i"], scheme="keel", baseline="pre_ln")
+    c = claim.verdict(st, runs)
     assert set(c["conditions"]) == {"paper_init", "embed_init"}
     rows = c["conditions"]["embed_init"]["rows"]
     assert all(r["margin"]["diffs"] == pytest.approx({0: -0.1, 1: -0.1, 2: -0.1}) for r in rows)
@@ -217,7 +220,7 @@ def test_claim_i_judges_each_design_against_pre_ln_and_reports_keel():
         for lr in (1e-3, 1e-2):
             runs += [run("lr", "pre_ln", 64, sd, lr, 3.5 + sd * 0.01), run("lr", "keel", 64, sd, lr, 3.0),
                      run("b", "peri_ln", 64, sd, lr, 3.2)]
-    c = SV.claim_bench(st, runs, {"group": "b", "designs": ["peri_ln"], "baseline": "pre_ln"})
+    c = claim_of("bench", group="b", designs=["peri_ln"], baseline="pre_ln").verdict(st, runs)
     part = c["conditions"]["paper_init"]["parts"]["pre_ln − peri_ln at 64"]
     assert part["diffs"] == pytest.approx({0: 0.3, 1: 0.31, 2: 0.32}) and part["verdict"] == "reproduced"
     vs_keel = next(r for r in c["conditions"]["paper_init"]["rows"] if r["baseline"] == "keel")
@@ -249,6 +252,6 @@ def test_lr_from_follows_a_chain_to_a_group_with_lrs():
 def test_the_cpu_scale_judges_every_claim_and_tiny_leaves_out_what_it_does_not_size():
     from keel.experiments.study.claims import load_study
     cpu = load_study("claims", "cpu")
-    assert [c["id"] for c in cpu.claims] == list("abcdefghi") and not cpu.unjudged
+    assert [c.id for c in cpu.claims] == list("abcdefghi") and not cpu.unjudged
     tiny = load_study("claims", "tiny")
-    assert "h" in [c["id"] for c in tiny.claims] and {u["id"] for u in tiny.unjudged} == set("efgi")
+    assert "h" in [c.id for c in tiny.claims] and {u["id"] for u in tiny.unjudged} == set("efgi")

@@ -2,7 +2,7 @@
 mean and sd over seeds, paired per-seed differences and their Student-t interval (the verdict of
 one paired comparison, :func:`paired_verdict`), the least-squares trend of a margin, and per cell
 (group(s), scheme, depth) the best run over the LR grid, whether it is bracketed, the seed-mean
-optimum and the healthy-LR window. Used by the claims (:mod:`keel.experiments.study.verdicts`),
+optimum and the healthy-LR window. Used by the claims (:mod:`keel.experiments.study.claims`),
 the report's tables and the presets (:mod:`keel.experiments.sensitivity`).
 
 The interval and the slope are written out rather than taken from ``scipy.stats.t.interval`` and

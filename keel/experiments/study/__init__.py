@@ -23,15 +23,16 @@ The verdict vocabulary is ``reproduced`` / ``not reproduced`` / ``inconclusive``
 written by hand, and each claim's one-line summary is written from those numbers
 (:func:`report.claim_summary`; ``report.json``'s ``summary``):
 by :func:`verdicts.paired_verdict` on paired per-seed differences for every
-claim test but :func:`verdicts.claim_lr_transfer`, whose rule (same optimal grid point in every
+claim test but ``lr_transfer`` (:mod:`.claims.lr_transfer`), whose rule (same optimal grid point in every
 seed) is its own.
 
 Modules, each importing only those before it: :mod:`.kinds` (one class per kind of group:
 train, ramp, grid; its jobs, task, LR plan words, record and plot), :mod:`.spec` (the TOML as
-:class:`spec.Study`, its groups checked), :mod:`.verdicts` (the paired-difference rule, one verdict function per kind
-of claim), :mod:`.cells` (numbers as markdown cells), :mod:`.claims` (one class per kind of
-claim: its keys, verdict, reads and tables, the registry :data:`claims.CLAIMS`, and
-:func:`claims.load_study`, which checks every claim), :mod:`.report` (``report.md`` and the
+:class:`spec.Study`, its groups checked), :mod:`.verdicts` (what several kinds' verdicts share:
+combining parts, the init conditions, a bench's baseline margins), :mod:`.cells` (numbers as
+markdown cells), :mod:`.claims` (a package, one module per kind of claim: its keys as a typed
+class, its verdict, reads and tables; the registry :data:`claims.CLAIMS` each kind's class joins,
+and :func:`claims.load_study`, which checks every claim and types it), :mod:`.report` (``report.md`` and the
 PNGs), :mod:`.plan` (the dry-run plan in words), :mod:`.run` (jobs, run records, the dry-run
 estimate, :func:`run.run_study`).
 """

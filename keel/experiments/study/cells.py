@@ -57,7 +57,7 @@ def lrs(d: dict, edge: dict | None = None) -> str:
 
 def max_lr_cell(per: dict) -> str:
     """``[s0 0.01, s1 0.03+, s2 <0.0001]``: a max trained LR per seed (``{seed: (LR, how)}``,
-    :func:`keel.experiments.study.verdicts.max_trained_lr`; + trained at its highest LR, a lower
+    :func:`keel.experiments.study.claims.loop_max_lr.max_trained_lr`; + trained at its highest LR, a lower
     bound; < trained at none, one grid step below its lowest, an upper bound)."""
     return "[" + ", ".join(f"s{sd} " + ("<" if how == "none" else "") + f"{lr:.3g}" + ("+" if how == "top" else "")
                            for sd, (lr, how) in per.items()) + "]"

@@ -15,32 +15,31 @@ from keel.experiments import sensitivity as LS
 from keel.experiments.record import RunRecord
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.cells import CONDITION_WORDS, direction, lrs, pm, short
-from keel.experiments.study.claims import claim_kind
+from keel.experiments.study.claims import Claim
 from keel.experiments.table import markdown_table
 from keel.experiments.study.verdicts import (LEVEL, MAX_LR_FLOOR, baseline_margins, best_losses, best_lrs, best_runs,
                                              paired_verdict, verdict_words)
 from keel.train.plots import plt, save_figure
 
 
-def claim_summary(claim: dict, c: dict) -> str:
+def claim_summary(claim: Claim, c: dict) -> str:
     """The claim's one-line summary, written from its verdict data: the verdict per condition
     (which init, which ramp; :meth:`Claim.phrase`) and the numbers of its deciding parts."""
-    head = f"({claim['id']}) {claim['title']}: "
+    head = f"({claim.id}) {claim.title}: "
     conds = c.get("conditions")
     if not conds:
-        return head + f"{c['verdict']} ({claim_kind(claim).numbers(c)})."
+        return head + f"{c['verdict']} ({claim.numbers(c)})."
     nums = "; ".join(f"{CONDITION_WORDS.get(k, k)}: " + ("; ".join(f"{name} {short(p)}" for name, p in v["parts"].items())
                                                         if v.get("parts") else v.get("why", "no finished runs"))
                      for k, v in conds.items())
-    return head + claim_kind(claim).phrase(conds) + (f" — {nums}" if nums else "") + "."
+    return head + claim.phrase(conds) + (f" — {nums}" if nums else "") + "."
 
 
-def claim_section(claim: dict, c: dict) -> list[str]:
+def claim_section(claim: Claim, c: dict) -> list[str]:
     """Markdown of one claim: its summary line, the rule, its kind's tables (:meth:`Claim.tables`)."""
-    kind = claim_kind(claim)
-    out = [f"## ({claim['id']}) {claim['title']}", "", f"**Verdict: {c['verdict']}.** {c.get('summary', '')}", "",
-           kind.rule(claim), ""] + ([claim["note"].strip(), ""] if claim.get("note") else [])
-    return out + kind.tables(claim, c) + [""]
+    out = [f"## ({claim.id}) {claim.title}", "", f"**Verdict: {c['verdict']}.** {c.get('summary', '')}", "",
+           claim.rule(), ""] + ([claim.note.strip(), ""] if claim.note else [])
+    return out + claim.tables(c) + [""]
 
 
 def best_loss_table(study: Study, runs: list[RunRecord]) -> list[str]:
@@ -68,7 +67,7 @@ def unclaimed_group_sections(study: Study, runs: list[RunRecord]) -> list[str]:
     """Markdown: one section per group that no claim reads (e.g. the 1024-sub-layer showcase, the
     residual bench): its ``note``, its settings beyond the scale's, and its finished runs (first
     and final validation loss, nats/token; plateau exit step; divergence verdict). No verdict."""
-    read = {g for c in study.claims for g, _ in claim_kind(c).reads(c)}
+    read = {g for c in study.claims for g, _ in c.reads()}
     out = []
     for g in study.groups:
         if g.name in read:
@@ -155,16 +154,16 @@ def runs_table(runs: list[RunRecord]) -> list[str]:
           verdict_words(r) if r.status == "done" else "–"] for r in runs])
 
 
-def verdict_rule(study: Study, claims: Sequence[dict], floor: dict | None = None) -> str:
+def verdict_rule(study: Study, claims: Sequence[Claim], floor: dict | None = None) -> str:
     """The report's statement of the verdict rule (:func:`paired_verdict`, :func:`trend_verdict`)
     and of the loss floor and where it comes from (:func:`study_floor`); claims tested by
-    :func:`claim_lr_transfer` have their own rule, in their section."""
-    def ids(cs: Sequence[dict]) -> str:
-        return ", ".join(f"({c['id']})" for c in cs)
+    a kind with ``own_rule`` (``lr_transfer``) have their own rule, in their section."""
+    def ids(cs: Sequence[Claim]) -> str:
+        return ", ".join(f"({c.id})" for c in cs)
 
-    paired = [c for c in claims if not claim_kind(c).own_rule]
-    ramp = [c for c in paired if claim_kind(c).group_kind == "ramp"]
-    own = [c for c in claims if claim_kind(c).own_rule]
+    paired = [c for c in claims if not c.own_rule]
+    ramp = [c for c in paired if c.group_kind == "ramp"]
+    own = [c for c in claims if c.own_rule]
     floor = floor or {"floor": study.min_effect}
     why = (f" The floor is the median seed-to-seed sd of a scheme's best loss over the {floor['cells']} cells "
            f"(scheme, depth, init) with two or more seeds that the margin claims read ({floor['median_sd']:.3f}; "
@@ -195,7 +194,7 @@ def unfinished_words(study: Study, runs: list[RunRecord]) -> str:
     parts = []
     for g in dict.fromkeys(r.group for r in pending):
         schemes = list(dict.fromkeys(r.scheme for r in pending if r.group == g))
-        readers = [f"({c['id']})" for c in study.claims if any((g, x) in claim_kind(c).reads(c) for x in schemes)]
+        readers = [f"({c.id})" for c in study.claims if any((g, x) in c.reads() for x in schemes)]
         parts.append(f"{g} {sum(r.group == g for r in pending)} ({', '.join(schemes)}; read by "
                      f"{', '.join(readers) if readers else 'no claim'})")
     return f" Unfinished: {'; '.join(parts)}." if parts else ""
@@ -270,7 +269,7 @@ def restored_words(runs: list[RunRecord], restore: str | Path | None) -> str:
             "numbers and thinned loss curves, not their run folders; a record without a curve is not redrawn).")
 
 
-def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[RunRecord], command: str,
+def report_markdown(study: Study, claims: list[tuple[Claim, dict]], runs: list[RunRecord], command: str,
                     waiting: Sequence[dict] = (), restore: str | Path | None = None, floor: dict | None = None) -> str:
     """``report.md``: the verdict table, one section per claim, every run."""
     done = [r for r in runs if r.status == "done"]
@@ -290,8 +289,8 @@ def report_markdown(study: Study, claims: list[tuple[dict, dict]], runs: list[Ru
         lines += ["## Summary", ""] + [f"- {c['summary']}" for _, c in claims] + [""]
         lines += ["## Verdicts", "", verdict_rule(study, [cl for cl, _ in claims], floor), ""] + markdown_table(
             ["claim", "at the paper's init", "at N(0, 1) embeddings", "unit"],
-            [[f"({cl['id']}) {cl['title']}", _verdict_cell(c, first=True), _verdict_cell(c, first=False),
-              claim_kind(cl).unit] for cl, c in claims]) + [""]
+            [[f"({cl.id}) {cl.title}", _verdict_cell(c, first=True), _verdict_cell(c, first=False),
+              cl.unit] for cl, c in claims]) + [""]
     for cl, c in claims:
         lines += claim_section(cl, c)
     return "\n".join(lines + unclaimed_group_sections(study, runs) + best_loss_table(study, runs)
@@ -325,11 +324,11 @@ def _verdict_cell(c: dict, first: bool) -> str:
                      + f"**{conds[k]['verdict']}**" for k in keys)
 
 
-def plot_margins(claims: list[tuple[dict, dict]], out: Path) -> bool:
+def plot_margins(claims: list[tuple[Claim, dict]], out: Path) -> bool:
     """Margin (baseline − scheme, nats) against depth (log x) for every margin claim and condition
     (solid: the paper's init; dashed: both schemes at N(0, 1) embeddings): the seed mean as a line, every
     seed as a dot; False (nothing written) when no condition has two depths."""
-    series = [(cl, k, cc) for cl, c in claims if claim_kind(cl).kind == "margin_grows"
+    series = [(cl, k, cc) for cl, c in claims if cl.kind == "margin_grows"
               for k, cc in c["conditions"].items() if len(cc.get("rows", [])) >= 2]
     if not series:
         return False
@@ -338,9 +337,9 @@ def plot_margins(claims: list[tuple[dict, dict]], out: Path) -> bool:
     for cl, k, c in series:
         xs = [r["sublayers"] for r in c["rows"]]
         line = ax.plot(xs, [r["margin"]["mean"] for r in c["rows"]], marker="o", ls="-" if k == "paper_init" else "--",
-                       color=colors.get(cl["id"]), label=f"({cl['id']}) {cl['baseline']} − {cl['scheme']}, "
+                       color=colors.get(cl.id), label=f"({cl.id}) {cl.baseline} − {cl.scheme}, "
                        f"{CONDITION_WORDS[k]}")[0]
-        colors[cl["id"]] = line.get_color()
+        colors[cl.id] = line.get_color()
         seeds = [(r["sublayers"], d) for r in c["rows"] for d in r["margin"]["diffs"].values()]
         ax.scatter([x for x, _ in seeds], [d for _, d in seeds], s=14, alpha=0.6, color=line.get_color(),
                    marker="o" if k == "paper_init" else "x")
@@ -383,7 +382,7 @@ def plot_record_curves(recs: Sequence[RunRecord], out: Path, *, x: str, title: s
     return True
 
 
-def write_plots(study: Study, runs: list[RunRecord], claims: list[tuple[dict, dict]], out: Path,
+def write_plots(study: Study, runs: list[RunRecord], claims: list[tuple[Claim, dict]], out: Path,
                 h1: float | None) -> list[str]:
     """The report's PNGs: loss against LR per train group with an LR grid, loss curves of the ramp
     groups (against the ramp's LR) and of single-LR groups (drawn from the runs' records, so a
@@ -413,11 +412,11 @@ def write_plots(study: Study, runs: list[RunRecord], claims: list[tuple[dict, di
     return files
 
 
-def plot_importance(claims: list[tuple[dict, dict]], out: Path) -> bool:
+def plot_importance(claims: list[tuple[Claim, dict]], out: Path) -> bool:
     """ΔPPL / PPL_full of removing each sub-layer against its relative depth (i + 0.5) / L, one
     panel per condition and depth of every layer-importance claim, each scheme's seed mean as a
     line (log y, values below 1e-4 drawn at 1e-4); False (nothing written) before any ablation."""
-    panels = [(cond, row) for cl, c in claims if claim_kind(cl).kind == "layer_importance"
+    panels = [(cond, row) for cl, c in claims if cl.kind == "layer_importance"
               for cond, cc in c["conditions"].items() for row in cc.get("rows", [])
               if any(row["delta_ppl"][x] for x in row["delta_ppl"])]
     if not panels:

@@ -23,7 +23,7 @@ from keel.experiments.grid import GridJob, cached_result, check_pool, check_star
 from keel.experiments.job_result import JobResult
 from keel.experiments.record import RunRecord
 from keel.experiments.study.report import claim_summary, report_markdown, superseded_words, waiting_words, write_plots
-from keel.experiments.study.claims import claim_kind, load_study
+from keel.experiments.study.claims import Claim, load_study
 from keel.experiments.study.dataset import NO_DATA, check_study_data, shares_data, study_dataset
 from keel.experiments.study.plan import cpu_hours, plan_markdown, plan_total
 from keel.experiments.study.records import kept_restored, load_restored, restored_record, run_record
@@ -247,26 +247,26 @@ def _job_record(g: Group, j: GridJob, gdir: Path, old: RunRecord | None, error: 
     return rec
 
 
-def report_json(study: Study, runs: list[RunRecord], claims: list[tuple[dict, dict]], floor: dict, h1: float | None,
+def report_json(study: Study, runs: list[RunRecord], claims: list[tuple[Claim, dict]], floor: dict, h1: float | None,
                 command: str, restore, plots: list[str]) -> dict:
     """The content of ``report.json`` (see :func:`run_study`'s Returns)."""
     return {"study": study.name, "scale": study.scale, "note": study.note, "command": command,
             "sets": [override_text(x) for x in study.all_sets()],
             "unigram_entropy": h1, "min_effect": study.min_effect, "min_seeds": study.min_seeds, "floor": floor,
             "level": LEVEL, "summary": [c["summary"] for _, c in claims],
-            "claims": [{"id": cl["id"], "title": cl["title"], **c} for cl, c in claims],
+            "claims": [{"id": cl.id, "title": cl.title, **c} for cl, c in claims],
             "baseline_margins": [{"group": g.name, **r} for g in study.groups for r in baseline_margins(study, g, runs)],
             "group_sets": {g.name: [override_text(x) for x in g.sets] for g in study.groups},
             "restored_from": str(restore) if any(r.restored for r in runs) else None,
             "runs": [r.to_dict() for r in runs], "plots": plots}
 
 
-def judge(study: Study, runs: list[dict]) -> tuple[Study, dict, list[tuple[dict, dict]]]:
+def judge(study: Study, runs: list[dict]) -> tuple[Study, dict, list[tuple[Claim, dict]]]:
     """``(study with its floor as min_effect, the floor (:func:`study_floor`), [(claim, its
     verdict dict with its summary line)])``: every claim judged on ``runs``."""
     floor = study_floor(study, runs)
     study = replace(study, min_effect=floor["floor"])
-    claims = [(cl, claim_kind(cl).verdict(study, runs, cl)) for cl in study.claims]
+    claims = [(cl, cl.verdict(study, runs)) for cl in study.claims]
     for cl, c in claims:
         c["summary"] = claim_summary(cl, c)
     return study, floor, claims
@@ -280,12 +280,12 @@ def study_floor(study: Study, runs: list[dict]) -> dict:
         return {"floor": study.min_effect, "minimum": study.min_effect}
     cells = []
     for c in study.claims:
-        if c["test"] != "margin_grows":
+        if c.kind != "margin_grows":
             continue
-        for groups in (c["groups"], c.get("init_groups", [])):
+        for groups in (c.groups, c.init_groups):
             for g in study.groups:
                 if g.name in groups:
-                    cells += [((g.name,), s, L) for s in (c["scheme"], c["baseline"]) for L in g.sublayers]
+                    cells += [((g.name,), s, L) for s in (c.scheme, c.baseline) for L in g.sublayers]
     return loss_floor(runs, list(dict.fromkeys(cells)), study.min_effect)
 
 

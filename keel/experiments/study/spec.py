@@ -103,7 +103,9 @@ class Group:
 
 @dataclass
 class Study:
-    """A loaded study at one scale: ``groups`` in run order, ``claims`` (dicts from the TOML),
+    """A loaded study at one scale: ``groups`` in run order, ``claims`` (the ``[[claims]]`` tables as
+    :func:`read_study` reads them; :func:`keel.experiments.study.claims.load_study` checks each and
+    keeps it as its kind's instance, a :class:`keel.experiments.study.claims.Claim`),
     ``sets`` (the scale's config keys as typed pairs), ``user_sets`` (the user's ``--set``
     strings: applied last, after a group's own ``set``), ``min_effect`` (nats/token) and
     ``min_seeds`` of the verdict rule."""
@@ -115,7 +117,7 @@ class Study:
     base: str
     sets: list[Override]
     groups: list[Group]
-    claims: list[dict]
+    claims: list  # of Claim once load_study has checked them (claims import this module)
     min_effect: float = 0.02
     min_seeds: int = 3
     floor_from_spread: bool = False

@@ -1,0 +1,146 @@
+"""Claim kind ``layer_importance``: a scheme's shallow sub-layers are less redundant than a baseline's
+and the first two sub-layers of both are critical (Keel paper Appendix A)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import MISSING, dataclass
+from typing import ClassVar
+
+from keel.errors import KeelError
+from keel.experiments.analysis import Runs, pair, paired_verdict, seed_mean_optimum
+from keel.experiments.record import RunRecord
+from keel.experiments.study.claims.base import InitGroups, Paired, condition_tables
+from keel.experiments.study.spec import Group, Study
+from keel.experiments.study.verdicts import MAX_LR_FLOOR, combine, judged, pending
+from keel.keys import key
+
+REDUNDANT_BELOW = 0.01  # a sub-layer is redundant when removing it raises the PPL by less than 1%
+SHALLOW = 0.5  # the shallow sub-layers: the first half
+
+
+@dataclass(kw_only=True)
+class LayerImportance(Paired, InitGroups):
+    """The keys of a ``layer_importance`` claim (``groups``, ``init_groups``: train groups with ablate =
+    true; ``optimum_groups``, ``init_optimum_groups``: where each scheme's LR comes from), its verdict
+    and tables."""
+
+    kind: ClassVar[str] = "layer_importance"
+    unit: ClassVar[str] = "share of sub-layers; log10 PPL ratio"
+
+    optimum_groups: list[str] = key(MISSING, "the train groups whose seed-mean optimal LR picks the ablated run.",
+                                    nonempty=True, note="group names")
+    init_optimum_groups: list[str] = key([], "their LR source at the other init.", note="group names")
+    share_floor: float = key(0.05, "the floor of the redundant-share difference.", gt=0, le=1)
+
+    def verdict(self, study: Study, runs: Runs) -> dict:
+        """{scheme}'s shallow sub-layers are less redundant than {baseline}'s, and the first two
+        sub-layers of both are critical (every part must hold), at every depth of the ablated groups,
+        at the paper's init and with both schemes at N(0, 1) embeddings.
+
+        Each scheme's run per seed at its seed-mean optimal LR (:func:`seed_mean_optimum` over
+        ``optimum_groups``, ``init_optimum_groups``), ablated (``groups``, ``init_groups``: groups
+        with ``ablate = true``; ΔPPL_i per sub-layer, Keel paper Appendix A). Metrics fixed before
+        any ablation was read: the redundant share of the shallow half (:func:`redundant_share`: ΔPPL
+        below 1% of the full PPL), paired ``d = share(baseline) - share(scheme)`` with floor
+        ``share_floor``; and per scheme the first-two-sub-layers ratio (:func:`first_critical`,
+        log10), one-sample with floor log10 1.05 (5%)."""
+        conds = {"paper_init": (self.groups, self.optimum_groups),
+                 **({"embed_init": (self.init_groups, self.init_optimum_groups)} if self.init_groups else {})}
+        return judged({k: _importance_condition(study, runs, self, abl, opt) for k, (abl, opt) in conds.items()})
+
+    def groups_read(self) -> list[str]:
+        return [*self.groups, *self.optimum_groups, *self.init_groups, *self.init_optimum_groups]
+
+    def check(self, groups: dict[str, Group]) -> None:
+        plain = [g for g in [*self.groups, *self.init_groups] if g in groups and not groups[g].ablate]
+        if plain:
+            raise KeelError(f"study claim {self.id!r}: group(s) {', '.join(plain)} need ablate = true")
+        if bool(self.init_groups) != bool(self.init_optimum_groups):
+            raise KeelError(f"study claim {self.id!r}: init_groups and init_optimum_groups come together")
+
+    def tables(self, c: dict) -> list[str]:
+        s, b = self.scheme, self.baseline
+        fmt = lambda d: "[" + ", ".join(f"s{sd} {x:.3f}" for sd, x in d.items()) + "]"
+        return condition_tables(
+            c, ["sub-layers", f"LR: {b}; {s}", f"redundant share of the shallow half per seed: {b}; {s}",
+                f"first two over the median (log10) per seed: {b}; {s}"],
+            lambda cc: [[r["sublayers"], f"{r['lr'][b]}; {r['lr'][s]}", f"{fmt(r['share'][b])}; {fmt(r['share'][s])}",
+                         f"{fmt(r['critical'][b])}; {fmt(r['critical'][s])}"] for r in cc.get("rows", [])]) + [
+            f"Redundant: removing the sub-layer raises PPL by less than {REDUNDANT_BELOW:.0%}; the shallow "
+            f"half: the first {SHALLOW:.0%} of sub-layers. ΔPPL per sub-layer of every ablated run: "
+            "report.json (`ablation` of each run), drawn in importance.png."]
+
+
+def redundant_share(ablation: dict, below: float, share: float) -> float:
+    """The share of the first ``share`` fraction of sub-layers (the shallow ones) whose removal
+    raises the perplexity by less than ``below`` of the full model's: ``#{i < n·share : ΔPPL_i <
+    below · PPL_full} / ⌈n·share⌉`` (Keel paper Appendix A: shallow-layer redundancy)."""
+    d = ablation["delta_ppl"]
+    k = max(1, math.ceil(len(d) * share))
+    return sum(x < below * ablation["ppl_full"] for x in d[:k]) / k
+
+
+def first_critical(ablation: dict, first: int = 2) -> float:
+    """``log10(mean_{i < first} PPL_{-i} / median_i PPL_{-i})`` with ``PPL_{-i} = PPL_full + ΔPPL_i``
+    (perplexity without sub-layer i): how much more removing one of the first sub-layers costs
+    than removing the median sub-layer (Keel paper Appendix A: the first layers are critical)."""
+    ppl = [ablation["ppl_full"] + x for x in ablation["delta_ppl"]]
+    return math.log10(statistics.fmean(ppl[:first]) / statistics.median(ppl))
+
+
+
+
+
+def _importance_condition(study: Study, runs: Runs, claim: LayerImportance, abl: Sequence[str],
+                          opt: Sequence[str]) -> dict:
+    """One condition of :meth:`LayerImportance.verdict`: the parts and row of every depth of the ablated
+    groups ``abl`` (:func:`_importance_depth`), each scheme at its seed-mean optimum over ``opt``;
+    inconclusive while a planned depth has no ablated run or a part has fewer seeds than the study's
+    minimum."""
+    depths = sorted({r.sublayers for r in runs if r.group in abl})
+    parts, rows = {}, []
+    for L in depths:
+        per = {x: _ablated_at_optimum(runs, abl, opt, x, L) for x in (claim.scheme, claim.baseline)}
+        depth_parts, row = _importance_depth(study, claim, per, L)
+        parts.update(depth_parts)
+        rows.append(row)
+    planned = [L for g in study.groups if g.name in abl for L in g.sublayers]
+    if not rows or sorted(set(planned)) != depths or any(p["n"] < study.min_seeds for p in parts.values()):
+        return {**pending("ablations pending" if rows else "no ablated runs yet"), "parts": parts, "rows": rows}
+    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+
+
+def _ablated_at_optimum(runs: Runs, abl: Sequence[str], opt: Sequence[str], scheme: str, L: int) -> dict[int, RunRecord]:
+    """``{seed: run record}``: the finished, ablated runs of ``scheme`` at ``L`` sub-layers in groups
+    ``abl`` at its seed-mean optimal LR over groups ``opt`` (:func:`seed_mean_optimum`); empty while
+    that optimum is unknown."""
+    lr = seed_mean_optimum(runs, opt, scheme, L)
+    return {r.seed: r for r in runs if r.group in abl and r.scheme == scheme and r.sublayers == L
+            and lr is not None and math.isclose(r.lr, lr) and r.status == "done" and r.ablation}
+
+
+def _importance_depth(study: Study, claim: LayerImportance, per: dict[str, dict[int, RunRecord]],
+                      L: int) -> tuple[dict, dict]:
+    """``(parts, row)`` of one depth ``L`` of :meth:`LayerImportance.verdict` from each scheme's ablated
+    runs ``per`` (``{scheme: {seed: run record}}``): the paired redundant-share part
+    (:func:`redundant_share`, floor ``share_floor``), each scheme's first-two-sub-layers part
+    (:func:`first_critical`, floor log10 1.05), and the row of LRs, shares, ratios, ΔPPL and full PPL."""
+    share = {x: {sd: redundant_share(r.ablation, REDUNDANT_BELOW, SHALLOW) for sd, r in v.items()}
+             for x, v in per.items()}
+    crit = {x: {sd: first_critical(r.ablation) for sd, r in v.items()} for x, v in per.items()}
+    parts = {f"redundant share of the shallow half at {L}: {claim.baseline} − {claim.scheme}":
+             paired_verdict(pair(share[claim.baseline], share[claim.scheme]), claim.share_floor,
+                            study.min_seeds)}
+    for x in (claim.scheme, claim.baseline):
+        parts[f"first two sub-layers over the median, {x} at {L} (log10)"] = \
+            paired_verdict(crit[x], MAX_LR_FLOOR, study.min_seeds)
+    row = {"sublayers": L, "lr": {x: next((r.lr for r in v.values()), None) for x, v in per.items()},
+           "share": share, "critical": crit,
+           "delta_ppl": {x: {sd: r.ablation["delta_ppl"] for sd, r in v.items()} for x, v in per.items()},
+           "ppl_full": {x: {sd: r.ablation["ppl_full"] for sd, r in v.items()} for x, v in per.items()}}
+    return parts, row
+
+

@@ -1,0 +1,95 @@
+"""Claim kind ``test_depth``: more loops at test time do not hurt a looped scheme (non-inferiority)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from keel.errors import KeelError
+from keel.experiments.analysis import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, Runs, best_runs, pair, paired_verdict
+from keel.experiments.record import RunRecord
+from keel.experiments.study.cells import pm
+from keel.experiments.study.claims.base import condition_tables
+from keel.experiments.study.claims.loop_max_lr import LoopMaxLr
+from keel.experiments.study.spec import Group, Study
+from keel.experiments.study.verdicts import combine, condition_groups, judged, pending
+from keel.keys import key
+
+
+@dataclass(kw_only=True)
+class TestDepth(LoopMaxLr):
+    """The keys of a ``test_depth`` claim: a ``loop_max_lr`` claim's (``groups``: looped groups that also
+    test loop counts, ``test_loops``) and the ``factor`` judged; its verdict and tables."""
+
+    kind: ClassVar[str] = "test_depth"
+    unit: ClassVar[str] = "nats/token"
+    needs_test_loops: ClassVar[bool] = True
+    __test__: ClassVar[bool] = False  # a claim kind, not a pytest test class
+
+    factor: float = key(2.0, "the test-loop factor judged: R' = round(factor R), one of the groups' test_loops.", gt=0)
+
+    def verdict(self, study: Study, runs: Runs) -> dict:
+        """More loops at test time do not hurt {scheme} (reported beside {baseline}): at every effective depth,
+        its validation loss with the core applied 2R times is not worse than at the trained R by the floor or
+        more (every depth must hold), at the paper's init and with both schemes at N(0, 1) embeddings.
+
+        Per depth and seed, the run at that seed's best LR (:func:`best_runs`; groups with ``test_loops``) and
+        ``d = loss(R') − loss(R)`` (nats/token; R' = round(f R) on the windows of its final validation loss, a
+        non-finite loss counted as the step-0 loss). Per depth the part is :func:`paired_verdict` of d at
+        R' = 2R (the claim's ``factor``) with the study's floor f, read as non-inferiority: reproduced when its
+        upper bound hi < f, not reproduced when its lower bound lo >= f (more loops cost at least f),
+        inconclusive otherwise. Reported, not judged: d at every R' the groups test (R/2 too) for {scheme}
+        and {baseline}, and d({scheme}) − d({baseline}) paired per seed."""
+        return judged({k: _test_depth_condition(study, runs, self, gs)
+                        for k, gs in condition_groups(self.groups, self.init_groups).items()})
+
+    def check(self, groups: dict[str, Group]) -> None:
+        """:meth:`LoopMaxLr.check`, and ``factor`` one of the groups' ``test_loops``."""
+        super().check(groups)
+        gs = [groups[g] for g in self.groups_read() if g in groups]
+        if gs and self.factor not in gs[0].test_loops:
+            raise KeelError(f"study claim {self.id!r}: factor {self.factor:g} is not one of the "
+                            f"groups' test_loops {gs[0].test_loops}")
+
+    def tables(self, c: dict) -> list[str]:
+        s, b = self.scheme, self.baseline
+        return condition_tables(
+            c, ["sub-layers", "R", "R'", f"loss(R') − loss(R), {s}: mean [CI] (per seed)", b,
+                f"{s} − {b} in that difference"],
+            lambda cc: [[r["sublayers"], r["loops"], n, pm(r["d"][s][n]), pm(r["d"][b][n]), pm(r["vs"][n])]
+                        for r in cc.get("rows", []) for n in r["d"][s]]) + [
+            "Each seed's run at its best LR, evaluated with its core applied R' times on the validation "
+            "windows of its final loss (nats/token); > 0: the loss rises at R'."]
+
+
+def loop_losses(rec: RunRecord, repeats: int) -> dict[int, float]:
+    """``{R': validation loss}`` of a looped run (nats/token): its ``test_loops`` and, at its trained
+    ``repeats`` R, its capped final loss; a non-finite loss counts as the step-0 loss (as ``capped_loss``)."""
+    out = {int(n): x if x is not None else rec.first_val_loss for n, x in (rec.test_loops or {}).items()}
+    return {**out, repeats: rec.capped_loss}
+
+
+NON_INFERIOR = {REPRODUCED: NOT_REPRODUCED, NOT_REPRODUCED: REPRODUCED}  # a paired verdict read the other way
+
+
+def _test_depth_condition(study: Study, runs: Runs, claim: TestDepth, groups: list[str]) -> dict:
+    """One condition of :meth:`TestDepth.verdict`: per depth, d per R' of both schemes at each seed's best LR."""
+    s, b, f = claim.scheme, claim.baseline, claim.factor
+    gs = [g for g in study.groups if g.name in groups]
+    parts, rows = {}, []
+    for L in sorted({L for g in gs for L in g.sublayers}):
+        R, counts = gs[0].loop_repeats(L), gs[0].test_counts(L)
+        loss = {x: {sd: loop_losses(r, R) for sd, r in best_runs(runs, groups, x, L).items()} for x in (s, b)}
+        d = {x: {n: {sd: v[n] - v[R] for sd, v in loss[x].items() if n in v} for n in counts} for x in (s, b)}
+        rows.append({"sublayers": L, "loops": R,
+                     "d": {x: {n: paired_verdict(v, study.min_effect, study.min_seeds) for n, v in d[x].items()}
+                           for x in (s, b)},
+                     "vs": {n: paired_verdict(pair(d[s][n], d[b][n]), study.min_effect, study.min_seeds)
+                            for n in counts}})
+        v = rows[-1]["d"][s].get(round(f * R))
+        if v is not None:
+            parts[f"loss({round(f * R)}) − loss({R}), {s} at {L}"] = {**v, "verdict": NON_INFERIOR.get(
+                v["verdict"], INCONCLUSIVE)}
+    if not parts or any(p["n"] < study.min_seeds for p in parts.values()):
+        return pending("runs with test loops pending", parts=parts, rows=rows)
+    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
