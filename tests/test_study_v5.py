@@ -130,10 +130,10 @@ def test_claim_g_takes_the_seed_mean_optimum_and_pairs_the_shares(tmp_path):
     share = next(v for k, v in cond["parts"].items() if k.startswith("redundant"))
     assert share["diffs"] == {0: 0.5, 1: 0.5, 2: 0.5}
     assert cond["rows"][0]["lr"] == {"keel": 1e-2, "pre_ln": 1e-3}
-    from keel.experiments.study.report import plot_importance
-    assert plot_importance([(claim, c)], tmp_path / "importance.png")
+    from keel.experiments.study.claims.layer_importance import LayerImportance
+    assert LayerImportance.plot([(claim, c)], tmp_path / "importance.png")
     assert (tmp_path / "importance.png").stat().st_size > 1000
-    assert not plot_importance([(claim, {"conditions": {"paper_init": {"rows": []}}})], tmp_path / "none.png")
+    assert not LayerImportance.plot([(claim, {"conditions": {"paper_init": {"rows": []}}})], tmp_path / "none.png")
 
 
 # ----------------------------------------------------------------------------- data scaling (e)

@@ -8,8 +8,6 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib.ticker
-
 from keel.config import override_text
 from keel.experiments import sensitivity as LS
 from keel.experiments.record import RunRecord
@@ -324,39 +322,6 @@ def _verdict_cell(c: dict, first: bool) -> str:
                      + f"**{conds[k]['verdict']}**" for k in keys)
 
 
-def plot_margins(claims: list[tuple[Claim, dict]], out: Path) -> bool:
-    """Margin (baseline − scheme, nats) against depth (log x) for every margin claim and condition
-    (solid: the paper's init; dashed: both schemes at N(0, 1) embeddings): the seed mean as a line, every
-    seed as a dot; False (nothing written) when no condition has two depths."""
-    series = [(cl, k, cc) for cl, c in claims if cl.kind == "margin_grows"
-              for k, cc in c["conditions"].items() if len(cc.get("rows", [])) >= 2]
-    if not series:
-        return False
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    colors = {}
-    for cl, k, c in series:
-        xs = [r["sublayers"] for r in c["rows"]]
-        line = ax.plot(xs, [r["margin"]["mean"] for r in c["rows"]], marker="o", ls="-" if k == "paper_init" else "--",
-                       color=colors.get(cl.id), label=f"({cl.id}) {cl.baseline} − {cl.scheme}, "
-                       f"{CONDITION_WORDS[k]}")[0]
-        colors[cl.id] = line.get_color()
-        seeds = [(r["sublayers"], d) for r in c["rows"] for d in r["margin"]["diffs"].values()]
-        ax.scatter([x for x, _ in seeds], [d for _, d in seeds], s=14, alpha=0.6, color=line.get_color(),
-                   marker="o" if k == "paper_init" else "x")
-    ax.axhline(0, color="gray", lw=1)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted({r["sublayers"] for _, _, c in series for r in c["rows"]}))
-    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_xlabel("depth (sub-layers)")
-    ax.set_ylabel("final validation loss margin (nats/token)")
-    ax.set_title("line: seed mean; markers: seeds", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    save_figure(fig, out)
-    return True
-
-
 def plot_record_curves(recs: Sequence[RunRecord], out: Path, *, x: str, title: str) -> bool:
     """Loss curves (the thinned 10-step trailing mean kept in each run's record, nats/token) of
     runs ``recs`` against ``x`` (``step``, or ``lr`` on a log axis for a ramp), one line each,
@@ -405,36 +370,14 @@ def write_plots(study: Study, runs: list[RunRecord], claims: list[tuple[Claim, d
             LS.plot({"sublayers": g.sublayers, "cells": cells, "lrs": sorted(g.lrs), "schemes": schemes,
                      "unigram_entropy": h1 or float("nan")}, out / name)
         files.append(name)
-    if plot_margins(claims, out / "margins.png"):
-        files.append("margins.png")
-    if plot_importance(claims, out / "importance.png"):
-        files.append("importance.png")
+    return files + claim_figures(claims, out)
+
+
+def claim_figures(claims: list[tuple[Claim, dict]], out: Path) -> list[str]:
+    """The PNGs the claims' kinds draw (:attr:`Claim.figure`, :meth:`Claim.plot`), each over all
+    the claims of its kind, in the order of the kinds' first claims; the names of those written."""
+    files = []
+    for figure, kind in {type(cl).figure: type(cl) for cl, _ in claims if type(cl).figure}.items():
+        if kind.plot([(cl, c) for cl, c in claims if type(cl).figure == figure], out / figure):
+            files.append(figure)
     return files
-
-
-def plot_importance(claims: list[tuple[Claim, dict]], out: Path) -> bool:
-    """ΔPPL / PPL_full of removing each sub-layer against its relative depth (i + 0.5) / L, one
-    panel per condition and depth of every layer-importance claim, each scheme's seed mean as a
-    line (log y, values below 1e-4 drawn at 1e-4); False (nothing written) before any ablation."""
-    panels = [(cond, row) for cl, c in claims if cl.kind == "layer_importance"
-              for cond, cc in c["conditions"].items() for row in cc.get("rows", [])
-              if any(row["delta_ppl"][x] for x in row["delta_ppl"])]
-    if not panels:
-        return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
-    for ax, (cond, row) in zip(axes[0], panels):
-        for scheme, per_seed in row["delta_ppl"].items():
-            if not per_seed:
-                continue
-            rel = [[d / row["ppl_full"][scheme][sd] for d in v] for sd, v in per_seed.items()]
-            L = len(rel[0])
-            mean = [max(1e-4, sum(r[i] for r in rel) / len(rel)) for i in range(L)]
-            ax.plot([(i + 0.5) / L for i in range(L)], mean, label=f"{scheme} ({len(rel)} seeds)")
-        ax.set_yscale("log")
-        ax.set_xlabel("relative depth of the removed sub-layer")
-        ax.set_title(f"{row['sublayers']} sub-layers, {CONDITION_WORDS[cond]}", fontsize=9)
-        ax.legend(fontsize=8)
-    axes[0][0].set_ylabel("ΔPPL / PPL of the full model")
-    fig.tight_layout()
-    save_figure(fig, out)
-    return True

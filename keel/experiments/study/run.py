@@ -274,18 +274,12 @@ def judge(study: Study, runs: list[dict]) -> tuple[Study, dict, list[tuple[Claim
 
 def study_floor(study: Study, runs: list[dict]) -> dict:
     """The loss claims' noise floor (:func:`keel.experiments.study.verdicts.loss_floor`) over every
-    (group, scheme, depth) cell a margin claim reads, each init's groups apart; with
+    (group, scheme, depth) cell a claim names (:meth:`Claim.floor_cells`: those a margin claim
+    reads), each init's groups apart; with
     ``floor_from_spread`` false, ``study.min_effect`` as it is (``{"floor": min_effect}``)."""
     if not study.floor_from_spread:
         return {"floor": study.min_effect, "minimum": study.min_effect}
-    cells = []
-    for c in study.claims:
-        if c.kind != "margin_grows":
-            continue
-        for groups in (c.groups, c.init_groups):
-            for g in study.groups:
-                if g.name in groups:
-                    cells += [((g.name,), s, L) for s in (c.scheme, c.baseline) for L in g.sublayers]
+    cells = [cell for c in study.claims for cell in c.floor_cells(study)]
     return loss_floor(runs, list(dict.fromkeys(cells)), study.min_effect)
 
 

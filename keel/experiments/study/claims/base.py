@@ -6,6 +6,7 @@ declaration per key) and the table helpers the kinds' sections share."""
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass
+from pathlib import Path
 from typing import Callable, ClassVar
 
 from keel.experiments.analysis import Runs
@@ -31,6 +32,7 @@ class Claim:
     unit: ClassVar[str] = ""  # of the numbers in the verdict table
     group_kind: ClassVar[str] = "train"  # the kind of group it reads (spec.Group.kind)
     own_rule: ClassVar[bool] = False  # judged by a rule of its own, not the paired-difference one
+    figure: ClassVar[str] = ""  # the report's PNG its kind draws over all its claims (:meth:`plot`); "" for none
 
     id: str = key(MISSING, "the claim's label in the report, e.g. \"b\".", nonempty=True)
     title: str = key(MISSING, "what the paper claims, one line.", nonempty=True)
@@ -96,6 +98,17 @@ class Claim:
 
     def check(self, groups: dict[str, Group]) -> None:
         """Raise KeelError naming what this kind needs beyond its keys' declarations."""
+
+    def floor_cells(self, study: Study) -> list[tuple[tuple[str, ...], str, int]]:
+        """The ``((group,), scheme, sub-layers)`` cells whose seed-to-seed spread of the best loss
+        sets the study's loss floor (:func:`keel.experiments.study.run.study_floor`); none by default."""
+        return []
+
+    @classmethod
+    def plot(cls, verdicts: list[tuple[Claim, dict]], out: Path) -> bool:
+        """Draw the kind's :attr:`figure` over ``verdicts`` (the study's claims of this kind, each with
+        its verdict dict) to the PNG ``out``; False (nothing written) when there is nothing to draw."""
+        return False
 
 
 @dataclass(kw_only=True)

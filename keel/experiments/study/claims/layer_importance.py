@@ -7,14 +7,17 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass
+from pathlib import Path
 from typing import ClassVar
 
 from keel.errors import KeelError
 from keel.experiments.analysis import Runs, pair, paired_verdict, seed_mean_optimum
 from keel.experiments.record import RunRecord
-from keel.experiments.study.claims.base import InitGroups, Paired, condition_tables
+from keel.experiments.study.cells import CONDITION_WORDS
+from keel.experiments.study.claims.base import Claim, InitGroups, Paired, condition_tables
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.verdicts import MAX_LR_FLOOR, combine, judged, pending
+from keel.train.plots import plt, save_figure
 from keel.keys import key
 
 REDUNDANT_BELOW = 0.01  # a sub-layer is redundant when removing it raises the PPL by less than 1%
@@ -29,11 +32,40 @@ class LayerImportance(Paired, InitGroups):
 
     kind: ClassVar[str] = "layer_importance"
     unit: ClassVar[str] = "share of sub-layers; log10 PPL ratio"
+    figure: ClassVar[str] = "importance.png"
 
     optimum_groups: list[str] = key(MISSING, "the train groups whose seed-mean optimal LR picks the ablated run.",
                                     nonempty=True, note="group names")
     init_optimum_groups: list[str] = key([], "their LR source at the other init.", note="group names")
     share_floor: float = key(0.05, "the floor of the redundant-share difference.", gt=0, le=1)
+
+    @classmethod
+    def plot(cls, verdicts: list[tuple[Claim, dict]], out: Path) -> bool:
+        """ΔPPL / PPL_full of removing each sub-layer against its relative depth (i + 0.5) / L, one
+        panel per condition and depth of every layer-importance claim, each scheme's seed mean as a
+        line (log y, values below 1e-4 drawn at 1e-4); False (nothing written) before any ablation."""
+        panels = [(cond, row) for cl, c in verdicts
+                  for cond, cc in c["conditions"].items() for row in cc.get("rows", [])
+                  if any(row["delta_ppl"][x] for x in row["delta_ppl"])]
+        if not panels:
+            return False
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
+        for ax, (cond, row) in zip(axes[0], panels):
+            for scheme, per_seed in row["delta_ppl"].items():
+                if not per_seed:
+                    continue
+                rel = [[d / row["ppl_full"][scheme][sd] for d in v] for sd, v in per_seed.items()]
+                L = len(rel[0])
+                mean = [max(1e-4, sum(r[i] for r in rel) / len(rel)) for i in range(L)]
+                ax.plot([(i + 0.5) / L for i in range(L)], mean, label=f"{scheme} ({len(rel)} seeds)")
+            ax.set_yscale("log")
+            ax.set_xlabel("relative depth of the removed sub-layer")
+            ax.set_title(f"{row['sublayers']} sub-layers, {CONDITION_WORDS[cond]}", fontsize=9)
+            ax.legend(fontsize=8)
+        axes[0][0].set_ylabel("ΔPPL / PPL of the full model")
+        fig.tight_layout()
+        save_figure(fig, out)
+        return True
 
     def verdict(self, study: Study, runs: Runs) -> dict:
         """{scheme}'s shallow sub-layers are less redundant than {baseline}'s, and the first two

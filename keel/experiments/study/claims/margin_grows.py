@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
+
+import matplotlib.ticker
 
 from keel.errors import KeelError
 from keel.experiments.analysis import (
@@ -21,10 +24,12 @@ from keel.experiments.analysis import (
     trend_verdict,
 )
 from keel.experiments.study.cells import direction, exits, flagged, lrs, pm, window
-from keel.experiments.study.claims.base import InitGroups, Paired, cond_head, edge
+from keel.experiments.study.cells import CONDITION_WORDS
+from keel.experiments.study.claims.base import Claim, InitGroups, Paired, cond_head, edge
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.verdicts import combine, left_plateau_later
 from keel.experiments.table import markdown_table
+from keel.train.plots import plt, save_figure
 
 WINDOW = 0.1  # nats/token: an LR is in a scheme's healthy window when its seed-mean loss is this close to the best
 
@@ -36,6 +41,40 @@ class MarginGrows(Paired, InitGroups):
 
     kind: ClassVar[str] = "margin_grows"
     unit: ClassVar[str] = "nats/token"
+    figure: ClassVar[str] = "margins.png"
+
+    @classmethod
+    def plot(cls, verdicts: list[tuple[Claim, dict]], out: Path) -> bool:
+        """Margin (baseline − scheme, nats) against depth (log x) for every margin claim and condition
+        (solid: the paper's init; dashed: both schemes at N(0, 1) embeddings): the seed mean as a line, every
+        seed as a dot; False (nothing written) when no condition has two depths."""
+        series = [(cl, k, cc) for cl, c in verdicts
+                  for k, cc in c["conditions"].items() if len(cc.get("rows", [])) >= 2]
+        if not series:
+            return False
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        colors = {}
+        for cl, k, c in series:
+            xs = [r["sublayers"] for r in c["rows"]]
+            line = ax.plot(xs, [r["margin"]["mean"] for r in c["rows"]], marker="o", ls="-" if k == "paper_init" else "--",
+                           color=colors.get(cl.id), label=f"({cl.id}) {cl.baseline} − {cl.scheme}, "
+                           f"{CONDITION_WORDS[k]}")[0]
+            colors[cl.id] = line.get_color()
+            seeds = [(r["sublayers"], d) for r in c["rows"] for d in r["margin"]["diffs"].values()]
+            ax.scatter([x for x, _ in seeds], [d for _, d in seeds], s=14, alpha=0.6, color=line.get_color(),
+                       marker="o" if k == "paper_init" else "x")
+        ax.axhline(0, color="gray", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["sublayers"] for _, _, c in series for r in c["rows"]}))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("depth (sub-layers)")
+        ax.set_ylabel("final validation loss margin (nats/token)")
+        ax.set_title("line: seed mean; markers: seeds", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        save_figure(fig, out)
+        return True
 
     def verdict(self, study: Study, runs: Runs) -> dict:
         """{scheme} beats {baseline} at the deepest depth and its margin grows with depth (both parts
@@ -60,6 +99,11 @@ class MarginGrows(Paired, InitGroups):
         widen = {g.name: g.widen for g in study.groups if g.name in [*self.groups, *self.init_groups]}
         return {"verdict": combine([c["verdict"] for c in out.values()]), "conditions": out, "equal_lr": equal,
                 "widen": widen}
+
+    def floor_cells(self, study: Study) -> list[tuple[tuple[str, ...], str, int]]:
+        """Every (group, scheme, depth) cell the margin reads, the paper's init's groups first."""
+        return [((g.name,), s, L) for groups in (self.groups, self.init_groups) for g in study.groups
+                if g.name in groups for s in (self.scheme, self.baseline) for L in g.sublayers]
 
     def check(self, groups: dict[str, Group]) -> None:
         if self.scheme == self.baseline:
