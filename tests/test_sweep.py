@@ -399,16 +399,17 @@ def test_a_sweep_preset_that_is_not_one_grid_group_is_one_line(tmp_path, keel_ma
 
 
 def test_a_study_with_a_grid_group_reports_the_sweep_table(tiny_data, tmp_path, keel_main):
-    """`keel study` on a study file with a grid group (no [scales]: sized in place) writes the same
-    section `keel sweep` does: the group's sweep table in report.md, its data in report.json."""
+    """`keel study` on a study file with a grid group (no [scales]: sized in place, as a sweep preset)
+    writes the same section `keel sweep` does: the group's sweep table in report.md, its data in
+    report.json. Its own set names the data (data.path): its runs train on that, not on the base's."""
     from keel.experiments.sweep import sweep_markdown
 
+    sets = ", ".join(f'"{k}" = {json.dumps(v)}' for k, v in (s.split("=", 1) for s in _tiny_sets(tiny_data)))
     study = tmp_path / "grid-study.toml"
-    study.write_text('base = "demo"\n[groups.lrs]\nkind = "grid"\nbest_over = "train.lr"\n'
-                     'grid = { "train.lr" = [1e-3, 1e-2] }\nset = { "model.n_layers" = 2 }\n')
-    out = tmp_path / "st"  # the study refuses a --set of the keys its groups set per run: n_layers in the group
-    sets = [x for s in _tiny_sets(tiny_data, drop=("train.lr", "model.n_layers")) for x in ("--set", s)]
-    r = keel_main("study", study, "--scale", "cpu", "--workers", "0", "--out", out, *sets)
+    study.write_text(f'base = "demo"\n[groups.lrs]\nkind = "grid"\nbest_over = "train.lr"\n'
+                     f'grid = {{ "train.lr" = [1e-3, 1e-2] }}\nset = {{ {sets} }}\n')
+    out = tmp_path / "st"
+    r = keel_main("study", study, "--scale", "cpu", "--workers", "0", "--out", out)
     assert r.returncode == 0, r.stderr
     data = json.loads((out / "report.json").read_text())["group_tables"]["lrs"]
     assert [x["name"] for x in data["runs"]] == ["lr0.001", "lr0.01"] and data["best_over"] == "train.lr"

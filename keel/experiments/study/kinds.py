@@ -218,7 +218,7 @@ class RampKind(TrainKind):
 class GridKind(TrainKind):
     """A ``grid`` group (``keel sweep``, a sweep preset): the product of ``grid``'s values over any
     config keys (:func:`keel.experiments.sweep.build_jobs`), with ``match_params`` and ``best_over``;
-    a grid over ``data.*`` keys prepares each run's data in its worker. Its keys are its own: a study
+    a grid over ``data.*`` keys (or a ``set`` of them) prepares each run's data in its worker. Its keys are its own: a study
     file's grid group gives ``grid``, ``set``, ``best_over``, ``match_params``, ``note`` (no schemes,
     sub-layers, LRs or seeds: the grid names them)."""
 
@@ -258,7 +258,9 @@ class GridKind(TrainKind):
 
     @classmethod
     def own_data(cls, g) -> bool:
-        return any(k.startswith("data.") for k in g.grid)
+        """A grid over ``data.*`` keys, or a group whose own ``set`` changes them (a sweep preset run by
+        ``keel study``): the study's one dataset is not its runs'."""
+        return any(k.startswith("data.") for k in [*g.grid, *(k for k, _ in g.sets)])
 
     @classmethod
     def table(cls, study, g, recs, out, h1):
