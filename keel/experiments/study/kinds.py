@@ -218,9 +218,9 @@ class RampKind(TrainKind):
 class GridKind(TrainKind):
     """A ``grid`` group (``keel sweep``, a sweep preset): the product of ``grid``'s values over any
     config keys (:func:`keel.experiments.sweep.build_jobs`), with ``match_params`` and ``best_over``;
-    a grid over ``data.*`` keys (or a ``set`` of them) prepares each run's data in its worker. Its keys are its own: a study
-    file's grid group gives ``grid``, ``set``, ``best_over``, ``match_params``, ``note`` (no schemes,
-    sub-layers, LRs or seeds: the grid names them)."""
+    a grid over ``data.*`` keys (or a ``set`` of them) prepares each run's data in its worker. Its
+    keys are its own: a study file's grid group gives ``grid``, ``set``, ``best_over``,
+    ``match_params``, ``note`` (no schemes, sub-layers, LRs or seeds: the grid names them)."""
 
     name: ClassVar[str] = "grid"
     keys: ClassVar[tuple[str, ...]] = ("grid", "best_over", "match_params")
