@@ -222,9 +222,13 @@ def key_names(cls: type) -> list[str]:
 
 
 def check_keys(obj: Any, section: str, sep: str = ".") -> None:
-    """:func:`check_key` for every key of a section object, in declaration order."""
+    """:func:`check_key` for every key of a section object, in declaration order, but a key it does not
+    read (its ``read_if`` test false for ``obj``) left at its default (a grid group's empty ``schemes``)."""
     for name in key_names(type(obj)):
-        check_key(obj, section, name, sep)
+        f = key_field(type(obj), name)
+        if f.metadata["read_if"] is None or f.metadata["read_if"](obj) or getattr(obj, name) != (
+                f.default if f.default is not dataclasses.MISSING else f.default_factory()):
+            check_key(obj, section, name, sep)
 
 
 def unread_keys(obj: Any, given: Iterable[str]) -> list[str]:

@@ -1,3 +1,4 @@
+import json
 import os
 import signal
 import sys
@@ -61,6 +62,20 @@ def tiny_data(tmp_path_factory):
 
     cache = tmp_path_factory.mktemp("data")
     return prepare_dataset("builtin:python-stdlib", "bpe:512", cache_dir=cache, max_bytes=300_000, progress=False)
+
+
+def assert_report_section(out, group, stem):
+    """The one report of a grid command (``keel sweep`` / ``stress`` / ``lr-sensitivity``) in ``out``:
+    its group's table is a section of the engine's ``report.md`` (headings two levels down) and a key of
+    ``report.json`` (``group_tables``); ``STEM.md`` / ``STEM.json`` are its deprecated aliases, the same
+    text (after a first line saying so) and the same data."""
+    report = json.loads((out / "report.json").read_text())
+    assert report["group_tables"][group] == json.loads((out / f"{stem}.json").read_text())
+    first, _, body = (out / f"{stem}.md").read_text().partition("\n\n")
+    assert first.startswith("*deprecated: see report.md"), first
+    section = "\n".join("##" + x if x.startswith("#") else x for x in body.rstrip("\n").split("\n"))
+    md = (out / "report.md").read_text()
+    assert f"\n## Group {group}: " in md and section in md
 
 
 def tiny_overrides(data_dir, drop=(), **train):

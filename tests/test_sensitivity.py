@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import REPO, tiny_overrides
+from conftest import REPO, assert_report_section, tiny_overrides
 
 from keel.data.stats import dataset_unigram_entropy, unigram_entropy
 from keel.errors import KeelError
@@ -101,6 +101,7 @@ def test_lr_sensitivity_cli_end_to_end(keel_cli, keel_main, tiny_data, tmp_path)
         assert cur["init_loss"] == pytest.approx(math.log(512), abs=0.3)
     assert saved["unigram_entropy"] == pytest.approx(dataset_unigram_entropy(tiny_data))
     assert (out / "sensitivity.png").stat().st_size > 1000 and "LR sensitivity" in (out / "sensitivity.md").read_text()
+    assert_report_section(out, "sensitivity", "sensitivity")  # the one report: its table is a section of report.md
     # cached: a resumed run trains nothing; report-only reads the same numbers
     again = keel_main(*args, "--resume")
     assert again.returncode == 0 and "12 finished already, 0 to run" in again.stderr  # progress lines are logged (stderr)
@@ -166,4 +167,4 @@ def test_a_grid_whose_every_run_failed_names_no_plot(keel_main, tiny_data, tmp_p
     assert r.returncode == 1 and "this run fails" in r.stderr, r.stderr
     assert (out / "sensitivity.json").is_file() and not (out / "sensitivity.png").exists()
     wrote = [ln for ln in r.stdout.splitlines() if ln.startswith("wrote ")]
-    assert wrote == [f"wrote {out / 'sensitivity.json'}, sensitivity.md"]
+    assert wrote == [f"wrote {out / 'report.md'}, report.json (sensitivity.md, sensitivity.json: deprecated, see report.md)"]

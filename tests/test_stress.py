@@ -4,7 +4,7 @@ import json
 import math
 
 import pytest
-from conftest import tiny_overrides
+from conftest import assert_report_section, tiny_overrides
 
 from keel import KeelError
 from keel.cli import main
@@ -69,6 +69,15 @@ def test_grid_end_to_end(one_worker, tiny_data):
         assert r["max_lr"] == pytest.approx(next(q["lr"] for q in recs if q["step"] == k - 1))
         assert r["max_lr"] == pytest.approx(PEAK * (k - 1) / RAMP)
         assert (r["sublayers"], r["blocks"]) == (4, 2)
+
+
+def test_the_table_is_a_section_of_the_one_report(one_worker):
+    """keel stress writes the engine's one report: its table is a section of report.md and its data
+    report.json's group_tables["stress"]; stress.md / stress.json are deprecated aliases of them."""
+    out, res = one_worker
+    assert_report_section(out, "stress", "stress")
+    assert json.loads((out / "report.json").read_text())["group_tables"]["stress"]["table"] == res["table"]
+    assert "## Group stress: stress test, max LR per scheme and depth" in (out / "report.md").read_text()
 
 
 def test_two_workers_match_one(tiny_data, tmp_path, one_worker):

@@ -719,7 +719,8 @@ def test_bad_study_files(tmp_path, text, match):
     ("sublayers = [2, true]", "sublayers must be a non-empty list of distinct integers >= 2 (even), got True"),
     ("ramp_steps = 1.5", "ramp_steps must be an integer >= 1, got 1.5"),
     ("widen = -1", "widen must be >= 0 (LRs added per side), got -1"),
-    ('kind = "grid"', "kind must be 'train' | 'ramp', got 'grid'"),
+    ('kind = "grd"', "kind must be 'train' | 'ramp' | 'grid', got 'grd'"),
+    ('kind = "grid"', "lrs, schemes, seeds, sublayers belong(s) to a train group, not to this grid group"),
     ("seeds_for = { keel = [] }", "seeds_for must be a table of non-empty lists of distinct integers (scheme = [seeds]), "
      "got {'keel': []}"),
     ("lrss = [1e-3]", "unknown key(s) lrss (did you mean lrs?)"),  # as an unknown config key is refused

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import REPO, tiny_overrides
+from conftest import REPO, assert_report_section, tiny_overrides
 from keel.config import config_from_dict, load_config
 from keel.errors import KeelError
 from keel.experiments.grid import GridJob, run_grid
@@ -107,6 +107,7 @@ def test_sweep_tables_best_lr_and_cache(tiny_data, tmp_path, caplog):
     md = (out / "sweep.md").read_text()
     assert "Held fixed:** tokens = 1,024, steps = 8" in md and "best train.lr" in md
     assert json.loads((out / "sweep.json").read_text())["best"] == s["best"]
+    assert_report_section(out, "sweep", "sweep")  # the one report: the sweep table is a section of report.md
 
     # a finished sweep is not run again; without --resume a non-empty folder is an error
     before = {r["name"]: (out / r["name"] / "result.json").stat().st_mtime_ns for r in runs}
@@ -226,10 +227,11 @@ def test_resume_alone_continues_the_sweep_its_folder_holds(keel_main, tmp_path, 
 
 @pytest.mark.parametrize("preset", ["cpu-depth", "deep-vs-wide", "paper-depth", "paper-deep-vs-wide"])
 def test_presets_build(preset):
-    from keel.experiments.sweep import build_jobs, load_preset
+    from keel.experiments.presets import load_sweep_preset
+    from keel.experiments.sweep import build_jobs
 
-    p = load_preset(preset)
-    sets = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in p.get("set", {}).items()]
+    p = load_sweep_preset(preset)
+    sets = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in p["set"]]
     jobs = build_jobs(p.get("base"), p["grid"], sets, match_params=p.get("match_params"))
     assert len(jobs) == math.prod(len(v) for v in p["grid"].values())
     if p.get("match_params"):
@@ -303,3 +305,115 @@ def test_a_resume_with_the_full_flags_lists_each_set_once(tmp_path):
         ["train.steps=5"]
     assert _stored_sweep(build_parser().parse_args([*argv, "--resume", "--set", "train.steps=6"])).set == \
         ["train.steps=5", "train.steps=6"]
+
+
+# the run names `keel sweep --preset cpu-depth --dry-run` planned before the presets became study files
+CPU_DEPTH_RUNS = [f"lr{lr}_{s}_L{L}" for lr in ("0.002", "0.006") for s in ("keel", "pre_ln", "post_ln")
+                  for L in (8, 16, 32, 64)]
+
+OLD_CPU_DEPTH = '''base = "demo"
+best_over = "train.lr"
+
+[grid]
+"train.lr" = [2e-3, 6e-3]
+"model.residual" = ["keel", "pre_ln", "post_ln"]
+"model.n_layers" = [4, 8, 16, 32]
+
+[set]
+"data.tokenizer" = "bpe:1024"
+"data.max_bytes" = 6000000
+"data.val_fraction" = 0.05
+"model.vocab_size" = 1024
+"model.d_model" = 64
+"model.n_heads" = 4
+"model.n_kv_heads" = 2
+"model.d_ff" = 192
+"model.max_seq_len" = 128
+"model.init_std" = 0.08
+"train.steps" = 160
+"train.warmup_steps" = 16
+"train.batch_size" = 8
+"train.seq_len" = 64
+"train.eval_every" = 40
+"train.eval_tokens" = 8192
+"train.checkpoint_every" = 80
+"train.sample_tokens" = 16
+'''
+
+
+def _planned(preset, out, monkeypatch):
+    """The (run name, config) pairs `keel sweep --preset PRESET --dry-run` plans (the engine's planned jobs)."""
+    import keel.experiments.study.run as engine
+    from keel.cli import main
+
+    got, plan = [], engine.planned_jobs
+
+    def spy(*a, **k):
+        jobs = plan(*a, **k)
+        got.append([(j.name, j.config) for _, _, js in jobs for j in js])
+        return jobs
+
+    monkeypatch.setattr(engine, "planned_jobs", spy)
+    assert main(["sweep", "--preset", str(preset), "--dry-run", "--out", str(out)]) == 0
+    return got[-1]
+
+
+def test_a_sweep_preset_is_a_study_file_planning_the_runs_it_always_planned(tmp_path, monkeypatch, caplog):
+    """The packaged sweep presets are study files ([groups.sweep] of kind "grid"), read by the study
+    reader; cpu-depth plans the run names it planned as an old-format file. An old-format file (a
+    user's own, by path) still loads, with one warning naming the format and how to convert it, and
+    plans the same runs as its converted form."""
+    from keel.experiments.presets import load_sweep_preset
+
+    text = (REPO / "keel" / "configs" / "sweeps" / "cpu-depth.toml").read_text()
+    assert "[groups.sweep]" in text and 'kind = "grid"' in text and "\n[grid]" not in text
+    new = _planned("cpu-depth", tmp_path / "new", monkeypatch)
+    assert [name for name, _ in new] == CPU_DEPTH_RUNS
+    old_file = tmp_path / "my-sweep.toml"
+    old_file.write_text(OLD_CPU_DEPTH)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="keel"):
+        old = _planned(old_file, tmp_path / "old", monkeypatch)
+    warned = [m for m in caplog.messages if "old sweep-preset format" in m]
+    assert len(warned) == 1 and "[groups.sweep]" in warned[0] and 'kind = "grid"' in warned[0], caplog.messages
+    assert old == new
+    with caplog.at_level("WARNING", logger="keel"):
+        assert load_sweep_preset(str(old_file)) == load_sweep_preset("cpu-depth")
+
+
+def test_a_sweep_preset_that_is_not_one_grid_group_is_one_line(tmp_path, keel_main):
+    """A sweep preset with a train group, or a grid group with a key it does not read: one line, exit 2."""
+    two = tmp_path / "two.toml"
+    two.write_text('[groups.a]\nschemes = ["keel"]\nsublayers = [4]\nseeds = [0]\nlrs = [1e-3]\n')
+    r = keel_main("sweep", "--preset", two, "--dry-run", "--out", tmp_path / "o")
+    assert r.returncode == 2 and 'a sweep preset is a study of one group of kind "grid"' in r.stderr
+    assert "Traceback" not in r.stderr
+    stray = tmp_path / "stray.toml"
+    stray.write_text('[groups.sweep]\nkind = "grid"\nschemes = ["keel"]\ngrid = { "train.lr" = [1e-3] }\n')
+    r = keel_main("sweep", "--preset", stray, "--dry-run", "--out", tmp_path / "o")
+    assert r.returncode == 2 and "schemes belong(s) to a group of schemes x sub-layers x seeds" in r.stderr, r.stderr
+    empty = tmp_path / "empty.toml"
+    empty.write_text('[groups.sweep]\nkind = "grid"\ngrid = { "train.lr" = [] }\n')
+    r = keel_main("sweep", "--preset", empty, "--dry-run", "--out", tmp_path / "o")
+    assert r.returncode == 2 and "grid 'train.lr' must be a non-empty list" in r.stderr, r.stderr
+
+
+def test_a_study_with_a_grid_group_reports_the_sweep_table(tiny_data, tmp_path, keel_main):
+    """`keel study` on a study file with a grid group (no [scales]: sized in place, as a sweep preset)
+    writes the same section `keel sweep` does: the group's sweep table in report.md, its data in
+    report.json. Its own set names the data (data.path): its runs train on that, not on the base's."""
+    from keel.experiments.sweep import sweep_markdown
+
+    sets = ", ".join(f'"{k}" = {json.dumps(v)}' for k, v in (s.split("=", 1) for s in _tiny_sets(tiny_data)))
+    study = tmp_path / "grid-study.toml"
+    study.write_text(f'base = "demo"\n[groups.lrs]\nkind = "grid"\nbest_over = "train.lr"\n'
+                     f'grid = {{ "train.lr" = [1e-3, 1e-2] }}\nset = {{ {sets} }}\n')
+    out = tmp_path / "st"
+    r = keel_main("study", study, "--scale", "cpu", "--workers", "0", "--out", out)
+    assert r.returncode == 0, r.stderr
+    data = json.loads((out / "report.json").read_text())["group_tables"]["lrs"]
+    assert [x["name"] for x in data["runs"]] == ["lr0.001", "lr0.01"] and data["best_over"] == "train.lr"
+    assert data["best"][0]["best"] in (1e-3, 1e-2)
+    md = (out / "report.md").read_text()
+    section = "\n".join("##" + x if x.startswith("#") else x for x in sweep_markdown(data).rstrip("\n").split("\n"))
+    assert "## Group lrs: sweep" in md and section in md

@@ -2,13 +2,17 @@
 flags become a study of one group (:class:`keel.experiments.study.spec.Study`), run by the one
 engine (:func:`keel.experiments.study.run.execute`: the output folder's check and lock, the
 dataset prepared once, the grid runner and executor, ``--resume``, ``--report-only``,
-``--dry-run``, ``report.md`` / ``report.json`` and the group's PNG), then written up as the
-command's own table (``sweep.md``, ``stress.md``, ``sensitivity.md`` and their JSON).
+``--dry-run``, ``report.md`` / ``report.json`` and the group's PNG). The command's table is the
+group kind's own table (:meth:`keel.experiments.study.kinds.TrainKind.table`), a section of the
+engine's ``report.md`` and ``report.json``'s ``group_tables``; ``sweep.md``, ``stress.md``,
+``sensitivity.md`` and their JSON are its deprecated aliases, written for one more release
+(:func:`write_deprecated_tables`). Sweep presets are study files of one grid group
+(:func:`load_sweep_preset`).
 
 The group's runs sit directly in ``--out`` (``Group.folder = ""``), named as the command
 always named them; the group's PNG is the command's (``stress.png``, ``sensitivity.png``,
 ``sweep.png``). The formulas and tables stay in :mod:`.sweep`, :mod:`.stress` and
-:mod:`.sensitivity`, which the engine itself uses for a study's groups.
+:mod:`.sensitivity`, which the engine's group kinds use.
 """
 
 from __future__ import annotations
@@ -18,18 +22,14 @@ import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from keel.config import Override, override_text, resolve_config_path
-from keel.diagnostics.divergence import Thresholds
+from keel.config import Override, read_toml, resolve_config_path
 from keel.errors import KeelError
 from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
-from keel.experiments import sweep as S
 from keel.experiments.grid import cached_result, check_reportable
-from keel.experiments.job_result import JobResult
 from keel.experiments.study.run import check_started_runs, execute
-from keel.experiments.study.spec import Group, Study, refuse_sets
+from keel.experiments.study.spec import Group, Study, refuse_sets, study_from_dict
 from keel.io import atomic_write_text
 from keel.model import SCHEMES
 from keel.rundir import RunDir
@@ -79,17 +79,6 @@ def preset_study(name: str, config: str | None, sets: Sequence[Override], group:
     pairs) applied to every run. Raises KeelError for an unknown config preset."""
     return Study(name=name, scale=SCALE, description="", note="", base=str(resolve_config_path(config)),
                  sets=list(sets), groups=[group], claims=[])
-
-
-def _done(report: dict) -> list[dict]:
-    """The finished runs' grid results (``result.json``) of an engine report, in run order."""
-    return [r.result for r in report["records"] if r.status == "done"]
-
-
-def _errors(report: dict) -> list[dict]:
-    """The failed runs of an engine report, as grid results (``status``, ``message``)."""
-    return [{"name": r.name, "values": r.values, "status": "error", "message": r.message}
-            for r in report["records"] if r.status == "error"]
 
 
 def _require_finished(out: Path, names: Sequence[str], what: str) -> list[str]:
@@ -142,6 +131,22 @@ def _log_unplanned(out: Path, report: dict, what: str) -> None:
                      f"{', '.join(stray[:3])}{more} (the grid flags changed? keep one grid per --out)")
 
 
+DEPRECATED = "*deprecated: see report.md (its section \"Group {group}: {title}\"); this file goes in the next release*\n\n"
+
+
+def write_deprecated_tables(report: dict, group: Group, out: Path, stem: str) -> dict:
+    """Write ``STEM.json`` / ``STEM.md`` (``sweep``, ``stress``, ``sensitivity``) into ``out``: the
+    deprecated aliases, kept for one release, of ``group``'s own table in the engine's ``report.json``
+    (``group_tables``) and ``report.md`` (the same data and text, from the same function:
+    :meth:`keel.experiments.study.kinds.TrainKind.table_markdown`; the markdown's first line says it
+    is deprecated). Returns the data."""
+    data = report["group_tables"][group.name]
+    atomic_write_text(out / f"{stem}.json", json.dumps(data, indent=1, default=str))
+    atomic_write_text(out / f"{stem}.md", DEPRECATED.format(group=group.name, title=group.kind_class.table_title)
+                      + group.kind_class.table_markdown(data))
+    return data
+
+
 # ----------------------------------------------------------------------------- keel stress
 def run_stress(config: str | None = None, overrides: Sequence[Override] = (), schemes: Sequence[str] = ("pre_ln", "keel"),
                sublayers: Sequence[int] = (64,), seeds: Sequence[int] = (0,), peak_lr: float = 5e-2,
@@ -171,22 +176,14 @@ def run_stress(config: str | None = None, overrides: Sequence[Override] = (), sc
         raise KeelError(f"--ramp-steps must be >= 2, got {ramp_steps}")
     refuse_sets(overrides, STRESS_OWNED)
     group = Group(name="stress", folder="", kind="ramp", schemes=schemes, sublayers=sublayers, seeds=seeds,
-                  peak_lr=peak_lr, ramp_steps=ramp_steps, reference=reference_scheme)
+                  peak_lr=peak_lr, ramp_steps=ramp_steps, reference=reference_scheme, table=True)
     names = [ST.run_name(s, L, sd) for sd in seeds for L in sublayers for s in schemes]
     cached = _require_finished(out, names, "stress test") if report_only else \
         [n for n in names if cached_result(out / n) is not None]
     report = _execute("stress", config, overrides, group, out, report_only=report_only, **engine)
     if engine.get("dry_run"):
         return report
-    results = _done(report)
-    refs = [cached_result(out / ST.REFERENCES / ST.run_name(reference_scheme, L, sd)) for sd in seeds
-            for L in sublayers]
-    table = ST.stress_table(results, schemes, sublayers)
-    summary = {"peak_lr": peak_lr, "ramp_steps": ramp_steps, "config": str(resolve_config_path(config)),
-               "overrides": [override_text(x) for x in overrides], "reference_scheme": reference_scheme, "runs": results,
-               "references": [r for r in refs if r is not None], "table": table}
-    atomic_write_text(out / "stress.json", json.dumps(summary, indent=1, default=str))
-    atomic_write_text(out / "stress.md", ST.table_markdown(table, peak_lr))
+    summary = write_deprecated_tables(report, group, out, "stress")
     summary.update(trained=[] if report_only else [n for n in names if n not in cached], cached=cached)
     return summary
 
@@ -215,23 +212,51 @@ def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Se
     refuse_sets(sets, SENSITIVITY_OWNED)
     out = Path(out)
     group = Group(name="sensitivity", folder="", schemes=list(schemes), sublayers=list(sublayers), seeds=list(seeds),
-                  lrs=lrs, widen=0)
+                  lrs=lrs, widen=0, table=True)
     if report_only:
         _require_finished(out, (), "LR grid")
     report = _execute("lr-sensitivity", config, sets, group, out, report_only=report_only, **engine)
     if engine.get("dry_run"):
         return report
-    results, h1 = _done(report) + _errors(report), report["unigram_entropy"]
-    summary = {"config": str(resolve_config_path(config)), "sets": list(sets), "schemes": list(schemes),
-               "sublayers": list(sublayers), "lrs": lrs, "seeds": list(seeds), "unigram_entropy": h1,
-               "plateau_level": Thresholds().plateau_level(h1), "runs": results}
-    summary["cells"] = LS.summarise(report["records"], schemes, sublayers, lrs, seeds, summary["plateau_level"])
-    atomic_write_text(out / LS.OUT_JSON, json.dumps(summary, indent=1, default=str))
-    atomic_write_text(out / LS.OUT_MD, LS.markdown(summary))  # sensitivity.png: the engine's plot (LS.plot)
-    return summary
+    return write_deprecated_tables(report, group, out, Path(LS.OUT_JSON).stem)  # sensitivity.png: the engine's plot
 
 
 # ----------------------------------------------------------------------------- keel sweep
+OLD_SWEEP_KEYS = ("grid", "set", "best_over", "match_params")  # the top-level keys of the old sweep-preset format
+
+
+def load_sweep_preset(name: str) -> dict:
+    """A sweep preset (``keel sweep --preset``): the packaged ``keel/configs/sweeps/NAME.toml`` or a
+    TOML file, a study file of one group of kind ``grid`` read by the study reader
+    (:func:`keel.experiments.study.spec.study_from_dict`), as the flags it gives: ``{"base", "grid",
+    "set" (typed (key, value) pairs: the study's, then the group's), "best_over", "match_params"}``.
+    A file of the old format (``grid``, ``set``, ``best_over``, ``match_params`` at the top level) is
+    converted on read, with one warning saying how to convert it; it loads for one more release.
+
+    Raises:
+        KeelError: unknown name, unparsable TOML, a malformed study or group (an unknown key, a grid
+            key whose list is empty or repeats a value, ``best_over`` not a grid key), a file that is
+            not a study of exactly one grid group.
+    """
+    path = resolve_config_path(name, kind="sweeps")
+    d = read_toml(path, "sweep preset")
+    old = [k for k in OLD_SWEEP_KEYS if k in d]
+    if old:
+        _log.warning(f"sweep preset {path} is in the old sweep-preset format (top-level {', '.join(old)}), read "
+                     f"for one more release: move {', '.join(old)} under [groups.sweep] with kind = \"grid\" "
+                     "(docs/usage.md, sweep presets)")
+        d = {**{k: v for k, v in d.items() if k not in OLD_SWEEP_KEYS},
+             "groups": {"sweep": {"kind": "grid", **{k: d[k] for k in old}}}}
+    study = study_from_dict(path.stem, d, SCALE)
+    if len(study.groups) != 1 or study.groups[0].kind != "grid" or study.claims:
+        raise KeelError(f"sweep preset {path}: a sweep preset is a study of one group of kind \"grid\" and no "
+                        f"claims ([groups.NAME] with kind = \"grid\" and its grid), got group(s) "
+                        f"{', '.join(f'{g.name} ({g.kind})' for g in study.groups)}")
+    g = study.groups[0]
+    return {"base": d.get("base"), "grid": g.grid, "set": study.all_sets(g), "best_over": g.best_over,
+            "match_params": g.match_params}
+
+
 def run_sweep(config: str | None, grid: dict[str, list], sets: Sequence[Override] = (), *, out: str | Path,
               best: str | None = None, match_params: int | str | None = None, **engine) -> dict:
     """Run (or complete, or plan) a sweep (:mod:`keel.experiments.sweep`) and write ``sweep.json``
@@ -253,21 +278,8 @@ def run_sweep(config: str | None, grid: dict[str, list], sets: Sequence[Override
     refuse_sets(sets, _owned("sweep", {k: "it per run; it is a --grid key" for k in grid
                                        if not (match_params == "auto" and k.startswith("model."))}))
     group = Group(name="sweep", folder="", kind="grid", schemes=[], sublayers=[], seeds=[], grid=grid,
-                  match_params=match_params)
+                  match_params=match_params, best_over=best)
     report = _execute("sweep", config, sets, group, Path(out), **engine)
     if engine.get("dry_run"):
         return report
-    order = {r.name: i for i, r in enumerate(report["records"])}
-    results = sorted(_done(report) + _errors(report), key=lambda r: order[JobResult.from_dict(r).name])
-    summary: dict[str, Any] = {
-        "out": str(out), "config": str(resolve_config_path(config)), "sets": [override_text(x) for x in sets],
-        "grid": grid, "grid_keys": list(grid), "derived_keys": ["model.d_model"] if match_params not in (None, 0, "0", "")
-        else [], "match_params": match_params, "runs": results,
-        "held_fixed": S.held_fixed([r for r in results if JobResult.from_dict(r).done]), "best_over": best, "best": None}
-    if best:
-        summary["best"] = [{"values": g["values"], "best": g["best"], "name": g["run"]["name"] if g["run"] else None,
-                            "final_val_loss": g["run"]["final_val_loss"] if g["run"] else None,
-                            "n_ok": g["n_ok"], "n": g["n"]} for g in S.best_over(results, list(grid), best)]
-    atomic_write_text(Path(out) / "sweep.json", json.dumps(summary, indent=1, default=str))
-    atomic_write_text(Path(out) / "sweep.md", S.sweep_markdown(summary))
-    return summary
+    return write_deprecated_tables(report, group, Path(out), "sweep")

@@ -30,10 +30,13 @@ Seeds are then summarised by mean and sample standard deviation (``sd``, ddof = 
 one seed); the optimal LR of a cell is also read off the seed-mean curve (``opt_lr``),
 with a flag when it sits at either end of the LR grid (the grid is then too narrow).
 
-Outputs in ``--out``: the run folders, ``sensitivity.json`` (settings, every run's summary,
-the per-seed and per-cell numbers), ``sensitivity.md`` (the table) and ``sensitivity.png``
-(loss against LR, log x, one panel per depth, one line per scheme, with the init loss
-and the unigram entropy of the training tokens as horizontal lines).
+Outputs in ``--out``: the run folders, the engine's one report (``report.md``: the table
+(:func:`markdown`) is its section "Group sensitivity: LR sensitivity"; ``report.json``:
+``group_tables["sensitivity"]``, the settings, every run's summary, the per-seed and per-cell
+numbers) and ``sensitivity.png`` (loss against LR, log x, one panel per depth, one line per
+scheme, with the init loss and the unigram entropy of the training tokens as horizontal lines).
+``sensitivity.json`` / ``sensitivity.md`` are deprecated aliases (one release) of the same data
+and table. A study's train group with ``table = true`` gets the same section.
 """
 
 from __future__ import annotations

@@ -36,10 +36,12 @@ one vocabulary, ``healthy`` / ``stagnation`` / ``instability`` / ``degradation``
 
     OUT/references/<ref scheme>-<L>sl-seed<S>/   the reference runs (a grid of their own)
     OUT/<scheme>-<L>sl-seed<S>/                  one run directory per stress run
-    OUT/stress.json                              all results + the table
-    OUT/stress.md                                the table, laid out like the paper's Table 1
+    OUT/report.md, report.json                   the engine's one report: the table (laid out like the paper's
+                                                 Table 1) is its section "Group stress: ...", its data (all
+                                                 results + the table) report.json's group_tables["stress"]
     OUT/stress.png                               training loss against the ramp's LR (log x), one line per run
-    OUT/study.json, report.md, report.json       the engine's marker and report
+    OUT/study.json                               the engine's marker
+    OUT/stress.json, stress.md                   deprecated (one release): the same data and table
 """
 
 from __future__ import annotations

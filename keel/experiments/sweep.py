@@ -10,11 +10,16 @@ runs cached, an interrupted sweep continued with ``--resume``, ``--dry-run`` pla
 
 Outputs in ``--out``::
 
-    sweep.json   grid, base config, what was held fixed, one record per run, the best-LR table
-    sweep.md     the same as markdown tables
+    report.md    the engine's one report; the sweep's tables (:func:`sweep_markdown`) are its
+                 section "Group sweep: sweep"
+    report.json  its data; group_tables["sweep"]: grid, base config, what was held fixed, one
+                 record per run, the best-LR table
     sweep.png    the runs' training loss curves (the engine's plot of the group)
-    study.json, report.md, report.json   the engine's marker and report
+    study.json   the engine's marker
     NAME/        the run directories (config.toml, metrics.jsonl, checkpoints/, result.json ...)
+    sweep.json, sweep.md   deprecated (one release): the same data and tables
+
+A study's grid group (``kind = "grid"``) gets the same section in its report.
 
 Per run: final validation loss (at the last step; nats/token), best validation loss over
 the evaluations, tokens trained, optimiser steps, parameters (total and non-embedding),
@@ -35,17 +40,23 @@ parameter count fixed: every point gets the ``d_model`` (and ``d_ff`` in the bas
 ratio) that brings it closest to N (:func:`width_for_params`), for deeper-vs-wider
 comparisons (paper Table 5).
 
-Presets: ``--preset NAME`` reads the packaged ``keel/configs/sweeps/NAME.toml`` (or a file)::
+Presets: ``--preset NAME`` reads the packaged ``keel/configs/sweeps/NAME.toml`` (or a file), a
+study file of one group of kind ``grid``, read by the study reader
+(:func:`keel.experiments.presets.load_sweep_preset`)::
 
     base = "demo"                       # config preset or file; --config overrides it
+    [groups.sweep]
+    kind = "grid"
     best_over = "train.lr"              # optional
     match_params = 0                    # optional; "auto" or a count
-    [grid]
+    [groups.sweep.grid]
     "model.residual" = ["keel", "pre_ln"]
-    [set]
+    [groups.sweep.set]
     "train.steps" = 300
 
-``--grid`` and ``--set`` on the command line add to (and override) the preset's.
+``--grid`` and ``--set`` on the command line add to (and override) the preset's. The old format
+(``grid``, ``set``, ``best_over``, ``match_params`` at the top level) still loads for one
+release, converted on read with a warning: move those keys under ``[groups.sweep]`` as above.
 """
 
 from __future__ import annotations
@@ -60,8 +71,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from keel.config import (Config, Override, coerce_key, config_from_dict, load_config, parse_value, read_toml,
-                         resolve_config_path, resolve_vocab_size)
+from keel.config import (Config, Override, coerce_key, config_from_dict, load_config, parse_value, resolve_config_path,
+                         resolve_vocab_size)
 from keel.keys import current_key
 from keel.data import read_meta
 from keel.data.stats import dataset_unigram_entropy
@@ -212,25 +223,6 @@ def width_for_params(model_cfg, target: int, n_layers: int | None = None, *, mul
 
 
 # ----------------------------------------------------------------------------- jobs
-def load_preset(name: str) -> dict:
-    """A sweep preset: the packaged ``keel/configs/sweeps/NAME.toml`` or a TOML file path, as a dict.
-
-    Raises KeelError for an unknown name, unparsable TOML, unknown top-level keys or a grid key whose
-    list is empty or repeats a value (:func:`repeats_a_value`).
-    """
-    p = resolve_config_path(name, kind="sweeps")
-    d = read_toml(p, "sweep preset")
-    unknown = set(d) - {"base", "grid", "set", "best_over", "match_params", "description"}
-    if unknown:
-        raise KeelError(f"unknown key(s) in sweep preset {p}: {', '.join(sorted(unknown))}")
-    for k, v in d.get("grid", {}).items():
-        if not isinstance(v, list) or not v:
-            raise KeelError(f"sweep preset {p}: grid {k!r} must be a non-empty list")
-        if repeats_a_value(k, v):
-            raise KeelError(f"sweep preset {p}: grid {k!r} repeats a value: {v}")
-    return d
-
-
 def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[Override] = (), *,
                match_params: int | str | None = None, data_path: str | None = None) -> list[GridJob]:
     """One :class:`GridJob` per grid point: base config + ``sets`` (``--set`` strings or typed

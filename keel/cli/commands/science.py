@@ -319,12 +319,12 @@ def _register_sweep(subparsers) -> None:
 def cmd_sweep(args: argparse.Namespace) -> int:
     if args.resume and args.out:
         args = stored_flags(args, args.out, "sweep", ("grid", "preset", "config", "best_over", "match_params"))
-    preset = S.load_preset(args.preset) if args.preset else {}
+    preset = presets.load_sweep_preset(args.preset) if args.preset else {}
     grid = {k: list(v) for k, v in preset.get("grid", {}).items()}
     grid.update(S.parse_grid(args.grid))
     if not grid:
-        raise KeelError("nothing to sweep: give --grid section.key=v1,v2 (or a --preset with a [grid])")
-    sets = list(preset.get("set", {}).items()) + list(args.set)  # typed (key, value) pairs, then --set strings
+        raise KeelError("nothing to sweep: give --grid section.key=v1,v2 (or a --preset with a grid group)")
+    sets = list(preset.get("set", [])) + list(args.set)  # typed (key, value) pairs, then --set strings
     config = args.config or preset.get("base")
     best = args.best_over or preset.get("best_over")
     match = args.match_params if args.match_params is not None else preset.get("match_params")
@@ -338,7 +338,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _print_plan(s, False)
     print(S.sweep_markdown(s))
-    print(f"sweep: {out}/sweep.md, {out}/sweep.json")
+    print(f"sweep: {out}/report.md, {out}/report.json (sweep.md, sweep.json: deprecated, see report.md)")
     return 1 if any(r.get("status") != "done" for r in s["runs"]) else 0
 
 
@@ -505,7 +505,8 @@ def cmd_stress(args) -> int:
         print(json.dumps(res["table"], indent=1))
     else:
         print(ST.table_markdown(res["table"], args.peak_lr))
-        print(f"wrote {Path(args.out) / 'stress.json'}, stress.md, stress.png")
+        print(f"wrote {Path(args.out) / 'report.md'}, report.json, stress.png (stress.md, stress.json: deprecated, "
+              "see report.md)")
     return 0
 
 
@@ -604,7 +605,8 @@ def cmd_lr_sensitivity(args: argparse.Namespace) -> int:
     else:
         print(LS.markdown(s))
         png = f", {LS.OUT_PNG}" if (Path(args.out) / LS.OUT_PNG).is_file() else ""  # none when no run finished
-        print(f"wrote {Path(args.out) / LS.OUT_JSON}, {LS.OUT_MD}{png}")
+        print(f"wrote {Path(args.out) / 'report.md'}, report.json{png} ({LS.OUT_MD}, {LS.OUT_JSON}: deprecated, "
+              "see report.md)")
     return 1 if any(r.get("status") != "done" for r in s["runs"]) else 0
 
 

@@ -6,8 +6,12 @@ walk through the format): ``[groups.G]`` sets of runs (schemes x sub-layers x pe
 LR grid or the paper's max-LR ramp; each key declared, with its meaning, on :class:`spec.Group`),
 ``[[claims]]`` (one kind of :data:`claims.CLAIMS` each, naming the groups and schemes it reads),
 ``[scales.S]`` (the config keys of every run and each group's sizes at ``tiny``, ``cpu``, ``gpu-1``,
-``paper``) and ``[verdict]`` (the floor and seeds of :func:`verdicts.paired_verdict`). Config keys
-apply in the order scale ``set``, group ``set``, the user's ``--set`` (later wins).
+``paper``; a file without ``[scales]`` has one size, its groups sized in their own tables) and
+``[verdict]`` (the floor and seeds of :func:`verdicts.paired_verdict`). A group of kind ``grid``
+(``keel sweep``'s; the sweep presets of ``keel/configs/sweeps/`` are such files) takes ``grid``
+(``{section.key: [values]}``), ``best_over``, ``match_params`` and ``set`` instead of schemes,
+sub-layers, LRs and seeds. Config keys apply in the order scale ``set``, group ``set``, the
+user's ``--set`` (later wins).
 
 Every run is an ordinary ``keel train`` run (:func:`keel.experiments.sweep.train_task`):
 finished runs are cached, interrupted ones resume (``--resume``), groups run in file order
@@ -16,7 +20,9 @@ Layout of ``--out``::
 
     OUT/<group>/<run>/          one training run (grid job: job.json, result.json, run.log, ...)
     OUT/<ramp group>/references/<run>/   the stress test's reference runs
-    OUT/report.md, report.json  the verdicts, the per-claim tables, every run's numbers
+    OUT/report.md, report.json  the verdicts, the per-claim tables, every run's numbers, a group kind's
+                                own table (a grid group's sweep table; ``table = true``: a ramp
+                                group's stress table, a train group's LR sensitivity)
     OUT/*.png                   loss against LR per group, the ramp, margins against depth, showcase
 
 The verdict vocabulary is ``reproduced`` / ``not reproduced`` / ``inconclusive``, computed, never

@@ -86,6 +86,34 @@ def unclaimed_group_sections(study: Study, runs: list[RunRecord]) -> list[str]:
     return out
 
 
+def group_tables(study: Study, runs: list[RunRecord], out: Path, h1: float | None) -> dict[str, dict]:
+    """``{group: data}``: the own table of each group whose kind has one (a grid group's sweep table;
+    a ramp or train group's with ``table = true``: :meth:`keel.experiments.study.kinds.TrainKind.table`),
+    from its run records ``runs`` and ``out`` (a ramp group's reference runs); ``h1``: the training
+    tokens' unigram entropy (nats). ``report.json``'s ``group_tables``; :func:`group_table_sections`
+    writes them into ``report.md``."""
+    tables = {}
+    for g in study.groups:
+        data = g.kind_class.table(study, g, [r for r in runs if r.group == g.name], out, h1)
+        if data is not None:
+            tables[g.name] = data
+    return tables
+
+
+def group_table_sections(study: Study, tables: dict[str, dict]) -> list[str]:
+    """Markdown: one section per group of ``tables`` (:func:`group_tables`), its kind's own text
+    (:meth:`~keel.experiments.study.kinds.TrainKind.table_markdown`, the text of the deprecated
+    ``sweep.md`` / ``stress.md`` / ``sensitivity.md``) under ``## Group NAME: its TITLE``, its
+    headings two levels down."""
+    out = []
+    for g in study.groups:
+        if g.name in tables:
+            text = g.kind_class.table_markdown(tables[g.name])
+            out += [f"## Group {g.name}: {g.kind_class.table_title}", ""]
+            out += ["##" + x if x.startswith("#") else x for x in text.rstrip("\n").split("\n")] + [""]
+    return out
+
+
 def baseline_table(study: Study, g: Group, runs: list[RunRecord]) -> list[str]:
     """Markdown: ``g``'s schemes against its baselines (:func:`baseline_margins`), one row per
     depth and scheme, one column per baseline; empty when ``g`` names none."""
@@ -268,8 +296,10 @@ def restored_words(runs: list[RunRecord], restore: str | Path | None) -> str:
 
 
 def report_markdown(study: Study, claims: list[tuple[Claim, dict]], runs: list[RunRecord], command: str,
-                    waiting: Sequence[dict] = (), restore: str | Path | None = None, floor: dict | None = None) -> str:
-    """``report.md``: the verdict table, one section per claim, every run."""
+                    waiting: Sequence[dict] = (), restore: str | Path | None = None, floor: dict | None = None,
+                    tables: dict[str, dict] | None = None) -> str:
+    """``report.md``: the verdict table, one section per claim, the groups no claim reads, the groups'
+    own tables (``tables``: :func:`group_tables`), every run."""
     done = [r for r in runs if r.status == "done"]
     lines = [f"# Study `{study.name}`, scale `{study.scale}`", "", study.note, "",
              f"Runs finished: {len(done)} of {len(runs)} planned so far{tokens_words(study, done)}."
@@ -291,7 +321,8 @@ def report_markdown(study: Study, claims: list[tuple[Claim, dict]], runs: list[R
               cl.unit] for cl, c in claims]) + [""]
     for cl, c in claims:
         lines += claim_section(cl, c)
-    return "\n".join(lines + unclaimed_group_sections(study, runs) + best_loss_table(study, runs)
+    return "\n".join(lines + unclaimed_group_sections(study, runs) + group_table_sections(study, tables or {})
+                     + best_loss_table(study, runs)
                      + plateau_table(runs) + runs_table(runs)) + "\n"
 
 

@@ -22,7 +22,8 @@ from keel.experiments.executor import Executor, check_slurm_here
 from keel.experiments.grid import GridJob, cached_result, check_pool, check_started, run_grid
 from keel.experiments.job_result import JobResult
 from keel.experiments.record import RunRecord
-from keel.experiments.study.report import claim_summary, report_markdown, superseded_words, waiting_words, write_plots
+from keel.experiments.study.report import (claim_summary, group_tables, report_markdown, superseded_words, waiting_words,
+                                          write_plots)
 from keel.experiments.study.claims import Claim, load_study
 from keel.experiments.study.dataset import NO_DATA, check_study_data, shares_data, study_dataset
 from keel.experiments.study.plan import cpu_hours, plan_markdown, plan_total
@@ -411,7 +412,10 @@ def execute(study: Study, out: str | Path, *, workers: int | None = None, thread
     Returns:
         The ``report.json`` content: ``study``, ``scale``, ``claims`` (per claim its verdict and
         numbers), ``baseline_margins`` (:func:`baseline_margins` of each group, with ``group``),
-        ``runs`` (every planned run's record, :func:`run_record`), ``plots``.
+        ``runs`` (every planned run's record, :func:`run_record`), ``plots``, and where a group has
+        its own table (a grid group's sweep table; a ramp or train group's with ``table``)
+        ``group_tables`` (``{group: data}``, :func:`keel.experiments.study.report.group_tables`, also
+        sections of ``report.md``).
     Raises:
         KeelError: bad study or scale (:func:`load_study`), bad config, ``out`` not usable
             (:func:`_claim_out`: a file, another study's folder, non-empty without ``resume``);
@@ -541,11 +545,14 @@ def write_report(study: Study, runs: list[dict], out: Path, h1: float | None, co
     plots = write_plots(study, runs, claims, out, h1)
     report = report_json(study, runs, claims, floor, h1, command, restore, plots)
     report["superseded_runs"] = list({(r.group, r.name): r.to_dict() for r in superseded}.values())
+    tables = group_tables(study, runs, out, h1)
+    if tables:  # a study without a grid group or a group asking for its table: report.json as it was
+        report["group_tables"] = tables
     atomic_write_text(out / "report.json", json.dumps(report, indent=1, default=str))
     report["waiting"] = waiting
-    report["records"] = runs  # with each run's result (report.json leaves those out): a preset's tables read them
-    atomic_write_text(out / "report.md", report_markdown(study, claims, runs, command, waiting,
-                                                         restore, floor) + superseded_words(report["superseded_runs"]))
+    report["records"] = runs  # with each run's result (report.json leaves those out)
+    atomic_write_text(out / "report.md", report_markdown(study, claims, runs, command, waiting, restore, floor, tables)
+                      + superseded_words(report["superseded_runs"]))
     return report
 
 

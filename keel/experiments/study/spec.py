@@ -13,12 +13,16 @@ from keel.config import Override, override_text, read_toml, resolve_config_path
 from keel.errors import KeelError
 from keel.experiments.job_result import is_number
 from keel.experiments.study.kinds import GROUP_KINDS, TrainKind
-from keel.keys import check_keys, did_you_mean, key, key_names, key_rule, unread_keys
+from keel.keys import check_key, check_keys, did_you_mean, key, key_names, key_rule, unread_keys
 from keel.model import SCHEMES
 
 
 def _own(name: str):
     return lambda g: name in g.kind_class.keys  # the read_if of a key only some kinds of group read (their keys)
+
+
+def _axes(g) -> bool:
+    return g.kind_class.axes  # the read_if of schemes, sublayers, seeds, ...: not a grid group's (its grid names them)
 
 
 # ----------------------------------------------------------------------------- the study as data
@@ -29,11 +33,15 @@ class Group:
     ``(section.key, value)`` pairs (:func:`keel.config.apply_overrides`). Python sets the rest."""
 
     name: str
-    schemes: list[str] = key([], "the residual schemes it trains (keel.model.SCHEMES).", nonempty=True, unique=True)
-    sublayers: list[int] = key([], "its depths, in sub-layers.", ge=2, nonempty=True, unique=True, note="even")
-    seeds: list[int] = key([], "the seeds each scheme trains (but those of seeds_for).", nonempty=True, unique=True)
+    schemes: list[str] = key([], "the residual schemes it trains (keel.model.SCHEMES).", nonempty=True, unique=True,
+                              read_if=_axes)
+    sublayers: list[int] = key([], "its depths, in sub-layers.", ge=2, nonempty=True, unique=True, note="even",
+                               read_if=_axes)
+    seeds: list[int] = key([], "the seeds each scheme trains (but those of seeds_for).", nonempty=True, unique=True,
+                           read_if=_axes)
     lrs: list[float] = key([], "a train group's peak LRs (absolute), or lr_from.", gt=0, unique=True, read_if=_own("lrs"))
-    kind: Literal["train", "ramp"] = key("train", "an LR grid or an LR ramp (keel sweep's group, made in Python: grid).")
+    kind: Literal["train", "ramp", "grid"] = key("train", "an LR grid, an LR ramp, or a grid over any config keys (keel "
+                                                            "sweep's: grid, best_over, match_params).")
     sets: list[Override] = field(default_factory=list)
     peak_lr: float = key(5e-2, "a ramp group's last LR.", gt=0, read_if=_own("peak_lr"))
     ramp_steps: int = key(1000, "a ramp group's steps to peak_lr.", ge=1, read_if=_own("ramp_steps"))
@@ -46,7 +54,8 @@ class Group:
     baselines_from: str = key("", "a train group whose baselines runs pair with this group's.",
                               read_if=_own("baselines_from"))
     baselines: list[str] = key([], "the schemes of baselines_from that pair.", unique=True, read_if=_own("baselines"))
-    seeds_for: dict[str, list[int]] = key({}, "a scheme's own seeds.", nonempty=True, unique=True, note="scheme = [seeds]")
+    seeds_for: dict[str, list[int]] = key({}, "a scheme's own seeds.", nonempty=True, unique=True, note="scheme = [seeds]",
+                                       read_if=_axes)
     widen: int = key(2, "LRs a cell a claim reads may gain beyond the planned ones on each side (to bracket its "
                         "optimum).", ge=0, note="LRs added per side", read_if=_own("widen"))
     ablate: bool = key(False, "a train group: after each run, ΔPPL of removing each sub-layer (keel ablate, paper "
@@ -55,12 +64,15 @@ class Group:
                          read_if=_own("reference"))
     loop: list[int] = key([], "a looped model of P prelude, C core and Q coda blocks (docs/looped.md): sublayers are "
                               "then effective depths, 2 (P + R C + Q), R = (L/2 - P - Q) / C per depth.", ge=0,
-                          note="[P, C, Q], C >= 1; empty = no loop")
+                          note="[P, C, Q], C >= 1; empty = no loop", read_if=_axes)
     test_loops: list[float] = key([], "a looped train group: after each run, its final validation loss with the core "
                                       "applied round(f R) times for each factor f, kept in its record.", gt=0,
                                   unique=True, note="factors of R, e.g. [0.5, 2.0]", read_if=_own("test_loops"))
-    grid: dict[str, list] = field(default_factory=dict)  # a grid group's axes: {section.key: [values]} (keel sweep)
-    match_params: int | str | None = None  # a grid group's parameter target (keel sweep --match-params)
+    table: bool = key(False, "report.md shows the group's own table: a ramp group's stress table, a train group's "
+                             "LR-sensitivity table (a grid group's sweep table is always shown).")
+    grid: dict[str, list] = field(default_factory=dict)  # a grid group's axes: {section.key: [values]} (checked by
+    match_params: int | str | None = None  # its parameter target (keel sweep --match-params)     GridKind.check)
+    best_over: str | None = None  # its grid key whose best value per other keys' values the sweep table shows
     folder: str | None = None  # its runs' folder under the study's out: the name by default, "" = out itself
 
     @property
@@ -146,35 +158,50 @@ def lr_ladder(groups: Sequence[Group], g: Group) -> list[float]:
 def _group(name: str, spec: dict, sized: dict) -> Group:
     """The group ``name`` of a study file (its ``[groups.NAME]`` table ``spec``, the scale's ``sized``),
     checked against the declarations of :class:`Group`: one-line errors ``study group 'g': ...``."""
-    where, d, known = f"study group {name!r}", {**spec, **sized}, key_names(Group) + ["set"]
+    plain = [k for c in GROUP_KINDS.values() for k in c.keys if k not in key_names(Group)]  # grid, best_over, ...
+    where, d, known = f"study group {name!r}", {**spec, **sized}, key_names(Group) + ["set"] + plain
     unknown = sorted(set(d) - set(known))
     if unknown:
         raise KeelError(f"{where}: unknown key(s) {', '.join(k + did_you_mean(k, known) for k in unknown)}")
     sets = d.pop("set", {})
     if not isinstance(sets, dict):
         raise KeelError(f"{where}: set must be a table of config keys, e.g. set = {{ \"model.embed_init_std\" = 1.0 }}")
+    g = Group(name=name, sets=list(sets.items()), **d)
+    check_key(g, where, "kind", sep=": ")  # first: which keys the group reads depends on it
     varied = sorted(k for k in sets if k in GRID_KEYS)
-    if varied:
+    if varied and g.kind_class.axes:  # a grid group's set may fix the base its grid varies (match_params = "auto")
         raise KeelError(f"{where}: set {', '.join(varied)}: the group's schemes, sublayers, lrs and "
                         "seeds set it per run; change those instead")
-    g = Group(name=name, sets=list(sets.items()), **d)
     check_keys(g, where, sep=": ")
-    other = unread_keys(g, d)
-    if other:
-        owner = next(k for k, c in GROUP_KINDS.items() if other[0] in c.keys)
-        raise KeelError(f"{where}: {', '.join(other)} belong(s) to a {owner} group, not to this {g.kind} group")
+    _refuse_unread(g, where, unread_keys(g, d) + [k for k in plain if k in d and k not in g.kind_class.keys])
     odd = [L for L in g.sublayers if L % 2]
     if odd:
         raise KeelError(f"{where}: sublayers must be {key_rule(Group, 'sublayers')}, got {odd[0]}")
     g.kind_class.check(g, where)
-    if g.lr_from and "lrs" in d:
-        raise KeelError(f"{where}: lrs is ignored with lr_from (the group trains lr_from's optimum and its "
-                        "lr_from_steps); give one")
-    stray = [k for k in ("lr_from_sublayers", "lr_from_steps") if k in d and not g.lr_from]
-    if stray:
-        raise KeelError(f"{where}: {', '.join(stray)} need(s) lr_from (the train group whose optimal LR it trains)")
+    _check_lr_from(g, d, where)
     _check_loop(g, where)
     return g
+
+
+def _check_lr_from(g: Group, given: dict, where: str) -> None:
+    """Raise KeelError (one line) for ``lrs`` given beside ``lr_from``, or ``lr_from_sublayers`` /
+    ``lr_from_steps`` given without it (``given``: the keys the file gives the group)."""
+    if g.lr_from and "lrs" in given:
+        raise KeelError(f"{where}: lrs is ignored with lr_from (the group trains lr_from's optimum and its "
+                        "lr_from_steps); give one")
+    stray = [k for k in ("lr_from_sublayers", "lr_from_steps") if k in given and not g.lr_from]
+    if stray:
+        raise KeelError(f"{where}: {', '.join(stray)} need(s) lr_from (the train group whose optimal LR it trains)")
+
+
+def _refuse_unread(g: Group, where: str, other: list[str]) -> None:
+    """Raise KeelError naming the keys ``other`` that group ``g`` was given but its kind does not read,
+    and the kind of group that reads the first (none given: nothing to say)."""
+    if other:
+        owner = next((k for k, c in GROUP_KINDS.items() if other[0] in c.keys), None)
+        whose = f"a {owner} group" if owner else "a group of schemes x sub-layers x seeds (a grid group's grid " \
+                                                   "sets each run's values)"
+        raise KeelError(f"{where}: {', '.join(other)} belong(s) to {whose}, not to this {g.kind} group")
 
 
 LOOP_KEYS = ("model.n_layers", "model.loop_prelude", "model.loop_core", "model.loop_repeats")  # a loop group's own
@@ -216,15 +243,24 @@ def read_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
             does not size, a ``--set`` of a key the groups set per run.
     """
     path = resolve_config_path(name, kind="studies")
-    d = read_toml(path, "study")
+    return study_from_dict(path.stem, read_toml(path, "study"), scale, user_sets)
+
+
+def study_from_dict(name: str, d: dict, scale: str, user_sets: Sequence[str] = ()) -> Study:
+    """The study ``name`` of a study file's content ``d`` (its TOML as a dict) at ``scale``: what
+    :func:`read_study` reads (and ``keel sweep --preset``, :mod:`keel.experiments.presets`). A file
+    without ``[scales]`` has one size: its groups are sized in their own tables, at any ``scale``
+    (the name its report gives). Raises KeelError as :func:`read_study`."""
     unknown = set(d) - {"description", "base", "verdict", "groups", "claims", "scales"}
     if unknown:
-        raise KeelError(f"study {path.stem!r}: unknown top-level key(s) {', '.join(sorted(unknown))}")
-    _check_tables(path.stem, d, scale)
-    _check_names(path.stem, d)
+        raise KeelError(f"study {name!r}: unknown top-level key(s) {', '.join(sorted(unknown))}")
+    _check_tables(name, d, scale)
+    _check_names(name, d)
     scales = d.get("scales", {})
+    if "scales" not in d:  # one size: each group as its own table gives it
+        scales = {scale: {"groups": dict.fromkeys(d.get("groups", {}), {})}}
     if scale not in scales:
-        raise KeelError(f"study {path.stem!r} has no scale {scale!r} (scales: {', '.join(scales)})")
+        raise KeelError(f"study {name!r} has no scale {scale!r} (scales: {', '.join(scales)})")
     sc = scales[scale]
     sized = sc.get("groups", {})
     extra = set(sized) - set(d.get("groups", {}))
@@ -246,7 +282,7 @@ def read_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
     if varied:  # they were silently overridden by every group's own values
         raise KeelError(f"study scale {scale!r}: set {', '.join(varied)}: the groups' schemes, sublayers, lrs and "
                         "seeds set it per run; change those instead")
-    return Study(name=path.stem, scale=scale, description=d.get("description", "").strip(), note=sc.get("note", ""),
+    return Study(name=name, scale=scale, description=d.get("description", "").strip(), note=sc.get("note", ""),
                  base=d.get("base", "demo"), sets=list(sc.get("set", {}).items()), groups=groups, claims=claims,
                  min_effect=min_effect, min_seeds=min_seeds, floor_from_spread=spread,
                  user_sets=list(user_sets), declared=list(d.get("groups", {})))
