@@ -221,6 +221,10 @@ def test_default_model_is_unchanged(scheme, shape):
         x = model.stream.end(x) if model.stream is not None else x
         x = model.norm(x) if model.norm is not None else x
         before = model.lm_head(x).float()
+    got = (state_hash(model), next_draw, logits.double().sum().item(), logits.double().abs().sum().item())
+    if f"{scheme}/{shape}" not in REFERENCE:  # a new scheme: its entry is recorded once, from its first code
+        pytest.fail(f"no reference for a new scheme: add to REFERENCE in tests/test_loop.py\n    "
+                    f"{f'{scheme}/{shape}'!r}: {got!r},")
     want_hash, want_draw, want_sum, want_abs = REFERENCE[f"{scheme}/{shape}"]
     assert state_hash(model) == want_hash
     assert next_draw == want_draw

@@ -12,8 +12,11 @@ group; the engine's report writes it as a section of ``report.md`` and a key of 
 (``group_tables``) for a grid group always, for the others when the group asks (``table = true``,
 as ``keel stress`` and ``keel lr-sensitivity`` do).
 
-A new kind of group is one class here, its line in :data:`GROUP_KINDS`, the name in
-``Group.kind``'s type (when a study file may give it) and the keys only it reads."""
+A new kind of group is one class here, decorated with :func:`group_kind` (which registers it in
+:data:`GROUP_KINDS`: ``Group.kind`` takes the names registered there), with its ``name``, its one-line
+``summary`` (``Group.kind``'s help) and the keys only it reads (``keys``); what it does differently
+from a train group is what it overrides (``axes``, ``lr_grid``, ``ramps``, ``jobs``, ``task``,
+``record``, ``table`` ...)."""
 
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
 from keel.experiments import sweep as S
 from keel.experiments.grid import GridJob, cached_result
-from keel.experiments.job_result import JobResult
+from keel.experiments.job_result import JobResult, failed_result
 from keel.experiments.record import RunRecord
 from keel.experiments.study.ablation import train_and_ablate, train_and_test_loops
 from keel.experiments.sweep import build_jobs, train_task
@@ -45,17 +48,33 @@ def done_results(recs: list[RunRecord]) -> list[dict]:
 
 
 def error_results(recs: list[RunRecord]) -> list[dict]:
-    """The failed runs among ``recs`` as grid results (``name``, ``values``, ``status``, ``message``)."""
-    return [{"name": r.name, "values": r.values, "status": "error", "message": r.message}
-            for r in recs if r.status == "error"]
+    """The failed runs among ``recs`` as grid results (:func:`keel.experiments.job_result.failed_result`)."""
+    return [failed_result(r.name, r.message, r.wall_s or 0.0, r.values) for r in recs if r.status == "error"]
 
 
+GROUP_KINDS: dict[str, type[TrainKind]] = {}  # the kinds of group, by name: filled by @group_kind
+
+
+def group_kind(cls: type[TrainKind]) -> type[TrainKind]:
+    """Class decorator: register the kind of group ``cls`` in :data:`GROUP_KINDS` under ``cls.name``.
+
+    Raises:
+        ValueError: another kind has that name (a programming error, at import).
+    """
+    if cls.name in GROUP_KINDS:
+        raise ValueError(f"two kinds of group are named {cls.name!r}")
+    GROUP_KINDS[cls.name] = cls
+    return cls
+
+
+@group_kind
 class TrainKind:
     """A ``train`` group: schemes x sub-layers x LRs x seeds, each run trained at its peak LR. Its
     LRs form a grid per (scheme, depth) cell, planned, widened and transferred by
     :func:`keel.experiments.study.run.group_records` (``lr_grid``); the keys of ``keys`` are its own."""
 
     name: ClassVar[str] = "train"
+    summary: ClassVar[str] = "an LR grid per scheme and depth"  # Group.kind's help
     keys: ClassVar[tuple[str, ...]] = ("lrs", "lr_from", "lr_from_sublayers", "lr_from_steps", "baselines_from",
                                        "baselines", "widen", "ablate", "test_loops")  # the group keys only it reads
     lr_grid: ClassVar[bool] = True  # an LR grid per cell: what lr_from and baselines_from read, the best-loss table
@@ -153,12 +172,14 @@ class TrainKind:
         return LS.markdown(data)
 
 
+@group_kind
 class RampKind(TrainKind):
     """A ``ramp`` group: the stress test (:mod:`keel.experiments.stress`): each run's LR ramps from 0
     to ``peak_lr`` over ``ramp_steps`` until it diverges, classified against a ``reference`` scheme's
     run (reference jobs) at each depth and seed."""
 
     name: ClassVar[str] = "ramp"
+    summary: ClassVar[str] = "an LR ramp until divergence (keel stress's)"  # Group.kind's help
     keys: ClassVar[tuple[str, ...]] = ("peak_lr", "ramp_steps", "reference")
     lr_grid: ClassVar[bool] = False
     ramps: ClassVar[bool] = True
@@ -215,6 +236,7 @@ class RampKind(TrainKind):
         return ST.table_markdown(data["table"], data["peak_lr"])
 
 
+@group_kind
 class GridKind(TrainKind):
     """A ``grid`` group (``keel sweep``, a sweep preset): the product of ``grid``'s values over any
     config keys (:func:`keel.experiments.sweep.build_jobs`), with ``match_params`` and ``best_over``;
@@ -223,6 +245,7 @@ class GridKind(TrainKind):
     ``match_params``, ``note`` (no schemes, sub-layers, LRs or seeds: the grid names them)."""
 
     name: ClassVar[str] = "grid"
+    summary: ClassVar[str] = "a grid over any config keys (keel sweep's: grid, best_over, match_params)"  # Group.kind's help
     keys: ClassVar[tuple[str, ...]] = ("grid", "best_over", "match_params")
     lr_grid: ClassVar[bool] = False
     axes: ClassVar[bool] = False
@@ -287,5 +310,3 @@ class GridKind(TrainKind):
     def table_markdown(cls, data: dict) -> str:
         return S.sweep_markdown(data)
 
-
-GROUP_KINDS: dict[str, type[TrainKind]] = {k.name: k for k in (TrainKind, RampKind, GridKind)}

@@ -11,6 +11,7 @@ from pathlib import Path
 from keel.config import override_text
 from keel.experiments import sensitivity as LS
 from keel.experiments.record import RunRecord
+from keel.experiments.study.kinds import GROUP_KINDS
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.cells import CONDITION_WORDS, direction, lrs, pm, short
 from keel.experiments.study.claims import Claim
@@ -188,8 +189,11 @@ def verdict_rule(study: Study, claims: Sequence[Claim], floor: dict | None = Non
         return ", ".join(f"({c.id})" for c in cs)
 
     paired = [c for c in claims if not c.own_rule]
-    ramp = [c for c in paired if c.group_kind == "ramp"]
+    ramp = [c for c in paired if GROUP_KINDS[c.group_kind].ramps]
     own = [c for c in claims if c.own_rule]
+    own_words = f"{ids(own)} {'has its' if len(own) == 1 else 'have their'} own rule, stated in its section."
+    if not paired:  # was "Rule of : per seed ..." over no claim
+        return own_words if own else ""
     floor = floor or {"floor": study.min_effect}
     why = (f" The floor is the median seed-to-seed sd of a scheme's best loss over the {floor['cells']} cells "
            f"(scheme, depth, init) with two or more seeds that the margin claims read ({floor['median_sd']:.3f}; "
@@ -209,7 +213,7 @@ def verdict_rule(study: Study, claims: Sequence[Claim], floor: dict | None = Non
             "Margin claims are judged under two conditions fixed before any run: at the paper's init (N(0, 0.02²) "
             "everywhere) and with both schemes at the init groups' embedding init (N(0, 1)); no condition picks an "
             "init on the losses it judges, and the summary names the condition of every number."
-            + why + (f" {ids(own)} has its own rule, stated in its section." if own else ""))
+            + why + (f" {own_words}" if own else ""))
 
 
 def unfinished_words(study: Study, runs: list[RunRecord]) -> str:

@@ -26,6 +26,9 @@ def _axes(g) -> bool:
 
 
 # ----------------------------------------------------------------------------- the study as data
+GroupKind = Literal[tuple(GROUP_KINDS)]  # the names of the kinds of group registered in keel.experiments.study.kinds
+
+
 @dataclass
 class Group:
     """One group of runs of a study at one scale (see the module docstring): a study file's group
@@ -40,8 +43,8 @@ class Group:
     seeds: list[int] = key([], "the seeds each scheme trains (but those of seeds_for).", nonempty=True, unique=True,
                            read_if=_axes)
     lrs: list[float] = key([], "a train group's peak LRs (absolute), or lr_from.", gt=0, unique=True, read_if=_own("lrs"))
-    kind: Literal["train", "ramp", "grid"] = key("train", "an LR grid, an LR ramp, or a grid over any config keys (keel "
-                                                            "sweep's: grid, best_over, match_params).")
+    kind: GroupKind = key("train", "the kind of group: " + "; ".join(f"{n}, {c.summary}" for n, c in GROUP_KINDS.items())
+                          + ".")
     sets: list[Override] = field(default_factory=list)
     peak_lr: float = key(5e-2, "a ramp group's last LR.", gt=0, read_if=_own("peak_lr"))
     ramp_steps: int = key(1000, "a ramp group's steps to peak_lr.", ge=1, read_if=_own("ramp_steps"))
