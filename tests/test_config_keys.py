@@ -19,7 +19,7 @@ from keel.cli import build_parser, main
 from keel.config import (Config, DataConfig, ModelConfig, TrainConfig, apply_overrides, checked_copy, config_from_dict,
                          load_config)
 from keel.keys import choices, key_rule, key_type
-from keel.experiments.study import run as SRun, spec as SS
+from keel.experiments.study import lrs as SLrs, spec as SS
 from keel.experiments.sweep import build_jobs
 
 KEEL = Path(__file__).resolve().parents[1] / "keel"
@@ -131,7 +131,7 @@ def test_generated_check_rejects_each_value_outside_the_declaration(dotted, valu
             g = SS.Group(name="g", schemes=["keel"], sublayers=[2], seeds=[0], lrs=[1e-3], kind=kind, sets=[(dotted, value)])
             study = SS.Study(name="t", scale="t", description="", note="", base="demo", sets=[], groups=[g], claims=[])
             with pytest.raises(KeelError) as e:
-                SRun.group_jobs(study, g, "data", Path("out"))
+                SLrs.group_jobs(study, g, "data", Path("out"))
             assert str(e.value) == _message(dotted, value, rule)
 
 

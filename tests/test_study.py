@@ -13,6 +13,7 @@ import pytest
 
 from keel.errors import KeelError, plural
 from keel.experiments.study import claims as SC, plan as SPlan, records as SRec, report as SR, run as SRun, spec as SS
+from keel.experiments.study import judge as SJ, lrs as SLrs
 from keel.experiments.study import verdicts as SV
 from keel.experiments.study.cells import direction, lrs, short, window
 from keel.experiments.grid import GridJob, _check_same_config
@@ -270,7 +271,7 @@ def test_lr_transfer_and_edges():
 @pytest.mark.parametrize("lrs, up, want", [([1e-3, 3e-3], True, 1e-2), ([3e-3, 1e-2], False, 1e-3),
                                             ([1e-2, 3e-2], True, 0.09), ([3e-4, 1e-3], False, 9e-5)])
 def test_lr_beyond_follows_the_grid_then_mirrors_its_last_step(lrs, up, want):
-    assert SRun.lr_beyond(lrs, [3e-4, 1e-3, 3e-3, 1e-2, 3e-2], up) == pytest.approx(want)
+    assert SLrs.lr_beyond(lrs, [3e-4, 1e-3, 3e-3, 1e-2, 3e-2], up) == pytest.approx(want)
 
 
 def test_a_cell_with_its_optimum_on_an_edge_is_widened():
@@ -279,13 +280,13 @@ def test_a_cell_with_its_optimum_on_an_edge_is_widened():
                                     "baseline": "pre_ln"}])
     recs = _margin_runs({16: {0: 0.1, 1: 0.1}})  # pre_ln best at 1e-3 (low edge), keel at 3e-3 (inside)
     planned = {("keel", 16): [1e-3, 3e-3, 1e-2], ("pre_ln", 16): [1e-3, 3e-3, 1e-2]}
-    wider = SRun.widened_lrs(st, g, recs, planned, planned)
+    wider = SLrs.widened_lrs(st, g, recs, planned, planned)
     assert wider == {("keel", 16): [1e-3, 3e-3, 1e-2], ("pre_ln", 16): pytest.approx([3.33e-4, 1e-3, 3e-3, 1e-2])}
     # two steps beyond the plan at most; an unfinished cell waits
     far = {("keel", 16): planned[("keel", 16)], ("pre_ln", 16): [9e-5, 3e-4, 1e-3, 3e-3, 1e-2]}
     low = [replace(r, lr={1e-3: 9e-5}.get(r.lr, r.lr)) for r in recs]
-    assert SRun.widened_lrs(st, g, low, far, planned) is None
-    assert SRun.widened_lrs(st, g, [replace(r, status="pending") for r in recs], planned, planned) is None
+    assert SLrs.widened_lrs(st, g, low, far, planned) is None
+    assert SLrs.widened_lrs(st, g, [replace(r, status="pending") for r in recs], planned, planned) is None
 
 
 def test_an_lr_widened_from_runs_already_finished_trains_in_the_first_training_pass():
@@ -304,7 +305,7 @@ def test_an_lr_widened_from_runs_already_finished_trains_in_the_first_training_p
         return [finished.get(k) or run("g", k[0], 16, k[2], k[1], 9.0, status="done" if now else "pending")
                 for k in key]
 
-    refs, jobs, recs = SRun.group_records(st, g, [], "<data>", Path("unused"), read)
+    refs, jobs, recs = SLrs.group_records(st, g, [], "<data>", Path("unused"), read)
     lrs = [(s, lr) for s in ("keel", "pre_ln") for lr in ("0.001", "0.003", "0.01")]
     wide = sorted(lrs + [("pre_ln", "0.000333")])  # pre_ln's best is its lowest LR: one step below it
     assert [c[0] for c in calls] == [False, False, True]  # read, read again widened, then train once
@@ -469,7 +470,7 @@ def test_group_jobs_run_the_seeds_of_a_cell_side_by_side(tmp_path):
     (seed-major order left every cell of a 64-sub-layer group unpaired for hours)."""
     study = SC.load_study("claims", "cpu")
     g = next(g for g in study.groups if g.name == "lr-grid")
-    _, jobs = SRun.group_jobs(study, g, "unused", tmp_path)
+    _, jobs = SLrs.group_jobs(study, g, "unused", tmp_path)
     key = [(j.values["model.n_layers"], j.values["model.residual"], j.values["train.lr"], j.values["train.seed"])
            for j in jobs]
     rank = {s: i for i, s in enumerate(g.schemes)}
@@ -596,9 +597,9 @@ def test_transfer_group_trains_the_optimum_and_the_grid_steps_around_it(tmp_path
     g = next(x for x in study.groups if x.name == "transfer")
     assert g.lr_from_steps == [-1, 0, 1]
     g = replace(g, lr_from_steps=[0, -1])
-    lrs = SRun.stepped_lrs(study, g, {"keel": 1e-2, "pre_ln": 3e-3, "post_ln": 3e-4, "deepnorm": 0.0100001})
+    lrs = SLrs.stepped_lrs(study, g, {"keel": 1e-2, "pre_ln": 3e-3, "post_ln": 3e-4, "deepnorm": 0.0100001})
     assert lrs == {"keel": [3e-3, 1e-2], "pre_ln": [1e-3, 3e-3], "post_ln": [3e-4], "deepnorm": [3e-3, 1e-2]}
-    _, jobs = SRun.group_jobs(study, g, "unused", tmp_path, {(s, 256): x for s, x in lrs.items()})
+    _, jobs = SLrs.group_jobs(study, g, "unused", tmp_path, {(s, 256): x for s, x in lrs.items()})
     assert sorted((j.values["model.residual"], j.values["train.lr"], j.values["train.seed"]) for j in jobs
                   if j.values["model.residual"] == "keel") == [("keel", 3e-3, 0), ("keel", 3e-3, 1), ("keel", 3e-3, 2),
                                                               ("keel", 1e-2, 0), ("keel", 1e-2, 1), ("keel", 1e-2, 2)]
@@ -830,11 +831,11 @@ def test_set_wins_over_a_groups_own_keys(tmp_path):
     st = SC.load_study("claims", "tiny", ["train.steps=7", "model.embed_init_std=0.5"])
     for name in ("showcase", "init", "lr-grid"):
         g = next(x for x in st.groups if x.name == name)
-        _, jobs = SRun.group_jobs(st, g, "unused", tmp_path)
+        _, jobs = SLrs.group_jobs(st, g, "unused", tmp_path)
         assert {(j.config["train"]["steps"], j.config["model"]["embed_init_std"]) for j in jobs} == {(7, 0.5)}
     plain = SC.load_study("claims", "tiny")
     g = next(x for x in plain.groups if x.name == "showcase")
-    assert {j.config["train"]["steps"] for j in SRun.group_jobs(plain, g, "unused", tmp_path)[1]} == {4}
+    assert {j.config["train"]["steps"] for j in SLrs.group_jobs(plain, g, "unused", tmp_path)[1]} == {4}
 
 
 def test_study_command_is_the_one_that_trains_everything():
@@ -1448,7 +1449,7 @@ def test_the_committed_report_regenerates_from_its_own_records():
     rep = json.loads((root / "docs/results/study-cpu/report.json").read_text(encoding="utf-8"))
     runs = [RunRecord.from_dict(r, f"runs[{i}]") for i, r in enumerate(rep["runs"])]
     assert json.dumps([r.to_dict() for r in runs]) == json.dumps(rep["runs"])
-    study, floor, claims = SRun.judge(SC.load_study("claims", "cpu"), runs)
+    study, floor, claims = SJ.judge(SC.load_study("claims", "cpu"), runs)
     assert floor == rep["floor"] and [c["summary"] for _, c in claims] == rep["summary"]
     assert json.loads(json.dumps([{"id": cl.id, "title": cl.title, **c} for cl, c in claims])) == rep["claims"]
     margins = [{"group": g.name, **r} for g in study.groups for r in SV.baseline_margins(study, g, runs)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from scipy import stats
 from keel.errors import KeelError
 from keel.experiments.record import RunRecord
 from keel.experiments.study import claims as SC
+from keel.experiments.study import plan as SPlan
 from keel.experiments.study import run as SRun
 from keel.experiments.study import spec as SS
 from keel.experiments.study import verdicts as SV
@@ -48,7 +50,7 @@ def test_a_loop_group_trains_effective_depths_named_by_them():
     assert g.loop_sets(260) == [("model.n_layers", 10), ("model.loop_prelude", 1), ("model.loop_core", 8),
                                 ("model.loop_repeats", 16)]
     assert [g.test_counts(L) for L in DEPTHS] == [[2, 8], [8, 32], [32, 128]]  # R/2 and 2R
-    jobs = SRun.planned_jobs(cpu_study(), "<data>", SRun.Path("unused"))[0][2]
+    jobs = SPlan.planned_jobs(cpu_study(), "<data>", Path("unused"))[0][2]
     j = next(j for j in jobs if j.name == "L1028_seed2_pre_ln_lr0.01")
     m = j.config["model"]
     assert (m["n_layers"], m["loop_prelude"], m["loop_core"], m["loop_repeats"], m["loop_sampling"]) == \

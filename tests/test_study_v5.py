@@ -231,7 +231,7 @@ def test_claim_i_judges_each_design_against_pre_ln_and_reports_keel():
 def test_every_table_is_widened_not_only_the_cells_a_claim_reads():
     """DeepNorm at 256 sub-layers was best at its lowest LR in both seeds and was not widened: no
     claim read it. Every cell of a train group is bracketed now."""
-    from keel.experiments.study.run import widened_lrs
+    from keel.experiments.study.lrs import widened_lrs
     g = SS.Group("g", ["deepnorm"], [256], [0, 1], lrs=[1e-3, 3e-3, 1e-2])
     st = study([g])  # no claim reads anything
     recs = [run("g", "deepnorm", 256, sd, lr, 3.0 + (lr > 1e-3)) for sd in (0, 1) for lr in (1e-3, 3e-3, 1e-2)]

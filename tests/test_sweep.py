@@ -343,7 +343,7 @@ best_over = "train.lr"
 
 def _planned(preset, out, monkeypatch):
     """The (run name, config) pairs `keel sweep --preset PRESET --dry-run` plans (the engine's planned jobs)."""
-    import keel.experiments.study.run as engine
+    import keel.experiments.study.plan as engine
     from keel.cli import main
 
     got, plan = [], engine.planned_jobs

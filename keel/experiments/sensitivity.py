@@ -85,7 +85,7 @@ def _final_loss(run: RunRecord) -> float | None:
 
 def as_records(runs: Sequence[RunRecord | dict]) -> list[RunRecord]:
     """``runs`` as run records: a grid job's ``result.json`` content (a dict, as
-    :func:`keel.experiments.study.run.transferred_lrs` still passes) is read by
+    :func:`keel.experiments.study.lrs.transferred_lrs` still passes) is read by
     :meth:`RunRecord.from_result`."""
     return [r if isinstance(r, RunRecord) else RunRecord.from_result(r) for r in runs]
 

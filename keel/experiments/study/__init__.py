@@ -32,14 +32,18 @@ by :func:`verdicts.paired_verdict` on paired per-seed differences for every
 claim test but ``lr_transfer`` (:mod:`.claims.lr_transfer`), whose rule (same optimal grid point in every
 seed) is its own.
 
-Modules, each importing only those before it: :mod:`.kinds` (one class per kind of group:
+Modules, each importing only those before it: :mod:`.ablation` (a group's measurements of its
+trained models: layer importance, test-time loops), :mod:`.kinds` (one class per kind of group:
 train, ramp, grid; its jobs, task, LR plan words, record and plot), :mod:`.spec` (the TOML as
 :class:`spec.Study`, its groups checked), :mod:`.verdicts` (what several kinds' verdicts share:
 combining parts, the init conditions, a bench's baseline margins), :mod:`.cells` (numbers as
 markdown cells), :mod:`.claims` (a package, one module per kind of claim: its keys as a typed
 class, its verdict, reads and tables; the registry :data:`claims.CLAIMS` each kind's class joins,
-and :func:`claims.load_study`, which checks every claim and types it), :mod:`.report` (``report.md`` and the
-PNGs), :mod:`.plan` (the dry-run plan in words), :mod:`.run` (jobs, run records, the dry-run
-estimate, :func:`run.run_study`).
+and :func:`claims.load_study`, which checks every claim and types it), :mod:`.records` (a run's
+record, from its folder or restored), :mod:`.dataset` (the shared dataset, prepared once),
+:mod:`.lrs` (a group's jobs and LR plan: transferred, widened until bracketed), :mod:`.report`
+(``report.md`` and the PNGs), :mod:`.plan` (the dry-run estimate: planned jobs, rows, words),
+:mod:`.judge` (the claims judged, the loss floor, ``report.json`` and the report's files written),
+:mod:`.run` (the runs collected on the grid runner, and the driver, :func:`run.run_study` /
+:func:`run.execute`).
 """
-

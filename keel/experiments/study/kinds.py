@@ -71,7 +71,7 @@ def group_kind(cls: type[TrainKind]) -> type[TrainKind]:
 class TrainKind:
     """A ``train`` group: schemes x sub-layers x LRs x seeds, each run trained at its peak LR. Its
     LRs form a grid per (scheme, depth) cell, planned, widened and transferred by
-    :func:`keel.experiments.study.run.group_records` (``lr_grid``); the keys of ``keys`` are its own."""
+    :func:`keel.experiments.study.lrs.group_records` (``lr_grid``); the keys of ``keys`` are its own."""
 
     name: ClassVar[str] = "train"
     summary: ClassVar[str] = "an LR grid per scheme and depth"  # Group.kind's help

@@ -1,10 +1,20 @@
-"""The ``keel study --dry-run`` plan in words: GPU-hours, the totals and the
-markdown table (the rows come from :func:`keel.experiments.study.run.plan_rows`)."""
+"""The ``keel study --dry-run`` estimate: every group's jobs as planned before anything trains
+(:func:`planned_jobs`), one row per group (:func:`plan_rows`: runs, tokens, GPU- and CPU-hours), the
+totals and the markdown table."""
 
 from __future__ import annotations
 
-from keel.experiments.study.spec import Study
+from dataclasses import replace
+from pathlib import Path
+
+from keel.config import config_from_dict
+from keel.experiments import stress as ST
+from keel.experiments.grid import GridJob
+from keel.experiments.study.lrs import group_jobs, group_records, stepped_lrs
+from keel.experiments.study.records import restored_record, run_record
+from keel.experiments.study.spec import Group, Study, lr_ladder
 from keel.experiments.table import markdown_table
+from keel.model import count_parameters, flops_per_token
 
 
 def hours_words(h: float) -> str:
@@ -23,7 +33,7 @@ COMPILE_CPU_S = {"cold": 25.0, "warm": 2.0}  # measured 24.6 and 1.6 (pre_ln: 20
 
 def compile_words(rows: list[dict]) -> list[str]:
     """The ``--dry-run`` lines on compile time: [] when no planned run compiles (``compiled`` of
-    :func:`keel.experiments.study.run.plan_rows`), else what :data:`COMPILE_CPU_S` adds per run and in all."""
+    :func:`plan_rows`), else what :data:`COMPILE_CPU_S` adds per run and in all."""
     n = sum(r.get("compiled", 0) for r in rows)
     if not n:
         return []
@@ -51,8 +61,95 @@ def cpu_hours(tokens: float, flops: float) -> float:
     return (tokens * CPU_S_PER_TOKEN + flops / CPU_FLOPS) / 3600
 
 
+def planned_jobs(study: Study, data_dir: str, out: Path, restored: dict[tuple[str, str], dict] | None = None
+                 ) -> list[tuple[Group, list[GridJob], list[GridJob]]]:
+    """(group, reference jobs, jobs) of every group as planned before anything trains: an
+    ``lr_from`` group at the optimum of its source's runs in ``restored`` (:func:`load_restored`)
+    when they give one, else as if the optimum were the middle of its source's LR grid; LRs
+    widened where the restored runs put an optimum on an edge. Raises KeelError on a bad config."""
+    restored = restored or {}
+    planned, runs = [], []
+    for g in study.groups:
+        def read(refs, jobs, now, g=g):  # nothing trains: every pass only reads
+            olds = [restored_record(g, j, restored[(g.name, j.name)]) if (g.name, j.name) in restored else None
+                    for j in jobs]
+            return [o if o is not None else run_record(g, j, Path(), None) for j, o in zip(jobs, olds)]
+
+        got = group_records(study, g, runs, data_dir, out, read)
+        if got is None:  # the source's optimum is unknown: plan at the middle of its grid
+            grid = lr_ladder(study.groups, g)
+            lr_for = {(s, L): lrs for s, lrs in stepped_lrs(study, g, {s: grid[len(grid) // 2] for s in g.schemes}
+                                                             ).items() for L in g.sublayers}
+            got = (*group_jobs(study, g, data_dir, out, lr_for), [])
+        runs += [r for r in got[2] if r.status == "done"]
+        planned.append((g, got[0], got[1]))
+    return planned
+
+
+def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: float,
+              restored: dict[tuple[str, str], dict] | None = None) -> list[dict]:
+    """One row per group: runs (+ references), optimizer steps and tokens per run (the planned
+    budget; a ramp run stops earlier when it diverges), tokens per non-embedding parameter per
+    depth (``tokens_per_param``: ``{sub-layers: ratio}``), total tokens and estimated GPU-hours at ``mfu`` of a
+    ``peak_tflops`` (dense bf16 TFLOP/s) GPU, the runs that compile (``compiled``: ``train.compile``);
+    ``restored`` (:func:`load_restored`) plans as
+    :func:`planned_jobs` does and counts the runs it holds (``restored``) and the GPU-hours of the
+    others (``gpu_hours_left``). An ``lr_from`` group is planned as if the optimum were the middle
+    of its source's LR grid when ``restored`` does not give it."""
+    rows, restored = [], restored or {}
+    for g, refs, jobs in planned_jobs(study, data_dir, out, restored):
+        cfgs = [config_from_dict(j.config) for j in refs + jobs]
+        per_run = [c.train.steps * c.train.batch_size * c.train.seq_len * c.train.grad_accum for c in cfgs]
+        flops = [t * flops_per_token(c.model, c.train.seq_len) for t, c in zip(per_run, cfgs)]
+        held = _held_runs(g, refs, jobs, restored)
+        hours = 1 / (mfu * peak_tflops * 1e12) / 3600
+        rows.append({"group": g.name, "kind": g.kind, "runs": len(jobs), "references": len(refs),
+                     "steps": sorted({c.train.steps for c in cfgs[len(refs):]}),
+                     "tokens_per_param": _tokens_per_param(per_run[len(refs):], cfgs[len(refs):]),
+                     **_plan_axes(g, cfgs[len(refs):]),
+                     "tokens_per_run": sorted(set(per_run)), "tokens": sum(per_run), "flops": sum(flops),
+                     "gpu_hours": sum(flops) * hours, "cpu_hours": cpu_hours(sum(per_run), sum(flops)),
+                     "restored": sum(held[len(refs):]),
+                     "gpu_hours_left": sum(f for f, h in zip(flops, held) if not h) * hours,
+                     "compiled": sum(1 for c in cfgs if c.train.compile)})  # runs that torch.compile (plan.compile_words)
+    return rows
+
+
+def _held_runs(g: Group, refs: list[GridJob], jobs: list[GridJob], restored: dict[tuple[str, str], dict]
+               ) -> list[bool]:
+    """Per reference job and job of group ``g`` (in that order): whether it would not train, its record in
+    ``restored`` (a reference: no job that trains needs it, as :func:`keel.experiments.study.run._train_and_read`
+    trains them)."""
+    held = [(g.name, j.name) in restored and restored_record(g, j, restored[(g.name, j.name)]) is not None
+            for j in jobs]
+    needed = ST.references_of([j for j, h in zip(jobs, held) if not h])  # as _train_and_read trains them
+    return [r.name not in needed for r in refs] + held
+
+
+def _tokens_per_param(per_run: list[int], cfgs: list) -> dict[int, float]:
+    """``{sub-layers: tokens per non-embedding parameter}`` of a group's runs (``per_run``: their tokens,
+    ``cfgs``: their configs), of the first scheme at each depth, by depth."""
+    per_param = {}
+    for t, c in zip(per_run, cfgs):
+        m = replace(c.model, vocab_size=256) if c.model.vocab_size == "auto" else c.model  # as flops_per_token
+        per_param.setdefault(c.model.n_sublayers, t / count_parameters(m, non_embedding=True))
+    return dict(sorted(per_param.items()))
+
+
+def _plan_axes(g: Group, cfgs: list) -> dict:
+    """What a plan row says group ``g`` varies (``cfgs``: its runs' configs): ``schemes``, ``sublayers``,
+    ``seeds``, ``lrs`` (an LR grid's) and ``lr_plan`` (words); a group that does not list them (a sweep's)
+    gives its runs' values."""
+    seen = {k: list(dict.fromkeys(get(c) for c in cfgs)) for k, get in (  # a sweep's: its runs' values
+        ("residual", lambda c: c.model.residual), ("n_sublayers", lambda c: c.model.n_sublayers),
+        ("seed", lambda c: c.train.seed), ("lr", lambda c: c.train.lr))}
+    return {"schemes": g.schemes or seen["residual"], "sublayers": g.sublayers or seen["n_sublayers"],
+            "seeds": g.seeds or seen["seed"], "lrs": list(g.lrs) if g.kind_class.lr_grid and not g.lr_from else [],
+            "lr_plan": g.kind_class.lr_words(g) or ", ".join(f"{x:g}" for x in seen["lr"])}
+
+
 def plan_total(rows: list[dict]) -> dict:
-    """The sums of :func:`keel.experiments.study.run.plan_rows`' ``runs``, ``references``, ``tokens``,
+    """The sums of :func:`plan_rows`' ``runs``, ``references``, ``tokens``,
     ``flops``, ``gpu_hours``, ``cpu_hours``, ``restored`` (runs a ``--restore`` report holds) and ``gpu_hours_left``."""
     keys = ("runs", "references", "tokens", "flops", "gpu_hours", "cpu_hours", "restored", "gpu_hours_left")
     return {k: sum(r[k] for r in rows) for k in keys}

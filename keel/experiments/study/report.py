@@ -183,7 +183,7 @@ def runs_table(runs: list[RunRecord]) -> list[str]:
 
 def verdict_rule(study: Study, claims: Sequence[Claim], floor: dict | None = None) -> str:
     """The report's statement of the verdict rule (:func:`paired_verdict`, :func:`trend_verdict`)
-    and of the loss floor and where it comes from (:func:`study_floor`); claims tested by
+    and of the loss floor and where it comes from (:func:`.judge.study_floor`); claims tested by
     a kind with ``own_rule`` (``lr_transfer``) have their own rule, in their section."""
     def ids(cs: Sequence[Claim]) -> str:
         return ", ".join(f"({c.id})" for c in cs)

@@ -1,5 +1,6 @@
-"""Run a study (``keel study``): its groups' jobs on the grid runner, each run's record,
-the dry-run estimate (tokens, GPU-hours), the report."""
+"""Run a study (``keel study``): collect its groups' runs on the grid runner (each run's record,
+:func:`collect`) and drive it (:func:`run_study`, :func:`execute`: the folder, the dataset, the
+executor, ``--restore``, ``--dry-run``, the report)."""
 
 from __future__ import annotations
 
@@ -7,143 +8,35 @@ import contextlib
 import functools
 import json
 import logging
-import math
 import signal
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from keel.config import config_from_dict, load_config, override_text, resolve_config_path
+from keel.config import load_config, resolve_config_path
 from keel.data.stats import dataset_unigram_entropy
 from keel.errors import Interrupted, KeelError, plural
-from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
 from keel.experiments.executor import Executor, check_slurm_here
 from keel.experiments.grid import GridJob, cached_result, check_pool, check_started, run_grid
 from keel.experiments.job_result import JobResult
 from keel.experiments.record import RunRecord
-from keel.experiments.study.report import (claim_summary, group_tables, report_markdown, superseded_words, waiting_words,
-                                          write_plots)
-from keel.experiments.study.claims import Claim, load_study
+from keel.experiments.study.claims import load_study
 from keel.experiments.study.dataset import NO_DATA, check_study_data, shares_data, study_dataset
-from keel.experiments.study.plan import cpu_hours, plan_markdown, plan_total
+from keel.experiments.study.judge import write_report
+from keel.experiments.study.lrs import group_records
+from keel.experiments.study.plan import plan_markdown, plan_rows, plan_total, planned_jobs
 from keel.experiments.study.records import kept_restored, load_restored, restored_record, run_record
-from keel.experiments.study.spec import Group, Study, lr_ladder
-from keel.experiments.study.verdicts import LEVEL, baseline_margins, loss_floor
+from keel.experiments.study.report import waiting_words
+from keel.experiments.study.spec import Group, Study
 from keel.experiments.sweep import check_train_job, train_task
 from keel.io import LOCK_NAME, RunLock, atomic_write_text, make_dirs, remove_empty_dirs
-from keel.model import count_parameters, flops_per_token
 
 
 _log = logging.getLogger(__name__)
 
 
-# ----------------------------------------------------------------------------- jobs
-def group_jobs(study: Study, g: Group, data_dir: str, out: Path,
-               lr_for: dict[tuple[str, int], list[float]] | None = None) -> tuple[list[GridJob], list[GridJob]]:
-    """(reference jobs, jobs) of one group, as its kind makes them (:mod:`keel.experiments.study.kinds`:
-    a train group's ``lr_for``, ``{(scheme, sub-layers): [LR, ...]}`` of :func:`initial_lrs` widened by
-    :func:`widened_lrs`, or None: its ``lrs`` everywhere). Raises KeelError on a bad config."""
-    return g.kind_class.jobs(study, g, data_dir, out, lr_for)
-
-
-def initial_lrs(study: Study, g: Group, runs: list[dict]) -> dict[tuple[str, int], list[float]] | None:
-    """``{(scheme, sub-layers): [LR, ...]}`` planned for train group ``g``: its ``lrs``, or for an
-    ``lr_from`` group the source's grid points around each scheme's transferred optimum
-    (:func:`stepped_lrs`); None while that optimum is not known (the source has not finished)."""
-    if not g.lr_from:
-        return {(s, L): sorted(g.lrs) for s in g.schemes for L in g.sublayers}
-    opt = transferred_lrs(runs, g)
-    if opt is None:
-        return None
-    return {(s, L): lrs for s, lrs in stepped_lrs(study, g, opt).items() for L in g.sublayers}
-
-
-def lr_beyond(lrs: Sequence[float], ladder: Sequence[float], up: bool) -> float:
-    """The next LR past the highest (``up``) or lowest of ``lrs``: the next point of ``ladder``
-    (the group's LR grid, or its source's) beyond it, else the last step mirrored
-    (``edge^2 / neighbour``, e.g. 0.09 after 0.01, 0.03; 9e-5 below 3e-4, 1e-3), to 3 significant digits."""
-    pts = sorted(set(lrs) | set(ladder))
-    edge = max(lrs) if up else min(lrs)
-    beyond = [x for x in pts if (x > edge if up else x < edge)]
-    if beyond:
-        return min(beyond) if up else max(beyond)
-    inner = [x for x in pts if (x < edge if up else x > edge)]
-    nb = (max(inner) if up else min(inner)) if inner else (edge / 3 if up else edge * 3)
-    return float(f"{edge * edge / nb:.3g}")
-
-
-def widened_lrs(study: Study, g: Group, recs: list[RunRecord], lr_for: dict[tuple[str, int], list[float]],
-                planned: dict[tuple[str, int], list[float]]) -> dict[tuple[str, int], list[float]] | None:
-    """``lr_for`` with one more LR for every (scheme, depth) cell of train group ``g`` whose runs
-    have all finished and where some seed's best run (lowest capped loss) is at the lowest or
-    highest LR the cell trained: the next LR beyond that edge (:func:`lr_beyond`), for every seed
-    of the cell (the cells stay rectangular, as the paired equal-LR table needs). Every cell of
-    every table is bracketed this way, whether a claim reads it or not. At most ``g.widen`` LRs per
-    side beyond ``planned`` (:func:`initial_lrs`). None: nothing to widen."""
-    ladder = lr_ladder(study.groups, g)
-    out, changed = dict(lr_for), False
-    for (s, L), lrs in lr_for.items():
-        cell = [r for r in recs if r.scheme == s and r.sublayers == L]
-        if len(lrs) < 2 or not cell or any(r.status != "done" for r in cell):
-            continue
-        best = {min((r for r in cell if r.seed == sd), key=lambda r: r.capped_loss).lr
-                for sd in {r.seed for r in cell}}
-        for up, edge in ((True, max(lrs)), (False, min(lrs))):
-            past = [x for x in lrs if (x > max(planned[(s, L)]) if up else x < min(planned[(s, L)]))]
-            if edge in best and len(past) < g.widen:
-                out[(s, L)] = sorted(set(out[(s, L)]) | {lr_beyond(lrs, ladder, up)})
-                changed = True
-    return out if changed else None
-
-
-def group_records(study: Study, g: Group, runs: list[RunRecord], data_dir: str, out: Path, read
-                  ) -> tuple[list[GridJob], list[GridJob], list[RunRecord]] | None:
-    """(reference jobs, jobs, run records) of group ``g``, its LRs widened until every optimum a
-    claim reads is bracketed (:func:`widened_lrs`): ``read(refs, jobs, train)`` trains (``train``)
-    or only reads the jobs and returns their records. The first passes only read, so that an LR
-    widened from runs already finished (restored, say) trains in the same pass as the rest, in the
-    group's order, not after it. None: an ``lr_from`` group whose source has not finished."""
-    lr_for = initial_lrs(study, g, runs) if g.kind_class.lr_grid else None
-    if g.kind_class.lr_grid and lr_for is None:
-        return None
-    planned, trained = dict(lr_for or {}), False
-    while True:
-        refs, jobs = group_jobs(study, g, data_dir, out, lr_for)
-        recs = read(refs, jobs, trained)
-        wider = widened_lrs(study, g, recs, lr_for, planned) if lr_for is not None else None
-        if wider is None and trained:
-            return refs, jobs, recs
-        lr_for, trained = wider or lr_for, trained or wider is None
-
-
-def transferred_lrs(runs: list[RunRecord], g: Group) -> dict[str, float] | None:
-    """``{scheme: optimal LR}`` of group ``g.lr_from`` at ``g.lr_from_sublayers``: the argmin of
-    the seed-mean capped loss over its LR grid (:func:`keel.experiments.sensitivity.cell_summary`);
-    None until every scheme has every seed finished there."""
-    out = {}
-    for scheme in g.schemes:
-        rs = [r for r in runs if r.group == g.lr_from and r.scheme == scheme and r.sublayers == g.lr_from_sublayers]
-        lrs = sorted({r.lr for r in rs})
-        curves = [LS.seed_curve([r.result for r in rs if r.seed == s], lrs) for s in g.scheme_seeds(scheme)]
-        if not rs or any(c is None for c in curves):
-            return None
-        out[scheme] = LS.cell_summary(curves, lrs)["opt_lr"]
-    return out
-
-
-def stepped_lrs(study: Study, g: Group, opt: dict[str, float]) -> dict[str, list[float]]:
-    """``{scheme: [peak LR, ...]}`` of an ``lr_from`` group: the points of the source group's LR
-    grid ``g.lr_from_steps`` grid steps from each scheme's transferred optimum ``opt[scheme]``
-    (0 = the optimum, -1 = the next lower LR; a point off the grid is left out)."""
-    grid = lr_ladder(study.groups, g)
-    out = {}
-    for scheme, lr in opt.items():
-        i = min(range(len(grid)), key=lambda k: abs(math.log(grid[k] / lr)))
-        out[scheme] = [grid[i + k] for k in sorted(g.lr_from_steps) if 0 <= i + k < len(grid)]
-    return out
-
-
+# ----------------------------------------------------------------------------- collecting runs
 def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[str], grid: Callable = run_grid,
             restored: dict[tuple[str, str], dict] | None = None,
             superseded: list[RunRecord] | None = None) -> tuple[list[RunRecord], list[dict]]:
@@ -246,129 +139,6 @@ def _job_record(g: Group, j: GridJob, gdir: Path, old: RunRecord | None, error: 
     if error is not None:
         rec.update(status="error", message=error.message)
     return rec
-
-
-def report_json(study: Study, runs: list[RunRecord], claims: list[tuple[Claim, dict]], floor: dict, h1: float | None,
-                command: str, restore, plots: list[str]) -> dict:
-    """The content of ``report.json`` (see :func:`run_study`'s Returns)."""
-    return {"study": study.name, "scale": study.scale, "note": study.note, "command": command,
-            "sets": [override_text(x) for x in study.all_sets()],
-            "unigram_entropy": h1, "min_effect": study.min_effect, "min_seeds": study.min_seeds, "floor": floor,
-            "level": LEVEL, "summary": [c["summary"] for _, c in claims],
-            "claims": [{"id": cl.id, "title": cl.title, **c} for cl, c in claims],
-            "baseline_margins": [{"group": g.name, **r} for g in study.groups for r in baseline_margins(study, g, runs)],
-            "group_sets": {g.name: [override_text(x) for x in g.sets] for g in study.groups},
-            "restored_from": str(restore) if any(r.restored for r in runs) else None,
-            "runs": [r.to_dict() for r in runs], "plots": plots}
-
-
-def judge(study: Study, runs: list[dict]) -> tuple[Study, dict, list[tuple[Claim, dict]]]:
-    """``(study with its floor as min_effect, the floor (:func:`study_floor`), [(claim, its
-    verdict dict with its summary line)])``: every claim judged on ``runs``."""
-    floor = study_floor(study, runs)
-    study = replace(study, min_effect=floor["floor"])
-    claims = [(cl, cl.verdict(study, runs)) for cl in study.claims]
-    for cl, c in claims:
-        c["summary"] = claim_summary(cl, c)
-    return study, floor, claims
-
-
-def study_floor(study: Study, runs: list[dict]) -> dict:
-    """The loss claims' noise floor (:func:`keel.experiments.study.verdicts.loss_floor`) over every
-    (group, scheme, depth) cell a claim names (:meth:`Claim.floor_cells`: those a margin claim
-    reads), each init's groups apart; with
-    ``floor_from_spread`` false, ``study.min_effect`` as it is (``{"floor": min_effect}``)."""
-    if not study.floor_from_spread:
-        return {"floor": study.min_effect, "minimum": study.min_effect}
-    cells = [cell for c in study.claims for cell in c.floor_cells(study)]
-    return loss_floor(runs, list(dict.fromkeys(cells)), study.min_effect)
-
-
-# ----------------------------------------------------------------------------- estimate (dry run)
-def planned_jobs(study: Study, data_dir: str, out: Path, restored: dict[tuple[str, str], dict] | None = None
-                 ) -> list[tuple[Group, list[GridJob], list[GridJob]]]:
-    """(group, reference jobs, jobs) of every group as planned before anything trains: an
-    ``lr_from`` group at the optimum of its source's runs in ``restored`` (:func:`load_restored`)
-    when they give one, else as if the optimum were the middle of its source's LR grid; LRs
-    widened where the restored runs put an optimum on an edge. Raises KeelError on a bad config."""
-    restored = restored or {}
-    planned, runs = [], []
-    for g in study.groups:
-        def read(refs, jobs, now, g=g):  # nothing trains: every pass only reads
-            olds = [restored_record(g, j, restored[(g.name, j.name)]) if (g.name, j.name) in restored else None
-                    for j in jobs]
-            return [o if o is not None else run_record(g, j, Path(), None) for j, o in zip(jobs, olds)]
-
-        got = group_records(study, g, runs, data_dir, out, read)
-        if got is None:  # the source's optimum is unknown: plan at the middle of its grid
-            grid = lr_ladder(study.groups, g)
-            lr_for = {(s, L): lrs for s, lrs in stepped_lrs(study, g, {s: grid[len(grid) // 2] for s in g.schemes}
-                                                             ).items() for L in g.sublayers}
-            got = (*group_jobs(study, g, data_dir, out, lr_for), [])
-        runs += [r for r in got[2] if r.status == "done"]
-        planned.append((g, got[0], got[1]))
-    return planned
-
-
-def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: float,
-              restored: dict[tuple[str, str], dict] | None = None) -> list[dict]:
-    """One row per group: runs (+ references), optimizer steps and tokens per run (the planned
-    budget; a ramp run stops earlier when it diverges), tokens per non-embedding parameter per
-    depth (``tokens_per_param``: ``{sub-layers: ratio}``), total tokens and estimated GPU-hours at ``mfu`` of a
-    ``peak_tflops`` (dense bf16 TFLOP/s) GPU, the runs that compile (``compiled``: ``train.compile``);
-    ``restored`` (:func:`load_restored`) plans as
-    :func:`planned_jobs` does and counts the runs it holds (``restored``) and the GPU-hours of the
-    others (``gpu_hours_left``). An ``lr_from`` group is planned as if the optimum were the middle
-    of its source's LR grid when ``restored`` does not give it."""
-    rows, restored = [], restored or {}
-    for g, refs, jobs in planned_jobs(study, data_dir, out, restored):
-        cfgs = [config_from_dict(j.config) for j in refs + jobs]
-        per_run = [c.train.steps * c.train.batch_size * c.train.seq_len * c.train.grad_accum for c in cfgs]
-        flops = [t * flops_per_token(c.model, c.train.seq_len) for t, c in zip(per_run, cfgs)]
-        held = _held_runs(g, refs, jobs, restored)
-        hours = 1 / (mfu * peak_tflops * 1e12) / 3600
-        rows.append({"group": g.name, "kind": g.kind, "runs": len(jobs), "references": len(refs),
-                     "steps": sorted({c.train.steps for c in cfgs[len(refs):]}),
-                     "tokens_per_param": _tokens_per_param(per_run[len(refs):], cfgs[len(refs):]),
-                     **_plan_axes(g, cfgs[len(refs):]),
-                     "tokens_per_run": sorted(set(per_run)), "tokens": sum(per_run), "flops": sum(flops),
-                     "gpu_hours": sum(flops) * hours, "cpu_hours": cpu_hours(sum(per_run), sum(flops)),
-                     "restored": sum(held[len(refs):]),
-                     "gpu_hours_left": sum(f for f, h in zip(flops, held) if not h) * hours,
-                     "compiled": sum(1 for c in cfgs if c.train.compile)})  # runs that torch.compile (plan.compile_words)
-    return rows
-
-
-def _held_runs(g: Group, refs: list[GridJob], jobs: list[GridJob], restored: dict[tuple[str, str], dict]
-               ) -> list[bool]:
-    """Per reference job and job of group ``g`` (in that order): whether it would not train, its record in
-    ``restored`` (a reference: no job that trains needs it, as :func:`_train_and_read` trains them)."""
-    held = [(g.name, j.name) in restored and restored_record(g, j, restored[(g.name, j.name)]) is not None
-            for j in jobs]
-    needed = ST.references_of([j for j, h in zip(jobs, held) if not h])  # as _train_and_read trains them
-    return [r.name not in needed for r in refs] + held
-
-
-def _tokens_per_param(per_run: list[int], cfgs: list) -> dict[int, float]:
-    """``{sub-layers: tokens per non-embedding parameter}`` of a group's runs (``per_run``: their tokens,
-    ``cfgs``: their configs), of the first scheme at each depth, by depth."""
-    per_param = {}
-    for t, c in zip(per_run, cfgs):
-        m = replace(c.model, vocab_size=256) if c.model.vocab_size == "auto" else c.model  # as flops_per_token
-        per_param.setdefault(c.model.n_sublayers, t / count_parameters(m, non_embedding=True))
-    return dict(sorted(per_param.items()))
-
-
-def _plan_axes(g: Group, cfgs: list) -> dict:
-    """What a plan row says group ``g`` varies (``cfgs``: its runs' configs): ``schemes``, ``sublayers``,
-    ``seeds``, ``lrs`` (an LR grid's) and ``lr_plan`` (words); a group that does not list them (a sweep's)
-    gives its runs' values."""
-    seen = {k: list(dict.fromkeys(get(c) for c in cfgs)) for k, get in (  # a sweep's: its runs' values
-        ("residual", lambda c: c.model.residual), ("n_sublayers", lambda c: c.model.n_sublayers),
-        ("seed", lambda c: c.train.seed), ("lr", lambda c: c.train.lr))}
-    return {"schemes": g.schemes or seen["residual"], "sublayers": g.sublayers or seen["n_sublayers"],
-            "seeds": g.seeds or seen["seed"], "lrs": list(g.lrs) if g.kind_class.lr_grid and not g.lr_from else [],
-            "lr_plan": g.kind_class.lr_words(g) or ", ".join(f"{x:g}" for x in seen["lr"])}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -532,28 +302,6 @@ def _unclaimed_if(fresh: bool, out: Path):
                 (out / name).unlink(missing_ok=True)
             remove_empty_dirs([out])
         raise
-
-
-def write_report(study: Study, runs: list[dict], out: Path, h1: float | None, command: str,
-                 restore: str | Path | None, superseded: list[RunRecord], waiting: list[dict]) -> dict:
-    """Judge the claims (:func:`judge`) and write ``report.json``, ``report.md`` and the PNGs into
-    ``out`` (each atomically); returns the report (``report.json``'s content plus ``waiting`` and
-    ``records``, every run record with its result).
-    ``h1``: the training tokens' unigram entropy (nats), the plateau level of the tables."""
-    study, floor, claims = judge(study, runs)
-    make_dirs(out)
-    plots = write_plots(study, runs, claims, out, h1)
-    report = report_json(study, runs, claims, floor, h1, command, restore, plots)
-    report["superseded_runs"] = list({(r.group, r.name): r.to_dict() for r in superseded}.values())
-    tables = group_tables(study, runs, out, h1)
-    if tables:  # a study without a grid group or a group asking for its table: report.json as it was
-        report["group_tables"] = tables
-    atomic_write_text(out / "report.json", json.dumps(report, indent=1, default=str))
-    report["waiting"] = waiting
-    report["records"] = runs  # with each run's result (report.json leaves those out)
-    atomic_write_text(out / "report.md", report_markdown(study, claims, runs, command, waiting, restore, floor, tables)
-                      + superseded_words(report["superseded_runs"]))
-    return report
 
 
 def _check_groups(study: Study, scale: str, groups: Sequence[str]) -> None:

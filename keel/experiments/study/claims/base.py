@@ -101,7 +101,7 @@ class Claim:
 
     def floor_cells(self, study: Study) -> list[tuple[tuple[str, ...], str, int]]:
         """The ``((group,), scheme, sub-layers)`` cells whose seed-to-seed spread of the best loss
-        sets the study's loss floor (:func:`keel.experiments.study.run.study_floor`); none by default."""
+        sets the study's loss floor (:func:`keel.experiments.study.judge.study_floor`); none by default."""
         return []
 
     @classmethod
