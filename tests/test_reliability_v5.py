@@ -787,9 +787,10 @@ def test_a_grid_value_repeated_in_another_spelling_or_in_a_preset_is_refused(tmp
     """--grid model.n_layers=2,2.0 and a preset's grid = {"train.lr" = [1e-3, 1e-3]}: --dry-run counted
     each repeat as one more run (of the same config)."""
     preset = tmp_path / "p.toml"
-    preset.write_text('grid = {"train.lr" = [1e-3, 0.001]}\n')
+    preset.write_text('[groups.sweep]\nkind = "grid"\ngrid = {"train.lr" = [1e-3, 0.001]}\n')
     for flags, said in ((["--grid", "model.n_layers=2,2.0"], "--grid model.n_layers repeats a value: '2,2.0'"),
-                        (["--preset", str(preset)], f"sweep preset {preset}: grid 'train.lr' repeats a value")):
+                        (["--preset", str(preset)],
+                         f"sweep preset {preset}: study group 'sweep': grid 'train.lr' repeats a value")):
         r = keel_main("sweep", *flags, "--out", tmp_path / "o", "--dry-run")
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and said in r.stderr, r.stderr
         assert not (tmp_path / "o").exists()

@@ -247,7 +247,10 @@ def load_sweep_preset(name: str) -> dict:
                      "(docs/usage.md, sweep presets)")
         d = {**{k: v for k, v in d.items() if k not in OLD_SWEEP_KEYS},
              "groups": {"sweep": {"kind": "grid", **{k: d[k] for k in old}}}}
-    study = study_from_dict(path.stem, d, SCALE)
+    try:
+        study = study_from_dict(path.stem, d, SCALE)
+    except KeelError as e:  # the study reader names the group, not the file: a user's preset is a path
+        raise KeelError(f"sweep preset {path}: {e}") from None
     if len(study.groups) != 1 or study.groups[0].kind != "grid" or study.claims:
         raise KeelError(f"sweep preset {path}: a sweep preset is a study of one group of kind \"grid\" and no "
                         f"claims ([groups.NAME] with kind = \"grid\" and its grid), got group(s) "
