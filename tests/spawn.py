@@ -24,7 +24,11 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, ports: list[int], jobs, threads: int) -> None:
+    import faulthandler
+
     import torch
+
+    faulthandler.enable()  # a rank that aborts (SIGABRT from C++) prints its Python stack in the test's output
 
     torch.set_num_threads(threads)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),

@@ -262,7 +262,8 @@ def test_two_torchrun_nodes_on_localhost_train_fsdp_like_one_process(runs, tiny_
                                "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port,
                                "-m", "keel", "train", "--run-dir", str(run), *[a for s in sets for a in ("--set", s)]],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=dict(os.environ, OMP_NUM_THREADS="1")) for rank in (0, 1)]
+                              env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1"))  # a stack on abort
+             for rank in (0, 1)]
     outs = [p.communicate(timeout=HANG_S) for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
     assert "world size 2 (fsdp" in outs[0][1]

@@ -8,6 +8,7 @@ helper here is a no-op (or returns its input).
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -109,9 +110,12 @@ def destroy_distributed(info: DistInfo, finished: bool = False) -> None:
     still has a collective in flight, which aborted a rank at exit ("terminate called without an
     active exception", SIGABRT) in about one two-node run in five on a loaded CPU machine. On an
     error path (``finished`` false) there is no barrier: a rank that failed alone would wait there
-    for ranks that never come.
+    for ranks that never come. First a garbage collection: the run's objects that hold the group
+    (DDP's reducer, FSDP's state, kept alive by reference cycles) are freed now, not at interpreter
+    exit, where gloo work they hold was reported to abort the process (pytorch/pytorch PR 179291).
     """
     if info.initialized_here and torch.distributed.is_initialized():
+        gc.collect()  # free the run's model, DDP reducer and FSDP state (reference cycles) while the group is alive
         if finished:
             barrier(info)
         torch.distributed.destroy_process_group()
