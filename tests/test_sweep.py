@@ -398,6 +398,20 @@ def test_a_sweep_preset_that_is_not_one_grid_group_is_one_line(tmp_path, keel_ma
     assert r.returncode == 2 and "grid 'train.lr' must be a non-empty list" in r.stderr, r.stderr
 
 
+def test_a_one_size_study_file_needs_no_scale(tmp_path, keel_main):
+    """`keel study FILE` for a file without [scales] (one size, as a sweep preset) took no run without
+    `--scale` (argparse: "the following arguments are required"); it now plans at the scale "default"
+    (the out folder's name), and a study that declares scales asks for one in one line."""
+    out = tmp_path / "o"
+    r = keel_main("study", REPO / "keel/configs/sweeps/cpu-depth.toml", "--dry-run", "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Study cpu-depth, scale default:") and "| sweep | 24 |" in r.stdout
+    r = keel_main("study", "claims", "--dry-run", "--out", out)
+    assert r.returncode == 2 and r.stderr == ("keel: error: study 'claims' has scales (tiny, cpu, gpu-1, paper): "
+                                              "give one with --scale\n"), r.stderr
+    assert not out.exists()
+
+
 def test_a_study_with_a_grid_group_reports_the_sweep_table(tiny_data, tmp_path, keel_main):
     """`keel study` on a study file with a grid group (no [scales]: sized in place, as a sweep preset)
     writes the same section `keel sweep` does: the group's sweep table in report.md, its data in

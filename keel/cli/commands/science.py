@@ -26,7 +26,7 @@ from keel.io import check_output_not_in_checkpoints, check_path_names, make_dirs
 def import_library() -> None:
     """The library the handlers below call, imported into this module (:mod:`keel.cli.commands`)."""
     global torch, check_tokenizer_matches, find_data, validation_tokens, G, A, P, presets, LS, ST, run_study, S
-    global SCHEMES, Run, check_plot_out, image_format
+    global SCHEMES, Run, check_plot_out, image_format, study_scale
     # torch and the library (seconds of import), imported when one of these commands runs, not when the
     # parser is built: `keel --help` loads no torch
     import torch
@@ -35,6 +35,7 @@ def import_library() -> None:
     from keel.diagnostics import ablate as A
     from keel.experiments import plot as P
     from keel.experiments import presets
+    from keel.experiments.study.spec import study_scale
     from keel.experiments import sensitivity as LS
     from keel.experiments import stress as ST
     from keel.experiments.study.run import run_study
@@ -632,7 +633,8 @@ def _register_study(subparsers) -> None:
     p = subparsers.add_parser("study", help="the paper's claims as one resumable study with computed verdicts",
                               description=module_summary("keel.experiments.study"))
     p.add_argument("name", help=f"a shipped study ({', '.join(preset_names('studies'))}) or a study TOML file")
-    p.add_argument("--scale", required=True, help="the study's scale: tiny (tests), cpu, gpu-1 (one GPU-day), paper")
+    p.add_argument("--scale", default=None, help="the study's scale: tiny (tests), cpu, gpu-1 (one GPU-day), paper; "
+                   "needed for a study that declares [scales] (a file without them has one size)")
     p.add_argument("--out", default=None, help="output folder (default: runs/study-NAME-SCALE)")
     _add_grid_flags(p, config_help=None, set_help="override a config key in every run, after the scale's and the "
                     "group's own keys (repeatable; not the keys the groups vary: model.residual, model.n_layers, "
@@ -650,6 +652,7 @@ def _register_study(subparsers) -> None:
 def cmd_study(args: argparse.Namespace) -> int:
     """``keel study``: see :mod:`keel.experiments.study`."""
     groups = _study_groups(args)
+    args.scale = study_scale(args.name, args.scale)
     out = args.out or f"runs/study-{Path(args.name).stem}-{args.scale}"
     if args.resume:  # the --set flags the study started with (as keel sweep --resume)
         args = stored_flags(args, out, "study")

@@ -249,6 +249,27 @@ def read_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
     return study_from_dict(path.stem, read_toml(path, "study"), scale, user_sets)
 
 
+ONE_SIZE = "default"  # the scale of a study file without [scales] when none is given
+
+
+def study_scale(name: str, scale: str | None) -> str:
+    """The scale to read study ``name`` (a packaged preset or a TOML path) at: ``scale`` where given;
+    otherwise :data:`ONE_SIZE` for a file without ``[scales]`` (one size, its groups sized in place).
+
+    Raises:
+        KeelError: no ``scale`` for a file that declares scales (naming them), or what reading the
+            file raises (unknown study, unparsable TOML).
+    """
+    if scale is not None:
+        return scale
+    path = resolve_config_path(name, kind="studies")
+    scales = read_toml(path, "study").get("scales")
+    if scales is None:
+        return ONE_SIZE
+    names = ", ".join(scales) if isinstance(scales, dict) else "none"
+    raise KeelError(f"study {path.stem!r} has scales ({names}): give one with --scale")
+
+
 def study_from_dict(name: str, d: dict, scale: str, user_sets: Sequence[str] = ()) -> Study:
     """The study ``name`` of a study file's content ``d`` (its TOML as a dict) at ``scale``: what
     :func:`read_study` reads (and ``keel sweep --preset``, :mod:`keel.experiments.presets`). A file
