@@ -5,6 +5,8 @@ import math
 
 import numpy as np
 import pytest
+
+from keel.experiments.record import RunRecord
 from conftest import REPO, assert_report_section, tiny_overrides
 
 from keel.data.stats import dataset_unigram_entropy, unigram_entropy
@@ -30,8 +32,7 @@ def test_lr_sensitivity_transcription():
 
 
 def _run(seed, lr, final, first=6.0, status="done"):
-    return {"status": status, "values": {"train.seed": seed, "train.lr": lr}, "final_val_loss": final,
-            "first_val_loss": first}
+    return RunRecord(seed=seed, lr=lr, status=status, final_val_loss=final, first_val_loss=first)
 
 
 def test_seed_curve_and_cell_summary():

@@ -3,9 +3,9 @@
 with the check of each field, read and written in ``report.json``'s ``runs`` by
 :meth:`RunRecord.from_dict` (the one validation) and :meth:`RunRecord.to_dict`.
 
-Where a record comes from: a run folder (:func:`keel.experiments.study.records.run_record`),
-an earlier ``report.json`` (``keel study --restore``: :meth:`RunRecord.from_dict`), or a grid
-job's ``result.json`` (:meth:`RunRecord.from_result`). A grid job's result itself, which keeps every
+Where a record comes from: a run folder and its ``result.json``
+(:func:`keel.experiments.study.records.run_record`), or an earlier ``report.json`` (``keel study
+--restore``: :meth:`RunRecord.from_dict`). A grid job's result itself, which keeps every
 key its task returned, is :class:`keel.experiments.job_result.JobResult`.
 """
 
@@ -180,20 +180,6 @@ class RunRecord:
     def was_restored(d: object) -> bool:
         """``d``, a ``report.json`` entry not checked yet, is a run restored from an earlier report."""
         return isinstance(d, dict) and bool(d.get("restored"))
-
-    @classmethod
-    def from_result(cls, result: Mapping, group: str = "") -> RunRecord:
-        """A record from a grid job's ``result.json`` content (``values`` with ``model.residual``,
-        ``model.n_layers``, ``train.seed``, ``train.lr``; ``status``, ``final_val_loss``,
-        ``first_val_loss`` ...): the coordinates from its values, the measures it has. Not checked:
-        keel wrote it."""
-        v = result.get("values") or {}
-        n_layers = v.get("model.n_layers")
-        measures = {k: result[k] for k in (*MEASURE_KEYS, *OPTIONAL_KEYS, "message", "unigram_entropy") if k in result}
-        return cls(**{"group": group, "name": result.get("name", ""), "scheme": v.get("model.residual"),
-                      "sublayers": 2 * n_layers if _int(n_layers) else 0, "seed": v.get("train.seed"),
-                      "lr": v.get("train.lr"), **measures, "values": dict(v),
-                      "status": result.get("status", "done"), "result": dict(result)})
 
     # ------------------------------------------------------------------ the mapping view
     def __getitem__(self, key: str) -> Any:

@@ -83,22 +83,15 @@ def _final_loss(run: RunRecord) -> float | None:
     return v if v is not None and math.isfinite(v) else None
 
 
-def as_records(runs: Sequence[RunRecord | dict]) -> list[RunRecord]:
-    """``runs`` as run records: a grid job's ``result.json`` content (a dict, as
-    :func:`keel.experiments.study.lrs.transferred_lrs` still passes) is read by
-    :meth:`RunRecord.from_result`."""
-    return [r if isinstance(r, RunRecord) else RunRecord.from_result(r) for r in runs]
-
-
-def seed_curve(runs: Sequence[RunRecord | dict], lrs: Sequence[float]) -> dict | None:
+def seed_curve(runs: Sequence[RunRecord], lrs: Sequence[float]) -> dict | None:
     """Numbers of one (scheme, depth, seed) over the LR grid, or None until every LR finished.
 
-    ``runs`` are the run records of that curve (or grid results: :func:`as_records`). Returns
+    ``runs`` are the run records of that curve. Returns
     ``losses`` (per LR; None = no finite final loss), ``capped`` (``min(l, l0)``, diverged =
     ``l0``), ``init_loss`` (mean step-0 validation loss of the runs), ``opt_lr``, ``best_loss``,
     ``sensitivity`` (:func:`lr_sensitivity`).
     """
-    by_lr = {r.lr: r for r in as_records(runs) if r.status == "done"}
+    by_lr = {r.lr: r for r in runs if r.status == "done"}
     lrs = sorted(lrs)
     if any(lr not in by_lr for lr in lrs):
         return None
@@ -141,14 +134,13 @@ def cell_summary(curves: Sequence[dict], lrs: Sequence[float]) -> dict:
 
 
 # ----------------------------------------------------------------------------- grid
-def summarise(runs: Sequence[RunRecord | dict], schemes: Sequence[str], sublayers: Sequence[int],
+def summarise(runs: Sequence[RunRecord], schemes: Sequence[str], sublayers: Sequence[int],
               lrs: Sequence[float], seeds: Sequence[int], plateau_level: float | None = None) -> list[dict]:
-    """One row per (depth, scheme) of the run records ``runs`` (or grid results: :func:`as_records`),
-    in the given order: ``sublayers``, ``scheme``,
+    """One row per (depth, scheme) of the run records ``runs``, in the given order: ``sublayers``, ``scheme``,
     ``seeds`` (``{seed: seed_curve}`` for the seeds whose curve is complete, each with
     ``max_lr_past_plateau`` = :func:`max_lr_below` ``plateau_level`` when that is given) and
     the :func:`cell_summary` fields."""
-    lrs, runs = sorted(lrs), as_records(runs)
+    lrs = sorted(lrs)
     rows = []
     for L in sublayers:
         for s in schemes:

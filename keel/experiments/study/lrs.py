@@ -101,7 +101,7 @@ def transferred_lrs(runs: list[RunRecord], g: Group) -> dict[str, float] | None:
     for scheme in g.schemes:
         rs = [r for r in runs if r.group == g.lr_from and r.scheme == scheme and r.sublayers == g.lr_from_sublayers]
         lrs = sorted({r.lr for r in rs})
-        curves = [LS.seed_curve([r.result for r in rs if r.seed == s], lrs) for s in g.scheme_seeds(scheme)]
+        curves = [LS.seed_curve([r for r in rs if r.seed == s], lrs) for s in g.scheme_seeds(scheme)]
         if not rs or any(c is None for c in curves):
             return None
         out[scheme] = LS.cell_summary(curves, lrs)["opt_lr"]
