@@ -79,8 +79,32 @@ def test_plots_are_written(sweep_dir, tmp_path, keel_main):
 def test_plot_errors(sweep_dir, tmp_path):
     with pytest.raises(KeelError, match="--x"):
         plot_loss_curves([sweep_dir], tmp_path / "a.png", x="time")
-    with pytest.raises(KeelError, match="sweep.json"):
+    with pytest.raises(KeelError, match="no report.json with a sweep table, no sweep.json"):
         plot_depth(sweep_dir / "keel_L2_lr0.001", tmp_path / "b.png")
+
+
+def test_plots_read_the_report_not_the_deprecated_alias(sweep_dir, tmp_path):
+    """`keel plot` read a sweep's table from sweep.json, the deprecated alias that goes in the next
+    release; a folder without it (report.json only) was "not a sweep folder". Now the table is
+    report.json's group_tables["sweep"] (the same data as the alias), and a folder written before
+    report.json existed still reads its sweep.json."""
+    import json
+    import shutil
+
+    new = tmp_path / "new"
+    shutil.copytree(sweep_dir, new)
+    (new / "sweep.json").unlink()
+    (new / "sweep.md").unlink()
+    assert load_sweep(new) == json.loads((sweep_dir / "sweep.json").read_text())
+    assert plot_loss_curves([new], tmp_path / "loss.png") == 8
+    assert len(plot_depth(new, tmp_path / "depth.png")) == 2 and plot_lr(new, tmp_path / "lr.png") == 4
+    old = tmp_path / "old"
+    shutil.copytree(sweep_dir, old)
+    (old / "report.json").unlink()
+    assert load_sweep(old) == load_sweep(new)
+    (old / "report.json").write_text("[1, 2]")  # not a report: one line naming the file
+    with pytest.raises(KeelError, match=r"report.json: not a keel report"):
+        load_sweep(old)
 
 
 def test_a_negative_smoothing_window_is_refused_and_one_curve_is_singular(sweep_dir, keel_main, tmp_path):

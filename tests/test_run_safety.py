@@ -1077,7 +1077,11 @@ def test_sample_prompt_default_starts_a_new_document(finished_run):
     assert text == tok.decode(ids) and not text.startswith("def ")
 
 
-def test_plot_lr_takes_an_lr_sensitivity_folder(tmp_path, capsys):
+@pytest.mark.parametrize("written_as", ["report.json", "sensitivity.json"])
+def test_plot_lr_takes_an_lr_sensitivity_folder(tmp_path, capsys, written_as):
+    """An lr-sensitivity folder's table is report.json's group_tables["sensitivity"]; a folder
+    written before report.json existed has it as sensitivity.json (now a deprecated alias).
+    `keel plot lr` read only the alias."""
     from keel.cli import main
 
     lrs = [1e-3, 3e-3]
@@ -1086,7 +1090,8 @@ def test_plot_lr_takes_an_lr_sensitivity_folder(tmp_path, capsys):
                "cells": [{"sublayers": 4, "scheme": "keel", "n_seeds": 1, "seeds": seeds, "mean_curve": [4.0, 3.5],
                           "init_loss": 6.2}]}
     (tmp_path / "sens").mkdir()
-    (tmp_path / "sens" / "sensitivity.json").write_text(json.dumps(summary))
+    data = {"group_tables": {"sensitivity": summary}} if written_as == "report.json" else summary
+    (tmp_path / "sens" / written_as).write_text(json.dumps(data))
     assert main(["plot", "lr", str(tmp_path / "sens"), "--out", str(tmp_path / "lr.png")]) == 0
     assert capsys.readouterr().out.strip() == f"{tmp_path / 'lr.png'}: 1 line"
     assert (tmp_path / "lr.png").stat().st_size > 1000

@@ -17,7 +17,6 @@ Figures are written atomically (:func:`keel.train.plots.save_figure`).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Sequence
@@ -25,7 +24,7 @@ from typing import Sequence
 from keel.errors import KeelError, plural
 from keel.experiments import sensitivity
 from keel.experiments.job_result import JobResult
-from keel.experiments.sweep import load_sweep, usable
+from keel.experiments.sweep import load_group_table, load_sweep, usable
 from keel.rundir import RunDir
 from keel.train.metrics import read_metrics, trailing_mean
 from keel.train.plots import plt, save_figure
@@ -35,8 +34,8 @@ def _run_dirs(paths: Sequence[str | Path]) -> list[tuple[str, Path]]:
     """(label, run dir) for every run folder or every run of a sweep folder."""
     out = []
     for p in map(Path, paths):
-        if (p / "sweep.json").is_file():
-            s = json.loads((p / "sweep.json").read_text())
+        s = load_group_table(p, "sweep", "sweep.json")
+        if s is not None:
             names = [JobResult.from_dict(r).name for r in s["runs"]]
             out += [(name, p / name) for name in names if RunDir(p / name).metrics.is_file()]
         elif RunDir(p).metrics.is_file():
@@ -45,7 +44,8 @@ def _run_dirs(paths: Sequence[str | Path]) -> list[tuple[str, Path]]:
                 raise KeelError(f"{p} is not a keel run ({why})")
             out.append((p.name, p))
         else:
-            raise KeelError(f"not a run folder (no {RunDir.METRICS}) or sweep folder (no sweep.json): {p}")
+            raise KeelError(f"not a run folder (no {RunDir.METRICS}) or sweep folder (no report.json with a sweep table): "
+                           f"{p}")
     if not out:
         raise KeelError("no runs to plot")
     return out
@@ -185,13 +185,12 @@ def plot_lr(sweep_dir: str | Path, out: str | Path, title: str = "") -> int:
     """Final validation loss against peak LR (log x), one line per scheme/depth (other keys).
 
     Diverged or stopped runs are drawn as crosses at their last validation loss. Returns
-    the number of lines. A ``keel lr-sensitivity`` folder (``sensitivity.json``) is drawn as
+    the number of lines. A ``keel lr-sensitivity`` folder (its ``report.json``'s sensitivity table) is drawn as
     that command draws it (:func:`keel.experiments.sensitivity.plot`: one panel per depth,
     one line per scheme). Raises KeelError if the sweep does not vary ``train.lr``.
     """
-    summary_file = Path(sweep_dir) / sensitivity.OUT_JSON
-    if summary_file.is_file():
-        summary = json.loads(summary_file.read_text())
+    summary = load_group_table(sweep_dir, "sensitivity", sensitivity.OUT_JSON)
+    if summary is not None:
         sensitivity.plot(summary, out)
         return sum(1 for cell in summary["cells"] if cell["n_seeds"])
     sweep = load_sweep(sweep_dir)

@@ -509,9 +509,30 @@ def _best_over_table(summary: dict) -> list[str]:
         f"{g['n_ok']}/{g['n']}"] for g in summary["best"]])
 
 
+def load_group_table(folder: str | Path, group: str, alias: str) -> dict | None:
+    """The own table of group ``group`` of a folder the study engine wrote (a sweep's, stress
+    test's or LR-sensitivity grid's): ``report.json``'s ``group_tables[group]``. A folder written
+    before the engine's report (no ``report.json``, or one without that group's table) is read from
+    its file ``alias`` (``sweep.json``, ``stress.json``, ``sensitivity.json``: the same data, now a
+    deprecated alias). None when the folder has neither. Raises KeelError if a file is not JSON."""
+    folder = Path(folder)
+    for name, pick in (("report.json", lambda d: (d.get("group_tables") or {}).get(group)), (alias, lambda d: d)):
+        p = folder / name
+        if p.is_file():
+            try:
+                data = pick(json.loads(p.read_text()))
+            except (ValueError, AttributeError) as e:
+                raise KeelError(f"{p}: not a keel report ({e.__class__.__name__})") from None
+            if data is not None:
+                return data
+    return None
+
+
 def load_sweep(sweep_dir: str | Path) -> dict:
-    """The ``sweep.json`` of a sweep folder. Raises KeelError if there is none."""
-    p = Path(sweep_dir) / "sweep.json"
-    if not p.is_file():
-        raise KeelError(f"not a sweep folder (no sweep.json): {sweep_dir}")
-    return json.loads(p.read_text())
+    """The sweep table of a sweep folder (:func:`load_group_table` of group ``sweep``: its
+    ``report.json``, or the ``sweep.json`` of a folder written before it). Raises KeelError if
+    the folder has neither."""
+    data = load_group_table(sweep_dir, "sweep", "sweep.json")
+    if data is None:
+        raise KeelError(f"not a sweep folder (no report.json with a sweep table, no sweep.json): {sweep_dir}")
+    return data
