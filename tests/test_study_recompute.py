@@ -752,3 +752,32 @@ def test_claim_d_lr_transfer():
             else:
                 want = "inconclusive"
             assert c["verdict"] == want, (c["verdict"], want)
+
+
+# ----------------------------------------------------------------------------- the prose
+def _parts_of(c):
+    conds = c.get("conditions") or {"": c}
+    return [(name, p) for cond in conds.values() for name, p in cond.get("parts", {}).items()]
+
+
+@pytest.mark.parametrize("cid", sorted(CLAIMS))
+def test_the_summary_states_each_parts_numbers(cid):
+    """Each claim's summary (report.json ``summary``, report.md's "Summary" bullets) states every part
+    as "NAME +m.mmm [90% CI +l.lll, +h.hhh], n seeds" (the level 2 * 0.95 − 1 as a percentage), or
+    "NAME no paired seed yet"; the numbers are the parts' that the tests above recompute. A claim
+    that waits for its runs ((h)) gives why instead."""
+    c = CLAIMS[cid]
+    ci = round(100 * (2 * LEVEL - 1))
+    if "why" in c:  # a claim waiting for its runs, (h): the summary says why instead
+        assert c["summary"].endswith(f"({c['why']}).")
+    for name, p in _parts_of(c) if "why" not in c else []:
+        if p["n"] >= 2:
+            frag = f"{name} {p['mean']:+.3f} [{ci}% CI {p['lo']:+.3f}, {p['hi']:+.3f}], {p['n']} seeds"
+        elif p["n"] == 0:
+            frag = f"{name} no paired seed yet"
+        else:
+            continue
+        assert frag in c["summary"], (cid, frag)
+    md = (ROOT / "docs/results/study-cpu/report.md").read_text() if "KEEL_STUDY_REPORT" not in os.environ else None
+    if md is not None:
+        assert f"- {c['summary']}\n" in md
