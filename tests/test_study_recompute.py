@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import tomllib
 from pathlib import Path
@@ -66,8 +65,7 @@ import pytest
 from scipy.stats import t as student_t
 
 ROOT = Path(__file__).resolve().parents[1]
-# KEEL_STUDY_REPORT: another report.json of the same study (an earlier commit's, a refreshed one)
-REPORT = json.loads(Path(os.environ.get("KEEL_STUDY_REPORT", ROOT / "docs/results/study-cpu/report.json")).read_text())
+REPORT = json.loads((ROOT / "docs/results/study-cpu/report.json").read_text())
 STUDY = tomllib.loads((ROOT / "keel/configs/studies/claims.toml").read_text())
 SCALE = REPORT["scale"]
 RUNS = REPORT["runs"]
@@ -778,6 +776,6 @@ def test_the_summary_states_each_parts_numbers(cid):
         else:
             continue
         assert frag in c["summary"], (cid, frag)
-    md = (ROOT / "docs/results/study-cpu/report.md").read_text() if "KEEL_STUDY_REPORT" not in os.environ else None
+    md = (ROOT / "docs/results/study-cpu/report.md").read_text()
     if md is not None:
         assert f"- {c['summary']}\n" in md

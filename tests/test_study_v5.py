@@ -170,6 +170,32 @@ def test_claim_e_waits_for_every_budget():
     assert c["verdict"] == "inconclusive" and c["conditions"]["paper_init"]["why"] == "1 of 2 token budgets finished"
 
 
+@pytest.mark.parametrize("kind", ["data_scaling", "margin_grows"])
+def test_a_condition_waits_while_a_run_it_reads_is_unfinished(kind):
+    """(b), (c) and (e) judged a condition once each depth (budget) had one paired seed: with one
+    Pre-LN run of the last budget still training, a finished "not reproduced" part decided the
+    condition, while (f), (g), (i) waited. The one rule now (the report's words): a condition stays
+    inconclusive while a run it reads has not finished. Here Keel is behind by 0.3 nats at every
+    budget and seed, so the margin part is not reproduced either way."""
+    groups = ["g1", "g2"]
+    st = study([SS.Group(g, ["keel", "pre_ln"], [16 * 4 ** i], [0, 1, 2], lrs=[1e-3]) for i, g in enumerate(groups)]
+               if kind == "margin_grows" else
+               [SS.Group(g, ["keel", "pre_ln"], [256], [0, 1, 2], lrs=[1e-3]) for g in groups])
+    runs = [run(g, x, (16 * 4 ** i) if kind == "margin_grows" else 256, sd, 1e-3, 3.3 if x == "keel" else 3.0,
+                tokens=1000 * 2 ** i) for i, g in enumerate(groups) for x in ("keel", "pre_ln") for sd in range(3)]
+    keys = {"budgets": groups} if kind == "data_scaling" else {"groups": groups}
+    claim = claim_of(kind, scheme="keel", baseline="pre_ln", **keys)
+    assert claim.verdict(st, runs)["verdict"] == "not reproduced"
+    runs[5].status = "running"  # pre_ln, seed 2, of the first budget / the shallowest depth
+    c = claim.verdict(st, runs)
+    parts = c["conditions"]["paper_init"]["parts"]
+    margin = next(v for k, v in parts.items() if k.startswith("margin"))
+    trend = next(v for k, v in parts.items() if k.startswith("trend"))
+    assert (margin["verdict"], margin["n"], trend["n"]) == ("not reproduced", 3, 2)  # the trend still lacks seed 2
+    assert c["conditions"]["paper_init"]["verdict"] == c["verdict"] == "inconclusive"
+    assert SV.unfinished(runs, groups, ["keel", "pre_ln"]) == 1 and SV.unfinished(runs, groups, ["keel"]) == 0
+
+
 # ----------------------------------------------------------------------------- deeper vs wider (f)
 def test_claim_f_pairs_keel_deep_with_pre_ln_deep_and_wide():
     st = study([SS.Group("d", ["keel", "pre_ln"], [256], [0, 1, 2], lrs=[1e-3, 3e-3],

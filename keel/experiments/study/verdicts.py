@@ -1,7 +1,7 @@
 """What the verdicts of several kinds of claim share: :func:`combine` (a verdict of parts), the
 conditions of a claim (:data:`CONDITIONS`, :func:`condition_groups`, :func:`judged`,
-:func:`pending`), the max-LR noise floor, a bench group's margins over its baselines, a run's
-divergence verdict in words, a group's one depth and its models' parameter counts. The
+:func:`pending`, the waiting rule :func:`settled`), the max-LR noise floor, a bench group's
+margins over its baselines, a run's divergence verdict in words, a group's one depth and its models' parameter counts. The
 statistics (paired per-seed differences, :func:`keel.experiments.analysis.paired_verdict`) live
 in :mod:`keel.experiments.analysis`; each kind's own arithmetic lives in its module of
 :mod:`keel.experiments.study.claims`."""
@@ -60,6 +60,28 @@ def condition_groups(paper: Sequence[str], init: Sequence[str]) -> dict[str, lis
 def judged(conds: dict[str, dict]) -> dict:
     """A claim's verdict dict over its conditions: reproduced only where every condition is."""
     return {"verdict": combine([c["verdict"] for c in conds.values()]), "conditions": conds}
+
+
+def unfinished(runs: Runs, groups: Sequence[str], schemes: Sequence[str], sublayers: Sequence[int] | None = None) -> int:
+    """The number of run records of ``schemes`` in ``groups`` (at ``sublayers``, default every
+    depth) whose status is not ``done``: planned, running or stopped runs a verdict still waits for."""
+    return sum(r.group in groups and r.scheme in schemes and r.status != "done"
+               and (sublayers is None or r.sublayers in sublayers) for r in runs)
+
+
+def settled(parts: dict[str, dict], waiting: int, min_seeds: int) -> str:
+    """The verdict of one condition of a claim over its parts (:func:`combine`), given only once it
+    cannot move: no run the condition reads is unfinished (``waiting``: :func:`unfinished`) and
+    every part has at least ``min_seeds`` paired seeds. Inconclusive before, even where a finished
+    part is already not reproduced (a run still training, or an LR the study adds to bracket an
+    optimum, can change the part's best loss). The one waiting rule of every kind of claim."""
+    return INCONCLUSIVE if waits(parts, waiting, min_seeds) else combine([p["verdict"] for p in parts.values()])
+
+
+def waits(parts: dict[str, dict], waiting: int, min_seeds: int) -> bool:
+    """Whether a condition with ``parts`` still waits (:func:`settled` gives it no verdict yet):
+    ``waiting`` unfinished runs, no part, or a part with fewer than ``min_seeds`` paired seeds."""
+    return bool(waiting) or not parts or any(p["n"] < min_seeds for p in parts.values())
 
 
 def pending(why: str, **rest) -> dict:

@@ -66,10 +66,11 @@ class Claim:
 
     def rule(self) -> str:
         """The claim's rule in one line: the first paragraph of its verdict's docstring, with the
-        claim's ``scheme`` (default keel), ``baseline``, ``order`` and ``group`` filled in."""
+        claim's ``scheme`` (default keel), ``baseline``, ``order`` and ``group`` filled in, and any
+        other key as ``{claim.KEY}``."""
         text = " ".join((type(self).verdict.__doc__ or "").strip().split("\n\n")[0].split())
         return text.format(scheme=getattr(self, "scheme", "keel"), baseline=getattr(self, "baseline", "the baseline"),
-                           order=" < ".join(getattr(self, "order", [])), group=getattr(self, "group", "G"))
+                           order=" < ".join(getattr(self, "order", [])), group=getattr(self, "group", "G"), claim=self)
 
     @classmethod
     def numbers(cls, c: dict) -> str:

@@ -6,11 +6,11 @@ from dataclasses import MISSING, dataclass
 from typing import ClassVar
 
 from keel.errors import KeelError
-from keel.experiments.analysis import INCONCLUSIVE, Runs
+from keel.experiments.analysis import Runs
 from keel.experiments.study.cells import direction, pm
 from keel.experiments.study.claims.base import OneGroup, condition_tables
 from keel.experiments.study.spec import Group, Study
-from keel.experiments.study.verdicts import baseline_margins, combine, judged
+from keel.experiments.study.verdicts import baseline_margins, judged, settled, unfinished, waits
 from keel.keys import key
 
 
@@ -45,9 +45,9 @@ class Bench(OneGroup):
             rows = [r for r in rows if r["scheme"] in self.designs]
             parts = {f"{r['baseline']} − {r['scheme']} at {r['sublayers']}": r["margin"] for r in rows
                      if r["baseline"] == self.baseline}
-            done = parts and all(p["n"] >= study.min_seeds for p in parts.values())
-            conds[k] = {"verdict": combine([p["verdict"] for p in parts.values()]) if done else INCONCLUSIVE,
-                        "parts": parts, "rows": rows, **({} if done else {"why": "bench runs pending"})}
+            waiting = unfinished(runs, [g.name, g.baselines_from], [*self.designs, self.baseline], g.sublayers)
+            conds[k] = {"verdict": settled(parts, waiting, study.min_seeds), "parts": parts, "rows": rows,
+                        **({"why": "bench runs pending"} if waits(parts, waiting, study.min_seeds) else {})}
         return judged(conds)
 
     def groups_read(self) -> list[str]:

@@ -11,7 +11,8 @@ from keel.experiments.analysis import Runs, best_runs, bracketed, pair, paired_v
 from keel.experiments.study.cells import lrs, pm
 from keel.experiments.study.claims.base import Paired, condition_tables, edge
 from keel.experiments.study.spec import Group, Study
-from keel.experiments.study.verdicts import combine, condition_groups, judged, non_embedding_params, one_depth, pending
+from keel.experiments.study.verdicts import (condition_groups, judged, non_embedding_params, one_depth, pending, settled,
+                                             unfinished)
 from keel.keys import key
 
 
@@ -92,4 +93,4 @@ def _budget_condition(study: Study, runs: Runs, claim: DataScaling, groups: list
     trend = trend_verdict({r["tokens"]: r["margin"]["diffs"] for r in rows}, study.min_effect, study.min_seeds)
     parts = {f"margin at {rows[-1]['tokens']:,} tokens": rows[-1]["margin"],
              "trend over " + ", ".join(f"{r['tokens']:,}" for r in rows) + " tokens (slope per doubling)": trend}
-    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+    return {"verdict": settled(parts, unfinished(runs, groups, (s, b)), study.min_seeds), "parts": parts, "rows": rows}

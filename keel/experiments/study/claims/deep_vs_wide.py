@@ -7,11 +7,11 @@ from dataclasses import MISSING, dataclass
 from typing import ClassVar
 
 from keel.errors import KeelError
-from keel.experiments.analysis import INCONCLUSIVE, Runs, best_runs, bracketed, pair, paired_verdict
+from keel.experiments.analysis import Runs, best_runs, bracketed, pair, paired_verdict
 from keel.experiments.study.cells import lrs
 from keel.experiments.study.claims.base import Paired, condition_tables, edge
 from keel.experiments.study.spec import Group, Study
-from keel.experiments.study.verdicts import combine, judged, non_embedding_params, one_depth
+from keel.experiments.study.verdicts import judged, non_embedding_params, one_depth, settled, unfinished
 from keel.keys import key
 
 
@@ -49,8 +49,7 @@ class DeepVsWide(Paired):
             parts = {f"{b} deep ({Ld}) − {s} deep": pair(loss[(b, "deep")], loss[(s, "deep")]),
                      f"{b} wide ({Lw}) − {s} deep": pair(loss[(b, "wide")], loss[(s, "deep")])}
             parts = {n: paired_verdict(m, study.min_effect, study.min_seeds) for n, m in parts.items()}
-            done = all(p["n"] >= study.min_seeds for p in parts.values())
-            conds[k] = {"verdict": combine([p["verdict"] for p in parts.values()]) if done else INCONCLUSIVE,
+            conds[k] = {"verdict": settled(parts, unfinished(runs, [deep, wide], (s, b)), study.min_seeds),
                         "parts": parts, "groups": [deep, wide],
                         "params": {f"{x} {shape}": non_embedding_params(study, g, x, L) for x in (s, b)
                                    for shape, g, L in (("deep", deep, Ld), ("wide", wide, Lw))},

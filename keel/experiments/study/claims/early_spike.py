@@ -12,7 +12,7 @@ from keel.experiments.analysis import Runs, paired_verdict
 from keel.experiments.record import RunRecord
 from keel.experiments.study.claims.base import OneGroup, Paired
 from keel.experiments.study.spec import Study
-from keel.experiments.study.verdicts import combine, pending
+from keel.experiments.study.verdicts import pending, settled
 from keel.experiments.table import markdown_table
 
 
@@ -27,7 +27,10 @@ class EarlySpike(Paired, OneGroup):
 
     def verdict(self, study: Study, runs: Runs) -> dict:
         """At the LRs where {scheme} trains healthily, {baseline} spikes early and {scheme} does not:
-        {baseline}'s largest early spike exceeds {scheme}'s.
+        {baseline}'s largest early spike exceeds {scheme}'s. A run's spike is the largest rise of its
+        10-step trailing-mean training loss over its earlier minimum in the first 1,000 steps; per
+        depth and seed d is the mean, over the LRs where {scheme}'s run of that seed is healthy, of
+        spike({baseline}) − spike({scheme}) (nats/token).
 
         Per run the largest rise of the 10-step trailing-mean training loss over its earlier minimum
         in the first 1,000 steps (:func:`keel.experiments.study.records.early_spike`, nats/token;
@@ -48,7 +51,7 @@ class EarlySpike(Paired, OneGroup):
                       for x in (s, b))
         if len([r for r in rs if r.scheme in (s, b)]) < planned:
             return {**pending(f"{len(rs)} of {planned} runs with every step's loss finished"), "parts": parts, "rows": rows}
-        return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+        return {"verdict": settled(parts, 0, study.min_seeds), "parts": parts, "rows": rows}
 
     def tables(self, c: dict) -> list[str]:
         s, b = self.scheme, self.baseline

@@ -16,7 +16,7 @@ from keel.experiments.record import RunRecord
 from keel.experiments.study.cells import CONDITION_WORDS
 from keel.experiments.study.claims.base import Claim, InitGroups, Paired, condition_tables
 from keel.experiments.study.spec import Group, Study
-from keel.experiments.study.verdicts import MAX_LR_FLOOR, combine, judged, pending
+from keel.experiments.study.verdicts import MAX_LR_FLOOR, combine, judged, pending, unfinished, waits
 from keel.train.plots import plt, save_figure
 from keel.keys import key
 
@@ -70,7 +70,11 @@ class LayerImportance(Paired, InitGroups):
     def verdict(self, study: Study, runs: Runs) -> dict:
         """{scheme}'s shallow sub-layers are less redundant than {baseline}'s, and the first two
         sub-layers of both are critical (every part must hold), at every depth of the ablated groups,
-        at the paper's init and with both schemes at N(0, 1) embeddings.
+        at the paper's init and with both schemes at N(0, 1) embeddings. Redundant: a sub-layer of
+        the shallow half whose removal raises the perplexity by less than 1%; per seed
+        d = share({baseline}) − share({scheme}) against a floor of {claim.share_floor:g}. Critical: per
+        scheme and seed log10(mean PPL without sub-layer 1 or 2 / median PPL without one sub-layer)
+        against a floor of log10 1.05.
 
         Each scheme's run per seed at its seed-mean optimal LR (:func:`seed_mean_optimum` over
         ``optimum_groups``, ``init_optimum_groups``), ablated (``groups``, ``init_groups``: groups
@@ -140,7 +144,8 @@ def _importance_condition(study: Study, runs: Runs, claim: LayerImportance, abl:
         parts.update(depth_parts)
         rows.append(row)
     planned = [L for g in study.groups if g.name in abl for L in g.sublayers]
-    if not rows or sorted(set(planned)) != depths or any(p["n"] < study.min_seeds for p in parts.values()):
+    waiting = unfinished(runs, [*abl, *opt], (claim.scheme, claim.baseline))
+    if not rows or sorted(set(planned)) != depths or waits(parts, waiting, study.min_seeds):
         return {**pending("ablations pending" if rows else "no ablated runs yet"), "parts": parts, "rows": rows}
     return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
 

@@ -27,7 +27,7 @@ from keel.experiments.study.cells import direction, exits, flagged, lrs, pm, win
 from keel.experiments.study.cells import CONDITION_WORDS
 from keel.experiments.study.claims.base import Claim, InitGroups, Paired, cond_head, edge
 from keel.experiments.study.spec import Group, Study
-from keel.experiments.study.verdicts import combine, left_plateau_later
+from keel.experiments.study.verdicts import combine, left_plateau_later, settled, unfinished
 from keel.experiments.table import markdown_table
 from keel.train.plots import plt, save_figure
 
@@ -241,6 +241,7 @@ def _margin_condition(study: Study, runs: Runs, claim: MarginGrows, alts: list[l
     trend = trend_verdict({r["sublayers"]: r["margin"]["diffs"] for r in rows}, study.min_effect, study.min_seeds)
     parts = {where: hi["margin"], f"trend over {', '.join(str(r['sublayers']) for r in rows)} sub-layers "
              "(slope per doubling)": trend}
-    # a depth still training can overturn either part: no verdict on part of the planned range
-    verdict = combine([p["verdict"] for p in parts.values()]) if planned == hi["sublayers"] else INCONCLUSIVE
+    # a depth or a run still training can overturn either part: no verdict on part of the planned range
+    waiting = unfinished(runs, groups, (claim.scheme, claim.baseline))
+    verdict = settled(parts, waiting, study.min_seeds) if planned == hi["sublayers"] else INCONCLUSIVE
     return {"verdict": verdict, "parts": parts, "rows": rows}

@@ -13,7 +13,7 @@ from keel.experiments.analysis import INCONCLUSIVE, Runs, paired_verdict
 from keel.experiments.study.cells import CONDITION_WORDS, lrs, parts, upper_first
 from keel.experiments.study.claims.base import OneGroup
 from keel.experiments.study.spec import Group, Study
-from keel.experiments.study.verdicts import MAX_LR_FLOOR, combine, verdict_words
+from keel.experiments.study.verdicts import MAX_LR_FLOOR, combine, unfinished, verdict_words
 from keel.experiments.table import markdown_table
 from keel.keys import key
 
@@ -63,7 +63,9 @@ class MaxLrOrder(OneGroup):
                     d = {x: v for x, v in d.items() if v is not None}  # both never diverged: censored, left out
                     if {a, b} <= trained.get(name, set(order)):
                         pairs[f"{a} < {b} at {L}"] = paired_verdict(d, MAX_LR_FLOOR, study.min_seeds)
-            conds[cond] = {"verdict": combine([p["verdict"] for p in pairs.values()]) if pairs else INCONCLUSIVE,
+            waiting = unfinished(runs, [name], order)  # a ramp run still training can move a max LR
+            conds[cond] = {"verdict": combine([p["verdict"] for p in pairs.values()]) if pairs and not waiting
+                           else INCONCLUSIVE,
                            "parts": pairs, "peak_lr": mine[0]["peak_lr"] if mine else None,
                            **({} if pairs else {"why": "no finished ramp runs"})}
         return {"verdict": conds["paper_ramp"]["verdict"], "conditions": conds, "rows": rows}

@@ -12,7 +12,7 @@ from keel.experiments.study.cells import pm
 from keel.experiments.study.claims.base import condition_tables
 from keel.experiments.study.claims.loop_max_lr import LoopMaxLr
 from keel.experiments.study.spec import Group, Study
-from keel.experiments.study.verdicts import combine, condition_groups, judged, pending
+from keel.experiments.study.verdicts import combine, condition_groups, judged, pending, unfinished, waits
 from keel.keys import key
 
 
@@ -90,6 +90,6 @@ def _test_depth_condition(study: Study, runs: Runs, claim: TestDepth, groups: li
         if v is not None:
             parts[f"loss({round(f * R)}) − loss({R}), {s} at {L}"] = {**v, "verdict": NON_INFERIOR.get(
                 v["verdict"], INCONCLUSIVE)}
-    if not parts or any(p["n"] < study.min_seeds for p in parts.values()):
+    if waits(parts, unfinished(runs, groups, (s, b)), study.min_seeds):
         return pending("runs with test loops pending", parts=parts, rows=rows)
     return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
