@@ -299,6 +299,9 @@ def study_from_dict(name: str, d: dict, scale: str, user_sets: Sequence[str] = (
                         "a study of groups only, e.g. a bench with baselines_from)")
     min_effect, min_seeds, spread = _verdict_settings(d.get("verdict", {}))
     refuse_sets(user_sets, dict.fromkeys(GRID_KEYS, " is set by the study's groups; change the study file instead"))
+    if any(g.loop for g in groups):  # each looped group's loop_sets come after the --set: it was silently overridden
+        refuse_sets(user_sets, dict.fromkeys(LOOP_KEYS, " is set by the study's looped groups (loop = [P, C, Q] and "
+                                                        "sublayers); change the study file instead"))
     scale_set = sc.get("set", {})
     if not isinstance(scale_set, dict):
         raise KeelError(f"study scale {scale!r}: set must be a table of config keys, got {scale_set!r}")
