@@ -309,6 +309,27 @@ def test_left_padded_generation_of_a_looped_model():
     assert torch.equal(out[1, 6:], model.generate(b, 5, temperature=0, loops=4)[0, 3:])
 
 
+def test_a_cache_filled_at_one_loop_count_refuses_another():
+    """A cache holds one slot per applied block: one filled at R served the next token at R' silently (the
+    coda read a core application's keys, the extra applications none), logits off by ~1e-3 at 2R and R/2.
+    Refused in one line, before anything is appended; at its own count it goes on; HF's DynamicCache too."""
+    torch.manual_seed(0)
+    model = Transformer(looped_cfg("keel", 1, 2, 3, 1)).eval()
+    ids = torch.randint(0, 61, (1, 8))
+    caches = [KVCache()]
+    if importlib.util.find_spec("transformers") is not None:
+        from transformers import DynamicCache
+        caches.append(DynamicCache())
+    for cache in caches:
+        model(ids[:, :5], cache=cache, loops=3)
+        for other in (1, 2, 4, 6):
+            with pytest.raises(KeelError, match=f"filled at 3 loops.*not at {other}") as e:
+                model(ids[:, 5:6], cache=cache, loops=other)
+            assert "\n" not in str(e.value) and cache.get_seq_length() == 5
+        torch.testing.assert_close(model(ids[:, 5:], cache=cache, loops=3), model(ids, loops=3)[:, 5:],
+                                   rtol=1e-5, atol=1e-5)
+
+
 # ---- training-time depth ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("R", [1, 2, 5])
