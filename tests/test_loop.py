@@ -556,6 +556,15 @@ def test_keel_train_and_generate_looped(keel_main, tiny_data, tmp_path):
         [("keel", 6, 1, 6), ("pre_ln", 6, 1, 6), ("keel", 10, 3, 10), ("pre_ln", 10, 3, 10)]
 
 
+def test_gradflow_loop_without_residual_profiles_every_scheme_that_loops(keel_main, tiny_data):
+    """The default --residual (every scheme) with --loop was refused as a whole, "attn_res cannot loop"."""
+    r = keel_main("gradflow", "--loop", "1,1,1", "--sublayers", "6", "--d-model", 16, "--set", f"data.path={tiny_data}",
+                  "--set", "model.vocab_size=512", "--json", "--seq-len", 16, "--batch-size", 1, "--jacobian-iters", 2)
+    assert r.returncode == 0, r.stderr
+    assert sorted(x["residual"] for x in json.loads(r.stdout)["results"]) == LOOPING
+    assert keel_main("gradflow", "--residual", "attn_res", "--loop", "1,1,1", "--sublayers", "6").returncode == 2
+
+
 @pytest.mark.parametrize("command", ["eval", "generate", "ablate"])
 def test_loops_flag_refuses_a_model_that_does_not_loop(keel_main, tiny_reference_run, command):
     r = keel_main(command, "--run", tiny_reference_run, "--loops", 2)
