@@ -565,6 +565,18 @@ def test_gradflow_loop_without_residual_profiles_every_scheme_that_loops(keel_ma
     assert keel_main("gradflow", "--residual", "attn_res", "--loop", "1,1,1", "--sublayers", "6").returncode == 2
 
 
+@pytest.mark.parametrize("command", ["stress", "lr-sensitivity"])
+def test_a_depth_grid_refuses_loop_sets_that_change_the_depth_it_names(keel_main, tmp_path, command):
+    """--sublayers L sets model.n_layers = L/2, so with a loop of R > 1 set the runs applied more sub-layers
+    than their names and tables said (16 in the plan's sub-layers, 24 in its tokens per parameter)."""
+    loop = ["--set", "model.loop_prelude=1", "--set", "model.loop_core=2"]
+    args = [command, "--residual", "keel", "--sublayers", "16", *loop, "--dry-run"]
+    r = keel_main(*args, "--set", "model.loop_repeats=3", "--out", tmp_path / "x")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and not (tmp_path / "x").exists(), r.stderr
+    assert "runs of 16 sub-layers apply 24" in r.stderr and "loop = [P, C, Q]" in r.stderr
+    assert keel_main(*args, "--out", tmp_path / "y").returncode == 0  # R = 1: 2 (P + C + Q) = 2 n_layers
+
+
 @pytest.mark.parametrize("command", ["eval", "generate", "ablate"])
 def test_loops_flag_refuses_a_model_that_does_not_loop(keel_main, tiny_reference_run, command):
     r = keel_main(command, "--run", tiny_reference_run, "--loops", 2)
