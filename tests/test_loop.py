@@ -507,6 +507,7 @@ def test_keel_train_and_generate_looped(keel_main, tiny_data, tmp_path):
     r = keel_main("train", "--run-dir", run, *[a for s in sets for a in ("--set", s)])
     assert r.returncode == 0, r.stderr
     assert "validation loss at step 4" in r.stdout
+    assert "3 blocks, looped: 1 + 1 x 3 + 1 = 10 sub-layers, d_model" in r.stderr  # was "3 blocks = 10 sub-layers"
     cfg = Run(run).config
     assert (cfg.model.loop_core, cfg.model.loop_repeats, cfg.model.n_sublayers) == (1, 3, 10)
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
