@@ -206,6 +206,14 @@ def test_a_set_of_a_key_the_loop_groups_set_per_run_is_refused(keel_main, tmp_pa
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
 
 
+def test_a_scale_set_of_a_key_the_loop_groups_set_per_run_is_refused(tmp_path):
+    text = (SS.resolve_config_path("looped", kind="studies")).read_text()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace('[scales.cpu.set]\n', '[scales.cpu.set]\n"model.loop_core" = 4\n', 1))
+    with pytest.raises(KeelError, match=r"study scale 'cpu': set model.loop_core: the looped groups' loop = \[P, C, Q\]"):
+        SC.load_study(str(bad), "cpu")
+
+
 def test_a_set_of_the_loop_sampling_reaches_every_looped_run(keel_main, tmp_path):
     # it was refused ("needs a loop") by the check of the study's base config, which has no loop
     r = keel_main("study", "looped", "--scale", "cpu", "--dry-run", "--json", "--set", "model.loop_sampling=uniform",

@@ -309,6 +309,10 @@ def study_from_dict(name: str, d: dict, scale: str, user_sets: Sequence[str] = (
     if varied:  # they were silently overridden by every group's own values
         raise KeelError(f"study scale {scale!r}: set {', '.join(varied)}: the groups' schemes, sublayers, lrs and "
                         "seeds set it per run; change those instead")
+    looped = sorted(k for k in scale_set if k in LOOP_KEYS) if any(g.loop for g in groups) else []
+    if looped:  # as silently overridden by each looped group's loop_sets
+        raise KeelError(f"study scale {scale!r}: set {', '.join(looped)}: the looped groups' loop = [P, C, Q] and "
+                        "sublayers set it per run; change those instead")
     return Study(name=name, scale=scale, description=d.get("description", "").strip(), note=sc.get("note", ""),
                  base=d.get("base", "demo"), sets=list(sc.get("set", {}).items()), groups=groups, claims=claims,
                  min_effect=min_effect, min_seeds=min_seeds, floor_from_spread=spread,
