@@ -309,6 +309,27 @@ def test_left_padded_generation_of_a_looped_model():
     assert torch.equal(out[1, 6:], model.generate(b, 5, temperature=0, loops=4)[0, 3:])
 
 
+def test_a_cache_filled_at_one_loop_count_refuses_another():
+    """A cache holds one slot per applied block: one filled at R served the next token at R' silently (the
+    coda read a core application's keys, the extra applications none), logits off by ~1e-3 at 2R and R/2.
+    Refused in one line, before anything is appended; at its own count it goes on; HF's DynamicCache too."""
+    torch.manual_seed(0)
+    model = Transformer(looped_cfg("keel", 1, 2, 3, 1)).eval()
+    ids = torch.randint(0, 61, (1, 8))
+    caches = [KVCache()]
+    if importlib.util.find_spec("transformers") is not None:
+        from transformers import DynamicCache
+        caches.append(DynamicCache())
+    for cache in caches:
+        model(ids[:, :5], cache=cache, loops=3)
+        for other in (1, 2, 4, 6):
+            with pytest.raises(KeelError, match=f"filled at 3 loops.*not at {other}") as e:
+                model(ids[:, 5:6], cache=cache, loops=other)
+            assert "\n" not in str(e.value) and cache.get_seq_length() == 5
+        torch.testing.assert_close(model(ids[:, 5:], cache=cache, loops=3), model(ids, loops=3)[:, 5:],
+                                   rtol=1e-5, atol=1e-5)
+
+
 # ---- training-time depth ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("R", [1, 2, 5])
@@ -486,6 +507,7 @@ def test_keel_train_and_generate_looped(keel_main, tiny_data, tmp_path):
     r = keel_main("train", "--run-dir", run, *[a for s in sets for a in ("--set", s)])
     assert r.returncode == 0, r.stderr
     assert "validation loss at step 4" in r.stdout
+    assert "3 blocks, looped: 1 + 1 x 3 + 1 = 10 sub-layers, d_model" in r.stderr  # was "3 blocks = 10 sub-layers"
     cfg = Run(run).config
     assert (cfg.model.loop_core, cfg.model.loop_repeats, cfg.model.n_sublayers) == (1, 3, 10)
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -533,6 +555,27 @@ def test_keel_train_and_generate_looped(keel_main, tiny_data, tmp_path):
     results = json.loads(r.stdout)["results"]
     assert [(x["residual"], x["sublayers"], x["loop"]["repeats"], len(x["stream_grad_norm"])) for x in results] == \
         [("keel", 6, 1, 6), ("pre_ln", 6, 1, 6), ("keel", 10, 3, 10), ("pre_ln", 10, 3, 10)]
+
+
+def test_gradflow_loop_without_residual_profiles_every_scheme_that_loops(keel_main, tiny_data):
+    """The default --residual (every scheme) with --loop was refused as a whole, "attn_res cannot loop"."""
+    r = keel_main("gradflow", "--loop", "1,1,1", "--sublayers", "6", "--d-model", 16, "--set", f"data.path={tiny_data}",
+                  "--set", "model.vocab_size=512", "--json", "--seq-len", 16, "--batch-size", 1, "--jacobian-iters", 2)
+    assert r.returncode == 0, r.stderr
+    assert sorted(x["residual"] for x in json.loads(r.stdout)["results"]) == LOOPING
+    assert keel_main("gradflow", "--residual", "attn_res", "--loop", "1,1,1", "--sublayers", "6").returncode == 2
+
+
+@pytest.mark.parametrize("command", ["stress", "lr-sensitivity"])
+def test_a_depth_grid_refuses_loop_sets_that_change_the_depth_it_names(keel_main, tmp_path, command):
+    """--sublayers L sets model.n_layers = L/2, so with a loop of R > 1 set the runs applied more sub-layers
+    than their names and tables said (16 in the plan's sub-layers, 24 in its tokens per parameter)."""
+    loop = ["--set", "model.loop_prelude=1", "--set", "model.loop_core=2"]
+    args = [command, "--residual", "keel", "--sublayers", "16", *loop, "--dry-run"]
+    r = keel_main(*args, "--set", "model.loop_repeats=3", "--out", tmp_path / "x")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and not (tmp_path / "x").exists(), r.stderr
+    assert "runs of 16 sub-layers apply 24" in r.stderr and "loop = [P, C, Q]" in r.stderr
+    assert keel_main(*args, "--out", tmp_path / "y").returncode == 0  # R = 1: 2 (P + C + Q) = 2 n_layers
 
 
 @pytest.mark.parametrize("command", ["eval", "generate", "ablate"])

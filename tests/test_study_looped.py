@@ -196,6 +196,34 @@ def test_the_cpu_plan_fits_its_budget(keel_main, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("key", ["model.loop_prelude", "model.loop_core", "model.loop_repeats"])
+def test_a_set_of_a_key_the_loop_groups_set_per_run_is_refused(keel_main, tmp_path, key):
+    # loop_core and loop_prelude were silently overridden by each group's loop = [P, C, Q] (the plan unchanged);
+    # loop_repeats was refused as "needs a loop: set model.loop_core >= 1", which the study does set
+    r = keel_main("study", "looped", "--scale", "cpu", "--dry-run", "--set", f"{key}=2", "--out", tmp_path / "x")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"--set {key} is set by the study's looped groups" in r.stderr and "needs a loop" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+
+
+def test_a_scale_set_of_a_key_the_loop_groups_set_per_run_is_refused(tmp_path):
+    text = (SS.resolve_config_path("looped", kind="studies")).read_text()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace('[scales.cpu.set]\n', '[scales.cpu.set]\n"model.loop_core" = 4\n', 1))
+    with pytest.raises(KeelError, match=r"study scale 'cpu': set model.loop_core: the looped groups' loop = \[P, C, Q\]"):
+        SC.load_study(str(bad), "cpu")
+
+
+def test_a_set_of_the_loop_sampling_reaches_every_looped_run(keel_main, tmp_path):
+    # it was refused ("needs a loop") by the check of the study's base config, which has no loop
+    r = keel_main("study", "looped", "--scale", "cpu", "--dry-run", "--json", "--set", "model.loop_sampling=uniform",
+                  "--out", tmp_path / "x")
+    assert r.returncode == 0, r.stderr
+    study = SC.load_study("looped", "cpu", ["model.loop_sampling=uniform"])
+    jobs = [j for _, _, js in SPlan.planned_jobs(study, "<data>", tmp_path / "x") for j in js]
+    assert len(jobs) == 108 and {j.config["model"]["loop_sampling"] for j in jobs} == {"uniform"}
+
+
 @pytest.mark.long  # 16 tiny runs, each evaluated at two more loop counts: about 20 s on an idle core
 def test_looped_study_tiny_end_to_end(tiny_data, tmp_path):
     """Trains the tiny scale, evaluates each run at its test loop counts and judges every claim."""

@@ -417,6 +417,24 @@ class Transformer(nn.Module):
         flat.loops = flat.cfg.loop_repeats
         return flat
 
+    def _check_cache_loops(self, cache, start: int, order: list[int]) -> None:
+        """Raise KeelError (one line) when the non-empty ``cache`` (``start`` positions) was filled at
+        another loop count than ``order`` applies: its slots are not exactly ``len(order)`` (the coda
+        would read a core application's keys, and an application beyond the filled ones none)."""
+        n = len(order)
+        if cache.get_seq_length(n - 1) == start and cache.get_seq_length(n) == 0:
+            return
+        slots = n  # the filled slots, counted from n up or down
+        while cache.get_seq_length(slots):
+            slots += 1
+        while slots and not cache.get_seq_length(slots - 1):
+            slots -= 1
+        C = self.cfg.loop_core
+        filled = (slots - (self.cfg.n_layers - C)) / C
+        raise KeelError(f"this KV cache was filled at {filled:g} loops ({slots} applied blocks), not at "
+                        f"{(n - (self.cfg.n_layers - C)) // C} loops: a cache serves only the loop count it was "
+                        "filled at (start a new cache, or keep the count)")
+
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
                 cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
                 loops: int | None = None) -> torch.Tensor:
@@ -431,7 +449,10 @@ class Transformer(nn.Module):
         x = self.tok_emb(input_ids)
         if self.stream is not None:  # e.g. n copies of the embedding [n, B, T, d]
             x = self.stream.begin(x)
-        for slot, b in enumerate(self.depth_order(loops)):
+        order = self.depth_order(loops)
+        if start and self.cfg.loop_core:  # one slot per applied block: a cache serves only the count it was filled at
+            self._check_cache_loops(cache, start, order)
+        for slot, b in enumerate(order):
             block, kv = self.blocks[b], cache if cache is None or slot == b else CacheSlot(cache, slot)
             x = block(x, cos, sin, kv) if mask is None else block(x, cos, sin, kv, mask)
         if self.stream is not None:  # back to [B, T, d]

@@ -376,8 +376,10 @@ class Trainer:
         for line in ignored_keys(cfg.model) + notes:  # e.g. model.alpha set for a pre_ln run
             log.warning(line)
         log.info("run directory: %s", self.run_dir)
-        n = cfg.model.n_layers
-        log.info(f"model: {cfg.model.residual}, {plural(n, 'block')} = {cfg.model.n_sublayers} sub-layers, "
+        m = cfg.model
+        looped = f", looped: {m.loop_prelude} + {m.loop_core} x {m.loop_repeats} + " \
+                 f"{m.n_layers - m.loop_prelude - m.loop_core}" if m.loop_core else ""  # as keel eval spells it
+        log.info(f"model: {m.residual}, {plural(m.n_layers, 'block')}{looped} = {m.n_sublayers} sub-layers, "
                  f"d_model {cfg.model.d_model}, {self.model.num_params() / 1e6:.2f}M parameters; "
                  f"data: {self.data_dir} ({self.meta['train_tokens']:,} train tokens)")
         log.info(f"global batch: {tc.batch_size} sequences x {tc.seq_len} tokens x grad_accum {tc.grad_accum} = "

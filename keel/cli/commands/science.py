@@ -17,7 +17,7 @@ from pathlib import Path
 
 from keel.cli.commands import add_loops_flag, check_counts, check_loops, check_seed
 from keel.cli.formatting import module_summary
-from keel.config import key_default, key_help, load_config, preset_names, resolve_config_path
+from keel.config import ModelConfig, key_default, key_help, load_config, preset_names, resolve_config_path
 from keel.errors import KeelError, plural
 from keel.experiments.executor import EXECUTORS, Executor, check_slurm_here, parse_slurm
 from keel.io import check_output_not_in_checkpoints, check_path_names, make_dirs
@@ -130,7 +130,8 @@ def _register_gradflow(subparsers) -> None:
         description="Gradient-flow profile on one batch of validation tokens, at initialisation "
                     "(--residual, --sublayers) or from trained runs (--run).")
     p.add_argument("--residual", default=None,
-                   help="comma-separated schemes (default: every scheme in keel.model.SCHEMES)")
+                   help="comma-separated schemes (default: every scheme in keel.model.SCHEMES; with --loop, "
+                        "every one that loops: not attn_res)")
     _add_sublayers_flag(p, None, "comma-separated depths in sub-layers, each even; blocks = L/2 (default: 16,64)")
     p.add_argument("--run", action="append", default=[], metavar="DIR",
                    help="profile the latest checkpoint of a trained run instead (repeatable)")
@@ -218,11 +219,22 @@ def _gradflow_profiles(args: argparse.Namespace) -> list[dict]:
         for run in args.run:
             check_loops(args.loops, Run(run).config.model, run)
         return G.profile_runs(args.run, args.seq_len, loops=args.loops, **common)
-    schemes = _parse_schemes(args.residual if args.residual is not None else ",".join(SCHEMES))
+    schemes = _parse_schemes(args.residual if args.residual is not None else
+                             ",".join(s for s in SCHEMES if args.loop is None or _loops(s)))
     depths = _parse_layers(args.sublayers if args.sublayers is not None else G.DEFAULT_LAYERS, args.sublayers_flag)
     base = load_config(resolve_config_path(args.config), args.set)
     return G.profile_schemes(base, schemes, depths, args.d_model or G.DEFAULT_WIDTH,
                              args.seq_len or G.DEFAULT_SEQ_LEN, loop=_parse_loop(args.loop), **common)
+
+
+def _loops(scheme: str) -> bool:
+    """Whether ``scheme`` can be looped (its ``check_config`` takes a loop; attn_res refuses one): the schemes
+    ``keel gradflow --loop`` profiles without ``--residual``."""
+    try:
+        SCHEMES[scheme].check_config(ModelConfig(residual=scheme, n_layers=3, loop_prelude=1, loop_core=1))
+    except KeelError:
+        return False
+    return True
 
 
 def _parse_loop(text: str | None) -> tuple[int, int, int] | None:

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from keel.config import config_from_dict
+from keel.errors import KeelError
 from keel.experiments import stress as ST
 from keel.experiments.grid import GridJob
 from keel.experiments.study.lrs import group_jobs, group_records, stepped_lrs
@@ -99,6 +100,7 @@ def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: f
     rows, restored = [], restored or {}
     for g, refs, jobs in planned_jobs(study, data_dir, out, restored):
         cfgs = [config_from_dict(j.config) for j in refs + jobs]
+        _check_named_depths(g, cfgs)
         per_run = [c.train.steps * c.train.batch_size * c.train.seq_len * c.train.grad_accum for c in cfgs]
         flops = [t * flops_per_token(c.model, c.train.seq_len) for t, c in zip(per_run, cfgs)]
         held = _held_runs(g, refs, jobs, restored)
@@ -113,6 +115,20 @@ def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: f
                      "gpu_hours_left": sum(f for f, h in zip(flops, held) if not h) * hours,
                      "compiled": sum(1 for c in cfgs if c.train.compile)})  # runs that torch.compile (plan.compile_words)
     return rows
+
+
+def _check_named_depths(g: Group, cfgs: list) -> None:
+    """Raise KeelError (one line) when the runs of group ``g``, named and tabled by its ``sublayers``, apply
+    other depths: a group without ``loop`` sets ``model.n_layers = L/2`` blocks of weights, so loop keys set
+    with R > 1 (``--set model.loop_repeats=3``) make each run 2 (P + R C + Q) sub-layers deep, not L."""
+    applied = sorted({c.model.n_sublayers for c in cfgs})
+    if g.sublayers and applied != sorted(set(g.sublayers)):
+        c = next(c for c in cfgs if c.model.n_sublayers not in g.sublayers)
+        m = c.model
+        raise KeelError(f"group {g.name}: its runs of {2 * m.n_layers} sub-layers apply {m.n_sublayers} with the loop "
+                        f"keys set (2 (P + R C + Q) = 2 ({m.loop_prelude} + {m.loop_repeats} x {m.loop_core} + "
+                        f"{m.n_layers - m.loop_prelude - m.loop_core})); a grid over effective depths is a study "
+                        "group's loop = [P, C, Q] (docs/looped.md)")
 
 
 def _held_runs(g: Group, refs: list[GridJob], jobs: list[GridJob], restored: dict[tuple[str, str], dict]

@@ -299,6 +299,9 @@ def study_from_dict(name: str, d: dict, scale: str, user_sets: Sequence[str] = (
                         "a study of groups only, e.g. a bench with baselines_from)")
     min_effect, min_seeds, spread = _verdict_settings(d.get("verdict", {}))
     refuse_sets(user_sets, dict.fromkeys(GRID_KEYS, " is set by the study's groups; change the study file instead"))
+    if any(g.loop for g in groups):  # each looped group's loop_sets come after the --set: it was silently overridden
+        refuse_sets(user_sets, dict.fromkeys(LOOP_KEYS, " is set by the study's looped groups (loop = [P, C, Q] and "
+                                                        "sublayers); change the study file instead"))
     scale_set = sc.get("set", {})
     if not isinstance(scale_set, dict):
         raise KeelError(f"study scale {scale!r}: set must be a table of config keys, got {scale_set!r}")
@@ -306,6 +309,10 @@ def study_from_dict(name: str, d: dict, scale: str, user_sets: Sequence[str] = (
     if varied:  # they were silently overridden by every group's own values
         raise KeelError(f"study scale {scale!r}: set {', '.join(varied)}: the groups' schemes, sublayers, lrs and "
                         "seeds set it per run; change those instead")
+    looped = sorted(k for k in scale_set if k in LOOP_KEYS) if any(g.loop for g in groups) else []
+    if looped:  # as silently overridden by each looped group's loop_sets
+        raise KeelError(f"study scale {scale!r}: set {', '.join(looped)}: the looped groups' loop = [P, C, Q] and "
+                        "sublayers set it per run; change those instead")
     return Study(name=name, scale=scale, description=d.get("description", "").strip(), note=sc.get("note", ""),
                  base=d.get("base", "demo"), sets=list(sc.get("set", {}).items()), groups=groups, claims=claims,
                  min_effect=min_effect, min_seeds=min_seeds, floor_from_spread=spread,
