@@ -195,6 +195,16 @@ def test_too_little_text_is_named_in_english(run_dir, tmp_path, capsys):
         text_perplexity(run.load_model(), run.tokenizer(), "a", seq_len=8, device="cpu", source="t")
 
 
+def test_max_tokens_with_a_text_file_is_refused(run_dir, tmp_path, capsys):
+    """`keel eval --text FILE --max-tokens 100` scored every token of the file (14,071 in the
+    new-user trial) without a word: --max-tokens limits only the validation split."""
+    f = tmp_path / "t.txt"
+    f.write_text("def f(x):\n    return x + 1\n" * 50)
+    assert main(["eval", "--run", str(run_dir), "--text", str(f), "--max-tokens", "100"]) == 2
+    assert capsys.readouterr().err == (f"keel: error: --max-tokens limits the validation split; --text {f} is "
+                                       "scored whole (shorten the file to score fewer tokens)\n")
+
+
 def test_eval_checks_tasks_before_loading_the_model(run_dir, tmp_path, keel_main, monkeypatch):
     """A bad --task-dir or a misspelt task was reported after the model loaded and the held-out
     loss was computed (the misspelt one with exit 1): now one line, exit 2, nothing loaded."""

@@ -109,7 +109,8 @@ def register(subparsers) -> None:
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per window for perplexity (default: train.seq_len of the run, else max_seq_len)")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="validation tokens to score (default: the run's train.eval_tokens)")
+                   help="validation tokens to score (default: the run's train.eval_tokens; not with --text, "
+                        "which scores the whole file)")
     p.add_argument("--batch-size", type=int, default=8,
                    help="windows (perplexity) or requests (tasks) per forward pass")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -123,6 +124,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """``keel eval``: held-out perplexity / bits per byte, then lm-eval tasks; exit 1 if a task could not run."""
     task_names = [t.strip() for t in args.tasks.split(",") if t.strip()]
     check_counts(args, "limit", "batch_size", "max_tokens", "seq_len", "loops")
+    if args.text and args.max_tokens is not None:  # it scored every token of the file without a word
+        raise KeelError(f"--max-tokens limits the validation split; --text {args.text} is scored whole "
+                        "(shorten the file to score fewer tokens)")
     index = check_tasks(task_names, args.task_dir, args.verbose) if task_names else None  # before the model loads
     model, tokenizer, cfg, device, name = _load(args)
     mc = model.cfg
