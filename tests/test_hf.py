@@ -529,6 +529,25 @@ def test_import_of_a_looped_export_says_its_loops_are_not_imported(tiny_data, tm
     assert "loops" not in capsys.readouterr().err
 
 
+def test_eval_and_ablate_hf_cap_config_json_loops_as_loops(tiny_data, tmp_path, capsys):
+    """config.json's loops = 1000 ran `keel eval --hf` (and `keel ablate --hf`) with the core applied 1000 times
+    a token, where `--loops 1000` is refused: now refused the same way, in one line naming config.json's loops
+    and the cap; --loops (checked on its own) overrides it."""
+    folder, text = tmp_path / "hf", tmp_path / "text.txt"
+    _looped_export(folder, tiny_data / "tokenizer.json", loops=1000)
+    text.write_text("def main(argv):\n    return 0\n" * 20)
+    cap = (f"keel: error: config.json's loops = 1000 in {folder} is above 64, the cap of --loops (max(64, 16 x "
+           "model.loop_repeats = 3)): each token would apply the core 1000 times; give --loops R (R <= 64) to run "
+           "another count\n")
+    for command in (["eval", "--hf", str(folder), "--text", str(text)],
+                    ["ablate", "--hf", str(folder), "--text", str(text), "--out", str(tmp_path / "ablate")]):
+        capsys.readouterr()
+        assert main(command) == 2
+        assert capsys.readouterr().err == cap
+    assert main(["eval", "--hf", str(folder), "--text", str(text), "--loops", "6", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["loops"]["repeats"] == 6
+
+
 def test_import_refuses_a_tokenizer_larger_than_the_vocabulary_and_steps_below_the_export(tiny_data, tmp_path,
                                                                                           capsys):
     """A Llama of vocab_size 300 with a 512-id tokenizer was imported; `keel generate` then died of an
