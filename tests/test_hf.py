@@ -489,6 +489,65 @@ def _stock_llama(folder, tokenizer_file, **config):
     return model
 
 
+def _looped_export(folder, tokenizer_file, loops):
+    """A random looped keel model (P, C, R, Q = 1, 1, 3, 1) saved as keel export-hf writes one, its
+    config.json's ``loops`` set, with the tokenizer of tokenizer_file."""
+    from transformers import PreTrainedTokenizerFast
+
+    torch.manual_seed(7)
+    cfg = tiny_cfg("keel", vocab_size=512, n_layers=3, loop_prelude=1, loop_core=1, loop_repeats=3)
+    native = Transformer(cfg).eval()
+    KeelForCausalLM.from_native(native, loops=loops).save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token="<|endoftext|>").save_pretrained(folder)
+    native.set_loops(3)
+    return native
+
+
+def test_import_of_a_looped_export_says_its_loops_are_not_imported(tiny_data, tmp_path, capsys):
+    """config.json's loops (the count the Hugging Face model runs at) is no run key: the imported run
+    loops at the trained model.loop_repeats, as before, but a warning line now says so (it was dropped
+    silently, and the run computed another function than the folder)."""
+    from keel.run import Run
+
+    folder, run = tmp_path / "hf", tmp_path / "run"
+    native = _looped_export(folder, tiny_data / "tokenizer.json", loops=6)
+    capsys.readouterr()
+    assert main(["import-hf", "--hf", str(folder), "--out", str(run), "--set", "train.seq_len=32"]) == 0
+    err = capsys.readouterr().err
+    assert err == (f"config.json's loops = 6 in {folder} was not imported: the run loops at the trained "
+                   "model.loop_repeats = 3 (give --loops 6 to keel eval, generate, ablate or gradflow to run it at "
+                   "the folder's count)\n")
+    imported = Run(run).load_model()
+    assert imported.cfg.loop_repeats == imported.loops == 3
+    ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for r in (3, 6):
+            torch.testing.assert_close(imported(ids, loops=r), native(ids, loops=r), atol=1e-5, rtol=0)
+    _looped_export(tmp_path / "hf3", tiny_data / "tokenizer.json", loops=3)  # loops = loop_repeats: nothing lost
+    assert main(["import-hf", "--hf", str(tmp_path / "hf3"), "--out", str(tmp_path / "run3"), "--set",
+                 "train.seq_len=32"]) == 0
+    assert "loops" not in capsys.readouterr().err
+
+
+def test_eval_and_ablate_hf_cap_config_json_loops_as_loops(tiny_data, tmp_path, capsys):
+    """config.json's loops = 1000 ran `keel eval --hf` (and `keel ablate --hf`) with the core applied 1000 times
+    a token, where `--loops 1000` is refused: now refused the same way, in one line naming config.json's loops
+    and the cap; --loops (checked on its own) overrides it."""
+    folder, text = tmp_path / "hf", tmp_path / "text.txt"
+    _looped_export(folder, tiny_data / "tokenizer.json", loops=1000)
+    text.write_text("def main(argv):\n    return 0\n" * 20)
+    cap = (f"keel: error: config.json's loops = 1000 in {folder} is above 64, the cap of --loops (max(64, 16 x "
+           "model.loop_repeats = 3)): each token would apply the core 1000 times; give --loops R (R <= 64) to run "
+           "another count\n")
+    for command in (["eval", "--hf", str(folder), "--text", str(text)],
+                    ["ablate", "--hf", str(folder), "--text", str(text), "--out", str(tmp_path / "ablate")]):
+        capsys.readouterr()
+        assert main(command) == 2
+        assert capsys.readouterr().err == cap
+    assert main(["eval", "--hf", str(folder), "--text", str(text), "--loops", "6", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["loops"]["repeats"] == 6
+
+
 def test_import_refuses_a_tokenizer_larger_than_the_vocabulary_and_steps_below_the_export(tiny_data, tmp_path,
                                                                                           capsys):
     """A Llama of vocab_size 300 with a 512-id tokenizer was imported; `keel generate` then died of an

@@ -22,7 +22,8 @@ from keel.config import load_config
 from keel.diagnostics.ablate import ablate_model
 from keel.diagnostics.gradflow import profile_model
 from keel.data import TokenLoader, validation_tokens
-from keel.model import SCHEMES, KVCache, RMSNorm, Residual, count_parameters, flops_per_token, loop_count
+from keel.model import (SCHEMES, KVCache, RMSNorm, Residual, count_parameters, flops_per_token, largest_loop_count,
+                         loop_count)
 from keel.run import Run
 from keel.train import train
 from keel.train.checkpoint import CheckpointManager
@@ -352,6 +353,38 @@ def test_loop_count_distributions(R):
     assert draws("poisson_lognormal", n=100) == draws("poisson_lognormal", n=100)
     if R > 1:
         assert draws("uniform", seed=8, n=100) != draws("uniform", seed=7, n=100)
+
+
+@pytest.mark.parametrize("sampling", ["fixed", "uniform", "poisson_lognormal"])
+def test_memory_check_sizes_a_looped_run_at_its_largest_loop_count(sampling, monkeypatch):
+    """The memory check before training sizes a looped run's activations at the most core applications a
+    step draws, not at the mean R (a run that fit at R ran out of memory at a step that drew more): R
+    (fixed), 2R - 1 (uniform), and with poisson_lognormal, which has no largest, the largest of the run's
+    own draws. A run that fits at R but not there is refused in one line naming the count."""
+    from keel.config import TrainConfig
+    from keel.train import device as DV
+
+    R, steps, seed = 8, 500, 3
+    cfg = looped_cfg("pre_ln", 1, 2, R, 1, loop_sampling=sampling)
+    t = TrainConfig(batch_size=2, seq_len=16, steps=steps, seed=seed)
+    drawn = [loop_count(cfg, seed, s) or R for s in range(steps)]
+    largest = 2 * R - 1 if sampling == "uniform" else max(drawn)
+    assert max(drawn) == largest  # uniform too: 500 steps reach 2R - 1
+    assert largest_loop_count(cfg, seed, steps) == largest and (sampling == "fixed") == (largest == R)
+    assert largest_loop_count(dataclasses.replace(cfg, n_layers=2, **NO_LOOP), seed, steps) == 1
+
+    def unrolled(r):  # the floor of the same blocks unrolled, the core applied r times
+        return DV.activation_floor_bytes(dataclasses.replace(cfg, n_layers=2 + 2 * r, **NO_LOOP), t)
+
+    assert DV.activation_floor_bytes(cfg, t) == unrolled(largest)
+    monkeypatch.setattr(DV, "host_memory_bytes", lambda: count_parameters(cfg) * 16 + unrolled(R))
+    if sampling == "fixed":
+        DV.check_activations_fit(cfg, t)
+        return
+    with pytest.raises(KeelError, match=f"on {2 * (2 + 2 * largest)} sub-layers \\(the core applied {largest} times, "
+                                        f"the most a step draws with model.loop_sampling {sampling}\\)") as e:
+        DV.check_activations_fit(cfg, t)
+    assert "\n" not in str(e.value)
 
 
 def test_activation_checkpointing_per_application():

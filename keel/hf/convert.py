@@ -372,7 +372,11 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     tokenizer, or train on ``data.source``, which is tokenized with it). ``overrides``
     (``section.key=value``, data and train keys only) set the run's config: a resumed run
     keeps ``train.batch_size`` and ``train.seq_len``, so choose them here (a ``train.seq_len`` longer
-    than the model's positions is set to them, :func:`_fit_seq_len`).
+    than the model's positions is set to them, :func:`_fit_seq_len`). A looped model keeps its trained
+    ``model.loop_repeats`` (its depth constants, and the count a resumed run trains at): a ``loops`` in
+    ``config.json`` (the count the Hugging Face model runs at) is not a run key and is not imported,
+    which a warning line says (the run then computes what the folder computed with ``loops`` null;
+    ``--loops N`` gives the folder's count).
 
     Returns ``out``. Raises KeelError: not a keel/Llama folder, a Llama feature keel lacks
     (named), no tokenizer, a tokenizer with more ids than ``vocab_size`` embedding rows, a
@@ -393,6 +397,11 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     step = int(getattr(model.config, "keel_step", 0) or 0)
     _check_importable(hf_dir, cfg, len(hf_tok), step)
     _fit_seq_len(hf_dir, cfg, overrides)
+    loops = getattr(model.config, "loops", None)
+    if loops is not None and loops != cfg.model.loop_repeats:
+        log.warning(f"config.json's loops = {loops} in {hf_dir} was not imported: the run loops at the trained "
+                    f"model.loop_repeats = {cfg.model.loop_repeats} (give --loops {loops} to keel eval, generate, "
+                    "ablate or gradflow to run it at the folder's count)")
     with _fresh_output(out) as tmp:
         _write_tokenizer(hf_dir, hf_tok, tmp)
         dump_config(cfg, RunDir(tmp).config)

@@ -543,6 +543,24 @@ def loop_count(cfg: ModelConfig, seed: int, step: int) -> int | None:
     return 1 + int(torch.poisson(tau.exp(), generator=g))
 
 
+LARGEST_LOOP_DRAWS = 100_000  # poisson_lognormal steps largest_loop_count draws (~10 us each: about 1 s)
+
+
+def largest_loop_count(cfg: ModelConfig, seed: int, steps: int) -> int:
+    """The most core applications a training step of a run of ``steps`` steps seeded ``seed`` runs
+    (:func:`loop_count`), what a memory check must size the run at: R = ``cfg.loop_repeats`` with
+    ``fixed`` (and 1 for a model that does not loop), 2R - 1 with ``uniform`` (the largest it draws).
+    ``poisson_lognormal`` has no largest (a Poisson count of a log-normal mean: a run of a few thousand
+    steps reaches about 5R, 318 at R = 64, and a longer run more), so it is the largest count the
+    run itself draws, known before it starts (a pure function of (seed, step)), over its first
+    :data:`LARGEST_LOOP_DRAWS` steps (about 1 s; a longer run's later steps may draw more)."""
+    if cfg.loop_sampling == "fixed" or cfg.loop_repeats == 1:
+        return cfg.loop_repeats
+    if cfg.loop_sampling == "uniform":
+        return 2 * cfg.loop_repeats - 1
+    return max(loop_count(cfg, seed, step) for step in range(min(steps, LARGEST_LOOP_DRAWS)))
+
+
 # the loop keys at their defaults: a model of the same blocks, unlooped
 _NO_LOOP = {name: getattr(ModelConfig(), name) for name in ("loop_prelude", "loop_core", "loop_repeats", "loop_sampling")}
 

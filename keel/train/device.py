@@ -12,7 +12,7 @@ import torch
 from keel.config import ModelConfig, TrainConfig, check_value
 from keel.keys import choices
 from keel.errors import KeelError
-from keel.model import count_parameters, get_scheme
+from keel.model import count_parameters, get_scheme, largest_loop_count
 
 PRECISIONS = choices(TrainConfig, "precision")  # declared once, in keel.config.TrainConfig
 log = logging.getLogger(__name__)
@@ -90,40 +90,55 @@ def rope_table_bytes(model_cfg: ModelConfig) -> int:
     return 2 * model_cfg.max_seq_len * model_cfg.head_dim * 4
 
 
-def activation_floor_bytes(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int = 1) -> int:
+def activation_floor_bytes(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int = 1,
+                           loops: int | None = None) -> int:
     """A floor on the bytes one training micro-batch needs beside the weights (fp32, one process of
     ``world_size``): RoPE's cos and sin tables (``max_seq_len x head_dim`` each), and the activations
-    autograd keeps for the backward, per token and block at least the inputs of the attention's four
+    autograd keeps for the backward, per token and applied block at least the inputs of the attention's four
     projections and of the FFN's (``4 d_model + 2 d_ff`` values) and, for a multi-stream scheme of m
     stream copies (:meth:`keel.model.Residual.stream_copies`: HC/mHC's n streams, AttnRes's sources),
     each sub-layer's stream input (``2 m d_model``); or the block's stream input (``m d_model``) under
     activation checkpointing (the recomputed block's own on top). Real use is higher (attention scores,
-    logits, optimizer temporaries): this only catches what cannot fit at all."""
+    logits, optimizer temporaries): this only catches what cannot fit at all. A looped core keeps its
+    inputs per application, ``loops`` times (None: the most a step of the run applies,
+    :func:`keel.model.largest_loop_count`, not the mean R: with ``model.loop_sampling`` uniform or
+    poisson_lognormal some steps run 2R - 1 or about 5R)."""
     rope = rope_table_bytes(model_cfg)
     tokens = -(-train_cfg.batch_size // max(1, world_size)) * train_cfg.seq_len
     m = get_scheme(model_cfg.residual).stream_copies(model_cfg)
     per_block = m * model_cfg.d_model if train_cfg.activation_checkpointing != "none" else \
         4 * model_cfg.d_model + 2 * model_cfg.d_ff + (2 * m * model_cfg.d_model if m > 1 else 0)
-    return rope + tokens * model_cfg.effective_layers * per_block * 4  # a looped core keeps its inputs per application
+    if loops is None:
+        loops = largest_loop_count(model_cfg, train_cfg.seed, train_cfg.steps)
+    blocks = model_cfg.n_layers + (loops - 1) * model_cfg.loop_core  # P + loops C + Q
+    return rope + tokens * blocks * per_block * 4
 
 
 def check_activations_fit(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int = 1) -> None:
     """Refuse a CPU training run whose weights and :func:`activation_floor_bytes` exceed this
     process's memory (:func:`host_memory_bytes`): e.g. ``train.batch_size=40000`` or
-    ``model.max_seq_len=200000000`` used to end in the allocator's 80-line traceback.
+    ``model.max_seq_len=200000000`` used to end in the allocator's 80-line traceback. A looped model
+    is sized at the most core applications a step of the run draws (:func:`keel.model.largest_loop_count`:
+    2R - 1 with ``model.loop_sampling`` uniform; with poisson_lognormal, which has no largest, the largest
+    the run's own steps draw), not at the mean R: a run that fits only at R ran out of memory at the first
+    step that drew more.
 
     Raises:
         KeelError: one line naming the keys and the numbers.
     """
     weights = count_parameters(model_cfg) * 16 if model_cfg.vocab_size != "auto" else 0
-    need, have = weights + activation_floor_bytes(model_cfg, train_cfg, world_size), host_memory_bytes()
+    loops = largest_loop_count(model_cfg, train_cfg.seed, train_cfg.steps)
+    need, have = weights + activation_floor_bytes(model_cfg, train_cfg, world_size, loops), host_memory_bytes()
     rope = rope_table_bytes(model_cfg)
     if rope > have:
         raise KeelError(f"model.max_seq_len {model_cfg.max_seq_len:,}: RoPE's cos and sin tables alone need "
                         f"{rope / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB this process may use")
     if need > have:
+        drawn = "" if loops == model_cfg.loop_repeats else \
+            f" (the core applied {loops} times, the most a step draws with model.loop_sampling {model_cfg.loop_sampling})"
         raise KeelError(f"train.batch_size {train_cfg.batch_size} x train.seq_len {train_cfg.seq_len} on "
-                        f"{model_cfg.n_sublayers:,} sub-layers at width {model_cfg.d_model} needs at least "
+                        f"{2 * (model_cfg.n_layers + (loops - 1) * model_cfg.loop_core):,} sub-layers{drawn} "
+                        f"at width {model_cfg.d_model} needs at least "
                         f"{need / 2**30:,.1f} GiB with its activations, more than the {have / 2**30:,.1f} GiB this "
                         "process may use; lower the batch or sequence length, or set train.activation_checkpointing")
 

@@ -6,7 +6,7 @@ loads no torch), so a module imports at its top only what its flags need and lig
 handlers call (torch, :mod:`keel.train`, :mod:`keel.experiments` ...) it imports in its
 ``import_library()``, which :func:`keel.cli.run_handler` calls before the handler. Shared here:
 the flags and checks several commands take (:func:`add_loops_flag`, :func:`check_counts`,
-:func:`check_seed`, :func:`check_loops`).
+:func:`check_seed`, :func:`check_loops`, :func:`check_folder_loops`).
 """
 
 from keel.config import check_value
@@ -76,3 +76,18 @@ def check_loops(loops: int | None, model_cfg, source: str) -> None:
         raise KeelError(f"--loops must be at most {cap} (max({MAX_LOOPS_MIN}, {MAX_LOOPS_FACTOR} x "
                         f"model.loop_repeats = {model_cfg.loop_repeats})"
                         f" for {source}), got {loops}: each token would apply the core {loops} times")
+
+
+def check_folder_loops(loops: int, model_cfg, folder: str) -> None:
+    """The loop count a Hugging Face folder's model runs at without ``--loops`` (``keel eval --hf``, ``keel
+    ablate --hf``: its ``config.json``'s ``loops``, which :class:`keel.hf.KeelConfig` has checked is an int
+    >= 1; ``model_cfg.loop_repeats`` when null) is at most :func:`max_loops` of its ``loop_repeats``, the cap
+    ``--loops`` has (:func:`check_loops`): ``loops: 1000`` ran for hours where ``--loops 1000`` is refused.
+
+    Raises:
+        KeelError: one line naming config.json's loops and the cap.
+    """
+    if loops > (cap := max_loops(model_cfg.loop_repeats)):
+        raise KeelError(f"config.json's loops = {loops} in {folder} is above {cap}, the cap of --loops (max("
+                        f"{MAX_LOOPS_MIN}, {MAX_LOOPS_FACTOR} x model.loop_repeats = {model_cfg.loop_repeats})): each "
+                        f"token would apply the core {loops} times; give --loops R (R <= {cap}) to run another count")

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from keel.cli.commands import add_loops_flag, check_counts, check_loops, check_seed
+from keel.cli.commands import add_loops_flag, check_counts, check_folder_loops, check_loops, check_seed
 from keel.cli.formatting import module_summary
 from keel.config import ModelConfig, key_default, key_help, load_config, preset_names, resolve_config_path
 from keel.errors import KeelError, plural
@@ -417,6 +417,8 @@ def _ablate_hf(args: argparse.Namespace, tokens: int) -> dict:
     check_loops(args.loops, hf.model.cfg, args.hf)
     if args.loops is not None:
         hf.model.set_loops(args.loops)
+    else:  # the count config.json's loops sets, capped as --loops is
+        check_folder_loops(hf.model.loops, hf.model.cfg, args.hf)
     exported = Path(args.hf) / KEEL_CONFIG_NAME
     cfg = load_config(exported, stored=True) if exported.is_file() else None
     seq = args.seq_len or (cfg.train.seq_len if cfg is not None else min(512, hf.model.cfg.max_seq_len))

@@ -14,7 +14,7 @@ import math
 import sys
 from pathlib import Path
 
-from keel.cli.commands import add_loops_flag, check_counts, check_loops
+from keel.cli.commands import add_loops_flag, check_counts, check_folder_loops, check_loops
 from keel.config import key_default, key_help, load_config
 from keel.errors import KeelError, plural
 
@@ -133,6 +133,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     check_loops(args.loops, mc, name)
     if args.loops is not None:
         model.set_loops(args.loops)
+    elif args.hf:  # the count config.json's loops sets, capped as --loops is
+        check_folder_loops(model.loops, mc, name)
     seq_len = _window(args, cfg, mc.max_seq_len)
     report = _model_report(model, name)
     human = not args.json  # --json: stdout holds the JSON report only
