@@ -34,7 +34,7 @@ def baseline_margins(study: Study, g: Group, runs: Runs) -> list[dict]:
     group ``g.baselines_from``), the paired per-seed margin ``loss(baseline) - loss(scheme)``
     (nats/token; > 0: ``g``'s scheme is better), each side at its seed's best LR over ``g``'s LR
     grid (:func:`best_losses`; both groups train the same tokens per run), as a
-    :func:`paired_verdict` dict. Rows ``{"sublayers", "scheme", "baseline", "margin"}``; empty
+    :class:`PairedVerdict` (:func:`paired_verdict`). Rows ``{"sublayers", "scheme", "baseline", "margin"}``; empty
     when ``g`` names no baselines."""
     if not g.baselines_from:
         return []

@@ -45,8 +45,8 @@ class Bench(OneGroup):
             rows = [r for r in rows if r["scheme"] in self.designs]
             parts = {f"{r['baseline']} − {r['scheme']} at {r['sublayers']}": r["margin"] for r in rows
                      if r["baseline"] == self.baseline}
-            done = parts and all(p["n"] >= study.min_seeds for p in parts.values())
-            conds[k] = {"verdict": combine([p["verdict"] for p in parts.values()]) if done else INCONCLUSIVE,
+            done = parts and all(p.n >= study.min_seeds for p in parts.values())
+            conds[k] = {"verdict": combine([p.verdict for p in parts.values()]) if done else INCONCLUSIVE,
                         "parts": parts, "rows": rows, **({} if done else {"why": "bench runs pending"})}
         return judged(conds)
 

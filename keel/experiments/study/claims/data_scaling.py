@@ -89,7 +89,7 @@ def _budget_condition(study: Study, runs: Runs, claim: DataScaling, groups: list
     rows.sort(key=lambda r: r["tokens"])
     if len(rows) < len(groups):
         return pending(f"{len(rows)} of {len(groups)} token budgets finished", rows=rows)
-    trend = trend_verdict({r["tokens"]: r["margin"]["diffs"] for r in rows}, study.min_effect, study.min_seeds)
+    trend = trend_verdict({r["tokens"]: r["margin"].diffs for r in rows}, study.min_effect, study.min_seeds)
     parts = {f"margin at {rows[-1]['tokens']:,} tokens": rows[-1]["margin"],
              "trend over " + ", ".join(f"{r['tokens']:,}" for r in rows) + " tokens (slope per doubling)": trend}
-    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+    return {"verdict": combine([p.verdict for p in parts.values()]), "parts": parts, "rows": rows}

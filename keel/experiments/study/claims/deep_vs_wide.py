@@ -49,8 +49,8 @@ class DeepVsWide(Paired):
             parts = {f"{b} deep ({Ld}) − {s} deep": pair(loss[(b, "deep")], loss[(s, "deep")]),
                      f"{b} wide ({Lw}) − {s} deep": pair(loss[(b, "wide")], loss[(s, "deep")])}
             parts = {n: paired_verdict(m, study.min_effect, study.min_seeds) for n, m in parts.items()}
-            done = all(p["n"] >= study.min_seeds for p in parts.values())
-            conds[k] = {"verdict": combine([p["verdict"] for p in parts.values()]) if done else INCONCLUSIVE,
+            done = all(p.n >= study.min_seeds for p in parts.values())
+            conds[k] = {"verdict": combine([p.verdict for p in parts.values()]) if done else INCONCLUSIVE,
                         "parts": parts, "groups": [deep, wide],
                         "params": {f"{x} {shape}": non_embedding_params(study, g, x, L) for x in (s, b)
                                    for shape, g, L in (("deep", deep, Ld), ("wide", wide, Lw))},

@@ -48,7 +48,7 @@ class EarlySpike(Paired, OneGroup):
                       for x in (s, b))
         if len([r for r in rs if r.scheme in (s, b)]) < planned:
             return {**pending(f"{len(rs)} of {planned} runs with every step's loss finished"), "parts": parts, "rows": rows}
-        return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+        return {"verdict": combine([p.verdict for p in parts.values()]), "parts": parts, "rows": rows}
 
     def tables(self, c: dict) -> list[str]:
         s, b = self.scheme, self.baseline

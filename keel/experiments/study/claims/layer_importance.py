@@ -140,9 +140,9 @@ def _importance_condition(study: Study, runs: Runs, claim: LayerImportance, abl:
         parts.update(depth_parts)
         rows.append(row)
     planned = [L for g in study.groups if g.name in abl for L in g.sublayers]
-    if not rows or sorted(set(planned)) != depths or any(p["n"] < study.min_seeds for p in parts.values()):
+    if not rows or sorted(set(planned)) != depths or any(p.n < study.min_seeds for p in parts.values()):
         return {**pending("ablations pending" if rows else "no ablated runs yet"), "parts": parts, "rows": rows}
-    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+    return {"verdict": combine([p.verdict for p in parts.values()]), "parts": parts, "rows": rows}
 
 
 def _ablated_at_optimum(runs: Runs, abl: Sequence[str], opt: Sequence[str], scheme: str, L: int) -> dict[int, RunRecord]:

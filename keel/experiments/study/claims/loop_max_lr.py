@@ -123,4 +123,4 @@ def _max_lr_condition(study: Study, runs: Runs, claim: LoopMaxLr, groups: list[s
     if finished != planned or not parts:
         return pending("neither scheme trains at any depth" if finished == planned
                         else "a depth of the LR grid is not finished", parts=parts, rows=rows)
-    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+    return {"verdict": combine([p.verdict for p in parts.values()]), "parts": parts, "rows": rows}

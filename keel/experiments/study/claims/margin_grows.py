@@ -56,11 +56,11 @@ class MarginGrows(Paired, InitGroups):
         colors = {}
         for cl, k, c in series:
             xs = [r["sublayers"] for r in c["rows"]]
-            line = ax.plot(xs, [r["margin"]["mean"] for r in c["rows"]], marker="o", ls="-" if k == "paper_init" else "--",
+            line = ax.plot(xs, [r["margin"].mean for r in c["rows"]], marker="o", ls="-" if k == "paper_init" else "--",
                            color=colors.get(cl.id), label=f"({cl.id}) {cl.baseline} − {cl.scheme}, "
                            f"{CONDITION_WORDS[k]}")[0]
             colors[cl.id] = line.get_color()
-            seeds = [(r["sublayers"], d) for r in c["rows"] for d in r["margin"]["diffs"].values()]
+            seeds = [(r["sublayers"], d) for r in c["rows"] for d in r["margin"].diffs.values()]
             ax.scatter([x for x, _ in seeds], [d for _, d in seeds], s=14, alpha=0.6, color=line.get_color(),
                        marker="o" if k == "paper_init" else "x")
         ax.axhline(0, color="gray", lw=1)
@@ -160,7 +160,7 @@ def equal_lr_margins(runs: Runs, groups: Sequence[str], scheme: str, baseline: s
                      min_effect: float, min_seeds: int) -> list[dict]:
     """Per depth and peak LR that both schemes ran, the paired per-seed margin
     ``loss(baseline) - loss(scheme)`` (capped final validation loss, nats/token) at that same
-    LR, as a :func:`paired_verdict` dict: how the margin depends on the LR, beside the
+    LR, as a :class:`PairedVerdict`: how the margin depends on the LR, beside the
     best-LR margin of :meth:`MarginGrows.verdict`. Rows ``{"sublayers", "lr", "margin"}``."""
     def losses(name: str, L: int, lr: float) -> dict:
         return {r.seed: r.capped_loss for r in cell(runs, groups, name, L) if r.lr == lr and r.status == "done"}
@@ -238,9 +238,9 @@ def _margin_condition(study: Study, runs: Runs, claim: MarginGrows, alts: list[l
     planned = max((L for g in study.groups if g.name in groups for L in g.sublayers), default=hi["sublayers"])
     where = f"margin at {hi['sublayers']} sub-layers" + (
         f" (the deepest finished; {planned} pending)" if planned > hi["sublayers"] else "")
-    trend = trend_verdict({r["sublayers"]: r["margin"]["diffs"] for r in rows}, study.min_effect, study.min_seeds)
+    trend = trend_verdict({r["sublayers"]: r["margin"].diffs for r in rows}, study.min_effect, study.min_seeds)
     parts = {where: hi["margin"], f"trend over {', '.join(str(r['sublayers']) for r in rows)} sub-layers "
              "(slope per doubling)": trend}
     # a depth still training can overturn either part: no verdict on part of the planned range
-    verdict = combine([p["verdict"] for p in parts.values()]) if planned == hi["sublayers"] else INCONCLUSIVE
+    verdict = combine([p.verdict for p in parts.values()]) if planned == hi["sublayers"] else INCONCLUSIVE
     return {"verdict": verdict, "parts": parts, "rows": rows}

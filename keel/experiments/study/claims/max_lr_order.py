@@ -63,7 +63,7 @@ class MaxLrOrder(OneGroup):
                     d = {x: v for x, v in d.items() if v is not None}  # both never diverged: censored, left out
                     if {a, b} <= trained.get(name, set(order)):
                         pairs[f"{a} < {b} at {L}"] = paired_verdict(d, MAX_LR_FLOOR, study.min_seeds)
-            conds[cond] = {"verdict": combine([p["verdict"] for p in pairs.values()]) if pairs else INCONCLUSIVE,
+            conds[cond] = {"verdict": combine([p.verdict for p in pairs.values()]) if pairs else INCONCLUSIVE,
                            "parts": pairs, "peak_lr": mine[0]["peak_lr"] if mine else None,
                            **({} if pairs else {"why": "no finished ramp runs"})}
         return {"verdict": conds["paper_ramp"]["verdict"], "conditions": conds, "rows": rows}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from keel.errors import KeelError
@@ -88,8 +88,8 @@ def _test_depth_condition(study: Study, runs: Runs, claim: TestDepth, groups: li
                             for n in counts}})
         v = rows[-1]["d"][s].get(round(f * R))
         if v is not None:
-            parts[f"loss({round(f * R)}) − loss({R}), {s} at {L}"] = {**v, "verdict": NON_INFERIOR.get(
-                v["verdict"], INCONCLUSIVE)}
-    if not parts or any(p["n"] < study.min_seeds for p in parts.values()):
+            parts[f"loss({round(f * R)}) − loss({R}), {s} at {L}"] = replace(
+                v, verdict=NON_INFERIOR.get(v.verdict, INCONCLUSIVE))
+    if not parts or any(p.n < study.min_seeds for p in parts.values()):
         return pending("runs with test loops pending", parts=parts, rows=rows)
-    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+    return {"verdict": combine([p.verdict for p in parts.values()]), "parts": parts, "rows": rows}
