@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from keel.errors import plural
 from keel.experiments.analysis import PairedVerdict
-from keel.experiments.study.verdicts import CONDITIONS, NOT_REPRODUCED, REPRODUCED
+from keel.experiments.study.verdicts import CONDITIONS, NOT_REPRODUCED, REPRODUCED, Condition
 
 CONDITION_WORDS = {**CONDITIONS, "paper_ramp": "on the paper's ramp", "extended_ramp": "on the extended ramp"}
 
@@ -29,11 +29,11 @@ def pm(v: PairedVerdict | None, fmt: str = "{:+.3f}") -> str:
     return f"{fmt.format(v.mean)} [{ci}% CI {fmt.format(v.lo)}, {fmt.format(v.hi)}] ({per})"
 
 
-def parts(c: dict) -> str:
+def parts(c: Condition) -> str:
     """A condition's parts: ``name: numbers (verdict)``, or why it has none."""
-    if not c.get("parts"):
-        return c.get("why", "–")
-    return "; ".join(f"{k}: {pm(v)} ({v.verdict})" for k, v in c["parts"].items())
+    if not c.parts:
+        return c.why or "–"
+    return "; ".join(f"{k}: {pm(v)} ({v.verdict})" for k, v in c.parts.items())
 
 
 def short(v: PairedVerdict) -> str:

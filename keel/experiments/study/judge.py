@@ -14,18 +14,18 @@ from keel.experiments.study.claims import Claim
 from keel.experiments.study.report import (claim_summary, group_tables, report_markdown, superseded_words,
                                           write_plots)
 from keel.experiments.study.spec import Study
-from keel.experiments.study.verdicts import LEVEL, baseline_margins, loss_floor
+from keel.experiments.study.verdicts import LEVEL, ClaimVerdict, baseline_margins, loss_floor
 from keel.io import atomic_write_text, make_dirs
 
 
-def report_json(study: Study, runs: list[RunRecord], claims: list[tuple[Claim, dict]], floor: dict, h1: float | None,
+def report_json(study: Study, runs: list[RunRecord], claims: list[tuple[Claim, ClaimVerdict]], floor: dict, h1: float | None,
                 command: str, restore, plots: list[str]) -> dict:
     """The content of ``report.json`` (see :func:`keel.experiments.study.run.execute`'s Returns)."""
     return {"study": study.name, "scale": study.scale, "note": study.note, "command": command,
             "sets": [override_text(x) for x in study.all_sets()],
             "unigram_entropy": h1, "min_effect": study.min_effect, "min_seeds": study.min_seeds, "floor": floor,
-            "level": LEVEL, "summary": [c["summary"] for _, c in claims],
-            "claims": [{"id": cl.id, "title": cl.title, **plain(c)} for cl, c in claims],
+            "level": LEVEL, "summary": [c.summary for _, c in claims],
+            "claims": [{"id": cl.id, "title": cl.title, **c.to_dict()} for cl, c in claims],
             "baseline_margins": [{"group": g.name, **plain(r)} for g in study.groups
                                  for r in baseline_margins(study, g, runs)],
             "group_sets": {g.name: [override_text(x) for x in g.sets] for g in study.groups},
@@ -33,14 +33,14 @@ def report_json(study: Study, runs: list[RunRecord], claims: list[tuple[Claim, d
             "runs": [r.to_dict() for r in runs], "plots": plots}
 
 
-def judge(study: Study, runs: list[dict]) -> tuple[Study, dict, list[tuple[Claim, dict]]]:
+def judge(study: Study, runs: list[RunRecord]) -> tuple[Study, dict, list[tuple[Claim, ClaimVerdict]]]:
     """``(study with its floor as min_effect, the floor (:func:`study_floor`), [(claim, its
-    verdict dict with its summary line)])``: every claim judged on ``runs``."""
+    verdict with its summary line)])``: every claim judged on ``runs``."""
     floor = study_floor(study, runs)
     study = replace(study, min_effect=floor["floor"])
     claims = [(cl, cl.verdict(study, runs)) for cl in study.claims]
     for cl, c in claims:
-        c["summary"] = claim_summary(cl, c)
+        c.summary = claim_summary(cl, c)
     return study, floor, claims
 
 

@@ -16,27 +16,27 @@ from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.cells import CONDITION_WORDS, direction, lrs, pm, short
 from keel.experiments.study.claims import Claim
 from keel.experiments.table import markdown_table
-from keel.experiments.study.verdicts import (LEVEL, MAX_LR_FLOOR, baseline_margins, best_losses, best_lrs, best_runs,
-                                             paired_verdict, verdict_words)
+from keel.experiments.study.verdicts import (LEVEL, MAX_LR_FLOOR, ClaimVerdict, baseline_margins, best_losses, best_lrs,
+                                             best_runs, paired_verdict, verdict_words)
 from keel.train.plots import plt, save_figure
 
 
-def claim_summary(claim: Claim, c: dict) -> str:
+def claim_summary(claim: Claim, c: ClaimVerdict) -> str:
     """The claim's one-line summary, written from its verdict data: the verdict per condition
     (which init, which ramp; :meth:`Claim.phrase`) and the numbers of its deciding parts."""
     head = f"({claim.id}) {claim.title}: "
-    conds = c.get("conditions")
+    conds = c.conditions
     if not conds:
-        return head + f"{c['verdict']} ({claim.numbers(c)})."
-    nums = "; ".join(f"{CONDITION_WORDS.get(k, k)}: " + ("; ".join(f"{name} {short(p)}" for name, p in v["parts"].items())
-                                                        if v.get("parts") else v.get("why", "no finished runs"))
+        return head + f"{c.verdict} ({claim.numbers(c)})."
+    nums = "; ".join(f"{CONDITION_WORDS.get(k, k)}: " + ("; ".join(f"{name} {short(p)}" for name, p in v.parts.items())
+                                                        if v.parts else v.why or "no finished runs")
                      for k, v in conds.items())
     return head + claim.phrase(conds) + (f" — {nums}" if nums else "") + "."
 
 
-def claim_section(claim: Claim, c: dict) -> list[str]:
+def claim_section(claim: Claim, c: ClaimVerdict) -> list[str]:
     """Markdown of one claim: its summary line, the rule, its kind's tables (:meth:`Claim.tables`)."""
-    out = [f"## ({claim.id}) {claim.title}", "", f"**Verdict: {c['verdict']}.** {c.get('summary', '')}", "",
+    out = [f"## ({claim.id}) {claim.title}", "", f"**Verdict: {c.verdict}.** {c.summary or ''}", "",
            claim.rule(), ""] + ([claim.note.strip(), ""] if claim.note else [])
     return out + claim.tables(c) + [""]
 
@@ -299,7 +299,7 @@ def restored_words(runs: list[RunRecord], restore: str | Path | None) -> str:
             "numbers and thinned loss curves, not their run folders; a record without a curve is not redrawn).")
 
 
-def report_markdown(study: Study, claims: list[tuple[Claim, dict]], runs: list[RunRecord], command: str,
+def report_markdown(study: Study, claims: list[tuple[Claim, ClaimVerdict]], runs: list[RunRecord], command: str,
                     waiting: Sequence[dict] = (), restore: str | Path | None = None, floor: dict | None = None,
                     tables: dict[str, dict] | None = None) -> str:
     """``report.md``: the verdict table, one section per claim, the groups no claim reads, the groups'
@@ -318,7 +318,7 @@ def report_markdown(study: Study, claims: list[tuple[Claim, dict]], runs: list[R
         lines += ["Not judged at this scale (it does not size the groups they read): " + "; ".join(
             f"({u['id']}): {', '.join(u['groups'])}" for u in study.unjudged) + ".", ""]
     if claims:  # a study of groups only (e.g. a bench) has no verdicts
-        lines += ["## Summary", ""] + [f"- {c['summary']}" for _, c in claims] + [""]
+        lines += ["## Summary", ""] + [f"- {c.summary}" for _, c in claims] + [""]
         lines += ["## Verdicts", "", verdict_rule(study, [cl for cl, _ in claims], floor), ""] + markdown_table(
             ["claim", "at the paper's init", "at N(0, 1) embeddings", "unit"],
             [[f"({cl.id}) {cl.title}", _verdict_cell(c, first=True), _verdict_cell(c, first=False),
@@ -344,17 +344,17 @@ def superseded_words(recs: Sequence[RunRecord | dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _verdict_cell(c: dict, first: bool) -> str:
+def _verdict_cell(c: ClaimVerdict, first: bool) -> str:
     """A verdict-table cell: the paper's-init column holds every condition run at the paper's init
     (both ramps of a max-LR claim), the other the N(0, 1)-embedding condition; ``—`` where none."""
-    conds = c.get("conditions")
+    conds = c.conditions
     if conds is None:
-        return f"**{c['verdict']}**" if first else "—"
+        return f"**{c.verdict}**" if first else "—"
     keys = [k for k in conds if (k == "embed_init") != first]
     if not keys:
         return "—"
     return "; ".join((f"{CONDITION_WORDS[k]}: " if len(keys) > 1 or k.endswith("ramp") else "")
-                     + f"**{conds[k]['verdict']}**" for k in keys)
+                     + f"**{conds[k].verdict}**" for k in keys)
 
 
 def plot_record_curves(recs: Sequence[RunRecord], out: Path, *, x: str, title: str) -> bool:
@@ -382,7 +382,7 @@ def plot_record_curves(recs: Sequence[RunRecord], out: Path, *, x: str, title: s
     return True
 
 
-def write_plots(study: Study, runs: list[RunRecord], claims: list[tuple[Claim, dict]], out: Path,
+def write_plots(study: Study, runs: list[RunRecord], claims: list[tuple[Claim, ClaimVerdict]], out: Path,
                 h1: float | None) -> list[str]:
     """The report's PNGs: loss against LR per train group with an LR grid, loss curves of the ramp
     groups (against the ramp's LR) and of single-LR groups (drawn from the runs' records, so a
@@ -408,7 +408,7 @@ def write_plots(study: Study, runs: list[RunRecord], claims: list[tuple[Claim, d
     return files + claim_figures(claims, out)
 
 
-def claim_figures(claims: list[tuple[Claim, dict]], out: Path) -> list[str]:
+def claim_figures(claims: list[tuple[Claim, ClaimVerdict]], out: Path) -> list[str]:
     """The PNGs the claims' kinds draw (:attr:`Claim.figure`, :meth:`Claim.plot`), each over all
     the claims of its kind, in the order of the kinds' first claims; the names of those written."""
     files = []

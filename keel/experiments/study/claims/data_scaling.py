@@ -11,7 +11,8 @@ from keel.experiments.analysis import Runs, best_runs, bracketed, pair, paired_v
 from keel.experiments.study.cells import lrs, pm
 from keel.experiments.study.claims.base import Paired, condition_tables, edge
 from keel.experiments.study.spec import Group, Study
-from keel.experiments.study.verdicts import combine, condition_groups, judged, non_embedding_params, one_depth, pending
+from keel.experiments.study.verdicts import (ClaimVerdict, Condition, combine, condition_groups, judged,
+                                             non_embedding_params, one_depth, pending)
 from keel.keys import key
 
 
@@ -28,7 +29,7 @@ class DataScaling(Paired):
     init_budgets: list[str] = key([], "the same budgets with both schemes at the other embedding init.",
                                   unique=True, note="group names")
 
-    def verdict(self, study: Study, runs: Runs) -> dict:
+    def verdict(self, study: Study, runs: Runs) -> ClaimVerdict:
         """{scheme} beats {baseline} at the largest token budget and its margin grows with training
         tokens (both parts must hold), at one depth, at the paper's init and with both schemes at
         N(0, 1) embeddings.
@@ -53,7 +54,7 @@ class DataScaling(Paired):
             raise KeelError(f"study claim {self.id!r}: every budget group trains the same one depth, got "
                             + ", ".join(f"{g} {v}" for g, v in depths.items()))
 
-    def tables(self, c: dict) -> list[str]:
+    def tables(self, c: ClaimVerdict) -> list[str]:
         s, b = self.scheme, self.baseline
         return condition_tables(
             c, ["group", "tokens", f"tokens per non-embedding parameter ({b}; {s})",
@@ -61,7 +62,7 @@ class DataScaling(Paired):
             lambda cc: [[r["group"], f"{r['tokens']:,}",
                          f"{r['tokens_per_param'][b]:.3f}; {r['tokens_per_param'][s]:.3f}", pm(r["margin"]),
                          f"{lrs(r['best_lr'][b], edge(r['bracketed'][b]))}; "
-                         f"{lrs(r['best_lr'][s], edge(r['bracketed'][s]))}"] for r in cc.get("rows", [])]) + [
+                         f"{lrs(r['best_lr'][s], edge(r['bracketed'][s]))}"] for r in cc.rows or []]) + [
             "A best LR marked with an asterisk is not bracketed (the study widens such a cell)."]
 
 
@@ -70,7 +71,7 @@ def group_tokens(runs: Runs, group: str) -> int | None:
     return next((r.tokens for r in runs if r.group == group and r.status == "done" and r.tokens), None)
 
 
-def _budget_condition(study: Study, runs: Runs, claim: DataScaling, groups: list[str]) -> dict:
+def _budget_condition(study: Study, runs: Runs, claim: DataScaling, groups: list[str]) -> Condition:
     """One condition of claim (e): per budget group the paired margin at the groups' one depth,
     the margin at the largest budget and its slope against log2(tokens)."""
     s, b = claim.scheme, claim.baseline
@@ -92,4 +93,4 @@ def _budget_condition(study: Study, runs: Runs, claim: DataScaling, groups: list
     trend = trend_verdict({r["tokens"]: r["margin"].diffs for r in rows}, study.min_effect, study.min_seeds)
     parts = {f"margin at {rows[-1]['tokens']:,} tokens": rows[-1]["margin"],
              "trend over " + ", ".join(f"{r['tokens']:,}" for r in rows) + " tokens (slope per doubling)": trend}
-    return {"verdict": combine([p.verdict for p in parts.values()]), "parts": parts, "rows": rows}
+    return Condition(verdict=combine([p.verdict for p in parts.values()]), parts=parts, rows=rows)

@@ -16,7 +16,7 @@ from keel.experiments.record import RunRecord
 from keel.experiments.study.cells import CONDITION_WORDS
 from keel.experiments.study.claims.base import Claim, InitGroups, Paired, condition_tables
 from keel.experiments.study.spec import Group, Study
-from keel.experiments.study.verdicts import MAX_LR_FLOOR, combine, judged, pending
+from keel.experiments.study.verdicts import MAX_LR_FLOOR, ClaimVerdict, Condition, combine, judged, pending
 from keel.train.plots import plt, save_figure
 from keel.keys import key
 
@@ -45,7 +45,7 @@ class LayerImportance(Paired, InitGroups):
         panel per condition and depth of every layer-importance claim, each scheme's seed mean as a
         line (log y, values below 1e-4 drawn at 1e-4); False (nothing written) before any ablation."""
         panels = [(cond, row) for cl, c in verdicts
-                  for cond, cc in c["conditions"].items() for row in cc.get("rows", [])
+                  for cond, cc in c.conditions.items() for row in cc.rows or []
                   if any(row["delta_ppl"][x] for x in row["delta_ppl"])]
         if not panels:
             return False
@@ -67,7 +67,7 @@ class LayerImportance(Paired, InitGroups):
         save_figure(fig, out)
         return True
 
-    def verdict(self, study: Study, runs: Runs) -> dict:
+    def verdict(self, study: Study, runs: Runs) -> ClaimVerdict:
         """{scheme}'s shallow sub-layers are less redundant than {baseline}'s, and the first two
         sub-layers of both are critical (every part must hold), at every depth of the ablated groups,
         at the paper's init and with both schemes at N(0, 1) embeddings.
@@ -93,14 +93,14 @@ class LayerImportance(Paired, InitGroups):
         if bool(self.init_groups) != bool(self.init_optimum_groups):
             raise KeelError(f"study claim {self.id!r}: init_groups and init_optimum_groups come together")
 
-    def tables(self, c: dict) -> list[str]:
+    def tables(self, c: ClaimVerdict) -> list[str]:
         s, b = self.scheme, self.baseline
         fmt = lambda d: "[" + ", ".join(f"s{sd} {x:.3f}" for sd, x in d.items()) + "]"
         return condition_tables(
             c, ["sub-layers", f"LR: {b}; {s}", f"redundant share of the shallow half per seed: {b}; {s}",
                 f"first two over the median (log10) per seed: {b}; {s}"],
             lambda cc: [[r["sublayers"], f"{r['lr'][b]}; {r['lr'][s]}", f"{fmt(r['share'][b])}; {fmt(r['share'][s])}",
-                         f"{fmt(r['critical'][b])}; {fmt(r['critical'][s])}"] for r in cc.get("rows", [])]) + [
+                         f"{fmt(r['critical'][b])}; {fmt(r['critical'][s])}"] for r in cc.rows or []]) + [
             f"Redundant: removing the sub-layer raises PPL by less than {REDUNDANT_BELOW:.0%}; the shallow "
             f"half: the first {SHALLOW:.0%} of sub-layers. ΔPPL per sub-layer of every ablated run: "
             "report.json (`ablation` of each run), drawn in importance.png."]
@@ -127,7 +127,7 @@ def first_critical(ablation: dict, first: int = 2) -> float:
 
 
 def _importance_condition(study: Study, runs: Runs, claim: LayerImportance, abl: Sequence[str],
-                          opt: Sequence[str]) -> dict:
+                          opt: Sequence[str]) -> Condition:
     """One condition of :meth:`LayerImportance.verdict`: the parts and row of every depth of the ablated
     groups ``abl`` (:func:`_importance_depth`), each scheme at its seed-mean optimum over ``opt``;
     inconclusive while a planned depth has no ablated run or a part has fewer seeds than the study's
@@ -141,8 +141,8 @@ def _importance_condition(study: Study, runs: Runs, claim: LayerImportance, abl:
         rows.append(row)
     planned = [L for g in study.groups if g.name in abl for L in g.sublayers]
     if not rows or sorted(set(planned)) != depths or any(p.n < study.min_seeds for p in parts.values()):
-        return {**pending("ablations pending" if rows else "no ablated runs yet"), "parts": parts, "rows": rows}
-    return {"verdict": combine([p.verdict for p in parts.values()]), "parts": parts, "rows": rows}
+        return pending("ablations pending" if rows else "no ablated runs yet", parts=parts, rows=rows)
+    return Condition(verdict=combine([p.verdict for p in parts.values()]), parts=parts, rows=rows)
 
 
 def _ablated_at_optimum(runs: Runs, abl: Sequence[str], opt: Sequence[str], scheme: str, L: int) -> dict[int, RunRecord]:

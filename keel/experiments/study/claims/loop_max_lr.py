@@ -14,7 +14,8 @@ from keel.experiments.record import RunRecord
 from keel.experiments.study.cells import max_lr_cell, pm
 from keel.experiments.study.claims.base import InitGroups, Paired, condition_tables
 from keel.experiments.study.spec import Group, Study
-from keel.experiments.study.verdicts import MAX_LR_FLOOR, combine, condition_groups, judged, pending
+from keel.experiments.study.verdicts import (MAX_LR_FLOOR, ClaimVerdict, Condition, combine, condition_groups, judged,
+                                             pending)
 
 
 @dataclass(kw_only=True)
@@ -26,7 +27,7 @@ class LoopMaxLr(Paired, InitGroups):
     unit: ClassVar[str] = "log10 of the max-LR ratio"
     needs_test_loops: ClassVar[bool] = False  # its groups must also test loop counts (Group.test_loops)
 
-    def verdict(self, study: Study, runs: Runs) -> dict:
+    def verdict(self, study: Study, runs: Runs) -> ClaimVerdict:
         """{scheme} trains at every effective depth where {baseline} does, at a higher max LR (every depth
         must hold), at the paper's init and with both schemes at N(0, 1) embeddings.
 
@@ -50,12 +51,12 @@ class LoopMaxLr(Paired, InitGroups):
             raise KeelError(f"study claim {self.id!r}: its groups must be looped, with one loop = [P, C, Q]"
                             + (" and test_loops" if tests else "") + f" (check {', '.join(bad or [gs[0].name])})")
 
-    def tables(self, c: dict) -> list[str]:
+    def tables(self, c: ClaimVerdict) -> list[str]:
         s, b = self.scheme, self.baseline
         return condition_tables(
             c, ["sub-layers", f"max LR per seed: {b}", s, f"log10 ratio ({s} / {b}) mean [CI] (per seed)"],
             lambda cc: [[r["sublayers"], max_lr_cell(r["max_lr"][b]), max_lr_cell(r["max_lr"][s]),
-                         "neither trains" if r["neither"] else pm(r["d"])] for r in cc.get("rows", [])]) + [
+                         "neither trains" if r["neither"] else pm(r["d"])] for r in cc.rows or []]) + [
             "Max LR: the largest grid LR whose run left the unigram plateau and ended finite below it (+: "
             "at the highest LR run; <: at none). A seed bounded alike on both sides is left out."]
 
@@ -108,7 +109,7 @@ def _max_lr_row(study: Study, runs: Runs, groups: list[str], scheme: str, baseli
             "d": paired_verdict(d, MAX_LR_FLOOR, study.min_seeds)}
 
 
-def _max_lr_condition(study: Study, runs: Runs, claim: LoopMaxLr, groups: list[str]) -> dict:
+def _max_lr_condition(study: Study, runs: Runs, claim: LoopMaxLr, groups: list[str]) -> Condition:
     """One condition of :meth:`LoopMaxLr.verdict`: a part per judged depth, a row per depth."""
     s, b = claim.scheme, claim.baseline
     parts, rows = {}, []
@@ -123,4 +124,4 @@ def _max_lr_condition(study: Study, runs: Runs, claim: LoopMaxLr, groups: list[s
     if finished != planned or not parts:
         return pending("neither scheme trains at any depth" if finished == planned
                         else "a depth of the LR grid is not finished", parts=parts, rows=rows)
-    return {"verdict": combine([p.verdict for p in parts.values()]), "parts": parts, "rows": rows}
+    return Condition(verdict=combine([p.verdict for p in parts.values()]), parts=parts, rows=rows)

@@ -4,7 +4,7 @@ depth and grows with depth (Keel paper Table 3, Figure 1c)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -27,11 +27,23 @@ from keel.experiments.study.cells import direction, exits, flagged, lrs, pm, win
 from keel.experiments.study.cells import CONDITION_WORDS
 from keel.experiments.study.claims.base import Claim, InitGroups, Paired, cond_head, edge
 from keel.experiments.study.spec import Group, Study
-from keel.experiments.study.verdicts import combine, left_plateau_later
+from keel.experiments.study.verdicts import ClaimVerdict, Condition, combine, left_plateau_later
 from keel.experiments.table import markdown_table
 from keel.train.plots import plt, save_figure
 
 WINDOW = 0.1  # nats/token: an LR is in a scheme's healthy window when its seed-mean loss is this close to the best
+
+
+@dataclass
+class MarginVerdict(ClaimVerdict):
+    """A ``margin_grows`` verdict: :class:`~keel.experiments.study.verdicts.ClaimVerdict`'s ``verdict``
+    and ``conditions`` (each with its parts: the margin at the deepest depth, nats/token, and its trend,
+    nats/token per doubling of sub-layers, Student-t one-sided bounds; its rows, one per depth), and,
+    reported beside them: ``equal_lr`` (:func:`equal_lr_margins`: the margin at equal peak LR per depth
+    and LR) and ``widen`` (``{group: widen}`` of the groups read: how far the study widens an edge optimum)."""
+
+    equal_lr: list[dict] = field(default_factory=list)
+    widen: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -44,28 +56,28 @@ class MarginGrows(Paired, InitGroups):
     figure: ClassVar[str] = "margins.png"
 
     @classmethod
-    def plot(cls, verdicts: list[tuple[Claim, dict]], out: Path) -> bool:
+    def plot(cls, verdicts: list[tuple[Claim, MarginVerdict]], out: Path) -> bool:
         """Margin (baseline − scheme, nats) against depth (log x) for every margin claim and condition
         (solid: the paper's init; dashed: both schemes at N(0, 1) embeddings): the seed mean as a line, every
         seed as a dot; False (nothing written) when no condition has two depths."""
         series = [(cl, k, cc) for cl, c in verdicts
-                  for k, cc in c["conditions"].items() if len(cc.get("rows", [])) >= 2]
+                  for k, cc in c.conditions.items() if len(cc.rows or []) >= 2]
         if not series:
             return False
         fig, ax = plt.subplots(figsize=(6.4, 4.4))
         colors = {}
         for cl, k, c in series:
-            xs = [r["sublayers"] for r in c["rows"]]
-            line = ax.plot(xs, [r["margin"].mean for r in c["rows"]], marker="o", ls="-" if k == "paper_init" else "--",
+            xs = [r["sublayers"] for r in c.rows]
+            line = ax.plot(xs, [r["margin"].mean for r in c.rows], marker="o", ls="-" if k == "paper_init" else "--",
                            color=colors.get(cl.id), label=f"({cl.id}) {cl.baseline} − {cl.scheme}, "
                            f"{CONDITION_WORDS[k]}")[0]
             colors[cl.id] = line.get_color()
-            seeds = [(r["sublayers"], d) for r in c["rows"] for d in r["margin"].diffs.values()]
+            seeds = [(r["sublayers"], d) for r in c.rows for d in r["margin"].diffs.values()]
             ax.scatter([x for x, _ in seeds], [d for _, d in seeds], s=14, alpha=0.6, color=line.get_color(),
                        marker="o" if k == "paper_init" else "x")
         ax.axhline(0, color="gray", lw=1)
         ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({r["sublayers"] for _, _, c in series for r in c["rows"]}))
+        ax.set_xticks(sorted({r["sublayers"] for _, _, c in series for r in c.rows}))
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("depth (sub-layers)")
@@ -76,7 +88,7 @@ class MarginGrows(Paired, InitGroups):
         save_figure(fig, out)
         return True
 
-    def verdict(self, study: Study, runs: Runs) -> dict:
+    def verdict(self, study: Study, runs: Runs) -> MarginVerdict:
         """{scheme} beats {baseline} at the deepest depth and its margin grows with depth (both parts
         must hold), at the paper's init and with both schemes at N(0, 1) embeddings.
 
@@ -97,8 +109,8 @@ class MarginGrows(Paired, InitGroups):
         out = {k: _margin_condition(study, runs, self, alts) for k, alts in conds.items()}
         equal = equal_lr_margins(runs, self.groups, self.scheme, self.baseline, study.min_effect, study.min_seeds)
         widen = {g.name: g.widen for g in study.groups if g.name in [*self.groups, *self.init_groups]}
-        return {"verdict": combine([c["verdict"] for c in out.values()]), "conditions": out, "equal_lr": equal,
-                "widen": widen}
+        return MarginVerdict(verdict=combine([c.verdict for c in out.values()]), conditions=out, equal_lr=equal,
+                             widen=widen, stored=("verdict", "conditions", "equal_lr", "widen"))
 
     def floor_cells(self, study: Study) -> list[tuple[tuple[str, ...], str, int]]:
         """Every (group, scheme, depth) cell the margin reads, the paper's init's groups first."""
@@ -110,22 +122,22 @@ class MarginGrows(Paired, InitGroups):
             raise KeelError(f"study claim {self.id!r}: scheme and baseline are both {self.scheme!r}; "
                             "the margin is between two different schemes")
 
-    def tables(self, c: dict) -> list[str]:
-        out = [line for cond, cc in c["conditions"].items() for line in _margin_table(self, cond, cc)]
+    def tables(self, c: MarginVerdict) -> list[str]:
+        out = [line for cond, cc in c.conditions.items() for line in _margin_table(self, cond, cc)]
         out += ["A best LR marked with an asterisk is not bracketed: it is the lowest or highest LR that seed trained "
-                f"({widen_words(c.get('widen', {}))}).", "",
+                f"({widen_words(c.widen)}).", "",
                 f"The classifier reports a run's first failure: a {self.baseline} run flagged as a stagnation (100 "
                 "steps on the unigram plateau) may leave the plateau later and still be that seed's best run (each "
                 "run's verdict and plateau exit step: the last table)."]
-        if c.get("equal_lr"):
+        if c.equal_lr:
             out += ["", "The same margin at equal peak LR at the paper's init (both schemes at that LR; not part of "
                     "the verdict):", ""] + markdown_table(
                 ["sub-layers", "LR", "margin (baseline − scheme, nats) mean [CI] (per seed)"],
-                [[r["sublayers"], f"{r['lr']:g}", pm(r["margin"])] for r in c["equal_lr"]])
+                [[r["sublayers"], f"{r['lr']:g}", pm(r["margin"])] for r in c.equal_lr])
         return out
 
 
-def _margin_table(claim: MarginGrows, cond: str, c: dict) -> list[str]:
+def _margin_table(claim: MarginGrows, cond: str, c: Condition) -> list[str]:
     """Markdown: one condition of a margin claim, a row per depth."""
     s, b = claim.scheme, claim.baseline
     head = ["sub-layers", f"margin ({b} − {s}, nats) mean [CI] (per seed)", "at this depth", f"best LR per seed: {b}; {s}",
@@ -133,7 +145,7 @@ def _margin_table(claim: MarginGrows, cond: str, c: dict) -> list[str]:
             f"healthy-LR window (within {WINDOW:g} nats of the best seed-mean loss): {b}; {s}",
             f"{b} runs flagged by the divergence classifier"]
     rows = []
-    for r in c["rows"]:
+    for r in c.rows:
         at_edge = {x: edge(r["bracketed"][x]) for x in (b, s)}
         rows.append([r["sublayers"], pm(r["margin"]), direction(r["margin"], s, b),
                      f"{lrs(r['best_lr'][b], at_edge[b])}; {lrs(r['best_lr'][s], at_edge[s])}",
@@ -223,7 +235,7 @@ def _baseline_failures(runs: Runs, groups: list[str], baseline: str, L: int) -> 
             "baseline_recovered_runs": sum(left_plateau_later(r) for r in failed)}
 
 
-def _margin_condition(study: Study, runs: Runs, claim: MarginGrows, alts: list[list[str]]) -> dict:
+def _margin_condition(study: Study, runs: Runs, claim: MarginGrows, alts: list[list[str]]) -> Condition:
     """One condition of a margin claim: the paired margin at every depth, each scheme at each
     seed's best run over ``alts`` (one group list per embedding init), the margin at the deepest
     depth and its trend with depth (:func:`trend_verdict`), combined by :func:`combine`;
@@ -232,8 +244,8 @@ def _margin_condition(study: Study, runs: Runs, claim: MarginGrows, alts: list[l
     depths = sorted({r.sublayers for r in runs if r.group in groups})
     rows = [row for row in (_margin_row(study, runs, claim, alts, L) for L in depths) if row is not None]
     if len(rows) < 2:
-        return {"verdict": INCONCLUSIVE, "why": "needs paired results at two depths at least", "rows": rows,
-                "parts": {}}
+        return Condition(verdict=INCONCLUSIVE, why="needs paired results at two depths at least", rows=rows, parts={},
+                         stored=("verdict", "why", "rows", "parts"))
     hi = rows[-1]
     planned = max((L for g in study.groups if g.name in groups for L in g.sublayers), default=hi["sublayers"])
     where = f"margin at {hi['sublayers']} sub-layers" + (
@@ -243,4 +255,4 @@ def _margin_condition(study: Study, runs: Runs, claim: MarginGrows, alts: list[l
              "(slope per doubling)": trend}
     # a depth still training can overturn either part: no verdict on part of the planned range
     verdict = combine([p.verdict for p in parts.values()]) if planned == hi["sublayers"] else INCONCLUSIVE
-    return {"verdict": verdict, "parts": parts, "rows": rows}
+    return Condition(verdict=verdict, parts=parts, rows=rows)

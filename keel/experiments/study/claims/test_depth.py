@@ -12,7 +12,7 @@ from keel.experiments.study.cells import pm
 from keel.experiments.study.claims.base import condition_tables
 from keel.experiments.study.claims.loop_max_lr import LoopMaxLr
 from keel.experiments.study.spec import Group, Study
-from keel.experiments.study.verdicts import combine, condition_groups, judged, pending
+from keel.experiments.study.verdicts import ClaimVerdict, Condition, combine, condition_groups, judged, pending
 from keel.keys import key
 
 
@@ -28,7 +28,7 @@ class TestDepth(LoopMaxLr):
 
     factor: float = key(2.0, "the test-loop factor judged: R' = round(factor R), one of the groups' test_loops.", gt=0)
 
-    def verdict(self, study: Study, runs: Runs) -> dict:
+    def verdict(self, study: Study, runs: Runs) -> ClaimVerdict:
         """More loops at test time do not hurt {scheme} (reported beside {baseline}): at every effective depth,
         its validation loss with the core applied 2R times is not worse than at the trained R by the floor or
         more (every depth must hold), at the paper's init and with both schemes at N(0, 1) embeddings.
@@ -51,13 +51,13 @@ class TestDepth(LoopMaxLr):
             raise KeelError(f"study claim {self.id!r}: factor {self.factor:g} is not one of the "
                             f"groups' test_loops {gs[0].test_loops}")
 
-    def tables(self, c: dict) -> list[str]:
+    def tables(self, c: ClaimVerdict) -> list[str]:
         s, b = self.scheme, self.baseline
         return condition_tables(
             c, ["sub-layers", "R", "R'", f"loss(R') − loss(R), {s}: mean [CI] (per seed)", b,
                 f"{s} − {b} in that difference"],
             lambda cc: [[r["sublayers"], r["loops"], n, pm(r["d"][s][n]), pm(r["d"][b][n]), pm(r["vs"][n])]
-                        for r in cc.get("rows", []) for n in r["d"][s]]) + [
+                        for r in cc.rows or [] for n in r["d"][s]]) + [
             "Each seed's run at its best LR, evaluated with its core applied R' times on the validation "
             "windows of its final loss (nats/token); > 0: the loss rises at R'."]
 
@@ -72,7 +72,7 @@ def loop_losses(rec: RunRecord, repeats: int) -> dict[int, float]:
 NON_INFERIOR = {REPRODUCED: NOT_REPRODUCED, NOT_REPRODUCED: REPRODUCED}  # a paired verdict read the other way
 
 
-def _test_depth_condition(study: Study, runs: Runs, claim: TestDepth, groups: list[str]) -> dict:
+def _test_depth_condition(study: Study, runs: Runs, claim: TestDepth, groups: list[str]) -> Condition:
     """One condition of :meth:`TestDepth.verdict`: per depth, d per R' of both schemes at each seed's best LR."""
     s, b, f = claim.scheme, claim.baseline, claim.factor
     gs = [g for g in study.groups if g.name in groups]
@@ -92,4 +92,4 @@ def _test_depth_condition(study: Study, runs: Runs, claim: TestDepth, groups: li
                 v, verdict=NON_INFERIOR.get(v.verdict, INCONCLUSIVE))
     if not parts or any(p.n < study.min_seeds for p in parts.values()):
         return pending("runs with test loops pending", parts=parts, rows=rows)
-    return {"verdict": combine([p.verdict for p in parts.values()]), "parts": parts, "rows": rows}
+    return Condition(verdict=combine([p.verdict for p in parts.values()]), parts=parts, rows=rows)
