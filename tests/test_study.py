@@ -135,7 +135,7 @@ def test_the_lr_window_is_named_after_the_group_that_trained_that_depth():
             for r in _margin_runs({16: {0: 0.1, 1: 0.1, 2: 0.1}, 64: {0: 0.5, 1: 0.5, 2: 0.5}})]
     c = claim_of("margin_grows", groups=["g", "t"], scheme="keel", baseline="pre_ln").verdict(st, runs)
     rows = c.conditions["paper_init"].rows
-    assert [r["window"]["keel"] for r in rows] == [{"g": [3e-3, 1e-2]}, {"t": [3e-3, 1e-2]}]
+    assert [r.window["keel"] for r in rows] == [{"g": [3e-3, 1e-2]}, {"t": [3e-3, 1e-2]}]
 
 
 @pytest.mark.parametrize("n, noun, text", [(0, "run", "0 runs"), (1, "run", "1 run"), (2, "run", "2 runs"),
@@ -202,16 +202,16 @@ def test_margin_grows_at_both_inits():
              for r in paper]
     c = claim.verdict(groups_study(), paper + other)
     pi, bi = c.conditions["paper_init"], c.conditions["embed_init"]
-    assert pi.rows[1]["margin"].diffs == pytest.approx({0: 0.50, 1: 0.45, 2: 0.55}) and pi.verdict == R
-    assert bi.rows[1]["margin"].diffs == pytest.approx({0: 0.04, 1: -0.01, 2: 0.09})
-    assert bi.rows[1]["best_group"] == {"pre_ln": {0: "i", 1: "i", 2: "i"}, "keel": {0: "i", 1: "i", 2: "i"}}
-    assert bi.rows[0]["margin"].diffs == pytest.approx({0: -0.36, 1: -0.34, 2: -0.38})
+    assert pi.rows[1].margin.diffs == pytest.approx({0: 0.50, 1: 0.45, 2: 0.55}) and pi.verdict == R
+    assert bi.rows[1].margin.diffs == pytest.approx({0: 0.04, 1: -0.01, 2: 0.09})
+    assert bi.rows[1].best_group == {"pre_ln": {0: "i", 1: "i", 2: "i"}, "keel": {0: "i", 1: "i", 2: "i"}}
+    assert bi.rows[0].margin.diffs == pytest.approx({0: -0.36, 1: -0.34, 2: -0.38})
     trend = next(v for k, v in bi.parts.items() if k.startswith("trend"))
     assert trend.diffs == pytest.approx({0: 0.2, 1: 0.165, 2: 0.235})  # (m64 - m16) / 2 doublings
     assert bi.verdict == INC and c.verdict == INC  # the margin at 64 is inside the floor's reach
     # where the optimum sits: keel's 3e-3 is bracketed, pre_ln's 1e-3 is an edge
-    assert pi.rows[1]["bracketed"] == {"pre_ln": {0: False, 1: False, 2: False}, "keel": {0: True, 1: True, 2: True}}
-    assert pi.rows[1]["window"]["keel"] == {"g": [3e-3, 1e-2]}  # within 0.1 nats of the best seed-mean loss
+    assert pi.rows[1].bracketed == {"pre_ln": {0: False, 1: False, 2: False}, "keel": {0: True, 1: True, 2: True}}
+    assert pi.rows[1].window["keel"] == {"g": [3e-3, 1e-2]}  # within 0.1 nats of the best seed-mean loss
     line = SR.claim_summary(claim, c)
     assert line.startswith("(b) T: reproduced at the paper's init only (inconclusive at N(0, 1) embeddings) — ")
     md = "\n".join(SR.claim_section(claim, replace(c, summary=line)))
@@ -221,7 +221,7 @@ def test_margin_grows_at_both_inits():
     part = [replace(r, status="pending") if (r.group, r.seed, r.sublayers) == ("i", 2, 64) else r
             for r in paper + other]
     bi = claim.verdict(groups_study(), part).conditions["embed_init"]
-    assert list(bi.rows[1]["margin"].diffs) == [0, 1]
+    assert list(bi.rows[1].margin.diffs) == [0, 1]
 
 
 def test_max_lr_order_judges_the_papers_ramp_and_reports_the_extended_one():
@@ -356,7 +356,7 @@ def test_runs_verdicts_in_words(divergence, words):
                plateau_exit_step=divergence.pop("plateau_exit_step", None))
     assert SV.verdict_words(rec) == words
     c = claim_of("max_lr_order", group="ramp", order=["pre_ln", "keel"]).verdict(study(), [rec])
-    assert c.rows[0]["verdicts"] == {"keel s1": words}
+    assert c.rows[0].verdicts == {"keel s1": words}
 
 
 def test_claims_without_finished_runs_say_so():
@@ -1198,8 +1198,8 @@ def test_baseline_margins_pair_each_seed_over_the_benchs_lrs(tmp_path):
                  run("b", "peri_ln", 2, seed, 1e-2, p2)]
     runs[-1].status = "running"  # seed 2 of peri_ln unfinished
     rows = SV.baseline_margins(st, bench, runs)
-    assert [(r["sublayers"], r["scheme"], r["baseline"]) for r in rows] == [(2, "peri_ln", "keel")]
-    m = rows[0]["margin"]
+    assert [(r.sublayers, r.scheme, r.baseline) for r in rows] == [(2, "peri_ln", "keel")]
+    m = rows[0].margin
     assert m.diffs == pytest.approx({0: 3.10 - 3.00, 1: 3.20 - 3.05})
     assert m.verdict == INC and m.n == 2  # two seeds: the t interval (6.314 x sd / sqrt 2) spans 0
     table = SR.baseline_table(st, bench, runs)
@@ -1458,6 +1458,22 @@ def test_the_committed_report_regenerates_from_its_own_records():
     md = SR.report_markdown(study, claims, runs, rep["command"], [], rep["restored_from"], floor)
     assert md + SR.superseded_words(rep["superseded_runs"]) == \
         (root / "docs/results/study-cpu/report.md").read_text(encoding="utf-8")
+
+
+def test_a_paired_verdict_reads_back_from_the_committed_report():
+    """Every part of the committed report's claims read back (:meth:`PairedVerdict.from_dict`; a trend,
+    with ``depths``, as a :class:`TrendVerdict`) and written again (:meth:`Record.to_dict`) is the same
+    JSON, key order included."""
+    from keel.experiments.analysis import PairedVerdict, TrendVerdict
+
+    rep = json.loads((Path(__file__).resolve().parents[1] / "docs/results/study-cpu/report.json").read_text())
+    parts = [p for c in rep["claims"] for cc in (c.get("conditions") or {"": c}).values()
+             for p in (cc.get("parts") or {}).values()]
+    assert parts and any("depths" in p for p in parts) and not all("depths" in p for p in parts)
+    for p in parts:
+        v = PairedVerdict.from_dict(p)
+        assert isinstance(v, TrendVerdict) == ("depths" in p)
+        assert json.dumps(v.to_dict()) == json.dumps(p)
 
 
 def test_readme_quotes_the_committed_reports_summary_lines():

@@ -130,7 +130,7 @@ def test_loop_max_lr_transcription():
     part = paper.parts["log10 max LR, keel over pre_ln at 68"]
     assert part.lo == pytest.approx(lo) and part.hi == pytest.approx(hi) and lo >= math.log10(1.05)
     assert sorted(paper.parts) == ["log10 max LR, keel over pre_ln at 260", "log10 max LR, keel over pre_ln at 68"]
-    assert paper.verdict == SV.REPRODUCED and paper.rows[-1]["neither"]
+    assert paper.verdict == SV.REPRODUCED and paper.rows[-1].neither
     embed = v.conditions["embed_init"]
     assert embed.parts["log10 max LR, keel over pre_ln at 68"].n == 2 and embed.verdict == SV.INCONCLUSIVE
     assert v.verdict == SV.INCONCLUSIVE
@@ -167,10 +167,10 @@ def test_test_depth_transcription():
     assert part.hi == pytest.approx(hi) and part.lo == pytest.approx(lo) and hi < 0.02
     assert part.verdict == SV.REPRODUCED and v.verdict == SV.REPRODUCED
     row = v.conditions["paper_init"].rows[0]
-    assert row["loops"] == 4 and row["d"]["keel"][2].mean == pytest.approx(0.5)  # R/2, reported
+    assert row.loops == 4 and row.d["keel"][2].mean == pytest.approx(0.5)  # R/2, reported
     # pre_ln's R/2 loss is not finite: it counts as the step-0 loss (6.2)
-    assert row["d"]["pre_ln"][2].diffs[1] == pytest.approx(6.2 - 4.31)
-    assert row["vs"][8].diffs == pytest.approx({sd: keel_d[sd] - pre_d[sd] for sd in (0, 1, 2)})
+    assert row.d["pre_ln"][2].diffs[1] == pytest.approx(6.2 - 4.31)
+    assert row.vs[8].diffs == pytest.approx({sd: keel_d[sd] - pre_d[sd] for sd in (0, 1, 2)})
     w = pre_claim.verdict(st, runs)
     assert w.conditions["embed_init"].parts["loss(32) − loss(16), pre_ln at 260"].verdict == SV.NOT_REPRODUCED
     assert w.verdict == SV.NOT_REPRODUCED

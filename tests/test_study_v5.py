@@ -129,7 +129,7 @@ def test_claim_g_takes_the_seed_mean_optimum_and_pairs_the_shares(tmp_path):
     cond = c.conditions["paper_init"]
     share = next(v for k, v in cond.parts.items() if k.startswith("redundant"))
     assert share.diffs == {0: 0.5, 1: 0.5, 2: 0.5}
-    assert cond.rows[0]["lr"] == {"keel": 1e-2, "pre_ln": 1e-3}
+    assert cond.rows[0].lr == {"keel": 1e-2, "pre_ln": 1e-3}
     from keel.experiments.study.claims.layer_importance import LayerImportance
     assert LayerImportance.plot([(claim, c)], tmp_path / "importance.png")
     assert (tmp_path / "importance.png").stat().st_size > 1000
@@ -161,7 +161,7 @@ def test_claim_e_slope_is_the_least_squares_fit_against_log2_tokens():
     assert trend.min_effect == pytest.approx(0.05 / 2)  # the floor spread over log2(4) doublings
     top = next(v for k, v in cond.parts.items() if k.startswith("margin"))
     assert top.diffs == pytest.approx({0: 0.30, 1: 0.35, 2: 0.31})
-    assert cond.rows[0]["tokens_per_param"]["keel"] == pytest.approx(
+    assert cond.rows[0].tokens_per_param["keel"] == pytest.approx(
         256_000 / SV.non_embedding_params(st, "b1", "keel", 256))
 
 
@@ -208,8 +208,8 @@ def test_the_n01_condition_reads_only_the_init_groups_never_the_better_of_two():
     c = claim.verdict(st, runs)
     assert set(c.conditions) == {"paper_init", "embed_init"}
     rows = c.conditions["embed_init"].rows
-    assert all(r["margin"].diffs == pytest.approx({0: -0.1, 1: -0.1, 2: -0.1}) for r in rows)
-    assert all(set(g for v in r["best_group"]["keel"].values() for g in [v]) == {"i"} for r in rows)
+    assert all(r.margin.diffs == pytest.approx({0: -0.1, 1: -0.1, 2: -0.1}) for r in rows)
+    assert all(set(g for v in r.best_group["keel"].values() for g in [v]) == {"i"} for r in rows)
 
 
 # ----------------------------------------------------------------------------- the bench (i)
@@ -225,8 +225,8 @@ def test_claim_i_judges_each_design_against_pre_ln_and_reports_keel():
     c = claim_of("bench", group="b", designs=["peri_ln"], baseline="pre_ln").verdict(st, runs)
     part = c.conditions["paper_init"].parts["pre_ln − peri_ln at 64"]
     assert part.diffs == pytest.approx({0: 0.3, 1: 0.31, 2: 0.32}) and part.verdict == "reproduced"
-    vs_keel = next(r for r in c.conditions["paper_init"].rows if r["baseline"] == "keel")
-    assert vs_keel["margin"].mean == pytest.approx(-0.2)
+    vs_keel = next(r for r in c.conditions["paper_init"].rows if r.baseline == "keel")
+    assert vs_keel.margin.mean == pytest.approx(-0.2)
 
 
 # ----------------------------------------------------------------------------- the study file

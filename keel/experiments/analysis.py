@@ -5,6 +5,11 @@ one paired comparison, :func:`paired_verdict`), the least-squares trend of a mar
 optimum and the healthy-LR window. Used by the claims (:mod:`keel.experiments.study.claims`),
 the report's tables and the presets (:mod:`keel.experiments.sensitivity`).
 
+The verdict of a paired comparison is a typed record, :class:`PairedVerdict` (a trend's
+:class:`TrendVerdict`); :class:`Record` is the one ``report.json`` path (:meth:`Record.to_dict`,
+:func:`plain`) of it and of every typed record of verdict data above it (a claim's verdict per
+condition, :class:`keel.experiments.study.verdicts.Condition`; the kinds' rows).
+
 The interval and the slope are written out rather than taken from ``scipy.stats.t.interval`` and
 ``scipy.stats.linregress``: those give the same numbers to about 1e-15 but differ in the last
 bits (26 of the 84 intervals and a third of the slopes of the committed CPU study), and

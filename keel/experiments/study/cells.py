@@ -88,7 +88,7 @@ def direction(v: PairedVerdict, scheme: str, baseline: str) -> str:
     return "too few seeds" if v.n < 2 else "undecided"
 
 
-def flagged(row: dict) -> str:
-    """``4 of 4 (4 left the plateau later)``: a margin row's flagged baseline runs."""
-    n, k = row["baseline_diverged_runs"], row.get("baseline_recovered_runs", 0)
-    return f"{n} of {row.get('baseline_runs', n)}" + (f" ({k} left the plateau later)" if k else "")
+def flagged(runs: int, n: int, k: int) -> str:
+    """``4 of 4 (4 left the plateau later)``: of a margin row's ``runs`` finished baseline runs, the ``n``
+    the divergence classifier flagged, ``k`` of which left the plateau later."""
+    return f"{n} of {runs}" + (f" ({k} left the plateau later)" if k else "")

@@ -8,7 +8,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from keel.config import override_text
-from keel.experiments.analysis import plain
 from keel.experiments.record import RunRecord
 from keel.experiments.study.claims import Claim
 from keel.experiments.study.report import (claim_summary, group_tables, report_markdown, superseded_words,
@@ -26,7 +25,7 @@ def report_json(study: Study, runs: list[RunRecord], claims: list[tuple[Claim, C
             "unigram_entropy": h1, "min_effect": study.min_effect, "min_seeds": study.min_seeds, "floor": floor,
             "level": LEVEL, "summary": [c.summary for _, c in claims],
             "claims": [{"id": cl.id, "title": cl.title, **c.to_dict()} for cl, c in claims],
-            "baseline_margins": [{"group": g.name, **plain(r)} for g in study.groups
+            "baseline_margins": [{"group": g.name, **r.to_dict()} for g in study.groups
                                  for r in baseline_margins(study, g, runs)],
             "group_sets": {g.name: [override_text(x) for x in g.sets] for g in study.groups},
             "restored_from": str(restore) if any(r.restored for r in runs) else None,

@@ -126,12 +126,12 @@ def baseline_table(study: Study, g: Group, runs: list[RunRecord]) -> list[str]:
            f"({', '.join(f'{x:g}' for x in sorted(g.lrs))}); > 0: the scheme is better. In brackets, as the claims' "
            f"rule reads a margin: X better when every seed (≥ {study.min_seeds}) favours X by ≥ {study.min_effect:g}, "
            f"no difference when every seed is within {study.min_effect:g}, else mixed. No claim of the paper.", ""]
-    cells = {(L, s): [r["margin"] for r in rows if (r["sublayers"], r["scheme"]) == (L, s)]
+    cells = {(L, s): [r.margin for r in rows if (r.sublayers, r.scheme) == (L, s)]
              for L in g.sublayers for s in g.schemes}
     out += markdown_table(["sub-layers", "scheme", *(f"vs {b}" for b in g.baselines)],
                           [[L, s, *(f"{pm(v)} ({direction(v, s, b)})" if v.n else "–"
                                     for v, b in zip(cells[(L, s)], g.baselines))] for (L, s) in cells])
-    if any(not r["margin"].n for r in rows):
+    if any(not r.margin.n for r in rows):
         out += ["", f"–: no seed has both sides finished yet (all of this group's LRs for the scheme and all of group "
                 f"{g.baselines_from}'s for the baseline, at that depth)."]
     return out + [""]

@@ -82,19 +82,35 @@ def combine(verdicts: Sequence[str]) -> str:
     return NOT_REPRODUCED if NOT_REPRODUCED in verdicts else INCONCLUSIVE
 
 
-def baseline_margins(study: Study, g: Group, runs: Runs) -> list[dict]:
+@dataclass
+class BaselineMargin(Record):
+    """One depth and scheme of a bench group against one baseline (:func:`baseline_margins`; a
+    ``bench`` claim's rows, ``report.json``'s ``baseline_margins`` after its ``group``):
+    ``sublayers`` (depth, sub-layers), ``scheme`` (the group's), ``baseline`` (trained by its
+    ``baselines_from`` group) and ``margin``: the paired per-seed ``loss(baseline) - loss(scheme)``
+    (nats/token, each side at its seed's best LR; > 0: the scheme is better) as a
+    :class:`PairedVerdict` (Student-t one-sided bounds against the study's floor)."""
+
+    sublayers: int
+    scheme: str
+    baseline: str
+    margin: PairedVerdict
+
+
+def baseline_margins(study: Study, g: Group, runs: Runs) -> list[BaselineMargin]:
     """Per depth of group ``g``, scheme of ``g`` and baseline scheme (``g.baselines``, trained by
     group ``g.baselines_from``), the paired per-seed margin ``loss(baseline) - loss(scheme)``
     (nats/token; > 0: ``g``'s scheme is better), each side at its seed's best LR over ``g``'s LR
     grid (:func:`best_losses`; both groups train the same tokens per run), as a
-    :class:`PairedVerdict` (:func:`paired_verdict`). Rows ``{"sublayers", "scheme", "baseline", "margin"}``; empty
-    when ``g`` names no baselines."""
+    :class:`PairedVerdict` (:func:`paired_verdict`): one :class:`BaselineMargin` each; empty when ``g``
+    names no baselines."""
     if not g.baselines_from:
         return []
     on_grid = [r for r in runs if any(math.isclose(r.lr, lr) for lr in g.lrs)]
-    return [{"sublayers": L, "scheme": s, "baseline": b,
-             "margin": paired_verdict(pair(best_losses(on_grid, [g.baselines_from], b, L),
-                                            best_losses(on_grid, [g.name], s, L)), study.min_effect, study.min_seeds)}
+    return [BaselineMargin(sublayers=L, scheme=s, baseline=b,
+                           margin=paired_verdict(pair(best_losses(on_grid, [g.baselines_from], b, L),
+                                                      best_losses(on_grid, [g.name], s, L)),
+                                                 study.min_effect, study.min_seeds))
             for L in g.sublayers for s in g.schemes for b in g.baselines]
 
 

@@ -42,9 +42,8 @@ class Bench(OneGroup):
                                                        else {})}.items():
             g = next(x for x in study.groups if x.name == gname)
             rows = baseline_margins(study, g, runs)
-            rows = [r for r in rows if r["scheme"] in self.designs]
-            parts = {f"{r['baseline']} − {r['scheme']} at {r['sublayers']}": r["margin"] for r in rows
-                     if r["baseline"] == self.baseline}
+            rows = [r for r in rows if r.scheme in self.designs]
+            parts = {f"{r.baseline} − {r.scheme} at {r.sublayers}": r.margin for r in rows if r.baseline == self.baseline}
             done = parts and all(p.n >= study.min_seeds for p in parts.values())
             conds[k] = Condition(verdict=combine([p.verdict for p in parts.values()]) if done else INCONCLUSIVE,
                                  parts=parts, rows=rows, why=None if done else "bench runs pending")
@@ -66,8 +65,8 @@ class Bench(OneGroup):
     def tables(self, c: ClaimVerdict) -> list[str]:
         return condition_tables(
             c, ["sub-layers", "design", "against", "margin (against − design, nats) mean [CI] (per seed)", "in words"],
-            lambda cc: [[r["sublayers"], r["scheme"], r["baseline"], pm(r["margin"]),
-                         direction(r["margin"], r["scheme"], r["baseline"])] for r in cc.rows or []])
+            lambda cc: [[r.sublayers, r.scheme, r.baseline, pm(r.margin), direction(r.margin, r.scheme, r.baseline)]
+                        for r in cc.rows or []])
 
 
 

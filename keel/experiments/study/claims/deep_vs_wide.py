@@ -7,7 +7,7 @@ from dataclasses import MISSING, dataclass, field
 from typing import ClassVar
 
 from keel.errors import KeelError
-from keel.experiments.analysis import INCONCLUSIVE, Runs, best_runs, bracketed, pair, paired_verdict
+from keel.experiments.analysis import INCONCLUSIVE, Record, Runs, best_runs, bracketed, pair, paired_verdict
 from keel.experiments.study.cells import lrs
 from keel.experiments.study.claims.base import Paired, condition_tables, edge
 from keel.experiments.study.spec import Group, Study
@@ -16,16 +16,27 @@ from keel.keys import key
 
 
 @dataclass
+class ShapeCell(Record):
+    """One scheme at one shape of a ``deep_vs_wide`` condition, per seed: ``loss``, its best capped final
+    validation loss (nats/token); ``lr``, the peak LR of that run; ``bracketed``, whether that LR lies
+    inside the LRs the seed trained."""
+
+    loss: dict[int, float]
+    lr: dict[int, float]
+    bracketed: dict[int, bool]
+
+
+@dataclass
 class ShapeCondition(Condition):
     """One condition of a ``deep_vs_wide`` verdict: :class:`~keel.experiments.study.verdicts.Condition`'s
     ``verdict`` and ``parts`` (the margins ``best(baseline, shape) - best(scheme, deep)``, nats/token,
     Student-t one-sided bounds), and ``groups``: its deep and wide group; ``params``: non-embedding
     parameters per ``"scheme shape"``; ``cells``: per ``"scheme shape"`` the best loss per seed
-    (``loss``, nats/token), its LR (``lr``) and whether it is bracketed (``bracketed``)."""
+    (:class:`ShapeCell`)."""
 
     groups: list[str] = field(default_factory=list)
     params: dict[str, int] = field(default_factory=dict)
-    cells: dict[str, dict] = field(default_factory=dict)
+    cells: dict[str, ShapeCell] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -68,9 +79,9 @@ class DeepVsWide(Paired):
                 parts=parts, groups=[deep, wide],
                 params={f"{x} {shape}": non_embedding_params(study, g, x, L) for x in (s, b)
                         for shape, g, L in (("deep", deep, Ld), ("wide", wide, Lw))},
-                cells={f"{x} {shape}": {"loss": loss[(x, shape)],
-                                        "lr": {sd: r.lr for sd, r in cells[(x, shape)].items()},
-                                        "bracketed": {sd: bracketed(runs, r) for sd, r in cells[(x, shape)].items()}}
+                cells={f"{x} {shape}": ShapeCell(loss=loss[(x, shape)],
+                                                 lr={sd: r.lr for sd, r in cells[(x, shape)].items()},
+                                                 bracketed={sd: bracketed(runs, r) for sd, r in cells[(x, shape)].items()})
                        for x, shape in cells})
         return judged(conds)
 
@@ -93,8 +104,8 @@ class DeepVsWide(Paired):
     def tables(self, c: ClaimVerdict) -> list[str]:
         return condition_tables(
             c, ["model", "non-embedding parameters", "best loss per seed (nats)", "best LR per seed"],
-            lambda cc: [[name, f"{cc.params[name]:,}", "[" + ", ".join(f"s{sd} {x:.3f}" for sd, x in v["loss"].items())
-                         + "]", lrs(v["lr"], edge(v["bracketed"]))] for name, v in cc.cells.items()])
+            lambda cc: [[name, f"{cc.params[name]:,}", "[" + ", ".join(f"s{sd} {x:.3f}" for sd, x in v.loss.items())
+                         + "]", lrs(v.lr, edge(v.bracketed))] for name, v in cc.cells.items()])
 
 
 

@@ -9,13 +9,26 @@ from dataclasses import MISSING, dataclass
 from typing import ClassVar
 
 from keel.errors import KeelError
-from keel.experiments.analysis import INCONCLUSIVE, Runs, paired_verdict
+from keel.experiments.analysis import INCONCLUSIVE, Record, Runs, paired_verdict
 from keel.experiments.study.cells import CONDITION_WORDS, lrs, parts, upper_first
 from keel.experiments.study.claims.base import OneGroup
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.verdicts import MAX_LR_FLOOR, ClaimVerdict, Condition, combine, verdict_words
 from keel.experiments.table import markdown_table
 from keel.keys import key
+
+
+@dataclass
+class RampRow(Record):
+    """One depth of a ramp group: ``group``, its ``peak_lr``, ``sublayers``; ``max_lr``, per scheme of
+    the order ``{seed: the LR just before divergence, or None: no divergence up to the peak}``;
+    ``verdicts``: each run's divergence verdict in words (``{"scheme sSEED": words}``)."""
+
+    group: str
+    peak_lr: float
+    sublayers: int
+    max_lr: dict[str, dict]
+    verdicts: dict[str, str]
 
 
 @dataclass
@@ -64,17 +77,17 @@ class MaxLrOrder(OneGroup):
         trained = {g.name: set(g.schemes) for g in study.groups}
         conds = {}
         for cond, name in names.items():
-            mine = [r for r in rows if r["group"] == name]
+            mine = [r for r in rows if r.group == name]
             pairs = {}
             for row in mine:
-                lr, L = row["max_lr"], row["sublayers"]
+                lr, L = row.max_lr, row.sublayers
                 for a, b in zip(order, order[1:]):
-                    d = {x: _log_ratio(lr[b][x], lr[a][x], row["peak_lr"]) for x in sorted(set(lr[a]) & set(lr[b]))}
+                    d = {x: _log_ratio(lr[b][x], lr[a][x], row.peak_lr) for x in sorted(set(lr[a]) & set(lr[b]))}
                     d = {x: v for x, v in d.items() if v is not None}  # both never diverged: censored, left out
                     if {a, b} <= trained.get(name, set(order)):
                         pairs[f"{a} < {b} at {L}"] = paired_verdict(d, MAX_LR_FLOOR, study.min_seeds)
             conds[cond] = RampCondition(verdict=combine([p.verdict for p in pairs.values()]) if pairs else INCONCLUSIVE,
-                                        parts=pairs, peak_lr=mine[0]["peak_lr"] if mine else None,
+                                        parts=pairs, peak_lr=mine[0].peak_lr if mine else None,
                                         why=None if pairs else "no finished ramp runs",
                                         stored=("verdict", "parts", "peak_lr", *(() if pairs else ("why",))))
         return ClaimVerdict(verdict=conds["paper_ramp"].verdict, conditions=conds, rows=rows,
@@ -109,8 +122,8 @@ class MaxLrOrder(OneGroup):
             out += [f"**{upper_first(CONDITION_WORDS[cond])}" + (f" (to {cc.peak_lr:g})" if cc.peak_lr else "")
                     + f": {cc.verdict}.** {parts(cc)}", ""]
         out += markdown_table(["ramp to", "sub-layers", *self.order],
-                              [[f"{r['peak_lr']:g} ({r['group']})", r["sublayers"],
-                                *(lrs(r["max_lr"][s]) if r["max_lr"][s] else "—" for s in self.order)]
+                              [[f"{r.peak_lr:g} ({r.group})", r.sublayers,
+                                *(lrs(r.max_lr[s]) if r.max_lr[s] else "—" for s in self.order)]
                                for r in c.rows])
         out += ["", "Max LR per seed; none = no divergence up to the ramp's peak LR; — = not run on that ramp. "
                 "A none counts as the peak LR (censored: the pair's difference is then a lower bound); a seed where "
@@ -118,8 +131,8 @@ class MaxLrOrder(OneGroup):
                 "(the same LR per step to a higher peak) is reported beside it. Pair verdicts use log10 ratios of "
                 "max LR with a 5% floor (log10 1.05 = 0.021). A spike still open when the curve ended counts as a "
                 "divergence. Each run's verdict:", ""]
-        return out + [f"- ramp to {r['peak_lr']:g}, {r['sublayers']} sub-layers, {run}: {text}" for r in c.rows
-                      for run, text in r.get("verdicts", {}).items()]
+        return out + [f"- ramp to {r.peak_lr:g}, {r.sublayers} sub-layers, {run}: {text}" for r in c.rows
+                      for run, text in r.verdicts.items()]
 
 
 def _check_extended_ramp(c: MaxLrOrder, ramp: Group, ext: Group) -> None:
@@ -144,7 +157,7 @@ def _log_ratio(hi: float | None, lo: float | None, peak: float) -> float | None:
     return math.log10(a / b)
 
 
-def _ramp_rows(runs: Runs, group: str, order: Sequence[str]) -> list[dict]:
+def _ramp_rows(runs: Runs, group: str, order: Sequence[str]) -> list[RampRow]:
     """One row per depth of ramp ``group``'s finished runs: its peak LR, each scheme's max LR per
     seed, each run's verdict in words."""
     rr = [r for r in runs if r.group == group and r.status == "done"]
@@ -154,5 +167,5 @@ def _ramp_rows(runs: Runs, group: str, order: Sequence[str]) -> list[dict]:
         at = [r for r in rr if r.sublayers == L]
         lr = {s: {r.seed: r.max_lr for r in at if r.scheme == s} for s in order}
         detail = {f"{r.scheme} s{r.seed}": verdict_words(r) for s in order for r in at if r.scheme == s}
-        rows.append({"group": group, "peak_lr": peak, "sublayers": L, "max_lr": lr, "verdicts": detail})
+        rows.append(RampRow(group=group, peak_lr=peak, sublayers=L, max_lr=lr, verdicts=detail))
     return rows

@@ -6,7 +6,8 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from keel.errors import KeelError
-from keel.experiments.analysis import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, Runs, best_runs, pair, paired_verdict
+from keel.experiments.analysis import (INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, PairedVerdict, Record, Runs, best_runs,
+                                       pair, paired_verdict)
 from keel.experiments.record import RunRecord
 from keel.experiments.study.cells import pm
 from keel.experiments.study.claims.base import condition_tables
@@ -14,6 +15,20 @@ from keel.experiments.study.claims.loop_max_lr import LoopMaxLr
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.verdicts import ClaimVerdict, Condition, combine, condition_groups, judged, pending
 from keel.keys import key
+
+
+@dataclass
+class TestDepthRow(Record):
+    """One depth of a ``test_depth`` condition: ``sublayers`` (effective depth, sub-layers), ``loops``
+    (the trained loop count R), ``d``: per scheme ``{R': PairedVerdict}`` of ``loss(R') - loss(R)`` per
+    seed (nats/token; Student-t one-sided bounds), and ``vs``: ``{R': PairedVerdict}`` of
+    ``d(scheme) - d(baseline)`` paired per seed."""
+
+    __test__: ClassVar[bool] = False  # a row, not a pytest test class
+    sublayers: int
+    loops: int
+    d: dict[str, dict[int, PairedVerdict]]
+    vs: dict[int, PairedVerdict]
 
 
 @dataclass(kw_only=True)
@@ -56,8 +71,8 @@ class TestDepth(LoopMaxLr):
         return condition_tables(
             c, ["sub-layers", "R", "R'", f"loss(R') − loss(R), {s}: mean [CI] (per seed)", b,
                 f"{s} − {b} in that difference"],
-            lambda cc: [[r["sublayers"], r["loops"], n, pm(r["d"][s][n]), pm(r["d"][b][n]), pm(r["vs"][n])]
-                        for r in cc.rows or [] for n in r["d"][s]]) + [
+            lambda cc: [[r.sublayers, r.loops, n, pm(r.d[s][n]), pm(r.d[b][n]), pm(r.vs[n])]
+                        for r in cc.rows or [] for n in r.d[s]]) + [
             "Each seed's run at its best LR, evaluated with its core applied R' times on the validation "
             "windows of its final loss (nats/token); > 0: the loss rises at R'."]
 
@@ -81,12 +96,11 @@ def _test_depth_condition(study: Study, runs: Runs, claim: TestDepth, groups: li
         R, counts = gs[0].loop_repeats(L), gs[0].test_counts(L)
         loss = {x: {sd: loop_losses(r, R) for sd, r in best_runs(runs, groups, x, L).items()} for x in (s, b)}
         d = {x: {n: {sd: v[n] - v[R] for sd, v in loss[x].items() if n in v} for n in counts} for x in (s, b)}
-        rows.append({"sublayers": L, "loops": R,
-                     "d": {x: {n: paired_verdict(v, study.min_effect, study.min_seeds) for n, v in d[x].items()}
-                           for x in (s, b)},
-                     "vs": {n: paired_verdict(pair(d[s][n], d[b][n]), study.min_effect, study.min_seeds)
-                            for n in counts}})
-        v = rows[-1]["d"][s].get(round(f * R))
+        rows.append(TestDepthRow(
+            sublayers=L, loops=R,
+            d={x: {n: paired_verdict(v, study.min_effect, study.min_seeds) for n, v in d[x].items()} for x in (s, b)},
+            vs={n: paired_verdict(pair(d[s][n], d[b][n]), study.min_effect, study.min_seeds) for n in counts}))
+        v = rows[-1].d[s].get(round(f * R))
         if v is not None:
             parts[f"loss({round(f * R)}) − loss({R}), {s} at {L}"] = replace(
                 v, verdict=NON_INFERIOR.get(v.verdict, INCONCLUSIVE))
