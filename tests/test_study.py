@@ -106,8 +106,8 @@ def test_loss_floor_is_the_median_seed_spread():
     runs += [run("g", "pre_ln", 16, sd, 1e-3, 3.0 + x) for sd, x in enumerate([0.0, 0.02, 0.04])]  # sd 0.02
     runs += [run("g", "keel", 64, sd, 1e-3, 3.0 + x) for sd, x in enumerate([0.0, 0.5, 1.0])]  # sd 0.5
     f = SV.loss_floor(runs, [(["g"], "keel", 16), (["g"], "pre_ln", 16), (["g"], "keel", 64)], 0.02)
-    assert f["floor"] == pytest.approx(0.1) and f["cells"] == 3 and f["max_sd"] == pytest.approx(0.5)
-    assert SV.loss_floor(runs[3:6], [(["g"], "pre_ln", 16)], 0.05)["floor"] == 0.05  # at least the minimum
+    assert f.floor == pytest.approx(0.1) and f.cells == 3 and f.max_sd == pytest.approx(0.5)
+    assert SV.loss_floor(runs[3:6], [(["g"], "pre_ln", 16)], 0.05).floor == 0.05  # at least the minimum
 
 
 def _margin_runs(margins, group="g", loss=3.0):
@@ -1451,7 +1451,7 @@ def test_the_committed_report_regenerates_from_its_own_records():
     runs = [RunRecord.from_dict(r, f"runs[{i}]") for i, r in enumerate(rep["runs"])]
     assert json.dumps([r.to_dict() for r in runs]) == json.dumps(rep["runs"])
     study, floor, claims = SJ.judge(SC.load_study("claims", "cpu"), runs)
-    assert floor == rep["floor"] and [c.summary for _, c in claims] == rep["summary"]
+    assert floor.to_dict() == rep["floor"] and [c.summary for _, c in claims] == rep["summary"]
     assert json.loads(json.dumps([{"id": cl.id, "title": cl.title, **plain(c)} for cl, c in claims])) == rep["claims"]
     margins = [{"group": g.name, **plain(r)} for g in study.groups for r in SV.baseline_margins(study, g, runs)]
     assert json.loads(json.dumps(margins)) == rep["baseline_margins"]

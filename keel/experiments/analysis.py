@@ -310,14 +310,33 @@ def lr_window(runs: Runs, groups: Sequence[str], scheme: str, sublayers: int, ma
     return [lr for lr, x in mean.items() if x <= best + margin]
 
 
-def loss_floor(runs: Runs, cells: Sequence[tuple[Sequence[str], str, int]], minimum: float) -> dict:
+@dataclass(frozen=True)
+class LossFloor(Record):
+    """The noise floor of the loss claims (:func:`loss_floor`; ``report.json``'s ``floor``), nats/token:
+    ``floor`` = max(``minimum``, ``median_sd``), the ``min_effect`` every loss claim is judged against;
+    ``median_sd``: the median over the ``cells`` (groups, scheme, sub-layers) with two or more finished
+    seeds of the sample sd (ddof 1) of a cell's best loss over seeds, ``min_sd`` / ``max_sd`` their range
+    (None without such a cell); ``minimum``: the study's ``min_effect``. A floor not taken from the
+    spread (``floor_from_spread = false``: :func:`keel.experiments.study.judge.study_floor`) holds
+    ``floor`` and ``minimum`` only (``stored``)."""
+
+    floor: float
+    median_sd: float | None = None
+    cells: int = 0
+    min_sd: float | None = None
+    max_sd: float | None = None
+    minimum: float = 0.0
+    stored: tuple[str, ...] = stored_keys()
+
+
+def loss_floor(runs: Runs, cells: Sequence[tuple[Sequence[str], str, int]], minimum: float) -> LossFloor:
     """The noise floor of the loss claims, from the measured seed-to-seed spread.
 
     ``cells``: ``(groups, scheme, sub-layers)`` whose best loss a verdict reads. Per cell with at
     least two finished seeds, the sample sd of the best loss over seeds (:func:`best_losses`);
     the floor is their median, and at least ``minimum`` (nats/token): a difference smaller than
     the typical seed-to-seed spread of one configuration's best loss is not counted as an effect.
-    Returns ``{floor, median_sd, cells, min_sd, max_sd, minimum}``.
+    Returns a :class:`LossFloor`.
     """
     sds = []
     for groups, scheme, L in cells:
@@ -325,5 +344,5 @@ def loss_floor(runs: Runs, cells: Sequence[tuple[Sequence[str], str, int]], mini
         if len(b) >= 2:
             sds.append(statistics.stdev(b))
     med = statistics.median(sds) if sds else None
-    return {"floor": max(minimum, med or 0.0), "median_sd": med, "cells": len(sds),
-            "min_sd": min(sds, default=None), "max_sd": max(sds, default=None), "minimum": minimum}
+    return LossFloor(floor=max(minimum, med or 0.0), median_sd=med, cells=len(sds), min_sd=min(sds, default=None),
+                     max_sd=max(sds, default=None), minimum=minimum)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from keel.config import override_text
 from keel.experiments import sensitivity as LS
+from keel.experiments.analysis import LossFloor
 from keel.experiments.record import RunRecord
 from keel.experiments.study.kinds import GROUP_KINDS
 from keel.experiments.study.spec import Group, Study
@@ -181,7 +182,7 @@ def runs_table(runs: list[RunRecord]) -> list[str]:
           verdict_words(r) if r.status == "done" else "–"] for r in runs])
 
 
-def verdict_rule(study: Study, claims: Sequence[Claim], floor: dict | None = None) -> str:
+def verdict_rule(study: Study, claims: Sequence[Claim], floor: LossFloor | None = None) -> str:
     """The report's statement of the verdict rule (:func:`paired_verdict`, :func:`trend_verdict`)
     and of the loss floor and where it comes from (:func:`.judge.study_floor`); claims tested by
     a kind with ``own_rule`` (``lr_transfer``) have their own rule, in their section."""
@@ -194,15 +195,15 @@ def verdict_rule(study: Study, claims: Sequence[Claim], floor: dict | None = Non
     own_words = f"{ids(own)} {'has its' if len(own) == 1 else 'have their'} own rule, stated in its section."
     if not paired:  # was "Rule of : per seed ..." over no claim
         return own_words if own else ""
-    floor = floor or {"floor": study.min_effect}
-    why = (f" The floor is the median seed-to-seed sd of a scheme's best loss over the {floor['cells']} cells "
-           f"(scheme, depth, init) with two or more seeds that the margin claims read ({floor['median_sd']:.3f}; "
-           f"range {floor['min_sd']:.3f}–{floor['max_sd']:.3f}), and at least {floor['minimum']:g}: a difference "
+    floor = floor or LossFloor(floor=study.min_effect, minimum=study.min_effect)
+    why = (f" The floor is the median seed-to-seed sd of a scheme's best loss over the {floor.cells} cells "
+           f"(scheme, depth, init) with two or more seeds that the margin claims read ({floor.median_sd:.3f}; "
+           f"range {floor.min_sd:.3f}–{floor.max_sd:.3f}), and at least {floor.minimum:g}: a difference "
            "smaller than one configuration's typical seed noise does not count as an effect."
-           if floor.get("median_sd") is not None else "")
+           if floor.median_sd is not None else "")
     return (f"Rule of {ids(paired)}: per seed the paired difference d, oriented so that the claim predicts d > 0, and "
             f"its mean's one-sided {LEVEL:.0%} Student-t bounds lo and hi (together a {2 * LEVEL - 1:.0%} interval, "
-            f"written [CI lo, hi]), against a floor f (nats/token, f = {floor['floor']:.3f}"
+            f"written [CI lo, hi]), against a floor f (nats/token, f = {floor.floor:.3f}"
             + (f"; for {ids(ramp)} log10 ratios of max LR, f = log10 1.05 = {MAX_LR_FLOOR:.3f}, a 5% ratio"
                if ramp else "") + f"). Reproduced when at least {study.min_seeds} seeds give lo ≥ f; not reproduced "
             "when hi < f (the interval excludes an effect as large as the floor: no effect, or the opposite); "
@@ -300,7 +301,7 @@ def restored_words(runs: list[RunRecord], restore: str | Path | None) -> str:
 
 
 def report_markdown(study: Study, claims: list[tuple[Claim, ClaimVerdict]], runs: list[RunRecord], command: str,
-                    waiting: Sequence[dict] = (), restore: str | Path | None = None, floor: dict | None = None,
+                    waiting: Sequence[dict] = (), restore: str | Path | None = None, floor: LossFloor | None = None,
                     tables: dict[str, dict] | None = None) -> str:
     """``report.md``: the verdict table, one section per claim, the groups no claim reads, the groups'
     own tables (``tables``: :func:`group_tables`), every run."""
