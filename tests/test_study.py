@@ -17,6 +17,7 @@ from keel.experiments.study import judge as SJ, lrs as SLrs
 from keel.experiments.study import verdicts as SV
 from keel.experiments.study.cells import direction, lrs, short, window
 from keel.experiments.grid import GridJob, _check_same_config
+from keel.experiments.analysis import plain
 from keel.experiments.record import RunRecord
 from keel.config import Config, preset_names
 from keel.model import SCHEMES
@@ -66,14 +67,14 @@ def study(**kw):
                                    [0.1, -0.1, 0.0], [0.5], [0.03, 0.02, 0.5], [0.3, 0.25, 0.35, 0.32], []])
 def test_paired_verdict_transcription(diffs):
     v = SV.paired_verdict(dict(enumerate(diffs)), 0.02, 3)
-    assert v["verdict"] == verdict_ref(diffs, 0.02, 3)
+    assert v.verdict == verdict_ref(diffs, 0.02, 3)
     if diffs:
-        assert v["mean"] == pytest.approx(sum(diffs) / len(diffs))
-        sd = math.sqrt(sum((x - v["mean"]) ** 2 for x in diffs) / (len(diffs) - 1)) if len(diffs) > 1 else 0.0
-        assert v["sd"] == pytest.approx(sd)
+        assert v.mean == pytest.approx(sum(diffs) / len(diffs))
+        sd = math.sqrt(sum((x - v.mean) ** 2 for x in diffs) / (len(diffs) - 1)) if len(diffs) > 1 else 0.0
+        assert v.sd == pytest.approx(sd)
     if len(diffs) > 1:  # the bounds themselves, against the printed table (3 decimals)
-        half = T95[len(diffs) - 1] * v["sd"] / math.sqrt(len(diffs))
-        assert (v["lo"], v["hi"]) == pytest.approx((v["mean"] - half, v["mean"] + half), abs=2e-4)
+        half = T95[len(diffs) - 1] * v.sd / math.sqrt(len(diffs))
+        assert (v.lo, v.hi) == pytest.approx((v.mean - half, v.mean + half), abs=2e-4)
     assert SV.combine([R, R]) == R and SV.combine([R, INC]) == INC and SV.combine([INC, NR]) == NR
 
 
@@ -81,7 +82,7 @@ def test_two_seeds_agreeing_are_no_longer_enough():
     """The v3 rule read two seeds both >= the floor as reproduced (a sign test, p = 0.25); the
     interval of two seeds 0.30 / 0.20 is 0.25 +- 6.314 * 0.0707 / 1.414 = [-0.066, +0.566]."""
     v = SV.paired_verdict({0: 0.30, 1: 0.20}, 0.02, 2)
-    assert v["verdict"] == INC and v["lo"] == pytest.approx(-0.0657, abs=1e-3)
+    assert v.verdict == INC and v.lo == pytest.approx(-0.0657, abs=1e-3)
 
 
 def test_trend_is_a_slope_over_every_depth():
@@ -89,15 +90,15 @@ def test_trend_is_a_slope_over_every_depth():
     margins = {16: {0: 0.1, 1: 0.2, 2: 0.0}, 64: {0: 0.3, 1: 0.4, 2: 0.2}, 256: {0: 0.5, 1: 0.6, 2: 0.45}}
     t = SV.trend_verdict(margins, 0.04, 3)
     by_hand = {sd: (margins[256][sd] - margins[16][sd]) / 4 for sd in (0, 1, 2)}  # x = 4, 6, 8: slope = (y3 - y1) / 4
-    assert t["diffs"] == pytest.approx(by_hand) and t["depths"] == [16, 64, 256]
-    assert t["min_effect"] == pytest.approx(0.04 / 4)  # the floor spread over log2(256 / 16) = 4 doublings
-    assert t["verdict"] == verdict_ref(list(by_hand.values()), 0.01, 3) == R
+    assert t.diffs == pytest.approx(by_hand) and t.depths == [16, 64, 256]
+    assert t.min_effect == pytest.approx(0.04 / 4)  # the floor spread over log2(256 / 16) = 4 doublings
+    assert t.verdict == verdict_ref(list(by_hand.values()), 0.01, 3) == R
     # a dip in the middle depth changes the slope (the v3 endpoint test would not see it)
     dip = {**margins, 64: {0: -0.5, 1: -0.5, 2: -0.5}}
-    assert SV.trend_verdict(dip, 0.04, 3)["diffs"] == pytest.approx(by_hand)  # symmetric: the slope ignores the middle
+    assert SV.trend_verdict(dip, 0.04, 3).diffs == pytest.approx(by_hand)  # symmetric: the slope ignores the middle
     skew = {16: {0: 0.0, 1: 0.0, 2: 0.0}, 64: {0: 0.4, 1: 0.4, 2: 0.4}, 256: {0: 0.4, 1: 0.4, 2: 0.4}}
-    assert SV.trend_verdict(skew, 0.04, 3)["diffs"][0] == pytest.approx(0.1)  # least squares of (4,0),(6,.4),(8,.4)
-    assert SV.trend_verdict({16: {0: 0.1}}, 0.04, 3)["verdict"] == INC
+    assert SV.trend_verdict(skew, 0.04, 3).diffs[0] == pytest.approx(0.1)  # least squares of (4,0),(6,.4),(8,.4)
+    assert SV.trend_verdict({16: {0: 0.1}}, 0.04, 3).verdict == INC
 
 
 def test_loss_floor_is_the_median_seed_spread():
@@ -105,8 +106,8 @@ def test_loss_floor_is_the_median_seed_spread():
     runs += [run("g", "pre_ln", 16, sd, 1e-3, 3.0 + x) for sd, x in enumerate([0.0, 0.02, 0.04])]  # sd 0.02
     runs += [run("g", "keel", 64, sd, 1e-3, 3.0 + x) for sd, x in enumerate([0.0, 0.5, 1.0])]  # sd 0.5
     f = SV.loss_floor(runs, [(["g"], "keel", 16), (["g"], "pre_ln", 16), (["g"], "keel", 64)], 0.02)
-    assert f["floor"] == pytest.approx(0.1) and f["cells"] == 3 and f["max_sd"] == pytest.approx(0.5)
-    assert SV.loss_floor(runs[3:6], [(["g"], "pre_ln", 16)], 0.05)["floor"] == 0.05  # at least the minimum
+    assert f.floor == pytest.approx(0.1) and f.cells == 3 and f.max_sd == pytest.approx(0.5)
+    assert SV.loss_floor(runs[3:6], [(["g"], "pre_ln", 16)], 0.05).floor == 0.05  # at least the minimum
 
 
 def _margin_runs(margins, group="g", loss=3.0):
@@ -133,8 +134,8 @@ def test_the_lr_window_is_named_after_the_group_that_trained_that_depth():
     runs = [replace(r, group="t" if r.sublayers == 64 else "g")
             for r in _margin_runs({16: {0: 0.1, 1: 0.1, 2: 0.1}, 64: {0: 0.5, 1: 0.5, 2: 0.5}})]
     c = claim_of("margin_grows", groups=["g", "t"], scheme="keel", baseline="pre_ln").verdict(st, runs)
-    rows = c["conditions"]["paper_init"]["rows"]
-    assert [r["window"]["keel"] for r in rows] == [{"g": [3e-3, 1e-2]}, {"t": [3e-3, 1e-2]}]
+    rows = c.conditions["paper_init"].rows
+    assert [r.window["keel"] for r in rows] == [{"g": [3e-3, 1e-2]}, {"t": [3e-3, 1e-2]}]
 
 
 @pytest.mark.parametrize("n, noun, text", [(0, "run", "0 runs"), (1, "run", "1 run"), (2, "run", "2 runs"),
@@ -157,12 +158,12 @@ def test_a_margin_claim_gives_no_verdict_while_its_deepest_depth_is_still_traini
                        SS.Group("t", ["keel", "pre_ln"], [256], [0, 1, 2], lr_from="g")])
     runs = _margin_runs({16: {0: m16, 1: m16 + 0.01, 2: m16 - 0.01}, 64: {0: m64, 1: m64 + 0.02, 2: m64 - 0.01}})
     claim = claim_of("margin_grows", groups=["g", "t"], scheme="keel", baseline="pre_ln")
-    cond = claim.verdict(st, runs)["conditions"]["paper_init"]
-    words = [p["verdict"] for p in cond["parts"].values()]
-    assert words == ([R, R] if m64 > m16 else [R, NR]) and cond["verdict"] == INC
-    assert list(cond["parts"])[0] == "margin at 64 sub-layers (the deepest finished; 256 pending)"
+    cond = claim.verdict(st, runs).conditions["paper_init"]
+    words = [p.verdict for p in cond.parts.values()]
+    assert words == ([R, R] if m64 > m16 else [R, NR]) and cond.verdict == INC
+    assert list(cond.parts)[0] == "margin at 64 sub-layers (the deepest finished; 256 pending)"
     done = runs + [replace(r, group="t", sublayers=256) for r in runs if r.sublayers == 64]
-    assert claim.verdict(st, done)["conditions"]["paper_init"]["verdict"] == (R if m64 > m16 else NR)
+    assert claim.verdict(st, done).conditions["paper_init"].verdict == (R if m64 > m16 else NR)
 
 
 @pytest.mark.parametrize("widen, words", [
@@ -200,27 +201,27 @@ def test_margin_grows_at_both_inits():
     other = [replace(r, group="i", capped_loss=r.capped_loss - (0.45 if r.scheme == "pre_ln" else -0.01))
              for r in paper]
     c = claim.verdict(groups_study(), paper + other)
-    pi, bi = c["conditions"]["paper_init"], c["conditions"]["embed_init"]
-    assert pi["rows"][1]["margin"]["diffs"] == pytest.approx({0: 0.50, 1: 0.45, 2: 0.55}) and pi["verdict"] == R
-    assert bi["rows"][1]["margin"]["diffs"] == pytest.approx({0: 0.04, 1: -0.01, 2: 0.09})
-    assert bi["rows"][1]["best_group"] == {"pre_ln": {0: "i", 1: "i", 2: "i"}, "keel": {0: "i", 1: "i", 2: "i"}}
-    assert bi["rows"][0]["margin"]["diffs"] == pytest.approx({0: -0.36, 1: -0.34, 2: -0.38})
-    trend = next(v for k, v in bi["parts"].items() if k.startswith("trend"))
-    assert trend["diffs"] == pytest.approx({0: 0.2, 1: 0.165, 2: 0.235})  # (m64 - m16) / 2 doublings
-    assert bi["verdict"] == INC and c["verdict"] == INC  # the margin at 64 is inside the floor's reach
+    pi, bi = c.conditions["paper_init"], c.conditions["embed_init"]
+    assert pi.rows[1].margin.diffs == pytest.approx({0: 0.50, 1: 0.45, 2: 0.55}) and pi.verdict == R
+    assert bi.rows[1].margin.diffs == pytest.approx({0: 0.04, 1: -0.01, 2: 0.09})
+    assert bi.rows[1].best_group == {"pre_ln": {0: "i", 1: "i", 2: "i"}, "keel": {0: "i", 1: "i", 2: "i"}}
+    assert bi.rows[0].margin.diffs == pytest.approx({0: -0.36, 1: -0.34, 2: -0.38})
+    trend = next(v for k, v in bi.parts.items() if k.startswith("trend"))
+    assert trend.diffs == pytest.approx({0: 0.2, 1: 0.165, 2: 0.235})  # (m64 - m16) / 2 doublings
+    assert bi.verdict == INC and c.verdict == INC  # the margin at 64 is inside the floor's reach
     # where the optimum sits: keel's 3e-3 is bracketed, pre_ln's 1e-3 is an edge
-    assert pi["rows"][1]["bracketed"] == {"pre_ln": {0: False, 1: False, 2: False}, "keel": {0: True, 1: True, 2: True}}
-    assert pi["rows"][1]["window"]["keel"] == {"g": [3e-3, 1e-2]}  # within 0.1 nats of the best seed-mean loss
+    assert pi.rows[1].bracketed == {"pre_ln": {0: False, 1: False, 2: False}, "keel": {0: True, 1: True, 2: True}}
+    assert pi.rows[1].window["keel"] == {"g": [3e-3, 1e-2]}  # within 0.1 nats of the best seed-mean loss
     line = SR.claim_summary(claim, c)
     assert line.startswith("(b) T: reproduced at the paper's init only (inconclusive at N(0, 1) embeddings) — ")
-    md = "\n".join(SR.claim_section(claim, {**c, "summary": line}))
+    md = "\n".join(SR.claim_section(claim, replace(c, summary=line)))
     assert "| 64 | +0.500 [90% CI +0.416, +0.584] (s0 +0.500, s1 +0.450, s2 +0.550) | keel better | " \
            "[s0 0.001*, s1 0.001*, s2 0.001*]; [s0 0.003, s1 0.003, s2 0.003] |" in md
     # the init group unfinished at a depth it is sized for: that seed has no N(0, 1) margin there
     part = [replace(r, status="pending") if (r.group, r.seed, r.sublayers) == ("i", 2, 64) else r
             for r in paper + other]
-    bi = claim.verdict(groups_study(), part)["conditions"]["embed_init"]
-    assert list(bi["rows"][1]["margin"]["diffs"]) == [0, 1]
+    bi = claim.verdict(groups_study(), part).conditions["embed_init"]
+    assert list(bi.rows[1].margin.diffs) == [0, 1]
 
 
 def test_max_lr_order_judges_the_papers_ramp_and_reports_the_extended_one():
@@ -238,21 +239,21 @@ def test_max_lr_order_judges_the_papers_ramp_and_reports_the_extended_one():
                run("long", "pre_ln", 64, seed, 0.1, 0, max_lr=pre, peak_lr=0.1),
                run("long", "keel", 64, seed, 0.1, 0, max_lr=keel, peak_lr=0.1)]
     c = claim.verdict(st, rr)
-    paper, ext = c["conditions"]["paper_ramp"], c["conditions"]["extended_ramp"]
-    assert paper["parts"]["pre_ln < keel at 64"]["diffs"] == pytest.approx(
+    paper, ext = c.conditions["paper_ramp"], c.conditions["extended_ramp"]
+    assert paper.parts["pre_ln < keel at 64"].diffs == pytest.approx(
         {0: math.log10(5e-2 / 4.4e-2), 1: math.log10(5e-2 / 4.6e-2), 2: math.log10(5e-2 / 4.5e-2)})
-    assert paper["parts"]["post_ln < pre_ln at 64"]["verdict"] == R
-    assert set(ext["parts"]) == {"pre_ln < keel at 64"}  # the extended ramp trains no post_ln
-    assert ext["parts"]["pre_ln < keel at 64"]["diffs"][1] == pytest.approx(math.log10(0.1 / 4.6e-2))
-    assert c["verdict"] == paper["verdict"] == verdict_ref(
-        list(paper["parts"]["pre_ln < keel at 64"]["diffs"].values()), SV.MAX_LR_FLOOR, 3) == R
+    assert paper.parts["post_ln < pre_ln at 64"].verdict == R
+    assert set(ext.parts) == {"pre_ln < keel at 64"}  # the extended ramp trains no post_ln
+    assert ext.parts["pre_ln < keel at 64"].diffs[1] == pytest.approx(math.log10(0.1 / 4.6e-2))
+    assert c.verdict == paper.verdict == verdict_ref(
+        list(paper.parts["pre_ln < keel at 64"].diffs.values()), SV.MAX_LR_FLOOR, 3) == R
     md = "\n".join(SR.claim_section(claim, c))
     assert "| 0.1 (long) | 64 | — | [s0 0.044, s1 0.046, s2 0.045] | [s0 0.08, s1 none, s2 0.07] |" in md
     assert "- ramp to 0.1, 64 sub-layers, keel s1: no verdict" in md
     # neither diverged in any seed: censored, no evidence
     both = [replace(r, max_lr=None) if r.scheme != "post_ln" else r for r in rr]
     c = claim.verdict(replace(st, groups=st.groups[:1]), both)
-    assert c["conditions"]["paper_ramp"]["parts"]["pre_ln < keel at 64"]["n"] == 0 and c["verdict"] == INC
+    assert c.conditions["paper_ramp"].parts["pre_ln < keel at 64"].n == 0 and c.verdict == INC
 
 
 def test_lr_transfer_and_edges():
@@ -263,9 +264,9 @@ def test_lr_transfer_and_edges():
                 runs.append(run("g", "keel", L, seed, lr, loss))
                 runs.append(run("g", "post_ln", L, seed, lr, loss if L == 16 else {1e-3: 3.0, 3e-3: 3.1, 1e-2: 3.3}[lr]))
     c = claim_of("lr_transfer", group="g", scheme="keel").verdict(study(), runs)
-    assert c["verdict"] == R and c["log10_shift"] == {0: 0.0, 1: 0.0, 2: 0.0}
+    assert c.verdict == R and c.log10_shift == {0: 0.0, 1: 0.0, 2: 0.0}
     p = claim_of("lr_transfer", group="g", scheme="post_ln").verdict(study(), runs)
-    assert p["verdict"] == INC  # its optimum moved to the grid's edge: the grid is too narrow to say
+    assert p.verdict == INC  # its optimum moved to the grid's edge: the grid is too narrow to say
 
 
 @pytest.mark.parametrize("lrs, up, want", [([1e-3, 3e-3], True, 1e-2), ([3e-3, 1e-2], False, 1e-3),
@@ -355,7 +356,7 @@ def test_runs_verdicts_in_words(divergence, words):
                plateau_exit_step=divergence.pop("plateau_exit_step", None))
     assert SV.verdict_words(rec) == words
     c = claim_of("max_lr_order", group="ramp", order=["pre_ln", "keel"]).verdict(study(), [rec])
-    assert c["rows"][0]["verdicts"] == {"keel s1": words}
+    assert c.rows[0].verdicts == {"keel s1": words}
 
 
 def test_claims_without_finished_runs_say_so():
@@ -576,7 +577,7 @@ def test_the_report_states_which_rule_each_claim_follows():
     # every claim before any run finished (an (e) without init runs crashed the report: rows [] .items())
     claims = [(c, c.verdict(st, [])) for c in st.claims]
     for c, v in claims:
-        v["summary"] = SR.claim_summary(c, v)
+        v.summary = SR.claim_summary(c, v)
     md = SR.report_markdown(st, claims, [], "keel study claims --scale cpu").splitlines()
     table = md[md.index("| claim | at the paper's init | at N(0, 1) embeddings | unit |"):][2:6]
     assert [row.rsplit("|", 2)[1].strip() for row in table] == ["log10 of the max-LR ratio", "nats/token",
@@ -1197,10 +1198,10 @@ def test_baseline_margins_pair_each_seed_over_the_benchs_lrs(tmp_path):
                  run("b", "peri_ln", 2, seed, 1e-2, p2)]
     runs[-1].status = "running"  # seed 2 of peri_ln unfinished
     rows = SV.baseline_margins(st, bench, runs)
-    assert [(r["sublayers"], r["scheme"], r["baseline"]) for r in rows] == [(2, "peri_ln", "keel")]
-    m = rows[0]["margin"]
-    assert m["diffs"] == pytest.approx({0: 3.10 - 3.00, 1: 3.20 - 3.05})
-    assert m["verdict"] == INC and m["n"] == 2  # two seeds: the t interval (6.314 x sd / sqrt 2) spans 0
+    assert [(r.sublayers, r.scheme, r.baseline) for r in rows] == [(2, "peri_ln", "keel")]
+    m = rows[0].margin
+    assert m.diffs == pytest.approx({0: 3.10 - 3.00, 1: 3.20 - 3.05})
+    assert m.verdict == INC and m.n == 2  # two seeds: the t interval (6.314 x sd / sqrt 2) spans 0
     table = SR.baseline_table(st, bench, runs)
     assert table[2:4] == ["| sub-layers | scheme | vs keel |", "|---|---|---|"]
     assert table[4] == "| 2 | peri_ln | +0.125 [90% CI -0.033, +0.283] (s0 +0.100, s1 +0.150) (undecided) |"
@@ -1450,13 +1451,29 @@ def test_the_committed_report_regenerates_from_its_own_records():
     runs = [RunRecord.from_dict(r, f"runs[{i}]") for i, r in enumerate(rep["runs"])]
     assert json.dumps([r.to_dict() for r in runs]) == json.dumps(rep["runs"])
     study, floor, claims = SJ.judge(SC.load_study("claims", "cpu"), runs)
-    assert floor == rep["floor"] and [c["summary"] for _, c in claims] == rep["summary"]
-    assert json.loads(json.dumps([{"id": cl.id, "title": cl.title, **c} for cl, c in claims])) == rep["claims"]
-    margins = [{"group": g.name, **r} for g in study.groups for r in SV.baseline_margins(study, g, runs)]
+    assert floor.to_dict() == rep["floor"] and [c.summary for _, c in claims] == rep["summary"]
+    assert json.loads(json.dumps([{"id": cl.id, "title": cl.title, **plain(c)} for cl, c in claims])) == rep["claims"]
+    margins = [{"group": g.name, **plain(r)} for g in study.groups for r in SV.baseline_margins(study, g, runs)]
     assert json.loads(json.dumps(margins)) == rep["baseline_margins"]
     md = SR.report_markdown(study, claims, runs, rep["command"], [], rep["restored_from"], floor)
     assert md + SR.superseded_words(rep["superseded_runs"]) == \
         (root / "docs/results/study-cpu/report.md").read_text(encoding="utf-8")
+
+
+def test_a_paired_verdict_reads_back_from_the_committed_report():
+    """Every part of the committed report's claims read back (:meth:`PairedVerdict.from_dict`; a trend,
+    with ``depths``, as a :class:`TrendVerdict`) and written again (:meth:`Record.to_dict`) is the same
+    JSON, key order included."""
+    from keel.experiments.analysis import PairedVerdict, TrendVerdict
+
+    rep = json.loads((Path(__file__).resolve().parents[1] / "docs/results/study-cpu/report.json").read_text())
+    parts = [p for c in rep["claims"] for cc in (c.get("conditions") or {"": c}).values()
+             for p in (cc.get("parts") or {}).values()]
+    assert parts and any("depths" in p for p in parts) and not all("depths" in p for p in parts)
+    for p in parts:
+        v = PairedVerdict.from_dict(p)
+        assert isinstance(v, TrendVerdict) == ("depths" in p)
+        assert json.dumps(v.to_dict()) == json.dumps(p)
 
 
 def test_readme_quotes_the_committed_reports_summary_lines():
@@ -1595,13 +1612,13 @@ def test_a_new_kind_of_claim_is_one_module_and_one_toml_block(tmp_path, monkeypa
 
         def verdict(self, study, runs):
             """{scheme} reaches a final loss below {baseline} nats."""
-            return {"verdict": SV.INCONCLUSIVE, "why": f"no finished runs of {self.scheme}"}
+            return SV.ClaimVerdict(verdict=SV.INCONCLUSIVE, why=f"no finished runs of {self.scheme}")
 
         def schemes_read(self):
             return [self.scheme]
 
         def tables(self, c):
-            return [f"| {self.scheme} | {c['why']} |"]
+            return [f"| {self.scheme} | {c.why} |"]
 
     assert SC.CLAIMS["loss_below"] is LossBelow
     block = '[[claims]]\nid = "z"\ntitle = "t"\ntest = "loss_below"\ngroup = "g"\nscheme = "keel"\n'

@@ -124,16 +124,16 @@ def test_loop_max_lr_transcription():
                     runs += grid(g, "keel", L, sd, 1e-2) + grid(g, "pre_ln", L, sd, 1e-2 if sd == 0 else 3e-3)
     claim = next(c for c in st.claims if c.id == "a")
     v = claim.verdict(st, runs)
-    paper = v["conditions"]["paper_init"]
+    paper = v.conditions["paper_init"]
     d = [math.log10(1e-2 / pre[sd]) for sd in (0, 1, 2)]
     lo, hi = t_interval(d)
-    part = paper["parts"]["log10 max LR, keel over pre_ln at 68"]
-    assert part["lo"] == pytest.approx(lo) and part["hi"] == pytest.approx(hi) and lo >= math.log10(1.05)
-    assert sorted(paper["parts"]) == ["log10 max LR, keel over pre_ln at 260", "log10 max LR, keel over pre_ln at 68"]
-    assert paper["verdict"] == SV.REPRODUCED and paper["rows"][-1]["neither"]
-    embed = v["conditions"]["embed_init"]
-    assert embed["parts"]["log10 max LR, keel over pre_ln at 68"]["n"] == 2 and embed["verdict"] == SV.INCONCLUSIVE
-    assert v["verdict"] == SV.INCONCLUSIVE
+    part = paper.parts["log10 max LR, keel over pre_ln at 68"]
+    assert part.lo == pytest.approx(lo) and part.hi == pytest.approx(hi) and lo >= math.log10(1.05)
+    assert sorted(paper.parts) == ["log10 max LR, keel over pre_ln at 260", "log10 max LR, keel over pre_ln at 68"]
+    assert paper.verdict == SV.REPRODUCED and paper.rows[-1].neither
+    embed = v.conditions["embed_init"]
+    assert embed.parts["log10 max LR, keel over pre_ln at 68"].n == 2 and embed.verdict == SV.INCONCLUSIVE
+    assert v.verdict == SV.INCONCLUSIVE
     table = "\n".join(claim.tables(v))
     assert "[s0 0.003, s1 0.001, s2 0.003]" in table and "[s0 0.01+, s1 0.01+, s2 0.01+]" in table
     assert "neither trains" in table
@@ -162,18 +162,18 @@ def test_test_depth_transcription():
                                           base + 0.3 + off + pre_d[sd], R))
     keel_claim, pre_claim = (next(c for c in st.claims if c.id == i) for i in ("c", "d"))
     v = keel_claim.verdict(st, runs)
-    part = v["conditions"]["paper_init"]["parts"]["loss(128) − loss(64), keel at 1028"]
+    part = v.conditions["paper_init"].parts["loss(128) − loss(64), keel at 1028"]
     lo, hi = t_interval(list(keel_d.values()))
-    assert part["hi"] == pytest.approx(hi) and part["lo"] == pytest.approx(lo) and hi < 0.02
-    assert part["verdict"] == SV.REPRODUCED and v["verdict"] == SV.REPRODUCED
-    row = v["conditions"]["paper_init"]["rows"][0]
-    assert row["loops"] == 4 and row["d"]["keel"][2]["mean"] == pytest.approx(0.5)  # R/2, reported
+    assert part.hi == pytest.approx(hi) and part.lo == pytest.approx(lo) and hi < 0.02
+    assert part.verdict == SV.REPRODUCED and v.verdict == SV.REPRODUCED
+    row = v.conditions["paper_init"].rows[0]
+    assert row.loops == 4 and row.d["keel"][2].mean == pytest.approx(0.5)  # R/2, reported
     # pre_ln's R/2 loss is not finite: it counts as the step-0 loss (6.2)
-    assert row["d"]["pre_ln"][2]["diffs"][1] == pytest.approx(6.2 - 4.31)
-    assert row["vs"][8]["diffs"] == pytest.approx({sd: keel_d[sd] - pre_d[sd] for sd in (0, 1, 2)})
+    assert row.d["pre_ln"][2].diffs[1] == pytest.approx(6.2 - 4.31)
+    assert row.vs[8].diffs == pytest.approx({sd: keel_d[sd] - pre_d[sd] for sd in (0, 1, 2)})
     w = pre_claim.verdict(st, runs)
-    assert w["conditions"]["embed_init"]["parts"]["loss(32) − loss(16), pre_ln at 260"]["verdict"] == SV.NOT_REPRODUCED
-    assert w["verdict"] == SV.NOT_REPRODUCED
+    assert w.conditions["embed_init"].parts["loss(32) − loss(16), pre_ln at 260"].verdict == SV.NOT_REPRODUCED
+    assert w.verdict == SV.NOT_REPRODUCED
     assert "| 1028 | 64 | 128 |" in "\n".join(keel_claim.tables(v))
 
 

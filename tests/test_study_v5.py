@@ -84,18 +84,18 @@ def test_claim_h_reads_only_the_lrs_where_keel_is_healthy():
         sp[("keel", sd, 1e-2)] = (2.0, "instability")  # not a healthy Keel LR: left out
         sp[("pre_ln", sd, 1e-2)] = (0.0, "healthy")
     c = claim_of("early_spike", group="s", scheme="keel", baseline="pre_ln").verdict(st, _spike_runs(sp))
-    part = next(iter(c["parts"].values()))
+    part = next(iter(c.parts.values()))
     d = [0.30 - 0.02, 0.35 - 0.02, 0.40 - 0.02]
-    assert part["diffs"] == pytest.approx(dict(enumerate(d)))
+    assert part.diffs == pytest.approx(dict(enumerate(d)))
     lo, _ = t_bounds_ref(d)
-    assert part["lo"] == pytest.approx(lo) and c["verdict"] == ("reproduced" if lo >= 0.05 else "inconclusive")
+    assert part.lo == pytest.approx(lo) and c.verdict == ("reproduced" if lo >= 0.05 else "inconclusive")
 
 
 def test_claim_h_waits_for_every_run():
     st = study([SS.Group("s", ["keel", "pre_ln"], [64], [0, 1, 2], lrs=[1e-3, 1e-2])])
     sp = {("keel", 0, 1e-3): (0.0, "healthy"), ("pre_ln", 0, 1e-3): (1.0, "healthy")}
     c = claim_of("early_spike", group="s", scheme="keel", baseline="pre_ln").verdict(st, _spike_runs(sp))
-    assert c["verdict"] == "inconclusive" and "of 12 runs" in c["why"]
+    assert c.verdict == "inconclusive" and "of 12 runs" in c.why
 
 
 # ----------------------------------------------------------------------------- layer importance (g)
@@ -126,14 +126,16 @@ def test_claim_g_takes_the_seed_mean_optimum_and_pairs_the_shares(tmp_path):
                 runs.append(_ablated("a", x, 8, sd, lr, 3.0, pat))
     claim = claim_of("layer_importance", groups=["a"], optimum_groups=["g"], scheme="keel", baseline="pre_ln")
     c = claim.verdict(st, runs)
-    cond = c["conditions"]["paper_init"]
-    share = next(v for k, v in cond["parts"].items() if k.startswith("redundant"))
-    assert share["diffs"] == {0: 0.5, 1: 0.5, 2: 0.5}
-    assert cond["rows"][0]["lr"] == {"keel": 1e-2, "pre_ln": 1e-3}
+    cond = c.conditions["paper_init"]
+    share = next(v for k, v in cond.parts.items() if k.startswith("redundant"))
+    assert share.diffs == {0: 0.5, 1: 0.5, 2: 0.5}
+    assert cond.rows[0].lr == {"keel": 1e-2, "pre_ln": 1e-3}
     from keel.experiments.study.claims.layer_importance import LayerImportance
     assert LayerImportance.plot([(claim, c)], tmp_path / "importance.png")
     assert (tmp_path / "importance.png").stat().st_size > 1000
-    assert not LayerImportance.plot([(claim, {"conditions": {"paper_init": {"rows": []}}})], tmp_path / "none.png")
+    empty = SV.ClaimVerdict(verdict=SV.INCONCLUSIVE, conditions={"paper_init": SV.Condition(verdict=SV.INCONCLUSIVE,
+                                                                                          rows=[])})
+    assert not LayerImportance.plot([(claim, empty)], tmp_path / "none.png")
 
 
 # ----------------------------------------------------------------------------- data scaling (e)
@@ -149,17 +151,17 @@ def test_claim_e_slope_is_the_least_squares_fit_against_log2_tokens():
             runs += [run(g, "keel", 256, sd, lr, 3.0 + bump, tokens=budgets[g]),
                      run(g, "pre_ln", 256, sd, lr, 3.0 + m + bump, tokens=budgets[g])]
     c = claim_of("data_scaling", budgets=list(budgets), scheme="keel", baseline="pre_ln").verdict(st, runs)
-    cond = c["conditions"]["paper_init"]
+    cond = c.conditions["paper_init"]
     x = np.log2(list(budgets.values()))
     slopes = [np.polyfit(x, [margin[(g, sd)] for g in budgets], 1)[0] for sd in range(3)]
-    trend = next(v for k, v in cond["parts"].items() if k.startswith("trend"))
-    assert list(trend["diffs"].values()) == pytest.approx(slopes)
+    trend = next(v for k, v in cond.parts.items() if k.startswith("trend"))
+    assert list(trend.diffs.values()) == pytest.approx(slopes)
     lo, hi = t_bounds_ref(slopes)
-    assert (trend["lo"], trend["hi"]) == pytest.approx((lo, hi))
-    assert trend["min_effect"] == pytest.approx(0.05 / 2)  # the floor spread over log2(4) doublings
-    top = next(v for k, v in cond["parts"].items() if k.startswith("margin"))
-    assert top["diffs"] == pytest.approx({0: 0.30, 1: 0.35, 2: 0.31})
-    assert cond["rows"][0]["tokens_per_param"]["keel"] == pytest.approx(
+    assert (trend.lo, trend.hi) == pytest.approx((lo, hi))
+    assert trend.min_effect == pytest.approx(0.05 / 2)  # the floor spread over log2(4) doublings
+    top = next(v for k, v in cond.parts.items() if k.startswith("margin"))
+    assert top.diffs == pytest.approx({0: 0.30, 1: 0.35, 2: 0.31})
+    assert cond.rows[0].tokens_per_param["keel"] == pytest.approx(
         256_000 / SV.non_embedding_params(st, "b1", "keel", 256))
 
 
@@ -167,7 +169,7 @@ def test_claim_e_waits_for_every_budget():
     st = study([SS.Group(g, ["keel", "pre_ln"], [256], [0, 1, 2], lrs=[1e-3]) for g in ("b1", "b2")])
     runs = [run("b1", x, 256, sd, 1e-3, 3.0, tokens=1000) for x in ("keel", "pre_ln") for sd in range(3)]
     c = claim_of("data_scaling", budgets=["b1", "b2"], scheme="keel", baseline="pre_ln").verdict(st, runs)
-    assert c["verdict"] == "inconclusive" and c["conditions"]["paper_init"]["why"] == "1 of 2 token budgets finished"
+    assert c.verdict == "inconclusive" and c.conditions["paper_init"].why == "1 of 2 token budgets finished"
 
 
 @pytest.mark.parametrize("kind", ["data_scaling", "margin_grows"])
@@ -185,14 +187,14 @@ def test_a_condition_waits_while_a_run_it_reads_is_unfinished(kind):
                 tokens=1000 * 2 ** i) for i, g in enumerate(groups) for x in ("keel", "pre_ln") for sd in range(3)]
     keys = {"budgets": groups} if kind == "data_scaling" else {"groups": groups}
     claim = claim_of(kind, scheme="keel", baseline="pre_ln", **keys)
-    assert claim.verdict(st, runs)["verdict"] == "not reproduced"
+    assert claim.verdict(st, runs).verdict == "not reproduced"
     runs[5].status = "running"  # pre_ln, seed 2, of the first budget / the shallowest depth
     c = claim.verdict(st, runs)
-    parts = c["conditions"]["paper_init"]["parts"]
+    parts = c.conditions["paper_init"].parts
     margin = next(v for k, v in parts.items() if k.startswith("margin"))
     trend = next(v for k, v in parts.items() if k.startswith("trend"))
-    assert (margin["verdict"], margin["n"], trend["n"]) == ("not reproduced", 3, 2)  # the trend still lacks seed 2
-    assert c["conditions"]["paper_init"]["verdict"] == c["verdict"] == "inconclusive"
+    assert (margin.verdict, margin.n, trend.n) == ("not reproduced", 3, 2)  # the trend still lacks seed 2
+    assert c.conditions["paper_init"].verdict == c.verdict == "inconclusive"
     assert SV.unfinished(runs, groups, ["keel", "pre_ln"]) == 1 and SV.unfinished(runs, groups, ["keel"]) == 0
 
 
@@ -208,12 +210,12 @@ def test_claim_f_pairs_keel_deep_with_pre_ln_deep_and_wide():
     runs = [run(g, x, 256 if g == "d" else 64, sd, lr, v[sd] + (0.2 if lr == 1e-3 else 0.0))
             for (x, g), v in loss.items() for sd in range(3) for lr in (1e-3, 3e-3)]
     c = claim_of("deep_vs_wide", deep="d", wide="w", scheme="keel", baseline="pre_ln").verdict(st, runs)
-    p = c["conditions"]["paper_init"]["parts"]
+    p = c.conditions["paper_init"].parts
     deep, wide = p["pre_ln deep (256) − keel deep"], p["pre_ln wide (64) − keel deep"]
-    assert deep["diffs"] == pytest.approx({0: 0.3, 1: 0.25, 2: 0.23})
-    assert wide["diffs"] == pytest.approx({0: 0.02, 1: 0.1, 2: 0.05})
-    assert deep["verdict"] == "reproduced" and wide["verdict"] == "inconclusive" and c["verdict"] == "inconclusive"
-    params = c["conditions"]["paper_init"]["params"]
+    assert deep.diffs == pytest.approx({0: 0.3, 1: 0.25, 2: 0.23})
+    assert wide.diffs == pytest.approx({0: 0.02, 1: 0.1, 2: 0.05})
+    assert deep.verdict == "reproduced" and wide.verdict == "inconclusive" and c.verdict == "inconclusive"
+    params = c.conditions["paper_init"].params
     assert abs(params["pre_ln wide"] - params["pre_ln deep"]) / params["pre_ln deep"] < 0.01  # equal parameters
 
 
@@ -230,10 +232,10 @@ def test_the_n01_condition_reads_only_the_init_groups_never_the_better_of_two():
                      run("i", "keel", L, sd, 1e-3, 3.0), run("i", "pre_ln", L, sd, 1e-3, 2.9)]
     claim = claim_of("margin_grows", groups=["g"], init_groups=["i"], scheme="keel", baseline="pre_ln")
     c = claim.verdict(st, runs)
-    assert set(c["conditions"]) == {"paper_init", "embed_init"}
-    rows = c["conditions"]["embed_init"]["rows"]
-    assert all(r["margin"]["diffs"] == pytest.approx({0: -0.1, 1: -0.1, 2: -0.1}) for r in rows)
-    assert all(set(g for v in r["best_group"]["keel"].values() for g in [v]) == {"i"} for r in rows)
+    assert set(c.conditions) == {"paper_init", "embed_init"}
+    rows = c.conditions["embed_init"].rows
+    assert all(r.margin.diffs == pytest.approx({0: -0.1, 1: -0.1, 2: -0.1}) for r in rows)
+    assert all(set(g for v in r.best_group["keel"].values() for g in [v]) == {"i"} for r in rows)
 
 
 # ----------------------------------------------------------------------------- the bench (i)
@@ -247,10 +249,10 @@ def test_claim_i_judges_each_design_against_pre_ln_and_reports_keel():
             runs += [run("lr", "pre_ln", 64, sd, lr, 3.5 + sd * 0.01), run("lr", "keel", 64, sd, lr, 3.0),
                      run("b", "peri_ln", 64, sd, lr, 3.2)]
     c = claim_of("bench", group="b", designs=["peri_ln"], baseline="pre_ln").verdict(st, runs)
-    part = c["conditions"]["paper_init"]["parts"]["pre_ln − peri_ln at 64"]
-    assert part["diffs"] == pytest.approx({0: 0.3, 1: 0.31, 2: 0.32}) and part["verdict"] == "reproduced"
-    vs_keel = next(r for r in c["conditions"]["paper_init"]["rows"] if r["baseline"] == "keel")
-    assert vs_keel["margin"]["mean"] == pytest.approx(-0.2)
+    part = c.conditions["paper_init"].parts["pre_ln − peri_ln at 64"]
+    assert part.diffs == pytest.approx({0: 0.3, 1: 0.31, 2: 0.32}) and part.verdict == "reproduced"
+    vs_keel = next(r for r in c.conditions["paper_init"].rows if r.baseline == "keel")
+    assert vs_keel.margin.mean == pytest.approx(-0.2)
 
 
 # ----------------------------------------------------------------------------- the study file

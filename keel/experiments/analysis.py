@@ -5,6 +5,11 @@ one paired comparison, :func:`paired_verdict`), the least-squares trend of a mar
 optimum and the healthy-LR window. Used by the claims (:mod:`keel.experiments.study.claims`),
 the report's tables and the presets (:mod:`keel.experiments.sensitivity`).
 
+The verdict of a paired comparison is a typed record, :class:`PairedVerdict` (a trend's
+:class:`TrendVerdict`); :class:`Record` is the one ``report.json`` path (:meth:`Record.to_dict`,
+:func:`plain`) of it and of every typed record of verdict data above it (a claim's verdict per
+condition, :class:`keel.experiments.study.verdicts.Condition`; the kinds' rows).
+
 The interval and the slope are written out rather than taken from ``scipy.stats.t.interval`` and
 ``scipy.stats.linregress``: those give the same numbers to about 1e-15 but differ in the last
 bits (26 of the 84 intervals and a third of the slopes of the committed CPU study), and
@@ -14,15 +19,114 @@ Only the t quantile comes from scipy (``t.ppf``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from keel.experiments.record import RunRecord
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
 LEVEL = 0.95  # confidence of each one-sided bound of a paired interval (together: a two-sided 90% interval)
 Runs = Sequence[RunRecord]
+
+
+# ----------------------------------------------------------------------------- typed verdict data
+def optional(default: Any = None, **kw):
+    """A :class:`Record` field left out of :meth:`Record.to_dict` while it is None (a key that
+    ``report.json`` holds only when it has a value, e.g. a verdict's ``why``)."""
+    return dataclasses.field(default=default, metadata={"optional": True}, **kw)
+
+
+def stored_keys():
+    """The ``stored`` field of a :class:`Record` whose keys' order (or presence of a null key)
+    depends on where it was made: the keys of its ``report.json`` entry, in order; empty for the
+    declared order (as :class:`keel.experiments.record.RunRecord`'s ``stored``)."""
+    return dataclasses.field(default=(), repr=False, compare=False, kw_only=True)
+
+
+class Record:
+    """The ``report.json`` path shared by the typed records of verdict data (:class:`PairedVerdict`,
+    :class:`keel.experiments.study.verdicts.Condition`, the claim kinds' rows): :meth:`to_dict`,
+    one rule for every such dataclass. Its keys (:meth:`keys`): the record's ``stored`` keys, in
+    order, when it has them (a record made where a key comes in another order, or where a null key is
+    written), followed by any :func:`optional` field set since (a claim's ``summary``); else its
+    fields in declared order, an :func:`optional` field left out while it is None. Values go through
+    :func:`plain` (records nested in dicts and lists written as their dicts)."""
+
+    def keys(self) -> tuple[str, ...]:
+        """The keys of the record's ``report.json`` entry, in order."""
+        fields = [f for f in dataclasses.fields(self) if f.name != "stored"]
+        present = [f.name for f in fields if not (f.metadata.get("optional") and getattr(self, f.name) is None)]
+        stored = getattr(self, "stored", ())
+        if not stored:
+            return tuple(present)
+        later = [f.name for f in fields if f.metadata.get("optional") and f.name in present and f.name not in stored]
+        return (*stored, *later)
+
+    def to_dict(self) -> dict:
+        """The record's ``report.json`` entry: :meth:`keys` in order, values through :func:`plain`."""
+        return {k: plain(getattr(self, k)) for k in self.keys()}
+
+
+def plain(x: Any) -> Any:
+    """``x`` ready for ``json.dumps``: a :class:`Record` as its :meth:`~Record.to_dict`, the values of
+    dicts, lists and tuples likewise (keys, order and tuples kept: JSON writes a tuple as a list),
+    anything else as it is."""
+    if isinstance(x, Record):
+        return x.to_dict()
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(plain(v) for v in x)
+    return x
+
+
+@dataclass(frozen=True)
+class PairedVerdict(Record):
+    """The verdict of one paired comparison (:func:`paired_verdict`), oriented so that the claim
+    predicts ``d > 0``.
+
+    ``verdict``: reproduced, not reproduced or inconclusive. ``n``: the seeds with a finite
+    difference. ``mean``, ``sd``: the mean and sample standard deviation (ddof 1; 0 for one seed)
+    of the per-seed differences, in the unit of ``min_effect`` (nats/token for a loss margin,
+    log10 of a max-LR ratio, a share of sub-layers); None without seeds. ``lo``, ``hi``: the
+    one-sided Student-t bounds of the mean at confidence ``level`` each (:func:`t_bounds`: together
+    a two-sided ``2 level - 1`` interval); None below two seeds. ``diffs``: ``{seed: d}`` as given
+    (a non-finite or None difference kept here, left out of the statistics). ``min_effect``: the
+    floor the bounds are judged against. ``report.json`` keeps the keys in this order.
+    """
+
+    verdict: str
+    n: int
+    mean: float | None
+    sd: float | None
+    lo: float | None
+    hi: float | None
+    level: float
+    diffs: dict
+    min_effect: float
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PairedVerdict:
+        """The record of a ``report.json`` entry ``d`` (a trend's, with ``depths``, a :class:`TrendVerdict`).
+        JSON object keys are text: ``diffs`` keeps the seeds as ``report.json`` holds them."""
+        if "depths" in d and cls is PairedVerdict:
+            return TrendVerdict.from_dict(d)
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class TrendVerdict(PairedVerdict):
+    """The verdict of a margin's growth (:func:`trend_verdict`): a :class:`PairedVerdict` of the
+    per-seed least-squares slopes of the margin against log2 of the depth (sub-layers) or of the
+    tokens (``diffs``, ``mean``, ``lo``, ``hi``: nats/token per doubling; ``min_effect``: the floor
+    spread over the range, nats/token per doubling), and ``depths``: the x values it was fitted
+    over (sub-layers, or tokens), ascending."""
+
+    depths: list
 
 
 # ----------------------------------------------------------------------------- numbers over seeds
@@ -55,7 +159,7 @@ def pair(a: dict, b: dict) -> dict:
     return {s: a[s] - b[s] for s in sorted(set(a) & set(b))}
 
 
-def paired_verdict(diffs: dict, min_effect: float, min_seeds: int = 3, level: float = LEVEL) -> dict:
+def paired_verdict(diffs: dict, min_effect: float, min_seeds: int = 3, level: float = LEVEL) -> PairedVerdict:
     """The verdict of one paired comparison, oriented so that the claim predicts ``d > 0``.
 
     ``diffs``: ``{seed: d_seed}`` (nats/token, or any unit ``min_effect`` is in), one per seed
@@ -68,9 +172,8 @@ def paired_verdict(diffs: dict, min_effect: float, min_seeds: int = 3, level: fl
       excludes an effect as large as the floor: the opposite, or no effect);
     * ``inconclusive``: anything else (the interval straddles the floor, or too few seeds).
 
-    Returns ``{verdict, n, mean, sd, lo, hi, level, diffs, min_effect}`` (``sd`` the sample
-    standard deviation, ddof 1; 0 for one seed; ``mean``/``sd`` None without seeds; ``lo``/``hi``
-    None below two seeds).
+    Returns a :class:`PairedVerdict` (``sd`` the sample standard deviation, ddof 1; 0 for one seed;
+    ``mean``/``sd`` None without seeds; ``lo``/``hi`` None below two seeds).
     """
     xs = [float(x) for x in diffs.values() if x is not None and math.isfinite(x)]
     n = len(xs)
@@ -84,8 +187,8 @@ def paired_verdict(diffs: dict, min_effect: float, min_seeds: int = 3, level: fl
         verdict = NOT_REPRODUCED
     else:
         verdict = INCONCLUSIVE
-    return {"verdict": verdict, "n": n, "mean": mean, "sd": sd, "lo": lo, "hi": hi, "level": level,
-            "diffs": dict(diffs), "min_effect": min_effect}
+    return PairedVerdict(verdict=verdict, n=n, mean=mean, sd=sd, lo=lo, hi=hi, level=level, diffs=dict(diffs),
+                         min_effect=min_effect)
 
 
 def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -94,7 +197,7 @@ def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
-def trend_verdict(margins: dict[int, dict], min_effect: float, min_seeds: int = 3) -> dict:
+def trend_verdict(margins: dict[int, dict], min_effect: float, min_seeds: int = 3) -> TrendVerdict:
     """Whether a paired margin grows with depth (or tokens), from every point (not two endpoints).
 
     ``margins``: ``{sub-layers: {seed: margin}}``. Per seed that has a margin at every depth, the
@@ -102,7 +205,7 @@ def trend_verdict(margins: dict[int, dict], min_effect: float, min_seeds: int = 
     doubling); the verdict is :func:`paired_verdict` of those slopes with the floor spread over the
     studied range, ``min_effect / log2(L_max / L_min)`` (the fitted growth from the shallowest to
     the deepest depth must clear ``min_effect``). Fewer than two depths: inconclusive, no seeds.
-    Returns the :func:`paired_verdict` dict plus ``depths``.
+    Returns a :class:`TrendVerdict`: the :func:`paired_verdict` of the slopes plus ``depths``.
     """
     depths = sorted(margins)
     seeds = sorted(set.intersection(*(set(m) for m in margins.values()))) if depths else []
@@ -111,7 +214,8 @@ def trend_verdict(margins: dict[int, dict], min_effect: float, min_seeds: int = 
         xs = [math.log2(L) for L in depths]
         slopes = {sd: slope(xs, [margins[L][sd] for L in depths]) for sd in seeds}
     floor = min_effect / math.log2(depths[-1] / depths[0]) if len(depths) >= 2 else min_effect
-    return {**paired_verdict(slopes, floor, min_seeds), "depths": depths}
+    v = paired_verdict(slopes, floor, min_seeds)
+    return TrendVerdict(**{f.name: getattr(v, f.name) for f in dataclasses.fields(v)}, depths=depths)
 
 
 # ----------------------------------------------------------------------------- the best LR of a cell
@@ -206,14 +310,33 @@ def lr_window(runs: Runs, groups: Sequence[str], scheme: str, sublayers: int, ma
     return [lr for lr, x in mean.items() if x <= best + margin]
 
 
-def loss_floor(runs: Runs, cells: Sequence[tuple[Sequence[str], str, int]], minimum: float) -> dict:
+@dataclass(frozen=True)
+class LossFloor(Record):
+    """The noise floor of the loss claims (:func:`loss_floor`; ``report.json``'s ``floor``), nats/token:
+    ``floor`` = max(``minimum``, ``median_sd``), the ``min_effect`` every loss claim is judged against;
+    ``median_sd``: the median over the ``cells`` (groups, scheme, sub-layers) with two or more finished
+    seeds of the sample sd (ddof 1) of a cell's best loss over seeds, ``min_sd`` / ``max_sd`` their range
+    (None without such a cell); ``minimum``: the study's ``min_effect``. A floor not taken from the
+    spread (``floor_from_spread = false``: :func:`keel.experiments.study.judge.study_floor`) holds
+    ``floor`` and ``minimum`` only (``stored``)."""
+
+    floor: float
+    median_sd: float | None = None
+    cells: int = 0
+    min_sd: float | None = None
+    max_sd: float | None = None
+    minimum: float = 0.0
+    stored: tuple[str, ...] = stored_keys()
+
+
+def loss_floor(runs: Runs, cells: Sequence[tuple[Sequence[str], str, int]], minimum: float) -> LossFloor:
     """The noise floor of the loss claims, from the measured seed-to-seed spread.
 
     ``cells``: ``(groups, scheme, sub-layers)`` whose best loss a verdict reads. Per cell with at
     least two finished seeds, the sample sd of the best loss over seeds (:func:`best_losses`);
     the floor is their median, and at least ``minimum`` (nats/token): a difference smaller than
     the typical seed-to-seed spread of one configuration's best loss is not counted as an effect.
-    Returns ``{floor, median_sd, cells, min_sd, max_sd, minimum}``.
+    Returns a :class:`LossFloor`.
     """
     sds = []
     for groups, scheme, L in cells:
@@ -221,5 +344,5 @@ def loss_floor(runs: Runs, cells: Sequence[tuple[Sequence[str], str, int]], mini
         if len(b) >= 2:
             sds.append(statistics.stdev(b))
     med = statistics.median(sds) if sds else None
-    return {"floor": max(minimum, med or 0.0), "median_sd": med, "cells": len(sds),
-            "min_sd": min(sds, default=None), "max_sd": max(sds, default=None), "minimum": minimum}
+    return LossFloor(floor=max(minimum, med or 0.0), median_sd=med, cells=len(sds), min_sd=min(sds, default=None),
+                     max_sd=max(sds, default=None), minimum=minimum)

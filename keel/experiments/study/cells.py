@@ -5,7 +5,8 @@ report's other tables (:mod:`.report`)."""
 from __future__ import annotations
 
 from keel.errors import plural
-from keel.experiments.study.verdicts import CONDITIONS, NOT_REPRODUCED, REPRODUCED
+from keel.experiments.analysis import PairedVerdict
+from keel.experiments.study.verdicts import CONDITIONS, NOT_REPRODUCED, REPRODUCED, Condition
 
 CONDITION_WORDS = {**CONDITIONS, "paper_ramp": "on the paper's ramp", "extended_ramp": "on the extended ramp"}
 
@@ -16,36 +17,36 @@ def upper_first(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-def pm(v: dict | None, fmt: str = "{:+.3f}") -> str:
-    """``mean [90% CI lo, hi] (s0 x, s1 y, ...)`` of a :func:`paired_verdict` dict (the interval:
+def pm(v: PairedVerdict | None, fmt: str = "{:+.3f}") -> str:
+    """``mean [90% CI lo, hi] (s0 x, s1 y, ...)`` of a :class:`PairedVerdict` (the interval:
     its two one-sided bounds; ``mean (s0 x)`` for one seed)."""
-    if not v or v.get("mean") is None:
+    if v is None or v.mean is None:
         return "–"
-    per = ", ".join(f"s{seed} {fmt.format(x)}" for seed, x in v["diffs"].items())
-    if v.get("lo") is None:
-        return f"{fmt.format(v['mean'])} ({per})"
-    ci = round(100 * (2 * v.get("level", 0.95) - 1))
-    return f"{fmt.format(v['mean'])} [{ci}% CI {fmt.format(v['lo'])}, {fmt.format(v['hi'])}] ({per})"
+    per = ", ".join(f"s{seed} {fmt.format(x)}" for seed, x in v.diffs.items())
+    if v.lo is None:
+        return f"{fmt.format(v.mean)} ({per})"
+    ci = round(100 * (2 * v.level - 1))
+    return f"{fmt.format(v.mean)} [{ci}% CI {fmt.format(v.lo)}, {fmt.format(v.hi)}] ({per})"
 
 
-def parts(c: dict) -> str:
+def parts(c: Condition) -> str:
     """A condition's parts: ``name: numbers (verdict)``, or why it has none."""
-    if not c.get("parts"):
-        return c.get("why", "–")
-    return "; ".join(f"{k}: {pm(v)} ({v['verdict']})" for k, v in c["parts"].items())
+    if not c.parts:
+        return c.why or "–"
+    return "; ".join(f"{k}: {pm(v)} ({v.verdict})" for k, v in c.parts.items())
 
 
-def short(v: dict) -> str:
-    """``+1.115 [90% CI +1.01, +1.22], 3 seeds`` of a :func:`paired_verdict` dict; without a
+def short(v: PairedVerdict) -> str:
+    """``+1.115 [90% CI +1.01, +1.22], 3 seeds`` of a :class:`PairedVerdict`; without a
     finite difference, why: no seed finished on both sides yet, or each paired seed lacks a loss."""
-    if v.get("mean") is None:
-        k = len(v.get("diffs") or {})
+    if v.mean is None:
+        k = len(v.diffs)
         return f"no finite paired difference ({plural(k, 'seed')} without a loss on a side)" if k \
             else "no paired seed yet"
-    if v.get("lo") is None:
-        return f"{v['mean']:+.3f}, {v['n']} seed"
-    ci = round(100 * (2 * v.get("level", 0.95) - 1))
-    return f"{v['mean']:+.3f} [{ci}% CI {v['lo']:+.3f}, {v['hi']:+.3f}], {v['n']} seeds"
+    if v.lo is None:
+        return f"{v.mean:+.3f}, {v.n} seed"
+    ci = round(100 * (2 * v.level - 1))
+    return f"{v.mean:+.3f} [{ci}% CI {v.lo:+.3f}, {v.hi:+.3f}], {v.n} seeds"
 
 
 def lrs(d: dict, edge: dict | None = None) -> str:
@@ -74,20 +75,20 @@ def window(w: dict) -> str:
                      for g, x in w.items())
 
 
-def direction(v: dict, scheme: str, baseline: str) -> str:
-    """What one depth's paired margin (:func:`paired_verdict` of ``baseline - scheme``) says, in
+def direction(v: PairedVerdict, scheme: str, baseline: str) -> str:
+    """What one depth's paired margin (:class:`PairedVerdict` of ``baseline - scheme``) says, in
     words that do not read as a verdict on the whole claim: ``{scheme} better`` (the interval
     clears the floor), ``{baseline} better`` (it lies below minus the floor), ``no {scheme}
     advantage`` (below the floor, not below minus it), ``undecided`` (it straddles the floor) or
     ``too few seeds``."""
-    if v["verdict"] == REPRODUCED:
+    if v.verdict == REPRODUCED:
         return f"{scheme} better"
-    if v["verdict"] == NOT_REPRODUCED:
-        return f"{baseline} better" if v["hi"] < -v["min_effect"] else f"no {scheme} advantage"
-    return "too few seeds" if v["n"] < 2 else "undecided"
+    if v.verdict == NOT_REPRODUCED:
+        return f"{baseline} better" if v.hi < -v.min_effect else f"no {scheme} advantage"
+    return "too few seeds" if v.n < 2 else "undecided"
 
 
-def flagged(row: dict) -> str:
-    """``4 of 4 (4 left the plateau later)``: a margin row's flagged baseline runs."""
-    n, k = row["baseline_diverged_runs"], row.get("baseline_recovered_runs", 0)
-    return f"{n} of {row.get('baseline_runs', n)}" + (f" ({k} left the plateau later)" if k else "")
+def flagged(runs: int, n: int, k: int) -> str:
+    """``4 of 4 (4 left the plateau later)``: of a margin row's ``runs`` finished baseline runs, the ``n``
+    the divergence classifier flagged, ``k`` of which left the plateau later."""
+    return f"{n} of {runs}" + (f" ({k} left the plateau later)" if k else "")

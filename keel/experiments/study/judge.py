@@ -8,47 +8,50 @@ from dataclasses import replace
 from pathlib import Path
 
 from keel.config import override_text
+from keel.experiments.analysis import LossFloor
 from keel.experiments.record import RunRecord
 from keel.experiments.study.claims import Claim
 from keel.experiments.study.report import (claim_summary, group_tables, report_markdown, superseded_words,
                                           write_plots)
 from keel.experiments.study.spec import Study
-from keel.experiments.study.verdicts import LEVEL, baseline_margins, loss_floor
+from keel.experiments.study.verdicts import LEVEL, ClaimVerdict, baseline_margins, loss_floor
 from keel.io import atomic_write_text, make_dirs
 
 
-def report_json(study: Study, runs: list[RunRecord], claims: list[tuple[Claim, dict]], floor: dict, h1: float | None,
-                command: str, restore, plots: list[str]) -> dict:
+def report_json(study: Study, runs: list[RunRecord], claims: list[tuple[Claim, ClaimVerdict]], floor: LossFloor,
+                h1: float | None, command: str, restore, plots: list[str]) -> dict:
     """The content of ``report.json`` (see :func:`keel.experiments.study.run.execute`'s Returns)."""
     return {"study": study.name, "scale": study.scale, "note": study.note, "command": command,
             "sets": [override_text(x) for x in study.all_sets()],
-            "unigram_entropy": h1, "min_effect": study.min_effect, "min_seeds": study.min_seeds, "floor": floor,
-            "level": LEVEL, "summary": [c["summary"] for _, c in claims],
-            "claims": [{"id": cl.id, "title": cl.title, **c} for cl, c in claims],
-            "baseline_margins": [{"group": g.name, **r} for g in study.groups for r in baseline_margins(study, g, runs)],
+            "unigram_entropy": h1, "min_effect": study.min_effect, "min_seeds": study.min_seeds,
+            "floor": floor.to_dict(), "level": LEVEL, "summary": [c.summary for _, c in claims],
+            "claims": [{"id": cl.id, "title": cl.title, **c.to_dict()} for cl, c in claims],
+            "baseline_margins": [{"group": g.name, **r.to_dict()} for g in study.groups
+                                 for r in baseline_margins(study, g, runs)],
             "group_sets": {g.name: [override_text(x) for x in g.sets] for g in study.groups},
             "restored_from": str(restore) if any(r.restored for r in runs) else None,
             "runs": [r.to_dict() for r in runs], "plots": plots}
 
 
-def judge(study: Study, runs: list[dict]) -> tuple[Study, dict, list[tuple[Claim, dict]]]:
+def judge(study: Study, runs: list[RunRecord]) -> tuple[Study, LossFloor, list[tuple[Claim, ClaimVerdict]]]:
     """``(study with its floor as min_effect, the floor (:func:`study_floor`), [(claim, its
-    verdict dict with its summary line)])``: every claim judged on ``runs``."""
+    verdict with its summary line)])``: every claim judged on ``runs``."""
     floor = study_floor(study, runs)
-    study = replace(study, min_effect=floor["floor"])
+    study = replace(study, min_effect=floor.floor)
     claims = [(cl, cl.verdict(study, runs)) for cl in study.claims]
     for cl, c in claims:
-        c["summary"] = claim_summary(cl, c)
+        c.summary = claim_summary(cl, c)
     return study, floor, claims
 
 
-def study_floor(study: Study, runs: list[dict]) -> dict:
+def study_floor(study: Study, runs: list[RunRecord]) -> LossFloor:
     """The loss claims' noise floor (:func:`keel.experiments.study.verdicts.loss_floor`) over every
     (group, scheme, depth) cell a claim names (:meth:`Claim.floor_cells`: those a margin claim
     reads), each init's groups apart; with
-    ``floor_from_spread`` false, ``study.min_effect`` as it is (``{"floor": min_effect}``)."""
+    ``floor_from_spread`` false, ``study.min_effect`` as it is (a :class:`LossFloor` of ``floor`` and
+    ``minimum`` only)."""
     if not study.floor_from_spread:
-        return {"floor": study.min_effect, "minimum": study.min_effect}
+        return LossFloor(floor=study.min_effect, minimum=study.min_effect, stored=("floor", "minimum"))
     cells = [cell for c in study.claims for cell in c.floor_cells(study)]
     return loss_floor(runs, list(dict.fromkeys(cells)), study.min_effect)
 

@@ -10,33 +10,34 @@ from pathlib import Path
 
 from keel.config import override_text
 from keel.experiments import sensitivity as LS
+from keel.experiments.analysis import LossFloor
 from keel.experiments.record import RunRecord
 from keel.experiments.study.kinds import GROUP_KINDS
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.study.cells import CONDITION_WORDS, direction, lrs, pm, short
 from keel.experiments.study.claims import Claim
 from keel.experiments.table import markdown_table
-from keel.experiments.study.verdicts import (LEVEL, MAX_LR_FLOOR, baseline_margins, best_losses, best_lrs, best_runs,
-                                             paired_verdict, verdict_words)
+from keel.experiments.study.verdicts import (LEVEL, MAX_LR_FLOOR, ClaimVerdict, baseline_margins, best_losses, best_lrs,
+                                             best_runs, paired_verdict, verdict_words)
 from keel.train.plots import plt, save_figure
 
 
-def claim_summary(claim: Claim, c: dict) -> str:
+def claim_summary(claim: Claim, c: ClaimVerdict) -> str:
     """The claim's one-line summary, written from its verdict data: the verdict per condition
     (which init, which ramp; :meth:`Claim.phrase`) and the numbers of its deciding parts."""
     head = f"({claim.id}) {claim.title}: "
-    conds = c.get("conditions")
+    conds = c.conditions
     if not conds:
-        return head + f"{c['verdict']} ({claim.numbers(c)})."
-    nums = "; ".join(f"{CONDITION_WORDS.get(k, k)}: " + ("; ".join(f"{name} {short(p)}" for name, p in v["parts"].items())
-                                                        if v.get("parts") else v.get("why", "no finished runs"))
+        return head + f"{c.verdict} ({claim.numbers(c)})."
+    nums = "; ".join(f"{CONDITION_WORDS.get(k, k)}: " + ("; ".join(f"{name} {short(p)}" for name, p in v.parts.items())
+                                                        if v.parts else v.why or "no finished runs")
                      for k, v in conds.items())
     return head + claim.phrase(conds) + (f" — {nums}" if nums else "") + "."
 
 
-def claim_section(claim: Claim, c: dict) -> list[str]:
+def claim_section(claim: Claim, c: ClaimVerdict) -> list[str]:
     """Markdown of one claim: its summary line, the rule, its kind's tables (:meth:`Claim.tables`)."""
-    out = [f"## ({claim.id}) {claim.title}", "", f"**Verdict: {c['verdict']}.** {c.get('summary', '')}", "",
+    out = [f"## ({claim.id}) {claim.title}", "", f"**Verdict: {c.verdict}.** {c.summary or ''}", "",
            claim.rule(), ""] + ([claim.note.strip(), ""] if claim.note else [])
     return out + claim.tables(c) + [""]
 
@@ -126,12 +127,12 @@ def baseline_table(study: Study, g: Group, runs: list[RunRecord]) -> list[str]:
            f"({', '.join(f'{x:g}' for x in sorted(g.lrs))}); > 0: the scheme is better. In brackets, as the claims' "
            f"rule reads a margin: X better when every seed (≥ {study.min_seeds}) favours X by ≥ {study.min_effect:g}, "
            f"no difference when every seed is within {study.min_effect:g}, else mixed. No claim of the paper.", ""]
-    cells = {(L, s): [r["margin"] for r in rows if (r["sublayers"], r["scheme"]) == (L, s)]
+    cells = {(L, s): [r.margin for r in rows if (r.sublayers, r.scheme) == (L, s)]
              for L in g.sublayers for s in g.schemes}
     out += markdown_table(["sub-layers", "scheme", *(f"vs {b}" for b in g.baselines)],
-                          [[L, s, *(f"{pm(v)} ({direction(v, s, b)})" if v["n"] else "–"
+                          [[L, s, *(f"{pm(v)} ({direction(v, s, b)})" if v.n else "–"
                                     for v, b in zip(cells[(L, s)], g.baselines))] for (L, s) in cells])
-    if any(not r["margin"]["n"] for r in rows):
+    if any(not r.margin.n for r in rows):
         out += ["", f"–: no seed has both sides finished yet (all of this group's LRs for the scheme and all of group "
                 f"{g.baselines_from}'s for the baseline, at that depth)."]
     return out + [""]
@@ -181,7 +182,7 @@ def runs_table(runs: list[RunRecord]) -> list[str]:
           verdict_words(r) if r.status == "done" else "–"] for r in runs])
 
 
-def verdict_rule(study: Study, claims: Sequence[Claim], floor: dict | None = None) -> str:
+def verdict_rule(study: Study, claims: Sequence[Claim], floor: LossFloor | None = None) -> str:
     """The report's statement of the verdict rule (:func:`paired_verdict`, :func:`trend_verdict`)
     and of the loss floor and where it comes from (:func:`.judge.study_floor`); claims tested by
     a kind with ``own_rule`` (``lr_transfer``) have their own rule, in their section."""
@@ -194,15 +195,15 @@ def verdict_rule(study: Study, claims: Sequence[Claim], floor: dict | None = Non
     own_words = f"{ids(own)} {'has its' if len(own) == 1 else 'have their'} own rule, stated in its section."
     if not paired:  # was "Rule of : per seed ..." over no claim
         return own_words if own else ""
-    floor = floor or {"floor": study.min_effect}
-    why = (f" The floor is the median seed-to-seed sd of a scheme's best loss over the {floor['cells']} cells "
-           f"(scheme, depth, init) with two or more seeds that the margin claims read ({floor['median_sd']:.3f}; "
-           f"range {floor['min_sd']:.3f}–{floor['max_sd']:.3f}), and at least {floor['minimum']:g}: a difference "
+    floor = floor or LossFloor(floor=study.min_effect, minimum=study.min_effect)
+    why = (f" The floor is the median seed-to-seed sd of a scheme's best loss over the {floor.cells} cells "
+           f"(scheme, depth, init) with two or more seeds that the margin claims read ({floor.median_sd:.3f}; "
+           f"range {floor.min_sd:.3f}–{floor.max_sd:.3f}), and at least {floor.minimum:g}: a difference "
            "smaller than one configuration's typical seed noise does not count as an effect."
-           if floor.get("median_sd") is not None else "")
+           if floor.median_sd is not None else "")
     return (f"Rule of {ids(paired)}: per seed the paired difference d, oriented so that the claim predicts d > 0, and "
             f"its mean's one-sided {LEVEL:.0%} Student-t bounds lo and hi (together a {2 * LEVEL - 1:.0%} interval, "
-            f"written [CI lo, hi]), against a floor f (nats/token, f = {floor['floor']:.3f}"
+            f"written [CI lo, hi]), against a floor f (nats/token, f = {floor.floor:.3f}"
             + (f"; for {ids(ramp)} log10 ratios of max LR, f = log10 1.05 = {MAX_LR_FLOOR:.3f}, a 5% ratio"
                if ramp else "") + f"). Reproduced when at least {study.min_seeds} seeds give lo ≥ f; not reproduced "
             "when hi < f (the interval excludes an effect as large as the floor: no effect, or the opposite); "
@@ -300,8 +301,8 @@ def restored_words(runs: list[RunRecord], restore: str | Path | None) -> str:
             "numbers and thinned loss curves, not their run folders; a record without a curve is not redrawn).")
 
 
-def report_markdown(study: Study, claims: list[tuple[Claim, dict]], runs: list[RunRecord], command: str,
-                    waiting: Sequence[dict] = (), restore: str | Path | None = None, floor: dict | None = None,
+def report_markdown(study: Study, claims: list[tuple[Claim, ClaimVerdict]], runs: list[RunRecord], command: str,
+                    waiting: Sequence[dict] = (), restore: str | Path | None = None, floor: LossFloor | None = None,
                     tables: dict[str, dict] | None = None) -> str:
     """``report.md``: the verdict table, one section per claim, the groups no claim reads, the groups'
     own tables (``tables``: :func:`group_tables`), every run."""
@@ -319,7 +320,7 @@ def report_markdown(study: Study, claims: list[tuple[Claim, dict]], runs: list[R
         lines += ["Not judged at this scale (it does not size the groups they read): " + "; ".join(
             f"({u['id']}): {', '.join(u['groups'])}" for u in study.unjudged) + ".", ""]
     if claims:  # a study of groups only (e.g. a bench) has no verdicts
-        lines += ["## Summary", ""] + [f"- {c['summary']}" for _, c in claims] + [""]
+        lines += ["## Summary", ""] + [f"- {c.summary}" for _, c in claims] + [""]
         lines += ["## Verdicts", "", verdict_rule(study, [cl for cl, _ in claims], floor), ""] + markdown_table(
             ["claim", "at the paper's init", "at N(0, 1) embeddings", "unit"],
             [[f"({cl.id}) {cl.title}", _verdict_cell(c, first=True), _verdict_cell(c, first=False),
@@ -345,17 +346,17 @@ def superseded_words(recs: Sequence[RunRecord | dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _verdict_cell(c: dict, first: bool) -> str:
+def _verdict_cell(c: ClaimVerdict, first: bool) -> str:
     """A verdict-table cell: the paper's-init column holds every condition run at the paper's init
     (both ramps of a max-LR claim), the other the N(0, 1)-embedding condition; ``—`` where none."""
-    conds = c.get("conditions")
+    conds = c.conditions
     if conds is None:
-        return f"**{c['verdict']}**" if first else "—"
+        return f"**{c.verdict}**" if first else "—"
     keys = [k for k in conds if (k == "embed_init") != first]
     if not keys:
         return "—"
     return "; ".join((f"{CONDITION_WORDS[k]}: " if len(keys) > 1 or k.endswith("ramp") else "")
-                     + f"**{conds[k]['verdict']}**" for k in keys)
+                     + f"**{conds[k].verdict}**" for k in keys)
 
 
 def plot_record_curves(recs: Sequence[RunRecord], out: Path, *, x: str, title: str) -> bool:
@@ -383,7 +384,7 @@ def plot_record_curves(recs: Sequence[RunRecord], out: Path, *, x: str, title: s
     return True
 
 
-def write_plots(study: Study, runs: list[RunRecord], claims: list[tuple[Claim, dict]], out: Path,
+def write_plots(study: Study, runs: list[RunRecord], claims: list[tuple[Claim, ClaimVerdict]], out: Path,
                 h1: float | None) -> list[str]:
     """The report's PNGs: loss against LR per train group with an LR grid, loss curves of the ramp
     groups (against the ramp's LR) and of single-LR groups (drawn from the runs' records, so a
@@ -409,7 +410,7 @@ def write_plots(study: Study, runs: list[RunRecord], claims: list[tuple[Claim, d
     return files + claim_figures(claims, out)
 
 
-def claim_figures(claims: list[tuple[Claim, dict]], out: Path) -> list[str]:
+def claim_figures(claims: list[tuple[Claim, ClaimVerdict]], out: Path) -> list[str]:
     """The PNGs the claims' kinds draw (:attr:`Claim.figure`, :meth:`Claim.plot`), each over all
     the claims of its kind, in the order of the kinds' first claims; the names of those written."""
     files = []

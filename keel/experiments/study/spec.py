@@ -298,25 +298,32 @@ def study_from_dict(name: str, d: dict, scale: str, user_sets: Sequence[str] = (
         raise KeelError("a study needs groups, and its claims are [[claims]] entries (an array of tables; none: "
                         "a study of groups only, e.g. a bench with baselines_from)")
     min_effect, min_seeds, spread = _verdict_settings(d.get("verdict", {}))
+    _check_sets(scale, sc.get("set", {}), user_sets, any(g.loop for g in groups))
+    return Study(name=name, scale=scale, description=d.get("description", "").strip(), note=sc.get("note", ""),
+                 base=d.get("base", "demo"), sets=list(sc.get("set", {}).items()), groups=groups, claims=claims,
+                 min_effect=min_effect, min_seeds=min_seeds, floor_from_spread=spread,
+                 user_sets=list(user_sets), declared=list(d.get("groups", {})))
+
+
+def _check_sets(scale: str, scale_set, user_sets: Sequence[str], looped: bool) -> None:
+    """Raise KeelError naming a key that the scale's ``set`` or the user's ``--set`` gives but the
+    groups set per run, where it would be silently overridden: the grid keys (scheme, depth, LR,
+    seed) always, the loop keys when a group is looped (``looped``: its ``loop = [P, C, Q]`` and
+    sublayers set them). Also a scale ``set`` that is not a table."""
     refuse_sets(user_sets, dict.fromkeys(GRID_KEYS, " is set by the study's groups; change the study file instead"))
-    if any(g.loop for g in groups):  # each looped group's loop_sets come after the --set: it was silently overridden
+    if looped:  # each looped group's loop_sets come after the --set: it was silently overridden
         refuse_sets(user_sets, dict.fromkeys(LOOP_KEYS, " is set by the study's looped groups (loop = [P, C, Q] and "
                                                         "sublayers); change the study file instead"))
-    scale_set = sc.get("set", {})
     if not isinstance(scale_set, dict):
         raise KeelError(f"study scale {scale!r}: set must be a table of config keys, got {scale_set!r}")
     varied = sorted(k for k in scale_set if k in GRID_KEYS)
     if varied:  # they were silently overridden by every group's own values
         raise KeelError(f"study scale {scale!r}: set {', '.join(varied)}: the groups' schemes, sublayers, lrs and "
                         "seeds set it per run; change those instead")
-    looped = sorted(k for k in scale_set if k in LOOP_KEYS) if any(g.loop for g in groups) else []
-    if looped:  # as silently overridden by each looped group's loop_sets
-        raise KeelError(f"study scale {scale!r}: set {', '.join(looped)}: the looped groups' loop = [P, C, Q] and "
+    loop_keys = sorted(k for k in scale_set if k in LOOP_KEYS) if looped else []
+    if loop_keys:  # as silently overridden by each looped group's loop_sets
+        raise KeelError(f"study scale {scale!r}: set {', '.join(loop_keys)}: the looped groups' loop = [P, C, Q] and "
                         "sublayers set it per run; change those instead")
-    return Study(name=name, scale=scale, description=d.get("description", "").strip(), note=sc.get("note", ""),
-                 base=d.get("base", "demo"), sets=list(sc.get("set", {}).items()), groups=groups, claims=claims,
-                 min_effect=min_effect, min_seeds=min_seeds, floor_from_spread=spread,
-                 user_sets=list(user_sets), declared=list(d.get("groups", {})))
 
 
 def _check_tables(name: str, d: dict, scale: str) -> None:

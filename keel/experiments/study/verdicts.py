@@ -1,5 +1,6 @@
-"""What the verdicts of several kinds of claim share: :func:`combine` (a verdict of parts), the
-conditions of a claim (:data:`CONDITIONS`, :func:`condition_groups`, :func:`judged`,
+"""What the verdicts of several kinds of claim share: the typed verdict records (:class:`Condition`,
+a claim's verdict under one condition; :class:`ClaimVerdict`, a claim's), :func:`combine` (a verdict
+of parts), the conditions of a claim (:data:`CONDITIONS`, :func:`condition_groups`, :func:`judged`,
 :func:`pending`, the waiting rule :func:`settled`), the max-LR noise floor, a bench group's
 margins over its baselines, a run's divergence verdict in words, a group's one depth and its models' parameter counts. The
 statistics (paired per-seed differences, :func:`keel.experiments.analysis.paired_verdict`) live
@@ -10,16 +11,68 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from keel.config import load_config, resolve_config_path
-from keel.experiments.analysis import (INCONCLUSIVE, LEVEL, NOT_REPRODUCED, REPRODUCED, Runs, best_losses,  # noqa: F401
-                                       best_lrs, best_run, best_runs, bracketed, cell, loss_floor, lr_window, opt_lrs,
-                                       pair, paired_verdict, seed_mean_optimum, t_bounds, trend_verdict)
+from keel.experiments.analysis import (INCONCLUSIVE, LEVEL, NOT_REPRODUCED, REPRODUCED, PairedVerdict,  # noqa: F401
+                                       Record, Runs, best_losses, best_lrs, best_run, best_runs, bracketed, cell,
+                                       loss_floor, lr_window, opt_lrs, optional, pair, paired_verdict,
+                                       seed_mean_optimum, stored_keys, t_bounds, trend_verdict)
 from keel.experiments.record import RunRecord
 from keel.experiments.study.spec import Group, Study
 from keel.model import count_parameters
 
 MAX_LR_FLOOR = math.log10(1.05)  # noise floor of a max-LR pair (log10 of the ratio): a 5% difference
+
+
+@dataclass
+class Condition(Record):
+    """A claim's verdict under one condition (``report.json``'s ``conditions``: an embedding init,
+    :data:`CONDITIONS`; a ramp of ``max_lr_order``), typed; its fields are also those of a claim
+    judged without conditions (:class:`ClaimVerdict`).
+
+    ``verdict``: reproduced, not reproduced or inconclusive (:func:`combine` of the parts, or the
+    kind's own rule). ``parts``: ``{name: PairedVerdict}``, the comparisons it combines, each
+    judged by its one-sided Student-t bounds (:func:`keel.experiments.analysis.paired_verdict`;
+    the unit in the part's name: nats/token, nats/token per doubling of depth in sub-layers or of
+    tokens, log10 of a max-LR ratio, a share of sub-layers). ``rows``: the kind's table rows
+    (one per depth in sub-layers, token budget, ramp ...). ``why``: why it is inconclusive before
+    all its parts are in. ``parts``, ``rows`` and ``why`` are keys ``report.json`` holds only where
+    the kind gives them (left out while None); ``stored``: the keys in the order the kind writes
+    them where that is not the declared one (a pending verdict's ``why`` comes second:
+    :meth:`pending`), so that a report written again is the same bytes.
+    """
+
+    verdict: str
+    parts: dict[str, PairedVerdict] | None = optional()
+    rows: list | None = optional()
+    why: str | None = optional()
+    stored: tuple[str, ...] = stored_keys()
+
+    @classmethod
+    def pending(cls, why: str, **rest):
+        """An inconclusive verdict saying ``why``, with no parts unless ``rest`` gives them, and the
+        fields ``rest``: keys ``verdict``, ``why``, ``parts``, then the others of ``rest`` in order."""
+        parts = rest.pop("parts", {})
+        return cls(verdict=INCONCLUSIVE, why=why, parts=parts, **rest, stored=("verdict", "why", "parts", *rest))
+
+
+@dataclass
+class ClaimVerdict(Condition):
+    """A claim's verdict over the study's run records (:meth:`keel.experiments.study.claims.Claim.verdict`),
+    typed: ``report.json``'s entry of ``claims`` after its ``id`` and ``title``.
+
+    ``verdict``: the claim's (reproduced only where every condition is: :func:`judged`; a kind
+    may read one condition, e.g. ``max_lr_order`` the paper's ramp). ``conditions``:
+    ``{condition: Condition}`` (:data:`CONDITIONS`); a claim judged without conditions has its
+    ``parts``, ``rows`` and ``why`` itself (:class:`Condition`'s fields). ``summary``: the claim's
+    one line in the report (:func:`keel.experiments.study.report.claim_summary`), set when the
+    study is judged (:func:`keel.experiments.study.judge.judge`), written last. A kind with more
+    to say subclasses it (``MarginVerdict``, ``TransferVerdict``).
+    """
+
+    conditions: dict[str, Condition] | None = optional()
+    summary: str | None = optional()
 
 
 def combine(verdicts: Sequence[str]) -> str:
@@ -29,19 +82,35 @@ def combine(verdicts: Sequence[str]) -> str:
     return NOT_REPRODUCED if NOT_REPRODUCED in verdicts else INCONCLUSIVE
 
 
-def baseline_margins(study: Study, g: Group, runs: Runs) -> list[dict]:
+@dataclass
+class BaselineMargin(Record):
+    """One depth and scheme of a bench group against one baseline (:func:`baseline_margins`; a
+    ``bench`` claim's rows, ``report.json``'s ``baseline_margins`` after its ``group``):
+    ``sublayers`` (depth, sub-layers), ``scheme`` (the group's), ``baseline`` (trained by its
+    ``baselines_from`` group) and ``margin``: the paired per-seed ``loss(baseline) - loss(scheme)``
+    (nats/token, each side at its seed's best LR; > 0: the scheme is better) as a
+    :class:`PairedVerdict` (Student-t one-sided bounds against the study's floor)."""
+
+    sublayers: int
+    scheme: str
+    baseline: str
+    margin: PairedVerdict
+
+
+def baseline_margins(study: Study, g: Group, runs: Runs) -> list[BaselineMargin]:
     """Per depth of group ``g``, scheme of ``g`` and baseline scheme (``g.baselines``, trained by
     group ``g.baselines_from``), the paired per-seed margin ``loss(baseline) - loss(scheme)``
     (nats/token; > 0: ``g``'s scheme is better), each side at its seed's best LR over ``g``'s LR
     grid (:func:`best_losses`; both groups train the same tokens per run), as a
-    :func:`paired_verdict` dict. Rows ``{"sublayers", "scheme", "baseline", "margin"}``; empty
-    when ``g`` names no baselines."""
+    :class:`PairedVerdict` (:func:`paired_verdict`): one :class:`BaselineMargin` each; empty when ``g``
+    names no baselines."""
     if not g.baselines_from:
         return []
     on_grid = [r for r in runs if any(math.isclose(r.lr, lr) for lr in g.lrs)]
-    return [{"sublayers": L, "scheme": s, "baseline": b,
-             "margin": paired_verdict(pair(best_losses(on_grid, [g.baselines_from], b, L),
-                                            best_losses(on_grid, [g.name], s, L)), study.min_effect, study.min_seeds)}
+    return [BaselineMargin(sublayers=L, scheme=s, baseline=b,
+                           margin=paired_verdict(pair(best_losses(on_grid, [g.baselines_from], b, L),
+                                                      best_losses(on_grid, [g.name], s, L)),
+                                                 study.min_effect, study.min_seeds))
             for L in g.sublayers for s in g.schemes for b in g.baselines]
 
 
@@ -57,9 +126,9 @@ def condition_groups(paper: Sequence[str], init: Sequence[str]) -> dict[str, lis
     return conds
 
 
-def judged(conds: dict[str, dict]) -> dict:
-    """A claim's verdict dict over its conditions: reproduced only where every condition is."""
-    return {"verdict": combine([c["verdict"] for c in conds.values()]), "conditions": conds}
+def judged(conds: dict[str, Condition]) -> ClaimVerdict:
+    """A claim's verdict over its conditions: reproduced only where every condition is."""
+    return ClaimVerdict(verdict=combine([c.verdict for c in conds.values()]), conditions=conds)
 
 
 def unfinished(runs: Runs, groups: Sequence[str], schemes: Sequence[str], sublayers: Sequence[int] | None = None) -> int:
@@ -69,24 +138,25 @@ def unfinished(runs: Runs, groups: Sequence[str], schemes: Sequence[str], sublay
                and (sublayers is None or r.sublayers in sublayers) for r in runs)
 
 
-def settled(parts: dict[str, dict], waiting: int, min_seeds: int) -> str:
+def settled(parts: dict[str, PairedVerdict], waiting: int, min_seeds: int) -> str:
     """The verdict of one condition of a claim over its parts (:func:`combine`), given only once it
     cannot move: no run the condition reads is unfinished (``waiting``: :func:`unfinished`) and
     every part has at least ``min_seeds`` paired seeds. Inconclusive before, even where a finished
     part is already not reproduced (a run still training, or an LR the study adds to bracket an
     optimum, can change the part's best loss). The one waiting rule of every kind of claim."""
-    return INCONCLUSIVE if waits(parts, waiting, min_seeds) else combine([p["verdict"] for p in parts.values()])
+    return INCONCLUSIVE if waits(parts, waiting, min_seeds) else combine([p.verdict for p in parts.values()])
 
 
-def waits(parts: dict[str, dict], waiting: int, min_seeds: int) -> bool:
+def waits(parts: dict[str, PairedVerdict], waiting: int, min_seeds: int) -> bool:
     """Whether a condition with ``parts`` still waits (:func:`settled` gives it no verdict yet):
     ``waiting`` unfinished runs, no part, or a part with fewer than ``min_seeds`` paired seeds."""
-    return bool(waiting) or not parts or any(p["n"] < min_seeds for p in parts.values())
+    return bool(waiting) or not parts or any(p.n < min_seeds for p in parts.values())
 
 
-def pending(why: str, **rest) -> dict:
-    """An inconclusive verdict dict (no parts yet) saying ``why``, with the fields ``rest``."""
-    return {"verdict": INCONCLUSIVE, "why": why, "parts": {}, **rest}
+def pending(why: str, **rest) -> Condition:
+    """An inconclusive condition (no parts yet) saying ``why``, with the fields ``rest``
+    (:meth:`Condition.pending`)."""
+    return Condition.pending(why, **rest)
 
 
 def left_plateau_later(rec: RunRecord) -> bool:

@@ -44,8 +44,8 @@ class Claim:
         if cls.__dict__.get("kind"):  # a kind of its own (a shared key set such as Paired sets none)
             CLAIMS[cls.kind] = cls
 
-    def verdict(self, study: Study, runs: Runs) -> dict:  # pragma: no cover
-        """``{"verdict": ..., ...}`` of the claim over the study's run records."""
+    def verdict(self, study: Study, runs: Runs) -> V.ClaimVerdict:  # pragma: no cover
+        """The claim's verdict over the study's run records."""
         raise NotImplementedError
 
     def groups_read(self) -> list[str]:
@@ -73,27 +73,26 @@ class Claim:
                            order=" < ".join(getattr(self, "order", [])), group=getattr(self, "group", "G"), claim=self)
 
     @classmethod
-    def numbers(cls, c: dict) -> str:
+    def numbers(cls, c: V.ClaimVerdict) -> str:
         """One cell: the numbers behind the verdict ``c``, per condition."""
-        if "conditions" in c:
-            return " — ".join(f"{CONDITION_WORDS.get(k, k)}: " + parts(v) for k, v in c["conditions"].items())
-        return c.get("why", "–")
+        if c.conditions is not None:
+            return " — ".join(f"{CONDITION_WORDS.get(k, k)}: " + parts(v) for k, v in c.conditions.items())
+        return c.why or "–"
 
     @classmethod
-    def phrase(cls, conds: dict) -> str:
-        """The summary's verdict words over the conditions ``conds`` (which init, which ramp)."""
+    def phrase(cls, conds: dict[str, V.Condition]) -> str:
+        """The summary's verdict words over the conditions ``conds`` (which init)."""
         if set(conds) == {"paper_init", "embed_init"}:
-            vp, vb = conds["paper_init"]["verdict"], conds["embed_init"]["verdict"]
+            vp, vb = conds["paper_init"].verdict, conds["embed_init"].verdict
             if vp == vb:
                 return f"{vp} at both inits"
             if V.REPRODUCED in (vp, vb):
                 first, other = ("paper_init", "embed_init") if vp == V.REPRODUCED else ("embed_init", "paper_init")
-                return f"reproduced {CONDITION_WORDS[first]} only ({conds[other]['verdict']} {CONDITION_WORDS[other]})"
+                return f"reproduced {CONDITION_WORDS[first]} only ({conds[other].verdict} {CONDITION_WORDS[other]})"
             return f"{vp} {CONDITION_WORDS['paper_init']}, {vb} {CONDITION_WORDS['embed_init']}"
-        return "; ".join(f"{v['verdict']} {CONDITION_WORDS.get(k, k)}"
-                         + (f" (to {v['peak_lr']:g})" if v.get("peak_lr") else "") for k, v in conds.items())
+        return "; ".join(f"{v.verdict} {CONDITION_WORDS.get(k, k)}" for k, v in conds.items())
 
-    def tables(self, c: dict) -> list[str]:
+    def tables(self, c: V.ClaimVerdict) -> list[str]:
         """Markdown lines of the claim's section after its rule and note, from its verdict ``c``."""
         return []
 
@@ -106,9 +105,9 @@ class Claim:
         return []
 
     @classmethod
-    def plot(cls, verdicts: list[tuple[Claim, dict]], out: Path) -> bool:
+    def plot(cls, verdicts: list[tuple[Claim, V.ClaimVerdict]], out: Path) -> bool:
         """Draw the kind's :attr:`figure` over ``verdicts`` (the study's claims of this kind, each with
-        its verdict dict) to the PNG ``out``; False (nothing written) when there is nothing to draw."""
+        its verdict) to the PNG ``out``; False (nothing written) when there is nothing to draw."""
         return False
 
 
@@ -150,15 +149,15 @@ class InitGroups(Claim):
         return list(self.groups) + list(self.init_groups)
 
 
-def cond_head(cond: str, c: dict) -> list[str]:
+def cond_head(cond: str, c: V.Condition) -> list[str]:
     """Markdown: the bold verdict line of one condition ``cond`` of a verdict, then a blank line."""
-    return [f"**{upper_first(CONDITION_WORDS[cond])}: {c['verdict']}.** {parts(c)}", ""]
+    return [f"**{upper_first(CONDITION_WORDS[cond])}: {c.verdict}.** {parts(c)}", ""]
 
 
-def condition_tables(c: dict, head: list[str], rows: Callable[[dict], list[list]]) -> list[str]:
+def condition_tables(c: V.ClaimVerdict, head: list[str], rows: Callable[[V.Condition], list[list]]) -> list[str]:
     """Markdown: per condition of verdict ``c`` its verdict line (:func:`cond_head`), a table of
     header ``head`` and rows ``rows(the condition's verdict)``, and a blank line."""
-    return [line for cond, cc in c["conditions"].items()
+    return [line for cond, cc in c.conditions.items()
             for line in cond_head(cond, cc) + markdown_table(head, rows(cc)) + [""]]
 
 

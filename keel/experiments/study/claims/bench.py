@@ -10,7 +10,8 @@ from keel.experiments.analysis import Runs
 from keel.experiments.study.cells import direction, pm
 from keel.experiments.study.claims.base import OneGroup, condition_tables
 from keel.experiments.study.spec import Group, Study
-from keel.experiments.study.verdicts import baseline_margins, judged, settled, unfinished, waits
+from keel.experiments.study.verdicts import (ClaimVerdict, Condition, baseline_margins, judged, settled,
+                                             unfinished, waits)
 from keel.keys import key
 
 
@@ -27,7 +28,7 @@ class Bench(OneGroup):
                              unique=True, note="scheme names")
     baseline: str = key("pre_ln", "the scheme every design should beat.", nonempty=True)
 
-    def verdict(self, study: Study, runs: Runs) -> dict:
+    def verdict(self, study: Study, runs: Runs) -> ClaimVerdict:
         """Each residual design of the bench beats {baseline} at the bench's depth (every part must
         hold), at the paper's init and with every scheme at N(0, 1) embeddings; each is also
         compared with Keel (reported, not part of the verdict).
@@ -42,12 +43,11 @@ class Bench(OneGroup):
                                                        else {})}.items():
             g = next(x for x in study.groups if x.name == gname)
             rows = baseline_margins(study, g, runs)
-            rows = [r for r in rows if r["scheme"] in self.designs]
-            parts = {f"{r['baseline']} − {r['scheme']} at {r['sublayers']}": r["margin"] for r in rows
-                     if r["baseline"] == self.baseline}
+            rows = [r for r in rows if r.scheme in self.designs]
+            parts = {f"{r.baseline} − {r.scheme} at {r.sublayers}": r.margin for r in rows if r.baseline == self.baseline}
             waiting = unfinished(runs, [g.name, g.baselines_from], [*self.designs, self.baseline], g.sublayers)
-            conds[k] = {"verdict": settled(parts, waiting, study.min_seeds), "parts": parts, "rows": rows,
-                        **({"why": "bench runs pending"} if waits(parts, waiting, study.min_seeds) else {})}
+            conds[k] = Condition(verdict=settled(parts, waiting, study.min_seeds), parts=parts, rows=rows,
+                                 why="bench runs pending" if waits(parts, waiting, study.min_seeds) else None)
         return judged(conds)
 
     def groups_read(self) -> list[str]:
@@ -63,11 +63,11 @@ class Bench(OneGroup):
                 raise KeelError(f"study claim {self.id!r}: group {name!r} names no baseline "
                                 f"{self.baseline!r} (baselines)")
 
-    def tables(self, c: dict) -> list[str]:
+    def tables(self, c: ClaimVerdict) -> list[str]:
         return condition_tables(
             c, ["sub-layers", "design", "against", "margin (against − design, nats) mean [CI] (per seed)", "in words"],
-            lambda cc: [[r["sublayers"], r["scheme"], r["baseline"], pm(r["margin"]),
-                         direction(r["margin"], r["scheme"], r["baseline"])] for r in cc.get("rows", [])])
+            lambda cc: [[r.sublayers, r.scheme, r.baseline, pm(r.margin), direction(r.margin, r.scheme, r.baseline)]
+                        for r in cc.rows or []])
 
 
 

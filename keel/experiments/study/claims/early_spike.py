@@ -12,7 +12,7 @@ from keel.experiments.analysis import Runs, paired_verdict
 from keel.experiments.record import RunRecord
 from keel.experiments.study.claims.base import OneGroup, Paired
 from keel.experiments.study.spec import Study
-from keel.experiments.study.verdicts import pending, settled
+from keel.experiments.study.verdicts import ClaimVerdict, settled
 from keel.experiments.table import markdown_table
 
 
@@ -25,7 +25,7 @@ class EarlySpike(Paired, OneGroup):
     unit: ClassVar[str] = "nats/token"
 
 
-    def verdict(self, study: Study, runs: Runs) -> dict:
+    def verdict(self, study: Study, runs: Runs) -> ClaimVerdict:
         """At the LRs where {scheme} trains healthily, {baseline} spikes early and {scheme} does not:
         {baseline}'s largest early spike exceeds {scheme}'s. A run's spike is the largest rise of its
         10-step trailing-mean training loss over its earlier minimum in the first 1,000 steps; per
@@ -50,15 +50,16 @@ class EarlySpike(Paired, OneGroup):
         planned = sum(len(gr.scheme_seeds(x)) * len(gr.sublayers) * len(gr.lrs) for gr in study.groups if gr.name == g
                       for x in (s, b))
         if len([r for r in rs if r.scheme in (s, b)]) < planned:
-            return {**pending(f"{len(rs)} of {planned} runs with every step's loss finished"), "parts": parts, "rows": rows}
-        return {"verdict": settled(parts, 0, study.min_seeds), "parts": parts, "rows": rows}
+            return ClaimVerdict.pending(f"{len(rs)} of {planned} runs with every step's loss finished", parts=parts,
+                                        rows=rows)
+        return ClaimVerdict(verdict=settled(parts, 0, study.min_seeds), parts=parts, rows=rows)
 
-    def tables(self, c: dict) -> list[str]:
+    def tables(self, c: ClaimVerdict) -> list[str]:
         s, b = self.scheme, self.baseline
         cell = lambda d: "[" + ", ".join(f"s{sd} {x:.2f}" + ("" if v == "healthy" else f" ({v})")
                                          for sd, (x, v) in sorted(d.items())) + "]"
         return markdown_table(["sub-layers", "LR", f"largest early spike per seed (nats): {b}", s],
-                              [[r["sublayers"], f"{r['lr']:g}", cell(r[b]), cell(r[s])] for r in c.get("rows", [])])
+                              [[r["sublayers"], f"{r['lr']:g}", cell(r[b]), cell(r[s])] for r in c.rows or []])
 
 
 def _spike_diffs(at: dict[tuple, RunRecord], seeds: Sequence[int], scheme: str, baseline: str) -> dict[int, float]:

@@ -11,17 +11,35 @@ from pathlib import Path
 from typing import ClassVar
 
 from keel.errors import KeelError
-from keel.experiments.analysis import Runs, pair, paired_verdict, seed_mean_optimum
+from keel.experiments.analysis import Record, Runs, pair, paired_verdict, seed_mean_optimum
 from keel.experiments.record import RunRecord
 from keel.experiments.study.cells import CONDITION_WORDS
 from keel.experiments.study.claims.base import Claim, InitGroups, Paired, condition_tables
 from keel.experiments.study.spec import Group, Study
-from keel.experiments.study.verdicts import MAX_LR_FLOOR, combine, judged, pending, unfinished, waits
+from keel.experiments.study.verdicts import (ClaimVerdict, Condition, MAX_LR_FLOOR, combine, judged, pending,
+                                             unfinished, waits)
 from keel.train.plots import plt, save_figure
 from keel.keys import key
 
 REDUNDANT_BELOW = 0.01  # a sub-layer is redundant when removing it raises the PPL by less than 1%
 SHALLOW = 0.5  # the shallow sub-layers: the first half
+
+
+@dataclass
+class ImportanceRow(Record):
+    """One depth of a ``layer_importance`` condition: ``sublayers``; per scheme ``lr`` (the seed-mean
+    optimal peak LR its ablated runs were trained at, None before it is known), and per scheme and seed
+    ``share`` (:func:`redundant_share`: the share of the shallow half whose removal raises the
+    perplexity by less than 1%), ``critical`` (:func:`first_critical`: log10 of the first two
+    sub-layers' removal cost over the median's), ``delta_ppl`` (ΔPPL per removed sub-layer) and
+    ``ppl_full`` (the full model's perplexity)."""
+
+    sublayers: int
+    lr: dict[str, float | None]
+    share: dict[str, dict[int, float]]
+    critical: dict[str, dict[int, float]]
+    delta_ppl: dict[str, dict[int, list[float]]]
+    ppl_full: dict[str, dict[int, float]]
 
 
 @dataclass(kw_only=True)
@@ -40,34 +58,34 @@ class LayerImportance(Paired, InitGroups):
     share_floor: float = key(0.05, "the floor of the redundant-share difference.", gt=0, le=1)
 
     @classmethod
-    def plot(cls, verdicts: list[tuple[Claim, dict]], out: Path) -> bool:
+    def plot(cls, verdicts: list[tuple[Claim, ClaimVerdict]], out: Path) -> bool:
         """ΔPPL / PPL_full of removing each sub-layer against its relative depth (i + 0.5) / L, one
         panel per condition and depth of every layer-importance claim, each scheme's seed mean as a
         line (log y, values below 1e-4 drawn at 1e-4); False (nothing written) before any ablation."""
         panels = [(cond, row) for cl, c in verdicts
-                  for cond, cc in c["conditions"].items() for row in cc.get("rows", [])
-                  if any(row["delta_ppl"][x] for x in row["delta_ppl"])]
+                  for cond, cc in c.conditions.items() for row in cc.rows or []
+                  if any(row.delta_ppl[x] for x in row.delta_ppl)]
         if not panels:
             return False
         fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
         for ax, (cond, row) in zip(axes[0], panels):
-            for scheme, per_seed in row["delta_ppl"].items():
+            for scheme, per_seed in row.delta_ppl.items():
                 if not per_seed:
                     continue
-                rel = [[d / row["ppl_full"][scheme][sd] for d in v] for sd, v in per_seed.items()]
+                rel = [[d / row.ppl_full[scheme][sd] for d in v] for sd, v in per_seed.items()]
                 L = len(rel[0])
                 mean = [max(1e-4, sum(r[i] for r in rel) / len(rel)) for i in range(L)]
                 ax.plot([(i + 0.5) / L for i in range(L)], mean, label=f"{scheme} ({len(rel)} seeds)")
             ax.set_yscale("log")
             ax.set_xlabel("relative depth of the removed sub-layer")
-            ax.set_title(f"{row['sublayers']} sub-layers, {CONDITION_WORDS[cond]}", fontsize=9)
+            ax.set_title(f"{row.sublayers} sub-layers, {CONDITION_WORDS[cond]}", fontsize=9)
             ax.legend(fontsize=8)
         axes[0][0].set_ylabel("ΔPPL / PPL of the full model")
         fig.tight_layout()
         save_figure(fig, out)
         return True
 
-    def verdict(self, study: Study, runs: Runs) -> dict:
+    def verdict(self, study: Study, runs: Runs) -> ClaimVerdict:
         """{scheme}'s shallow sub-layers are less redundant than {baseline}'s, and the first two
         sub-layers of both are critical (every part must hold), at every depth of the ablated groups,
         at the paper's init and with both schemes at N(0, 1) embeddings. Redundant: a sub-layer of
@@ -97,14 +115,14 @@ class LayerImportance(Paired, InitGroups):
         if bool(self.init_groups) != bool(self.init_optimum_groups):
             raise KeelError(f"study claim {self.id!r}: init_groups and init_optimum_groups come together")
 
-    def tables(self, c: dict) -> list[str]:
+    def tables(self, c: ClaimVerdict) -> list[str]:
         s, b = self.scheme, self.baseline
         fmt = lambda d: "[" + ", ".join(f"s{sd} {x:.3f}" for sd, x in d.items()) + "]"
         return condition_tables(
             c, ["sub-layers", f"LR: {b}; {s}", f"redundant share of the shallow half per seed: {b}; {s}",
                 f"first two over the median (log10) per seed: {b}; {s}"],
-            lambda cc: [[r["sublayers"], f"{r['lr'][b]}; {r['lr'][s]}", f"{fmt(r['share'][b])}; {fmt(r['share'][s])}",
-                         f"{fmt(r['critical'][b])}; {fmt(r['critical'][s])}"] for r in cc.get("rows", [])]) + [
+            lambda cc: [[r.sublayers, f"{r.lr[b]}; {r.lr[s]}", f"{fmt(r.share[b])}; {fmt(r.share[s])}",
+                         f"{fmt(r.critical[b])}; {fmt(r.critical[s])}"] for r in cc.rows or []]) + [
             f"Redundant: removing the sub-layer raises PPL by less than {REDUNDANT_BELOW:.0%}; the shallow "
             f"half: the first {SHALLOW:.0%} of sub-layers. ΔPPL per sub-layer of every ablated run: "
             "report.json (`ablation` of each run), drawn in importance.png."]
@@ -131,7 +149,7 @@ def first_critical(ablation: dict, first: int = 2) -> float:
 
 
 def _importance_condition(study: Study, runs: Runs, claim: LayerImportance, abl: Sequence[str],
-                          opt: Sequence[str]) -> dict:
+                          opt: Sequence[str]) -> Condition:
     """One condition of :meth:`LayerImportance.verdict`: the parts and row of every depth of the ablated
     groups ``abl`` (:func:`_importance_depth`), each scheme at its seed-mean optimum over ``opt``;
     inconclusive while a planned depth has no ablated run or a part has fewer seeds than the study's
@@ -146,8 +164,8 @@ def _importance_condition(study: Study, runs: Runs, claim: LayerImportance, abl:
     planned = [L for g in study.groups if g.name in abl for L in g.sublayers]
     waiting = unfinished(runs, [*abl, *opt], (claim.scheme, claim.baseline))
     if not rows or sorted(set(planned)) != depths or waits(parts, waiting, study.min_seeds):
-        return {**pending("ablations pending" if rows else "no ablated runs yet"), "parts": parts, "rows": rows}
-    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+        return pending("ablations pending" if rows else "no ablated runs yet", parts=parts, rows=rows)
+    return Condition(verdict=combine([p.verdict for p in parts.values()]), parts=parts, rows=rows)
 
 
 def _ablated_at_optimum(runs: Runs, abl: Sequence[str], opt: Sequence[str], scheme: str, L: int) -> dict[int, RunRecord]:
@@ -160,7 +178,7 @@ def _ablated_at_optimum(runs: Runs, abl: Sequence[str], opt: Sequence[str], sche
 
 
 def _importance_depth(study: Study, claim: LayerImportance, per: dict[str, dict[int, RunRecord]],
-                      L: int) -> tuple[dict, dict]:
+                      L: int) -> tuple[dict, ImportanceRow]:
     """``(parts, row)`` of one depth ``L`` of :meth:`LayerImportance.verdict` from each scheme's ablated
     runs ``per`` (``{scheme: {seed: run record}}``): the paired redundant-share part
     (:func:`redundant_share`, floor ``share_floor``), each scheme's first-two-sub-layers part
@@ -174,10 +192,10 @@ def _importance_depth(study: Study, claim: LayerImportance, per: dict[str, dict[
     for x in (claim.scheme, claim.baseline):
         parts[f"first two sub-layers over the median, {x} at {L} (log10)"] = \
             paired_verdict(crit[x], MAX_LR_FLOOR, study.min_seeds)
-    row = {"sublayers": L, "lr": {x: next((r.lr for r in v.values()), None) for x, v in per.items()},
-           "share": share, "critical": crit,
-           "delta_ppl": {x: {sd: r.ablation["delta_ppl"] for sd, r in v.items()} for x, v in per.items()},
-           "ppl_full": {x: {sd: r.ablation["ppl_full"] for sd, r in v.items()} for x, v in per.items()}}
+    row = ImportanceRow(sublayers=L, lr={x: next((r.lr for r in v.values()), None) for x, v in per.items()},
+                        share=share, critical=crit,
+                        delta_ppl={x: {sd: r.ablation["delta_ppl"] for sd, r in v.items()} for x, v in per.items()},
+                        ppl_full={x: {sd: r.ablation["ppl_full"] for sd, r in v.items()} for x, v in per.items()})
     return parts, row
 
 

@@ -9,12 +9,28 @@ from typing import ClassVar
 
 from keel.diagnostics.divergence import Thresholds
 from keel.errors import KeelError
-from keel.experiments.analysis import Runs, cell, paired_verdict
+from keel.experiments.analysis import PairedVerdict, Record, Runs, cell, paired_verdict
 from keel.experiments.record import RunRecord
 from keel.experiments.study.cells import max_lr_cell, pm
 from keel.experiments.study.claims.base import InitGroups, Paired, condition_tables
 from keel.experiments.study.spec import Group, Study
-from keel.experiments.study.verdicts import MAX_LR_FLOOR, combine, condition_groups, judged, pending
+from keel.experiments.study.verdicts import (MAX_LR_FLOOR, ClaimVerdict, Condition, combine, condition_groups, judged,
+                                             pending)
+
+
+@dataclass
+class MaxLrRow(Record):
+    """One depth of a ``loop_max_lr`` condition: ``sublayers`` (effective depth, sub-layers); ``max_lr``,
+    per scheme ``{seed: (max trained LR, how)}`` (:func:`max_trained_lr`: how "exact", "top" a lower
+    bound, "none" an upper bound); ``neither``: no scheme trains in any seed; ``seeds``: the seeds both
+    schemes finished; ``d``: ``log10(maxLR(scheme) / maxLR(baseline))`` per seed not censored alike, a
+    :class:`~keel.experiments.analysis.PairedVerdict` (Student-t one-sided bounds, floor log10 1.05)."""
+
+    sublayers: int
+    max_lr: dict[str, dict]
+    neither: bool
+    seeds: int
+    d: PairedVerdict
 
 
 @dataclass(kw_only=True)
@@ -26,7 +42,7 @@ class LoopMaxLr(Paired, InitGroups):
     unit: ClassVar[str] = "log10 of the max-LR ratio"
     needs_test_loops: ClassVar[bool] = False  # its groups must also test loop counts (Group.test_loops)
 
-    def verdict(self, study: Study, runs: Runs) -> dict:
+    def verdict(self, study: Study, runs: Runs) -> ClaimVerdict:
         """{scheme} trains at every effective depth where {baseline} does, at a higher max LR (every depth
         must hold), at the paper's init and with both schemes at N(0, 1) embeddings.
 
@@ -50,12 +66,12 @@ class LoopMaxLr(Paired, InitGroups):
             raise KeelError(f"study claim {self.id!r}: its groups must be looped, with one loop = [P, C, Q]"
                             + (" and test_loops" if tests else "") + f" (check {', '.join(bad or [gs[0].name])})")
 
-    def tables(self, c: dict) -> list[str]:
+    def tables(self, c: ClaimVerdict) -> list[str]:
         s, b = self.scheme, self.baseline
         return condition_tables(
             c, ["sub-layers", f"max LR per seed: {b}", s, f"log10 ratio ({s} / {b}) mean [CI] (per seed)"],
-            lambda cc: [[r["sublayers"], max_lr_cell(r["max_lr"][b]), max_lr_cell(r["max_lr"][s]),
-                         "neither trains" if r["neither"] else pm(r["d"])] for r in cc.get("rows", [])]) + [
+            lambda cc: [[r.sublayers, max_lr_cell(r.max_lr[b]), max_lr_cell(r.max_lr[s]),
+                         "neither trains" if r.neither else pm(r.d)] for r in cc.rows or []]) + [
             "Max LR: the largest grid LR whose run left the unigram plateau and ended finite below it (+: "
             "at the highest LR run; <: at none). A seed bounded alike on both sides is left out."]
 
@@ -93,7 +109,7 @@ def _max_lrs(runs: Runs, groups: list[str], scheme: str, sublayers: int) -> dict
     return out
 
 
-def _max_lr_row(study: Study, runs: Runs, groups: list[str], scheme: str, baseline: str, L: int) -> dict:
+def _max_lr_row(study: Study, runs: Runs, groups: list[str], scheme: str, baseline: str, L: int) -> MaxLrRow:
     """The row of one depth ``L`` of :func:`_max_lr_condition`: each scheme's max LR per seed
     (:func:`_max_lrs`), the seeds both finished, whether neither scheme trains in any of them, and
     ``d = log10(maxLR(scheme) / maxLR(baseline))`` as a :func:`paired_verdict` over the seeds not
@@ -104,23 +120,23 @@ def _max_lr_row(study: Study, runs: Runs, groups: list[str], scheme: str, baseli
     kept = [sd for sd in seeds if per[s][sd][1] == "exact" or per[s][sd][1] != per[b][sd][1]]  # alike: out
     d = {sd: math.log10(per[s][sd][0] / per[b][sd][0]) for sd in kept}
     neither = bool(seeds) and all(per[s][sd][1] == per[b][sd][1] == "none" for sd in seeds)
-    return {"sublayers": L, "max_lr": per, "neither": neither, "seeds": len(seeds),
-            "d": paired_verdict(d, MAX_LR_FLOOR, study.min_seeds)}
+    return MaxLrRow(sublayers=L, max_lr=per, neither=neither, seeds=len(seeds),
+                    d=paired_verdict(d, MAX_LR_FLOOR, study.min_seeds))
 
 
-def _max_lr_condition(study: Study, runs: Runs, claim: LoopMaxLr, groups: list[str]) -> dict:
+def _max_lr_condition(study: Study, runs: Runs, claim: LoopMaxLr, groups: list[str]) -> Condition:
     """One condition of :meth:`LoopMaxLr.verdict`: a part per judged depth, a row per depth."""
     s, b = claim.scheme, claim.baseline
     parts, rows = {}, []
     for L in sorted({r.sublayers for r in runs if r.group in groups}):
         rows.append(_max_lr_row(study, runs, groups, s, b, L))
-        if not rows[-1]["neither"]:
-            parts[f"log10 max LR, {s} over {b} at {L}"] = rows[-1]["d"]
+        if not rows[-1].neither:
+            parts[f"log10 max LR, {s} over {b} at {L}"] = rows[-1].d
     gs = [g for g in study.groups if g.name in groups]
     planned = sorted({L for g in gs for L in g.sublayers})
     both = set.intersection(*({sd for g in gs for sd in g.scheme_seeds(x)} for x in (s, b))) if gs else set()
-    finished = [r["sublayers"] for r in rows if r["seeds"] >= len(both)]  # every seed of both schemes
+    finished = [r.sublayers for r in rows if r.seeds >= len(both)]  # every seed of both schemes
     if finished != planned or not parts:
         return pending("neither scheme trains at any depth" if finished == planned
                         else "a depth of the LR grid is not finished", parts=parts, rows=rows)
-    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+    return Condition(verdict=combine([p.verdict for p in parts.values()]), parts=parts, rows=rows)

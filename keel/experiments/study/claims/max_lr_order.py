@@ -9,13 +9,36 @@ from dataclasses import MISSING, dataclass
 from typing import ClassVar
 
 from keel.errors import KeelError
-from keel.experiments.analysis import INCONCLUSIVE, Runs, paired_verdict
+from keel.experiments.analysis import INCONCLUSIVE, PairedVerdict, Record, Runs, paired_verdict
 from keel.experiments.study.cells import CONDITION_WORDS, lrs, parts, upper_first
 from keel.experiments.study.claims.base import OneGroup
 from keel.experiments.study.spec import Group, Study
-from keel.experiments.study.verdicts import MAX_LR_FLOOR, combine, unfinished, verdict_words
+from keel.experiments.study.verdicts import ClaimVerdict, Condition, MAX_LR_FLOOR, combine, unfinished, verdict_words
 from keel.experiments.table import markdown_table
 from keel.keys import key
+
+
+@dataclass
+class RampRow(Record):
+    """One depth of a ramp group: ``group``, its ``peak_lr``, ``sublayers``; ``max_lr``, per scheme of
+    the order ``{seed: the LR just before divergence, or None: no divergence up to the peak}``;
+    ``verdicts``: each run's divergence verdict in words (``{"scheme sSEED": words}``)."""
+
+    group: str
+    peak_lr: float
+    sublayers: int
+    max_lr: dict[str, dict]
+    verdicts: dict[str, str]
+
+
+@dataclass
+class RampCondition(Condition):
+    """One ramp's condition of a ``max_lr_order`` verdict (``paper_ramp``, ``extended_ramp``):
+    :class:`~keel.experiments.study.verdicts.Condition`'s ``verdict``, ``parts`` (per adjacent pair of the
+    order and depth, log10 of the max-LR ratio per seed, Student-t one-sided bounds, floor log10 1.05) and
+    ``why``, and ``peak_lr``: the ramp's peak LR (None before a run of it finished; written as null)."""
+
+    peak_lr: float | None = None
 
 
 @dataclass(kw_only=True)
@@ -32,7 +55,7 @@ class MaxLrOrder(OneGroup):
     extended_group: str = key("", "the same ramp continued at the same LR per step to a higher peak, reported "
                                   "beside it (optional per scale).")
 
-    def verdict(self, study: Study, runs: Runs) -> dict:
+    def verdict(self, study: Study, runs: Runs) -> ClaimVerdict:
         """Max LR (the stress ramp's LR just before divergence) increases along {order}, on the
         paper's ramp.
 
@@ -54,21 +77,16 @@ class MaxLrOrder(OneGroup):
         trained = {g.name: set(g.schemes) for g in study.groups}
         conds = {}
         for cond, name in names.items():
-            mine = [r for r in rows if r["group"] == name]
-            pairs = {}
-            for row in mine:
-                lr, L = row["max_lr"], row["sublayers"]
-                for a, b in zip(order, order[1:]):
-                    d = {x: _log_ratio(lr[b][x], lr[a][x], row["peak_lr"]) for x in sorted(set(lr[a]) & set(lr[b]))}
-                    d = {x: v for x, v in d.items() if v is not None}  # both never diverged: censored, left out
-                    if {a, b} <= trained.get(name, set(order)):
-                        pairs[f"{a} < {b} at {L}"] = paired_verdict(d, MAX_LR_FLOOR, study.min_seeds)
+            mine = [r for r in rows if r.group == name]
+            pairs = _order_pairs(study, mine, order, trained.get(name, set(order)))
             waiting = unfinished(runs, [name], order)  # a ramp run still training can move a max LR
-            conds[cond] = {"verdict": combine([p["verdict"] for p in pairs.values()]) if pairs and not waiting
-                           else INCONCLUSIVE,
-                           "parts": pairs, "peak_lr": mine[0]["peak_lr"] if mine else None,
-                           **({} if pairs else {"why": "no finished ramp runs"})}
-        return {"verdict": conds["paper_ramp"]["verdict"], "conditions": conds, "rows": rows}
+            conds[cond] = RampCondition(verdict=combine([p.verdict for p in pairs.values()]) if pairs and not waiting
+                                        else INCONCLUSIVE,
+                                        parts=pairs, peak_lr=mine[0].peak_lr if mine else None,
+                                        why=None if pairs else "no finished ramp runs",
+                                        stored=("verdict", "parts", "peak_lr", *(() if pairs else ("why",))))
+        return ClaimVerdict(verdict=conds["paper_ramp"].verdict, conditions=conds, rows=rows,
+                            stored=("verdict", "conditions", "rows"))
 
     def groups_read(self) -> list[str]:
         return [self.group] + ([self.extended_group] if self.extended_group else [])
@@ -87,23 +105,29 @@ class MaxLrOrder(OneGroup):
         if self.extended_group in groups:
             _check_extended_ramp(self, groups[self.group], groups[self.extended_group])
 
-    def tables(self, c: dict) -> list[str]:
+    @classmethod
+    def phrase(cls, conds: dict[str, RampCondition]) -> str:
+        """The summary's verdict words per ramp, each with its peak LR."""
+        return "; ".join(f"{v.verdict} {CONDITION_WORDS.get(k, k)}" + (f" (to {v.peak_lr:g})" if v.peak_lr else "")
+                         for k, v in conds.items())
+
+    def tables(self, c: ClaimVerdict) -> list[str]:
         out = []
-        for cond, cc in c["conditions"].items():
-            out += [f"**{upper_first(CONDITION_WORDS[cond])}" + (f" (to {cc['peak_lr']:g})" if cc.get("peak_lr") else "")
-                    + f": {cc['verdict']}.** {parts(cc)}", ""]
+        for cond, cc in c.conditions.items():
+            out += [f"**{upper_first(CONDITION_WORDS[cond])}" + (f" (to {cc.peak_lr:g})" if cc.peak_lr else "")
+                    + f": {cc.verdict}.** {parts(cc)}", ""]
         out += markdown_table(["ramp to", "sub-layers", *self.order],
-                              [[f"{r['peak_lr']:g} ({r['group']})", r["sublayers"],
-                                *(lrs(r["max_lr"][s]) if r["max_lr"][s] else "—" for s in self.order)]
-                               for r in c["rows"]])
+                              [[f"{r.peak_lr:g} ({r.group})", r.sublayers,
+                                *(lrs(r.max_lr[s]) if r.max_lr[s] else "—" for s in self.order)]
+                               for r in c.rows])
         out += ["", "Max LR per seed; none = no divergence up to the ramp's peak LR; — = not run on that ramp. "
                 "A none counts as the peak LR (censored: the pair's difference is then a lower bound); a seed where "
                 "both schemes of a pair are none is left out. The verdict is the paper's ramp's; the extended ramp "
                 "(the same LR per step to a higher peak) is reported beside it. Pair verdicts use log10 ratios of "
                 "max LR with a 5% floor (log10 1.05 = 0.021). A spike still open when the curve ended counts as a "
                 "divergence. Each run's verdict:", ""]
-        return out + [f"- ramp to {r['peak_lr']:g}, {r['sublayers']} sub-layers, {run}: {text}" for r in c["rows"]
-                      for run, text in r.get("verdicts", {}).items()]
+        return out + [f"- ramp to {r.peak_lr:g}, {r.sublayers} sub-layers, {run}: {text}" for r in c.rows
+                      for run, text in r.verdicts.items()]
 
 
 def _check_extended_ramp(c: MaxLrOrder, ramp: Group, ext: Group) -> None:
@@ -128,7 +152,22 @@ def _log_ratio(hi: float | None, lo: float | None, peak: float) -> float | None:
     return math.log10(a / b)
 
 
-def _ramp_rows(runs: Runs, group: str, order: Sequence[str]) -> list[dict]:
+def _order_pairs(study: Study, rows: list[RampRow], order: list[str], trained: set[str]) -> dict[str, PairedVerdict]:
+    """``{"a < b at L": verdict}``: per ramp row (one depth) and neighbours ``a < b`` of ``order``
+    that the group trains, the paired verdict of ``d = log10(maxLR(b) / maxLR(a))`` per seed
+    (:func:`_log_ratio`; a seed where both never diverged is censored alike and left out)."""
+    pairs = {}
+    for row in rows:
+        lr, L = row.max_lr, row.sublayers
+        for a, b in zip(order, order[1:]):
+            d = {x: _log_ratio(lr[b][x], lr[a][x], row.peak_lr) for x in sorted(set(lr[a]) & set(lr[b]))}
+            d = {x: v for x, v in d.items() if v is not None}  # both never diverged: censored, left out
+            if {a, b} <= trained:
+                pairs[f"{a} < {b} at {L}"] = paired_verdict(d, MAX_LR_FLOOR, study.min_seeds)
+    return pairs
+
+
+def _ramp_rows(runs: Runs, group: str, order: Sequence[str]) -> list[RampRow]:
     """One row per depth of ramp ``group``'s finished runs: its peak LR, each scheme's max LR per
     seed, each run's verdict in words."""
     rr = [r for r in runs if r.group == group and r.status == "done"]
@@ -138,5 +177,5 @@ def _ramp_rows(runs: Runs, group: str, order: Sequence[str]) -> list[dict]:
         at = [r for r in rr if r.sublayers == L]
         lr = {s: {r.seed: r.max_lr for r in at if r.scheme == s} for s in order}
         detail = {f"{r.scheme} s{r.seed}": verdict_words(r) for s in order for r in at if r.scheme == s}
-        rows.append({"group": group, "peak_lr": peak, "sublayers": L, "max_lr": lr, "verdicts": detail})
+        rows.append(RampRow(group=group, peak_lr=peak, sublayers=L, max_lr=lr, verdicts=detail))
     return rows

@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from keel.errors import KeelError
-from keel.experiments.analysis import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, Runs, best_runs, pair, paired_verdict
+from keel.experiments.analysis import (INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, PairedVerdict, Record, Runs, best_runs,
+                                       pair, paired_verdict)
 from keel.experiments.record import RunRecord
 from keel.experiments.study.cells import pm
 from keel.experiments.study.claims.base import condition_tables
 from keel.experiments.study.claims.loop_max_lr import LoopMaxLr
 from keel.experiments.study.spec import Group, Study
-from keel.experiments.study.verdicts import combine, condition_groups, judged, pending, unfinished, waits
+from keel.experiments.study.verdicts import (ClaimVerdict, Condition, combine, condition_groups, judged, pending,
+                                             unfinished, waits)
 from keel.keys import key
+
+
+@dataclass
+class TestDepthRow(Record):
+    """One depth of a ``test_depth`` condition: ``sublayers`` (effective depth, sub-layers), ``loops``
+    (the trained loop count R), ``d``: per scheme ``{R': PairedVerdict}`` of ``loss(R') - loss(R)`` per
+    seed (nats/token; Student-t one-sided bounds), and ``vs``: ``{R': PairedVerdict}`` of
+    ``d(scheme) - d(baseline)`` paired per seed."""
+
+    __test__: ClassVar[bool] = False  # a row, not a pytest test class
+    sublayers: int
+    loops: int
+    d: dict[str, dict[int, PairedVerdict]]
+    vs: dict[int, PairedVerdict]
 
 
 @dataclass(kw_only=True)
@@ -28,7 +44,7 @@ class TestDepth(LoopMaxLr):
 
     factor: float = key(2.0, "the test-loop factor judged: R' = round(factor R), one of the groups' test_loops.", gt=0)
 
-    def verdict(self, study: Study, runs: Runs) -> dict:
+    def verdict(self, study: Study, runs: Runs) -> ClaimVerdict:
         """More loops at test time do not hurt {scheme} (reported beside {baseline}): at every effective depth,
         its validation loss with the core applied 2R times is not worse than at the trained R by the floor or
         more (every depth must hold), at the paper's init and with both schemes at N(0, 1) embeddings.
@@ -51,13 +67,13 @@ class TestDepth(LoopMaxLr):
             raise KeelError(f"study claim {self.id!r}: factor {self.factor:g} is not one of the "
                             f"groups' test_loops {gs[0].test_loops}")
 
-    def tables(self, c: dict) -> list[str]:
+    def tables(self, c: ClaimVerdict) -> list[str]:
         s, b = self.scheme, self.baseline
         return condition_tables(
             c, ["sub-layers", "R", "R'", f"loss(R') − loss(R), {s}: mean [CI] (per seed)", b,
                 f"{s} − {b} in that difference"],
-            lambda cc: [[r["sublayers"], r["loops"], n, pm(r["d"][s][n]), pm(r["d"][b][n]), pm(r["vs"][n])]
-                        for r in cc.get("rows", []) for n in r["d"][s]]) + [
+            lambda cc: [[r.sublayers, r.loops, n, pm(r.d[s][n]), pm(r.d[b][n]), pm(r.vs[n])]
+                        for r in cc.rows or [] for n in r.d[s]]) + [
             "Each seed's run at its best LR, evaluated with its core applied R' times on the validation "
             "windows of its final loss (nats/token); > 0: the loss rises at R'."]
 
@@ -72,7 +88,7 @@ def loop_losses(rec: RunRecord, repeats: int) -> dict[int, float]:
 NON_INFERIOR = {REPRODUCED: NOT_REPRODUCED, NOT_REPRODUCED: REPRODUCED}  # a paired verdict read the other way
 
 
-def _test_depth_condition(study: Study, runs: Runs, claim: TestDepth, groups: list[str]) -> dict:
+def _test_depth_condition(study: Study, runs: Runs, claim: TestDepth, groups: list[str]) -> Condition:
     """One condition of :meth:`TestDepth.verdict`: per depth, d per R' of both schemes at each seed's best LR."""
     s, b, f = claim.scheme, claim.baseline, claim.factor
     gs = [g for g in study.groups if g.name in groups]
@@ -81,15 +97,14 @@ def _test_depth_condition(study: Study, runs: Runs, claim: TestDepth, groups: li
         R, counts = gs[0].loop_repeats(L), gs[0].test_counts(L)
         loss = {x: {sd: loop_losses(r, R) for sd, r in best_runs(runs, groups, x, L).items()} for x in (s, b)}
         d = {x: {n: {sd: v[n] - v[R] for sd, v in loss[x].items() if n in v} for n in counts} for x in (s, b)}
-        rows.append({"sublayers": L, "loops": R,
-                     "d": {x: {n: paired_verdict(v, study.min_effect, study.min_seeds) for n, v in d[x].items()}
-                           for x in (s, b)},
-                     "vs": {n: paired_verdict(pair(d[s][n], d[b][n]), study.min_effect, study.min_seeds)
-                            for n in counts}})
-        v = rows[-1]["d"][s].get(round(f * R))
+        rows.append(TestDepthRow(
+            sublayers=L, loops=R,
+            d={x: {n: paired_verdict(v, study.min_effect, study.min_seeds) for n, v in d[x].items()} for x in (s, b)},
+            vs={n: paired_verdict(pair(d[s][n], d[b][n]), study.min_effect, study.min_seeds) for n in counts}))
+        v = rows[-1].d[s].get(round(f * R))
         if v is not None:
-            parts[f"loss({round(f * R)}) − loss({R}), {s} at {L}"] = {**v, "verdict": NON_INFERIOR.get(
-                v["verdict"], INCONCLUSIVE)}
+            parts[f"loss({round(f * R)}) − loss({R}), {s} at {L}"] = replace(
+                v, verdict=NON_INFERIOR.get(v.verdict, INCONCLUSIVE))
     if waits(parts, unfinished(runs, groups, (s, b)), study.min_seeds):
         return pending("runs with test loops pending", parts=parts, rows=rows)
-    return {"verdict": combine([p["verdict"] for p in parts.values()]), "parts": parts, "rows": rows}
+    return Condition(verdict=combine([p.verdict for p in parts.values()]), parts=parts, rows=rows)
