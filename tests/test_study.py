@@ -1310,6 +1310,32 @@ def test_restore_reports_an_earlier_reports_runs_without_training_them(tmp_path,
     assert not (tmp_path / "d").exists()
 
 
+def test_restore_reports_a_grid_groups_runs(tmp_path, tiny_data):
+    """`keel study FILE --report-only --restore report.json` of a study with a grid group (a sweep)
+    stopped with a traceback (KeyError ''): a restored run's grid result had no name. Now the
+    group's sweep table lists every restored run with the measures it keeps (final loss, tokens,
+    verdict) and a dash for what only a result file holds (best loss, steps, parameters), and its
+    best-over table is the original's."""
+    p = tmp_path / "s.toml"
+    p.write_text('[groups.sw]\nkind = "grid"\ngrid = { "model.residual" = ["keel", "pre_ln"], '
+                 '"train.lr" = [1e-3, 3e-3] }\nbest_over = "train.lr"\n')
+    sets = [f"data.path={tiny_data}", "train.steps=2", "train.batch_size=2", "train.seq_len=16", "train.eval_every=2",
+            "train.eval_tokens=64", "train.sample_tokens=0", "model.d_model=16", "model.d_ff=32"]
+    first = SRun.run_study(str(p), "default", tmp_path / "a", sets, workers=0)
+    again = SRun.run_study(str(p), "default", tmp_path / "r", sets, report_only=True,
+                           restore=tmp_path / "a" / "report.json")
+    a, b = first["group_tables"]["sw"], again["group_tables"]["sw"]
+    assert [r["name"] for r in b["runs"]] == [r["name"] for r in a["runs"]] == \
+        ["keel_lr0.001", "keel_lr0.003", "pre_ln_lr0.001", "pre_ln_lr0.003"]
+    assert [r["final_val_loss"] for r in b["runs"]] == [r["final_val_loss"] for r in a["runs"]]
+    assert b["best"] == a["best"] and len(b["best"]) == 2
+    md = (tmp_path / "r" / "report.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| keel | 0.001 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == f"{a['runs'][0]['final_val_loss']:.4f}" and cells[3] == "—" and cells[6:9] == ["—"] * 3
+    assert "**Held fixed:** not known: no finished run has its result file" in md
+
+
 def test_dry_run_restore_plans_a_transfer_group_at_the_restored_optimum(tmp_path, tiny_data, keel_main):
     """`--dry-run --restore` planned an lr_from group at the middle of its source's LR grid, so the
     restored runs at the real optimum were not counted (the committed CPU report: "155 restored",

@@ -472,10 +472,13 @@ def _sweep_header(summary: dict) -> list[str]:
     held = summary["held_fixed"]
     fixed = [f"{k} = {v:,}" for k, v in held.items() if v != "varies"]
     varies = [k for k, v in held.items() if v == "varies"]
+    what = (f"**Held fixed:** {', '.join(fixed) or 'nothing'}. **Varies:** {', '.join(varies) or 'nothing'}"
+            " (tokens and steps are the planned ones; params include the embedding)." if held else
+            "**Held fixed:** not known: no finished run has its result file (a run restored from an earlier "
+            "report keeps only its measures).")
     return [f"# Sweep {summary['out']}", "",
             f"Base config: `{summary['config']}`; overrides: `{' '.join(summary['sets']) or 'none'}`.", "",
-            f"**Held fixed:** {', '.join(fixed) or 'nothing'}. **Varies:** {', '.join(varies) or 'nothing'}"
-            f" (tokens and steps are the planned ones; params include the embedding).", "",
+            what, "",
             "Losses are validation cross-entropy in nats/token; wall s = seconds in the worker (evaluations "
             "included); depth is blocks (sub-layers).", ""]
 
@@ -483,16 +486,18 @@ def _sweep_header(summary: dict) -> list[str]:
 def _run_cells(run: dict, keys: list[str]) -> list[str]:
     """The row of ``run`` (a grid result's content: :class:`~keel.experiments.job_result.JobResult`) in
     ``sweep.md``'s table of runs: its values of ``keys``, then its losses, size and verdict (a run not done:
-    dashes and its error)."""
+    dashes and its error; a number the result lacks, e.g. the best loss, steps and parameters of a run
+    restored from an earlier report, which keeps only its measures: a dash)."""
     r = JobResult.from_dict(run)
     vals = r.values
     if not r.done:
         return [_cell(k, vals.get(k)) for k in keys] + ["—"] * 8 + [f"error: {r.message}"]
     fv = r.final_val_loss
+    millions = lambda n: None if n is None else n / 1e6
     return [_cell(k, vals.get(k)) for k in keys] + [
         _num(fv), _num(r.best_val_loss), _num(perplexity(fv) if fv is not None else None, "{:.2f}"),
-        f"{r.tokens:,}", str(r.step), f"{r.params / 1e6:.3f}", f"{r.non_embedding_params / 1e6:.3f}",
-        f"{0 if r.wall_s is None else r.wall_s:.0f}", r.verdict]
+        _num(r.tokens, "{:,}"), _num(r.step, "{}"), _num(millions(r.params), "{:.3f}"),
+        _num(millions(r.non_embedding_params), "{:.3f}"), f"{0 if r.wall_s is None else r.wall_s:.0f}", r.verdict or "—"]
 
 
 def _best_over_table(summary: dict) -> list[str]:

@@ -216,7 +216,7 @@ def restored_record(group: Group, job: GridJob, old: RunRecord) -> RunRecord | N
         return None
     rec.update({k: getattr(old, k) for k in ("status", *MEASURE_KEYS, *(k for k in OPTIONAL_KEYS if k in old))},
                restored=True)
-    rec.result = {"values": job.values, "unigram_entropy": old.unigram_entropy,
+    rec.result = {"name": job.name, "values": job.values, "unigram_entropy": old.unigram_entropy,
                   **{k: getattr(rec, k) for k in ("status", *MEASURE_KEYS) if k != "capped_loss"}}
     return rec
 
