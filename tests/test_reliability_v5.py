@@ -857,6 +857,26 @@ def test_study_resume_keeps_the_sets_it_was_started_with(tmp_path, tiny_data, ke
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "other settings (train.steps)" in r.stderr, r.stderr
 
 
+def test_study_report_only_keeps_the_sets_it_was_started_with(tmp_path, tiny_data, keel_main):
+    """`keel study S --out D --report-only` (which refuses --set) rewrote report.json with no `sets`, though
+    the runs were trained with the folder's --set flags: a later --restore of it with those flags was refused
+    as "trained with other settings", and one without them restored runs onto other settings."""
+    study = tmp_path / "s.toml"
+    study.write_text('[groups.g]\nschemes = ["keel"]\n[scales.x.groups.g]\nsublayers = [2]\nseeds = [0]\nlrs = [1e-3]\n')
+    sets = [a for s in (f"data.path={tiny_data}", "train.steps=2", "train.batch_size=2", "train.seq_len=16",
+                        "train.eval_every=2", "train.eval_tokens=64", "train.sample_tokens=0", "model.d_model=16",
+                        "model.d_ff=32") for a in ("--set", s)]
+    out = tmp_path / "o"
+    assert keel_main("study", study, "--scale", "x", "--out", out, "--workers", 0, *sets).returncode == 0
+    started = json.loads((out / "report.json").read_text())["sets"]
+    r = keel_main("study", study, "--scale", "x", "--out", out, "--report-only")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "report.json").read_text())["sets"] == started
+    r = keel_main("study", study, "--scale", "x", "--out", tmp_path / "r", "--report-only",
+                  "--restore", out / "report.json", *sets)
+    assert r.returncode == 0, r.stderr
+
+
 def test_prepare_removes_the_build_folders_of_killed_preparations_only(tmp_path, caplog):
     """`keel prepare` killed by SIGKILL left OUT.tmp-PID behind, and no later prepare removed it."""
     src = tmp_path / "corpus"

@@ -668,8 +668,8 @@ def cmd_study(args: argparse.Namespace) -> int:
     groups = _study_groups(args)
     args.scale = study_scale(args.name, args.scale)
     out = args.out or f"runs/study-{Path(args.name).stem}-{args.scale}"
-    if args.resume:  # the --set flags the study started with (as keel sweep --resume)
-        args = stored_flags(args, out, "study")
+    if args.resume or (args.report_only and args.restore is None):  # the --set flags the study started with
+        args = stored_flags(args, out, "study")  # (as keel sweep --resume); --report-only takes none of its own
     check_path_names(out, "--out")  # "File name too long" was a traceback
     check_output_not_in_checkpoints(out, "--out")
     _check_engine_flags(argparse.Namespace(**{**vars(args), "out": out}))
