@@ -705,6 +705,11 @@ BENCH = ('[groups.b]\nschemes = ["peri_ln"]\nbaselines_from = "g"\nbaselines = [
     # a key the grid sets per run, in a group's set, was accepted and silently overridden (report.md listed it)
     (GROUP.replace("[scales", 'set = { "model.n_layers" = 3 }\n[scales') + CLAIM,
      "group 'g': set model.n_layers: the group's schemes, sublayers, lrs and seeds set it per run"),
+    # a train or ramp group's set of data.* keys was silently ignored: its runs trained on the study's one dataset
+    (GROUP.replace("[scales", 'set = { "data.max_bytes" = 300000 }\n[scales') + CLAIM,
+     "group 'g': set data.max_bytes: the runs of a train group share the study's one dataset"),
+    (RAMPS.replace("ramp_steps = 10", 'ramp_steps = 10\nset = { "data.tokenizer" = "bpe:512" }') + RAMP_CLAIM,
+     "group 'r': set data.tokenizer: the runs of a ramp group share the study's one dataset"),
     # reliability v4: files of the wrong shape were tracebacks (or, for note = 7, a failure after every run)
     ("scales = 5\n" + GROUP.split("[scales")[0] + CLAIM, "scales must be a table, got 5"),
     ("[groups]\nx = 5\n", "\\[groups.x\\] must be a table, got 5"),

@@ -175,6 +175,10 @@ def _group(name: str, spec: dict, sized: dict) -> Group:
     if varied and g.kind_class.axes:  # a grid group's set may fix the base its grid varies (match_params = "auto")
         raise KeelError(f"{where}: set {', '.join(varied)}: the group's schemes, sublayers, lrs and "
                         "seeds set it per run; change those instead")
+    data = sorted(k for k in sets if k.startswith("data."))
+    if data and not g.kind_class.own_data(g):  # its runs get the study's one dataset, prepared without them
+        raise KeelError(f"{where}: set {', '.join(data)}: the runs of a {g.kind} group share the study's one dataset; "
+                        "set data keys in the scale's set or with --set (a grid group's runs prepare their own)")
     check_keys(g, where, sep=": ")
     _refuse_unread(g, where, unread_keys(g, d) + [k for k in plain if k in d and k not in g.kind_class.keys])
     odd = [L for L in g.sublayers if L % 2]
