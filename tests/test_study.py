@@ -635,6 +635,9 @@ BENCH = ('[groups.b]\nschemes = ["peri_ln"]\nbaselines_from = "g"\nbaselines = [
 
 @pytest.mark.parametrize("text, match", [
     ("[scales.x]\n", "a study needs groups, and its claims are \\[\\[claims\\]\\] entries"),
+    # a scale that sized none of the declared groups (sizes in the groups' own tables) trained nothing, exit 0
+    ('[groups.g]\nschemes = ["keel", "pre_ln"]\nsublayers = [2]\nseeds = [0]\nlrs = [1e-3]\n[scales.x]\nnote = "n"\n'
+     + CLAIM, "study scale 'x' sizes none of the groups \\(g\\)"),
     (GROUP + '[claims.b]\ntitle = "t"\n', "its claims are \\[\\[claims\\]\\] entries \\(an array of tables"),
     (GROUP + CLAIM.replace('id = "b"\n', ""), "needs an id"),
     (GROUP + CLAIM + CLAIM, "repeat an id"),

@@ -294,6 +294,9 @@ def study_from_dict(name: str, d: dict, scale: str, user_sets: Sequence[str] = (
     extra = set(sized) - set(d.get("groups", {}))
     if extra:
         raise KeelError(f"study scale {scale!r} sizes undeclared group(s) {', '.join(sorted(extra))}")
+    if d.get("groups") and isinstance(sized, dict) and not sized:  # it would train nothing and judge nothing
+        raise KeelError(f"study scale {scale!r} sizes none of the groups ({', '.join(d['groups'])}): a study with "
+                        f"[scales] trains a group at a scale only with a [scales.{scale}.groups.NAME] table")
     groups = [_group(g, spec, sized[g]) for g, spec in d.get("groups", {}).items() if g in sized]
     for g in groups:
         _check_group_in_study(g, groups)
