@@ -147,3 +147,26 @@ def test_gradflow_refuses_a_plot_it_cannot_write_before_it_profiles(keel_main, t
     assert r.returncode == 2 and r.stdout == "" and not list(tmp_path.iterdir())
     assert r.stderr.startswith(f"keel: error: cannot write {tmp_path / 'x.txt'}: matplotlib writes no .txt files; "
                                "give --plot one of ")
+
+
+def test_plots_read_a_study_grid_group(tiny_data, tmp_path, keel_main):
+    """`keel plot depth OUT` of a `keel study` whose grid group has its sweep table in OUT/report.json was
+    "not a sweep folder (no report.json with a sweep table ...)", and so was the group's own folder OUT/GROUP.
+    Now either draws the group's table (its runs under OUT/GROUP); a study of several grid groups names them."""
+    study = tmp_path / "s.toml"
+    study.write_text('[groups.g]\nkind = "grid"\nbest_over = "train.lr"\n[groups.g.grid]\n'
+                     '"train.lr" = [1e-3, 1e-2]\n"model.n_layers" = [1, 2]\n')
+    sets = tiny_overrides(tiny_data, ("model.n_layers", "train.lr"), steps=2, eval_every=2, checkpoint_every=4)
+    out = tmp_path / "o"
+    r = keel_main("study", study, "--out", out, "--workers", 0, *[a for s in sets for a in ("--set", s)])
+    assert r.returncode == 0, r.stderr
+    for folder in (out, out / "g"):
+        assert len(plot_depth(folder, tmp_path / "depth.png")) == 1
+        assert plot_lr(folder, tmp_path / "lr.png") == 2 and plot_loss_curves([folder], tmp_path / "loss.png") == 4
+    study.write_text(study.read_text() + study.read_text().replace("groups.g", "groups.h"))
+    two = tmp_path / "two"
+    r = keel_main("study", study, "--out", two, "--workers", 0, *[a for s in sets for a in ("--set", s)])
+    assert r.returncode == 0, r.stderr
+    with pytest.raises(KeelError, match=f"several grid groups: give one's folder \\({two / 'g'}, {two / 'h'}\\)"):
+        plot_depth(two, tmp_path / "depth.png")
+    assert len(plot_depth(two / "h", tmp_path / "depth.png")) == 1

@@ -24,7 +24,7 @@ from typing import Sequence
 from keel.errors import KeelError, plural
 from keel.experiments import sensitivity
 from keel.experiments.job_result import JobResult
-from keel.experiments.sweep import load_group_table, load_sweep, usable
+from keel.experiments.sweep import find_sweep, load_group_table, load_sweep, usable
 from keel.rundir import RunDir
 from keel.train.metrics import read_metrics, trailing_mean
 from keel.train.plots import plt, save_figure
@@ -34,10 +34,10 @@ def _run_dirs(paths: Sequence[str | Path]) -> list[tuple[str, Path]]:
     """(label, run dir) for every run folder or every run of a sweep folder."""
     out = []
     for p in map(Path, paths):
-        s = load_group_table(p, "sweep", "sweep.json")
-        if s is not None:
-            names = [JobResult.from_dict(r).name for r in s["runs"]]
-            out += [(name, p / name) for name in names if RunDir(p / name).metrics.is_file()]
+        found = find_sweep(p)
+        if found is not None:  # a sweep's runs, or a study grid group's (in its own folder)
+            names, runs_dir = [JobResult.from_dict(r).name for r in found[0]["runs"]], found[1]
+            out += [(name, runs_dir / name) for name in names if RunDir(runs_dir / name).metrics.is_file()]
         elif RunDir(p).metrics.is_file():
             if not RunDir(p).is_run():  # before reading a metrics.jsonl keel may never have written
                 why = f"no {RunDir.CONFIG}" if not RunDir(p).config.exists() else f"its {RunDir.CONFIG} is not keel's"
@@ -196,7 +196,7 @@ def plot_lr(sweep_dir: str | Path, out: str | Path, title: str = "") -> int:
     sweep = load_sweep(sweep_dir)
     if "train.lr" not in sweep["grid_keys"]:
         raise KeelError("this sweep does not vary train.lr: no LR axis")
-    lines = _lr_lines(sweep, Path(sweep_dir))
+    lines = _lr_lines(sweep, find_sweep(sweep_dir)[1])
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for label, ps in lines.items():
         ps.sort()

@@ -534,10 +534,43 @@ def load_group_table(folder: str | Path, group: str, alias: str) -> dict | None:
 
 
 def load_sweep(sweep_dir: str | Path) -> dict:
-    """The sweep table of a sweep folder (:func:`load_group_table` of group ``sweep``: its
-    ``report.json``, or the ``sweep.json`` of a folder written before it). Raises KeelError if
-    the folder has neither."""
-    data = load_group_table(sweep_dir, "sweep", "sweep.json")
-    if data is None:
+    """The sweep table of a sweep folder (:func:`find_sweep`). Raises KeelError if the folder has none."""
+    found = find_sweep(sweep_dir)
+    if found is None:
         raise KeelError(f"not a sweep folder (no report.json with a sweep table, no sweep.json): {sweep_dir}")
-    return data
+    return found[0]
+
+
+def find_sweep(folder: str | Path) -> tuple[dict, Path] | None:
+    """The sweep table of ``folder`` and the folder its runs are in: a sweep folder's (:func:`load_group_table`
+    of group ``sweep``: its ``report.json``, or the ``sweep.json`` of a folder written before it), else a study
+    grid group's (``report.json``'s group table, the runs under ``folder/GROUP``): of the group folder
+    ``folder``, or of a study folder ``folder`` with one grid group. None where there is none.
+
+    Raises:
+        KeelError: a ``report.json`` that is not JSON; a study folder with several grid groups (naming their folders).
+    """
+    folder = Path(folder)
+    data = load_group_table(folder, "sweep", "sweep.json")
+    if data is not None:
+        return data, folder
+    if (folder / "report.json").is_file():
+        grids = _grid_tables(folder)
+        if len(grids) > 1:
+            raise KeelError(f"{folder} is a study with several grid groups: give one's folder "
+                            f"({', '.join(str(folder / g) for g in grids)})")
+        return next(((t, folder / g) for g, t in grids.items()), None)
+    if (folder.parent / "report.json").is_file():
+        table = _grid_tables(folder.parent).get(folder.name)
+        return None if table is None else (table, folder)
+    return None
+
+
+def _grid_tables(study_dir: Path) -> dict[str, dict]:
+    """The sweep tables (those with ``grid_keys``) of the groups of the study folder ``study_dir``'s report."""
+    p = study_dir / "report.json"
+    try:
+        tables = json.loads(p.read_text()).get("group_tables") or {}
+        return {g: t for g, t in tables.items() if isinstance(t, dict) and "grid_keys" in t}
+    except (ValueError, AttributeError) as e:
+        raise KeelError(f"{p}: not a keel report ({e.__class__.__name__})") from None
