@@ -28,6 +28,7 @@ from keel.errors import KeelError
 from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
 from keel.experiments.grid import cached_result, check_reportable
+from keel.experiments.sweep import run_name
 from keel.experiments.study.run import check_started_runs, execute
 from keel.experiments.study.spec import Group, Study, refuse_sets, study_from_dict
 from keel.io import atomic_write_text
@@ -213,8 +214,10 @@ def run_lr_sensitivity(config: str | None, schemes: Sequence[str], sublayers: Se
     out = Path(out)
     group = Group(name="sensitivity", folder="", schemes=list(schemes), sublayers=list(sublayers), seeds=list(seeds),
                   lrs=lrs, widen=0, table=True)
-    if report_only:
-        _require_finished(out, (), "LR grid")
+    if report_only:  # the run names of TrainKind.jobs: L<sub-layers>_seed<s>_<scheme>_lr<lr>
+        _require_finished(out, [run_name({"model.n_layers": L // 2, "train.seed": sd, "model.residual": s,
+                                          "train.lr": lr}) for L in sublayers for s in schemes for lr in lrs
+                                for sd in seeds], "LR grid")
     report = _execute("lr-sensitivity", config, sets, group, out, report_only=report_only, **engine)
     if engine.get("dry_run"):
         return report
