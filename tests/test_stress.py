@@ -199,3 +199,19 @@ def test_bad_input_one_line_errors(args, msg, capsys, tmp_path):
     assert main(["stress", "--out", str(tmp_path), *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("keel: error: ") and msg in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", ["stress", "lr-sensitivity"])
+def test_report_only_on_a_study_folder_names_the_study(command, keel_main, tiny_data, tmp_path):
+    """`keel stress --out STUDY --report-only` on a `keel study` folder (its runs in its groups' folders) said
+    only "holds no finished run: nothing to report; check --out", though the folder holds a study's finished
+    runs; now the line names the command the folder is of."""
+    study = tmp_path / "s.toml"
+    study.write_text('[groups.g]\nschemes = ["keel"]\nsublayers = [2]\nseeds = [0]\nlrs = [1e-3]\n')
+    sets = [a for s in tiny_overrides(tiny_data, ("model.n_layers", "train.lr", "train.seed"), steps=2,
+                                      eval_every=2, sample_tokens=0) for a in ("--set", s)]
+    out = tmp_path / "o"
+    assert keel_main("study", study, "--out", out, "--workers", 0, *sets).returncode == 0
+    r = keel_main(command, "--out", out, "--report-only")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "holds no finished run of this" in r.stderr and f"it is the folder of `keel study {study}" in r.stderr

@@ -90,14 +90,21 @@ def _require_finished(out: Path, names: Sequence[str], what: str) -> list[str]:
         KeelError: ``out`` holds no finished run (:func:`keel.experiments.grid.check_reportable`),
             or none of ``names`` (a folder of another grid).
     """
-    check_reportable(out)
+    try:  # the command that started out: its grid flags are the ones to give
+        started = json.loads((out / "study.json").read_text(encoding="utf-8"))["command"]
+    except (OSError, ValueError, KeyError, TypeError):
+        started = ""
+    hint = f"its runs are of `{started}`: give those grid flags" if started else "check --out and the grid flags"
+    try:
+        check_reportable(out)
+    except KeelError:
+        if not started:
+            raise
+        # a folder of another command (a study: its runs are in its groups' folders)
+        raise KeelError(f"{out} holds no finished run of this {what}: nothing to report; it is the folder of "
+                        f"`{started}`") from None
     done = [n for n in names if cached_result(out / n) is not None]
     if names and not done:
-        try:  # the command that started out: its grid flags are the ones to give
-            started = json.loads((out / "study.json").read_text(encoding="utf-8"))["command"]
-        except (OSError, ValueError, KeyError, TypeError):
-            started = ""
-        hint = f"its runs are of `{started}`: give those grid flags" if started else "check --out and the grid flags"
         raise KeelError(f"{out} holds no finished run of this {what}: nothing to report; {hint}")
     return done
 
