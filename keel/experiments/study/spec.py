@@ -175,10 +175,7 @@ def _group(name: str, spec: dict, sized: dict) -> Group:
     if varied and g.kind_class.axes:  # a grid group's set may fix the base its grid varies (match_params = "auto")
         raise KeelError(f"{where}: set {', '.join(varied)}: the group's schemes, sublayers, lrs and "
                         "seeds set it per run; change those instead")
-    data = sorted(k for k in sets if k.startswith("data."))
-    if data and not g.kind_class.own_data(g):  # its runs get the study's one dataset, prepared without them
-        raise KeelError(f"{where}: set {', '.join(data)}: the runs of a {g.kind} group share the study's one dataset; "
-                        "set data keys in the scale's set or with --set (a grid group's runs prepare their own)")
+    _refuse_shared_data(g, sets, where)
     check_keys(g, where, sep=": ")
     _refuse_unread(g, where, unread_keys(g, d) + [k for k in plain if k in d and k not in g.kind_class.keys])
     odd = [L for L in g.sublayers if L % 2]
@@ -188,6 +185,15 @@ def _group(name: str, spec: dict, sized: dict) -> Group:
     _check_lr_from(g, d, where)
     _check_loop(g, where)
     return g
+
+
+def _refuse_shared_data(g: Group, sets: dict, where: str) -> None:
+    """Raise KeelError (one line) for ``data.*`` keys in the ``set`` of a group whose runs share the study's one
+    dataset, prepared without them (every kind but a grid group, whose runs prepare their own)."""
+    data = sorted(k for k in sets if k.startswith("data."))
+    if data and not g.kind_class.own_data(g):
+        raise KeelError(f"{where}: set {', '.join(data)}: the runs of a {g.kind} group share the study's one dataset; "
+                        "set data keys in the scale's set or with --set (a grid group's runs prepare their own)")
 
 
 def _check_lr_from(g: Group, given: dict, where: str) -> None:
