@@ -840,9 +840,8 @@ def test_plot_out_overwrites_only_a_plot_keel_wrote(cli_run, tmp_path, capsys):
     assert "a .jpg file carries no mark of keel's" in error_lines(capsys)[-1] and jpg.read_bytes() == before
 
 
-def test_study_resume_keeps_the_sets_it_was_started_with(tmp_path, tiny_data, keel_main):
-    """`keel study S --out D --resume` dropped the --set flags the study started with (keel sweep kept
-    them): it was refused as "started with other settings" or would train with other keys."""
+def _started_study(tmp_path, tiny_data, keel_main):
+    """A one-run study trained into ``tmp_path/o`` with --set flags: (study file, folder, the flags)."""
     study = tmp_path / "s.toml"
     study.write_text('[groups.g]\nschemes = ["keel"]\n[scales.x.groups.g]\nsublayers = [2]\nseeds = [0]\nlrs = [1e-3]\n')
     sets = [a for s in (f"data.path={tiny_data}", "train.steps=2", "train.batch_size=2", "train.seq_len=16",
@@ -850,6 +849,13 @@ def test_study_resume_keeps_the_sets_it_was_started_with(tmp_path, tiny_data, ke
                         "model.d_ff=32") for a in ("--set", s)]
     out = tmp_path / "o"
     assert keel_main("study", study, "--scale", "x", "--out", out, "--workers", 0, *sets).returncode == 0
+    return study, out, sets
+
+
+def test_study_resume_keeps_the_sets_it_was_started_with(tmp_path, tiny_data, keel_main):
+    """`keel study S --out D --resume` dropped the --set flags the study started with (keel sweep kept
+    them): it was refused as "started with other settings" or would train with other keys."""
+    study, out, sets = _started_study(tmp_path, tiny_data, keel_main)
     r = keel_main("study", study, "--scale", "x", "--out", out, "--resume")
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "report.json").read_text())["runs"][0]["status"] == "done"
@@ -861,13 +867,7 @@ def test_study_report_only_keeps_the_sets_it_was_started_with(tmp_path, tiny_dat
     """`keel study S --out D --report-only` (which refuses --set) rewrote report.json with no `sets`, though
     the runs were trained with the folder's --set flags: a later --restore of it with those flags was refused
     as "trained with other settings", and one without them restored runs onto other settings."""
-    study = tmp_path / "s.toml"
-    study.write_text('[groups.g]\nschemes = ["keel"]\n[scales.x.groups.g]\nsublayers = [2]\nseeds = [0]\nlrs = [1e-3]\n')
-    sets = [a for s in (f"data.path={tiny_data}", "train.steps=2", "train.batch_size=2", "train.seq_len=16",
-                        "train.eval_every=2", "train.eval_tokens=64", "train.sample_tokens=0", "model.d_model=16",
-                        "model.d_ff=32") for a in ("--set", s)]
-    out = tmp_path / "o"
-    assert keel_main("study", study, "--scale", "x", "--out", out, "--workers", 0, *sets).returncode == 0
+    study, out, sets = _started_study(tmp_path, tiny_data, keel_main)
     started = json.loads((out / "report.json").read_text())["sets"]
     r = keel_main("study", study, "--scale", "x", "--out", out, "--report-only")
     assert r.returncode == 0, r.stderr
