@@ -346,3 +346,30 @@ def test_the_guide_command_check_catches_a_renamed_flag():
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["train", "--run-folder", "runs/x"])
     assert e.value.code == 2
+
+
+def test_config_study_keys_lists_every_declared_key_of_a_study_file(capsys):
+    """The study file format was documented only by the shipped files (a new user read claims.toml
+    to learn widen, peak_lr, kind ...): `keel config --study-keys` prints every group key and every
+    claim kind's keys from their declarations, with type, default and rule."""
+    import dataclasses
+
+    from keel.cli import main
+    from keel.experiments.study.claims import CLAIMS
+    from keel.experiments.study.spec import Group
+    from keel.keys import key_names
+
+    assert main(["config", "--study-keys"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("a study file: description, base") and "best_over" in lines[0]
+    group = lines[lines.index("study group keys ([groups.NAME]; sized per scale in [scales.S.groups.NAME]):") + 1:]
+    assert [ln.split()[0] for ln in group[:len(key_names(Group))]] == key_names(Group)
+    assert "  widen " in out and "(must be >= 0 (LRs added per side))" in out
+    for kind, cls in CLAIMS.items():
+        assert f'claim keys of test = "{kind}":' in out
+        own = [f.name for f in dataclasses.fields(cls) if f.name in key_names(cls) and f.name not in ("id", "title",
+                                                                                                      "test", "note")]
+        block = out.split(f'claim keys of test = "{kind}":\n')[1].split("\nclaim keys of")[0]
+        assert [ln.split()[0] for ln in block.splitlines() if ln.startswith("  ")] == own
+    assert "  id " in out and "str = required" in out

@@ -58,6 +58,26 @@ def print_schemes() -> None:
             print(f"      {line}")
 
 
+def _print_study_keys() -> None:
+    """Print every key of a study file's tables (:func:`keel.experiments.study.claims.load.describe_study_keys`):
+    a group's, every claim's, then each claim kind's own."""
+    # the study engine lives above the config layer; only this flag pays for importing it
+    keys = importlib.import_module("keel.experiments.study.claims.load").describe_study_keys()
+    heads = {"group": "study group keys ([groups.NAME]; sized per scale in [scales.S.groups.NAME]):",
+             "claim": "claim keys, every kind ([[claims]]):"}
+    width = max(len(k["key"]) for rows in keys.values() for k in rows)
+    print("a study file: description, base (a config preset or file), [verdict] (min_effect, min_seeds, "
+          "floor_from_spread), [groups.NAME], [[claims]], [scales.S] (note, set: config keys of every run, groups); "
+          "each group also takes set (config keys of its runs), a grid group grid = { KEY = [values] }, best_over "
+          "and match_params (as keel sweep's flags). Shipped examples: keel/configs/studies/.")
+    for name, rows in keys.items():
+        print(heads.get(name, f"claim keys of test = \"{name}\":"))
+        for k in rows:
+            rule = f"  (must be {k['rule']})" if k["rule"] else ""
+            default = "required" if k["default"] is None else _value(k["default"])
+            print(f"  {k['key'].ljust(width)}  {k['type']} = {default}  {k['help']}{rule}")
+
+
 def _not_a_run_folder(folder: Path) -> str:
     """Why ``keel config --show FOLDER`` cannot show a folder without a ``config.toml``."""
     held = next((f"a {kind} folder: each of its runs is a run folder inside it (`keel runs {folder}` lists them)"
@@ -74,16 +94,22 @@ def register(subparsers) -> None:
                                            "type, default, meaning and allowed values or range (set any with "
                                            "--set SECTION.KEY=VALUE). "
                                            "With --show: the resolved preset, config file or run folder's config, as TOML. "
-                                           "With --schemes: every residual scheme and its paper.")
+                                           "With --schemes: every residual scheme and its paper. "
+                                           "With --study-keys: every key of a study file's groups and claims.")
     what = pc.add_mutually_exclusive_group()
     what.add_argument("--show", default=None, metavar="PRESET",
                       help="a preset name, TOML file or run folder to print resolved")
     what.add_argument("--schemes", action="store_true",
                     help="list the residual schemes (the values of model.residual) with their papers")
+    what.add_argument("--study-keys", action="store_true",
+                      help="list the keys of a study file (keel study FILE): a group's and each kind of claim's")
     pc.set_defaults(handler=cmd_config)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    if args.study_keys:
+        _print_study_keys()
+        return 0
     if args.schemes:
         print("residual schemes (keel train --set model.residual=NAME):")
         print_schemes()

@@ -12,7 +12,7 @@ from typing import Sequence
 from keel.errors import KeelError
 from keel.experiments.study.claims.base import CLAIMS, Claim
 from keel.experiments.study.spec import Group, Study, read_study
-from keel.keys import check_keys, key_type
+from keel.keys import check_keys, key_names, key_rule, key_type
 
 
 def _check_types(cls: type[Claim], c: dict) -> None:
@@ -124,3 +124,23 @@ def load_study(name: str, scale: str, user_sets: Sequence[str] = ()) -> Study:
     if len(set(ids)) != len(ids):
         raise KeelError(f"study claims repeat an id: {', '.join(ids)}")
     return study
+
+
+def describe_study_keys() -> dict[str, list[dict]]:
+    """Every key of a study file's tables, from its one declaration (:func:`keel.keys.key`), in
+    declaration order: ``{"group": [...], "claim": [...], KIND: [...]}``. ``group``: a group's keys
+    (``[groups.NAME]``, sized per scale in ``[scales.S.groups.NAME]``); ``claim``: the keys every
+    ``[[claims]]`` entry has; ``KIND``: the further keys of a claim with ``test = KIND`` (each kind of
+    :data:`~keel.experiments.study.claims.base.CLAIMS`). Each key ``{"key", "type", "default",
+    "rule", "help"}``; ``default`` None where the key is required (no default)."""
+    def rows(cls: type, names: list[str]) -> list[dict]:
+        out = []
+        for f in (f for f in dataclasses.fields(cls) if f.name in names):
+            default = (f.default if f.default is not MISSING else
+                       f.default_factory() if f.default_factory is not MISSING else None)
+            out.append({"key": f.name, "type": key_type(cls, f.name).text, "default": default,
+                        "rule": key_rule(cls, f.name), "help": f.metadata["help"]})
+        return out
+    common = key_names(Claim)
+    return {"group": rows(Group, key_names(Group)), "claim": rows(Claim, common),
+            **{kind: rows(cls, [k for k in key_names(cls) if k not in common]) for kind, cls in CLAIMS.items()}}
