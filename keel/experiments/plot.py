@@ -193,10 +193,11 @@ def plot_lr(sweep_dir: str | Path, out: str | Path, title: str = "") -> int:
     if summary is not None:
         sensitivity.plot(summary, out)
         return sum(1 for cell in summary["cells"] if cell["n_seeds"])
-    sweep = load_sweep(sweep_dir)
+    found = find_sweep(sweep_dir)  # its table and its runs' folder, read once
+    sweep, runs_dir = found if found is not None else (load_sweep(sweep_dir), None)  # load_sweep: the one-line error
     if "train.lr" not in sweep["grid_keys"]:
         raise KeelError("this sweep does not vary train.lr: no LR axis")
-    lines = _lr_lines(sweep, find_sweep(sweep_dir)[1])
+    lines = _lr_lines(sweep, runs_dir)
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for label, ps in lines.items():
         ps.sort()
