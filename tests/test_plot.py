@@ -170,3 +170,31 @@ def test_plots_read_a_study_grid_group(tiny_data, tmp_path, keel_main):
     with pytest.raises(KeelError, match=f"several grid groups: give one's folder \\({two / 'g'}, {two / 'h'}\\)"):
         plot_depth(two, tmp_path / "depth.png")
     assert len(plot_depth(two / "h", tmp_path / "depth.png")) == 1
+
+
+@pytest.mark.parametrize("kind", ["sweep", "sensitivity"])
+def test_an_lr_plot_with_no_finished_run_is_refused(sweep_dir, tmp_path, kind):
+    """`keel plot lr` on a sweep (or lr-sensitivity folder) with no finished run wrote an empty plot
+    and exited 0; now one line says there is nothing to plot, and no file is written."""
+    import json
+    import shutil
+
+    from keel.cli import main
+
+    folder = tmp_path / "f"
+    if kind == "sweep":
+        shutil.copytree(sweep_dir, folder)
+        rep = json.loads((folder / "report.json").read_text())
+        for r in rep["group_tables"]["sweep"]["runs"]:
+            r["status"] = "error"
+        (folder / "report.json").write_text(json.dumps(rep))
+        (folder / "sweep.json").write_text(json.dumps(rep["group_tables"]["sweep"]))
+    else:
+        folder.mkdir()
+        cell = {"sublayers": 4, "scheme": "keel", "n_seeds": 0, "seeds": {}, "mean_curve": [], "init_loss": 6.2}
+        summary = {"sublayers": [4], "schemes": ["keel"], "lrs": [1e-3, 3e-3], "unigram_entropy": 5.0, "cells": [cell]}
+        (folder / "report.json").write_text(json.dumps({"group_tables": {"sensitivity": summary}}))
+    with pytest.raises(KeelError, match="no finished runs in"):
+        plot_lr(folder, tmp_path / "lr.png")
+    assert main(["plot", "lr", str(folder), "--out", str(tmp_path / "lr.png")]) == 2
+    assert not (tmp_path / "lr.png").exists()

@@ -187,17 +187,23 @@ def plot_lr(sweep_dir: str | Path, out: str | Path, title: str = "") -> int:
     Diverged or stopped runs are drawn as crosses at their last validation loss. Returns
     the number of lines. A ``keel lr-sensitivity`` folder (its ``report.json``'s sensitivity table) is drawn as
     that command draws it (:func:`keel.experiments.sensitivity.plot`: one panel per depth,
-    one line per scheme). Raises KeelError if the sweep does not vary ``train.lr``.
+    one line per scheme). Raises KeelError if the sweep does not vary ``train.lr``, or has no finished
+    run (no cell with a finished seed) to draw.
     """
     summary = load_group_table(sweep_dir, "sensitivity", sensitivity.OUT_JSON)
     if summary is not None:
+        n = sum(1 for cell in summary["cells"] if cell["n_seeds"])
+        if not n:
+            raise KeelError(f"no finished runs in {sweep_dir}: no cell has a finished seed to plot")
         sensitivity.plot(summary, out)
-        return sum(1 for cell in summary["cells"] if cell["n_seeds"])
+        return n
     found = find_sweep(sweep_dir)  # its table and its runs' folder, read once
     sweep, runs_dir = found if found is not None else (load_sweep(sweep_dir), None)  # load_sweep: the one-line error
     if "train.lr" not in sweep["grid_keys"]:
         raise KeelError("this sweep does not vary train.lr: no LR axis")
     lines = _lr_lines(sweep, runs_dir)
+    if not lines:
+        raise KeelError(f"no finished runs in {sweep_dir}: nothing to plot")
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for label, ps in lines.items():
         ps.sort()
