@@ -1745,3 +1745,27 @@ def test_a_restored_ramp_run_does_not_train_its_reference_again(tmp_path, tiny_d
     assert [(x["scheme"], x["seed"], bool(x.get("restored"))) for x in again["runs"]] == [
         ("pre_ln", 0, True), ("keel", 0, True), ("pre_ln", 1, True), ("keel", 1, False)]
     assert [x.name for x in (tmp_path / "b" / "r" / "references").iterdir() if x.is_dir()] == ["pre_ln-2sl-seed1"]
+
+
+def test_restored_runs_the_study_does_not_plan_are_named_not_dropped(tmp_path, tiny_data, caplog):
+    """`--restore` of a report with runs of a group the study no longer has (or at coordinates none of its runs
+    has: the study file edited since) left them out of the new report without a word, so a later restore of that
+    report lost them for good. Now a warning names how many, per group; a report whose runs are all planned
+    gives none."""
+    import logging
+
+    p = tmp_path / "bench.toml"
+    p.write_text(GROUP + BENCH)
+    sets = [f"data.path={tiny_data}", "train.steps=2", "train.batch_size=2", "train.seq_len=16", "train.eval_every=2",
+            "train.eval_tokens=64", "train.sample_tokens=0", "model.d_model=16", "model.d_ff=32"]
+    SRun.run_study(str(p), "x", tmp_path / "a", sets, workers=0)
+    caplog.set_level(logging.WARNING, logger="keel.experiments.study.run")
+    SRun.run_study(str(p), "x", tmp_path / "same", sets, report_only=True, restore=tmp_path / "a" / "report.json")
+    assert not [r for r in caplog.records if "--restore" in r.getMessage()]
+    p.write_text(GROUP.replace('schemes = ["keel", "pre_ln"]', 'schemes = ["keel"]'))  # group b gone, pre_ln too
+    SRun.run_study(str(p), "x", tmp_path / "r", sets, report_only=True, restore=tmp_path / "a" / "report.json")
+    words = [r.getMessage() for r in caplog.records if "--restore" in r.getMessage()]
+    assert words == [f"study: 2 finished runs of --restore {tmp_path / 'a' / 'report.json'} are not planned by this "
+                     "study and left out of its report (group g: 1; group b: 1 (not a group of this study))"]
+    kept = json.loads((tmp_path / "r" / "report.json").read_text())["runs"]
+    assert [(r["scheme"], r["restored"]) for r in kept] == [("keel", True)]

@@ -658,7 +658,8 @@ def _register_study(subparsers) -> None:
                         "the report still covers all")
     p.add_argument("--restore", default=None, metavar="REPORT_JSON",
                    help="an earlier report.json of the same study and scale (e.g. the committed one, when the "
-                        "run folders are gone): its finished runs are not trained again and count in the report")
+                        "run folders are gone): its finished runs are not trained again and count in the report; "
+                        "a warning names those the study no longer plans (left out of the new report)")
     p.add_argument("--json", action="store_true", help="print the verdicts (or the plan) as JSON on stdout")
     p.set_defaults(handler=cmd_study)
 

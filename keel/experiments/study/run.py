@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import signal
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -220,8 +221,25 @@ def execute(study: Study, out: str | Path, *, workers: int | None = None, thread
                                 grid=grid, restored=restored, superseded=superseded)
     report = write_report(study, runs, out, _unigram_entropy(data_dir, runs), first_command, restore, superseded,
                           waiting)
+    _warn_restored_left_out(restored, runs, superseded, restore)
     _warn_failed(runs, out)
     return report
+
+
+def _warn_restored_left_out(restored: dict[tuple[str, str], RunRecord], runs: list[RunRecord],
+                            superseded: list[RunRecord], restore: str | Path | None) -> None:
+    """Log a warning naming the finished runs of the ``--restore`` report (``restored``, :func:`load_restored`)
+    that the new report (``runs``, ``superseded``) leaves out: runs of a group this study does not have, or at
+    coordinates none of its planned runs has (a study file edited since). A later ``--restore`` of the new
+    report would not have them."""
+    kept = {(r.group, r.name) for r in runs if r.restored} | {(r.group, r.name) for r in superseded}
+    left = Counter(g for g, name in restored if (g, name) not in kept)
+    if left:
+        n = sum(left.values())
+        where = "; ".join(f"group {g}: {k}" + ("" if g in {r.group for r in runs} else " (not a group of this study)")
+                          for g, k in left.items())
+        _log.warning(f"study: {plural(n, 'finished run')} of --restore {restore} {'is' if n == 1 else 'are'} not "
+                     f"planned by this study and left out of its report ({where})")
 
 
 def base_sets(study: Study) -> list:
