@@ -83,7 +83,7 @@ def test_slurm_parameters_map_to_submitit_and_sbatch():
     assert E.slurm_parameters(ex) == {
         "timeout_min": 120, "tasks_per_node": 2, "gpus_per_node": 8, "slurm_partition": "gpu", "slurm_account": "lab",
         "nodes": 2,
-        "slurm_qos": "high", "slurm_additional_parameters": {"exclusive": "", "mail-type": "END"}}
+        "slurm_qos": "high", "slurm_additional_parameters": {"exclusive": True, "mail-type": "END"}}
     # without gpus=, a Slurm job asks for the GPUs of a run; the time limit defaults to a day
     assert E.slurm_parameters(E.Executor("slurm", gpus_per_run=4)) == {"timeout_min": 1440, "gpus_per_node": 4,
                                                                        "tasks_per_node": 4}
@@ -332,6 +332,20 @@ def test_a_slurm_grid_is_one_job_array_with_a_cap_a_name_setup_lines_and_the_job
 def test_slurm_keys_keel_sets_or_checks_are_one_line_errors(args, match, tmp_path, keel_main):
     r = keel_main("sweep", "--grid", "train.lr=1e-3", "--out", tmp_path / "o", "--executor", "slurm", "--dry-run", *args)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and match in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("items,option,lines", [
+    (["exclusive="], "exclusive", ["#SBATCH --exclusive"]),  # was --exclusive='': sbatch refuses an empty value
+    (["requeue="], "requeue", ["#SBATCH --requeue"]),
+    (["mail-type=END"], "mail-type", ["#SBATCH --mail-type=END"]),
+])
+def test_a_passed_on_sbatch_option_reaches_the_job_script_as_sbatch_takes_it(items, option, lines, fake_slurm,
+                                                                              tmp_path):
+    """An sbatch option keel does not know goes into the job script as given; ``KEY=`` with no value is the
+    flag ``--KEY`` (docs/cluster.md: ``exclusive=``), not ``--KEY=''``, which sbatch refuses."""
+    sub = E._make_executor(E.Executor("slurm", E.parse_slurm(items)), tmp_path / "s", None, 1)._executor
+    script = sub._make_submission_file_text("true", "uid").splitlines()
+    assert [line for line in script if line.startswith(f"#SBATCH --{option}")] == lines, script
 
 
 def test_slurm_setup_lines_signal_delay_and_requeue_limit_reach_submitit(fake_slurm, tmp_path):

@@ -207,7 +207,7 @@ def slurm_parameters(ex: Executor) -> dict:
         elif k in SLURM_KEYS:
             params[SLURM_KEYS[k]] = v
         else:
-            extra[k] = v
+            extra[k] = v or True  # an empty value is a flag: submitit writes True as a bare --KEY, "" as --KEY=''
     if params.get("gpus_per_node") == 0:  # a CPU partition: no GPU request at all (sbatch has no gres there)
         del params["gpus_per_node"]
     if extra:
