@@ -328,6 +328,9 @@ def test_a_slurm_grid_is_one_job_array_with_a_cap_a_name_setup_lines_and_the_job
     (["--slurm", "name="], "--slurm name= is empty"),
     (["--slurm", "signal_delay_s=0"], "--slurm signal_delay_s= must be a whole number >= 1"),
     (["--slurm", "max_num_timeout=x"], "--slurm max_num_timeout= must be a whole number, got 'x'"),
+    # the same sbatch option twice, spelt two ways: one was dropped silently (mem=4G won over mem_gb=8)
+    (["--slurm", "mem=4G", "--slurm", "mem_gb=8"], "--slurm mem= and mem_gb= both set sbatch's --mem; give one"),
+    (["--slurm", "gpus=1", "--slurm", "gpus-per-node=2"], "--slurm gpus-per-node= and gpus= both set sbatch's"),
 ])
 def test_slurm_keys_keel_sets_or_checks_are_one_line_errors(args, match, tmp_path, keel_main):
     r = keel_main("sweep", "--grid", "train.lr=1e-3", "--out", tmp_path / "o", "--executor", "slurm", "--dry-run", *args)
@@ -338,6 +341,8 @@ def test_slurm_keys_keel_sets_or_checks_are_one_line_errors(args, match, tmp_pat
     (["exclusive="], "exclusive", ["#SBATCH --exclusive"]),  # was --exclusive='': sbatch refuses an empty value
     (["requeue="], "requeue", ["#SBATCH --requeue"]),
     (["mail-type=END"], "mail-type", ["#SBATCH --mail-type=END"]),
+    # sbatch's own spelling of the GPUs per node replaces the default (--gpus-per-run), not a second line after it
+    (["gpus-per-node=a100:2"], "gpus-per-node", ["#SBATCH --gpus-per-node=a100:2"]),
 ])
 def test_a_passed_on_sbatch_option_reaches_the_job_script_as_sbatch_takes_it(items, option, lines, fake_slurm,
                                                                               tmp_path):

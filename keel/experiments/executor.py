@@ -70,6 +70,9 @@ SLURM_KEYS = {"partition": "slurm_partition", "account": "slurm_account", "time"
               "name": "name", "setup": "slurm_setup", "signal_delay_s": "slurm_signal_delay_s",
               "max_num_timeout": "slurm_max_num_timeout"}
 _SLURM_ALIASES = {"job-name": "name", "job_name": "name", "cpus-per-task": "cpus", "cpus_per_task": "cpus"}
+# sbatch options that a key of SLURM_KEYS also writes: given both ways, submitit would drop one silently
+# (mem=4G overrides mem_gb=8) or write both (--gpus-per-node twice, the last one winning)
+_SBATCH_TWINS = {"mem": "mem_gb", "gpus-per-node": "gpus"}
 _INT_KEYS = {"time", "gpus", "nodes", "cpus", "mem_gb", "array_parallelism", "signal_delay_s", "max_num_timeout"}
 _ZERO_OK = {"gpus", "max_num_timeout"}  # the numeric keys that may be 0 (a CPU partition; no requeue after a timeout)
 MAX_TIME_MIN = 366 * 24 * 60  # the longest --slurm time= keel passes on (minutes: a year; more is a typo)
@@ -184,7 +187,8 @@ def slurm_parameters(ex: Executor) -> dict:
         KeelError: a numeric key (time, gpus, nodes, cpus, mem_gb, array_parallelism, signal_delay_s,
             max_num_timeout) that is not a whole number >= 1 (gpus, max_num_timeout: >= 0); a ``time`` above
             :data:`MAX_TIME_MIN`; an empty value of a :data:`SLURM_KEYS` key (``partition=``, ``setup=``,
-            ``name=``: sbatch would get ``--partition=`` or a job without its setup; ``exclusive=`` is a flag).
+            ``name=``: sbatch would get ``--partition=`` or a job without its setup; ``exclusive=`` is a flag);
+            sbatch's ``mem`` with ``mem_gb``, or its ``gpus-per-node`` with ``gpus`` (one would be lost).
     """
     params: dict = {"timeout_min": DEFAULT_TIME_MIN}
     if ex.gpus_per_run > 1:  # one process per GPU, each a task of the job (GridCall gives it its rank)
@@ -207,6 +211,11 @@ def slurm_parameters(ex: Executor) -> dict:
         elif k in SLURM_KEYS:
             params[SLURM_KEYS[k]] = v
         else:
+            twin = _SBATCH_TWINS.get(k.replace("_", "-"))
+            if twin in ex.slurm:
+                raise KeelError(f"--slurm {k}= and {twin}= both set sbatch's --{k.replace('_', '-')}; give one of them")
+            if twin == "gpus":  # sbatch's own spelling of the GPUs per node replaces the default one
+                params.pop("gpus_per_node", None)
             extra[k] = v or True  # an empty value is a flag: submitit writes True as a bare --KEY, "" as --KEY=''
     if params.get("gpus_per_node") == 0:  # a CPU partition: no GPU request at all (sbatch has no gres there)
         del params["gpus_per_node"]
