@@ -108,14 +108,21 @@ def test_bad_executor_flags_are_one_line_errors(args, match, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.skipif(shutil.which("sbatch") is not None, reason="Slurm is installed here")
-def test_executor_slurm_without_slurm_is_one_line_and_writes_nothing(tmp_path, capsys):
-    """submitit's `Could not detect "srun"` traceback came after study.json and grid.json were written."""
+@pytest.mark.parametrize("on_path,missing", [((), "sbatch"), (("sbatch",), "srun")])
+def test_executor_slurm_without_slurm_is_one_line_and_writes_nothing(on_path, missing, tmp_path, capsys, monkeypatch):
+    """submitit's `Could not detect "srun"` traceback came after study.json and grid.json were written (also
+    where sbatch was on PATH but srun, which the job script and submitit need, was not)."""
     from keel.cli import main
 
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in on_path:
+        (bin_dir / name).write_text("#!/bin/sh\nexit 1\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
     assert main(["sweep", "--grid", "train.lr=1e-3", "--out", str(tmp_path / "o"), "--executor", "slurm"]) == 2
-    assert capsys.readouterr().err == ("keel: error: --executor slurm needs Slurm (sbatch is not on PATH here); run on a "
-                                       "Slurm login node, or use --executor local or submitit-local\n")
+    assert capsys.readouterr().err == (f"keel: error: --executor slurm needs Slurm ({missing} is not on PATH here); run "
+                                       "on a Slurm login node, or use --executor local or submitit-local\n")
     assert not (tmp_path / "o").exists()
     assert main(["sweep", "--grid", "train.lr=1e-3", "--out", str(tmp_path / "o"), "--executor", "slurm",
                  "--dry-run"]) == 0  # planning needs no Slurm

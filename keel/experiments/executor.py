@@ -141,10 +141,12 @@ class Executor:
 
 
 def check_slurm_here(ex: Executor | None) -> None:
-    """Raise KeelError where ``ex`` is Slurm's and ``sbatch`` is not on PATH (submitit's traceback said
-    ``Could not detect "srun"``, after the output folder was written)."""
-    if ex is not None and ex.kind == "slurm" and shutil.which("sbatch") is None:
-        raise KeelError("--executor slurm needs Slurm (sbatch is not on PATH here); run on a Slurm login node, "
+    """Raise KeelError where ``ex`` is Slurm's and ``sbatch`` or ``srun`` (submitit's job scripts start the job
+    with it) is not on PATH (submitit's traceback said ``Could not detect "srun"``, after the output folder was
+    written)."""
+    missing = next((c for c in ("sbatch", "srun") if shutil.which(c) is None), None)
+    if ex is not None and ex.kind == "slurm" and missing:
+        raise KeelError(f"--executor slurm needs Slurm ({missing} is not on PATH here); run on a Slurm login node, "
                         "or use --executor local or submitit-local")
 
 
