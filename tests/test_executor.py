@@ -360,6 +360,20 @@ def test_a_passed_on_sbatch_option_reaches_the_job_script_as_sbatch_takes_it(ite
     assert [line for line in script if line.startswith(f"#SBATCH --{option}")] == lines, script
 
 
+@pytest.mark.parametrize("setup,python", [
+    ([], shlex.quote(sys.executable)),  # the driver's own Python
+    (["setup=module load cuda"], shlex.quote(sys.executable)),
+    (["setup=source /shared/venv/bin/activate"], "python"),  # the Python that setup line put first on PATH
+    (["setup=module load cuda", "setup=conda activate keel"], "python"),
+])
+def test_a_job_starts_the_python_a_setup_line_activates(setup, python, fake_slurm, tmp_path):
+    """docs/cluster.md: a job starts the driver's Python (sys.executable) unless a setup line activates another;
+    the job script started sys.executable even after `source .../bin/activate`."""
+    sub = E._make_executor(E.Executor("slurm", E.parse_slurm(setup)), tmp_path / "s", None, 1)._executor
+    script = sub._make_submission_file_text(sub._submitit_command_str, "uid")
+    assert f" {python} -u -m submitit.core._submit " in script, script
+
+
 def test_slurm_setup_lines_signal_delay_and_requeue_limit_reach_submitit(fake_slurm, tmp_path):
     ex = E.Executor("slurm", E.parse_slurm(["setup=module load cuda", "setup=source .venv/bin/activate",
                                             "signal_delay_s=300", "max_num_timeout=7"]))

@@ -41,6 +41,7 @@ import functools
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -342,7 +343,8 @@ def _make_executor(ex: Executor, folder: Path, threads: int | None, cap: int):
     """A submitit executor writing into ``folder``: submitit-local's controllers each in a session of their
     own (:func:`_own_sessions`); on Slurm a grid's runs go as one job array of at most ``cap`` at a time
     (``slurm_array_parallelism``), each run asking for ``threads`` CPUs where ``--threads`` was given and
-    ``--slurm cpus=`` was not."""
+    ``--slurm cpus=`` was not, and starting this Python (``sys.executable``) unless a setup line activates an
+    environment, whose ``python`` it then starts."""
     import submitit  # noqa: PLC0415 - only the submitit executors need it
 
     params = slurm_parameters(ex)
@@ -354,7 +356,10 @@ def _make_executor(ex: Executor, folder: Path, threads: int | None, cap: int):
         if threads and "cpus_per_task" not in params:
             params["cpus_per_task"] = threads
         params.setdefault("slurm_array_parallelism", cap)
-        out = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=requeues)
+        # a setup line that activates an environment (source .venv/bin/activate, conda activate) picks the Python
+        activates = any(re.search(r"\bactivate\b", line) for line in params.get("slurm_setup", ()))
+        out = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=requeues,
+                                    slurm_python="python" if activates else None)
     out.update_parameters(**params)
     return out
 
