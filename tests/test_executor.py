@@ -505,6 +505,26 @@ def test_a_bare_resume_takes_the_folders_executor_and_another_is_refused(tiny_da
         "kind": "submitit-local", "slurm": {}, "gpus_per_run": 1, "share_gpus": False, "workers": 2, "threads": None}
 
 
+@pytest.mark.parametrize("given,kept", [
+    (["time=240"], {"partition": "cpu", "gpus": "0", "setup": "module load x", "time": "240"}),
+    (["setup=module load y"], {"partition": "cpu", "gpus": "0", "setup": "module load y", "time": "30"}),
+])
+def test_resume_with_new_slurm_settings_replaces_those_keys_and_keeps_the_others(given, kept, tmp_path, fake_slurm):
+    """docs/cluster.md: on resume, the same executor with new settings (a longer time=) replaces them. A
+    `--resume --executor slurm --slurm time=240` dropped every other recorded key (partition, gpus=0, setup),
+    so the jobs submitted again went to the default partition, asked for a GPU and ran without their setup."""
+    from keel.experiments.study.run import engine_executor
+
+    out = tmp_path / "sweep"
+    out.mkdir()
+    started = E.Executor("slurm", E.parse_slurm(["partition=cpu", "gpus=0", "setup=module load x", "time=30"]))
+    (out / "study.json").write_text(json.dumps({"study": "sweep", "scale": "cli", "command": "keel sweep",
+                                                "executor": {**started.record(), "workers": 3, "threads": None}}))
+    ex, workers, _ = engine_executor(out, E.Executor("slurm", E.parse_slurm(given)), None, None, "sweep")
+    assert (dict(ex.slurm), workers) == (kept, 3)
+    assert json.loads((out / "study.json").read_text())["executor"]["slurm"] == kept
+
+
 def _claimed(out: Path) -> Path:
     out.mkdir()
     (out / "study.json").write_text(json.dumps({"study": "sweep", "scale": "cli", "command": "keel sweep"}))

@@ -254,7 +254,8 @@ def engine_executor(out: Path, given: Executor | None, workers: int | None, thre
                     label: str) -> tuple[Executor, int, int | None]:
     """The executor, workers and threads this training invocation of study folder ``out`` uses, recorded in
     its ``study.json`` (``executor``): what is given, else (a ``--resume`` without the flags) what the folder
-    recorded, else the local executor with 1 worker; ``label`` (the study's name) names Slurm jobs.
+    recorded, else the local executor with 1 worker; ``label`` (the study's name) names Slurm jobs. A
+    ``--slurm KEY=VALUE`` given on resume replaces that key of the recorded ones and keeps the others.
 
     Raises:
         KeelError: ``given`` is another executor than the one ``out`` was started with (its Slurm job ids
@@ -272,6 +273,8 @@ def engine_executor(out: Path, given: Executor | None, workers: int | None, thre
             raise KeelError(f"{out} was started with --executor {was.kind}, not {given.kind}; continue it with "
                             f"--executor {was.kind} (or leave --executor out: {marker} holds its settings), or use "
                             "another --out")
+        if given is not None and given.slurm != was.slurm:  # --slurm KEY=V on resume replaces KEY, keeps the rest
+            given = replace(given, slurm={**was.slurm, **given.slurm})
         given = given or was
         workers = rec.get("workers") if workers is None else workers
         threads = rec.get("threads") if threads is None else threads
