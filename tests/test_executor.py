@@ -330,6 +330,24 @@ def test_a_slurm_grid_is_one_job_array_with_a_cap_a_name_setup_lines_and_the_job
     assert E.job_name(E.Executor("slurm", E.parse_slurm(["job-name=mine"])), tmp_path / "g") == "mine"
 
 
+def test_a_resume_marks_runs_that_finished_while_the_driver_was_away_done_in_the_ledger(fake_slurm, tmp_path):
+    """The driver stopped (Ctrl-C) while its jobs ran; they finished; `--resume` found every run finished and
+    left jobs.json saying "running" for each, for good. Now their entries say "done"."""
+    import fake_slurm as F
+
+    jobs = [G.GridJob(f"r{i}", {"i": i}) for i in range(2)]
+    ex = E.Executor("slurm", E.parse_slurm(["gpus=0"]), poll_s=0.1)
+    G.run_grid(jobs, tmp_path / "g", F.job_env, workers=2, executor=ex)
+    ledger_file = tmp_path / "g" / "jobs.json"
+    ledger = json.loads(ledger_file.read_text())
+    for entry in ledger["jobs"].values():
+        entry["state"] = "running"  # what the driver had written when it was stopped
+    ledger_file.write_text(json.dumps(ledger))
+    G.run_grid(jobs, tmp_path / "g", F.job_env, workers=2, executor=ex, resume=True)
+    assert {k: v["state"] for k, v in json.loads(ledger_file.read_text())["jobs"].items()} == {
+        "r0": "done", "r1": "done"}
+
+
 @pytest.mark.parametrize("args,match", [
     (["--slurm", "array=0-9"], "--slurm array= is keel's to set: a grid is one job array; its cap is --workers N"),
     (["--slurm", "name="], "--slurm name= is empty"),

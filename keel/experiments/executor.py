@@ -414,6 +414,24 @@ def check_ledger(out_dir: str | Path, kind: str) -> None:
                         f"with --executor {was} (or leave --executor out), or use another --out")
 
 
+def settle_ledger(out_dir: str | Path, kind: str, finished: Sequence[str]) -> None:
+    """Mark the ledger entries of the runs ``finished`` (their ``result.json`` is there) ``done``: their jobs
+    ended while no driver watched them (it was stopped), and a ``--resume`` does not look at them again, so
+    ``jobs.json`` would say ``running`` or ``queued`` for good. A ledger of another executor is left alone."""
+    path = Path(out_dir) / LEDGER_FILE
+    try:
+        was = json.loads(path.read_text()).get("executor")
+    except (OSError, ValueError, AttributeError):
+        return
+    ledger = _load_ledger(Path(out_dir))
+    stale = [n for n in finished if n in ledger and ledger[n].get("state") != "done"]
+    if was != kind or not stale:
+        return
+    for n in stale:
+        ledger[n].update(state="done", updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    _save_ledger(Path(out_dir), kind, ledger)
+
+
 def _job_handle(kind: str, folder: Path, job_id: str):
     """A submitit job object for a job submitted earlier (by this process or another)."""
     import submitit  # noqa: PLC0415
