@@ -561,3 +561,33 @@ def test_local_slurm_sh_refuses_a_non_empty_folder_it_did_not_make(tmp_path):
     assert r.stderr == f"local_slurm.sh: {tmp_path} is not empty and was not made by this script; give a new or " \
                        "empty folder\n"
     assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"] and (tmp_path / "mine.txt").read_text() == "keep"
+
+
+@pytest.mark.parametrize("state,expected", [
+    ((), ["--config", "demo", "--run-dir", "RUN", "--set", "train.parallelism=fsdp", "--set", "train.steps=40"]),
+    (("config.toml",), ["--config", "demo", "--run-dir", "RUN", "--set", "train.parallelism=fsdp",
+                        "--set", "train.steps=40", "--restart"]),  # requeued before its first checkpoint
+    # a requeued job, or a new sbatch of the same run: its arguments reach keel's resume rules (a changed
+    # train.steps applies, a model.* key is refused in one line) instead of being dropped without a word
+    (("config.toml", "checkpoints/latest"), ["--resume", "RUN", "--set", "train.steps=40"]),
+])
+def test_train_sbatch_passes_its_arguments_to_keel_train_also_when_it_resumes(state, expected, tmp_path):
+    """examples/slurm/train.sbatch: what it runs under srun, for a new run, one without a checkpoint and
+    one with. `sbatch train.sbatch --set model.residual=pre_ln` over an existing run resumed that run and
+    ignored the --set (exit 0)."""
+    run = tmp_path / "run"
+    for rel in state:
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_text("x")
+    python = tmp_path / "python"  # records what keel train would get
+    python.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {tmp_path / 'argv'}\n")
+    python.chmod(0o755)
+    stubs = ("srun() { while [ \"${1#-}\" != \"$1\" ]; do shift; done; \"$@\"; }; scontrol() { echo node1; }; "
+             "export -f srun scontrol")
+    env = {**os.environ, "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "t", "SLURM_JOB_NODELIST": "node1",
+           "CONFIG": "demo", "RUN": str(run), "KEEL_PYTHON": str(python), "MASTER_PORT": "29500"}
+    r = subprocess.run(["bash", "-c", f"{stubs}; exec bash {REPO / 'examples' / 'slurm' / 'train.sbatch'} "
+                        "--set train.steps=40"], env=env, capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 0, r.stderr
+    argv = (tmp_path / "argv").read_text().splitlines()
+    assert argv == ["-m", "keel", "train", *[str(run) if a == "RUN" else a for a in expected]], argv
