@@ -356,6 +356,9 @@ def test_a_resume_marks_runs_that_finished_while_the_driver_was_away_done_in_the
     # the same sbatch option twice, spelt two ways: one was dropped silently (mem=4G won over mem_gb=8)
     (["--slurm", "mem=4G", "--slurm", "mem_gb=8"], "--slurm mem= and mem_gb= both set sbatch's --mem; give one"),
     (["--slurm", "gpus=1", "--slurm", "gpus-per-node=2"], "--slurm gpus-per-node= and gpus= both set sbatch's"),
+    # the warning before the time limit at or before the job's start: every attempt stopped after one step
+    (["--slurm", "time=1"], "--slurm signal_delay_s=90 (the default) is not below time=1 (60 s)"),
+    (["--slurm", "time=60", "--slurm", "signal_delay_s=3600"], "--slurm signal_delay_s=3600 is not below time=60"),
 ])
 def test_slurm_keys_keel_sets_or_checks_are_one_line_errors(args, match, tmp_path, keel_main):
     r = keel_main("sweep", "--grid", "train.lr=1e-3", "--out", tmp_path / "o", "--executor", "slurm", "--dry-run", *args)

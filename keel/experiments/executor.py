@@ -62,6 +62,7 @@ LEDGER_FILE = "jobs.json"
 SUBMITIT_DIR = "submitit"  # under a grid folder: submitit's pickles and each job's stdout / stderr
 PREEMPT_SIGNAL = signal.SIGUSR2  # what submitit asks Slurm for before a time limit (SUBMITIT_PREEMPT_SIGNAL)
 DEFAULT_TIME_MIN = 24 * 60  # a job's time limit when --slurm time=... is not given (minutes)
+DEFAULT_SIGNAL_DELAY_S = 90  # submitit's: SIGUSR2 this many seconds before the time limit
 
 # --slurm KEY=VALUE: the short names and the submitit parameter each sets; any other key is passed to
 # sbatch as --KEY=VALUE (slurm_additional_parameters)
@@ -189,7 +190,7 @@ def slurm_parameters(ex: Executor) -> dict:
     Raises:
         KeelError: a numeric key (time, gpus, nodes, cpus, mem_gb, array_parallelism, signal_delay_s,
             max_num_timeout) that is not a whole number >= 1 (gpus, max_num_timeout: >= 0); a ``time`` above
-            :data:`MAX_TIME_MIN`; an empty value of a :data:`SLURM_KEYS` key (``partition=``, ``setup=``,
+            :data:`MAX_TIME_MIN`; a ``signal_delay_s`` not below ``time``; an empty value of a :data:`SLURM_KEYS` key (``partition=``, ``setup=``,
             ``name=``: sbatch would get ``--partition=`` or a job without its setup; ``exclusive=`` is a flag);
             sbatch's ``mem`` with ``mem_gb``, or its ``gpus-per-node`` with ``gpus`` (one would be lost).
     """
@@ -220,6 +221,12 @@ def slurm_parameters(ex: Executor) -> dict:
             if twin == "gpus":  # sbatch's own spelling of the GPUs per node replaces the default one
                 params.pop("gpus_per_node", None)
             extra[k] = v or True  # an empty value is a flag: submitit writes True as a bare --KEY, "" as --KEY=''
+    delay = params.get("slurm_signal_delay_s", DEFAULT_SIGNAL_DELAY_S)
+    if delay >= params["timeout_min"] * 60:  # Slurm would send the warning at the job's start, every attempt
+        given = "" if "signal_delay_s" in ex.slurm else " (the default)"
+        raise KeelError(f"--slurm signal_delay_s={delay}{given} is not below time={params['timeout_min']} "
+                        f"({params['timeout_min'] * 60} s): each job would be told to stop as it starts; give a "
+                        "longer time= or a smaller signal_delay_s=")
     if params.get("gpus_per_node") == 0:  # a CPU partition: no GPU request at all (sbatch has no gres there)
         del params["gpus_per_node"]
     if extra:
