@@ -348,6 +348,24 @@ def test_a_resume_marks_runs_that_finished_while_the_driver_was_away_done_in_the
         "r0": "done", "r1": "done"}
 
 
+@pytest.mark.parametrize("sets", [["train.device=cuda"], ["train.batch_size=4000000"]])
+def test_a_slurm_grid_is_not_refused_for_what_the_login_node_lacks(sets, tiny_data, fake_slurm, tmp_path, keel_main):
+    """The driver checked each run against this machine: a login node without a GPU refused
+    `--set train.device=cuda`, one with less memory than the compute nodes a model or batch too large for
+    itself, though the runs go to Slurm's nodes. Now a Slurm grid is submitted (here the fake Slurm's job,
+    on this machine, fails in its place, as on a node without the GPU it asked for)."""
+    out = tmp_path / "o"
+    r = keel_main("sweep", *_sets(tiny_data, drop=("train.lr",)), *sum((["--set", s] for s in sets), []),
+                  "--grid", "train.lr=1e-3", "--out", out, "--executor", "slurm", "--slurm", "gpus=0")
+    assert len(list((fake_slurm / "submissions").iterdir())) == 1, r.stderr
+    assert r.returncode == 1 and "(job 1000)" in r.stderr and "[1/1] lr0.001: error: " in r.stderr, r.stderr
+    # the same grid here (submitit-local) is still checked against this machine, before anything starts
+    r = keel_main("sweep", *_sets(tiny_data, drop=("train.lr",)), *sum((["--set", s] for s in sets), []),
+                  "--grid", "train.lr=1e-3", "--out", tmp_path / "here", "--executor", "submitit-local")
+    assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith("keel: error: run lr0.001: "), r.stderr
+    assert not (tmp_path / "here" / "lr0.001").exists()
+
+
 @pytest.mark.parametrize("args,match", [
     (["--slurm", "array=0-9"], "--slurm array= is keel's to set: a grid is one job array; its cap is --workers N"),
     (["--slurm", "name="], "--slurm name= is empty"),

@@ -37,7 +37,8 @@ _log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- collecting runs
-def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[str], grid: Callable = run_grid,
+def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[str],
+            grid: Callable = functools.partial(run_grid, check=check_train_job),
             restored: dict[tuple[str, str], dict] | None = None,
             superseded: list[RunRecord] | None = None) -> tuple[list[RunRecord], list[dict]]:
     """Run or only read every group in order; return the run records (:func:`run_record`) of
@@ -45,7 +46,8 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[st
     finished: skipped, logged, run on a later invocation) a dict for :func:`.report.waiting_words`.
     ``train``: True trains every group, False none, a list of group names only those (the other
     groups are read, so the report still covers them). ``grid``: :func:`keel.experiments.grid.run_grid`
-    with the workers, threads and executor bound. ``restored``: :func:`load_restored`; a
+    with the workers, threads, executor and each run's check (:func:`keel.experiments.sweep.check_train_job`)
+    bound. ``restored``: :func:`load_restored`; a
     run there is not trained, and its record stands in unless its own folder holds a result."""
     restored = restored or {}
     runs: list[dict] = []
@@ -124,8 +126,8 @@ def _train_jobs(g: Group, refs: list[GridJob], todo: list[GridJob], n_jobs: int,
               + (f" ({n_jobs - len(todo)} more restored)" if len(todo) < n_jobs else "")
               + (f" + {plural(len(refs), 'reference run')}" if refs else ""))
     if refs:
-        grid(refs, gdir / ST.REFERENCES, train_task, resume=True, check=check_train_job)
-    got = grid(todo, gdir, g.kind_class.task(g), resume=True, check=check_train_job)
+        grid(refs, gdir / ST.REFERENCES, train_task, resume=True)
+    got = grid(todo, gdir, g.kind_class.task(g), resume=True)
     return {j.name: r for j, r in zip(todo, map(JobResult.from_dict, got)) if r.status == "error"}
 
 
@@ -215,7 +217,10 @@ def execute(study: Study, out: str | Path, *, workers: int | None = None, thread
             executor, workers, threads = engine_executor(out, executor, workers, threads, study.name)
         data_dir = study_dataset(base, planned_jobs(study, NO_DATA, out, restored)) \
             if shares_data(study, report_only) else NO_DATA  # prepared once; every run's vocab_size checked on it
-        grid = functools.partial(run_grid, workers=workers or 0, threads=threads or None, executor=executor)
+        # each run is checked before the first starts; on Slurm not against this (login) node's device and memory
+        check = functools.partial(check_train_job, here=executor is None or executor.kind != "slurm")
+        grid = functools.partial(run_grid, workers=workers or 0, threads=threads or None, executor=executor,
+                                 check=check)
         runs, waiting = collect(study, data_dir, out, train=False if report_only else (list(groups) or True),
                                 grid=grid, restored=restored, superseded=superseded)
     report = write_report(study, runs, out, _unigram_entropy(data_dir, runs), first_command, restore, superseded,
