@@ -348,6 +348,32 @@ def test_a_resume_marks_runs_that_finished_while_the_driver_was_away_done_in_the
         "r0": "done", "r1": "done"}
 
 
+def test_a_failed_squeue_is_not_read_as_the_jobs_having_ended(fake_slurm, tmp_path):
+    """One squeue that timed out (a busy controller) listed no job: the driver reported every running job
+    "ended without a result (killed, or out of time)", wrote the report and exited, the jobs still running
+    (and a --resume submitted them again). Now a poll whose squeue fails changes nothing; a job squeue no
+    longer knows ("Invalid job id specified") has left the queue."""
+    import fake_slurm as F
+
+    (fake_slurm / "squeue_fails").write_text("3")
+    jobs = [G.GridJob(f"r{i}", {"i": i}) for i in range(2)]
+    res = G.run_grid(jobs, tmp_path / "g", F.slow_job_env, workers=2,
+                     executor=E.Executor("slurm", E.parse_slurm(["gpus=0"]), poll_s=0.1))
+    assert [r["status"] for r in res] == ["done", "done"], res
+    assert (fake_slurm / "squeue_fails").read_text() == "0"
+
+
+@pytest.mark.parametrize("rc,stderr,listed", [
+    (0, "", {"4711_0": "RUNNING"}),
+    (1, "slurm_load_jobs error: Socket timed out on send/recv operation", None),  # not known: no answer
+    (1, "slurm_load_jobs error: Invalid job id specified", {}),  # a job the controller has forgotten
+])
+def test_squeue_says_when_it_could_not_list_the_queue(rc, stderr, listed, monkeypatch):
+    out = "4711_0|RUNNING\n" if rc == 0 else ""
+    monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, rc, out, stderr))
+    assert E._squeue(["4711_0"]) == listed
+
+
 @pytest.mark.parametrize("sets", [["train.device=cuda"], ["train.batch_size=4000000"]])
 def test_a_slurm_grid_is_not_refused_for_what_the_login_node_lacks(sets, tiny_data, fake_slurm, tmp_path, keel_main):
     """The driver checked each run against this machine: a login node without a GPU refused

@@ -469,12 +469,15 @@ def _live_state(kind: str, handle, entry: Mapping | None = None, listed: Mapping
     return "running" if _our_controller(handle.job_id, handle.paths.folder, (entry or {}).get("process")) else None
 
 
-def _squeue(job_ids: Sequence[str]) -> dict[str, str]:
+def _squeue(job_ids: Sequence[str]) -> dict[str, str] | None:
     """``{job id: state}`` of the jobs of ``job_ids`` that ``squeue`` lists (queued, running, requeued), in
     one call for every array (``-r``: an array's tasks one a line, ``A_i``); a job it does not list has left
-    the queue. Where one call for several arrays fails, each is asked on its own."""
+    the queue, as has one it no longer knows (``Invalid job id``). Where one call for several arrays fails,
+    each is asked on its own. None where squeue did not answer (a busy controller's time-out): the jobs'
+    states are not known, and not one of them has ended for it."""
     mains = sorted({str(j).split("_")[0] for j in job_ids})
     out: dict[str, str] = {}
+    answered = False
     for group in [mains] if len(mains) < 2 else [mains, *([m] for m in mains)]:
         try:
             r = subprocess.run(["squeue", "-h", "-r", "-j", ",".join(group), "-o", "%i|%T"], capture_output=True,
@@ -482,16 +485,21 @@ def _squeue(job_ids: Sequence[str]) -> dict[str, str]:
         except (OSError, subprocess.TimeoutExpired):
             continue
         if r.returncode == 0:
+            answered = True
             out.update(line.split("|", 1) for line in r.stdout.splitlines() if line.count("|") == 1)
             if group is mains:
                 break
-    return out
+        elif "invalid job id" in r.stderr.lower():
+            answered = True
+    return out if answered or not mains else None
 
 
-def _slurm_state(handle, listed: Mapping[str, str] | None = None) -> str:
+def _slurm_state(handle, listed: Mapping[str, str] | None) -> str:
     """A Slurm job's state: ``squeue``'s while the job is listed there (queued, running, requeued), else
-    submitit's from ``sacct`` (COMPLETED, FAILED, ...), else ``GONE`` (no accounting database here)."""
-    listed = _squeue([handle.job_id]) if listed is None else listed
+    submitit's from ``sacct`` (COMPLETED, FAILED, ...), else ``GONE`` (no accounting database here);
+    ``UNKNOWN`` (alive) where squeue did not answer (``listed`` None)."""
+    if listed is None:  # squeue did not answer (:func:`_squeue`): still there, as far as is known
+        return "UNKNOWN"
     if str(handle.job_id) in listed:
         return listed[str(handle.job_id)]
     state = str(handle.state).split()[0]
@@ -788,6 +796,8 @@ def _collect(st: _Submitted, by_name: dict, report: Callable, read_result: Calla
     got a stop signal and passed it on): a local job that ends without a result is ``stopped``, not
     ``failed``, with its own words (its checkpoint, or that it had none)."""
     listed = _squeue([h.job_id for h in st.handles.values()]) if st.ex.kind == "slurm" and st.handles else {}
+    if listed is None:  # squeue did not answer: no job has ended for it; the next poll asks again
+        return
     for name, handle in list(st.handles.items()):
         state = _live_state(st.ex.kind, handle, st.ledger.get(name), listed)
         if state is not None and not (st.ex.kind == "slurm" and stop_only):
