@@ -330,6 +330,7 @@ def _register_sweep(subparsers) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    _check_resume_target(args.resume, args.out)  # before the folder's flags are read: a typo is not "no --grid"
     if args.resume and args.out:
         args = stored_flags(args, args.out, "sweep", ("grid", "preset", "config", "best_over", "match_params"))
     preset = presets.load_sweep_preset(args.preset) if args.preset else {}
