@@ -400,6 +400,9 @@ def test_a_slurm_grid_is_not_refused_for_what_the_login_node_lacks(sets, tiny_da
     # the same sbatch option twice, spelt two ways: one was dropped silently (mem=4G won over mem_gb=8)
     (["--slurm", "mem=4G", "--slurm", "mem_gb=8"], "--slurm mem= and mem_gb= both set sbatch's --mem; give one"),
     (["--slurm", "gpus=1", "--slurm", "gpus-per-node=2"], "--slurm gpus-per-node= and gpus= both set sbatch's"),
+    # a run's processes per node are --gpus-per-run's: a second --ntasks-per-node line came after the user's
+    (["--slurm", "ntasks-per-node=4"], "--slurm ntasks-per-node= is keel's to set: a run's processes per node"),
+    (["--slurm", "ntasks_per_node=4"], "--slurm ntasks_per_node= is keel's to set: a run's processes per node"),
     # the warning before the time limit at or before the job's start: every attempt stopped after one step
     (["--slurm", "time=1"], "--slurm signal_delay_s=90 (the default) is not below time=1 (60 s)"),
     (["--slurm", "time=60", "--slurm", "signal_delay_s=3600"], "--slurm signal_delay_s=3600 is not below time=60"),

@@ -81,7 +81,10 @@ MAX_TIME_MIN = 366 * 24 * 60  # the longest --slurm time= keel passes on (minute
 _KEEL_OWNS = {"array": "a grid is one job array; its cap is --workers N or --slurm array_parallelism=N",
               "output": "each job's log is GRID/submitit/<job>_<task>_log.out (and .err)",
               "error": "each job's log is GRID/submitit/<job>_<task>_log.out (and .err)",
-              "signal": "set the warning before the time limit with --slurm signal_delay_s=SECONDS"}
+              "signal": "set the warning before the time limit with --slurm signal_delay_s=SECONDS",
+              **dict.fromkeys(("ntasks-per-node", "ntasks_per_node"),
+                              "a run's processes per node are --gpus-per-run K (one task each, joined as "
+                              "torchrun's workers)")}
 _ALIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "UNKNOWN",
           "REQUEUE_HOLD", "REQUEUE_FED", "STAGE_OUT", "SIGNALING"}
 _CONTROLLER = "submitit.local._local"  # the module a submitit-local job's controller runs (its command line)
