@@ -188,14 +188,13 @@ def slurm_parameters(ex: Executor) -> dict:
     ``gpus_per_node`` (``gpus``, default ``gpus_per_run`` on Slurm), ``tasks_per_node`` (``gpus_per_run``
     processes per run when it is above 1), the :data:`SLURM_KEYS` (``slurm_setup``: a list of lines;
     ``slurm_max_num_timeout``: an argument of the executor, not a parameter: :func:`_make_executor`), and
-    every other key in ``slurm_additional_parameters`` (sbatch ``--KEY=VALUE``).
+    every other key in ``slurm_additional_parameters`` (sbatch ``--KEY=VALUE``; an empty value: ``--KEY``).
 
     Raises:
-        KeelError: a numeric key (time, gpus, nodes, cpus, mem_gb, array_parallelism, signal_delay_s,
-            max_num_timeout) that is not a whole number >= 1 (gpus, max_num_timeout: >= 0); a ``time`` above
-            :data:`MAX_TIME_MIN`; a ``signal_delay_s`` not below ``time``; an empty value of a :data:`SLURM_KEYS` key (``partition=``, ``setup=``,
-            ``name=``: sbatch would get ``--partition=`` or a job without its setup; ``exclusive=`` is a flag);
-            sbatch's ``mem`` with ``mem_gb``, or its ``gpus-per-node`` with ``gpus`` (one would be lost).
+        KeelError: a bad numeric key (:func:`_slurm_number`); a ``signal_delay_s`` not below ``time``; an
+            empty value of a :data:`SLURM_KEYS` key (``partition=``, ``setup=``, ``name=``: sbatch would get
+            ``--partition=`` or a job without its setup; ``exclusive=`` is a flag); sbatch's ``mem`` with
+            ``mem_gb``, or its ``gpus-per-node`` with ``gpus`` (one would be lost).
     """
     params: dict = {"timeout_min": DEFAULT_TIME_MIN}
     if ex.gpus_per_run > 1:  # one process per GPU, each a task of the job (GridCall gives it its rank)
@@ -208,11 +207,7 @@ def slurm_parameters(ex: Executor) -> dict:
             raise KeelError(f"--slurm {k}= is empty; give its value, or leave it out"
                             + (" (keel-STUDY-GROUP)" if k == "name" else ""))
         if k in _INT_KEYS:
-            if not v.isdigit() or (int(v) < 1 and k not in _ZERO_OK):
-                raise KeelError(f"--slurm {k}= must be a whole number{'' if k in _ZERO_OK else ' >= 1'}, got {v!r}")
-            if k == "time" and int(v) > MAX_TIME_MIN:
-                raise KeelError(f"--slurm time= is in minutes and at most {MAX_TIME_MIN} (a year), got {v}")
-            params[SLURM_KEYS[k]] = int(v)
+            params[SLURM_KEYS[k]] = _slurm_number(k, v)
         elif k == "setup":
             params[SLURM_KEYS[k]] = [line for line in v.split("\n") if line.strip()]
         elif k in SLURM_KEYS:
@@ -224,17 +219,36 @@ def slurm_parameters(ex: Executor) -> dict:
             if twin == "gpus":  # sbatch's own spelling of the GPUs per node replaces the default one
                 params.pop("gpus_per_node", None)
             extra[k] = v or True  # an empty value is a flag: submitit writes True as a bare --KEY, "" as --KEY=''
-    delay = params.get("slurm_signal_delay_s", DEFAULT_SIGNAL_DELAY_S)
-    if delay >= params["timeout_min"] * 60:  # Slurm would send the warning at the job's start, every attempt
-        given = "" if "signal_delay_s" in ex.slurm else " (the default)"
-        raise KeelError(f"--slurm signal_delay_s={delay}{given} is not below time={params['timeout_min']} "
-                        f"({params['timeout_min'] * 60} s): each job would be told to stop as it starts; give a "
-                        "longer time= or a smaller signal_delay_s=")
+    _check_signal_delay(params, given="signal_delay_s" in ex.slurm)
     if params.get("gpus_per_node") == 0:  # a CPU partition: no GPU request at all (sbatch has no gres there)
         del params["gpus_per_node"]
     if extra:
         params["slurm_additional_parameters"] = extra
     return params
+
+
+def _slurm_number(k: str, v: str) -> int:
+    """The value of ``--slurm k=v`` for a numeric key (:data:`_INT_KEYS`).
+
+    Raises:
+        KeelError: not a whole number >= 1 (``gpus``, ``max_num_timeout``: >= 0); a ``time`` above
+            :data:`MAX_TIME_MIN`.
+    """
+    if not v.isdigit() or (int(v) < 1 and k not in _ZERO_OK):
+        raise KeelError(f"--slurm {k}= must be a whole number{'' if k in _ZERO_OK else ' >= 1'}, got {v!r}")
+    if k == "time" and int(v) > MAX_TIME_MIN:
+        raise KeelError(f"--slurm time= is in minutes and at most {MAX_TIME_MIN} (a year), got {v}")
+    return int(v)
+
+
+def _check_signal_delay(params: Mapping, given: bool) -> None:
+    """Refuse a pre-timeout warning (``signal_delay_s``, ``given`` or submitit's default) that is not below
+    the time limit: Slurm would send it as each job starts, and every attempt would stop after one step."""
+    delay, minutes = params.get("slurm_signal_delay_s", DEFAULT_SIGNAL_DELAY_S), params["timeout_min"]
+    if delay >= minutes * 60:
+        raise KeelError(f"--slurm signal_delay_s={delay}{'' if given else ' (the default)'} is not below "
+                        f"time={minutes} ({minutes * 60} s): each job would be told to stop as it starts; give a "
+                        "longer time= or a smaller signal_delay_s=")
 
 
 def array_cap(ex: Executor, workers: int) -> int:
@@ -424,8 +438,8 @@ def check_ledger(out_dir: str | Path, kind: str) -> None:
                         f"with --executor {was} (or leave --executor out), or use another --out")
 
 
-def settle_ledger(out_dir: str | Path, kind: str, finished: Sequence[str]) -> None:
-    """Mark the ledger entries of the runs ``finished`` (their ``result.json`` is there) ``done``: their jobs
+def settle_ledger(out_dir: str | Path, kind: str, finished: Sequence) -> None:
+    """Mark the ledger entries of the grid jobs ``finished`` (their ``result.json`` is there) ``done``: their jobs
     ended while no driver watched them (it was stopped), and a ``--resume`` does not look at them again, so
     ``jobs.json`` would say ``running`` or ``queued`` for good. A ledger of another executor is left alone."""
     path = Path(out_dir) / LEDGER_FILE
@@ -434,7 +448,7 @@ def settle_ledger(out_dir: str | Path, kind: str, finished: Sequence[str]) -> No
     except (OSError, ValueError, AttributeError):
         return
     ledger = _load_ledger(Path(out_dir))
-    stale = [n for n in finished if n in ledger and ledger[n].get("state") != "done"]
+    stale = [j.name for j in finished if j.name in ledger and ledger[j.name].get("state") != "done"]
     if was != kind or not stale:
         return
     for n in stale:

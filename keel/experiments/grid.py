@@ -359,8 +359,7 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
     make_dirs(out_dir)
     atomic_write_text(out_dir / GRID_FILE, json.dumps([asdict(j) for j in jobs], indent=1))
     results: dict[str, dict] = {j.name: cached_result(out_dir / j.name) for j in done}
-    if done and executor.kind != "local":  # runs whose jobs ended while the driver was stopped
-        settle_ledger(out_dir, executor.kind, [j.name for j in done])
+    settle_ledger(out_dir, executor.kind, done)  # runs whose jobs ended while the driver was stopped
     n_workers = max(1, workers)
     if executor.kind != "slurm":  # a Slurm job takes its own allocation's CPUs (executor.job_cpus)
         threads = threads or max(1, (os.cpu_count() or 1) // n_workers)
