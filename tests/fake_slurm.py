@@ -44,6 +44,12 @@ def job_env(job, run_dir: Path, resume: bool) -> dict:
             "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
+def slow_job_env(job, run_dir: Path, resume: bool) -> dict:
+    """:func:`job_env` after two seconds (a job still running across several polls)."""
+    time.sleep(2)
+    return job_env(job, run_dir, resume)
+
+
 def _state_dir() -> Path:
     return Path(os.environ["FAKE_SLURM"])
 
@@ -135,6 +141,11 @@ def srun(args: list[str]) -> int:
 
 
 def squeue(args: list[str]) -> int:
+    fails = _state_dir() / "squeue_fails"  # a controller that does not answer: this many calls fail
+    if fails.exists() and int(fails.read_text() or 0) > 0:
+        fails.write_text(str(int(fails.read_text()) - 1))
+        print("slurm_load_jobs error: Socket timed out on send/recv operation", file=sys.stderr)
+        return 1
     ids = args[args.index("-j") + 1].split(",") if "-j" in args else None
     for tid, state in _states().items():
         if state in ("PENDING", "RUNNING") and (ids is None or tid.split("_")[0] in ids):

@@ -83,7 +83,7 @@ def test_slurm_parameters_map_to_submitit_and_sbatch():
     assert E.slurm_parameters(ex) == {
         "timeout_min": 120, "tasks_per_node": 2, "gpus_per_node": 8, "slurm_partition": "gpu", "slurm_account": "lab",
         "nodes": 2,
-        "slurm_qos": "high", "slurm_additional_parameters": {"exclusive": "", "mail-type": "END"}}
+        "slurm_qos": "high", "slurm_additional_parameters": {"exclusive": True, "mail-type": "END"}}
     # without gpus=, a Slurm job asks for the GPUs of a run; the time limit defaults to a day
     assert E.slurm_parameters(E.Executor("slurm", gpus_per_run=4)) == {"timeout_min": 1440, "gpus_per_node": 4,
                                                                        "tasks_per_node": 4}
@@ -108,14 +108,21 @@ def test_bad_executor_flags_are_one_line_errors(args, match, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.skipif(shutil.which("sbatch") is not None, reason="Slurm is installed here")
-def test_executor_slurm_without_slurm_is_one_line_and_writes_nothing(tmp_path, capsys):
-    """submitit's `Could not detect "srun"` traceback came after study.json and grid.json were written."""
+@pytest.mark.parametrize("on_path,missing", [((), "sbatch"), (("sbatch",), "srun")])
+def test_executor_slurm_without_slurm_is_one_line_and_writes_nothing(on_path, missing, tmp_path, capsys, monkeypatch):
+    """submitit's `Could not detect "srun"` traceback came after study.json and grid.json were written (also
+    where sbatch was on PATH but srun, which the job script and submitit need, was not)."""
     from keel.cli import main
 
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in on_path:
+        (bin_dir / name).write_text("#!/bin/sh\nexit 1\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
     assert main(["sweep", "--grid", "train.lr=1e-3", "--out", str(tmp_path / "o"), "--executor", "slurm"]) == 2
-    assert capsys.readouterr().err == ("keel: error: --executor slurm needs Slurm (sbatch is not on PATH here); run on a "
-                                       "Slurm login node, or use --executor local or submitit-local\n")
+    assert capsys.readouterr().err == (f"keel: error: --executor slurm needs Slurm ({missing} is not on PATH here); run "
+                                       "on a Slurm login node, or use --executor local or submitit-local\n")
     assert not (tmp_path / "o").exists()
     assert main(["sweep", "--grid", "train.lr=1e-3", "--out", str(tmp_path / "o"), "--executor", "slurm",
                  "--dry-run"]) == 0  # planning needs no Slurm
@@ -323,15 +330,116 @@ def test_a_slurm_grid_is_one_job_array_with_a_cap_a_name_setup_lines_and_the_job
     assert E.job_name(E.Executor("slurm", E.parse_slurm(["job-name=mine"])), tmp_path / "g") == "mine"
 
 
+def test_a_resume_marks_runs_that_finished_while_the_driver_was_away_done_in_the_ledger(fake_slurm, tmp_path):
+    """The driver stopped (Ctrl-C) while its jobs ran; they finished; `--resume` found every run finished and
+    left jobs.json saying "running" for each, for good. Now their entries say "done"."""
+    import fake_slurm as F
+
+    jobs = [G.GridJob(f"r{i}", {"i": i}) for i in range(2)]
+    ex = E.Executor("slurm", E.parse_slurm(["gpus=0"]), poll_s=0.1)
+    G.run_grid(jobs, tmp_path / "g", F.job_env, workers=2, executor=ex)
+    ledger_file = tmp_path / "g" / "jobs.json"
+    ledger = json.loads(ledger_file.read_text())
+    for entry in ledger["jobs"].values():
+        entry["state"] = "running"  # what the driver had written when it was stopped
+    ledger_file.write_text(json.dumps(ledger))
+    G.run_grid(jobs, tmp_path / "g", F.job_env, workers=2, executor=ex, resume=True)
+    assert {k: v["state"] for k, v in json.loads(ledger_file.read_text())["jobs"].items()} == {
+        "r0": "done", "r1": "done"}
+
+
+def test_a_failed_squeue_is_not_read_as_the_jobs_having_ended(fake_slurm, tmp_path):
+    """One squeue that timed out (a busy controller) listed no job: the driver reported every running job
+    "ended without a result (killed, or out of time)", wrote the report and exited, the jobs still running
+    (and a --resume submitted them again). Now a poll whose squeue fails changes nothing; a job squeue no
+    longer knows ("Invalid job id specified") has left the queue."""
+    import fake_slurm as F
+
+    (fake_slurm / "squeue_fails").write_text("3")
+    jobs = [G.GridJob(f"r{i}", {"i": i}) for i in range(2)]
+    res = G.run_grid(jobs, tmp_path / "g", F.slow_job_env, workers=2,
+                     executor=E.Executor("slurm", E.parse_slurm(["gpus=0"]), poll_s=0.1))
+    assert [r["status"] for r in res] == ["done", "done"], res
+    assert (fake_slurm / "squeue_fails").read_text() == "0"
+
+
+@pytest.mark.parametrize("rc,stderr,listed", [
+    (0, "", {"4711_0": "RUNNING"}),
+    (1, "slurm_load_jobs error: Socket timed out on send/recv operation", None),  # not known: no answer
+    (1, "slurm_load_jobs error: Invalid job id specified", {}),  # a job the controller has forgotten
+])
+def test_squeue_says_when_it_could_not_list_the_queue(rc, stderr, listed, monkeypatch):
+    out = "4711_0|RUNNING\n" if rc == 0 else ""
+    monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, rc, out, stderr))
+    assert E._squeue(["4711_0"]) == listed
+
+
+@pytest.mark.parametrize("sets", [["train.device=cuda"], ["train.batch_size=4000000"]])
+def test_a_slurm_grid_is_not_refused_for_what_the_login_node_lacks(sets, tiny_data, fake_slurm, tmp_path, keel_main):
+    """The driver checked each run against this machine: a login node without a GPU refused
+    `--set train.device=cuda`, one with less memory than the compute nodes a model or batch too large for
+    itself, though the runs go to Slurm's nodes. Now a Slurm grid is submitted (here the fake Slurm's job,
+    on this machine, fails in its place, as on a node without the GPU it asked for)."""
+    out = tmp_path / "o"
+    r = keel_main("sweep", *_sets(tiny_data, drop=("train.lr",)), *sum((["--set", s] for s in sets), []),
+                  "--grid", "train.lr=1e-3", "--out", out, "--executor", "slurm", "--slurm", "gpus=0")
+    assert len(list((fake_slurm / "submissions").iterdir())) == 1, r.stderr
+    assert r.returncode == 1 and "(job 1000)" in r.stderr and "[1/1] lr0.001: error: " in r.stderr, r.stderr
+    # the same grid here (submitit-local) is still checked against this machine, before anything starts
+    r = keel_main("sweep", *_sets(tiny_data, drop=("train.lr",)), *sum((["--set", s] for s in sets), []),
+                  "--grid", "train.lr=1e-3", "--out", tmp_path / "here", "--executor", "submitit-local")
+    assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith("keel: error: run lr0.001: "), r.stderr
+    assert not (tmp_path / "here" / "lr0.001").exists()
+
+
 @pytest.mark.parametrize("args,match", [
     (["--slurm", "array=0-9"], "--slurm array= is keel's to set: a grid is one job array; its cap is --workers N"),
     (["--slurm", "name="], "--slurm name= is empty"),
     (["--slurm", "signal_delay_s=0"], "--slurm signal_delay_s= must be a whole number >= 1"),
     (["--slurm", "max_num_timeout=x"], "--slurm max_num_timeout= must be a whole number, got 'x'"),
+    # the same sbatch option twice, spelt two ways: one was dropped silently (mem=4G won over mem_gb=8)
+    (["--slurm", "mem=4G", "--slurm", "mem_gb=8"], "--slurm mem= and mem_gb= both set sbatch's --mem; give one"),
+    (["--slurm", "gpus=1", "--slurm", "gpus-per-node=2"], "--slurm gpus-per-node= and gpus= both set sbatch's"),
+    # a run's processes per node are --gpus-per-run's: a second --ntasks-per-node line came after the user's
+    (["--slurm", "ntasks-per-node=4"], "--slurm ntasks-per-node= is keel's to set: a run's processes per node"),
+    (["--slurm", "ntasks_per_node=4"], "--slurm ntasks_per_node= is keel's to set: a run's processes per node"),
+    # the warning before the time limit at or before the job's start: every attempt stopped after one step
+    (["--slurm", "time=1"], "--slurm signal_delay_s=90 (the default) is not below time=1 (60 s)"),
+    (["--slurm", "time=60", "--slurm", "signal_delay_s=3600"], "--slurm signal_delay_s=3600 is not below time=60"),
 ])
 def test_slurm_keys_keel_sets_or_checks_are_one_line_errors(args, match, tmp_path, keel_main):
     r = keel_main("sweep", "--grid", "train.lr=1e-3", "--out", tmp_path / "o", "--executor", "slurm", "--dry-run", *args)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and match in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("items,option,lines", [
+    (["exclusive="], "exclusive", ["#SBATCH --exclusive"]),  # was --exclusive='': sbatch refuses an empty value
+    (["requeue="], "requeue", ["#SBATCH --requeue"]),
+    (["mail-type=END"], "mail-type", ["#SBATCH --mail-type=END"]),
+    # sbatch's own spelling of the GPUs per node replaces the default (--gpus-per-run), not a second line after it
+    (["gpus-per-node=a100:2"], "gpus-per-node", ["#SBATCH --gpus-per-node=a100:2"]),
+])
+def test_a_passed_on_sbatch_option_reaches_the_job_script_as_sbatch_takes_it(items, option, lines, fake_slurm,
+                                                                              tmp_path):
+    """An sbatch option keel does not know goes into the job script as given; ``KEY=`` with no value is the
+    flag ``--KEY`` (docs/cluster.md: ``exclusive=``), not ``--KEY=''``, which sbatch refuses."""
+    sub = E._make_executor(E.Executor("slurm", E.parse_slurm(items)), tmp_path / "s", None, 1)._executor
+    script = sub._make_submission_file_text("true", "uid").splitlines()
+    assert [line for line in script if line.startswith(f"#SBATCH --{option}")] == lines, script
+
+
+@pytest.mark.parametrize("setup,python", [
+    ([], shlex.quote(sys.executable)),  # the driver's own Python
+    (["setup=module load cuda"], shlex.quote(sys.executable)),
+    (["setup=source /shared/venv/bin/activate"], "python"),  # the Python that setup line put first on PATH
+    (["setup=module load cuda", "setup=conda activate keel"], "python"),
+])
+def test_a_job_starts_the_python_a_setup_line_activates(setup, python, fake_slurm, tmp_path):
+    """docs/cluster.md: a job starts the driver's Python (sys.executable) unless a setup line activates another;
+    the job script started sys.executable even after `source .../bin/activate`."""
+    sub = E._make_executor(E.Executor("slurm", E.parse_slurm(setup)), tmp_path / "s", None, 1)._executor
+    script = sub._make_submission_file_text(sub._submitit_command_str, "uid")
+    assert f" {python} -u -m submitit.core._submit " in script, script
 
 
 def test_slurm_setup_lines_signal_delay_and_requeue_limit_reach_submitit(fake_slurm, tmp_path):
@@ -465,6 +573,26 @@ def test_a_bare_resume_takes_the_folders_executor_and_another_is_refused(tiny_da
         "kind": "submitit-local", "slurm": {}, "gpus_per_run": 1, "share_gpus": False, "workers": 2, "threads": None}
 
 
+@pytest.mark.parametrize("given,kept", [
+    (["time=240"], {"partition": "cpu", "gpus": "0", "setup": "module load x", "time": "240"}),
+    (["setup=module load y"], {"partition": "cpu", "gpus": "0", "setup": "module load y", "time": "30"}),
+])
+def test_resume_with_new_slurm_settings_replaces_those_keys_and_keeps_the_others(given, kept, tmp_path, fake_slurm):
+    """docs/cluster.md: on resume, the same executor with new settings (a longer time=) replaces them. A
+    `--resume --executor slurm --slurm time=240` dropped every other recorded key (partition, gpus=0, setup),
+    so the jobs submitted again went to the default partition, asked for a GPU and ran without their setup."""
+    from keel.experiments.study.run import engine_executor
+
+    out = tmp_path / "sweep"
+    out.mkdir()
+    started = E.Executor("slurm", E.parse_slurm(["partition=cpu", "gpus=0", "setup=module load x", "time=30"]))
+    (out / "study.json").write_text(json.dumps({"study": "sweep", "scale": "cli", "command": "keel sweep",
+                                                "executor": {**started.record(), "workers": 3, "threads": None}}))
+    ex, workers, _ = engine_executor(out, E.Executor("slurm", E.parse_slurm(given)), None, None, "sweep")
+    assert (dict(ex.slurm), workers) == (kept, 3)
+    assert json.loads((out / "study.json").read_text())["executor"]["slurm"] == kept
+
+
 def _claimed(out: Path) -> Path:
     out.mkdir()
     (out / "study.json").write_text(json.dumps({"study": "sweep", "scale": "cli", "command": "keel sweep"}))
@@ -483,3 +611,33 @@ def test_local_slurm_sh_refuses_a_non_empty_folder_it_did_not_make(tmp_path):
     assert r.stderr == f"local_slurm.sh: {tmp_path} is not empty and was not made by this script; give a new or " \
                        "empty folder\n"
     assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"] and (tmp_path / "mine.txt").read_text() == "keep"
+
+
+@pytest.mark.parametrize("state,expected", [
+    ((), ["--config", "demo", "--run-dir", "RUN", "--set", "train.parallelism=fsdp", "--set", "train.steps=40"]),
+    (("config.toml",), ["--config", "demo", "--run-dir", "RUN", "--set", "train.parallelism=fsdp",
+                        "--set", "train.steps=40", "--restart"]),  # requeued before its first checkpoint
+    # a requeued job, or a new sbatch of the same run: its arguments reach keel's resume rules (a changed
+    # train.steps applies, a model.* key is refused in one line) instead of being dropped without a word
+    (("config.toml", "checkpoints/latest"), ["--resume", "RUN", "--set", "train.steps=40"]),
+])
+def test_train_sbatch_passes_its_arguments_to_keel_train_also_when_it_resumes(state, expected, tmp_path):
+    """examples/slurm/train.sbatch: what it runs under srun, for a new run, one without a checkpoint and
+    one with. `sbatch train.sbatch --set model.residual=pre_ln` over an existing run resumed that run and
+    ignored the --set (exit 0)."""
+    run = tmp_path / "run"
+    for rel in state:
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_text("x")
+    python = tmp_path / "python"  # records what keel train would get
+    python.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {tmp_path / 'argv'}\n")
+    python.chmod(0o755)
+    stubs = ("srun() { while [ \"${1#-}\" != \"$1\" ]; do shift; done; \"$@\"; }; scontrol() { echo node1; }; "
+             "export -f srun scontrol")
+    env = {**os.environ, "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "t", "SLURM_JOB_NODELIST": "node1",
+           "CONFIG": "demo", "RUN": str(run), "KEEL_PYTHON": str(python), "MASTER_PORT": "29500"}
+    r = subprocess.run(["bash", "-c", f"{stubs}; exec bash {REPO / 'examples' / 'slurm' / 'train.sbatch'} "
+                        "--set train.steps=40"], env=env, capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 0, r.stderr
+    argv = (tmp_path / "argv").read_text().splitlines()
+    assert argv == ["-m", "keel", "train", *[str(run) if a == "RUN" else a for a in expected]], argv

@@ -177,6 +177,7 @@ def test_import_hf_keeps_the_step(cli_run, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv", [
     ["sweep", "--grid", "train.lr=1e-3"],
+    ["sweep"],  # the bare resume docs/usage.md gives (the folder's own --grid): was "nothing to sweep: give --grid"
     ["stress", "--residual", "keel", "--sublayers", "2", "--seeds", "0", "--ramp-steps", "2"],
     ["lr-sensitivity", "--residual", "keel", "--sublayers", "2", "--lrs", "1e-3", "--seeds", "0"],
     ["study", "claims", "--scale", "tiny", "--groups", "showcase"],

@@ -213,8 +213,8 @@ def test_resume_alone_continues_the_sweep_its_folder_holds(keel_main, tmp_path, 
     assert again.returncode == 0, again.stderr
     assert (out / "lr0.001" / "result.json").is_file() and (out / "lr0.002" / "result.json").read_text() == done
     assert json.loads((out / "sweep.json").read_text())["grid"] == {"train.lr": [0.001, 0.002]}
-    other = keel_main("sweep", "--out", tmp_path / "none", "--resume")
-    assert other.returncode == 2 and "nothing to sweep" in other.stderr
+    other = keel_main("sweep", "--out", tmp_path / "none", "--resume")  # a mistyped folder: said "give --grid"
+    assert other.returncode == 2 and f"--resume: {tmp_path / 'none'} does not exist, nothing to continue" in other.stderr
     # another grid in the same folder was trained on the demo preset, dropping the sweep's --set (a new-user trial)
     before = sorted(p.name for p in out.iterdir())
     for flags in (["--grid", "train.lr=1e-2"], ["--grid", "train.lr=1e-3,2e-3", "--best-over", "train.lr"]):

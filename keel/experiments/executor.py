@@ -41,6 +41,7 @@ import functools
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -61,6 +62,7 @@ LEDGER_FILE = "jobs.json"
 SUBMITIT_DIR = "submitit"  # under a grid folder: submitit's pickles and each job's stdout / stderr
 PREEMPT_SIGNAL = signal.SIGUSR2  # what submitit asks Slurm for before a time limit (SUBMITIT_PREEMPT_SIGNAL)
 DEFAULT_TIME_MIN = 24 * 60  # a job's time limit when --slurm time=... is not given (minutes)
+DEFAULT_SIGNAL_DELAY_S = 90  # submitit's: SIGUSR2 this many seconds before the time limit
 
 # --slurm KEY=VALUE: the short names and the submitit parameter each sets; any other key is passed to
 # sbatch as --KEY=VALUE (slurm_additional_parameters)
@@ -70,13 +72,19 @@ SLURM_KEYS = {"partition": "slurm_partition", "account": "slurm_account", "time"
               "name": "name", "setup": "slurm_setup", "signal_delay_s": "slurm_signal_delay_s",
               "max_num_timeout": "slurm_max_num_timeout"}
 _SLURM_ALIASES = {"job-name": "name", "job_name": "name", "cpus-per-task": "cpus", "cpus_per_task": "cpus"}
+# sbatch options that a key of SLURM_KEYS also writes: given both ways, submitit would drop one silently
+# (mem=4G overrides mem_gb=8) or write both (--gpus-per-node twice, the last one winning)
+_SBATCH_TWINS = {"mem": "mem_gb", "gpus-per-node": "gpus"}
 _INT_KEYS = {"time", "gpus", "nodes", "cpus", "mem_gb", "array_parallelism", "signal_delay_s", "max_num_timeout"}
 _ZERO_OK = {"gpus", "max_num_timeout"}  # the numeric keys that may be 0 (a CPU partition; no requeue after a timeout)
 MAX_TIME_MIN = 366 * 24 * 60  # the longest --slurm time= keel passes on (minutes: a year; more is a typo)
 _KEEL_OWNS = {"array": "a grid is one job array; its cap is --workers N or --slurm array_parallelism=N",
               "output": "each job's log is GRID/submitit/<job>_<task>_log.out (and .err)",
               "error": "each job's log is GRID/submitit/<job>_<task>_log.out (and .err)",
-              "signal": "set the warning before the time limit with --slurm signal_delay_s=SECONDS"}
+              "signal": "set the warning before the time limit with --slurm signal_delay_s=SECONDS",
+              **dict.fromkeys(("ntasks-per-node", "ntasks_per_node"),
+                              "a run's processes per node are --gpus-per-run K (one task each, joined as "
+                              "torchrun's workers)")}
 _ALIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "UNKNOWN",
           "REQUEUE_HOLD", "REQUEUE_FED", "STAGE_OUT", "SIGNALING"}
 _CONTROLLER = "submitit.local._local"  # the module a submitit-local job's controller runs (its command line)
@@ -138,10 +146,12 @@ class Executor:
 
 
 def check_slurm_here(ex: Executor | None) -> None:
-    """Raise KeelError where ``ex`` is Slurm's and ``sbatch`` is not on PATH (submitit's traceback said
-    ``Could not detect "srun"``, after the output folder was written)."""
-    if ex is not None and ex.kind == "slurm" and shutil.which("sbatch") is None:
-        raise KeelError("--executor slurm needs Slurm (sbatch is not on PATH here); run on a Slurm login node, "
+    """Raise KeelError where ``ex`` is Slurm's and ``sbatch`` or ``srun`` (submitit's job scripts start the job
+    with it) is not on PATH (submitit's traceback said ``Could not detect "srun"``, after the output folder was
+    written)."""
+    missing = next((c for c in ("sbatch", "srun") if shutil.which(c) is None), None)
+    if ex is not None and ex.kind == "slurm" and missing:
+        raise KeelError(f"--executor slurm needs Slurm ({missing} is not on PATH here); run on a Slurm login node, "
                         "or use --executor local or submitit-local")
 
 
@@ -178,13 +188,13 @@ def slurm_parameters(ex: Executor) -> dict:
     ``gpus_per_node`` (``gpus``, default ``gpus_per_run`` on Slurm), ``tasks_per_node`` (``gpus_per_run``
     processes per run when it is above 1), the :data:`SLURM_KEYS` (``slurm_setup``: a list of lines;
     ``slurm_max_num_timeout``: an argument of the executor, not a parameter: :func:`_make_executor`), and
-    every other key in ``slurm_additional_parameters`` (sbatch ``--KEY=VALUE``).
+    every other key in ``slurm_additional_parameters`` (sbatch ``--KEY=VALUE``; an empty value: ``--KEY``).
 
     Raises:
-        KeelError: a numeric key (time, gpus, nodes, cpus, mem_gb, array_parallelism, signal_delay_s,
-            max_num_timeout) that is not a whole number >= 1 (gpus, max_num_timeout: >= 0); a ``time`` above
-            :data:`MAX_TIME_MIN`; an empty value of a :data:`SLURM_KEYS` key (``partition=``, ``setup=``,
-            ``name=``: sbatch would get ``--partition=`` or a job without its setup; ``exclusive=`` is a flag).
+        KeelError: a bad numeric key (:func:`_slurm_number`); a ``signal_delay_s`` not below ``time``; an
+            empty value of a :data:`SLURM_KEYS` key (``partition=``, ``setup=``, ``name=``: sbatch would get
+            ``--partition=`` or a job without its setup; ``exclusive=`` is a flag); sbatch's ``mem`` with
+            ``mem_gb``, or its ``gpus-per-node`` with ``gpus`` (one would be lost).
     """
     params: dict = {"timeout_min": DEFAULT_TIME_MIN}
     if ex.gpus_per_run > 1:  # one process per GPU, each a task of the job (GridCall gives it its rank)
@@ -197,22 +207,48 @@ def slurm_parameters(ex: Executor) -> dict:
             raise KeelError(f"--slurm {k}= is empty; give its value, or leave it out"
                             + (" (keel-STUDY-GROUP)" if k == "name" else ""))
         if k in _INT_KEYS:
-            if not v.isdigit() or (int(v) < 1 and k not in _ZERO_OK):
-                raise KeelError(f"--slurm {k}= must be a whole number{'' if k in _ZERO_OK else ' >= 1'}, got {v!r}")
-            if k == "time" and int(v) > MAX_TIME_MIN:
-                raise KeelError(f"--slurm time= is in minutes and at most {MAX_TIME_MIN} (a year), got {v}")
-            params[SLURM_KEYS[k]] = int(v)
+            params[SLURM_KEYS[k]] = _slurm_number(k, v)
         elif k == "setup":
             params[SLURM_KEYS[k]] = [line for line in v.split("\n") if line.strip()]
         elif k in SLURM_KEYS:
             params[SLURM_KEYS[k]] = v
         else:
-            extra[k] = v
+            twin = _SBATCH_TWINS.get(k.replace("_", "-"))
+            if twin in ex.slurm:
+                raise KeelError(f"--slurm {k}= and {twin}= both set sbatch's --{k.replace('_', '-')}; give one of them")
+            if twin == "gpus":  # sbatch's own spelling of the GPUs per node replaces the default one
+                params.pop("gpus_per_node", None)
+            extra[k] = v or True  # an empty value is a flag: submitit writes True as a bare --KEY, "" as --KEY=''
+    _check_signal_delay(params, given="signal_delay_s" in ex.slurm)
     if params.get("gpus_per_node") == 0:  # a CPU partition: no GPU request at all (sbatch has no gres there)
         del params["gpus_per_node"]
     if extra:
         params["slurm_additional_parameters"] = extra
     return params
+
+
+def _slurm_number(k: str, v: str) -> int:
+    """The value of ``--slurm k=v`` for a numeric key (:data:`_INT_KEYS`).
+
+    Raises:
+        KeelError: not a whole number >= 1 (``gpus``, ``max_num_timeout``: >= 0); a ``time`` above
+            :data:`MAX_TIME_MIN`.
+    """
+    if not v.isdigit() or (int(v) < 1 and k not in _ZERO_OK):
+        raise KeelError(f"--slurm {k}= must be a whole number{'' if k in _ZERO_OK else ' >= 1'}, got {v!r}")
+    if k == "time" and int(v) > MAX_TIME_MIN:
+        raise KeelError(f"--slurm time= is in minutes and at most {MAX_TIME_MIN} (a year), got {v}")
+    return int(v)
+
+
+def _check_signal_delay(params: Mapping, given: bool) -> None:
+    """Refuse a pre-timeout warning (``signal_delay_s``, ``given`` or submitit's default) that is not below
+    the time limit: Slurm would send it as each job starts, and every attempt would stop after one step."""
+    delay, minutes = params.get("slurm_signal_delay_s", DEFAULT_SIGNAL_DELAY_S), params["timeout_min"]
+    if delay >= minutes * 60:
+        raise KeelError(f"--slurm signal_delay_s={delay}{'' if given else ' (the default)'} is not below "
+                        f"time={minutes} ({minutes * 60} s): each job would be told to stop as it starts; give a "
+                        "longer time= or a smaller signal_delay_s=")
 
 
 def array_cap(ex: Executor, workers: int) -> int:
@@ -331,7 +367,8 @@ def _make_executor(ex: Executor, folder: Path, threads: int | None, cap: int):
     """A submitit executor writing into ``folder``: submitit-local's controllers each in a session of their
     own (:func:`_own_sessions`); on Slurm a grid's runs go as one job array of at most ``cap`` at a time
     (``slurm_array_parallelism``), each run asking for ``threads`` CPUs where ``--threads`` was given and
-    ``--slurm cpus=`` was not."""
+    ``--slurm cpus=`` was not, and starting this Python (``sys.executable``) unless a setup line activates an
+    environment, whose ``python`` it then starts."""
     import submitit  # noqa: PLC0415 - only the submitit executors need it
 
     params = slurm_parameters(ex)
@@ -343,7 +380,10 @@ def _make_executor(ex: Executor, folder: Path, threads: int | None, cap: int):
         if threads and "cpus_per_task" not in params:
             params["cpus_per_task"] = threads
         params.setdefault("slurm_array_parallelism", cap)
-        out = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=requeues)
+        # a setup line that activates an environment (source .venv/bin/activate, conda activate) picks the Python
+        activates = any(re.search(r"\bactivate\b", line) for line in params.get("slurm_setup", ()))
+        out = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=requeues,
+                                    slurm_python="python" if activates else None)
     out.update_parameters(**params)
     return out
 
@@ -398,6 +438,24 @@ def check_ledger(out_dir: str | Path, kind: str) -> None:
                         f"with --executor {was} (or leave --executor out), or use another --out")
 
 
+def settle_ledger(out_dir: str | Path, kind: str, finished: Sequence) -> None:
+    """Mark the ledger entries of the grid jobs ``finished`` (their ``result.json`` is there) ``done``: their jobs
+    ended while no driver watched them (it was stopped), and a ``--resume`` does not look at them again, so
+    ``jobs.json`` would say ``running`` or ``queued`` for good. A ledger of another executor is left alone."""
+    path = Path(out_dir) / LEDGER_FILE
+    try:
+        was = json.loads(path.read_text()).get("executor")
+    except (OSError, ValueError, AttributeError):
+        return
+    ledger = _load_ledger(Path(out_dir))
+    stale = [j.name for j in finished if j.name in ledger and ledger[j.name].get("state") != "done"]
+    if was != kind or not stale:
+        return
+    for n in stale:
+        ledger[n].update(state="done", updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    _save_ledger(Path(out_dir), kind, ledger)
+
+
 def _job_handle(kind: str, folder: Path, job_id: str):
     """A submitit job object for a job submitted earlier (by this process or another)."""
     import submitit  # noqa: PLC0415
@@ -428,12 +486,15 @@ def _live_state(kind: str, handle, entry: Mapping | None = None, listed: Mapping
     return "running" if _our_controller(handle.job_id, handle.paths.folder, (entry or {}).get("process")) else None
 
 
-def _squeue(job_ids: Sequence[str]) -> dict[str, str]:
+def _squeue(job_ids: Sequence[str]) -> dict[str, str] | None:
     """``{job id: state}`` of the jobs of ``job_ids`` that ``squeue`` lists (queued, running, requeued), in
     one call for every array (``-r``: an array's tasks one a line, ``A_i``); a job it does not list has left
-    the queue. Where one call for several arrays fails, each is asked on its own."""
+    the queue, as has one it no longer knows (``Invalid job id``). Where one call for several arrays fails,
+    each is asked on its own. None where squeue did not answer (a busy controller's time-out): the jobs'
+    states are not known, and not one of them has ended for it."""
     mains = sorted({str(j).split("_")[0] for j in job_ids})
     out: dict[str, str] = {}
+    answered = False
     for group in [mains] if len(mains) < 2 else [mains, *([m] for m in mains)]:
         try:
             r = subprocess.run(["squeue", "-h", "-r", "-j", ",".join(group), "-o", "%i|%T"], capture_output=True,
@@ -441,16 +502,21 @@ def _squeue(job_ids: Sequence[str]) -> dict[str, str]:
         except (OSError, subprocess.TimeoutExpired):
             continue
         if r.returncode == 0:
+            answered = True
             out.update(line.split("|", 1) for line in r.stdout.splitlines() if line.count("|") == 1)
             if group is mains:
                 break
-    return out
+        elif "invalid job id" in r.stderr.lower():
+            answered = True
+    return out if answered or not mains else None
 
 
-def _slurm_state(handle, listed: Mapping[str, str] | None = None) -> str:
+def _slurm_state(handle, listed: Mapping[str, str] | None) -> str:
     """A Slurm job's state: ``squeue``'s while the job is listed there (queued, running, requeued), else
-    submitit's from ``sacct`` (COMPLETED, FAILED, ...), else ``GONE`` (no accounting database here)."""
-    listed = _squeue([handle.job_id]) if listed is None else listed
+    submitit's from ``sacct`` (COMPLETED, FAILED, ...), else ``GONE`` (no accounting database here);
+    ``UNKNOWN`` (alive) where squeue did not answer (``listed`` None)."""
+    if listed is None:  # squeue did not answer (:func:`_squeue`): still there, as far as is known
+        return "UNKNOWN"
     if str(handle.job_id) in listed:
         return listed[str(handle.job_id)]
     state = str(handle.state).split()[0]
@@ -747,6 +813,8 @@ def _collect(st: _Submitted, by_name: dict, report: Callable, read_result: Calla
     got a stop signal and passed it on): a local job that ends without a result is ``stopped``, not
     ``failed``, with its own words (its checkpoint, or that it had none)."""
     listed = _squeue([h.job_id for h in st.handles.values()]) if st.ex.kind == "slurm" and st.handles else {}
+    if listed is None:  # squeue did not answer: no job has ended for it; the next poll asks again
+        return
     for name, handle in list(st.handles.items()):
         state = _live_state(st.ex.kind, handle, st.ledger.get(name), listed)
         if state is not None and not (st.ex.kind == "slurm" and stop_only):

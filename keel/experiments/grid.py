@@ -58,7 +58,7 @@ import torch
 from keel.config import config_from_dict
 from keel.errors import Interrupted, KeelError, plural
 from keel.experiments.executor import (Executor, assign_devices, check_ledger, pool_words, run_submitit,
-                                       visible_devices)
+                                       settle_ledger, visible_devices)
 from keel.experiments.job_result import JobResult, check_result, failed_result
 from keel.experiments.pool import LocalPool
 from keel.io import STOP_SIGNALS, atomic_write_text, die_with_parent, make_dirs, remove_empty_dirs
@@ -359,6 +359,7 @@ def run_grid(jobs: Sequence[GridJob], out_dir: str | Path, task: Task, *, worker
     make_dirs(out_dir)
     atomic_write_text(out_dir / GRID_FILE, json.dumps([asdict(j) for j in jobs], indent=1))
     results: dict[str, dict] = {j.name: cached_result(out_dir / j.name) for j in done}
+    settle_ledger(out_dir, executor.kind, done)  # runs whose jobs ended while the driver was stopped
     n_workers = max(1, workers)
     if executor.kind != "slurm":  # a Slurm job takes its own allocation's CPUs (executor.job_cpus)
         threads = threads or max(1, (os.cpu_count() or 1) // n_workers)

@@ -350,15 +350,16 @@ def run_summary(run_dir: str | Path, stopped: str | None = None) -> dict:
     }
 
 
-def check_train_job(job: GridJob) -> None:
+def check_train_job(job: GridJob, here: bool = True) -> None:
     """The grid check of training jobs (``run_grid(check=...)``): the trainer's own checks
-    (:func:`keel.train.trainer.check_train_config`: shapes, ranges, a model too large for
-    this machine) on ``job.config``, before any run of the grid starts.
+    (:func:`keel.train.trainer.check_train_config`: shapes, ranges, and with ``here`` a device or a
+    model too large for this machine; a Slurm job runs on another) on ``job.config``, before any run
+    of the grid starts.
 
     Raises:
         KeelError: the first problem of the config.
     """
-    check_train_config(config_from_dict(job.config))
+    check_train_config(config_from_dict(job.config), here=here)
 
 
 def train_task(job: GridJob, run_dir: Path, resume: bool) -> dict:

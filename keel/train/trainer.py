@@ -106,16 +106,20 @@ class TrainResult:
     steps_run: int = 0  # optimiser steps done by this call (0: nothing to do)
 
 
-def check_train_config(cfg: Config) -> None:
+def check_train_config(cfg: Config, here: bool = True) -> None:
     """Validate the keys the trainer needs before any work is done.
 
+    Args:
+        here: the run trains on this machine: also check its device and that the model and a step's
+            activations fit its memory (False: a Slurm job's node, which is another machine).
     Raises:
         KeelError: naming the first bad key.
     """
     check_model_config(cfg.model)
     # built in full, in fp32, on every rank's CPU before any sharding; "auto" vocab: its floor
     floor = cfg.model if cfg.model.vocab_size != "auto" else replace(cfg.model, vocab_size=1)
-    check_model_fits(floor, 4, "their fp32 weights")
+    if here:
+        check_model_fits(floor, 4, "their fp32 weights")
     tc = cfg.train
     tc.validate()
     cfg.data.validate()
@@ -123,7 +127,7 @@ def check_train_config(cfg: Config) -> None:
         raise KeelError(f"train.seq_len ({tc.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len})")
     checkpointed_blocks(cfg.model.n_layers, tc.activation_checkpointing, tc.activation_checkpoint_k)
     # activations live on the CPU too (a GPU says so itself); the global batch: the ranks of a CPU run share one host
-    if resolve_device(tc.device).type == "cpu":
+    if here and resolve_device(tc.device).type == "cpu":
         check_activations_fit(floor, tc)
 
 

@@ -335,7 +335,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     preset = presets.load_sweep_preset(args.preset) if args.preset else {}
     grid = {k: list(v) for k, v in preset.get("grid", {}).items()}
     grid.update(S.parse_grid(args.grid))
-    if not grid:
+    if not grid:  # a bare --resume of a mistyped --out has no recorded grid either: say so, not "give --grid"
+        _check_resume_target(args.resume, args.out)
         raise KeelError("nothing to sweep: give --grid section.key=v1,v2 (or a --preset with a grid group)")
     sets = list(preset.get("set", [])) + list(args.set)  # typed (key, value) pairs, then --set strings
     config = args.config or preset.get("base")

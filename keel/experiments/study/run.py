@@ -38,7 +38,8 @@ _log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- collecting runs
-def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[str], grid: Callable = run_grid,
+def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[str],
+            grid: Callable = functools.partial(run_grid, check=check_train_job),
             restored: dict[tuple[str, str], dict] | None = None,
             superseded: list[RunRecord] | None = None) -> tuple[list[RunRecord], list[dict]]:
     """Run or only read every group in order; return the run records (:func:`run_record`) of
@@ -46,7 +47,8 @@ def collect(study: Study, data_dir: str, out: Path, *, train: bool | Sequence[st
     finished: skipped, logged, run on a later invocation) a dict for :func:`.report.waiting_words`.
     ``train``: True trains every group, False none, a list of group names only those (the other
     groups are read, so the report still covers them). ``grid``: :func:`keel.experiments.grid.run_grid`
-    with the workers, threads and executor bound. ``restored``: :func:`load_restored`; a
+    with the workers, threads, executor and each run's check (:func:`keel.experiments.sweep.check_train_job`)
+    bound. ``restored``: :func:`load_restored`; a
     run there is not trained, and its record stands in unless its own folder holds a result."""
     restored = restored or {}
     runs: list[dict] = []
@@ -125,8 +127,8 @@ def _train_jobs(g: Group, refs: list[GridJob], todo: list[GridJob], n_jobs: int,
               + (f" ({n_jobs - len(todo)} more restored)" if len(todo) < n_jobs else "")
               + (f" + {plural(len(refs), 'reference run')}" if refs else ""))
     if refs:
-        grid(refs, gdir / ST.REFERENCES, train_task, resume=True, check=check_train_job)
-    got = grid(todo, gdir, g.kind_class.task(g), resume=True, check=check_train_job)
+        grid(refs, gdir / ST.REFERENCES, train_task, resume=True)
+    got = grid(todo, gdir, g.kind_class.task(g), resume=True)
     return {j.name: r for j, r in zip(todo, map(JobResult.from_dict, got)) if r.status == "error"}
 
 
@@ -216,7 +218,10 @@ def execute(study: Study, out: str | Path, *, workers: int | None = None, thread
             executor, workers, threads = engine_executor(out, executor, workers, threads, study.name)
         data_dir = study_dataset(base, planned_jobs(study, NO_DATA, out, restored)) \
             if shares_data(study, report_only) else NO_DATA  # prepared once; every run's vocab_size checked on it
-        grid = functools.partial(run_grid, workers=workers or 0, threads=threads or None, executor=executor)
+        # each run is checked before the first starts; on Slurm not against this (login) node's device and memory
+        check = functools.partial(check_train_job, here=executor is None or executor.kind != "slurm")
+        grid = functools.partial(run_grid, workers=workers or 0, threads=threads or None, executor=executor,
+                                 check=check)
         runs, waiting = collect(study, data_dir, out, train=False if report_only else (list(groups) or True),
                                 grid=grid, restored=restored, superseded=superseded)
     report = write_report(study, runs, out, _unigram_entropy(data_dir, runs), first_command, restore, superseded,
@@ -272,7 +277,8 @@ def engine_executor(out: Path, given: Executor | None, workers: int | None, thre
                     label: str) -> tuple[Executor, int, int | None]:
     """The executor, workers and threads this training invocation of study folder ``out`` uses, recorded in
     its ``study.json`` (``executor``): what is given, else (a ``--resume`` without the flags) what the folder
-    recorded, else the local executor with 1 worker; ``label`` (the study's name) names Slurm jobs.
+    recorded, else the local executor with 1 worker; ``label`` (the study's name) names Slurm jobs. A
+    ``--slurm KEY=VALUE`` given on resume replaces that key of the recorded ones and keeps the others.
 
     Raises:
         KeelError: ``given`` is another executor than the one ``out`` was started with (its Slurm job ids
@@ -290,6 +296,8 @@ def engine_executor(out: Path, given: Executor | None, workers: int | None, thre
             raise KeelError(f"{out} was started with --executor {was.kind}, not {given.kind}; continue it with "
                             f"--executor {was.kind} (or leave --executor out: {marker} holds its settings), or use "
                             "another --out")
+        if given is not None and given.slurm != was.slurm:  # --slurm KEY=V on resume replaces KEY, keeps the rest
+            given = replace(given, slurm={**was.slurm, **given.slurm})
         given = given or was
         workers = rec.get("workers") if workers is None else workers
         threads = rec.get("threads") if threads is None else threads
