@@ -97,6 +97,7 @@ def test_slurm_parameters_map_to_submitit_and_sbatch():
     (["--slurm", "time=5", "--slurm", "time=6"], "--slurm time is given twice"),
     (["--executor", "local", "--slurm", "time=5"], "use it with --executor slurm"),
     (["--gpus-per-run", "0"], "--gpus-per-run must be >= 1"),
+    (["--share-gpus"], "--share-gpus lets local workers share this machine's GPUs"),  # it was accepted, did nothing
 ])
 def test_bad_executor_flags_are_one_line_errors(args, match, tmp_path, capsys):
     from keel.cli import main

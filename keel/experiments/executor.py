@@ -102,7 +102,8 @@ class Executor:
         gpus_per_run: devices each run gets where there are GPUs; with a submitit executor also the
             processes of a run (tasks per node of its job, each one rank: :func:`_join_as_torchrun_would`),
             on the CPU too; a local worker runs each run in one process.
-        share_gpus: let more local workers than GPUs share them (round robin) instead of refusing.
+        share_gpus: let more local workers than GPUs share them (round robin) instead of refusing (not
+            with ``slurm``: a KeelError).
         poll_s: seconds between two looks at the submitted jobs' states.
         label: what Slurm jobs are named after (the engine sets the study's name): ``keel-LABEL-GROUP``
             for a grid's job array, ``keel-LABEL-GROUP-RUN`` for a job of one run; ``--slurm name=X``
@@ -123,6 +124,9 @@ class Executor:
             raise KeelError(f"--gpus-per-run must be >= 1, got {self.gpus_per_run}")
         if self.slurm and self.kind != "slurm":
             raise KeelError("--slurm sets Slurm's parameters; use it with --executor slurm")
+        if self.share_gpus and self.kind == "slurm":  # it was accepted and did nothing
+            raise KeelError("--share-gpus lets local workers share this machine's GPUs; a Slurm job gets its own "
+                            "(--gpus-per-run), so leave it out with --executor slurm")
         slurm_parameters(self)  # bad --slurm values fail here, before anything runs
 
     def record(self) -> dict:
