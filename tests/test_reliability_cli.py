@@ -193,6 +193,22 @@ def test_resume_of_a_folder_that_does_not_exist_is_refused(argv, tmp_path, tiny_
     assert not out.exists()
 
 
+@pytest.mark.parametrize("holds", ["nothing", "a study", "a train run"])
+def test_a_bare_sweep_resume_of_a_folder_no_sweep_started_names_the_folder(holds, tmp_path, capsys):
+    """`keel sweep --out DIR --resume` of a folder keel sweep did not start said "nothing to sweep: give --grid",
+    as if the flag were missing, not the sweep; now it names the folder."""
+    out = tmp_path / "dir"
+    out.mkdir()
+    if holds == "a study":
+        (out / "study.json").write_text(json.dumps({"command": "keel study claims --scale tiny"}))
+    elif holds == "a train run":
+        (out / "config.toml").write_text("[model]\n")
+    assert main(["sweep", "--out", str(out), "--resume"]) == 2
+    assert capsys.readouterr().err == (f"keel: error: --resume: {out} was not started by keel sweep (its study.json "
+                                       "records no keel sweep command), so there is no grid to continue; check "
+                                       "--out, or give --grid\n")
+
+
 @pytest.mark.parametrize("given, words", [
     (["data.tokenizer=bpe:9999"], "data.tokenizer = 'bpe:9999' (it has 'bpe:512')"),
     (["data.val_fraction=0.5", "data.source=/nonexistent"],

@@ -337,6 +337,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     grid.update(S.parse_grid(args.grid))
     if not grid:  # a bare --resume of a mistyped --out has no recorded grid either: say so, not "give --grid"
         _check_resume_target(args.resume, args.out)
+        if args.resume and args.out:  # a folder that holds no keel sweep (another command's, or none)
+            raise KeelError(f"--resume: {args.out} was not started by keel sweep (its study.json records no keel "
+                            "sweep command), so there is no grid to continue; check --out, or give --grid")
         raise KeelError("nothing to sweep: give --grid section.key=v1,v2 (or a --preset with a grid group)")
     sets = list(preset.get("set", [])) + list(args.set)  # typed (key, value) pairs, then --set strings
     config = args.config or preset.get("base")
