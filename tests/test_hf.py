@@ -572,6 +572,22 @@ def test_import_refuses_a_tokenizer_larger_than_the_vocabulary_and_steps_below_t
     assert main(["import-hf", "--hf", str(llama_dir), "--out", str(tmp_path / "b"), "--set", "train.steps=30"]) == 0
 
 
+@pytest.mark.parametrize("command", ["import-hf", "eval"])
+def test_a_folder_without_tokenizer_json_is_one_line(tiny_data, tmp_path, capsys, command):
+    """A Llama folder whose tokenizer.json was left out: import-hf and eval --hf printed transformers'
+    five-line 'Couldn't instantiate the backend tokenizer ... sentencepiece or tiktoken' message."""
+    llama_dir = tmp_path / "llama"
+    _stock_llama(llama_dir, tiny_data / "tokenizer.json")
+    (llama_dir / "tokenizer.json").unlink()
+    argv = {"import-hf": ["import-hf", "--hf", str(llama_dir), "--out", str(tmp_path / "run")],
+            "eval": ["eval", "--hf", str(llama_dir), "--text", str(llama_dir / "config.json")]}[command]
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (f"keel: error: cannot load the tokenizer of {llama_dir}: no tokenizer.json "
+                                       "there (keel needs a fast tokenizer): copy it there, or export the run again\n")
+    assert not (tmp_path / "run").exists()
+
+
 def test_resuming_an_import_on_a_data_path_says_to_give_it_at_import(tiny_data, tmp_path, capsys):
     """`keel train --resume IMPORTED --set data.path=D` was refused naming data.max_bytes and
     data.tokenizer, keys the user never set, with no word on what to do."""
