@@ -211,6 +211,21 @@ def test_hf_cli_with_text(tiny_llama, tmp_path, keel_cli, keel_main):
     assert r.returncode == 2 and "--text" in r.stderr
 
 
+@pytest.mark.parametrize("source", ["run", "hf"])
+def test_ablate_text_report_names_the_file_not_validation_tokens(source, tiny_reference_run, tiny_llama, tmp_path,
+                                                                 keel_main):
+    """`keel ablate --text FILE` measured on FILE but its report said "N validation tokens" and
+    ablate.json did not name the file."""
+    text = tmp_path / "t.txt"
+    text.write_text(json.__doc__ * 4)
+    model = ["--run", tiny_reference_run] if source == "run" else ["--hf", tiny_llama]
+    r = keel_main("ablate", *model, "--text", text, "--seq-len", 32, "--tokens", 64, "--out", tmp_path / "o")
+    assert r.returncode == 0, r.stderr
+    assert f"; 64 tokens of {text} in windows of 32 tokens. " in (tmp_path / "o" / "ablate.md").read_text()
+    assert "validation tokens" not in r.stdout
+    assert json.loads((tmp_path / "o" / "ablate.json").read_text())["text"] == str(text)
+
+
 @pytest.mark.parametrize("full,unit", [(800.0, 3.0), (3.0, 800.0), (720.0, 710.0)])
 def test_layer_importance_of_a_blown_up_model_is_finite(full, unit):
     """A full-model NLL above ~709.8 nats raised OverflowError in exp (issue 20, item 8):

@@ -254,11 +254,16 @@ def _in_windows(res: dict) -> str:
     return f" in windows of {res['seq_len']} tokens" if res.get("seq_len") else ""
 
 
+def _text_of(res: dict) -> str:
+    """What the tokens were: "tokens of FILE" for ``--text FILE`` (``res["text"]``), else "validation tokens"."""
+    return f"tokens of {res['text']}" if res.get("text") else "validation tokens"
+
+
 def ablate_markdown(res: dict, title: str) -> str:
     """Markdown table of an ablation result."""
     lines = [f"# Layer importance: {title}", "",
              f"{res['scheme']}, {plural(res['blocks'], 'block')} = {res['sublayers']} sub-layers; "
-             f"unit removed = one {res['unit']}; {res['tokens']:,} validation tokens{_in_windows(res)}. "
+             f"unit removed = one {res['unit']}; {res['tokens']:,} {_text_of(res)}{_in_windows(res)}. "
              f"Full model: PPL {res['ppl_full']:.3f} (loss {res['nll_full']:.4f} nats/token). "
              "ΔPPL = PPL without the unit − PPL of the full model.", "",
              "| index | block | unit | PPL without | ΔPPL |", "|---|---|---|---|---|"]

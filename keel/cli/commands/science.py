@@ -476,6 +476,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         text = A.ablation_text(args.text, None, tokens) if args.text else None
         res = A.ablate_run(args.run, args.seq_len, tokens, args.batch_size, args.device, text=text, loops=args.loops)
     res["source"] = title
+    if args.text:  # the report names the text it measured on, not "validation tokens"
+        res["text"] = str(args.text)
     res = A.write_outputs(res, out, title)  # --json prints what ablate.json holds
     if args.json:
         print(json.dumps(res, indent=1))
