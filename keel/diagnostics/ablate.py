@@ -363,6 +363,13 @@ def text_windows(ids, seq_len: int, max_tokens: int):
     return torch.stack(rows)
 
 
+def check_tokens(tokens: int, seq_len: int) -> None:
+    """Raise KeelError for ``--tokens`` below one window of ``seq_len`` tokens (an ablation then measured
+    one whole window, more tokens than asked, without a word; ``keel eval --max-tokens`` refuses it too)."""
+    if tokens < seq_len:
+        raise KeelError(f"--tokens {tokens} is less than one window of {seq_len} tokens (--seq-len); give at least {seq_len}")
+
+
 def ablate_run(run_dir: str | Path, seq_len: int | None = None, tokens: int = 16384, batch_size: int = 16,
                device: str = "auto", text: str | None = None, loops: int | None = None) -> dict:
     """:func:`ablate_model` of a keel run's latest checkpoint on the first ``tokens`` tokens of
@@ -371,8 +378,8 @@ def ablate_run(run_dir: str | Path, seq_len: int | None = None, tokens: int = 16
     ``model.loop_repeats``).
 
     Raises:
-        KeelError: not a run, no checkpoint, ``seq_len`` outside [1, model.max_seq_len], too
-            little validation data or text, a ``loops`` below 1 or for a run that does not loop.
+        KeelError: not a run, no checkpoint, ``seq_len`` outside [1, model.max_seq_len], ``tokens``
+            below one window, too little validation data or text, a ``loops`` below 1 or for a run that does not loop.
     """
     run = Run(run_dir)
     model = run.load_model(device=device)
@@ -381,6 +388,7 @@ def ablate_run(run_dir: str | Path, seq_len: int | None = None, tokens: int = 16
     seq = seq_len if seq_len is not None else run.config.train.seq_len
     if not 1 <= seq <= model.cfg.max_seq_len:
         raise KeelError(f"--seq-len must be between 1 and model.max_seq_len = {model.cfg.max_seq_len}, got {seq}")
+    check_tokens(tokens, seq)
     if text is not None:
         windows = text_windows(run.tokenizer().encode(text, add_special_tokens=False).ids, seq, tokens)
     else:
@@ -419,4 +427,5 @@ def ablate_hf_folder(path: str | Path, text: str, seq_len: int | None = None, to
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     seq = seq_len or min(512, getattr(model.config, "max_position_embeddings", 512))
+    check_tokens(tokens, seq)
     return ablate_hf_model(model, text_windows(ids, seq, tokens), batch_size=batch_size)

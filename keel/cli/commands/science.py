@@ -428,6 +428,7 @@ def _ablate_hf(args: argparse.Namespace, tokens: int) -> dict:
     seq = args.seq_len or (cfg.train.seq_len if cfg is not None else min(512, hf.model.cfg.max_seq_len))
     if not 1 <= seq <= hf.model.cfg.max_seq_len:
         raise KeelError(f"--seq-len must be between 1 and model.max_seq_len = {hf.model.cfg.max_seq_len}, got {seq}")
+    A.check_tokens(tokens, seq)
     data_dir = None
     if not args.text:  # the run's dataset (tokenizer checked by Run.data_dir), else the one the export names
         data_dir = Run(args.run).data_dir() if args.run else find_data(cfg) if cfg is not None else None
