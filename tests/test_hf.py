@@ -286,6 +286,10 @@ def test_imported_run_keeps_step_and_tokens(trained_run, pre_ln_run, residual, t
     assert r.returncode == 0, r.stderr
     last = read_metrics(tmp_path / "runs" / "back" / "metrics.jsonl")[-1]
     assert (last["step"], last["tokens"]) == (step + 1, tokens + 4 * 32)
+    # `keel import-hf --help` said the checkpoint "is step 0" whatever the export's step
+    description = " ".join(keel_main("import-hf", "--help").stdout.split())
+    assert "checkpoint is step 0" not in description
+    assert "its checkpoint is the step and tokens the export was made at, 0 for a stock Llama" in description
 
 
 def docs_snippet(marker: str) -> str:
