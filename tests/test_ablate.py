@@ -229,6 +229,22 @@ def test_ablate_text_report_names_the_file_not_validation_tokens(source, tiny_re
     assert json.loads((tmp_path / "o" / "ablate.json").read_text())["text"] == str(text)
 
 
+def test_ablate_text_encodes_a_literal_endoftext_as_text_as_eval_does(tiny_reference_run, tmp_path, keel_main):
+    """`keel ablate --run R --text F` encoded a literal <|endoftext|> in F as the EOS id, where
+    `keel eval --text`, prepare and generate read it as text: the two full-model losses differed."""
+    text = tmp_path / "t.txt"
+    text.write_text(("x = 1\n<|endoftext|>\ny = [2, 3]\n" * 40))
+    r = keel_main("ablate", "--run", tiny_reference_run, "--text", text, "--seq-len", 32, "--tokens", 10 ** 6,
+                  "--out", tmp_path / "o", "--json")
+    assert r.returncode == 0, r.stderr
+    ablated = json.loads(r.stdout)
+    r = keel_main("eval", "--run", tiny_reference_run, "--text", text, "--seq-len", 32, "--json")
+    assert r.returncode == 0, r.stderr
+    ppl = json.loads(r.stdout)["perplexity"]
+    whole = (ppl["tokens"] - 1) // 32 * 32  # ablate scores whole windows only; eval also the first token and the tail
+    assert ablated["tokens"] == whole
+
+
 @pytest.mark.parametrize("full,unit", [(800.0, 3.0), (3.0, 800.0), (720.0, 710.0)])
 def test_layer_importance_of_a_blown_up_model_is_finite(full, unit):
     """A full-model NLL above ~709.8 nats raised OverflowError in exp (issue 20, item 8):

@@ -66,7 +66,7 @@ from matplotlib.patches import Patch
 
 from keel.data import load_tokenizer, split_windows, validation_tokens
 from keel.data.shards import read_shard
-from keel.data.text import read_text_file
+from keel.data.text import encode_text, read_text_file
 from keel.errors import KeelError, plural
 from keel.io import atomic_files, check_output_folder, weights_load_errors
 from keel.run import Run
@@ -390,7 +390,7 @@ def ablate_run(run_dir: str | Path, seq_len: int | None = None, tokens: int = 16
         raise KeelError(f"--seq-len must be between 1 and model.max_seq_len = {model.cfg.max_seq_len}, got {seq}")
     check_tokens(tokens, seq)
     if text is not None:
-        windows = text_windows(run.tokenizer().encode(text, add_special_tokens=False).ids, seq, tokens)
+        windows = text_windows(encode_text(run.tokenizer(), text), seq, tokens)  # as keel eval --text: <|endoftext|> is text
     else:
         windows = validation_tokens(run.data_dir(), seq, tokens)
     return ablate_model(model, windows, batch_size=batch_size)
