@@ -245,6 +245,26 @@ def test_ablate_text_encodes_a_literal_endoftext_as_text_as_eval_does(tiny_refer
     assert ablated["tokens"] == whole
 
 
+@pytest.mark.parametrize("damage,why", [("missing", "no tokenizer.json there (keel needs a fast tokenizer)"),
+                                         ("corrupt", "Expecting value: line 1 column 1 (char 0)")])
+def test_hf_folder_with_a_bad_tokenizer_is_one_line(damage, why, tiny_llama, tmp_path, keel_main):
+    """`keel ablate --hf LLAMA` of a folder whose tokenizer.json was missing or damaged died of a
+    Python traceback (transformers' ValueError / json's JSONDecodeError), exit 1."""
+    import shutil
+
+    folder = tmp_path / "llama"
+    shutil.copytree(tiny_llama, folder)
+    if damage == "missing":
+        (folder / "tokenizer.json").unlink()
+    else:
+        (folder / "tokenizer.json").write_text("not json")
+    text = tmp_path / "t.txt"
+    text.write_text(json.__doc__)
+    r = keel_main("ablate", "--hf", folder, "--text", text, "--out", tmp_path / "o")
+    assert (r.returncode, r.stderr) == (2, f"keel: error: cannot load the tokenizer of {folder}: {why}\n")
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("full,unit", [(800.0, 3.0), (3.0, 800.0), (720.0, 710.0)])
 def test_layer_importance_of_a_blown_up_model_is_finite(full, unit):
     """A full-model NLL above ~709.8 nats raised OverflowError in exp (issue 20, item 8):

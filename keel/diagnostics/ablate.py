@@ -416,13 +416,18 @@ def ablate_hf_folder(path: str | Path, text: str, seq_len: int | None = None, to
                      batch_size: int = 8) -> dict:
     """:func:`ablate_hf_model` of a local Hugging Face causal-LM folder on ``text`` (fp32),
     windows of ``seq_len`` tokens (default: min(512, max_position_embeddings)).
-    Raises KeelError: not a folder, or text shorter than one window."""
+    Raises KeelError: not a folder, a tokenizer that cannot be loaded, or text shorter than one window."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # optional extra [hf], ~1.7 s to import: only for --hf
 
     path = Path(path)
     if not path.is_dir():
         raise KeelError(f"--hf expects a local model folder (save_pretrained), got {path}")
-    tok = AutoTokenizer.from_pretrained(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (ValueError, OSError) as e:  # a traceback before; transformers' messages span lines: one line
+        why = ("no tokenizer.json there (keel needs a fast tokenizer)" if not (path / "tokenizer.json").is_file()
+               else " ".join(str(e).split()))
+        raise KeelError(f"cannot load the tokenizer of {path}: {why}") from None
     with weights_load_errors(path):  # a missing or truncated model.safetensors: one line
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = tok(text, add_special_tokens=False)["input_ids"]
