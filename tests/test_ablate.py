@@ -131,7 +131,8 @@ def test_ablate_cli_on_a_run(tiny_config, tmp_path, keel_cli, keel_main):
     (["--batch-size", "-1"], "--batch-size must be >= 1, got -1"),
     (["--tokens", "0"], "--tokens must be >= 1, got 0"),
     (["--tokens", "10"], "--tokens 10 is less than one window of 32 tokens (--seq-len); give at least 32"),
-    (["--tokens", "31", "--seq-len", "32"], "--tokens 31 is less than one window of 32 tokens (--seq-len); give at least 32"),
+    (["--tokens", "31", "--seq-len", "32"],
+     "--tokens 31 is less than one window of 32 tokens (--seq-len); give at least 32"),
 ])
 def test_ablate_refuses_a_count_below_one_in_one_line(flags, error, tiny_reference_run, tmp_path, keel_main):
     """--seq-len 0 ablated at the run's seq_len; --batch-size 0 / -1 was a ZeroDivisionError traceback;

@@ -367,7 +367,8 @@ def check_tokens(tokens: int, seq_len: int) -> None:
     """Raise KeelError for ``--tokens`` below one window of ``seq_len`` tokens (an ablation then measured
     one whole window, more tokens than asked, without a word; ``keel eval --max-tokens`` refuses it too)."""
     if tokens < seq_len:
-        raise KeelError(f"--tokens {tokens} is less than one window of {seq_len} tokens (--seq-len); give at least {seq_len}")
+        raise KeelError(f"--tokens {tokens} is less than one window of {seq_len} tokens (--seq-len); "
+                        f"give at least {seq_len}")
 
 
 def ablate_run(run_dir: str | Path, seq_len: int | None = None, tokens: int = 16384, batch_size: int = 16,

@@ -63,8 +63,8 @@ def plot_loss_curves(paths: Sequence[str | Path], out: str | Path, *, val: bool 
         smooth: trailing-mean window (steps) for the training loss.
         labels: one legend label per curve (default: run folder names).
     Raises:
-        KeelError: a path that is neither a run nor a sweep; bad ``x``; a negative ``smooth``, or one with ``val``; wrong number
-            of labels; no loss
+        KeelError: a path that is neither a run nor a sweep; bad ``x``; a negative ``smooth``, or one with
+            ``val``; wrong number of labels; no loss
             values at all in the runs (nothing is written).
     """
     _check_loss_args(x, smooth, val)
