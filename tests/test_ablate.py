@@ -130,9 +130,13 @@ def test_ablate_cli_on_a_run(tiny_config, tmp_path, keel_cli, keel_main):
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--batch-size", "-1"], "--batch-size must be >= 1, got -1"),
     (["--tokens", "0"], "--tokens must be >= 1, got 0"),
+    (["--tokens", "10"], "--tokens 10 is less than one window of 32 tokens (--seq-len); give at least 32"),
+    (["--tokens", "31", "--seq-len", "32"],
+     "--tokens 31 is less than one window of 32 tokens (--seq-len); give at least 32"),
 ])
 def test_ablate_refuses_a_count_below_one_in_one_line(flags, error, tiny_reference_run, tmp_path, keel_main):
-    """--seq-len 0 ablated at the run's seq_len; --batch-size 0 / -1 was a ZeroDivisionError traceback."""
+    """--seq-len 0 ablated at the run's seq_len; --batch-size 0 / -1 was a ZeroDivisionError traceback;
+    --tokens below one window measured one whole window (more tokens than asked) without a word."""
     r = keel_main("ablate", "--run", tiny_reference_run, *flags, "--out", tmp_path / "abl")
     assert (r.returncode, r.stderr) == (2, f"keel: error: {error}\n")
     assert not (tmp_path / "abl").exists()
@@ -209,6 +213,57 @@ def test_hf_cli_with_text(tiny_llama, tmp_path, keel_cli, keel_main):
     assert (tmp_path / "o" / "ablate.png").is_file()
     r = keel_main("ablate", "--hf", tiny_llama, "--out", tmp_path / "o2")
     assert r.returncode == 2 and "--text" in r.stderr
+
+
+@pytest.mark.parametrize("source", ["run", "hf"])
+def test_ablate_text_report_names_the_file_not_validation_tokens(source, tiny_reference_run, tiny_llama, tmp_path,
+                                                                 keel_main):
+    """`keel ablate --text FILE` measured on FILE but its report said "N validation tokens" and
+    ablate.json did not name the file."""
+    text = tmp_path / "t.txt"
+    text.write_text(json.__doc__ * 4)
+    model = ["--run", tiny_reference_run] if source == "run" else ["--hf", tiny_llama]
+    r = keel_main("ablate", *model, "--text", text, "--seq-len", 32, "--tokens", 64, "--out", tmp_path / "o")
+    assert r.returncode == 0, r.stderr
+    assert f"; 64 tokens of {text} in windows of 32 tokens. " in (tmp_path / "o" / "ablate.md").read_text()
+    assert "validation tokens" not in r.stdout
+    assert json.loads((tmp_path / "o" / "ablate.json").read_text())["text"] == str(text)
+
+
+def test_ablate_text_encodes_a_literal_endoftext_as_text_as_eval_does(tiny_reference_run, tmp_path, keel_main):
+    """`keel ablate --run R --text F` encoded a literal <|endoftext|> in F as the EOS id, where
+    `keel eval --text`, prepare and generate read it as text: the two full-model losses differed."""
+    text = tmp_path / "t.txt"
+    text.write_text(("x = 1\n<|endoftext|>\ny = [2, 3]\n" * 40))
+    r = keel_main("ablate", "--run", tiny_reference_run, "--text", text, "--seq-len", 32, "--tokens", 10 ** 6,
+                  "--out", tmp_path / "o", "--json")
+    assert r.returncode == 0, r.stderr
+    ablated = json.loads(r.stdout)
+    r = keel_main("eval", "--run", tiny_reference_run, "--text", text, "--seq-len", 32, "--json")
+    assert r.returncode == 0, r.stderr
+    ppl = json.loads(r.stdout)["perplexity"]
+    whole = (ppl["tokens"] - 1) // 32 * 32  # ablate scores whole windows only; eval also the first token and the tail
+    assert ablated["tokens"] == whole
+
+
+@pytest.mark.parametrize("damage,why", [("missing", "no tokenizer.json there (keel needs a fast tokenizer)"),
+                                         ("corrupt", "Expecting value: line 1 column 1 (char 0)")])
+def test_hf_folder_with_a_bad_tokenizer_is_one_line(damage, why, tiny_llama, tmp_path, keel_main):
+    """`keel ablate --hf LLAMA` of a folder whose tokenizer.json was missing or damaged died of a
+    Python traceback (transformers' ValueError / json's JSONDecodeError), exit 1."""
+    import shutil
+
+    folder = tmp_path / "llama"
+    shutil.copytree(tiny_llama, folder)
+    if damage == "missing":
+        (folder / "tokenizer.json").unlink()
+    else:
+        (folder / "tokenizer.json").write_text("not json")
+    text = tmp_path / "t.txt"
+    text.write_text(json.__doc__)
+    r = keel_main("ablate", "--hf", folder, "--text", text, "--out", tmp_path / "o")
+    assert (r.returncode, r.stderr) == (2, f"keel: error: cannot load the tokenizer of {folder}: {why}\n")
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("full,unit", [(800.0, 3.0), (3.0, 800.0), (720.0, 710.0)])

@@ -158,6 +158,19 @@ def test_run_status_rules():
     assert run_status(ok[:2] + [dict(ok[2], divergence=healthy)], 2, False) == "finished"
 
 
+@pytest.mark.parametrize("skipped,status", [(1, "stopped"), (2, "diverged"), (3, "diverged")])
+def test_a_run_the_trainer_stopped_for_non_finite_steps_is_diverged(skipped, status):
+    """A run stopped by train.max_bad_steps (its last steps skipped: grad norm NaN, loss finite) was
+    listed as "stopped", whose meaning is "interrupted; keel train --resume continues it"."""
+    from keel.experiments.overview import run_status
+
+    bad = [{"step": 2 + i, "loss": 6.2, "grad_norm": None, "skipped": True} for i in range(skipped)]
+    records = [{"step": 0, "val_loss": 6.0}, {"step": 1, "loss": 5.0}] + bad
+    assert run_status(records, 20, False, 0, max_bad_steps=2) == status
+    assert run_status(records, 20, True, 0, max_bad_steps=2) == "running"  # a live run may still recover
+    assert run_status(records, 20, False, 0) == "stopped"  # max_bad_steps not known: not judged
+
+
 def test_a_run_is_running_while_a_process_holds_its_lock(tmp_path):
     """`keel runs` called a run "running" for 5 minutes after its process was killed (metrics.jsonl
     had changed within 300 s), and "stopped" while a step took longer than that: the lock tells."""

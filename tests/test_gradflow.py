@@ -151,6 +151,16 @@ def test_full_jacobian_matches_autograd_on_one_sequence(val_batch):
     assert prof["full_jacobian"][0] == pytest.approx(torch.linalg.matrix_norm(J, ord=2).item(), rel=1e-5)
 
 
+@pytest.mark.parametrize("n_layers", [1, 2])
+def test_stream_ratio_after_sub_layer_2_needs_a_sub_layer_2(n_layers, val_batch):
+    """One block (sub-layers 0 and 1) has no sub-layer 2: "stream 2/L-1" showed s[1] / s[1] = 1.000."""
+    torch.manual_seed(0)
+    prof = profile_model(Transformer(cfg_for("pre_ln", n_layers=n_layers)), val_batch[:2, :9], jacobian_iters=2)
+    s = prof["stream_grad_norm"]
+    assert prof["stream_ratio_block1_last"] == (None if n_layers == 1 else pytest.approx(s[2] / s[-1]))
+    assert prof["stream_ratio_first_last"] == pytest.approx(s[0] / s[-1])
+
+
 def test_depth_behaviour_at_xavier_like_init(val_batch):
     """With N(0, 1/d) weights (F about as large as x, the paper's assumption) the Post-LN
     shortcut product decays with depth like c^L, c ~ 1/sqrt(2), while Keel's stays ~1; Keel's

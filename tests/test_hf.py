@@ -286,6 +286,10 @@ def test_imported_run_keeps_step_and_tokens(trained_run, pre_ln_run, residual, t
     assert r.returncode == 0, r.stderr
     last = read_metrics(tmp_path / "runs" / "back" / "metrics.jsonl")[-1]
     assert (last["step"], last["tokens"]) == (step + 1, tokens + 4 * 32)
+    # `keel import-hf --help` said the checkpoint "is step 0" whatever the export's step
+    description = " ".join(keel_main("import-hf", "--help").stdout.split())
+    assert "checkpoint is step 0" not in description
+    assert "its checkpoint is the step and tokens the export was made at, 0 for a stock Llama" in description
 
 
 def docs_snippet(marker: str) -> str:
@@ -570,6 +574,22 @@ def test_import_refuses_a_tokenizer_larger_than_the_vocabulary_and_steps_below_t
                                        "(30); give train.steps >= 30\n")
     assert not (tmp_path / "b").exists()
     assert main(["import-hf", "--hf", str(llama_dir), "--out", str(tmp_path / "b"), "--set", "train.steps=30"]) == 0
+
+
+@pytest.mark.parametrize("command", ["import-hf", "eval"])
+def test_a_folder_without_tokenizer_json_is_one_line(tiny_data, tmp_path, capsys, command):
+    """A Llama folder whose tokenizer.json was left out: import-hf and eval --hf printed transformers'
+    five-line 'Couldn't instantiate the backend tokenizer ... sentencepiece or tiktoken' message."""
+    llama_dir = tmp_path / "llama"
+    _stock_llama(llama_dir, tiny_data / "tokenizer.json")
+    (llama_dir / "tokenizer.json").unlink()
+    argv = {"import-hf": ["import-hf", "--hf", str(llama_dir), "--out", str(tmp_path / "run")],
+            "eval": ["eval", "--hf", str(llama_dir), "--text", str(llama_dir / "config.json")]}[command]
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (f"keel: error: cannot load the tokenizer of {llama_dir}: no tokenizer.json "
+                                       "there (keel needs a fast tokenizer): copy it there, or export the run again\n")
+    assert not (tmp_path / "run").exists()
 
 
 def test_resuming_an_import_on_a_data_path_says_to_give_it_at_import(tiny_data, tmp_path, capsys):

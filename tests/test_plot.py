@@ -115,6 +115,16 @@ def test_a_negative_smoothing_window_is_refused_and_one_curve_is_singular(sweep_
     assert r.returncode == 0 and r.stdout.strip() == f"{tmp_path / 'a.png'}: 1 curve"
 
 
+@pytest.mark.parametrize("smooth", ["1", "5"])
+def test_smoothing_with_val_is_refused_not_ignored(sweep_dir, keel_main, tmp_path, smooth):
+    """`keel plot loss --val --smooth 5` drew the very plot `--val` alone draws (--smooth averages the
+    training loss only), without a word."""
+    r = keel_main("plot", "loss", sweep_dir / "keel_L2_lr0.001", "--val", "--smooth", smooth, "--out", tmp_path / "a.png")
+    assert (r.returncode, r.stderr) == (2, "keel: error: --smooth averages the training loss; --val plots the "
+                                           "validation loss unsmoothed: drop one\n")
+    assert not (tmp_path / "a.png").exists()
+
+
 @pytest.mark.parametrize("kind", ["depth", "lr"])
 def test_flags_of_loss_curves_are_refused_for_depth_and_lr(sweep_dir, keel_main, tmp_path, kind):
     """`keel plot depth --val --smooth 5 --x steps` drew the same plot as without them, without a word."""

@@ -10,7 +10,7 @@ from keel import KeelError
 from keel.cli import main
 from keel.data.stats import dataset_unigram_entropy
 from keel.diagnostics.divergence import MODES, classify_metrics
-from keel.experiments.presets import STRESS_OWNED, run_stress
+from keel.experiments.presets import SENSITIVITY_OWNED, STRESS_OWNED, run_stress
 from keel.experiments.stress import (
     REFERENCES,
     max_lr,
@@ -215,3 +215,23 @@ def test_report_only_on_a_study_folder_names_the_study(command, keel_main, tiny_
     r = keel_main(command, "--out", out, "--report-only")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "holds no finished run of this" in r.stderr and f"it is the folder of `keel study {study}" in r.stderr
+
+
+@pytest.mark.parametrize("command", ["stress", "lr-sensitivity"])
+def test_resume_or_report_only_alone_continues_the_grid_its_folder_holds(command, keel_main, tiny_data, tmp_path):
+    """`keel stress --out DIR --resume` alone took the defaults (every scheme, 64 sub-layers, seeds
+    0,1,2, the demo corpus) and trained that other grid into DIR; `--report-only` alone refused. Both
+    now take the grid flags and --set flags DIR was started with; a grid flag that differs is refused."""
+    owned, grid_flags = {"stress": (STRESS_OWNED, ["--peak-lr", "1e-3", "--ramp-steps", "3"]),
+                         "lr-sensitivity": (SENSITIVITY_OWNED, ["--lrs", "1e-3"])}[command]
+    sets = [a for s in tiny_overrides(tiny_data, owned, steps=3, eval_every=3, sample_tokens=0) for a in ("--set", s)]
+    out = tmp_path / "o"
+    first = ["--residual", "keel", "--sublayers", "2", "--seeds", "0", *grid_flags]
+    assert keel_main(command, *first, *sets, "--workers", 0, "--threads", 1, "--out", out).returncode == 0
+    folders = sorted(p.name for p in out.rglob("*") if p.is_dir())
+    for flag in ("--report-only", "--resume"):  # --report-only first: before the fix it refused (fast)
+        r = keel_main(command, "--out", out, flag, "--json")
+        assert r.returncode == 0, r.stderr
+        assert sorted(p.name for p in out.rglob("*") if p.is_dir()) == folders  # no run of another grid
+    r = keel_main(command, "--out", out, "--resume", "--seeds", "1")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--seeds differs from it" in r.stderr, r.stderr

@@ -66,7 +66,7 @@ from matplotlib.patches import Patch
 
 from keel.data import load_tokenizer, split_windows, validation_tokens
 from keel.data.shards import read_shard
-from keel.data.text import read_text_file
+from keel.data.text import encode_text, read_text_file
 from keel.errors import KeelError, plural
 from keel.io import atomic_files, check_output_folder, weights_load_errors
 from keel.run import Run
@@ -254,11 +254,16 @@ def _in_windows(res: dict) -> str:
     return f" in windows of {res['seq_len']} tokens" if res.get("seq_len") else ""
 
 
+def _text_of(res: dict) -> str:
+    """What the tokens were: "tokens of FILE" for ``--text FILE`` (``res["text"]``), else "validation tokens"."""
+    return f"tokens of {res['text']}" if res.get("text") else "validation tokens"
+
+
 def ablate_markdown(res: dict, title: str) -> str:
     """Markdown table of an ablation result."""
     lines = [f"# Layer importance: {title}", "",
              f"{res['scheme']}, {plural(res['blocks'], 'block')} = {res['sublayers']} sub-layers; "
-             f"unit removed = one {res['unit']}; {res['tokens']:,} validation tokens{_in_windows(res)}. "
+             f"unit removed = one {res['unit']}; {res['tokens']:,} {_text_of(res)}{_in_windows(res)}. "
              f"Full model: PPL {res['ppl_full']:.3f} (loss {res['nll_full']:.4f} nats/token). "
              "ΔPPL = PPL without the unit − PPL of the full model.", "",
              "| index | block | unit | PPL without | ΔPPL |", "|---|---|---|---|---|"]
@@ -358,6 +363,14 @@ def text_windows(ids, seq_len: int, max_tokens: int):
     return torch.stack(rows)
 
 
+def check_tokens(tokens: int, seq_len: int) -> None:
+    """Raise KeelError for ``--tokens`` below one window of ``seq_len`` tokens (an ablation then measured
+    one whole window, more tokens than asked, without a word; ``keel eval --max-tokens`` refuses it too)."""
+    if tokens < seq_len:
+        raise KeelError(f"--tokens {tokens} is less than one window of {seq_len} tokens (--seq-len); "
+                        f"give at least {seq_len}")
+
+
 def ablate_run(run_dir: str | Path, seq_len: int | None = None, tokens: int = 16384, batch_size: int = 16,
                device: str = "auto", text: str | None = None, loops: int | None = None) -> dict:
     """:func:`ablate_model` of a keel run's latest checkpoint on the first ``tokens`` tokens of
@@ -366,8 +379,8 @@ def ablate_run(run_dir: str | Path, seq_len: int | None = None, tokens: int = 16
     ``model.loop_repeats``).
 
     Raises:
-        KeelError: not a run, no checkpoint, ``seq_len`` outside [1, model.max_seq_len], too
-            little validation data or text, a ``loops`` below 1 or for a run that does not loop.
+        KeelError: not a run, no checkpoint, ``seq_len`` outside [1, model.max_seq_len], ``tokens``
+            below one window, too little validation data or text, a ``loops`` below 1 or for a run that does not loop.
     """
     run = Run(run_dir)
     model = run.load_model(device=device)
@@ -376,8 +389,9 @@ def ablate_run(run_dir: str | Path, seq_len: int | None = None, tokens: int = 16
     seq = seq_len if seq_len is not None else run.config.train.seq_len
     if not 1 <= seq <= model.cfg.max_seq_len:
         raise KeelError(f"--seq-len must be between 1 and model.max_seq_len = {model.cfg.max_seq_len}, got {seq}")
+    check_tokens(tokens, seq)
     if text is not None:
-        windows = text_windows(run.tokenizer().encode(text, add_special_tokens=False).ids, seq, tokens)
+        windows = text_windows(encode_text(run.tokenizer(), text), seq, tokens)  # as keel eval --text: <|endoftext|> is text
     else:
         windows = validation_tokens(run.data_dir(), seq, tokens)
     return ablate_model(model, windows, batch_size=batch_size)
@@ -403,15 +417,21 @@ def ablate_hf_folder(path: str | Path, text: str, seq_len: int | None = None, to
                      batch_size: int = 8) -> dict:
     """:func:`ablate_hf_model` of a local Hugging Face causal-LM folder on ``text`` (fp32),
     windows of ``seq_len`` tokens (default: min(512, max_position_embeddings)).
-    Raises KeelError: not a folder, or text shorter than one window."""
+    Raises KeelError: not a folder, a tokenizer that cannot be loaded, or text shorter than one window."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # optional extra [hf], ~1.7 s to import: only for --hf
 
     path = Path(path)
     if not path.is_dir():
         raise KeelError(f"--hf expects a local model folder (save_pretrained), got {path}")
-    tok = AutoTokenizer.from_pretrained(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (ValueError, OSError) as e:  # a traceback before; transformers' messages span lines: one line
+        why = ("no tokenizer.json there (keel needs a fast tokenizer)" if not (path / "tokenizer.json").is_file()
+               else " ".join(str(e).split()))
+        raise KeelError(f"cannot load the tokenizer of {path}: {why}") from None
     with weights_load_errors(path):  # a missing or truncated model.safetensors: one line
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     seq = seq_len or min(512, getattr(model.config, "max_position_embeddings", 512))
+    check_tokens(tokens, seq)
     return ablate_hf_model(model, text_windows(ids, seq, tokens), batch_size=batch_size)

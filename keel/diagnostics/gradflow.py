@@ -31,7 +31,8 @@ n_layers):
   accumulated in log space (``log10_jacobian_product`` holds the exact value; the plain
   product is clamped to [0, max float] so that 1024 sub-layers never make JSON invalid).
 * ``stream_ratio_first_last`` / ``stream_ratio_block1_last``: the stream gradient norm
-  after sub-layer 0 (resp. 2) divided by that after sub-layer L-1.
+  after sub-layer 0 (resp. 2) divided by that after sub-layer L-1 (``stream_ratio_block1_last``
+  is None for one block, which has no sub-layer 2).
 * with ``--full-jacobian``: also the spectral norm of each sub-layer's *full* Jacobian
   (branch included; attention couples the tokens of a sequence, so per sequence), and its
   product in log space (``log10_full_jacobian_product``).
@@ -367,7 +368,8 @@ def profile_model(model, batch, jacobian_iters: int = 32, full_jacobian: bool = 
     out["log10_jacobian_product_from_block1"] = _log10_product(log_js[2:])
     s = out["stream_grad_norm"]
     out["stream_ratio_first_last"] = s[0] / s[-1] if s[-1] > 0 else None  # None: no gradient at the top
-    out["stream_ratio_block1_last"] = s[min(2, len(s) - 1)] / s[-1] if s[-1] > 0 else None
+    # None also for one block: it has no sub-layer 2 (s[1] / s[1] = 1 was shown as a ratio)
+    out["stream_ratio_block1_last"] = s[2] / s[-1] if len(s) > 2 and s[-1] > 0 else None
     if full_jacobian:
         out["full_jacobian"] = [math.exp(v) for v in log_full]
         out["log10_full_jacobian_product"] = _log10_product(log_full)

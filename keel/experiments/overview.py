@@ -3,8 +3,9 @@
 Columns: run, scheme, blocks / sub-layers, parameters, step (of train.steps), tokens, last
 validation loss (nats/token), mean tokens/s, status. Status:
 
-* ``diverged`` -- the divergence classifier gave a verdict other than healthy, or the last
-  loss / validation loss is not finite (null in metrics.jsonl);
+* ``diverged`` -- the divergence classifier gave a verdict other than healthy, the last
+  loss / validation loss is not finite (null in metrics.jsonl), or the last ``train.max_bad_steps``
+  steps were all skipped as non-finite (the trainer stopped the run there);
 * ``finished`` -- the last logged step is ``train.steps`` and so is the newest checkpoint's
   (:meth:`keel.run.Run.saved_step`; a run whose final checkpoint is missing, e.g. its write failed, is
   ``stopped``: ``keel train --resume`` trains it from its newest checkpoint);
@@ -40,11 +41,12 @@ def _not_finite(value) -> bool:
     return value is None or (isinstance(value, float) and not math.isfinite(value))
 
 
-def run_status(records: list[dict], steps: int, held: bool, saved: int | None = None) -> str:
+def run_status(records: list[dict], steps: int, held: bool, saved: int | None = None,
+               max_bad_steps: int | None = None) -> str:
     """``new`` / ``diverged`` / ``finished`` / ``running`` / ``stopped`` (see the module
     docstring) of a run with metrics ``records`` and ``train.steps = steps``; ``held``: a process
     holds the run's lock; ``saved``: the step of its newest checkpoint (None: not known, taken as the
-    last logged step)."""
+    last logged step); ``max_bad_steps``: its ``train.max_bad_steps`` (None: not checked)."""
     if not records:
         return "running" if held else "new"
     last = records[-1]
@@ -53,9 +55,23 @@ def run_status(records: list[dict], steps: int, held: bool, saved: int | None = 
         return "diverged"
     if ("loss" in last and _not_finite(last["loss"])) or ("val_loss" in last and _not_finite(last["val_loss"])):
         return "diverged"
+    if max_bad_steps and not held and _skipped_in_a_row(records) >= max_bad_steps:  # the trainer's stop rule
+        return "diverged"
     if last.get("step", 0) >= steps and (saved is None or saved >= steps):
         return "finished"
     return "running" if held else "stopped"
+
+
+def _skipped_in_a_row(records: list[dict]) -> int:
+    """How many of the last training steps of ``records`` were skipped (``"skipped": true``) in a row."""
+    n = 0
+    for r in reversed(records):
+        if "loss" not in r:  # an evaluation or config-change record
+            continue
+        if not r.get("skipped"):
+            break
+        n += 1
+    return n
 
 
 def run_row(run: Run) -> dict:
@@ -72,7 +88,8 @@ def run_row(run: Run) -> dict:
             "step": last.get("step"), "steps": cfg.train.steps, "tokens": tokens,
             "val_loss": vals[-1] if vals else None,
             "tokens_per_s": mean_tokens_per_s(tokens, elapsed, untimed_tokens(records)) if tokens else None,
-            "status": run_status(records, cfg.train.steps, lock_holder(run.path) is not None, run.saved_step() or 0)}
+            "status": run_status(records, cfg.train.steps, lock_holder(run.path) is not None, run.saved_step() or 0,
+                                 cfg.train.max_bad_steps)}
 
 
 def find_runs(root: str | Path) -> list[Path]:

@@ -63,11 +63,11 @@ def plot_loss_curves(paths: Sequence[str | Path], out: str | Path, *, val: bool 
         smooth: trailing-mean window (steps) for the training loss.
         labels: one legend label per curve (default: run folder names).
     Raises:
-        KeelError: a path that is neither a run nor a sweep; bad ``x``; a negative ``smooth``; wrong number
-            of labels; no loss
+        KeelError: a path that is neither a run nor a sweep; bad ``x``; a negative ``smooth``, or one with
+            ``val``; wrong number of labels; no loss
             values at all in the runs (nothing is written).
     """
-    _check_loss_args(x, smooth)
+    _check_loss_args(x, smooth, val)
     runs = _run_dirs(paths)
     if labels is not None and len(labels) != len(runs):
         raise KeelError(f"{len(labels)} labels for {len(runs)} runs")
@@ -91,12 +91,15 @@ def plot_loss_curves(paths: Sequence[str | Path], out: str | Path, *, val: bool 
     return n
 
 
-def _check_loss_args(x: str, smooth: int) -> None:
-    """Raise KeelError for :func:`plot_loss_curves`' ``x`` other than tokens or steps, or a negative ``smooth``."""
+def _check_loss_args(x: str, smooth: int, val: bool = False) -> None:
+    """Raise KeelError for :func:`plot_loss_curves`' ``x`` other than tokens or steps, a negative ``smooth``, or a
+    ``smooth`` with ``val`` (it averages the training loss only: the validation plot would silently ignore it)."""
     if x not in ("tokens", "steps"):
         raise KeelError(f"--x must be tokens or steps, got {x!r}")
     if smooth < 0:
         raise KeelError(f"--smooth must be >= 0 steps (0: no smoothing), got {smooth}")
+    if smooth and val:
+        raise KeelError("--smooth averages the training loss; --val plots the validation loss unsmoothed: drop one")
 
 
 def _loss_points(run: Path, xkey: str, val: bool) -> list[tuple]:

@@ -297,8 +297,11 @@ def load_hf(path: str | Path, device: str = "auto"):
     model = model.to(dev).eval()
     try:
         tok = AutoTokenizer.from_pretrained(path)
-    except (ValueError, OSError) as e:
-        raise KeelError(f"cannot load the tokenizer of {path}: {e}") from None
+    except (ValueError, OSError) as e:  # transformers' messages span lines: one line, naming a missing file
+        if not (path / HF_TOKENIZER).is_file():
+            raise KeelError(f"cannot load the tokenizer of {path}: no {HF_TOKENIZER} there (keel needs a fast "
+                            "tokenizer): copy it there, or export the run again") from None
+        raise KeelError(f"cannot load the tokenizer of {path}: {' '.join(str(e).split())}") from None
     return model, tok, dev
 
 

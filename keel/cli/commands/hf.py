@@ -59,8 +59,9 @@ def _register_import_hf(subparsers) -> None:
                                description="Inverse of export-hf, and the way in for a stock LlamaForCausalLM "
                                            "(becomes a pre_ln run; RoPE scaling, biases and other features keel "
                                            "lacks are refused by name): a run directory that `keel generate`, "
-                                           "`keel eval` and `keel train --resume` accept (its checkpoint is step 0 "
-                                           "with a fresh optimiser).")
+                                           "`keel eval` and `keel train --resume` accept (its checkpoint is the "
+                                           "step and tokens the export was made at, 0 for a stock Llama, with a "
+                                           "fresh optimiser).")
     pi.add_argument("--hf", required=True, help="Hugging Face folder: from `keel export-hf`, or a stock Llama")
     pi.add_argument("--out", required=True, help="run directory to create (must not exist or be empty)")
     pi.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

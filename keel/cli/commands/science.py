@@ -284,8 +284,9 @@ def stored_flags(args: argparse.Namespace, out: str | Path, command: str, keys: 
     that started the grid folder ``out`` (its ``study.json``; the ``--set`` given now follow, each once),
     so that ``keel sweep --out DIR --resume`` or ``keel study NAME --out DIR --resume`` alone continues
     as it began. A ``--set`` given now that contradicts a recorded one is refused by the engine
-    (:func:`keel.experiments.study.run.check_started_runs`), naming the key. Unchanged when ``out``
-    holds no ``keel COMMAND`` command.
+    (:func:`keel.experiments.study.run.check_started_runs`), naming the key. A flag left at its
+    default (``keel stress``'s ``--seeds 0,1,2``, ``--peak-lr``, ...) counts as not given. Unchanged
+    when ``out`` holds no ``keel COMMAND`` command.
 
     Raises:
         KeelError: one of ``keys`` given now with another value: another grid belongs in another folder.
@@ -303,7 +304,10 @@ def stored_flags(args: argparse.Namespace, out: str | Path, command: str, keys: 
         old = build_parser().parse_args(argv[1:])
     except SystemExit:  # a command an older keel recorded, with flags this one no longer has
         return args
+    default = build_parser().parse_args([command, "--out", str(out)])  # each flag's value when not given
     for k in keys:
+        if getattr(args, k) == getattr(default, k):  # not given now: the folder's
+            continue
         if getattr(args, k) not in (None, []) and getattr(args, k) != getattr(old, k):
             raise KeelError(f"--resume continues the {command} {out} holds ({recorded}); --{k.replace('_', '-')} "
                             f"differs from it: drop it, or give another --out for another {command}")
@@ -428,6 +432,7 @@ def _ablate_hf(args: argparse.Namespace, tokens: int) -> dict:
     seq = args.seq_len or (cfg.train.seq_len if cfg is not None else min(512, hf.model.cfg.max_seq_len))
     if not 1 <= seq <= hf.model.cfg.max_seq_len:
         raise KeelError(f"--seq-len must be between 1 and model.max_seq_len = {hf.model.cfg.max_seq_len}, got {seq}")
+    A.check_tokens(tokens, seq)
     data_dir = None
     if not args.text:  # the run's dataset (tokenizer checked by Run.data_dir), else the one the export names
         data_dir = Run(args.run).data_dir() if args.run else find_data(cfg) if cfg is not None else None
@@ -480,6 +485,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         text = A.ablation_text(args.text, None, tokens) if args.text else None
         res = A.ablate_run(args.run, args.seq_len, tokens, args.batch_size, args.device, text=text, loops=args.loops)
     res["source"] = title
+    if args.text:  # the report names the text it measured on, not "validation tokens"
+        res["text"] = str(args.text)
     res = A.write_outputs(res, out, title)  # --json prints what ablate.json holds
     if args.json:
         print(json.dumps(res, indent=1))
@@ -508,8 +515,14 @@ def _register_stress(subparsers) -> None:
     p.set_defaults(handler=cmd_stress)
 
 
+STRESS_GRID_FLAGS = ("residual", "sublayers", "seeds", "peak_lr", "ramp_steps", "reference_scheme", "config")
+SENSITIVITY_GRID_FLAGS = ("residual", "sublayers", "lrs", "seeds", "config")
+
+
 def cmd_stress(args) -> int:
     """``keel stress``: see :mod:`keel.experiments.stress`."""
+    if args.resume or args.report_only:  # the grid the folder holds, not the defaults' (they trained a new grid in it)
+        args = stored_flags(args, args.out, "stress", STRESS_GRID_FLAGS)
     _check_engine_flags(args)
     check_output_not_in_checkpoints(args.out, "--out")
     schemes = _parse_list(args.residual, str, "--residual") if args.residual is not None else list(SCHEMES)
@@ -611,6 +624,8 @@ def _register_lr_sensitivity(subparsers) -> None:
 
 def cmd_lr_sensitivity(args: argparse.Namespace) -> int:
     """``keel lr-sensitivity``: see :mod:`keel.experiments.sensitivity`."""
+    if args.resume or args.report_only:  # the grid the folder holds, as keel stress
+        args = stored_flags(args, args.out, "lr-sensitivity", SENSITIVITY_GRID_FLAGS)
     _check_engine_flags(args)
     s = presets.run_lr_sensitivity(args.config, _parse_list(args.residual, str, "--residual"),
                                    _parse_list(args.sublayers, int, args.sublayers_flag),

@@ -29,7 +29,8 @@ def train_and_ablate(job: GridJob, run_dir: Path, resume: bool) -> dict:
     ablation. Raises what ``train_task`` and ``ablate_run`` raise."""
     out = train_task(job, run_dir, resume)
     if JobResult.from_dict(out).final_val_loss is not None:
-        tokens = config_from_dict(job.config).train.eval_tokens
+        train = config_from_dict(job.config).train
+        tokens = max(train.eval_tokens, train.seq_len)  # one window at least, as its val_loss reads
         res = ablate_run(run_dir, tokens=tokens)
         out["ablation"] = {"tokens": res.get("tokens", tokens), "seq_len": res.get("seq_len"),
                            "ppl_full": res["ppl_full"], "delta_ppl": [u["delta_ppl"] for u in res["units"]]}
