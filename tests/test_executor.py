@@ -8,7 +8,6 @@ import json
 import shlex
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
