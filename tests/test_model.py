@@ -397,6 +397,25 @@ def test_generate_past_max_seq_len():
     assert torch.equal(out, model.generate(ids, 10, temperature=0, use_cache=False))
 
 
+@pytest.mark.parametrize("args, words", [
+    (dict(temperature=-0.5), "temperature, top_k and max_new_tokens must be >= 0, got -0.5, None, 3"),  # was greedy
+    (dict(top_k=-2), "got 1.0, -2, 3"),  # was no top-k
+    (dict(max_new_tokens=-1), "got 1.0, None, -1"),  # was the prompt back
+    (dict(ids=torch.zeros(1, 0, dtype=torch.long)), r"at least one token, got shape \(1, 0\)"),  # a RuntimeError
+    (dict(ids=torch.tensor([[1, 2, 64]])), r"token ids must be in \[0, 64\) \(model.vocab_size\), got 1..64"),  # IndexError
+    (dict(ids=torch.tensor([[-1, 2]])), "got -1..2"),
+])
+def test_generate_refuses_arguments_it_would_misread_in_one_line(args, words):
+    """Transformer.generate sampled greedily at a negative temperature, ignored a negative top_k, and raised
+    RuntimeError / IndexError (on a GPU a device-side assert) for an empty prompt or an id outside the vocabulary."""
+    model = Transformer(small_cfg(vocab_size=64)).eval()
+    ids = args.pop("ids", torch.tensor([[1, 2, 3]]))
+    kw = {"max_new_tokens": 3, "temperature": 1.0, **args}
+    with pytest.raises(KeelError, match=words):
+        model.generate(ids, **kw)
+    assert model.generate(torch.tensor([[1, 63]]), 2, temperature=0).shape == (1, 4)  # the edges of the range pass
+
+
 # ---- which scheme reads which model key ---------------------------------------------------
 
 class _RecordingConfig(ModelConfig):

@@ -300,6 +300,23 @@ def padding_attention_mask(attention_mask: torch.Tensor, start: int) -> tuple[to
     return positions, allowed.unsqueeze(1)
 
 
+
+def check_generate_args(input_ids: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
+                        vocab_size: int) -> None:
+    """Raise KeelError, in one line, for :meth:`Transformer.generate` arguments it would misread: a negative
+    temperature (it sampled greedily without a word), top_k or token count, an empty prompt, or a token id
+    outside the vocabulary (an IndexError, on a GPU a device-side assert)."""
+    if temperature < 0 or (top_k is not None and top_k < 0) or max_new_tokens < 0:
+        raise KeelError(f"generate: temperature, top_k and max_new_tokens must be >= 0, got {temperature}, {top_k}, "
+                        f"{max_new_tokens}")
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise KeelError(f"generate: input_ids must be [batch, prompt tokens] with at least one token, got shape "
+                        f"{tuple(input_ids.shape)}")
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise KeelError(f"generate: token ids must be in [0, {vocab_size}) (model.vocab_size), got {lo}..{hi}")
+
+
 class Transformer(nn.Module):
     """The LM. ``Transformer(cfg)(input_ids)`` -> logits; with ``targets`` -> the loss.
 
@@ -486,7 +503,12 @@ class Transformer(nn.Module):
         it, or once the context outgrows max_seq_len, the context is re-run every step,
         cropped to its last max_seq_len tokens. ``loops``: a looped model's core applications per
         token (default :attr:`loops`); the cache keeps one slot per applied block (:class:`CacheSlot`).
+
+        Raises:
+            KeelError: a negative ``temperature``, ``top_k`` or ``max_new_tokens``; ``input_ids`` not [B, T0]
+                with T0 >= 1, or holding an id outside [0, vocab_size).
         """
+        check_generate_args(input_ids, max_new_tokens, temperature, top_k, self.cfg.vocab_size)
         ids = input_ids
         cache = KVCache() if use_cache else None
         step_input = ids
