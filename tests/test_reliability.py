@@ -559,3 +559,15 @@ def test_null_numbers_read_back_as_nan_and_classify(tmp_path):
     assert got[0]["note"] is None  # only numeric fields are restored
     v = classify_metrics(got)
     assert v.mode == INSTABILITY and v.step == 3
+
+
+@pytest.mark.parametrize("loss, grad_norm, lr, words", [
+    (6.2384, float("nan"), 3e-3, "step 7: non-finite grad norm nan (loss 6.2384, LR 0.003); update skipped (2 in a row)"),
+    (float("inf"), float("nan"), 1e30, "step 7: non-finite loss inf, grad norm nan (LR 1e+30); update skipped (2 in a row)"),
+    (float("nan"), 1.5, 3e-3, "step 7: non-finite loss nan (grad norm 1.5, LR 0.003); update skipped (2 in a row)"),
+])
+def test_a_skipped_steps_warning_names_what_was_not_finite(loss, grad_norm, lr, words):
+    """The warning read "non-finite loss 6.238..., grad norm nan or LR 0.003", as if the finite loss were the cause."""
+    from keel.train.trainer import skipped_step_words
+
+    assert skipped_step_words(7, {"loss": loss, "grad_norm": grad_norm, "lr": lr}, 2) == words

@@ -106,6 +106,18 @@ class TrainResult:
     steps_run: int = 0  # optimiser steps done by this call (0: nothing to do)
 
 
+
+def skipped_step_words(step: int, record: dict, bad_in_row: int) -> str:
+    """The warning of a step whose update was skipped: which of its loss, gradient norm and LR (``record``'s
+    ``loss``, ``grad_norm``, ``lr``) is not finite, the others beside it (the warning named all three, so that
+    a finite loss read as the cause), and how many such steps ran in a row."""
+    names = {"loss": "loss", "grad_norm": "grad norm", "lr": "LR"}
+    bad = [k for k in names if not (isinstance(record.get(k), (int, float)) and math.isfinite(record[k]))]
+    good = [f"{names[k]} {record[k]:.6g}" for k in names if k not in bad]
+    return (f"step {step}: non-finite {', '.join(f'{names[k]} {record.get(k)}' for k in bad) or 'value'}"
+            + (f" ({', '.join(good)})" if good else "") + f"; update skipped ({bad_in_row} in a row)")
+
+
 def check_train_config(cfg: Config, here: bool = True) -> None:
     """Validate the keys the trainer needs before any work is done.
 
@@ -518,8 +530,7 @@ class Trainer:
             if self.main and overflow:
                 log.info(overflow)
             elif self.main:
-                log.warning("step %d: non-finite loss %s, grad norm %s or LR %s; update skipped (%d in a row)",
-                            self.state.step, record["loss"], record["grad_norm"], record["lr"], bad_in_row)
+                log.warning(skipped_step_words(self.state.step, record, bad_in_row))
             if bad_in_row >= self.tc.max_bad_steps:
                 self.write(record)
                 last = self.checkpoints.latest()
