@@ -108,6 +108,8 @@ class Executor:
         label: what Slurm jobs are named after (the engine sets the study's name): ``keel-LABEL-GROUP``
             for a grid's job array, ``keel-LABEL-GROUP-RUN`` for a job of one run; ``--slurm name=X``
             names them ``X``.
+        unset: the fields of ``gpus_per_run`` and ``share_gpus`` the command line left at their defaults: a
+            ``--resume`` takes them from the folder's record (not written in it).
     """
 
     kind: str = "local"
@@ -116,6 +118,7 @@ class Executor:
     share_gpus: bool = False
     poll_s: float = 5.0
     label: str = ""
+    unset: frozenset[str] = field(default=frozenset(), compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in EXECUTORS:

@@ -582,8 +582,9 @@ def executor_of(args: argparse.Namespace) -> Executor | None:
     """
     if args.executor is None and not args.slurm and args.gpus_per_run is None and not args.share_gpus:
         return None
+    unset = frozenset(k for k, v in (("gpus_per_run", args.gpus_per_run), ("share_gpus", args.share_gpus)) if not v)
     ex = Executor(args.executor or "local", parse_slurm(args.slurm), 1 if args.gpus_per_run is None else args.gpus_per_run,
-                  args.share_gpus)
+                  args.share_gpus, unset=unset)
     if not getattr(args, "dry_run", False):
         check_slurm_here(ex)
     return ex

@@ -278,7 +278,8 @@ def engine_executor(out: Path, given: Executor | None, workers: int | None, thre
     """The executor, workers and threads this training invocation of study folder ``out`` uses, recorded in
     its ``study.json`` (``executor``): what is given, else (a ``--resume`` without the flags) what the folder
     recorded, else the local executor with 1 worker; ``label`` (the study's name) names Slurm jobs. A
-    ``--slurm KEY=VALUE`` given on resume replaces that key of the recorded ones and keeps the others.
+    ``--slurm KEY=VALUE`` given on resume replaces that key of the recorded ones and keeps the others; a
+    ``--gpus-per-run`` or ``--share-gpus`` not given keeps the recorded value (:attr:`Executor.unset`).
 
     Raises:
         KeelError: ``given`` is another executor than the one ``out`` was started with (its Slurm job ids
@@ -296,8 +297,8 @@ def engine_executor(out: Path, given: Executor | None, workers: int | None, thre
             raise KeelError(f"{out} was started with --executor {was.kind}, not {given.kind}; continue it with "
                             f"--executor {was.kind} (or leave --executor out: {marker} holds its settings), or use "
                             "another --out")
-        if given is not None and given.slurm != was.slurm:  # --slurm KEY=V on resume replaces KEY, keeps the rest
-            given = replace(given, slurm={**was.slurm, **given.slurm})
+        if given is not None:  # --slurm KEY=V on resume replaces KEY, keeps the rest; a flag not given: the folder's
+            given = replace(given, slurm={**was.slurm, **given.slurm}, **{k: getattr(was, k) for k in given.unset})
         given = given or was
         workers = rec.get("workers") if workers is None else workers
         threads = rec.get("threads") if threads is None else threads
