@@ -233,3 +233,21 @@ def test_a_data_key_set_beside_data_path_is_refused_not_dropped(tiny_data, tiny_
     assert words in capsys.readouterr().err and (run / "metrics.jsonl").read_text() == before
     same = main(["train", "--resume", str(run), "--set", "data.tokenizer=bpe:512", "--set", "train.steps=12"])
     assert same == 0  # the dataset's own value: nothing is dropped
+
+
+def test_a_resume_on_a_dataset_with_a_larger_vocabulary_says_the_run_cannot_read_it(tiny_reference_run, tmp_path,
+                                                                                     capsys):
+    """Resuming a run (512 embedding rows) with --set data.path= a dataset of a 1024-id tokenizer said
+    'model.vocab_size = 512 is smaller than the tokenizer's vocabulary; use "auto"', which a resume cannot change."""
+    import shutil
+
+    from keel.data import prepare_dataset
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_reference_run, run)
+    big = prepare_dataset("builtin:python-stdlib", "bpe:1024", cache_dir=tmp_path / "data", max_bytes=120_000,
+                          progress=False)
+    assert main(["train", "--resume", str(run), "--set", f"data.path={big}", "--set", "train.steps=16"]) == 2
+    assert capsys.readouterr().err == (f"keel: error: cannot resume {run} on {big}: its tokenizer has 1024 ids, more "
+                                       "than the run's 512 embedding rows (model.vocab_size); resume on the data the "
+                                       "run was trained with, or start a new run\n")

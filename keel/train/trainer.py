@@ -240,7 +240,7 @@ class Trainer:
         self.nothing_left = saved is not None and saved["step"] >= self.tc.steps
         if saved is not None:  # a refused change costs no dataset preparation
             D.decide_on_rank0(lambda: check_refused_before_data(saved, self.cfg, self.run_dir), self.info)
-        self._load_data()
+        self._load_data(resuming=saved is not None)
         if saved is not None:
             self._check_config_changes(saved)  # before the weights are loaded: a clear refusal
         self._build_model()
@@ -305,14 +305,22 @@ class Trainer:
         found = D.decide_on_rank0(lambda: checkpoint_to_resume(self.checkpoints), self.info)
         return Path(found) if found is not None else None
 
-    def _load_data(self) -> None:
+    def _load_data(self, resuming: bool = False) -> None:
         """Rank 0 prepares (or finds) the dataset; the others wait for its answer. Resolves
-        ``model.vocab_size`` in the run's own copy of the config (never the caller's)."""
+        ``model.vocab_size`` in the run's own copy of the config (never the caller's).
+
+        Raises:
+            KeelError: ``resuming`` on a dataset whose tokenizer has more ids than the run's embedding rows
+                (another tokenizer: the run cannot read it; "auto" cannot help, the weights have their shape)."""
         self.data_dir = Path(D.decide_on_rank0(
             lambda: str(resolve_data(self.cfg, progress=self.tc.progress and interactive())), self.info))
         self.meta = read_meta(self.data_dir)
         if self.cfg.data.path:  # the dataset is given: its config records how it was made, not unread defaults
             self.cfg.data = replace(self.cfg.data, **absolute_data_paths(prepared_from(self.meta)))
+        if resuming and self.cfg.model.vocab_size != "auto" and int(self.cfg.model.vocab_size) < self.meta["vocab_size"]:
+            raise KeelError(f"cannot resume {self.run_dir} on {self.data_dir}: its tokenizer has {self.meta['vocab_size']} "
+                            f"ids, more than the run's {self.cfg.model.vocab_size} embedding rows (model.vocab_size); "
+                            "resume on the data the run was trained with, or start a new run")
         vocab = resolve_vocab_size(self.cfg.model.vocab_size, self.meta["vocab_size"], self.cfg.model.vocab_multiple)
         if self.cfg.model.vocab_size == "auto" and self.main:
             log.info("model.vocab_size = \"auto\": %d (tokenizer: %d ids, rounded up to a multiple of %d)",
