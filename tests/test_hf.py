@@ -592,6 +592,32 @@ def test_a_folder_without_tokenizer_json_is_one_line(tiny_data, tmp_path, capsys
     assert not (tmp_path / "run").exists()
 
 
+def test_import_refuses_a_data_path_the_run_could_not_train_on(tiny_data, tmp_path, capsys):
+    """`keel import-hf --set data.path=/nonexistent` was accepted; every later resume or eval of the run failed.
+    A dataset of a tokenizer with more ids than the model's rows is refused too; a good one is taken."""
+    llama_dir = tmp_path / "llama"
+    _stock_llama(llama_dir, tiny_data / "tokenizer.json")
+    capsys.readouterr()
+    missing = tmp_path / "nonexistent"
+    assert main(["import-hf", "--hf", str(llama_dir), "--out", str(tmp_path / "a"), "--set", f"data.path={missing}"]) == 2
+    assert capsys.readouterr().err == (f"keel: error: --set data.path: not a prepared dataset: {missing} (run `keel "
+                                       "prepare` first)\n")
+    assert not (tmp_path / "a").exists()
+    assert main(["import-hf", "--hf", str(llama_dir), "--out", str(tmp_path / "b"), "--set", f"data.path={tiny_data}",
+                 "--set", "train.seq_len=32"]) == 0
+    assert f'path = "{tiny_data}"' in (tmp_path / "b" / "config.toml").read_text()
+    from keel.data import prepare_dataset
+
+    big = prepare_dataset("builtin:python-stdlib", "bpe:1024", cache_dir=tmp_path / "data", max_bytes=120_000,
+                          progress=False)
+    capsys.readouterr()
+    assert main(["import-hf", "--hf", str(llama_dir), "--out", str(tmp_path / "c"), "--set", f"data.path={big}"]) == 2
+    assert capsys.readouterr().err == (f"keel: error: --set data.path: {big}'s tokenizer has 1024 ids, more than the "
+                                       "model's 512 embedding rows; give a dataset prepared with the folder's "
+                                       "tokenizer\n")
+    assert not (tmp_path / "c").exists()
+
+
 def test_resuming_an_import_on_a_data_path_says_to_give_it_at_import(tiny_data, tmp_path, capsys):
     """`keel train --resume IMPORTED --set data.path=D` was refused naming data.max_bytes and
     data.tokenizer, keys the user never set, with no word on what to do."""

@@ -342,6 +342,21 @@ def _check_importable(hf_dir: Path, cfg, n_ids: int, step: int) -> None:
                         f"give train.steps >= {step}")
 
 
+def _check_given_data(cfg, overrides: list[str]) -> None:
+    """Refuse a ``data.path`` given in ``overrides`` (:func:`import_hf`) that the imported run could not train on:
+    not a prepared dataset (it was accepted, and every later ``--resume`` or ``eval`` failed), or one whose
+    tokenizer has more ids than the model's ``vocab_size`` embedding rows. Raises KeelError, in one line."""
+    if not any(o.split("=", 1)[0].strip() == "data.path" for o in overrides):
+        return
+    try:
+        n_ids = read_meta(cfg.data.path)["vocab_size"]
+    except KeelError as e:
+        raise KeelError(f"--set data.path: {e}") from None
+    if n_ids > cfg.model.vocab_size:
+        raise KeelError(f"--set data.path: {cfg.data.path}'s tokenizer has {n_ids} ids, more than the model's "
+                        f"{cfg.model.vocab_size} embedding rows; give a dataset prepared with the folder's tokenizer")
+
+
 def _fit_seq_len(hf_dir: Path, cfg, overrides: list[str]) -> None:
     """Keep ``train.seq_len`` within the imported model's positions (``model.max_seq_len``, from
     ``max_position_embeddings``): a longer one (keel's default 128 for a stock Llama of 64 positions)
@@ -384,7 +399,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     Returns ``out``. Raises KeelError: not a keel/Llama folder, a Llama feature keel lacks
     (named), no tokenizer, a tokenizer with more ids than ``vocab_size`` embedding rows, a
     ``train.steps`` below the step the export reached, a ``train.seq_len`` given above the model's
-    positions, or ``out`` exists and is not empty.
+    positions, a ``data.path`` given that is not a prepared dataset or has more token ids than the model's rows
+    (:func:`_check_given_data`), or ``out`` exists and is not empty.
     """
     hf_dir, out = Path(hf_dir), Path(out)
     _check_output(out)
@@ -399,6 +415,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     cfg.model = dataclasses.replace(model.config.to_model_config())
     step = int(getattr(model.config, "keel_step", 0) or 0)
     _check_importable(hf_dir, cfg, len(hf_tok), step)
+    _check_given_data(cfg, overrides)
     _fit_seq_len(hf_dir, cfg, overrides)
     loops = getattr(model.config, "loops", None)
     if loops is not None and loops != cfg.model.loop_repeats:
