@@ -122,6 +122,29 @@ def check_path_names(path: str | os.PathLike, flag: str, room: int = 0) -> None:
                         "takes at most 4095: choose a shorter one")
 
 
+HF_TOKENIZER = "tokenizer.json"  # a Hugging Face model folder's tokenizer (transformers' name; a keel run's: RunDir)
+
+
+def load_hf_tokenizer(folder: str | os.PathLike):
+    """The fast tokenizer of a Hugging Face model folder (``transformers.AutoTokenizer``), for ``keel import-hf``,
+    ``eval --hf`` and ``ablate --hf``.
+
+    Raises:
+        KeelError: one line naming ``folder``: no ``tokenizer.json`` there (keel needs a fast tokenizer), or
+            transformers' (multi-line) message for one it cannot load, on one line.
+    """
+    from transformers import AutoTokenizer  # the optional extra [hf]; ~1.7 s to import: only where it is needed
+
+    folder = Path(folder)
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (ValueError, OSError) as e:
+        if not (folder / HF_TOKENIZER).is_file():
+            raise KeelError(f"cannot load the tokenizer of {folder}: no {HF_TOKENIZER} there (keel needs a fast "
+                            "tokenizer): copy it there, or export the run again") from None
+        raise KeelError(f"cannot load the tokenizer of {folder}: {' '.join(str(e).split())}") from None
+
+
 @contextlib.contextmanager
 def weights_load_errors(folder: str | os.PathLike) -> Iterator[None]:
     """Turn a failure to read a Hugging Face folder's weights inside the block (transformers'

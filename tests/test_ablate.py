@@ -246,7 +246,8 @@ def test_ablate_text_encodes_a_literal_endoftext_as_text_as_eval_does(tiny_refer
     assert ablated["tokens"] == whole
 
 
-@pytest.mark.parametrize("damage,why", [("missing", "no tokenizer.json there (keel needs a fast tokenizer)"),
+@pytest.mark.parametrize("damage,why", [("missing", "no tokenizer.json there (keel needs a fast tokenizer): copy it "
+                                                    "there, or export the run again"),  # as import-hf and eval --hf
                                          ("corrupt", "Expecting value: line 1 column 1 (char 0)")])
 def test_hf_folder_with_a_bad_tokenizer_is_one_line(damage, why, tiny_llama, tmp_path, keel_main):
     """`keel ablate --hf LLAMA` of a folder whose tokenizer.json was missing or damaged died of a

@@ -29,7 +29,7 @@ ALLOWED = {
     ("keel/train/loggers.py", "wandb"): (2, "the wandb package's name and extra (_require), not a path"),
     ("keel/train/trainer.py", "tokenizer.json"): (1, "the dataset folder's tokenizer (keel.data's layout), copied "
                                                      "into RunDir.tokenizer"),
-    ("keel/hf/convert.py", "tokenizer.json"): (1, "HF_TOKENIZER: a Hugging Face model folder's tokenizer"),
+    ("keel/io.py", "tokenizer.json"): (1, "HF_TOKENIZER: a Hugging Face model folder's tokenizer"),
     ("keel/data/loader.py", "tokenizer.json"): (1, "a prepared dataset's tokenizer (keel.data's layout)"),
     ("keel/data/prepare.py", "tokenizer.json"): (7, "a prepared dataset's tokenizer and a tokenizer path given "
                                                     "to keel prepare (keel.data's layout)"),

@@ -172,16 +172,20 @@ def test_a_grid_whose_every_run_failed_names_no_plot(keel_main, tiny_data, tmp_p
 
 
 def test_report_only_of_another_lr_grid_is_refused_and_writes_nothing(keel_main, tiny_data, tmp_path):
-    """`keel lr-sensitivity --out DIR --report-only` with grid flags other than DIR's (e.g. none: the defaults)
-    rewrote DIR/report.json for a grid of no finished run, then stopped with a traceback (TypeError) formatting
-    its table. As `keel stress`: one line naming the command the runs are of, and nothing written."""
+    """`keel lr-sensitivity --out DIR --report-only` with grid flags other than DIR's rewrote DIR/report.json for a
+    grid of no finished run, then stopped with a traceback (TypeError) formatting its table. As `keel stress`:
+    one line naming the command the runs are of, and nothing written. With no grid flag it reports DIR's grid
+    (the flags DIR was started with: the defaults' grid was what it refused)."""
     out = tmp_path / "sens"
     sets = [a for s in tiny_overrides(tiny_data, SENSITIVITY_OWNED, steps=2, warmup_steps=1, eval_every=2,
                                       checkpoint_every=100, sample_tokens=0) for a in ("--set", s)]
     grid = ["--residual", "keel", "--sublayers", "2", "--lrs", "1e-3", "--seeds", "0"]
     assert keel_main("lr-sensitivity", "--config", DEMO, *grid, "--workers", "0", "--out", out, *sets).returncode == 0
     before = (out / "report.json").read_bytes()
-    r = keel_main("lr-sensitivity", "--out", out, "--report-only")
+    alone = keel_main("lr-sensitivity", "--out", out, "--report-only")
+    assert alone.returncode == 0 and "1/1 runs finished" in alone.stderr, alone.stderr
+    before = (out / "report.json").read_bytes()
+    r = keel_main("lr-sensitivity", "--out", out, "--report-only", "--lrs", "3e-3")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     assert "holds no finished run of this LR grid" in r.stderr and "--lrs 1e-3" in r.stderr
     assert (out / "report.json").read_bytes() == before

@@ -68,7 +68,7 @@ from keel.data import load_tokenizer, split_windows, validation_tokens
 from keel.data.shards import read_shard
 from keel.data.text import encode_text, read_text_file
 from keel.errors import KeelError, plural
-from keel.io import atomic_files, check_output_folder, weights_load_errors
+from keel.io import atomic_files, check_output_folder, load_hf_tokenizer, weights_load_errors
 from keel.run import Run
 from keel.train.nll import mean_nll
 from keel.train.plots import plt, save_figure, written_by_keel
@@ -418,17 +418,12 @@ def ablate_hf_folder(path: str | Path, text: str, seq_len: int | None = None, to
     """:func:`ablate_hf_model` of a local Hugging Face causal-LM folder on ``text`` (fp32),
     windows of ``seq_len`` tokens (default: min(512, max_position_embeddings)).
     Raises KeelError: not a folder, a tokenizer that cannot be loaded, or text shorter than one window."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # optional extra [hf], ~1.7 s to import: only for --hf
+    from transformers import AutoModelForCausalLM  # optional extra [hf], ~1.7 s to import: only for --hf
 
     path = Path(path)
     if not path.is_dir():
         raise KeelError(f"--hf expects a local model folder (save_pretrained), got {path}")
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except (ValueError, OSError) as e:  # a traceback before; transformers' messages span lines: one line
-        why = ("no tokenizer.json there (keel needs a fast tokenizer)" if not (path / "tokenizer.json").is_file()
-               else " ".join(str(e).split()))
-        raise KeelError(f"cannot load the tokenizer of {path}: {why}") from None
+    tok = load_hf_tokenizer(path)  # a missing or damaged tokenizer: one line (a traceback before)
     with weights_load_errors(path):  # a missing or truncated model.safetensors: one line
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = tok(text, add_special_tokens=False)["input_ids"]

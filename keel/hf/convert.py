@@ -39,7 +39,7 @@ import torch
 import transformers.utils.logging as hf_logging
 from tokenizers import Tokenizer
 from safetensors import safe_open
-from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 import keel.hf  # noqa: F401  (registers model_type "keel")
 from keel.config import dump_config, load_config
@@ -50,8 +50,8 @@ from keel.hf.configuration import KeelConfig
 from keel.hf.llama import from_llama, read_safetensors, to_llama
 from keel.hf.modeling import KeelForCausalLM
 from keel.hf.remote import write_remote_code
-from keel.io import (atomic_dir, atomic_write_text, check_output_not_in_checkpoints, check_path_names, chmod_default,
-                     make_dirs, weights_load_errors)
+from keel.io import (HF_TOKENIZER, atomic_dir, atomic_write_text, check_output_not_in_checkpoints, check_path_names,
+                     chmod_default, load_hf_tokenizer, make_dirs, weights_load_errors)
 from keel.model import Transformer
 from keel.run import Run
 from keel.rundir import RunDir
@@ -62,7 +62,6 @@ from keel.train.optim import build_optimizer
 from keel.train.progress import interactive
 
 KEEL_CONFIG_NAME = "keel_config.toml"
-HF_TOKENIZER = "tokenizer.json"  # an HF model folder's tokenizer (transformers' name; a keel run's: RunDir.tokenizer)
 KEEL_TIED = frozenset(KeelForCausalLM._tied_weights_keys)  # stored once, as the embedding
 
 log = logging.getLogger(__name__)
@@ -295,14 +294,7 @@ def load_hf(path: str | Path, device: str = "auto"):
         with hf_progress_bars(interactive()), weights_load_errors(path):
             model = KeelForCausalLM.from_pretrained(path)
     model = model.to(dev).eval()
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except (ValueError, OSError) as e:  # transformers' messages span lines: one line, naming a missing file
-        if not (path / HF_TOKENIZER).is_file():
-            raise KeelError(f"cannot load the tokenizer of {path}: no {HF_TOKENIZER} there (keel needs a fast "
-                            "tokenizer): copy it there, or export the run again") from None
-        raise KeelError(f"cannot load the tokenizer of {path}: {' '.join(str(e).split())}") from None
-    return model, tok, dev
+    return model, load_hf_tokenizer(path), dev
 
 
 def _write_tokenizer(hf_dir: Path, hf_tok, dest: Path) -> None:

@@ -279,17 +279,21 @@ def _parse_layers(text: str, flag: str = "--sublayers") -> list[int]:
     return out
 
 
-def stored_flags(args: argparse.Namespace, out: str | Path, command: str, keys: tuple[str, ...] = ()) -> argparse.Namespace:
+def stored_flags(args: argparse.Namespace, out: str | Path, command: str, keys: tuple[str, ...] = (),
+                 refuse: bool = True) -> argparse.Namespace:
     """``args`` with the flags ``keys`` (argparse dests) and the ``--set`` flags of the ``keel COMMAND``
     that started the grid folder ``out`` (its ``study.json``; the ``--set`` given now follow, each once),
     so that ``keel sweep --out DIR --resume`` or ``keel study NAME --out DIR --resume`` alone continues
     as it began. A ``--set`` given now that contradicts a recorded one is refused by the engine
     (:func:`keel.experiments.study.run.check_started_runs`), naming the key. A flag left at its
-    default (``keel stress``'s ``--seeds 0,1,2``, ``--peak-lr``, ...) counts as not given. Unchanged
-    when ``out`` holds no ``keel COMMAND`` command.
+    default (``keel stress``'s ``--seeds 0,1,2``, ``--peak-lr``, ...) counts as not given. With
+    ``refuse`` False a flag of ``keys`` given now is kept (``keel stress`` / ``lr-sensitivity``: the
+    engine reads their runs of that grid, e.g. a narrower ``--lrs``) and only those not given take the
+    folder's. Unchanged when ``out`` holds no ``keel COMMAND`` command.
 
     Raises:
-        KeelError: one of ``keys`` given now with another value: another grid belongs in another folder.
+        KeelError: with ``refuse``, one of ``keys`` given now with another value: another grid belongs in
+            another folder.
     """
     try:
         recorded = json.loads((Path(out) / "study.json").read_text(encoding="utf-8"))["command"]
@@ -304,15 +308,15 @@ def stored_flags(args: argparse.Namespace, out: str | Path, command: str, keys: 
         old = build_parser().parse_args(argv[1:])
     except SystemExit:  # a command an older keel recorded, with flags this one no longer has
         return args
-    default = build_parser().parse_args([command, "--out", str(out)])  # each flag's value when not given
-    for k in keys:
-        if getattr(args, k) == getattr(default, k):  # not given now: the folder's
-            continue
-        if getattr(args, k) not in (None, []) and getattr(args, k) != getattr(old, k):
+    default = build_parser().parse_args([command, "--out", str(out)]) if keys else None  # each flag when not given
+    given = [k for k in keys if getattr(args, k) not in (None, []) and getattr(args, k) != getattr(default, k)]
+    for k in given:
+        if refuse and getattr(args, k) != getattr(old, k):
             raise KeelError(f"--resume continues the {command} {out} holds ({recorded}); --{k.replace('_', '-')} "
                             f"differs from it: drop it, or give another --out for another {command}")
+    taken = {k: getattr(old, k) for k in keys if refuse or k not in given}
     again = [s for s in args.set if s not in old.set]  # a resume with the full flags: each --set once
-    return argparse.Namespace(**{**vars(args), **{k: getattr(old, k) for k in keys}, "set": old.set + again})
+    return argparse.Namespace(**{**vars(args), **taken, "set": old.set + again})
 
 
 def _register_sweep(subparsers) -> None:
@@ -522,7 +526,7 @@ SENSITIVITY_GRID_FLAGS = ("residual", "sublayers", "lrs", "seeds", "config")
 def cmd_stress(args) -> int:
     """``keel stress``: see :mod:`keel.experiments.stress`."""
     if args.resume or args.report_only:  # the grid the folder holds, not the defaults' (they trained a new grid in it)
-        args = stored_flags(args, args.out, "stress", STRESS_GRID_FLAGS)
+        args = stored_flags(args, args.out, "stress", STRESS_GRID_FLAGS, refuse=False)
     _check_engine_flags(args)
     check_output_not_in_checkpoints(args.out, "--out")
     schemes = _parse_list(args.residual, str, "--residual") if args.residual is not None else list(SCHEMES)
@@ -626,7 +630,7 @@ def _register_lr_sensitivity(subparsers) -> None:
 def cmd_lr_sensitivity(args: argparse.Namespace) -> int:
     """``keel lr-sensitivity``: see :mod:`keel.experiments.sensitivity`."""
     if args.resume or args.report_only:  # the grid the folder holds, as keel stress
-        args = stored_flags(args, args.out, "lr-sensitivity", SENSITIVITY_GRID_FLAGS)
+        args = stored_flags(args, args.out, "lr-sensitivity", SENSITIVITY_GRID_FLAGS, refuse=False)
     _check_engine_flags(args)
     s = presets.run_lr_sensitivity(args.config, _parse_list(args.residual, str, "--residual"),
                                    _parse_list(args.sublayers, int, args.sublayers_flag),
