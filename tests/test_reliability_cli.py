@@ -247,6 +247,7 @@ def test_a_resume_on_a_dataset_with_a_larger_vocabulary_says_the_run_cannot_read
     shutil.copytree(tiny_reference_run, run)
     big = prepare_dataset("builtin:python-stdlib", "bpe:1024", cache_dir=tmp_path / "data", max_bytes=120_000,
                           progress=False)
+    capsys.readouterr()  # what preparing printed
     assert main(["train", "--resume", str(run), "--set", f"data.path={big}", "--set", "train.steps=16"]) == 2
     assert capsys.readouterr().err == (f"keel: error: cannot resume {run} on {big}: its tokenizer has 1024 ids, more "
                                        "than the run's 512 embedding rows (model.vocab_size); resume on the data the "
