@@ -596,7 +596,8 @@ def test_resume_with_new_slurm_settings_replaces_those_keys_and_keeps_the_others
 @pytest.mark.parametrize("flags, gpus", [([], 2), (["--gpus-per-run", "4"], 4)])
 def test_a_resume_with_slurm_settings_keeps_the_recorded_gpus_per_run(flags, gpus, tmp_path, fake_slurm):
     """`--resume --executor slurm --slurm time=60` reset a folder's recorded --gpus-per-run 2 to the default 1: the
-    jobs submitted again asked for one GPU and ran one process each. A flag not given now keeps the folder's."""
+    jobs submitted again asked for one GPU and ran one process each. A flag not given now keeps the folder's.
+    `--resume --slurm time=60` without --executor was refused ("use it with --executor slurm")."""
     import argparse
 
     from keel.cli.commands.science import executor_of
@@ -607,8 +608,8 @@ def test_a_resume_with_slurm_settings_keeps_the_recorded_gpus_per_run(flags, gpu
     started = E.Executor("slurm", E.parse_slurm(["time=30"]), gpus_per_run=2)
     (out / "study.json").write_text(json.dumps({"study": "sweep", "scale": "cli", "command": "keel sweep",
                                                 "executor": {**started.record(), "workers": 3, "threads": None}}))
-    given = argparse.Namespace(executor="slurm", slurm=["time=60"], share_gpus=False, dry_run=False,
-                               gpus_per_run=int(flags[1]) if flags else None)
+    given = argparse.Namespace(executor=None, slurm=["time=60"], share_gpus=False, dry_run=False, resume=True,
+                               gpus_per_run=int(flags[1]) if flags else None)  # --executor slurm: the folder's
     ex, _, _ = engine_executor(out, executor_of(given), None, None, "sweep")
     assert (ex.gpus_per_run, dict(ex.slurm)) == (gpus, {"time": "60"})
     assert json.loads((out / "study.json").read_text())["executor"]["gpus_per_run"] == gpus

@@ -577,7 +577,8 @@ def _print_plan(r: dict, as_json: bool) -> int:
 
 def executor_of(args: argparse.Namespace) -> Executor | None:
     """The grid commands' ``--executor``, ``--slurm``, ``--gpus-per-run`` and ``--share-gpus``; None where
-    none is given (the engine takes the folder's on ``--resume``, else the local executor).
+    none is given (the engine takes the folder's on ``--resume``, else the local executor). A ``--resume``
+    with ``--slurm`` and no ``--executor`` is Slurm's (the engine refuses it for a folder started otherwise).
 
     Raises:
         KeelError: a bad ``--slurm`` item or value, ``--slurm`` without ``--executor slurm``, ``--gpus-per-run < 1``;
@@ -587,7 +588,8 @@ def executor_of(args: argparse.Namespace) -> Executor | None:
     if args.executor is None and not args.slurm and args.gpus_per_run is None and not args.share_gpus:
         return None
     unset = frozenset(k for k, v in (("gpus_per_run", args.gpus_per_run), ("share_gpus", args.share_gpus)) if not v)
-    ex = Executor(args.executor or "local", parse_slurm(args.slurm), 1 if args.gpus_per_run is None else args.gpus_per_run,
+    kind = args.executor or ("slurm" if args.slurm and getattr(args, "resume", False) else "local")
+    ex = Executor(kind, parse_slurm(args.slurm), 1 if args.gpus_per_run is None else args.gpus_per_run,
                   args.share_gpus, unset=unset)
     if not getattr(args, "dry_run", False):
         check_slurm_here(ex)
