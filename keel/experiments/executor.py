@@ -412,16 +412,23 @@ def _own_sessions():
         local.subprocess = real
 
 
-def _load_ledger(out_dir: Path) -> dict:
-    path = out_dir / LEDGER_FILE
+def _read_ledger(out_dir: Path) -> tuple[str | None, dict]:
+    """``out_dir``'s ledger: the executor it names (None: no readable ledger, or none named) and its well-formed
+    job entries (``{run: {"job_id": ..., ...}}``)."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads((out_dir / LEDGER_FILE).read_text())
     except (OSError, ValueError):
-        return {}
-    jobs = data.get("jobs") if isinstance(data, dict) else None
-    if not isinstance(jobs, dict):
-        return {}
-    return {k: v for k, v in jobs.items() if isinstance(v, dict) and isinstance(v.get("job_id"), str)}
+        return None, {}
+    if not isinstance(data, dict):
+        return None, {}
+    was, jobs = data.get("executor"), data.get("jobs")
+    jobs = {k: v for k, v in jobs.items() if isinstance(v, dict) and isinstance(v.get("job_id"), str)} \
+        if isinstance(jobs, dict) else {}
+    return (was if isinstance(was, str) else None), jobs
+
+
+def _load_ledger(out_dir: Path) -> dict:
+    return _read_ledger(out_dir)[1]
 
 
 def _save_ledger(out_dir: Path, kind: str, ledger: dict) -> None:
@@ -436,11 +443,8 @@ def check_ledger(out_dir: str | Path, kind: str) -> None:
     Raises:
         KeelError: ``out_dir/jobs.json`` names another executor than ``kind``.
     """
-    try:
-        was = json.loads((Path(out_dir) / LEDGER_FILE).read_text()).get("executor")
-    except (OSError, ValueError, AttributeError):
-        return
-    if isinstance(was, str) and was != kind:
+    was = _read_ledger(Path(out_dir))[0]
+    if was is not None and was != kind:
         raise KeelError(f"{out_dir} was run with --executor {was} (its {LEDGER_FILE}), not {kind}; continue it "
                         f"with --executor {was} (or leave --executor out), or use another --out")
 
@@ -449,12 +453,7 @@ def settle_ledger(out_dir: str | Path, kind: str, finished: Sequence) -> None:
     """Mark the ledger entries of the grid jobs ``finished`` (their ``result.json`` is there) ``done``: their jobs
     ended while no driver watched them (it was stopped), and a ``--resume`` does not look at them again, so
     ``jobs.json`` would say ``running`` or ``queued`` for good. A ledger of another executor is left alone."""
-    path = Path(out_dir) / LEDGER_FILE
-    try:
-        was = json.loads(path.read_text()).get("executor")
-    except (OSError, ValueError, AttributeError):
-        return
-    ledger = _load_ledger(Path(out_dir))
+    was, ledger = _read_ledger(Path(out_dir))
     stale = [j.name for j in finished if j.name in ledger and ledger[j.name].get("state") != "done"]
     if was != kind or not stale:
         return
