@@ -3,6 +3,7 @@ transcription of its definition (written from the rule's text, not from keel's c
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from keel.experiments.grid import GridJob
 from keel.experiments.record import RunRecord
 from keel.experiments.study import claims as SC
 from keel.experiments.study import records as SR
@@ -68,6 +70,41 @@ def test_early_spike_of_a_falling_loss_is_zero_and_a_nan_is_the_cap():
     recs[30]["loss"] = float("nan")
     assert SR.early_spike(recs, cap=6.2) == 6.2
     assert SR.early_spike(recs[:15]) is None  # fewer than two windows
+
+
+def test_early_spike_by_hand():
+    """Hand-computed from the rule's words (window 3 here): trailing means m_3..m_8 of
+    [6, 5, 4, 3, 2, 1, 4, 4] are 5, 4, 3, 2, 7/3, 3; the rises over the lowest mean at least one
+    window earlier are m_6 - m_3 = -3, m_7 - min(m_3, m_4) = 7/3 - 4, m_8 - min(m_3..m_5) = 0:
+    never above 0, so 0. With loss 10 at step 8: m_8 = 5, and 5 - 3 = 2."""
+    loss = [6, 5, 4, 3, 2, 1, 4, 4]
+    recs = [{"step": i + 1, "loss": float(x)} for i, x in enumerate(loss)]
+    assert SR.early_spike(recs, window=3) == 0.0
+    recs[-1]["loss"] = 10.0
+    assert SR.early_spike(recs, window=3) == pytest.approx(2.0)
+    assert SR.early_spike(recs, steps=7, window=3) == 0.0  # step 8 is past the early phase
+
+
+def test_a_records_early_phase_is_the_first_half_of_a_short_run(tmp_path):
+    """The rule reads "the first 1,000 steps" (paper Figure 1a/4, of a 238k-step run). A cpu run is
+    1,000 steps, so that was the whole run, and a healthy run's largest rise fell at steps 700-990
+    (cosine LR under 20% of its peak), at the same step for every scheme and LR of a seed: the data
+    order, not a spike (the cpu study's wide / wide-init runs: 0.13-0.28 nats over 1,000 steps,
+    0.07-0.21 over the first 500). The early phase is now the first half of a run, at most 1,000
+    steps, at least two windows."""
+    assert [SR.spike_steps(n) for n in (20, 250, 1000, 1500, 238419, None)] == [20, 125, 500, 750, 1000, 1000]
+    loss = [5.0 - 0.001 * i for i in range(1, 1001)]
+    for i in range(800, 810):
+        loss[i] += 1.0  # a rise at steps 801-810, in the second half
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": x}) + "\n"
+                                                    for i, x in enumerate(loss)))
+    cfg = {"model": {"residual": "pre_ln", "n_layers": 32}, "train": {"seed": 0, "lr": 1e-2, "steps": 1000}}
+    job = GridJob("L64_seed0_pre_ln_lr0.01", cfg, {})
+    group = SS.Group(name="spike", schemes=["pre_ln"], sublayers=[64], seeds=[0], lrs=[1e-2])
+    rec = SR.run_record(group, job, tmp_path, {"status": "done", "final_val_loss": 4.0, "first_val_loss": 6.2})
+    assert rec.early_spike == 0.0  # the loss falls throughout the first 500 steps
+    # over all 1,000 steps: the 10-step mean at step 810 (5 - 0.8055 + 1) over the one at step 800 (5 - 0.7955)
+    assert SR.early_spike([{"step": i + 1, "loss": x} for i, x in enumerate(loss)]) == pytest.approx(0.99)
 
 
 def _spike_runs(spikes):

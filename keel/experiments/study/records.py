@@ -29,6 +29,19 @@ CURVE_POINTS = 100  # points of the thinned loss curve each run's record keeps i
 SPIKE_STEPS = 1000  # the early phase whose loss spikes a record measures (paper Figure 1a/4: the first 1,000 steps)
 
 
+def spike_steps(train_steps: int | None, window: int = PLATEAU_WINDOW) -> int:
+    """The early phase :func:`early_spike` reads of a run of ``train_steps`` steps: the first
+    :data:`SPIKE_STEPS` (the paper's first 1,000 steps, of a 238k-step run) or the first half of
+    the run, whichever is shorter (at least ``2 * window``, the measure's least). The paper's
+    spike is early and at a high LR; in a 1,000-step run (the cpu scale) its 1,000 steps are the
+    whole run, whose second half is at under half the peak LR (cosine), where a healthy run's
+    largest rise is a swing of the data order (the same steps for every scheme and LR of a
+    seed), not a spike. None (unknown length): :data:`SPIKE_STEPS`."""
+    if not train_steps:
+        return SPIKE_STEPS
+    return max(2 * window, min(SPIKE_STEPS, train_steps // 2))
+
+
 # ----------------------------------------------------------------------------- run records
 def plateau_exit_step(records: Sequence[dict], level: float | None, window: int = PLATEAU_WINDOW) -> int | None:
     """First step whose trailing mean training loss over ``window`` steps is below ``level``
@@ -94,7 +107,8 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
     (the run's ``result.json``, finished), ``tokens`` trained, final / step-0 validation loss,
     ``capped_loss`` (final, or the step-0 loss when the run has no finite final loss: a NaN would
     win or lose ``min`` by its position), divergence verdict, max LR (ramp), plateau exit step,
-    thinned loss curve and early spike (from ``run_dir``'s ``metrics.jsonl``)."""
+    thinned loss curve and early spike (from ``run_dir``'s ``metrics.jsonl``; over the first
+    :func:`spike_steps` of the run's ``train.steps``)."""
     model, train = job.config.get("model", {}), job.config.get("train", {})  # the run's own keys: one vocabulary
     rec = RunRecord(group=group.name, name=job.name, scheme=model.get("residual"),
                     sublayers=sublayers_of(model), seed=train.get("seed"), lr=train.get("lr"),
@@ -110,7 +124,8 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
                verdict=res.verdict, divergence=res.divergence, diverged=res.diverged, max_lr=res.max_lr,
                **group.kind_class.record(group), wall_s=res.wall_s,
                plateau_exit_step=plateau_exit_step(records, Thresholds().plateau_level(res.unigram_entropy or None)),
-               curve=thinned_curve(records), early_spike=early_spike(records, cap=first), ablation=res.ablation)
+               curve=thinned_curve(records), early_spike=early_spike(records, steps=spike_steps(train.get("steps")), cap=first),
+               ablation=res.ablation)
     if res.test_loops is not None:
         rec.update(test_loops=res.test_loops)
     return rec

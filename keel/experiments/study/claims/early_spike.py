@@ -28,13 +28,16 @@ class EarlySpike(Paired, OneGroup):
     def verdict(self, study: Study, runs: Runs) -> ClaimVerdict:
         """At the LRs where {scheme} trains healthily, {baseline} spikes early and {scheme} does not:
         {baseline}'s largest early spike exceeds {scheme}'s. A run's spike is the largest rise of its
-        10-step trailing-mean training loss over its earlier minimum in the first 1,000 steps; per
-        depth and seed d is the mean, over the LRs where {scheme}'s run of that seed is healthy, of
-        spike({baseline}) − spike({scheme}) (nats/token).
+        10-step trailing-mean training loss over its earlier minimum in its early phase (the first
+        half of the run, at most its first 1,000 steps; in a cpu run its LR stays above half its peak);
+        per depth and seed d is the mean, over the LRs where {scheme}'s run of that seed is healthy,
+        of spike({baseline}) − spike({scheme}) (nats/token).
 
         Per run the largest rise of the 10-step trailing-mean training loss over its earlier minimum
-        in the first 1,000 steps (:func:`keel.experiments.study.records.early_spike`, nats/token;
-        the rule was fixed before any run was read). Per depth and seed ``d = mean over the LRs where
+        in the first :func:`keel.experiments.study.records.spike_steps` steps (half the run, at most
+        1,000; :func:`keel.experiments.study.records.early_spike`, nats/token; the rule was fixed
+        before the spike group's runs were read, the early phase narrowed from 1,000 steps, the
+        whole of a cpu run, before they were trained). Per depth and seed ``d = mean over the LRs where
         {scheme}'s run is healthy (divergence classifier) of spike(baseline) - spike(scheme)``;
         :func:`paired_verdict` with the study's loss floor. Keel paper Figure 1a/4: Pre-LN spikes at
         4.5e-3 in the first 1,000 steps at 1024 sub-layers, Keel converges smoothly."""
