@@ -320,3 +320,30 @@ def test_the_cpu_scale_judges_every_claim_and_tiny_leaves_out_what_it_does_not_s
     assert [c.id for c in cpu.claims] == list("abcdefghi") and not cpu.unjudged
     tiny = load_study("claims", "tiny")
     assert "h" in [c.id for c in tiny.claims] and {u["id"] for u in tiny.unjudged} == set("efgi")
+
+
+def test_claim_h_table_says_what_is_pending():
+    """Before any spike run finished, (h)'s section was a table header over no row; part-way, a
+    scheme without a finished seed at an LR read "[]". Now: "Pending: ..." with the count, and
+    "s<seed> pending" in a cell."""
+    st = study([SS.Group("s", ["keel", "pre_ln"], [64], [0, 1, 2], lrs=[1e-3, 1e-2])])
+    claim = claim_of("early_spike", group="s", scheme="keel", baseline="pre_ln")
+    c = claim.verdict(st, [])
+    assert claim.tables(c) == ["Pending: 0 of 12 runs of group s (keel, pre_ln) finished; no spike measured yet."]
+    sp = {("keel", 0, 1e-3): (0.05, "healthy"), ("pre_ln", 0, 1e-3): (0.5, "healthy"),
+          ("keel", 1, 1e-3): (0.07, "healthy"), ("keel", 0, 1e-2): (0.9, "instability")}
+    lines = claim.tables(claim.verdict(st, _spike_runs(sp)))
+    assert lines[0] == "Pending: 4 of 12 runs of group s (keel, pre_ln) finished."
+    assert lines[-2:] == ["| 64 | 0.001 | [s0 0.50, s1 pending] | [s0 0.05, s1 0.07] |",
+                          "| 64 | 0.01 | [s0 pending, s1 pending] | [s0 0.90 (instability), s1 pending] |"]
+
+
+def test_claim_h_counts_a_finished_run_without_a_spike_as_finished():
+    """A run stopped before two 10-step windows (divergence) has no spike measure; it was counted
+    as unfinished, so the claim said "pending" for ever once every run had finished."""
+    st = study([SS.Group("s", ["keel", "pre_ln"], [64], [0, 1, 2], lrs=[1e-3])])
+    sp = {(x, sd, 1e-3): (0.0 if x == "keel" else 0.4 + 0.1 * sd, "healthy") for x in ("keel", "pre_ln") for sd in range(3)}
+    sp[("pre_ln", 2, 1e-3)] = (None, "instability")
+    c = claim_of("early_spike", group="s", scheme="keel", baseline="pre_ln").verdict(st, _spike_runs(sp))
+    part = next(iter(c.parts.values()))
+    assert c.why is None and part.diffs == pytest.approx({0: 0.4, 1: 0.5}) and c.verdict == "inconclusive"

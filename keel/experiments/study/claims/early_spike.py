@@ -42,7 +42,8 @@ class EarlySpike(Paired, OneGroup):
         :func:`paired_verdict` with the study's loss floor. Keel paper Figure 1a/4: Pre-LN spikes at
         4.5e-3 in the first 1,000 steps at 1024 sub-layers, Keel converges smoothly."""
         s, b, g = self.scheme, self.baseline, self.group
-        rs = [r for r in runs if r.group == g and r.status == "done" and r.early_spike is not None]
+        done = [r for r in runs if r.group == g and r.status == "done" and r.scheme in (s, b)]
+        rs = [r for r in done if r.early_spike is not None]  # a run stopped before two windows has none
         seeds = sorted({r.seed for r in runs if r.group == g})
         parts, rows = {}, []
         for L in sorted({r.sublayers for r in runs if r.group == g}):
@@ -52,17 +53,21 @@ class EarlySpike(Paired, OneGroup):
             rows += _spike_rows(at, L, s, b)
         planned = sum(len(gr.scheme_seeds(x)) * len(gr.sublayers) * len(gr.lrs) for gr in study.groups if gr.name == g
                       for x in (s, b))
-        if len([r for r in rs if r.scheme in (s, b)]) < planned:
-            return ClaimVerdict.pending(f"{len(rs)} of {planned} runs with every step's loss finished", parts=parts,
+        if len(done) < planned:
+            return ClaimVerdict.pending(f"{len(done)} of {planned} runs of group {g} ({s}, {b}) finished", parts=parts,
                                         rows=rows)
         return ClaimVerdict(verdict=settled(parts, 0, study.min_seeds), parts=parts, rows=rows)
 
     def tables(self, c: ClaimVerdict) -> list[str]:
         s, b = self.scheme, self.baseline
-        cell = lambda d: "[" + ", ".join(f"s{sd} {x:.2f}" + ("" if v == "healthy" else f" ({v})")
-                                         for sd, (x, v) in sorted(d.items())) + "]"
-        return markdown_table(["sub-layers", "LR", f"largest early spike per seed (nats): {b}", s],
-                              [[r["sublayers"], f"{r['lr']:g}", cell(r[b]), cell(r[s])] for r in c.rows or []])
+        if not c.rows:  # a header over no row read as a finished, empty table
+            return [f"Pending: {c.why or 'no run of group ' + self.group + ' finished'}; no spike measured yet."]
+        seeds = sorted({sd for r in c.rows for x in (s, b) for sd in r[x]})
+        cell = lambda d: "[" + ", ".join(f"s{sd} pending" if sd not in d else f"s{sd} {d[sd][0]:.2f}" + (
+            "" if d[sd][1] == "healthy" else f" ({d[sd][1]})") for sd in seeds) + "]"
+        return ([f"Pending: {c.why}.", ""] if c.why else []) + markdown_table(
+            ["sub-layers", "LR", f"largest early spike per seed (nats): {b}", s],
+            [[r["sublayers"], f"{r['lr']:g}", cell(r[b]), cell(r[s])] for r in c.rows])
 
 
 def _spike_diffs(at: dict[tuple, RunRecord], seeds: Sequence[int], scheme: str, baseline: str) -> dict[int, float]:
