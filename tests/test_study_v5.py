@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from keel.experiments.study import claims as SC
 from keel.experiments.study import records as SR
 from keel.experiments.study import spec as SS
 from keel.experiments.study import verdicts as SV
+from keel.experiments.study import report as SRep
 from keel.experiments.study.claims import layer_importance as LI
 
 
@@ -347,3 +349,52 @@ def test_claim_h_counts_a_finished_run_without_a_spike_as_finished():
     c = claim_of("early_spike", group="s", scheme="keel", baseline="pre_ln").verdict(st, _spike_runs(sp))
     part = next(iter(c.parts.values()))
     assert c.why is None and part.diffs == pytest.approx({0: 0.4, 1: 0.5}) and c.verdict == "inconclusive"
+
+
+def _importance_study_and_runs():
+    """Group g (the LR source: each scheme's seed-mean optimum, Keel 1e-2, Pre-LN 1e-3) and group a
+    (ablate = true) at 8 sub-layers, 3 seeds; a's runs not yet finished."""
+    st = study([SS.Group("g", ["keel", "pre_ln"], [8], [0, 1, 2], lrs=[1e-3, 1e-2]),
+                SS.Group("a", ["keel", "pre_ln"], [8], [0, 1, 2], lrs=[1e-3, 1e-2], ablate=True)])
+    runs = []
+    for sd in range(3):
+        for x in ("keel", "pre_ln"):
+            runs += [run("g", x, 8, sd, 1e-3, 3.0), run("g", x, 8, sd, 1e-2, 2.9 if x == "keel" else 3.1)]
+            runs += [replace(run("a", x, 8, sd, lr, 3.0), status="pending", capped_loss=None) for lr in (1e-3, 1e-2)]
+    return st, runs
+
+
+def test_claim_g_table_says_what_is_pending():
+    """The (g) table read "None; None | []; []" before any ablation: the LR came from the ablated
+    runs, not from the optimum (known already), and a seed without an ablation was left out. Now:
+    the seed-mean optimum, "s<seed> pending", and the condition's line says what it waits for."""
+    st, runs = _importance_study_and_runs()
+    claim = claim_of("layer_importance", groups=["a"], optimum_groups=["g"], scheme="keel", baseline="pre_ln")
+    c = claim.verdict(st, runs)
+    cond = c.conditions["paper_init"]
+    assert cond.why == "ablations pending (12 runs of a unfinished)"
+    lines = claim.tables(c)
+    assert lines[0] == "**At the paper's init: inconclusive.** ablations pending (12 runs of a unfinished)"
+    pend = "[s0 pending, s1 pending, s2 pending]"
+    assert lines[4] == f"| 8 | 0.001; 0.01 | {pend}; {pend} | {pend}; {pend} |"
+    c.summary = SRep.claim_summary(claim, c)
+    assert c.summary == "(x) t: inconclusive at the paper's init — at the paper's init: ablations pending (12 runs of a unfinished)."
+
+
+def test_claim_g_names_a_run_at_the_optimum_that_finished_without_an_ablation():
+    """A run stopped early (diverged) has no ablation; (g) said "ablations pending" for ever once
+    every run had finished. Now the seed reads "no ablation" and the condition says why."""
+    st, runs = _importance_study_and_runs()
+    ab = {"ppl_full": 10.0, "delta_ppl": [5.0, 2.0, 1.0, 0.5, 0.01, 0.5, 0.5, 0.5]}
+    for r in runs:
+        if r.group == "a":
+            r.update(status="done", capped_loss=3.0, ablation=dict(ab))
+    dead = next(r for r in runs if (r.group, r.scheme, r.seed, r.lr) == ("a", "pre_ln", 2, 1e-3))
+    dead.update(ablation=None, capped_loss=6.2)
+    claim = claim_of("layer_importance", groups=["a"], optimum_groups=["g"], scheme="keel", baseline="pre_ln")
+    c = claim.verdict(st, runs)
+    cond = c.conditions["paper_init"]
+    assert cond.verdict == "inconclusive"
+    assert cond.why == "too few ablated seeds (pre_ln s2 at 8: finished without an ablation, stopped early)"
+    assert cond.rows[0].missing == {"pre_ln": {2: "no ablation"}}
+    assert "[s0 0.000, s1 0.000, s2 no ablation]; [s0 0.000, s1 0.000, s2 0.000]" in claim.tables(c)[4]

@@ -30,8 +30,9 @@ def pm(v: PairedVerdict | None, fmt: str = "{:+.3f}") -> str:
 
 
 def parts(c: Condition) -> str:
-    """A condition's parts: ``name: numbers (verdict)``, or why it has none."""
-    if not c.parts:
+    """A condition's parts: ``name: numbers (verdict)``, or why it has none (also when no part has
+    a seed yet: a list of "name: – (inconclusive)" hid what the condition waits for)."""
+    if not c.parts or (c.why and not any(v.n for v in c.parts.values())):
         return c.why or "–"
     return "; ".join(f"{k}: {pm(v)} ({v.verdict})" for k, v in c.parts.items())
 

@@ -30,7 +30,8 @@ def claim_summary(claim: Claim, c: ClaimVerdict) -> str:
     if not conds:
         return head + f"{c.verdict} ({claim.numbers(c)})."
     nums = "; ".join(f"{CONDITION_WORDS.get(k, k)}: " + ("; ".join(f"{name} {short(p)}" for name, p in v.parts.items())
-                                                        if v.parts else v.why or "no finished runs")
+                                                        if v.parts and not (v.why and not any(p.n for p in v.parts.values()))
+                                                        else v.why or "no finished runs")
                      for k, v in conds.items())
     return head + claim.phrase(conds) + (f" — {nums}" if nums else "") + "."
 

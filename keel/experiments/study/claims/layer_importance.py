@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from keel.errors import KeelError
-from keel.experiments.analysis import Record, Runs, pair, paired_verdict, seed_mean_optimum
+from keel.experiments.analysis import Record, Runs, optional, pair, paired_verdict, seed_mean_optimum
 from keel.experiments.record import RunRecord
 from keel.experiments.study.cells import CONDITION_WORDS
 from keel.experiments.study.claims.base import Claim, InitGroups, Paired, condition_tables
@@ -32,7 +32,9 @@ class ImportanceRow(Record):
     ``share`` (:func:`redundant_share`: the share of the shallow half whose removal raises the
     perplexity by less than 1%), ``critical`` (:func:`first_critical`: log10 of the first two
     sub-layers' removal cost over the median's), ``delta_ppl`` (ΔPPL per removed sub-layer) and
-    ``ppl_full`` (the full model's perplexity)."""
+    ``ppl_full`` (the full model's perplexity); ``missing``: per scheme the planned seeds without an
+    ablation at that LR and why (``pending``: its run has not finished; ``no ablation``: it finished
+    without one, stopped early), left out when none is missing."""
 
     sublayers: int
     lr: dict[str, float | None]
@@ -40,6 +42,7 @@ class ImportanceRow(Record):
     critical: dict[str, dict[int, float]]
     delta_ppl: dict[str, dict[int, list[float]]]
     ppl_full: dict[str, dict[int, float]]
+    missing: dict[str, dict[int, str]] = optional()
 
 
 @dataclass(kw_only=True)
@@ -117,12 +120,18 @@ class LayerImportance(Paired, InitGroups):
 
     def tables(self, c: ClaimVerdict) -> list[str]:
         s, b = self.scheme, self.baseline
-        fmt = lambda d: "[" + ", ".join(f"s{sd} {x:.3f}" for sd, x in d.items()) + "]"
+
+        def fmt(r: ImportanceRow, what: str, x: str) -> str:
+            got, missing = getattr(r, what)[x], (r.missing or {}).get(x, {})
+            return "[" + ", ".join(f"s{sd} " + (f"{got[sd]:.3f}" if sd in got else missing[sd])
+                                   for sd in sorted({*got, *missing})) + "]"
+
+        lr = lambda x: "optimum not known yet" if x is None else f"{x:g}"
         return condition_tables(
             c, ["sub-layers", f"LR: {b}; {s}", f"redundant share of the shallow half per seed: {b}; {s}",
                 f"first two over the median (log10) per seed: {b}; {s}"],
-            lambda cc: [[r.sublayers, f"{r.lr[b]}; {r.lr[s]}", f"{fmt(r.share[b])}; {fmt(r.share[s])}",
-                         f"{fmt(r.critical[b])}; {fmt(r.critical[s])}"] for r in cc.rows or []]) + [
+            lambda cc: [[r.sublayers, f"{lr(r.lr[b])}; {lr(r.lr[s])}", f"{fmt(r, 'share', b)}; {fmt(r, 'share', s)}",
+                         f"{fmt(r, 'critical', b)}; {fmt(r, 'critical', s)}"] for r in cc.rows or []]) + [
             f"Redundant: removing the sub-layer raises PPL by less than {REDUNDANT_BELOW:.0%}; the shallow "
             f"half: the first {SHALLOW:.0%} of sub-layers. ΔPPL per sub-layer of every ablated run: "
             "report.json (`ablation` of each run), drawn in importance.png."]
@@ -157,15 +166,41 @@ def _importance_condition(study: Study, runs: Runs, claim: LayerImportance, abl:
     depths = sorted({r.sublayers for r in runs if r.group in abl})
     parts, rows = {}, []
     for L in depths:
+        lrs = {x: seed_mean_optimum(runs, opt, x, L) for x in (claim.scheme, claim.baseline)}
         per = {x: _ablated_at_optimum(runs, abl, opt, x, L) for x in (claim.scheme, claim.baseline)}
-        depth_parts, row = _importance_depth(study, claim, per, L)
+        depth_parts, row = _importance_depth(study, claim, per, L, lrs)
+        row.missing = {x: m for x in (claim.scheme, claim.baseline)
+                       if (m := _missing_seeds(runs, abl, x, L, lrs[x], per[x]))} or None
         parts.update(depth_parts)
         rows.append(row)
     planned = [L for g in study.groups if g.name in abl for L in g.sublayers]
     waiting = unfinished(runs, [*abl, *opt], (claim.scheme, claim.baseline))
     if not rows or sorted(set(planned)) != depths or waits(parts, waiting, study.min_seeds):
-        return pending("ablations pending" if rows else "no ablated runs yet", parts=parts, rows=rows)
+        lost = [f"{x} s{sd} at {r.sublayers}" for r in rows for x, m in (r.missing or {}).items()
+                for sd, why in m.items() if why == "no ablation"]
+        why = ("ablations pending" if waiting else "too few ablated seeds") if rows else "no ablated runs yet"
+        if lost:
+            why += f" ({', '.join(lost)}: finished without an ablation, stopped early)"
+        elif waiting:
+            where = [g for g in dict.fromkeys([*abl, *opt]) if unfinished(runs, [g], (claim.scheme, claim.baseline))]
+            why += f" ({waiting} runs of {', '.join(where)} unfinished)"
+        return pending(why, parts=parts, rows=rows)
     return Condition(verdict=combine([p.verdict for p in parts.values()]), parts=parts, rows=rows)
+
+
+def _missing_seeds(runs: Runs, abl: Sequence[str], scheme: str, L: int, lr: float | None,
+                   have: dict[int, RunRecord]) -> dict[int, str]:
+    """``{seed: why}`` of the seeds of ``scheme`` at ``L`` planned in groups ``abl`` without an
+    ablation at the seed-mean optimum ``lr``: ``pending`` (its run at ``lr`` has not finished, or
+    ``lr`` is not known yet) or ``no ablation`` (it finished without one: stopped early)."""
+    out = {}
+    for sd in sorted({r.seed for r in runs if r.group in abl and r.scheme == scheme and r.sublayers == L}):
+        if sd in have:
+            continue
+        at = [r for r in runs if r.group in abl and r.scheme == scheme and r.sublayers == L and r.seed == sd
+              and lr is not None and math.isclose(r.lr, lr)]
+        out[sd] = "no ablation" if at and all(r.status == "done" for r in at) else "pending"
+    return out
 
 
 def _ablated_at_optimum(runs: Runs, abl: Sequence[str], opt: Sequence[str], scheme: str, L: int) -> dict[int, RunRecord]:
@@ -178,11 +213,12 @@ def _ablated_at_optimum(runs: Runs, abl: Sequence[str], opt: Sequence[str], sche
 
 
 def _importance_depth(study: Study, claim: LayerImportance, per: dict[str, dict[int, RunRecord]],
-                      L: int) -> tuple[dict, ImportanceRow]:
+                      L: int, lrs: dict[str, float | None]) -> tuple[dict, ImportanceRow]:
     """``(parts, row)`` of one depth ``L`` of :meth:`LayerImportance.verdict` from each scheme's ablated
     runs ``per`` (``{scheme: {seed: run record}}``): the paired redundant-share part
     (:func:`redundant_share`, floor ``share_floor``), each scheme's first-two-sub-layers part
-    (:func:`first_critical`, floor log10 1.05), and the row of LRs, shares, ratios, ΔPPL and full PPL."""
+    (:func:`first_critical`, floor log10 1.05), and the row of LRs (``lrs``: each scheme's seed-mean
+    optimum, known before its runs are ablated), shares, ratios, ΔPPL and full PPL."""
     share = {x: {sd: redundant_share(r.ablation, REDUNDANT_BELOW, SHALLOW) for sd, r in v.items()}
              for x, v in per.items()}
     crit = {x: {sd: first_critical(r.ablation) for sd, r in v.items()} for x, v in per.items()}
@@ -192,7 +228,7 @@ def _importance_depth(study: Study, claim: LayerImportance, per: dict[str, dict[
     for x in (claim.scheme, claim.baseline):
         parts[f"first two sub-layers over the median, {x} at {L} (log10)"] = \
             paired_verdict(crit[x], MAX_LR_FLOOR, study.min_seeds)
-    row = ImportanceRow(sublayers=L, lr={x: next((r.lr for r in v.values()), None) for x, v in per.items()},
+    row = ImportanceRow(sublayers=L, lr=dict(lrs),
                         share=share, critical=crit,
                         delta_ppl={x: {sd: r.ablation["delta_ppl"] for sd, r in v.items()} for x, v in per.items()},
                         ppl_full={x: {sd: r.ablation["ppl_full"] for sd, r in v.items()} for x, v in per.items()})
