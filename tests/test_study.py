@@ -568,6 +568,9 @@ def test_the_report_states_which_rule_each_claim_follows():
     rule = SR.verdict_rule(st, st.claims)
     assert rule.startswith("Rule of (a), (b), (c), (e), (f), (g), (h), (i): per seed the paired difference d")
     assert "for (a) log10 ratios of max LR, f = log10 1.05 = 0.021, a 5% ratio" in rule  # said "d ≥ 0.02" for (a)
+    # (g) is judged on a share of sub-layers and a log10 PPL ratio, not on the loss floor in nats the rule gave it
+    assert ("; for (g) the redundant share, a share of sub-layers, f = 0.05; the first-two ratio, log10 of a PPL "
+            "ratio, f = log10 1.05 = 0.021)") in rule
     assert rule.endswith("(d) has its own rule, stated in its section.")
     d_only = [c for c in st.claims if c.own_rule]  # a study of own-rule claims only read "Rule of : per seed ..."
     assert SR.verdict_rule(st, d_only) == "(d) has its own rule, stated in its section."

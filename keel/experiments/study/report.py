@@ -206,7 +206,8 @@ def verdict_rule(study: Study, claims: Sequence[Claim], floor: LossFloor | None 
             f"its mean's one-sided {LEVEL:.0%} Student-t bounds lo and hi (together a {2 * LEVEL - 1:.0%} interval, "
             f"written [CI lo, hi]), against a floor f (nats/token, f = {floor.floor:.3f}"
             + (f"; for {ids(ramp)} log10 ratios of max LR, f = log10 1.05 = {MAX_LR_FLOOR:.3f}, a 5% ratio"
-               if ramp else "") + f"). Reproduced when at least {study.min_seeds} seeds give lo ≥ f; not reproduced "
+               if ramp else "")
+            + "".join(f"; for ({c.id}) {c.own_floors()}" for c in paired if c.own_floors()) + f"). Reproduced when at least {study.min_seeds} seeds give lo ≥ f; not reproduced "
             "when hi < f (the interval excludes an effect as large as the floor: no effect, or the opposite); "
             "inconclusive otherwise. Growth with depth is the slope of each seed's margin against log2(sub-layers) "
             "over every depth, judged the same way with the floor spread over the studied range "

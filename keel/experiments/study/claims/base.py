@@ -96,6 +96,11 @@ class Claim:
         """Markdown lines of the claim's section after its rule and note, from its verdict ``c``."""
         return []
 
+    def own_floors(self) -> str:
+        """The floors of a kind judged by the paired rule on numbers that are not losses, in words
+        for the report's rule (e.g. "a share of sub-layers, f = 0.05"); "" for the loss floor."""
+        return ""
+
     def check(self, groups: dict[str, Group]) -> None:
         """Raise KeelError naming what this kind needs beyond its keys' declarations."""
 

@@ -111,6 +111,10 @@ class LayerImportance(Paired, InitGroups):
     def groups_read(self) -> list[str]:
         return [*self.groups, *self.optimum_groups, *self.init_groups, *self.init_optimum_groups]
 
+    def own_floors(self) -> str:
+        return (f"the redundant share, a share of sub-layers, f = {self.share_floor:g}; the first-two ratio, "
+                f"log10 of a PPL ratio, f = log10 1.05 = {MAX_LR_FLOOR:.3f}")
+
     def check(self, groups: dict[str, Group]) -> None:
         plain = [g for g in [*self.groups, *self.init_groups] if g in groups and not groups[g].ablate]
         if plain:
