@@ -371,7 +371,11 @@ def test_claims_without_finished_runs_say_so():
         "b": two, "c": two, "d": "no seed has keel's LR grid finished at both 16 and 64 sub-layers"}
     assert words["e"] == ("at the paper's init: 0 of 3 token budgets finished — at N(0, 1) embeddings: "
                           "0 of 3 token budgets finished")
-    assert words["h"] == "0 of 24 runs with every step's loss finished"
+    assert words["h"] == "0 of 24 runs of group spike (keel, pre_ln) finished"
+    # (g) listed its 12 parts as "– (inconclusive)", which hid what it waits for
+    assert words["g"] == ("at the paper's init: ablations pending (84 runs of spike, lr-grid unfinished) — at N(0, 1) "
+                          "embeddings: no ablated runs yet (60 runs of init unfinished)")
+    assert words["i"] == "at the paper's init: bench runs pending — at N(0, 1) embeddings: bench runs pending"
 
 
 def test_groups_no_claim_reads_get_their_own_section():
