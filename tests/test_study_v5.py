@@ -398,3 +398,14 @@ def test_claim_g_names_a_run_at_the_optimum_that_finished_without_an_ablation():
     assert cond.why == "too few ablated seeds (pre_ln s2 at 8: finished without an ablation, stopped early)"
     assert cond.rows[0].missing == {"pre_ln": {2: "no ablation"}}
     assert "[s0 0.000, s1 0.000, s2 no ablation]; [s0 0.000, s1 0.000, s2 0.000]" in claim.tables(c)[4]
+
+
+def test_layer_importance_metrics_by_hand():
+    """Literal values worked by hand from the rule's words. Redundant share: of the shallow half
+    (the first ⌈n/2⌉ sub-layers) those whose removal raises the PPL by less than 1%; with n = 5 and
+    PPL 40 the first 3 count, ΔPPL 0.39 (< 0.4) and -1.0 (removal helped) are redundant, 0.4 is
+    not: 2/3. First two over the median: PPLs without each sub-layer 150, 120, 100.5, 100.9, 103,
+    99.8, 100.1, 108; median (100.9 + 103) / 2 = 101.95; log10(135 / 101.95) = 0.121947."""
+    assert LI.redundant_share({"ppl_full": 40.0, "delta_ppl": [0.39, 0.4, -1.0, 0.0, 0.0]}, 0.01, 0.5) == 2 / 3
+    ab = {"ppl_full": 100.0, "delta_ppl": [50.0, 20.0, 0.5, 0.9, 3.0, -0.2, 0.1, 8.0]}
+    assert LI.first_critical(ab) == pytest.approx(0.121947, abs=1e-6)
