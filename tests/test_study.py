@@ -1196,30 +1196,35 @@ def test_ctrl_c_says_how_to_continue_the_study(tiny_data, tmp_path):
     assert "keel train --resume" not in err and "Traceback" not in err
 
 
-def test_baseline_margins_pair_each_seed_over_the_benchs_lrs(tmp_path):
-    """The bench's margin against a baseline = the baseline's best loss minus the scheme's, per
-    seed, both over the bench's LR grid: the baseline's better loss at an LR the bench did not
-    run (3e-4 here) does not count; a seed with an unfinished run is left out."""
+def test_baseline_margins_pair_each_seed_over_every_lr_each_group_trained(tmp_path):
+    """The bench's margin against a baseline = the baseline's best loss minus the scheme's, per seed,
+    each side over every LR its own group trained: the baseline's better loss at an LR the bench did
+    not plan (3e-4) counts, and so does the bench's LR added beyond its grid's edge (3e-4 for
+    peri_ln seed 0, 3e-2 for seed 1); a seed with an unfinished run is left out; a best LR on an
+    edge of the LRs trained is named under the table. (Over the bench's planned grid alone, the
+    widened runs were trained and never read: seed 0 read 3.10 − 3.00.)"""
     p = tmp_path / "s.toml"
     p.write_text(GROUP.replace("lrs = [1e-3]", "lrs = [3e-4, 1e-3, 1e-2]").replace("seeds = [0]", "seeds = [0, 1, 2]")
                  + BENCH.replace("lrs = [1e-3]", "lrs = [1e-3, 1e-2]").replace("seeds = [0]", "seeds = [0, 1, 2]")
                  + CLAIM)
     st = SC.load_study(str(p), "x")
     bench = next(g for g in st.groups if g.name == "b")
-    runs = []
-    for seed, (k3, k2, p3, p2) in enumerate([(3.10, 3.30, 3.00, 3.40), (3.50, 3.20, 3.05, 3.90), (3.1, 3.1, 3.0, 3.0)]):
-        runs += [run("g", "keel", 2, seed, 3e-4, 2.0), run("g", "keel", 2, seed, 1e-3, k3),
-                 run("g", "keel", 2, seed, 1e-2, k2), run("b", "peri_ln", 2, seed, 1e-3, p3),
-                 run("b", "peri_ln", 2, seed, 1e-2, p2)]
+    keel = {0: (3.05, 3.10, 3.30), 1: (3.60, 3.20, 3.30), 2: (3.50, 3.10, 3.20)}  # at 3e-4, 1e-3, 1e-2
+    peri = {0: {3e-4: 2.95, 1e-3: 3.00, 1e-2: 3.40}, 1: {1e-3: 3.30, 1e-2: 3.05, 3e-2: 3.10},
+            2: {1e-3: 3.0, 1e-2: 3.0}}
+    runs = [run("g", "keel", 2, sd, lr, x) for sd, xs in keel.items() for lr, x in zip((3e-4, 1e-3, 1e-2), xs)]
+    runs += [run("b", "peri_ln", 2, sd, lr, x) for sd, d in peri.items() for lr, x in d.items()]
     runs[-1].status = "running"  # seed 2 of peri_ln unfinished
     rows = SV.baseline_margins(st, bench, runs)
     assert [(r.sublayers, r.scheme, r.baseline) for r in rows] == [(2, "peri_ln", "keel")]
     m = rows[0].margin
-    assert m.diffs == pytest.approx({0: 3.10 - 3.00, 1: 3.20 - 3.05})
+    assert m.diffs == pytest.approx({0: 3.05 - 2.95, 1: 3.20 - 3.05})
     assert m.verdict == INC and m.n == 2  # two seeds: the t interval (6.314 x sd / sqrt 2) spans 0
     table = SR.baseline_table(st, bench, runs)
     assert table[2:4] == ["| sub-layers | scheme | vs keel |", "|---|---|---|"]
     assert table[4] == "| 2 | peri_ln | +0.125 [90% CI -0.033, +0.283] (s0 +0.100, s1 +0.150) (undecided) |"
+    assert table[6] == ("Best LR on an edge of the LRs trained (not bracketed): peri_ln s0 (0.0003, group b), "
+                        "keel s0 (0.0003, group g).")
     assert SV.baseline_margins(st, next(g for g in st.groups if g.name == "g"), runs) == []
 
 

@@ -18,7 +18,7 @@ from keel.experiments.study.cells import CONDITION_WORDS, direction, lrs, pm, sh
 from keel.experiments.study.claims import Claim
 from keel.experiments.table import markdown_table
 from keel.experiments.study.verdicts import (LEVEL, MAX_LR_FLOOR, ClaimVerdict, baseline_margins, best_losses, best_lrs,
-                                             best_runs, paired_verdict, verdict_words)
+                                             best_runs, bracketed, paired_verdict, verdict_words)
 from keel.train.plots import plt, save_figure
 
 
@@ -124,8 +124,9 @@ def baseline_table(study: Study, g: Group, runs: list[RunRecord]) -> list[str]:
     if not rows:
         return []
     out = [f"Against group {g.baselines_from}'s {', '.join(g.baselines)} (the same seeds, data and tokens per run): "
-           f"margin = loss(baseline) − loss(scheme), nats/token, each side at its seed's best LR of this group's grid "
-           f"({', '.join(f'{x:g}' for x in sorted(g.lrs))}); > 0: the scheme is better. In brackets, as the claims' "
+           f"margin = loss(baseline) − loss(scheme), nats/token, each side at its seed's best LR over every LR its "
+           f"group trained (this group's grid {', '.join(f'{x:g}' for x in sorted(g.lrs))}, widened where a best LR fell "
+           f"on an edge; group {g.baselines_from}'s for the baseline); > 0: the scheme is better. In brackets, as the claims' "
            f"rule reads a margin: X better when every seed (≥ {study.min_seeds}) favours X by ≥ {study.min_effect:g}, "
            f"no difference when every seed is within {study.min_effect:g}, else mixed. No claim of the paper.", ""]
     cells = {(L, s): [r.margin for r in rows if (r.sublayers, r.scheme) == (L, s)]
@@ -133,6 +134,11 @@ def baseline_table(study: Study, g: Group, runs: list[RunRecord]) -> list[str]:
     out += markdown_table(["sub-layers", "scheme", *(f"vs {b}" for b in g.baselines)],
                           [[L, s, *(f"{pm(v)} ({direction(v, s, b)})" if v.n else "–"
                                     for v, b in zip(cells[(L, s)], g.baselines))] for (L, s) in cells])
+    edges = [f"{x} s{sd} ({r.lr:g}, group {gr})" for gr, xs in ((g.name, g.schemes), (g.baselines_from, g.baselines))
+             for L in g.sublayers for x in xs for sd, r in best_runs(runs, [gr], x, L).items()
+             if not bracketed(runs, r)]
+    if edges:
+        out += ["", f"Best LR on an edge of the LRs trained (not bracketed): {', '.join(edges)}."]
     if any(not r.margin.n for r in rows):
         out += ["", f"–: no seed has both sides finished yet (all of this group's LRs for the scheme and all of group "
                 f"{g.baselines_from}'s for the baseline, at that depth)."]

@@ -100,16 +100,17 @@ class BaselineMargin(Record):
 def baseline_margins(study: Study, g: Group, runs: Runs) -> list[BaselineMargin]:
     """Per depth of group ``g``, scheme of ``g`` and baseline scheme (``g.baselines``, trained by
     group ``g.baselines_from``), the paired per-seed margin ``loss(baseline) - loss(scheme)``
-    (nats/token; > 0: ``g``'s scheme is better), each side at its seed's best LR over ``g``'s LR
-    grid (:func:`best_losses`; both groups train the same tokens per run), as a
+    (nats/token; > 0: ``g``'s scheme is better), each side at its seed's best LR over every LR its
+    own group trained (:func:`best_losses`: ``g``'s grid and the LRs it added to bracket an optimum
+    at an edge; ``g.baselines_from``'s bracketed grid; both groups train the same tokens per run), as a
     :class:`PairedVerdict` (:func:`paired_verdict`): one :class:`BaselineMargin` each; empty when ``g``
-    names no baselines."""
+    names no baselines. (Read over ``g``'s planned grid alone, the widened LRs were trained and never
+    read, and a design whose best lay on the grid's edge was judged there.)"""
     if not g.baselines_from:
         return []
-    on_grid = [r for r in runs if any(math.isclose(r.lr, lr) for lr in g.lrs)]
     return [BaselineMargin(sublayers=L, scheme=s, baseline=b,
-                           margin=paired_verdict(pair(best_losses(on_grid, [g.baselines_from], b, L),
-                                                      best_losses(on_grid, [g.name], s, L)),
+                           margin=paired_verdict(pair(best_losses(runs, [g.baselines_from], b, L),
+                                                      best_losses(runs, [g.name], s, L)),
                                                  study.min_effect, study.min_seeds))
             for L in g.sublayers for s in g.schemes for b in g.baselines]
 

@@ -34,8 +34,8 @@ class Bench(OneGroup):
         compared with Keel (reported, not part of the verdict).
 
         Per design X and seed ``m = best(baseline) - best(X)`` (nats/token, each at its seed's best
-        LR over the bench group's LRs; the baseline trained by its ``baselines_from`` group at the
-        same LRs, seeds and tokens: :func:`baseline_margins`), :func:`paired_verdict` with the study's
+        LR over every LR its own group trained, widened until bracketed; the baseline trained by the
+        ``baselines_from`` group at the same seeds and tokens: :func:`baseline_margins`), :func:`paired_verdict` with the study's
         loss floor. The claim of each design's own paper (Peri-LN, Hyper-Connections, mHC, AttnRes:
         better than Pre-LN), not of the Keel paper."""
         conds = {}
