@@ -411,8 +411,9 @@ def test_claim_g_layer_importance():
     "redundant share of the shallow half at L: pre_ln − keel" and "first two sub-layers over the
     median, X at L (log10)" for X in keel, pre_ln (d = the metric itself). Floors: log10 1.05 for
     the log10 PPL ratio (report.md's "5% ratio" of (a)); the share's floor is not stated in
-    report.md's words and is read from the report. While no ablated run of a cell has finished its
-    row is empty (LR None) and the condition says "ablations pending"."""
+    report.md's words and is read from the report. The row's LR is the seed-mean optimum (known
+    before any ablation); while no ablated run of a cell has finished its metrics are empty and the
+    condition says "ablations pending"."""
     c, toml = CLAIMS["g"], TOML_CLAIMS["g"]
     s, b = toml["scheme"], toml["baseline"]
     conds = {}
@@ -429,7 +430,7 @@ def test_claim_g_layer_importance():
                 assert lr in {r["lr"] for r in records(g, x, L)}, (cond, g, x, lr)
                 ab = {r["seed"]: r["ablation"] for r in records(g, x, L)
                       if r["lr"] == lr and r["status"] == "done" and r.get("ablation")}
-                row["lr"][x] = lr if ab else None
+                row["lr"][x] = lr
                 row["share"][x] = {sd: redundant_share(a) for sd, a in ab.items()}
                 row["critical"][x] = {sd: first_critical(a) for sd, a in ab.items()}
             rows.append(row)
@@ -451,8 +452,11 @@ def test_claim_g_layer_importance():
                     assert set(gk) == set(row[key][x]) and all(close(gk[k], v) for k, v in row[key][x].items())
         pending = any(unfinished(g, (x,), L, seed_mean_optimum(og, x, L))
                       for g, og in zip(groups, opt_groups) for L in depths(g) for x in (s, b))
-        if pending:
-            assert got["why"] == "ablations pending"
+        if pending:  # it names the unfinished runs of the ablated and optimum groups it waits for
+            left = {g: sum(r["scheme"] in (s, b) and r["status"] != "done" for r in records(g))
+                    for g in dict.fromkeys([*groups, *opt_groups])}
+            where = ", ".join(g for g, n in left.items() if n)
+            assert got["why"] == f"ablations pending ({sum(left.values())} runs of {where} unfinished)", got["why"]
         else:
             assert "why" not in got
         if not any(r["status"] == "done" for g in groups for r in records(g)):
@@ -501,7 +505,8 @@ def test_claim_h_early_spike():
             diffs[sd] = statistics.fmean(pairs)
     want = paired(diffs, FLOOR)
     if len(ready) < len(rs):  # the part from the finished pairs; the claim waits for every run
-        assert c["why"] == f"{len(ready)} of {len(rs)} runs with every step's loss finished", c["why"]
+        done = [r for r in rs if r["status"] == "done"]
+        assert c["why"] == f"{len(done)} of {len(rs)} runs of group {toml['group']} ({s}, {b}) finished", c["why"]
         want["verdict"] = "inconclusive"
         if not ready:
             assert want["n"] == 0
@@ -763,12 +768,19 @@ def test_the_summary_states_each_parts_numbers(cid):
     """Each claim's summary (report.json ``summary``, report.md's "Summary" bullets) states every part
     as "NAME +m.mmm [90% CI +l.lll, +h.hhh], n seeds" (the level 2 * 0.95 − 1 as a percentage), or
     "NAME no paired seed yet"; the numbers are the parts' that the tests above recompute. A claim
-    that waits for its runs ((h)) gives why instead."""
+    that waits for its runs ((h)) gives why instead, and so does a condition none of whose parts has a
+    paired seed yet (its why after the condition's words)."""
     c = CLAIMS[cid]
     ci = round(100 * (2 * LEVEL - 1))
     if "why" in c:  # a claim waiting for its runs, (h): the summary says why instead
         assert c["summary"].endswith(f"({c['why']}).")
-    for name, p in _parts_of(c) if "why" not in c else []:
+    stated = []
+    for cond in (c.get("conditions") or {"": c}).values():
+        if cond.get("why") and not any(p["n"] for p in cond.get("parts", {}).values()):
+            assert cond["why"] in c["summary"], (cid, cond["why"])
+        else:
+            stated += list(cond.get("parts", {}).items())
+    for name, p in stated if "why" not in c else []:
         if p["n"] >= 2:
             frag = f"{name} {p['mean']:+.3f} [{ci}% CI {p['lo']:+.3f}, {p['hi']:+.3f}], {p['n']} seeds"
         elif p["n"] == 0:
