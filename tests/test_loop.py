@@ -671,6 +671,33 @@ def test_exact_resume_of_a_looped_run(tiny_data, tmp_path, monkeypatch):
                                            native(ids, loops=r), atol=1e-5, rtol=0)
 
 
+
+def test_flops_per_token_at_a_loop_count():
+    """``loops`` prices the unrolled model of P + loops x C + Q blocks; None is R (``loop_repeats``)."""
+    cfg = looped_cfg("pre_ln", 1, 2, 3, 1)
+    for k in (1, 3, 7):
+        unrolled = dataclasses.replace(cfg, n_layers=1 + k * 2 + 1, **NO_LOOP)
+        assert flops_per_token(cfg, 16, loops=k) == flops_per_token(unrolled, 16)
+    assert flops_per_token(cfg, 16, loops=None) == flops_per_token(cfg, 16)
+    assert flops_per_token(cfg, 16, loops=1) < flops_per_token(cfg, 16) < flops_per_token(cfg, 16, loops=7)
+
+
+def test_mfu_of_a_step_prices_the_loop_count_it_drew(tiny_data, tmp_path):
+    """With a sampled loop count, a step's ``mfu`` is tokens/s x the FLOPs per token at the count that
+    step ran (its ``loops``), not at the mean R: a step of 1 application does a third of R = 3's work."""
+    sets = tiny_overrides(tiny_data, steps=8, peak_tflops=0.5) + LOOP_SETS + ["model.loop_sampling=uniform"]
+    cfg = load_config(REPO / "keel" / "configs" / "demo.toml", sets)
+    train(cfg, tmp_path / "run")
+    model = load_config(tmp_path / "run" / "config.toml").model
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    assert len({r["loops"] for r in steps}) > 1
+    for r in steps:
+        unrolled = dataclasses.replace(model, n_layers=1 + r["loops"] + 1, **NO_LOOP)  # P = C = Q = 1
+        fpt = flops_per_token(unrolled, cfg.train.seq_len)
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * fpt / 0.5e12, rel=1e-12), r
+
+
 @pytest.mark.spawns
 def test_fsdp_and_ddp_of_a_looped_run_match_one_process(tiny_data, tmp_path):
     """Two processes (gloo) with a random loop count per step: FSDP2 (each block sharded once, the core's

@@ -619,15 +619,19 @@ def count_parameters(model_cfg: ModelConfig, non_embedding: bool = False) -> int
     return one + (model_cfg.n_layers - 1) * (two - one)
 
 
-def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
+def flops_per_token(model_cfg: ModelConfig, seq_len: int, loops: int | None = None) -> float:
     """Training FLOPs per token (forward + backward) of ``Transformer(model_cfg)`` on sequences of
     ``seq_len`` tokens, PaLM (Chowdhery et al. 2022, App. B): ``6 N + 12 n_layers d_model seq_len``,
     N = non-embedding parameters (:func:`count_parameters`; the LM head counts). A
     ``vocab_size = "auto"`` (known only once the tokenizer exists) is priced at 256 ids. The
     numerator of MFU (the trainer's per-step ``mfu``, ``benchmarks/mfu.py``, a study's dry run). A looped
     model is priced as its unrolled equivalent of ``cfg.effective_layers`` blocks (the core's weights
-    work R = ``loop_repeats`` times per token; R is also the mean of a sampled count, :func:`loop_count`)."""
+    work R = ``loop_repeats`` times per token; R is also the mean of a sampled count, :func:`loop_count`);
+    ``loops`` (an int >= 1, a looped model only) prices P + loops x C + Q blocks instead: one training
+    step's drawn count, what that step's ``mfu`` divides by. None = R."""
     if model_cfg.vocab_size == "auto":
         model_cfg = dataclasses.replace(model_cfg, vocab_size=256)
+    if loops is not None:
+        model_cfg = dataclasses.replace(model_cfg, loop_repeats=loops)
     unrolled = dataclasses.replace(model_cfg, n_layers=model_cfg.effective_layers, **_NO_LOOP)
     return 6.0 * count_parameters(unrolled, non_embedding=True) + 12.0 * unrolled.n_layers * model_cfg.d_model * seq_len
