@@ -185,6 +185,27 @@ def test_test_depth_claims_need_looped_groups_with_the_factor(tmp_path):
         SC.load_study(str(bad), "cpu")
 
 
+@pytest.mark.parametrize("old, new, words", [
+    # claim (a) reads no test_loops: groups that differ only there are one geometry for it
+    ("test_loops = [0.5, 2.0]\n\n[groups.looped-init]", "test_loops = [0.5, 2.0, 3.0]\n\n[groups.looped-init]",
+     "claim 'c': its groups' test_loops differ: looped [0.5, 2, 3], looped-init [0.5, 2]"),
+    ("loop = [1, 8, 1]\ntest_loops = [0.5, 2.0]\n\n[groups.looped-init]",
+     "loop = [2, 8, 0]\ntest_loops = [0.5, 2.0]\n\n[groups.looped-init]",
+     "claim 'a': its groups' loop differ: looped [2, 8, 0], looped-init [1, 8, 1]"),
+])
+def test_claim_groups_of_two_geometries_name_what_differs(tmp_path, old, new, words):
+    """The groups a looped claim reads must share a loop (and, for test_depth, test_loops); the one-line
+    refusal names the key that differs and each group's value (it said "must be looped ... (check looped)"
+    of two looped groups that differed in test_loops alone)."""
+    text = (SS.resolve_config_path("looped", kind="studies")).read_text()
+    assert old in text
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace(old, new, 1))
+    with pytest.raises(KeelError) as e:
+        SC.load_study(str(bad), "cpu")
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
 # ----------------------------------------------------------------------------- the plan and the tiny scale
 def test_the_cpu_plan_fits_its_budget(keel_main, tmp_path):
     r = keel_main("study", "looped", "--scale", "cpu", "--dry-run", "--json", "--out", tmp_path / "x")
