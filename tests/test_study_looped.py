@@ -65,6 +65,11 @@ def test_a_loop_group_trains_effective_depths_named_by_them():
     ({"test_loops": [2.0], "sublayers": [68]}, "test_loops needs loop = [P, C, Q]"),
     ({"loop": [1, 1, 1], "sublayers": [6], "test_loops": [0.2]}, "test_loops 0.2 x R = 0.2 at 6 sub-layers rounds below 1"),
     ({"loop": [1, 8, 1], "sublayers": [68], "set": {"model.loop_repeats": 3}}, "set model.loop_repeats: loop = [1, 8, 1]"),
+    # R' above --loops' cap max(64, 16 R) (keel.config.max_loops): R = 4 x 1000 would evaluate for days
+    ({"loop": [1, 8, 1], "sublayers": [68], "test_loops": [0.5, 1000.0]},
+     "test_loops 1000 x R = 4000 at 68 sub-layers is above 64, the cap of --loops"),
+    ({"loop": [1, 8, 1], "sublayers": [1028], "test_loops": [16.5]},
+     "test_loops 16.5 x R = 1056 at 1028 sub-layers is above 1024, the cap of --loops"),
 ])
 def test_a_bad_loop_is_refused_in_one_line(spec, words):
     with pytest.raises(KeelError) as e:
