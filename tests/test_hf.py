@@ -533,6 +533,20 @@ def test_import_of_a_looped_export_says_its_loops_are_not_imported(tiny_data, tm
     assert "loops" not in capsys.readouterr().err
 
 
+def test_import_of_a_looped_export_above_the_loops_cap_hints_no_refused_count(tiny_data, tmp_path, capsys):
+    """config.json's loops = 1000 (above --loops' cap, 64 at R = 3) is not imported, and the warning no longer
+    tells the user to give --loops 1000, which every command it names refuses."""
+    folder, run = tmp_path / "hf", tmp_path / "run"
+    _looped_export(folder, tiny_data / "tokenizer.json", loops=1000)
+    capsys.readouterr()
+    assert main(["import-hf", "--hf", str(folder), "--out", str(run), "--set", "train.seq_len=32"]) == 0
+    assert capsys.readouterr().err == (
+        f"config.json's loops = 1000 in {folder} was not imported: the run loops at the trained model.loop_repeats = 3 "
+        "(1000 is above 64, the cap of --loops (max(64, 16 x model.loop_repeats = 3)): give keel eval, generate, "
+        "ablate or gradflow --loops R with R <= 64)\n")
+    assert main(["eval", "--run", str(run), "--loops", "1000", "--max-tokens", "32"]) == 2  # the hint it gave before
+
+
 def test_eval_and_ablate_hf_cap_config_json_loops_as_loops(tiny_data, tmp_path, capsys):
     """config.json's loops = 1000 ran `keel eval --hf` (and `keel ablate --hf`) with the core applied 1000 times
     a token, where `--loops 1000` is refused: now refused the same way, in one line naming config.json's loops
