@@ -682,6 +682,35 @@ def test_flops_per_token_at_a_loop_count():
     assert flops_per_token(cfg, 16, loops=1) < flops_per_token(cfg, 16) < flops_per_token(cfg, 16, loops=7)
 
 
+@pytest.mark.parametrize("kw, words", [
+    (dict(loop_prelude=1, loop_core=5, loop_repeats=2), "model.loop_prelude (1) + model.loop_core (5) exceeds model.n_layers (4)"),
+    (dict(loop_prelude=2, loop_core=0), "model.loop_prelude = 2 needs a loop"),
+    (dict(loop_prelude=1, loop_core=2, loop_repeats=0), "model.loop_repeats must be >= 1, got 0"),
+    (dict(loop_prelude=1, loop_core=2, loop_repeats=2, loop_sampling="often"), "model.loop_sampling must be"),
+    (dict(residual="attn_res", loop_prelude=1, loop_core=2, loop_repeats=2), "attn_res cannot loop"),
+])
+def test_counts_of_an_impossible_loop_are_refused(kw, words):
+    """count_parameters and flops_per_token (a study's plan, the trainer's MFU) priced a config no model can
+    be built from: P + C > n_layers gave 70,112 parameters and the FLOPs of 4 + (2 - 1) x 5 = 9 blocks."""
+    cfg = ModelConfig(**{**dict(vocab_size=61, d_model=16, n_heads=2, n_kv_heads=1, d_ff=24, n_layers=4), **kw})
+    with pytest.raises(KeelError) as built:
+        Transformer(cfg)
+    for count in (lambda: count_parameters(cfg), lambda: count_parameters(cfg, non_embedding=True),
+                  lambda: flops_per_token(cfg, 16)):
+        with pytest.raises(KeelError) as e:
+            count()
+        assert words in str(e.value) and str(e.value) == str(built.value)
+
+
+@pytest.mark.parametrize("loops, words", [(0, "got 0"), (-1, "got -1"), (2.5, "got 2.5"), (True, "got True")])
+def test_flops_per_token_refuses_a_loop_count_no_model_runs(loops, words):
+    cfg = looped_cfg("pre_ln", 1, 2, 3, 1)
+    with pytest.raises(KeelError, match="the loop count must be an integer >= 1, " + words):
+        flops_per_token(cfg, 16, loops=loops)
+    with pytest.raises(KeelError, match="a loop count needs a looped model"):
+        flops_per_token(dataclasses.replace(cfg, **NO_LOOP, n_layers=4), 16, loops=2)
+
+
 def test_mfu_of_a_step_prices_the_loop_count_it_drew(tiny_data, tmp_path):
     """With a sampled loop count, a step's ``mfu`` is tokens/s x the FLOPs per token at the count that
     step ran (its ``loops``), not at the mean R: a step of 1 application does a third of R = 3's work."""
