@@ -69,7 +69,8 @@ class Group:
                               "then effective depths, 2 (P + R C + Q), R = (L/2 - P - Q) / C per depth.", ge=0,
                           note="[P, C, Q], C >= 1; empty = no loop", read_if=_axes)
     test_loops: list[float] = key([], "a looped train group: after each run, its final validation loss with the core "
-                                      "applied round(f R) times for each factor f, kept in its record.", gt=0,
+                                      "applied round(f R) times for each factor f, kept in its record; 1 <= "
+                                      "round(f R) <= max(64, 16 R), the cap of --loops.", gt=0,
                                   unique=True, note="factors of R, e.g. [0.5, 2.0]", read_if=_own("test_loops"))
     table: bool = key(False, "report.md shows the group's own table: a ramp group's stress table, a train group's "
                              "LR-sensitivity table (a grid group's sweep table is always shown).")
