@@ -500,6 +500,13 @@ def test_ablate_removes_one_application_at_a_time():
     (["--residual", "attn_res", "--loop", "1,2,1", "--sublayers", "8"], "model.residual = attn_res cannot loop"),
     (["--loops", "2"], "--loops goes with --run (a looped run's count); at init, --loop P,C,Q and --sublayers set it"),
     (["--run", "x", "--loop", "1,1,1"], "--run takes the model and data from the run; drop --residual, --loop"),
+    # the config's own loop keys: they profiled a model of 16 sub-layers, reported as 8 (blocks 4); beside --loop
+    # they were dropped without a word
+    (["--sublayers", "8", "--set", "model.loop_prelude=1", "--set", "model.loop_core=2", "--set", "model.loop_repeats=3"],
+     "the config's model.loop_prelude = 1, model.loop_core = 2, model.loop_repeats = 3 make a model of 8 sub-layers "
+     "apply 16 (2 (P + R C + Q) = 2 (1 + 3 x 2 + 1)); at init, --loop P,C,Q with --sublayers the effective depths"),
+    (["--loop", "1,2,1", "--sublayers", "8", "--set", "model.loop_core=3"],
+     "--loop 1,2,1 sets every profile's loop; the config's model.loop_core = 3 would be ignored: drop it"),
 ])
 def test_gradflow_loop_flags_are_checked_first(keel_main, args, msg):
     """Refused in one line before any data is prepared or model built."""
