@@ -212,6 +212,17 @@ class ModelConfig:
         return self
 
 
+MAX_LOOPS_MIN, MAX_LOOPS_FACTOR = 64, 16  # a test-time loop count R' <= max(64, 16 x model.loop_repeats)
+
+
+def max_loops(trained_repeats: int) -> int:
+    """The largest test-time loop count keel runs a model trained with ``model.loop_repeats`` =
+    ``trained_repeats`` at (``--loops``, a Hugging Face folder's ``loops``, a study group's ``test_loops``):
+    ``max(MAX_LOOPS_MIN, MAX_LOOPS_FACTOR * trained_repeats)`` (64, or 16 times the trained count: test-time
+    depth past that runs for hours on a typo, e.g. ``--loops 100000000``)."""
+    return max(MAX_LOOPS_MIN, MAX_LOOPS_FACTOR * trained_repeats)
+
+
 @dataclass
 class DataConfig:
     """Where the tokens come from (see ``keel prepare`` and :mod:`keel.data`); each key is

@@ -533,6 +533,42 @@ def test_import_of_a_looped_export_says_its_loops_are_not_imported(tiny_data, tm
     assert "loops" not in capsys.readouterr().err
 
 
+def test_import_of_a_looped_export_above_the_loops_cap_hints_no_refused_count(tiny_data, tmp_path, capsys):
+    """config.json's loops = 1000 (above --loops' cap, 64 at R = 3) is not imported, and the warning no longer
+    tells the user to give --loops 1000, which every command it names refuses."""
+    folder, run = tmp_path / "hf", tmp_path / "run"
+    _looped_export(folder, tiny_data / "tokenizer.json", loops=1000)
+    capsys.readouterr()
+    assert main(["import-hf", "--hf", str(folder), "--out", str(run), "--set", "train.seq_len=32"]) == 0
+    assert capsys.readouterr().err == (
+        f"config.json's loops = 1000 in {folder} was not imported: the run loops at the trained model.loop_repeats = 3 "
+        "(1000 is above 64, the cap of --loops (max(64, 16 x model.loop_repeats = 3)): give keel eval, generate, "
+        "ablate or gradflow --loops R with R <= 64)\n")
+    assert main(["eval", "--run", str(run), "--loops", "1000", "--max-tokens", "32"]) == 2  # the hint it gave before
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, "3", True])
+def test_a_bad_config_json_loops_is_refused_naming_config_json(tiny_data, tmp_path, capsys, bad):
+    """A config.json loops that is no count >= 1 was refused as "the loop count must be an integer >= 1, got 0",
+    naming neither the file nor the key (`keel eval --hf F --loops 4` said it of a count the user never gave)."""
+    folder, text = tmp_path / "hf", tmp_path / "text.txt"
+    _looped_export(folder, tiny_data / "tokenizer.json", loops=None)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "loops": bad}))
+    text.write_text("def main(argv):\n    return 0\n" * 20)
+    line = (f"config.loops = {bad!r} (config.json's loops in {folder}, or from_pretrained(..., loops=R)): "
+            f"the loop count must be an integer >= 1, got {bad!r}")
+    for command in (["eval", "--hf", str(folder), "--text", str(text), "--loops", "4"],
+                    ["import-hf", "--hf", str(folder), "--out", str(tmp_path / "run")]):
+        capsys.readouterr()
+        assert main(command) == 2
+        assert capsys.readouterr().err == f"keel: error: {line}\n"
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(KeelError) as e:
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert str(e.value) == line
+
+
 def test_eval_and_ablate_hf_cap_config_json_loops_as_loops(tiny_data, tmp_path, capsys):
     """config.json's loops = 1000 ran `keel eval --hf` (and `keel ablate --hf`) with the core applied 1000 times
     a token, where `--loops 1000` is refused: now refused the same way, in one line naming config.json's loops

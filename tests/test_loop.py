@@ -500,6 +500,13 @@ def test_ablate_removes_one_application_at_a_time():
     (["--residual", "attn_res", "--loop", "1,2,1", "--sublayers", "8"], "model.residual = attn_res cannot loop"),
     (["--loops", "2"], "--loops goes with --run (a looped run's count); at init, --loop P,C,Q and --sublayers set it"),
     (["--run", "x", "--loop", "1,1,1"], "--run takes the model and data from the run; drop --residual, --loop"),
+    # the config's own loop keys: they profiled a model of 16 sub-layers, reported as 8 (blocks 4); beside --loop
+    # they were dropped without a word
+    (["--sublayers", "8", "--set", "model.loop_prelude=1", "--set", "model.loop_core=2", "--set", "model.loop_repeats=3"],
+     "the config's model.loop_prelude = 1, model.loop_core = 2, model.loop_repeats = 3 make a model of 8 sub-layers "
+     "apply 16 (2 (P + R C + Q) = 2 (1 + 3 x 2 + 1)); at init, --loop P,C,Q with --sublayers the effective depths"),
+    (["--loop", "1,2,1", "--sublayers", "8", "--set", "model.loop_core=3"],
+     "--loop 1,2,1 sets every profile's loop; the config's model.loop_core = 3 would be ignored: drop it"),
 ])
 def test_gradflow_loop_flags_are_checked_first(keel_main, args, msg):
     """Refused in one line before any data is prepared or model built."""
@@ -669,6 +676,62 @@ def test_exact_resume_of_a_looped_run(tiny_data, tmp_path, monkeypatch):
             for r in (None, 6):
                 torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out, loops=r)(ids).logits,
                                            native(ids, loops=r), atol=1e-5, rtol=0)
+
+
+
+def test_flops_per_token_at_a_loop_count():
+    """``loops`` prices the unrolled model of P + loops x C + Q blocks; None is R (``loop_repeats``)."""
+    cfg = looped_cfg("pre_ln", 1, 2, 3, 1)
+    for k in (1, 3, 7):
+        unrolled = dataclasses.replace(cfg, n_layers=1 + k * 2 + 1, **NO_LOOP)
+        assert flops_per_token(cfg, 16, loops=k) == flops_per_token(unrolled, 16)
+    assert flops_per_token(cfg, 16, loops=None) == flops_per_token(cfg, 16)
+    assert flops_per_token(cfg, 16, loops=1) < flops_per_token(cfg, 16) < flops_per_token(cfg, 16, loops=7)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(loop_prelude=1, loop_core=5, loop_repeats=2), "model.loop_prelude (1) + model.loop_core (5) exceeds model.n_layers (4)"),
+    (dict(loop_prelude=2, loop_core=0), "model.loop_prelude = 2 needs a loop"),
+    (dict(loop_prelude=1, loop_core=2, loop_repeats=0), "model.loop_repeats must be >= 1, got 0"),
+    (dict(loop_prelude=1, loop_core=2, loop_repeats=2, loop_sampling="often"), "model.loop_sampling must be"),
+    (dict(residual="attn_res", loop_prelude=1, loop_core=2, loop_repeats=2), "attn_res cannot loop"),
+])
+def test_counts_of_an_impossible_loop_are_refused(kw, words):
+    """count_parameters and flops_per_token (a study's plan, the trainer's MFU) priced a config no model can
+    be built from: P + C > n_layers gave 70,112 parameters and the FLOPs of 4 + (2 - 1) x 5 = 9 blocks."""
+    cfg = ModelConfig(**{**dict(vocab_size=61, d_model=16, n_heads=2, n_kv_heads=1, d_ff=24, n_layers=4), **kw})
+    with pytest.raises(KeelError) as built:
+        Transformer(cfg)
+    for count in (lambda: count_parameters(cfg), lambda: count_parameters(cfg, non_embedding=True),
+                  lambda: flops_per_token(cfg, 16)):
+        with pytest.raises(KeelError) as e:
+            count()
+        assert words in str(e.value) and str(e.value) == str(built.value)
+
+
+@pytest.mark.parametrize("loops, words", [(0, "got 0"), (-1, "got -1"), (2.5, "got 2.5"), (True, "got True")])
+def test_flops_per_token_refuses_a_loop_count_no_model_runs(loops, words):
+    cfg = looped_cfg("pre_ln", 1, 2, 3, 1)
+    with pytest.raises(KeelError, match="the loop count must be an integer >= 1, " + words):
+        flops_per_token(cfg, 16, loops=loops)
+    with pytest.raises(KeelError, match="a loop count needs a looped model"):
+        flops_per_token(dataclasses.replace(cfg, **NO_LOOP, n_layers=4), 16, loops=2)
+
+
+def test_mfu_of_a_step_prices_the_loop_count_it_drew(tiny_data, tmp_path):
+    """With a sampled loop count, a step's ``mfu`` is tokens/s x the FLOPs per token at the count that
+    step ran (its ``loops``), not at the mean R: a step of 1 application does a third of R = 3's work."""
+    sets = tiny_overrides(tiny_data, steps=8, peak_tflops=0.5) + LOOP_SETS + ["model.loop_sampling=uniform"]
+    cfg = load_config(REPO / "keel" / "configs" / "demo.toml", sets)
+    train(cfg, tmp_path / "run")
+    model = load_config(tmp_path / "run" / "config.toml").model
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    assert len({r["loops"] for r in steps}) > 1
+    for r in steps:
+        unrolled = dataclasses.replace(model, n_layers=1 + r["loops"] + 1, **NO_LOOP)  # P = C = Q = 1
+        fpt = flops_per_token(unrolled, cfg.train.seq_len)
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * fpt / 0.5e12, rel=1e-12), r
 
 
 @pytest.mark.spawns

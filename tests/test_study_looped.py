@@ -65,6 +65,11 @@ def test_a_loop_group_trains_effective_depths_named_by_them():
     ({"test_loops": [2.0], "sublayers": [68]}, "test_loops needs loop = [P, C, Q]"),
     ({"loop": [1, 1, 1], "sublayers": [6], "test_loops": [0.2]}, "test_loops 0.2 x R = 0.2 at 6 sub-layers rounds below 1"),
     ({"loop": [1, 8, 1], "sublayers": [68], "set": {"model.loop_repeats": 3}}, "set model.loop_repeats: loop = [1, 8, 1]"),
+    # R' above --loops' cap max(64, 16 R) (keel.config.max_loops): R = 4 x 1000 would evaluate for days
+    ({"loop": [1, 8, 1], "sublayers": [68], "test_loops": [0.5, 1000.0]},
+     "test_loops 1000 x R = 4000 at 68 sub-layers is above 64, the cap of --loops"),
+    ({"loop": [1, 8, 1], "sublayers": [1028], "test_loops": [16.5]},
+     "test_loops 16.5 x R = 1056 at 1028 sub-layers is above 1024, the cap of --loops"),
 ])
 def test_a_bad_loop_is_refused_in_one_line(spec, words):
     with pytest.raises(KeelError) as e:
@@ -183,6 +188,27 @@ def test_test_depth_claims_need_looped_groups_with_the_factor(tmp_path):
     bad.write_text(text.replace("factor = 2.0\nnote", "factor = 3.0\nnote", 1))
     with pytest.raises(KeelError, match="factor 3 is not one of the groups' test_loops"):
         SC.load_study(str(bad), "cpu")
+
+
+@pytest.mark.parametrize("old, new, words", [
+    # claim (a) reads no test_loops: groups that differ only there are one geometry for it
+    ("test_loops = [0.5, 2.0]\n\n[groups.looped-init]", "test_loops = [0.5, 2.0, 3.0]\n\n[groups.looped-init]",
+     "claim 'c': its groups' test_loops differ: looped [0.5, 2, 3], looped-init [0.5, 2]"),
+    ("loop = [1, 8, 1]\ntest_loops = [0.5, 2.0]\n\n[groups.looped-init]",
+     "loop = [2, 8, 0]\ntest_loops = [0.5, 2.0]\n\n[groups.looped-init]",
+     "claim 'a': its groups' loop differ: looped [2, 8, 0], looped-init [1, 8, 1]"),
+])
+def test_claim_groups_of_two_geometries_name_what_differs(tmp_path, old, new, words):
+    """The groups a looped claim reads must share a loop (and, for test_depth, test_loops); the one-line
+    refusal names the key that differs and each group's value (it said "must be looped ... (check looped)"
+    of two looped groups that differed in test_loops alone)."""
+    text = (SS.resolve_config_path("looped", kind="studies")).read_text()
+    assert old in text
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace(old, new, 1))
+    with pytest.raises(KeelError) as e:
+        SC.load_study(str(bad), "cpu")
+    assert words in str(e.value) and "\n" not in str(e.value)
 
 
 # ----------------------------------------------------------------------------- the plan and the tiny scale

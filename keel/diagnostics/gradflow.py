@@ -78,7 +78,7 @@ import torch
 from torch.func import jvp, vjp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from keel.config import resolve_vocab_size
+from keel.config import ModelConfig, resolve_vocab_size
 from keel.data import read_meta, resolve_data, validation_tokens
 from keel.errors import KeelError, plural
 from keel.model import SCHEMES, Transformer, check_model_config
@@ -398,6 +398,32 @@ def loop_repeats_for(sublayers: int, loop: tuple[int, int, int]) -> int:
     return R
 
 
+_NO_LOOP_MODEL = ModelConfig()  # the loop keys' defaults: no loop
+
+
+def _check_config_loop(m, depths: Sequence[int], loop: tuple[int, int, int] | None) -> None:
+    """The init-mode profile's depths are ``depths`` (sub-layers) as named: the base config's own loop keys
+    (``m``, a ModelConfig: ``loop_prelude``, ``loop_core``, ``loop_repeats``) may neither be replaced by
+    ``loop`` (``--loop P,C,Q``) nor, without one, make a model of L sub-layers apply more than L.
+
+    Raises:
+        KeelError: one line naming the config's loop keys and what they would do.
+    """
+    own = [k for k in ("loop_prelude", "loop_core", "loop_repeats") if getattr(m, k) != getattr(_NO_LOOP_MODEL, k)]
+    if not own:
+        return
+    listed = ", ".join(f"model.{k} = {getattr(m, k)}" for k in own)
+    if loop is not None:
+        raise KeelError(f"--loop {','.join(map(str, loop))} sets every profile's loop; the config's {listed} would be "
+                        "ignored: drop it")
+    P, C, R = m.loop_prelude, m.loop_core, m.loop_repeats
+    for L in depths:
+        if P + C <= L // 2 and (applied := L + 2 * (R - 1) * C) != L:  # P + C > L / 2: refused by the shape check
+            raise KeelError(f"the config's {listed} make a model of {L} sub-layers apply {applied} (2 (P + R C + Q) = "
+                            f"2 ({P} + {R} x {C} + {L // 2 - P - C})); at init, --loop P,C,Q with --sublayers the "
+                            "effective depths profiles looped models")
+
+
 def _init_config(base, scheme: str, sublayers: int, d_model: int, seq_len: int, vocab: int,
                  loop: tuple[int, int, int] | None = None):
     """The model config for the init-mode profile: the base config's model section with the
@@ -538,6 +564,7 @@ def profile_schemes(base, schemes: Sequence[str], depths: Sequence[int], d_model
     names. The init is seeded with ``seed`` for every model. Results as in
     :func:`profile_runs`, plus ``init_std``. With ``loop`` = (P, C, Q), looped models of those blocks
     whose effective depth is each of ``depths`` (:func:`loop_repeats_for`; KeelError if one is not)."""
+    _check_config_loop(base.model, depths, loop)
     for L in depths:  # a mistyped depth is refused before any data is prepared (vocabulary: its floor, 1)
         for scheme in schemes:
             check_model_config(_init_config(base, scheme, L, d_model, seq_len, 1, loop))  # e.g. a loop that misses L

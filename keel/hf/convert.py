@@ -42,7 +42,7 @@ from safetensors import safe_open
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 import keel.hf  # noqa: F401  (registers model_type "keel")
-from keel.config import dump_config, load_config
+from keel.config import MAX_LOOPS_FACTOR, MAX_LOOPS_MIN, dump_config, load_config, max_loops
 from keel.data import find_data, read_meta
 from keel.data.prepare import EOS_TOKEN
 from keel.errors import KeelError
@@ -411,9 +411,13 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     _fit_seq_len(hf_dir, cfg, overrides)
     loops = getattr(model.config, "loops", None)
     if loops is not None and loops != cfg.model.loop_repeats:
+        R, cap = cfg.model.loop_repeats, max_loops(cfg.model.loop_repeats)
+        hint = (f"give --loops {loops} to keel eval, generate, ablate or gradflow to run it at the folder's count"
+                if loops <= cap else f"{loops} is above {cap}, the cap of --loops (max({MAX_LOOPS_MIN}, "
+                f"{MAX_LOOPS_FACTOR} x model.loop_repeats = {R})): give keel eval, generate, ablate or gradflow "
+                f"--loops R with R <= {cap}")
         log.warning(f"config.json's loops = {loops} in {hf_dir} was not imported: the run loops at the trained "
-                    f"model.loop_repeats = {cfg.model.loop_repeats} (give --loops {loops} to keel eval, generate, "
-                    "ablate or gradflow to run it at the folder's count)")
+                    f"model.loop_repeats = {R} ({hint})")
     with _fresh_output(out) as tmp:
         _write_tokenizer(hf_dir, hf_tok, tmp)
         dump_config(cfg, RunDir(tmp).config)

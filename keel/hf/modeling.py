@@ -132,7 +132,8 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
 
     Raises:
         KeelError: an impossible config (from :meth:`KeelConfig.to_model_config`), or a ``config.loops``
-            that is not an int >= 1 or is set for a model that does not loop.
+            that is not an int >= 1 or is set for a model that does not loop (one line naming
+            ``config.loops`` and the folder it was loaded from).
     """
 
     _tied_weights_keys = {"model.lm_head.weight": "model.tok_emb.weight"}
@@ -141,7 +142,12 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = model if model is not None else Transformer(config.to_model_config())
         if config.loops is not None:  # test-time depth (KeelConfig): checked now, not at the first forward
-            self.model.set_loops(config.loops)
+            try:
+                self.model.set_loops(config.loops)
+            except KeelError as e:  # name where the count came from: a file's key, or a kwarg
+                where = getattr(config, "name_or_path", "") or ""
+                raise KeelError(f"config.loops = {config.loops!r} (config.json's loops{' in ' + where if where else ''}, "
+                                f"or from_pretrained(..., loops=R)): {e}") from None
         self.vocab_size = config.vocab_size
         self.post_init()
 

@@ -394,11 +394,7 @@ class Transformer(nn.Module):
         self.loops = self._checked_loops(loops)
 
     def _checked_loops(self, loops: int) -> int:
-        if not self.cfg.loop_core:
-            raise KeelError("a loop count needs a looped model (model.loop_core >= 1)")
-        if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
-            raise KeelError(f"the loop count must be an integer >= 1, got {loops!r}")
-        return loops
+        return checked_loop_count(self.cfg, loops)
 
     def depth_order(self, loops: int | None = None) -> list[int]:
         """The block indices one forward pass applies, in order: the prelude ``0 .. P-1``, the core
@@ -537,6 +533,20 @@ class Transformer(nn.Module):
         return ids
 
 
+def checked_loop_count(cfg: ModelConfig, loops: int) -> int:
+    """``loops``, a count of the core's applications for a model of ``cfg``: an int >= 1 (not a bool) of a
+    looped model (``cfg.loop_core >= 1``). Returns it.
+
+    Raises:
+        KeelError: one line, a model that does not loop or a count that is not an int >= 1.
+    """
+    if not cfg.loop_core:
+        raise KeelError("a loop count needs a looped model (model.loop_core >= 1)")
+    if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
+        raise KeelError(f"the loop count must be an integer >= 1, got {loops!r}")
+    return loops
+
+
 def loop_count(cfg: ModelConfig, seed: int, step: int) -> int | None:
     """The core's applications in training step ``step`` of a run seeded ``seed`` (a looped model,
     ``cfg.loop_sampling``), of mean R = ``cfg.loop_repeats``:
@@ -600,8 +610,9 @@ def count_parameters(model_cfg: ModelConfig, non_embedding: bool = False) -> int
     model's shared core counts once: its ``n_layers`` blocks of weights.
 
     Raises:
-        KeelError: an invalid shape (:func:`keel.model.check_model_config`).
+        KeelError: an invalid shape or loop (:func:`keel.model.check_model_config`), which no model has.
     """
+    check_model_config(model_cfg)
 
     def count(n_layers: int) -> int:
         cfg = dataclasses.replace(model_cfg, n_layers=n_layers, **_NO_LOOP)
@@ -619,15 +630,25 @@ def count_parameters(model_cfg: ModelConfig, non_embedding: bool = False) -> int
     return one + (model_cfg.n_layers - 1) * (two - one)
 
 
-def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
+def flops_per_token(model_cfg: ModelConfig, seq_len: int, loops: int | None = None) -> float:
     """Training FLOPs per token (forward + backward) of ``Transformer(model_cfg)`` on sequences of
     ``seq_len`` tokens, PaLM (Chowdhery et al. 2022, App. B): ``6 N + 12 n_layers d_model seq_len``,
     N = non-embedding parameters (:func:`count_parameters`; the LM head counts). A
     ``vocab_size = "auto"`` (known only once the tokenizer exists) is priced at 256 ids. The
     numerator of MFU (the trainer's per-step ``mfu``, ``benchmarks/mfu.py``, a study's dry run). A looped
     model is priced as its unrolled equivalent of ``cfg.effective_layers`` blocks (the core's weights
-    work R = ``loop_repeats`` times per token; R is also the mean of a sampled count, :func:`loop_count`)."""
+    work R = ``loop_repeats`` times per token; R is also the mean of a sampled count, :func:`loop_count`);
+    ``loops`` (an int >= 1, a looped model only) prices P + loops x C + Q blocks instead: one training
+    step's drawn count, what that step's ``mfu`` divides by. None = R.
+
+    Raises:
+        KeelError: an invalid shape or loop (:func:`count_parameters`), or a ``loops`` no model runs
+            (:func:`checked_loop_count`).
+    """
     if model_cfg.vocab_size == "auto":
         model_cfg = dataclasses.replace(model_cfg, vocab_size=256)
+    check_model_config(model_cfg)  # the config's own R, before a count replaces it
+    if loops is not None:
+        model_cfg = dataclasses.replace(model_cfg, loop_repeats=checked_loop_count(model_cfg, loops))
     unrolled = dataclasses.replace(model_cfg, n_layers=model_cfg.effective_layers, **_NO_LOOP)
     return 6.0 * count_parameters(unrolled, non_embedding=True) + 12.0 * unrolled.n_layers * model_cfg.d_model * seq_len

@@ -256,7 +256,8 @@ class Trainer:
         self.untimed_tokens = untimed_tokens(self.history, self.state.tokens, self.state.elapsed)  # import-hf's
         self.tokens_per_step = self.tc.batch_size * self.tc.seq_len * self.tc.grad_accum  # global
         peak = peak_flops(self.device, self.tc.peak_tflops)  # one process's; None: MFU is not logged
-        self.mfu_per_token_s = flops_per_token(self.cfg.model, self.tc.seq_len) / (peak * self.ws) if peak else None
+        self.mfu_peak = peak * self.ws if peak else None  # FLOP/s of every process; None: MFU is not logged
+        self.flops_at: dict[int | None, float] = {}  # loop count drawn (None: R) -> model FLOPs per token
 
     def _open_run_folder(self, resume: bool, restart: bool) -> Path | None:
         """Check and tidy the run folder before anything is built: refuse a new run in a folder that holds
@@ -524,8 +525,11 @@ class Trainer:
         self.state.elapsed += dt
         record = {"step": self.state.step, "tokens": self.state.tokens, "loss": state.loss, "lr": state.lr,
                   "grad_norm": state.grad_norm, "tokens_per_s": self.tokens_per_step / dt, "elapsed_s": self.state.elapsed}
-        if self.mfu_per_token_s is not None:  # model FLOPs / s over the peak of every process (PaLM App. B)
-            record["mfu"] = record["tokens_per_s"] * self.mfu_per_token_s
+        if self.mfu_peak is not None:  # model FLOPs / s over the peak of every process (PaLM App. B), at this
+            # step's loop count (a sampled count: 1 application costs less than the mean R)
+            if loops not in self.flops_at:
+                self.flops_at[loops] = flops_per_token(self.cfg.model, self.tc.seq_len, loops)
+            record["mfu"] = record["tokens_per_s"] * self.flops_at[loops] / self.mfu_peak
         return {**record, **scaled, **fields, **({"loops": loops} if loops is not None else {})}
 
     def _skip_policy(self, record: dict, finite: bool, bad_in_row: int) -> int:

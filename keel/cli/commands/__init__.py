@@ -9,18 +9,8 @@ the flags and checks several commands take (:func:`add_loops_flag`, :func:`check
 :func:`check_seed`, :func:`check_loops`, :func:`check_folder_loops`).
 """
 
-from keel.config import check_value
+from keel.config import MAX_LOOPS_FACTOR, MAX_LOOPS_MIN, check_value, max_loops  # noqa: F401 (max_loops: here too)
 from keel.errors import KeelError
-
-
-MAX_LOOPS_MIN, MAX_LOOPS_FACTOR = 64, 16  # --loops R' <= max(64, 16 x model.loop_repeats): more is a typo, not a study
-
-
-def max_loops(trained_repeats: int) -> int:
-    """The largest ``--loops`` keel takes for a model trained with ``model.loop_repeats`` =
-    ``trained_repeats``: ``max(MAX_LOOPS_MIN, MAX_LOOPS_FACTOR * trained_repeats)`` (64, or 16 times the
-    trained count: test-time depth past that runs for hours on a typo, e.g. ``--loops 100000000``)."""
-    return max(MAX_LOOPS_MIN, MAX_LOOPS_FACTOR * trained_repeats)
 
 
 def add_loops_flag(p, what: str = "run") -> None:

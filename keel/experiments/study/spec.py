@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from keel.config import Override, override_text, read_toml, resolve_config_path
+from keel.config import MAX_LOOPS_FACTOR, MAX_LOOPS_MIN, Override, max_loops, override_text, read_toml, resolve_config_path
 from keel.errors import KeelError
 from keel.experiments.job_result import is_number
 from keel.experiments.study.kinds import GROUP_KINDS, TrainKind
@@ -69,7 +69,8 @@ class Group:
                               "then effective depths, 2 (P + R C + Q), R = (L/2 - P - Q) / C per depth.", ge=0,
                           note="[P, C, Q], C >= 1; empty = no loop", read_if=_axes)
     test_loops: list[float] = key([], "a looped train group: after each run, its final validation loss with the core "
-                                      "applied round(f R) times for each factor f, kept in its record.", gt=0,
+                                      "applied round(f R) times for each factor f, kept in its record; 1 <= "
+                                      "round(f R) <= max(64, 16 R), the cap of --loops.", gt=0,
                                   unique=True, note="factors of R, e.g. [0.5, 2.0]", read_if=_own("test_loops"))
     table: bool = key(False, "report.md shows the group's own table: a ramp group's stress table, a train group's "
                              "LR-sensitivity table (a grid group's sweep table is always shown).")
@@ -223,7 +224,8 @@ LOOP_KEYS = ("model.n_layers", "model.loop_prelude", "model.loop_core", "model.l
 def _check_loop(g: Group, where: str) -> None:
     """Raise KeelError (one line) for a group's ``loop`` that is not ``[P, C, Q]`` with C >= 1, an
     effective depth it does not reach with a whole R >= 1, a ``set`` of the keys the loop sets per run,
-    ``test_loops`` without ``loop``, a factor giving R' < 1, or ``test_loops`` beside ``ablate``."""
+    ``test_loops`` without ``loop``, a factor giving R' < 1 or R' above ``--loops``' cap
+    (:func:`keel.config.max_loops` of R), or ``test_loops`` beside ``ablate``."""
     if g.test_loops and not g.loop:
         raise KeelError(f"{where}: test_loops needs loop = [P, C, Q] (a looped model)")
     if g.test_loops and g.ablate:
@@ -241,6 +243,12 @@ def _check_loop(g: Group, where: str) -> None:
         if low:
             raise KeelError(f"{where}: test_loops {low[0]:g} x R = {low[0] * g.loop_repeats(L):g} at {L} sub-layers "
                             "rounds below 1 loop")
+        cap = max_loops(g.loop_repeats(L))
+        high = [(f, n) for f, n in zip(g.test_loops, g.test_counts(L)) if n > cap]
+        if high:
+            raise KeelError(f"{where}: test_loops {high[0][0]:g} x R = {high[0][1]} at {L} sub-layers is above {cap}, "
+                            f"the cap of --loops (max({MAX_LOOPS_MIN}, {MAX_LOOPS_FACTOR} x R = {g.loop_repeats(L)})): "
+                            f"each validation token would apply the core {high[0][1]} times")
     owned = sorted(k for k, _ in g.sets if k in LOOP_KEYS)
     if owned:
         raise KeelError(f"{where}: set {', '.join(owned)}: loop = {g.loop} sets it per run; change loop or sublayers")

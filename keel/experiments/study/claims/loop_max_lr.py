@@ -59,12 +59,21 @@ class LoopMaxLr(Paired, InitGroups):
 
     def check(self, groups: dict[str, Group]) -> None:
         """Every group read is looped, all with one loop geometry; with ``needs_test_loops``, all also test
-        loop counts (``test_loops``)."""
+        loop counts, the same ones (``test_loops``).
+
+        Raises:
+            KeelError: one line naming the groups that do not loop, or the key (``loop``, ``test_loops``) whose
+                values differ and each group's value."""
         gs, tests = [groups[g] for g in self.groups_read() if g in groups], self.needs_test_loops
         bad = [g.name for g in gs if not g.loop or (tests and not g.test_loops)]
-        if bad or len({(tuple(g.loop), tuple(g.test_loops)) for g in gs}) > 1:
+        if bad:
             raise KeelError(f"study claim {self.id!r}: its groups must be looped, with one loop = [P, C, Q]"
-                            + (" and test_loops" if tests else "") + f" (check {', '.join(bad or [gs[0].name])})")
+                            + (" and test_loops" if tests else "") + f" (check {', '.join(bad)})")
+        for name in ("loop", "test_loops") if tests else ("loop",):
+            if len({tuple(getattr(g, name)) for g in gs}) > 1:
+                values = ", ".join(f"{g.name} [{', '.join(f'{v:g}' for v in getattr(g, name))}]" for g in gs)
+                raise KeelError(f"study claim {self.id!r}: its groups' {name} differ: {values}; the claim pairs "
+                                f"their runs depth by depth, so give them one {name}")
 
     def tables(self, c: ClaimVerdict) -> list[str]:
         s, b = self.scheme, self.baseline
