@@ -371,9 +371,9 @@ def test_claims_without_finished_runs_say_so():
         "b": two, "c": two, "d": "no seed has keel's LR grid finished at both 16 and 64 sub-layers"}
     assert words["e"] == ("at the paper's init: 0 of 3 token budgets finished — at N(0, 1) embeddings: "
                           "0 of 3 token budgets finished")
-    assert words["h"] == "0 of 24 runs of group spike (keel, pre_ln) finished"
+    assert words["h"] == "0 of 30 runs of group spike (keel, pre_ln) finished"
     # (g) listed its 12 parts as "– (inconclusive)", which hid what it waits for
-    assert words["g"] == ("at the paper's init: ablations pending (84 runs of spike, lr-grid unfinished) — at N(0, 1) "
+    assert words["g"] == ("at the paper's init: ablations pending (90 runs of spike, lr-grid unfinished) — at N(0, 1) "
                           "embeddings: no ablated runs yet (60 runs of init unfinished)")
     assert words["i"] == "at the paper's init: bench runs pending — at N(0, 1) embeddings: bench runs pending"
 
@@ -489,11 +489,11 @@ def test_group_jobs_run_the_seeds_of_a_cell_side_by_side(tmp_path):
 def test_report_counts_say_what_is_left_out(tmp_path):
     """Before anything ran, the report names the runs of a group not planned yet and says
     that a ramp group's reference runs are not counted, so its total (110 lr-grid + 12 ramp + 6
-    ramp-long + 90 init + 3 showcase + 24 spike + 48 bench + 36 bench-init = 329 at the cpu scale)
+    ramp-long + 90 init + 3 showcase + 30 spike + 48 bench + 36 bench-init = 335 at the cpu scale)
     reconciles with --dry-run's."""
     study = SC.load_study("claims", "cpu")
     runs, waiting = SRun.collect(study, "unused", tmp_path, train=False)
-    assert len(runs) == 329 and all(r["status"] == "pending" for r in runs)
+    assert len(runs) == 335 and all(r["status"] == "pending" for r in runs)
     words = [SR.waiting_words(w) for w in waiting]
     assert words[:3] == ["group transfer (33 runs) waits for group lr-grid at 64 sub-layers",
                          "group transfer-init (27 runs) waits for group init at 64 sub-layers",
@@ -501,7 +501,7 @@ def test_report_counts_say_what_is_left_out(tmp_path):
     assert len(words) == 11
     assert words[-1] == "group importance-deep-init (6 runs) waits for group transfer-init at 256 sub-layers"
     md = SR.report_markdown(study, [], runs, "keel study claims --scale cpu", waiting)
-    assert ("Runs finished: 0 of 329 planned so far. Unfinished: lr-grid 110 (keel, pre_ln, post_ln, deepnorm; "
+    assert ("Runs finished: 0 of 335 planned so far. Unfinished: lr-grid 110 (keel, pre_ln, post_ln, deepnorm; "
             "read by (b), (c), (d), (g)); ramp 12 (post_ln, deepnorm, pre_ln, keel; read by (a)); ") in md
     assert ("bench-init 36 (peri_ln, hyper_connections, mhc, attn_res; read by (i)). The ramp groups' reference runs "
             "(the scale's `--dry-run` counts them) are not counted. Not planned yet: group transfer (33 runs) waits "
@@ -510,7 +510,7 @@ def test_report_counts_say_what_is_left_out(tmp_path):
     done = [replace(r, status="done") if r.group not in ("bench", "bench-init", "spike") and r.scheme != "deepnorm"
             else r for r in runs]
     assert SR.unfinished_words(study, done) == (
-        " Unfinished: lr-grid 20 (deepnorm; read by no claim); ramp 3 (deepnorm; read by (a)); spike 24 (keel, pre_ln; "
+        " Unfinished: lr-grid 20 (deepnorm; read by no claim); ramp 3 (deepnorm; read by (a)); spike 30 (keel, pre_ln; "
         "read by (g), (h)); bench 48 (peri_ln, hyper_connections, mhc, attn_res; read by (i)); bench-init 36 "
         "(peri_ln, hyper_connections, mhc, attn_res; read by (i)).")
 
@@ -1019,13 +1019,14 @@ def test_study_tiny_end_to_end(keel_cli, keel_main, tiny_data, tmp_path):
     md = (out / "report.md").read_text()
     assert "## Verdicts" in md and "plateau exit step" in md and "## Summary" in md
     assert "Not judged at this scale (it does not size the groups they read): (e): tokens-quarter" in md
-    # the bench is paired seed by seed with the lr-grid's schemes at its depth and LRs
+    # the bench is paired seed by seed with the lr-grid's schemes at its depth, each side at its best over
+    # every LR its group trained (a widened one too)
     bm = [x for x in rep["baseline_margins"] if x["group"] == "bench"]
     assert len(bm) == 4 * 3 and all(x["margin"]["n"] == 2 and x["sublayers"] == 4 for x in bm)
 
     def best(group, scheme, seed):
         return min(x["capped_loss"] for x in rep["runs"] if (x["group"], x["scheme"], x["sublayers"], x["seed"])
-                   == (group, scheme, 4, seed) and x["lr"] in (1e-3, 1e-2))  # the bench's LRs, not a widened one
+                   == (group, scheme, 4, seed))
     row = next(x for x in bm if (x["scheme"], x["baseline"]) == ("mhc", "pre_ln"))
     assert row["margin"]["diffs"]["1"] == pytest.approx(best("lr-grid", "pre_ln", 1) - best("bench", "mhc", 1))
     assert "| sub-layers | scheme | vs keel | vs pre_ln | vs post_ln |" in md and "\n| 4 | attn_res | " in md

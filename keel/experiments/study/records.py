@@ -124,8 +124,8 @@ def run_record(group: Group, job: GridJob, run_dir: Path, result: dict | None) -
                verdict=res.verdict, divergence=res.divergence, diverged=res.diverged, max_lr=res.max_lr,
                **group.kind_class.record(group), wall_s=res.wall_s,
                plateau_exit_step=plateau_exit_step(records, Thresholds().plateau_level(res.unigram_entropy or None)),
-               curve=thinned_curve(records), early_spike=early_spike(records, steps=spike_steps(train.get("steps")), cap=first),
-               ablation=res.ablation)
+               curve=thinned_curve(records), ablation=res.ablation,
+               early_spike=early_spike(records, steps=spike_steps(train.get("steps")), cap=first))
     if res.test_loops is not None:
         rec.update(test_loops=res.test_loops)
     return rec

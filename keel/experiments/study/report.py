@@ -125,8 +125,9 @@ def baseline_table(study: Study, g: Group, runs: list[RunRecord]) -> list[str]:
         return []
     out = [f"Against group {g.baselines_from}'s {', '.join(g.baselines)} (the same seeds, data and tokens per run): "
            f"margin = loss(baseline) − loss(scheme), nats/token, each side at its seed's best LR over every LR its "
-           f"group trained (this group's grid {', '.join(f'{x:g}' for x in sorted(g.lrs))}, widened where a best LR fell "
-           f"on an edge; group {g.baselines_from}'s for the baseline); > 0: the scheme is better. In brackets, as the claims' "
+           f"group trained (this group's grid {', '.join(f'{x:g}' for x in sorted(g.lrs))}, widened where a best LR "
+           f"fell on an edge; group {g.baselines_from}'s for the baseline); > 0: the scheme is better. In brackets, "
+           f"as the claims' "
            f"rule reads a margin: X better when every seed (≥ {study.min_seeds}) favours X by ≥ {study.min_effect:g}, "
            f"no difference when every seed is within {study.min_effect:g}, else mixed. No claim of the paper.", ""]
     cells = {(L, s): [r.margin for r in rows if (r.sublayers, r.scheme) == (L, s)]
@@ -213,7 +214,8 @@ def verdict_rule(study: Study, claims: Sequence[Claim], floor: LossFloor | None 
             f"written [CI lo, hi]), against a floor f (nats/token, f = {floor.floor:.3f}"
             + (f"; for {ids(ramp)} log10 ratios of max LR, f = log10 1.05 = {MAX_LR_FLOOR:.3f}, a 5% ratio"
                if ramp else "")
-            + "".join(f"; for ({c.id}) {c.own_floors()}" for c in paired if c.own_floors()) + f"). Reproduced when at least {study.min_seeds} seeds give lo ≥ f; not reproduced "
+            + "".join(f"; for ({c.id}) {c.own_floors()}" for c in paired if c.own_floors())
+            + f"). Reproduced when at least {study.min_seeds} seeds give lo ≥ f; not reproduced "
             "when hi < f (the interval excludes an effect as large as the floor: no effect, or the opposite); "
             "inconclusive otherwise. Growth with depth is the slope of each seed's margin against log2(sub-layers) "
             "over every depth, judged the same way with the floor spread over the studied range "

@@ -35,9 +35,9 @@ class Bench(OneGroup):
 
         Per design X and seed ``m = best(baseline) - best(X)`` (nats/token, each at its seed's best
         LR over every LR its own group trained, widened until bracketed; the baseline trained by the
-        ``baselines_from`` group at the same seeds and tokens: :func:`baseline_margins`), :func:`paired_verdict` with the study's
-        loss floor. The claim of each design's own paper (Peri-LN, Hyper-Connections, mHC, AttnRes:
-        better than Pre-LN), not of the Keel paper."""
+        ``baselines_from`` group at the same seeds and tokens: :func:`baseline_margins`),
+        :func:`paired_verdict` with the study's loss floor. The claim of each design's own paper
+        (Peri-LN, Hyper-Connections, mHC, AttnRes: better than Pre-LN), not of the Keel paper."""
         conds = {}
         for k, gname in {"paper_init": self.group, **({"embed_init": self.init_group} if self.init_group
                                                        else {})}.items():

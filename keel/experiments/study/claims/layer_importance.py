@@ -180,16 +180,24 @@ def _importance_condition(study: Study, runs: Runs, claim: LayerImportance, abl:
     planned = [L for g in study.groups if g.name in abl for L in g.sublayers]
     waiting = unfinished(runs, [*abl, *opt], (claim.scheme, claim.baseline))
     if not rows or sorted(set(planned)) != depths or waits(parts, waiting, study.min_seeds):
-        lost = [f"{x} s{sd} at {r.sublayers}" for r in rows for x, m in (r.missing or {}).items()
-                for sd, why in m.items() if why == "no ablation"]
-        why = ("ablations pending" if waiting else "too few ablated seeds") if rows else "no ablated runs yet"
-        if lost:
-            why += f" ({', '.join(lost)}: finished without an ablation, stopped early)"
-        elif waiting:
-            where = [g for g in dict.fromkeys([*abl, *opt]) if unfinished(runs, [g], (claim.scheme, claim.baseline))]
-            why += f" ({waiting} runs of {', '.join(where)} unfinished)"
-        return pending(why, parts=parts, rows=rows)
+        return pending(_pending_why(runs, claim, rows, [*abl, *opt], waiting), parts=parts, rows=rows)
     return Condition(verdict=combine([p.verdict for p in parts.values()]), parts=parts, rows=rows)
+
+
+def _pending_why(runs: Runs, claim: LayerImportance, rows: list[ImportanceRow], groups: Sequence[str],
+                 waiting: int) -> str:
+    """Why a condition of :meth:`LayerImportance.verdict` has no verdict yet, in words: no ablated run,
+    ``waiting`` unfinished runs of ``groups`` (named), too few ablated seeds, and the seeds whose run at
+    the optimum finished without an ablation (stopped early), which no wait will bring."""
+    lost = [f"{x} s{sd} at {r.sublayers}" for r in rows for x, m in (r.missing or {}).items()
+            for sd, why in m.items() if why == "no ablation"]
+    why = ("ablations pending" if waiting else "too few ablated seeds") if rows else "no ablated runs yet"
+    if lost:
+        return why + f" ({', '.join(lost)}: finished without an ablation, stopped early)"
+    if waiting:
+        where = [g for g in dict.fromkeys(groups) if unfinished(runs, [g], (claim.scheme, claim.baseline))]
+        return why + f" ({waiting} runs of {', '.join(where)} unfinished)"
+    return why
 
 
 def _missing_seeds(runs: Runs, abl: Sequence[str], scheme: str, L: int, lr: float | None,
