@@ -11,7 +11,7 @@ from typing import Callable, ClassVar
 
 from keel.experiments.analysis import Runs
 from keel.experiments.study import verdicts as V
-from keel.experiments.study.cells import CONDITION_WORDS, parts, upper_first
+from keel.experiments.study.cells import CONDITION_WORDS, parts, short, upper_first
 from keel.experiments.study.spec import Group, Study
 from keel.experiments.table import markdown_table
 from keel.keys import key
@@ -77,6 +77,8 @@ class Claim:
         """One cell: the numbers behind the verdict ``c``, per condition."""
         if c.conditions is not None:
             return " — ".join(f"{CONDITION_WORDS.get(k, k)}: " + parts(v) for k, v in c.conditions.items())
+        if c.parts and any(p.n for p in c.parts.values()):  # a claim of one condition, e.g. (h): its parts' numbers
+            return "; ".join(f"{k} {short(p)}" for k, p in c.parts.items()) + (f"; {c.why}" if c.why else "")
         return c.why or "–"
 
     @classmethod
