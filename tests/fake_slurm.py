@@ -117,7 +117,9 @@ def run(job_id: str, script_path: str) -> int:
             _set_state(tid, "RUNNING")
             running[tid] = subprocess.Popen(["bash", script_path], env=env)
         most = max(most, len(running))
-        (_state_dir() / "max_running").write_text(str(most))
+        tmp = _state_dir() / "max_running.tmp"  # whole or not at all: a reader never sees a truncated file
+        tmp.write_text(str(most))
+        os.replace(tmp, _state_dir() / "max_running")
         for tid, p in list(running.items()):
             if p.poll() is not None:
                 _set_state(tid, "COMPLETED" if p.returncode == 0 else "FAILED")
