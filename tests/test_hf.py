@@ -157,6 +157,79 @@ def test_left_padded_batch_equals_one_by_one(scheme):
             assert native[row, ids.shape[1]:].tolist() == single.tolist(), row
             assert native_nc[row, ids.shape[1]:].tolist() == single.tolist(), row
 
+@pytest.mark.parametrize("impl", ["static", "offloaded_static"])
+@pytest.mark.parametrize("looped", [False, True], ids=["plain", "looped"])
+def test_generate_with_a_static_cache_is_refused_naming_cache_implementation(looped, impl):
+    """``generate(cache_implementation="static")`` (a preallocated StaticCache, which transformers pairs with a 4-D
+    mask): one KeelError naming cache_implementation, the cache class and the default dynamic cache. It said
+    'keel models take a 2-D attention_mask ... got shape (1, 1, 6, 7)'. A StaticCache given to forward: the same.
+    The default and the "offloaded" dynamic caches still generate what no cache generates, looped models too."""
+    from transformers import StaticCache
+
+    loop = dict(n_layers=3, loop_prelude=1, loop_core=1, loop_repeats=2) if looped else {}
+    _, hf = native_and_hf(tiny_cfg("keel", **loop), seed=3)
+    prompt = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        with pytest.raises(KeelError, match=r"preallocated StaticCache.*cache_implementation.*default dynamic cache") as e:
+            hf.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation=impl)
+        assert "\n" not in str(e.value) and "attention_mask" not in str(e.value)
+        with pytest.raises(KeelError, match="StaticCache"):
+            hf(prompt, cache=StaticCache(config=hf.config, max_cache_len=16), use_cache=True)
+        plain = hf.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0, use_cache=False)
+        assert hf.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0).tolist() == plain.tolist()
+        if torch.cuda.is_available():  # the offloaded dynamic cache asserts a CUDA device
+            got = hf.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0, cache_implementation="offloaded")
+            assert got.tolist() == plain.tolist()
+
+
+def right_padded(prompts, pad_id=0):
+    """ids [B, max_len] and attention_mask of ``prompts`` (lists of ids), padded on the right."""
+    n = max(map(len, prompts))
+    ids = torch.tensor([p + [pad_id] * (n - len(p)) for p in prompts])
+    mask = torch.tensor([[1] * len(p) + [0] * (n - len(p)) for p in prompts])
+    return ids, mask
+
+
+@pytest.mark.parametrize("scheme", SCHEME_NAMES)
+def test_right_padded_forward_equals_each_row_alone(scheme):
+    """A plain forward (no cache, as lm-eval's scoring runs) of prompts of 9, 5 and 1 tokens padded on the right:
+    each row's logits at its real tokens equal the prompt's alone (1e-5)."""
+    _, hf = native_and_hf(tiny_cfg(scheme), seed=5)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (9, 5, 1)]
+    ids, mask = right_padded(prompts, pad_id=7)
+    with torch.no_grad():
+        batch_logits = hf(ids, attention_mask=mask).logits
+        for row, p in enumerate(prompts):
+            alone = hf(torch.tensor([p])).logits[0]
+            torch.testing.assert_close(batch_logits[row, :len(p)], alone, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("scheme", ["keel", "mhc"])
+def test_generate_from_a_right_padded_batch_says_to_pad_on_the_left(scheme):
+    """HF ``generate`` (with or without the cache) and keel's own ``generate`` from a right-padded batch (row 1's
+    mask 1 1 1 1 0 0): one KeelError saying the batch is right-padded and to pad on the left, before any token is
+    drawn. It said 'keel models derive positions from the cache length and the attention mask; position_ids must
+    equal them ...' at the second step. A forward with the cache whose mask has new tokens after padding: the same."""
+    _, hf = native_and_hf(tiny_cfg(scheme), seed=5)
+    ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    message = r"right-padded.*row 1.*padding_side='left'"
+    with torch.no_grad():
+        for use_cache in (True, False):
+            with pytest.raises(KeelError, match=message) as e:
+                hf.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                            use_cache=use_cache)
+            assert "\n" not in str(e.value)
+        with pytest.raises(KeelError, match=message):
+            hf.model.generate(ids, 3, temperature=0, attention_mask=mask)
+        out = hf(ids, attention_mask=mask, use_cache=True)
+        step = torch.ones(2, 7, dtype=torch.long)
+        step[1, 4:6] = 0
+        with pytest.raises(KeelError, match=message):
+            hf(ids[:, -1:], attention_mask=step, cache=out.cache, position_ids=torch.tensor([[6], [1]]))
+
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("scheme", SCHEME_NAMES)

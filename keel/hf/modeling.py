@@ -16,8 +16,9 @@ Padding: a 2-D ``attention_mask`` [B, past + T] (1 = real token, 0 = padding) go
 native model, which takes RoPE positions from it (each row's real tokens count from 0) and
 masks padded keys (:func:`keel.model.model.padding_attention_mask`): left-padded batched
 ``generate`` gives each row what it gives alone, and lm-evaluation-harness' ``generate_until``
-runs at any batch size. Right padding needs nothing (causal attention never lets a real
-token see a later pad).
+runs at any batch size. Right padding needs nothing in a forward pass (causal attention never
+lets a real token see a later pad); ``generate`` refuses it (KeelError: it would continue each
+row from its padding), as it refuses a preallocated ``StaticCache`` (``cache_implementation="static"``).
 """
 
 from __future__ import annotations
@@ -26,19 +27,31 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel, StaticCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from keel.errors import KeelError
 from keel.hf.configuration import KeelConfig
 from keel.keys import RENAMED_PARAMS
 from keel.model import RMSNorm, Transformer, rope_tables
+from keel.model.model import check_left_padded
 
 _OUTPUT_FIELDS = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
 _CACHE_FIELD = "cache" if "cache" in _OUTPUT_FIELDS else "past_key_values"
 # transformers' ``key_mapping`` (pattern -> replacement) from the names a folder exported before a
 # parameter rename stores to the current ones (keel.keys.RENAMED_PARAMS): model.blocks.N.attn_res.* ...
 OLD_NAME_PATTERNS = {rf"blocks\.(\d+)\.{old}\.": rf"blocks.\1.{new}." for old, new in RENAMED_PARAMS.items()}
+
+
+def check_growing_cache(cache) -> None:
+    """Raise KeelError, in one line, if ``cache`` is a preallocated one (``transformers.StaticCache``, what
+    ``generate(cache_implementation="static" / "offloaded_static")`` makes, or any cache transformers deems
+    compileable and pairs with a 4-D mask): keel's model appends each step's keys and values and takes its
+    length from them, as ``DynamicCache`` and :class:`keel.model.KVCache` do."""
+    if isinstance(cache, StaticCache) or getattr(cache, "is_compileable", False) is True:
+        raise KeelError(f"keel models grow their own KV cache and cannot use a preallocated {type(cache).__name__} "
+                        "(generate's cache_implementation='static' or 'offloaded_static'); leave cache_implementation "
+                        "unset for the default dynamic cache (DynamicCache)")
 
 
 def check_attention_mask(attention_mask: torch.Tensor | None, past_length: int, total: int) -> None:
@@ -59,6 +72,7 @@ def _check_position_ids(position_ids: torch.Tensor, attention_mask: torch.Tensor
         m = attention_mask.to(position_ids.device).long()
         expected, real = (m.cumsum(-1) - 1)[:, past:], m[:, past:].bool()
     if position_ids.shape != expected.shape or not torch.equal(position_ids[real], expected[real]):
+        check_left_padded(attention_mask)  # generate's positions after right padding: say what is wrong
         raise KeelError("keel models derive positions from the cache length and the attention mask; position_ids "
                         "must equal them (past + arange(T), or the count of real tokens before each one)")
 
@@ -179,10 +193,17 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
         (:meth:`keel.model.Transformer.generate`): once the context ``input_ids`` [B, T] outgrows
         ``max_seq_len``, its last ``max_seq_len`` tokens (and attention mask columns) are run
         again from an empty cache, every step from then on. Without this the step past
-        ``max_seq_len`` raised KeelError (a RoPE table of ``max_seq_len`` positions)."""
+        ``max_seq_len`` raised KeelError (a RoPE table of ``max_seq_len`` positions).
+
+        Raises:
+            KeelError: a preallocated cache (:func:`check_growing_cache`: ``cache_implementation="static"``)
+                or a right-padded ``attention_mask`` (:func:`keel.model.model.check_left_padded`).
+        """
+        check_left_padded(kwargs.get("attention_mask"))
         inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
         window, key = self.model.cfg.max_seq_len, "cache" if "cache" in inputs else "past_key_values"
         cache = inputs.get(key)
+        check_growing_cache(cache)  # before the looped model's cache swap below, and the 4-D mask's check
         past = cache.get_seq_length() if cache is not None else 0
         if past == 0 and self.model.cfg.loop_core:  # generate's cache has a layer per block of weights, a looped
             inputs[key] = None  # model needs one per applied block (keel.model.CacheSlot): forward makes a growing one
@@ -217,10 +238,12 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
                 padding is supported).
             position_ids: optional [B, T]; must equal the positions the native model derives
                 (``past + arange(T)``, or with a mask, the count of real tokens before each
-                real token; padding positions are not checked), else KeelError.
+                real token; padding positions are not checked), else KeelError (one saying the
+                batch is right-padded where the mask has padding after real tokens).
             cache / past_key_values: a ``transformers.DynamicCache`` (or
                 :class:`keel.model.KVCache`), extended in place; with ``use_cache`` and no
-                cache given, a new ``DynamicCache`` is made and returned.
+                cache given, a new ``DynamicCache`` is made and returned. A preallocated
+                ``StaticCache`` is refused (KeelError, :func:`check_growing_cache`).
             inputs_embeds: not supported (KeelError).
             labels: optional LongTensor [B, T] aligned with ``input_ids`` (shifted inside,
                 -100 ignored); the loss is the mean next-token cross-entropy, nats/token.
@@ -240,6 +263,7 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
             use_cache = bool(getattr(self.config, "use_cache", False)) and not self.training
         if cache is None and use_cache:
             cache = DynamicCache()
+        check_growing_cache(cache)
         past = cache.get_seq_length() if cache is not None else 0
         T = input_ids.shape[1]
         check_attention_mask(attention_mask, past, past + T)

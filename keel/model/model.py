@@ -301,6 +301,21 @@ def padding_attention_mask(attention_mask: torch.Tensor, start: int) -> tuple[to
 
 
 
+def check_left_padded(attention_mask: torch.Tensor | None) -> None:
+    """Raise KeelError, in one line, if a row of the 0/1 ``attention_mask`` [B, S] of a batch to generate from has
+    padding (0) after a real token (1): a right-padded batch, whose rows would be continued from their padding
+    (each row's next token is drawn from the last column). A left-padded mask (0s, then 1s) or None passes."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return
+    real = attention_mask.bool()
+    pad_after_real = (real.long().cumsum(-1) > 0) & ~real
+    rows = pad_after_real.any(-1).nonzero().flatten().tolist()
+    if rows:
+        raise KeelError(f"the batch is right-padded (row {rows[0]} of attention_mask has padding after its tokens), so "
+                        "generation would continue from the padding; pad the prompts on the left: "
+                        "tokenizer(..., padding_side='left') or AutoTokenizer.from_pretrained(..., padding_side='left')")
+
+
 def check_generate_args(input_ids: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int | None,
                         vocab_size: int) -> None:
     """Raise KeelError, in one line, for :meth:`Transformer.generate` arguments it would misread: a negative
@@ -502,9 +517,11 @@ class Transformer(nn.Module):
 
         Raises:
             KeelError: a negative ``temperature``, ``top_k`` or ``max_new_tokens``; ``input_ids`` not [B, T0]
-                with T0 >= 1, or holding an id outside [0, vocab_size).
+                with T0 >= 1, or holding an id outside [0, vocab_size); a right-padded ``attention_mask``
+                (:func:`check_left_padded`).
         """
         check_generate_args(input_ids, max_new_tokens, temperature, top_k, self.cfg.vocab_size)
+        check_left_padded(attention_mask)
         ids = input_ids
         cache = KVCache() if use_cache else None
         step_input = ids
