@@ -271,6 +271,26 @@ def test_bad_loop_counts():
     assert looped.loops == 2
 
 
+def test_set_loops_none_goes_back_to_the_trained_count():
+    """``set_loops(None)``: the core runs ``cfg.loop_repeats`` (2) times again, logits equal to a fresh model's; a
+    model that does not loop accepts it too (nothing to restore). It was refused ('the loop count must be an
+    integer >= 1')."""
+    torch.manual_seed(0)
+    looped = Transformer(looped_cfg("keel", 1, 2, 2, 1)).eval()
+    ids = torch.randint(0, 61, (1, 5))
+    with torch.no_grad():
+        trained = looped(ids)
+        looped.set_loops(5)
+        assert looped.loops == 5 and len(looped.depth_order()) == 1 + 5 * 2 + 1
+        assert not torch.allclose(looped(ids), trained)
+        looped.set_loops(None)
+        assert looped.loops == 2 and len(looped.depth_order()) == 1 + 2 * 2 + 1
+        assert torch.equal(looped(ids), trained)
+    plain = Transformer(dataclasses.replace(looped.cfg, **NO_LOOP))
+    plain.set_loops(None)
+    assert plain.loops == plain.cfg.loop_repeats == 1
+
+
 # ---- test-time depth and the KV cache ------------------------------------------------------------
 
 @pytest.mark.parametrize("scheme", LOOPING)

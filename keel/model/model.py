@@ -402,11 +402,12 @@ class Transformer(nn.Module):
             yield 2 * b, block.attn_residual, block.attn
             yield 2 * b + 1, block.ffn_residual, block.ffn
 
-    def set_loops(self, loops: int) -> None:
+    def set_loops(self, loops: int | None) -> None:
         """Apply a looped model's core ``loops`` times per forward pass from now on (test-time depth;
         the weights, and every constant fixed at construction such as Keel's alpha, stay those of
-        ``cfg.loop_repeats``). Raises KeelError: not looped, or loops < 1."""
-        self.loops = self._checked_loops(loops)
+        ``cfg.loop_repeats``). ``None``: back to the trained count, ``cfg.loop_repeats`` (any model).
+        Raises KeelError: an int count for a model that does not loop, or a count that is not an int >= 1."""
+        self.loops = self.cfg.loop_repeats if loops is None else self._checked_loops(loops)
 
     def _checked_loops(self, loops: int) -> int:
         return checked_loop_count(self.cfg, loops)
