@@ -535,6 +535,15 @@ def test_gradflow_loop_flags_are_checked_first(keel_main, args, msg):
     assert msg in r.stderr
 
 
+@pytest.mark.parametrize("args", [["--loop", "-1,8,1"], ["--loop=-1,8,1"], ["--loop", "-1,8,1", "--sublayers", "20"]])
+def test_gradflow_loop_with_a_negative_first_value_reaches_keels_check(keel_main, args):
+    """``--loop -1,8,1``: keel's own one-line message on the prelude, as ``--loop 1,0,1`` gets. argparse took
+    '-1,8,1' for an option ('argument --loop: expected one argument', with the usage)."""
+    r = keel_main("gradflow", "--residual", "pre_ln", *args)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr == "keel: error: --loop -1,8,1: the prelude and coda need >= 0 blocks and the core >= 1\n"
+
+
 # ---- checkpoints: shared weights once ----------------------------------------------------------------
 
 @pytest.mark.parametrize("scheme", ["keel", "mhc"])

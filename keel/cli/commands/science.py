@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import math
+import re
 import shlex
 import sys
 import time
@@ -162,6 +163,10 @@ def _register_gradflow(subparsers) -> None:
                         "that each --sublayers depth is the effective one, 2 (P + R C + Q); profiled per applied "
                         "sub-layer")
     add_loops_flag(p, "run (--run)")
+    # `--loop -1,8,1` is a value, as argparse takes `-1`: without this it read '-1,8,1' as an unknown option and
+    # printed its usage; now _parse_loop says what is wrong with it. (argparse's matcher for negative numbers,
+    # widened to comma lists; no option of the command looks like one.)
+    p._negative_number_matcher = re.compile(r"^-\d[\d,]*$|^-\d*\.\d+$")
     p.set_defaults(handler=cmd_gradflow)
 
 
