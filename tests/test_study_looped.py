@@ -222,6 +222,34 @@ def test_the_cpu_plan_fits_its_budget(keel_main, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_the_plan_gives_each_schemes_tokens_per_parameter_where_they_differ(keel_main, tmp_path):
+    """The dry run's 'tokens per non-embedding parameter, by depth' gives keel's and pre_ln's own ratios (Keel's
+    extra norm gains make its count larger: 0.389 vs 0.39): it showed keel's alone, as every scheme's."""
+    from dataclasses import replace
+
+    from keel.config import config_from_dict
+    from keel.model import count_parameters
+
+    study = SC.load_study("looped", "cpu")
+    want: dict[int, dict[str, float]] = {}
+    for g, _, jobs in SPlan.planned_jobs(study, "<data>", tmp_path / "x"):
+        if g.name == "looped":
+            for j in jobs:
+                m = config_from_dict(j.config).model
+                n = count_parameters(replace(m, vocab_size=256) if m.vocab_size == "auto" else m, non_embedding=True)
+                want.setdefault(m.n_sublayers, {})[m.residual] = 204_800 / n
+    assert {L: sorted(by) for L, by in want.items()} == {L: ["keel", "pre_ln"] for L in (68, 260, 1028)}
+    r = keel_main("study", "looped", "--scale", "cpu", "--dry-run", "--json", "--out", tmp_path / "x")
+    rows = {x["group"]: x for x in json.loads(r.stdout)["groups"]}
+    got = {int(L): by for L, by in rows["looped"]["tokens_per_param_by_scheme"].items()}
+    assert got.keys() == want.keys() and all(got[L] == pytest.approx(want[L], rel=1e-9) for L in want)
+    assert f"{want[68]['keel']:.3g}" != f"{want[68]['pre_ln']:.3g}"  # the weights loop: one ratio at every depth
+    assert rows["looped"]["tokens_per_param"] == {str(L): pytest.approx(by["keel"]) for L, by in want.items()}
+    md = keel_main("study", "looped", "--scale", "cpu", "--dry-run", "--out", tmp_path / "x").stdout
+    cell = "; ".join(f"{L}: keel {want[L]['keel']:.3g}, pre_ln {want[L]['pre_ln']:.3g}" for L in (68, 260, 1028))
+    assert cell.startswith("68: keel 0.389, pre_ln 0.39; 260: keel 0.389") and f"| {cell} |" in md
+
+
 @pytest.mark.parametrize("key", ["model.loop_prelude", "model.loop_core", "model.loop_repeats"])
 def test_a_set_of_a_key_the_loop_groups_set_per_run_is_refused(keel_main, tmp_path, key):
     # loop_core and loop_prelude were silently overridden by each group's loop = [P, C, Q] (the plan unchanged);

@@ -91,7 +91,8 @@ def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: f
               restored: dict[tuple[str, str], dict] | None = None) -> list[dict]:
     """One row per group: runs (+ references), optimizer steps and tokens per run (the planned
     budget; a ramp run stops earlier when it diverges), tokens per non-embedding parameter per
-    depth (``tokens_per_param``: ``{sub-layers: ratio}``), total tokens and estimated GPU-hours at ``mfu`` of a
+    depth (``tokens_per_param_by_scheme``: ``{sub-layers: {scheme: ratio}}``; ``tokens_per_param``: ``{sub-layers:
+    ratio}`` of the first scheme at each depth), total tokens and estimated GPU-hours at ``mfu`` of a
     ``peak_tflops`` (dense bf16 TFLOP/s) GPU, the runs that compile (``compiled``: ``train.compile``);
     ``restored`` (:func:`load_restored`) plans as
     :func:`planned_jobs` does and counts the runs it holds (``restored``) and the GPU-hours of the
@@ -102,12 +103,14 @@ def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: f
         cfgs = [config_from_dict(j.config) for j in refs + jobs]
         _check_named_depths(g, cfgs)
         per_run = [c.train.steps * c.train.batch_size * c.train.seq_len * c.train.grad_accum for c in cfgs]
+        by_scheme = _tokens_per_param(per_run[len(refs):], cfgs[len(refs):])
         flops = [t * flops_per_token(c.model, c.train.seq_len) for t, c in zip(per_run, cfgs)]
         held = _held_runs(g, refs, jobs, restored)
         hours = 1 / (mfu * peak_tflops * 1e12) / 3600
         rows.append({"group": g.name, "kind": g.kind, "runs": len(jobs), "references": len(refs),
                      "steps": sorted({c.train.steps for c in cfgs[len(refs):]}),
-                     "tokens_per_param": _tokens_per_param(per_run[len(refs):], cfgs[len(refs):]),
+                     "tokens_per_param": {L: next(iter(by.values())) for L, by in by_scheme.items()},
+                     "tokens_per_param_by_scheme": by_scheme,
                      **_plan_axes(g, cfgs[len(refs):]),
                      "tokens_per_run": sorted(set(per_run)), "tokens": sum(per_run), "flops": sum(flops),
                      "gpu_hours": sum(flops) * hours, "cpu_hours": cpu_hours(sum(per_run), sum(flops)),
@@ -142,14 +145,31 @@ def _held_runs(g: Group, refs: list[GridJob], jobs: list[GridJob], restored: dic
     return [r.name not in needed for r in refs] + held
 
 
-def _tokens_per_param(per_run: list[int], cfgs: list) -> dict[int, float]:
-    """``{sub-layers: tokens per non-embedding parameter}`` of a group's runs (``per_run``: their tokens,
-    ``cfgs``: their configs), of the first scheme at each depth, by depth."""
-    per_param = {}
+def _tokens_per_param(per_run: list[int], cfgs: list) -> dict[int, dict[str, float]]:
+    """``{sub-layers: {scheme: tokens per non-embedding parameter}}`` of a group's runs (``per_run``: their tokens,
+    ``cfgs``: their configs), by depth, the schemes in the order of their first run (a scheme's first run at a
+    depth gives its ratio: its seeds and LRs share it)."""
+    per_param: dict[int, dict[str, float]] = {}
     for t, c in zip(per_run, cfgs):
         m = replace(c.model, vocab_size=256) if c.model.vocab_size == "auto" else c.model  # as flops_per_token
-        per_param.setdefault(c.model.n_sublayers, t / count_parameters(m, non_embedding=True))
+        per_param.setdefault(c.model.n_sublayers, {}).setdefault(c.model.residual,
+                                                                t / count_parameters(m, non_embedding=True))
     return dict(sorted(per_param.items()))
+
+
+def _tokens_per_param_words(by_scheme: dict[int, dict[str, float]]) -> str:
+    """The plan's cell of tokens per non-embedding parameter (:func:`_tokens_per_param`): per depth one value
+    where every scheme's rounds to it ("68: 0.161"), else each value with its schemes ("16: keel 2.39,
+    pre_ln/post_ln 2.4"); depths apart by "; ", "–" for none."""
+    cells = []
+    for L, by in by_scheme.items():
+        schemes_of: dict[str, list[str]] = {}
+        for scheme, x in by.items():
+            schemes_of.setdefault(f"{x:.3g}", []).append(scheme)
+        words = (", ".join(f"{'/'.join(names)} {w}" for w, names in schemes_of.items()) if len(schemes_of) > 1
+                 else next(iter(schemes_of)))
+        cells.append(f"{L}: {words}")
+    return "; ".join(cells) or "–"
 
 
 def _plan_axes(g: Group, cfgs: list) -> dict:
@@ -178,7 +198,7 @@ def plan_markdown(study: Study, rows: list[dict], mfu: float, peak_tflops: float
               + (f" ({r['restored']} restored)" if restore is not None else ""), ", ".join(r["schemes"]),
               ", ".join(map(str, r["sublayers"])), ", ".join(map(str, r["seeds"])), r["lr_plan"],
               ", ".join(map(str, r.get("steps", []))), ", ".join(f"{t:,.0f}" for t in r["tokens_per_run"]),
-              ", ".join(f"{L}: {x:.3g}" for L, x in r.get("tokens_per_param", {}).items()) or "–",
+              _tokens_per_param_words(r.get("tokens_per_param_by_scheme", {})),
               f"{r['tokens']:.3g}", hours_words(r["gpu_hours"]), hours_words(r["cpu_hours"])] for r in rows]
     lines = [f"Study {study.name}, scale {study.scale}: {study.note}".strip(), ""] + markdown_table(
         ["group", "runs", "schemes", "sub-layers", "seeds", "LRs", "steps", "tokens per run",
