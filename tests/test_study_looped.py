@@ -20,6 +20,7 @@ from keel.experiments.study import run as SRun
 from keel.experiments.study import spec as SS
 from keel.experiments.study import verdicts as SV
 from keel.experiments.study.claims import loop_max_lr as LM
+from keel.experiments.study.claims import test_depth as TD
 
 H1 = 5.0  # a unigram entropy (nats): the plateau level is 0.95 x 5.0 = 4.75
 LRS = (1e-3, 3e-3, 1e-2)
@@ -182,6 +183,32 @@ def test_test_depth_transcription():
     assert "| 1028 | 64 | 128 |" in "\n".join(keel_claim.tables(v))
 
 
+@pytest.mark.parametrize("user_sets, sampling", [([], "poisson_lognormal"), (["model.loop_sampling=fixed"], "fixed"),
+                                                 (["model.loop_sampling=uniform"], "uniform")])
+def test_test_depth_states_the_loop_sampling_its_runs_trained_with(user_sets, sampling):
+    """Claim (c) at the tiny scale: the line under its table and report.json's ``loop_sampling`` give the
+    model.loop_sampling of the runs read, as the study sets it (the scale's groups, or the user's --set); the note
+    says what the shipped scales set, not what every run was trained with. With --set model.loop_sampling=fixed
+    the report still said the runs drew a random count per step (poisson_lognormal)."""
+    st = SC.load_study("looped", "tiny", user_sets)
+    runs = [loops_run(g, x, L, sd, 3e-3, 4.0 + 0.01 * sd, 4.2, 4.0 + 0.01 * sd + (0.002 if x == "keel" else 0.3), R)
+            for g in ("looped", "looped-init") for L, R in ((8, 2), (12, 4)) for sd in (0, 1) for x in ("keel", "pre_ln")]
+    claim = next(c for c in st.claims if c.id == "c")
+    v = claim.verdict(st, runs)
+    assert v.loop_sampling == {"looped": sampling, "looped-init": sampling}
+    assert v.to_dict()["loop_sampling"] == v.loop_sampling and list(v.to_dict())[-1] == "loop_sampling"
+    assert v.conditions["paper_init"].rows[1].loops == 4
+    lines = claim.tables(v)
+    assert lines[-1].endswith(f"The runs read trained with model.loop_sampling = {sampling}: "
+                              f"{TD.SAMPLING_WORDS[sampling]}.")
+    assert ("never trained at" in lines[-1]) == (sampling == "fixed")
+    assert "Every shipped scale sets" in claim.note and "Trained with" not in claim.note
+    # groups that differ: each is named with its own
+    assert TD.sampling_words({"looped": "fixed", "looped-init": "uniform"}) == (
+        f"The runs read trained with model.loop_sampling = fixed in looped ({TD.SAMPLING_WORDS['fixed']}); uniform "
+        f"in looped-init ({TD.SAMPLING_WORDS['uniform']}).")
+
+
 def test_test_depth_claims_need_looped_groups_with_the_factor(tmp_path):
     text = (SS.resolve_config_path("looped", kind="studies")).read_text()
     bad = tmp_path / "bad.toml"
@@ -307,3 +334,6 @@ def test_looped_study_tiny_end_to_end(tiny_data, tmp_path):
     assert got["c"]["conditions"]["paper_init"]["rows"][1]["loops"] == 4  # judged (2 seeds: inconclusive)
     assert "test_loops" in json.loads((out / "report.json").read_text())["runs"][0]
     assert "Test-time depth" in (out / "report.md").read_text()
+    assert got["c"]["loop_sampling"] == {"looped": "poisson_lognormal", "looped-init": "poisson_lognormal"}
+    assert "The runs read trained with model.loop_sampling = poisson_lognormal: 1 + Poisson" in (
+        out / "report.md").read_text()
