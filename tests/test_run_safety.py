@@ -225,6 +225,62 @@ def test_signal_finishes_the_step_checkpoints_and_resumes_exactly(signame, code,
     assert losses(run) == losses(reference)
 
 
+# A `keel train` (the process's own command line, as the `keel` script runs it) that sends itself SIGNAL once
+# its run has trained its last step: WHEN "end" (in the run's on_train_end hook), "files" (as it plots loss.png,
+# the first of its final files) or "exit" (at the interpreter's exit, after the command returned).
+LATE = textwrap.dedent('''
+    import atexit, os, signal, sys
+    import keel.experiments.training as T
+    import keel.train.trainer as trainer
+    from keel.train.callbacks import Callback
+    when, signum = sys.argv[1], getattr(signal, sys.argv[2])
+
+    class Late(Callback):
+        def on_train_end(self, state):
+            if when == "end":
+                os.kill(os.getpid(), signum)
+            return None
+
+    plot = trainer.plot_loss
+    def plot_loss(*args, **kwargs):
+        if when == "files":
+            os.kill(os.getpid(), signum)
+        return plot(*args, **kwargs)
+
+    trainer.plot_loss = plot_loss
+    if when == "exit":
+        atexit.register(lambda: os.kill(os.getpid(), signum))
+    real = T.run_callbacks
+    T.run_callbacks = lambda cfg: real(cfg) + [Late()]
+    sys.argv = [sys.argv[0], *sys.argv[3:]]
+    from keel.cli import main
+    sys.exit(main())
+''')
+
+
+@pytest.mark.parametrize("when,signame", [("end", "SIGUSR1"), ("files", "SIGUSR1"), ("files", "SIGTERM"),
+                                          ("files", "SIGINT"), ("exit", "SIGUSR1"), ("exit", "SIGUSR2")])
+def test_a_signal_after_the_last_step_leaves_a_finished_run_that_exits_0(when, signame, reference, tiny_data,
+                                                                         tmp_path):
+    """A signal after the run's last step (Slurm's pre-timeout SIGUSR1 / SIGUSR2, a SIGTERM) killed a
+    finished run as it wrote its final files or exited (exit 138 / 140), or stopped it before its final
+    files (143): a Slurm array task that had trained to the end was marked failed. Now the run writes its
+    final files and exits 0; a signal while it finishes says in one line that the run is complete."""
+    run = tmp_path / "run"
+    sets = sum((["--set", s] for s in tiny_overrides(tiny_data)), [])
+    proc = subprocess.run([sys.executable, "-c", LATE, when, signame, "train", "--run-dir", str(run), *sets],
+                          env=ENV, capture_output=True, text=True, timeout=HANG_S)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "stopp" not in proc.stderr, proc.stderr
+    if when != "exit":
+        assert (f"{signame} received after the last step (12): the run is complete; writing its final files, "
+                "nothing to resume (send it again to stop at once)") in proc.stderr.splitlines(), proc.stderr
+    assert proc.stdout.startswith(f"run: {run}\n") and "validation loss at step 12: " in proc.stdout, proc.stdout
+    assert (run / "loss.png").stat().st_size > 0 and (run / "sample.txt").read_text().strip(), proc.stderr
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000012"
+    assert losses(run) == losses(reference)
+
+
 # ---------------------------------------------------------------- 5. full disk, read-only folder
 def _can_mount_tmpfs() -> bool:
     if not shutil.which("unshare") or sys.platform != "linux":

@@ -23,8 +23,9 @@ in UTF-8 files. A training run stopped
 by SIGINT / SIGTERM / SIGHUP (after writing its checkpoint) prints one line ``keel: stopped by ...``
 saying how to resume and exits with 130 / 143 / 129; outside a training loop each signal unwinds (temporary files and
 a new, still empty run folder are removed) and prints ``keel: stopped by SIGNAL``; once the command has
-finished, a Ctrl-C during the interpreter's exit ends the process at once (no traceback). Library code reports
-progress through the standard ``logging`` module (loggers under ``keel``); :func:`main`
+finished, a Ctrl-C during the interpreter's exit ends the process at once (no traceback), and SIGUSR1 / SIGUSR2
+(Slurm's time-limit warnings) are ignored: they no longer turn a finished command's status into 138 / 140.
+Library code reports progress through the standard ``logging`` module (loggers under ``keel``); :func:`main`
 sends those records to stderr as plain lines. A command module imports at its top only what
 its flags need; the library its handlers call (torch ...) it imports in its ``import_library()``,
 which :func:`run_handler` calls for the chosen command only, so that ``keel --help`` stays fast
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``keel ARGS``; returns the exit status (2 for a user error, 130 / 143 / 129 when stopped
     by SIGINT / SIGTERM / SIGHUP). ``argv`` None (the process's command line, ``sys.argv``): the
     command is all the process does, so once it has finished SIGINT takes its default action (the
-    process ends at once, status 128 + 2, no traceback from an exit handler it interrupted)."""
+    process ends at once, status 128 + 2, no traceback from an exit handler it interrupted), and SIGUSR1 / SIGUSR2
+    are ignored (the command's status stands)."""
     setup_logging()  # first: parsing may log (a deprecated flag)
     args = build_parser().parse_args(argv)
     args.cli_argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the command line reports record
@@ -212,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             # (atexit callbacks: torch's, transformers', seconds of them): a Ctrl-C now ends the process at once,
             # as SIGTERM does, not with a KeyboardInterrupt traceback from whichever callback it interrupted
             signal.signal(signal.SIGINT, signal.SIG_DFL)
+            for s in (signal.SIGUSR1, signal.SIGUSR2):  # Slurm's time-limit warnings: nothing is left to save, and
+                signal.signal(s, signal.SIG_IGN)        # their default action (exit 138 / 140) would fail a finished job
 
 
 if __name__ == "__main__":

@@ -36,22 +36,49 @@ SIGNALS = STOP_SIGNALS  # SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 (keel.io.
 class StopSignals:
     """Context manager: record the first SIGINT/SIGTERM instead of dying (see the module docstring).
 
+    Once the run has trained its last step (:meth:`finish`), a signal is no stop request: the run is
+    complete, it writes its final files and ends normally; one line says so. Until :meth:`close`
+    (called by :func:`keel.train.trainer.train` once the process group is gone), the handlers then stay
+    installed after the ``with`` block, so a signal on the way out does not kill a finished run.
+
     Attributes:
-        received: the signal number received (``signal.SIGINT`` ...), or None.
+        received: the signal number received while training (``signal.SIGINT`` ...), or None.
+        late: the signal received after the last step (the run is complete), or None.
     """
 
     def __init__(self, announce: bool = True):
         self.received: int | None = None
+        self.late: int | None = None
+        self.finished_at: int | None = None  # the last step, once trained (finish)
         self.announce = announce
         self._saved: dict[int, object] = {}
 
     def _handler(self, signum, frame) -> None:
-        self.received = signum
         self._restore()
         silence_hung_up_terminal(signum)  # SIGHUP: the terminal is gone; a write to it would end the run
+        if self.finished_at is not None:
+            self.late = signum
+            self._say_late()
+            return
+        self.received = signum
         if self.announce:
             log.warning("%s received: stopping after this step and saving a checkpoint (send it again to stop "
                         "at once, losing the steps since the last checkpoint)", signal.Signals(signum).name)
+
+    def _say_late(self) -> None:
+        if self.announce:
+            log.warning("%s received after the last step (%d): the run is complete; writing its final files, "
+                        "nothing to resume (send it again to stop at once)", signal.Signals(self.late).name,
+                        self.finished_at)
+
+    def finish(self, step: int) -> None:
+        """The run has trained its last step ``step`` (checkpointed): from now on a signal is recorded as
+        :attr:`late` and said in one line, and the run completes. A signal received since the last
+        :func:`agreed_stop_signal` (the ranks trained on) counts as late too."""
+        self.finished_at = step
+        if self.received is not None:
+            self.late, self.received = self.received, None
+            self._say_late()
 
     def _restore(self) -> None:
         for signum, handler in self._saved.items():
@@ -59,12 +86,17 @@ class StopSignals:
         self._saved = {}
 
     def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread() and not self._saved:
             for signum in SIGNALS:
                 self._saved[signum] = signal.signal(signum, self._handler)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None or self.finished_at is None:  # stopped or failed: the handlers go back now
+            self._restore()
+
+    def close(self) -> None:
+        """Put the original handlers back (a no-op when they are)."""
         self._restore()
 
 

@@ -183,14 +183,18 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, callbacks: Seq
                         "callbacks=keel.experiments.training.run_callbacks(cfg)")
     info = D.init_distributed(resolve_device(cfg.train.device))
     finished = False
+    signals = StopSignals(announce=info.is_main)  # installed by fit; after the last step they outlive it (close)
     try:
         run_dir = Path(D.broadcast_object(str(run_dir), info))
         with run_lock(run_dir, info), flushing_denormals(cfg.train.flush_denormal), memory_errors(cfg.train):
-            result = Trainer(cfg, run_dir, resume, list(callbacks), info, restart=restart).fit()
+            result = Trainer(cfg, run_dir, resume, list(callbacks), info, restart=restart).fit(signals)
         finished = True
         return result
     finally:
-        D.destroy_distributed(info, finished)
+        try:
+            D.destroy_distributed(info, finished)  # a barrier: a finished rank may wait here for the others
+        finally:
+            signals.close()
 
 
 @contextlib.contextmanager
@@ -552,11 +556,31 @@ class Trainer:
         return 0
 
     # ------------------------------------------------------------------ the loop
-    def fit(self) -> TrainResult:
-        """Train to ``train.steps``; returns the final numbers."""
-        if self.nothing_left:
-            self.close_sink()
-            return self._nothing_to_do()
+    def fit(self, signals: StopSignals | None = None) -> TrainResult:
+        """Train to ``train.steps``; returns the final numbers. ``signals``: the stop-signal handlers
+        (:class:`StopSignals`) to train under, which the caller closes (:func:`train` does once the process
+        group is gone: a signal after the last step does not kill the finished run on its way out); None:
+        the run's own, put back on return.
+
+        Raises:
+            TrainingInterrupted: a stop signal during training (after the step's checkpoint).
+        """
+        own = signals is None
+        signals = StopSignals(announce=self.main) if own else signals
+        try:
+            if self.nothing_left:
+                with signals:  # a run already at train.steps is complete: a signal lets it write what it lacks
+                    signals.finish(self.state.step)
+                    self.close_sink()
+                    return self._nothing_to_do()
+            return self._train(signals)
+        finally:
+            if own:
+                signals.close()
+
+    def _train(self, signals: StopSignals) -> TrainResult:
+        """:meth:`fit` of a run with steps left to train, under ``signals``: the loop, then (the run
+        complete: :meth:`StopSignals.finish`) its final files."""
         self._describe()
         first_val = self._first_eval()
         state = StepState(self.cfg, self.run_dir, self.info, self.model, self.tokenizer, self.plain_model,
@@ -567,8 +591,8 @@ class Trainer:
                                every_steps=self.tc.log_every)
         bad_in_row, val_loss = 0, None
         self.train_module.train()
-        try:
-            with StopSignals(announce=self.main) as signals:
+        with signals:
+            try:
                 while self.state.step < self.tc.steps:
                     record = self.train_step(state)
                     record.update(self._hooks("on_step_end", state))
@@ -585,13 +609,14 @@ class Trainer:
                     if saved:
                         self.checkpoint()
                     self._stop_if_signalled(signals, saved)
+                signals.finish(self.state.step)  # trained and checkpointed: a signal from here on ends nothing
                 end = self._hooks("on_train_end", state)  # e.g. a loss spike still open at the last step
                 if end:
                     self.write({"step": self.state.step, "tokens": self.state.tokens, **end})
-        finally:
-            bar.close()
-            self.close_sink()
-        return self._finish(first_val, val_loss)
+            finally:
+                bar.close()
+                self.close_sink()
+            return self._finish(first_val, val_loss)
 
     def _stop_if_signalled(self, signals: StopSignals, saved: bool) -> None:
         """After a step: if any rank got SIGINT/SIGTERM, checkpoint (unless this step just did)
