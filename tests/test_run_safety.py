@@ -495,11 +495,13 @@ def trained_2_steps(run: Path) -> bool:
 
 
 def signal_while_training(argv: list, runs: list[Path], signame: str, data, tmp_path: Path, min_processes: int = 1,
-                          grace_s: float = 60, ready=trained_2_steps) -> tuple[str, subprocess.Popen, list[int]]:
+                          grace_s: float = 60, ready=trained_2_steps,
+                          target=None) -> tuple[str, subprocess.Popen, list[int]]:
     """Start ``keel ARGV`` on endless tiny runs, send ``signame`` to that process alone (as
-    ``kill PID`` does) once ``ready(run)`` holds for every run in ``runs`` (default: it has
-    trained 2 steps), wait for it and up to ``grace_s`` for every process below it. Returns
-    (its stderr, the process, the pids still alive). Whatever it started is killed at the end."""
+    ``kill PID`` does; ``target``: to the pid ``target(pid, pids below it)`` picks instead) once
+    ``ready(run)`` holds for every run in ``runs`` (default: it has trained 2 steps), wait for it and up
+    to ``grace_s`` for every process below it. Returns (its stderr, the process, the pids still alive).
+    Whatever it started is killed at the end."""
     sets = tiny_overrides(data, steps=100000, checkpoint_every=100000, eval_every=100000)
     err_file = tmp_path / "stderr.txt"
     with open(err_file, "w") as errors:  # a file, not a pipe: workers left running would hold a pipe open
@@ -513,7 +515,7 @@ def signal_while_training(argv: list, runs: list[Path], signame: str, data, tmp_
             time.sleep(0.2)
         below = descendants(proc.pid)
         assert len(below) >= min_processes
-        os.kill(proc.pid, getattr(signal, signame))
+        os.kill(target(proc.pid, below) if target else proc.pid, getattr(signal, signame))
         proc.wait(timeout=HANG_S)
         deadline = time.monotonic() + grace_s
         while any(alive(p) for p in below) and time.monotonic() < deadline:
@@ -551,6 +553,53 @@ def test_signal_to_keel_train_nproc_stops_every_worker(signame, tiny_data, tmp_p
     time.sleep(2)
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == steps  # nothing trains on
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps[-1]:08d}"
+
+
+def a_worker(pid: int, below: set[int]) -> int:
+    """One of torchrun's workers among ``below`` (a `keel train` without --nproc), not torchrun itself."""
+    workers = sorted(p for p in below if b"keel\0train" in Path(f"/proc/{p}/cmdline").read_bytes()
+                     and b"torch.distributed.run" not in Path(f"/proc/{p}/cmdline").read_bytes())
+    assert len(workers) == 2, workers
+    return workers[-1]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_sigterm_to_one_worker_of_keel_train_nproc_is_a_clean_stop(tiny_data, tmp_path):
+    """SIGTERM to one worker of `keel train --nproc 2` (a scheduler or `kill` that picked a worker): both
+    ranks checkpointed, but torchrun saw its workers exit 143 and printed its ChildFailedError traceback
+    and report, and keel train exited 1 saying a worker failed. Now: one line saying how to resume, exit
+    143, no traceback."""
+    run = tmp_path / "run"
+    err, proc, left = signal_while_training(["train", "--nproc", "2", "--run-dir", run], [run], "SIGTERM", tiny_data,
+                                            tmp_path, min_processes=3, grace_s=300, target=a_worker)
+    assert left == [], err
+    assert proc.returncode == 143, err
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{steps[-1]:08d}", err
+    assert "Traceback" not in err and "ChildFailedError" not in err and "failed" not in err, err
+    stops = [x for x in err.splitlines() if x.startswith("keel: ")]
+    assert stops == [f"keel: stopped by SIGTERM (sent to a worker: every worker finished its step, the run is "
+                     f"checkpointed at step {steps[-1]}); resume with: keel train --resume {run} --nproc 2"], err
+
+
+def test_only_workers_that_all_stopped_on_a_signal_are_a_signal_stop():
+    """What the workers of `keel train --nproc` printed and torchrun reported decides between a stop (the
+    signal to report) and a failure (None: torchrun's report and the failed worker are shown)."""
+    from keel.cli.commands.train import _workers_stop_signal
+
+    def stop(*lines, exitcode=143, errors=()):
+        return _workers_stop_signal({"stops": [f"keel: stopped by {x}\n" for x in lines], "exitcode": exitcode,
+                                     "errors": list(errors)})
+
+    after = "after step 4: checkpoint RUN/checkpoints/step_00000004 written; resume with: keel train --resume RUN"
+    assert stop(f"SIGTERM {after}", f"SIGTERM {after}") == signal.SIGTERM
+    assert stop(f"SIGUSR1 {after}", f"SIGTERM {after}", exitcode=143) == signal.SIGUSR1  # the one sent, not the agreed
+    assert stop(f"SIGTERM {after}", "SIGTERM") == signal.SIGTERM  # the agent's SIGTERM reached the other as it ended
+    assert stop(f"SIGTERM {after}", f"SIGTERM {after}", exitcode=-9) is None  # a worker killed: a failure
+    assert stop(f"SIGTERM {after}", f"SIGTERM {after}".replace("step 4", "step 5")) is None  # steps disagree
+    assert stop("SIGTERM", "SIGTERM") is None  # outside the training loop: no checkpoint of an agreed step
+    assert stop(f"SIGTERM {after}", errors=["no space left"]) is None
+    assert stop(exitcode=143) is None
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
@@ -764,8 +813,10 @@ def test_after_a_stop_signal_torchrun_s_traceback_and_the_workers_stop_lines_are
     failure, shown = {}, io.StringIO()
     with contextlib.redirect_stderr(shown):
         _pass_on_and_read_failure(io.StringIO(head + agent + stop + stop + traceback + other), failure, event)
-    assert shown.getvalue() == (head + other if stopping else head + stop + stop + traceback + other)
+    assert shown.getvalue() == (head + other if stopping else head + traceback + other)
     assert failure["before"] == [agent]  # torchrun's warning under a venv's path: kept back, as under any path
+    # not stopping: kept back for launch_torchrun, which says them (a failure) or one line for all (a worker signalled)
+    assert failure["stops"] == ([] if stopping else [stop, stop])
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

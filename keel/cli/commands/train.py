@@ -18,7 +18,7 @@ from pathlib import Path
 from keel.cli.commands import add_loops_flag, check_loops, check_seed
 from keel.config import DEFAULT_PRESET, TrainConfig, key_default, key_help, load_config, parse_override, resolve_config_path
 from keel.errors import Interrupted, KeelError
-from keel.io import check_path_names, die_with_parent, passing_on_stop_signals
+from keel.io import STOP_SIGNALS, check_path_names, die_with_parent, passing_on_stop_signals
 from keel.rundir import RunDir
 
 
@@ -116,10 +116,14 @@ def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
     from here), which passes them to every worker: each finishes its step, the run is
     checkpointed, and all stop. If ``keel train`` itself dies, torchrun gets SIGTERM
     (:func:`keel.io.die_with_parent` with SIGTERM, which torchrun passes to its workers).
+    A stop signal sent to a worker directly stops every rank after one step too (the trainer's
+    :func:`keel.train.interrupt.agreed_stop_signal`); torchrun then exits 1 with its ChildFailedError
+    traceback (its agent counts any non-zero exit as a failure, with no option to pass a worker's status
+    on), which is read, not shown: the same one line and 128 + the signal (:func:`_workers_stop_signal`).
     Returns torchrun's exit status.
 
     Raises:
-        Interrupted: stopped by SIGINT / SIGTERM (the message says how to resume).
+        Interrupted: stopped by SIGINT / SIGTERM ... (the message says how to resume).
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
            "-m", "keel", "train"]
@@ -149,7 +153,28 @@ def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
         for message in failure["errors"]:
             print(f"keel: error: {message}", file=sys.stderr)
         raise Interrupted(nproc_stop_message(signal.Signals(received[0]).name, run_dir, args.nproc), received[0])
+    if code and (signum := _workers_stop_signal(failure)):  # a signal sent to a worker, not to us
+        raise Interrupted(nproc_stop_message(signal.Signals(signum).name, run_dir, args.nproc, to_a_worker=True), signum)
+    sys.stderr.write("".join(failure["stops"]))  # the workers' stop lines, held back by _pass_on_and_read_failure
     return _end_of_failure(code, failure, args.nproc, run_dir) if code else 0
+
+
+_WORKER_STOP = re.compile(r"keel: stopped by (SIG[A-Z0-9]+)( after step (\d+): )?")  # a worker's stop line
+
+
+def _workers_stop_signal(failure: dict) -> int | None:
+    """The stop signal a worker of ``keel train --nproc`` was sent directly (not through ``keel train``): the
+    workers stopped as they do on a signal (their stop lines, one at least "after step N": the ranks agreed on
+    the step and checkpointed it), none with an error, and torchrun's report names a worker that exited
+    128 + the signal of such a line; torchrun's agent reports that as a failure (any non-zero exit is one to
+    it). The signal is the one the lines name other than SIGTERM (what the other ranks stop on; a rank the
+    agent then sent SIGTERM says so without a step), else SIGTERM. None otherwise."""
+    lines = [m.groups() for m in map(_WORKER_STOP.match, failure["stops"]) if m]
+    names, steps = {name for name, _, _ in lines}, {step for _, _, step in lines if step is not None}
+    if (len(steps) != 1 or failure["errors"] or not names <= {s.name for s in STOP_SIGNALS}
+            or failure.get("exitcode", 0) - 128 not in {int(signal.Signals[n]) for n in names}):
+        return None
+    return int(signal.Signals[min(names - {"SIGTERM"}, default="SIGTERM")])
 
 
 def _end_of_failure(code: int, failure: dict, nproc: int, run_dir: Path) -> int:
@@ -204,14 +229,17 @@ def _pass_on_and_read_failure(stream, failure: dict, stopping: threading.Event |
     report (key ``report``: from its agent's "failed (exitcode: N)" line on; its warnings before
     that line under ``before``), and the first
     rank and exit code the report names as its "Root Cause" (keys ``rank``, ``exitcode``).
-    Once ``stopping`` is set (``keel train`` got a stop signal and says how to resume), the
-    workers' own stop lines (``keel: stopped by ...``, without ``--nproc``) and torchrun's
-    traceback of the signal it got (``SignalException``) are dropped (:func:`_without_signal_traceback`)."""
+    The workers' own stop lines (``keel: stopped by ...``, without ``--nproc``) are kept back under
+    ``stops``; once ``stopping`` is set (``keel train`` got a stop signal and says how to resume), they and
+    torchrun's traceback of the signal it got (``SignalException``) are dropped (:func:`_without_signal_traceback`)."""
     cause, owed = False, 0  # owed: newlines of the error lines interleaved onto one line
     errors, report = failure.setdefault("errors", []), failure.setdefault("report", [])
     stopping = stopping or threading.Event()
+    stops = failure.setdefault("stops", [])
     for line in _without_signal_traceback(stream, stopping):
-        if stopping.is_set() and line.startswith("keel: stopped by "):
+        if line.startswith("keel: stopped by "):  # a worker's: held back (a stop of the whole run is one line)
+            if not stopping.is_set():
+                stops.append(line)
             continue
         if report or _AGENT_REPORT.match(line):
             report.append(line)
@@ -281,15 +309,17 @@ def _failed_worker(failure: dict) -> str:
     return f"worker rank {failure['rank']} ({how or f'exit status {code}'})"
 
 
-def nproc_stop_message(name: str, run_dir: Path, nproc: int) -> str:
-    """What ``keel train --nproc`` says after a stop signal, from what the workers left in
-    ``run_dir``: the promised checkpoint of the last step, or (workers killed before they
-    wrote it, e.g. by torchrun's 30 s grace) where a resume will really continue from."""
+def nproc_stop_message(name: str, run_dir: Path, nproc: int, to_a_worker: bool = False) -> str:
+    """What ``keel train --nproc`` says after a stop signal (``to_a_worker``: one sent to a worker, not to
+    ``keel train``), from what the workers left in ``run_dir``: the promised checkpoint of the last step,
+    or (workers killed before they wrote it, e.g. by torchrun's 30 s grace) where a resume will really
+    continue from."""
     last = max((r["step"] for r in read_metrics(RunDir(run_dir).metrics) if "step" in r), default=0)
     done, command = _continue_command(run_dir, nproc)
     if done is not None and done >= last:
-        return (f"stopped by {name} (passed to every worker: each finished its step, the run is checkpointed at "
-                f"step {done}); resume with: {command}")
+        how = "sent to a worker: every worker" if to_a_worker else "passed to every worker: each"
+        return (f"stopped by {name} ({how} finished its step, the run is checkpointed at step {done}); "
+                f"resume with: {command}")
     if done is None:
         return (f"stopped by {name}, but the workers ended before writing a checkpoint (last step logged: {last}); "
                 f"start the run again with: {command}")
