@@ -225,6 +225,35 @@ def test_resume_alone_continues_the_sweep_its_folder_holds(keel_main, tmp_path, 
     assert same.returncode == 0, same.stderr
 
 
+def test_a_base_config_valid_only_with_the_grids_values_is_swept(keel_main, tmp_path, tiny_data):
+    """`keel sweep --grid model.loop_core=1 --set model.loop_repeats=2` was refused before any grid value
+    was applied ("model.loop_repeats = 2 needs a loop: set model.loop_core >= 1"): the base config was
+    checked alone. Each grid point's config is checked whole now; a point that breaks the rule is still
+    refused, as is --match-params auto, whose target is the base config's own count."""
+    loop = ["--set", "model.loop_prelude=1", "--set", "model.loop_repeats=2"]
+    out = tmp_path / "sw"
+    r = keel_main("sweep", "--grid", "model.loop_core=1", "--out", out, *loop,
+                  *sum((["--set", s] for s in _tiny_sets(tiny_data, steps=2, eval_every=2)), []))
+    assert r.returncode == 0, r.stderr
+    run = json.loads((out / "report.json").read_text())["group_tables"]["sweep"]["runs"][0]
+    assert run["values"] == {"model.loop_core": 1} and run["status"] == "done" and run["step"] == 2
+    cfg = load_config(out / "loop_core1" / "config.toml", stored=True).model
+    assert (cfg.loop_prelude, cfg.loop_core, cfg.loop_repeats, cfg.n_layers) == (1, 1, 2, 2)
+    bad = keel_main("sweep", "--grid", "model.loop_core=0,1", "--out", tmp_path / "bad", *loop, "--dry-run")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "keel: error: model.loop_prelude = 1 needs a loop: set model.loop_core >= 1"], bad.stderr
+    auto = keel_main("sweep", "--grid", "model.loop_core=1,2", "--set", "model.n_layers=4", *loop, "--match-params",
+                     "auto", "--out", tmp_path / "auto", "--dry-run")
+    assert auto.returncode == 2 and auto.stderr.strip().splitlines() == [
+        "keel: error: --match-params auto matches the base config's non-embedding parameter count, but the base "
+        "config is not valid without the grid's values (model.loop_prelude = 1 needs a loop: set model.loop_core "
+        ">= 1): give --match-params a count, or --set the keys that make the base valid"], auto.stderr
+    counted = keel_main("sweep", "--grid", "model.loop_core=1,2", "--set", "model.n_layers=4", *loop,
+                        "--match-params", "40000", "--out", tmp_path / "count", "--dry-run")
+    assert counted.returncode == 0 and "| sweep | 2 | keel | 10, 12 |" in counted.stdout, counted.stderr
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "auto").exists()
+
+
 @pytest.mark.parametrize("preset", ["cpu-depth", "deep-vs-wide", "paper-depth", "paper-deep-vs-wide"])
 def test_presets_build(preset):
     from keel.experiments.presets import load_sweep_preset
@@ -431,3 +460,4 @@ def test_a_study_with_a_grid_group_reports_the_sweep_table(tiny_data, tmp_path, 
     md = (out / "report.md").read_text()
     section = "\n".join("##" + x if x.startswith("#") else x for x in sweep_markdown(data).rstrip("\n").split("\n"))
     assert "## Group lrs: sweep" in md and section in md
+

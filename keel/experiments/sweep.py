@@ -244,13 +244,14 @@ def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[Overrid
     """
     cfg_path = resolve_config_path(config)
     base_sets = list(sets) + [("train.progress", False)] + ([("data.path", str(data_path))] if data_path else [])
-    base = load_config(cfg_path, base_sets)
-    target = None
+    points = expand_grid(grid) if grid else [{}]
+    target = base = None
     if match_params not in (None, 0, "0", ""):
         if "model.d_model" in grid or "model.d_ff" in grid:
             raise KeelError("--match-params sets model.d_model and model.d_ff; do not also sweep them")
+        base = _matching_reference(cfg_path, base_sets, points[0], match_params)
         base_sets.append(("model.vocab_size", _matched_vocab(base, data_path)))
-        base = load_config(cfg_path, base_sets)
+        base = _matching_reference(cfg_path, base_sets, points[0], match_params)
         if match_params == "auto":
             target = count_parameters(base.model, non_embedding=True)
         else:
@@ -259,15 +260,14 @@ def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[Overrid
             except ValueError:
                 raise KeelError(f"--match-params must be a parameter count or 'auto', got {match_params!r}") from None
     jobs = []
-    for values in expand_grid(grid) if grid else [{}]:
-        cfg = load_config(cfg_path, base_sets + list(values.items()))
+    for values in points:  # each point's config is checked whole: the base alone may need the grid's values
+        cfg = _point_config(cfg_path, base_sets, values)
         shown = dict(values)
         if target is not None:
             m = width_for_params(cfg.model, target, ffn_ratio=base.model.d_ff / base.model.d_model)
             if m.d_model % m.n_heads or m.n_heads % m.n_kv_heads:
                 raise KeelError(f"width {m.d_model} does not fit {m.n_heads} heads")
-            cfg = load_config(cfg_path, base_sets + list(values.items())
-                              + [("model.d_model", m.d_model), ("model.d_ff", m.d_ff)])
+            cfg = _point_config(cfg_path, base_sets, {**values, "model.d_model": m.d_model, "model.d_ff": m.d_ff})
             shown["model.d_model"] = m.d_model
         check_model_config(cfg.model)  # the trainer's check: an unknown scheme is one line, not a KeyError
         version = SCHEMES[cfg.model.residual].version
@@ -275,6 +275,38 @@ def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[Overrid
             shown["scheme_version"] = version
         jobs.append(GridJob(run_name(values) + (f"_v{version}" if version > 1 else ""), cfg.to_dict(), shown))
     return jobs
+
+
+def _point_config(cfg_path: Path | None, sets: list, values: dict) -> Config:
+    """The config of one grid point: ``sets`` then the point's ``values`` (typed), checked whole (the rules
+    between keys included: the base alone may break one that the grid's values satisfy).
+
+    Raises:
+        KeelError: the config is not valid (the message of :func:`keel.config.load_config`).
+    """
+    return load_config(cfg_path, sets + list(values.items()))
+
+
+def _matching_reference(cfg_path: Path | None, sets: list, first: dict, match_params: int | str) -> Config:
+    """The config ``--match-params`` reads its vocabulary, FFN ratio and (``auto``) parameter target from:
+    the base config; where the base alone is not valid (a key needs a grid value, e.g. ``model.loop_repeats``
+    a ``model.loop_core`` from the grid), a count takes them from the ``first`` grid point (the width keys it
+    may not sweep are the base's), while ``auto`` cannot (its target is the base's own count).
+
+    Raises:
+        KeelError: ``auto`` with a base config that is not valid alone (naming the count remedy); the first
+            grid point not valid either.
+    """
+    try:
+        return load_config(cfg_path, sets)
+    except KeelError as e:
+        if match_params == "auto" and first:
+            raise KeelError(f"--match-params auto matches the base config's non-embedding parameter count, but the "
+                            f"base config is not valid without the grid's values ({e}): give --match-params a "
+                            "count, or --set the keys that make the base valid") from None
+        if not first:
+            raise
+    return _point_config(cfg_path, sets, first)
 
 
 def _matched_vocab(base: Config, data_path: str | None) -> int:
