@@ -1335,7 +1335,8 @@ def test_restore_reports_a_grid_groups_runs(tmp_path, tiny_data):
     """`keel study FILE --report-only --restore report.json` of a study with a grid group (a sweep)
     stopped with a traceback (KeyError ''): a restored run's grid result had no name. Now the
     group's sweep table lists every restored run with the measures it keeps (final loss, tokens,
-    verdict) and a dash for what only a result file holds (best loss, steps, parameters), and its
+    verdict) and what they and its planned config give (best loss, steps: dashes until restored_summary;
+    not the parameters here: a report alone prepares no data, and the vocabulary is "auto"), and its
     best-over table is the original's."""
     p = tmp_path / "s.toml"
     p.write_text('[groups.sw]\nkind = "grid"\ngrid = { "model.residual" = ["keel", "pre_ln"], '
@@ -1353,8 +1354,11 @@ def test_restore_reports_a_grid_groups_runs(tmp_path, tiny_data):
     md = (tmp_path / "r" / "report.md").read_text()
     row = next(line for line in md.splitlines() if line.startswith("| keel | 0.001 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[2] == f"{a['runs'][0]['final_val_loss']:.4f}" and cells[3] == "—" and cells[6:9] == ["—"] * 3
-    assert "**Held fixed:** not known: no finished run has its result file" in md
+    trained = next(line for line in (tmp_path / "a" / "report.md").read_text().splitlines()
+                   if line.startswith("| keel | 0.001 |"))
+    assert cells[2] == f"{a['runs'][0]['final_val_loss']:.4f}" and cells[:7] == [
+        c.strip() for c in trained.strip("|").split("|")][:7] and "—" not in cells[:7], (row, trained)
+    assert cells[7:9] == ["—"] * 2 and b["held_fixed"] == {"tokens": 64, "steps": 2}
 
 
 def test_dry_run_restore_plans_a_transfer_group_at_the_restored_optimum(tmp_path, tiny_data, keel_main):

@@ -461,3 +461,58 @@ def test_a_study_with_a_grid_group_reports_the_sweep_table(tiny_data, tmp_path, 
     section = "\n".join("##" + x if x.startswith("#") else x for x in sweep_markdown(data).rstrip("\n").split("\n"))
     assert "## Group lrs: sweep" in md and section in md
 
+
+def test_restored_runs_of_a_grid_group_keep_best_loss_steps_and_params_in_the_sweep_table(tiny_data, tmp_path,
+                                                                                         keel_main):
+    """`keel study --restore REPORT_JSON` showed the restored runs of a grid group with dashes for best val,
+    steps, params and non-emb (and "Held fixed: not known"): a restored record keeps no result file. They come
+    from the record now: the best validation loss and the steps done from its loss curve, the planned steps,
+    tokens and the parameter counts from the config the study plans for the run, as the trained run had them."""
+    sets = ", ".join(f'"{k}" = {json.dumps(v)}' for k, v in (s.split("=", 1) for s in _tiny_sets(tiny_data, steps=4,
+                                                                                                    eval_every=2)))
+    study = tmp_path / "grid-study.toml"
+    study.write_text(f'base = "demo"\n[groups.lrs]\nkind = "grid"\ngrid = {{ "train.lr" = [1e-3, 1e-2] }}\n'
+                     f'set = {{ {sets} }}\n')
+    r = keel_main("study", study, "--scale", "cpu", "--workers", "0", "--out", tmp_path / "st")
+    assert r.returncode == 0, r.stderr
+    trained = json.loads((tmp_path / "st" / "report.json").read_text())["group_tables"]["lrs"]
+    again = keel_main("study", study, "--scale", "cpu", "--workers", "0", "--out", tmp_path / "again",
+                      "--restore", tmp_path / "st" / "report.json")
+    assert again.returncode == 0, again.stderr
+    assert not (tmp_path / "again" / "lrs").exists()  # nothing trained: both runs restored
+    restored = json.loads((tmp_path / "again" / "report.json").read_text())["group_tables"]["lrs"]
+    keys = ("step", "steps", "tokens", "planned_tokens", "params", "non_embedding_params")
+    for old, new in zip(trained["runs"], restored["runs"], strict=True):
+        assert {k: new[k] for k in keys} == {k: old[k] for k in keys}
+        assert old["step"] == 4 and old["params"] > 0
+        assert new["best_val_loss"] == pytest.approx(old["best_val_loss"], abs=1e-5)  # the curve keeps 5 decimals
+    assert restored["held_fixed"] == trained["held_fixed"] and trained["held_fixed"]["steps"] == 4
+    md = (tmp_path / "again" / "report.md").read_text()
+    row = next(x for x in md.splitlines() if x.startswith("| 0.001 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    old_row = next(x for x in (tmp_path / "st" / "report.md").read_text().splitlines() if x.startswith("| 0.001 |"))
+    old_cells = [c.strip() for c in old_row.strip("|").split("|")]
+    assert "—" not in cells[:9] and cells[:8] == old_cells[:8], (row, old_row)  # all but wall s and verdict
+
+
+def test_restored_summary_derives_what_a_record_and_its_planned_config_give(tiny_data):
+    """The numbers of a restored run: steps done from its tokens (else its curve's last step), the best
+    validation loss from its curve, the parameter counts where the vocabulary is known (a number, or the
+    prepared dataset of an "auto" one); none where it is not."""
+    from keel.experiments.sweep import restored_summary
+
+    cfg = load_config(None, tiny_overrides(tiny_data, steps=6))  # 4 x 32 tokens a step, vocab 512
+    curve = {"step": [1, 3, 5], "loss": [6.0, 5.0, 4.5], "lr": [1e-3] * 3, "val_step": [0, 4, 6],
+             "val_loss": [6.2, 4.9, 5.1]}
+    got = restored_summary(cfg.to_dict(), 640, curve)
+    assert {k: got[k] for k in ("step", "steps", "planned_tokens", "best_val_loss", "blocks", "sublayers")} == {
+        "step": 5, "steps": 6, "planned_tokens": 768, "best_val_loss": 4.9, "blocks": 2, "sublayers": 4}
+    assert got["params"] == count_parameters(cfg.model) and got["non_embedding_params"] == count_parameters(
+        cfg.model, non_embedding=True)
+    assert restored_summary(cfg.to_dict(), None, curve)["step"] == 6  # the last validation step
+    auto = load_config(None, [s for s in tiny_overrides(tiny_data) if not s.startswith("model.vocab_size")])
+    sized = restored_summary(auto.to_dict(), None, None)
+    assert auto.model.vocab_size == "auto" and sized["params"] == count_parameters(
+        dataclasses.replace(auto.model, vocab_size=512))  # the dataset's 512 tokens, a multiple of 64
+    unknown = restored_summary(load_config(None, ["model.vocab_size=auto", "data.path="]).to_dict(), None, None)
+    assert "params" not in unknown and "step" not in unknown and "best_val_loss" not in unknown

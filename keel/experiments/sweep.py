@@ -382,6 +382,34 @@ def run_summary(run_dir: str | Path, stopped: str | None = None) -> dict:
     }
 
 
+def restored_summary(config: dict, tokens: int | None, curve: dict | None) -> dict:
+    """The numbers of :func:`run_summary` that a run restored from an earlier report (which keeps its
+    measures, not its folder) still has: from ``config`` (the run's config as the study plans it, nested
+    dicts) ``blocks``, ``sublayers``, ``d_model``, ``steps`` and ``planned_tokens`` (planned), ``params`` and
+    ``non_embedding_params`` (where the vocabulary is known: a number, or the prepared dataset at
+    ``data.path``); ``step`` (steps done: ``tokens`` trained over the tokens of a step, else the last step of
+    ``curve``); ``best_val_loss`` (nats/token: the lowest of ``curve``'s validation losses, which the report
+    keeps to 5 decimals). A number that cannot be had is left out (the sweep table shows a dash)."""
+    cfg = config_from_dict(config, stored=True)
+    tc, m = cfg.train, cfg.model
+    per_step = tc.batch_size * tc.seq_len * tc.grad_accum
+    out = {"blocks": m.n_layers, "sublayers": m.n_sublayers, "d_model": m.d_model, "steps": tc.steps,
+           "planned_tokens": tc.steps * per_step}
+    if tokens is not None:
+        out["step"] = tokens // per_step
+    elif curve and (curve["step"] or curve["val_step"]):
+        out["step"] = max(curve["step"] + curve["val_step"])
+    if curve and curve["val_loss"]:
+        out["best_val_loss"] = min(curve["val_loss"])
+    vocab = m.vocab_size
+    if vocab == "auto" and cfg.data.path and (Path(cfg.data.path) / "meta.json").is_file():
+        vocab = resolve_vocab_size("auto", read_meta(cfg.data.path)["vocab_size"], m.vocab_multiple)
+    if vocab != "auto":
+        sized = dataclasses.replace(m, vocab_size=vocab)
+        out.update(params=count_parameters(sized), non_embedding_params=count_parameters(sized, non_embedding=True))
+    return out
+
+
 def check_train_job(job: GridJob, here: bool = True) -> None:
     """The grid check of training jobs (``run_grid(check=...)``): the trainer's own checks
     (:func:`keel.train.trainer.check_train_config`: shapes, ranges, and with ``here`` a device or a
@@ -519,8 +547,8 @@ def _sweep_header(summary: dict) -> list[str]:
 def _run_cells(run: dict, keys: list[str]) -> list[str]:
     """The row of ``run`` (a grid result's content: :class:`~keel.experiments.job_result.JobResult`) in
     ``sweep.md``'s table of runs: its values of ``keys``, then its losses, size and verdict (a run not done:
-    dashes and its error; a number the result lacks, e.g. the best loss, steps and parameters of a run
-    restored from an earlier report, which keeps only its measures: a dash)."""
+    dashes and its error; a number the result lacks, e.g. the parameters of a run restored from an earlier
+    report whose vocabulary is not known (:func:`restored_summary`): a dash)."""
     r = JobResult.from_dict(run)
     vals = r.values
     if not r.done:

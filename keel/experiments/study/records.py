@@ -18,6 +18,7 @@ from keel.experiments.grid import GridJob
 from keel.experiments.job_result import JobResult, is_number
 from keel.experiments.record import MEASURE_KEYS, OPTIONAL_KEYS, PENDING_KEYS, RunRecord
 from keel.experiments.study.spec import Group, Study
+from keel.experiments.sweep import restored_summary
 from keel.rundir import RunDir
 from keel.train.metrics import read_metrics, trailing_mean
 
@@ -221,17 +222,20 @@ def _restore_settings_diff(study: Study, theirs: list, group: Group | None) -> s
                              for sec, k in keys)
 
 
-def restored_record(group: Group, job: GridJob, old: RunRecord) -> RunRecord | None:
+def restored_record(group: Group, job: GridJob, old: RunRecord, planned: bool = True) -> RunRecord | None:
     """A run's record (:func:`run_record`) from its record in an earlier report (``old``, of
-    :func:`load_restored`), marked ``restored``; ``result`` holds what the LR-grid summaries read.
-    None when ``old`` is for other coordinates (scheme, depth, seed, LR) than ``job``: then the
-    run is trained."""
+    :func:`load_restored`), marked ``restored``; ``result`` holds what the LR-grid summaries and a grid
+    group's sweep table read: with ``planned`` (``job.config`` is the config the study plans for the run,
+    not a sketch of its coordinates) also the steps, best validation loss and parameter counts that
+    :func:`keel.experiments.sweep.restored_summary` derives. None when ``old`` is for other coordinates
+    (scheme, depth, seed, LR) than ``job``: then the run is trained."""
     rec = run_record(group, job, Path(), None)
     if any(getattr(old, k) != getattr(rec, k) for k in ("scheme", "sublayers", "seed", "lr")):
         return None
     rec.update({k: getattr(old, k) for k in ("status", *MEASURE_KEYS, *(k for k in OPTIONAL_KEYS if k in old))},
                restored=True)
-    rec.result = {"name": job.name, "values": job.values, "unigram_entropy": old.unigram_entropy,
+    derived = restored_summary(job.config, old.tokens, old.curve) if planned else {}
+    rec.result = {"name": job.name, "values": job.values, "unigram_entropy": old.unigram_entropy, **derived,
                   **{k: getattr(rec, k) for k in ("status", *MEASURE_KEYS) if k != "capped_loss"}}
     return rec
 
@@ -246,7 +250,7 @@ def kept_restored(g: Group, restored: dict[tuple[str, str], RunRecord]) -> list[
             continue
         config = {"model": {"residual": old.scheme, "n_layers": old.sublayers // 2},
                   "train": {"seed": old.seed, "lr": old.lr}}
-        rec = restored_record(g, GridJob(run_name, config, old.values), old)
+        rec = restored_record(g, GridJob(run_name, config, old.values), old, planned=False)  # a sketch of a config
         if rec is not None:
             out.append(rec)
     return out
