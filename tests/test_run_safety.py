@@ -582,6 +582,34 @@ def test_sigterm_to_one_worker_of_keel_train_nproc_is_a_clean_stop(tiny_data, tm
                      f"checkpointed at step {steps[-1]}); resume with: keel train --resume {run} --nproc 2"], err
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_a_signal_to_keel_train_nproc_after_the_last_step_leaves_a_finished_run_that_exits_0(tiny_data, tmp_path):
+    """SIGTERM to `keel train --nproc 2` once its workers trained the last step (here: while they write the
+    final files, a long sample): keel train exited 143 with "stopped by SIGTERM ... resume with", and the
+    resume had nothing to train. The workers finish the run, and keel train says it is complete and exits 0."""
+    run = tmp_path / "run"
+    sets = sum((["--set", s] for s in tiny_overrides(tiny_data, steps=4, sample_tokens=3000)), [])
+    with open(tmp_path / "stderr.txt", "w") as errors:
+        proc = subprocess.Popen([str(KEEL), "train", "--nproc", "2", "--run-dir", str(run), *sets], env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=errors)
+    try:
+        deadline = time.monotonic() + HANG_S
+        while not (run / "loss.png").is_file():  # the first of the final files: the sample is still to come
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=HANG_S)
+    finally:
+        proc.kill()
+    err = (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode == 0, err
+    assert last_line(err) == ("keel: SIGTERM arrived after the run's last step (4): the run is complete, nothing to "
+                              "resume"), err
+    assert "Traceback" not in err and "stopped by" not in err, err
+    assert (run / "sample.txt").read_text().strip() and (run / "checkpoints" / "latest").read_text().strip() == \
+        "step_00000004", err
+
+
 def test_only_workers_that_all_stopped_on_a_signal_are_a_signal_stop():
     """What the workers of `keel train --nproc` printed and torchrun reported decides between a stop (the
     signal to report) and a failure (None: torchrun's report and the failed worker are shown)."""

@@ -152,7 +152,12 @@ def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
     if received:
         for message in failure["errors"]:
             print(f"keel: error: {message}", file=sys.stderr)
-        raise Interrupted(nproc_stop_message(signal.Signals(received[0]).name, run_dir, args.nproc), received[0])
+        name = signal.Signals(received[0]).name
+        if not failure["errors"] and (step := trained_to_the_end(run_dir, failure["stopped"])) is not None:
+            print(f"keel: {name} arrived after the run's last step ({step}): the run is complete, nothing to resume",
+                  file=sys.stderr)
+            return 0
+        raise Interrupted(nproc_stop_message(name, run_dir, args.nproc), received[0])
     if code and (signum := _workers_stop_signal(failure)):  # a signal sent to a worker, not to us
         raise Interrupted(nproc_stop_message(signal.Signals(signum).name, run_dir, args.nproc, to_a_worker=True), signum)
     sys.stderr.write("".join(failure["stops"]))  # the workers' stop lines, held back by _pass_on_and_read_failure
@@ -160,6 +165,18 @@ def launch_torchrun(args: argparse.Namespace, run_dir: Path) -> int:
 
 
 _WORKER_STOP = re.compile(r"keel: stopped by (SIG[A-Z0-9]+)( after step (\d+): )?")  # a worker's stop line
+
+
+def trained_to_the_end(run_dir: Path, stopped: int) -> int | None:
+    """The last step of the run in ``run_dir`` when its workers trained it to the end (``train.steps``,
+    checkpointed) and none stopped on a signal (``stopped``: how many stop lines they printed): a stop
+    signal that reached them after the last step, which they take as no stop (they finish the run);
+    else None."""
+    if stopped or not RunDir(run_dir).config.is_file():
+        return None
+    steps = load_config(RunDir(run_dir).config, stored=True).train.steps
+    ckpt = CheckpointManager(run_dir).latest()
+    return steps if ckpt is not None and checkpoint_step(ckpt) >= steps else None
 
 
 def _workers_stop_signal(failure: dict) -> int | None:
@@ -229,15 +246,18 @@ def _pass_on_and_read_failure(stream, failure: dict, stopping: threading.Event |
     report (key ``report``: from its agent's "failed (exitcode: N)" line on; its warnings before
     that line under ``before``), and the first
     rank and exit code the report names as its "Root Cause" (keys ``rank``, ``exitcode``).
-    The workers' own stop lines (``keel: stopped by ...``, without ``--nproc``) are kept back under
-    ``stops``; once ``stopping`` is set (``keel train`` got a stop signal and says how to resume), they and
-    torchrun's traceback of the signal it got (``SignalException``) are dropped (:func:`_without_signal_traceback`)."""
+    The workers' own stop lines (``keel: stopped by ...``, without ``--nproc``) are counted (key
+    ``stopped``) and kept back under ``stops``; once ``stopping`` is set (``keel train`` got a stop signal
+    and says how to resume), they and torchrun's traceback of the signal it got (``SignalException``) are
+    dropped (:func:`_without_signal_traceback`)."""
     cause, owed = False, 0  # owed: newlines of the error lines interleaved onto one line
     errors, report = failure.setdefault("errors", []), failure.setdefault("report", [])
     stopping = stopping or threading.Event()
     stops = failure.setdefault("stops", [])
+    failure.setdefault("stopped", 0)
     for line in _without_signal_traceback(stream, stopping):
         if line.startswith("keel: stopped by "):  # a worker's: held back (a stop of the whole run is one line)
+            failure["stopped"] += 1
             if not stopping.is_set():
                 stops.append(line)
             continue
