@@ -73,6 +73,60 @@ def test_delta_ppl_matches_hand_built_forward(scheme):
         assert mean_nll(model, w, 16, "cpu") == pytest.approx(math.log(full), rel=1e-6)
 
 
+def _perturbed(model):
+    """The schemes' own parameters off their init (several start where they change nothing)."""
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "residual" in name or name.startswith("stream"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("kept", ["all", "every third"])
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_resuming_from_the_kept_stream_gives_the_recomputed_numbers_bit_for_bit(scheme, kept):
+    """The ablation pass that removes sub-layer i starts from the full pass's kept stream state before i
+    (all states kept, or, in a budget that fits only some, every third); its numbers equal recomputing every
+    sub-layer from the embedding (cache_bytes=0) exactly, for every scheme, and it runs fewer sub-layers."""
+    model, w = _perturbed(_model(scheme, n_layers=4)), _windows(n=5)
+    first = []  # the stream state after sub-layer 0, batch 0 (a tensor, or AttnRes's tuple)
+    h = model.blocks[0].attn_residual.register_forward_hook(lambda m, a, out: first.append(out))
+    with torch.no_grad():
+        model(w[:2, :-1])
+    h.remove()
+    state = sum(t.nbytes for t in (first[0] if isinstance(first[0], tuple) else (first[0],))) * 3  # 3 batches
+    cache_bytes = 8 * state if kept == "all" else 3 * state  # 8 sub-layers; a third of them
+    calls = {"n": 0}
+
+    def count(module, args, out):
+        calls["n"] += 1
+
+    handles = [blk.attn.register_forward_hook(count) for blk in model.blocks]
+    plain = ablate_model(model, w, batch_size=2, cache_bytes=0)
+    plain_calls, calls["n"] = calls["n"], 0
+    fast = ablate_model(model, w, batch_size=2, cache_bytes=cache_bytes)
+    for h in handles:
+        h.remove()
+    assert fast == plain
+    assert plain_calls == 3 * 4 * (1 + 8) - 3 * 4  # 3 batches x 4 attention sub-layers x 9 passes, less the removed
+    # with every state kept, the pass removing sub-layer 2b or 2b + 1 runs only the attention of blocks b + 1 .. 3
+    # (3 - b of them; the full pass runs all 4), per batch
+    assert calls["n"] < plain_calls
+    if kept == "all":
+        assert calls["n"] == 3 * (4 + (3 + 2 + 1 + 0) + (3 + 2 + 1 + 0))
+    assert all("forward" not in vars(unit) for _, unit, _ in model.sublayers())  # every shadow undone
+
+
+def test_a_looped_model_ablates_from_the_kept_stream_bit_for_bit():
+    cfg = load_config(None, ["model.residual=keel", "model.n_layers=4", "model.loop_prelude=1", "model.loop_core=2",
+                             "model.loop_repeats=3", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
+                             "model.d_ff=64", "model.vocab_size=97", "model.max_seq_len=32"]).model
+    torch.manual_seed(0)
+    model, w = _perturbed(Transformer(cfg).eval()), _windows(n=3)
+    assert ablate_model(model, w, batch_size=2, cache_bytes=2**30) == ablate_model(model, w, batch_size=2, cache_bytes=0)
+
+
 def test_keel_first_sublayer_removal_keeps_the_rest():
     """Keel's sub-layer 0 is plain Pre-LN (no outer norm): removing it feeds the embedding
     straight into sub-layer 1; the forward of every other unit is untouched."""

@@ -719,7 +719,8 @@ def test_flops_per_token_at_a_loop_count():
 
 
 @pytest.mark.parametrize("kw, words", [
-    (dict(loop_prelude=1, loop_core=5, loop_repeats=2), "model.loop_prelude (1) + model.loop_core (5) exceeds model.n_layers (4)"),
+    (dict(loop_prelude=1, loop_core=5, loop_repeats=2),
+     "model.loop_prelude (1) + model.loop_core (5) exceeds model.n_layers (4)"),
     (dict(loop_prelude=2, loop_core=0), "model.loop_prelude = 2 needs a loop"),
     (dict(loop_prelude=1, loop_core=2, loop_repeats=0), "model.loop_repeats must be >= 1, got 0"),
     (dict(loop_prelude=1, loop_core=2, loop_repeats=2, loop_sampling="often"), "model.loop_sampling must be"),

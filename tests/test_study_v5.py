@@ -378,7 +378,8 @@ def test_claim_g_table_says_what_is_pending():
     pend = "[s0 pending, s1 pending, s2 pending]"
     assert lines[4] == f"| 8 | 0.001; 0.01 | {pend}; {pend} | {pend}; {pend} |"
     c.summary = SRep.claim_summary(claim, c)
-    assert c.summary == "(x) t: inconclusive at the paper's init — at the paper's init: ablations pending (12 runs of a unfinished)."
+    assert c.summary == ("(x) t: inconclusive at the paper's init — at the paper's init: "
+                         "ablations pending (12 runs of a unfinished).")
 
 
 def test_claim_g_names_a_run_at_the_optimum_that_finished_without_an_ablation():
