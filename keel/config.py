@@ -423,6 +423,8 @@ def coerce_key(section: str, name: str, value: Any) -> Any:
         try:
             if isinstance(value, str) and not value.isascii():  # float("١") is 1.0: a number is ASCII text
                 raise ValueError(value)
+            if isinstance(value, bool):  # float(True) is 1.0: `--set train.lr=true` trained at lr 1.0
+                raise TypeError(value)
             return float(value)
         except (TypeError, ValueError):
             raise KeelError(f"{where} must be a number, got {value!r}") from None

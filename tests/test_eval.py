@@ -195,6 +195,14 @@ def test_too_little_text_is_named_in_english(run_dir, tmp_path, capsys):
         text_perplexity(run.load_model(), run.tokenizer(), "a", seq_len=8, device="cpu", source="t")
 
 
+def test_a_one_byte_text_is_counted_in_the_singular(run_dir, tmp_path, capsys):
+    """`keel eval --text` of one byte printed "(1 tokens, 1 bytes, ...)"."""
+    one = tmp_path / "one.txt"
+    one.write_text("a")
+    assert main(["eval", "--run", str(run_dir), "--text", str(one)]) == 0
+    assert f"held-out text: {one} (1 token, 1 byte, windows of " in capsys.readouterr().out
+
+
 def test_max_tokens_with_a_text_file_is_refused(run_dir, tmp_path, capsys):
     """`keel eval --text FILE --max-tokens 100` scored every token of the file (14,071 in the
     new-user trial) without a word: --max-tokens limits only the validation split."""

@@ -335,8 +335,9 @@ def test_a_set_of_the_loop_sampling_reaches_every_looped_run(keel_main, tmp_path
 
 
 @pytest.mark.long  # 16 tiny runs, each evaluated at two more loop counts: about 20 s on an idle core
-def test_looped_study_tiny_end_to_end(tiny_data, tmp_path):
-    """Trains the tiny scale, evaluates each run at its test loop counts and judges every claim."""
+def test_looped_study_tiny_end_to_end(tiny_data, tmp_path, keel_main):
+    """Trains the tiny scale, evaluates each run at its test loop counts and judges every claim; then
+    ``--report-only`` and ``--resume`` on its folder without ``--scale`` take the scale it was started at."""
     import torch
 
     from keel.data import validation_tokens
@@ -344,7 +345,8 @@ def test_looped_study_tiny_end_to_end(tiny_data, tmp_path):
     from keel.train.nll import mean_nll
 
     out = tmp_path / "st"
-    report = SRun.run_study("looped", "tiny", out, [f"data.path={tiny_data}"], workers=0)
+    report = SRun.run_study("looped", "tiny", out, [f"data.path={tiny_data}"], workers=0,
+                            command=f"keel study looped --scale tiny --set data.path={tiny_data}")
     recs = report["records"]
     assert len(recs) == 16 and all(r.status == "done" for r in recs)
     assert sorted({r.sublayers for r in recs}) == [8, 12]  # effective depths, from 3 blocks of weights
@@ -366,3 +368,14 @@ def test_looped_study_tiny_end_to_end(tiny_data, tmp_path):
     assert got["c"]["loop_sampling"] == {"looped": "poisson_lognormal", "looped-init": "poisson_lognormal"}
     assert "The runs read trained with model.loop_sampling = poisson_lognormal: 1 + Poisson" in (
         out / "report.md").read_text()
+    def verdicts():
+        return [(c["id"], c["verdict"]) for c in json.loads((out / "report.json").read_text())["claims"]]
+
+    before = verdicts()
+    for flag in ("--report-only", "--resume"):  # both said "study 'looped' has scales (...): give one with --scale"
+        r = keel_main("study", "looped", "--out", out, flag)
+        assert r.returncode == 0, r.stderr
+        assert "(c) inconclusive" in r.stdout and verdicts() == before
+        assert json.loads((out / "report.json").read_text())["scale"] == "tiny"
+    r = keel_main("study", "claims", "--out", out, "--report-only")
+    assert r.returncode == 2 and f"{out} holds study 'looped' at scale 'tiny', not 'claims' at 'tiny'" in r.stderr

@@ -161,6 +161,8 @@ def test_cli_train_generate_and_errors(keel_cli, keel_main, tiny_data, tmp_path)
     (("train", "--set", "model.widht=3"), "unknown config key model.widht"),
     (("train", "--set", "train.lr=fast"), "train.lr must be a number"),
     (("train", "--set", "train.steps=1.5"), "train.steps must be an integer"),
+    (("train", "--set", "train.lr=true"), "train.lr must be a number, got True"),  # trained at lr 1.0
+    (("train", "--set", "model.embed_init_std=false"), "model.embed_init_std must be a number, got False"),
     # Python's float() and int() read any script's digits: an Arabic-Indic one trained at lr 1.0 (issue 50)
     (("train", "--set", "train.lr=\u0661"), "train.lr must be a number"),
     (("train", "--set", "train.steps=\u0661\u0660"), "train.steps must be an integer"),

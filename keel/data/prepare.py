@@ -185,8 +185,8 @@ def _remove_stale_builds(out: Path) -> list[Path]:
 def _log_prepared(out: Path, meta: dict) -> None:
     """Log what a prepared dataset holds, and warn when it has no validation tokens (e.g. one
     short document, or every other one skipped as binary)."""
-    log.info("prepared %s: %d+%d docs, %d train / %d val tokens", out, meta["n_docs_train"], meta["n_docs_val"],
-             meta["train_tokens"], meta["val_tokens"])
+    log.info("prepared %s: %d+%d docs, %s train / %s val tokens", out, meta["n_docs_train"], meta["n_docs_val"],
+             f"{meta['train_tokens']:,}", f"{meta['val_tokens']:,}")
     if not meta["val_tokens"]:
         log.warning("%s has no validation tokens: all %d document(s) went to the training split; a run on it "
                     "evaluates nothing (give more documents or a larger data.val_fraction)", out, meta["n_docs_train"])

@@ -27,7 +27,7 @@ from keel.io import check_output_not_in_checkpoints, check_path_names, make_dirs
 def import_library() -> None:
     """The library the handlers below call, imported into this module (:mod:`keel.cli.commands`)."""
     global torch, check_tokenizer_matches, find_data, validation_tokens, G, A, P, presets, LS, ST, run_study, S
-    global SCHEMES, Run, check_plot_out, image_format, study_scale
+    global SCHEMES, Run, check_plot_out, image_format, study_scale, started_scale
     # torch and the library (seconds of import), imported when one of these commands runs, not when the
     # parser is built: `keel --help` loads no torch
     import torch
@@ -39,7 +39,7 @@ def import_library() -> None:
     from keel.experiments.study.spec import study_scale
     from keel.experiments import sensitivity as LS
     from keel.experiments import stress as ST
-    from keel.experiments.study.run import run_study
+    from keel.experiments.study.run import run_study, started_scale
     from keel.experiments import sweep as S
     from keel.model import SCHEMES
     from keel.run import Run
@@ -698,6 +698,8 @@ def _register_study(subparsers) -> None:
 def cmd_study(args: argparse.Namespace) -> int:
     """``keel study``: see :mod:`keel.experiments.study`."""
     groups = _study_groups(args)
+    if args.scale is None and (args.resume or args.report_only) and args.out:  # the scale DIR was started at
+        args.scale = started_scale(args.out)
     args.scale = study_scale(args.name, args.scale)
     out = args.out or f"runs/study-{Path(args.name).stem}-{args.scale}"
     if args.resume or (args.report_only and args.restore is None):  # the --set flags the study started with

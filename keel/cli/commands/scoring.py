@@ -196,7 +196,8 @@ def _held_out_perplexity(args, model, tokenizer, cfg, seq_len: int, device):
 def _print_held_out(res, seq_len: int, why_none: str | None) -> None:
     """Print the held-out perplexity ``res`` (windows of ``seq_len`` tokens), or why there is none."""
     if res is not None:
-        print(f"held-out text: {res.source} ({res.tokens:,} tokens, {res.bytes:,} bytes, windows of {seq_len} tokens)")
+        tokens, size = f"{res.tokens:,} token{'s' * (res.tokens != 1)}", f"{res.bytes:,} byte{'s' * (res.bytes != 1)}"
+        print(f"held-out text: {res.source} ({tokens}, {size}, windows of {seq_len} tokens)")
         print(f"  loss {res.loss:.4f} nats/token, perplexity {res.perplexity:.2f}, bits per byte {res.bits_per_byte:.4f}")
     else:
         print(f"held-out text: none ({why_none}; pass --text FILE)")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from keel.cli.commands import add_loops_flag, check_loops, check_seed
 from keel.config import DEFAULT_PRESET, TrainConfig, key_default, key_help, load_config, parse_override, resolve_config_path
-from keel.errors import Interrupted, KeelError
+from keel.errors import Interrupted, KeelError, plural
 from keel.io import STOP_SIGNALS, check_path_names, die_with_parent, passing_on_stop_signals
 from keel.rundir import RunDir
 
@@ -94,8 +94,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                   f"{meta[f'{split}_tokens']:,} tokens; keel train needs at least train.seq_len + 1 of them "
                   f"({need} with the default seq_len); use more text"
                   + (" or a larger --val-fraction" if split == "val" else ""))
-    print(f"  vocab {meta['vocab_size']}, train {meta['train_tokens']:,} tokens ({meta['n_docs_train']} docs), "
-          f"val {meta['val_tokens']:,} tokens ({meta['n_docs_val']} docs)")
+    print(f"  vocab {meta['vocab_size']}, train {meta['train_tokens']:,} tokens ({plural(meta['n_docs_train'], 'doc')}), "
+          f"val {meta['val_tokens']:,} tokens ({plural(meta['n_docs_val'], 'doc')})")
     return 0
 
 
@@ -353,7 +353,8 @@ def _register_train(sub) -> None:
                                     "overrides) into a run directory: metrics, checkpoints, plots and a sample. "
                                     "Continue an interrupted run with --resume DIR.")
     pt.add_argument("--config", default=None,
-                    help=f"TOML file or preset name (see `keel config`; default: {DEFAULT_PRESET})")
+                    help=f"TOML file or preset name (see `keel config`; default: {DEFAULT_PRESET}); a file's keys "
+                         "start from keel's declared defaults (listed by `keel config`), not from a preset")
     pt.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config key (repeatable)")
     pt.add_argument("--run-dir", default=None, help="where the run goes (default: runs/<time>-<scheme>-<L>sl)")

@@ -430,6 +430,18 @@ def _claim_out(out: Path, study: Study, command: str, *, resume: bool, report_on
     return held.get("command", command)
 
 
+def started_scale(out: str | Path) -> str | None:
+    """The scale the study in ``out`` was started at (its marker ``study.json``, :func:`_claim_out`), so that
+    ``--resume`` and ``--report-only`` need no ``--scale``; None without a readable marker naming one (the
+    checks of :func:`_held_study` then speak)."""
+    try:
+        held = json.loads((Path(out) / "study.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    scale = held.get("scale") if isinstance(held, dict) else None
+    return scale if isinstance(scale, str) else None
+
+
 def _held_study(out: Path, study: Study, *, report_only: bool) -> dict | None:
     """The marker ``study.json`` in ``out`` (:func:`_claim_out`), None where there is none.
 
