@@ -391,6 +391,17 @@ def _coerce_int(where: str, value: Any) -> int:
     raise KeelError(f"{where} must be an integer, got {value!r}")
 
 
+def _coerce_float(where: str, value: Any) -> float:
+    """``value`` as a float: a number or ASCII number text; not a bool (``float(True)`` is 1.0: ``--set
+    train.lr=true`` trained at lr 1.0), nor another script's digits (``float("١")`` is 1.0). Raises KeelError."""
+    if isinstance(value, bool) or (isinstance(value, str) and not value.isascii()):
+        raise KeelError(f"{where} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise KeelError(f"{where} must be a number, got {value!r}") from None
+
+
 def coerce_key(section: str, name: str, value: Any) -> Any:
     """``value`` (from TOML, a ``--set`` string or Python) as the declared type of ``section.name``:
     bool (also "true"/"false"/"1"/"0"/"yes"/"no"), int (also "12", 12.0), float, str, a list of
@@ -420,14 +431,7 @@ def coerce_key(section: str, name: str, value: Any) -> Any:
     if t.base is int:
         return _coerce_int(where, value)
     if t.base is float:
-        try:
-            if isinstance(value, str) and not value.isascii():  # float("١") is 1.0: a number is ASCII text
-                raise ValueError(value)
-            if isinstance(value, bool):  # float(True) is 1.0: `--set train.lr=true` trained at lr 1.0
-                raise TypeError(value)
-            return float(value)
-        except (TypeError, ValueError):
-            raise KeelError(f"{where} must be a number, got {value!r}") from None
+        return _coerce_float(where, value)
     if not isinstance(value, (str, int, float)) or isinstance(value, bool):
         raise KeelError(f"{where} must be a string, got {value!r}")
     return str(value)
