@@ -320,6 +320,11 @@ class TrainConfig:
     activation_checkpointing: Literal["none", "block", "every_k"] = key(
         "none", "recompute activations in backward: in every block, or every activation_checkpoint_k-th (every_k).")
     activation_checkpoint_k: int = key(2, "with every_k: recompute the activations of every k-th block.", ge=1)
+    activation_checkpoint_min_loops: int = key(
+        0, "with a looped model (model.loop_core > 0) and activation checkpointing: recompute only on the training "
+        "steps whose drawn core count (model.loop_sampling) is at least this; the other steps keep every activation "
+        "and run at full speed, so memory is bounded by this count and checkpointing costs only the rare deep draws.",
+        ge=0, note="0 = every step")
     compile: bool = key(False, "torch.compile the model.")
     flush_denormal: bool = key(
         True, "on the CPU, flush subnormal floats to zero while training (torch.set_flush_denormal): a model "

@@ -26,6 +26,7 @@ from keel.model import (SCHEMES, KVCache, RMSNorm, Residual, count_parameters, f
                          loop_count)
 from keel.run import Run
 from keel.train import train
+from keel.train.callbacks import Callback
 from keel.train.checkpoint import CheckpointManager
 from keel.train.nll import mean_nll
 from keel.train.parallelize import apply_activation_checkpointing
@@ -706,6 +707,83 @@ def test_exact_resume_of_a_looped_run(tiny_data, tmp_path, monkeypatch):
                 torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(out, loops=r)(ids).logits,
                                            native(ids, loops=r), atol=1e-5, rtol=0)
 
+
+
+class _CoreCalls(Callback):
+    """Counts, per training step, the grad-enabled calls of the core block's attention (block 1 of LOOP_SETS'
+    P = C = Q = 1): one per application, two where the application is checkpointed (forward + recomputation)."""
+
+    def __init__(self):
+        self.per_step, self.n = [], 0
+
+    def on_train_start(self, state):
+        def count(*_):
+            self.n += torch.is_grad_enabled()
+        state.model.blocks[1].attn.register_forward_pre_hook(count)
+
+    def on_gradients(self, state):
+        self.per_step.append(self.n)
+        self.n = 0
+
+
+def test_checkpoint_min_loops_recomputes_only_the_steps_that_draw_that_many(tiny_data, tmp_path):
+    """train.activation_checkpoint_min_loops = n: a step that draws at least n core applications recomputes
+    each of them in the backward, a step that draws fewer keeps its activations; the losses, gradient norms and
+    final weights are those of the run without checkpointing and of the run that checkpoints every step."""
+    base = tiny_overrides(tiny_data, steps=12) + LOOP_SETS + ["model.loop_sampling=uniform"]  # R = 3: 1 .. 5
+    runs = {}
+    for name, sets in [("none", []), ("block", ["train.activation_checkpointing=block"]),
+                       ("min3", ["train.activation_checkpointing=block", "train.activation_checkpoint_min_loops=3"])]:
+        calls = _CoreCalls()
+        train(load_config(REPO / "keel" / "configs" / "demo.toml", base + sets), tmp_path / name, callbacks=[calls])
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = ([r for r in records if "loss" in r], calls.per_step, Run(tmp_path / name).load_model())
+    loops = [r["loops"] for r in runs["none"][0]]
+    assert min(loops) < 3 <= max(loops)  # the draws fall on both sides of n
+    assert runs["none"][1] == loops and runs["block"][1] == [2 * r for r in loops]
+    assert runs["min3"][1] == [2 * r if r >= 3 else r for r in loops]
+    for name in ("block", "min3"):
+        assert [(r["loss"], r["grad_norm"], r["loops"]) for r in runs[name][0]] == \
+            [(r["loss"], r["grad_norm"], r["loops"]) for r in runs["none"][0]]
+        want, got = runs["none"][2].state_dict(), runs[name][2].state_dict()
+        assert all(torch.equal(want[k], got[k]) for k in want), name
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["train.activation_checkpointing=block", "model.loop_core=0", "model.loop_prelude=0", "model.loop_repeats=1"],
+     "needs a looped model (model.loop_core > 0)"),
+    ([], "has nothing to switch with train.activation_checkpointing = none"),
+    (["train.activation_checkpointing=block", "train.compile=true"], "is not supported with train.compile"),
+])
+def test_checkpoint_min_loops_without_what_it_selects_on_is_refused(keel_main, tiny_data, tmp_path, sets, words):
+    r = keel_main("train", *[a for s in tiny_overrides(tiny_data) + LOOP_SETS + sets
+                             + ["train.activation_checkpoint_min_loops=3"] for a in ("--set", s)],
+                  "--run-dir", tmp_path / "run")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"keel: error: train.activation_checkpoint_min_loops = 3 {words}")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_memory_floor_with_checkpoint_min_loops():
+    """The floor of a step that draws fewer than n applications is the plain floor (every block's saved
+    inputs, 4 d + 2 d_ff values per token and block); at n and above, one input (d values) per block; the run's
+    floor is the larger of the plain one at min(largest, n - 1) and the checkpointed one at its largest."""
+    from keel.config import TrainConfig
+    from keel.train import device as DV
+
+    cfg = looped_cfg("pre_ln", 1, 2, 8, 1, loop_sampling="uniform")  # largest draw 2R - 1 = 15
+    d, ff, tokens, rope = cfg.d_model, cfg.d_ff, 2 * 16, DV.rope_table_bytes(cfg)
+
+    def blocks(r):  # P + r C + Q
+        return 1 + 2 * r + 1
+
+    for n, want in [(0, blocks(15) * d), (4, max(blocks(15) * d, blocks(3) * (4 * d + 2 * ff))),
+                    (100, blocks(15) * (4 * d + 2 * ff)), (1, blocks(15) * d)]:
+        t = TrainConfig(batch_size=2, seq_len=16, steps=500, activation_checkpointing="block",
+                        activation_checkpoint_min_loops=n)
+        assert DV.activation_floor_bytes(cfg, t) == rope + tokens * want * 4, n
+    assert blocks(3) * (4 * d + 2 * ff) > blocks(15) * d  # the n = 4 case is the plain floor's
 
 
 def test_flops_per_token_at_a_loop_count():

@@ -249,6 +249,47 @@ def test_the_cpu_plan_fits_its_budget(keel_main, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("mode, k, n, sampling", [("none", 2, 0, "fixed"), ("block", 2, 0, "fixed"),
+                                                  ("every_k", 2, 0, "fixed"), ("every_k", 3, 0, "fixed"),
+                                                  ("block", 2, 4, "uniform"), ("block", 2, 99, "uniform")])
+def test_the_plan_prices_the_forwards_checkpointing_recomputes(mode, k, n, sampling):
+    """recompute_share, cpu_hours and the GPU-hours, written from their definitions: the recomputed share of the
+    applied blocks (checkpointed blocks of weights over all; with min_loops n, only the steps that draw >= n,
+    weighted by P + count C + Q blocks); a GPU does one more forward per recomputed block, 1/3 of the training
+    FLOPs (PaLM App. B); the CPU 0.7 of a step's time (measured, plan.CPU_RECOMPUTE)."""
+    from keel.config import Config, ModelConfig, TrainConfig
+    from keel.model import loop_count
+
+    m = ModelConfig(vocab_size=61, d_model=16, n_heads=2, n_kv_heads=1, d_ff=24, n_layers=4, loop_prelude=1,
+                    loop_core=2, loop_repeats=3, loop_sampling=sampling)
+    t = TrainConfig(steps=60, seed=5, activation_checkpointing=mode, activation_checkpoint_k=k,
+                    activation_checkpoint_min_loops=n)
+    chosen = {"none": 0, "block": 4, "every_k": len(range(0, 4, k))}[mode]  # blocks 0, k, 2k, ... of 4
+    counts = [loop_count(m, 5, s) or 3 for s in range(60)]
+    applied = [1 + 2 * c + 1 for c in counts]
+    want = chosen / 4 * (sum(a for a, c in zip(applied, counts) if c >= n) / sum(applied) if n else 1)
+    got = SPlan.recompute_share(Config(model=m, train=t))
+    assert got == pytest.approx(want, rel=1e-12)
+    if n == 4:
+        assert 0 < got < 1 and min(counts) < 4 <= max(counts)
+    if n == 99:
+        assert got == 0
+    tokens, flops = 204_800, 3.3e12
+    assert SPlan.cpu_hours(tokens, flops, got) == pytest.approx(
+        (tokens * 2.74e-4 + flops / 4.04e10 + 0.7 * got * flops / 4.04e10) / 3600, rel=1e-12)
+
+
+def test_a_plans_gpu_hours_count_the_recomputed_forwards(tmp_path):
+    """Block checkpointing on every run of a scale costs 4/3 of its GPU-hours without (gpu-1 of the looped study:
+    every run checkpoints every step)."""
+    with_ac = SPlan.plan_rows(SC.load_study("looped", "gpu-1"), "<data>", tmp_path / "x", 0.35, 989)
+    plain = SC.load_study("looped", "gpu-1", ["train.activation_checkpointing=none"])
+    without = SPlan.plan_rows(plain, "<data>", tmp_path / "x", 0.35, 989)
+    assert len(with_ac) == len(without) == 2
+    for a, b in zip(with_ac, without):
+        assert a["flops"] == b["flops"] and a["gpu_hours"] == pytest.approx(b["gpu_hours"] * 4 / 3, rel=1e-12)
+
+
 def test_the_plan_gives_each_schemes_tokens_per_parameter_where_they_differ(keel_main, tmp_path):
     """The dry run's 'tokens per non-embedding parameter, by depth' gives keel's and pre_ln's own ratios (Keel's
     extra norm gains make its count larger: 0.389 vs 0.39): it showed keel's alone, as every scheme's."""
@@ -277,29 +318,41 @@ def test_the_plan_gives_each_schemes_tokens_per_parameter_where_they_differ(keel
     assert cell.startswith("68: keel 0.389, pre_ln 0.39; 260: keel 0.389") and f"| {cell} |" in md
 
 
-@pytest.mark.parametrize("scale, limit", [("cpu", 2**30), ("gpu-1", 40e9)])
-def test_every_run_keeps_its_largest_drawn_depth_in_memory_by_checkpointing_each_applied_block(tmp_path, scale, limit):
+@pytest.mark.parametrize("scale, limit, min_loops", [("cpu", 2.6 * 2**30, 128), ("gpu-1", 40e9, 0)])
+def test_every_run_keeps_its_largest_drawn_depth_in_memory_by_checkpointing(tmp_path, scale, limit, min_loops):
     """poisson_lognormal draws up to about 4R core applications; a 1,028-sub-layer step at seed 1's largest draw
     over the cpu runs (247) peaked at 13.6 GiB of RSS without activation checkpointing (two workers: past the 24 GiB
-    here). Every run of both scales checkpoints each applied block, so a step keeps each block's input, sized by
-    keel.train.device.activation_floor_bytes at the run's own largest draw: under 1 GiB per cpu run (measured peak
-    3.3 GiB), under 40 GB per gpu-1 micro-batch (an H100 has 80); without checkpointing the floor alone is 10x."""
+    here). Every run of both scales checkpoints each applied block, the cpu runs only on the steps that draw at
+    least 128 applications (7.3 GiB measured at 127 without it), so a step's activations, sized by
+    keel.train.device.activation_floor_bytes at the run's own largest draw, stay under 2.6 GiB per cpu run and
+    under 40 GB per gpu-1 micro-batch (an H100 has 80; without checkpointing the floor alone is over 9x)."""
     from dataclasses import replace
 
     from keel.config import config_from_dict
+    from keel.model import largest_loop_count
     from keel.train.device import activation_floor_bytes
 
     study = SC.load_study("looped", scale)
-    floors = {}
+    floors, deep = {}, 0
     for g, _, jobs in SPlan.planned_jobs(study, "<data>", tmp_path / "x"):
         for j in jobs:
             cfg = config_from_dict(j.config)
             assert cfg.train.activation_checkpointing == "block", j.name
+            assert cfg.train.activation_checkpoint_min_loops == min_loops, j.name
             floors[g.name, j.name] = activation_floor_bytes(cfg.model, cfg.train)
             plain = activation_floor_bytes(cfg.model, replace(cfg.train, activation_checkpointing="none"))
-            assert plain > 9 * floors[g.name, j.name]
+            largest = largest_loop_count(cfg.model, cfg.train.seed, cfg.train.steps)
+            if not min_loops:
+                assert plain > 9 * floors[g.name, j.name], j.name
+                continue
+            deep += largest >= min_loops  # the floor: the steps that keep every activation, at most 127 applications
+            plain_below = activation_floor_bytes(cfg.model, replace(cfg.train, activation_checkpointing="none"),
+                                                 loops=min(largest, min_loops - 1))
+            assert floors[g.name, j.name] == plain_below and (plain > plain_below) == (largest >= min_loops)
     assert len(floors) == 108 and max(floors.values()) < limit
     assert max(floors, key=floors.get)[1].startswith("L1028_")
+    if scale == "cpu":  # every run at 1,028 sub-layers draws past 128 in some step (and checkpoints it), none below
+        assert deep == 36
     if scale == "gpu-1":  # 32 x 2048 tokens per step, as 4 micro-batches of 8
         train = config_from_dict(next(iter(SPlan.planned_jobs(study, "<data>", tmp_path / "x")))[2][0].config).train
         assert (train.batch_size, train.grad_accum, train.seq_len) == (8, 4, 2048)

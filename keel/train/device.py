@@ -102,16 +102,23 @@ def activation_floor_bytes(model_cfg: ModelConfig, train_cfg: TrainConfig, world
     logits, optimizer temporaries): this only catches what cannot fit at all. A looped core keeps its
     inputs per application, ``loops`` times (None: the most a step of the run applies,
     :func:`keel.model.largest_loop_count`, not the mean R: with ``model.loop_sampling`` uniform or
-    poisson_lognormal some steps run 2R - 1 or about 5R)."""
+    poisson_lognormal some steps run 2R - 1 or about 5R). With ``train.activation_checkpoint_min_loops`` = n
+    > 0 a step that draws fewer than n applications keeps every activation: the floor is the larger of
+    the plain floor at min(loops, n - 1) applications and the checkpointed one at ``loops``."""
     rope = rope_table_bytes(model_cfg)
     tokens = -(-train_cfg.batch_size // max(1, world_size)) * train_cfg.seq_len
     m = get_scheme(model_cfg.residual).stream_copies(model_cfg)
-    per_block = m * model_cfg.d_model if train_cfg.activation_checkpointing != "none" else \
-        4 * model_cfg.d_model + 2 * model_cfg.d_ff + (2 * m * model_cfg.d_model if m > 1 else 0)
+    plain = 4 * model_cfg.d_model + 2 * model_cfg.d_ff + (2 * m * model_cfg.d_model if m > 1 else 0)
     if loops is None:
         loops = largest_loop_count(model_cfg, train_cfg.seed, train_cfg.steps)
-    blocks = model_cfg.n_layers + (loops - 1) * model_cfg.loop_core  # P + loops C + Q
-    return rope + tokens * blocks * per_block * 4
+
+    def saved(per_block: int, r: int) -> int:  # the values a step keeps with the core applied r times
+        return tokens * (model_cfg.n_layers + (r - 1) * model_cfg.loop_core) * per_block * 4  # P + r C + Q blocks
+
+    if train_cfg.activation_checkpointing == "none":
+        return rope + saved(plain, loops)
+    below = min(loops, train_cfg.activation_checkpoint_min_loops - 1) if model_cfg.loop_core else 0
+    return rope + max(saved(m * model_cfg.d_model, loops), saved(plain, below) if below >= 1 else 0)
 
 
 def check_activations_fit(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int = 1) -> None:
@@ -140,7 +147,9 @@ def check_activations_fit(model_cfg: ModelConfig, train_cfg: TrainConfig, world_
                         f"{2 * (model_cfg.n_layers + (loops - 1) * model_cfg.loop_core):,} sub-layers{drawn} "
                         f"at width {model_cfg.d_model} needs at least "
                         f"{need / 2**30:,.1f} GiB with its activations, more than the {have / 2**30:,.1f} GiB this "
-                        "process may use; lower the batch or sequence length, or set train.activation_checkpointing")
+                        "process may use; lower the batch or sequence length, or set train.activation_checkpointing"
+                        + (" (or lower train.activation_checkpoint_min_loops)"
+                           if train_cfg.activation_checkpoint_min_loops and model_cfg.loop_core else ""))
 
 
 def check_model_fits(model_cfg: ModelConfig, bytes_per_param: int, what: str) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -63,13 +64,16 @@ def checkpointed_blocks(n_blocks: int, mode: str, every_k: int = 2) -> list[int]
     return list(range(0, n_blocks, every_k))
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, every_k: int = 2) -> list[int]:
+def apply_activation_checkpointing(model: nn.Module, mode: str, every_k: int = 2,
+                                   when: Callable[[], bool] | None = None) -> list[int]:
     """Recompute the chosen blocks' activations in the backward pass (in place).
 
     Each chosen block's ``forward`` is replaced by one that runs the original under
     ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` whenever autograd is
-    recording; with gradients off (evaluation, generation with a KV cache) it runs the
-    plain forward. Only the block's input (x [B, T, d]) stays alive between forward and
+    recording and ``when()`` is true (None: always); otherwise (evaluation, generation with a KV
+    cache, a step ``when`` leaves out) it runs the plain forward. The trainer's ``when`` is
+    ``train.activation_checkpoint_min_loops``: a looped model's step checkpoints only if it draws
+    at least that many core applications. Only the block's input (x [B, T, d]) stays alive between forward and
     backward, so memory for stored activations drops from one block's worth per block to
     one input per block plus one block's worth during its recomputation (see
     :func:`memory_estimate`). Parameter names are unchanged (no wrapper module), so
@@ -79,6 +83,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every_k: int = 2
     Args:
         model: a :class:`keel.model.Transformer` (not yet wrapped by DDP/FSDP).
         mode, every_k: see :func:`checkpointed_blocks`.
+        when: called at each chosen block's forward under autograd; False runs that call plain.
     Returns the indices of the checkpointed blocks.
     Raises:
         KeelError: unknown mode, ``every_k < 1``, or a model without ``blocks``.
@@ -93,7 +98,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every_k: int = 2
 
         @functools.wraps(original)
         def forward(*args, _original=original, **kwargs):
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and (when is None or when()):
                 return checkpoint(_original, *args, use_reentrant=False, **kwargs)
             return _original(*args, **kwargs)
 
@@ -183,17 +188,19 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     return DistributedDataParallel(model, device_ids=ids)
 
 
-def parallelize(model: nn.Module, tc, info: DistInfo) -> nn.Module:
+def parallelize(model: nn.Module, tc, info: DistInfo, checkpoint_when: Callable[[], bool] | None = None
+                ) -> nn.Module:
     """Apply the transforms ``tc`` (a :class:`keel.config.TrainConfig`) asks for, in order:
-    activation checkpointing, compile, then DDP or FSDP2 when ``info`` is distributed (with
-    bf16 mixed precision for ``train.precision = "bf16"``).
+    activation checkpointing (on the calls where ``checkpoint_when()`` is true; None: every call,
+    :func:`apply_activation_checkpointing`), compile, then DDP or FSDP2 when ``info`` is distributed
+    (with bf16 mixed precision for ``train.precision = "bf16"``).
 
     Returns the module to call for training forwards (the DDP wrapper, or ``model`` itself,
     which FSDP2 shards in place). Raises KeelError on an unknown ``tc.parallelism`` or
     checkpointing mode.
     """
     check_value("train.parallelism", tc.parallelism)
-    apply_activation_checkpointing(model, tc.activation_checkpointing, tc.activation_checkpoint_k)
+    apply_activation_checkpointing(model, tc.activation_checkpointing, tc.activation_checkpoint_k, checkpoint_when)
     if tc.compile:
         apply_compile(model)
     if not info.distributed:

@@ -118,6 +118,29 @@ def skipped_step_words(step: int, record: dict, bad_in_row: int) -> str:
             + (f" ({', '.join(good)})" if good else "") + f"; update skipped ({bad_in_row} in a row)")
 
 
+def check_checkpoint_min_loops(cfg: Config) -> None:
+    """``train.activation_checkpoint_min_loops`` > 0 needs what it selects on: a looped model
+    (``model.loop_core`` > 0), a checkpointing mode to switch (not ``none``), and no ``train.compile``
+    (the compiled block would be traced for each of the two forwards).
+
+    Raises:
+        KeelError: one line naming the key and what is missing.
+    """
+    tc, n = cfg.train, cfg.train.activation_checkpoint_min_loops
+    if n == 0:
+        return
+    what = "train.activation_checkpoint_min_loops"
+    if not cfg.model.loop_core:
+        raise KeelError(f"{what} = {n} needs a looped model (model.loop_core > 0), whose steps it "
+                        "selects by their drawn core count; set it to 0")
+    if tc.activation_checkpointing == "none":
+        raise KeelError(f"{what} = {n} has nothing to switch with train.activation_checkpointing = none; "
+                        "set that to block or every_k")
+    if tc.compile:
+        raise KeelError(f"{what} = {n} is not supported with train.compile (each block would compile both "
+                        "forwards); set it to 0 or train.compile = false")
+
+
 def check_train_config(cfg: Config, here: bool = True) -> None:
     """Validate the keys the trainer needs before any work is done.
 
@@ -138,6 +161,7 @@ def check_train_config(cfg: Config, here: bool = True) -> None:
     if tc.seq_len > cfg.model.max_seq_len:
         raise KeelError(f"train.seq_len ({tc.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len})")
     checkpointed_blocks(cfg.model.n_layers, tc.activation_checkpointing, tc.activation_checkpoint_k)
+    check_checkpoint_min_loops(cfg)
     # activations live on the CPU too (a GPU says so itself); the global batch: the ranks of a CPU run share one host
     if here and resolve_device(tc.device).type == "cpu":
         check_activations_fit(floor, tc)
@@ -337,7 +361,14 @@ class Trainer:
         self.val_windows = validation_tokens(self.data_dir, self.tc.seq_len, self.tc.eval_tokens)
         self.eval_bs = eval_batch_size(self.local_bs, self.tc.seq_len, self.tc.eval_batch_tokens)  # windows per pass
 
+    def _checkpoint_now(self) -> bool:
+        """Whether a checkpointed block recomputes in this step's backward (``parallelize``'s
+        ``checkpoint_when``): set per step from its drawn core count and
+        ``train.activation_checkpoint_min_loops``; True outside a training step."""
+        return self.checkpointing
+
     def _build_model(self) -> None:
+        self.checkpointing = True  # train_step sets it per step
         torch.manual_seed(self.tc.seed)
         self.model = Transformer(self.cfg.model)
         self.aliases = tied_aliases(self.model)
@@ -345,7 +376,7 @@ class Trainer:
         if self.ckpt is not None and not self.sharded_ckpt:
             self.checkpoints.load_weights(self.model, self.ckpt)  # full weights, before any sharding
         self.model.to(self.device)
-        self.train_module = parallelize(self.model, self.tc, self.info)  # DDP wrapper, or the model (FSDP2)
+        self.train_module = parallelize(self.model, self.tc, self.info, self._checkpoint_now)  # DDP, or the model
         self.fsdp = self.info.distributed and self.tc.parallelism == "fsdp"
         self.optimizer = build_optimizer(self.model, self.tc)  # a sharded checkpoint's weights: _restore
 
@@ -512,6 +543,7 @@ class Trainer:
         t0 = time.perf_counter()
         state.lr = set_lr(self.optimizer, self.state.step, self.tc)
         loops = loop_count(self.cfg.model, self.tc.seed, self.state.step)  # a looped core's depth drawn this step
+        self.checkpointing = loops is None or loops >= self.tc.activation_checkpoint_min_loops
         state.loss, state.grad_norm = self.forward_backward(loops), None
         self.scaling.unscale_(self.optimizer)  # fp16: hooks, clipping and the logged norm see true gradients
         fields = self._hooks("on_gradients", state)  # raw gradients, before clipping

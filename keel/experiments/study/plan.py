@@ -15,7 +15,8 @@ from keel.experiments.study.lrs import group_jobs, group_records, stepped_lrs
 from keel.experiments.study.records import restored_record, run_record
 from keel.experiments.study.spec import Group, Study, lr_ladder
 from keel.experiments.table import markdown_table
-from keel.model import count_parameters, flops_per_token
+from keel.model import count_parameters, flops_per_token, loop_count
+from keel.train.parallelize import checkpointed_blocks
 
 
 def hours_words(h: float) -> str:
@@ -54,12 +55,37 @@ def compile_words(rows: list[dict]) -> list[str]:
 # unrolled model).
 CPU_S_PER_TOKEN = 2.74e-4
 CPU_FLOPS = 4.04e10
+# Activation checkpointing recomputes a block's forward in the backward. On a GPU that is a forward's FLOPs, a third
+# of the training FLOPs (2 of 6 N + 12 n_layers d T: PaLM App. B counts rematerialisation so). On this CPU at width
+# 64, where a forward is most of a step's time, it added 0.7 of a step: a step of the 1,028-sub-layer looped Keel
+# (8 x 128 tokens, one thread) took 3.8 s without checkpointing and 6.5 s with every block checkpointed, measured
+# back to back twice (keel/configs/studies/looped.toml).
+RECOMPUTE_FLOPS = 1 / 3
+CPU_RECOMPUTE = 0.7
 
 
-def cpu_hours(tokens: float, flops: float) -> float:
-    """Estimated CPU-hours (one core per run) of training ``tokens`` tokens at ``flops`` training FLOPs in all:
-    ``(tokens * CPU_S_PER_TOKEN + flops / CPU_FLOPS) / 3600`` (:data:`CPU_S_PER_TOKEN`, :data:`CPU_FLOPS`)."""
-    return (tokens * CPU_S_PER_TOKEN + flops / CPU_FLOPS) / 3600
+def recompute_share(cfg) -> float:
+    """The share of a run's applied blocks (over its steps) whose forward activation checkpointing recomputes,
+    for a :class:`keel.config.Config` ``cfg``: 0 without it; the checkpointed share of the blocks of weights
+    (:func:`keel.train.parallelize.checkpointed_blocks`: 1 for ``block``, about 1/k for ``every_k``); for a looped
+    model with ``train.activation_checkpoint_min_loops`` = n > 0, only on the steps whose drawn count
+    (:func:`keel.model.loop_count`, a pure function of seed and step) is at least n, weighted by the blocks each
+    step applies (P + count C + Q)."""
+    tc, m = cfg.train, cfg.model
+    share = len(checkpointed_blocks(m.n_layers, tc.activation_checkpointing, tc.activation_checkpoint_k)) / m.n_layers
+    if not share or not (m.loop_core and tc.activation_checkpoint_min_loops):
+        return share
+    counts = [loop_count(m, tc.seed, step) or m.loop_repeats for step in range(tc.steps)]
+    blocks = [m.n_layers + (c - 1) * m.loop_core for c in counts]
+    return share * sum(b for b, c in zip(blocks, counts) if c >= tc.activation_checkpoint_min_loops) / sum(blocks)
+
+
+def cpu_hours(tokens: float, flops: float, recomputed: float = 0.0) -> float:
+    """Estimated CPU-hours (one core per run) of training ``tokens`` tokens at ``flops`` training FLOPs in all,
+    of which the share ``recomputed`` (:func:`recompute_share`, FLOP-weighted) is checkpointed:
+    ``(tokens * CPU_S_PER_TOKEN + flops / CPU_FLOPS + CPU_RECOMPUTE * recomputed * flops / CPU_FLOPS) / 3600``
+    (:data:`CPU_S_PER_TOKEN`, :data:`CPU_FLOPS`, :data:`CPU_RECOMPUTE`)."""
+    return (tokens * CPU_S_PER_TOKEN + flops / CPU_FLOPS * (1 + CPU_RECOMPUTE * recomputed)) / 3600
 
 
 def planned_jobs(study: Study, data_dir: str, out: Path, restored: dict[tuple[str, str], dict] | None = None
@@ -105,6 +131,9 @@ def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: f
         per_run = [c.train.steps * c.train.batch_size * c.train.seq_len * c.train.grad_accum for c in cfgs]
         by_scheme = _tokens_per_param(per_run[len(refs):], cfgs[len(refs):])
         flops = [t * flops_per_token(c.model, c.train.seq_len) for t, c in zip(per_run, cfgs)]
+        shares = [recompute_share(c) for c in cfgs]
+        redone = sum(f * x for f, x in zip(flops, shares))  # the FLOPs of the forwards checkpointing recomputes, x 3
+        hw = [f * (1 + RECOMPUTE_FLOPS * x) for f, x in zip(flops, shares)]  # hardware FLOPs (PaLM App. B)
         held = _held_runs(g, refs, jobs, restored)
         hours = 1 / (mfu * peak_tflops * 1e12) / 3600
         rows.append({"group": g.name, "kind": g.kind, "runs": len(jobs), "references": len(refs),
@@ -113,9 +142,10 @@ def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: f
                      "tokens_per_param_by_scheme": by_scheme,
                      **_plan_axes(g, cfgs[len(refs):]),
                      "tokens_per_run": sorted(set(per_run)), "tokens": sum(per_run), "flops": sum(flops),
-                     "gpu_hours": sum(flops) * hours, "cpu_hours": cpu_hours(sum(per_run), sum(flops)),
+                     "gpu_hours": sum(hw) * hours,
+                     "cpu_hours": cpu_hours(sum(per_run), sum(flops), redone / sum(flops) if sum(flops) else 0.0),
                      "restored": sum(held[len(refs):]),
-                     "gpu_hours_left": sum(f for f, h in zip(flops, held) if not h) * hours,
+                     "gpu_hours_left": sum(f for f, h in zip(hw, held) if not h) * hours,
                      "compiled": sum(1 for c in cfgs if c.train.compile)})  # runs that torch.compile (plan.compile_words)
     return rows
 
@@ -206,7 +236,8 @@ def plan_markdown(study: Study, rows: list[dict], mfu: float, peak_tflops: float
     tot = plan_total(rows)
     lines += ["", f"Total: {tot['runs'] + tot['references']} runs, "
                   f"{tot['tokens']:.3g} tokens, about {hours_words(tot['gpu_hours'])} GPU-hours "
-                  f"(training FLOPs 6N + 12 n_layers d T per token, PaLM App. B, at {mfu:.0%} MFU of "
+                  f"(training FLOPs 6N + 12 n_layers d T per token, PaLM App. B, with the forwards that "
+                  f"activation checkpointing recomputes, at {mfu:.0%} MFU of "
                   f"{peak_tflops:g} TFLOP/s dense bf16{', an H100 SXM' if peak_tflops == 989 else ''}; "
                   f"evaluation not counted), or about {hours_words(tot['cpu_hours'])} CPU-hours on one core per run "
                   "(fitted to the cpu claims study's runs at width 64: keel.experiments.study.plan.cpu_hours)."]
