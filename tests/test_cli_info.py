@@ -386,3 +386,27 @@ def test_config_study_keys_lists_every_declared_key_of_a_study_file(capsys):
         block = out.split(f'claim keys of test = "{kind}":\n')[1].split("\nclaim keys of")[0]
         assert [ln.split()[0] for ln in block.splitlines() if ln.startswith("  ")] == own
     assert "  id " in out and "str = required" in out
+
+
+@pytest.mark.parametrize("argv, command, words", [
+    (["train", "--steps", "3"], "keel train",
+     "unrecognized arguments: --steps 3; a config key is set with --set train.steps=VALUE"),
+    (["train", "--d-model=64", "--lr", "1"], "keel train",
+     "unrecognized arguments: --d-model=64 --lr 1; a config key is set with --set model.d_model=VALUE, "
+     "--set train.lr=VALUE"),
+    (["config", "--bogus"], "keel config", "unrecognized arguments: --bogus"),
+    ([], "keel", "the following arguments are required: command"),
+    (["bogus"], "keel", "argument command: invalid choice: 'bogus'"),
+    (["gradflow", "--loop"], "keel gradflow", "argument --loop: expected one argument"),
+    (["eval", "--run", "x", "--hf", "y"], "keel eval", "argument --hf: not allowed with argument --run"),
+    (["study", "claims", "--workers", "abc"], "keel study", "argument --workers: invalid int value: 'abc'"),
+])
+def test_a_bad_flag_is_a_one_line_error(keel_main, argv, command, words):
+    """A fresh-user trial: argparse printed its usage lines (the top-level ones for `keel train --steps 3`)
+    before `keel: error:`; a bad flag is now one line like every other mistake, naming the command's --help,
+    and an unknown flag that is a config key says how to set it."""
+    r = keel_main(*argv)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"keel: error: {words}") and lines[0].endswith(
+        f"(see {command} --help)"), lines

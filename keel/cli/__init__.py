@@ -16,8 +16,8 @@ handler is ``cmd_NAME``), and :data:`COMMAND_GROUPS` lists the modules, in the o
 
 Every ``--help`` shows the defaults and no reST markup (:mod:`keel.cli.formatting`).
 
-A user mistake (bad path, bad config value, too little data) prints one line
-``keel: error: ...`` on stderr and exits with status 2; no traceback. An argument that is not UTF-8
+A user mistake (bad flag, bad path, bad config value, too little data) prints one line
+``keel: error: ...`` on stderr and exits with status 2; no traceback (a bad flag: :class:`Parser`). An argument that is not UTF-8
 text (a path named with byte 0xff; ``--prompt`` aside) is such a mistake: keel records paths and values
 in UTF-8 files. A training run stopped
 by SIGINT / SIGTERM / SIGHUP (after writing its checkpoint) prints one line ``keel: stopped by ...``
@@ -50,16 +50,50 @@ from keel.errors import Interrupted, KeelError
 COMMAND_GROUPS = (train, scoring, hf, science, config, runs)  # the modules of every command, in `keel --help`'s order
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser with the one-line user error of every other keel mistake: a bad flag prints
+    ``keel: error: MESSAGE (keel COMMAND --help)`` on stderr and exits with status 2 (argparse printed its
+    usage lines first). An unknown ``--NAME`` that is a config key adds how to set it (``--set SECTION.NAME=``).
+    Sub-command parsers are of this class too (``add_subparsers`` makes its parsers as its parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"keel: error: {message}{_config_key_hint(message)} (see {self.prog} --help)\n")
+
+
+def _config_key_hint(message: str) -> str:
+    """``; a config key is set with --set train.steps=VALUE`` for each ``--steps`` in an argparse
+    ``message`` (unrecognized arguments) that names a config key; else ''."""
+    if not message.startswith("unrecognized arguments:"):
+        return ""
+    import dataclasses
+
+    from keel.config import _SECTIONS  # lazily: `keel --help` stays light
+
+    names = {f.name: sec for sec, cls in _SECTIONS.items() for f in dataclasses.fields(cls)}
+    keys = [f"{names[n]}.{n}" for a in message.split(":", 1)[1].split() if a.startswith("--")
+            and (n := a[2:].split("=", 1)[0].replace("-", "_")) in names]
+    return f"; a config key is set with {', '.join(f'--set {k}=VALUE' for k in keys)}" if keys else ""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``keel`` parser with every sub-command."""
-    p = argparse.ArgumentParser(prog="keel", description="Keel and its baselines: prepare data, train, sample, "
-                                                         "diagnose, compare.")
+    p = Parser(prog="keel", description="Keel and its baselines: prepare data, train, sample, diagnose, compare.")
     p.add_argument("--version", action="version", version=f"keel {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for group in COMMAND_GROUPS:
         group.register(sub)
     apply_help_format(p)
     return p
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, but arguments no parser knows are the chosen command's error (``keel train
+    --steps 3``: ``(see keel train --help)``, where argparse's top-level parser named ``keel --help``)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -174,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     process ends at once, status 128 + 2, no traceback from an exit handler it interrupted), and SIGUSR1 / SIGUSR2
     are ignored (the command's status stands)."""
     setup_logging()  # first: parsing may log (a deprecated flag)
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     args.cli_argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the command line reports record
     if (bad := _not_utf8(args.cli_argv)) is not None:
         print(f"keel: error: the argument {bad} is not UTF-8 text; keel records its paths and values in UTF-8 "
