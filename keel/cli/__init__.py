@@ -17,9 +17,9 @@ handler is ``cmd_NAME``), and :data:`COMMAND_GROUPS` lists the modules, in the o
 Every ``--help`` shows the defaults and no reST markup (:mod:`keel.cli.formatting`).
 
 A user mistake (bad flag, bad path, bad config value, too little data) prints one line
-``keel: error: ...`` on stderr and exits with status 2; no traceback (a bad flag: :class:`Parser`). An argument that is not UTF-8
-text (a path named with byte 0xff; ``--prompt`` aside) is such a mistake: keel records paths and values
-in UTF-8 files. A training run stopped
+``keel: error: ...`` on stderr and exits with status 2; no traceback (a bad flag: :class:`Parser`).
+An argument that is not UTF-8 text (a path named with byte 0xff; ``--prompt`` aside) is such a
+mistake: keel records paths and values in UTF-8 files. A training run stopped
 by SIGINT / SIGTERM / SIGHUP (after writing its checkpoint) prints one line ``keel: stopped by ...``
 saying how to resume and exits with 130 / 143 / 129; outside a training loop each signal unwinds (temporary files and
 a new, still empty run folder are removed) and prints ``keel: stopped by SIGNAL``; once the command has
