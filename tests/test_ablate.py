@@ -349,3 +349,12 @@ def test_hf_export_of_a_run_ablates_to_the_run_s_numbers(tiny_reference_run, tmp
         assert got["ppl_full"] == pytest.approx(want["ppl_full"], rel=1e-6)
         assert [u["delta_ppl"] for u in got["units"]] == pytest.approx([u["delta_ppl"] for u in want["units"]],
                                                                         rel=1e-5, abs=1e-6 * want["ppl_full"])
+
+
+def test_an_out_that_is_a_training_run_is_named_so(keel_main, tiny_reference_run):
+    """A fresh-user trial: `keel ablate --out RUN` (a run's folder) said it held files "which keel did not write"."""
+    r = keel_main("ablate", "--run", tiny_reference_run, "--out", tiny_reference_run)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr
+    assert "a training run's files, not an ablation; keel writes an ablation only" in lines[0], lines
+    assert "which keel did not write" not in lines[0]

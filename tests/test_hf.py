@@ -685,6 +685,24 @@ def test_import_refuses_a_tokenizer_larger_than_the_vocabulary_and_steps_below_t
     assert main(["import-hf", "--hf", str(llama_dir), "--out", str(tmp_path / "b"), "--set", "train.steps=30"]) == 0
 
 
+@pytest.mark.parametrize("sets, words", [
+    (["train.activation_checkpoint_min_loops=4"], "needs a looped model (model.loop_core > 0)"),
+    (["train.activation_checkpointing=every_k", "train.activation_checkpoint_k=0"], "activation_checkpoint_k"),
+])
+def test_import_hf_refuses_train_keys_that_train_refuses(tiny_data, tmp_path, capsys, sets, words):
+    """A fresh-user trial: import-hf --set wrote a run whose config `keel train --resume` then refused (min_loops
+    on a model that does not loop); it now makes the trainer's checks before anything is written."""
+    llama_dir = tmp_path / "llama"
+    _stock_llama(llama_dir, tiny_data / "tokenizer.json")
+    capsys.readouterr()
+    assert main(["import-hf", "--hf", str(llama_dir), "--out", str(tmp_path / "b")]
+                + [a for x in sets + ["train.activation_checkpointing=block"] * (len(sets) == 1) for a in ("--set", x)]
+                ) == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # after import-hf's info line on train.seq_len
+    assert last.startswith("keel: error: ") and words in last
+    assert not (tmp_path / "b").exists()
+
+
 @pytest.mark.parametrize("command", ["import-hf", "eval"])
 def test_a_folder_without_tokenizer_json_is_one_line(tiny_data, tmp_path, capsys, command):
     """A Llama folder whose tokenizer.json was left out: import-hf and eval --hf printed transformers'

@@ -527,7 +527,15 @@ def test_ablate_removes_one_application_at_a_time():
      "the config's model.loop_prelude = 1, model.loop_core = 2, model.loop_repeats = 3 make a model of 8 sub-layers "
      "apply 16 (2 (P + R C + Q) = 2 (1 + 3 x 2 + 1)); at init, --loop P,C,Q with --sublayers the effective depths"),
     (["--loop", "1,2,1", "--sublayers", "8", "--set", "model.loop_core=3"],
-     "--loop 1,2,1 sets every profile's loop; the config's model.loop_core = 3 would be ignored: drop it"),
+     "--loop 1,2,1 sets every profile's loop (R from --sublayers; no count is sampled at init); drop --set "
+     "model.loop_core"),
+    # a fresh-user trial: these were refused as "model.loop_repeats = 4 needs a loop: set model.loop_core >= 1"
+    (["--loop", "1,2,1", "--sublayers", "12", "--set", "model.loop_repeats=4", "--set", "model.loop_sampling=uniform"],
+     "--loop 1,2,1 sets every profile's loop (R from --sublayers; no count is sampled at init); drop --set "
+     "model.loop_repeats, model.loop_sampling"),
+    # and without --sublayers: "16 sub-layers is not 2 (P + R C + Q)", the default depths it did not name
+    (["--loop", "1,8,1"], "--loop 1,8,1 needs --sublayers, the effective depths 2 (P + R C + Q) to profile "
+                          "(e.g. 20,68,260)"),
 ])
 def test_gradflow_loop_flags_are_checked_first(keel_main, args, msg):
     """Refused in one line before any data is prepared or model built."""
@@ -749,6 +757,23 @@ def test_checkpoint_min_loops_recomputes_only_the_steps_that_draw_that_many(tiny
         assert all(torch.equal(want[k], got[k]) for k in want), name
 
 
+@pytest.mark.parametrize("sampling, n", [("uniform", 6), ("uniform", 4), ("fixed", 3), ("fixed", 4), ("uniform", 0)])
+def test_the_run_header_says_which_steps_checkpoint(sampling, n):
+    """A fresh-user trial: min_loops above every count a run draws (6 with uniform at R = 3: 1 .. 5; 4 with fixed
+    R = 3) checkpointed no step while the header said "activation checkpointing: block"; it now says how many."""
+    from keel.train.trainer import checkpoint_min_loops_words
+
+    cfg = load_config(REPO / "keel" / "configs" / "demo.toml", LOOP_SETS + [
+        f"model.loop_sampling={sampling}", "train.steps=30", "train.activation_checkpointing=block",
+        f"train.activation_checkpoint_min_loops={n}"])
+    counts = [loop_count(cfg.model, cfg.train.seed, s) or 3 for s in range(30)]
+    hit = sum(c >= n for c in counts)
+    want = "" if n == 0 else f" on steps that draw >= {n} core applications (" + (
+        f"{hit} of its 30 steps)" if hit else f"none of its 30 steps: they draw at most {max(counts)})")
+    assert checkpoint_min_loops_words(cfg) == want
+    assert (hit == 0) == ((sampling, n) in {("uniform", 6), ("fixed", 4)}) or n == 0
+
+
 @pytest.mark.parametrize("sets, words", [
     (["train.activation_checkpointing=block", "model.loop_core=0", "model.loop_prelude=0", "model.loop_repeats=1"],
      "needs a looped model (model.loop_core > 0)"),
@@ -763,6 +788,23 @@ def test_checkpoint_min_loops_without_what_it_selects_on_is_refused(keel_main, t
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"keel: error: train.activation_checkpoint_min_loops = 3 {words}")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("mode, n, advice", [("none", 0, "or set train.activation_checkpointing"),
+                                              ("block", 4, "or lower train.activation_checkpoint_min_loops"),
+                                              ("block", 0, "or train a smaller model")])
+def test_the_memory_refusal_advises_a_key_not_yet_set(monkeypatch, mode, n, advice):
+    """A fresh-user trial: with train.activation_checkpointing = block already set, the refusal still said
+    "set train.activation_checkpointing"."""
+    from keel.config import TrainConfig
+    from keel.train import device as DV
+
+    cfg = looped_cfg("pre_ln", 1, 2, 8, 1, loop_sampling="uniform")
+    t = TrainConfig(batch_size=2, seq_len=16, steps=50, activation_checkpointing=mode, activation_checkpoint_min_loops=n)
+    monkeypatch.setattr(DV, "host_memory_bytes", lambda: count_parameters(cfg) * 16 + DV.rope_table_bytes(cfg) + 1)
+    with pytest.raises(KeelError) as e:
+        DV.check_activations_fit(cfg, t)
+    assert str(e.value).endswith("lower the batch or sequence length, " + advice) and "\n" not in str(e.value)
 
 
 def test_memory_floor_with_checkpoint_min_loops():

@@ -432,3 +432,15 @@ def test_looped_study_tiny_end_to_end(tiny_data, tmp_path, keel_main):
         assert json.loads((out / "report.json").read_text())["scale"] == "tiny"
     r = keel_main("study", "claims", "--out", out, "--report-only")
     assert r.returncode == 2 and f"{out} holds study 'looped' at scale 'tiny', not 'claims' at 'tiny'" in r.stderr
+
+
+def test_the_dry_run_names_the_sets_that_reach_every_run(keel_main, tmp_path):
+    """A fresh-user trial: `--dry-run --set model.loop_sampling=uniform` printed the scale's note ("loop count per
+    step 1 + Poisson(e^tau) of mean R") and nothing of the --set its runs follow."""
+    line = ("Every run also with --set model.loop_sampling=uniform (applied after the scale's keys: where it differs "
+            "from the scale's note above, the runs follow the --set).")
+    given = keel_main("study", "looped", "--scale", "cpu", "--dry-run", "--out", tmp_path / "x",
+                      "--set", "model.loop_sampling=uniform").stdout.splitlines()
+    plain = keel_main("study", "looped", "--scale", "cpu", "--dry-run", "--out", tmp_path / "x").stdout.splitlines()
+    assert line in given and given.index(line) < next(i for i, x in enumerate(given) if x.startswith("| group"))
+    assert not any(x.startswith("Every run also with --set") for x in plain)

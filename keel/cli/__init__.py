@@ -65,7 +65,7 @@ def _config_key_hint(message: str) -> str:
     ``message`` (unrecognized arguments) that names a config key; else ''."""
     if not message.startswith("unrecognized arguments:"):
         return ""
-    import dataclasses
+    import dataclasses  # lazily, with keel.config: only a bad flag needs them
 
     from keel.config import _SECTIONS  # lazily: `keel --help` stays light
 

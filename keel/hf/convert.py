@@ -60,6 +60,7 @@ from keel.train.checkpoint import CheckpointManager
 from keel.train.device import resolve_device
 from keel.train.optim import build_optimizer
 from keel.train.progress import interactive
+from keel.train.trainer import check_train_config
 
 KEEL_CONFIG_NAME = "keel_config.toml"
 KEEL_TIED = frozenset(KeelForCausalLM._tied_weights_keys)  # stored once, as the embedding
@@ -409,6 +410,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     _check_importable(hf_dir, cfg, len(hf_tok), step)
     _check_given_data(cfg, overrides)
     _fit_seq_len(hf_dir, cfg, overrides)
+    check_train_config(cfg, here=False)  # the checks `keel train --resume OUT` makes, before anything is written
     loops = getattr(model.config, "loops", None)
     if loops is not None and loops != cfg.model.loop_repeats:
         R, cap = cfg.model.loop_repeats, max_loops(cfg.model.loop_repeats)

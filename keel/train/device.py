@@ -147,9 +147,11 @@ def check_activations_fit(model_cfg: ModelConfig, train_cfg: TrainConfig, world_
                         f"{2 * (model_cfg.n_layers + (loops - 1) * model_cfg.loop_core):,} sub-layers{drawn} "
                         f"at width {model_cfg.d_model} needs at least "
                         f"{need / 2**30:,.1f} GiB with its activations, more than the {have / 2**30:,.1f} GiB this "
-                        "process may use; lower the batch or sequence length, or set train.activation_checkpointing"
-                        + (" (or lower train.activation_checkpoint_min_loops)"
-                           if train_cfg.activation_checkpoint_min_loops and model_cfg.loop_core else ""))
+                        "process may use; lower the batch or sequence length, or "
+                        + ("set train.activation_checkpointing" if train_cfg.activation_checkpointing == "none" else
+                           "lower train.activation_checkpoint_min_loops"
+                           if train_cfg.activation_checkpoint_min_loops and model_cfg.loop_core else
+                           "train a smaller model"))
 
 
 def check_model_fits(model_cfg: ModelConfig, bytes_per_param: int, what: str) -> None:

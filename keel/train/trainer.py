@@ -64,6 +64,7 @@ from keel.data import (TokenLoader, absolute_data_paths, load_tokenizer, prepare
 from keel.errors import KeelError, plural
 from keel.io import RunLock, atomic_path, atomic_write_text, check_run_folder, disk_errors, write_failure
 from keel.model import Transformer, check_model_config, flops_per_token, get_scheme, ignored_keys, loop_count
+from keel.model.model import LARGEST_LOOP_DRAWS
 from keel.rundir import RunDir
 from keel.train import dist as D, state_dict as SD
 from keel.train.callbacks import Callback, StepState, unhonoured_keys
@@ -139,6 +140,22 @@ def check_checkpoint_min_loops(cfg: Config) -> None:
     if tc.compile:
         raise KeelError(f"{what} = {n} is not supported with train.compile (each block would compile both "
                         "forwards); set it to 0 or train.compile = false")
+
+
+def checkpoint_min_loops_words(cfg: Config) -> str:
+    """The run header's words on ``train.activation_checkpoint_min_loops`` = n > 0 (else ''): which steps
+    checkpoint, and how many of this run's do (the counts are a pure function of seed and step, known before it
+    starts; :func:`keel.model.loop_count`), e.g. `` on steps that draw >= 6 core applications (none of its 30
+    steps: they draw at most 5)``."""
+    tc, m = cfg.train, cfg.model
+    if not (tc.activation_checkpoint_min_loops and m.loop_core):
+        return ""
+    n = tc.activation_checkpoint_min_loops
+    counts = [loop_count(m, tc.seed, step) or m.loop_repeats for step in range(min(tc.steps, LARGEST_LOOP_DRAWS))]
+    hit = sum(c >= n for c in counts)
+    return (f" on steps that draw >= {n} core applications ("
+            + (f"{hit:,} of its {plural(len(counts), 'step')}" if hit else
+               f"none of its {plural(len(counts), 'step')}: they draw at most {max(counts)}") + ")")
 
 
 def check_train_config(cfg: Config, here: bool = True) -> None:
@@ -446,7 +463,7 @@ class Trainer:
                  f"{self.tokens_per_step:,} tokens per optimizer step; world size {self.ws}"
                  + (f" ({tc.parallelism}, {self.local_bs} sequences per rank per micro-batch)"
                     if self.info.distributed else "")
-                 + (f"; activation checkpointing: {tc.activation_checkpointing}"
+                 + (f"; activation checkpointing: {tc.activation_checkpointing}{checkpoint_min_loops_words(cfg)}"
                     if tc.activation_checkpointing != "none" else "")
                  + ("; torch.compile" if tc.compile else ""))
         passes = -(-len(self.val_windows) // (self.eval_bs * self.ws))

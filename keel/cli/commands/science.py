@@ -226,10 +226,28 @@ def _gradflow_profiles(args: argparse.Namespace) -> list[dict]:
         return G.profile_runs(args.run, args.seq_len, loops=args.loops, **common)
     schemes = _parse_schemes(args.residual if args.residual is not None else
                              ",".join(s for s in SCHEMES if args.loop is None or _loops(s)))
+    loop = _parse_loop(args.loop)
+    if loop is not None:  # before the config is read: its check of a loop key would name model.loop_core
+        _check_loop_sets(args.loop, loop, args.set, args.sublayers is None)
     depths = _parse_layers(args.sublayers if args.sublayers is not None else G.DEFAULT_LAYERS, args.sublayers_flag)
     base = load_config(resolve_config_path(args.config), args.set)
     return G.profile_schemes(base, schemes, depths, args.d_model or G.DEFAULT_WIDTH,
-                             args.seq_len or G.DEFAULT_SEQ_LEN, loop=_parse_loop(args.loop), **common)
+                             args.seq_len or G.DEFAULT_SEQ_LEN, loop=loop, **common)
+
+
+def _check_loop_sets(text: str, loop: tuple[int, int, int], sets: list[str], no_depths: bool) -> None:
+    """``keel gradflow --loop P,C,Q`` (``text``, parsed ``loop``) sets every profile's loop and takes its effective
+    depths from ``--sublayers``. Raises KeelError (one line) for a ``--set model.loop_*`` beside it (a
+    ``loop_repeats`` or ``loop_sampling`` was refused as needing model.loop_core, which --loop does set), or
+    no ``--sublayers`` (the default depths are no 2 (P + R C + Q) of most loops)."""
+    given = [x.split("=", 1)[0].strip() for x in sets or []]
+    if keys := [k for k in given if k.startswith("model.loop_")]:
+        raise KeelError(f"--loop {text} sets every profile's loop (R from --sublayers; no count is sampled at "
+                        f"init); drop --set {', '.join(keys)}")
+    if no_depths:
+        P, C, Q = loop
+        raise KeelError(f"--loop {text} needs --sublayers, the effective depths 2 (P + R C + Q) to profile "
+                        f"(e.g. {2 * (P + C + Q)},{2 * (P + 4 * C + Q)},{2 * (P + 16 * C + Q)})")
 
 
 def _loops(scheme: str) -> bool:
@@ -460,7 +478,8 @@ def _register_ablate(subparsers) -> None:
                               description=module_summary("keel.diagnostics.ablate"))
     p.add_argument("--run", default=None, help="a keel run directory (model and validation split)")
     p.add_argument("--hf", default=None, metavar="MODEL_PATH",
-                   help="a local Hugging Face causal LM folder instead (one decoder layer = one unit)")
+                   help="a local Hugging Face causal LM folder instead (a keel export: one sub-layer = one unit; "
+                        "another model: one decoder layer)")
     p.add_argument("--text", default=None, help="a text file to measure on (default: the run's validation split; "
                    "with --hf, that of --run)")
     p.add_argument("--tokens", type=int, default=None, help="validation tokens to use (default 16384)")

@@ -230,7 +230,9 @@ def plan_markdown(study: Study, rows: list[dict], mfu: float, peak_tflops: float
               ", ".join(map(str, r.get("steps", []))), ", ".join(f"{t:,.0f}" for t in r["tokens_per_run"]),
               _tokens_per_param_words(r.get("tokens_per_param_by_scheme", {})),
               f"{r['tokens']:.3g}", hours_words(r["gpu_hours"]), hours_words(r["cpu_hours"])] for r in rows]
-    lines = [f"Study {study.name}, scale {study.scale}: {study.note}".strip(), ""] + markdown_table(
+    given = ([f"Every run also with --set {', '.join(study.user_sets)} (applied after the scale's keys: where it "
+              "differs from the scale's note above, the runs follow the --set).", ""] if study.user_sets else [])
+    lines = [f"Study {study.name}, scale {study.scale}: {study.note}".strip(), ""] + given + markdown_table(
         ["group", "runs", "schemes", "sub-layers", "seeds", "LRs", "steps", "tokens per run",
          "tokens per non-embedding parameter, by depth", "total tokens", "est. GPU-hours", "est. CPU-hours"], cells)
     tot = plan_total(rows)
