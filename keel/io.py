@@ -468,10 +468,7 @@ def check_output_folder(folder: str | os.PathLike, flag: str, own: Callable[[Pat
     foreign = sorted(p.name for p in folder.iterdir()
                      if not (KEEL_TEMPORARY.match(p.name) or own(p))) if folder.is_dir() else []
     if foreign:
-        run = (folder / "config.toml").is_file() and (folder / "checkpoints").is_dir()  # a training run's folder
-        raise KeelError(f"{flag} {folder} holds {_shown(foreign)}, "
-                        + ("a training run's files, not " + what if run else "which keel did not write")
-                        + f"; keel writes {what} only "
+        raise KeelError(f"{flag} {folder} holds {_shown(foreign)}, which keel did not write; keel writes {what} only "
                         f"into a new or empty folder or one holding only {what} keel wrote: move them, or give "
                         f"another {flag}")
 

@@ -356,5 +356,6 @@ def test_an_out_that_is_a_training_run_is_named_so(keel_main, tiny_reference_run
     r = keel_main("ablate", "--run", tiny_reference_run, "--out", tiny_reference_run)
     lines = r.stderr.splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr
-    assert "a training run's files, not an ablation; keel writes an ablation only" in lines[0], lines
+    assert lines[0] == (f"keel: error: --out {tiny_reference_run} is a training run's folder, not an ablation: give "
+                        "--out a new or empty folder (e.g. RUN/ablate)")
     assert "which keel did not write" not in lines[0]

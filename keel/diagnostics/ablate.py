@@ -70,6 +70,7 @@ from keel.data.text import encode_text, read_text_file
 from keel.errors import KeelError, plural
 from keel.io import atomic_files, check_output_folder, load_hf_tokenizer, weights_load_errors
 from keel.run import Run
+from keel.rundir import RunDir
 from keel.train.nll import mean_nll
 from keel.train.plots import plt, save_figure, written_by_keel
 
@@ -411,8 +412,12 @@ def check_out(out_dir: str | Path, flag: str = "--out") -> None:
     before the ablation's minutes (:func:`keel.io.check_output_folder`).
 
     Raises:
-        KeelError: one line naming ``flag`` and the first entries keel did not write.
+        KeelError: one line naming ``flag`` and the first entries keel did not write, or that ``out_dir`` is a
+            training run's folder.
     """
+    if RunDir(out_dir).is_run():  # keel wrote it, but a run is no ablation
+        raise KeelError(f"{flag} {out_dir} is a training run's folder, not an ablation: give --out a new or empty "
+                        "folder (e.g. RUN/ablate)")
     check_output_folder(out_dir, flag, written_by_ablate, "an ablation")
 
 
