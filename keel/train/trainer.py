@@ -381,7 +381,7 @@ class Trainer:
     def _checkpoint_now(self) -> bool:
         """Whether a checkpointed block recomputes in this step's backward (``parallelize``'s
         ``checkpoint_when``): set per step from its drawn core count and
-        ``train.activation_checkpoint_min_loops``; True outside a training step."""
+        ``train.activation_checkpoint_min_loops``; True before the first step (no-grad forwards never read it)."""
         return self.checkpointing
 
     def _build_model(self) -> None:
