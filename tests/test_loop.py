@@ -19,7 +19,7 @@ from conftest import REPO, tiny_overrides
 from spawn import spawn_training
 from keel import KeelError, ModelConfig, Transformer
 from keel.config import load_config
-from keel.diagnostics.ablate import ablate_model
+from keel.diagnostics.ablate import ablate_markdown, ablate_model
 from keel.diagnostics.gradflow import profile_model
 from keel.data import TokenLoader, validation_tokens
 from keel.model import (SCHEMES, KVCache, RMSNorm, Residual, count_parameters, flops_per_token, largest_loop_count,
@@ -492,6 +492,9 @@ def test_ablate_removes_one_application_at_a_time():
     assert [u["weight_sublayer"] for u in res["units"]] == [2 * b + k for b in order for k in (0, 1)]
     assert [u["application"] for u in res["units"][::2]] == [None] + [a for a in range(R) for _ in range(C)] + [None]
     assert (res["sublayers"], res["loop"]["repeats"]) == (2 * len(order), R)
+    # "blocks" are blocks of weights, as in keel eval's report; it counted applied blocks (14 for 10 + 4)
+    assert (res["blocks"], res["applied_blocks"]) == (P + C + Q, len(order))
+    assert f"keel, 4 blocks of weights, {len(order)} applied = {2 * len(order)} sub-layers;" in ablate_markdown(res, "t")
     cpu = torch.device("cpu")
     assert res["nll_full"] == pytest.approx(mean_nll(model, windows, 2, cpu), rel=1e-6)
     units = [unit for _, unit, _ in model.sublayers()]
@@ -609,6 +612,7 @@ def test_keel_train_and_generate_looped(keel_main, tiny_data, tmp_path):
         assert r.returncode == 0, r.stderr
         report = json.loads(r.stdout)
         assert report["sublayers"] == 2 * (1 + loops + 1) and report["loops"]["repeats"] == loops
+        assert (report["blocks"], report["applied_blocks"]) == (3, 1 + loops + 1)
         assert report["loops"]["trained_repeats"] == 3
         assert report["perplexity"]["loss"] == pytest.approx(mean_nll(model, windows, 8, torch.device("cpu")), rel=1e-6)
     r = keel_main("eval", "--run", run, "--loops", 6)
@@ -619,20 +623,23 @@ def test_keel_train_and_generate_looped(keel_main, tiny_data, tmp_path):
     # the diagnostics per applied sub-layer, at another count
     r = keel_main("ablate", "--run", run, "--loops", 2, "--tokens", 256, "--json", "--out", tmp_path / "ablate")
     assert r.returncode == 0, r.stderr
-    units = json.loads(r.stdout)["units"]
-    assert [u["application"] for u in units] == [None, None, 0, 0, 1, 1, None, None]
+    res = json.loads(r.stdout)
+    assert [u["application"] for u in res["units"]] == [None, None, 0, 0, 1, 1, None, None]
+    assert (res["blocks"], res["applied_blocks"], res["sublayers"]) == (3, 4, 8)  # as keel eval's report counts
     assert "| index | block | unit | weights | application |" in (tmp_path / "ablate" / "ablate.md").read_text()
     gradflow = ("--json", "--seq-len", 16, "--batch-size", 1, "--jacobian-iters", 2)
     r = keel_main("gradflow", "--run", run, "--loops", 5, *gradflow)
     assert r.returncode == 0, r.stderr
     (res,) = json.loads(r.stdout)["results"]
     assert res["sublayers"] == 2 * (1 + 5 + 1) == len(res["jacobian_star"]) and res["loop"]["repeats"] == 5
+    assert (res["blocks"], res["applied_blocks"]) == (3, 7)
     r = keel_main("gradflow", "--residual", "keel,pre_ln", "--loop", "1,1,1", "--sublayers", "6,10", "--d-model", 16,
                   "--set", f"data.path={tiny_data}", "--set", "model.vocab_size=512", *gradflow)
     assert r.returncode == 0, r.stderr
     results = json.loads(r.stdout)["results"]
     assert [(x["residual"], x["sublayers"], x["loop"]["repeats"], len(x["stream_grad_norm"])) for x in results] == \
         [("keel", 6, 1, 6), ("pre_ln", 6, 1, 6), ("keel", 10, 3, 10), ("pre_ln", 10, 3, 10)]
+    assert [(x["blocks"], x["applied_blocks"]) for x in results] == [(3, 3), (3, 3), (3, 5), (3, 5)]
 
 
 def test_gradflow_loop_without_residual_profiles_every_scheme_that_loops(keel_main, tiny_data):
@@ -642,6 +649,18 @@ def test_gradflow_loop_without_residual_profiles_every_scheme_that_loops(keel_ma
     assert r.returncode == 0, r.stderr
     assert sorted(x["residual"] for x in json.loads(r.stdout)["results"]) == LOOPING
     assert keel_main("gradflow", "--residual", "attn_res", "--loop", "1,1,1", "--sublayers", "6").returncode == 2
+
+
+def test_gradflow_loop_without_residual_leaves_out_keel_at_a_prelude_of_0(keel_main, tiny_data):
+    """``--loop 0,1,0`` without --residual failed as a whole on Keel's first-sub-layer rule ("model.loop_prelude =
+    0 puts Keel's first sub-layers ..."): every other scheme that loops is profiled, and the log names why Keel
+    and attn_res are not."""
+    r = keel_main("gradflow", "--loop", "0,1,0", "--sublayers", "4", "--d-model", 16, "--set", f"data.path={tiny_data}",
+                  "--set", "model.vocab_size=512", "--json", "--seq-len", 16, "--batch-size", 1, "--jacobian-iters", 2)
+    assert r.returncode == 0, r.stderr
+    assert sorted(x["residual"] for x in json.loads(r.stdout)["results"]) == sorted(set(LOOPING) - {"keel"})
+    assert "gradflow --loop 0,1,0: not profiling keel (model.loop_prelude = 0 puts Keel's first" in r.stderr
+    assert "gradflow --loop 0,1,0: not profiling attn_res (model.residual = attn_res cannot loop" in r.stderr
 
 
 @pytest.mark.parametrize("command", ["stress", "lr-sensitivity"])

@@ -257,7 +257,9 @@ def ablate_model(model, windows, batch_size: int = 16, cache_bytes: int = PREFIX
     """:func:`layer_importance` of a keel ``Transformer`` over ``windows`` [N, T+1] (its device).
 
     Units are sub-layers: index 2b = attention of block b, 2b+1 = FFN of block b.
-    Adds ``scheme``, ``blocks``, ``sublayers`` and per unit ``block`` and ``kind`` (attn/ffn).
+    Adds ``scheme``, ``blocks`` (of weights: ``cfg.n_layers``), ``applied_blocks`` (the blocks one pass applies:
+    ``blocks``, or P + R C + Q of a looped model), ``sublayers`` (2 ``applied_blocks``) and per unit ``block``
+    (its applied block) and ``kind`` (attn/ffn).
     A looped model (at its :attr:`~keel.model.Transformer.loops`) is ablated per applied sub-layer: unit i
     is the i-th sub-layer the pass applies, one application of a core sub-layer removed while its
     other applications stay (on :meth:`keel.model.Transformer.unrolled`, which shares the weights);
@@ -286,8 +288,9 @@ def ablate_model(model, windows, batch_size: int = 16, cache_bytes: int = PREFIX
     out = layer_importance(L, nll_with)
     for u in out["units"]:
         u["block"], u["kind"] = u["index"] // 2, ("attn" if u["index"] % 2 == 0 else "ffn")
-    out.update(scheme=model.cfg.residual, blocks=L // 2, sublayers=L, unit="sub-layer",
-               tokens=int(windows[:, 1:].numel()), seq_len=int(windows.shape[1]) - 1)
+    weights = model if looped is None else looped  # the unrolled model's blocks are applications
+    out.update(scheme=model.cfg.residual, blocks=weights.cfg.n_layers, applied_blocks=L // 2, sublayers=L,
+               unit="sub-layer", tokens=int(windows[:, 1:].numel()), seq_len=int(windows.shape[1]) - 1)
     if looped is not None:
         for u, (weights, application) in zip(out["units"], _applications(looped)):
             u["weight_sublayer"], u["application"] = weights, application
@@ -327,8 +330,9 @@ def ablate_hf_model(model, windows, batch_size: int = 8) -> dict:
     out = layer_importance(len(layers), nll_with)
     for u in out["units"]:
         u["block"], u["kind"] = u["index"], "layer"
-    out.update(scheme=f"hf:{type(model).__name__}", blocks=len(layers), sublayers=2 * len(layers),
-               unit="decoder layer", tokens=int(windows[:, 1:].numel()), seq_len=int(windows.shape[1]) - 1)
+    out.update(scheme=f"hf:{type(model).__name__}", blocks=len(layers), applied_blocks=len(layers),
+               sublayers=2 * len(layers), unit="decoder layer", tokens=int(windows[:, 1:].numel()),
+               seq_len=int(windows.shape[1]) - 1)
     return out
 
 
@@ -343,10 +347,19 @@ def _text_of(res: dict) -> str:
     return f"tokens of {res['text']}" if res.get("text") else "validation tokens"
 
 
+def _blocks_words(res: dict) -> str:
+    """"32 blocks", or for a looped model "10 blocks of weights, 514 applied" (a result written before
+    ``applied_blocks`` was recorded counted applied blocks in ``blocks``)."""
+    applied = res.get("applied_blocks", res["blocks"])
+    if applied == res["blocks"]:
+        return plural(applied, "block")
+    return f"{plural(res['blocks'], 'block')} of weights, {applied:,} applied"
+
+
 def ablate_markdown(res: dict, title: str) -> str:
     """Markdown table of an ablation result."""
     lines = [f"# Layer importance: {title}", "",
-             f"{res['scheme']}, {plural(res['blocks'], 'block')} = {res['sublayers']} sub-layers; "
+             f"{res['scheme']}, {_blocks_words(res)} = {res['sublayers']} sub-layers; "
              f"unit removed = one {res['unit']}; {res['tokens']:,} {_text_of(res)}{_in_windows(res)}. "
              f"Full model: PPL {res['ppl_full']:.3f} (loss {res['nll_full']:.4f} nats/token). "
              "ΔPPL = PPL without the unit − PPL of the full model.", "",

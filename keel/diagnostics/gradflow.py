@@ -529,7 +529,8 @@ def profile_runs(run_paths: Sequence[str | Path], seq_len: int | None, batch_siz
     a looped run at ``loops`` core applications (None: its ``model.loop_repeats``; KeelError for a run
     that does not loop).
 
-    Each result adds ``residual``, ``sublayers``, ``blocks``, ``d_model``, ``run``, ``label``
+    Each result adds ``residual``, ``sublayers`` (applied: 2 ``applied_blocks``), ``blocks`` (of weights),
+    ``applied_blocks`` (one pass applies: P + R C + Q of a looped run), ``d_model``, ``run``, ``label``
     and ``seconds`` (wall time). Each result is logged as it is ready: one line of a table
     (:data:`SUMMARY_HEADER`, logged with the first) at INFO level, logger ``keel.diagnostics.gradflow``.
     Raises KeelError for a path that is not a run with a checkpoint, or a ``seq_len`` above
@@ -548,7 +549,8 @@ def profile_runs(run_paths: Sequence[str | Path], seq_len: int | None, batch_siz
         batch = _val_batch(run.data_dir(), seq_len or min(DEFAULT_SEQ_LEN, cfg.model.max_seq_len), batch_size)
         model.train()
         applied = len(model.depth_order())  # blocks one pass applies (a looped run: P + R C + Q)
-        r = {"residual": cfg.model.residual, "sublayers": 2 * applied, "blocks": applied,
+        r = {"residual": cfg.model.residual, "sublayers": 2 * applied, "blocks": cfg.model.n_layers,
+             "applied_blocks": applied,
              "d_model": cfg.model.d_model, "run": str(run.path), "label": f"{cfg.model.residual} d{cfg.model.d_model}"}
         r.update(profile_model(model, batch, jacobian_iters, full_jacobian, seed))
         results.append(_finished(r, t0, first=not results))
@@ -579,7 +581,7 @@ def profile_schemes(base, schemes: Sequence[str], depths: Sequence[int], d_model
             t0 = time.perf_counter()
             mcfg = _init_config(base, scheme, L, d_model, seq_len, vocab, loop)
             torch.manual_seed(seed)
-            r = {"residual": scheme, "sublayers": L, "blocks": L // 2, "d_model": d_model,
+            r = {"residual": scheme, "sublayers": L, "blocks": mcfg.n_layers, "applied_blocks": L // 2, "d_model": d_model,
                  "init_std": mcfg.init_std, "label": scheme if loop is None else f"{scheme} looped"}
             if L >= LONG_SUBLAYERS:  # a silent wait of minutes looked like a hang (issue 32)
                 _log.info("profiling %s at %s sub-layers: building the model, then one forward and backward pass "

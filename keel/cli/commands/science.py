@@ -132,7 +132,7 @@ def _register_gradflow(subparsers) -> None:
                     "(--residual, --sublayers) or from trained runs (--run).")
     p.add_argument("--residual", default=None,
                    help="comma-separated schemes (default: every scheme in keel.model.SCHEMES; with --loop, "
-                        "every one that loops: not attn_res)")
+                        "every one that takes that loop: not attn_res, nor keel with a prelude of 0)")
     _add_sublayers_flag(p, None, "comma-separated depths in sub-layers, each even; blocks = L/2 (default: 16,64)")
     p.add_argument("--run", action="append", default=[], metavar="DIR",
                    help="profile the latest checkpoint of a trained run instead (repeatable)")
@@ -224,9 +224,8 @@ def _gradflow_profiles(args: argparse.Namespace) -> list[dict]:
         for run in args.run:
             check_loops(args.loops, Run(run).config.model, run)
         return G.profile_runs(args.run, args.seq_len, loops=args.loops, **common)
-    schemes = _parse_schemes(args.residual if args.residual is not None else
-                             ",".join(s for s in SCHEMES if args.loop is None or _loops(s)))
     loop = _parse_loop(args.loop)
+    schemes = _parse_schemes(args.residual) if args.residual is not None else _looping_schemes(args.loop, loop)
     if loop is not None:  # before the config is read: its check of a loop key would name model.loop_core
         _check_loop_sets(args.loop, loop, args.set, args.sublayers is None)
     depths = _parse_layers(args.sublayers if args.sublayers is not None else G.DEFAULT_LAYERS, args.sublayers_flag)
@@ -250,14 +249,22 @@ def _check_loop_sets(text: str, loop: tuple[int, int, int], sets: list[str], no_
                         f"(e.g. {2 * (P + C + Q)},{2 * (P + 4 * C + Q)},{2 * (P + 16 * C + Q)})")
 
 
-def _loops(scheme: str) -> bool:
-    """Whether ``scheme`` can be looped (its ``check_config`` takes a loop; attn_res refuses one): the schemes
-    ``keel gradflow --loop`` profiles without ``--residual``."""
-    try:
-        SCHEMES[scheme].check_config(ModelConfig(residual=scheme, n_layers=3, loop_prelude=1, loop_core=1))
-    except KeelError:
-        return False
-    return True
+def _looping_schemes(text: str | None, loop: tuple[int, int, int] | None) -> list[str]:
+    """The schemes ``keel gradflow`` profiles without ``--residual``: every scheme, or with ``--loop`` (``text``,
+    parsed ``loop`` = (P, C, Q)) every one whose ``check_config`` takes that loop (attn_res refuses any loop, Keel a
+    prelude of 0 under its first-sub-layer rule); each one left out is logged with its reason (INFO, one line)."""
+    if loop is None:
+        return list(SCHEMES)
+    P, C, Q = loop
+    kept = []
+    for scheme in SCHEMES:
+        try:
+            SCHEMES[scheme].check_config(ModelConfig(residual=scheme, n_layers=P + C + Q, loop_prelude=P, loop_core=C))
+        except KeelError as e:
+            _log.info("gradflow --loop %s: not profiling %s (%s)", text, scheme, e)
+            continue
+        kept.append(scheme)
+    return kept
 
 
 def _parse_loop(text: str | None) -> tuple[int, int, int] | None:

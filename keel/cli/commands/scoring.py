@@ -165,7 +165,8 @@ def _model_report(model, name: str) -> dict:
     applies, width, parameters; a looped model's loop), no perplexity or tasks yet."""
     mc = model.cfg
     applied = len(model.depth_order())  # blocks one pass applies: n_layers, or P + R C + Q of a looped model
-    report: dict = {"model": name, "residual": mc.residual, "blocks": mc.n_layers, "sublayers": 2 * applied,
+    report: dict = {"model": name, "residual": mc.residual, "blocks": mc.n_layers, "applied_blocks": applied,
+                    "sublayers": 2 * applied,
                     "d_model": mc.d_model, "parameters": model.num_params(), "perplexity": None, "tasks": {}}
     if mc.loop_core:
         report["loops"] = {"prelude": mc.loop_prelude, "core": mc.loop_core, "coda": mc.n_layers - mc.loop_prelude -
