@@ -580,7 +580,8 @@ def load_config(path: str | Path | None = None, overrides: Iterable[Override] | 
     """Read a TOML config (default: the declared defaults) and apply ``overrides``.
 
     Args:
-        path: a TOML file with any of the sections model/data/train; None = built-in defaults.
+        path: a TOML file with any of the sections model/data/train, or the name of a shipped preset
+            (``"demo"``, ``"paper-64"``, ...; :func:`resolve_config_path`, as ``--config``); None = built-in defaults.
         overrides: ``--set`` strings ``section.key=value`` and/or typed ``(key, value)`` pairs
             (or a mapping), applied in order by :func:`apply_overrides`.
         stored: ``path`` is a file keel wrote (a run's ``config.toml``): a renamed key in it is
@@ -589,7 +590,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[Override] | 
     Raises:
         KeelError: missing/unparsable file, unknown key, bad value.
     """
-    d = read_toml(Path(path)) if path is not None else {}
+    d = read_toml(resolve_config_path(str(path))) if path is not None else {}
     return config_from_dict(apply_overrides(d, overrides or ()), stored=stored)
 
 

@@ -180,6 +180,8 @@ def _ok(m: Mapping[str, Any], base: Any, value: Any, values: tuple = ()) -> bool
         return True
     if values and base is not int:
         return False
+    if base is bool:  # "false" is truthy: the model read it as True where the trainer's coerce_key read False
+        return isinstance(value, bool)
     if base in (int, float):
         wanted = (int,) if base is int else (int, float)
         return isinstance(value, wanted) and not isinstance(value, bool) and _in_bounds(m, value)
@@ -211,6 +213,8 @@ def check_key(obj: Any, section: str, name: str, sep: str = ".") -> None:
         rule = key_rule(type(obj), name)
         if t.base is int and not t.values and (isinstance(value, bool) or not isinstance(value, int)):
             rule = f"an integer {rule}".strip()  # (a config's value is one by now: keel.config.coerce_key)
+        if t.base is bool:
+            rule = "True or False (a bool)"
         if t.base is list and isinstance(value, list):  # name the first bad item
             value = next((x for x in value if not _ok(m, get_args(t.hint)[0], x)), value)
         raise KeelError(f"{section}{sep}{name} must be {rule or f'of type {t.text}'}, got {value!r}")

@@ -22,6 +22,7 @@ from keel.diagnostics.divergence import (
     build_monitor,
     classify,
     classify_metrics,
+    read_reference,
 )
 from keel.errors import KeelError
 from keel.train import TrainingStopped, train
@@ -397,3 +398,16 @@ def test_a_bad_divergence_reference_is_refused_before_the_run_folder_is_made(tin
         train_run(load_config(REPO / "keel" / "configs" / "demo.toml", sets + [f"train.divergence_reference={missing}"]),
                   run)
     assert not run.exists()
+
+
+def test_a_reference_with_a_non_finite_loss_reads_it_as_nan(tmp_path):
+    """The trainer writes a non-finite loss as ``null``; read_reference raised a TypeError on it (float(None)),
+    so a reference run that had one spike to inf could not be a reference at all."""
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"step": 1, "loss": 5.5}, {"step": 2, "loss": None}, {"step": 3, "loss": 4.0}, {"step": 3, "val_loss": 4.1}]))
+    steps, losses = read_reference(tmp_path)
+    assert steps == [1, 2, 3] and losses[0] == 5.5 and math.isnan(losses[1]) and losses[2] == 4.0
+    assert build_monitor(tmp_path) is not None  # the trainer's path: it raised the same TypeError
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": None}))
+    with pytest.raises(KeelError, match="has no finite training loss"):
+        read_reference(tmp_path)

@@ -84,3 +84,17 @@ def test_model_loss_and_gradients_equal_unfused(tie):
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
     for n, p in model.named_parameters():
         torch.testing.assert_close(fused[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("bad", [-5, -1, 50])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_target_outside_the_vocabulary_fails_as_in_torch(bad, grad):
+    """Only -100 is ignored: any other target outside [0, V) fails, as F.cross_entropy fails. A negative one
+    was clamped to 0 and scored as token 0 without a word (a fresh-user trial: targets of -5 gave the loss of
+    all-zero targets)."""
+    h, w, t = _case(ignore=False)
+    t[3] = bad
+    with pytest.raises((IndexError, RuntimeError)):
+        F.cross_entropy(F.linear(h, w).float(), t)
+    with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match="out of bounds"):
+        linear_cross_entropy(h if grad else h.detach(), w if grad else w.detach(), t)

@@ -401,9 +401,14 @@ def test_generate_past_max_seq_len():
     (dict(temperature=-0.5), "temperature, top_k and max_new_tokens must be >= 0, got -0.5, None, 3"),  # was greedy
     (dict(top_k=-2), "got 1.0, -2, 3"),  # was no top-k
     (dict(max_new_tokens=-1), "got 1.0, None, -1"),  # was the prompt back
-    (dict(ids=torch.zeros(1, 0, dtype=torch.long)), r"at least one token, got shape \(1, 0\)"),  # a RuntimeError
+    (dict(ids=torch.zeros(1, 0, dtype=torch.long)), r"at least one row and one token, got shape \(1, 0\)"),  # RuntimeError
     (dict(ids=torch.tensor([[1, 2, 64]])), r"token ids must be in \[0, 64\) \(model.vocab_size\), got 1..64"),  # IndexError
     (dict(ids=torch.tensor([[-1, 2]])), "got -1..2"),
+    # a fresh-user trial (Python API): min() of an empty batch failed inside the id check; NaN reached multinomial
+    (dict(ids=torch.zeros(0, 3, dtype=torch.long)), r"at least one row and one token, got shape \(0, 3\)"),
+    (dict(temperature=float("nan")), "got nan, None, 3"),
+    (dict(max_new_tokens=2.5), "max_new_tokens must be an integer, got 2.5"),  # a TypeError in range()
+    (dict(top_k=2.0), "top_k must be an integer, got 2.0"),
 ])
 def test_generate_refuses_arguments_it_would_misread_in_one_line(args, words):
     """Transformer.generate sampled greedily at a negative temperature, ignored a negative top_k, and raised
@@ -414,6 +419,49 @@ def test_generate_refuses_arguments_it_would_misread_in_one_line(args, words):
     with pytest.raises(KeelError, match=words):
         model.generate(ids, **kw)
     assert model.generate(torch.tensor([[1, 63]]), 2, temperature=0).shape == (1, 4)  # the edges of the range pass
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda m, ids: m(ids[0]), r"input_ids must be an integer tensor \[batch, tokens\].*got torch.int64 of shape \(8,\)"),
+    (lambda m, ids: m(ids[None]), r"of shape \(1, 2, 8\)"),  # 'too many values to unpack', deep in attention
+    (lambda m, ids: m(ids[:0]), r"of shape \(0, 8\)"),  # 'cannot reshape tensor of 0 elements'
+    (lambda m, ids: m(ids[:, :0]), r"of shape \(2, 0\)"),
+    (lambda m, ids: m(ids.float()), r"got torch.float32 of shape \(2, 8\)"),
+    (lambda m, ids: m(ids, ids[:, :4]), r"targets must have the shape of input_ids \(2, 8\), got \(2, 4\)"),
+    # a mask of ones of the wrong shape was taken as no mask; with one 0 it failed 16 frames deep
+    (lambda m, ids: m(ids, attention_mask=torch.ones(2, 5)), r"attention_mask must be .* = \(2, 8\), got \(2, 5\)"),
+    (lambda m, ids: m(ids, attention_mask=torch.ones(2, 5).index_fill(1, torch.tensor([0]), 0)), r"got \(2, 5\)"),
+])
+def test_forward_refuses_inputs_of_the_wrong_shape_or_dtype_in_one_line(call, words):
+    """Transformer.forward's inputs are checked by shape and dtype (a fresh-user trial of the Python API met
+    IndexError / ValueError / RuntimeError from inside torch for each of these)."""
+    torch.manual_seed(0)
+    model = Transformer(small_cfg(vocab_size=64)).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(KeelError, match=words):
+        call(model, ids)
+    assert model(ids, attention_mask=torch.ones(2, 8)).shape == (2, 8, 64)  # the right shapes pass
+    assert model(ids.int()).shape == (2, 8, 64)
+
+
+def test_a_model_takes_a_model_config_and_says_so():
+    """``Transformer(run.config)`` (the whole Config) and ``count_parameters(model)`` failed with an
+    AttributeError on a missing key."""
+    from keel.config import Config
+    from keel.model import count_parameters
+    with pytest.raises(KeelError, match=r"^expected a keel.config.ModelConfig \(a Config's .model\), got Config$"):
+        Transformer(Config())
+    with pytest.raises(KeelError, match="got Transformer$"):
+        count_parameters(Transformer(small_cfg()))
+
+
+@pytest.mark.parametrize("key", ["tie_embeddings", "keel_first_layer_rule", "hc_dynamic", "peri_ln_embed_norm"])
+@pytest.mark.parametrize("value", ["false", None, 0])
+def test_a_bool_key_must_be_a_bool(key, value):
+    """``ModelConfig(tie_embeddings="false")`` validated, and the model read the truthy string as True (a tied
+    model) where the trainer's coerce_key read it as False."""
+    with pytest.raises(KeelError, match=rf"^model.{key} must be True or False \(a bool\), got {value!r}$"):
+        ModelConfig(**{key: value}).validate()
 
 
 # ---- which scheme reads which model key ---------------------------------------------------

@@ -407,9 +407,10 @@ def classify_metrics(records: Iterable[dict], reference: Iterable[dict] | None =
 
 def reference_curve(records: Iterable[dict]) -> tuple[list[int], list[float]]:
     """``(steps, losses)`` of the training-loss records (``step``, ``loss``) of a run's
-    ``metrics.jsonl``: the reference curve of :class:`OnlineDivergenceMonitor`."""
+    ``metrics.jsonl``: the reference curve of :class:`OnlineDivergenceMonitor`. A ``null`` loss (how the
+    trainer writes a non-finite one; :func:`keel.train.metrics.read_metrics` reads it so too) is NaN."""
     rr = [r for r in records if "loss" in r]
-    return [int(r["step"]) for r in rr], [float(r["loss"]) for r in rr]
+    return [int(r["step"]) for r in rr], [math.nan if r["loss"] is None else float(r["loss"]) for r in rr]
 
 
 def read_reference(run_dir: str | Path) -> tuple[list[int], list[float]]:

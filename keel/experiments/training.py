@@ -41,7 +41,10 @@ def train_run(cfg: Config, run_dir: str | Path, resume: bool = False, restart: b
 
     Args:
         cfg: the run's config (not modified; the run's ``config.toml`` holds the resolved one).
-        run_dir: the run directory; ``resume`` / ``restart`` as :func:`keel.train.train`.
+        run_dir: the run directory; ``resume`` / ``restart`` as :func:`keel.train.train`. ``resume=True``
+            continues the run in ``run_dir`` from its newest checkpoint, or starts it when the folder holds
+            no run yet (what a grid's ``--resume`` needs for its runs not yet started; one INFO line says
+            so). ``keel train --resume DIR`` is stricter: it refuses a DIR without a run's config.toml.
     Returns:
         :class:`keel.train.TrainResult` (losses in nats/token).
     Raises:

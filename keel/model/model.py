@@ -97,7 +97,7 @@ def _chunked_cross_entropy(h, w, targets, chunk_rows, with_grad):
     valid = targets != -100
     n_valid = valid.sum()
     scale = valid.to(torch.float32) / n_valid.clamp_min(1)  # d loss / d (row's nll)
-    safe = targets.clamp_min(0).unsqueeze(1)
+    safe = targets.masked_fill(~valid, 0).unsqueeze(1)  # another target out of [0, V) fails in gather, as in torch
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     dh = torch.empty_like(h) if with_grad else None
     dw = torch.zeros_like(w) if with_grad else None
@@ -129,7 +129,8 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     Args:
         h: [N, d] hidden states (the final norm's output).
         weight: [V, d] LM head weight.
-        targets: LongTensor [N]; -100 = ignored.
+        targets: LongTensor [N]; -100 = ignored; any other value outside [0, V) raises RuntimeError (an index out
+            of bounds in gather; F.cross_entropy raises too).
         chunk_rows: rows per chunk (memory ~ chunk_rows x V fp32 per chunk).
     Returns:
         the mean next-token cross-entropy over non-ignored rows, fp32 scalar tensor (nats);
@@ -320,48 +321,52 @@ def check_generate_args(input_ids: torch.Tensor, max_new_tokens: int, temperatur
                         vocab_size: int) -> None:
     """Raise KeelError, in one line, for :meth:`Transformer.generate` arguments it would misread: a negative
     temperature (it sampled greedily without a word), top_k or token count, an empty prompt, or a token id
-    outside the vocabulary (an IndexError, on a GPU a device-side assert)."""
-    if temperature < 0 or (top_k is not None and top_k < 0) or max_new_tokens < 0:
+    outside the vocabulary (an IndexError, on a GPU a device-side assert), a token count that is not an int, a NaN
+    temperature (torch.multinomial failed on the NaN probabilities), or an empty batch."""
+    for name, n in (("max_new_tokens", max_new_tokens), ("top_k", top_k)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
+            raise KeelError(f"generate: {name} must be an integer, got {n!r}")
+    if not temperature >= 0 or (top_k is not None and top_k < 0) or max_new_tokens < 0:  # `not >=`: NaN too
         raise KeelError(f"generate: temperature, top_k and max_new_tokens must be >= 0, got {temperature}, {top_k}, "
                         f"{max_new_tokens}")
-    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
-        raise KeelError(f"generate: input_ids must be [batch, prompt tokens] with at least one token, got shape "
-                        f"{tuple(input_ids.shape)}")
+    if input_ids.ndim != 2 or 0 in input_ids.shape:
+        raise KeelError(f"generate: input_ids must be [batch, prompt tokens] with at least one row and one token, "
+                        f"got shape {tuple(input_ids.shape)}")
     lo, hi = int(input_ids.min()), int(input_ids.max())
     if lo < 0 or hi >= vocab_size:
         raise KeelError(f"generate: token ids must be in [0, {vocab_size}) (model.vocab_size), got {lo}..{hi}")
 
 
-class Transformer(nn.Module):
-    """The LM. ``Transformer(cfg)(input_ids)`` -> logits; with ``targets`` -> the loss.
+def check_forward_args(input_ids: torch.Tensor, targets: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                       start: int) -> None:
+    """Raise KeelError, in one line, for :meth:`Transformer.forward` inputs of the wrong shape or dtype: ``input_ids``
+    not an integer [B, T] with B, T >= 1 (a 1-D or 3-D tensor failed deep in attention, an empty one in a reshape),
+    ``targets`` of another shape, ``attention_mask`` not [B, start + T] (a mask of ones of any shape was taken
+    as no mask). Shapes and dtypes only: the ids' values are not read (a device sync per step); an id outside
+    the vocabulary fails in the embedding, as in torch, and :meth:`Transformer.generate` checks its prompt's."""
+    if input_ids.dim() != 2 or 0 in input_ids.shape or input_ids.dtype.is_floating_point or input_ids.dtype in (
+            torch.bool, torch.complex64, torch.complex128):
+        raise KeelError(f"input_ids must be an integer tensor [batch, tokens] with at least one row and one token, "
+                        f"got {input_ids.dtype} of shape {tuple(input_ids.shape)}")
+    if targets is not None and targets.shape != input_ids.shape:
+        raise KeelError(f"targets must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(targets.shape)}")
+    want = (input_ids.shape[0], start + input_ids.shape[1])
+    if attention_mask is not None and tuple(attention_mask.shape) != want:
+        raise KeelError(f"attention_mask must be [batch, cached + new tokens] = {want}, got {tuple(attention_mask.shape)}")
 
-    Args of forward:
-        input_ids: LongTensor [B, T], T <= cfg.max_seq_len.
-        targets: optional LongTensor [B, T]; entries equal to -100 are ignored.
-        cache: optional :class:`KVCache` (or ``transformers.DynamicCache``) holding the
-            keys/values of earlier positions; it is extended in place, and ``input_ids``
-            are taken to follow them (RoPE positions start at its length).
-        attention_mask: optional 0/1 [B, past + T] (1 = real token): with zeros (padding,
-            e.g. left padding of a batch of prompts), RoPE positions count each row's real
-            tokens and padded keys are masked out (:func:`padding_attention_mask`), so a
-            row's real tokens get the logits they would get alone. All ones = no mask.
-        loops: a looped model's core applications in this pass, an int >= 1 (default :attr:`loops`,
-            ``cfg.loop_repeats`` until :meth:`set_loops`); a cache filled at one count serves only it.
-    Returns:
-        logits FloatTensor [B, T, V] (fp32) when targets is None, else the mean
-        next-token cross-entropy (scalar fp32 tensor, nats per token), computed by
-        :func:`linear_cross_entropy` (LM head and loss in chunks of rows: the [B, T, V]
-        logits are never materialised).
-    Raises:
-        KeelError: invalid config (see :meth:`ModelConfig.validate`), T too long, or a bad ``loops``.
-    """
+
+class Transformer(nn.Module):
+    """The LM. ``Transformer(cfg)(input_ids)`` -> logits; with ``targets`` -> the loss
+    (:meth:`forward` gives the arguments). ``cfg``: a :class:`keel.config.ModelConfig` (a
+    :class:`keel.config.Config`'s ``.model``). Raises KeelError: another object, or an invalid config
+    (:meth:`ModelConfig.validate`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.cfg = check_model_config(cfg)  # first: a whole Config failed on a missing attribute
         if cfg.vocab_size == "auto":  # resolved from the tokenizer when a run starts
             raise KeelError('model.vocab_size is "auto": give a number, or resolve it from a tokenizer with '
                             "keel.config.resolve_vocab_size")
-        self.cfg = check_model_config(cfg)
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList([Block(cfg, b) for b in range(cfg.n_layers)])
         # a multi-stream scheme's begin/end of the stream (None: the stream is the embedding)
@@ -467,7 +472,32 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
                 cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
                 loops: int | None = None) -> torch.Tensor:
+        """Logits of ``input_ids``, or with ``targets`` the loss.
+
+        Args:
+            input_ids: integer tensor [B, T] (B, T >= 1), start + T <= cfg.max_seq_len (start: the cache's length).
+            targets: optional LongTensor [B, T]; entries equal to -100 are ignored (another value outside
+                [0, V) raises RuntimeError, as ``F.cross_entropy``).
+            cache: optional :class:`KVCache` (or ``transformers.DynamicCache``) holding the
+                keys/values of earlier positions; it is extended in place, and ``input_ids``
+                are taken to follow them (RoPE positions start at its length).
+            attention_mask: optional 0/1 [B, start + T] (1 = real token): with zeros (padding,
+                e.g. left padding of a batch of prompts), RoPE positions count each row's real
+                tokens and padded keys are masked out (:func:`padding_attention_mask`), so a
+                row's real tokens get the logits they would get alone. All ones = no mask.
+            loops: a looped model's core applications in this pass, an int >= 1 (default :attr:`loops`,
+                ``cfg.loop_repeats`` until :meth:`set_loops`); a cache filled at one count serves only it.
+        Returns:
+            logits FloatTensor [B, T, V] (fp32) when targets is None, else the mean
+            next-token cross-entropy (scalar fp32 tensor, nats per token; NaN when every target is -100),
+            computed by :func:`linear_cross_entropy` (LM head and loss in chunks of rows: the [B, T, V]
+            logits are never materialised).
+        Raises:
+            KeelError: inputs of the wrong shape or dtype (:func:`check_forward_args`), start + T too long,
+                or a bad ``loops``. An id outside [0, V) fails in the embedding (IndexError), as in torch.
+        """
         start = cache.get_seq_length() if cache is not None else 0
+        check_forward_args(input_ids, targets, attention_mask, start)
         T = start + input_ids.shape[1]
         if T > self.cfg.max_seq_len:
             raise KeelError(f"sequence of {T} tokens is longer than model.max_seq_len = {self.cfg.max_seq_len}")

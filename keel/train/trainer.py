@@ -315,8 +315,9 @@ class Trainer:
                 intact checkpoint.
         """
         if not (resume or restart) and self.metrics_path.exists():
-            raise KeelError(f"run directory {self.run_dir} already holds a run; "
-                            f"use --resume {self.run_dir}, --restart, or another --run-dir")
+            raise KeelError(f"run directory {self.run_dir} already holds a run; continue it (keel train --resume "
+                            f"{self.run_dir}; in Python resume=True), start it again (--restart; restart=True), or "
+                            "give another run directory")
         if restart:  # before its checkpoints are deleted: a checkpoint folder it could not write again
             self._check_checkpoint_folders(0)
         self._clean_run_dir(restart)

@@ -66,8 +66,12 @@ def check_model_config(cfg: ModelConfig) -> ModelConfig:
     scheme's own checks (:meth:`Residual.check_config`). Returns ``cfg``.
 
     Raises:
-        KeelError: naming the first bad key.
+        KeelError: naming the first bad key; ``cfg`` not a ModelConfig (a whole Config, or a model, failed on
+            a missing attribute).
     """
+    if not all(hasattr(cfg, k) for k in ("residual", "n_layers", "validate")):  # not isinstance: an HF export's
+        # generated code holds a ModelConfig class of its own
+        raise KeelError(f"expected a keel.config.ModelConfig (a Config's .model), got {type(cfg).__name__}")
     cfg.validate()
     get_scheme(cfg.residual).check_config(cfg)
     return cfg
