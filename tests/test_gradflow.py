@@ -304,6 +304,14 @@ def test_cli_from_run_refuses_a_window_longer_than_the_model_reads(capsys, gradf
     assert code == 2 and err == f"keel: error: --seq-len {n} is above model.max_seq_len = {n - 1} of {run}\n"
 
 
+def test_profile_runs_refuses_a_window_of_no_tokens(gradflow_run):
+    """From Python, ``seq_len=0`` was read as "the default" (``seq_len or ...``) and profiled windows of 64."""
+    from keel.diagnostics.gradflow import profile_runs
+    run, _ = gradflow_run
+    with pytest.raises(KeelError, match="^--seq-len must be >= 1 token, got 0$"):
+        profile_runs([run], 0, batch_size=1)
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--residual", "pre_ln,postln"], "unknown residual scheme 'postln'"),
     (["--sublayers", "16,15"], "--sublayers: 15 is not an even number"),

@@ -533,9 +533,11 @@ def profile_runs(run_paths: Sequence[str | Path], seq_len: int | None, batch_siz
     ``applied_blocks`` (one pass applies: P + R C + Q of a looped run), ``d_model``, ``run``, ``label``
     and ``seconds`` (wall time). Each result is logged as it is ready: one line of a table
     (:data:`SUMMARY_HEADER`, logged with the first) at INFO level, logger ``keel.diagnostics.gradflow``.
-    Raises KeelError for a path that is not a run with a checkpoint, or a ``seq_len`` above
+    Raises KeelError for a path that is not a run with a checkpoint, or a ``seq_len`` below 1 or above
     the run's ``model.max_seq_len`` (RoPE's cache: the model cannot read a longer window).
     """
+    if seq_len is not None and seq_len < 1:  # 0 was read as "the default" (`seq_len or ...`)
+        raise KeelError(f"--seq-len must be >= 1 token, got {seq_len}")
     results = []
     for path in run_paths:
         t0 = time.perf_counter()
