@@ -422,7 +422,8 @@ def test_generate_refuses_arguments_it_would_misread_in_one_line(args, words):
 
 
 @pytest.mark.parametrize("call, words", [
-    (lambda m, ids: m(ids[0]), r"input_ids must be an integer tensor \[batch, tokens\].*got torch.int64 of shape \(8,\)"),
+    (lambda m, ids: m(ids[0]), r"must be an int64 or int32 tensor \[batch, tokens\].*got torch.int64 of shape \(8,\)"),
+    (lambda m, ids: m(ids.to(torch.uint8)), r"got torch.uint8 of shape \(2, 8\)"),  # nn.Embedding's own error
     (lambda m, ids: m(ids[None]), r"of shape \(1, 2, 8\)"),  # 'too many values to unpack', deep in attention
     (lambda m, ids: m(ids[:0]), r"of shape \(0, 8\)"),  # 'cannot reshape tensor of 0 elements'
     (lambda m, ids: m(ids[:, :0]), r"of shape \(2, 0\)"),

@@ -340,14 +340,13 @@ def check_generate_args(input_ids: torch.Tensor, max_new_tokens: int, temperatur
 def check_forward_args(input_ids: torch.Tensor, targets: torch.Tensor | None, attention_mask: torch.Tensor | None,
                        start: int) -> None:
     """Raise KeelError, in one line, for :meth:`Transformer.forward` inputs of the wrong shape or dtype: ``input_ids``
-    not an integer [B, T] with B, T >= 1 (a 1-D or 3-D tensor failed deep in attention, an empty one in a reshape),
+    not an int64 / int32 [B, T] with B, T >= 1 (a 1-D or 3-D tensor failed deep in attention, an empty one in a reshape),
     ``targets`` of another shape, ``attention_mask`` not [B, start + T] (a mask of ones of any shape was taken
     as no mask). Shapes and dtypes only: the ids' values are not read (a device sync per step); an id outside
     the vocabulary fails in the embedding, as in torch, and :meth:`Transformer.generate` checks its prompt's."""
-    if input_ids.dim() != 2 or 0 in input_ids.shape or input_ids.dtype.is_floating_point or input_ids.dtype in (
-            torch.bool, torch.complex64, torch.complex128):
-        raise KeelError(f"input_ids must be an integer tensor [batch, tokens] with at least one row and one token, "
-                        f"got {input_ids.dtype} of shape {tuple(input_ids.shape)}")
+    if input_ids.dim() != 2 or 0 in input_ids.shape or input_ids.dtype not in (torch.int64, torch.int32):
+        raise KeelError(f"input_ids must be an int64 or int32 tensor [batch, tokens] (nn.Embedding's index types) with "
+                        f"at least one row and one token, got {input_ids.dtype} of shape {tuple(input_ids.shape)}")
     if targets is not None and targets.shape != input_ids.shape:
         raise KeelError(f"targets must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(targets.shape)}")
     want = (input_ids.shape[0], start + input_ids.shape[1])
