@@ -1491,24 +1491,29 @@ def test_restore_refuses_malformed_or_mismatched_reports(tmp_path, tiny_data, ke
     assert "resume" not in r.stderr and not (tmp_path / "d" / "study.json").exists()
 
 
-def test_the_committed_report_regenerates_from_its_own_records():
-    """The committed CPU report's run records read back (:meth:`RunRecord.from_dict`) and written again are
+# The committed CPU reports: (study file, folder under docs/results, the page that quotes its summary lines)
+COMMITTED_REPORTS = [("claims", "study-cpu", "README.md"), ("looped", "study-looped-cpu", "docs/looped.md")]
+
+
+@pytest.mark.parametrize("study_name,folder,page", COMMITTED_REPORTS)
+def test_the_committed_report_regenerates_from_its_own_records(study_name, folder, page):
+    """A committed CPU report's run records read back (:meth:`RunRecord.from_dict`) and written again are
     the same JSON, key order included, and judged again give its floor, verdicts, numbers and margins, and
     its report.md byte for byte: a change of the record, the statistics or the tables that moves one digit
     fails here (issue 49; `keel study claims --scale cpu --report-only --restore` of that report plans the
     same records, unless a scheme's version has risen since, which supersedes its runs)."""
     root = Path(__file__).resolve().parents[1]
-    rep = json.loads((root / "docs/results/study-cpu/report.json").read_text(encoding="utf-8"))
+    rep = json.loads((root / "docs/results" / folder / "report.json").read_text(encoding="utf-8"))
     runs = [RunRecord.from_dict(r, f"runs[{i}]") for i, r in enumerate(rep["runs"])]
     assert json.dumps([r.to_dict() for r in runs]) == json.dumps(rep["runs"])
-    study, floor, claims = SJ.judge(SC.load_study("claims", "cpu"), runs)
+    study, floor, claims = SJ.judge(SC.load_study(study_name, "cpu"), runs)
     assert floor.to_dict() == rep["floor"] and [c.summary for _, c in claims] == rep["summary"]
     assert json.loads(json.dumps([{"id": cl.id, "title": cl.title, **plain(c)} for cl, c in claims])) == rep["claims"]
     margins = [{"group": g.name, **plain(r)} for g in study.groups for r in SV.baseline_margins(study, g, runs)]
     assert json.loads(json.dumps(margins)) == rep["baseline_margins"]
     md = SR.report_markdown(study, claims, runs, rep["command"], [], rep["restored_from"], floor)
     assert md + SR.superseded_words(rep["superseded_runs"]) == \
-        (root / "docs/results/study-cpu/report.md").read_text(encoding="utf-8")
+        (root / "docs/results" / folder / "report.md").read_text(encoding="utf-8")
 
 
 def test_a_paired_verdict_reads_back_from_the_committed_report():
@@ -1527,15 +1532,17 @@ def test_a_paired_verdict_reads_back_from_the_committed_report():
         assert json.dumps(v.to_dict()) == json.dumps(p)
 
 
-def test_readme_quotes_the_committed_reports_summary_lines():
-    """The README's study summary is the committed report's own lines (written by
-    :func:`keel.experiments.study.report.claim_summary`), not a paraphrase."""
+@pytest.mark.parametrize("study_name,folder,page", COMMITTED_REPORTS)
+def test_readme_quotes_the_committed_reports_summary_lines(study_name, folder, page):
+    """The page's study summary (README.md for the claims study, docs/looped.md for the looped one) is the
+    committed report's own lines (written by :func:`keel.experiments.study.report.claim_summary`; copied by
+    docs/results/refresh.sh), not a paraphrase."""
     root = Path(__file__).resolve().parents[1]
-    rep = json.loads((root / "docs/results/study-cpu/report.json").read_text(encoding="utf-8"))
-    readme = (root / "README.md").read_text(encoding="utf-8")
-    block = readme.split("<!-- study-summary:start -->")[1].split("<!-- study-summary:end -->")[0]
+    rep = json.loads((root / "docs/results" / folder / "report.json").read_text(encoding="utf-8"))
+    text = (root / page).read_text(encoding="utf-8")
+    block = text.split("<!-- study-summary:start -->")[1].split("<!-- study-summary:end -->")[0]
     assert [x[2:] for x in block.strip().splitlines()] == rep["summary"] and len(rep["summary"]) == len(rep["claims"])
-    md = (root / "docs/results/study-cpu/report.md").read_text(encoding="utf-8")
+    md = (root / "docs/results" / folder / "report.md").read_text(encoding="utf-8")
     assert all(f"- {x}" in md for x in rep["summary"])
 
 
