@@ -203,10 +203,19 @@ def test_verdict_roundtrip_and_summary():
 
 
 def test_bad_input():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="same length"):
         classify([1, 2], [1.0])
     with pytest.raises(ValueError):
         OnlineDivergenceMonitor(reference=([1], [float("nan")]))
+
+
+@pytest.mark.parametrize("steps", [[1, 3, 2, 4], [1, 2, 2, 3]])
+def test_steps_that_do_not_increase_are_refused(steps):
+    """A curve's steps out of order (or repeated) were accepted and judged: a spike's length and the
+    plateau's patience are counted in steps, so the verdict's step and evidence were wrong without a word."""
+    with pytest.raises(ValueError, match=rf"steps must increase: step {steps[2]} \(position 2\) follows step "
+                                         rf"{steps[1]}"):
+        classify(steps, [5.0, 4.0, 3.0, 2.0])
 
 
 # --- real runs --------------------------------------------------------------------------------

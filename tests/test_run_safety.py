@@ -19,7 +19,7 @@ import torch
 
 from conftest import HANG_S, REPO, tiny_overrides
 from keel.config import load_config
-from keel.errors import KeelError
+from keel.errors import Interrupted, KeelError
 from keel.train import train
 from keel.train.checkpoint import checkpoint_problem
 from keel.train.metrics import read_metrics
@@ -900,6 +900,39 @@ def test_signals_to_a_grid_whose_job_is_starting_up(tiny_data, tmp_path):
     assert left == [] and "Traceback" not in err, err
     assert proc.returncode == 130 and last_line(err).startswith("keel: stopped by SIGINT"), err
     assert not (out / "seed1").exists()
+
+
+@pytest.mark.parametrize("where", ["mkdir", "job.json", "run.log"])
+def test_a_stop_signal_while_a_grid_worker_starts_a_job_stops_it(where, tmp_path, monkeypatch):
+    """A grid worker's stop signal (its handler, :func:`keel.experiments.grid._worker_signal`) that lands
+    anywhere while the worker sets a job up, before the trainer's own handler, stops the job: the task never
+    runs. The job was marked running only after its run.log was open: a SIGINT before that was recorded and
+    the job trained on (test_signals_to_a_grid_whose_job_is_starting_up hung for 43,467 steps under load)."""
+    from keel.experiments import grid as G
+    monkeypatch.setattr(G, "_WORKER", [os.getpid()])
+    monkeypatch.setattr(G, "_STOP", [])
+    monkeypatch.setattr(G, "_RUNNING", [])
+    ran = []
+
+    def signal_then(fn):  # fn, with the worker's SIGINT delivered as it is called
+        def call(*a, **k):
+            G._worker_signal(signal.SIGINT, None)
+            return fn(*a, **k)
+        return call
+    if where == "mkdir":
+        monkeypatch.setattr(G.Path, "mkdir", signal_then(G.Path.mkdir))
+    elif where == "job.json":
+        monkeypatch.setattr(G, "atomic_write_text", signal_then(G.atomic_write_text))
+    else:
+        monkeypatch.setattr(G, "_logging_to", signal_then(G._logging_to))
+    with pytest.raises(KeyboardInterrupt):
+        G._execute(lambda job, run_dir, resume: ran.append(job.name) or {}, G.GridJob("j", {}, {}),
+                   str(tmp_path / "j"), False)
+    assert ran == [] and G._STOP == [signal.SIGINT] and G._RUNNING == []
+    with pytest.raises(Interrupted, match="not started: the grid was stopped"):  # the next job queued to it
+        G._execute(lambda job, run_dir, resume: ran.append(job.name) or {}, G.GridJob("k", {}, {}),
+                   str(tmp_path / "k"), False)
+    assert ran == [] and not (tmp_path / "k").exists()
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")

@@ -1516,6 +1516,30 @@ def test_the_committed_report_regenerates_from_its_own_records(study_name, folde
         (root / "docs/results" / folder / "report.md").read_text(encoding="utf-8")
 
 
+@pytest.mark.parametrize("study_name,folder,page", COMMITTED_REPORTS)
+def test_the_committed_report_restores_into_its_own_study(study_name, folder, page):
+    """``--restore`` of a committed CPU report into its own study and scale reads back every finished run
+    it holds. The looped report refused itself ("the report's settings do not load (model.loop_sampling
+    = 'poisson_lognormal' needs a loop ...)": a group's ``model.loop_*`` keys were read without the loop
+    each run of the group sets), so the looped study could only resume from a ``runs/`` folder."""
+    path = Path(__file__).resolve().parents[1] / "docs/results" / folder / "report.json"
+    rep = json.loads(path.read_text(encoding="utf-8"))
+    got = SRec.load_restored(path, SC.load_study(study_name, "cpu"))
+    done = {(r["group"], r["name"]) for r in rep["runs"] + rep["superseded_runs"] if not RunRecord.trains_again(r)}
+    assert done and set(got) == done and all(r.status == "done" for r in got.values())
+
+
+def test_restore_still_refuses_a_looped_report_of_other_settings(tmp_path):
+    """Reading a looped group's settings with its loop does not hide a difference: the committed looped
+    report with one group's ``model.loop_sampling`` changed is refused, naming the group and the key."""
+    rep = json.loads((Path(__file__).resolve().parents[1] / "docs/results/study-looped-cpu/report.json").read_text())
+    rep["group_sets"]["looped-init"] = ['model.loop_sampling="uniform"', "model.embed_init_std=1.0"]
+    (tmp_path / "r.json").write_text(json.dumps(rep))
+    with pytest.raises(KeelError, match=r"group looped-init: model\.loop_sampling 'uniform' in the report, "
+                                        r"'poisson_lognormal' now"):
+        SRec.load_restored(tmp_path / "r.json", SC.load_study("looped", "cpu"))
+
+
 def test_a_paired_verdict_reads_back_from_the_committed_report():
     """Every part of the committed report's claims read back (:meth:`PairedVerdict.from_dict`; a trend,
     with ``depths``, as a :class:`TrendVerdict`) and written again (:meth:`Record.to_dict`) is the same

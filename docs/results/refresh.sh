@@ -16,8 +16,7 @@ esac
 out=${2:-runs/study-$study-cpu}
 mkdir -p "$dest"
 restore=()
-# the looped study's --restore refuses its own report today (its base settings hold loop_sampling without a loop)
-if [ "$study" = claims ] && [ -f "$dest/report.json" ]; then restore=(--restore "$dest/report.json"); fi
+if [ -f "$dest/report.json" ]; then restore=(--restore "$dest/report.json"); fi
 .venv/bin/keel study "$study" --scale cpu --out "$out" --report-only "${restore[@]}"
 for f in report.json report.md "$out"/*.png; do
   if [ -e "$out/$(basename "$f")" ]; then cp "$out/$(basename "$f")" "$dest/"; fi

@@ -380,10 +380,14 @@ def classify(steps: Sequence[int], losses: Sequence[float], lrs: Sequence[float]
         :class:`Verdict` (``healthy`` at the last step when nothing failed; step 0 for an
         empty curve).
     Raises:
-        ValueError: ``steps``/``losses``/``lrs`` of different lengths, or an empty reference.
+        ValueError: ``steps``/``losses``/``lrs`` of different lengths, ``steps`` not increasing, or an
+            empty reference.
     """
     if len(steps) != len(losses) or (lrs is not None and len(lrs) != len(steps)):
         raise ValueError("steps, losses and lrs must have the same length")
+    back = next((i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]), None)
+    if back is not None:  # a spike's length, a plateau's patience and the reference are read in steps
+        raise ValueError(f"steps must increase: step {steps[back]} (position {back}) follows step {steps[back - 1]}")
     mon = OnlineDivergenceMonitor(thresholds, reference, unigram_entropy)
     for i, (s, v) in enumerate(zip(steps, losses)):
         if mon.update(int(s), v, None if lrs is None else lrs[i]) is not None:

@@ -183,30 +183,37 @@ def _logging_to(stream):
 
 
 def _execute(task: Task, job: GridJob, run_dir: str, resume: bool) -> dict:
-    """Run one job (in a worker or in-process); never raises for a task error."""
-    if _STOP:  # the grid was stopped while this job waited in the queue: do not start it
-        raise Interrupted("not started: the grid was stopped", _STOP[0])
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(RunDir(run_dir).job, json.dumps(asdict(job), indent=1))
-    t0 = time.perf_counter()
-    with open(RunDir(run_dir).log, "a") as logf, _logging_to(logf):
-        _log.info(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {'resume' if resume else 'start'} {job.name}")
-        try:
-            _RUNNING.append(job.name)
-            out = dict(task(job, run_dir, resume))
-        except SystemExit:  # a submitit job requeued (keel.experiments.executor): not a result
-            raise
-        except (KeyboardInterrupt, Interrupted) as e:  # Ctrl-C stops the grid, not just this run
-            if _WORKER:  # the jobs queued to this worker must not start
-                _STOP.append(getattr(e, "signum", signal.SIGINT))
-            raise
-        except BaseException as e:  # noqa: BLE001 - recorded, the grid goes on
-            _log.info(traceback.format_exc().rstrip("\n"))
-            kind = "" if isinstance(e, KeelError) else f"{type(e).__name__}: "
-            return failed_result(job.name, f"{kind}{e}", time.perf_counter() - t0, job.values)
-        finally:
-            _RUNNING.clear()
+    """Run one job (in a worker or in-process); never raises for a task error.
+
+    In a worker, a stop signal (:func:`_worker_signal`) from the first line to the trainer's own
+    handler stops the job at once (``KeyboardInterrupt``), and one received before it (between
+    jobs) keeps it from starting (``Interrupted``): the job is marked running (``_RUNNING``) before
+    ``_STOP`` is read, so no signal falls between the two. (It was marked after its run.log was
+    open: a SIGINT in between was recorded and the job trained on to its last step.)"""
+    try:
+        _RUNNING.append(job.name)
+        if _STOP:  # the grid was stopped while this job waited in the queue: do not start it
+            raise Interrupted("not started: the grid was stopped", _STOP[0])
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(RunDir(run_dir).job, json.dumps(asdict(job), indent=1))
+        t0 = time.perf_counter()
+        with open(RunDir(run_dir).log, "a") as logf, _logging_to(logf):
+            _log.info(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {'resume' if resume else 'start'} {job.name}")
+            try:
+                out = dict(task(job, run_dir, resume))
+            except SystemExit:  # a submitit job requeued (keel.experiments.executor): not a result
+                raise
+            except (KeyboardInterrupt, Interrupted) as e:  # Ctrl-C stops the grid, not just this run
+                if _WORKER:  # the jobs queued to this worker must not start
+                    _STOP.append(getattr(e, "signum", signal.SIGINT))
+                raise
+            except BaseException as e:  # noqa: BLE001 - recorded, the grid goes on
+                _log.info(traceback.format_exc().rstrip("\n"))
+                kind = "" if isinstance(e, KeelError) else f"{type(e).__name__}: "
+                return failed_result(job.name, f"{kind}{e}", time.perf_counter() - t0, job.values)
+    finally:
+        _RUNNING.clear()
     own = JobResult.from_dict(out).wall_s  # a task may time itself (the training task does)
     result = {"name": job.name, "values": job.values, "status": "done", **out,
               "wall_s": own if own is not None else time.perf_counter() - t0}

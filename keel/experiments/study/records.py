@@ -17,7 +17,7 @@ from keel.errors import KeelError
 from keel.experiments.grid import GridJob
 from keel.experiments.job_result import JobResult, is_number
 from keel.experiments.record import MEASURE_KEYS, OPTIONAL_KEYS, PENDING_KEYS, RunRecord
-from keel.experiments.study.spec import Group, Study
+from keel.experiments.study.spec import Group, Study, without_loop_keys
 from keel.experiments.sweep import restored_summary
 from keel.rundir import RunDir
 from keel.train.metrics import read_metrics, trailing_mean
@@ -206,13 +206,20 @@ def _restored_runs(path: Path, rep: dict) -> dict[tuple[str, str], RunRecord]:
 def _restore_settings_diff(study: Study, theirs: list, group: Group | None) -> str:
     """The keys whose value differs between the config the report's ``theirs`` (``section.key=value``
     texts) give and the one this study gives (for ``group``, with its own ``set``), in words;
-    empty when they agree. Raises KeelError when ``theirs`` does not parse."""
+    empty when they agree. Both sides are read as a run reads them: a looped group's with its loop
+    (:meth:`Group.loop_sets` at its first depth; its ``model.loop_*`` keys need it), the base without any
+    ``model.loop_*`` key (:func:`without_loop_keys`, as the base run). Raises KeelError when
+    ``theirs`` does not parse."""
     base = resolve_config_path(study.base)
+    loop = group.loop_sets(group.sublayers[0]) if group is not None and group.loop else []
+
+    def as_run(sets: list) -> list:
+        return list(sets) + loop if group is not None else without_loop_keys(sets)
     try:
-        old = load_config(base, [str(x) for x in theirs]).to_dict()
+        old = load_config(base, as_run([str(x) for x in theirs])).to_dict()
     except KeelError as e:
         raise KeelError(f"--restore: the report's settings do not load ({e})") from None
-    new = load_config(base, study.all_sets(group)).to_dict()
+    new = load_config(base, as_run(study.all_sets(group))).to_dict()
     keys = [(sec, k) for sec in sorted(set(old) | set(new)) for k in sorted(set(old.get(sec, {})) | set(new.get(sec, {})))
             if old.get(sec, {}).get(k) != new.get(sec, {}).get(k)]
     if not keys:

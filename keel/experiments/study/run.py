@@ -201,7 +201,7 @@ def execute(study: Study, out: str | Path, *, workers: int | None = None, thread
     plan_rows(study, "<data>", out, mfu, peak_tflops)  # every group's configs: a bad set refused now
     check_pool(workers or 0, threads)
     restored = load_restored(restore, study) if restore is not None else {}  # after the --set keys are checked
-    base = load_config(resolve_config_path(study.base), base_sets(study))  # a bad --set: refused before out is claimed
+    base = load_config(resolve_config_path(study.base), study.base_sets())  # a bad --set: refused before out is claimed
     if dry_run:  # what can be checked of the data without preparing it
         check_study_data(study, base, planned_jobs(study, NO_DATA, out, restored))
         return _dry_run(study, out, groups, restored, restore, mfu, peak_tflops)
@@ -245,14 +245,6 @@ def _warn_restored_left_out(restored: dict[tuple[str, str], RunRecord], runs: li
                           for g, k in left.items())
         _log.warning(f"study: {plural(n, 'finished run')} of --restore {restore} {'is' if n == 1 else 'are'} not "
                      f"planned by this study and left out of its report ({where})")
-
-
-def base_sets(study: Study) -> list:
-    """The config keys of the study's base run (its data, prepared once): :meth:`Study.all_sets` less the
-    ``model.loop_*`` keys, which need the loop (``model.loop_core``) that only a looped group's runs have; every
-    group's runs were checked with them by :func:`plan_rows` (e.g. ``--set model.loop_sampling=uniform``)."""
-    return [x for x in study.all_sets()
-            if not (x[0] if isinstance(x, tuple) else x.split("=", 1)[0].strip()).startswith("model.loop_")]
 
 
 def _unigram_entropy(data_dir: str, runs: list[RunRecord]) -> float | None:

@@ -146,6 +146,18 @@ class Study:
         group's own ``set``, then the user's ``--set``, later ones winning."""
         return self.sets + (group.sets if group else []) + list(self.user_sets)
 
+    def base_sets(self) -> list[Override]:
+        """The config keys of the study's base run (its data, prepared once): :meth:`all_sets` less the
+        ``model.loop_*`` keys (:func:`without_loop_keys`)."""
+        return without_loop_keys(self.all_sets())
+
+
+def without_loop_keys(sets: Sequence[Override]) -> list[Override]:
+    """``sets`` less its ``model.loop_*`` keys, which need the loop (``model.loop_core``) that only a looped
+    group's runs have (:meth:`Group.loop_sets`): a study's base config, and a report's base settings read
+    back by ``--restore``, are read without them (e.g. ``--set model.loop_sampling=uniform``)."""
+    return [x for x in sets if not override_text(x).split("=", 1)[0].strip().startswith("model.loop_")]
+
 
 def lr_ladder(groups: Sequence[Group], g: Group) -> list[float]:
     """The LR grid (absolute peak LRs, ascending) that train group ``g``'s LRs are points of: its
