@@ -223,6 +223,13 @@ def max_loops(trained_repeats: int) -> int:
     return max(MAX_LOOPS_MIN, MAX_LOOPS_FACTOR * trained_repeats)
 
 
+def max_loops_words(trained_repeats: int, name: str = "model.loop_repeats") -> str:
+    """:func:`max_loops` with its arithmetic, for messages: ``max(64, 16 x model.loop_repeats (3) = 48)``
+    (``name``: what ``trained_repeats`` is called where the message is read, e.g. ``R``)."""
+    return (f"max({MAX_LOOPS_MIN}, {MAX_LOOPS_FACTOR} x {name} ({trained_repeats}) = "
+            f"{MAX_LOOPS_FACTOR * trained_repeats})")
+
+
 @dataclass
 class DataConfig:
     """Where the tokens come from (see ``keel prepare`` and :mod:`keel.data`); each key is

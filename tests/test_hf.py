@@ -615,7 +615,7 @@ def test_import_of_a_looped_export_above_the_loops_cap_hints_no_refused_count(ti
     assert main(["import-hf", "--hf", str(folder), "--out", str(run), "--set", "train.seq_len=32"]) == 0
     assert capsys.readouterr().err == (
         f"config.json's loops = 1000 in {folder} was not imported: the run loops at the trained model.loop_repeats = 3 "
-        "(1000 is above 64, the cap of --loops (max(64, 16 x model.loop_repeats = 3)): give keel eval, generate, "
+        "(1000 is above 64, the cap of --loops (max(64, 16 x model.loop_repeats (3) = 48)): give keel eval, generate, "
         "ablate or gradflow --loops R with R <= 64)\n")
     assert main(["eval", "--run", str(run), "--loops", "1000", "--max-tokens", "32"]) == 2  # the hint it gave before
 
@@ -650,7 +650,7 @@ def test_eval_and_ablate_hf_cap_config_json_loops_as_loops(tiny_data, tmp_path, 
     _looped_export(folder, tiny_data / "tokenizer.json", loops=1000)
     text.write_text("def main(argv):\n    return 0\n" * 20)
     cap = (f"keel: error: config.json's loops = 1000 in {folder} is above 64, the cap of --loops (max(64, 16 x "
-           "model.loop_repeats = 3)): each token would apply the core 1000 times; give --loops R (R <= 64) to run "
+           "model.loop_repeats (3) = 48)): each token would apply the core 1000 times; give --loops R (R <= 64) to run "
            "another count\n")
     for command in (["eval", "--hf", str(folder), "--text", str(text)],
                     ["ablate", "--hf", str(folder), "--text", str(text), "--out", str(tmp_path / "ablate")]):
@@ -658,7 +658,7 @@ def test_eval_and_ablate_hf_cap_config_json_loops_as_loops(tiny_data, tmp_path, 
         assert main(command) == 2
         assert capsys.readouterr().err == cap
     assert main(["eval", "--hf", str(folder), "--text", str(text), "--loops", "6", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["loops"]["repeats"] == 6
+    assert json.loads(capsys.readouterr().out)["loop"]["repeats"] == 6
 
 
 def test_import_refuses_a_tokenizer_larger_than_the_vocabulary_and_steps_below_the_export(tiny_data, tmp_path,

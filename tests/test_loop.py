@@ -528,7 +528,17 @@ def test_ablate_removes_one_application_at_a_time():
     # they were dropped without a word
     (["--sublayers", "8", "--set", "model.loop_prelude=1", "--set", "model.loop_core=2", "--set", "model.loop_repeats=3"],
      "the config's model.loop_prelude = 1, model.loop_core = 2, model.loop_repeats = 3 make a model of 8 sub-layers "
-     "apply 16 (2 (P + R C + Q) = 2 (1 + 3 x 2 + 1)); at init, --loop P,C,Q with --sublayers the effective depths"),
+     "apply 16 (2 (P + R C + Q) = 2 (1 + 3 x 2 + 1)); to profile looped models at init, give --loop P,C,Q and the "
+     "effective depths as --sublayers"),
+    # a fresh-user trial: the shape keys each profile sets were dropped without a word (d_model 32 in the table)
+    (["--loop", "1,2,1", "--sublayers", "12", "--set", "model.n_layers=3"],
+     "--set model.n_layers: at init each profile's shape comes from --sublayers (heads of 32, d_ff = 3 d_model); "
+     "give --sublayers instead"),
+    (["--sublayers", "8", "--set", "model.d_model=48", "--set", "model.d_ff=96"],
+     "--set model.d_model, model.d_ff: at init each profile's shape comes from --d-model (heads of 32, d_ff = 3 "
+     "d_model); give --d-model instead"),
+    (["--sublayers", "8", "--set", "model.residual=keel", "--set", "model.n_layers=2"],
+     "--set model.residual, model.n_layers: at init each profile's shape comes from --residual and --sublayers"),
     (["--loop", "1,2,1", "--sublayers", "8", "--set", "model.loop_core=3"],
      "--loop 1,2,1 sets every profile's loop (R from --sublayers; no count is sampled at init); drop --set "
      "model.loop_core"),
@@ -611,9 +621,9 @@ def test_keel_train_and_generate_looped(keel_main, tiny_data, tmp_path):
         r = keel_main("eval", "--run", run, "--loops", loops, "--json")
         assert r.returncode == 0, r.stderr
         report = json.loads(r.stdout)
-        assert report["sublayers"] == 2 * (1 + loops + 1) and report["loops"]["repeats"] == loops
+        assert report["sublayers"] == 2 * (1 + loops + 1) and report["loop"]["repeats"] == loops
         assert (report["blocks"], report["applied_blocks"]) == (3, 1 + loops + 1)
-        assert report["loops"]["trained_repeats"] == 3
+        assert report["loop"]["trained_repeats"] == 3
         assert report["perplexity"]["loss"] == pytest.approx(mean_nll(model, windows, 8, torch.device("cpu")), rel=1e-6)
     r = keel_main("eval", "--run", run, "--loops", 6)
     assert "3 blocks, looped: 1 + 1 x 6 + 1, trained at 3 = 16 sub-layers" in r.stdout

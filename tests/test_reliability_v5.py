@@ -813,7 +813,7 @@ def test_an_absurd_loops_count_is_refused_in_one_line(command, cli_run, tmp_path
     run = _looped_copy(cli_run, tmp_path)
     r = keel_main(command, "--run", run, "--loops", 65, *(["--max-new-tokens", 1] if command == "generate" else []))
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        f"keel: error: --loops must be at most 64 (max(64, 16 x model.loop_repeats = 1) for {run}), got 65: each "
+        f"keel: error: --loops must be at most 64 (max(64, 16 x model.loop_repeats (1) = 16) for {run}), got 65: each "
         "token would apply the core 65 times"], r.stderr
     assert "at most max(64, 16 x model.loop_repeats)" in " ".join(keel_main(command, "--help").stdout.split())
 

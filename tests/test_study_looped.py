@@ -70,7 +70,7 @@ def test_a_loop_group_trains_effective_depths_named_by_them():
     ({"loop": [1, 8, 1], "sublayers": [68], "test_loops": [0.5, 1000.0]},
      "test_loops 1000 x R = 4000 at 68 sub-layers is above 64, the cap of --loops"),
     ({"loop": [1, 8, 1], "sublayers": [1028], "test_loops": [16.5]},
-     "test_loops 16.5 x R = 1056 at 1028 sub-layers is above 1024, the cap of --loops"),
+     "test_loops 16.5 x R = 1056 at 1028 sub-layers is above 1024, the cap of --loops (max(64, 16 x R (64) = 1024))"),
 ])
 def test_a_bad_loop_is_refused_in_one_line(spec, words):
     with pytest.raises(KeelError) as e:

@@ -294,9 +294,7 @@ def ablate_model(model, windows, batch_size: int = 16, cache_bytes: int = PREFIX
     if looped is not None:
         for u, (weights, application) in zip(out["units"], _applications(looped)):
             u["weight_sublayer"], u["application"] = weights, application
-        mc = looped.cfg
-        out["loop"] = {"prelude": mc.loop_prelude, "core": mc.loop_core, "coda": mc.n_layers - mc.loop_prelude -
-                       mc.loop_core, "repeats": looped.loops, "trained_repeats": mc.loop_repeats}
+        out["loop"] = looped.loop_shape()
     return out
 
 

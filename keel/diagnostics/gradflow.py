@@ -381,9 +381,7 @@ def profile_model(model, batch, jacobian_iters: int = 32, full_jacobian: bool = 
 def loop_layout(model) -> dict:
     """A looped ``model``'s shape at its current count: ``{"loop": {prelude, core, coda, repeats,
     trained_repeats} (blocks), "weight_sublayer": [the sub-layer of weights of each applied sub-layer]}``."""
-    mc = model.cfg
-    return {"loop": {"prelude": mc.loop_prelude, "core": mc.loop_core, "coda": mc.n_layers - mc.loop_prelude - mc.loop_core,
-                     "repeats": model.loops, "trained_repeats": mc.loop_repeats},
+    return {"loop": model.loop_shape(),
             "weight_sublayer": [2 * b + k for b in model.depth_order() for k in (0, 1)]}
 
 
@@ -420,8 +418,8 @@ def _check_config_loop(m, depths: Sequence[int], loop: tuple[int, int, int] | No
     for L in depths:
         if P + C <= L // 2 and (applied := L + 2 * (R - 1) * C) != L:  # P + C > L / 2: refused by the shape check
             raise KeelError(f"the config's {listed} make a model of {L} sub-layers apply {applied} (2 (P + R C + Q) = "
-                            f"2 ({P} + {R} x {C} + {L // 2 - P - C})); at init, --loop P,C,Q with --sublayers the "
-                            "effective depths profiles looped models")
+                            f"2 ({P} + {R} x {C} + {L // 2 - P - C})); to profile looped models at init, give --loop P,C,Q "
+                            "and the effective depths as --sublayers")
 
 
 def _init_config(base, scheme: str, sublayers: int, d_model: int, seq_len: int, vocab: int,

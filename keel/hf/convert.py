@@ -42,7 +42,7 @@ from safetensors import safe_open
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 import keel.hf  # noqa: F401  (registers model_type "keel")
-from keel.config import MAX_LOOPS_FACTOR, MAX_LOOPS_MIN, dump_config, load_config, max_loops
+from keel.config import dump_config, load_config, max_loops, max_loops_words
 from keel.data import find_data, read_meta
 from keel.data.prepare import EOS_TOKEN
 from keel.errors import KeelError
@@ -415,9 +415,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
     if loops is not None and loops != cfg.model.loop_repeats:
         R, cap = cfg.model.loop_repeats, max_loops(cfg.model.loop_repeats)
         hint = (f"give --loops {loops} to keel eval, generate, ablate or gradflow to run it at the folder's count"
-                if loops <= cap else f"{loops} is above {cap}, the cap of --loops (max({MAX_LOOPS_MIN}, "
-                f"{MAX_LOOPS_FACTOR} x model.loop_repeats = {R})): give keel eval, generate, ablate or gradflow "
-                f"--loops R with R <= {cap}")
+                if loops <= cap else f"{loops} is above {cap}, the cap of --loops ({max_loops_words(R)}): give keel "
+                f"eval, generate, ablate or gradflow --loops R with R <= {cap}")
         log.warning(f"config.json's loops = {loops} in {hf_dir} was not imported: the run loops at the trained "
                     f"model.loop_repeats = {R} ({hint})")
     with _fresh_output(out) as tmp:

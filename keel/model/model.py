@@ -416,6 +416,16 @@ class Transformer(nn.Module):
     def _checked_loops(self, loops: int) -> int:
         return checked_loop_count(self.cfg, loops)
 
+    def loop_shape(self) -> dict | None:
+        """A looped model's loop in blocks of weights, at its current count: ``{"prelude": P, "core": C,
+        "coda": Q, "repeats": loops, "trained_repeats": cfg.loop_repeats}`` (the ``loop`` of the JSON
+        reports of ``keel eval``, ``ablate`` and ``gradflow``); None for a model that does not loop."""
+        mc = self.cfg
+        if not mc.loop_core:
+            return None
+        return {"prelude": mc.loop_prelude, "core": mc.loop_core, "coda": mc.n_layers - mc.loop_prelude - mc.loop_core,
+                "repeats": self.loops, "trained_repeats": mc.loop_repeats}
+
     def depth_order(self, loops: int | None = None) -> list[int]:
         """The block indices one forward pass applies, in order: the prelude ``0 .. P-1``, the core
         ``P .. P+C-1`` repeated ``loops`` times (default :attr:`loops`), the coda ``P+C .. n_layers-1``.

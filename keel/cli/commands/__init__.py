@@ -9,7 +9,7 @@ the flags and checks several commands take (:func:`add_loops_flag`, :func:`check
 :func:`check_seed`, :func:`check_loops`, :func:`check_folder_loops`).
 """
 
-from keel.config import MAX_LOOPS_FACTOR, MAX_LOOPS_MIN, check_value, max_loops  # noqa: F401 (max_loops: here too)
+from keel.config import MAX_LOOPS_FACTOR, MAX_LOOPS_MIN, check_value, max_loops, max_loops_words  # noqa: F401 (max_loops: here too)
 from keel.errors import KeelError
 
 
@@ -63,9 +63,8 @@ def check_loops(loops: int | None, model_cfg, source: str) -> None:
     if not model_cfg.loop_core:
         raise KeelError(f"--loops needs a looped model (model.loop_core >= 1); {source} does not loop")
     if loops > (cap := max_loops(model_cfg.loop_repeats)):
-        raise KeelError(f"--loops must be at most {cap} (max({MAX_LOOPS_MIN}, {MAX_LOOPS_FACTOR} x "
-                        f"model.loop_repeats = {model_cfg.loop_repeats})"
-                        f" for {source}), got {loops}: each token would apply the core {loops} times")
+        raise KeelError(f"--loops must be at most {cap} ({max_loops_words(model_cfg.loop_repeats)} for {source}), "
+                        f"got {loops}: each token would apply the core {loops} times")
 
 
 def check_folder_loops(loops: int, model_cfg, folder: str) -> None:
@@ -78,6 +77,6 @@ def check_folder_loops(loops: int, model_cfg, folder: str) -> None:
         KeelError: one line naming config.json's loops and the cap.
     """
     if loops > (cap := max_loops(model_cfg.loop_repeats)):
-        raise KeelError(f"config.json's loops = {loops} in {folder} is above {cap}, the cap of --loops (max("
-                        f"{MAX_LOOPS_MIN}, {MAX_LOOPS_FACTOR} x model.loop_repeats = {model_cfg.loop_repeats})): each "
-                        f"token would apply the core {loops} times; give --loops R (R <= {cap}) to run another count")
+        raise KeelError(f"config.json's loops = {loops} in {folder} is above {cap}, the cap of --loops "
+                        f"({max_loops_words(model_cfg.loop_repeats)}): each token would apply the core {loops} times; "
+                        f"give --loops R (R <= {cap}) to run another count")

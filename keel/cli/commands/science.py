@@ -151,7 +151,8 @@ def _register_gradflow(subparsers) -> None:
                         "bpe:8192), prepared once and cached under data.cache_dir (default data/ in the working "
                         "folder), the same dataset keel train and keel prepare use")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config key, e.g. model.init_std=0.125 or data.path=DIR (repeatable)")
+                   help="override a config key, e.g. model.init_std=0.125 or data.path=DIR (repeatable; not the "
+                        "shape each profile takes from --residual, --sublayers and --d-model)")
     p.add_argument("--jacobian-iters", type=int, default=32,
                    help="Lanczos steps (Krylov dimension) per sub-layer for J*, at most")
     p.add_argument("--threads", type=int, default=0,
@@ -226,12 +227,29 @@ def _gradflow_profiles(args: argparse.Namespace) -> list[dict]:
         return G.profile_runs(args.run, args.seq_len, loops=args.loops, **common)
     loop = _parse_loop(args.loop)
     schemes = _parse_schemes(args.residual) if args.residual is not None else _looping_schemes(args.loop, loop)
+    _check_shape_sets(args.set)
     if loop is not None:  # before the config is read: its check of a loop key would name model.loop_core
         _check_loop_sets(args.loop, loop, args.set, args.sublayers is None)
     depths = _parse_layers(args.sublayers if args.sublayers is not None else G.DEFAULT_LAYERS, args.sublayers_flag)
     base = load_config(resolve_config_path(args.config), args.set)
     return G.profile_schemes(base, schemes, depths, args.d_model or G.DEFAULT_WIDTH,
                              args.seq_len or G.DEFAULT_SEQ_LEN, loop=loop, **common)
+
+
+# The model keys each init-mode profile sets itself (keel.diagnostics.gradflow._init_config), by the flag that sets them
+_INIT_SHAPE_KEYS = {"model.residual": "--residual", "model.n_layers": "--sublayers", "model.d_model": "--d-model",
+                    "model.n_heads": "--d-model", "model.n_kv_heads": "--d-model", "model.d_ff": "--d-model"}
+
+
+def _check_shape_sets(sets: list[str] | None) -> None:
+    """Raise KeelError (one line) for a ``keel gradflow`` ``--set`` at init of a key each profile sets from a flag
+    (:data:`_INIT_SHAPE_KEYS`): ``--set model.d_model=48`` was dropped without a word (the profile was at
+    ``--d-model``'s width, 32 by default)."""
+    given = [x.split("=", 1)[0].strip() for x in sets or []]
+    if keys := [k for k in given if k in _INIT_SHAPE_KEYS]:
+        flags = sorted({_INIT_SHAPE_KEYS[k] for k in keys})
+        raise KeelError(f"--set {', '.join(keys)}: at init each profile's shape comes from {' and '.join(flags)} "
+                        f"(heads of {G.HEAD_DIM}, d_ff = 3 d_model); give {' and '.join(flags)} instead")
 
 
 def _check_loop_sets(text: str, loop: tuple[int, int, int], sets: list[str], no_depths: bool) -> None:

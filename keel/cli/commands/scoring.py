@@ -169,8 +169,7 @@ def _model_report(model, name: str) -> dict:
                     "sublayers": 2 * applied,
                     "d_model": mc.d_model, "parameters": model.num_params(), "perplexity": None, "tasks": {}}
     if mc.loop_core:
-        report["loops"] = {"prelude": mc.loop_prelude, "core": mc.loop_core, "coda": mc.n_layers - mc.loop_prelude -
-                           mc.loop_core, "repeats": model.loops, "trained_repeats": mc.loop_repeats}
+        report["loop"] = model.loop_shape()
     return report
 
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from keel.config import MAX_LOOPS_FACTOR, MAX_LOOPS_MIN, Override, max_loops, override_text, read_toml, resolve_config_path
+from keel.config import Override, max_loops, max_loops_words, override_text, read_toml, resolve_config_path
 from keel.errors import KeelError
 from keel.experiments.job_result import is_number
 from keel.experiments.study.kinds import GROUP_KINDS, TrainKind
@@ -259,7 +259,7 @@ def _check_loop(g: Group, where: str) -> None:
         high = [(f, n) for f, n in zip(g.test_loops, g.test_counts(L)) if n > cap]
         if high:
             raise KeelError(f"{where}: test_loops {high[0][0]:g} x R = {high[0][1]} at {L} sub-layers is above {cap}, "
-                            f"the cap of --loops (max({MAX_LOOPS_MIN}, {MAX_LOOPS_FACTOR} x R = {g.loop_repeats(L)})): "
+                            f"the cap of --loops ({max_loops_words(g.loop_repeats(L), 'R')}): "
                             f"each validation token would apply the core {high[0][1]} times")
     owned = sorted(k for k, _ in g.sets if k in LOOP_KEYS)
     if owned:
