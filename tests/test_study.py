@@ -1810,6 +1810,11 @@ def test_restored_runs_the_study_does_not_plan_are_named_not_dropped(tmp_path, t
     caplog.set_level(logging.WARNING, logger="keel.experiments.study.run")
     SRun.run_study(str(p), "x", tmp_path / "same", sets, report_only=True, restore=tmp_path / "a" / "report.json")
     assert not [r for r in caplog.records if "--restore" in r.getMessage()]
+    # restored into the folder whose runs it holds (docs/results/refresh.sh on a running grid): the runs come from
+    # the folder, not the report, and are no less planned; they were all named as left out
+    (tmp_path / "a.json").write_bytes((tmp_path / "a" / "report.json").read_bytes())
+    SRun.run_study(str(p), "x", tmp_path / "a", sets, report_only=True, restore=tmp_path / "a.json")
+    assert not [r for r in caplog.records if "--restore" in r.getMessage()]
     p.write_text(GROUP.replace('schemes = ["keel", "pre_ln"]', 'schemes = ["keel"]'))  # group b gone, pre_ln too
     SRun.run_study(str(p), "x", tmp_path / "r", sets, report_only=True, restore=tmp_path / "a" / "report.json")
     words = [r.getMessage() for r in caplog.records if "--restore" in r.getMessage()]

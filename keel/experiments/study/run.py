@@ -236,8 +236,8 @@ def _warn_restored_left_out(restored: dict[tuple[str, str], RunRecord], runs: li
     """Log a warning naming the finished runs of the ``--restore`` report (``restored``, :func:`load_restored`)
     that the new report (``runs``, ``superseded``) leaves out: runs of a group this study does not have, or at
     coordinates none of its planned runs has (a study file edited since). A later ``--restore`` of the new
-    report would not have them."""
-    kept = {(r.group, r.name) for r in runs if r.restored} | {(r.group, r.name) for r in superseded}
+    report would not have them. A run the report has from its folder (trained, not restored) is not left out."""
+    kept = {(r.group, r.name) for r in runs} | {(r.group, r.name) for r in superseded}
     left = Counter(g for g, name in restored if (g, name) not in kept)
     if left:
         n = sum(left.values())
