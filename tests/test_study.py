@@ -269,6 +269,14 @@ def test_lr_transfer_and_edges():
     assert p.verdict == INC  # its optimum moved to the grid's edge: the grid is too narrow to say
 
 
+def test_lr_transfer_on_a_grid_of_one_lr_is_inconclusive():
+    """One LR per cell locates no optimum: it is at both edges of its grid (it read "reproduced")."""
+    runs = [run("g", "keel", L, seed, 1e-2, 3.0 + 0.01 * seed) for seed in (0, 1, 2) for L in (16, 64)]
+    c = claim_of("lr_transfer", group="g", scheme="keel").verdict(study(), runs)
+    assert c.verdict == INC and c.log10_shift == {0: 0.0, 1: 0.0, 2: 0.0}
+    assert all(r.at_edge for r in c.rows)
+
+
 @pytest.mark.parametrize("lrs, up, want", [([1e-3, 3e-3], True, 1e-2), ([3e-3, 1e-2], False, 1e-3),
                                             ([1e-2, 3e-2], True, 0.09), ([3e-4, 1e-3], False, 9e-5)])
 def test_lr_beyond_follows_the_grid_then_mirrors_its_last_step(lrs, up, want):
@@ -663,7 +671,8 @@ BENCH = ('[groups.b]\nschemes = ["peri_ln"]\nbaselines_from = "g"\nbaselines = [
     (GROUP.replace("lrs = [1e-3]", "lrs = 1e-3") + CLAIM, "lrs must be a list of distinct numbers > 0, got 0.001"),
     (GROUP.replace('lrs = [1e-3]', 'lrs = ["1e-3"]') + CLAIM, "lrs must be a list of distinct numbers > 0, got '1e-3'"),
     (GROUP.replace("sublayers = [2]", "sublayers = 4") + CLAIM, "sublayers must be .* integers >= 2 .* got 4"),
-    (GROUP.replace("seeds = [0]", "seeds = 0") + CLAIM, "seeds must be a non-empty list of distinct integers, got 0"),
+    (GROUP.replace("seeds = [0]", "seeds = 0") + CLAIM,
+     "seeds must be a non-empty list of distinct integers between 0 and 2\\*\\*32 - 1 \\(train.seed's range\\), got 0"),
     (GROUP.replace('schemes = ["keel", "pre_ln"]', 'schemes = "keel"') + CLAIM, "schemes must be .* strings, got 'keel'"),
     (GROUP.replace("lrs = [1e-3]", "lrs = [0.0]") + CLAIM, "lrs must be a list of distinct numbers > 0, got 0.0"),
     (GROUP.replace("[scales", 'set = 1\n[scales') + CLAIM, "set must be a table of config keys"),
@@ -677,6 +686,11 @@ BENCH = ('[groups.b]\nschemes = ["peri_ln"]\nbaselines_from = "g"\nbaselines = [
     (GROUP + CLAIM + "[verdict]\nfloor_from_spread = 1\n", "floor_from_spread \\(true or false\\)"),
     (GROUP + CLAIM + "[verdict]\nmin_effect = nan\n", "min_effect \\(a number > 0"),
     ("verdict = 3\n" + GROUP + CLAIM, "study \\[verdict\\] takes"),
+    # a user's trial: an unknown [verdict] key, an unknown scheme in a claim, named
+    (GROUP + CLAIM + "[verdict]\nmin_seed = 2\n",
+     "study \\[verdict\\]: unknown key\\(s\\) min_seed \\(did you mean min_seeds\\?\\) \\(it takes min_effect"),
+    (GROUP + CLAIM.replace('scheme = "keel"', 'scheme = "kell"'),
+     "study claim 'b': unknown scheme\\(s\\) kell \\(available: "),
     (RAMPS.replace("ramp_steps = 10", "ramp_steps = 0") + RAMP_CLAIM, "group 'r': ramp_steps must be >= 1, got 0"),
     (GROUP.replace("[scales", "peak_lr = 0.1\n[scales") + CLAIM,
      "group 'g': peak_lr belong\\(s\\) to a ramp group, not to this train group"),
@@ -743,9 +757,30 @@ def test_bad_study_files(tmp_path, text, match):
         SC.load_study("claims", "tiny", ["model.residual=keel"])
 
 
+def test_a_bad_key_in_a_groups_set_names_the_group_and_an_empty_scales_table_is_named(tmp_path, keel_main):
+    """A user's trial: a bad key in a group's own `set` was refused as if it were a --set (no group named), and
+    a [scales] table with no scale said "has scales (): give one with --scale"."""
+    p = tmp_path / "s.toml"
+    p.write_text('[groups.g]\nschemes = ["keel", "pre_ln"]\nsublayers = [4]\nseeds = [0]\nlrs = [1e-3]\n'
+                 'set = { "train.steps" = -1 }\n')
+    r = keel_main("study", p, "--dry-run", "--out", tmp_path / "o")
+    assert r.returncode == 2 and r.stderr == ("keel: error: study group 'g' (its set train.steps=-1): train.steps must "
+                                              "be between 1 and 1e+12, got -1\n"), r.stderr
+    r = keel_main("study", p, "--dry-run", "--out", tmp_path / "o", "--set", "train.steps=0")  # the --set's own words
+    assert r.returncode == 2 and r.stderr == "keel: error: train.steps must be between 1 and 1e+12, got 0\n", r.stderr
+    p.write_text('[groups.g]\nschemes = ["keel"]\nsublayers = [4]\nseeds = [0]\nlrs = [1e-3]\n[scales]\n')
+    r = keel_main("study", p, "--dry-run", "--out", tmp_path / "o")
+    assert r.returncode == 2 and "has a [scales] table with no scale in it: add [scales.NAME] tables" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("line, message", [
     ("lrs = 1e-3", "lrs must be a list of distinct numbers > 0, got 0.001"),  # a list key given one value
-    ('seeds = [0, "1"]', "seeds must be a non-empty list of distinct integers, got '1'"),  # a bad item: named
+    ('seeds = [0, "1"]', "seeds must be a non-empty list of distinct integers between 0 and 2**32 - 1 (train.seed's "
+     "range), got '1'"),  # a bad item: named
+    # a user's trial: a negative seed was refused by the run's config, as train.seed, naming neither group nor key
+    ("seeds = [-1, 1]", "seeds must be a non-empty list of distinct integers between 0 and 2**32 - 1 (train.seed's "
+     "range), got -1"),
     ("lrs = [1e-3, -1e-3]", "lrs must be a list of distinct numbers > 0, got -0.001"),  # every LR > 0
     ("lrs = [1e-3, 1e-3]", "lrs must be a list of distinct numbers > 0, got [0.001, 0.001]"),
     ("sublayers = [2, true]", "sublayers must be a non-empty list of distinct integers >= 2 (even), got True"),
@@ -753,8 +788,8 @@ def test_bad_study_files(tmp_path, text, match):
     ("widen = -1", "widen must be >= 0 (LRs added per side), got -1"),
     ('kind = "grd"', "kind must be 'train' | 'ramp' | 'grid', got 'grd'"),
     ('kind = "grid"', "lrs, schemes, seeds, sublayers belong(s) to a train group, not to this grid group"),
-    ("seeds_for = { keel = [] }", "seeds_for must be a table of non-empty lists of distinct integers (scheme = [seeds]), "
-     "got {'keel': []}"),
+    ("seeds_for = { keel = [] }", "seeds_for must be a table of non-empty lists of distinct integers between 0 and "
+     "2**32 - 1 (scheme = [seeds], in train.seed's range), got {'keel': []}"),
     ("lrss = [1e-3]", "unknown key(s) lrss (did you mean lrs?)"),  # as an unknown config key is refused
     ("colour = 1", "unknown key(s) colour"),
 ])
@@ -884,6 +919,14 @@ def test_a_folder_stopped_before_its_first_run_starts_again_without_resume(tmp_p
     (out / "ramp").mkdir()
     with pytest.raises(KeelError, match="is not empty; use --resume"):
         SRun._claim_out(out, st, "keel study claims --scale tiny", resume=False, report_only=False)
+    # a folder of other files: --resume is refused there too, so it is not advised (a user's trial)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    with pytest.raises(KeelError, match=r"is not empty and holds no study \(no study.json\); give an empty or new --out$"):
+        SRun._claim_out(other, st, "keel study claims --scale tiny", resume=False, report_only=False)
+    with pytest.raises(KeelError, match="holds no study"):
+        SRun._claim_out(other, st, "keel study claims --scale tiny", resume=True, report_only=False)
 
 
 def test_out_belongs_to_one_study_and_scale(tmp_path, keel_main):
@@ -1397,7 +1440,8 @@ def test_dry_run_restore_plans_a_transfer_group_at_the_restored_optimum(tmp_path
 
 def test_resume_with_other_settings_is_refused_before_the_data_is_prepared(tmp_path, tiny_data, keel_main):
     """`--resume` with another --set used to prepare (at gpu-1 scale: download) the dataset first
-    and only then fail in the grid; the runs already started are compared first, data.path aside."""
+    and only then fail in the grid; the runs already started are compared first, data.path aside.
+    `--report-only` with another --set is refused the same way."""
     p = tmp_path / "g.toml"
     p.write_text(GROUP)
     sets = [f"data.path={tiny_data}", "train.steps=2", "train.batch_size=2", "train.seq_len=16", "train.eval_every=2",
@@ -1410,6 +1454,12 @@ def test_resume_with_other_settings_is_refused_before_the_data_is_prepared(tmp_p
                  cwd=elsewhere)  # no data.path: the built-in corpus would be prepared under ./data
     assert r.returncode == 2 and "was started with other settings (train.steps)" in r.stderr, r.stderr
     assert not (elsewhere / "data").exists() and "Traceback" not in r.stderr
+    # --report-only of the edited study reported the old runs under the new settings (a user's trial)
+    before = (tmp_path / "a" / "report.json").read_bytes()
+    edited = [s.replace("train.steps=2", "train.steps=3") for s in sets]  # as an edited study file's keys
+    with pytest.raises(KeelError, match=r"was started with other settings \(train.steps\)"):
+        SRun.run_study(str(p), "x", tmp_path / "a", edited, report_only=True)
+    assert (tmp_path / "a" / "report.json").read_bytes() == before
 
 
 def test_restore_refuses_malformed_or_mismatched_reports(tmp_path, tiny_data, keel_main):
@@ -1669,8 +1719,9 @@ def test_report_only_over_a_result_of_the_wrong_shape_is_one_line(finished_study
     shutil.copytree(finished, out)
     result = out / "g" / "L2_seed0_keel_lr0.001" / "result.json"
     result.write_text(json.dumps(change(json.loads(result.read_text()))))
+    sets = json.loads((out / "report.json").read_text())["sets"]  # the keys its runs were trained with
     with pytest.raises(KeelError, match=f"{result}: {words}; delete the file to run the job again"):
-        SRun.run_study(str(p), "x", out, [], report_only=True)
+        SRun.run_study(str(p), "x", out, sets, report_only=True)
 
 
 def test_a_new_kind_of_claim_is_one_module_and_one_toml_block(tmp_path, monkeypatch):

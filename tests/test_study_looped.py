@@ -438,7 +438,7 @@ def test_the_dry_run_names_the_sets_that_reach_every_run(keel_main, tmp_path):
     """A fresh-user trial: `--dry-run --set model.loop_sampling=uniform` printed the scale's note ("loop count per
     step 1 + Poisson(e^tau) of mean R") and nothing of the --set its runs follow."""
     line = ("Every run also with --set model.loop_sampling=uniform (applied after the scale's keys: where it differs "
-            "from the scale's note above, the runs follow the --set).")
+            "from them or from the scale's note above, the runs follow the --set).")
     given = keel_main("study", "looped", "--scale", "cpu", "--dry-run", "--out", tmp_path / "x",
                       "--set", "model.loop_sampling=uniform").stdout.splitlines()
     plain = keel_main("study", "looped", "--scale", "cpu", "--dry-run", "--out", tmp_path / "x").stdout.splitlines()

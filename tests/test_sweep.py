@@ -192,7 +192,9 @@ def test_cli_errors(keel_main, tmp_path, tiny_data):
     (tmp_path / "full" / "x").write_text("x")
     r = keel_main("sweep", "--grid", "train.lr=1e-3,2e-3", "--out", tmp_path / "full",
                  *sum((["--set", s] for s in _tiny_sets(tiny_data)), []))
-    assert r.returncode == 2 and "--resume" in r.stderr and "Traceback" not in r.stderr
+    # a folder of other files: named, and --resume (refused there too) is not advised
+    assert r.returncode == 2 and "holds no study (no study.json); give an empty or new --out" in r.stderr
+    assert "--resume" not in r.stderr and "Traceback" not in r.stderr
     r = keel_main("sweep", "--grid", "train.lr=1e-3", "--best-over", "model.residual", "--out", tmp_path / "o",
                  *sum((["--set", s] for s in _tiny_sets(tiny_data)), []))
     assert r.returncode == 2 and "--best-over model.residual" in r.stderr

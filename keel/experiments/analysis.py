@@ -269,7 +269,8 @@ def bracketed(runs: Runs, rec: RunRecord) -> bool:
 
 def opt_lrs(runs: Runs, group: str, scheme: str, sublayers: int) -> dict:
     """``{seed: (optimal LR, at an edge of the LR grid)}`` of one scheme and depth of a train group:
-    per seed that finished every LR of the cell, its best run's LR (:func:`best_run`)."""
+    per seed that finished every LR of the cell, its best run's LR (:func:`best_run`). A cell of one LR
+    is at an edge (that LR is both ends of its grid: its optimum is not located)."""
     rs = cell(runs, [group], scheme, sublayers)
     lrs = sorted({r.lr for r in rs})
     out = {}
@@ -277,7 +278,7 @@ def opt_lrs(runs: Runs, group: str, scheme: str, sublayers: int) -> dict:
         mine = [r for r in rs if r.seed == seed]
         if len(mine) == len(lrs) and all(r.status == "done" for r in mine):
             lr = best_run(mine).lr
-            out[seed] = (lr, len(lrs) > 1 and lr in (lrs[0], lrs[-1]))
+            out[seed] = (lr, lr in (lrs[0], lrs[-1]))
     return out
 
 

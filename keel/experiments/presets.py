@@ -29,7 +29,7 @@ from keel.experiments import sensitivity as LS
 from keel.experiments import stress as ST
 from keel.experiments.grid import cached_result, check_reportable
 from keel.experiments.sweep import run_name
-from keel.experiments.study.run import check_started_runs, execute
+from keel.experiments.study.run import execute
 from keel.experiments.study.spec import Group, Study, refuse_sets, study_from_dict
 from keel.io import atomic_write_text
 from keel.model import SCHEMES
@@ -116,8 +116,6 @@ def _execute(what: str, config: str | None, sets: Sequence[Override], group: Gro
     with other flags than the runs were trained with is refused (KeelError naming the keys): the
     report would state the new flags beside the old runs' numbers."""
     study = preset_study(what, config, sets, group)
-    if engine.get("report_only"):
-        check_started_runs(study, out)
     report = execute(study, out, **engine)
     if not engine.get("dry_run"):
         if engine.get("report_only"):

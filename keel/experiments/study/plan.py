@@ -4,10 +4,11 @@ totals and the markdown table."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from pathlib import Path
 
-from keel.config import config_from_dict
+from keel.config import config_from_dict, override_text
 from keel.errors import KeelError
 from keel.experiments import stress as ST
 from keel.experiments.grid import GridJob
@@ -102,15 +103,29 @@ def planned_jobs(study: Study, data_dir: str, out: Path, restored: dict[tuple[st
                     for j in jobs]
             return [o if o is not None else run_record(g, j, Path(), None) for j, o in zip(jobs, olds)]
 
-        got = group_records(study, g, runs, data_dir, out, read)
-        if got is None:  # the source's optimum is unknown: plan at the middle of its grid
-            grid = lr_ladder(study.groups, g)
-            lr_for = {(s, L): lrs for s, lrs in stepped_lrs(study, g, {s: grid[len(grid) // 2] for s in g.schemes}
-                                                             ).items() for L in g.sublayers}
-            got = (*group_jobs(study, g, data_dir, out, lr_for), [])
+        with _naming_group(g):
+            got = group_records(study, g, runs, data_dir, out, read)
+            if got is None:  # the source's optimum is unknown: plan at the middle of its grid
+                grid = lr_ladder(study.groups, g)
+                lr_for = {(s, L): lrs for s, lrs in stepped_lrs(study, g, {s: grid[len(grid) // 2] for s in g.schemes}
+                                                                 ).items() for L in g.sublayers}
+                got = (*group_jobs(study, g, data_dir, out, lr_for), [])
         runs += [r for r in got[2] if r.status == "done"]
         planned.append((g, got[0], got[1]))
     return planned
+
+
+@contextlib.contextmanager
+def _naming_group(g: Group):
+    """Re-raise a KeelError of building group ``g``'s run configs as ``study group 'g' (its set): ...`` when
+    ``g`` has a ``set`` of its own: the study's keys (base, scale, ``--set``) were checked before
+    (:func:`keel.experiments.study.run.execute`), so its own keys are what the message is about."""
+    try:
+        yield
+    except KeelError as e:
+        if not g.sets:
+            raise
+        raise KeelError(f"study group {g.name!r} (its set {', '.join(override_text(x) for x in g.sets)}): {e}") from None
 
 
 def plan_rows(study: Study, data_dir: str, out: Path, mfu: float, peak_tflops: float,
@@ -231,7 +246,8 @@ def plan_markdown(study: Study, rows: list[dict], mfu: float, peak_tflops: float
               _tokens_per_param_words(r.get("tokens_per_param_by_scheme", {})),
               f"{r['tokens']:.3g}", hours_words(r["gpu_hours"]), hours_words(r["cpu_hours"])] for r in rows]
     given = ([f"Every run also with --set {', '.join(study.user_sets)} (applied after the scale's keys: where it "
-              "differs from the scale's note above, the runs follow the --set).", ""] if study.user_sets else [])
+              "differs from them" + (" or from the scale's note above" if study.note else "")
+              + ", the runs follow the --set).", ""] if study.user_sets else [])
     lines = [f"Study {study.name}, scale {study.scale}: {study.note}".strip(), ""] + given + markdown_table(
         ["group", "runs", "schemes", "sub-layers", "seeds", "LRs", "steps", "tokens per run",
          "tokens per non-embedding parameter, by depth", "total tokens", "est. GPU-hours", "est. CPU-hours"], cells)

@@ -60,8 +60,9 @@ def best_loss_table(study: Study, runs: list[RunRecord]) -> list[str]:
         return []
     return ["## Best loss per scheme and depth", "",
             "Final validation loss (nats/token) at each seed's best LR; seeds with an unfinished LR are left out.",
-            ""] + markdown_table(["group", "sub-layers", "scheme", "best loss mean ± sd [per seed]",
-                                  "best LR [per seed]"], rows) + [""]
+            ""] + markdown_table(["group", "sub-layers", "scheme",
+                                  f"best loss, seed mean [{2 * LEVEL - 1:.0%} CI] (per seed)", "best LR [per seed]"],
+                                 rows) + [""]
 
 
 def unclaimed_group_sections(study: Study, runs: list[RunRecord]) -> list[str]:
@@ -215,16 +216,17 @@ def verdict_rule(study: Study, claims: Sequence[Claim], floor: LossFloor | None 
             + (f"; for {ids(ramp)} log10 ratios of max LR, f = log10 1.05 = {MAX_LR_FLOOR:.3f}, a 5% ratio"
                if ramp else "")
             + "".join(f"; for ({c.id}) {c.own_floors()}" for c in paired if c.own_floors())
-            + f"). Reproduced when at least {study.min_seeds} seeds give lo ≥ f; not reproduced "
+            + f"). Reproduced when lo ≥ f with at least {study.min_seeds} paired seeds; not reproduced "
             "when hi < f (the interval excludes an effect as large as the floor: no effect, or the opposite); "
             "inconclusive otherwise. Growth with depth is the slope of each seed's margin against log2(sub-layers) "
             "over every depth, judged the same way with the floor spread over the studied range "
             "(f / log2(deepest / shallowest)). A claim with several parts is reproduced only when every part is; "
             f"a condition stays inconclusive while a run it reads has not finished or a part has fewer than "
-            f"{study.min_seeds} paired seeds. "
-            "Margin claims are judged under two conditions fixed before any run: at the paper's init (N(0, 0.02²) "
-            "everywhere) and with both schemes at the init groups' embedding init (N(0, 1)); no condition picks an "
-            "init on the losses it judges, and the summary names the condition of every number."
+            f"{study.min_seeds} paired seeds."
+            + (" Margin claims are judged under two conditions fixed before any run: at the paper's init (N(0, 0.02²) "
+               "everywhere) and with both schemes at the init groups' embedding init (N(0, 1)); no condition picks an "
+               "init on the losses it judges, and the summary names the condition of every number."
+               if any(getattr(c, "init_groups", None) for c in paired) else "")
             + why + (f" {own_words}" if own else ""))
 
 

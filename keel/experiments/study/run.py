@@ -198,10 +198,10 @@ def execute(study: Study, out: str | Path, *, workers: int | None = None, thread
     """
     _check_groups(study, study.scale, groups)
     out = Path(out)
-    plan_rows(study, "<data>", out, mfu, peak_tflops)  # every group's configs: a bad set refused now
+    base = load_config(resolve_config_path(study.base), study.base_sets())  # a bad --set: refused before out is claimed
+    plan_rows(study, "<data>", out, mfu, peak_tflops)  # every group's configs: a bad group set refused now, naming it
     check_pool(workers or 0, threads)
     restored = load_restored(restore, study) if restore is not None else {}  # after the --set keys are checked
-    base = load_config(resolve_config_path(study.base), study.base_sets())  # a bad --set: refused before out is claimed
     if dry_run:  # what can be checked of the data without preparing it
         check_study_data(study, base, planned_jobs(study, NO_DATA, out, restored))
         return _dry_run(study, out, groups, restored, restore, mfu, peak_tflops)
@@ -210,8 +210,8 @@ def execute(study: Study, out: str | Path, *, workers: int | None = None, thread
     fresh = not out.exists()
     first_command = _claim_out(out, study, _command_of(restore) or command if from_report else command,
                                resume=resume or from_report, report_only=report_only and not from_report)
-    if resume:  # another --set than the runs started with: refused now, not after the dataset is prepared
-        check_started_runs(study, out)
+    if resume or report_only:  # runs started with other settings: refused now, not after the dataset is
+        check_started_runs(study, out)  # prepared (--resume), nor reported under settings they never had
     superseded: list[RunRecord] = []
     with _stopped_hint(out), _unclaimed_if(fresh, out), contextlib.nullcontext() if report_only else study_lock(out):
         if not report_only:  # the folder's executor, or the one it is started with (recorded)
@@ -375,7 +375,7 @@ def _dry_run(study: Study, out: Path, groups: Sequence[str], restored: dict, res
 
 def check_started_runs(study: Study, out: Path) -> None:
     """:func:`keel.experiments.grid.check_started` for every group's planned runs (and ramp references) in
-    ``out``, before the dataset is prepared (``--resume``; a preset's ``--report-only``). Raises KeelError naming keys."""
+    ``out``, before the dataset is prepared (``--resume``, ``--report-only``). Raises KeelError naming keys."""
     for g, refs, jobs in planned_jobs(study, "<data>", out):
         check_started(refs, out / g.dir_name / ST.REFERENCES)
         check_started(jobs, out / g.dir_name)
@@ -405,12 +405,16 @@ def _claim_out(out: Path, study: Study, command: str, *, resume: bool, report_on
     Raises:
         KeelError: ``out`` is a file; not empty without ``resume`` / ``report_only`` (a folder
             holding only this study's ``study.json``, stopped before its first run, counts as
-            empty); holds another study or scale; ``report_only`` on a folder that holds no study.
+            empty; the message advises ``--resume`` only where ``out`` holds a study); holds another
+            study or scale; ``resume`` or ``report_only`` on a non-empty folder that holds no study.
     """
     marker = out / "study.json"
     held = _held_study(out, study, report_only=report_only)
     fresh = held is not None and [p.name for p in out.iterdir() if p.name != LOCK_NAME] == [marker.name]  # no run began
     if not (resume or report_only or fresh) and out.is_dir() and any(out.iterdir()):
+        if held is None:  # --resume would be refused too: it continues studies only
+            raise KeelError(f"output folder {out} is not empty and holds no study (no study.json); give an empty "
+                            "or new --out")
         raise KeelError(f"output folder {out} is not empty; use --resume to continue it, or another --out")
     if resume and held is None and out.is_dir() and any(out.iterdir()):
         raise KeelError(f"{out} holds no study (no study.json) but is not empty; check --out (a study's folder, "

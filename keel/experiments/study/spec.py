@@ -40,8 +40,8 @@ class Group:
                               read_if=_axes)
     sublayers: list[int] = key([], "its depths, in sub-layers.", ge=2, nonempty=True, unique=True, note="even",
                                read_if=_axes)
-    seeds: list[int] = key([], "the seeds each scheme trains (but those of seeds_for).", nonempty=True, unique=True,
-                           read_if=_axes)
+    seeds: list[int] = key([], "the seeds each scheme trains (but those of seeds_for).", ge=0, le=2**32 - 1,
+                           nonempty=True, unique=True, note="train.seed's range", read_if=_axes)
     lrs: list[float] = key([], "a train group's peak LRs (absolute), or lr_from.", gt=0, unique=True, read_if=_own("lrs"))
     kind: GroupKind = key("train", "the kind of group: " + "; ".join(f"{n}, {c.summary}" for n, c in GROUP_KINDS.items())
                           + ".")
@@ -57,8 +57,8 @@ class Group:
     baselines_from: str = key("", "a train group whose baselines runs pair with this group's.",
                               read_if=_own("baselines_from"))
     baselines: list[str] = key([], "the schemes of baselines_from that pair.", unique=True, read_if=_own("baselines"))
-    seeds_for: dict[str, list[int]] = key({}, "a scheme's own seeds.", nonempty=True, unique=True, note="scheme = [seeds]",
-                                       read_if=_axes)
+    seeds_for: dict[str, list[int]] = key({}, "a scheme's own seeds.", ge=0, le=2**32 - 1, nonempty=True, unique=True,
+                                       note="scheme = [seeds], in train.seed's range", read_if=_axes)
     widen: int = key(2, "LRs a cell a claim reads may gain beyond the planned ones on each side (to bracket its "
                         "optimum).", ge=0, note="LRs added per side", read_if=_own("widen"))
     ablate: bool = key(False, "a train group: after each run, ΔPPL of removing each sub-layer (keel ablate, paper "
@@ -296,8 +296,10 @@ def study_scale(name: str, scale: str | None) -> str:
     scales = read_toml(path, "study").get("scales")
     if scales is None:
         return ONE_SIZE
-    names = ", ".join(scales) if isinstance(scales, dict) else "none"
-    raise KeelError(f"study {path.stem!r} has scales ({names}): give one with --scale")
+    if not scales or not isinstance(scales, dict):
+        raise KeelError(f"study {path.stem!r} has a [scales] table with no scale in it: add [scales.NAME] tables "
+                        "(and give --scale NAME), or remove [scales] for a study of one size")
+    raise KeelError(f"study {path.stem!r} has scales ({', '.join(scales)}): give one with --scale")
 
 
 def study_from_dict(name: str, d: dict, scale: str, user_sets: Sequence[str] = ()) -> Study:
@@ -498,7 +500,12 @@ def _verdict_settings(v) -> tuple[float, int, bool]:
             ``min_seeds`` not an integer >= 2 (a paired interval needs two), ``floor_from_spread``
             not a boolean.
     """
-    ok = isinstance(v, dict) and not set(v) - {"min_effect", "min_seeds", "floor_from_spread"}
+    known = ["min_effect", "min_seeds", "floor_from_spread"]
+    unknown = sorted(set(v) - set(known)) if isinstance(v, dict) else []
+    if unknown:
+        raise KeelError(f"study [verdict]: unknown key(s) {', '.join(k + did_you_mean(k, known) for k in unknown)} "
+                        f"(it takes {', '.join(known)})")
+    ok = isinstance(v, dict)
     effect, seeds, spread = (v.get("min_effect", 0.02), v.get("min_seeds", 3), v.get("floor_from_spread", False)) \
         if ok else (None, None, None)
     if not ok or not (is_number(effect) and 0 < effect < math.inf) \

@@ -13,6 +13,7 @@ from keel.errors import KeelError
 from keel.experiments.study.claims.base import CLAIMS, Claim
 from keel.experiments.study.spec import Group, Study, read_study
 from keel.keys import check_keys, key_names, key_rule, key_type
+from keel.model import SCHEMES
 
 
 def _check_types(cls: type[Claim], c: dict) -> None:
@@ -64,7 +65,7 @@ def check_claim(c: object, groups: dict[str, Group]) -> Claim:
     Raises:
         KeelError: naming the first problem: not a table, no id / title / known test, a key of
             the wrong type, missing or unknown, a group this scale does not size or of the other
-            kind (train / ramp), a scheme the groups do not train, and what the kind checks
+            kind (train / ramp), an unknown scheme or one the groups do not train, and what the kind checks
             itself (:meth:`Claim.check`).
     """
     if not isinstance(c, dict) or not c.get("id") or not c.get("title"):
@@ -79,6 +80,10 @@ def check_claim(c: object, groups: dict[str, Group]) -> Claim:
     check_keys(claim, f"study claim {claim.id!r}", sep=": ")
     _check_groups_read(claim, groups)
     claim.check(groups)
+    unknown = sorted(set(claim.schemes_read()) - set(SCHEMES))
+    if unknown:
+        raise KeelError(f"study claim {claim.id!r}: unknown scheme(s) {', '.join(unknown)} (available: "
+                        f"{', '.join(SCHEMES)})")
     untrained = set(claim.schemes_read()) - set().union(*(groups[g].schemes for g in claim.groups_read() if g in groups))
     if untrained:
         raise KeelError(f"study claim {claim.id!r}: scheme(s) {', '.join(sorted(untrained))} not trained by its group(s)")
