@@ -638,11 +638,12 @@ def resolve_config_path(name: str | None, kind: str = "") -> Path:
     name = name or DEFAULT_PRESET
     p = Path(name)
     if p.suffix == ".toml" or p.exists():
-        check_regular_file(p, "config file")  # a FIFO: "not found"
+        noun = {"sweeps": "sweep preset file", "studies": "study file"}.get(kind, "config file")
+        check_regular_file(p, noun)  # a FIFO: "not found"
         if p.is_dir():
-            raise KeelError(f"{p} is a folder, not a config file (give a TOML file or a preset name)")
+            raise KeelError(f"{p} is a folder, not a {noun} (give a TOML file or a preset name)")
         if not p.is_file():
-            raise KeelError(f"config file not found: {p}")
+            raise KeelError(f"{noun} not found: {p}")
         return p
     preset = _preset_dir(kind) / f"{name}.toml"
     if preset.is_file():

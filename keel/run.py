@@ -110,6 +110,12 @@ class Run:
                                     fix="prepare the run's dataset again")
         return data
 
+    def no_checkpoint_error(self) -> KeelError:
+        """The error of a run without a checkpoint to load: none yet, or none intact (what is wrong with each)."""
+        _, damaged = self.checkpoint_manager.find_intact()
+        return KeelError(f"run {self.path} has no intact checkpoint ({'; '.join(damaged)})" if damaged
+                         else f"run {self.path} has no checkpoint yet")
+
     def load_model(self, device: str | torch.device = "cpu", checkpoint: str | Path | None = None):
         """The trained :class:`keel.model.Transformer`, in eval mode on ``device``.
 
@@ -122,9 +128,7 @@ class Run:
         """
         ckpt = Path(checkpoint) if checkpoint else self.latest_checkpoint()
         if ckpt is None:
-            _, damaged = self.checkpoint_manager.find_intact()
-            raise KeelError(f"run {self.path} has no intact checkpoint ({'; '.join(damaged)})" if damaged
-                            else f"run {self.path} has no checkpoint yet")
+            raise self.no_checkpoint_error()
         dev = device if isinstance(device, torch.device) else resolve_device(device, key="--device")
         model = Transformer(self.config.model)
         self.checkpoint_manager.load_weights(model, ckpt)

@@ -176,6 +176,14 @@ def test_ablate_cli_on_a_run(tiny_config, tmp_path, keel_cli, keel_main):
     w = torch.stack([ids[i * 32:(i + 1) * 32 + 1] for i in range(4)])
     with torch.no_grad():
         assert json.loads(r.stdout)["ppl_full"] == pytest.approx(ppl(model(w[:, :-1]), w[:, 1:]), rel=1e-5) != full
+    assert "note:" not in r.stderr
+    # more tokens than the text gives: ablated on what it gives, and now said so (it was silent)
+    r = keel_main("ablate", "--run", run, "--text", text, "--tokens", 10**8, "--out", tmp_path / "big", "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)["tokens"]
+    assert 32 <= got < 10**8 and got % 32 == 0
+    assert f"note: --tokens 100,000,000: the text gives {got:,} tokens in whole windows of 32; ablated on those\n" \
+        in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("flags,error", [

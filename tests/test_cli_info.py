@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import sys
+import shutil
 
 import pytest
 
@@ -204,7 +205,7 @@ def test_keel_runs_table_and_json(tiny_data, tmp_path, capsys):
     assert row == {"run": str(root / "a"), "scheme": "keel", "blocks": 2, "sublayers": 4,
                    "params": count_parameters(cfg.model), "step": 2, "steps": 2, "tokens": last["tokens"],
                    "val_loss": last["val_loss"], "tokens_per_s": last["tokens"] / last["elapsed_s"],
-                   "status": "finished"}
+                   "status": "finished", "mode": None}
     assert main(["runs", str(root)]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == ["run", "scheme", "blocks/sub-layers", "params", "step", "tokens", "val_loss", "tokens/s",
@@ -225,6 +226,19 @@ def test_keel_runs_table_and_json(tiny_data, tmp_path, capsys):
     rows = {r["run"]: r for r in json.loads(capsys.readouterr().out)}
     assert list(rows) == [str(root / "a"), str(root / "d")]
     assert (rows[str(root / "d")]["status"], rows[str(root / "d")]["step"]) == ("new", None)
+    # a run the classifier flagged says which of the paper's three modes (the table said "diverged" for a
+    # stagnation on the unigram plateau, whose run finished every step without a spike)
+    shutil.copytree(root / "a", root / "e")
+    metrics = (root / "e" / "metrics.jsonl").read_text().splitlines()
+    flagged = dict(json.loads(metrics[-1]), divergence={"mode": "stagnation", "step": 1, "evidence": {}})
+    (root / "e" / "metrics.jsonl").write_text("\n".join(metrics[:-1] + [json.dumps(flagged)]) + "\n")
+    assert main(["runs", str(root), "--json"]) == 0
+    rows = {r["run"]: r for r in json.loads(capsys.readouterr().out)}
+    assert (rows[str(root / "e")]["status"], rows[str(root / "e")]["mode"]) == ("diverged", "stagnation")
+    assert rows[str(root / "a")]["mode"] is None
+    assert main(["runs", str(root)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("e "))
+    assert line.endswith("diverged (stagnation)")
 
 
 @pytest.mark.spawns

@@ -225,6 +225,17 @@ def test_eval_checks_tasks_before_loading_the_model(run_dir, tmp_path, keel_main
     r = keel_main("eval", "--run", run_dir, "--tasks", f"{MC_TASK},keel_python_completon")
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1
     assert r.stderr.startswith("keel: error: task keel_python_completon: unknown task (not in ")
+    # a task file of --task-dir that does not parse: named, with the parser's reason (it read "unknown task")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "bad2.yaml").write_text("task: bad2\n  : [ broken yaml\n")
+    (tasks / "other.yaml").write_text("task: other\n  : [ broken too\n")  # names neither: not the reason
+    r = keel_main("eval", "--run", run_dir, "--task-dir", tasks, "--tasks", "bad2")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"keel: error: task bad2: {tasks / 'bad2.yaml'} names it but does not load as a task "
+                               "file (ParserError: while parsing a block mapping)"), r.stderr
+    r = keel_main("eval", "--run", run_dir, "--task-dir", tasks, "--tasks", "bad3")
+    assert r.stderr.startswith("keel: error: task bad3: unknown task (not in "), r.stderr
 
 
 def test_train_checks_its_tasks_before_anything_trains(tmp_path, keel_main):

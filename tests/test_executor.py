@@ -94,6 +94,7 @@ def test_slurm_parameters_map_to_submitit_and_sbatch():
     (["--slurm", "time=abc"], "--slurm time= must be a whole number >= 1, got 'abc'"),
     (["--slurm", "nodes=0"], "--slurm nodes= must be a whole number >= 1"),
     (["--slurm", "time=5", "--slurm", "time=6"], "--slurm time is given twice"),
+    (["--slurm", "Partition=gpu"], "--slurm Partition=: Slurm's option names are lower case; did you mean partition=\\?"),
     (["--executor", "local", "--slurm", "time=5"], "use it with --executor slurm"),
     (["--gpus-per-run", "0"], "--gpus-per-run must be >= 1"),
     (["--share-gpus"], "--share-gpus lets local workers share this machine's GPUs"),  # it was accepted, did nothing
@@ -613,6 +614,32 @@ def test_a_resume_with_slurm_settings_keeps_the_recorded_gpus_per_run(flags, gpu
     ex, _, _ = engine_executor(out, executor_of(given), None, None, "sweep")
     assert (ex.gpus_per_run, dict(ex.slurm)) == (gpus, {"time": "60"})
     assert json.loads((out / "study.json").read_text())["executor"]["gpus_per_run"] == gpus
+
+
+def test_a_resume_with_slurm_settings_of_a_folder_of_another_executor_names_it(tmp_path, monkeypatch):
+    """`keel sweep --out DIR --resume --slurm time=30` of a folder started with --executor submitit-local said
+    "--executor slurm needs Slurm (sbatch is not on PATH here)", of a flag the user never gave."""
+    import argparse
+
+    from keel.cli.commands.science import executor_of
+    from keel.experiments.study.run import engine_executor
+
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))  # no sbatch, no srun
+    out = tmp_path / "sweep"
+    out.mkdir()
+    started = E.Executor("submitit-local")
+    (out / "study.json").write_text(json.dumps({"study": "sweep", "scale": "cli", "command": "keel sweep",
+                                                "executor": {**started.record(), "workers": 1, "threads": None}}))
+    given = argparse.Namespace(executor=None, slurm=["time=30"], share_gpus=False, dry_run=False, resume=True,
+                               gpus_per_run=None)
+    with pytest.raises(KeelError) as e:
+        engine_executor(out, executor_of(given), None, None, "sweep")
+    assert str(e.value) == (f"{out} was started with --executor submitit-local: --slurm sets the Slurm parameters "
+                            f"of a folder started with --executor slurm; drop it ({out / 'study.json'} holds its "
+                            "settings), or use another --out")
+    given.executor = "slurm"  # asked for by name: Slurm must be here (checked before the folder is read)
+    with pytest.raises(KeelError, match=r"--executor slurm needs Slurm \(sbatch is not on PATH here\)"):
+        executor_of(given)
 
 
 def _claimed(out: Path) -> Path:

@@ -773,7 +773,9 @@ def test_import_stock_llama_then_resume_training_and_generate(tiny_data, tmp_pat
     assert main(["import-hf", "--hf", str(llama_dir), "--out", str(run), "--set", "model.d_model=8"]) == 2
     assert "--set only data.* and train.* keys" in capsys.readouterr().err
     assert main(["import-hf", "--hf", str(llama_dir), "--out", str(run)] + [a for s in sets for a in ("--set", s)]) == 0
-    capsys.readouterr()
+    assert capsys.readouterr().out == (f"imported {llama_dir} -> run {run} (continue training with `keel train --resume "
+                                       f"{run}`: a fresh optimiser, and the data from its first batch, as an HF folder "
+                                       "keeps no data position)\n")
     cfg = load_config(run / "config.toml")
     assert cfg.model.residual == "pre_ln" and (cfg.model.d_model, cfg.model.n_layers) == (32, 2)
     native = Run(run).load_model()
@@ -918,3 +920,21 @@ def test_generate_past_max_seq_len_crops_the_window_as_keel_generate(scheme, tmp
             got = remote.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
                                   use_cache=use_cache)
             assert got.shape == (2, 60) and got.tolist() == want.tolist(), use_cache
+
+
+def test_import_of_non_finite_weights_names_the_folder_not_a_training_step(tiny_data, tmp_path, capsys):
+    """An HF folder whose weights hold a NaN (damaged data, or a diverged model) was refused as "refusing to
+    checkpoint step 0: non-finite values in ...", which reads as a training failure."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "llama"
+    _stock_llama(folder, tiny_data / "tokenizer.json")
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(weights, str(folder / "model.safetensors"))
+    capsys.readouterr()
+    assert main(["import-hf", "--hf", str(folder), "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"keel: error: {folder}'s weights hold non-finite values "
+                                                        "(damaged, or a diverged model): non-finite values in "
+                                                        "blocks.0.ffn.w2.weight")
+    assert not (tmp_path / "run").exists()

@@ -20,6 +20,7 @@ from keel.config import ModelConfig, load_config  # noqa: E402
 from keel.data.text import encode_text  # noqa: E402
 from keel.model import Transformer  # noqa: E402
 from keel.run import Run  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
 
 MC_TASK = "keel_python_completion"
 
@@ -159,12 +160,24 @@ def test_export_hint_of_a_pre_ln_run_says_it_is_a_stock_llama(tiny_data, tmp_pat
 
     run, out = tmp_path / "run", tmp_path / "exported"
     train(load_config(REPO / "keel" / "configs" / "demo.toml",
-                      tiny_overrides(tiny_data, steps=2, eval_every=2) + ["model.residual=pre_ln"]), run)
+                      tiny_overrides(tiny_data, steps=2, eval_every=2) + ["model.residual=pre_ln",
+                                                                          "model.rope_theta=500000"]), run)
     assert main(["export-hf", "--run", str(run), "--out", str(out)]) == 0
     assert capsys.readouterr().out.splitlines()[1] == (
         f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}): a stock Llama model, no keel or "
         "trust_remote_code needed")
-    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    # readable by older readers too: transformers 5 wrote the RoPE base only in rope_parameters (4 and converters
+    # took the default 10,000) and named the tokenizer class TokenizersBackend (unknown to transformers 4)
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 500000.0
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    from transformers import AutoConfig, AutoTokenizer
+
+    assert AutoConfig.from_pretrained(out).rope_parameters["rope_theta"] == 500000.0
+    text = "def parse(x):\n    return x  # <|endoftext|>"
+    assert AutoTokenizer.from_pretrained(out)(text).input_ids == \
+        encode_text(Tokenizer.from_file(str(run / "tokenizer.json")), text)
 
 
 def test_export_of_a_run_with_a_damaged_latest_checkpoint_warns_once_and_names_its_step(tiny_data, tmp_path, capsys):
@@ -184,3 +197,16 @@ def test_export_of_a_run_with_a_damaged_latest_checkpoint_warns_once_and_names_i
     assert got.err.count("skipping step_00000004") == 1, got.err
     assert got.out.splitlines()[0] == f"exported {run} (step 2) -> {out}"
     assert json.loads((out / "config.json").read_text())["keel_step"] == 2
+    # every checkpoint damaged: one warning per checkpoint (it was said twice), then the one-line error
+    older = run / "checkpoints" / "step_00000002" / "model.safetensors"
+    older.write_bytes(older.read_bytes()[:1000])
+    assert main(["export-hf", "--run", str(run), "--out", str(tmp_path / "none")]) == 2
+    got = capsys.readouterr()
+    assert got.err.count("skipping step_00000002") == 1 and got.err.count("skipping step_00000004") == 1, got.err
+    assert got.err.splitlines()[-1].startswith(f"keel: error: run {run} has no intact checkpoint (step_00000004: ")
+    assert not (tmp_path / "none").exists()
+    # an existing file as --out: said so (an empty file read "already exists and is not empty")
+    (tmp_path / "afile").write_text("")
+    assert main(["export-hf", "--run", str(run), "--out", str(tmp_path / "afile")]) == 2
+    assert capsys.readouterr().err == \
+        f"keel: error: output {tmp_path / 'afile'} is a file, not a folder; choose another --out\n"

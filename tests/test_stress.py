@@ -236,3 +236,8 @@ def test_resume_or_report_only_alone_continues_the_grid_its_folder_holds(command
         assert sorted(p.name for p in out.rglob("*") if p.is_dir()) == folders  # no run of another grid
     r = keel_main(command, "--out", out, "--report-only", "--seeds", "1")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "holds no finished run of this" in r.stderr, r.stderr
+    if command == "stress":  # another ramp is no subset of the grid: refused by its flag (it named train.lr)
+        for flag, value in (("--peak-lr", "2e-3"), ("--ramp-steps", "4")):
+            r = keel_main(command, "--out", out, "--resume", flag, value)
+            assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+            assert f"--resume continues the stress {out} holds" in r.stderr and f"{flag} differs" in r.stderr

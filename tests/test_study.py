@@ -1873,3 +1873,19 @@ def test_restored_runs_the_study_does_not_plan_are_named_not_dropped(tmp_path, t
                      "study and left out of its report (group g: 1; group b: 1 (not a group of this study))"]
     kept = json.loads((tmp_path / "r" / "report.json").read_text())["runs"]
     assert [(r["scheme"], r["restored"]) for r in kept] == [("keel", True)]
+
+
+@pytest.mark.parametrize("x,label", [("lr", "LR at that step (on the ramp)"), ("step", "step")])
+def test_a_ramp_s_curves_are_plotted_against_the_lr_of_each_step(x, label, tmp_path, monkeypatch):
+    """stress.png's x axis read "peak LR of the ramp at that step": its values are each step's LR (the
+    curve's ``lr``), not the ramp's peak."""
+    import matplotlib.pyplot as plt
+
+    seen = {}
+    monkeypatch.setattr(SR, "save_figure", lambda fig, out: seen.update(fig=fig))
+    curve = {"step": [1, 2, 3], "lr": [0.01, 0.02, 0.03], "loss": [6.0, 5.5, 5.2]}
+    assert SR.plot_record_curves([run("ramp", "keel", 4, 0, 0.05, 5.2, curve=curve)], tmp_path / "c.png", x=x, title="t")
+    (ax,) = seen["fig"].axes
+    assert ax.get_xlabel() == label
+    assert list(ax.lines[0].get_xdata()) == curve[x]
+    plt.close(seen["fig"])

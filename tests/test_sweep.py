@@ -72,6 +72,13 @@ def test_width_for_params_holds_parameters(scheme):
                 other = count_parameters(dataclasses.replace(m, d_model=d, d_ff=round(3 * d)), non_embedding=True)
                 assert abs(other - target) >= abs(got - target)
     assert width_for_params(base, target, 16).d_model < 128 < width_for_params(base, target, 1).d_model
+    # the narrowest width (d_model 4 here) answers a target under it only while it is the nearer of it and no
+    # model: `keel sweep --match-params 1` planned the narrowest model without a word (a typo for 1M)
+    narrow = count_parameters(dataclasses.replace(base, d_model=4, d_ff=12), non_embedding=True)
+    assert width_for_params(base, narrow // 2 + 1).d_model == 4
+    with pytest.raises(KeelError, match=rf"^{narrow // 2 - 1:,} parameters are under half the narrowest model's: "
+                                        rf"d_model 4 at 4 blocks has {narrow:,}$"):
+        width_for_params(base, narrow // 2 - 1)
 
 
 def _tiny_sets(tiny_data, drop=("train.lr",), **train):
@@ -290,6 +297,10 @@ def test_match_params_with_an_auto_vocab_uses_the_vocabulary_known_before_the_da
     with pytest.raises(KeelError, match=r"^--match-params needs the vocabulary size .* data.tokenizer 'gpt2' is sized "
                                         r"only once prepared; set model.vocab_size or data.path$"):
         build_jobs(None, grid, ["data.tokenizer=gpt2"], match_params=1_000_000)
+    for bad in ("-5", "0.4", "1e400"):  # named by the flag (it read "parameter target must be >= 1, got -5")
+        with pytest.raises(KeelError, match=rf"^--match-params must be a parameter count( >= 1)? (or 'auto')?.*"
+                                            rf"got '{bad}'$"):
+            build_jobs(None, grid, ["data.tokenizer=bpe:1000"], match_params=bad)
 
 
 def test_sweep_table_with_a_blown_up_loss():
@@ -304,6 +315,11 @@ def test_sweep_table_with_a_blown_up_loss():
                "best_over": "train.lr"}
     md = sweep_markdown(summary)
     assert "| 800.0000 | 9.0000 | inf |" in md
+    # the depth unit is explained only under a table with a depth column (it was under every sweep's)
+    assert "(evaluations included)." in md and "depth is blocks" not in md
+    deep = dict(summary, grid_keys=["model.n_layers"], runs=[dict(run, values={"model.n_layers": 4})])
+    assert "(evaluations included); depth is blocks (sub-layers)." in sweep_markdown(deep)
+    assert "| 4 (8) | 800.0000 |" in sweep_markdown(deep)
 
 
 def test_a_sweep_plan_names_its_schemes_depths_seeds_and_lrs(tmp_path):

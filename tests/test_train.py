@@ -170,6 +170,8 @@ def test_cli_train_generate_and_errors(keel_cli, keel_main, tiny_data, tmp_path)
     (("train", "--config", "nope"), "unknown config 'nope'"),
     (("train", "--config", "missing.toml"), "config file not found"),
     (("train", "--config", "."), ". is a folder, not a config file"),  # said "config file not found: ." (issue 50)
+    (("study", "nofile.toml", "--dry-run"), "study file not found: nofile.toml"),  # it said "config file"
+    (("sweep", "--preset", "nofile.toml", "--dry-run"), "sweep preset file not found: nofile.toml"),
     (("prepare", "--tokenizer", "bpe:99999999999"), "N must be from 257 (256 bytes + <|endoftext|>) to 2,147,483,647"),
     (("train", "--set", "model.residual=resnet"), "unknown model.residual"),
     (("train", "--set", "model.n_kv_heads=3"), "not divisible by model.n_kv_heads"),

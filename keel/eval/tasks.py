@@ -220,10 +220,31 @@ class _Tasks:
             return None
         if _mentioned_by_lm_eval(name) and name in self.manager_for(name).all_tasks:
             return None
+        broken = self._broken_yaml(name)
+        if broken is not None:
+            return broken
         known = list(self.local.all_tasks) + (list(self._full.all_tasks) if self._full is not None else [])
         near = difflib.get_close_matches(name, known, n=3, cutoff=0.75)
         hint = f"; did you mean {' or '.join(near)}?" if near else ""
         return f"unknown task (not in {', '.join(map(str, self.paths))} nor in lm-eval's registry){hint}"
+
+    def _broken_yaml(self, name: str) -> str | None:
+        """Why task ``name`` may be missing from ``--task-dir``: a YAML file there that names it (its file
+        name, or its text) but does not load (lm-eval's index skips such a file without a word, and the task
+        read as "unknown"); None when there is none."""
+        from lm_eval.tasks._yaml_loader import load_yaml  # optional extra [eval]: keel train imports this module without it
+
+        for folder in self.paths[1:]:
+            for f in sorted(folder.rglob("*")):
+                if f.suffix not in (".yaml", ".yml") or not f.is_file():
+                    continue
+                try:
+                    if f.stem != name and name not in f.read_text(encoding="utf-8", errors="replace"):
+                        continue
+                    load_yaml(f, resolve_func=False)
+                except Exception as e:  # noqa: BLE001 -- yaml's errors, a missing include, a bad tag: each is the reason
+                    return f"{f} names it but does not load as a task file ({_first_line(e)})"
+        return None
 
     @staticmethod
     def spec(manager, name: str) -> str | dict:

@@ -168,7 +168,8 @@ def parse_slurm(items: Sequence[str]) -> dict[str, str]:
     in the job before keel starts: ``module load ...``, ``source .venv/bin/activate``), kept joined by newlines.
 
     Raises:
-        KeelError: an item without ``=``, an empty key, an empty ``setup=``, a key given twice, or a key keel sets itself
+        KeelError: an item without ``=``, an empty key, a key not in lower case (sbatch's are), an empty ``setup=``, a
+            key given twice, or a key keel sets itself
             (``array``, ``output``, ``error``, ``signal``: the message names the keel setting instead).
     """
     out: dict[str, str] = {}
@@ -177,6 +178,9 @@ def parse_slurm(items: Sequence[str]) -> dict[str, str]:
         k = _SLURM_ALIASES.get(k.strip(), k.strip())
         if not sep or not k:
             raise KeelError(f"--slurm takes KEY=VALUE (e.g. partition=gpu, time=120), got {item!r}")
+        if k != k.lower():  # sbatch's options are lower case: --Partition=gpu would fail in sbatch, after planning
+            raise KeelError(f"--slurm {k}=: Slurm's option names are lower case; did you mean "
+                            f"{_SLURM_ALIASES.get(k.lower(), k.lower())}=?")
         if k in _KEEL_OWNS:
             raise KeelError(f"--slurm {k}= is keel's to set: {_KEEL_OWNS[k]}")
         if k == "setup" and not v.strip():

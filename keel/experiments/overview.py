@@ -1,9 +1,11 @@
 """An overview of run folders (``keel runs [DIR]``): one row per run, from :class:`keel.run.Run`.
 
 Columns: run, scheme, blocks / sub-layers, parameters, step (of train.steps), tokens, last
-validation loss (nats/token), mean tokens/s, status. Status:
+validation loss (nats/token), mean tokens/s, status, divergence mode. Status:
 
-* ``diverged`` -- the divergence classifier gave a verdict other than healthy, the last
+* ``diverged`` -- the divergence classifier gave a verdict other than healthy (a run "counts as
+  diverged" in any of the Keel paper's three modes, Sec. 5.1; the row's ``mode`` names it:
+  ``stagnation``, ``instability`` or ``degradation``, and the table shows ``diverged (MODE)``), the last
   loss / validation loss is not finite (null in metrics.jsonl), or the last ``train.max_bad_steps``
   steps were all skipped as non-finite (the trainer stopped the run there);
 * ``finished`` -- the last logged step is ``train.steps`` and so is the newest checkpoint's
@@ -34,7 +36,7 @@ from keel.train.metrics import mean_tokens_per_s, untimed_tokens
 log = logging.getLogger(__name__)
 
 COLUMNS = ("run", "scheme", "blocks", "sublayers", "params", "step", "steps", "tokens", "val_loss", "tokens_per_s",
-           "status")
+           "status", "mode")
 
 
 def _not_finite(value) -> bool:
@@ -50,8 +52,7 @@ def run_status(records: list[dict], steps: int, held: bool, saved: int | None = 
     if not records:
         return "running" if held else "new"
     last = records[-1]
-    verdicts = [r["divergence"] for r in records if isinstance(r.get("divergence"), dict)]
-    if any(v.get("mode") not in (None, "healthy") for v in verdicts):
+    if divergence_mode(records) is not None:
         return "diverged"
     if ("loss" in last and _not_finite(last["loss"])) or ("val_loss" in last and _not_finite(last["val_loss"])):
         return "diverged"
@@ -60,6 +61,13 @@ def run_status(records: list[dict], steps: int, held: bool, saved: int | None = 
     if last.get("step", 0) >= steps and (saved is None or saved >= steps):
         return "finished"
     return "running" if held else "stopped"
+
+
+def divergence_mode(records: list[dict]) -> str | None:
+    """The mode of the first divergence verdict other than healthy in ``records`` (metrics.jsonl's
+    ``divergence`` objects: ``stagnation``, ``instability`` or ``degradation``), None without one."""
+    modes = [r["divergence"].get("mode") for r in records if isinstance(r.get("divergence"), dict)]
+    return next((m for m in modes if m not in (None, "healthy")), None)
 
 
 def _skipped_in_a_row(records: list[dict]) -> int:
@@ -75,7 +83,8 @@ def _skipped_in_a_row(records: list[dict]) -> int:
 
 
 def run_row(run: Run) -> dict:
-    """One overview row (keys :data:`COLUMNS`) for ``run``; numbers are None when not logged yet."""
+    """One overview row (keys :data:`COLUMNS`) for ``run``; numbers are None when not logged yet, and
+    ``mode`` (:func:`divergence_mode`) None for a run the classifier has not flagged."""
     cfg, records = run.config, run.metrics()
     progress = None if records else run.checkpoint_progress()
     if progress is not None and progress[0] > 0:  # e.g. an imported run: its checkpoint's step
@@ -89,7 +98,8 @@ def run_row(run: Run) -> dict:
             "val_loss": vals[-1] if vals else None,
             "tokens_per_s": mean_tokens_per_s(tokens, elapsed, untimed_tokens(records)) if tokens else None,
             "status": run_status(records, cfg.train.steps, lock_holder(run.path) is not None, run.saved_step() or 0,
-                                 cfg.train.max_bad_steps)}
+                                 cfg.train.max_bad_steps),
+            "mode": divergence_mode(records)}
 
 
 def find_runs(root: str | Path) -> list[Path]:
@@ -122,7 +132,8 @@ def format_table(rows: list[dict], root: str | Path | None = None) -> str:
         return [name if name != "." else str(root), row["scheme"], f"{row['blocks']}/{row['sublayers']}",
                 f"{row['params'] / 1e6:.2f}M", step, "-" if row["tokens"] is None else f"{row['tokens']:,}",
                 "-" if row["val_loss"] is None else f"{row['val_loss']:.4f}",
-                "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}", row["status"]]
+                "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}",
+                row["status"] + (f" ({row['mode']})" if row.get("mode") else "")]
 
     header = ["run", "scheme", "blocks/sub-layers", "params", "step", "tokens", "val_loss", "tokens/s", "status"]
     table = [header] + [fmt(r) for r in rows]

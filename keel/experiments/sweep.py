@@ -191,7 +191,8 @@ def width_for_params(model_cfg, target: int, n_layers: int | None = None, *, mul
     Returns:
         A new ``ModelConfig`` with ``n_layers``, ``d_model`` and ``d_ff`` set.
     Raises:
-        KeelError: ``target`` < 1 or not reachable below 64x the base width.
+        KeelError: ``target`` < 1, under half the narrowest width's count (the narrowest model would
+            be taken for it), or not reachable below 64x the base width.
     """
     if target < 1:
         raise KeelError(f"parameter target must be >= 1, got {target}")
@@ -210,7 +211,10 @@ def width_for_params(model_cfg, target: int, n_layers: int | None = None, *, mul
     if count(hi) < target:
         raise KeelError(f"{target:,} parameters need more than d_model {hi * multiple} at "
                         f"{plural(n_layers, 'block')}")
-    if count(lo) >= target:
+    if count(lo) >= target:  # the narrowest width is the closest, unless the target is nearer to no model at all
+        if target < count(lo) / 2:
+            raise KeelError(f"{target:,} parameters are under half the narrowest model's: d_model {multiple} at "
+                            f"{plural(n_layers, 'block')} has {count(lo):,}")
         return shape(lo)
     while hi - lo > 1:  # invariant: count(lo) < target <= count(hi)
         mid = (lo + hi) // 2
@@ -257,8 +261,10 @@ def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[Overrid
         else:
             try:
                 target = int(float(match_params))
-            except ValueError:
+            except (ValueError, OverflowError):
                 raise KeelError(f"--match-params must be a parameter count or 'auto', got {match_params!r}") from None
+            if target < 1:
+                raise KeelError(f"--match-params must be a parameter count >= 1, got {match_params!r}")
     jobs = []
     for values in points:  # each point's config is checked whole: the base alone may need the grid's values
         cfg = _point_config(cfg_path, base_sets, values)
@@ -541,7 +547,7 @@ def _sweep_header(summary: dict) -> list[str]:
             f"Base config: `{summary['config']}`; overrides: `{' '.join(summary['sets']) or 'none'}`.", "",
             what, "",
             "Losses are validation cross-entropy in nats/token; wall s = seconds in the worker (evaluations "
-            "included); depth is blocks (sub-layers).", ""]
+            "included)" + ("; depth is blocks (sub-layers)." if "model.n_layers" in summary["grid_keys"] else "."), ""]
 
 
 def _run_cells(run: dict, keys: list[str]) -> list[str]:

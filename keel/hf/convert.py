@@ -56,7 +56,7 @@ from keel.model import Transformer
 from keel.run import Run
 from keel.rundir import RunDir
 from keel.train import state_dict as SD
-from keel.train.checkpoint import CheckpointManager
+from keel.train.checkpoint import CheckpointManager, NonFiniteWeights
 from keel.train.device import resolve_device
 from keel.train.optim import build_optimizer
 from keel.train.progress import interactive
@@ -85,7 +85,9 @@ def _check_output(out: Path) -> None:
     ``checkpoints`` folder (whose pruning would delete it later: :func:`keel.io.check_output_not_in_checkpoints`)."""
     check_path_names(out, "--out", room=14)  # atomic_dir's .NAME.XXXXXXXX.tmp beside it
     check_output_not_in_checkpoints(out, "--out")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():  # an empty file read "is not empty"
+        raise KeelError(f"output {out} is a file, not a folder; choose another --out")
+    if out.exists() and any(out.iterdir()):
         raise KeelError(f"output {out} already exists and is not empty; choose another --out")
 
 
@@ -126,11 +128,13 @@ def hf_tokenizer(tokenizer_file: str | Path, eos_token: str = EOS_TOKEN, model_m
 def save_hf_tokenizer(hf_tok, folder: Path) -> None:
     """``hf_tok.save_pretrained(folder)``, with ``"split_special_tokens": true`` in its
     ``tokenizer_config.json`` (transformers 5 does not save it; ``AutoTokenizer`` reads it),
-    so that a stock ``AutoTokenizer`` / lm-eval on the export tokenizes exactly as keel does."""
+    so that a stock ``AutoTokenizer`` / lm-eval on the export tokenizes exactly as keel does, and
+    ``"tokenizer_class": "PreTrainedTokenizerFast"``, the class name transformers 4 and 5 both know."""
     hf_tok.save_pretrained(folder)
     path = Path(folder) / "tokenizer_config.json"
     config = json.loads(path.read_text(encoding="utf-8"))
     config["split_special_tokens"] = True
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"  # 5's own name, TokenizersBackend, is unknown to transformers 4
     atomic_write_text(path, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
@@ -170,6 +174,8 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
     _check_output(out)
     run = Run(run_dir)
     ckpt = run.latest_checkpoint()  # once: each look warns again about a damaged newer checkpoint
+    if ckpt is None:  # load_model(checkpoint=None) would look (and warn) a second time
+        raise run.no_checkpoint_error()
     model, tokenizer = run.load_model(device="cpu", checkpoint=ckpt), run.tokenizer()
     eos = eos_token_of(tokenizer, run_dir)
     llama = model.cfg.residual == "pre_ln" and not model.cfg.loop_core  # a stock Llama does not loop
@@ -186,11 +192,22 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
             hf.save_pretrained(tmp, safe_serialization=True)
         for weights in tmp.glob("*.safetensors"):
             chmod_default(weights)  # safetensors writes 0600; every other file follows the umask
-        if not llama:
+        if llama:
+            _add_legacy_rope_theta(tmp / "config.json")
+        else:
             write_remote_code(tmp)
         save_hf_tokenizer(hf_tokenizer(RunDir(run_dir).tokenizer, eos, model.cfg.max_seq_len), tmp)
         _write_keel_config(run.config, tmp / KEEL_CONFIG_NAME)
     return out
+
+
+def _add_legacy_rope_theta(path: Path) -> None:
+    """Add the top-level ``rope_theta`` of a Llama ``config.json`` beside the ``rope_parameters`` that
+    transformers 5 writes alone: readers of the older format (transformers 4, checkpoint converters) took
+    the default base 10,000 without it; transformers 5 reads ``rope_parameters`` and ignores it."""
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["rope_theta"] = config["rope_parameters"]["rope_theta"]
+    atomic_write_text(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _write_keel_config(cfg, path: Path) -> None:
@@ -425,5 +442,9 @@ def import_hf(hf_dir: str | Path, out: str | Path, overrides: list[str] | None =
         state = fresh_trainer_state(model.model, cfg, step, int(getattr(model.config, "keel_tokens", 0) or 0))
         state["imported_from"] = str(hf_dir.resolve())
         state["config"] = cfg.to_dict()  # what a resume compares its config with
-        CheckpointManager(tmp).save(step, model.model, state)
+        try:
+            CheckpointManager(tmp).save(step, model.model, state)
+        except NonFiniteWeights as e:  # it read as a training failure ("refusing to checkpoint step 30: ...")
+            raise KeelError(f"{hf_dir}'s weights hold non-finite values (damaged, or a diverged model): "
+                            f"{str(e).partition(': ')[2]}") from None
     return out

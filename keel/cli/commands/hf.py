@@ -61,7 +61,7 @@ def _register_import_hf(subparsers) -> None:
                                            "lacks are refused by name): a run directory that `keel generate`, "
                                            "`keel eval` and `keel train --resume` accept (its checkpoint is the "
                                            "step and tokens the export was made at, 0 for a stock Llama, with a "
-                                           "fresh optimiser).")
+                                           "fresh optimiser and the data stream at its first batch).")
     pi.add_argument("--hf", required=True, help="Hugging Face folder: from `keel export-hf`, or a stock Llama")
     pi.add_argument("--out", required=True, help="run directory to create (must not exist or be empty)")
     pi.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -72,5 +72,7 @@ def _register_import_hf(subparsers) -> None:
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
     out = import_hf(args.hf, args.out, overrides=args.set)
-    print(f"imported {args.hf} -> run {out} (continue training with `keel train --resume {out}`)")
+    # what a resume starts from, said here: a round-tripped run's resume saw its first batches again, unannounced
+    print(f"imported {args.hf} -> run {out} (continue training with `keel train --resume {out}`: a fresh optimiser, "
+          "and the data from its first batch, as an HF folder keeps no data position)")
     return 0

@@ -25,7 +25,7 @@ def register(subparsers) -> None:
     pr = subparsers.add_parser("runs", help="overview of run folders: scheme, depth, step, val loss, status",
                                description="One line per run folder at or under DIR: scheme, blocks/sub-layers, "
                                            "parameters, step, tokens, last validation loss (nats/token), mean "
-                                           "tokens/s and status (finished, running, stopped, diverged, new).")
+                                           "tokens/s and status (finished, running, stopped, diverged with its mode, new).")
     pr.add_argument("dir", nargs="?", default="runs", help="folder holding runs (or one run)")
     pr.add_argument("--json", action="store_true", help="print a JSON list instead of the table")
     pr.set_defaults(handler=cmd_runs)

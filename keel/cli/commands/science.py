@@ -328,7 +328,7 @@ def _parse_layers(text: str, flag: str = "--sublayers") -> list[int]:
 
 
 def stored_flags(args: argparse.Namespace, out: str | Path, command: str, keys: tuple[str, ...] = (),
-                 refuse: bool = True) -> argparse.Namespace:
+                 refuse: bool = True, fixed: tuple[str, ...] = ()) -> argparse.Namespace:
     """``args`` with the flags ``keys`` (argparse dests) and the ``--set`` flags of the ``keel COMMAND``
     that started the grid folder ``out`` (its ``study.json``; the ``--set`` given now follow, each once),
     so that ``keel sweep --out DIR --resume`` or ``keel study NAME --out DIR --resume`` alone continues
@@ -337,11 +337,14 @@ def stored_flags(args: argparse.Namespace, out: str | Path, command: str, keys: 
     default (``keel stress``'s ``--seeds 0,1,2``, ``--peak-lr``, ...) counts as not given. With
     ``refuse`` False a flag of ``keys`` given now is kept (``keel stress`` / ``lr-sensitivity``: the
     engine reads their runs of that grid, e.g. a narrower ``--lrs``) and only those not given take the
-    folder's. Unchanged when ``out`` holds no ``keel COMMAND`` command.
+    folder's; the flags of ``fixed`` (a ramp's ``--peak-lr``, ``--ramp-steps``: every run's own settings, of
+    which no value reads a subset of the grid) are refused with another value even then, by their name (the
+    engine's refusal named the config key they set, ``train.lr``). Unchanged when ``out`` holds no ``keel
+    COMMAND`` command.
 
     Raises:
-        KeelError: with ``refuse``, one of ``keys`` given now with another value: another grid belongs in
-            another folder.
+        KeelError: with ``refuse``, one of ``keys`` (else one of ``fixed``) given now with another value: another
+            grid belongs in another folder.
     """
     try:
         recorded = json.loads((Path(out) / "study.json").read_text(encoding="utf-8"))["command"]
@@ -359,8 +362,9 @@ def stored_flags(args: argparse.Namespace, out: str | Path, command: str, keys: 
     default = build_parser().parse_args([command, "--out", str(out)]) if keys else None  # each flag when not given
     given = [k for k in keys if getattr(args, k) not in (None, []) and getattr(args, k) != getattr(default, k)]
     for k in given:
-        if refuse and getattr(args, k) != getattr(old, k):
-            raise KeelError(f"--resume continues the {command} {out} holds ({recorded}); --{k.replace('_', '-')} "
+        if (refuse or k in fixed) and getattr(args, k) != getattr(old, k):
+            doing = "--resume continues" if getattr(args, "resume", False) else "--report-only reports"
+            raise KeelError(f"{doing} the {command} {out} holds ({recorded}); --{k.replace('_', '-')} "
                             f"differs from it: drop it, or give another --out for another {command}")
     taken = {k: getattr(old, k) for k in keys if refuse or k not in given}
     again = [s for s in args.set if s not in old.set]  # a resume with the full flags: each --set once
@@ -538,6 +542,9 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         text = A.ablation_text(args.text, None, tokens) if args.text else None
         res = A.ablate_run(args.run, args.seq_len, tokens, args.batch_size, args.device, text=text, loops=args.loops)
     res["source"] = title
+    if res["tokens"] < tokens // res["seq_len"] * res["seq_len"]:  # it was capped without a word
+        print(f"note: --tokens {tokens:,}: the {'text' if args.text else 'validation split'} gives "
+              f"{res['tokens']:,} tokens in whole windows of {res['seq_len']}; ablated on those", file=sys.stderr)
     if args.text:  # the report names the text it measured on, not "validation tokens"
         res["text"] = str(args.text)
     res = A.write_outputs(res, out, title)  # --json prints what ablate.json holds
@@ -575,7 +582,8 @@ SENSITIVITY_GRID_FLAGS = ("residual", "sublayers", "lrs", "seeds", "config")
 def cmd_stress(args) -> int:
     """``keel stress``: see :mod:`keel.experiments.stress`."""
     if args.resume or args.report_only:  # the grid the folder holds, not the defaults' (they trained a new grid in it)
-        args = stored_flags(args, args.out, "stress", STRESS_GRID_FLAGS, refuse=False)
+        args = stored_flags(args, args.out, "stress", STRESS_GRID_FLAGS, refuse=False,
+                            fixed=("peak_lr", "ramp_steps", "reference_scheme", "config"))
     _check_engine_flags(args)
     check_output_not_in_checkpoints(args.out, "--out")
     schemes = _parse_list(args.residual, str, "--residual") if args.residual is not None else list(SCHEMES)
@@ -640,7 +648,9 @@ def executor_of(args: argparse.Namespace) -> Executor | None:
     kind = args.executor or ("slurm" if args.slurm and getattr(args, "resume", False) else "local")
     ex = Executor(kind, parse_slurm(args.slurm), 1 if args.gpus_per_run is None else args.gpus_per_run,
                   args.share_gpus, unset=unset)
-    if not getattr(args, "dry_run", False):
+    # a --resume's --slurm without --executor: the engine first checks it against the folder's executor (it
+    # said "--executor slurm needs Slurm" of a submitit-local folder), then that Slurm is here
+    if not getattr(args, "dry_run", False) and args.executor is not None:
         check_slurm_here(ex)
     return ex
 
@@ -681,7 +691,7 @@ def _register_lr_sensitivity(subparsers) -> None:
 def cmd_lr_sensitivity(args: argparse.Namespace) -> int:
     """``keel lr-sensitivity``: see :mod:`keel.experiments.sensitivity`."""
     if args.resume or args.report_only:  # the grid the folder holds, as keel stress
-        args = stored_flags(args, args.out, "lr-sensitivity", SENSITIVITY_GRID_FLAGS, refuse=False)
+        args = stored_flags(args, args.out, "lr-sensitivity", SENSITIVITY_GRID_FLAGS, refuse=False, fixed=("config",))
     _check_engine_flags(args)
     s = presets.run_lr_sensitivity(args.config, _parse_list(args.residual, str, "--residual"),
                                    _parse_list(args.sublayers, int, args.sublayers_flag),

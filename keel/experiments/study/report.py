@@ -387,7 +387,7 @@ def plot_record_curves(recs: Sequence[RunRecord], out: Path, *, x: str, title: s
                 label=f"{r.scheme} L{r.sublayers}" + (f" LR {r.lr:g}" if x != "lr" else "") + f" s{r.seed}")
     if x == "lr":
         ax.set_xscale("log")
-    ax.set_xlabel("peak LR of the ramp at that step" if x == "lr" else "step")
+    ax.set_xlabel("LR at that step (on the ramp)" if x == "lr" else "step")
     ax.set_ylabel("training loss, 10-step trailing mean (nats/token)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)

@@ -285,6 +285,10 @@ def engine_executor(out: Path, given: Executor | None, workers: int | None, thre
             was = Executor.from_record(rec)
         except KeelError as e:
             raise KeelError(f"{marker}: {e}") from None
+        if given is not None and given.kind != was.kind and given.slurm and was.kind != "slurm":
+            raise KeelError(f"{out} was started with --executor {was.kind}: --slurm sets the Slurm parameters of a "
+                            f"folder started with --executor slurm; drop it ({marker} holds its settings), or use "
+                            "another --out")
         if given is not None and given.kind != was.kind:
             raise KeelError(f"{out} was started with --executor {was.kind}, not {given.kind}; continue it with "
                             f"--executor {was.kind} (or leave --executor out: {marker} holds its settings), or use "
