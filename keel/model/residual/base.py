@@ -23,8 +23,9 @@ applications refuses a loop in ``check_config``. A unit may also
   block, before the final norm); every unit then maps that stream to the next one. HC/mHC's
   stream is one tensor ``[n, B, T, d]`` with an extra *leading* axis (n streams); AttnRes' a
   tuple of m ``[B, T, d]`` sources (earlier block representations, m grows with depth).
-  The default ``make_stream`` returns None: the stream is the embedding itself and the six
-  single-stream schemes run exactly as before (same parameters, same code path).
+  The default ``make_stream`` returns None: the stream is the embedding itself and the
+  single-stream schemes that leave the embedding as it is run exactly as before (same
+  parameters, same code path).
 
 Norm is RMSNorm (gain init 1, no bias, eps = ``cfg.norm_eps``; :mod:`keel.model.norm`).
 """
