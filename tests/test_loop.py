@@ -161,10 +161,11 @@ def test_parameters_and_flops_of_a_looped_model():
 
 # ---- the default model is the model before loops, bit for bit ------------------------------------
 
-# Recorded with the code before loops existed (torch 2.13 CPU): per scheme and shape, the first 16 hex
-# digits of sha256 over the state dict (names, shapes, dtypes, bytes, in order), the next N(0, 1) draw
-# after building (the init's RNG consumption), and the sum and absolute sum of the logits. A torch whose
-# CPU generator draws other numbers changes them all: regenerate them from the commit before the loop.
+# Recorded with the code before loops existed (torch 2.13 CPU) for the schemes of then, and for a scheme
+# added since from its own first commit: per scheme and shape, the first 16 hex digits of sha256 over the
+# state dict (names, shapes, dtypes, bytes, in order), the next N(0, 1) draw after building (the init's RNG
+# consumption), and the sum and absolute sum of the logits. A torch whose CPU generator draws other numbers
+# changes them all: regenerate them from the commit before the loop (a later scheme: from its first commit).
 REFERENCE = {
     "attn_res/plain": ("50405debb371c526", 2.1108837127685547, -0.871553137056253, 113.12710610448084),
     "attn_res/tied": ("66e867a129eb37bf", 0.14251293241977692, 7.254884371319349, 105.03439832247022),
