@@ -238,6 +238,30 @@ def test_claim_groups_of_two_geometries_name_what_differs(tmp_path, old, new, wo
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
+# ----------------------------------------------------------------------------- the report's figure
+def test_the_loss_against_lr_figure_draws_each_cell_s_widened_lrs(tmp_path, monkeypatch):
+    """looped.png drew every cell over the group's three LRs only: Keel's run at 3.33e-4 at 1,028
+    sub-layers (widened below its optimum at 1e-3) was in the report's tables but not in the figure."""
+    import matplotlib.pyplot as plt
+
+    from keel.experiments import sensitivity as LS
+    from keel.experiments.study import report as SR
+
+    figs = []
+    monkeypatch.setattr(LS, "save_figure", lambda fig, out: figs.append(fig))
+    keel_lrs = (3.33e-4, *LRS)
+    runs = ([run("looped", "keel", 1028, sd, lr, 5.0 + abs(math.log10(lr / 1e-3)) / 10) for sd in range(3)
+             for lr in keel_lrs]
+            + [run("looped", "pre_ln", 1028, sd, lr, 5.3) for sd in range(3) for lr in LRS])
+    assert SR.write_plots(cpu_study(), runs, [], tmp_path, H1) == ["looped.png"]
+    (ax,) = figs[0].axes
+    drawn = {c.get_label().split(" ")[0]: [float(x) for x in c.lines[0].get_xdata()] for c in ax.containers}
+    assert drawn == {"keel": list(keel_lrs), "pre_ln": list(LRS)}
+    keel_line = next(c for c in ax.containers if c.get_label().startswith("keel")).lines[0]
+    assert list(keel_line.get_ydata()) == pytest.approx([5.0 + abs(math.log10(lr / 1e-3)) / 10 for lr in keel_lrs])
+    plt.close(figs[0])
+
+
 # ----------------------------------------------------------------------------- the plan and the tiny scale
 def test_the_cpu_plan_fits_its_budget(keel_main, tmp_path):
     r = keel_main("study", "looped", "--scale", "cpu", "--dry-run", "--json", "--out", tmp_path / "x")

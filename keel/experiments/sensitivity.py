@@ -137,8 +137,8 @@ def cell_summary(curves: Sequence[dict], lrs: Sequence[float]) -> dict:
 def summarise(runs: Sequence[RunRecord], schemes: Sequence[str], sublayers: Sequence[int],
               lrs: Sequence[float], seeds: Sequence[int], plateau_level: float | None = None) -> list[dict]:
     """One row per (depth, scheme) of the run records ``runs``, in the given order: ``sublayers``, ``scheme``,
-    ``seeds`` (``{seed: seed_curve}`` for the seeds whose curve is complete, each with
-    ``max_lr_past_plateau`` = :func:`max_lr_below` ``plateau_level`` when that is given) and
+    ``lrs`` (the sorted LR grid the row is over), ``seeds`` (``{seed: seed_curve}`` for the seeds whose
+    curve is complete, each with ``max_lr_past_plateau`` = :func:`max_lr_below` ``plateau_level`` when that is given) and
     the :func:`cell_summary` fields."""
     lrs = sorted(lrs)
     rows = []
@@ -151,7 +151,7 @@ def summarise(runs: Sequence[RunRecord], schemes: Sequence[str], sublayers: Sequ
                     if plateau_level is not None:
                         c["max_lr_past_plateau"] = max_lr_below(c["losses"], lrs, plateau_level)
                     per_seed[seed] = c
-            rows.append({"sublayers": L, "scheme": s, "seeds": per_seed,
+            rows.append({"sublayers": L, "scheme": s, "lrs": lrs, "seeds": per_seed,
                          **cell_summary(list(per_seed.values()), lrs)})
     return rows
 
@@ -249,8 +249,9 @@ def paired_lines(summary: dict, baseline: str = "pre_ln") -> list[str]:
 
 def plot(summary: dict, out: str | Path) -> None:
     """Loss against LR (log x), one panel per depth that has results, one line per scheme
-    (seed mean; the error bars span the seeds' capped losses; one colour per scheme in every
-    panel); dashed: init loss, dotted: unigram entropy."""
+    (seed mean over the row's own ``lrs``, e.g. a study cell's widened grid, else ``summary["lrs"]``;
+    the error bars span the seeds' capped losses; one colour per scheme in every panel); dashed: init
+    loss, dotted: unigram entropy."""
     depths = [L for L in summary["sublayers"] if any(r["sublayers"] == L and r["n_seeds"] for r in summary["cells"])]
     depths = depths or summary["sublayers"][:1]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -258,12 +259,12 @@ def plot(summary: dict, out: str | Path) -> None:
     for ax, L in zip(axes[0], depths):
         rows = [r for r in summary["cells"] if r["sublayers"] == L and r["n_seeds"]]
         for r in rows:
-            curves = list(r["seeds"].values())
-            lo = [min(c["capped"][i] for c in curves) for i in range(len(summary["lrs"]))]
-            hi = [max(c["capped"][i] for c in curves) for i in range(len(summary["lrs"]))]
+            curves, lrs = list(r["seeds"].values()), r.get("lrs", summary["lrs"])
+            lo = [min(c["capped"][i] for c in curves) for i in range(len(lrs))]
+            hi = [max(c["capped"][i] for c in curves) for i in range(len(lrs))]
             m = r["mean_curve"]
             c = colors[summary["schemes"].index(r["scheme"]) % len(colors)]
-            ax.errorbar(summary["lrs"], m, yerr=[[a - b for a, b in zip(m, lo)], [b - a for a, b in zip(m, hi)]],
+            ax.errorbar(lrs, m, yerr=[[a - b for a, b in zip(m, lo)], [b - a for a, b in zip(m, hi)]],
                         marker="o", ms=3, lw=1.2, capsize=2, color=c, label=f"{r['scheme']} (n={r['n_seeds']})")
         if rows:
             ax.axhline(statistics.fmean(r["init_loss"] for r in rows), color="gray", ls="--", lw=1, label="init loss")

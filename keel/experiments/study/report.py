@@ -398,7 +398,8 @@ def plot_record_curves(recs: Sequence[RunRecord], out: Path, *, x: str, title: s
 
 def write_plots(study: Study, runs: list[RunRecord], claims: list[tuple[Claim, ClaimVerdict]], out: Path,
                 h1: float | None) -> list[str]:
-    """The report's PNGs: loss against LR per train group with an LR grid, loss curves of the ramp
+    """The report's PNGs: loss against LR per train group with an LR grid (each cell over every LR
+    its runs trained, widened ones included), loss curves of the ramp
     groups (against the ramp's LR) and of single-LR groups (drawn from the runs' records, so a
     restored report redraws them), margins against depth. Returns the file names."""
     files = []
@@ -415,7 +416,10 @@ def write_plots(study: Study, runs: list[RunRecord], claims: list[tuple[Claim, C
             refs = [r for r in runs if r.group == g.baselines_from and r.scheme in g.baselines
                     and r.status == "done"]
             schemes = g.schemes + [b for b in g.baselines if b not in g.schemes]
-            cells = LS.summarise(done + refs, schemes, g.sublayers, g.lrs, g.seeds)
+            recs = done + refs  # each cell over the LRs its runs trained: the group's, and those widened
+            cells = [row for L in g.sublayers for s in schemes for row in LS.summarise(
+                recs, [s], [L], sorted(set(g.lrs) | {r.lr for r in recs if (r.scheme, r.sublayers) == (s, L)}),
+                g.seeds)]
             LS.plot({"sublayers": g.sublayers, "cells": cells, "lrs": sorted(g.lrs), "schemes": schemes,
                      "unigram_entropy": h1 or float("nan")}, out / name)
         files.append(name)
