@@ -962,12 +962,17 @@ def test_hugging_face_wrapper_of_a_looped_model(scheme, tmp_path):
     hf = KeelForCausalLM.from_native(native).eval()
     ids = torch.randint(0, 61, (2, 10))
     for r in (3, 5):
-        native.set_loops(r)
+        hf.config.loops = r
         with torch.no_grad():
-            assert torch.equal(hf(ids).logits, native(ids))
+            assert torch.equal(hf(ids).logits, native(ids, loops=r))
         cached = hf.generate(ids[:, :4], max_new_tokens=12, do_sample=False, use_cache=True)  # past max_seq_len
         assert torch.equal(cached, hf.generate(ids[:, :4], max_new_tokens=12, do_sample=False, use_cache=False))
-        assert torch.equal(cached, native.generate(ids[:, :4], 12, temperature=0))
+        assert torch.equal(cached, native.generate(ids[:, :4], 12, temperature=0, loops=r))
+    hf.config.loops = None
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, native(ids, loops=3)) and native.loops == 3
+    native.set_loops(5)  # wrapped at a count set at test time (keel eval --loops): the wrapper runs at it
+    assert KeelForCausalLM.from_native(native).config.loops == 5
     native.set_loops(3)
     hf.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["loops"] is None
@@ -983,6 +988,13 @@ def test_hugging_face_wrapper_of_a_looped_model(scheme, tmp_path):
         torch.testing.assert_close(loaded(ids).logits, native(ids, loops=6), atol=1e-5, rtol=0)
         cached = loaded.generate(ids[:, :4], max_new_tokens=6, do_sample=False, use_cache=True)
         assert torch.equal(cached, native.generate(ids[:, :4], 6, temperature=0, loops=6))
+        for loaded in (KeelForCausalLM.from_pretrained(tmp_path, loops=6), cls.from_pretrained(tmp_path, loops=6)):
+            loaded.eval().config.loops = None  # back to the trained R = 3: it kept running at 6, and saved as
+            torch.testing.assert_close(loaded(ids).logits, native(ids), atol=1e-5, rtol=0)  # null it reloaded at 3
+            loaded.save_pretrained(tmp_path / "again")
+            assert json.loads((tmp_path / "again" / "config.json").read_text())["loops"] is None
+            torch.testing.assert_close(KeelForCausalLM.from_pretrained(tmp_path / "again").eval()(ids).logits,
+                                       loaded(ids).logits, atol=1e-5, rtol=0)
     for bad in (0, 2.5):
         with pytest.raises(KeelError, match="the loop count must be an integer >= 1"):
             KeelForCausalLM.from_pretrained(tmp_path, loops=bad)

@@ -28,10 +28,10 @@ def test_check_model_fits_at_the_boundary(monkeypatch, residual):
         DV.check_model_fits(cfg, 4, "their fp32 weights")
 
 
-def _one_line_error(capsys, rc: int) -> str:
+def _one_line_error(capsys, rc: int, what: str = "GiB for their fp32 weights alone") -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and not any("Traceback" in line for line in err)
-    assert err[-1].startswith("keel: error: ") and "GiB for their fp32 weights alone" in err[-1]
+    assert err[-1].startswith("keel: error: ") and what in err[-1]
     return err[-1]
 
 
@@ -45,8 +45,37 @@ def test_train_refuses_before_writing_the_run(tmp_path, capsys):
 def test_gradflow_refuses_a_huge_depth_before_preparing_data(tmp_path, capsys):
     cache = tmp_path / "cache"
     rc = main(["gradflow", "--sublayers", str(2 * HUGE_BLOCKS), "--residual", "keel", "--set", f"data.cache_dir={cache}"])
-    _one_line_error(capsys, rc)
+    _one_line_error(capsys, rc, "weights and gradients and the activations of 4 x 64 tokens need at least")
     assert not cache.exists()  # was: the corpus was tokenized first (15 s), then the model refused
+
+
+@pytest.mark.parametrize("loop", [None, "1,2,1"])
+def test_gradflow_refuses_a_profile_whose_gradients_and_activations_do_not_fit(tmp_path, capsys, monkeypatch, loop):
+    """`keel gradflow --loop 1,2,1 --sublayers 100000` passed the check of fp32 weights alone (9.8 GiB of 24)
+    and was killed by the kernel after 7 minutes: a profile's forward and backward also hold the gradients
+    (4 bytes per parameter) and the activations. The floor, transcribed: 8 bytes per parameter of the
+    unrolled model plus activation_floor_bytes at --batch-size x --seq-len tokens; here the weights fit
+    and the whole does not."""
+    from keel.config import TrainConfig, load_config, resolve_config_path
+    from keel.diagnostics import gradflow as G
+
+    L, cache = 68, tmp_path / "cache"
+    cfg = G._init_config(load_config(resolve_config_path(None)), "keel", L, 64, 64, 1)  # unlooped, 2 heads of 32
+    assert (cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.loop_core) == (L // 2, 64, 192, 2, 0)
+    n = count_parameters(cfg)
+    need = 8 * n + DV.activation_floor_bytes(cfg, TrainConfig(batch_size=4, seq_len=64), loops=1)
+    monkeypatch.setattr(G, "host_memory_bytes", lambda: need - 1)
+    monkeypatch.setattr(DV, "host_memory_bytes", lambda: need - 1)  # the fp32 weights alone (4n) fit
+    rc = main(["gradflow", "--sublayers", str(L), "--residual", "keel", "--set", f"data.cache_dir={cache}"]
+              + (["--loop", loop] if loop else []))
+    line = _one_line_error(capsys, rc, "")
+    assert line == (f"keel: error: {L} sub-layers at width 64: {n:,} parameters' weights and gradients and the "
+                    f"activations of 4 x 64 tokens need at least {need / 2**30:,.1f} GiB, more than the "
+                    f"{(need - 1) / 2**30:,.1f} GiB this process may use; profile fewer sub-layers, or lower "
+                    "--batch-size, --seq-len or --d-model")
+    assert not cache.exists()
+    monkeypatch.setattr(G, "host_memory_bytes", lambda: need)
+    G.check_profile_fits(cfg, 4, 64)  # exactly fits
 
 
 @pytest.mark.parametrize("command", ["stress", "lr-sensitivity"])

@@ -208,3 +208,21 @@ def test_an_lr_plot_with_no_finished_run_is_refused(sweep_dir, tmp_path, kind):
         plot_lr(folder, tmp_path / "lr.png")
     assert main(["plot", "lr", str(folder), "--out", str(tmp_path / "lr.png")]) == 2
     assert not (tmp_path / "lr.png").exists()
+
+
+def test_a_looped_sweep_counts_its_effective_sub_layers(tiny_data, tmp_path):
+    """A sweep over model.n_layers of a looped model (P, C, R = 1, 1, 3: 2 (1 + 3 + Q) sub-layers, Q = 1, 2)
+    named its runs, labelled its report and drew its depth axis at 2 x n_layers (L6 and L8: the blocks of
+    weights) instead of the effective depth (10 and 12) that its dry run and report.json give."""
+    out = tmp_path / "sw"
+    grid = parse_grid(["model.n_layers=3,4", "train.lr=1e-3,1e-2"])
+    sets = tiny_overrides(tiny_data, ("model.n_layers", "train.lr"), steps=2, eval_every=2, checkpoint_every=2)
+    sets += ["model.loop_prelude=1", "model.loop_core=1", "model.loop_repeats=3"]
+    s = run_sweep(str(REPO / "keel" / "configs" / "demo.toml"), grid, sets, out=out, workers=0, best="train.lr")
+    assert [r["name"] for r in s["runs"]] == ["L10_lr0.001", "L10_lr0.01", "L12_lr0.001", "L12_lr0.01"]
+    assert [r["sublayers"] for r in s["runs"]] == [10, 10, 12, 12]
+    md = (out / "report.md").read_text()
+    depth_cells = [line.split(" |")[0] for line in md.splitlines() if line.startswith(("| 3 (", "| 4 ("))]
+    assert depth_cells == ["| 3 (10)"] * 2 + ["| 4 (12)"] * 2 + ["| 3 (10)", "| 4 (12)"]  # the runs; the best LR
+    assert [p[0] for p in plot_depth(out, tmp_path / "d.png")["runs"]] == [10, 12]  # the x axis of keel plot depth
+    _png(tmp_path / "d.png")

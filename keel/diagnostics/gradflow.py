@@ -78,12 +78,12 @@ import torch
 from torch.func import jvp, vjp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from keel.config import ModelConfig, resolve_vocab_size
+from keel.config import ModelConfig, TrainConfig, resolve_vocab_size
 from keel.data import read_meta, resolve_data, validation_tokens
 from keel.errors import KeelError, plural
-from keel.model import SCHEMES, Transformer, check_model_config
+from keel.model import SCHEMES, Transformer, check_model_config, count_parameters
 from keel.run import Run
-from keel.train.device import check_model_fits
+from keel.train.device import activation_floor_bytes, host_memory_bytes
 from keel.train.parallelize import unwrap
 from keel.train.plots import save_figure
 from keel.train.progress import heartbeat, interactive
@@ -557,6 +557,29 @@ def profile_runs(run_paths: Sequence[str | Path], seq_len: int | None, batch_siz
     return results
 
 
+def check_profile_fits(model_cfg: ModelConfig, batch_size: int, seq_len: int) -> None:
+    """Refuse, before any model is built, a profile at init that cannot fit in this process's memory
+    (:func:`keel.train.device.host_memory_bytes`): the model ``model_cfg`` (unlooped: a looped model is
+    profiled through its unrolled copies) needs its fp32 weights and gradients (8 bytes per parameter,
+    :func:`keel.model.count_parameters`) and the activations its forward pass keeps for the backward,
+    :func:`keel.train.device.activation_floor_bytes` at ``batch_size`` x ``seq_len`` tokens. A floor:
+    the Jacobian products come on top. ``keel gradflow --sublayers 100000`` ran 7 minutes and was
+    killed by the kernel.
+
+    Raises:
+        KeelError: one line with the depth, the width and the numbers.
+    """
+    n = count_parameters(model_cfg)
+    train_cfg = TrainConfig(batch_size=batch_size, seq_len=seq_len)
+    need = 8 * n + activation_floor_bytes(model_cfg, train_cfg, loops=1)
+    have = host_memory_bytes()
+    if need > have:
+        raise KeelError(f"{model_cfg.n_sublayers:,} sub-layers at width {model_cfg.d_model}: {n:,} parameters' "
+                        f"weights and gradients and the activations of {batch_size} x {seq_len} tokens need at least "
+                        f"{need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB this process may use; "
+                        "profile fewer sub-layers, or lower --batch-size, --seq-len or --d-model")
+
+
 def profile_schemes(base, schemes: Sequence[str], depths: Sequence[int], d_model: int, seq_len: int,
                     batch_size: int, jacobian_iters: int = 32, full_jacobian: bool = False, seed: int = 0,
                     loop: tuple[int, int, int] | None = None) -> list[dict]:
@@ -571,7 +594,7 @@ def profile_schemes(base, schemes: Sequence[str], depths: Sequence[int], d_model
         for scheme in schemes:
             check_model_config(_init_config(base, scheme, L, d_model, seq_len, 1, loop))  # e.g. a loop that misses L
             # the unlooped model of L sub-layers: the size of a looped one's unrolled copies (profile_model)
-            check_model_fits(_init_config(base, scheme, L, d_model, seq_len, 1), 4, "their fp32 weights")
+            check_profile_fits(_init_config(base, scheme, L, d_model, seq_len, 1), batch_size, seq_len)
     data_dir = resolve_data(base, progress=interactive())  # as keel train: data.path, or cached under data.cache_dir
     vocab = read_meta(data_dir)["vocab_size"]
     batch = _val_batch(data_dir, seq_len, batch_size)

@@ -147,7 +147,7 @@ def depth_points(sweep: dict) -> dict[str, list[tuple[int, float, dict]]]:
         if not usable(r):
             continue
         label = _series_key(r.values, skip) or "runs"
-        L = 2 * int(r.values["model.n_layers"])
+        L = r.sublayers if r.sublayers is not None else 2 * int(r.values["model.n_layers"])  # a looped run's effective depth
         cur = lines.setdefault(label, {}).get(L)
         if cur is None or r.final_val_loss < cur[0]:
             lines[label][L] = (r.final_val_loss, r.to_dict())

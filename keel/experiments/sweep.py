@@ -150,13 +150,15 @@ def _fmt(v: Any) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
-def run_name(values: dict) -> str:
+def run_name(values: dict, sublayers: int | None = None) -> str:
     """A readable, filesystem-safe run name from grid coordinates.
 
     ``model.residual`` contributes its value, ``model.n_layers`` ``L<sub-layers>``,
     ``train.lr`` ``lr<value>``, any other key ``<last part of key><value>``; joined by ``_``.
     E.g. ``{"model.residual": "keel", "model.n_layers": 32, "train.lr": 0.003}`` ->
-    ``keel_L64_lr0.003``.
+    ``keel_L64_lr0.003``. ``sublayers``: the run's effective depth
+    (:attr:`keel.config.ModelConfig.n_sublayers`, 2 (P + R C + Q) for a looped model); default
+    2 x ``model.n_layers``, the depth of a model without a loop.
     """
     parts = []
     for key, v in values.items():
@@ -164,7 +166,7 @@ def run_name(values: dict) -> str:
         if key == "model.residual":
             parts.append(_fmt(v))
         elif key == "model.n_layers":
-            parts.append(f"L{2 * int(v)}")
+            parts.append(f"L{sublayers if sublayers is not None else 2 * int(v)}")
         else:
             parts.append(f"{short}{_fmt(v)}")
     name = "_".join(parts) or "run"
@@ -279,7 +281,8 @@ def build_jobs(config: str | None, grid: dict[str, list], sets: Sequence[Overrid
         version = SCHEMES[cfg.model.residual].version
         if version > 1:  # a scheme changed since its first version: its runs are other runs, not cached ones
             shown["scheme_version"] = version
-        jobs.append(GridJob(run_name(values) + (f"_v{version}" if version > 1 else ""), cfg.to_dict(), shown))
+        name = run_name(values, cfg.model.n_sublayers) + (f"_v{version}" if version > 1 else "")
+        jobs.append(GridJob(name, cfg.to_dict(), shown))
     return jobs
 
 
@@ -509,11 +512,13 @@ def _col(key: str) -> str:
     return {"model.n_layers": "blocks (sub-layers)", "model.residual": "scheme"}.get(key, key)
 
 
-def _cell(key: str, v: Any) -> str:
+def _cell(key: str, v: Any, sublayers: int | None = None) -> str:
+    """A grid value as ``sweep.md`` shows it; ``model.n_layers`` as blocks (sub-layers), the sub-layers
+    the run's effective depth (``sublayers``: a looped run's 2 (P + R C + Q)) or, not known, 2 x blocks."""
     if v is None:
         return "—"
     if key == "model.n_layers":
-        return f"{v} ({2 * int(v)})"
+        return f"{v} ({sublayers if sublayers is not None else 2 * int(v)})"
     return _fmt(v)
 
 
@@ -557,11 +562,12 @@ def _run_cells(run: dict, keys: list[str]) -> list[str]:
     report whose vocabulary is not known (:func:`restored_summary`): a dash)."""
     r = JobResult.from_dict(run)
     vals = r.values
+    cells = [_cell(k, vals.get(k), r.sublayers) for k in keys]
     if not r.done:
-        return [_cell(k, vals.get(k)) for k in keys] + ["—"] * 8 + [f"error: {r.message}"]
+        return cells + ["—"] * 8 + [f"error: {r.message}"]
     fv = r.final_val_loss
     millions = lambda n: None if n is None else n / 1e6
-    return [_cell(k, vals.get(k)) for k in keys] + [
+    return cells + [
         _num(fv), _num(r.best_val_loss), _num(perplexity(fv) if fv is not None else None, "{:.2f}"),
         _num(r.tokens, "{:,}"), _num(r.step, "{}"), _num(millions(r.params), "{:.3f}"),
         _num(millions(r.non_embedding_params), "{:.3f}"), f"{0 if r.wall_s is None else r.wall_s:.0f}", r.verdict or "—"]
@@ -575,8 +581,8 @@ def _best_over_table(summary: dict) -> list[str]:
     lines = ["", f"## Best {key} per {', '.join(_col(k) for k in others) or 'sweep'}", "",
              "Chosen among runs that did not diverge, by final validation loss.", ""]
     head = [_col(k) for k in others] + [f"best {key}", "final val", "final ppl", "usable runs"]
-    return lines + markdown_table(head, [[_cell(k, g["values"].get(k)) for k in others] + [
-        _cell(key, g["best"]) if g["best"] is not None else "all diverged", _num(g["final_val_loss"]),
+    return lines + markdown_table(head, [[_cell(k, g["values"].get(k), g.get("sublayers")) for k in others] + [
+        _cell(key, g["best"], g.get("sublayers")) if g["best"] is not None else "all diverged", _num(g["final_val_loss"]),
         _num(perplexity(g["final_val_loss"]) if g["final_val_loss"] is not None else None, "{:.2f}"),
         f"{g['n_ok']}/{g['n']}"] for g in summary["best"]])
 

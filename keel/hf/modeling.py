@@ -140,9 +140,11 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
     (:class:`KeelConfig`); :meth:`from_native` wraps an existing
     :class:`keel.model.Transformer` without copying its weights.
 
-    A looped model runs its core ``config.loops`` times per forward pass (None: the native model's
-    :attr:`keel.model.Transformer.loops`, ``loop_repeats`` unless set); the cache then holds a layer
-    per applied block (:class:`keel.model.CacheSlot`).
+    A looped model runs its core ``config.loops`` times per forward pass (None: the trained count,
+    ``loop_repeats``), read at every forward, so ``model.config.loops = R`` (or back to None) takes effect
+    at the next call and is what ``save_pretrained`` writes; the wrapped native model's
+    :attr:`keel.model.Transformer.loops` follows it. The cache then holds a layer per applied block
+    (:class:`keel.model.CacheSlot`).
 
     Raises:
         KeelError: an impossible config (from :meth:`KeelConfig.to_model_config`), or a ``config.loops``
@@ -155,23 +157,36 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
     def __init__(self, config: KeelConfig, model: Transformer | None = None):
         super().__init__(config)
         self.model = model if model is not None else Transformer(config.to_model_config())
-        if config.loops is not None:  # test-time depth (KeelConfig): checked now, not at the first forward
-            try:
-                self.model.set_loops(config.loops)
-            except KeelError as e:  # name where the count came from: a file's key, or a kwarg
-                where = getattr(config, "name_or_path", "") or ""
-                raise KeelError(f"config.loops = {config.loops!r} (config.json's loops{' in ' + where if where else ''}, "
-                                f"or from_pretrained(..., loops=R)): {e}") from None
+        self._apply_loops()  # test-time depth (KeelConfig): checked now, not at the first forward
         self.vocab_size = config.vocab_size
         self.post_init()
+
+    def _apply_loops(self) -> None:
+        """Set the native model's loop count to ``config.loops`` (None: ``loop_repeats``).
+
+        Raises:
+            KeelError: one line naming ``config.loops`` and where it came from, for a count that is
+                not an int >= 1 or is set for a model that does not loop.
+        """
+        loops = self.config.loops
+        try:
+            self.model.set_loops(loops)
+        except KeelError as e:  # name where the count came from: a file's key, a kwarg or an attribute
+            where = getattr(self.config, "name_or_path", "") or ""
+            raise KeelError(f"config.loops = {loops!r} (config.json's loops{' in ' + where if where else ''}, "
+                            f"from_pretrained(..., loops=R) or model.config.loops): {e}") from None
 
     @classmethod
     def from_native(cls, model: Transformer, **config_kwargs) -> "KeelForCausalLM":
         """Wrap a native :class:`keel.model.Transformer` (shared, not copied) as a KeelForCausalLM.
 
         ``config_kwargs`` go to :class:`KeelConfig` (e.g. ``eos_token_id``). The wrapper
-        shares ``model``'s parameters, device, dtype and train/eval mode.
+        shares ``model``'s parameters, device, dtype and train/eval mode, and runs at its current
+        loop count (:meth:`keel.model.Transformer.set_loops`; ``config.loops``) unless
+        ``config_kwargs`` names ``loops``.
         """
+        if model.loops != model.cfg.loop_repeats:  # a count set at test time (keel eval --loops)
+            config_kwargs.setdefault("loops", model.loops)
         config = KeelConfig.from_model_config(model.cfg, **config_kwargs)
         with torch.device("meta"):  # transformers skips its weight init under a meta device
             return cls(config, model=model)
@@ -269,7 +284,8 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
         check_attention_mask(attention_mask, past, past + T)
         if position_ids is not None:
             _check_position_ids(position_ids, attention_mask, past, T)
-        logits = self.model(input_ids, cache=cache, attention_mask=attention_mask, loops=self.config.loops)
+        self._apply_loops()  # config.loops may have changed since the last call (None: loop_repeats)
+        logits = self.model(input_ids, cache=cache, attention_mask=attention_mask)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -107,9 +106,7 @@ class TrainKind:
                 blocks = sum(g.loop) if g.loop else L // 2  # a looped group's blocks of weights: P + C + Q
                 grid = {"model.n_layers": [blocks], "train.seed": g.scheme_seeds(scheme),
                         "model.residual": [scheme], "train.lr": sorted(lrs)}
-                # a looped run keeps the name of its effective depth (L68_...), as run_name spells n_layers first
-                jobs += [replace(j, name=f"L{L}" + j.name[len(f"L{2 * blocks}"):])
-                         for j in build_jobs(study.base, grid, sets + g.loop_sets(L), data_path=data_dir)]
+                jobs += build_jobs(study.base, grid, sets + g.loop_sets(L), data_path=data_dir)  # L<effective depth>_...
         order = {s: i for i, s in enumerate(g.schemes)}
         jobs.sort(key=lambda j: (ModelConfig(**j.config["model"]).n_sublayers, order[j.values["model.residual"]],
                                  j.values["train.lr"], j.values["train.seed"]))
@@ -290,7 +287,8 @@ class GridKind(TrainKind):
         """A grid group's (always): the sweep summary (:func:`keel.experiments.sweep.sweep_markdown`'s
         input): ``out``, ``config``, ``sets``, ``grid``, ``grid_keys``, ``derived_keys``, ``match_params``,
         ``runs`` (finished and failed grid results, in run order), ``held_fixed``, ``best_over`` and
-        ``best`` (the best value of ``best_over`` per combination of the other keys, or None)."""
+        ``best`` (the best value of ``best_over`` per combination of the other keys, with its run's name, final
+        validation loss and effective depth ``sublayers``; or None)."""
         results = done_results(recs) + error_results(recs)
         order = {r.name: i for i, r in enumerate(recs)}
         results.sort(key=lambda r: order[JobResult.from_dict(r).name])
@@ -303,6 +301,7 @@ class GridKind(TrainKind):
         if g.best_over:
             summary["best"] = [{"values": b["values"], "best": b["best"], "name": b["run"]["name"] if b["run"] else None,
                                 "final_val_loss": b["run"]["final_val_loss"] if b["run"] else None,
+                                "sublayers": JobResult.from_dict(b["run"]).sublayers if b["run"] else None,
                                 "n_ok": b["n_ok"], "n": b["n"]} for b in S.best_over(results, list(g.grid), g.best_over)]
         return summary
 
