@@ -629,8 +629,8 @@ def test_a_bad_config_json_loops_is_refused_naming_config_json(tiny_data, tmp_pa
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "loops": bad}))
     text.write_text("def main(argv):\n    return 0\n" * 20)
-    line = (f"config.loops = {bad!r} (config.json's loops in {folder}, from_pretrained(..., loops=R) or model.config.loops): "
-            f"the loop count must be an integer >= 1, got {bad!r}")
+    line = (f"config.loops = {bad!r} (config.json's loops in {folder}, from_pretrained(..., loops=R) or "
+            f"model.config.loops): the loop count must be an integer >= 1, got {bad!r}")
     for command in (["eval", "--hf", str(folder), "--text", str(text), "--loops", "4"],
                     ["import-hf", "--hf", str(folder), "--out", str(tmp_path / "run")]):
         capsys.readouterr()
