@@ -1360,7 +1360,9 @@ def test_restore_reports_an_earlier_reports_runs_without_training_them(tmp_path,
         SRun.run_study(str(p), "x", tmp_path / "c", sets, workers=0, restore=tmp_path / "old.json")
     assert not (tmp_path / "c").exists()
     cases = [(tmp_path / "nope.json", "no such file"), (p, "cannot read it as JSON"),
-             (tmp_path / "a" / "study.json", "not a study report")]
+             (tmp_path / "a" / "study.json", "not a study report"),
+             # a runs list but no study (the table keel stress writes) said "holds study None at scale None"
+             (REPO / "docs" / "results" / "stress-v2-cpu.json", r"not a study report \(it names no study\)")]
     for bad, message in cases:
         with pytest.raises(KeelError, match=message):
             SRun.run_study(str(p), "x", tmp_path / "d", sets, workers=0, restore=bad)

@@ -160,6 +160,8 @@ def load_restored(path: str | Path, study: Study) -> dict[tuple[str, str], RunRe
         raise KeelError(f"--restore {path}: cannot read it as JSON ({e})") from None
     if not isinstance(rep, dict) or not isinstance(rep.get("runs"), list):
         raise KeelError(f"--restore {path}: not a study report (no runs list); give a study's report.json")
+    if rep.get("study") is None:  # e.g. the table of keel stress or sweep: a runs list, no study
+        raise KeelError(f"--restore {path}: not a study report (it names no study); give a study's report.json")
     if (rep.get("study"), rep.get("scale")) != (study.name, study.scale):
         raise KeelError(f"--restore {path} holds study {rep.get('study')!r} at scale {rep.get('scale')!r}, "
                         f"not {study.name!r} at {study.scale!r}")
