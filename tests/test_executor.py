@@ -98,6 +98,10 @@ def test_slurm_parameters_map_to_submitit_and_sbatch():
     (["--executor", "local", "--slurm", "time=5"], "use it with --executor slurm"),
     (["--gpus-per-run", "0"], "--gpus-per-run must be >= 1"),
     (["--share-gpus"], "--share-gpus lets local workers share this machine's GPUs"),  # it was accepted, did nothing
+    # "0 = in this process" became 1 job at a time (`--array=0-1%1`), silently
+    (["--workers", "0"], r"--workers 0 runs the grid in this process; with --executor slurm give the runs at once"),
+    (["--executor", "submitit-local", "--workers", "0"], "--workers 0 runs the grid in this process; with --executor "
+     "submitit-local"),
 ])
 def test_bad_executor_flags_are_one_line_errors(args, match, tmp_path, capsys):
     from keel.cli import main
@@ -391,6 +395,25 @@ def test_a_slurm_grid_is_not_refused_for_what_the_login_node_lacks(sets, tiny_da
                   "--grid", "train.lr=1e-3", "--out", tmp_path / "here", "--executor", "submitit-local")
     assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith("keel: error: run lr0.001: "), r.stderr
     assert not (tmp_path / "here" / "lr0.001").exists()
+
+
+@pytest.mark.parametrize("executor", [["--executor", "slurm", "--slurm", "nodes=2"], ["--executor", "submitit-local"]])
+def test_a_batch_that_does_not_split_over_a_runs_ranks_is_refused_before_submitting(executor, tiny_data, fake_slurm,
+                                                                                   tmp_path, keel_main):
+    """--gpus-per-run 2 with train.batch_size 3: the array was submitted ("submitted job array 4711") and each run
+    failed in its job (submitit-local: exit 1, the error in the report). Checked before anything is submitted or
+    written now, as `keel train --nproc 2` does: the ranks of a run are --gpus-per-run x --slurm nodes= (here 4
+    and 2)."""
+    out = tmp_path / "o"
+    ranks = 4 if "nodes=2" in executor else 2
+    r = keel_main("sweep", *_sets(tiny_data, batch_size=6 if ranks == 4 else 3, parallelism="ddp"), "--grid",
+                  "train.seed=0,1", "--out", out, *executor, "--gpus-per-run", "2")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1] == (f"keel: error: run seed0: train.batch_size ({6 if ranks == 4 else 3}, the "
+                                         "global number of sequences per micro-batch) is not divisible by the world "
+                                         f"size ({ranks})")
+    assert not (fake_slurm / "submissions").exists() or not any((fake_slurm / "submissions").iterdir())
+    assert not (out / "seed0").exists()
 
 
 @pytest.mark.parametrize("args,match", [

@@ -132,6 +132,13 @@ class Executor:
                             "(--gpus-per-run), so leave it out with --executor slurm")
         slurm_parameters(self)  # bad --slurm values fail here, before anything runs
 
+    def world_size(self) -> int:
+        """The processes (ranks) of each run: ``gpus_per_run`` tasks per node times ``--slurm nodes=``
+        with a submitit executor; 1 for a local worker, which runs each run in one process."""
+        if self.kind == "local":
+            return 1
+        return self.gpus_per_run * int(self.slurm.get("nodes", "1"))
+
     def record(self) -> dict:
         """The settings a grid folder keeps (``study.json``), read back by :meth:`from_record`."""
         return {"kind": self.kind, "slurm": dict(self.slurm), "gpus_per_run": self.gpus_per_run,

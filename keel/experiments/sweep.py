@@ -419,16 +419,16 @@ def restored_summary(config: dict, tokens: int | None, curve: dict | None) -> di
     return out
 
 
-def check_train_job(job: GridJob, here: bool = True) -> None:
+def check_train_job(job: GridJob, here: bool = True, world_size: int = 1) -> None:
     """The grid check of training jobs (``run_grid(check=...)``): the trainer's own checks
-    (:func:`keel.train.trainer.check_train_config`: shapes, ranges, and with ``here`` a device or a
-    model too large for this machine; a Slurm job runs on another) on ``job.config``, before any run
-    of the grid starts.
+    (:func:`keel.train.trainer.check_train_config`: shapes, ranges, a batch that must divide over the
+    ``world_size`` ranks of each run, and with ``here`` a device or a model too large for this machine; a
+    Slurm job runs on another) on ``job.config``, before any run of the grid starts (or is submitted).
 
     Raises:
         KeelError: the first problem of the config.
     """
-    check_train_config(config_from_dict(job.config), here=here)
+    check_train_config(config_from_dict(job.config), here=here, world_size=world_size)
 
 
 def train_task(job: GridJob, run_dir: Path, resume: bool) -> dict:

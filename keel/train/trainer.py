@@ -158,12 +158,22 @@ def checkpoint_min_loops_words(cfg: Config) -> str:
                f"none of its {plural(len(counts), 'step')}: they draw at most {max(counts)}") + ")")
 
 
-def check_train_config(cfg: Config, here: bool = True) -> None:
+def check_batch_divides(batch_size: int, world_size: int) -> None:
+    """Raise KeelError where ``train.batch_size`` (sequences per micro-batch, global) does not split evenly
+    over ``world_size`` ranks."""
+    if batch_size % world_size:
+        raise KeelError(f"train.batch_size ({batch_size}, the global number of sequences per "
+                        f"micro-batch) is not divisible by the world size ({world_size})")
+
+
+def check_train_config(cfg: Config, here: bool = True, world_size: int = 1) -> None:
     """Validate the keys the trainer needs before any work is done.
 
     Args:
         here: the run trains on this machine: also check its device and that the model and a step's
             activations fit its memory (False: a Slurm job's node, which is another machine).
+        world_size: the ranks the run will have (e.g. a grid job's, :meth:`keel.experiments.executor.Executor.world_size`):
+            ``train.batch_size`` must divide over them.
     Raises:
         KeelError: naming the first bad key.
     """
@@ -174,6 +184,7 @@ def check_train_config(cfg: Config, here: bool = True) -> None:
         check_model_fits(floor, 4, "their fp32 weights")
     tc = cfg.train
     tc.validate()
+    check_batch_divides(tc.batch_size, world_size)
     cfg.data.validate()
     if tc.seq_len > cfg.model.max_seq_len:
         raise KeelError(f"train.seq_len ({tc.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len})")
@@ -267,9 +278,7 @@ class Trainer:
         self.cfg, self.tc, self.info, self.callbacks = cfg, cfg.train, info, callbacks
         self.main = info.is_main
         self.ws = info.world_size if info.distributed else 1
-        if self.tc.batch_size % self.ws:
-            raise KeelError(f"train.batch_size ({self.tc.batch_size}, the global number of sequences per "
-                            f"micro-batch) is not divisible by the world size ({self.ws})")
+        check_batch_divides(self.tc.batch_size, self.ws)
         self.local_bs = self.tc.batch_size // self.ws
         self.run_dir = Path(run_dir)
         self.rd = RunDir(self.run_dir)  # the run folder's files

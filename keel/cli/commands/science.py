@@ -638,7 +638,8 @@ def executor_of(args: argparse.Namespace) -> Executor | None:
     with ``--slurm`` and no ``--executor`` is Slurm's (the engine refuses it for a folder started otherwise).
 
     Raises:
-        KeelError: a bad ``--slurm`` item or value, ``--slurm`` without ``--executor slurm``, ``--gpus-per-run < 1``;
+        KeelError: a bad ``--slurm`` item or value, ``--slurm`` without ``--executor slurm``, ``--gpus-per-run < 1``,
+            ``--workers 0`` (in this process) with a submitit executor;
             ``--executor slurm`` (not ``--dry-run``) where Slurm's ``sbatch`` is not on PATH
             (:func:`keel.experiments.executor.check_slurm_here`).
     """
@@ -648,6 +649,9 @@ def executor_of(args: argparse.Namespace) -> Executor | None:
     kind = args.executor or ("slurm" if args.slurm and getattr(args, "resume", False) else "local")
     ex = Executor(kind, parse_slurm(args.slurm), 1 if args.gpus_per_run is None else args.gpus_per_run,
                   args.share_gpus, unset=unset)
+    if kind != "local" and getattr(args, "workers", None) == 0:  # it ran at most 1 job at a time, silently
+        raise KeelError(f"--workers 0 runs the grid in this process; with --executor {kind} give the runs at once "
+                        "(>= 1)")
     # a --resume's --slurm without --executor: the engine first checks it against the folder's executor (it
     # said "--executor slurm needs Slurm" of a submitit-local folder), then that Slurm is here
     if not getattr(args, "dry_run", False) and args.executor is not None:

@@ -219,7 +219,8 @@ def execute(study: Study, out: str | Path, *, workers: int | None = None, thread
         data_dir = study_dataset(base, planned_jobs(study, NO_DATA, out, restored)) \
             if shares_data(study, report_only) else NO_DATA  # prepared once; every run's vocab_size checked on it
         # each run is checked before the first starts; on Slurm not against this (login) node's device and memory
-        check = functools.partial(check_train_job, here=executor is None or executor.kind != "slurm")
+        check = functools.partial(check_train_job, here=executor is None or executor.kind != "slurm",
+                                  world_size=executor.world_size() if executor is not None else 1)
         grid = functools.partial(run_grid, workers=workers or 0, threads=threads or None, executor=executor,
                                  check=check)
         runs, waiting = collect(study, data_dir, out, train=False if report_only else (list(groups) or True),
