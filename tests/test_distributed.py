@@ -271,6 +271,31 @@ def test_two_torchrun_nodes_on_localhost_train_fsdp_like_one_process(runs, tiny_
     assert is_sharded(run / "checkpoints" / f"step_{STEPS:08d}")
 
 
+def test_ranks_started_with_different_configs_are_refused_in_one_line(tiny_data, tmp_path):
+    """Two torchrun "nodes" started by hand, node 1 with another --set: both crashed in gloo ("Is there a
+    distributed collective mismatch", SIGABRT, a traceback per rank) and left a run folder holding only its
+    config.toml and tokenizer.json. Every rank now compares its config with rank 0's first and stops with
+    one line naming the key, both values and the rank; the run folder is not written."""
+    from spawn import free_port
+
+    run, port = tmp_path / "mm", str(free_port())
+    sets = tiny_overrides(tiny_data, steps=STEPS)
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port,
+                               "-m", "keel", "train", "--run-dir", str(run), *[a for s in sets for a in ("--set", s)],
+                               *(["--set", "model.d_model=64"] if rank else [])],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1"))
+             for rank in (0, 1)]
+    outs = [p.communicate(timeout=HANG_S) for p in nodes]
+    line = ("keel: error: rank 1 was started with model.d_model = 64, rank 0 with 32: start every rank of a run "
+            "with the same config and --set keys")
+    for p, (_, err) in zip(nodes, outs):
+        assert p.returncode != 0 and line in err.splitlines(), err[-3000:]
+        assert "collective mismatch" not in err and "SIGABRT" not in err
+    assert not run.exists() or not any(run.iterdir())
+
+
 @pytest.mark.parametrize("damage", ["garbled dcp/.metadata", pytest.param("missing shard", marks=pytest.mark.slow),
                                     pytest.param("manifest files a string", marks=pytest.mark.slow)])
 def test_a_damaged_sharded_checkpoint_is_skipped_for_the_previous_intact_one(runs, damage, tmp_path):

@@ -130,6 +130,30 @@ def broadcast_object(obj, info: DistInfo):
     return box[0]
 
 
+def check_same_config(config: dict[str, dict], info: DistInfo) -> None:
+    """Refuse, on every rank, a run whose ranks were started with different configs (``config``: this
+    rank's :meth:`keel.config.Config.to_dict`), before any collective that depends on them: ranks started by
+    hand (torchrun on each node) with another ``--set`` crashed in gloo or NCCL ("collective mismatch",
+    a traceback per rank). Collective: every rank calls it; no-op in a single process.
+
+    Raises:
+        KeelError: one line naming the first key (``section.key``) where a rank differs from rank 0, both
+            values, and that rank.
+    """
+    if not info.distributed:
+        return
+    every: list = [None] * info.world_size
+    dist.all_gather_object(every, config)
+    first = every[0]
+    for rank, other in enumerate(every[1:], start=1):
+        for section in sorted(set(first) | set(other)):
+            a, b = first.get(section) or {}, other.get(section) or {}
+            for key in sorted(set(a) | set(b)):
+                if a.get(key) != b.get(key):
+                    raise KeelError(f"rank {rank} was started with {section}.{key} = {b.get(key)!r}, rank 0 with "
+                                    f"{a.get(key)!r}: start every rank of a run with the same config and --set keys")
+
+
 def decide_on_rank0(decide: Callable[[], T], info: DistInfo) -> T:
     """Run ``decide()`` on rank 0 only and return its result (any picklable value) on every
     rank. Collective: every rank calls it.

@@ -238,6 +238,7 @@ def train(cfg: Config, run_dir: str | Path, resume: bool = False, callbacks: Seq
     signals = StopSignals(announce=info.is_main)  # installed by fit; after the last step they outlive it (close)
     try:
         run_dir = Path(D.broadcast_object(str(run_dir), info))
+        D.check_same_config(cfg.to_dict(), info)  # before the run folder is touched or the model is built
         with run_lock(run_dir, info), flushing_denormals(cfg.train.flush_denormal), memory_errors(cfg.train):
             result = Trainer(cfg, run_dir, resume, list(callbacks), info, restart=restart).fit(signals)
         finished = True
