@@ -218,11 +218,8 @@ def execute(study: Study, out: str | Path, *, workers: int | None = None, thread
             executor, workers, threads = engine_executor(out, executor, workers, threads, study.name)
         data_dir = study_dataset(base, planned_jobs(study, NO_DATA, out, restored)) \
             if shares_data(study, report_only) else NO_DATA  # prepared once; every run's vocab_size checked on it
-        # each run is checked before the first starts; on Slurm not against this (login) node's device and memory
-        check = functools.partial(check_train_job, here=executor is None or executor.kind != "slurm",
-                                  world_size=executor.world_size() if executor is not None else 1)
         grid = functools.partial(run_grid, workers=workers or 0, threads=threads or None, executor=executor,
-                                 check=check)
+                                 check=_run_check(executor))
         runs, waiting = collect(study, data_dir, out, train=False if report_only else (list(groups) or True),
                                 grid=grid, restored=restored, superseded=superseded)
     report = write_report(study, runs, out, _unigram_entropy(data_dir, runs), first_command, restore, superseded,
@@ -264,6 +261,13 @@ def _warn_failed(runs: list[RunRecord], out: Path) -> None:
         names = ", ".join(failed[:10]) + (f" and {len(failed) - 10} more" if len(failed) > 10 else "")
         _log.warning(f"study: {plural(len(failed), 'run')} failed, with no result: {names} (the reasons: the lines "
                      f"above, each run's run.log); the same command with --resume trains them again (out {out})")
+
+
+def _run_check(executor: Executor | None) -> Callable:
+    """The check of each run before the first starts (:func:`keel.experiments.sweep.check_train_job`): on
+    Slurm not against this (login) node's device and memory; its batch over the ranks the executor gives a run."""
+    ex = executor or Executor()
+    return functools.partial(check_train_job, here=ex.kind != "slurm", world_size=ex.world_size())
 
 
 def engine_executor(out: Path, given: Executor | None, workers: int | None, threads: int | None,
