@@ -784,6 +784,8 @@ def test_a_user_mistake_under_nproc_is_one_error_line_and_exit_status_2(mistake,
     assert len(errors) == 1 and errors[0].startswith("keel: error: ") and errors[0].count("keel:") == 1, r.stderr
     assert ("/no/such/dataset" if mistake == "data.path" else "not divisible by the world size (2)") in errors[0]
     assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr and "--resume" not in r.stderr
+    if mistake == "train.batch_size":  # checked before torchrun starts: its OMP_NUM_THREADS banner came first
+        assert r.stderr.strip() == errors[0] and not run.exists(), r.stderr
 
 
 def test_the_workers_error_lines_are_kept_back_once_and_torchrun_s_report_with_them():

@@ -25,7 +25,7 @@ from keel.rundir import RunDir
 def import_library() -> None:
     """The library the handlers below call, imported into this module (:mod:`keel.cli.commands`)."""
     global check_given_dataset, prepare_dataset, read_meta, train_run, Run, CheckpointManager, checkpoint_step
-    global read_metrics, interactive, sample_text, perplexity
+    global read_metrics, interactive, sample_text, perplexity, check_batch_divides
     # torch and the library (seconds of import), imported when one of these commands runs, not when the
     # parser is built: `keel --help` loads no torch
     from keel.data import check_given_dataset, prepare_dataset, read_meta
@@ -35,7 +35,7 @@ def import_library() -> None:
     from keel.train.metrics import read_metrics
     from keel.train.progress import interactive
     from keel.train.sampling import sample_text
-    from keel.train.trainer import perplexity
+    from keel.train.trainer import check_batch_divides, perplexity
 
 
 def register(sub) -> None:
@@ -376,6 +376,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if cfg.data.path:  # a --set data.tokenizer (say) would be replaced by the dataset's own without a word
         check_given_dataset(cfg.to_dict()["data"], read_meta(cfg.data.path), [parse_override(x)[0] for x in args.set])
     if args.nproc is not None:
+        check_batch_divides(cfg.train.batch_size, args.nproc)  # here, not after torchrun's banner in each worker
         return launch_torchrun(args, run_dir)
     res = train_run(cfg, run_dir, resume=bool(args.resume), restart=args.restart)
 
